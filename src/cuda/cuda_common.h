@@ -1,0 +1,76 @@
+// Shared CUDA helpers for every kernel file and the engine: the bf16 type, error checks that throw
+// ds::Error (naming the call and the place), launch checks, and small device math helpers.
+// Host code (g++) may include this header: the device-only parts are guarded by __CUDACC__.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/error.h"
+
+namespace ds::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// Throws ds::Error with the CUDA error string and where it happened.
+[[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* what, const char* file,
+                                          int line) {
+  ds::throw_error("CUDA error ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ") in ",
+                  what, " at ", file, ":", line);
+}
+
+}  // namespace ds::cuda
+
+#define DS_CUDA_CHECK(call)                                                          \
+  do {                                                                               \
+    cudaError_t ds_err_ = (call);                                                    \
+    if (ds_err_ != cudaSuccess) ::ds::cuda::throw_cuda_error(ds_err_, #call, __FILE__, __LINE__); \
+  } while (0)
+
+// After a kernel launch: catches bad launch configurations at once (no synchronisation).
+#define DS_CUDA_LAUNCH_CHECK() DS_CUDA_CHECK(cudaGetLastError())
+
+#ifdef __CUDACC__
+namespace ds::cuda {
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+// `scratch` holds 32 floats of shared memory; safe to call repeatedly with the same scratch.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? scratch[lane] : 0.f;
+  return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? scratch[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
+
+}  // namespace ds::cuda
+#endif
