@@ -1,0 +1,119 @@
+// Gated DeltaNet (GDN) kernels: the linear-attention mixer of the Qwen3.5 layers (SPEC.md "Gated
+// DeltaNet"), for prompts (chunked WY/UT form, chunk 64, many sequences of different lengths in
+// one launch) and for decode (one fused kernel per layer for a batch of sequences).
+//
+// Input of both paths: the fused projection output per token (rows of the fused gdn_in matrix,
+// weights.h), proj[t] = [qkv (2*n_k_heads*d_k + n_v_heads*d_v) | z (n_v_heads*d_v) | b (n_v_heads)
+// | a (n_v_heads)], bf16, contiguous. qkv = [q: n_k_heads x d_k | k: n_k_heads x d_k | v:
+// n_v_heads x d_v]; value head h uses key head h / (n_v_heads / n_k_heads).
+// Output of both paths: the out_proj input, y[t] = [n_v_heads, d_v] bf16, where per head
+// y = norm_w * rmsnorm(o) * silu(z) (plain w, not zero-centred).
+//
+// Per-sequence state lives in slots (one per running sequence; the engine owns the pools):
+//  - conv state: a ring of the last 4 pre-conv qkv inputs, bf16 [4, qkv_dim]; the input of the
+//    token at absolute position p (0-based, within its sequence) is row p % 4. A ring (not a
+//    shifted window) lets the decode kernel update it in place without a race between the blocks
+//    that share a key head. Rows of positions < 0 are never read (zeros are used instead).
+//  - recurrent state: fp32 [n_v_heads, d_v, d_k] (k contiguous), i.e. S^T of SPEC.md's S[k, v].
+//    Prefill and decode use this one layout.
+// A sequence with seq_pos == 0 starts from zero state (the slot's old contents are ignored and
+// overwritten), so slots need no clearing between requests.
+//
+// Sizes are run-time; d_k and d_v must each be one of 16, 32, 64, 128 (checked, ds::Error
+// otherwise), n_v_heads a multiple of n_k_heads, conv_kernel 4.
+// Tests and timings: tests/cuda/cuda_gdn_test.cpp (vs a token-by-token fp32 CPU recurrence).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace ds::cuda {
+
+struct GdnShape {
+  int n_k_heads = 0;  // linear_num_key_heads (16 for 27B)
+  int n_v_heads = 0;  // linear_num_value_heads (48)
+  int d_k = 0;        // linear_key_head_dim (128)
+  int d_v = 0;        // linear_value_head_dim (128)
+  int conv_kernel = 4;
+  float norm_eps = 1e-6f;  // eps of the gated RMSNorm (rms_norm_eps)
+
+  int qkv_dim() const { return 2 * n_k_heads * d_k + n_v_heads * d_v; }  // conv channels
+  int z_dim() const { return n_v_heads * d_v; }
+  int in_dim() const { return qkv_dim() + z_dim() + 2 * n_v_heads; }  // proj row length
+  int out_dim() const { return n_v_heads * d_v; }
+};
+
+// Throws ds::Error when the shape is not supported (names the field).
+void check_gdn_shape(const GdnShape& s);
+
+// Device pointers of one GDN layer's small weights.
+struct GdnLayerWeights {
+  const __nv_bfloat16* conv_w = nullptr;  // [qkv_dim, conv_kernel] (checkpoint [qkv_dim, 1, 4])
+  const float* A_log = nullptr;           // [n_v_heads] fp32 (the engine widens at upload)
+  const float* dt_bias = nullptr;         // [n_v_heads] fp32
+  const __nv_bfloat16* norm_w = nullptr;  // [d_v]; nullptr: no gated norm, y = o (raw output)
+};
+
+// Device state pools of one layer. Slot s: conv_state + s * conv_slot_stride and
+// rec_state + s * rec_slot_stride (strides in elements; at least 4 * qkv_dim and
+// n_v_heads * d_v * d_k), so one pool can interleave the layers as the engine likes.
+struct GdnStatePool {
+  __nv_bfloat16* conv_state = nullptr;  // per slot [4, qkv_dim] ring, row p % 4
+  float* rec_state = nullptr;           // per slot [n_v_heads, d_v, d_k]
+  int64_t conv_slot_stride = 0;
+  int64_t rec_slot_stride = 0;
+};
+
+// ---- Prompt path ------------------------------------------------------------------------------
+// Device workspace the prompt path needs for up to max_tokens tokens in up to max_seqs sequences.
+size_t gdn_prefill_workspace_bytes(const GdnShape& s, int max_tokens, int max_seqs);
+
+// The whole GDN mixer for a prompt chunk of n_seqs sequences packed back to back (n_tokens in
+// all): conv + SiLU (reading the ring for positions before the chunk), gates, l2norm, the chunked
+// recurrence from each slot's state (zero when seq_pos == 0), final state and conv ring written
+// back to the slots, gated RMSNorm. Several kernels on `stream`; no host synchronisation, no
+// allocation (CUDA-graph safe for fixed n_tokens / n_seqs; the lengths may vary on the device).
+// Zero-length sequences are allowed (their state is left untouched).
+void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                        const __nv_bfloat16* proj,  // [n_tokens, in_dim]
+                        const int32_t* cu_seqlens,  // [n_seqs + 1] token offsets, device
+                        const int32_t* seq_pos,     // [n_seqs] tokens already in each sequence
+                        const int32_t* slot_ids,    // [n_seqs] state slot of each sequence
+                        int n_seqs, int n_tokens, void* workspace, size_t workspace_bytes,
+                        __nv_bfloat16* out,  // [n_tokens, n_v_heads * d_v]
+                        cudaStream_t stream);
+
+// ---- Decode path ------------------------------------------------------------------------------
+// One token for each of n_seqs sequences, one fused kernel: conv ring update + conv + SiLU, q/k
+// l2norm (q scaled by d_k^-0.5), beta and g, state decay + delta update + readout (state read and
+// written once, fp32), gated RMSNorm. seq_pos[i] is the position of the new token (= tokens
+// already in sequence i).
+void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                       const __nv_bfloat16* proj,  // [n_seqs, in_dim]
+                       const int32_t* seq_pos,     // [n_seqs]
+                       const int32_t* slot_ids,    // [n_seqs]
+                       int n_seqs,
+                       __nv_bfloat16* out,  // [n_seqs, n_v_heads * d_v]
+                       cudaStream_t stream);
+
+// ---- Prompt-path stages (launch_gdn_prefill runs these; exposed for tests and later fusions) ---
+// Conv + SiLU over the qkv channels, l2norm of q and k (q also times d_k^-0.5), and the gates.
+void launch_gdn_conv_prep(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                          const __nv_bfloat16* proj,  // [n_tokens, in_dim]
+                          const int32_t* cu_seqlens, const int32_t* seq_pos,
+                          const int32_t* slot_ids, int n_seqs, int n_tokens,
+                          __nv_bfloat16* qkv,  // [n_tokens, qkv_dim] conv+SiLU, q/k normalised
+                          float* g,            // [n_tokens, n_v_heads] log decay (<= 0)
+                          float* beta,         // [n_tokens, n_v_heads]
+                          cudaStream_t stream);
+
+// Writes the last 4 pre-conv inputs of each sequence into its ring (run after conv_prep).
+void launch_gdn_conv_state_update(const GdnShape& s, const GdnStatePool& pool,
+                                  const __nv_bfloat16* proj,  // [n_tokens, in_dim]
+                                  const int32_t* cu_seqlens, const int32_t* seq_pos,
+                                  const int32_t* slot_ids, int n_seqs, cudaStream_t stream);
+
+}  // namespace ds::cuda
