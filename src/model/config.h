@@ -13,6 +13,7 @@ enum class LayerType : uint8_t { kLinear, kFull };  // Gated DeltaNet / gated fu
 struct ModelConfig {
   std::string model_type;  // "qwen3_5_text" (after unwrapping a "qwen3_5" wrapper)
   bool is_wrapper = false; // config.json had the vision-language wrapper (text under text_config)
+  std::string source;      // file (or "<synthetic>") the config came from, named in errors
 
   int d_model = 0;       // hidden_size
   int n_layers = 0;      // num_hidden_layers
@@ -31,6 +32,8 @@ struct ModelConfig {
   float partial_rotary_factor = 0.25f;
   int rotary_dim = 0;  // head_dim * partial_rotary_factor (even)
   int max_position_embeddings = 0;
+  std::vector<int> mrope_section;  // e.g. [11, 11, 10]; text-only input makes it plain RoPE
+  bool mrope_interleaved = false;
 
   // Gated DeltaNet.
   int n_k_heads = 0;  // linear_num_key_heads
@@ -54,6 +57,8 @@ struct ModelConfig {
   int n_full_layers() const;
   int n_linear_layers() const;
   int64_t n_params_text() const;  // text-model parameters (embedding + layers + norm + lm_head)
+  // Parameters of one layer (norms, mixer, MLP) of the given type.
+  int64_t n_params_layer(LayerType type) const;
 
   // Throws ds::Error naming the field when the config is inconsistent.
   void validate() const;
@@ -64,5 +69,9 @@ struct ModelConfig {
 // text fields under "text_config") and "qwen3_5_text". `where` names the source in errors.
 ModelConfig parse_model_config(const std::string& json_text, const std::string& where);
 ModelConfig load_model_config(const std::string& path);
+
+// config.json text in the HF layout: a "qwen3_5_text" config, or the "qwen3_5" wrapper with the
+// text fields under "text_config" when `wrapper`. parse_model_config reads it back unchanged.
+std::string model_config_to_json(const ModelConfig& c, bool wrapper);
 
 }  // namespace ds

@@ -58,6 +58,7 @@ struct CheckpointStats {
   int64_t n_visual_tensors = 0, visual_params = 0;  // model.visual.* (ignored for now)
   int64_t n_mtp_tensors = 0, mtp_params = 0;        // mtp.* (ignored for now)
   int64_t n_other_tensors = 0;                      // anything else (listed, ignored)
+  std::vector<std::string> other_tensor_names;      // their names
   int64_t text_bytes = 0;
   double load_seconds = 0;
 };
