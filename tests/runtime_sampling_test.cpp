@@ -1,0 +1,206 @@
+// Sampling: greedy, seeded reproducibility, top-k / top-p / min-p supports, temperature
+// frequencies, penalties, log-softmax helpers, parameter validation.
+#include "runtime/sampling.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <set>
+
+#include "core/error.h"
+
+namespace ds {
+namespace {
+
+std::vector<float> logits_of(const std::vector<double>& probs) {
+  std::vector<float> l;
+  for (double p : probs) l.push_back(static_cast<float>(std::log(p)));
+  return l;
+}
+
+std::map<int, int> histogram(Sampler& s, std::span<const float> logits, int n) {
+  std::map<int, int> h;
+  for (int i = 0; i < n; ++i) ++h[s.sample(logits)];
+  return h;
+}
+
+TEST(Sampling, GreedyIsArgmaxLowestIdOnTies) {
+  std::vector<float> l = {0.1f, 3.0f, -1.0f, 3.0f, 2.9f};
+  SamplingParams p;
+  p.temperature = 0.0f;
+  Sampler s(p);
+  EXPECT_EQ(s.sample(l), 1);
+  EXPECT_EQ(argmax(l), 1);
+}
+
+TEST(Sampling, SameSeedSameTokensOtherSeedOtherTokens) {
+  std::vector<float> l(1000, 0.0f);  // flat: every draw is a fresh 1-in-1000 choice
+  SamplingParams p;
+  p.seed = 42;
+  Sampler a(p), b(p);
+  p.seed = 43;
+  Sampler c(p);
+  std::vector<int> ta, tb, tc;
+  for (int i = 0; i < 50; ++i) {
+    ta.push_back(a.sample(l));
+    tb.push_back(b.sample(l));
+    tc.push_back(c.sample(l));
+  }
+  EXPECT_EQ(ta, tb);
+  EXPECT_NE(ta, tc);
+  EXPECT_GT(std::set<int>(ta.begin(), ta.end()).size(), 40u);  // not stuck on one token
+}
+
+TEST(Sampling, TopK1IsGreedyAtAnyTemperature) {
+  std::vector<float> l = {0.5f, 0.4f, 0.6f, 0.59f};
+  SamplingParams p;
+  p.temperature = 5.0f;
+  p.top_k = 1;
+  p.seed = 1;
+  Sampler s(p);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(s.sample(l), 2);
+}
+
+TEST(Sampling, FrequenciesFollowTemperatureAndTopK) {
+  const std::vector<double> probs = {0.4, 0.3, 0.2, 0.1};
+  const auto l = logits_of(probs);
+  const int n = 40000;
+  {  // T = 0.5: p ~ probs^2, renormalised
+    SamplingParams p;
+    p.temperature = 0.5f;
+    p.seed = 7;
+    Sampler s(p);
+    auto h = histogram(s, l, n);
+    double z = 0;
+    for (double q : probs) z += q * q;
+    for (int t = 0; t < 4; ++t) EXPECT_NEAR(h[t] / double(n), probs[t] * probs[t] / z, 0.01) << t;
+  }
+  {  // top_k 2 at T = 1: {0.4, 0.3} renormalised
+    SamplingParams p;
+    p.top_k = 2;
+    p.seed = 8;
+    Sampler s(p);
+    auto h = histogram(s, l, n);
+    EXPECT_EQ(h.count(2) + h.count(3), 0u);
+    EXPECT_NEAR(h[0] / double(n), 0.4 / 0.7, 0.01);
+  }
+}
+
+TEST(Sampling, TopPKeepsSmallestSetReachingP) {
+  const auto l = logits_of({0.15, 0.5, 0.05, 0.3});
+  auto support = [&](float top_p) {
+    SamplingParams p;
+    p.top_p = top_p;
+    p.seed = 3;
+    Sampler s(p);
+    std::set<int> seen;
+    for (int i = 0; i < 3000; ++i) seen.insert(s.sample(l));
+    return seen;
+  };
+  EXPECT_EQ(support(0.4f), (std::set<int>{1}));
+  EXPECT_EQ(support(0.75f), (std::set<int>{1, 3}));
+  EXPECT_EQ(support(0.9f), (std::set<int>{0, 1, 3}));
+  EXPECT_EQ(support(1.0f), (std::set<int>{0, 1, 2, 3}));
+}
+
+TEST(Sampling, TopPOverMoreThanTheSortedHead) {
+  // Flat over 5000 tokens, top_p 0.5: exactly ids 0..2499 survive (ties keep the lower id), which
+  // needs the full sort beyond the first 1024 candidates.
+  std::vector<float> l(5000, 1.0f);
+  SamplingParams p;
+  p.top_p = 0.5f;
+  p.seed = 11;
+  Sampler s(p);
+  int max_id = 0;
+  for (int i = 0; i < 4000; ++i) max_id = std::max(max_id, s.sample(l));
+  EXPECT_LT(max_id, 2500);
+  EXPECT_GT(max_id, 2400);
+}
+
+TEST(Sampling, MinPDropsUnlikelyTokens) {
+  const auto l = logits_of({0.5, 0.3, 0.15, 0.05});
+  SamplingParams p;
+  p.min_p = 0.2f;  // threshold 0.1
+  p.seed = 5;
+  Sampler s(p);
+  std::set<int> seen;
+  for (int i = 0; i < 3000; ++i) seen.insert(s.sample(l));
+  EXPECT_EQ(seen, (std::set<int>{0, 1, 2}));
+}
+
+TEST(Sampling, Penalties) {
+  std::vector<float> l = {2.0f, -2.0f, 1.0f, 0.0f};
+  const std::vector<int32_t> hist = {0, 1, 0};
+  SamplingParams p;
+  p.repetition_penalty = 2.0f;
+  apply_penalties(l, hist, p);
+  EXPECT_FLOAT_EQ(l[0], 1.0f);
+  EXPECT_FLOAT_EQ(l[1], -4.0f);
+  EXPECT_FLOAT_EQ(l[2], 1.0f);
+  SamplingParams q;
+  q.presence_penalty = 0.5f;
+  q.frequency_penalty = 0.25f;
+  std::vector<float> m = {2.0f, -2.0f, 1.0f, 0.0f};
+  apply_penalties(m, hist, q);
+  EXPECT_FLOAT_EQ(m[0], 2.0f - 0.5f - 0.5f);
+  EXPECT_FLOAT_EQ(m[1], -2.0f - 0.5f - 0.25f);
+  EXPECT_FLOAT_EQ(m[3], 0.0f);
+  // Greedy with a repetition penalty moves off the repeated token.
+  SamplingParams g;
+  g.temperature = 0.0f;
+  g.presence_penalty = 2.0f;
+  Sampler s(g);
+  std::vector<float> r = {1.0f, 0.5f};
+  EXPECT_EQ(s.sample(r), 0);
+  EXPECT_EQ(s.sample(r, std::vector<int32_t>{0}), 1);
+}
+
+TEST(Sampling, LogSoftmaxAndTopLogprobs) {
+  std::vector<float> l = {1.0f, 3.0f, 2.0f, 3.0f};
+  std::vector<float> lp;
+  log_softmax(l, lp);
+  double z = 0;
+  for (float v : lp) z += std::exp(v);
+  EXPECT_NEAR(z, 1.0, 1e-6);
+  const double lse = std::log(std::exp(1.0) + 2 * std::exp(3.0) + std::exp(2.0));
+  EXPECT_NEAR(lp[2], 2.0 - lse, 1e-6);
+  EXPECT_NEAR(token_logprob(l, 0), 1.0 - lse, 1e-6);
+  auto top = top_logprobs(l, 3);
+  ASSERT_EQ(top.size(), 3u);
+  EXPECT_EQ(top[0].token, 1);
+  EXPECT_EQ(top[1].token, 3);
+  EXPECT_EQ(top[2].token, 2);
+  EXPECT_NEAR(top[0].logprob, 3.0 - lse, 1e-6);
+  // Large logits stay finite.
+  std::vector<float> big = {1000.0f, 999.0f};
+  log_softmax(big, lp);
+  EXPECT_NEAR(lp[0], -std::log1p(std::exp(-1.0)), 1e-5);
+}
+
+TEST(Sampling, BadParamsAndLogitsThrow) {
+  SamplingParams p;
+  p.top_p = 0.0f;
+  EXPECT_THROW(Sampler{p}, Error);
+  p = {};
+  p.temperature = -1.0f;
+  EXPECT_THROW(Sampler{p}, Error);
+  p = {};
+  p.min_p = 1.5f;
+  EXPECT_THROW(p.validate(), Error);
+  p = {};
+  p.repetition_penalty = 0.0f;
+  EXPECT_THROW(p.validate(), Error);
+  p = {};
+  Sampler s(p);
+  std::vector<float> nan = {0.0f, std::numeric_limits<float>::quiet_NaN()};
+  std::vector<float> all_nan = {std::numeric_limits<float>::quiet_NaN()};
+  EXPECT_THROW(s.sample(all_nan), Error);
+  EXPECT_THROW(s.sample(nan), Error);
+  EXPECT_THROW(s.sample(std::vector<float>{}), Error);
+  EXPECT_THROW(token_logprob(std::vector<float>{1.0f}, 3), Error);
+}
+
+}  // namespace
+}  // namespace ds
