@@ -1,0 +1,464 @@
+// The serving engine loop: see engine.h.
+#include "runtime/engine.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+
+namespace ds {
+
+using Clock = std::chrono::steady_clock;
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kError: return "error";
+  }
+  return "?";
+}
+
+// ---- RequestStream ----
+
+bool RequestStream::next(StreamOutput& out, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (delivered_) return false;
+  if (!cv_.wait_for(lk, timeout, [&] { return has_news_ || done_; })) return false;
+  out.text = std::move(pending_.text);
+  out.tokens = std::move(pending_.tokens);
+  pending_.text.clear();
+  pending_.tokens.clear();
+  out.finish = pending_.finish;
+  out.error = pending_.error;
+  out.n_prompt_tokens = pending_.n_prompt_tokens;
+  out.n_generated = pending_.n_generated;
+  out.n_preemptions = pending_.n_preemptions;
+  out.ttft_s = pending_.ttft_s;
+  out.e2e_s = pending_.e2e_s;
+  has_news_ = false;
+  if (done_) delivered_ = true;
+  return true;
+}
+
+void RequestStream::cancel() {
+  if (cancel_requested_.exchange(true)) return;
+  if (on_cancel_) on_cancel_(id_);
+}
+
+bool RequestStream::finished() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_;
+}
+
+// ---- Engine ----
+
+struct Engine::Control {
+  std::mutex mu;
+  std::condition_variable cv;       // wakes the loop
+  std::condition_variable idle_cv;  // n_active reached 0
+  std::deque<std::unique_ptr<Request>> incoming;
+  std::vector<uint64_t> cancels;
+  bool cancel_all = false;
+  bool accepting = true;
+  bool stop = false;
+  uint64_t next_id = 1;
+  int n_active = 0;  // submitted and not finished
+  EngineStats stats;
+};
+
+struct Engine::Request {
+  uint64_t id = 0;
+  GenerationRequest req;
+  std::shared_ptr<RequestStream> stream;
+  Sampler sampler;
+  std::optional<StreamDecoder> decoder;
+  std::vector<int32_t> generated;
+  std::string held;                     // decoded text not yet published (may start a stop string)
+  std::string out_text;                 // to publish
+  std::vector<GeneratedToken> out_tokens;
+  Clock::time_point t_submit;
+  double ttft_s = -1;
+  int n_preemptions = 0;
+
+  explicit Request(const SamplingParams& p) : sampler(p) {}
+};
+
+Engine::Engine(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer> tokenizer,
+               const EngineOptions& options)
+    : backend_(std::move(backend)),
+      tokenizer_(std::move(tokenizer)),
+      config_(backend_->config()),
+      backend_name_(backend_->name()),
+      scheduler_(*backend_,
+                 [&] {
+                   SchedulerOptions o = options.scheduler;
+                   o.max_waiting = INT_MAX;  // the bound is enforced at submit()
+                   return o;
+                 }()),
+      ctl_(std::make_shared<Control>()) {
+  max_model_len_ = backend_->max_seq_len();
+  if (options.max_model_len > 0) max_model_len_ = std::min(max_model_len_, options.max_model_len);
+  DS_CHECK(max_model_len_ >= 2, "engine: max_model_len must be >= 2 (got ", max_model_len_, ")");
+  const MemoryUsage mem = backend_->memory();
+  if (mem.page_size > 0 && mem.kv_blocks_total > 0) pool_tokens_ = mem.kv_blocks_total * mem.page_size;
+  ctl_->stats.memory = mem;
+  max_waiting_ = options.scheduler.max_waiting;
+  for (int id : config_.eos_token_ids) eos_ids_.push_back(id);
+  if (tokenizer_) {
+    for (int32_t id : tokenizer_->eos_ids()) {
+      if (std::find(eos_ids_.begin(), eos_ids_.end(), id) == eos_ids_.end()) eos_ids_.push_back(id);
+    }
+  }
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lk(ctl_->mu);
+    ctl_->stop = true;
+    ctl_->accepting = false;
+  }
+  ctl_->cv.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
+  using K = RejectedError::Kind;
+  const int n_prompt = static_cast<int>(request.prompt.size());
+  if (n_prompt == 0) throw RejectedError(K::kInvalid, "the prompt is empty");
+  for (int32_t t : request.prompt) {
+    if (t < 0 || t >= config_.vocab_size) {
+      throw RejectedError(K::kInvalid, "prompt token id " + std::to_string(t) +
+                                           " is outside the vocabulary [0, " +
+                                           std::to_string(config_.vocab_size) + ")");
+    }
+  }
+  if (request.max_tokens < 1) {
+    throw RejectedError(K::kInvalid, "max_tokens must be at least 1, got " +
+                                         std::to_string(request.max_tokens));
+  }
+  if (static_cast<int64_t>(n_prompt) + request.max_tokens > max_model_len_) {
+    throw RejectedError(
+        K::kInvalid, "This model's maximum context length is " + std::to_string(max_model_len_) +
+                         " tokens. However, you requested " +
+                         std::to_string(static_cast<int64_t>(n_prompt) + request.max_tokens) +
+                         " tokens (" + std::to_string(n_prompt) + " in the prompt, " +
+                         std::to_string(request.max_tokens) +
+                         " in the completion). Please reduce the prompt or max_tokens.");
+  }
+  if (pool_tokens_ > 0 && n_prompt + 1 > pool_tokens_) {
+    throw RejectedError(K::kInvalid, "the prompt (" + std::to_string(n_prompt) +
+                                         " tokens) does not fit the KV cache (" +
+                                         std::to_string(pool_tokens_) + " tokens)");
+  }
+  if (request.top_logprobs > config_.vocab_size) {
+    throw RejectedError(K::kInvalid, "top_logprobs is larger than the vocabulary");
+  }
+  try {
+    request.sampling.validate();
+  } catch (const Error& e) {
+    throw RejectedError(K::kInvalid, e.what());
+  }
+  for (const std::string& s : request.stop) {
+    if (s.empty()) throw RejectedError(K::kInvalid, "stop strings must not be empty");
+  }
+
+  auto r = std::make_unique<Request>(request.sampling);
+  r->t_submit = Clock::now();
+  if (tokenizer_) r->decoder.emplace(*tokenizer_, request.skip_special_tokens);
+  r->req = std::move(request);
+  std::shared_ptr<RequestStream> stream;
+  {
+    std::lock_guard<std::mutex> lk(ctl_->mu);
+    if (!ctl_->accepting) throw RejectedError(K::kShuttingDown, "the server is shutting down");
+    const int64_t queued = static_cast<int64_t>(ctl_->incoming.size()) + ctl_->stats.n_waiting;
+    if (queued >= max_waiting_) {
+      throw RejectedError(K::kQueueFull, "too many requests are waiting (" +
+                                             std::to_string(queued) + "); retry later");
+    }
+    r->id = ctl_->next_id++;
+    stream.reset(new RequestStream(r->id));
+    stream->pending_.n_prompt_tokens = n_prompt;
+    std::weak_ptr<Control> weak = ctl_;
+    stream->on_cancel_ = [weak](uint64_t id) {
+      if (auto c = weak.lock()) {
+        {
+          std::lock_guard<std::mutex> lk2(c->mu);
+          c->cancels.push_back(id);
+        }
+        c->cv.notify_all();
+      }
+    };
+    r->stream = stream;
+    ++ctl_->n_active;
+    ctl_->incoming.push_back(std::move(r));
+  }
+  ctl_->cv.notify_all();
+  return stream;
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard<std::mutex> lk(ctl_->mu);
+  EngineStats s = ctl_->stats;
+  s.n_waiting += static_cast<int>(ctl_->incoming.size());
+  return s;
+}
+
+void Engine::stop_accepting() {
+  std::lock_guard<std::mutex> lk(ctl_->mu);
+  ctl_->accepting = false;
+}
+
+void Engine::cancel_all() {
+  {
+    std::lock_guard<std::mutex> lk(ctl_->mu);
+    ctl_->cancel_all = true;
+  }
+  ctl_->cv.notify_all();
+}
+
+bool Engine::wait_idle(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(ctl_->mu);
+  return ctl_->idle_cv.wait_for(lk, timeout, [&] { return ctl_->n_active == 0; });
+}
+
+void Engine::update_stats() {
+  const MemoryUsage mem = backend_->memory();
+  std::lock_guard<std::mutex> lk(ctl_->mu);
+  ctl_->stats.memory = mem;
+  ctl_->stats.n_running = scheduler_.n_running();
+  ctl_->stats.n_waiting = scheduler_.n_waiting();
+  ctl_->stats.n_preemptions = scheduler_.n_preemptions();
+}
+
+void Engine::publish(Request& r) {
+  RequestStream& s = *r.stream;
+  {
+    std::lock_guard<std::mutex> lk(s.mu_);
+    s.pending_.text += r.out_text;
+    for (GeneratedToken& g : r.out_tokens) s.pending_.tokens.push_back(std::move(g));
+    s.pending_.n_generated = static_cast<int>(r.generated.size());
+    s.pending_.n_preemptions = r.n_preemptions;
+    s.pending_.ttft_s = r.ttft_s;
+    s.has_news_ = true;
+  }
+  r.out_text.clear();
+  r.out_tokens.clear();
+  s.cv_.notify_all();
+}
+
+void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
+  scheduler_.remove(r.id);  // frees the slot now (no-op when the scheduler already dropped it)
+  if (r.decoder && reason != FinishReason::kCancelled) r.out_text += r.held + r.decoder->flush();
+  r.held.clear();
+  publish(r);
+  RequestStream& s = *r.stream;
+  {
+    std::lock_guard<std::mutex> lk(s.mu_);
+    s.pending_.finish = reason;
+    s.pending_.error = error;
+    s.pending_.e2e_s = std::chrono::duration<double>(Clock::now() - r.t_submit).count();
+    s.done_ = true;
+  }
+  s.cv_.notify_all();
+  const uint64_t id = r.id;
+  {
+    std::lock_guard<std::mutex> lk(ctl_->mu);
+    ctl_->stats.n_finished[static_cast<int>(reason)]++;
+    --ctl_->n_active;
+  }
+  ctl_->idle_cv.notify_all();
+  active_.erase(id);  // destroys r
+}
+
+namespace {
+// Length of the longest suffix of `text` that is a proper prefix of one of `stops`.
+size_t stop_holdback(const std::string& text, const std::vector<std::string>& stops) {
+  size_t best = 0;
+  for (const std::string& stop : stops) {
+    const size_t max_k = std::min(text.size(), stop.size() - 1);
+    for (size_t k = max_k; k > best; --k) {
+      if (text.compare(text.size() - k, k, stop, 0, k) == 0) {
+        best = k;
+        break;
+      }
+    }
+  }
+  return best;
+}
+// Earliest position of any stop string in `text`, or npos.
+size_t find_stop(const std::string& text, const std::vector<std::string>& stops) {
+  size_t best = std::string::npos;
+  for (const std::string& stop : stops) best = std::min(best, text.find(stop));
+  return best;
+}
+}  // namespace
+
+void Engine::on_token(Request& r, int32_t token, const float* row) {
+  const GenerationRequest& q = r.req;
+  const std::span<const float> logits(row, static_cast<size_t>(config_.vocab_size));
+  GeneratedToken g;
+  g.id = token;
+  if (q.top_logprobs >= 0) {
+    g.logprob = token_logprob(logits, token);
+    if (q.top_logprobs > 0) g.top = top_logprobs(logits, q.top_logprobs);
+  }
+  r.out_tokens.push_back(std::move(g));
+  r.generated.push_back(token);
+  if (r.ttft_s < 0) r.ttft_s = std::chrono::duration<double>(Clock::now() - r.t_submit).count();
+  {
+    std::lock_guard<std::mutex> lk(ctl_->mu);
+    ctl_->stats.generation_tokens++;
+  }
+
+  const bool is_eos = !q.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end();
+  const bool is_stop_id =
+      std::find(q.stop_token_ids.begin(), q.stop_token_ids.end(), token) != q.stop_token_ids.end();
+  if (is_eos || is_stop_id) {
+    // The stop token's own text is never part of the output.
+    if (r.decoder) r.held += r.decoder->flush();
+    const size_t at = find_stop(r.held, q.stop);
+    if (at != std::string::npos) r.held.resize(at);
+    r.out_text += r.held;
+    r.held.clear();
+    r.decoder.reset();
+    finish(r, FinishReason::kStop);
+    return;
+  }
+  if (r.decoder) {
+    r.held += r.decoder->push(token);
+    if (!q.stop.empty()) {
+      const size_t at = find_stop(r.held, q.stop);
+      if (at != std::string::npos) {
+        r.out_text += r.held.substr(0, at);
+        r.held.clear();
+        r.decoder.reset();
+        finish(r, FinishReason::kStop);
+        return;
+      }
+    }
+  }
+  const int total = static_cast<int>(q.prompt.size() + r.generated.size());
+  if (static_cast<int>(r.generated.size()) >= q.max_tokens || total >= max_model_len_) {
+    if (r.decoder) {
+      r.held += r.decoder->flush();
+      const size_t at = find_stop(r.held, q.stop);
+      if (at != std::string::npos) {
+        r.out_text += r.held.substr(0, at);
+        r.held.clear();
+        r.decoder.reset();
+        finish(r, FinishReason::kStop);
+        return;
+      }
+      r.decoder.reset();
+    }
+    finish(r, FinishReason::kLength);
+    return;
+  }
+  const size_t keep = stop_holdback(r.held, q.stop);
+  r.out_text += r.held.substr(0, r.held.size() - keep);
+  r.held.erase(0, r.held.size() - keep);
+  publish(r);
+  scheduler_.append_token(r.id, token);
+}
+
+void Engine::loop() {
+  std::vector<float> logits;
+  for (;;) {
+    std::deque<std::unique_ptr<Request>> incoming;
+    std::vector<uint64_t> cancels;
+    bool cancel_everything = false, stopping = false;
+    {
+      std::unique_lock<std::mutex> lk(ctl_->mu);
+      ctl_->cv.wait(lk, [&] {
+        return ctl_->stop || ctl_->cancel_all || !ctl_->incoming.empty() || !ctl_->cancels.empty() ||
+               !scheduler_.idle();
+      });
+      incoming.swap(ctl_->incoming);
+      cancels.swap(ctl_->cancels);
+      cancel_everything = ctl_->cancel_all || ctl_->stop;
+      ctl_->cancel_all = false;
+      stopping = ctl_->stop;
+    }
+    for (auto& r : incoming) {
+      const uint64_t id = r->id;
+      std::vector<int32_t> prompt = r->req.prompt;
+      Request& ref = *r;
+      active_.emplace(id, std::move(r));
+      if (!scheduler_.add(id, std::move(prompt))) finish(ref, FinishReason::kError, "queue full");
+    }
+    for (uint64_t id : cancels) {
+      auto it = active_.find(id);
+      if (it != active_.end()) finish(*it->second, FinishReason::kCancelled);
+    }
+    if (cancel_everything) {
+      std::vector<uint64_t> ids;
+      for (auto& [id, r] : active_) ids.push_back(id);
+      for (uint64_t id : ids) finish(*active_.at(id), FinishReason::kCancelled);
+    }
+    if (stopping) {
+      update_stats();
+      return;
+    }
+    if (scheduler_.idle()) {
+      update_stats();
+      continue;
+    }
+
+    StepPlan plan = scheduler_.schedule();
+    for (uint64_t id : plan.preempted) {
+      auto it = active_.find(id);
+      if (it != active_.end()) it->second->n_preemptions++;
+    }
+    for (uint64_t id : plan.capacity_stopped) {
+      auto it = active_.find(id);
+      if (it != active_.end()) finish(*it->second, FinishReason::kLength);
+    }
+    if (plan.empty()) {
+      // Nothing can run now (memory is held by sequences that are all waiting on it): wait a
+      // little for a cancellation rather than spin.
+      update_stats();
+      std::unique_lock<std::mutex> lk(ctl_->mu);
+      ctl_->cv.wait_for(lk, std::chrono::milliseconds(2));
+      continue;
+    }
+    int64_t n_prompt_tokens = 0;
+    for (const ScheduledItem& it : plan.items) {
+      const SchedSeq* s = scheduler_.find(it.seq_id);
+      n_prompt_tokens += std::max(0, std::min(it.end, s->n_prompt) - it.begin);
+    }
+    try {
+      backend_->step(plan.work, logits);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "deltaserve: engine step failed: %s\n", e.what());
+      for (const ScheduledItem& it : plan.items) {
+        auto found = active_.find(it.seq_id);
+        if (found != active_.end()) finish(*found->second, FinishReason::kError, e.what());
+      }
+      update_stats();
+      continue;
+    }
+    scheduler_.complete(plan);
+    {
+      std::lock_guard<std::mutex> lk(ctl_->mu);
+      ctl_->stats.n_steps++;
+      ctl_->stats.prompt_tokens += n_prompt_tokens;
+    }
+    const size_t vocab = static_cast<size_t>(config_.vocab_size);
+    for (size_t i = 0; i < plan.items.size(); ++i) {
+      const ScheduledItem& it = plan.items[i];
+      if (!it.sample) continue;
+      auto found = active_.find(it.seq_id);
+      if (found == active_.end()) continue;
+      Request& r = *found->second;
+      const float* row = logits.data() + i * vocab;
+      const int32_t token = r.sampler.sample(std::span<const float>(row, vocab), r.generated);
+      on_token(r, token, row);
+    }
+    update_stats();
+  }
+}
+
+}  // namespace ds

@@ -1,0 +1,168 @@
+// The serving engine: owns a Backend and a Scheduler and runs the continuous-batching loop on its
+// own thread (schedule -> Backend::step -> sample -> detokenize -> stop checks), handing each
+// request a RequestStream from which a consumer thread (an HTTP handler, a benchmark client)
+// takes new text and tokens as they come. Cancellation (RequestStream::cancel, e.g. a client that
+// disconnected) frees the sequence's slot and KV blocks before the next step.
+//
+// Stops: EOS ids (unless ignore_eos), stop token ids, stop strings (never emitted, text held back
+// while it could still become one; cuts happen between whole UTF-8 characters because matching
+// is done on decoded text), max_tokens, max_model_len, and the KV pool's capacity (all "length").
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "core/error.h"
+#include "runtime/backend.h"
+#include "runtime/sampling.h"
+#include "runtime/scheduler.h"
+#include "tokenizer/tokenizer.h"
+
+namespace ds {
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  int max_tokens = 16;                   // generated tokens at most (>= 1)
+  std::vector<std::string> stop;         // stop strings, excluded from the output
+  std::vector<int32_t> stop_token_ids;   // besides the EOS ids
+  bool ignore_eos = false;
+  int top_logprobs = -1;                 // -1: no logprobs; n >= 0: chosen + n alternatives
+  bool skip_special_tokens = true;       // in the returned text
+};
+
+enum class FinishReason : uint8_t { kNone, kStop, kLength, kCancelled, kError };
+const char* finish_reason_name(FinishReason r);  // "stop", "length", "cancelled", "error"
+
+struct GeneratedToken {
+  int32_t id = 0;
+  float logprob = 0;               // when logprobs were asked for
+  std::vector<TokenLogprob> top;   // top_logprobs alternatives, best first (sampling.h)
+};
+
+// What a consumer takes from a stream: everything produced since its last take.
+struct StreamOutput {
+  std::string text;                    // newly complete text
+  std::vector<GeneratedToken> tokens;  // newly generated tokens (incl. a final EOS / stop token)
+  FinishReason finish = FinishReason::kNone;
+  std::string error;                   // when finish == kError
+  // Totals, valid in every output.
+  int n_prompt_tokens = 0;
+  int n_generated = 0;
+  int n_preemptions = 0;
+  // Timing (seconds since submission), valid once known (negative before).
+  double ttft_s = -1;                  // first token
+  double e2e_s = -1;                   // finished
+};
+
+// Thrown by Engine::submit: the request is refused (nothing was queued).
+class RejectedError : public Error {
+ public:
+  enum class Kind : uint8_t { kInvalid, kQueueFull, kShuttingDown };
+  RejectedError(Kind kind, const std::string& msg) : Error(msg), kind(kind) {}
+  Kind kind;
+};
+
+class RequestStream {
+ public:
+  // Waits up to `timeout` for output; returns false when nothing new came (not finished yet).
+  // After the output with finish != kNone, returns false forever.
+  bool next(StreamOutput& out, std::chrono::milliseconds timeout);
+  // Asks the engine to drop the request; its slot is freed before the next step. Idempotent.
+  void cancel();
+  bool finished() const;
+  uint64_t id() const { return id_; }
+
+ private:
+  friend class Engine;
+  explicit RequestStream(uint64_t id) : id_(id) {}
+  const uint64_t id_;
+  std::function<void(uint64_t)> on_cancel_;  // tells the engine (set by submit)
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  StreamOutput pending_;
+  bool has_news_ = false;
+  bool done_ = false;       // final output produced by the engine
+  bool delivered_ = false;  // final output taken by the consumer
+  std::atomic<bool> cancel_requested_{false};
+};
+
+struct EngineOptions {
+  SchedulerOptions scheduler;
+  int max_model_len = 0;  // 0: the backend's max_seq_len
+};
+
+// Counters and gauges for /metrics, a consistent snapshot.
+struct EngineStats {
+  int n_running = 0, n_waiting = 0;
+  MemoryUsage memory;
+  int64_t n_preemptions = 0;
+  int64_t n_steps = 0;
+  int64_t prompt_tokens = 0, generation_tokens = 0;  // totals computed / sampled
+  int64_t n_finished[5] = {0, 0, 0, 0, 0};           // by FinishReason
+};
+
+class Engine {
+ public:
+  // `tokenizer` may be null: then no text (tokens only) and no stop strings.
+  Engine(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer> tokenizer,
+         const EngineOptions& options);
+  ~Engine();  // stops the loop (cancelling what is left)
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queues a request; throws RejectedError (invalid request, queue full, shutting down).
+  std::shared_ptr<RequestStream> submit(GenerationRequest request);
+
+  EngineStats stats() const;
+  const ModelConfig& config() const { return config_; }
+  int max_model_len() const { return max_model_len_; }
+  const Tokenizer* tokenizer() const { return tokenizer_.get(); }
+  std::vector<int32_t> eos_ids() const { return eos_ids_; }
+  std::string backend_name() const { return backend_name_; }
+
+  // Refuses new requests from now on (kShuttingDown); running ones go on.
+  void stop_accepting();
+  // Cancels every request still queued or running.
+  void cancel_all();
+  // Waits until no request is queued or running, up to `timeout`; true when idle.
+  bool wait_idle(std::chrono::milliseconds timeout);
+
+ private:
+  struct Request;
+  void loop();
+  void finish(Request& r, FinishReason reason, const std::string& error = {});
+  void on_token(Request& r, int32_t token, const float* logits_row);
+  void publish(Request& r);
+  void update_stats();
+
+  std::unique_ptr<Backend> backend_;
+  std::shared_ptr<const Tokenizer> tokenizer_;
+  ModelConfig config_;
+  std::string backend_name_;
+  int max_model_len_ = 0;
+  int64_t pool_tokens_ = 0;  // tokens the KV pool can hold for one sequence (0: unknown)
+  int max_waiting_ = 0;      // queued (not yet running) requests at most
+  std::vector<int32_t> eos_ids_;
+  Scheduler scheduler_;
+
+  struct Control;                 // mutex-guarded state shared with the streams
+  std::shared_ptr<Control> ctl_;  // (a stream may outlive the engine: cancel() is then a no-op)
+
+  // Owned by the loop thread.
+  std::unordered_map<uint64_t, std::unique_ptr<Request>> active_;  // by request id
+  std::thread thread_;
+};
+
+}  // namespace ds

@@ -1,0 +1,75 @@
+// The OpenAI API surface, without HTTP: request-body validation into engine requests (every
+// field type- and range-checked, errors name the field), and the JSON shapes of responses,
+// stream chunks, logprobs and errors ({"error": {"message", "type", "param", "code"}}).
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "runtime/engine.h"
+
+namespace ds {
+
+// A request the server refuses: HTTP status plus the OpenAI error fields.
+class ApiError : public Error {
+ public:
+  ApiError(int status, const std::string& msg, std::string param = {})
+      : Error(msg), status(status), param(std::move(param)) {}
+  int status;
+  std::string param;
+};
+
+// {"error": {...}} for a status: type "invalid_request_error" (4xx), "authentication_error"
+// (401), "not_found_error" (404), "rate_limit_error" (429), "server_error" (5xx).
+nlohmann::json error_body(int status, const std::string& message, const std::string& param = {});
+
+// Limits the server applies to every request.
+struct ApiLimits {
+  int max_logprobs = 20;  // top_logprobs / logprobs at most
+  int max_n = 16;         // choices per request
+  int max_stop = 16;      // stop strings
+};
+
+// Fields common to /v1/completions and /v1/chat/completions, parsed and checked.
+struct SamplingRequest {
+  GenerationRequest gen;       // prompt left empty; max_tokens < 0 when not given
+  int n = 1;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  bool logprobs = false;       // chat: logprobs flag; completions: logprobs field given
+};
+
+// Parses the sampling / stop / logprobs / stream fields of `body` (an object). `chat` selects the
+// chat flavour of logprobs (bool + top_logprobs) over the completions one (int).
+SamplingRequest parse_sampling_request(const nlohmann::json& body, bool chat, const ApiLimits& lim);
+
+// The prompt of a completions request: a string, a list of ids, or a list of one of those
+// (several prompts make several choices). Strings are returned as text, ids as ids.
+struct PromptInput {
+  std::optional<std::string> text;
+  std::vector<int32_t> ids;
+};
+std::vector<PromptInput> parse_completion_prompts(const nlohmann::json& body);
+
+// Checks and normalises the chat request for the template: messages (roles system / developer /
+// user / assistant / tool; content a string, null, or a list of text parts, joined), tools,
+// tool_choice ("none" drops the tools; "auto"), chat_template_kwargs merged at top level,
+// add_generation_prompt. Returns the object ChatTemplate::render takes.
+nlohmann::json chat_template_input(const nlohmann::json& body);
+
+// Reads the body as a JSON object (ApiError 400 with the parser's message otherwise).
+nlohmann::json parse_body(const std::string& body);
+
+// Checks "model" when present: it must be one of `served` (404 otherwise).
+void check_model(const nlohmann::json& body, const std::vector<std::string>& served);
+
+// A unique id with a prefix ("cmpl-", "chatcmpl-").
+std::string make_request_id(const char* prefix);
+
+// UTF-8 text that is safe to put in JSON: invalid sequences replaced by U+FFFD.
+std::string sanitize_utf8(const std::string& s);
+
+}  // namespace ds
