@@ -1,6 +1,9 @@
 // The CPU reference forward: fp32 arithmetic on weights widened from the checkpoint, exactly the
 // maths of ../shared/SPEC.md, one readable forward that branches per layer type. It is the spec
 // the CUDA engine is tested against and the engine CI runs.
+//
+// Unlike HF (and the CUDA engine), the residual stream stays fp32 here: the golden fixtures are
+// HF run in fp32, and this path matches them to ~1e-6 relative.
 #pragma once
 
 #include <cstdint>
@@ -20,22 +23,43 @@ struct CpuSeqState {
   std::vector<std::vector<float>> rec_state;         // per linear layer: [n_v_heads, d_k, d_v]
 };
 
+// How the GDN recurrence is evaluated inside a prompt chunk of more than one token.
+enum class GdnMode : uint8_t {
+  kChunked,    // WY / UT-transform form over sub-chunks of 64 tokens (HF torch_chunk_gated_delta_rule)
+  kRecurrent,  // token by token (what decode always uses)
+};
+
 class CpuModel {
  public:
   explicit CpuModel(const HostWeights& weights);
+  ~CpuModel();
+  CpuModel(CpuModel&&) noexcept;
+  CpuModel& operator=(CpuModel&&) noexcept;
+
   const ModelConfig& config() const { return cfg_; }
   CpuSeqState new_state() const;
 
   // Runs `tokens` after what `state` has seen, in chunks of at most `chunk_size` tokens (GDN uses
   // the chunked WY form inside a chunk, the state is carried across), and appends logits:
   // every token's row when `all_logits`, else only the last token's. logits: [rows, vocab].
+  // Token ids outside [0, vocab) throw ds::Error (the state is left untouched then).
   void forward(CpuSeqState& state, std::span<const int32_t> tokens, int chunk_size,
                bool all_logits, std::vector<float>& logits) const;
 
+  // For tests: evaluate multi-token GDN chunks token by token instead (same maths, other order).
+  void set_gdn_mode(GdnMode mode) { gdn_mode_ = mode; }
+
  private:
   struct Layer;
+  // One chunk of n tokens; x: [n, d_model] in/out (the residual stream).
+  void forward_chunk(CpuSeqState& state, std::span<const int32_t> tokens, std::vector<float>& x) const;
+  void attention_layer(const Layer& L, CpuSeqState& state, int n, const float* xn, float* out) const;
+  void gdn_layer(const Layer& L, CpuSeqState& state, int n, const float* xn, float* out) const;
+
   ModelConfig cfg_;
-  std::vector<float> embed_, final_norm_, lm_head_;
+  GdnMode gdn_mode_ = GdnMode::kChunked;
+  std::vector<float> embed_, final_norm_, lm_head_;  // [vocab, d_model], [d_model], [vocab, d_model]
+  std::vector<float> rope_inv_freq_;                 // [rotary_dim / 2]
   std::vector<Layer> layers_;
 };
 
