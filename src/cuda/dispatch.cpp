@@ -1,0 +1,111 @@
+// The dispatch registry (see dispatch.h) and the engine's built-in variants.
+#include "cuda/dispatch.h"
+
+#include <cstdlib>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace ds::cuda {
+
+const char* family_name(KernelFamily f) {
+  switch (f) {
+    case KernelFamily::kGemm: return "gemm";
+    case KernelFamily::kAttnPrefill: return "attn_prefill";
+    case KernelFamily::kAttnDecode: return "attn_decode";
+    case KernelFamily::kGdnPrefill: return "gdn_prefill";
+    case KernelFamily::kGdnDecode: return "gdn_decode";
+    case KernelFamily::kRmsNorm: return "rmsnorm";
+    case KernelFamily::kRopeKv: return "rope_kv";
+    case KernelFamily::kSiluMul: return "silu_mul";
+    case KernelFamily::kSample: return "sample";
+    case KernelFamily::kCount: break;
+  }
+  return "?";
+}
+
+std::string KernelVariant::full_name() const { return std::string(family_name(family)) + "." + name; }
+
+int DispatchRegistry::add(KernelVariant v) {
+  for (const auto& o : variants_)
+    DS_CHECK(!(o.family == v.family && o.name == v.name), "dispatch: variant ", v.full_name(),
+             " registered twice");
+  variants_.push_back(std::move(v));
+  return static_cast<int>(variants_.size()) - 1;
+}
+
+void DispatchRegistry::set_enabled(const std::string& full_name, bool on) {
+  for (auto& v : variants_) {
+    if (v.full_name() != full_name) continue;
+    DS_CHECK(on || v.guard, "dispatch: ", full_name, " is a generic fallback and cannot be switched off");
+    v.enabled = on;
+    return;
+  }
+  std::string known;
+  for (const auto& v : variants_) known += (known.empty() ? "" : ", ") + v.full_name();
+  ds::throw_error("dispatch: unknown kernel variant '", full_name, "' (known: ", known, ")");
+}
+
+void DispatchRegistry::disable(const std::string& names) {
+  std::stringstream ss(names);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    while (!item.empty() && item.front() == ' ') item.erase(item.begin());
+    while (!item.empty() && item.back() == ' ') item.pop_back();
+    if (item.empty()) continue;
+    if (item == "all") {
+      for (auto& v : variants_)
+        if (v.guard) v.enabled = false;
+      continue;
+    }
+    set_enabled(item, false);
+  }
+}
+
+const KernelVariant& DispatchRegistry::select(KernelFamily f, const ShapeKey& key) const {
+  for (const auto& v : variants_) {
+    if (v.family != f || !v.enabled) continue;
+    if (!v.guard || v.guard(key)) return v;
+  }
+  ds::throw_error("dispatch: no kernel variant of family ", family_name(f), " accepts the shape");
+}
+
+std::string DispatchRegistry::list() const {
+  std::ostringstream os;
+  for (const auto& v : variants_) {
+    os << "  " << v.full_name();
+    for (size_t i = v.full_name().size(); i < 28; ++i) os << ' ';
+    os << (v.enabled ? "on " : "off") << (v.guard ? "  " : "  [fallback] ") << v.description
+       << "\n";
+  }
+  return os.str();
+}
+
+DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disabled) {
+  DispatchRegistry r;
+  r.sm_ = sm;
+  using F = KernelFamily;
+  r.add({F::kGemm, "cublaslt", "cuBLASLt bf16 GEMM, fp32 accumulate, algorithm per shape at plan time", {}});
+  r.add({F::kAttnPrefill, "wmma_flash",
+         "flash-style tiles, GQA group packed into rows, WMMA bf16, online softmax; hd 16..256", {}});
+  r.add({F::kAttnDecode, "split_kv",
+         "split-KV flash-decoding, GQA group per block, log-sum-exp merge; hd 32/64/128/256, group <= 8",
+         [](const ShapeKey& k) {
+           const int64_t hd = k.dims[0], g = k.dims[1];
+           return (hd == 32 || hd == 64 || hd == 128 || hd == 256) && g >= 1 && g <= 8;
+         }});
+  r.add({F::kAttnDecode, "prefill_kernel", "the prefill kernel with one query per sequence", {}});
+  r.add({F::kGdnPrefill, "chunked", "GDN chunked WY/UT prefill (gdn.h)", {}});
+  r.add({F::kGdnDecode, "fused", "fused GDN decode step (gdn.h launch_gdn_decode)",
+         [](const ShapeKey&) { return true; }});
+  r.add({F::kGdnDecode, "prefill_path", "GDN prompt path with one token per sequence", {}});
+  r.add({F::kRmsNorm, "fused_add", "residual add + zero-centred RMSNorm, one block per row", {}});
+  r.add({F::kRopeKv, "fused", "q/k norm + partial RoPE + paged KV write, one block per token", {}});
+  r.add({F::kSiluMul, "generic", "SiLU(gate) * up, 16-byte loads", {}});
+  r.add({F::kSample, "bitsearch", "argmax / top-k / top-p by bitwise threshold search, one block per row", {}});
+  r.disable(disabled);
+  if (const char* env = std::getenv("DS_DISABLE_KERNELS")) r.disable(env);
+  return r;
+}
+
+}  // namespace ds::cuda
