@@ -1,0 +1,635 @@
+// GPU tests of the Gated DeltaNet kernels (src/cuda/gdn.h) against a plain fp32 CPU reference that
+// runs the token-by-token recurrence of SPEC.md (the oracle): conv + SiLU, l2norm, gates, the
+// delta rule, gated RMSNorm. Random inputs (fresh per case), outputs and untouched state poisoned
+// with NaN before each run, normalised error ||gpu - ref|| / ||ref|| with per-kernel tolerances:
+//  - prefill output y: 2e-2 (bf16 q/k/v, T, W, U, V_new and state snapshots, as FLA);
+//  - prefill final state: 2e-2 (fp32 running state fed by bf16 products);
+//  - decode output y: 1e-2 (fp32 throughout, bf16 output); decode state: 1e-4 (fp32);
+//  - conv ring: exact (it stores the bf16 inputs).
+// Shapes: Qwen3.5-27B (16 k heads, 48 v heads, d 128) at lengths 1, 63, 64, 65, 4095, 4097, several
+// sequences of different lengths in one launch, carried state (prefill -> prefill -> decode), and
+// small heads (d 16/32/64, d_k != d_v). The Timing test prints ms per layer (CUDA events, warm,
+// median) next to PERF.md's targets; it asserts nothing about speed.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/error.h"
+#include "cuda/cuda_common.h"
+#include "cuda/gdn.h"
+
+namespace ds::cuda {
+namespace {
+
+#define CK(x) DS_CUDA_CHECK(x)
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define REQUIRE_GPU() \
+  if (!have_gpu()) GTEST_SKIP() << "no CUDA device"
+
+GdnShape shape_27b() { return GdnShape{16, 48, 128, 128, 4, 1e-6f}; }
+
+// Host copy of one layer's weights (floats rounded through bf16 where the GPU keeps bf16).
+struct HostLayer {
+  std::vector<float> conv_w;  // [qkv_dim, 4]
+  std::vector<float> A_log, dt_bias;  // [n_v]
+  std::vector<float> norm_w;  // [d_v]
+};
+
+HostLayer make_layer(const GdnShape& s, std::mt19937& rng) {
+  HostLayer l;
+  std::uniform_real_distribution<float> u(-0.6f, 0.6f);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  l.conv_w.resize(static_cast<size_t>(s.qkv_dim()) * 4);
+  for (auto& x : l.conv_w) x = round_bf16(u(rng));
+  l.A_log.resize(s.n_v_heads);
+  l.dt_bias.resize(s.n_v_heads);
+  // Decays from very slow (g ~ -0.005, long memory across chunks) to fast (g ~ -5).
+  std::uniform_real_distribution<float> ua(std::log(0.01f), std::log(4.f)), ud(-3.f, 1.f);
+  for (auto& x : l.A_log) x = ua(rng);
+  for (auto& x : l.dt_bias) x = ud(rng);
+  l.norm_w.resize(s.d_v);
+  for (auto& x : l.norm_w) x = round_bf16(1.f + 0.2f * nd(rng));
+  return l;
+}
+
+// Per-sequence host state (the oracle's own copy).
+struct HostSeq {
+  int pos = 0;                  // tokens already in the sequence
+  std::vector<float> hist;      // [3, qkv_dim] inputs at positions pos-3, pos-2, pos-1
+  std::vector<float> S;         // [n_v, d_v, d_k]
+};
+
+HostSeq make_seq(const GdnShape& s, int pos, std::mt19937& rng) {
+  HostSeq q;
+  q.pos = pos;
+  q.hist.assign(3 * static_cast<size_t>(s.qkv_dim()), 0.f);
+  q.S.assign(static_cast<size_t>(s.n_v_heads) * s.d_v * s.d_k, 0.f);
+  if (pos > 0) {
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (int r = 0; r < 3; ++r) {
+      if (pos - 3 + r < 0) continue;
+      for (int c = 0; c < s.qkv_dim(); ++c) q.hist[r * s.qkv_dim() + c] = round_bf16(nd(rng));
+    }
+    for (auto& x : q.S) x = 0.3f * nd(rng);
+  }
+  return q;
+}
+
+std::vector<float> random_proj(const GdnShape& s, int n_tokens, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> p(static_cast<size_t>(n_tokens) * s.in_dim());
+  for (auto& x : p) x = round_bf16(nd(rng));
+  return p;
+}
+
+float silu_h(float x) { return x / (1.f + std::exp(-x)); }
+
+// The oracle: runs `len` tokens (rows of proj, [len, in_dim]) through sequence `q`, token by
+// token, in fp32. y: [len, out_dim] (raw o when norm is false).
+void ref_gdn(const GdnShape& s, const HostLayer& l, const float* proj, int len, HostSeq& q,
+             std::vector<float>& y, bool norm = true) {
+  const int qd = s.qkv_dim(), in = s.in_dim(), nv = s.n_v_heads, dk = s.d_k, dv = s.d_v;
+  const int ratio = s.n_v_heads / s.n_k_heads;
+  // Conv + SiLU + l2norm for all tokens.
+  std::vector<float> c(static_cast<size_t>(len) * qd);
+  auto input = [&](int i, int ch) -> float {  // pre-conv input at token index i (< 0: history)
+    if (i >= 0) return proj[static_cast<size_t>(i) * in + ch];
+    const int pos = q.pos + i;
+    if (pos < 0) return 0.f;
+    return q.hist[(3 + i) * qd + ch];
+  };
+  for (int t = 0; t < len; ++t) {
+    for (int ch = 0; ch < qd; ++ch) {
+      float acc = 0.f;
+      for (int j = 0; j < 4; ++j) acc += l.conv_w[ch * 4 + j] * input(t - 3 + j, ch);
+      c[static_cast<size_t>(t) * qd + ch] = silu_h(acc);
+    }
+    for (int h = 0; h < 2 * s.n_k_heads; ++h) {
+      float* v = &c[static_cast<size_t>(t) * qd + h * dk];
+      double ss = 0;
+      for (int i = 0; i < dk; ++i) ss += double(v[i]) * v[i];
+      const float sc = 1.f / std::sqrt(float(ss) + 1e-6f) * (h < s.n_k_heads ? 1.f / std::sqrt(float(dk)) : 1.f);
+      for (int i = 0; i < dk; ++i) v[i] *= sc;
+    }
+  }
+  // Recurrence, parallel over value heads.
+  std::vector<float> o(static_cast<size_t>(len) * nv * dv);
+  auto run_head = [&](int hv) {
+    const int hk = hv / ratio;
+    float* S = &q.S[static_cast<size_t>(hv) * dv * dk];
+    for (int t = 0; t < len; ++t) {
+      const float* row = proj + static_cast<size_t>(t) * in;
+      const float b = row[qd + s.z_dim() + hv], a = row[qd + s.z_dim() + nv + hv] + l.dt_bias[hv];
+      const float beta = 1.f / (1.f + std::exp(-b));
+      const float sp = a > 20.f ? a : std::log1p(std::exp(a));
+      const float decay = std::exp(-std::exp(l.A_log[hv]) * sp);
+      const float* qq = &c[static_cast<size_t>(t) * qd + hk * dk];
+      const float* kk = &c[static_cast<size_t>(t) * qd + s.n_k_heads * dk + hk * dk];
+      const float* vv = &c[static_cast<size_t>(t) * qd + 2 * s.n_k_heads * dk + hv * dv];
+      for (int v = 0; v < dv; ++v) {
+        float* Sr = S + static_cast<size_t>(v) * dk;
+        float u = 0.f;
+        for (int k = 0; k < dk; ++k) { Sr[k] *= decay; u += Sr[k] * kk[k]; }
+        const float delta = beta * (vv[v] - u);
+        float ov = 0.f;
+        for (int k = 0; k < dk; ++k) { Sr[k] += kk[k] * delta; ov += Sr[k] * qq[k]; }
+        o[(static_cast<size_t>(t) * nv + hv) * dv + v] = ov;
+      }
+    }
+  };
+  {
+    const int n_threads = std::max(1u, std::min(std::thread::hardware_concurrency(), 32u));
+    std::vector<std::thread> pool;
+    for (int th = 0; th < n_threads; ++th) {
+      pool.emplace_back([&, th] {
+        for (int hv = th; hv < nv; hv += n_threads) run_head(hv);
+      });
+    }
+    for (auto& t : pool) t.join();
+  }
+  // Gated RMSNorm.
+  y.assign(static_cast<size_t>(len) * nv * dv, 0.f);
+  for (int t = 0; t < len; ++t) {
+    for (int hv = 0; hv < nv; ++hv) {
+      const float* ov = &o[(static_cast<size_t>(t) * nv + hv) * dv];
+      float* yv = &y[(static_cast<size_t>(t) * nv + hv) * dv];
+      if (!norm) { std::copy(ov, ov + dv, yv); continue; }
+      double ss = 0;
+      for (int i = 0; i < dv; ++i) ss += double(ov[i]) * ov[i];
+      const float r = 1.f / std::sqrt(float(ss / dv) + s.norm_eps);
+      const float* z = proj + static_cast<size_t>(t) * in + qd + hv * dv;
+      for (int i = 0; i < dv; ++i) yv[i] = l.norm_w[i] * ov[i] * r * silu_h(z[i]);
+    }
+  }
+  // Conv history: the last 3 inputs.
+  std::vector<float> hist(3 * static_cast<size_t>(qd));
+  for (int r = 0; r < 3; ++r)
+    for (int ch = 0; ch < qd; ++ch) hist[r * qd + ch] = input(len - 3 + r, ch);
+  q.hist = hist;
+  q.pos += len;
+}
+
+struct Err {
+  double norm = 0, max_abs = 0;
+  bool nan = false;
+};
+
+Err compare(const std::vector<float>& got, const std::vector<float>& ref) {
+  Err e;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(got[i])) { e.nan = true; continue; }
+    const double d = double(got[i]) - ref[i];
+    num += d * d;
+    den += double(ref[i]) * ref[i];
+    e.max_abs = std::max(e.max_abs, std::abs(d));
+  }
+  e.norm = std::sqrt(num / std::max(den, 1e-30));
+  return e;
+}
+
+#define EXPECT_ERR(e, tol, what)                                                               \
+  do {                                                                                         \
+    EXPECT_FALSE((e).nan) << what << ": NaN/Inf (unwritten or broken output)";                 \
+    EXPECT_LT((e).norm, tol) << what << ": normalised error " << (e).norm << " max abs " << (e).max_abs; \
+  } while (0)
+
+// Device buffers for one layer + a state pool.
+template <typename T>
+struct DevBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  DevBuf() = default;
+  explicit DevBuf(size_t count) : n(count) { CK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T))); }
+  ~DevBuf() { if (p) cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  DevBuf(DevBuf&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
+  void poison() { CK(cudaMemset(p, 0xff, n * sizeof(T))); }  // NaN for bf16 and fp32
+};
+
+std::vector<bf16_t> to_bf16(const std::vector<float>& v) {
+  std::vector<bf16_t> r(v.size());
+  for (size_t i = 0; i < v.size(); ++i) r[i] = f32_to_bf16(v[i]);
+  return r;
+}
+
+template <typename T, typename H>
+void upload(DevBuf<T>& d, const std::vector<H>& h) {
+  static_assert(sizeof(T) == sizeof(H));
+  ASSERT_EQ(d.n, h.size());
+  CK(cudaMemcpy(d.p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+std::vector<float> download_bf16(const bf16* p, size_t n) {
+  std::vector<bf16_t> h(n);
+  CK(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> r(n);
+  for (size_t i = 0; i < n; ++i) r[i] = bf16_to_f32(h[i]);
+  return r;
+}
+
+std::vector<float> download_f32(const float* p, size_t n) {
+  std::vector<float> r(n);
+  CK(cudaMemcpy(r.data(), p, n * 4, cudaMemcpyDeviceToHost));
+  return r;
+}
+
+struct DevLayer {
+  DevBuf<bf16> conv_w, norm_w;
+  DevBuf<float> A_log, dt_bias;
+  GdnLayerWeights w(bool norm = true) const {
+    return GdnLayerWeights{conv_w.p, A_log.p, dt_bias.p, norm ? norm_w.p : nullptr};
+  }
+};
+
+DevLayer upload_layer(const GdnShape& s, const HostLayer& l) {
+  DevLayer d{DevBuf<bf16>(l.conv_w.size()), DevBuf<bf16>(l.norm_w.size()),
+             DevBuf<float>(s.n_v_heads), DevBuf<float>(s.n_v_heads)};
+  upload(d.conv_w, to_bf16(l.conv_w));
+  upload(d.norm_w, to_bf16(l.norm_w));
+  upload(d.A_log, l.A_log);
+  upload(d.dt_bias, l.dt_bias);
+  return d;
+}
+
+// A state pool of n_slots slots (strides padded a little, to check that strides are honoured).
+struct DevPool {
+  int64_t conv_stride, rec_stride;
+  DevBuf<bf16> conv;
+  DevBuf<float> rec;
+  DevPool(const GdnShape& s, int n_slots)
+      : conv_stride(4LL * s.qkv_dim() + 64),
+        rec_stride(int64_t(s.n_v_heads) * s.d_v * s.d_k + 32),
+        conv(size_t(conv_stride) * n_slots),
+        rec(size_t(rec_stride) * n_slots) {
+    conv.poison();
+    rec.poison();
+  }
+  GdnStatePool pool() const { return GdnStatePool{conv.p, rec.p, conv_stride, rec_stride}; }
+  // Writes a host sequence's state into slot `slot` (ring rows of positions pos-3..pos-1).
+  void put(const GdnShape& s, int slot, const HostSeq& q) {
+    if (q.pos == 0) return;  // the kernels must ignore the (poisoned) slot
+    const int qd = s.qkv_dim();
+    std::vector<bf16_t> ring(4 * size_t(qd), 0xffff);
+    for (int r = 0; r < 3; ++r) {
+      const int pos = q.pos - 3 + r;
+      if (pos < 0) continue;
+      for (int c = 0; c < qd; ++c) ring[(pos & 3) * qd + c] = f32_to_bf16(q.hist[r * qd + c]);
+    }
+    CK(cudaMemcpy(conv.p + slot * conv_stride, ring.data(), ring.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(rec.p + slot * rec_stride, q.S.data(), q.S.size() * 4, cudaMemcpyHostToDevice));
+  }
+  std::vector<float> state(const GdnShape& s, int slot) const {
+    return download_f32(rec.p + slot * rec_stride, size_t(s.n_v_heads) * s.d_v * s.d_k);
+  }
+  // Ring rows of positions pos-3..pos-1 (>= 0) must hold the host history exactly.
+  void expect_ring(const GdnShape& s, int slot, const HostSeq& q, const char* what) const {
+    const int qd = s.qkv_dim();
+    auto ring = download_bf16(conv.p + slot * conv_stride, 4 * size_t(qd));
+    int bad = 0;
+    for (int r = 0; r < 3; ++r) {
+      const int pos = q.pos - 3 + r;
+      if (pos < 0) continue;
+      for (int c = 0; c < qd; ++c) bad += ring[(pos & 3) * qd + c] != q.hist[r * qd + c];
+    }
+    EXPECT_EQ(bad, 0) << what << ": conv ring differs from the last inputs";
+  }
+};
+
+struct PrefillCase {
+  std::vector<int> lens;
+  std::vector<int> pos;  // tokens already in each sequence (carried state when > 0)
+};
+
+// Runs one prefill launch of several sequences against the oracle; checks y, state and ring.
+void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, double tol_y = 2e-2,
+                   double tol_s = 2e-2, bool norm = true) {
+  std::mt19937 rng(seed);
+  const HostLayer hl = make_layer(s, rng);
+  const DevLayer dl = upload_layer(s, hl);
+  const int n_seqs = static_cast<int>(pc.lens.size());
+  std::vector<int> cu(n_seqs + 1, 0), slots(n_seqs);
+  for (int i = 0; i < n_seqs; ++i) {
+    cu[i + 1] = cu[i] + pc.lens[i];
+    slots[i] = 2 * (n_seqs - 1 - i) + 1;  // a scattered slot order
+  }
+  const int n_tokens = cu[n_seqs];
+  const auto proj = random_proj(s, n_tokens, rng);
+  std::vector<HostSeq> seqs;
+  for (int i = 0; i < n_seqs; ++i) seqs.push_back(make_seq(s, pc.pos[i], rng));
+
+  DevPool pool(s, 2 * n_seqs + 1);
+  for (int i = 0; i < n_seqs; ++i) pool.put(s, slots[i], seqs[i]);
+  DevBuf<bf16> d_proj(proj.size()), d_out(size_t(n_tokens) * s.out_dim());
+  upload(d_proj, to_bf16(proj));
+  DevBuf<int32_t> d_cu(n_seqs + 1), d_pos(n_seqs), d_slots(n_seqs);
+  upload(d_cu, cu);
+  upload(d_pos, pc.pos);
+  upload(d_slots, slots);
+  const size_t ws_bytes = gdn_prefill_workspace_bytes(s, n_tokens, n_seqs);
+  DevBuf<unsigned char> d_ws(ws_bytes);
+  d_ws.poison();
+  d_out.poison();
+  launch_gdn_prefill(s, dl.w(norm), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slots.p, n_seqs,
+                     n_tokens, d_ws.p, ws_bytes, d_out.p, nullptr);
+  CK(cudaDeviceSynchronize());
+  const auto out = download_bf16(d_out.p, d_out.n);
+
+  for (int i = 0; i < n_seqs; ++i) {
+    std::vector<float> y;
+    ref_gdn(s, hl, &proj[size_t(cu[i]) * s.in_dim()], pc.lens[i], seqs[i], y, norm);
+    std::vector<float> got(out.begin() + size_t(cu[i]) * s.out_dim(),
+                           out.begin() + size_t(cu[i + 1]) * s.out_dim());
+    char what[128];
+    std::snprintf(what, sizeof what, "seq %d (len %d, pos %d) y", i, pc.lens[i], pc.pos[i]);
+    if (pc.lens[i] > 0) {
+      const Err ey = compare(got, y);
+      EXPECT_ERR(ey, tol_y, what);
+      std::printf("  %-32s err %.2e (max abs %.2e)\n", what, ey.norm, ey.max_abs);
+    }
+    if (pc.lens[i] > 0 || pc.pos[i] > 0) {
+      const Err es = compare(pool.state(s, slots[i]), seqs[i].S);
+      std::snprintf(what, sizeof what, "seq %d (len %d, pos %d) state", i, pc.lens[i], pc.pos[i]);
+      EXPECT_ERR(es, tol_s, what);
+      std::printf("  %-32s err %.2e (max abs %.2e)\n", what, es.norm, es.max_abs);
+      pool.expect_ring(s, slots[i], seqs[i], what);
+    }
+  }
+  // Slots no sequence uses stay poisoned (nothing wrote outside its slot).
+  auto untouched = download_f32(pool.rec.p, size_t(s.n_v_heads) * s.d_v * s.d_k);
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }))
+      << "slot 0 (unused) was written";
+}
+
+TEST(CudaGdn, ShapeChecks) {
+  GdnShape s = shape_27b();
+  EXPECT_NO_THROW(check_gdn_shape(s));
+  s.d_k = 96;
+  EXPECT_THROW(check_gdn_shape(s), ds::Error);
+  s = shape_27b();
+  s.n_v_heads = 40;
+  EXPECT_THROW(check_gdn_shape(s), ds::Error);
+  s = shape_27b();
+  s.conv_kernel = 3;
+  EXPECT_THROW(check_gdn_shape(s), ds::Error);
+}
+
+TEST(CudaGdn, PrefillWorkspaceTooSmallIsAnError) {
+  REQUIRE_GPU();
+  const GdnShape s = shape_27b();
+  DevBuf<unsigned char> ws(1024);
+  DevBuf<bf16> dummy(16);
+  DevBuf<float> fdummy(16);
+  DevBuf<int32_t> idummy(16);
+  GdnLayerWeights w{dummy.p, fdummy.p, fdummy.p, dummy.p};
+  GdnStatePool pool{dummy.p, fdummy.p, 4LL * s.qkv_dim(), 48LL * 128 * 128};
+  EXPECT_THROW(launch_gdn_prefill(s, w, pool, dummy.p, idummy.p, idummy.p, idummy.p, 1, 64, ws.p,
+                                  ws.n, dummy.p, nullptr),
+               ds::Error);
+}
+
+TEST(CudaGdn, Prefill27BSingleLengths) {
+  REQUIRE_GPU();
+  for (int len : {1, 63, 64, 65, 4095, 4097}) {
+    std::printf("len %d\n", len);
+    check_prefill(shape_27b(), PrefillCase{{len}, {0}}, 100 + len);
+  }
+}
+
+TEST(CudaGdn, Prefill27BRawOutput) {
+  REQUIRE_GPU();
+  check_prefill(shape_27b(), PrefillCase{{130, 7}, {0, 0}}, 7, 2e-2, 2e-2, /*norm=*/false);
+}
+
+TEST(CudaGdn, Prefill27BBatchOfLengths) {
+  REQUIRE_GPU();
+  check_prefill(shape_27b(), PrefillCase{{65, 1, 4097, 64, 0, 63, 200}, {0, 0, 0, 0, 0, 0, 0}}, 11);
+}
+
+TEST(CudaGdn, Prefill27BCarriedState) {
+  REQUIRE_GPU();
+  // Positions 1, 2, 3 exercise the ring rows before position 0.
+  check_prefill(shape_27b(), PrefillCase{{100, 64, 1, 2, 129, 5}, {7, 1, 2, 3, 4096, 70}}, 12);
+}
+
+TEST(CudaGdn, PrefillSmallHeads) {
+  REQUIRE_GPU();
+  const PrefillCase pc{{1, 70, 129, 64, 3}, {0, 0, 5, 2, 1}};
+  for (int d : {16, 32, 64}) {
+    std::printf("d %d\n", d);
+    check_prefill(GdnShape{2, 4, d, d, 4, 1e-6f}, pc, 20 + d);
+  }
+  std::printf("d_k 32, d_v 64, ratio 3\n");
+  check_prefill(GdnShape{2, 6, 32, 64, 4, 1e-6f}, pc, 31);
+  std::printf("d_k 128, d_v 16, ratio 1\n");
+  check_prefill(GdnShape{3, 3, 128, 16, 4, 1e-6f}, pc, 32);
+}
+
+// Decode: n steps for a batch of sequences at given positions, each step checked.
+void check_decode(const GdnShape& s, const std::vector<int>& pos, int n_steps, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const HostLayer hl = make_layer(s, rng);
+  const DevLayer dl = upload_layer(s, hl);
+  const int n = static_cast<int>(pos.size());
+  std::vector<HostSeq> seqs;
+  std::vector<int> slots(n);
+  for (int i = 0; i < n; ++i) {
+    seqs.push_back(make_seq(s, pos[i], rng));
+    slots[i] = n - i;  // slot 0 unused
+  }
+  DevPool pool(s, n + 1);
+  for (int i = 0; i < n; ++i) pool.put(s, slots[i], seqs[i]);
+  DevBuf<bf16> d_proj(size_t(n) * s.in_dim()), d_out(size_t(n) * s.out_dim());
+  DevBuf<int32_t> d_pos(n), d_slots(n);
+  upload(d_slots, slots);
+  for (int step = 0; step < n_steps; ++step) {
+    const auto proj = random_proj(s, n, rng);
+    upload(d_proj, to_bf16(proj));
+    std::vector<int> p(n);
+    for (int i = 0; i < n; ++i) p[i] = seqs[i].pos;
+    upload(d_pos, p);
+    d_out.poison();
+    launch_gdn_decode(s, dl.w(), pool.pool(), d_proj.p, d_pos.p, d_slots.p, n, d_out.p, nullptr);
+    CK(cudaDeviceSynchronize());
+    const auto out = download_bf16(d_out.p, d_out.n);
+    for (int i = 0; i < n; ++i) {
+      std::vector<float> y;
+      ref_gdn(s, hl, &proj[size_t(i) * s.in_dim()], 1, seqs[i], y);
+      std::vector<float> got(out.begin() + size_t(i) * s.out_dim(),
+                             out.begin() + size_t(i + 1) * s.out_dim());
+      char what[128];
+      std::snprintf(what, sizeof what, "step %d seq %d (pos %d)", step, i, seqs[i].pos - 1);
+      const Err ey = compare(got, y);
+      EXPECT_ERR(ey, 1e-2, std::string(what) + " y");
+      const Err es = compare(pool.state(s, slots[i]), seqs[i].S);
+      EXPECT_ERR(es, 1e-4, std::string(what) + " state");
+      pool.expect_ring(s, slots[i], seqs[i], what);
+      if (step == n_steps - 1) std::printf("  %-28s y err %.2e, state err %.2e\n", what, ey.norm, es.norm);
+    }
+  }
+  auto untouched = download_f32(pool.rec.p, size_t(s.n_v_heads) * s.d_v * s.d_k);
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }))
+      << "slot 0 (unused) was written";
+}
+
+TEST(CudaGdn, Decode27BBatch1) {
+  REQUIRE_GPU();
+  check_decode(shape_27b(), {0}, 6, 41);
+  check_decode(shape_27b(), {5000}, 3, 42);
+}
+
+TEST(CudaGdn, Decode27BBatch) {
+  REQUIRE_GPU();
+  check_decode(shape_27b(), {0, 1, 2, 3, 4, 77, 4097}, 5, 43);
+}
+
+TEST(CudaGdn, DecodeSmallHeads) {
+  REQUIRE_GPU();
+  for (int d : {16, 32, 64}) check_decode(GdnShape{2, 4, d, d, 4, 1e-6f}, {0, 3, 9}, 4, 50 + d);
+  check_decode(GdnShape{2, 6, 32, 64, 4, 1e-6f}, {0, 3, 9}, 4, 60);
+  check_decode(GdnShape{3, 3, 128, 16, 4, 1e-6f}, {0, 3, 9}, 4, 61);
+}
+
+// Prefill 65 tokens, prefill 200 more (carried state), then 4 decode steps: one continuous
+// sequence, checked against the oracle at the end of each phase.
+TEST(CudaGdn, PrefillThenPrefillThenDecode27B) {
+  REQUIRE_GPU();
+  const GdnShape s = shape_27b();
+  std::mt19937 rng(77);
+  const HostLayer hl = make_layer(s, rng);
+  const DevLayer dl = upload_layer(s, hl);
+  HostSeq seq = make_seq(s, 0, rng);
+  DevPool pool(s, 2);
+  const int slot = 1;
+  DevBuf<int32_t> d_slot(1), d_pos(1), d_cu(2);
+  upload(d_slot, std::vector<int>{slot});
+  for (int len : {65, 200}) {
+    const auto proj = random_proj(s, len, rng);
+    DevBuf<bf16> d_proj(proj.size()), d_out(size_t(len) * s.out_dim());
+    upload(d_proj, to_bf16(proj));
+    upload(d_pos, std::vector<int>{seq.pos});
+    upload(d_cu, std::vector<int>{0, len});
+    const size_t wsb = gdn_prefill_workspace_bytes(s, len, 1);
+    DevBuf<unsigned char> ws(wsb);
+    d_out.poison();
+    launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, len, ws.p,
+                       wsb, d_out.p, nullptr);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> y;
+    ref_gdn(s, hl, proj.data(), len, seq, y);
+    EXPECT_ERR(compare(download_bf16(d_out.p, d_out.n), y), 2e-2, "prefill y");
+    EXPECT_ERR(compare(pool.state(s, slot), seq.S), 2e-2, "prefill state");
+    pool.expect_ring(s, slot, seq, "prefill");
+  }
+  for (int step = 0; step < 4; ++step) {
+    const auto proj = random_proj(s, 1, rng);
+    DevBuf<bf16> d_proj(proj.size()), d_out(s.out_dim());
+    upload(d_proj, to_bf16(proj));
+    upload(d_pos, std::vector<int>{seq.pos});
+    d_out.poison();
+    launch_gdn_decode(s, dl.w(), pool.pool(), d_proj.p, d_pos.p, d_slot.p, 1, d_out.p, nullptr);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> y;
+    ref_gdn(s, hl, proj.data(), 1, seq, y);
+    const Err ey = compare(download_bf16(d_out.p, d_out.n), y);
+    EXPECT_ERR(ey, 2e-2, "decode y after prefill");
+    EXPECT_ERR(compare(pool.state(s, slot), seq.S), 2e-2, "decode state after prefill");
+    pool.expect_ring(s, slot, seq, "decode after prefill");
+  }
+}
+
+// ---- timing (printed, not asserted) ------------------------------------------------------------
+template <typename F>
+double median_ms(F&& f, int iters) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) f(i);
+  std::vector<float> t;
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(a));
+    f(i);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+TEST(CudaGdn, Timing) {
+  REQUIRE_GPU();
+  const GdnShape s = shape_27b();
+  std::mt19937 rng(5);
+  const HostLayer hl = make_layer(s, rng);
+  const DevLayer dl = upload_layer(s, hl);
+  // Prefill: one sequence of T tokens from zero state, and the same with carried state.
+  for (int T : {512, 4096, 8192}) {
+    const auto proj = random_proj(s, T, rng);
+    DevBuf<bf16> d_proj(proj.size()), d_out(size_t(T) * s.out_dim());
+    upload(d_proj, to_bf16(proj));
+    DevPool pool(s, 1);
+    CK(cudaMemset(pool.rec.p, 0, pool.rec.n * 4));
+    DevBuf<int32_t> d_cu(2), d_pos(1), d_slot(1);
+    upload(d_cu, std::vector<int>{0, T});
+    upload(d_pos, std::vector<int>{T});  // carried state (the state stays bounded: decays < 1)
+    upload(d_slot, std::vector<int>{0});
+    const size_t wsb = gdn_prefill_workspace_bytes(s, T, 1);
+    DevBuf<unsigned char> ws(wsb);
+    CK(cudaMemset(pool.conv.p, 0, pool.conv.n * 2));
+    const double ms = median_ms([&](int) {
+      launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, ws.p,
+                         wsb, d_out.p, nullptr);
+    }, 20);
+    std::printf("TIMING gdn prefill  %5d tokens, 1 seq: %.3f ms/layer (%.1f M tok/s)  [PERF.md: FLA %s, target 0.16 ms @4096]\n",
+                T, ms, T / ms / 1e3, T == 512 ? "0.075" : T == 4096 ? "0.405" : "0.788");
+  }
+  // Decode: batch B, states rotated over 32 layers' worth of slots (96 MiB at B = 1: past L2).
+  for (int B : {1, 4, 16}) {
+    const int n_layers = std::max(2, 32 / B);
+    std::vector<DevPool> pools;
+    for (int l = 0; l < n_layers; ++l) {
+      pools.emplace_back(s, B);
+      CK(cudaMemset(pools.back().rec.p, 0, pools.back().rec.n * 4));
+      CK(cudaMemset(pools.back().conv.p, 0, pools.back().conv.n * 2));
+    }
+    const auto proj = random_proj(s, B, rng);
+    DevBuf<bf16> d_proj(proj.size()), d_out(size_t(B) * s.out_dim());
+    upload(d_proj, to_bf16(proj));
+    std::vector<int> pos(B, 100), slots(B);
+    for (int i = 0; i < B; ++i) slots[i] = i;
+    DevBuf<int32_t> d_pos(B), d_slot(B);
+    upload(d_pos, pos);
+    upload(d_slot, slots);
+    const int reps = 64;
+    const double ms = median_ms([&](int) {
+      for (int r = 0; r < reps; ++r) {
+        launch_gdn_decode(s, dl.w(), pools[r % n_layers].pool(), d_proj.p, d_pos.p, d_slot.p, B,
+                          d_out.p, nullptr);
+      }
+    }, 20) / reps;
+    const double bytes = 2.0 * B * s.n_v_heads * s.d_v * s.d_k * 4;
+    std::printf("TIMING gdn decode batch %2d: %.2f us/layer (state %.1f MB r+w: %.2f TB/s)  [PERF.md: FLA 5.9 us @1, target 2 us]\n",
+                B, ms * 1e3, bytes / 1e6, bytes / (ms * 1e-3) / 1e12);
+  }
+}
+
+}  // namespace
+}  // namespace ds::cuda
