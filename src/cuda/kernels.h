@@ -138,13 +138,10 @@ void launch_silu_mul(const __nv_bfloat16* gu,  // [n_tokens, 2 * d_ff]
 // ---- convert.cu ------------------------------------------------------------------------------
 void launch_bf16_to_f32(const __nv_bfloat16* in, int64_t n, float* out, cudaStream_t stream);
 void launch_f32_to_bf16(const float* in, int64_t n, __nv_bfloat16* out, cudaStream_t stream);
-// Deterministic normal(mean, std) bf16 values: element i is a function of (seed, i) only, so any
-// tensor can be regenerated anywhere (device synthetic weights).
-void launch_fill_normal_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float mean, float std,
-                             cudaStream_t stream);
-// Uniform in [lo, hi), fp32, same determinism.
-void launch_fill_uniform_f32(float* out, int64_t n, uint64_t seed, float lo, float hi,
-                             cudaStream_t stream);
+// mean + std * N(0,1) exactly as make_synthetic_weights draws it (model/weight_table.h
+// synthetic_value, SyntheticKind::kNormal, `seed` = the tensor's SyntheticSpec::seed), in bf16.
+void launch_fill_synthetic_normal_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float mean,
+                                       float std, cudaStream_t stream);
 
 // ---- sampling.cu -----------------------------------------------------------------------------
 // Per-row sampling parameters. temperature <= 0: greedy (argmax, lowest index on ties). Else

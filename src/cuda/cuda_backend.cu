@@ -1,0 +1,815 @@
+// The CUDA engine (see cuda_backend.h): memory plan and allocation, weight upload / device
+// synthetic generation, the host-side KV block manager, and the GPU forward, which reads top to
+// bottom: per layer one branch on its type (GDN or gated attention), one line per op.
+#include "cuda/cuda_backend.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "core/bf16.h"
+#include "cuda/cuda_common.h"
+#include "cuda/dispatch.h"
+#include "cuda/gemm.h"
+#include "cuda/kernels.h"
+#include "model/memory_plan.h"
+#include "model/weight_table.h"
+
+namespace ds {
+namespace {
+
+using cuda::bf16;
+using cuda::KernelFamily;
+
+// Qwen3.5-27B text config (configs/qwen3.5-27b.json, compact; a test checks they agree).
+constexpr const char* kQwen35_27bConfig =
+    R"({"architectures":["Qwen3_5ForCausalLM"],"model_type":"qwen3_5_text","dtype":"bfloat16","hidden_size":5120,"num_hidden_layers":64,"intermediate_size":17408,"vocab_size":248320,"num_attention_heads":24,"num_key_value_heads":4,"head_dim":256,"attn_output_gate":true,"linear_num_key_heads":16,"linear_num_value_heads":48,"linear_key_head_dim":128,"linear_value_head_dim":128,"linear_conv_kernel_dim":4,"full_attention_interval":4,"layer_types":["linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention"],"rms_norm_eps":1e-06,"hidden_act":"silu","attention_bias":false,"tie_word_embeddings":false,"max_position_embeddings":262144,"eos_token_id":248044,"rope_parameters":{"rope_type":"default","rope_theta":10000000,"partial_rotary_factor":0.25,"mrope_section":[11,11,10],"mrope_interleaved":true}})";
+
+constexpr int kMaxDecodeSplits = 64;
+constexpr size_t kGemmWorkspace = size_t(64) << 20;
+constexpr size_t kStagingBytes = size_t(64) << 20;  // per pinned staging buffer (2 of them)
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Bump allocation inside one cudaMalloc; with base == nullptr it only measures.
+struct Bump {
+  char* base = nullptr;
+  size_t off = 0;
+  template <typename T>
+  T* take(int64_t n) {
+    off = align_up(off, 256);
+    T* p = base ? reinterpret_cast<T*>(base + off) : nullptr;
+    off += sizeof(T) * static_cast<size_t>(n);
+    return p;
+  }
+};
+
+struct DevLayer {
+  LayerType type = LayerType::kLinear;
+  int fl = -1, ll = -1;  // index among the full-attention / GDN layers
+  bf16* input_norm = nullptr;  // [d_model]
+  bf16* post_norm = nullptr;   // [d_model]
+  bf16* gate_up = nullptr;     // [2*d_ff, d_model]
+  bf16* down = nullptr;        // [d_model, d_ff]
+  bf16* attn_qkv = nullptr;    // [q_proj_dim + 2*kv_dim, d_model]
+  bf16* attn_o = nullptr;      // [d_model, n_heads*head_dim]
+  bf16* q_norm = nullptr;      // [head_dim]
+  bf16* k_norm = nullptr;      // [head_dim]
+  bf16* gdn_in = nullptr;      // [gdn_in_dim, d_model]
+  bf16* gdn_conv = nullptr;    // [gdn_qkv_dim, conv_kernel]
+  bf16* gdn_norm = nullptr;    // [d_v]
+  bf16* gdn_out = nullptr;     // [d_model, n_v_heads*d_v]
+  float* A_log = nullptr;      // [n_v_heads]
+  float* dt_bias = nullptr;    // [n_v_heads]
+};
+
+struct DevWeights {
+  bf16* embed = nullptr;       // [vocab, d_model]
+  bf16* final_norm = nullptr;  // [d_model]
+  bf16* lm_head = nullptr;     // [vocab, d_model] (== embed when tied)
+  std::vector<DevLayer> layers;
+};
+
+// Lays the weights out in `b` (measure first with an empty Bump, then assign).
+void layout_weights(const ModelConfig& c, Bump& b, DevWeights& w) {
+  const int64_t d = c.d_model;
+  w.embed = b.take<bf16>(int64_t(c.vocab_size) * d);
+  w.final_norm = b.take<bf16>(d);
+  w.lm_head = c.tie_word_embeddings ? w.embed : b.take<bf16>(int64_t(c.vocab_size) * d);
+  w.layers.assign(c.n_layers, {});
+  int fl = 0, ll = 0;
+  for (int il = 0; il < c.n_layers; ++il) {
+    DevLayer& L = w.layers[il];
+    L.type = c.layer_types[il];
+    L.input_norm = b.take<bf16>(d);
+    L.post_norm = b.take<bf16>(d);
+    L.gate_up = b.take<bf16>(2 * int64_t(c.d_ff) * d);
+    L.down = b.take<bf16>(d * c.d_ff);
+    if (L.type == LayerType::kFull) {
+      L.fl = fl++;
+      L.attn_qkv = b.take<bf16>(int64_t(c.q_proj_dim() + 2 * c.kv_dim()) * d);
+      L.attn_o = b.take<bf16>(d * c.attn_out_dim());
+      L.q_norm = b.take<bf16>(c.head_dim);
+      L.k_norm = b.take<bf16>(c.head_dim);
+    } else {
+      L.ll = ll++;
+      L.gdn_in = b.take<bf16>(int64_t(c.gdn_in_dim()) * d);
+      L.gdn_conv = b.take<bf16>(int64_t(c.gdn_qkv_dim()) * c.conv_kernel);
+      L.gdn_norm = b.take<bf16>(c.d_v);
+      L.gdn_out = b.take<bf16>(d * c.gdn_z_dim());
+      L.A_log = b.take<float>(c.n_v_heads);
+      L.dt_bias = b.take<float>(c.n_v_heads);
+    }
+  }
+}
+
+// The device buffer of a HostWeights / checkpoint field, and whether it is stored as fp32.
+void* field_ptr(const DevWeights& w, const WeightSpec& s, int layer, bool& f32) {
+  f32 = false;
+  if (s.global_field) {
+    if (s.global_field == &HostWeights::embed) return w.embed;
+    if (s.global_field == &HostWeights::final_norm) return w.final_norm;
+    if (s.global_field == &HostWeights::lm_head) return w.lm_head;
+  } else {
+    const DevLayer& L = w.layers.at(layer);
+    const auto f = s.layer_field;
+    if (f == &LayerWeights::input_norm) return L.input_norm;
+    if (f == &LayerWeights::post_norm) return L.post_norm;
+    if (f == &LayerWeights::mlp_gate_up) return L.gate_up;
+    if (f == &LayerWeights::mlp_down) return L.down;
+    if (f == &LayerWeights::attn_qkv) return L.attn_qkv;
+    if (f == &LayerWeights::attn_o) return L.attn_o;
+    if (f == &LayerWeights::q_norm) return L.q_norm;
+    if (f == &LayerWeights::k_norm) return L.k_norm;
+    if (f == &LayerWeights::gdn_in) return L.gdn_in;
+    if (f == &LayerWeights::gdn_conv) return L.gdn_conv;
+    if (f == &LayerWeights::gdn_norm) return L.gdn_norm;
+    if (f == &LayerWeights::gdn_out) return L.gdn_out;
+    f32 = true;
+    if (f == &LayerWeights::gdn_A_log) return L.A_log;
+    if (f == &LayerWeights::gdn_dt_bias) return L.dt_bias;
+  }
+  ds::throw_error("cuda engine: no device buffer for tensor ", s.name);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(const BackendOptions& opt, const ModelConfig& cfg, const CudaEngineOptions& eopt);
+  ~CudaBackend() override;
+
+  void upload(const HostWeights& w);
+  void generate_synthetic(uint64_t seed);
+
+  const ModelConfig& config() const override { return cfg_; }
+  std::string name() const override { return "cuda:" + std::to_string(device_); }
+  int n_slots() const override { return n_slots_; }
+  int max_seq_len() const override { return layout_.max_seq_len; }
+  int slot_len(int slot) const override {
+    check_slot(slot);
+    return slot_len_[slot];
+  }
+  bool can_grow(int slot, int n_new) const override;
+  void reset_slot(int slot) override;
+  MemoryUsage memory() const override;
+  void step(std::span<const SeqWork> work, std::vector<float>& logits) override;
+
+ private:
+  struct Piece {
+    int item;      // index into work
+    int slot;
+    int offset;    // first token of the item in this piece
+    int n;         // tokens in this piece
+    int pos0;      // tokens the slot held before the piece
+  };
+  void check_slot(int slot) const {
+    DS_CHECK(slot >= 0 && slot < n_slots_, "slot ", slot, " out of range [0, ", n_slots_, ")");
+  }
+  int blocks_for(int tokens) const { return (tokens + page_size_ - 1) / page_size_; }
+  void forward(std::span<const SeqWork> work, const std::vector<Piece>& pieces,
+               const std::vector<int64_t>& row_base, std::vector<float>& logits);
+  cuda::GdnStatePool gdn_pool(int ll) const {
+    cuda::GdnStatePool p;
+    const int64_t conv_slot = 4 * int64_t(cfg_.gdn_qkv_dim());
+    const int64_t rec_slot = int64_t(cfg_.n_v_heads) * cfg_.d_v * cfg_.d_k;
+    p.conv_state = conv_state_ + ll * n_slots_ * conv_slot;
+    p.rec_state = rec_state_ + ll * n_slots_ * rec_slot;
+    p.conv_slot_stride = conv_slot;
+    p.rec_slot_stride = rec_slot;
+    return p;
+  }
+
+  ModelConfig cfg_;
+  CudaEngineOptions eopt_;
+  int device_ = 0, sm_ = 0, n_sms_ = 0;
+  int n_slots_ = 0, page_size_ = 0, chunk_size_ = 0;
+  CudaMemoryLayout layout_;
+  cudaStream_t stream_ = nullptr;
+  cuda::DispatchRegistry dispatch_;
+  std::unique_ptr<cuda::GemmEngine> gemm_;
+  cuda::AttnShape attn_;
+  cuda::GdnShape gdn_;
+
+  // Device memory.
+  void* weight_mem_ = nullptr;
+  void* kv_mem_ = nullptr;
+  void* state_mem_ = nullptr;
+  void* act_mem_ = nullptr;
+  DevWeights w_;
+  bf16* kv_pool_ = nullptr;     // [n_full, 2, n_blocks, n_kv_heads, page_size, head_dim]
+  bf16* conv_state_ = nullptr;  // [n_linear, n_slots, 4, gdn_qkv_dim]
+  float* rec_state_ = nullptr;  // [n_linear, n_slots, n_v_heads, d_v, d_k]
+  bf16 *h_ = nullptr, *xn_ = nullptr, *delta_ = nullptr;  // [T, d_model]
+  bf16* proj_ = nullptr;   // [T, max(gdn_in_dim, attn qkv, 2*d_ff)]
+  bf16* mix_ = nullptr;    // [T, max(n_v*d_v, n_heads*head_dim)]
+  bf16* q_ = nullptr;      // [T, n_heads*head_dim]
+  bf16* act_ = nullptr;    // [T, d_ff]
+  bf16* lrows_ = nullptr;  // [logits_rows, d_model]
+  float* dlogits_ = nullptr;  // [logits_rows, vocab]
+  void* gdn_ws_ = nullptr;
+  size_t gdn_ws_bytes_ = 0;
+  void* attn_ws_ = nullptr;
+  int32_t* dmeta_ = nullptr;   // device metadata
+  int32_t* hmeta_ = nullptr;   // pinned mirror
+  size_t meta_ints_ = 0;
+
+  // Host block manager.
+  std::vector<int> free_blocks_;
+  std::vector<std::vector<int>> slot_blocks_;
+  std::vector<int> slot_len_;
+};
+
+CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
+                         const CudaEngineOptions& eopt)
+    : cfg_(cfg), eopt_(eopt) {
+  cfg_.validate();
+  DS_CHECK(opt.n_slots >= 1, "cuda engine: n_slots must be at least 1, got ", opt.n_slots);
+  DS_CHECK(opt.chunk_size >= 1, "cuda engine: chunk_size must be at least 1, got ", opt.chunk_size);
+  DS_CHECK(eopt.page_size >= 1, "cuda engine: page_size must be at least 1");
+  DS_CHECK(eopt.logits_rows >= 1, "cuda engine: logits_rows must be at least 1");
+  if (!opt.device.empty() && opt.device != "cuda") {
+    DS_CHECK(opt.device.rfind("cuda:", 0) == 0, "cuda engine: bad device '", opt.device, "'");
+    try {
+      device_ = std::stoi(opt.device.substr(5));
+    } catch (...) {
+      ds::throw_error("cuda engine: bad device '", opt.device, "' (expected cuda or cuda:N)");
+    }
+  }
+  int n_dev = 0;
+  DS_CUDA_CHECK(cudaGetDeviceCount(&n_dev));
+  DS_CHECK(device_ >= 0 && device_ < n_dev, "cuda engine: device ", device_, " not present (",
+           n_dev, " GPUs)");
+  DS_CUDA_CHECK(cudaSetDevice(device_));
+  cudaDeviceProp prop{};
+  DS_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_));
+  sm_ = prop.major * 10 + prop.minor;
+  n_sms_ = prop.multiProcessorCount;
+  DS_CHECK(sm_ == 90, "cuda engine: built for sm_90a (Hopper) only, device ", device_, " is ",
+           prop.name, " (sm_", sm_, ")");
+  dispatch_ = cuda::DispatchRegistry::with_defaults(sm_, eopt.disable_kernels);
+  n_slots_ = opt.n_slots;
+  page_size_ = eopt.page_size;
+  chunk_size_ = opt.chunk_size;
+
+  attn_.n_heads = cfg_.n_heads;
+  attn_.n_kv_heads = cfg_.n_kv_heads;
+  attn_.head_dim = cfg_.head_dim;
+  attn_.rotary_dim = cfg_.rotary_dim;
+  attn_.gated = cfg_.attn_output_gate;
+  attn_.rope_theta = static_cast<float>(cfg_.rope_theta);
+  attn_.eps = cfg_.rms_norm_eps;
+  attn_.page_size = page_size_;
+  gdn_.n_k_heads = cfg_.n_k_heads;
+  gdn_.n_v_heads = cfg_.n_v_heads;
+  gdn_.d_k = cfg_.d_k;
+  gdn_.d_v = cfg_.d_v;
+  gdn_.conv_kernel = cfg_.conv_kernel;
+  gdn_.norm_eps = cfg_.rms_norm_eps;
+  const int n_full = cfg_.n_full_layers(), n_lin = cfg_.n_linear_layers();
+  if (n_full > 0) cuda::check_attn_shape(attn_);
+  if (n_lin > 0) cuda::check_gdn_shape(gdn_);
+
+  // ---- Memory plan ----
+  const int64_t T = chunk_size_;
+  const int64_t d = cfg_.d_model;
+  Bump wb;
+  DevWeights tmp;
+  layout_weights(cfg_, wb, tmp);
+  layout_.weight_bytes = static_cast<int64_t>(wb.off);
+  layout_.max_step_tokens = chunk_size_;
+  const int64_t proj_w = std::max<int64_t>(
+      {n_lin ? cfg_.gdn_in_dim() : 0, n_full ? attn_.qkv_dim() : 0, 2 * int64_t(cfg_.d_ff)});
+  const int64_t mix_w = std::max<int64_t>(n_lin ? cfg_.gdn_z_dim() : 0, n_full ? cfg_.attn_out_dim() : 0);
+  const int logit_rows = eopt_.logits_rows;
+  gdn_ws_bytes_ = n_lin ? cuda::gdn_prefill_workspace_bytes(gdn_, chunk_size_, n_slots_) : 0;
+  const size_t attn_ws = n_full ? cuda::attention_decode_workspace_bytes(attn_, n_slots_, kMaxDecodeSplits) : 0;
+  const int64_t conv_slot = 4 * int64_t(cfg_.gdn_qkv_dim());
+  const int64_t rec_slot = int64_t(cfg_.n_v_heads) * cfg_.d_v * cfg_.d_k;
+  layout_.gdn_state_bytes = int64_t(n_lin) * n_slots_ * (conv_slot * 2 + rec_slot * 4);
+  layout_.kv_block_bytes = int64_t(n_full) * 2 * cfg_.n_kv_heads * page_size_ * cfg_.head_dim * 2;
+  auto measure_acts = [&](Bump& b) {
+    h_ = b.take<bf16>(T * d);
+    xn_ = b.take<bf16>(T * d);
+    delta_ = b.take<bf16>(T * d);
+    proj_ = b.take<bf16>(T * proj_w);
+    mix_ = b.take<bf16>(T * mix_w);
+    q_ = b.take<bf16>(T * int64_t(cfg_.n_heads) * cfg_.head_dim);
+    act_ = b.take<bf16>(T * cfg_.d_ff);
+    lrows_ = b.take<bf16>(int64_t(logit_rows) * d);
+    dlogits_ = b.take<float>(int64_t(logit_rows) * cfg_.vocab_size);
+    gdn_ws_ = b.take<char>(static_cast<int64_t>(gdn_ws_bytes_));
+    attn_ws_ = b.take<char>(static_cast<int64_t>(attn_ws));
+  };
+  Bump ab;
+  measure_acts(ab);
+  layout_.activation_bytes = static_cast<int64_t>(ab.off) - static_cast<int64_t>(gdn_ws_bytes_ + attn_ws);
+  layout_.workspace_bytes = static_cast<int64_t>(gdn_ws_bytes_ + attn_ws + kGemmWorkspace);
+
+  const int max_pos = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : (1 << 20);
+  const int want_len = opt.max_seq_len > 0 ? opt.max_seq_len : max_pos;
+  size_t free_b = 0, total_b = 0;
+  DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const int64_t budget = std::min<int64_t>(static_cast<int64_t>(free_b),
+                                           static_cast<int64_t>(eopt_.memory_fraction * total_b));
+  layout_.reserve_bytes = std::max<int64_t>(int64_t(1) << 30, static_cast<int64_t>(total_b) / 50);
+  const int64_t fixed = layout_.weight_bytes + layout_.gdn_state_bytes + layout_.activation_bytes +
+                        layout_.workspace_bytes + layout_.reserve_bytes;
+  if (fixed > budget) {
+    ds::throw_error("cuda engine: the model does not fit on ", prop.name, ": weights ",
+                    format_bytes(layout_.weight_bytes), " + GDN state ",
+                    format_bytes(layout_.gdn_state_bytes), " + activations ",
+                    format_bytes(layout_.activation_bytes), " + workspaces ",
+                    format_bytes(layout_.workspace_bytes), " + reserve ",
+                    format_bytes(layout_.reserve_bytes), " > budget ", format_bytes(budget),
+                    " (try fewer slots or a smaller chunk size)");
+  }
+  int64_t n_blocks = int64_t(n_slots_) * blocks_for(want_len);
+  if (layout_.kv_block_bytes > 0) {
+    n_blocks = std::min<int64_t>(n_blocks, (budget - fixed) / layout_.kv_block_bytes);
+    if (eopt_.max_kv_tokens > 0)
+      n_blocks = std::min<int64_t>(n_blocks, (eopt_.max_kv_tokens + page_size_ - 1) / page_size_);
+    DS_CHECK(n_blocks >= 1, "cuda engine: no memory left for the KV cache");
+    n_blocks = std::min<int64_t>(n_blocks, INT32_MAX / 2);
+    layout_.max_seq_len = static_cast<int>(std::min<int64_t>(want_len, n_blocks * page_size_));
+  } else {
+    layout_.max_seq_len = want_len;  // no attention layer: no KV cache
+    n_blocks = 0;
+  }
+  DS_CHECK(opt.max_seq_len <= 0 || layout_.max_seq_len == opt.max_seq_len, "cuda engine: ",
+           opt.max_seq_len, " tokens per sequence requested, only ", layout_.max_seq_len,
+           " fit in the KV pool");
+  layout_.n_kv_blocks = n_blocks;
+  layout_.max_blocks_per_seq = blocks_for(layout_.max_seq_len);
+
+  // ---- Allocation ----
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  gemm_ = std::make_unique<cuda::GemmEngine>(kGemmWorkspace);
+  DS_CUDA_CHECK(cudaMalloc(&weight_mem_, layout_.weight_bytes));
+  wb = Bump{static_cast<char*>(weight_mem_)};
+  layout_weights(cfg_, wb, w_);
+  if (n_blocks > 0) {
+    DS_CUDA_CHECK(cudaMalloc(&kv_mem_, n_blocks * layout_.kv_block_bytes));
+    kv_pool_ = static_cast<bf16*>(kv_mem_);
+  }
+  if (layout_.gdn_state_bytes > 0) {
+    DS_CUDA_CHECK(cudaMalloc(&state_mem_, layout_.gdn_state_bytes + 512));
+    Bump sb{static_cast<char*>(state_mem_)};
+    conv_state_ = sb.take<bf16>(int64_t(n_lin) * n_slots_ * conv_slot);
+    rec_state_ = sb.take<float>(int64_t(n_lin) * n_slots_ * rec_slot);
+  }
+  DS_CUDA_CHECK(cudaMalloc(&act_mem_, ab.off + 256));
+  ab = Bump{static_cast<char*>(act_mem_)};
+  measure_acts(ab);
+  meta_ints_ = 4 * size_t(T) + 7 * size_t(n_slots_) + 1 +
+               size_t(n_slots_) * layout_.max_blocks_per_seq;
+  DS_CUDA_CHECK(cudaMalloc(&dmeta_, meta_ints_ * sizeof(int32_t)));
+  DS_CUDA_CHECK(cudaMallocHost(&hmeta_, meta_ints_ * sizeof(int32_t)));
+
+  // Block manager: every block free; lowest ids handed out first.
+  free_blocks_.resize(n_blocks);
+  for (int64_t i = 0; i < n_blocks; ++i) free_blocks_[i] = static_cast<int>(n_blocks - 1 - i);
+  slot_blocks_.assign(n_slots_, {});
+  slot_len_.assign(n_slots_, 0);
+
+  // GEMM plans for the decode shapes (1..n_slots tokens); prompt shapes are planned on first use.
+  for (int m = 1; m <= std::min(n_slots_, chunk_size_); ++m) {
+    if (n_lin) {
+      gemm_->prepare(m, cfg_.gdn_in_dim(), d, cuda::GemmOut::kBF16);
+      gemm_->prepare(m, d, cfg_.gdn_z_dim(), cuda::GemmOut::kBF16);
+    }
+    if (n_full) {
+      gemm_->prepare(m, attn_.qkv_dim(), d, cuda::GemmOut::kBF16);
+      gemm_->prepare(m, d, cfg_.attn_out_dim(), cuda::GemmOut::kBF16);
+    }
+    gemm_->prepare(m, 2 * cfg_.d_ff, d, cuda::GemmOut::kBF16);
+    gemm_->prepare(m, d, cfg_.d_ff, cuda::GemmOut::kBF16);
+    if (m <= logit_rows) gemm_->prepare(m, cfg_.vocab_size, d, cuda::GemmOut::kF32);
+  }
+  if (eopt_.verbose) {
+    std::fprintf(stderr, "cuda engine: %s (sm_%d, %d SMs), %s total, %s free\n%s", prop.name, sm_,
+                 n_sms_, format_bytes(total_b).c_str(), format_bytes(free_b).c_str(),
+                 layout_.to_text().c_str());
+    std::fprintf(stderr, "cuda engine: kernel dispatch table\n%s", dispatch_.list().c_str());
+  }
+}
+
+CudaBackend::~CudaBackend() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  gemm_.reset();
+  cudaFree(weight_mem_);
+  cudaFree(kv_mem_);
+  cudaFree(state_mem_);
+  cudaFree(act_mem_);
+  cudaFree(dmeta_);
+  cudaFreeHost(hmeta_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+// Copies the host tensors into the device layout through two pinned staging buffers (copy of
+// one overlaps the host fill of the other); f16 / f32 tensors are converted to bf16 on the way.
+void CudaBackend::upload(const HostWeights& hw) {
+  const auto t0 = std::chrono::steady_clock::now();
+  DS_CHECK(hw.layers.size() == static_cast<size_t>(cfg_.n_layers), "cuda engine: weights have ",
+           hw.layers.size(), " layers, config ", cfg_.n_layers);
+  std::vector<std::pair<const TensorView*, std::pair<void*, bool>>> jobs;  // view -> (dst, f32)
+  auto add = [&](const TensorView& v, void* dst, int64_t numel, bool f32) {
+    DS_CHECK(!v.empty(), "cuda engine: tensor ", v.name, " missing from the weights");
+    DS_CHECK(v.numel() == numel, "cuda engine: tensor ", v.name, " has ", v.numel(),
+             " elements, the config needs ", numel);
+    DS_CHECK(v.dtype == DType::kBF16 || v.dtype == DType::kF16 || v.dtype == DType::kF32,
+             "cuda engine: tensor ", v.name, " has dtype ", dtype_name(v.dtype),
+             " (bf16, f16 or f32 supported)");
+    jobs.push_back({&v, {dst, f32}});
+  };
+  const int64_t d = cfg_.d_model;
+  add(hw.embed, w_.embed, int64_t(cfg_.vocab_size) * d, false);
+  add(hw.final_norm, w_.final_norm, d, false);
+  if (!cfg_.tie_word_embeddings) add(hw.lm_head, w_.lm_head, int64_t(cfg_.vocab_size) * d, false);
+  for (int il = 0; il < cfg_.n_layers; ++il) {
+    const LayerWeights& H = hw.layers[il];
+    const DevLayer& L = w_.layers[il];
+    DS_CHECK(H.type == L.type, "cuda engine: layer ", il, " type differs from the config");
+    add(H.input_norm, L.input_norm, d, false);
+    add(H.post_norm, L.post_norm, d, false);
+    add(H.mlp_gate_up, L.gate_up, 2 * int64_t(cfg_.d_ff) * d, false);
+    add(H.mlp_down, L.down, d * cfg_.d_ff, false);
+    if (L.type == LayerType::kFull) {
+      add(H.attn_qkv, L.attn_qkv, int64_t(attn_.qkv_dim()) * d, false);
+      add(H.attn_o, L.attn_o, d * cfg_.attn_out_dim(), false);
+      add(H.q_norm, L.q_norm, cfg_.head_dim, false);
+      add(H.k_norm, L.k_norm, cfg_.head_dim, false);
+    } else {
+      add(H.gdn_in, L.gdn_in, int64_t(cfg_.gdn_in_dim()) * d, false);
+      add(H.gdn_conv, L.gdn_conv, int64_t(cfg_.gdn_qkv_dim()) * cfg_.conv_kernel, false);
+      add(H.gdn_norm, L.gdn_norm, cfg_.d_v, false);
+      add(H.gdn_out, L.gdn_out, d * cfg_.gdn_z_dim(), false);
+      add(H.gdn_A_log, L.A_log, cfg_.n_v_heads, true);
+      add(H.gdn_dt_bias, L.dt_bias, cfg_.n_v_heads, true);
+    }
+  }
+  void* stage[2] = {nullptr, nullptr};
+  cudaEvent_t done[2];
+  DS_CUDA_CHECK(cudaMallocHost(&stage[0], kStagingBytes));
+  DS_CUDA_CHECK(cudaMallocHost(&stage[1], kStagingBytes));
+  DS_CUDA_CHECK(cudaEventCreateWithFlags(&done[0], cudaEventDisableTiming));
+  DS_CUDA_CHECK(cudaEventCreateWithFlags(&done[1], cudaEventDisableTiming));
+  int buf = 0;
+  int64_t bytes = 0;
+  std::vector<float> tmp;
+  for (auto& [v, dst] : jobs) {
+    const size_t out_elem = dst.second ? 4 : 2;
+    const int64_t n = v->numel();
+    const int64_t per_chunk = static_cast<int64_t>(kStagingBytes / 4);  // elements (fits f32 out)
+    for (int64_t e0 = 0; e0 < n; e0 += per_chunk) {
+      const int64_t e1 = std::min(n, e0 + per_chunk);
+      DS_CUDA_CHECK(cudaEventSynchronize(done[buf]));
+      char* st = static_cast<char*>(stage[buf]);
+      if (!dst.second && v->dtype == DType::kBF16) {
+        std::memcpy(st, v->data + e0 * 2, (e1 - e0) * 2);
+      } else {
+        for (int64_t i = e0; i < e1; ++i) {
+          const float f = v->at(i);
+          if (dst.second) {
+            std::memcpy(st + (i - e0) * 4, &f, 4);
+          } else {
+            const uint16_t b = f32_to_bf16(f);
+            std::memcpy(st + (i - e0) * 2, &b, 2);
+          }
+        }
+      }
+      DS_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst.first) + e0 * out_elem, st,
+                                    (e1 - e0) * out_elem, cudaMemcpyHostToDevice, stream_));
+      DS_CUDA_CHECK(cudaEventRecord(done[buf], stream_));
+      bytes += (e1 - e0) * out_elem;
+      buf ^= 1;
+    }
+  }
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  cudaEventDestroy(done[0]);
+  cudaEventDestroy(done[1]);
+  cudaFreeHost(stage[0]);
+  cudaFreeHost(stage[1]);
+  const double s = seconds_since(t0);
+  if (eopt_.verbose)
+    std::fprintf(stderr, "cuda engine: uploaded %s of weights from %s in %.2f s (%.2f GB/s)\n",
+                 format_bytes(bytes).c_str(), hw.source.c_str(), s, bytes / s / 1e9);
+}
+
+// Device synthetic weights: the large normal tensors by the device generator (bit-identical to
+// the host one), the few log-uniform / fp32 ones (A_log, dt_bias) on the host, rounded through
+// bf16 exactly as make_synthetic_weights stores them.
+void CudaBackend::generate_synthetic(uint64_t seed) {
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t bytes = 0;
+  for (const CheckpointTensor& t : checkpoint_tensors(cfg_)) {
+    bool f32 = false;
+    void* base = field_ptr(w_, *t.spec, t.layer, f32);
+    const SyntheticSpec spec = synthetic_tensor_spec(cfg_, t.name, seed);
+    const int64_t n = t.numel();
+    const int64_t row_elems = n / t.shape[0];
+    if (f32 || spec.kind != SyntheticKind::kNormal) {
+      DS_CHECK(f32, "cuda engine: no device generator for tensor ", t.name);
+      std::vector<float> host(n);
+      for (int64_t i = 0; i < n; ++i) host[i] = round_bf16(synthetic_value(spec, uint64_t(i)));
+      float* dst = static_cast<float*>(base) + t.row_offset * row_elems;
+      DS_CUDA_CHECK(cudaMemcpyAsync(dst, host.data(), n * 4, cudaMemcpyHostToDevice, stream_));
+      DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      bytes += n * 4;
+    } else {
+      bf16* dst = static_cast<bf16*>(base) + t.row_offset * row_elems;
+      cuda::launch_fill_synthetic_normal_bf16(dst, n, spec.seed, spec.mean, spec.std, stream_);
+      bytes += n * 2;
+    }
+  }
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const double s = seconds_since(t0);
+  if (eopt_.verbose)
+    std::fprintf(stderr, "cuda engine: generated %s of synthetic weights (seed %llu) on the device in %.2f s\n",
+                 format_bytes(bytes).c_str(), static_cast<unsigned long long>(seed), s);
+}
+
+bool CudaBackend::can_grow(int slot, int n_new) const {
+  check_slot(slot);
+  if (n_new < 0) return false;
+  const int64_t len = int64_t(slot_len_[slot]) + n_new;
+  if (len > layout_.max_seq_len) return false;
+  if (layout_.kv_block_bytes == 0) return true;
+  const int64_t need = blocks_for(static_cast<int>(len)) - int64_t(slot_blocks_[slot].size());
+  return need <= static_cast<int64_t>(free_blocks_.size());
+}
+
+void CudaBackend::reset_slot(int slot) {
+  check_slot(slot);
+  for (auto it = slot_blocks_[slot].rbegin(); it != slot_blocks_[slot].rend(); ++it)
+    free_blocks_.push_back(*it);
+  slot_blocks_[slot].clear();
+  slot_len_[slot] = 0;  // GDN state: a sequence at position 0 starts from zero state (gdn.h)
+}
+
+MemoryUsage CudaBackend::memory() const {
+  MemoryUsage m;
+  m.kv_blocks_total = layout_.n_kv_blocks;
+  m.kv_blocks_used = layout_.n_kv_blocks - static_cast<int64_t>(free_blocks_.size());
+  m.state_slots_total = n_slots_;
+  for (int s = 0; s < n_slots_; ++s) m.state_slots_used += slot_len_[s] > 0;
+  m.page_size = page_size_;
+  return m;
+}
+
+void CudaBackend::step(std::span<const SeqWork> work, std::vector<float>& logits) {
+  // Validate everything before touching any state.
+  std::vector<char> seen(n_slots_, 0);
+  int64_t need_blocks = 0, total_rows = 0;
+  std::vector<int64_t> row_base(work.size());
+  for (size_t i = 0; i < work.size(); ++i) {
+    const SeqWork& w = work[i];
+    check_slot(w.slot);
+    DS_CHECK(!seen[w.slot], "step: slot ", w.slot, " appears twice in one step");
+    seen[w.slot] = 1;
+    DS_CHECK(!w.tokens.empty(), "step: empty token list for slot ", w.slot);
+    for (int32_t t : w.tokens)
+      DS_CHECK(t >= 0 && t < cfg_.vocab_size, "step: token id ", t, " out of range [0, ",
+               cfg_.vocab_size, ") for slot ", w.slot);
+    const int64_t len = int64_t(slot_len_[w.slot]) + int64_t(w.tokens.size());
+    DS_CHECK(len <= layout_.max_seq_len, "step: slot ", w.slot, " would hold ", len,
+             " tokens, more than the engine's max_seq_len ", layout_.max_seq_len);
+    if (layout_.kv_block_bytes > 0)
+      need_blocks += std::max<int64_t>(0, blocks_for(static_cast<int>(len)) -
+                                              int64_t(slot_blocks_[w.slot].size()));
+    row_base[i] = total_rows;
+    total_rows += w.all_logits ? int64_t(w.tokens.size()) : 1;
+  }
+  DS_CHECK(need_blocks <= static_cast<int64_t>(free_blocks_.size()), "step: the KV pool is full (",
+           need_blocks, " blocks of ", page_size_, " tokens needed, ", free_blocks_.size(),
+           " free of ", layout_.n_kv_blocks, ")");
+  logits.assign(static_cast<size_t>(total_rows) * cfg_.vocab_size, 0.f);
+
+  // Chunked execution: each forward takes at most chunk_size tokens in all.
+  std::vector<int> done(work.size(), 0);
+  for (;;) {
+    std::vector<Piece> pieces;
+    int budget = chunk_size_;
+    for (size_t i = 0; i < work.size() && budget > 0; ++i) {
+      const int left = static_cast<int>(work[i].tokens.size()) - done[i];
+      if (left <= 0) continue;
+      const int n = std::min(left, budget);
+      pieces.push_back({static_cast<int>(i), work[i].slot, done[i], n, slot_len_[work[i].slot]});
+      budget -= n;
+    }
+    if (pieces.empty()) break;
+    forward(work, pieces, row_base, logits);
+    for (const Piece& p : pieces) done[p.item] += p.n;
+  }
+}
+
+void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece>& pieces,
+                          const std::vector<int64_t>& row_base, std::vector<float>& logits) {
+  const ModelConfig& c = cfg_;
+  const int S = static_cast<int>(pieces.size());
+  int T = 0, max_q = 0, max_kv = 0;
+  bool decode = true;
+  for (const Piece& p : pieces) {
+    T += p.n;
+    max_q = std::max(max_q, p.n);
+    max_kv = std::max(max_kv, p.pos0 + p.n);
+    decode = decode && p.n == 1 && p.pos0 > 0;
+  }
+  // KV blocks for the new tokens (validated in step()).
+  if (layout_.kv_block_bytes > 0) {
+    for (const Piece& p : pieces) {
+      auto& blocks = slot_blocks_[p.slot];
+      while (static_cast<int>(blocks.size()) < blocks_for(p.pos0 + p.n)) {
+        blocks.push_back(free_blocks_.back());
+        free_blocks_.pop_back();
+      }
+    }
+  }
+
+  // Step metadata, one host->device copy.
+  const int MB = layout_.max_blocks_per_seq;
+  int32_t* m = hmeta_;
+  int32_t *tokens = m, *positions = m + T, *slot_map = m + 2 * T, *gather = m + 3 * T;
+  int32_t* q_start = m + 4 * T;
+  int32_t *q_len = q_start + S, *kv_len = q_len + S, *seq_pos = kv_len + S, *slot_ids = seq_pos + S;
+  int32_t* cu = slot_ids + S;  // [S + 1]
+  int32_t* btab = cu + S + 1;  // [S, MB]
+  std::vector<int64_t> out_row;  // logits row of each gathered hidden row
+  int n_gather = 0;
+  int t = 0;
+  for (int i = 0; i < S; ++i) {
+    const Piece& p = pieces[i];
+    const SeqWork& w = work[p.item];
+    q_start[i] = t;
+    cu[i] = t;
+    q_len[i] = p.n;
+    kv_len[i] = p.pos0 + p.n;
+    seq_pos[i] = p.pos0;
+    slot_ids[i] = p.slot;
+    const auto& blocks = slot_blocks_[p.slot];
+    for (int b = 0; b < MB; ++b) btab[i * MB + b] = b < static_cast<int>(blocks.size()) ? blocks[b] : 0;
+    for (int j = 0; j < p.n; ++j, ++t) {
+      const int pos = p.pos0 + j;
+      tokens[t] = w.tokens[p.offset + j];
+      positions[t] = pos;
+      slot_map[t] = layout_.kv_block_bytes > 0 ? blocks[pos / page_size_] * page_size_ + pos % page_size_ : -1;
+      const bool last_of_item = p.offset + j == static_cast<int>(w.tokens.size()) - 1;
+      if (w.all_logits) {
+        gather[n_gather++] = t;
+        out_row.push_back(row_base[p.item] + p.offset + j);
+      } else if (last_of_item) {
+        gather[n_gather++] = t;
+        out_row.push_back(row_base[p.item]);
+      }
+    }
+  }
+  cu[S] = T;
+  const size_t n_meta = 4 * size_t(T) + 6 * size_t(S) + 1 + size_t(S) * MB;
+  // Compact: the arrays above were laid out for this T and S, so copy the used prefix.
+  DS_CUDA_CHECK(cudaMemcpyAsync(dmeta_, hmeta_, n_meta * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  int32_t* d = dmeta_;
+  const int32_t *d_tokens = d, *d_positions = d + T, *d_slot_map = d + 2 * T, *d_gather = d + 3 * T;
+  const int32_t* d_q_start = d + 4 * T;
+  const int32_t *d_q_len = d_q_start + S, *d_kv_len = d_q_len + S, *d_seq_pos = d_kv_len + S,
+                *d_slot_ids = d_seq_pos + S, *d_cu = d_slot_ids + S, *d_btab = d_cu + S + 1;
+
+  cuda::AttnBatch ab;
+  ab.n_seqs = S;
+  ab.q_start = d_q_start;
+  ab.q_len = d_q_len;
+  ab.kv_len = d_kv_len;
+  ab.block_table = d_btab;
+  ab.block_table_stride = MB;
+  ab.max_q_len = max_q;
+  ab.max_kv_len = max_kv;
+  const int group = c.n_heads / std::max(1, c.n_kv_heads);
+  const bool attn_split_kv =
+      decode && dispatch_.picks(KernelFamily::kAttnDecode,
+                                dispatch_.key(c.head_dim, group, S, max_kv), "split_kv");
+  const bool gdn_fused_decode =
+      decode && dispatch_.picks(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, S), "fused");
+  int kv_chunk = 0, n_splits = 0;
+  if (attn_split_kv) {
+    kv_chunk = cuda::attention_decode_kv_chunk(S, c.n_kv_heads, max_kv, n_sms_, kMaxDecodeSplits);
+    n_splits = (max_kv + kv_chunk - 1) / kv_chunk;
+  }
+  cuda::AttnGate gate;
+  if (attn_.gated) {
+    gate.ptr = proj_ + c.head_dim;
+    gate.token_stride = attn_.qkv_dim();
+    gate.head_stride = 2 * c.head_dim;
+  }
+  const float eps = c.rms_norm_eps;
+  const int dm = c.d_model;
+  auto gemm = [&](const bf16* x, const bf16* wt, bf16* y, int n, int k) {
+    gemm_->run(x, wt, y, T, n, k, cuda::GemmOut::kBF16, stream_);
+  };
+
+  // ---- The forward ----
+  cuda::launch_gather_rows(w_.embed, d_tokens, T, dm, h_, stream_);
+  for (int il = 0; il < c.n_layers; ++il) {
+    const DevLayer& L = w_.layers[il];
+    // h += previous layer's MLP output; xn = input_layernorm(h)
+    cuda::launch_add_rmsnorm(h_, il == 0 ? nullptr : delta_, L.input_norm, T, dm, eps, 1.f, xn_, stream_);
+    if (L.type == LayerType::kLinear) {
+      gemm(xn_, L.gdn_in, proj_, c.gdn_in_dim(), dm);  // [qkv | z | b | a]
+      cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
+      if (gdn_fused_decode)
+        cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d_seq_pos, d_slot_ids, S, mix_, stream_);
+      else
+        cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_, d_cu, d_seq_pos, d_slot_ids, S, T,
+                                 gdn_ws_, gdn_ws_bytes_, mix_, stream_);
+      gemm(mix_, L.gdn_out, delta_, dm, c.gdn_z_dim());
+    } else {
+      gemm(xn_, L.attn_qkv, proj_, attn_.qkv_dim(), dm);  // [q+gate | k | v]
+      const int64_t layer_elems = layout_.n_kv_blocks * c.n_kv_heads * page_size_ * int64_t(c.head_dim);
+      bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
+      bf16* vc = kc + layer_elems;
+      cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d_positions, d_slot_map, T, q_, kc, vc, stream_);
+      if (attn_split_kv)
+        cuda::launch_attention_decode(attn_, ab, q_, kc, vc, gate, kv_chunk, n_splits, attn_ws_, mix_, stream_);
+      else
+        cuda::launch_attention_prefill(attn_, ab, q_, kc, vc, gate, mix_, stream_);
+      gemm(mix_, L.attn_o, delta_, dm, c.attn_out_dim());
+    }
+    // h += mixer output; xn = post_attention_layernorm(h); MLP
+    cuda::launch_add_rmsnorm(h_, delta_, L.post_norm, T, dm, eps, 1.f, xn_, stream_);
+    gemm(xn_, L.gate_up, proj_, 2 * c.d_ff, dm);
+    cuda::launch_silu_mul(proj_, T, c.d_ff, act_, stream_);
+    gemm(act_, L.down, delta_, dm, c.d_ff);
+  }
+  cuda::launch_add_rmsnorm(h_, delta_, w_.final_norm, T, dm, eps, 1.f, xn_, stream_);
+
+  // ---- lm_head on the rows that need logits, in pieces ----
+  const int V = c.vocab_size;
+  std::vector<float> piece;
+  for (int r0 = 0; r0 < n_gather; r0 += eopt_.logits_rows) {
+    const int r = std::min(eopt_.logits_rows, n_gather - r0);
+    cuda::launch_gather_rows(xn_, d_gather + r0, r, dm, lrows_, stream_);
+    gemm_->run(lrows_, w_.lm_head, dlogits_, r, V, dm, cuda::GemmOut::kF32, stream_);
+    piece.resize(size_t(r) * V);
+    DS_CUDA_CHECK(cudaMemcpyAsync(piece.data(), dlogits_, piece.size() * sizeof(float),
+                                  cudaMemcpyDeviceToHost, stream_));
+    DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    for (int i = 0; i < r; ++i)
+      std::memcpy(logits.data() + out_row[r0 + i] * V, piece.data() + size_t(i) * V, V * sizeof(float));
+  }
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream_));  // also surfaces asynchronous kernel errors
+  for (const Piece& p : pieces) slot_len_[p.slot] = p.pos0 + p.n;
+}
+
+}  // namespace
+
+std::string CudaMemoryLayout::to_text() const {
+  std::ostringstream os;
+  auto line = [&](const char* k, const std::string& v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "  %-26s ", k);
+    os << buf << v << "\n";
+  };
+  line("weights", format_bytes(weight_bytes));
+  line("KV pool (attention layers)", format_bytes(n_kv_blocks * kv_block_bytes) + " = " +
+                                         std::to_string(n_kv_blocks) + " blocks of " +
+                                         format_bytes(kv_block_bytes));
+  line("GDN state slots", format_bytes(gdn_state_bytes));
+  line("activations", format_bytes(activation_bytes) + " (" + std::to_string(max_step_tokens) +
+                          " tokens per forward)");
+  line("workspaces", format_bytes(workspace_bytes));
+  line("reserve", format_bytes(reserve_bytes));
+  line("max tokens per sequence", std::to_string(max_seq_len));
+  return os.str();
+}
+
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& opt, const HostWeights& w) {
+  CudaEngineOptions e;
+  if (const char* env = std::getenv("DS_CUDA_QUIET")) e.verbose = std::string(env) != "1";
+  return make_cuda_backend(opt, w, e);
+}
+
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& opt, const HostWeights& w,
+                                           const CudaEngineOptions& eopt) {
+  auto b = std::make_unique<CudaBackend>(opt, w.config, eopt);
+  b->upload(w);
+  return b;
+}
+
+std::unique_ptr<Backend> make_cuda_backend_synthetic(const BackendOptions& opt,
+                                                     const ModelConfig& config, uint64_t seed,
+                                                     const CudaEngineOptions& eopt) {
+  auto b = std::make_unique<CudaBackend>(opt, config, eopt);
+  b->generate_synthetic(seed);
+  return b;
+}
+
+ModelConfig synthetic_model_config(const std::string& spec) {
+  if (spec == "27b" || spec == "27B") return parse_model_config(kQwen35_27bConfig, "builtin:27b");
+  return load_model_config(spec);
+}
+
+}  // namespace ds

@@ -1,0 +1,63 @@
+// The CUDA engine as a Backend (runtime/backend.h): bf16 weights and activations, fp32
+// accumulation, one GPU. Holds the weights (uploaded from HostWeights through pinned staging, or
+// generated on the device for synthetic runs), a paged KV pool for the attention layers, one GDN
+// state slot per sequence slot, and activation buffers sized for the largest step; all of it is
+// planned and allocated at construction (printed), so a request that does not fit is a ds::Error
+// at step() time, never an out-of-memory crash.
+//
+// step(): prompt work is split into chunks of at most chunk_size tokens per forward (several
+// sequences share one forward, packed back to back); a forward whose items are all single tokens
+// of running sequences takes the decode kernels (split-KV attention, fused GDN decode), every
+// other forward the prompt kernels. Every kernel choice goes through the DispatchRegistry.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "model/config.h"
+#include "model/weights.h"
+#include "runtime/backend.h"
+
+namespace ds {
+
+struct CudaEngineOptions {
+  int page_size = 64;             // tokens per KV block
+  std::string disable_kernels;    // comma-separated "family.variant" names (plus $DS_DISABLE_KERNELS)
+  double memory_fraction = 0.92;  // of the device's total memory the engine may use
+  int64_t max_kv_tokens = 0;      // > 0: cap the KV pool at this many tokens (tests, sharing a GPU)
+  int logits_rows = 256;          // rows of lm_head computed per piece (bounds the logits buffer)
+  bool verbose = true;            // print the memory plan, load time and dispatch table to stderr
+};
+
+// Uploads `w` (bf16 / f16 / f32 tensors; f16 / f32 are converted to bf16 on the host).
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& opt, const HostWeights& w);
+std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& opt, const HostWeights& w,
+                                           const CudaEngineOptions& eopt);
+
+// Synthetic weights generated on the device: the same bytes as make_synthetic_weights(config,
+// seed) would give (model/weight_table.h's per-tensor spec), without host memory.
+std::unique_ptr<Backend> make_cuda_backend_synthetic(const BackendOptions& opt,
+                                                     const ModelConfig& config, uint64_t seed,
+                                                     const CudaEngineOptions& eopt = {});
+
+// `--synthetic CONFIG`: CONFIG is a config.json path, or "27b" for Qwen3.5-27B (the copy of its
+// config in configs/qwen3.5-27b.json is compiled in).
+ModelConfig synthetic_model_config(const std::string& spec);
+
+// The engine's memory layout for a config (host arithmetic only; printed at start-up).
+struct CudaMemoryLayout {
+  int64_t weight_bytes = 0;
+  int64_t kv_block_bytes = 0;   // one page of every attention layer, K and V
+  int64_t n_kv_blocks = 0;
+  int64_t gdn_state_bytes = 0;  // all slots, all GDN layers (conv ring + fp32 recurrent state)
+  int64_t activation_bytes = 0;
+  int64_t workspace_bytes = 0;  // cuBLASLt + GDN prefill + decode-attention partials
+  int64_t reserve_bytes = 0;    // left to the CUDA context, cuBLASLt internals, graphs
+  int max_seq_len = 0;          // tokens one sequence may hold
+  int max_step_tokens = 0;      // tokens per forward
+  int max_blocks_per_seq = 0;
+  std::string to_text() const;
+};
+
+}  // namespace ds
