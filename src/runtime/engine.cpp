@@ -251,7 +251,11 @@ void Engine::publish(Request& r) {
 
 void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
   scheduler_.remove(r.id);  // frees the slot now (no-op when the scheduler already dropped it)
-  if (r.decoder && reason != FinishReason::kCancelled) r.out_text += r.held + r.decoder->flush();
+  if (reason != FinishReason::kCancelled) {
+    if (r.decoder) r.held += r.decoder->flush();
+    r.out_text += r.held;
+  }
+  r.decoder.reset();
   r.held.clear();
   publish(r);
   RequestStream& s = *r.stream;
@@ -264,8 +268,13 @@ void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
   }
   s.cv_.notify_all();
   const uint64_t id = r.id;
+  const MemoryUsage mem = backend_->memory();
   {
+    // Gauges first, so that anyone woken by n_active == 0 sees the freed memory.
     std::lock_guard<std::mutex> lk(ctl_->mu);
+    ctl_->stats.memory = mem;
+    ctl_->stats.n_running = scheduler_.n_running();
+    ctl_->stats.n_waiting = scheduler_.n_waiting();
     ctl_->stats.n_finished[static_cast<int>(reason)]++;
     --ctl_->n_active;
   }
@@ -344,17 +353,15 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
   if (static_cast<int>(r.generated.size()) >= q.max_tokens || total >= max_model_len_) {
     if (r.decoder) {
       r.held += r.decoder->flush();
+      r.decoder.reset();
       const size_t at = find_stop(r.held, q.stop);
       if (at != std::string::npos) {
-        r.out_text += r.held.substr(0, at);
-        r.held.clear();
-        r.decoder.reset();
+        r.held.resize(at);
         finish(r, FinishReason::kStop);
         return;
       }
-      r.decoder.reset();
     }
-    finish(r, FinishReason::kLength);
+    finish(r, FinishReason::kLength);  // publishes what is held
     return;
   }
   const size_t keep = stop_holdback(r.held, q.stop);

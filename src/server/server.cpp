@@ -1,0 +1,552 @@
+// The OpenAI-compatible HTTP server: see server.h.
+#include "server/server.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <thread>
+
+#include "server/chat_output.h"
+
+namespace ds {
+
+using nlohmann::json;
+using Ms = std::chrono::milliseconds;
+
+namespace {
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+const char* finish_reason_api(FinishReason r) {
+  switch (r) {
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "abort";
+    case FinishReason::kError: return "error";
+    case FinishReason::kNone: break;
+  }
+  return nullptr;
+}
+
+std::string endpoint_label(const std::string& path) {
+  for (const char* p : {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                        "/version"}) {
+    if (path == p) return p;
+  }
+  return "other";
+}
+
+int status_of(RejectedError::Kind k) {
+  switch (k) {
+    case RejectedError::Kind::kInvalid: return 400;
+    case RejectedError::Kind::kQueueFull: return 429;
+    case RejectedError::Kind::kShuttingDown: return 503;
+  }
+  return 400;
+}
+
+// The text a token stands for on its own (logprobs "token" fields).
+std::string token_text(const Tokenizer* tok, int32_t id) {
+  if (!tok) return "token_id:" + std::to_string(id);
+  const int32_t one[1] = {id};
+  return sanitize_utf8(tok->decode(std::span<const int32_t>(one, 1)));
+}
+
+json token_bytes_json(const Tokenizer* tok, int32_t id) {
+  json b = json::array();
+  if (!tok) return b;
+  for (unsigned char c : tok->token_bytes(id)) b.push_back(static_cast<int>(c));
+  return b;
+}
+
+}  // namespace
+
+// One generation request in flight: its choices (streams) and how to render them.
+struct Server::Job {
+  struct Choice {
+    std::shared_ptr<RequestStream> stream;
+    int index = 0;
+    int prompt_index = 0;
+    std::string echo;                 // completions with echo: the prompt text
+    std::string text;                 // completions: all text (non-streaming)
+    std::vector<GeneratedToken> tokens;  // all tokens (non-streaming logprobs)
+    size_t text_offset = 0;           // completions logprobs text_offset
+    std::unique_ptr<ChatOutput> chat;
+    bool role_sent = false;
+    bool finished = false;
+    FinishReason finish = FinishReason::kNone;
+    std::string error;
+    int n_prompt = 0, n_generated = 0;
+    double ttft_s = -1, e2e_s = -1;
+  };
+  bool chat = false, stream = false, include_usage = false, logprobs = false;
+  std::string id, model;
+  int64_t created = 0;
+  const Tokenizer* tok = nullptr;
+  std::vector<Choice> choices;
+  std::vector<int> prompt_lens;  // per distinct prompt
+  bool starts_in_reasoning = false;
+  json tools;
+  ServerMetrics* metrics = nullptr;
+
+  bool all_finished() const {
+    for (const Choice& c : choices) {
+      if (!c.finished) return false;
+    }
+    return true;
+  }
+  void cancel_all() {
+    for (Choice& c : choices) {
+      if (!c.finished) c.stream->cancel();
+    }
+  }
+  json usage() const {
+    int prompt = 0, completion = 0;
+    for (int n : prompt_lens) prompt += n;
+    for (const Choice& c : choices) completion += c.n_generated;
+    return json{{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+  }
+  json chunk_base() const {
+    return json{{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", created}, {"model", model}};
+  }
+
+  // Completions logprobs for `tokens` (text offsets continue from c.text_offset).
+  json completion_logprobs(Choice& c, const std::vector<GeneratedToken>& tokens) {
+    json lp = {{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()},
+               {"text_offset", json::array()}};
+    for (const GeneratedToken& g : tokens) {
+      const std::string t = token_text(tok, g.id);
+      lp["tokens"].push_back(t);
+      lp["token_logprobs"].push_back(g.logprob);
+      json top = json::object();
+      for (const TokenLogprob& a : g.top) top[token_text(tok, a.token)] = a.logprob;
+      lp["top_logprobs"].push_back(top);
+      lp["text_offset"].push_back(c.text_offset);
+      c.text_offset += t.size();
+    }
+    return lp;
+  }
+  json chat_logprobs(const std::vector<GeneratedToken>& tokens) const {
+    json content = json::array();
+    for (const GeneratedToken& g : tokens) {
+      json top = json::array();
+      for (const TokenLogprob& a : g.top) {
+        top.push_back({{"token", token_text(tok, a.token)}, {"logprob", a.logprob},
+                       {"bytes", token_bytes_json(tok, a.token)}});
+      }
+      content.push_back({{"token", token_text(tok, g.id)}, {"logprob", g.logprob},
+                         {"bytes", token_bytes_json(tok, g.id)}, {"top_logprobs", top}});
+    }
+    return json{{"content", content}};
+  }
+
+  std::string final_finish_reason(const Choice& c) const {
+    if (chat && c.finish == FinishReason::kStop && c.chat && c.chat->has_tool_calls()) return "tool_calls";
+    const char* r = finish_reason_api(c.finish);
+    return r ? r : "stop";
+  }
+
+  // Takes one output of choice c; for streaming returns the SSE events to send.
+  std::string absorb(Choice& c, StreamOutput& out) {
+    std::string sse;
+    c.n_prompt = out.n_prompt_tokens;
+    c.n_generated = out.n_generated;
+    c.ttft_s = out.ttft_s;
+    c.e2e_s = out.e2e_s;
+    if (stream) {
+      json base = chunk_base();
+      if (chat) {
+        if (!c.role_sent) {
+          json ch = base;
+          ch["choices"] = json::array({{{"index", c.index}, {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                        {"logprobs", nullptr}, {"finish_reason", nullptr}}});
+          if (include_usage) ch["usage"] = nullptr;
+          sse += "data: " + dump(ch) + "\n\n";
+          c.role_sent = true;
+        }
+        json delta = c.chat->push(out.text);
+        if (out.finish != FinishReason::kNone) {
+          json rest = c.chat->finish();
+          for (auto it = rest.begin(); it != rest.end(); ++it) {
+            if (it.value().is_string() && delta.contains(it.key()) && delta[it.key()].is_string()) {
+              delta[it.key()] = delta[it.key()].get<std::string>() + it.value().get<std::string>();
+            } else if (it.value().is_array() && delta.contains(it.key()) && delta[it.key()].is_array()) {
+              for (const json& x : it.value()) delta[it.key()].push_back(x);
+            } else {
+              delta[it.key()] = it.value();
+            }
+          }
+        }
+        if (!delta.empty() || (logprobs && !out.tokens.empty())) {
+          json ch = base;
+          ch["choices"] = json::array({{{"index", c.index}, {"delta", delta},
+                                        {"logprobs", logprobs ? chat_logprobs(out.tokens) : json(nullptr)},
+                                        {"finish_reason", nullptr}}});
+          if (include_usage) ch["usage"] = nullptr;
+          sse += "data: " + dump(ch) + "\n\n";
+        }
+      } else {
+        std::string text = out.text;
+        if (!c.echo.empty()) {
+          text = c.echo + text;
+          c.text_offset += c.echo.size();
+          c.echo.clear();
+        }
+        if (!text.empty() || (logprobs && !out.tokens.empty())) {
+          json ch = base;
+          ch["choices"] = json::array({{{"index", c.index}, {"text", text},
+                                        {"logprobs", logprobs ? completion_logprobs(c, out.tokens) : json(nullptr)},
+                                        {"finish_reason", nullptr}}});
+          if (include_usage) ch["usage"] = nullptr;
+          sse += "data: " + dump(ch) + "\n\n";
+        }
+      }
+    } else {
+      if (chat) {
+        c.chat->push(out.text);
+        if (out.finish != FinishReason::kNone) c.chat->finish();
+      } else {
+        c.text += out.text;
+      }
+      for (GeneratedToken& g : out.tokens) c.tokens.push_back(std::move(g));
+    }
+    if (out.finish != FinishReason::kNone) {
+      c.finished = true;
+      c.finish = out.finish;
+      c.error = out.error;
+      if (metrics) metrics->record_request(out);
+      if (stream) {
+        if (c.finish == FinishReason::kError) {
+          sse += "data: " + dump(error_body(500, "generation failed: " + c.error)) + "\n\n";
+        }
+        json ch = chunk_base();
+        json choice = {{"index", c.index}, {"logprobs", nullptr}, {"finish_reason", final_finish_reason(c)}};
+        if (chat) choice["delta"] = json::object();
+        else choice["text"] = "";
+        ch["choices"] = json::array({choice});
+        if (include_usage) ch["usage"] = nullptr;
+        sse += "data: " + dump(ch) + "\n\n";
+      }
+    }
+    return sse;
+  }
+
+  // The non-streaming response body.
+  json response() {
+    json r = {{"id", id}, {"object", chat ? "chat.completion" : "text_completion"}, {"created", created},
+              {"model", model}};
+    json arr = json::array();
+    for (Choice& c : choices) {
+      json choice = {{"index", c.index}, {"finish_reason", final_finish_reason(c)}};
+      if (chat) {
+        choice["message"] = c.chat->message();
+        choice["logprobs"] = logprobs ? chat_logprobs(c.tokens) : json(nullptr);
+      } else {
+        choice["text"] = c.echo + c.text;
+        c.text_offset = c.echo.size();
+        choice["logprobs"] = logprobs ? completion_logprobs(c, c.tokens) : json(nullptr);
+      }
+      arr.push_back(choice);
+    }
+    r["choices"] = arr;
+    r["usage"] = usage();
+    for (const Choice& c : choices) {
+      if (c.finish == FinishReason::kError) return error_body(500, "generation failed: " + c.error);
+    }
+    return r;
+  }
+};
+
+Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
+    : engine_(engine), render_chat_(std::move(render_chat)), opt_(std::move(options)),
+      http_(std::make_unique<httplib::Server>()) {
+  if (opt_.model_names.empty()) opt_.model_names.push_back("deltaserve");
+  int threads = opt_.http_threads;
+  if (threads <= 0) threads = std::max(64, 4 * engine_.stats().memory.state_slots_total);
+  http_->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  http_->set_read_timeout(opt_.read_timeout_s, 0);
+  http_->set_write_timeout(opt_.write_timeout_s, 0);
+  http_->set_keep_alive_timeout(opt_.keep_alive_timeout_s);
+  http_->set_payload_max_length(opt_.max_body_bytes);
+
+  http_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    const bool api = req.path.rfind("/v1/", 0) == 0;
+    if (api && !opt_.api_key.empty()) {
+      const std::string auth = req.get_header_value("Authorization");
+      if (auth != "Bearer " + opt_.api_key) {
+        respond_error(res, 401, auth.empty() ? "missing API key (Authorization: Bearer ...)" : "invalid API key");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
+    if (api && req.method == "POST" && draining_.load()) {
+      respond_error(res, 503, "the server is shutting down");
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+  http_->set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty() || res.content_length_ > 0) return httplib::Server::HandlerResponse::Unhandled;
+    std::string msg;
+    switch (res.status) {
+      case 404: msg = "not found: " + req.method + " " + req.path; break;
+      case 413: msg = "the request body is too large (limit " + std::to_string(opt_.max_body_bytes) + " bytes)"; break;
+      case 400: msg = "malformed HTTP request"; break;
+      case 408: msg = "request timeout"; break;
+      default: msg = "HTTP error " + std::to_string(res.status); break;
+    }
+    res.set_content(dump(error_body(res.status, msg)), "application/json");
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  http_->set_exception_handler([this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+    std::string msg = "internal error";
+    try {
+      if (ep) std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      msg = std::string("internal error: ") + e.what();
+    } catch (...) {
+    }
+    respond_error(res, 500, msg);
+  });
+  http_->set_logger([this](const httplib::Request& req, const httplib::Response& res) {
+    metrics_.count_http(endpoint_label(req.path), res.status);
+  });
+
+  http_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    if (draining_.load()) {
+      res.status = 503;
+      res.set_content("{\"status\":\"shutting down\"}", "application/json");
+    } else {
+      res.set_content("{\"status\":\"ok\"}", "application/json");
+    }
+  });
+  http_->Get("/version", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("{\"version\":\"0.1.0\"}", "application/json");
+  });
+  http_->Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    json data = json::array();
+    for (const std::string& name : opt_.model_names) {
+      data.push_back({{"id", name}, {"object", "model"}, {"created", static_cast<int64_t>(std::time(nullptr))},
+                      {"owned_by", "deltaserve"}, {"root", name}, {"max_model_len", engine_.max_model_len()}});
+    }
+    res.set_content(dump(json{{"object", "list"}, {"data", data}}), "application/json");
+  });
+  http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics_.render(engine_.stats()), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  http_->Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_completions(req, res, false);
+  });
+  http_->Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_completions(req, res, true);
+  });
+}
+
+Server::~Server() {
+  if (drain_thread_.joinable()) drain_thread_.join();
+}
+
+void Server::respond_error(httplib::Response& res, int status, const std::string& msg, const std::string& param) {
+  res.status = status;
+  res.set_content(dump(error_body(status, msg, param)), "application/json");
+}
+
+int Server::bind() {
+  if (opt_.port == 0) {
+    port_ = http_->bind_to_any_port(opt_.host);
+    if (port_ <= 0) throw_error("server: cannot listen on ", opt_.host, " (any port)");
+  } else {
+    if (!http_->bind_to_port(opt_.host, opt_.port)) {
+      throw_error("server: cannot listen on ", opt_.host, ":", opt_.port, " (address in use or not local?)");
+    }
+    port_ = opt_.port;
+  }
+  return port_;
+}
+
+void Server::serve() { http_->listen_after_bind(); }
+
+void Server::shutdown() {
+  if (shutdown_started_.exchange(true)) return;
+  draining_ = true;
+  engine_.stop_accepting();
+  drain_thread_ = std::thread([this] {
+    if (!engine_.wait_idle(Ms(static_cast<int64_t>(opt_.shutdown_timeout_s) * 1000))) {
+      std::fprintf(stderr, "deltaserve: shutdown timeout: cancelling the requests still running\n");
+      engine_.cancel_all();
+      engine_.wait_idle(Ms(5000));
+    }
+    // Let the handlers write their last bytes.
+    for (int i = 0; i < 500 && in_flight_.load() > 0; ++i) std::this_thread::sleep_for(Ms(10));
+    http_->stop();
+  });
+}
+
+void Server::handle_completions(const httplib::Request& req, httplib::Response& res, bool chat) {
+  auto job = std::make_shared<Job>();
+  std::vector<std::shared_ptr<RequestStream>> submitted;
+  try {
+    const json body = parse_body(req.body);
+    check_model(body, opt_.model_names);
+    SamplingRequest sr = parse_sampling_request(body, chat, opt_.limits);
+    const Tokenizer* tok = engine_.tokenizer();
+    job->chat = chat;
+    job->stream = sr.stream;
+    job->include_usage = sr.include_usage;
+    job->logprobs = sr.logprobs;
+    job->id = make_request_id(chat ? "chatcmpl-" : "cmpl-");
+    job->created = static_cast<int64_t>(std::time(nullptr));
+    job->model = opt_.model_names.front();
+    job->tok = tok;
+    job->metrics = &metrics_;
+
+    std::vector<std::vector<int32_t>> prompts;
+    std::vector<std::string> echoes;
+    if (chat) {
+      if (!render_chat_) throw ApiError(400, "this model has no chat template; use /v1/completions");
+      if (!tok) throw ApiError(400, "this model has no tokenizer; chat needs one");
+      const json input = chat_template_input(body);
+      std::string text;
+      try {
+        text = render_chat_(input);
+      } catch (const Error& e) {
+        throw ApiError(400, std::string("chat template error: ") + e.what(), "messages");
+      }
+      // Thinking on: the template opened <think> in the prompt, so generation starts as reasoning.
+      const size_t end = text.find_last_not_of(" \n");
+      job->starts_in_reasoning = end != std::string::npos && end >= 6 && text.compare(end - 6, 7, "<think>") == 0;
+      if (input.contains("tools")) job->tools = input["tools"];
+      prompts.push_back(tok->encode(text, true));
+      echoes.emplace_back();
+    } else {
+      bool echo = false;
+      if (body.contains("echo") && !body["echo"].is_null()) {
+        if (!body["echo"].is_boolean()) throw ApiError(400, "'echo' must be a boolean", "echo");
+        echo = body["echo"].get<bool>();
+      }
+      if (body.contains("suffix") && !body["suffix"].is_null()) {
+        throw ApiError(400, "'suffix' is not supported", "suffix");
+      }
+      for (PromptInput& in : parse_completion_prompts(body)) {
+        if (in.text) {
+          if (!tok) throw ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt");
+          prompts.push_back(tok->encode(*in.text, true));
+          if (prompts.back().empty()) throw ApiError(400, "'prompt' encodes to no tokens", "prompt");
+          echoes.push_back(echo ? *in.text : std::string());
+        } else {
+          prompts.push_back(std::move(in.ids));
+          echoes.push_back(echo && tok ? sanitize_utf8(tok->decode(prompts.back())) : std::string());
+        }
+      }
+      if (static_cast<int>(prompts.size()) * sr.n > opt_.limits.max_n * 4) {
+        throw ApiError(400, "too many prompts x n in one request", "prompt");
+      }
+    }
+    for (size_t p = 0; p < prompts.size(); ++p) {
+      const int n_prompt = static_cast<int>(prompts[p].size());
+      job->prompt_lens.push_back(n_prompt);
+      for (int i = 0; i < sr.n; ++i) {
+        GenerationRequest g = sr.gen;
+        g.prompt = prompts[p];
+        if (g.max_tokens < 0) {
+          // OpenAI: 16 for completions; chat: the rest of the context.
+          g.max_tokens = chat ? engine_.max_model_len() - n_prompt : 16;
+          if (g.max_tokens < 1) {
+            throw ApiError(400, "This model's maximum context length is " + std::to_string(engine_.max_model_len()) +
+                                    " tokens; the messages take " + std::to_string(n_prompt) + " tokens",
+                           "messages");
+          }
+        }
+        if (g.sampling.seed && i > 0) g.sampling.seed = *g.sampling.seed + static_cast<uint64_t>(i);
+        Job::Choice c;
+        c.index = static_cast<int>(job->choices.size());
+        c.prompt_index = static_cast<int>(p);
+        c.echo = echoes[p];
+        c.n_prompt = n_prompt;
+        if (chat) c.chat = std::make_unique<ChatOutput>(job->starts_in_reasoning, job->tools);
+        try {
+          c.stream = engine_.submit(std::move(g));
+        } catch (const RejectedError& e) {
+          throw ApiError(status_of(e.kind), e.what(), e.kind == RejectedError::Kind::kInvalid ? "max_tokens" : "");
+        }
+        submitted.push_back(c.stream);
+        job->choices.push_back(std::move(c));
+      }
+    }
+  } catch (const ApiError& e) {
+    for (auto& s : submitted) s->cancel();
+    respond_error(res, e.status, e.what(), e.param);
+    return;
+  } catch (const Error& e) {
+    for (auto& s : submitted) s->cancel();
+    respond_error(res, 400, e.what());
+    return;
+  }
+  start_job(std::move(job), res);
+}
+
+void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
+  ++in_flight_;
+  const bool stream = job->stream;
+  auto provider = [job](size_t /*offset*/, httplib::DataSink& sink) -> bool {
+    const Ms wait(job->choices.size() == 1 ? 50 : 5);
+    std::string out_buf;
+    while (!job->all_finished()) {
+      for (Job::Choice& c : job->choices) {
+        if (c.finished) continue;
+        StreamOutput out;
+        while (!c.finished && c.stream->next(out, wait)) out_buf += job->absorb(c, out);
+      }
+      if (!out_buf.empty()) {
+        if (!sink.write(out_buf.data(), out_buf.size())) {
+          job->cancel_all();
+          return false;
+        }
+        out_buf.clear();
+      }
+      if (!job->all_finished() && !sink.is_writable()) {  // the client went away
+        job->cancel_all();
+        return false;
+      }
+    }
+    if (job->stream) {
+      if (job->include_usage) {
+        json ch = job->chunk_base();
+        ch["choices"] = json::array();
+        ch["usage"] = job->usage();
+        out_buf += "data: " + dump(ch) + "\n\n";
+      }
+      out_buf += "data: [DONE]\n\n";
+    } else {
+      out_buf = dump(job->response());
+    }
+    if (!sink.write(out_buf.data(), out_buf.size())) return false;
+    sink.done();
+    return true;
+  };
+  auto releaser = [this, job](bool /*success*/) {
+    for (Job::Choice& c : job->choices) {
+      if (c.finished) continue;
+      c.stream->cancel();
+      StreamOutput o;
+      o.finish = FinishReason::kCancelled;
+      o.n_prompt_tokens = c.n_prompt;
+      o.n_generated = c.n_generated;
+      o.ttft_s = c.ttft_s;
+      metrics_.record_request(o);
+      c.finished = true;
+    }
+    --in_flight_;
+  };
+  if (stream) {
+    res.set_header("Cache-Control", "no-cache");
+    res.set_header("X-Accel-Buffering", "no");
+    res.set_chunked_content_provider("text/event-stream", provider, releaser);
+  } else {
+    res.set_chunked_content_provider("application/json", provider, releaser);
+  }
+}
+
+}  // namespace ds

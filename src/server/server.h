@@ -1,0 +1,90 @@
+// The OpenAI-compatible HTTP server (cpp-httplib, header-only): GET /health, GET /v1/models,
+// GET /metrics (Prometheus), POST /v1/completions and /v1/chat/completions, streamed with
+// server-sent events or not. Requests go to an Engine; a client that disconnects (streaming or
+// not: responses are written chunked so the socket is watched while the engine works) has its
+// sequence cancelled, freeing its slot and KV blocks at once.
+//
+// Errors are OpenAI-shaped ({"error": {"message", "type", "param", "code"}}): 400 bad JSON / types
+// / values / template input / prompt too long, 401 missing or wrong API key, 404 unknown model or
+// path, 413 body too large, 429 waiting queue full, 503 shutting down, 500 engine failure.
+// Slow clients: every socket read and write has a timeout (slow-loris protection).
+// Shutdown (shutdown(), e.g. from SIGTERM): new requests get 503, running ones finish (up to
+// shutdown_timeout_s, then they are cancelled), then the listener closes and serve() returns.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "runtime/engine.h"
+#include "server/metrics.h"
+#include "server/openai.h"
+
+namespace httplib {
+class Server;
+struct Request;
+struct Response;
+}  // namespace httplib
+
+namespace ds {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;                          // 0: any free port (see Server::port())
+  std::string api_key;                      // empty: no authentication
+  std::vector<std::string> model_names;     // served ids; the first is reported
+  size_t max_body_bytes = 16u << 20;        // request bodies above this get 413
+  int read_timeout_s = 20;                  // per socket read (slow clients)
+  int write_timeout_s = 60;                 // per socket write
+  int keep_alive_timeout_s = 5;
+  int http_threads = 0;                     // 0: max(64, 4 * max_batch)
+  int shutdown_timeout_s = 30;              // how long running requests may finish on shutdown
+  ApiLimits limits;
+};
+
+// Renders a chat request (see chat_template_input) to the prompt text; throws ds::Error (template
+// errors become 400).
+using ChatRenderFn = std::function<std::string(const nlohmann::json&)>;
+
+class Server {
+ public:
+  // `render_chat` may be empty (no chat template: /v1/chat/completions answers 400).
+  Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Binds the listening socket; throws ds::Error when it cannot. Returns the port.
+  int bind();
+  int port() const { return port_; }
+  // Serves until shutdown() has drained; call bind() first.
+  void serve();
+  // Graceful stop (thread-safe, returns at once; serve() returns when done).
+  void shutdown();
+
+  ServerMetrics& metrics() { return metrics_; }
+
+ private:
+  struct Job;
+  void handle_completions(const httplib::Request& req, httplib::Response& res, bool chat);
+  void respond_error(httplib::Response& res, int status, const std::string& msg,
+                     const std::string& param = {});
+  void start_job(std::shared_ptr<Job> job, httplib::Response& res);
+
+  Engine& engine_;
+  ChatRenderFn render_chat_;
+  ServerOptions opt_;
+  ServerMetrics metrics_;
+  std::unique_ptr<httplib::Server> http_;
+  int port_ = 0;
+  std::atomic<bool> draining_{false};
+  std::atomic<int> in_flight_{0};  // generation responses being written
+  std::atomic<bool> shutdown_started_{false};
+  std::thread drain_thread_;  // runs the graceful shutdown
+};
+
+}  // namespace ds
