@@ -15,7 +15,7 @@ namespace ds::cuda {
   do {                                                                                    \
     cublasStatus_t st_ = (call);                                                          \
     if (st_ != CUBLAS_STATUS_SUCCESS)                                                     \
-      ds::throw_error("cuBLASLt error ", cublasGetStatusString(st_), " in ", #call, " at ", \
+      ds::throw_error("cuBLASLt error ", cublasLtGetStatusString(st_), " in ", #call, " at ", \
                       __FILE__, ":", __LINE__);                                           \
   } while (0)
 
@@ -70,7 +70,7 @@ GemmEngine::Plan& GemmEngine::get(int m, int n, int k, GemmOut out, bool accumul
       static_cast<cublasLtHandle_t>(handle_), p->desc, p->a, p->b, p->c, p->c, pref, 1, &res, &n_res);
   cublasLtMatmulPreferenceDestroy(pref);
   DS_CHECK(st == CUBLAS_STATUS_SUCCESS && n_res > 0, "gemm: cuBLASLt has no algorithm for m=", m,
-           " n=", n, " k=", k, " (", cublasGetStatusString(st), ")");
+           " n=", n, " k=", k, " (", cublasLtGetStatusString(st), ")");
   p->algo = res.algo;
   p->ws = res.workspaceSize;
   auto& ref = *p;

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs every GPU test (tests/cuda/cuda_*_test binaries) on a machine with an NVIDIA GPU, in one go,
+# and prints one summary line at the end. Works from binaries built elsewhere and carried over
+# (the device machine has no build tools for our dependencies): it checks their shared libraries
+# first and points the tests at this checkout's test data.
+#   BUILD_DIR   build folder holding tests/ (default build-cuda)
+#   OUT         where logs go (default ./gpu-test-logs)
+#   --perf      also run the synthetic-27B timing (DS_PERF=1)
+#   --filter F  gtest filter for every binary
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR=${BUILD_DIR:-build-cuda}
+LOG_DIR=${OUT:-$PWD/gpu-test-logs}
+mkdir -p "$LOG_DIR"
+FILTER="*"
+while (($#)); do
+  case "$1" in
+    --perf) export DS_PERF=1 ;;
+    --filter) FILTER="$2"; shift ;;
+    *) echo "gpu_test: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+export DS_TEST_DATA_DIR="$PWD/tests/data" DS_SOURCE_DIR_OVERRIDE="$PWD"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>&1 | tee "$LOG_DIR/gpu.txt"
+bins=$(ls "$BUILD_DIR"/tests/cuda_*_test 2>/dev/null | sort)
+if [ -z "$bins" ]; then
+  echo "gpu_test: no GPU test binaries in $BUILD_DIR/tests (build with -DDS_CUDA=ON)"; exit 1
+fi
+missing=0
+for b in $bins; do
+  if ldd "$b" | grep -q "not found"; then
+    echo "gpu_test: $b misses shared libraries:"; ldd "$b" | grep "not found"; missing=1
+  fi
+done
+((missing)) && exit 1
+pass=0; fail=0; failed=""
+for b in $bins; do
+  name=$(basename "$b")
+  start=$(date +%s)
+  "$b" --gtest_filter="$FILTER" --gtest_color=no >"$LOG_DIR/$name.log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  n_ok=$(grep -c "^\[       OK \]" "$LOG_DIR/$name.log")
+  n_bad=$(grep -c "^\[  FAILED  \].*(" "$LOG_DIR/$name.log")
+  grep -E "^  |^PERF|SKIPPED \]|FAILED|Failure|error" "$LOG_DIR/$name.log" | head -60
+  if [ $rc -eq 0 ]; then
+    pass=$((pass + 1)); echo "gpu_test: $name ok ($n_ok tests, ${secs}s)"
+  else
+    fail=$((fail + 1)); failed="$failed $name"
+    echo "gpu_test: $name FAILED (rc $rc, $n_bad failed, ${secs}s)"; tail -30 "$LOG_DIR/$name.log"
+  fi
+done
+echo "GPU TESTS: $pass binaries passed, $fail failed${failed:+ (}${failed# }${failed:+)} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+[ $fail -eq 0 ]

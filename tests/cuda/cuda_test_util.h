@@ -1,0 +1,90 @@
+// Helpers shared by the GPU tests: a device buffer that frees itself, bf16 host vectors, random
+// inputs, poisoned outputs (0xFFFF bf16 = NaN, so an unwritten element fails every check), and the
+// normalised error ||out - ref|| / ||ref|| with NaN always failing.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <random>
+#include <vector>
+
+#include "core/bf16.h"
+#include "cuda/cuda_common.h"
+
+namespace ds::test {
+
+template <typename T>
+struct DevBuf {
+  T* ptr = nullptr;
+  size_t n = 0;
+  explicit DevBuf(size_t count) : n(count) { DS_CUDA_CHECK(cudaMalloc(&ptr, sizeof(T) * (n ? n : 1))); }
+  DevBuf(const std::vector<T>& h) : DevBuf(h.size()) { upload(h); }
+  ~DevBuf() { cudaFree(ptr); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  void upload(const std::vector<T>& h) {
+    DS_CUDA_CHECK(cudaMemcpy(ptr, h.data(), sizeof(T) * h.size(), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    DS_CUDA_CHECK(cudaDeviceSynchronize());
+    DS_CUDA_CHECK(cudaMemcpy(h.data(), ptr, sizeof(T) * n, cudaMemcpyDeviceToHost));
+    return h;
+  }
+  void poison() { DS_CUDA_CHECK(cudaMemset(ptr, 0xFF, sizeof(T) * (n ? n : 1))); }  // NaN
+  template <typename U>
+  U* as() const { return reinterpret_cast<U*>(ptr); }
+};
+
+inline std::vector<uint16_t> random_bf16(size_t n, std::mt19937& rng, float scale = 1.f) {
+  std::normal_distribution<float> nd(0.f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = f32_to_bf16(nd(rng));
+  return v;
+}
+
+inline std::vector<float> to_f32(const std::vector<uint16_t>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_f32(v[i]);
+  return f;
+}
+
+// ||a - ref|| / ||ref|| (L2); any NaN / inf in a gives +inf.
+inline double norm_err(const std::vector<float>& a, const std::vector<float>& ref) {
+  EXPECT_EQ(a.size(), ref.size());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(a.size(), ref.size()); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    const double d = double(a[i]) - ref[i];
+    num += d * d;
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// Test data and source folders: the compiled-in paths, unless $DS_TEST_DATA_DIR /
+// $DS_SOURCE_DIR_OVERRIDE say otherwise (scripts/gpu_test.sh sets them: the GPU machine runs the
+// binaries built here from another checkout path).
+inline std::string test_data_dir() {
+  const char* e = std::getenv("DS_TEST_DATA_DIR");
+  return e && *e ? e : DS_TEST_DATA;
+}
+inline std::string source_dir() {
+  const char* e = std::getenv("DS_SOURCE_DIR_OVERRIDE");
+  return e && *e ? e : DS_SOURCE_DIR;
+}
+
+inline bool cuda_available() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define DS_REQUIRE_GPU() \
+  if (!::ds::test::cuda_available()) GTEST_SKIP() << "no CUDA device"
+
+}  // namespace ds::test
