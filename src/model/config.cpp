@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iomanip>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -364,7 +365,8 @@ std::string ModelConfig::summary() const {
      << (attn_output_gate ? ", output gate" : "") << ". Gated DeltaNet: " << n_k_heads << " key / "
      << n_v_heads << " value heads, d_k " << d_k << ", d_v " << d_v << ", conv kernel " << conv_kernel
      << ". rms_norm_eps " << rms_norm_eps << ", max positions " << max_position_embeddings << ". "
-     << n_params_text() << " text parameters.";
+     << n_params_text() << " text parameters (" << std::fixed << std::setprecision(2) << n_params_text() / 1e9
+     << "B).";
   return os.str();
 }
 

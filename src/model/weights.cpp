@@ -19,6 +19,7 @@
 
 #include "core/bf16.h"
 #include "core/error.h"
+#include "model/checkpoint_info.h"
 #include "model/safetensors.h"
 #include "model/weight_table.h"
 
@@ -188,12 +189,22 @@ std::vector<FieldGroup> group_fields(const std::vector<CheckpointTensor>& tensor
   return groups;
 }
 
-}  // namespace
+// A checkpoint whose text tensors are all found and checked (names, dtypes, shapes) without
+// reading any tensor data.
+struct Source {
+  const TensorLocation* loc;
+  DType dtype;
+};
+struct ResolvedCheckpoint {
+  ModelConfig config;
+  std::unique_ptr<SafetensorsCheckpoint> checkpoint;
+  std::vector<CheckpointTensor> tensors;
+  std::vector<Source> sources;  // [tensors.size()]
+  CheckpointStats stats;
+};
 
-HostWeights load_host_weights(const std::string& model_dir) {
-  auto t0 = std::chrono::steady_clock::now();
-  HostWeights w;
-  w.source = model_dir;
+ResolvedCheckpoint resolve_checkpoint(const std::string& model_dir) {
+  ResolvedCheckpoint w;  // named like the HostWeights it feeds
   fs::path dir(model_dir);
   fs::path config_path = dir / "config.json";
   std::error_code ec;
@@ -202,9 +213,8 @@ HostWeights load_host_weights(const std::string& model_dir) {
   w.config = load_model_config(config_path.string());
   const ModelConfig& c = w.config;
 
-  auto storage = std::make_shared<HostStorage>();
-  storage->checkpoint = std::make_unique<SafetensorsCheckpoint>(model_dir);
-  const SafetensorsCheckpoint& ck = *storage->checkpoint;
+  w.checkpoint = std::make_unique<SafetensorsCheckpoint>(model_dir);
+  const SafetensorsCheckpoint& ck = *w.checkpoint;
   w.stats.n_files = static_cast<int>(ck.files().size());
 
   // Classify every tensor name: text (by its name without prefix), visual, mtp or other.
@@ -248,7 +258,8 @@ HostWeights load_host_weights(const std::string& model_dir) {
   // Text names the table does not know: Qwen3-Next packed projections, layers past the config,
   // tensors of the other layer kind (config/checkpoint mismatch) are errors; the rest is listed.
   std::set<std::string> expected_names;
-  std::vector<CheckpointTensor> tensors = checkpoint_tensors(c);
+  w.tensors = checkpoint_tensors(c);
+  const std::vector<CheckpointTensor>& tensors = w.tensors;
   for (const CheckpointTensor& t : tensors) expected_names.insert(t.name);
   for (auto& [rest, full] : text_names) {
     if (expected_names.count(rest)) continue;
@@ -294,11 +305,8 @@ HostWeights load_host_weights(const std::string& model_dir) {
   }
 
   // Resolve every expected tensor: present, usable dtype, right shape.
-  struct Source {
-    const TensorLocation* loc;
-    DType dtype;
-  };
-  std::vector<Source> sources(tensors.size());
+  std::vector<Source>& sources = w.sources;
+  sources.resize(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const CheckpointTensor& t = tensors[i];
     std::string full = full_name(t.name);
@@ -336,6 +344,23 @@ HostWeights load_host_weights(const std::string& model_dir) {
     ++w.stats.n_text_tensors;
     w.stats.text_bytes += static_cast<int64_t>(e.end - e.begin);
   }
+  return w;
+}
+
+}  // namespace
+
+HostWeights load_host_weights(const std::string& model_dir) {
+  auto t0 = std::chrono::steady_clock::now();
+  ResolvedCheckpoint rc = resolve_checkpoint(model_dir);
+  HostWeights w;
+  w.source = model_dir;
+  w.config = rc.config;
+  w.stats = rc.stats;
+  const ModelConfig& c = w.config;
+  auto storage = std::make_shared<HostStorage>();
+  storage->checkpoint = std::move(rc.checkpoint);
+  const std::vector<CheckpointTensor>& tensors = rc.tensors;
+  const std::vector<Source>& sources = rc.sources;
 
   // Build the views; fused groups get one owned buffer, converted to F32 when the parts' dtypes
   // differ (lossless for any mix of BF16 / F16 / F32).
@@ -547,6 +572,53 @@ ModelConfig tiny_model_config(int vocab_size) {
   c.conv_kernel = 4;
   c.validate();
   return c;
+}
+
+}  // namespace ds
+
+namespace ds {
+
+int64_t CheckpointInfo::text_params() const {
+  int64_t n = 0;
+  for (int64_t v : params_by_kind) n += v;
+  return n;
+}
+
+int64_t CheckpointInfo::text_bytes() const {
+  int64_t n = 0;
+  for (int64_t v : bytes_by_kind) n += v;
+  return n;
+}
+
+CheckpointInfo inspect_checkpoint(const std::string& model_dir) {
+  CheckpointInfo info;
+  info.dir = model_dir;
+  fs::path dir(model_dir);
+  std::error_code ec;
+  bool weights = fs::exists(dir / "model.safetensors", ec) || fs::exists(dir / "model.safetensors.index.json", ec);
+  if (!weights) {
+    // Config only: the counts follow from the config (bf16 assumed).
+    if (!fs::is_directory(dir, ec)) throw_error(model_dir, ": not a directory (expected a checkpoint folder)");
+    if (!fs::exists(dir / "config.json", ec)) throw_error(model_dir, ": no config.json in this folder");
+    info.config = load_model_config((dir / "config.json").string());
+    for (const CheckpointTensor& t : checkpoint_tensors(info.config)) {
+      info.params_by_kind[int(t.spec->kind)] += t.numel();
+      info.bytes_by_kind[int(t.spec->kind)] += t.numel() * 2;
+    }
+    return info;
+  }
+  ResolvedCheckpoint rc = resolve_checkpoint(model_dir);
+  info.has_weights = true;
+  info.config = rc.config;
+  info.stats = rc.stats;
+  info.listing = rc.checkpoint->listing();
+  for (size_t i = 0; i < rc.tensors.size(); ++i) {
+    const SafetensorsEntry& e = *rc.sources[i].loc->entry;
+    info.params_by_kind[int(rc.tensors[i].spec->kind)] += e.numel();
+    info.bytes_by_kind[int(rc.tensors[i].spec->kind)] += static_cast<int64_t>(e.end - e.begin);
+    ++info.text_tensors_by_dtype[e.dtype_str];
+  }
+  return info;
 }
 
 }  // namespace ds
