@@ -1,28 +1,44 @@
 // Gated DeltaNet decode: one fused kernel per layer for one new token in each of n_seqs sequences
-// (layouts in gdn.h). One block per (sequence, value head), 512 threads:
+// (layouts in gdn.h). One cluster of 4 blocks (128 threads each) per (sequence, value head); block
+// z owns state rows [z*d_v/4, (z+1)*d_v/4):
+//  0. the block's state rows (fp32, d_k contiguous) are loaded first, 16-byte loads, DK/4 lanes
+//     per row, all rows in flight at once, before anything that the conv needs;
 //  1. conv: the 4 taps of each needed qkv channel (3 from the slot's ring, rows (p-3..p-1) % 4,
 //     zero before position 0, plus the new input), SiLU; the new input goes to ring row p % 4 (v
-//     channels by their head's block, q/k channels by the first value head of the key group; no
-//     block reads row p % 4, so the in-place update has no race);
+//     channels by the block that owns them, q/k channels by block 0 of the first value head of
+//     the key group; no block reads row p % 4, so the in-place update has no race);
 //  2. q/k l2norm (q * d_k^-0.5), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias);
-//  3. the state rows S[v, :] (d_k contiguous fp32) are all loaded up front (16-byte loads, DK/4
-//     lanes per row, every row of the head in flight at once), then per row: decay by e^g,
-//     u = S k, S += k beta (v - u), o = S q; the row is stored back; state read + written once;
-//  4. gated RMSNorm over the head's d_v outputs with z, written as bf16 (the out_proj input).
+//  3. per row: decay by e^g, u = S k, S += k beta (v - u), o = S q; the row is stored back
+//     (state read and written once);
+//  4. gated RMSNorm: the head's sum of o^2 is reduced across the cluster through distributed
+//     shared memory, then y = w * o * rsqrt(mean + eps) * silu(z) as bf16 (the out_proj input).
 // Specialised on d_k (16/32/64/128, template); d_v is any of 16..128 at run time.
 // Bytes per layer: 2 * n_seqs * n_v_heads * d_v * d_k * 4 (state) + small; 27B batch 1: 6.3 MB.
 // Test: tests/cuda/cuda_gdn_test.cpp (Decode* vs the fp32 CPU recurrence; timings printed).
+#include <cooperative_groups.h>
+
 #include "cuda/cuda_common.h"
 #include "cuda/gdn.h"
 
 namespace ds::cuda {
 namespace {
 
-constexpr int kDecodeThreads = 512;
+namespace cg = cooperative_groups;
+
+constexpr int kDecodeThreads = 128;
+constexpr int kSplit = 4;  // blocks (one cluster) per (sequence, value head), each d_v / 4 rows
 constexpr int kMaxD = 128;
 
-template <int DK>
-__global__ void __launch_bounds__(kDecodeThreads)
+// Loads 4 consecutive bf16 (8 bytes) as floats.
+__device__ __forceinline__ void load4(const bf16* p, float* f) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
+  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
+  f[0] = __low2float(a); f[1] = __high2float(a); f[2] = __low2float(b); f[3] = __high2float(b);
+}
+
+template <int DK, bool VEC>
+__global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
     gdn_decode_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
                       const bf16* __restrict__ proj,        // [n_seqs, in_dim]
                       const int32_t* __restrict__ seq_pos,  // [n_seqs]
@@ -32,40 +48,90 @@ __global__ void __launch_bounds__(kDecodeThreads)
   constexpr int kLanesPerRow = DK / 4;               // each lane holds 4 consecutive k values
   constexpr int kRowsPerWarp = 32 / kLanesPerRow;    // rows a warp covers per pass
   constexpr int kGroups = (kDecodeThreads / 32) * kRowsPerWarp;  // lane groups in the block
-  constexpr int kMaxRowsPerGroup = (kMaxD + kGroups - 1) / kGroups;
+  constexpr int kMaxRows = kMaxD / kSplit;
+  constexpr int kMaxRowsPerGroup = (kMaxRows + kGroups - 1) / kGroups;
 
-  __shared__ __align__(16) float qs[DK], ks[DK], vs[kMaxD], os[kMaxD];
-  __shared__ float red[32];
+  __shared__ __align__(16) float qs[DK], ks[DK], vs[kMaxRows], os[kMaxRows];
+  __shared__ float part;     // this block's sum of o^2 (read by the whole cluster)
   __shared__ float gate[2];  // beta, e^g
 
-  const int seq = blockIdx.x, hv = blockIdx.y;
+  const int seq = blockIdx.x, hv = blockIdx.y, split = blockIdx.z;
   const int ratio = s.n_v_heads / s.n_k_heads, hk = hv / ratio;
   const int d_v = s.d_v, qkv_dim = s.qkv_dim(), in_dim = s.in_dim();
+  const int rows = d_v / kSplit, v0 = split * rows;  // this block's state rows [v0, v0 + rows)
   const int p = seq_pos[seq];
   const int64_t slot = slot_ids[seq];
   bf16* ring = pool.conv_state + slot * pool.conv_slot_stride;
   const bf16* x = proj + static_cast<int64_t>(seq) * in_dim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  // 1. conv + SiLU over q (DK), k (DK), v (d_v) channels of this head.
-  const bool write_qk = hv % ratio == 0;
-  for (int e = tid; e < 2 * DK + d_v; e += kDecodeThreads) {
+  // 0. Issue the state loads first: they do not depend on the conv, and they are the traffic.
+  // Lane group `grp` owns local rows grp, grp + kGroups, ...; k4 covers k = 4*k4 .. 4*k4+3.
+  const int grp = warp * kRowsPerWarp + lane / kLanesPerRow;
+  const int k4 = lane % kLanesPerRow;
+  float* state = pool.rec_state + slot * pool.rec_slot_stride +
+                 (static_cast<int64_t>(hv) * d_v + v0) * DK;
+  const bool has_state = p > 0;
+  float4 st[kMaxRowsPerGroup];
+#pragma unroll
+  for (int r = 0; r < kMaxRowsPerGroup; ++r) {
+    const int v = grp + r * kGroups;
+    st[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (has_state && v < rows) st[r] = *reinterpret_cast<const float4*>(state + v * DK + 4 * k4);
+  }
+
+  // 1. conv + SiLU over q (DK), k (DK) and this block's v channels, 4 channels per thread (one
+  // pass: 2 * 128 + 32 channels = 72 threads at 27B). All loads are issued before any store.
+  const bool write_qk = hv % ratio == 0 && split == 0;
+  const int e = 4 * tid;
+  if (e < 2 * DK + rows) {
     int ch;
     if (e < DK) ch = hk * DK + e;
     else if (e < 2 * DK) ch = s.n_k_heads * DK + hk * DK + (e - DK);
-    else ch = 2 * s.n_k_heads * DK + hv * d_v + (e - 2 * DK);
-    const bf16 xin = x[ch];
-    float acc = __bfloat162float(w.conv_w[ch * 4 + 3]) * __bfloat162float(xin);
+    else ch = 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
+    float xin[4], tap[3][4], wt[16];
+    if (VEC) {
+      load4(x + ch, xin);
 #pragma unroll
-    for (int j = 0; j < 3; ++j) {
-      const int pp = p - 3 + j;
-      if (pp >= 0) acc += __bfloat162float(w.conv_w[ch * 4 + j]) * __bfloat162float(ring[(pp & 3) * qkv_dim + ch]);
+      for (int j = 0; j < 3; ++j) {
+        const int pp = p - 3 + j;
+        if (pp >= 0) load4(ring + (pp & 3) * qkv_dim + ch, tap[j]);
+        else tap[j][0] = tap[j][1] = tap[j][2] = tap[j][3] = 0.f;
+      }
+      const uint4 w0 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4);
+      const uint4 w1 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4 + 8);
+      const bf16* wb0 = reinterpret_cast<const bf16*>(&w0);
+      const bf16* wb1 = reinterpret_cast<const bf16*>(&w1);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) { wt[i] = __bfloat162float(wb0[i]); wt[8 + i] = __bfloat162float(wb1[i]); }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        xin[i] = __bfloat162float(x[ch + i]);
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+          const int pp = p - 3 + j;
+          tap[j][i] = pp >= 0 ? __bfloat162float(ring[(pp & 3) * qkv_dim + ch + i]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) wt[i] = __bfloat162float(w.conv_w[ch * 4 + i]);
     }
-    const float y = acc / (1.f + __expf(-acc));
-    if (e < DK) qs[e] = y;
-    else if (e < 2 * DK) ks[e - DK] = y;
-    else vs[e - 2 * DK] = y;
-    if (e >= 2 * DK || write_qk) ring[(p & 3) * qkv_dim + ch] = xin;
+    float y[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float acc = wt[4 * i] * tap[0][i] + wt[4 * i + 1] * tap[1][i] +
+                        wt[4 * i + 2] * tap[2][i] + wt[4 * i + 3] * xin[i];
+      y[i] = acc / (1.f + __expf(-acc));
+    }
+    float* dst = e < DK ? qs + e : (e < 2 * DK ? ks + (e - DK) : vs + (e - 2 * DK));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = y[i];
+    if (e >= 2 * DK || write_qk) {
+      bf16* r = ring + (p & 3) * qkv_dim + ch;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r[i] = __float2bfloat16(xin[i]);  // exact: xin came from bf16
+    }
   }
   __syncthreads();
   // 2. l2norm of q (warp 0) and k (warp 1); gates (warp 2).
@@ -85,62 +151,55 @@ __global__ void __launch_bounds__(kDecodeThreads)
   }
   __syncthreads();
 
-  // 3. State rows. Lane group `grp` owns rows grp, grp + kGroups, ...; lane sub-index k4 covers
-  // k = 4*k4 .. 4*k4+3.
-  const int grp = warp * kRowsPerWarp + lane / kLanesPerRow;
-  const int k4 = lane % kLanesPerRow;
-  float* state = pool.rec_state + slot * pool.rec_slot_stride +
-                 static_cast<int64_t>(hv) * d_v * DK;
-  const bool has_state = p > 0;
-  float4 rows[kMaxRowsPerGroup];
-#pragma unroll
-  for (int r = 0; r < kMaxRowsPerGroup; ++r) {
-    const int v = grp + r * kGroups;
-    rows[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (has_state && v < d_v) rows[r] = *reinterpret_cast<const float4*>(state + v * DK + 4 * k4);
-  }
+  // 3. Per row: decay, u = S k, S += k beta (v - u), o = S q; store the row back.
   const float4 kk = *reinterpret_cast<const float4*>(ks + 4 * k4);
   const float4 qq = *reinterpret_cast<const float4*>(qs + 4 * k4);
   const float beta = gate[0], decay = gate[1];
 #pragma unroll
   for (int r = 0; r < kMaxRowsPerGroup; ++r) {
     const int v = grp + r * kGroups;
-    float4 st = rows[r];
-    st.x *= decay; st.y *= decay; st.z *= decay; st.w *= decay;
-    float u = st.x * kk.x + st.y * kk.y + st.z * kk.z + st.w * kk.w;
+    float4 t = st[r];
+    t.x *= decay; t.y *= decay; t.z *= decay; t.w *= decay;
+    float u = t.x * kk.x + t.y * kk.y + t.z * kk.z + t.w * kk.w;
 #pragma unroll
     for (int o = kLanesPerRow / 2; o > 0; o >>= 1) u += __shfl_xor_sync(0xffffffffu, u, o);
-    const float delta = beta * ((v < d_v ? vs[v] : 0.f) - u);
-    st.x += kk.x * delta; st.y += kk.y * delta; st.z += kk.z * delta; st.w += kk.w * delta;
-    float o_v = st.x * qq.x + st.y * qq.y + st.z * qq.z + st.w * qq.w;
+    const float delta = beta * ((v < rows ? vs[v] : 0.f) - u);
+    t.x += kk.x * delta; t.y += kk.y * delta; t.z += kk.z * delta; t.w += kk.w * delta;
+    float o_v = t.x * qq.x + t.y * qq.y + t.z * qq.z + t.w * qq.w;
 #pragma unroll
     for (int o = kLanesPerRow / 2; o > 0; o >>= 1) o_v += __shfl_xor_sync(0xffffffffu, o_v, o);
-    if (v < d_v) {
-      *reinterpret_cast<float4*>(state + v * DK + 4 * k4) = st;
+    if (v < rows) {
+      *reinterpret_cast<float4*>(state + v * DK + 4 * k4) = t;
       if (k4 == 0) os[v] = o_v;
     }
   }
   __syncthreads();
 
-  // 4. Gated RMSNorm over the d_v outputs.
-  bf16* y = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v;
+  // 4. Gated RMSNorm over the head's d_v outputs: sum of squares across the cluster's blocks.
+  bf16* y = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v + v0;
   if (w.norm_w == nullptr) {
-    for (int c = tid; c < d_v; c += kDecodeThreads) y[c] = __float2bfloat16(os[c]);
+    for (int c = tid; c < rows; c += kDecodeThreads) y[c] = __float2bfloat16(os[c]);
     return;
   }
   if (warp == 0) {
     float ss = 0.f;
-    for (int c = lane; c < d_v; c += 32) ss += os[c] * os[c];
+    for (int c = lane; c < rows; c += 32) ss += os[c] * os[c];
     ss = warp_sum(ss);
-    if (lane == 0) red[0] = rsqrtf(ss / d_v + s.norm_eps);
+    if (lane == 0) part = ss;
   }
-  __syncthreads();
-  const float rinv = red[0];
-  const bf16* z = x + qkv_dim + hv * d_v;
-  for (int c = tid; c < d_v; c += kDecodeThreads) {
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  float total = 0.f;
+#pragma unroll
+  for (int r = 0; r < kSplit; ++r) total += *cluster.map_shared_rank(&part, r);
+  const float rinv = rsqrtf(total / d_v + s.norm_eps);
+  const bf16* z = x + qkv_dim + hv * d_v + v0;
+  for (int c = tid; c < rows; c += kDecodeThreads) {
     const float zf = __bfloat162float(z[c]);
-    y[c] = __float2bfloat16(__bfloat162float(w.norm_w[c]) * os[c] * rinv * (zf / (1.f + __expf(-zf))));
+    y[c] = __float2bfloat16(__bfloat162float(w.norm_w[v0 + c]) * os[c] * rinv *
+                            (zf / (1.f + __expf(-zf))));
   }
+  cluster.sync();  // no block may exit while another still reads its `part`
 }
 
 }  // namespace
@@ -156,14 +215,23 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
            "gdn decode: rec_slot_stride too small");
   DS_CHECK(n_seqs >= 0, "gdn decode: n_seqs must be >= 0, got ", n_seqs);
   if (n_seqs == 0) return;
-  const dim3 grid(n_seqs, s.n_v_heads);
+  const dim3 grid(n_seqs, s.n_v_heads, kSplit);
+  // 8-byte loads need 8-byte aligned rows of proj and of the ring.
+  const bool vec = s.in_dim() % 4 == 0 && pool.conv_slot_stride % 4 == 0 &&
+                   reinterpret_cast<uintptr_t>(proj) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(pool.conv_state) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(w.conv_w) % 16 == 0;
+#define DS_GDN_DECODE(DK)                                                                      \
+  if (vec) gdn_decode_kernel<DK, true><<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out); \
+  else gdn_decode_kernel<DK, false><<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out)
   switch (s.d_k) {
-    case 16: gdn_decode_kernel<16><<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out); break;
-    case 32: gdn_decode_kernel<32><<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out); break;
-    case 64: gdn_decode_kernel<64><<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out); break;
-    case 128: gdn_decode_kernel<128><<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out); break;
+    case 16: DS_GDN_DECODE(16); break;
+    case 32: DS_GDN_DECODE(32); break;
+    case 64: DS_GDN_DECODE(64); break;
+    case 128: DS_GDN_DECODE(128); break;
     default: DS_ASSERT(false);
   }
+#undef DS_GDN_DECODE
   DS_CUDA_LAUNCH_CHECK();
 }
 

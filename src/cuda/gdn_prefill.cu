@@ -118,16 +118,29 @@ __device__ void smem_mma(const bf16* A, int lda, const bf16* B, int ldb, float* 
   }
 }
 
-// Copies rows [0, n) of a [rows, width] bf16 matrix (global row stride `stride` elements, width a
-// multiple of 8) into smem (row stride ld), zero-filling rows [n, 64). 16-byte accesses.
-__device__ void load_rows_bf16(bf16* dst, int ld, const bf16* src, int64_t stride, int width,
-                               int n) {
+// 16-byte (or 4-byte) async copy global -> shared; zero-fills when !valid (src is not read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
+
+// Starts async copies of rows [0, n) of a [rows, width] bf16 matrix (global row stride `stride`
+// elements, width a multiple of 8) into smem (row stride ld), zero-filling rows [n, 64). The caller
+// commits / waits (cp_async_commit, cp_async_wait_all) before its barrier.
+__device__ void load_rows_async(bf16* dst, int ld, const bf16* src, int64_t stride, int width,
+                                int n) {
   const int vec_per_row = width / 8;
   for (int e = threadIdx.x; e < kChunk * vec_per_row; e += blockDim.x) {
     const int r = e / vec_per_row, c = (e % vec_per_row) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < n) v = *reinterpret_cast<const uint4*>(src + r * stride + c);
-    *reinterpret_cast<uint4*>(dst + r * ld + c) = v;
+    cp_async16(dst + r * ld + c, src + (r < n ? r : 0) * stride + c, r < n);
   }
 }
 
@@ -164,7 +177,18 @@ __global__ void gdn_chunk_map_kernel(const int32_t* __restrict__ cu_seqlens,  //
 }
 
 // ---- 1. conv + SiLU + l2norm + gates ------------------------------------------------------------
-// One block per token; one warp per head of conv channels (q heads, k heads, v heads).
+// Loads 4 consecutive bf16 (8 bytes) as floats.
+__device__ __forceinline__ void load4(const bf16* p, float* f) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
+  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
+  f[0] = __low2float(a); f[1] = __high2float(a); f[2] = __low2float(b); f[3] = __high2float(b);
+}
+
+// One block per token; one warp per head of conv channels (q heads, k heads, v heads), each lane
+// 4 consecutive channels (8-byte loads; VEC = false: the same with scalar loads, for rows that
+// are not 8-byte aligned).
+template <bool VEC>
 __global__ void gdn_conv_prep_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
                                      const bf16* __restrict__ proj,  // [n_tokens, in_dim]
                                      const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
@@ -192,33 +216,53 @@ __global__ void gdn_conv_prep_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   const int n_heads = 2 * s.n_k_heads + s.n_v_heads;
   const float q_scale = rsqrtf(static_cast<float>(s.d_k));
+  // Tap j reads token t - 3 + j, or the ring for positions before this chunk, or zero.
+  const bf16* tap[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int pp = p - 3 + j;
+    tap[j] = pp >= pos0 ? proj + static_cast<int64_t>(t - 3 + j) * in_dim
+                        : (pp >= 0 ? ring + (pp & 3) * qkv_dim : nullptr);
+  }
   for (int hh = warp; hh < n_heads; hh += n_warps) {
     const bool is_v = hh >= 2 * s.n_k_heads;
     const int d = is_v ? s.d_v : s.d_k;
     const int ch0 = is_v ? 2 * s.n_k_heads * s.d_k + (hh - 2 * s.n_k_heads) * s.d_v : hh * s.d_k;
-    float vals[4];  // d <= 128: at most 4 channels per lane
+    const int c = 4 * lane;
+    float vals[4] = {0.f, 0.f, 0.f, 0.f};
     float ss = 0.f;
+    if (c < d) {
+      const int ch = ch0 + c;
+      float wt[16];  // [4 channels][4 taps]
+      if (VEC) {
+        const uint4 w0 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4 + 8);
+        const bf16* wb0 = reinterpret_cast<const bf16*>(&w0);
+        const bf16* wb1 = reinterpret_cast<const bf16*>(&w1);
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int c = lane + 32 * r;
-      vals[r] = 0.f;
-      if (c < d) {
-        const int ch = ch0 + c;
-        float acc = 0.f;
+        for (int i = 0; i < 8; ++i) { wt[i] = __bfloat162float(wb0[i]); wt[8 + i] = __bfloat162float(wb1[i]); }
+      } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int pp = p - 3 + j;  // absolute position of this tap
-          float x = 0.f;
-          if (pp >= pos0) {
-            x = __bfloat162float(proj[static_cast<int64_t>(t - 3 + j) * in_dim + ch]);
-          } else if (pp >= 0) {
-            x = __bfloat162float(ring[(pp & 3) * qkv_dim + ch]);
+        for (int i = 0; i < 16; ++i) wt[i] = __bfloat162float(w.conv_w[ch * 4 + i]);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float xv[4] = {0.f, 0.f, 0.f, 0.f};
+        if (tap[j] != nullptr) {
+          if (VEC) {
+            load4(tap[j] + ch, xv);
+          } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) xv[i] = __bfloat162float(tap[j][ch + i]);
           }
-          acc += __bfloat162float(w.conv_w[ch * 4 + j]) * x;
         }
-        const float y = acc / (1.f + __expf(-acc));
-        vals[r] = y;
-        ss += y * y;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) vals[i] += wt[i * 4 + j] * xv[i];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        vals[i] = vals[i] / (1.f + __expf(-vals[i]));
+        ss += vals[i] * vals[i];
       }
     }
     float scale = 1.f;
@@ -226,10 +270,13 @@ __global__ void gdn_conv_prep_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool
       ss = warp_sum(ss);
       scale = rsqrtf(ss + 1e-6f) * (hh < s.n_k_heads ? q_scale : 1.f);
     }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int c = lane + 32 * r;
-      if (c < d) qkv[static_cast<int64_t>(t) * qkv_dim + ch0 + c] = __float2bfloat16(vals[r] * scale);
+    if (c < d) {
+      __nv_bfloat162 lo2 = __floats2bfloat162_rn(vals[0] * scale, vals[1] * scale);
+      __nv_bfloat162 hi2 = __floats2bfloat162_rn(vals[2] * scale, vals[3] * scale);
+      uint2 u;
+      u.x = *reinterpret_cast<uint32_t*>(&lo2);
+      u.y = *reinterpret_cast<uint32_t*>(&hi2);
+      *reinterpret_cast<uint2*>(qkv + static_cast<int64_t>(t) * qkv_dim + ch0 + c) = u;
     }
   }
   // Gates.
@@ -262,9 +309,10 @@ __global__ void gdn_conv_state_kernel(GdnShape s, GdnStatePool pool,
 }
 
 // ---- 2. WY representation per chunk -------------------------------------------------------------
+// DK_/DV_ > 0: compile-time head sizes (the shipped shapes); 0: run-time (the generic fallback).
 struct WySmem {
   int ldk, ldv, lda, ldt, ldo;
-  size_t k_off, v_off, a_off, tf_off, tb_off, o_off, x_off, gam_off, bet_off, total;
+  size_t k_off, v_off, a_off, tf_off, tb_off, o_off, x_off, gam_off, bet_off, eg_off, total;
 };
 
 __host__ __device__ inline WySmem wy_smem(int d_k, int d_v) {
@@ -280,26 +328,31 @@ __host__ __device__ inline WySmem wy_smem(int d_k, int d_v) {
   m.v_off = take(sizeof(bf16) * kChunk * m.ldv);
   m.a_off = take(sizeof(float) * kChunk * m.lda);
   m.tf_off = take(sizeof(float) * kChunk * m.lda);
+  // The W / U staging (fp32 [64][ldo], at most 33.8 KB) reuses A and T (fp32, dead by then).
+  m.o_off = m.a_off;
   m.tb_off = take(sizeof(bf16) * kChunk * m.ldt);
-  m.o_off = take(sizeof(float) * kChunk * m.ldo);
   m.x_off = take(sizeof(float) * 3 * 256);
   m.gam_off = take(sizeof(float) * kChunk);
   m.bet_off = take(sizeof(float) * kChunk);
+  m.eg_off = take(sizeof(float) * kChunk);
   m.total = off;
   return m;
 }
 
-__global__ void gdn_wy_kernel(GdnShape s, const ChunkInfo* __restrict__ chunks,
-                              const bf16* __restrict__ qkv,  // [n_tokens, qkv_dim]
-                              float* __restrict__ g,          // [n_tokens, n_v] in: g, out: gamma
-                              const float* __restrict__ beta,  // [n_tokens, n_v]
-                              bf16* __restrict__ w_out,        // [n_tokens, n_v, d_k]
-                              bf16* __restrict__ u_out)        // [n_tokens, n_v, d_v]
+template <int DK_, int DV_>
+__global__ void __launch_bounds__(256)
+    gdn_wy_kernel(GdnShape s, const ChunkInfo* __restrict__ chunks,
+                  const bf16* __restrict__ qkv,    // [n_tokens, qkv_dim]
+                  float* __restrict__ g,           // [n_tokens, n_v] in: g, out: gamma
+                  const float* __restrict__ beta,  // [n_tokens, n_v]
+                  bf16* __restrict__ w_out,        // [n_tokens, n_v, d_k]
+                  bf16* __restrict__ u_out)        // [n_tokens, n_v, d_v]
 {
   const ChunkInfo ci = chunks[blockIdx.x];
   if (ci.seq < 0) return;
+  const int d_k = DK_ ? DK_ : s.d_k, d_v = DV_ ? DV_ : s.d_v;
   const int hv = blockIdx.y, hk = hv / (s.n_v_heads / s.n_k_heads);
-  const int d_k = s.d_k, d_v = s.d_v, n_v = s.n_v_heads, qkv_dim = s.qkv_dim();
+  const int n_v = s.n_v_heads, qkv_dim = s.qkv_dim();
   const WySmem L = wy_smem(d_k, d_v);
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* ks = reinterpret_cast<bf16*>(smem + L.k_off);
@@ -311,12 +364,14 @@ __global__ void gdn_wy_kernel(GdnShape s, const ChunkInfo* __restrict__ chunks,
   float* xs = reinterpret_cast<float*>(smem + L.x_off);
   float* gam = reinterpret_cast<float*>(smem + L.gam_off);
   float* bet = reinterpret_cast<float*>(smem + L.bet_off);
+  float* eg = reinterpret_cast<float*>(smem + L.eg_off);
 
   const int n = ci.n;
   const int64_t row0 = static_cast<int64_t>(ci.t0);
-  load_rows_bf16(ks, L.ldk, qkv + row0 * qkv_dim + s.n_k_heads * d_k + hk * d_k, qkv_dim, d_k, n);
-  load_rows_bf16(vs, L.ldv, qkv + row0 * qkv_dim + 2 * s.n_k_heads * d_k + hv * d_v, qkv_dim, d_v,
-                 n);
+  load_rows_async(ks, L.ldk, qkv + row0 * qkv_dim + s.n_k_heads * d_k + hk * d_k, qkv_dim, d_k, n);
+  load_rows_async(vs, L.ldv, qkv + row0 * qkv_dim + 2 * s.n_k_heads * d_k + hv * d_v, qkv_dim, d_v,
+                  n);
+  cp_async_commit();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp == 0) {
     // Inclusive cumsum of g over the 64 rows (2 per lane); rows past n get g = 0, i.e. gamma
@@ -332,11 +387,16 @@ __global__ void gdn_wy_kernel(GdnShape s, const ChunkInfo* __restrict__ chunks,
     g1 += __shfl_sync(0xffffffffu, g0, 31);
     gam[lane] = g0;
     gam[lane + 32] = g1;
-    bet[lane] = lane < n ? beta[(row0 + lane) * n_v + hv] : 0.f;
-    bet[lane + 32] = lane + 32 < n ? beta[(row0 + lane + 32) * n_v + hv] : 0.f;
+    const float b0 = lane < n ? beta[(row0 + lane) * n_v + hv] : 0.f;
+    const float b1 = lane + 32 < n ? beta[(row0 + lane + 32) * n_v + hv] : 0.f;
+    bet[lane] = b0;
+    bet[lane + 32] = b1;
+    eg[lane] = b0 * expf(g0);  // beta e^gamma, the row scale of K in W
+    eg[lane + 32] = b1 * expf(g1);
     if (lane < n) g[(row0 + lane) * n_v + hv] = g0;
     if (lane + 32 < n) g[(row0 + lane + 32) * n_v + hv] = g1;
   }
+  cp_async_wait_all();
   __syncthreads();
   // K K^T.
   smem_mma<wm::row_major, wm::col_major>(ks, L.ldk, ks, L.ldk, af, L.lda, kChunk, kChunk, d_k,
@@ -345,7 +405,7 @@ __global__ void gdn_wy_kernel(GdnShape s, const ChunkInfo* __restrict__ chunks,
   // A = strictly lower (beta_i e^(gamma_i - gamma_j) k_i.k_j); gamma_i - gamma_j <= 0 there.
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
     const int i = e / kChunk, j = e % kChunk;
-    af[i * L.lda + j] = i > j ? bet[i] * af[i * L.lda + j] * expf(gam[i] - gam[j]) : 0.f;
+    af[i * L.lda + j] = i > j ? bet[i] * af[i * L.lda + j] * __expf(gam[i] - gam[j]) : 0.f;
     tf[i * L.lda + j] = 0.f;
   }
   __syncthreads();
@@ -362,6 +422,12 @@ __global__ void gdn_wy_kernel(GdnShape s, const ChunkInfo* __restrict__ chunks,
     }
 #pragma unroll
     for (int i = 0; i < 16; ++i) tf[(b0 + i) * L.lda + b0 + j] = col[i];
+  } else if (warp >= 4) {
+    // Meanwhile: V <- beta V (bf16), by the other 4 warps.
+    for (int e = threadIdx.x - 128; e < kChunk * d_v; e += blockDim.x - 128) {
+      const int i = e / d_v, c = e % d_v;
+      vs[i * L.ldv + c] = __float2bfloat16(__bfloat162float(vs[i * L.ldv + c]) * bet[i]);
+    }
   }
   __syncthreads();
   // Off-diagonal blocks by distance d = 1..3: T_ij = -T_ii * sum_{k=j}^{i-1} A_ik T_kj (i = j + d).
@@ -385,158 +451,224 @@ __global__ void gdn_wy_kernel(GdnShape s, const ChunkInfo* __restrict__ chunks,
     }
     __syncthreads();
   }
-  // T to bf16; K <- beta e^gamma K; V <- beta V.
+  // T to bf16; K <- beta e^gamma K.
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
     const int i = e / kChunk, j = e % kChunk;
     tb[i * L.ldt + j] = __float2bfloat16(tf[i * L.lda + j]);
   }
   for (int e = threadIdx.x; e < kChunk * d_k; e += blockDim.x) {
     const int i = e / d_k, c = e % d_k;
-    ks[i * L.ldk + c] = __float2bfloat16(__bfloat162float(ks[i * L.ldk + c]) * bet[i] * expf(gam[i]));
-  }
-  for (int e = threadIdx.x; e < kChunk * d_v; e += blockDim.x) {
-    const int i = e / d_v, c = e % d_v;
-    vs[i * L.ldv + c] = __float2bfloat16(__bfloat162float(vs[i * L.ldv + c]) * bet[i]);
+    ks[i * L.ldk + c] = __float2bfloat16(__bfloat162float(ks[i * L.ldk + c]) * eg[i]);
   }
   __syncthreads();
-  // W = T Kb.
+  // W = T Kb (staged in the dead A/T space), then U = T Vb.
   smem_mma<wm::row_major, wm::row_major>(tb, L.ldt, ks, L.ldk, of, L.ldo, kChunk, d_k, kChunk, false);
   __syncthreads();
-  for (int e = threadIdx.x; e < n * d_k; e += blockDim.x) {
-    const int i = e / d_k, c = e % d_k;
-    w_out[((row0 + i) * n_v + hv) * d_k + c] = __float2bfloat16(of[i * L.ldo + c]);
+  for (int e = threadIdx.x; e < n * d_k / 2; e += blockDim.x) {
+    const int i = e / (d_k / 2), c = (e % (d_k / 2)) * 2;
+    *reinterpret_cast<__nv_bfloat162*>(w_out + ((row0 + i) * n_v + hv) * d_k + c) =
+        __floats2bfloat162_rn(of[i * L.ldo + c], of[i * L.ldo + c + 1]);
   }
   __syncthreads();
-  // U = T Vb.
   smem_mma<wm::row_major, wm::row_major>(tb, L.ldt, vs, L.ldv, of, L.ldo, kChunk, d_v, kChunk, false);
   __syncthreads();
-  for (int e = threadIdx.x; e < n * d_v; e += blockDim.x) {
-    const int i = e / d_v, c = e % d_v;
-    u_out[((row0 + i) * n_v + hv) * d_v + c] = __float2bfloat16(of[i * L.ldo + c]);
+  for (int e = threadIdx.x; e < n * d_v / 2; e += blockDim.x) {
+    const int i = e / (d_v / 2), c = (e % (d_v / 2)) * 2;
+    *reinterpret_cast<__nv_bfloat162*>(u_out + ((row0 + i) * n_v + hv) * d_v + c) =
+        __floats2bfloat162_rn(of[i * L.ldo + c], of[i * L.ldo + c + 1]);
   }
 }
 
 // ---- 3. state pass ------------------------------------------------------------------------------
+template <int DK, int BV>
 struct StateSmem {
-  int bv, ldk, ldh, ldf;
-  size_t hf_off, hb_off, w_off, k_off, uf_off, wh_off, vb_off, gam_off, total;
+  static constexpr int kLdk = DK + 8;  // bf16 rows of length DK
+  static constexpr int kLdh = DK + 4;  // fp32 state rows ([BV][DK], k contiguous)
+  static constexpr int kLdf = BV + 4;  // fp32 [64][BV]
+  static constexpr int kLdb = BV + 8;  // bf16 [64][BV]
+  static constexpr size_t a(size_t x) { return (x + 127) & ~size_t(127); }
+  static constexpr size_t kHf = 0;
+  static constexpr size_t kHb = kHf + a(sizeof(float) * BV * kLdh);
+  static constexpr size_t kW = kHb + a(sizeof(bf16) * BV * kLdk);
+  static constexpr size_t kK = kW + a(sizeof(bf16) * kChunk * kLdk);  // 2 buffers
+  static constexpr size_t kU = kK + 2 * a(sizeof(bf16) * kChunk * kLdk);  // 2 buffers
+  static constexpr size_t kG = kU + 2 * a(sizeof(bf16) * kChunk * kLdb);  // 2 buffers
+  static constexpr size_t kWh = kG + 2 * a(sizeof(float) * kChunk);
+  static constexpr size_t kVb = kWh + a(sizeof(float) * kChunk * kLdf);
+  static constexpr size_t kTotal = kVb + a(sizeof(bf16) * kChunk * kLdb);
 };
 
-__host__ __device__ inline StateSmem state_smem(int d_k, int bv) {
-  StateSmem m{};
-  m.bv = bv;
-  m.ldk = d_k + 8;  // bf16 rows of length d_k
-  m.ldh = d_k + 4;  // fp32 state rows (state stored [bv][d_k], k contiguous)
-  m.ldf = bv + 4;   // fp32 [64][bv]
-  size_t off = 0;
-  auto take = [&](size_t bytes) { size_t r = off; off += (bytes + 127) & ~size_t(127); return r; };
-  m.hf_off = take(sizeof(float) * bv * m.ldh);
-  m.hb_off = take(sizeof(bf16) * bv * m.ldk);
-  m.w_off = take(sizeof(bf16) * kChunk * m.ldk);
-  m.k_off = take(sizeof(bf16) * kChunk * m.ldk);
-  m.uf_off = take(sizeof(float) * kChunk * m.ldf);
-  m.wh_off = take(sizeof(float) * kChunk * m.ldf);
-  m.vb_off = take(sizeof(bf16) * kChunk * (bv + 8));
-  m.gam_off = take(sizeof(float) * kChunk);
-  m.total = off;
-  return m;
-}
-
-__global__ void gdn_state_kernel(GdnShape s, GdnStatePool pool, int bv,
-                                 const int32_t* __restrict__ cu_seqlens,
-                                 const int32_t* __restrict__ seq_pos,
-                                 const int32_t* __restrict__ slot_ids,
-                                 const int* __restrict__ seq_chunk0,
-                                 const bf16* __restrict__ qkv,   // [n_tokens, qkv_dim]
-                                 const float* __restrict__ gamma,  // [n_tokens, n_v]
-                                 const bf16* __restrict__ w,     // [n_tokens, n_v, d_k]
-                                 bf16* __restrict__ u,           // [n_tokens, n_v, d_v] -> V_new
-                                 bf16* __restrict__ h_snap)      // [chunks, n_v, d_v, d_k]
+// Sequential over the chunks of one sequence; block = (sequence, value head, BV state columns).
+// The next chunk's W, K, U and gamma are fetched with cp.async while this chunk computes.
+template <int DK, int BV>
+__global__ void __launch_bounds__(128)
+    gdn_state_kernel(GdnShape s, GdnStatePool pool,
+                     const int32_t* __restrict__ cu_seqlens, const int32_t* __restrict__ seq_pos,
+                     const int32_t* __restrict__ slot_ids, const int* __restrict__ seq_chunk0,
+                     const bf16* __restrict__ qkv,     // [n_tokens, qkv_dim]
+                     const float* __restrict__ gamma,  // [n_tokens, n_v]
+                     const bf16* __restrict__ w,       // [n_tokens, n_v, DK]
+                     bf16* __restrict__ u,             // [n_tokens, n_v, d_v] -> V_new
+                     bf16* __restrict__ h_snap)        // [chunks, n_v, d_v, DK]
 {
-  const int seq = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * bv;
+  using L = StateSmem<DK, BV>;
+  const int seq = blockIdx.x, hv = blockIdx.y, v0 = blockIdx.z * BV;
   const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
   if (len <= 0) return;
   const int hk = hv / (s.n_v_heads / s.n_k_heads);
-  const int d_k = s.d_k, d_v = s.d_v, n_v = s.n_v_heads, qkv_dim = s.qkv_dim();
-  const StateSmem L = state_smem(d_k, bv);
+  const int d_v = s.d_v, n_v = s.n_v_heads, qkv_dim = s.qkv_dim();
   extern __shared__ __align__(128) unsigned char smem[];
-  float* hf = reinterpret_cast<float*>(smem + L.hf_off);
-  bf16* hb = reinterpret_cast<bf16*>(smem + L.hb_off);
-  bf16* ws = reinterpret_cast<bf16*>(smem + L.w_off);
-  bf16* ks = reinterpret_cast<bf16*>(smem + L.k_off);
-  float* uf = reinterpret_cast<float*>(smem + L.uf_off);
-  float* wh = reinterpret_cast<float*>(smem + L.wh_off);
-  bf16* vb = reinterpret_cast<bf16*>(smem + L.vb_off);
-  float* gam = reinterpret_cast<float*>(smem + L.gam_off);
-  const int ldvb = bv + 8;
+  float* hf = reinterpret_cast<float*>(smem + L::kHf);
+  bf16* hb = reinterpret_cast<bf16*>(smem + L::kHb);
+  bf16* ws = reinterpret_cast<bf16*>(smem + L::kW);
+  float* wh = reinterpret_cast<float*>(smem + L::kWh);
+  bf16* vb = reinterpret_cast<bf16*>(smem + L::kVb);
+  auto ks = [&](int b) { return reinterpret_cast<bf16*>(smem + L::kK + b * L::a(sizeof(bf16) * kChunk * L::kLdk)); };
+  auto ub = [&](int b) { return reinterpret_cast<bf16*>(smem + L::kU + b * L::a(sizeof(bf16) * kChunk * L::kLdb)); };
+  auto gm = [&](int b) { return reinterpret_cast<float*>(smem + L::kG + b * L::a(sizeof(float) * kChunk)); };
+  const int tid = threadIdx.x;
 
-  float* state = pool.rec_state + static_cast<int64_t>(slot_ids[seq]) * pool.rec_slot_stride +
-                 (static_cast<int64_t>(hv) * d_v + v0) * d_k;
-  const bool has_state = seq_pos[seq] > 0;
-  for (int e = threadIdx.x; e < bv * d_k; e += blockDim.x) {
-    const int v = e / d_k, k = e % d_k;
-    hf[v * L.ldh + k] = has_state ? state[v * d_k + k] : 0.f;
-  }
   const int n_chunks = (len + kChunk - 1) / kChunk;
-  const int chunk0 = seq_chunk0[seq];
-  for (int c = 0; c < n_chunks; ++c) {
+  auto fetch_w = [&](int c) {
     const int64_t row0 = start + c * kChunk;
     const int n = min(kChunk, len - c * kChunk);
-    __syncthreads();  // previous chunk's readers of ws/ks/vb/hf are done
-    load_rows_bf16(ws, L.ldk, w + (row0 * n_v + hv) * d_k, static_cast<int64_t>(n_v) * d_k, d_k, n);
-    load_rows_bf16(ks, L.ldk, qkv + row0 * qkv_dim + s.n_k_heads * d_k + hk * d_k, qkv_dim, d_k, n);
-    for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
-      const int i = e / bv, v = e % bv;
-      uf[i * L.ldf + v] = i < n ? __bfloat162float(u[((row0 + i) * n_v + hv) * d_v + v0 + v]) : 0.f;
+    for (int e = tid; e < kChunk * DK / 8; e += blockDim.x) {
+      const int r = e / (DK / 8), k = (e % (DK / 8)) * 8;
+      const int rr = r < n ? r : 0;
+      cp_async16(ws + r * L::kLdk + k, w + ((row0 + rr) * n_v + hv) * DK + k, r < n);
     }
-    for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
-      gam[i] = i < n ? gamma[(row0 + i) * n_v + hv] : 0.f;
+  };
+  auto fetch_rest = [&](int c, int b) {
+    const int64_t row0 = start + c * kChunk;
+    const int n = min(kChunk, len - c * kChunk);
+    bf16* kd = ks(b);
+    for (int e = tid; e < kChunk * DK / 8; e += blockDim.x) {
+      const int r = e / (DK / 8), k = (e % (DK / 8)) * 8;
+      const int rr = r < n ? r : 0;
+      cp_async16(kd + r * L::kLdk + k, qkv + (row0 + rr) * qkv_dim + s.n_k_heads * DK + hk * DK + k,
+                 r < n);
     }
+    bf16* ud = ub(b);
+    for (int e = tid; e < kChunk * BV / 8; e += blockDim.x) {
+      const int r = e / (BV / 8), v = (e % (BV / 8)) * 8;
+      const int rr = r < n ? r : 0;
+      cp_async16(ud + r * L::kLdb + v, u + ((row0 + rr) * n_v + hv) * d_v + v0 + v, r < n);
+    }
+    float* gd = gm(b);
+    for (int r = tid; r < kChunk; r += blockDim.x) {
+      const int rr = r < n ? r : 0;
+      cp_async4(gd + r, gamma + (row0 + rr) * n_v + hv, r < n);
+    }
+  };
+  fetch_w(0);
+  fetch_rest(0, 0);
+  cp_async_commit();
+
+  float* state = pool.rec_state + static_cast<int64_t>(slot_ids[seq]) * pool.rec_slot_stride +
+                 (static_cast<int64_t>(hv) * d_v + v0) * DK;
+  const bool has_state = seq_pos[seq] > 0;
+  for (int e = tid; e < BV * DK / 4; e += blockDim.x) {
+    const int v = e / (DK / 4), k = (e % (DK / 4)) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (has_state) x = *reinterpret_cast<const float4*>(state + v * DK + k);
+    *reinterpret_cast<float4*>(hf + v * L::kLdh + k) = x;
+  }
+  const int chunk0 = seq_chunk0[seq];
+  for (int c = 0; c < n_chunks; ++c) {
+    const int b = c & 1;
+    const int64_t row0 = start + c * kChunk;
+    const int n = min(kChunk, len - c * kChunk);
+    cp_async_wait_all();
+    __syncthreads();  // chunk c's data landed; the previous chunk is finished
     // Snapshot h_c (bf16): the operand of W h here and of Q h in the output kernel.
-    bf16* snap = h_snap + ((static_cast<int64_t>(chunk0 + c) * n_v + hv) * d_v + v0) * d_k;
-    for (int e = threadIdx.x; e < bv * d_k; e += blockDim.x) {
-      const int v = e / d_k, k = e % d_k;
-      const bf16 x = __float2bfloat16(hf[v * L.ldh + k]);
-      hb[v * L.ldk + k] = x;
-      snap[v * d_k + k] = x;
+    bf16* snap = h_snap + ((static_cast<int64_t>(chunk0 + c) * n_v + hv) * d_v + v0) * DK;
+    for (int e = tid; e < BV * DK / 8; e += blockDim.x) {
+      const int v = e / (DK / 8), k = (e % (DK / 8)) * 8;
+      const float4 x0 = *reinterpret_cast<const float4*>(hf + v * L::kLdh + k);
+      const float4 x1 = *reinterpret_cast<const float4*>(hf + v * L::kLdh + k + 4);
+      __nv_bfloat162 p[4] = {__floats2bfloat162_rn(x0.x, x0.y), __floats2bfloat162_rn(x0.z, x0.w),
+                             __floats2bfloat162_rn(x1.x, x1.y), __floats2bfloat162_rn(x1.z, x1.w)};
+      const uint4 pk = *reinterpret_cast<const uint4*>(p);
+      *reinterpret_cast<uint4*>(hb + v * L::kLdk + k) = pk;
+      *reinterpret_cast<uint4*>(snap + v * DK + k) = pk;
     }
     __syncthreads();
-    // W h_c: [64, d_k] x [d_k, bv]; h element (k, v) at hb[v * ldk + k] (col-major).
-    smem_mma<wm::row_major, wm::col_major>(ws, L.ldk, hb, L.ldk, wh, L.ldf, kChunk, bv, d_k, false);
+    // W h_c: [64, DK] x [DK, BV]; h element (k, v) at hb[v * ldk + k] (col-major).
+    smem_mma<wm::row_major, wm::col_major>(ws, L::kLdk, hb, L::kLdk, wh, L::kLdf, kChunk, BV, DK,
+                                           false);
     __syncthreads();
-    const float g_last = gam[n - 1];
-    for (int e = threadIdx.x; e < kChunk * bv; e += blockDim.x) {
-      const int i = e / bv, v = e % bv;
-      float vn = 0.f;
+    if (c + 1 < n_chunks) {  // ws and the other K/U/gamma buffers are free now
+      fetch_w(c + 1);
+      fetch_rest(c + 1, b ^ 1);
+    }
+    cp_async_commit();
+    const float* g_c = gm(b);
+    const float g_last = g_c[n - 1];
+    const bf16* u_c = ub(b);
+    for (int e = tid; e < kChunk * BV / 2; e += blockDim.x) {
+      const int i = e / (BV / 2), v = (e % (BV / 2)) * 2;
+      __nv_bfloat162 out2 = __floats2bfloat162_rn(0.f, 0.f);
       if (i < n) {
-        vn = uf[i * L.ldf + v] - wh[i * L.ldf + v];
-        const bf16 vn_b = __float2bfloat16(vn);
-        u[((row0 + i) * n_v + hv) * d_v + v0 + v] = vn_b;
-        vn = __bfloat162float(vn_b) * expf(g_last - gam[i]);
+        const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(u_c + i * L::kLdb + v);
+        const __nv_bfloat162 vn = __floats2bfloat162_rn(__low2float(u2) - wh[i * L::kLdf + v],
+                                                        __high2float(u2) - wh[i * L::kLdf + v + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(u + ((row0 + i) * n_v + hv) * d_v + v0 + v) = vn;
+        const float sc = expf(g_last - g_c[i]);
+        out2 = __floats2bfloat162_rn(__low2float(vn) * sc, __high2float(vn) * sc);
       }
-      vb[i * ldvb + v] = __float2bfloat16(vn);
+      *reinterpret_cast<__nv_bfloat162*>(vb + i * L::kLdb + v) = out2;
     }
     const float decay = expf(g_last);
-    for (int e = threadIdx.x; e < bv * d_k; e += blockDim.x) {
-      const int v = e / d_k, k = e % d_k;
-      hf[v * L.ldh + k] *= decay;
+    for (int e = tid; e < BV * DK / 4; e += blockDim.x) {
+      const int v = e / (DK / 4), k = (e % (DK / 4)) * 4;
+      float4* x = reinterpret_cast<float4*>(hf + v * L::kLdh + k);
+      float4 t = *x;
+      t.x *= decay; t.y *= decay; t.z *= decay; t.w *= decay;
+      *x = t;
     }
     __syncthreads();
-    // h += K^T Vb: [d_k, 64] x [64, bv], accumulated in hf (col-major: (k, v) at hf[v*ldh + k]).
-    smem_mma<wm::col_major, wm::row_major>(ks, L.ldk, vb, ldvb, hf, L.ldh, d_k, bv, kChunk, true,
-                                           true);
+    // h += K^T Vb: [DK, 64] x [64, BV], accumulated in hf (col-major: (k, v) at hf[v*ldh + k]).
+    smem_mma<wm::col_major, wm::row_major>(ks(b), L::kLdk, vb, L::kLdb, hf, L::kLdh, DK, BV,
+                                           kChunk, true, true);
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < bv * d_k; e += blockDim.x) {
-    const int v = e / d_k, k = e % d_k;
-    state[v * d_k + k] = hf[v * L.ldh + k];
+  for (int e = tid; e < BV * DK / 4; e += blockDim.x) {
+    const int v = e / (DK / 4), k = (e % (DK / 4)) * 4;
+    *reinterpret_cast<float4*>(state + v * DK + k) = *reinterpret_cast<const float4*>(hf + v * L::kLdh + k);
+  }
+}
+
+template <int DK, int BV>
+void launch_state(const GdnShape& s, const GdnStatePool& pool, const int32_t* cu_seqlens,
+                  const int32_t* seq_pos, const int32_t* slot_ids, int n_seqs,
+                  const PrefillWorkspace& ws, cudaStream_t stream) {
+  constexpr size_t smem_bytes = StateSmem<DK, BV>::kTotal;
+  DS_CUDA_CHECK(cudaFuncSetAttribute(gdn_state_kernel<DK, BV>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem_bytes)));
+  gdn_state_kernel<DK, BV><<<dim3(n_seqs, s.n_v_heads, s.d_v / BV), 128, smem_bytes, stream>>>(
+      s, pool, cu_seqlens, seq_pos, slot_ids, ws.seq_chunk0, ws.qkv, ws.g, ws.w, ws.u, ws.h);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+template <int DK>
+void launch_state_dk(const GdnShape& s, const GdnStatePool& pool, const int32_t* cu_seqlens,
+                     const int32_t* seq_pos, const int32_t* slot_ids, int n_seqs,
+                     const PrefillWorkspace& ws, cudaStream_t stream) {
+  if (s.d_v >= 32) {
+    launch_state<DK, 32>(s, pool, cu_seqlens, seq_pos, slot_ids, n_seqs, ws, stream);
+  } else {
+    launch_state<DK, 16>(s, pool, cu_seqlens, seq_pos, slot_ids, n_seqs, ws, stream);
   }
 }
 
 // ---- 4. output + gated RMSNorm ------------------------------------------------------------------
+// smem: Q, K, V_new (bf16 [64][d+8]), the snapshot h (bf16 [d_v][d_k+8]), S (fp32 [64][68]). P
+// (bf16) reuses K's space, the fp32 output staging reuses h's: about 104 KB at d 128, so two
+// blocks fit on an SM.
 struct OutSmem {
   int ldk, ldv, lds, ldp, ldo;
-  size_t q_off, k_off, v_off, h_off, s_off, p_off, o_off, gam_off, total;
+  size_t q_off, k_off, v_off, h_off, s_off, gam_off, eg_off, total;
 };
 
 __host__ __device__ inline OutSmem out_smem(int d_k, int d_v) {
@@ -548,81 +680,121 @@ __host__ __device__ inline OutSmem out_smem(int d_k, int d_v) {
   m.ldo = d_v + 4;
   size_t off = 0;
   auto take = [&](size_t bytes) { size_t r = off; off += (bytes + 127) & ~size_t(127); return r; };
+  const size_t k_bytes = sizeof(bf16) * kChunk * m.ldk, p_bytes = sizeof(bf16) * kChunk * m.ldp;
+  const size_t h_bytes = sizeof(bf16) * d_v * m.ldk, o_bytes = sizeof(float) * kChunk * m.ldo;
   m.q_off = take(sizeof(bf16) * kChunk * m.ldk);
-  m.k_off = take(sizeof(bf16) * kChunk * m.ldk);
+  m.k_off = take(k_bytes > p_bytes ? k_bytes : p_bytes);
   m.v_off = take(sizeof(bf16) * kChunk * m.ldv);
-  m.h_off = take(sizeof(bf16) * d_v * m.ldk);
+  m.h_off = take(h_bytes > o_bytes ? h_bytes : o_bytes);
   m.s_off = take(sizeof(float) * kChunk * m.lds);
-  m.p_off = take(sizeof(bf16) * kChunk * m.ldp);
-  m.o_off = take(sizeof(float) * kChunk * m.ldo);
   m.gam_off = take(sizeof(float) * kChunk);
+  m.eg_off = take(sizeof(float) * kChunk);
   m.total = off;
   return m;
 }
 
-__global__ void gdn_output_kernel(GdnShape s, GdnLayerWeights wts,
-                                  const ChunkInfo* __restrict__ chunks,
-                                  const int* __restrict__ seq_chunk0,
-                                  const bf16* __restrict__ proj,    // [n_tokens, in_dim] (z)
-                                  const bf16* __restrict__ qkv,     // [n_tokens, qkv_dim]
-                                  const float* __restrict__ gamma,  // [n_tokens, n_v]
-                                  const bf16* __restrict__ v_new,   // [n_tokens, n_v, d_v]
-                                  const bf16* __restrict__ h_snap,  // [chunks, n_v, d_v, d_k]
-                                  bf16* __restrict__ out)           // [n_tokens, n_v * d_v]
+template <int DK_, int DV_>
+__global__ void __launch_bounds__(256)
+    gdn_output_kernel(GdnShape s, GdnLayerWeights wts, const ChunkInfo* __restrict__ chunks,
+                      const int* __restrict__ seq_chunk0,
+                      const bf16* __restrict__ proj,    // [n_tokens, in_dim] (z)
+                      const bf16* __restrict__ qkv,     // [n_tokens, qkv_dim]
+                      const float* __restrict__ gamma,  // [n_tokens, n_v]
+                      const bf16* __restrict__ v_new,   // [n_tokens, n_v, d_v]
+                      const bf16* __restrict__ h_snap,  // [chunks, n_v, d_v, d_k]
+                      bf16* __restrict__ out)           // [n_tokens, n_v * d_v]
 {
+  constexpr int kMaxTilesPerWarp = 4;  // 64 x 128 outputs = 32 tiles over 8 warps
   const ChunkInfo ci = chunks[blockIdx.x];
   if (ci.seq < 0) return;
+  const int d_k = DK_ ? DK_ : s.d_k, d_v = DV_ ? DV_ : s.d_v;
   const int hv = blockIdx.y, hk = hv / (s.n_v_heads / s.n_k_heads);
-  const int d_k = s.d_k, d_v = s.d_v, n_v = s.n_v_heads, qkv_dim = s.qkv_dim();
+  const int n_v = s.n_v_heads, qkv_dim = s.qkv_dim();
   const OutSmem L = out_smem(d_k, d_v);
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* qs = reinterpret_cast<bf16*>(smem + L.q_off);
   bf16* ks = reinterpret_cast<bf16*>(smem + L.k_off);
+  bf16* pb = reinterpret_cast<bf16*>(smem + L.k_off);  // after S = Q K^T
   bf16* vs = reinterpret_cast<bf16*>(smem + L.v_off);
   bf16* hs = reinterpret_cast<bf16*>(smem + L.h_off);
+  float* of = reinterpret_cast<float*>(smem + L.h_off);  // after the last product
   float* sf = reinterpret_cast<float*>(smem + L.s_off);
-  bf16* pb = reinterpret_cast<bf16*>(smem + L.p_off);
-  float* of = reinterpret_cast<float*>(smem + L.o_off);
   float* gam = reinterpret_cast<float*>(smem + L.gam_off);
+  float* eg = reinterpret_cast<float*>(smem + L.eg_off);
 
   const int n = ci.n;
   const int64_t row0 = ci.t0;
-  load_rows_bf16(qs, L.ldk, qkv + row0 * qkv_dim + hk * d_k, qkv_dim, d_k, n);
-  load_rows_bf16(ks, L.ldk, qkv + row0 * qkv_dim + s.n_k_heads * d_k + hk * d_k, qkv_dim, d_k, n);
-  load_rows_bf16(vs, L.ldv, v_new + (row0 * n_v + hv) * d_v, static_cast<int64_t>(n_v) * d_v, d_v, n);
+  load_rows_async(qs, L.ldk, qkv + row0 * qkv_dim + hk * d_k, qkv_dim, d_k, n);
+  load_rows_async(ks, L.ldk, qkv + row0 * qkv_dim + s.n_k_heads * d_k + hk * d_k, qkv_dim, d_k, n);
+  load_rows_async(vs, L.ldv, v_new + (row0 * n_v + hv) * d_v, static_cast<int64_t>(n_v) * d_v, d_v, n);
   const int chunk = seq_chunk0[ci.seq] + ci.index;
   {
     const bf16* src = h_snap + (static_cast<int64_t>(chunk) * n_v + hv) * d_v * d_k;
     const int vec_per_row = d_k / 8;
     for (int e = threadIdx.x; e < d_v * vec_per_row; e += blockDim.x) {
       const int r = e / vec_per_row, c = (e % vec_per_row) * 8;
-      *reinterpret_cast<uint4*>(hs + r * L.ldk + c) =
-          *reinterpret_cast<const uint4*>(src + r * d_k + c);
+      cp_async16(hs + r * L.ldk + c, src + r * d_k + c, true);
     }
   }
+  cp_async_commit();
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
-    gam[i] = i < n ? gamma[(row0 + i) * n_v + hv] : 0.f;
+    const float gi = i < n ? gamma[(row0 + i) * n_v + hv] : 0.f;
+    gam[i] = gi;
+    eg[i] = i < n ? expf(gi) : 0.f;
   }
+  cp_async_wait_all();
   __syncthreads();
-  // S = Q K^T and O = Q h_c.
+  // S = Q K^T.
   smem_mma<wm::row_major, wm::col_major>(qs, L.ldk, ks, L.ldk, sf, L.lds, kChunk, kChunk, d_k, false);
-  smem_mma<wm::row_major, wm::col_major>(qs, L.ldk, hs, L.ldk, of, L.ldo, kChunk, d_v, d_k, false);
   __syncthreads();
+  // P = causal(S) e^(gamma_i - gamma_j) (bf16, over K's space); Q <- e^gamma Q (bf16, in place).
   for (int e = threadIdx.x; e < kChunk * kChunk; e += blockDim.x) {
     const int i = e / kChunk, j = e % kChunk;
-    const float p = (j <= i && i < n) ? sf[i * L.lds + j] * expf(gam[i] - gam[j]) : 0.f;
+    const float p = (j <= i && i < n) ? sf[i * L.lds + j] * __expf(gam[i] - gam[j]) : 0.f;
     pb[i * L.ldp + j] = __float2bfloat16(p);
   }
-  for (int e = threadIdx.x; e < kChunk * d_v; e += blockDim.x) {
-    const int i = e / d_v, c = e % d_v;
-    of[i * L.ldo + c] *= i < n ? expf(gam[i]) : 0.f;
+  for (int e = threadIdx.x; e < kChunk * d_k / 2; e += blockDim.x) {
+    const int i = e / (d_k / 2), c = (e % (d_k / 2)) * 2;
+    __nv_bfloat162* q2 = reinterpret_cast<__nv_bfloat162*>(qs + i * L.ldk + c);
+    const float sc = eg[i];
+    *q2 = __floats2bfloat162_rn(__low2float(*q2) * sc, __high2float(*q2) * sc);
   }
   __syncthreads();
-  // O += P V_new.
-  smem_mma<wm::row_major, wm::row_major>(pb, L.ldp, vs, L.ldv, of, L.ldo, kChunk, d_v, kChunk, true);
+  // O = (e^gamma Q) h_c + P V_new, each warp's tiles accumulated in registers.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+  const int tiles_n = d_v / 16, n_tiles = (kChunk / 16) * tiles_n;
+  wm::fragment<wm::accumulator, 16, 16, 16, float> acc[kMaxTilesPerWarp];
+#pragma unroll
+  for (int t = 0; t < kMaxTilesPerWarp; ++t) {
+    const int tile = warp + t * n_warps;
+    if (tile >= n_tiles) break;
+    const int i = tile / tiles_n, j = tile % tiles_n;
+    wm::fill_fragment(acc[t], 0.f);
+    for (int kk = 0; kk < d_k / 16; ++kk) {
+      wm::fragment<wm::matrix_a, 16, 16, 16, bf16, wm::row_major> a;
+      wm::fragment<wm::matrix_b, 16, 16, 16, bf16, wm::col_major> b;
+      wm::load_matrix_sync(a, qs + i * 16 * L.ldk + kk * 16, L.ldk);
+      wm::load_matrix_sync(b, hs + j * 16 * L.ldk + kk * 16, L.ldk);  // (k, v) at hs[v*ldk + k]
+      wm::mma_sync(acc[t], a, b, acc[t]);
+    }
+    for (int kk = 0; kk <= i; ++kk) {  // P is lower triangular: blocks kk > i are zero
+      wm::fragment<wm::matrix_a, 16, 16, 16, bf16, wm::row_major> a;
+      wm::fragment<wm::matrix_b, 16, 16, 16, bf16, wm::row_major> b;
+      wm::load_matrix_sync(a, pb + i * 16 * L.ldp + kk * 16, L.ldp);
+      wm::load_matrix_sync(b, vs + kk * 16 * L.ldv + j * 16, L.ldv);
+      wm::mma_sync(acc[t], a, b, acc[t]);
+    }
+  }
+  __syncthreads();  // every warp is done with h; its space takes the fp32 output
+#pragma unroll
+  for (int t = 0; t < kMaxTilesPerWarp; ++t) {
+    const int tile = warp + t * n_warps;
+    if (tile >= n_tiles) break;
+    const int i = tile / tiles_n, j = tile % tiles_n;
+    wm::store_matrix_sync(of + i * 16 * L.ldo + j * 16, acc[t], L.ldo, wm::mem_row_major);
+  }
   __syncthreads();
   // Gated RMSNorm, one warp per row.
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   const int in_dim = s.in_dim(), out_dim = s.out_dim();
   for (int i = warp; i < n; i += n_warps) {
     const float* o = of + i * L.ldo;
@@ -685,8 +857,18 @@ void launch_gdn_conv_prep(const GdnShape& s, const GdnLayerWeights& w, const Gdn
                           float* beta, cudaStream_t stream) {
   check_common(s, pool, n_seqs);
   if (n_tokens <= 0 || n_seqs <= 0) return;
-  gdn_conv_prep_kernel<<<n_tokens, 256, 0, stream>>>(s, w, pool, proj, cu_seqlens, seq_pos,
-                                                     slot_ids, n_seqs, qkv, g, beta);
+  // 8-byte loads need 8-byte aligned rows of proj and of the ring.
+  const bool vec = s.in_dim() % 4 == 0 && pool.conv_slot_stride % 4 == 0 &&
+                   reinterpret_cast<uintptr_t>(proj) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(pool.conv_state) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(w.conv_w) % 16 == 0;
+  if (vec) {
+    gdn_conv_prep_kernel<true><<<n_tokens, 256, 0, stream>>>(s, w, pool, proj, cu_seqlens, seq_pos,
+                                                             slot_ids, n_seqs, qkv, g, beta);
+  } else {
+    gdn_conv_prep_kernel<false><<<n_tokens, 256, 0, stream>>>(s, w, pool, proj, cu_seqlens,
+                                                              seq_pos, slot_ids, n_seqs, qkv, g, beta);
+  }
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -721,25 +903,35 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
                        ws.g, ws.beta, stream);
   launch_gdn_conv_state_update(s, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, stream);
 
-  const WySmem wl = wy_smem(s.d_k, s.d_v);
   static_assert(sizeof(ChunkInfo) == 16);
-  set_smem(gdn_wy_kernel, wl.total);
-  gdn_wy_kernel<<<dim3(max_chunks, s.n_v_heads), 256, wl.total, stream>>>(
-      s, ws.chunks, ws.qkv, ws.g, ws.beta, ws.w, ws.u);
-  DS_CUDA_LAUNCH_CHECK();
-
-  const int bv = s.d_v >= 32 ? 32 : s.d_v;
-  const StateSmem sl = state_smem(s.d_k, bv);
-  set_smem(gdn_state_kernel, sl.total);
-  gdn_state_kernel<<<dim3(n_seqs, s.n_v_heads, s.d_v / bv), 128, sl.total, stream>>>(
-      s, pool, bv, cu_seqlens, seq_pos, slot_ids, ws.seq_chunk0, ws.qkv, ws.g, ws.w, ws.u, ws.h);
-  DS_CUDA_LAUNCH_CHECK();
-
+  const WySmem wl = wy_smem(s.d_k, s.d_v);
+  DS_ASSERT(sizeof(float) * kChunk * wl.ldo <= wl.tb_off - wl.a_off);  // W/U staging fits in A+T
   const OutSmem ol = out_smem(s.d_k, s.d_v);
-  set_smem(gdn_output_kernel, ol.total);
-  gdn_output_kernel<<<dim3(max_chunks, s.n_v_heads), 256, ol.total, stream>>>(
-      s, w, ws.chunks, ws.seq_chunk0, proj, ws.qkv, ws.g, ws.u, ws.h, out);
-  DS_CUDA_LAUNCH_CHECK();
+  const dim3 grid(max_chunks, s.n_v_heads);
+  auto run_wy = [&](auto wy_kernel) {
+    set_smem(wy_kernel, wl.total);
+    wy_kernel<<<grid, 256, wl.total, stream>>>(s, ws.chunks, ws.qkv, ws.g, ws.beta, ws.w, ws.u);
+    DS_CUDA_LAUNCH_CHECK();
+  };
+  auto output = [&](auto out_kernel) {
+    set_smem(out_kernel, ol.total);
+    out_kernel<<<grid, 256, ol.total, stream>>>(s, w, ws.chunks, ws.seq_chunk0, proj, ws.qkv,
+                                                ws.g, ws.u, ws.h, out);
+    DS_CUDA_LAUNCH_CHECK();
+  };
+  // Compile-time head sizes for d_k == d_v == 128 (the shipped models); run-time otherwise.
+  const bool d128 = s.d_k == 128 && s.d_v == 128;
+  if (d128) run_wy(gdn_wy_kernel<128, 128>); else run_wy(gdn_wy_kernel<0, 0>);
+
+  switch (s.d_k) {
+    case 16: launch_state_dk<16>(s, pool, cu_seqlens, seq_pos, slot_ids, n_seqs, ws, stream); break;
+    case 32: launch_state_dk<32>(s, pool, cu_seqlens, seq_pos, slot_ids, n_seqs, ws, stream); break;
+    case 64: launch_state_dk<64>(s, pool, cu_seqlens, seq_pos, slot_ids, n_seqs, ws, stream); break;
+    case 128: launch_state_dk<128>(s, pool, cu_seqlens, seq_pos, slot_ids, n_seqs, ws, stream); break;
+    default: DS_ASSERT(false);
+  }
+
+  if (d128) output(gdn_output_kernel<128, 128>); else output(gdn_output_kernel<0, 0>);
 }
 
 }  // namespace ds::cuda

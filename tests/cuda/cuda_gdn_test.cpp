@@ -633,3 +633,34 @@ TEST(CudaGdn, Timing) {
 
 }  // namespace
 }  // namespace ds::cuda
+
+namespace ds::cuda {
+namespace {
+// One 4096-token prefill and one batch-1 decode, for a profiler (run with
+// --gtest_also_run_disabled_tests --gtest_filter=*Profile* under ncu).
+TEST(CudaGdn, DISABLED_ProfileOnce) {
+  REQUIRE_GPU();
+  const GdnShape s = shape_27b();
+  std::mt19937 rng(9);
+  const HostLayer hl = make_layer(s, rng);
+  const DevLayer dl = upload_layer(s, hl);
+  const int T = 4096;
+  const auto proj = random_proj(s, T, rng);
+  DevBuf<bf16> d_proj(proj.size()), d_out(size_t(T) * s.out_dim());
+  upload(d_proj, to_bf16(proj));
+  DevPool pool(s, 1);
+  CK(cudaMemset(pool.rec.p, 0, pool.rec.n * 4));
+  CK(cudaMemset(pool.conv.p, 0, pool.conv.n * 2));
+  DevBuf<int32_t> d_cu(2), d_pos(1), d_slot(1);
+  upload(d_cu, std::vector<int>{0, T});
+  upload(d_pos, std::vector<int>{T});
+  upload(d_slot, std::vector<int>{0});
+  const size_t wsb = gdn_prefill_workspace_bytes(s, T, 1);
+  DevBuf<unsigned char> ws(wsb);
+  launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, ws.p, wsb,
+                     d_out.p, nullptr);
+  launch_gdn_decode(s, dl.w(), pool.pool(), d_proj.p, d_pos.p, d_slot.p, 1, d_out.p, nullptr);
+  CK(cudaDeviceSynchronize());
+}
+}  // namespace
+}  // namespace ds::cuda
