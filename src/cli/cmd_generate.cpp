@@ -29,6 +29,7 @@ struct GenerateOpts {
   SamplingParams sampling;
   uint64_t seed = 0;
   bool ignore_eos = false, skip_special = false, quiet = false;
+  bool use_text = false;  // --prompt given (else --prompt-ids)
 };
 
 bool has_tokenizer(const std::string& dir) {
@@ -43,7 +44,6 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 int run_generate(const GenerateOpts& o) {
   using clock = std::chrono::steady_clock;
-  DS_CHECK(o.prompt_ids.empty() != o.prompt.empty(), "give exactly one of --prompt-ids and --prompt");
 
   // Tokenizer: --tokenizer DIR, else the model folder when it has one.
   std::optional<Tokenizer> tok;
@@ -53,7 +53,7 @@ int run_generate(const GenerateOpts& o) {
     tok = Tokenizer::load(o.model);
   }
   std::vector<int32_t> prompt;
-  if (!o.prompt.empty()) {
+  if (o.use_text) {
     DS_CHECK(tok.has_value(), "--prompt needs a tokenizer: ", o.model,
              " has no tokenizer.json (or vocab.json + merges.txt); pass --tokenizer DIR or use --prompt-ids");
     prompt = tok->encode(o.prompt);
@@ -65,7 +65,7 @@ int run_generate(const GenerateOpts& o) {
   const auto t_load = clock::now();
   HostWeights w = load_host_weights(o.model);
   const ModelConfig& cfg = w.config;
-  check_token_ids(prompt, cfg.vocab_size, o.prompt.empty() ? "--prompt-ids" : "--prompt");
+  check_token_ids(prompt, cfg.vocab_size, o.use_text ? "--prompt" : "--prompt-ids");
   const int64_t total = static_cast<int64_t>(prompt.size()) + o.max_tokens;
   if (cfg.max_position_embeddings > 0) {
     DS_CHECK(total <= cfg.max_position_embeddings, "prompt (", prompt.size(), " tokens) + --max-tokens ",
@@ -192,8 +192,10 @@ std::function<int()> setup_generate(CLI::App& app) {
   app.add_flag("--skip-special", o->skip_special, "Leave special tokens out of the text");
   app.add_flag("-q,--quiet", o->quiet, "No notes or timings on stderr");
   add_device_option(app, o->device);
-  return [o, seed]() {
+  return [o, seed, ids, text]() {
+    DS_CHECK(ids->count() + text->count() == 1, "give one of --prompt-ids and --prompt");
     GenerateOpts opts = *o;
+    opts.use_text = text->count() > 0;
     if (seed->count() > 0) opts.sampling.seed = opts.seed;
     opts.sampling.validate();
     return run_generate(opts);
