@@ -3,7 +3,7 @@
 
 namespace ds {
 
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
 struct ChatOutput::Impl {
   std::string content;

@@ -14,18 +14,18 @@ class ChatOutput {
  public:
   // starts_in_reasoning: the prompt ends inside <think> (thinking on), so generation begins as
   // reasoning. tools: the request's tools (the parser converts parameter values by their schema).
-  ChatOutput(bool starts_in_reasoning, const nlohmann::json& tools);
+  ChatOutput(bool starts_in_reasoning, const nlohmann::ordered_json& tools);
   ~ChatOutput();
   ChatOutput(const ChatOutput&) = delete;
   ChatOutput& operator=(const ChatOutput&) = delete;
 
   // New text -> the delta fields to stream now ({"content": ...}, {"reasoning_content": ...},
   // {"tool_calls": [...]}), an empty object when nothing is complete yet.
-  nlohmann::json push(const std::string& text);
+  nlohmann::ordered_json push(const std::string& text);
   // End of generation: whatever was held back.
-  nlohmann::json finish();
+  nlohmann::ordered_json finish();
   // The whole assistant message so far: {"role", "content", "reasoning_content"?, "tool_calls"?}.
-  nlohmann::json message() const;
+  nlohmann::ordered_json message() const;
   bool has_tool_calls() const;
 
  private:

@@ -10,9 +10,9 @@
 
 namespace ds {
 
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
-nlohmann::json error_body(int status, const std::string& message, const std::string& param) {
+nlohmann::ordered_json error_body(int status, const std::string& message, const std::string& param) {
   const char* type = "invalid_request_error";
   if (status == 401) type = "authentication_error";
   else if (status == 404) type = "not_found_error";
@@ -99,7 +99,7 @@ std::optional<bool> get_bool(const json& obj, const char* key) {
 
 }  // namespace
 
-nlohmann::json parse_body(const std::string& body) {
+nlohmann::ordered_json parse_body(const std::string& body) {
   if (body.empty()) throw ApiError(400, "the request body is empty (a JSON object is expected)");
   json j;
   try {
@@ -111,7 +111,7 @@ nlohmann::json parse_body(const std::string& body) {
   return j;
 }
 
-void check_model(const nlohmann::json& body, const std::vector<std::string>& served) {
+void check_model(const nlohmann::ordered_json& body, const std::vector<std::string>& served) {
   const json* m = field(body, "model");
   if (!m) return;
   if (!m->is_string()) bad("model", std::string("must be a string, got ") + type_name(*m));
@@ -122,7 +122,7 @@ void check_model(const nlohmann::json& body, const std::vector<std::string>& ser
   throw ApiError(404, "The model `" + name + "` does not exist.", "model");
 }
 
-SamplingRequest parse_sampling_request(const nlohmann::json& b, bool chat, const ApiLimits& lim) {
+SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool chat, const ApiLimits& lim) {
   SamplingRequest r;
   GenerationRequest& g = r.gen;
   g.max_tokens = -1;
@@ -217,7 +217,7 @@ SamplingRequest parse_sampling_request(const nlohmann::json& b, bool chat, const
   return r;
 }
 
-std::vector<PromptInput> parse_completion_prompts(const nlohmann::json& b) {
+std::vector<PromptInput> parse_completion_prompts(const nlohmann::ordered_json& b) {
   const json* p = field(b, "prompt");
   if (!p) throw ApiError(400, "'prompt' is required", "prompt");
   auto ids_of = [](const json& arr) {
@@ -253,7 +253,7 @@ std::vector<PromptInput> parse_completion_prompts(const nlohmann::json& b) {
   return out;
 }
 
-nlohmann::json chat_template_input(const nlohmann::json& b) {
+nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
   const json* msgs = field(b, "messages");
   if (!msgs) throw ApiError(400, "'messages' is required", "messages");
   if (!msgs->is_array()) bad("messages", std::string("must be a list, got ") + type_name(*msgs));

@@ -24,7 +24,7 @@ class ApiError : public Error {
 
 // {"error": {...}} for a status: type "invalid_request_error" (4xx), "authentication_error"
 // (401), "not_found_error" (404), "rate_limit_error" (429), "server_error" (5xx).
-nlohmann::json error_body(int status, const std::string& message, const std::string& param = {});
+nlohmann::ordered_json error_body(int status, const std::string& message, const std::string& param = {});
 
 // Limits the server applies to every request.
 struct ApiLimits {
@@ -44,7 +44,7 @@ struct SamplingRequest {
 
 // Parses the sampling / stop / logprobs / stream fields of `body` (an object). `chat` selects the
 // chat flavour of logprobs (bool + top_logprobs) over the completions one (int).
-SamplingRequest parse_sampling_request(const nlohmann::json& body, bool chat, const ApiLimits& lim);
+SamplingRequest parse_sampling_request(const nlohmann::ordered_json& body, bool chat, const ApiLimits& lim);
 
 // The prompt of a completions request: a string, a list of ids, or a list of one of those
 // (several prompts make several choices). Strings are returned as text, ids as ids.
@@ -52,19 +52,19 @@ struct PromptInput {
   std::optional<std::string> text;
   std::vector<int32_t> ids;
 };
-std::vector<PromptInput> parse_completion_prompts(const nlohmann::json& body);
+std::vector<PromptInput> parse_completion_prompts(const nlohmann::ordered_json& body);
 
 // Checks and normalises the chat request for the template: messages (roles system / developer /
 // user / assistant / tool; content a string, null, or a list of text parts, joined), tools,
 // tool_choice ("none" drops the tools; "auto"), chat_template_kwargs merged at top level,
 // add_generation_prompt. Returns the object ChatTemplate::render takes.
-nlohmann::json chat_template_input(const nlohmann::json& body);
+nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& body);
 
 // Reads the body as a JSON object (ApiError 400 with the parser's message otherwise).
-nlohmann::json parse_body(const std::string& body);
+nlohmann::ordered_json parse_body(const std::string& body);
 
 // Checks "model" when present: it must be one of `served` (404 otherwise).
-void check_model(const nlohmann::json& body, const std::vector<std::string>& served);
+void check_model(const nlohmann::ordered_json& body, const std::vector<std::string>& served);
 
 // A unique id with a prefix ("cmpl-", "chatcmpl-").
 std::string make_request_id(const char* prefix);

@@ -12,7 +12,7 @@
 
 namespace ds {
 
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 using Ms = std::chrono::milliseconds;
 
 namespace {

@@ -48,7 +48,7 @@ struct ServerOptions {
 
 // Renders a chat request (see chat_template_input) to the prompt text; throws ds::Error (template
 // errors become 400).
-using ChatRenderFn = std::function<std::string(const nlohmann::json&)>;
+using ChatRenderFn = std::function<std::string(const nlohmann::ordered_json&)>;
 
 class Server {
  public:
