@@ -416,3 +416,43 @@ TEST_F(ModelWeightsErrors, NoCheckpointFiles) {
 
 }  // namespace
 }  // namespace ds
+
+namespace ds {
+namespace {
+
+// Checkpoints written by HF transformers' save_pretrained (tools/, tests/data/golden): both
+// layouts load to the same bytes, and each fused field is exactly its parts stacked in order.
+TEST(ModelWeightsGolden, HfSavedCheckpointsLoadAndFuseExactly) {
+  const std::string root = std::string(DS_TEST_DATA) + "/golden";
+  if (!fs::exists(root)) GTEST_SKIP() << root << " absent";
+  for (const char* name : {"qwen35_27b_ratios", "qwen35_other_ratios"}) {
+    SCOPED_TRACE(name);
+    const std::string text_dir = root + "/" + name + "/text", wrap_dir = root + "/" + name + "/wrapper";
+    if (!fs::exists(text_dir) || !fs::exists(wrap_dir)) GTEST_SKIP() << "golden layouts absent";
+    HostWeights t = load_host_weights(text_dir);
+    HostWeights w = load_host_weights(wrap_dir);
+    EXPECT_FALSE(t.config.is_wrapper);
+    EXPECT_TRUE(w.config.is_wrapper);
+    EXPECT_GT(t.stats.n_files, 1);
+    EXPECT_GT(w.stats.n_visual_tensors + w.stats.n_mtp_tensors, 0);
+    EXPECT_EQ(t.stats.n_other_tensors, 0);
+    EXPECT_EQ(w.stats.n_other_tensors, 0);
+    expect_same_weights(t, w);
+    // Each fused field equals its parts read straight from the safetensors files.
+    SafetensorsCheckpoint ck(text_dir);
+    for (const CheckpointTensor& ct : checkpoint_tensors(t.config)) {
+      const TensorLocation* loc = ck.find(ct.name == "lm_head.weight" ? ct.name : "model." + ct.name);
+      ASSERT_NE(loc, nullptr) << ct.name;
+      const TensorView& f = ct.layer < 0 ? t.*(ct.spec->global_field) : t.layers[ct.layer].*(ct.spec->layer_field);
+      const int64_t row = f.numel() / f.shape[0];
+      const size_t es = dtype_size(f.dtype);
+      ASSERT_EQ(std::memcmp(f.data + ct.row_offset * row * es, loc->file->tensor_data(*loc->entry),
+                            loc->entry->end - loc->entry->begin),
+                0)
+          << ct.name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ds

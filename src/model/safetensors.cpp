@@ -99,7 +99,9 @@ SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, u
     throw_error(where, ": corrupt safetensors header: expected a JSON object, got ", root.type_name());
   }
 
-  for (auto& [name, v] : root.items()) {
+  for (auto& item : root.items()) {
+    const std::string& name = item.key();  // (not a structured binding: lambdas below capture it)
+    const json& v = item.value();
     if (name == "__metadata__") {
       if (v.is_null()) continue;
       if (!v.is_object()) throw_error(where, ": safetensors __metadata__ must be an object of strings");
