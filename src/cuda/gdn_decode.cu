@@ -50,10 +50,11 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
   constexpr int kGroups = (kDecodeThreads / 32) * kRowsPerWarp;  // lane groups in the block
   constexpr int kMaxRows = kMaxD / kSplit;
   constexpr int kMaxRowsPerGroup = (kMaxRows + kGroups - 1) / kGroups;
+  static_assert(2 * DK + kMaxRows <= 4 * kDecodeThreads && kMaxRows <= kDecodeThreads,
+                "one pass must cover the conv channels and the outputs");
 
   __shared__ __align__(16) float qs[DK], ks[DK], vs[kMaxRows], os[kMaxRows];
-  __shared__ float part;     // this block's sum of o^2 (read by the whole cluster)
-  __shared__ float gate[2];  // beta, e^g
+  __shared__ float part;  // this block's sum of o^2 (read by the whole cluster)
 
   const int seq = blockIdx.x, hv = blockIdx.y, split = blockIdx.z;
   const int ratio = s.n_v_heads / s.n_k_heads, hk = hv / ratio;
@@ -65,7 +66,7 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
   const bf16* x = proj + static_cast<int64_t>(seq) * in_dim;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  // 0. Issue the state loads first: they do not depend on the conv, and they are the traffic.
+  // 0. Issue every global load first (the state rows are the traffic; the rest is latency).
   // Lane group `grp` owns local rows grp, grp + kGroups, ...; k4 covers k = 4*k4 .. 4*k4+3.
   const int grp = warp * kRowsPerWarp + lane / kLanesPerRow;
   const int k4 = lane % kLanesPerRow;
@@ -77,19 +78,31 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
   for (int r = 0; r < kMaxRowsPerGroup; ++r) {
     const int v = grp + r * kGroups;
     st[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (has_state && v < rows) st[r] = *reinterpret_cast<const float4*>(state + v * DK + 4 * k4);
+    if (has_state && v < rows) st[r] = __ldcg(reinterpret_cast<const float4*>(state + v * DK + 4 * k4));
+  }
+  const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
+  const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
+  const float A_log = w.A_log[hv], dt_bias = w.dt_bias[hv];
+  const bool norm = w.norm_w != nullptr;
+  float z_c = 0.f, w_c = 0.f;  // thread c < rows: the gate z and norm weight of its output
+  if (tid < rows && norm) {
+    z_c = __bfloat162float(x[qkv_dim + hv * d_v + v0 + tid]);
+    w_c = __bfloat162float(w.norm_w[v0 + tid]);
   }
 
-  // 1. conv + SiLU over q (DK), k (DK) and this block's v channels, 4 channels per thread (one
-  // pass: 2 * 128 + 32 channels = 72 threads at 27B). All loads are issued before any store.
+  // 1. conv + SiLU over q (DK), k (DK) and this block's v channels, 4 channels per thread, one
+  // pass (2 * 128 + 32 channels = 72 threads at 27B): q on threads [0, DK/4), k on
+  // [DK/4, DK/2), so their l2norms are shuffle reductions within aligned lane groups.
   const bool write_qk = hv % ratio == 0 && split == 0;
   const int e = 4 * tid;
-  if (e < 2 * DK + rows) {
-    int ch;
+  const bool active = e < 2 * DK + rows;
+  int ch = 0;
+  float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
+  if (active) {
     if (e < DK) ch = hk * DK + e;
     else if (e < 2 * DK) ch = s.n_k_heads * DK + hk * DK + (e - DK);
     else ch = 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
-    float xin[4], tap[3][4], wt[16];
+    float tap[3][4], wt[16];
     if (VEC) {
       load4(x + ch, xin);
 #pragma unroll
@@ -117,44 +130,33 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
 #pragma unroll
       for (int i = 0; i < 16; ++i) wt[i] = __bfloat162float(w.conv_w[ch * 4 + i]);
     }
-    float y[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const float acc = wt[4 * i] * tap[0][i] + wt[4 * i + 1] * tap[1][i] +
                         wt[4 * i + 2] * tap[2][i] + wt[4 * i + 3] * xin[i];
       y[i] = acc / (1.f + __expf(-acc));
     }
+  }
+  // 2. l2norm of q and k (every lane takes part in the shuffles; only q/k lanes use the result).
+  float ss = y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3];
+#pragma unroll
+  for (int o = kLanesPerRow / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (active) {
+    float scale = 1.f;
+    if (e < 2 * DK) scale = rsqrtf(ss + 1e-6f) * (e < DK ? rsqrtf(static_cast<float>(DK)) : 1.f);
     float* dst = e < DK ? qs + e : (e < 2 * DK ? ks + (e - DK) : vs + (e - 2 * DK));
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dst[i] = y[i];
-    if (e >= 2 * DK || write_qk) {
-      bf16* r = ring + (p & 3) * qkv_dim + ch;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) r[i] = __float2bfloat16(xin[i]);  // exact: xin came from bf16
-    }
+    for (int i = 0; i < 4; ++i) dst[i] = y[i] * scale;
   }
-  __syncthreads();
-  // 2. l2norm of q (warp 0) and k (warp 1); gates (warp 2).
-  if (warp < 2) {
-    float* vec = warp == 0 ? qs : ks;
-    float ss = 0.f;
-    for (int c = lane; c < DK; c += 32) ss += vec[c] * vec[c];
-    ss = warp_sum(ss);
-    const float scale = rsqrtf(ss + 1e-6f) * (warp == 0 ? rsqrtf(static_cast<float>(DK)) : 1.f);
-    for (int c = lane; c < DK; c += 32) vec[c] *= scale;
-  } else if (warp == 2 && lane == 0) {
-    const float b = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
-    const float a = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]) + w.dt_bias[hv];
-    const float sp = a > 20.f ? a : log1pf(expf(a));
-    gate[0] = 1.f / (1.f + expf(-b));
-    gate[1] = expf(-expf(w.A_log[hv]) * sp);
-  }
+  // Gates (every thread, from registers): beta = sigmoid(b), decay = e^g.
+  const float beta = 1.f / (1.f + expf(-b_raw));
+  const float a_dt = a_raw + dt_bias;
+  const float decay = expf(-expf(A_log) * (a_dt > 20.f ? a_dt : log1pf(expf(a_dt))));
   __syncthreads();
 
-  // 3. Per row: decay, u = S k, S += k beta (v - u), o = S q; store the row back.
+  // 3. Per row: decay, u = S k, S += k beta (v - u), o = S q (rows stay in registers).
   const float4 kk = *reinterpret_cast<const float4*>(ks + 4 * k4);
   const float4 qq = *reinterpret_cast<const float4*>(qs + 4 * k4);
-  const float beta = gate[0], decay = gate[1];
 #pragma unroll
   for (int r = 0; r < kMaxRowsPerGroup; ++r) {
     const int v = grp + r * kGroups;
@@ -168,38 +170,47 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
     float o_v = t.x * qq.x + t.y * qq.y + t.z * qq.z + t.w * qq.w;
 #pragma unroll
     for (int o = kLanesPerRow / 2; o > 0; o >>= 1) o_v += __shfl_xor_sync(0xffffffffu, o_v, o);
-    if (v < rows) {
-      *reinterpret_cast<float4*>(state + v * DK + 4 * k4) = t;
-      if (k4 == 0) os[v] = o_v;
-    }
+    st[r] = t;
+    if (v < rows && k4 == 0) os[v] = o_v;
   }
   __syncthreads();
 
-  // 4. Gated RMSNorm over the head's d_v outputs: sum of squares across the cluster's blocks.
-  bf16* y = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v + v0;
-  if (w.norm_w == nullptr) {
-    for (int c = tid; c < rows; c += kDecodeThreads) y[c] = __float2bfloat16(os[c]);
-    return;
-  }
-  if (warp == 0) {
-    float ss = 0.f;
-    for (int c = lane; c < rows; c += 32) ss += os[c] * os[c];
-    ss = warp_sum(ss);
-    if (lane == 0) part = ss;
-  }
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  float total = 0.f;
+  // 4. The head's sum of o^2 across the cluster (distributed shared memory). No global store is
+  // outstanding at the release barrier, so it does not wait on memory.
+  float rinv = 1.f;
+  if (norm) {
+    if (warp == 0) {
+      float sq = 0.f;
+      for (int c = lane; c < rows; c += 32) sq += os[c] * os[c];
+      sq = warp_sum(sq);
+      if (lane == 0) part = sq;
+    }
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    cg::cluster_group cluster = cg::this_cluster();
+    float total = 0.f;
 #pragma unroll
-  for (int r = 0; r < kSplit; ++r) total += *cluster.map_shared_rank(&part, r);
-  const float rinv = rsqrtf(total / d_v + s.norm_eps);
-  const bf16* z = x + qkv_dim + hv * d_v + v0;
-  for (int c = tid; c < rows; c += kDecodeThreads) {
-    const float zf = __bfloat162float(z[c]);
-    y[c] = __float2bfloat16(__bfloat162float(w.norm_w[v0 + c]) * os[c] * rinv *
-                            (zf / (1.f + __expf(-zf))));
+    for (int r = 0; r < kSplit; ++r) total += *cluster.map_shared_rank(&part, r);
+    rinv = rsqrtf(total / d_v + s.norm_eps);
+    // Peers may exit once everyone has read: arrive now, wait at the very end.
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
   }
-  cluster.sync();  // no block may exit while another still reads its `part`
+
+  // 5. Stores: state rows, the ring, the gated-norm output.
+#pragma unroll
+  for (int r = 0; r < kMaxRowsPerGroup; ++r) {
+    const int v = grp + r * kGroups;
+    if (v < rows) __stcg(reinterpret_cast<float4*>(state + v * DK + 4 * k4), st[r]);
+  }
+  if (active && (e >= 2 * DK || write_qk)) {
+    bf16* rw = ring + (p & 3) * qkv_dim + ch;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) rw[i] = __float2bfloat16(xin[i]);  // exact: xin came from bf16
+  }
+  if (tid < rows) {  // rows <= 32 <= threads
+    bf16* yo = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v + v0;
+    yo[tid] = __float2bfloat16(norm ? w_c * os[tid] * rinv * (z_c / (1.f + __expf(-z_c))) : os[tid]);
+  }
+  if (norm) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
 }  // namespace

@@ -224,6 +224,7 @@ __global__ void gdn_conv_prep_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool
     tap[j] = pp >= pos0 ? proj + static_cast<int64_t>(t - 3 + j) * in_dim
                         : (pp >= 0 ? ring + (pp & 3) * qkv_dim : nullptr);
   }
+#pragma unroll 2
   for (int hh = warp; hh < n_heads; hh += n_warps) {
     const bool is_v = hh >= 2 * s.n_k_heads;
     const int d = is_v ? s.d_v : s.d_k;
@@ -737,6 +738,28 @@ __global__ void __launch_bounds__(256)
     }
   }
   cp_async_commit();
+  // Epilogue operands, loaded now so that their latency hides behind the products: warp w owns
+  // rows w, w + 8, ... (8 rows), lane l channels 4l .. 4l+3 of the head.
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+  const int in_dim = s.in_dim(), out_dim = s.out_dim();
+  const bool norm = wts.norm_w != nullptr;
+  const int c4 = 4 * lane;
+  __nv_bfloat162 zr[kChunk / 8][2];
+  float nw[4] = {1.f, 1.f, 1.f, 1.f};
+  if (norm && c4 < d_v) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) nw[i] = __bfloat162float(wts.norm_w[c4 + i]);
+  }
+#pragma unroll
+  for (int r = 0; r < kChunk / 8; ++r) {
+    const int i = warp + 8 * r;
+    zr[r][0] = zr[r][1] = __floats2bfloat162_rn(0.f, 0.f);
+    if (norm && i < n && c4 < d_v) {
+      const bf16* z = proj + (row0 + i) * in_dim + qkv_dim + hv * d_v + c4;
+      zr[r][0] = __halves2bfloat162(z[0], z[1]);
+      zr[r][1] = __halves2bfloat162(z[2], z[3]);
+    }
+  }
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     const float gi = i < n ? gamma[(row0 + i) * n_v + hv] : 0.f;
     gam[i] = gi;
@@ -761,7 +784,6 @@ __global__ void __launch_bounds__(256)
   }
   __syncthreads();
   // O = (e^gamma Q) h_c + P V_new, each warp's tiles accumulated in registers.
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
   const int tiles_n = d_v / 16, n_tiles = (kChunk / 16) * tiles_n;
   wm::fragment<wm::accumulator, 16, 16, 16, float> acc[kMaxTilesPerWarp];
 #pragma unroll
@@ -794,23 +816,33 @@ __global__ void __launch_bounds__(256)
     wm::store_matrix_sync(of + i * 16 * L.ldo + j * 16, acc[t], L.ldo, wm::mem_row_major);
   }
   __syncthreads();
-  // Gated RMSNorm, one warp per row.
-  const int in_dim = s.in_dim(), out_dim = s.out_dim();
-  for (int i = warp; i < n; i += n_warps) {
-    const float* o = of + i * L.ldo;
-    bf16* y = out + (row0 + i) * out_dim + hv * d_v;
-    if (wts.norm_w == nullptr) {
-      for (int c = lane; c < d_v; c += 32) y[c] = __float2bfloat16(o[c]);
-      continue;
+  // Gated RMSNorm, one warp per row (8 rows per warp, 4 channels per lane).
+#pragma unroll
+  for (int r = 0; r < kChunk / 8; ++r) {
+    const int i = warp + 8 * r;
+    if (i >= n) break;
+    float o[4] = {0.f, 0.f, 0.f, 0.f};
+    if (c4 < d_v) {
+      const float4 o4 = *reinterpret_cast<const float4*>(of + i * L.ldo + c4);
+      o[0] = o4.x; o[1] = o4.y; o[2] = o4.z; o[3] = o4.w;
     }
-    float ss = 0.f;
-    for (int c = lane; c < d_v; c += 32) ss += o[c] * o[c];
-    ss = warp_sum(ss);
-    const float r = rsqrtf(ss / d_v + s.norm_eps);
-    const bf16* z = proj + (row0 + i) * in_dim + qkv_dim + hv * d_v;
-    for (int c = lane; c < d_v; c += 32) {
-      const float zf = __bfloat162float(z[c]);
-      y[c] = __float2bfloat16(__bfloat162float(wts.norm_w[c]) * o[c] * r * (zf / (1.f + __expf(-zf))));
+    float scale = 1.f;
+    if (norm) {
+      float ss = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+      ss = warp_sum(ss);
+      scale = rsqrtf(ss / d_v + s.norm_eps);
+    }
+    if (c4 < d_v) {
+      float yv[4];
+      const float zf[4] = {__low2float(zr[r][0]), __high2float(zr[r][0]), __low2float(zr[r][1]),
+                           __high2float(zr[r][1])};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        yv[k] = norm ? nw[k] * o[k] * scale * (zf[k] / (1.f + __expf(-zf[k]))) : o[k];
+      }
+      __nv_bfloat162* y = reinterpret_cast<__nv_bfloat162*>(out + (row0 + i) * out_dim + hv * d_v + c4);
+      y[0] = __floats2bfloat162_rn(yv[0], yv[1]);
+      y[1] = __floats2bfloat162_rn(yv[2], yv[3]);
     }
   }
 }
