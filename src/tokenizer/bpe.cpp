@@ -1,0 +1,198 @@
+// BPE merging by rank with a heap over adjacent pairs (see bpe.h), plus the merge table (open
+// addressing on the packed id pair) and the piece cache.
+#include "tokenizer/bpe.h"
+
+#include <algorithm>
+#include <mutex>
+
+#include "core/error.h"
+
+namespace ds {
+namespace {
+
+inline uint64_t pair_key(int32_t a, int32_t b) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
+}
+
+inline size_t hash_key(uint64_t k) {
+  k ^= k >> 33;
+  k *= 0xff51afd7ed558ccdull;
+  k ^= k >> 33;
+  return static_cast<size_t>(k);
+}
+
+struct Symbol {
+  int32_t id;
+  int32_t prev;  // index of the previous live symbol, -1 at the start
+  int32_t next;  // index of the next live symbol, -1 at the end
+  int32_t len;   // bytes covered; 0 once merged into its left neighbour
+};
+
+struct Candidate {
+  int32_t rank;
+  int32_t pos;  // index of the left symbol
+  int32_t merged;
+};
+
+// Heap order: the lowest rank first, then the leftmost position (HF's Merge ordering).
+inline bool later(const Candidate& x, const Candidate& y) {
+  return x.rank != y.rank ? x.rank > y.rank : x.pos > y.pos;
+}
+
+}  // namespace
+
+BpeModel::BpeModel() {
+  std::fill(std::begin(byte_ids_), std::end(byte_ids_), -1);
+  merges_.assign(1024, MergeSlot{kEmpty, 0, 0});
+}
+
+BpeModel::~BpeModel() = default;
+
+void BpeModel::add_token(std::string bytes, int32_t id) {
+  if (bytes.size() == 1) byte_ids_[static_cast<uint8_t>(bytes[0])] = id;
+  vocab_[std::move(bytes)] = id;
+}
+
+std::optional<int32_t> BpeModel::find(std::string_view bytes) const {
+  auto it = vocab_.find(std::string(bytes));
+  if (it == vocab_.end()) return std::nullopt;
+  return it->second;
+}
+
+void BpeModel::grow_merges() {
+  std::vector<MergeSlot> old = std::move(merges_);
+  merges_.assign(old.size() * 2, MergeSlot{kEmpty, 0, 0});
+  const size_t mask = merges_.size() - 1;
+  for (const MergeSlot& s : old) {
+    if (s.key == kEmpty) continue;
+    size_t h = hash_key(s.key) & mask;
+    while (merges_[h].key != kEmpty) h = (h + 1) & mask;
+    merges_[h] = s;
+  }
+}
+
+void BpeModel::add_merge(int32_t a, int32_t b, int32_t merged) {
+  if ((n_merges_ + 1) * 2 > merges_.size()) grow_merges();
+  const uint64_t key = pair_key(a, b);
+  const size_t mask = merges_.size() - 1;
+  size_t h = hash_key(key) & mask;
+  while (merges_[h].key != kEmpty && merges_[h].key != key) h = (h + 1) & mask;
+  if (merges_[h].key == kEmpty) ++n_merges_;
+  merges_[h] = MergeSlot{key, next_rank_++, merged};
+}
+
+const BpeModel::MergeSlot* BpeModel::find_merge(int32_t a, int32_t b) const {
+  const uint64_t key = pair_key(a, b);
+  const size_t mask = merges_.size() - 1;
+  size_t h = hash_key(key) & mask;
+  while (true) {
+    const MergeSlot& s = merges_[h];
+    if (s.key == key) return &s;
+    if (s.key == kEmpty) return nullptr;
+    h = (h + 1) & mask;
+  }
+}
+
+void BpeModel::merge_uncached(std::string_view bytes, std::vector<int32_t>& out) const {
+  if (ignore_merges_) {
+    auto it = vocab_.find(std::string(bytes));
+    if (it != vocab_.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  }
+  // Initial symbols: one per byte (a byte-level character is one byte). Bytes missing from the
+  // vocabulary become the unknown token (fused when fuse_unk) or, without one, are dropped.
+  std::vector<Symbol> sym;
+  sym.reserve(bytes.size());
+  bool pending_unk = false;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    const int32_t id = byte_ids_[static_cast<uint8_t>(bytes[i])];
+    if (id >= 0) {
+      pending_unk = false;
+      sym.push_back({id, 0, 0, 1});
+    } else if (unk_id_) {
+      if (pending_unk && fuse_unk_) {
+        sym.back().len += 1;
+      } else {
+        sym.push_back({*unk_id_, 0, 0, 1});
+      }
+      pending_unk = true;
+    }
+  }
+  const auto n = static_cast<int32_t>(sym.size());
+  for (int32_t i = 0; i < n; ++i) {
+    sym[i].prev = i - 1;
+    sym[i].next = i + 1 < n ? i + 1 : -1;
+  }
+
+  std::vector<Candidate> heap;
+  heap.reserve(sym.size());
+  for (int32_t i = 0; i + 1 < n; ++i) {
+    if (const MergeSlot* m = find_merge(sym[i].id, sym[i + 1].id)) {
+      heap.push_back({m->rank, i, m->merged});
+    }
+  }
+  std::make_heap(heap.begin(), heap.end(), later);
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    const Candidate top = heap.back();
+    heap.pop_back();
+    Symbol& cur = sym[top.pos];
+    if (cur.len == 0 || cur.next < 0) continue;
+    Symbol& right = sym[cur.next];
+    // Skip stale entries: the pair at this position changed since the candidate was pushed.
+    const MergeSlot* m = find_merge(cur.id, right.id);
+    if (!m || m->merged != top.merged) continue;
+    cur.id = top.merged;
+    cur.len += right.len;
+    right.len = 0;
+    cur.next = right.next;
+    if (cur.next >= 0) sym[cur.next].prev = top.pos;
+    if (cur.prev >= 0) {
+      if (const MergeSlot* p = find_merge(sym[cur.prev].id, cur.id)) {
+        heap.push_back({p->rank, cur.prev, p->merged});
+        std::push_heap(heap.begin(), heap.end(), later);
+      }
+    }
+    if (cur.next >= 0) {
+      if (const MergeSlot* q = find_merge(cur.id, sym[cur.next].id)) {
+        heap.push_back({q->rank, top.pos, q->merged});
+        std::push_heap(heap.begin(), heap.end(), later);
+      }
+    }
+  }
+  for (const Symbol& s : sym) {
+    if (s.len != 0) out.push_back(s.id);
+  }
+}
+
+void BpeModel::encode_piece(std::string_view bytes, std::vector<int32_t>& out) const {
+  if (bytes.size() == 1) {
+    const int32_t id = byte_ids_[static_cast<uint8_t>(bytes[0])];
+    if (id >= 0) {
+      out.push_back(id);
+      return;
+    }
+  }
+  if (bytes.size() > kMaxCachedPiece) {
+    merge_uncached(bytes, out);
+    return;
+  }
+  {
+    std::shared_lock lock(cache_mutex_);
+    auto it = cache_.find(bytes);
+    if (it != cache_.end()) {
+      out.insert(out.end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  const size_t first = out.size();
+  merge_uncached(bytes, out);
+  std::vector<int32_t> ids(out.begin() + static_cast<std::ptrdiff_t>(first), out.end());
+  std::unique_lock lock(cache_mutex_);
+  if (cache_.size() >= kMaxCacheEntries) cache_.clear();
+  cache_.emplace(std::string(bytes), std::move(ids));
+}
+
+}  // namespace ds
