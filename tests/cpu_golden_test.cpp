@@ -187,6 +187,23 @@ TEST(CpuForward, BadTokensThrowAndLeaveStateAlone) {
   EXPECT_THROW(m.forward(wrong, ok, 0, true, l), Error);
 }
 
+TEST(CpuForward, RefusesWhatCannotFitInsteadOfCrashing) {
+  // The 27B config with no tensors: the fp32 size check comes before any tensor is touched, and
+  // whichever check fires, it is a ds::Error, never an allocation failure.
+  HostWeights w;
+  w.config = load_model_config(std::string(DS_TEST_DATA) + "/model/qwen3_5_27b_config.json");
+  w.source = "27b-config-only";
+  w.layers.resize(w.config.n_layers);
+  for (int il = 0; il < w.config.n_layers; ++il) w.layers[il].type = w.config.layer_types[il];
+  try {
+    CpuModel m(w);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_TRUE(msg.find("GiB") != std::string::npos || msg.find("missing") != std::string::npos) << msg;
+  }
+}
+
 // Copies a fixture checkpoint into a fresh temp folder.
 fs::path copy_fixture(const std::string& src, const std::string& tag) {
   fs::path dst = fs::temp_directory_path() / ("ds_cpu_golden_" + tag + "_" + std::to_string(::getpid()));

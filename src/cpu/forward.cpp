@@ -10,6 +10,8 @@
 #include <cstring>
 #include <string>
 
+#include <unistd.h>
+
 #include "core/error.h"
 
 namespace ds {
@@ -117,6 +119,11 @@ inline void l2norm(float* x, int d) {
 CpuModel::CpuModel(const HostWeights& w) : cfg_(w.config) {
   cfg_.validate();
   const int64_t d = cfg_.d_model, V = cfg_.vocab_size;
+  // fp32 copies of every weight (lm_head too when tied): refuse clearly rather than be OOM-killed.
+  const double need = 4.0 * static_cast<double>(cfg_.n_params_text() + (cfg_.tie_word_embeddings ? V * d : 0));
+  const double phys = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  DS_CHECK(phys <= 0 || need < 0.9 * phys, "the CPU reference widens the weights to fp32: ", w.source, " needs ",
+           need / (1 << 30), " GiB, this machine has ", phys / (1 << 30), " GiB of memory (use --device cuda)");
   DS_CHECK(static_cast<int>(w.layers.size()) == cfg_.n_layers, "CpuModel: ", w.layers.size(),
            " layers in the weights, config says ", cfg_.n_layers);
   embed_ = widen(w.embed, V * d, "embed_tokens");
