@@ -101,6 +101,43 @@ TEST(ModelWeights, SyntheticIsDeterministicAcrossThreadCounts) {
   EXPECT_EQ(a.source, "synthetic:7");
 }
 
+// Pins the synthetic generator: a GPU engine reproducing it (weight_table.h) and every saved
+// comparison depend on these exact bits. The first values were checked against a Python
+// splitmix64 implementation.
+TEST(ModelWeights, SyntheticValuesArePinned) {
+  EXPECT_EQ(synthetic_bits(1, 0), 0x910a2dec89025cc1ull);
+  EXPECT_EQ(synthetic_normal(1, 0), -0.617513597f);
+  ModelConfig c = tiny_model_config();
+  SyntheticSpec s = synthetic_tensor_spec(c, "layers.0.linear_attn.A_log", 1);
+  EXPECT_EQ(s.seed, 0xe88a2e077784ad8full);
+  EXPECT_FLOAT_EQ(synthetic_value(s, 0), 2.08418345f);
+  HostWeights w = make_synthetic_weights(c, 1);
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&](const TensorView& t) {
+    for (size_t i = 0; i < t.nbytes(); ++i) {
+      h ^= static_cast<uint8_t>(t.data[i]);
+      h *= 0x100000001b3ull;
+    }
+  };
+  mix(w.embed);
+  mix(w.lm_head);
+  mix(w.final_norm);
+  for (const LayerWeights& l : w.layers) {
+    mix(l.input_norm);
+    mix(l.mlp_gate_up);
+    mix(l.mlp_down);
+    if (l.type == LayerType::kFull) {
+      for (auto f : {&LayerWeights::attn_qkv, &LayerWeights::attn_o, &LayerWeights::q_norm, &LayerWeights::k_norm}) mix(l.*f);
+    } else {
+      for (auto f : {&LayerWeights::gdn_in, &LayerWeights::gdn_conv, &LayerWeights::gdn_A_log, &LayerWeights::gdn_dt_bias,
+                     &LayerWeights::gdn_norm, &LayerWeights::gdn_out}) {
+        mix(l.*f);
+      }
+    }
+  }
+  EXPECT_EQ(h, 0xa6f229f0dc649d41ull) << "synthetic weights changed: update every consumer of the generator";
+}
+
 TEST(ModelWeights, SyntheticMagnitudes) {
   ModelConfig c = tiny_model_config();
   HostWeights w = make_synthetic_weights(c, 1, DType::kF32);

@@ -88,15 +88,21 @@ inline float synthetic_normal(uint64_t seed, uint64_t i) {
   return static_cast<float>(s - 131070) * kInvStd;
 }
 
-// The float value of element i (before rounding to the storage dtype).
+// The float value of element i (before rounding to the storage dtype). Callers compile with
+// -ffp-contract=off (src/model/CMakeLists.txt) so that mean + std * z is never fused into an FMA.
 inline float synthetic_value(const SyntheticSpec& s, uint64_t i) {
-  if (s.kind == SyntheticKind::kNormal) {
-    float z = synthetic_normal(s.seed, i);
-    volatile float scaled = s.std * z;  // keeps mul and add separately rounded (no FMA)
-    return s.mean + scaled;
-  }
+  if (s.kind == SyntheticKind::kNormal) return s.mean + s.std * synthetic_normal(s.seed, i);
   float u = static_cast<float>(synthetic_bits(s.seed, i) >> 40) * (1.0f / 16777216.0f);  // [0, 1)
   return logf(s.lo + (s.hi - s.lo) * u);
+}
+
+// Elements [i0, i0 + n) of a tensor into out[n].
+inline void synthetic_fill(const SyntheticSpec& s, uint64_t i0, int64_t n, float* out) {
+  if (s.kind == SyntheticKind::kNormal) {
+    for (int64_t k = 0; k < n; ++k) out[k] = s.mean + s.std * synthetic_normal(s.seed, i0 + k);
+  } else {
+    for (int64_t k = 0; k < n; ++k) out[k] = synthetic_value(s, i0 + k);
+  }
 }
 
 }  // namespace ds

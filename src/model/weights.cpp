@@ -459,7 +459,7 @@ HostWeights make_synthetic_weights(const ModelConfig& config, uint64_t seed, DTy
   }
   // Every element is a pure function of (tensor seed, index): split into fixed blocks, any
   // thread count gives the same bytes.
-  constexpr int64_t kBlock = 1 << 16;
+  constexpr int64_t kBlock = 1 << 14;
   std::vector<std::pair<size_t, int64_t>> blocks;
   for (size_t j = 0; j < jobs.size(); ++j) {
     for (int64_t b = 0; b < jobs[j].numel; b += kBlock) blocks.emplace_back(j, b);
@@ -467,8 +467,17 @@ HostWeights make_synthetic_weights(const ModelConfig& config, uint64_t seed, DTy
 #pragma omp parallel for schedule(dynamic, 4)
   for (size_t k = 0; k < blocks.size(); ++k) {
     const GenJob& job = jobs[blocks[k].first];
-    int64_t b0 = blocks[k].second, b1 = std::min(job.numel, b0 + kBlock);
-    for (int64_t i = b0; i < b1; ++i) store_value(dtype, job.dst, i, synthetic_value(job.spec, static_cast<uint64_t>(i)));
+    const int64_t b0 = blocks[k].second, n = std::min(job.numel - b0, kBlock);
+    float vals[kBlock];
+    synthetic_fill(job.spec, static_cast<uint64_t>(b0), n, vals);
+    if (dtype == DType::kF32) {
+      std::memcpy(job.dst + 4 * b0, vals, static_cast<size_t>(n) * 4);
+    } else if (dtype == DType::kBF16) {
+      uint16_t* out = reinterpret_cast<uint16_t*>(job.dst) + b0;
+      for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(vals[i]);
+    } else {
+      for (int64_t i = 0; i < n; ++i) store_value(dtype, job.dst, b0 + i, vals[i]);
+    }
   }
   if (c.tie_word_embeddings) w.lm_head = w.embed;
   w.storage = storage;
