@@ -40,9 +40,13 @@ struct GdnShape {
   int conv_kernel = 4;
   float norm_eps = 1e-6f;  // eps of the gated RMSNorm (rms_norm_eps)
 
-  __host__ __device__ int qkv_dim() const { return 2 * n_k_heads * d_k + n_v_heads * d_v; }  // conv channels
+  __host__ __device__ int qkv_dim() const {
+    return 2 * n_k_heads * d_k + n_v_heads * d_v;
+  }  // conv channels
   __host__ __device__ int z_dim() const { return n_v_heads * d_v; }
-  __host__ __device__ int in_dim() const { return qkv_dim() + z_dim() + 2 * n_v_heads; }  // proj row length
+  __host__ __device__ int in_dim() const {
+    return qkv_dim() + z_dim() + 2 * n_v_heads;
+  }  // proj row length
   __host__ __device__ int out_dim() const { return n_v_heads * d_v; }
 };
 

@@ -1,20 +1,28 @@
 // Gated DeltaNet decode: one fused kernel per layer for one new token in each of n_seqs sequences
 // (layouts in gdn.h). One cluster of 4 blocks (128 threads each) per (sequence, value head); block
 // z owns state rows [z*d_v/4, (z+1)*d_v/4):
-//  0. the block's state rows (fp32, d_k contiguous) are loaded first, 16-byte loads, DK/4 lanes
-//     per row, all rows in flight at once, before anything that the conv needs;
-//  1. conv: the 4 taps of each needed qkv channel (3 from the slot's ring, rows (p-3..p-1) % 4,
-//     zero before position 0, plus the new input), SiLU; the new input goes to ring row p % 4 (v
-//     channels by the block that owns them, q/k channels by block 0 of the first value head of
-//     the key group; no block reads row p % 4, so the in-place update has no race);
-//  2. q/k l2norm (q * d_k^-0.5), beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias);
-//  3. per row: decay by e^g, u = S k, S += k beta (v - u), o = S q; the row is stored back
-//     (state read and written once);
+//  0. every global load is issued first: the block's state rows (fp32, d_k contiguous, 16-byte
+//     loads, DK/4 lanes per row, all rows in flight at once), then the conv inputs, weights and
+//     gate inputs, so the kernel pays about one memory latency before it computes;
+//  1. conv: 4 channels per thread, the 4 taps of each (3 from the slot's ring, rows
+//     (p-3..p-1) % 4, zero before position 0, plus the new input), SiLU;
+//  2. q/k l2norm (q * d_k^-0.5) as shuffle reductions (q lives on threads [0, DK/4), k on
+//     [DK/4, DK/2)), beta = sigmoid(b), e^g = exp(-exp(A_log) softplus(a + dt_bias));
+//  3. per row, in registers: decay by e^g, u = S k, S += k beta (v - u), o = S q;
 //  4. gated RMSNorm: the head's sum of o^2 is reduced across the cluster through distributed
-//     shared memory, then y = w * o * rsqrt(mean + eps) * silu(z) as bf16 (the out_proj input).
-// Specialised on d_k (16/32/64/128, template); d_v is any of 16..128 at run time.
+//     shared memory (no global store is outstanding at that barrier, so it does not wait on
+//     memory);
+//  5. stores: the state rows (read and written once), the new input into ring row p % 4 (v
+//     channels by the block that owns them, q/k channels by block 0 of the first value head of
+//     the key group; no block reads row p % 4, so the in-place update has no race), and
+//     y = w * o * rsqrt(mean(o^2) + eps) * silu(z) as bf16 (the out_proj input).
+// Specialised on d_k (16/32/64/128, template) and on 8-byte aligned rows (VEC; scalar loads
+// otherwise); d_v is any of 16..128 at run time.
 // Bytes per layer: 2 * n_seqs * n_v_heads * d_v * d_k * 4 (state) + small; 27B batch 1: 6.3 MB.
-// Test: tests/cuda/cuda_gdn_test.cpp (Decode* vs the fp32 CPU recurrence; timings printed).
+// Measured on the H200 (tests/cuda/cuda_gdn_test.cpp, Timing; 64 layers' launches in a CUDA
+// graph, states rotated past L2): 7.2 us/layer at batch 1 (0.88 TB/s), 15.8 us at batch 4,
+// 45 us at batch 16 (2.2 TB/s). PERF.md: flash-linear-attention 5.9 us at batch 1; target 2 us.
+// Test: tests/cuda/cuda_gdn_test.cpp (Decode* vs the fp32 CPU recurrence).
 #include <cooperative_groups.h>
 
 #include "cuda/cuda_common.h"
@@ -34,19 +42,22 @@ __device__ __forceinline__ void load4(const bf16* p, float* f) {
   const uint2 u = *reinterpret_cast<const uint2*>(p);
   const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
   const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
-  f[0] = __low2float(a); f[1] = __high2float(a); f[2] = __low2float(b); f[3] = __high2float(b);
+  f[0] = __low2float(a);
+  f[1] = __high2float(a);
+  f[2] = __low2float(b);
+  f[3] = __high2float(b);
 }
 
 template <int DK, bool VEC>
 __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
     gdn_decode_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
-                      const bf16* __restrict__ proj,        // [n_seqs, in_dim]
-                      const int32_t* __restrict__ seq_pos,  // [n_seqs]
+                      const bf16* __restrict__ proj,         // [n_seqs, in_dim]
+                      const int32_t* __restrict__ seq_pos,   // [n_seqs]
                       const int32_t* __restrict__ slot_ids,  // [n_seqs]
-                      bf16* __restrict__ out)               // [n_seqs, n_v_heads * d_v]
+                      bf16* __restrict__ out)                // [n_seqs, n_v_heads * d_v]
 {
-  constexpr int kLanesPerRow = DK / 4;               // each lane holds 4 consecutive k values
-  constexpr int kRowsPerWarp = 32 / kLanesPerRow;    // rows a warp covers per pass
+  constexpr int kLanesPerRow = DK / 4;             // each lane holds 4 consecutive k values
+  constexpr int kRowsPerWarp = 32 / kLanesPerRow;  // rows a warp covers per pass
   constexpr int kGroups = (kDecodeThreads / 32) * kRowsPerWarp;  // lane groups in the block
   constexpr int kMaxRows = kMaxD / kSplit;
   constexpr int kMaxRowsPerGroup = (kMaxRows + kGroups - 1) / kGroups;
@@ -70,15 +81,16 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
   // Lane group `grp` owns local rows grp, grp + kGroups, ...; k4 covers k = 4*k4 .. 4*k4+3.
   const int grp = warp * kRowsPerWarp + lane / kLanesPerRow;
   const int k4 = lane % kLanesPerRow;
-  float* state = pool.rec_state + slot * pool.rec_slot_stride +
-                 (static_cast<int64_t>(hv) * d_v + v0) * DK;
+  float* state =
+      pool.rec_state + slot * pool.rec_slot_stride + (static_cast<int64_t>(hv) * d_v + v0) * DK;
   const bool has_state = p > 0;
   float4 st[kMaxRowsPerGroup];
 #pragma unroll
   for (int r = 0; r < kMaxRowsPerGroup; ++r) {
     const int v = grp + r * kGroups;
     st[r] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (has_state && v < rows) st[r] = __ldcg(reinterpret_cast<const float4*>(state + v * DK + 4 * k4));
+    if (has_state && v < rows)
+      st[r] = __ldcg(reinterpret_cast<const float4*>(state + v * DK + 4 * k4));
   }
   const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
   const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
@@ -99,24 +111,32 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
   int ch = 0;
   float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
   if (active) {
-    if (e < DK) ch = hk * DK + e;
-    else if (e < 2 * DK) ch = s.n_k_heads * DK + hk * DK + (e - DK);
-    else ch = 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
+    if (e < DK)
+      ch = hk * DK + e;
+    else if (e < 2 * DK)
+      ch = s.n_k_heads * DK + hk * DK + (e - DK);
+    else
+      ch = 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
     float tap[3][4], wt[16];
     if (VEC) {
       load4(x + ch, xin);
 #pragma unroll
       for (int j = 0; j < 3; ++j) {
         const int pp = p - 3 + j;
-        if (pp >= 0) load4(ring + (pp & 3) * qkv_dim + ch, tap[j]);
-        else tap[j][0] = tap[j][1] = tap[j][2] = tap[j][3] = 0.f;
+        if (pp >= 0)
+          load4(ring + (pp & 3) * qkv_dim + ch, tap[j]);
+        else
+          tap[j][0] = tap[j][1] = tap[j][2] = tap[j][3] = 0.f;
       }
       const uint4 w0 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4);
       const uint4 w1 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4 + 8);
       const bf16* wb0 = reinterpret_cast<const bf16*>(&w0);
       const bf16* wb1 = reinterpret_cast<const bf16*>(&w1);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) { wt[i] = __bfloat162float(wb0[i]); wt[8 + i] = __bfloat162float(wb1[i]); }
+      for (int i = 0; i < 8; ++i) {
+        wt[i] = __bfloat162float(wb0[i]);
+        wt[8 + i] = __bfloat162float(wb1[i]);
+      }
     } else {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -161,12 +181,18 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
   for (int r = 0; r < kMaxRowsPerGroup; ++r) {
     const int v = grp + r * kGroups;
     float4 t = st[r];
-    t.x *= decay; t.y *= decay; t.z *= decay; t.w *= decay;
+    t.x *= decay;
+    t.y *= decay;
+    t.z *= decay;
+    t.w *= decay;
     float u = t.x * kk.x + t.y * kk.y + t.z * kk.z + t.w * kk.w;
 #pragma unroll
     for (int o = kLanesPerRow / 2; o > 0; o >>= 1) u += __shfl_xor_sync(0xffffffffu, u, o);
     const float delta = beta * ((v < rows ? vs[v] : 0.f) - u);
-    t.x += kk.x * delta; t.y += kk.y * delta; t.z += kk.z * delta; t.w += kk.w * delta;
+    t.x += kk.x * delta;
+    t.y += kk.y * delta;
+    t.z += kk.z * delta;
+    t.w += kk.w * delta;
     float o_v = t.x * qq.x + t.y * qq.y + t.z * qq.z + t.w * qq.w;
 #pragma unroll
     for (int o = kLanesPerRow / 2; o > 0; o >>= 1) o_v += __shfl_xor_sync(0xffffffffu, o_v, o);
@@ -185,7 +211,9 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
       sq = warp_sum(sq);
       if (lane == 0) part = sq;
     }
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+    asm volatile(
+        "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::
+            : "memory");
     cg::cluster_group cluster = cg::this_cluster();
     float total = 0.f;
 #pragma unroll
@@ -208,7 +236,8 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
   }
   if (tid < rows) {  // rows <= 32 <= threads
     bf16* yo = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v + v0;
-    yo[tid] = __float2bfloat16(norm ? w_c * os[tid] * rinv * (z_c / (1.f + __expf(-z_c))) : os[tid]);
+    yo[tid] =
+        __float2bfloat16(norm ? w_c * os[tid] * rinv * (z_c / (1.f + __expf(-z_c))) : os[tid]);
   }
   if (norm) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
@@ -232,15 +261,28 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
                    reinterpret_cast<uintptr_t>(proj) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(pool.conv_state) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(w.conv_w) % 16 == 0;
-#define DS_GDN_DECODE(DK)                                                                      \
-  if (vec) gdn_decode_kernel<DK, true><<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out); \
-  else gdn_decode_kernel<DK, false><<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out)
+#define DS_GDN_DECODE(DK)                                                                \
+  if (vec)                                                                               \
+    gdn_decode_kernel<DK, true>                                                          \
+        <<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out); \
+  else                                                                                   \
+    gdn_decode_kernel<DK, false>                                                         \
+        <<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out)
   switch (s.d_k) {
-    case 16: DS_GDN_DECODE(16); break;
-    case 32: DS_GDN_DECODE(32); break;
-    case 64: DS_GDN_DECODE(64); break;
-    case 128: DS_GDN_DECODE(128); break;
-    default: DS_ASSERT(false);
+    case 16:
+      DS_GDN_DECODE(16);
+      break;
+    case 32:
+      DS_GDN_DECODE(32);
+      break;
+    case 64:
+      DS_GDN_DECODE(64);
+      break;
+    case 128:
+      DS_GDN_DECODE(128);
+      break;
+    default:
+      DS_ASSERT(false);
   }
 #undef DS_GDN_DECODE
   DS_CUDA_LAUNCH_CHECK();

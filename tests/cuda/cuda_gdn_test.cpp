@@ -42,9 +42,9 @@ GdnShape shape_27b() { return GdnShape{16, 48, 128, 128, 4, 1e-6f}; }
 
 // Host copy of one layer's weights (floats rounded through bf16 where the GPU keeps bf16).
 struct HostLayer {
-  std::vector<float> conv_w;  // [qkv_dim, 4]
+  std::vector<float> conv_w;          // [qkv_dim, 4]
   std::vector<float> A_log, dt_bias;  // [n_v]
-  std::vector<float> norm_w;  // [d_v]
+  std::vector<float> norm_w;          // [d_v]
 };
 
 HostLayer make_layer(const GdnShape& s, std::mt19937& rng) {
@@ -66,9 +66,9 @@ HostLayer make_layer(const GdnShape& s, std::mt19937& rng) {
 
 // Per-sequence host state (the oracle's own copy).
 struct HostSeq {
-  int pos = 0;                  // tokens already in the sequence
-  std::vector<float> hist;      // [3, qkv_dim] inputs at positions pos-3, pos-2, pos-1
-  std::vector<float> S;         // [n_v, d_v, d_k]
+  int pos = 0;              // tokens already in the sequence
+  std::vector<float> hist;  // [3, qkv_dim] inputs at positions pos-3, pos-2, pos-1
+  std::vector<float> S;     // [n_v, d_v, d_k]
 };
 
 HostSeq make_seq(const GdnShape& s, int pos, std::mt19937& rng) {
@@ -120,7 +120,8 @@ void ref_gdn(const GdnShape& s, const HostLayer& l, const float* proj, int len, 
       float* v = &c[static_cast<size_t>(t) * qd + h * dk];
       double ss = 0;
       for (int i = 0; i < dk; ++i) ss += double(v[i]) * v[i];
-      const float sc = 1.f / std::sqrt(float(ss) + 1e-6f) * (h < s.n_k_heads ? 1.f / std::sqrt(float(dk)) : 1.f);
+      const float sc =
+          1.f / std::sqrt(float(ss) + 1e-6f) * (h < s.n_k_heads ? 1.f / std::sqrt(float(dk)) : 1.f);
       for (int i = 0; i < dk; ++i) v[i] *= sc;
     }
   }
@@ -141,10 +142,16 @@ void ref_gdn(const GdnShape& s, const HostLayer& l, const float* proj, int len, 
       for (int v = 0; v < dv; ++v) {
         float* Sr = S + static_cast<size_t>(v) * dk;
         float u = 0.f;
-        for (int k = 0; k < dk; ++k) { Sr[k] *= decay; u += Sr[k] * kk[k]; }
+        for (int k = 0; k < dk; ++k) {
+          Sr[k] *= decay;
+          u += Sr[k] * kk[k];
+        }
         const float delta = beta * (vv[v] - u);
         float ov = 0.f;
-        for (int k = 0; k < dk; ++k) { Sr[k] += kk[k] * delta; ov += Sr[k] * qq[k]; }
+        for (int k = 0; k < dk; ++k) {
+          Sr[k] += kk[k] * delta;
+          ov += Sr[k] * qq[k];
+        }
         o[(static_cast<size_t>(t) * nv + hv) * dv + v] = ov;
       }
     }
@@ -165,7 +172,10 @@ void ref_gdn(const GdnShape& s, const HostLayer& l, const float* proj, int len, 
     for (int hv = 0; hv < nv; ++hv) {
       const float* ov = &o[(static_cast<size_t>(t) * nv + hv) * dv];
       float* yv = &y[(static_cast<size_t>(t) * nv + hv) * dv];
-      if (!norm) { std::copy(ov, ov + dv, yv); continue; }
+      if (!norm) {
+        std::copy(ov, ov + dv, yv);
+        continue;
+      }
       double ss = 0;
       for (int i = 0; i < dv; ++i) ss += double(ov[i]) * ov[i];
       const float r = 1.f / std::sqrt(float(ss / dv) + s.norm_eps);
@@ -190,7 +200,10 @@ Err compare(const std::vector<float>& got, const std::vector<float>& ref) {
   Err e;
   double num = 0, den = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
-    if (!std::isfinite(got[i])) { e.nan = true; continue; }
+    if (!std::isfinite(got[i])) {
+      e.nan = true;
+      continue;
+    }
     const double d = double(got[i]) - ref[i];
     num += d * d;
     den += double(ref[i]) * ref[i];
@@ -200,10 +213,11 @@ Err compare(const std::vector<float>& got, const std::vector<float>& ref) {
   return e;
 }
 
-#define EXPECT_ERR(e, tol, what)                                                               \
-  do {                                                                                         \
-    EXPECT_FALSE((e).nan) << what << ": NaN/Inf (unwritten or broken output)";                 \
-    EXPECT_LT((e).norm, tol) << what << ": normalised error " << (e).norm << " max abs " << (e).max_abs; \
+#define EXPECT_ERR(e, tol, what)                                                         \
+  do {                                                                                   \
+    EXPECT_FALSE((e).nan) << what << ": NaN/Inf (unwritten or broken output)";           \
+    EXPECT_LT((e).norm, tol) << what << ": normalised error " << (e).norm << " max abs " \
+                             << (e).max_abs;                                             \
   } while (0)
 
 // Device buffers for one layer + a state pool.
@@ -212,8 +226,12 @@ struct DevBuf {
   T* p = nullptr;
   size_t n = 0;
   DevBuf() = default;
-  explicit DevBuf(size_t count) : n(count) { CK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T))); }
-  ~DevBuf() { if (p) cudaFree(p); }
+  explicit DevBuf(size_t count) : n(count) {
+    CK(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)));
+  }
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   DevBuf(DevBuf&& o) noexcept : p(o.p), n(o.n) { o.p = nullptr; }
@@ -289,7 +307,8 @@ struct DevPool {
       if (pos < 0) continue;
       for (int c = 0; c < qd; ++c) ring[(pos & 3) * qd + c] = f32_to_bf16(q.hist[r * qd + c]);
     }
-    CK(cudaMemcpy(conv.p + slot * conv_stride, ring.data(), ring.size() * 2, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(conv.p + slot * conv_stride, ring.data(), ring.size() * 2,
+                  cudaMemcpyHostToDevice));
     CK(cudaMemcpy(rec.p + slot * rec_stride, q.S.data(), q.S.size() * 4, cudaMemcpyHostToDevice));
   }
   std::vector<float> state(const GdnShape& s, int slot) const {
@@ -370,8 +389,9 @@ void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, doub
   }
   // Slots no sequence uses stay poisoned (nothing wrote outside its slot).
   auto untouched = download_f32(pool.rec.p, size_t(s.n_v_heads) * s.d_v * s.d_k);
-  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }))
-      << "slot 0 (unused) was written";
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) {
+    return std::isnan(x);
+  })) << "slot 0 (unused) was written";
 }
 
 TEST(CudaGdn, ShapeChecks) {
@@ -477,12 +497,14 @@ void check_decode(const GdnShape& s, const std::vector<int>& pos, int n_steps, u
       const Err es = compare(pool.state(s, slots[i]), seqs[i].S);
       EXPECT_ERR(es, 1e-4, std::string(what) + " state");
       pool.expect_ring(s, slots[i], seqs[i], what);
-      if (step == n_steps - 1) std::printf("  %-28s y err %.2e, state err %.2e\n", what, ey.norm, es.norm);
+      if (step == n_steps - 1)
+        std::printf("  %-28s y err %.2e, state err %.2e\n", what, ey.norm, es.norm);
     }
   }
   auto untouched = download_f32(pool.rec.p, size_t(s.n_v_heads) * s.d_v * s.d_k);
-  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }))
-      << "slot 0 (unused) was written";
+  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) {
+    return std::isnan(x);
+  })) << "slot 0 (unused) was written";
 }
 
 TEST(CudaGdn, Decode27BBatch1) {
@@ -594,12 +616,19 @@ TEST(CudaGdn, Timing) {
     const size_t wsb = gdn_prefill_workspace_bytes(s, T, 1);
     DevBuf<unsigned char> ws(wsb);
     CK(cudaMemset(pool.conv.p, 0, pool.conv.n * 2));
-    const double ms = median_ms([&](int) {
-      launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, ws.p,
-                         wsb, d_out.p, nullptr);
-    }, 20);
-    std::printf("TIMING gdn prefill  %5d tokens, 1 seq: %.3f ms/layer (%.1f M tok/s)  [PERF.md: FLA %s, target 0.16 ms @4096]\n",
-                T, ms, T / ms / 1e3, T == 512 ? "0.075" : T == 4096 ? "0.405" : "0.788");
+    const double ms = median_ms(
+        [&](int) {
+          launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T,
+                             ws.p, wsb, d_out.p, nullptr);
+        },
+        20);
+    std::printf(
+        "TIMING gdn prefill  %5d tokens, 1 seq: %.3f ms/layer (%.1f M tok/s)  [PERF.md: FLA %s, "
+        "target 0.16 ms @4096]\n",
+        T, ms, T / ms / 1e3,
+        T == 512    ? "0.075"
+        : T == 4096 ? "0.405"
+                    : "0.788");
   }
   // Decode: batch B, states rotated over 32 layers' worth of slots (96 MiB at B = 1: past L2).
   for (int B : {1, 4, 16}) {
@@ -619,12 +648,15 @@ TEST(CudaGdn, Timing) {
     upload(d_pos, pos);
     upload(d_slot, slots);
     const int reps = 64;
-    const double ms = median_ms([&](int) {
-      for (int r = 0; r < reps; ++r) {
-        launch_gdn_decode(s, dl.w(), pools[r % n_layers].pool(), d_proj.p, d_pos.p, d_slot.p, B,
-                          d_out.p, nullptr);
-      }
-    }, 20) / reps;
+    const double ms = median_ms(
+                          [&](int) {
+                            for (int r = 0; r < reps; ++r) {
+                              launch_gdn_decode(s, dl.w(), pools[r % n_layers].pool(), d_proj.p,
+                                                d_pos.p, d_slot.p, B, d_out.p, nullptr);
+                            }
+                          },
+                          20) /
+                      reps;
     // The same 64 launches captured in a CUDA graph (as the engine runs decode): no launch gaps.
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -642,8 +674,10 @@ TEST(CudaGdn, Timing) {
     CK(cudaGraphDestroy(graph));
     CK(cudaStreamDestroy(st));
     const double bytes = 2.0 * B * s.n_v_heads * s.d_v * s.d_k * 4;
-    std::printf("TIMING gdn decode batch %2d: %.2f us/layer stream, %.2f us/layer in a graph (state %.1f MB r+w: %.2f TB/s)  [PERF.md: FLA 5.9 us @1 in a graph, target 2 us]\n",
-                B, ms * 1e3, ms_graph * 1e3, bytes / 1e6, bytes / (ms_graph * 1e-3) / 1e12);
+    std::printf(
+        "TIMING gdn decode batch %2d: %.2f us/layer stream, %.2f us/layer in a graph (state %.1f "
+        "MB r+w: %.2f TB/s)  [PERF.md: FLA 5.9 us @1 in a graph, target 2 us]\n",
+        B, ms * 1e3, ms_graph * 1e3, bytes / 1e6, bytes / (ms_graph * 1e-3) / 1e12);
   }
 }
 
