@@ -54,6 +54,13 @@ std::string token_text(const Tokenizer* tok, int32_t id) {
   return sanitize_utf8(tok->decode(std::span<const int32_t>(one, 1)));
 }
 
+// Characters (code points) of UTF-8 text: OpenAI's text_offset counts characters.
+size_t utf8_length(const std::string& s) {
+  size_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
 json token_bytes_json(const Tokenizer* tok, int32_t id) {
   json b = json::array();
   if (!tok) return b;
@@ -125,7 +132,7 @@ struct Server::Job {
       for (const TokenLogprob& a : g.top) top[token_text(tok, a.token)] = a.logprob;
       lp["top_logprobs"].push_back(top);
       lp["text_offset"].push_back(c.text_offset);
-      c.text_offset += t.size();
+      c.text_offset += utf8_length(t);
     }
     return lp;
   }
@@ -192,7 +199,7 @@ struct Server::Job {
         std::string text = out.text;
         if (!c.echo.empty()) {
           text = c.echo + text;
-          c.text_offset += c.echo.size();
+          c.text_offset += utf8_length(c.echo);
           c.echo.clear();
         }
         if (!text.empty() || (logprobs && !out.tokens.empty())) {
@@ -246,7 +253,7 @@ struct Server::Job {
         choice["logprobs"] = logprobs ? chat_logprobs(c.tokens) : json(nullptr);
       } else {
         choice["text"] = c.echo + c.text;
-        c.text_offset = c.echo.size();
+        c.text_offset = utf8_length(c.echo);
         choice["logprobs"] = logprobs ? completion_logprobs(c, c.tokens) : json(nullptr);
       }
       arr.push_back(choice);

@@ -1,0 +1,118 @@
+"""Helpers for the `deltaserve serve` tests: a tiny random checkpoint whose vocabulary covers the
+Qwen3 tokenizer (made with `deltaserve make-tiny`, the tokenizer files copied next to it at test
+time, never committed), and a server process on a free port (started, health-checked, stopped with
+SIGTERM; its log is printed when a test fails)."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BUILD = Path(os.environ.get("DS_BUILD_DIR", REPO / "build"))
+BIN = BUILD / "bin" / "deltaserve"
+TOKDIR = REPO.parent / "shared" / "data" / "tokenizers" / "qwen3"
+QWEN3_VOCAB = 151669  # highest added-token id + 1
+
+requires_server = pytest.mark.skipif(
+    not BIN.exists() or not (TOKDIR / "tokenizer.json").exists(),
+    reason=f"needs {BIN} and ../shared/data/tokenizers/qwen3 (shared test data)")
+
+
+def make_tiny_model(dest: Path, seed: int = 1) -> Path:
+    subprocess.run([str(BIN), "make-tiny", "--out", str(dest), "--seed", str(seed), "--vocab", str(QWEN3_VOCAB)],
+                   check=True, capture_output=True, timeout=300)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TOKDIR / name, dest / name)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    def __init__(self, model: Path, *extra, log_path: Path):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.args = [str(BIN), "serve", "--model", str(model), "--port", str(self.port), *map(str, extra)]
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log_text()}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+    # Plain HTTP without the openai client (for error cases and metrics).
+    def request(self, method: str, path: str, body=None, headers=None, timeout: float = 60):
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers or {})
+        if data is not None and "Content-Type" not in (headers or {}):
+            req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def metrics(self) -> dict:
+        status, body = self.request("GET", "/metrics")
+        assert status == 200
+        out = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def healthy(self) -> bool:
+        status, _ = self.request("GET", "/health", timeout=10)
+        return status == 200
+
+
+def generate_cli(model: Path, prompt: str, max_tokens: int, *extra) -> str:
+    """`deltaserve generate` text for the same request (skip special tokens, like the server)."""
+    p = subprocess.run([str(BIN), "generate", "--model", str(model), "--prompt", prompt, "--max-tokens",
+                        str(max_tokens), "--skip-special", "-q", *map(str, extra)],
+                       capture_output=True, timeout=300)
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    out = p.stdout.decode()
+    assert out.endswith("\n")
+    return out[:-1]

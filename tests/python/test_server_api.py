@@ -1,0 +1,245 @@
+"""`deltaserve serve` through the official `openai` client (CPU engine, tiny random checkpoint with
+the Qwen3 tokenizer): models, completions and chat, streamed and not, stop strings, logprobs,
+usage, n / several prompts, echo, tools, API key, and outputs equal to `deltaserve generate` for
+the same request (greedy and seeded sampling)."""
+import json
+
+import pytest
+
+from server_util import BIN, TOKDIR, ServerProc, generate_cli, make_tiny_model, requires_server
+
+pytestmark = requires_server
+
+API_KEY = "sk-test-123"
+PROMPTS = ["Hello, my name is", "The capital of France", "日本語のテキストと emoji 🎉 mixed"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    srv = ServerProc(model, "--max-batch", 4, "--max-model-len", 1024, "--chunk-size", 16, "--api-key", API_KEY,
+                     "--served-model-name", "tiny", log_path=tmp_path_factory.mktemp("log") / "server.log")
+    yield srv
+    code = srv.stop()
+    assert code == 0, srv.log_text()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+    return OpenAI(base_url=server.base + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def test_models(client):
+    ids = [m.id for m in client.models.list()]
+    assert ids == ["tiny"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completion_greedy_equals_generate(client, model, prompt):
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert r.object == "text_completion"
+    assert len(r.choices) == 1
+    c = r.choices[0]
+    assert c.text == generate_cli(model, prompt, 12)
+    assert c.finish_reason in ("length", "stop")
+    assert r.usage.completion_tokens <= 12 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_completion_seeded_sampling_equals_generate(client, model):
+    kw = dict(temperature=0.9, top_p=0.95, seed=1234)
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, extra_body={"top_k": 50}, **kw)
+    expected = generate_cli(model, PROMPTS[0], 10, "--temperature", 0.9, "--top-p", 0.95, "--top-k", 50,
+                            "--seed", 1234)
+    assert r.choices[0].text == expected
+    # Same seed, same text; another seed, (almost surely) another text.
+    r2 = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, extra_body={"top_k": 50}, **kw)
+    assert r2.choices[0].text == expected
+    kw["seed"] = 99
+    r3 = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, extra_body={"top_k": 50}, **kw)
+    assert r3.choices[0].text != expected
+
+
+def test_completion_stream_equals_nonstream(client):
+    full = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert text == full.choices[0].text
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    ids = {ch.id for ch in chunks}
+    assert len(ids) == 1
+
+
+def pick_stop(text: str):
+    """A substring of `text` (whole characters) whose first occurrence is in the middle."""
+    for start in range(3, len(text) - 2):
+        for length in (3, 2):
+            sub = text[start:start + length]
+            if sub.strip() and text.find(sub) == start:
+                return start, sub
+    pytest.skip("no usable stop string in the generated text")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string(client, stream):
+    base = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0).choices[0].text
+    at, stop = pick_stop(base)
+    kw = dict(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=["\x00never", stop])
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        reason = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason][-1]
+    else:
+        r = client.completions.create(**kw)
+        text, reason = r.choices[0].text, r.choices[0].finish_reason
+    assert text == base[:at]
+    assert reason == "stop"
+
+
+def test_logprobs_completions(client):
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0
+        assert 1 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(val, abs=1e-6)  # greedy: the chosen token is the best
+    assert lp.text_offset[0] == 0
+    assert all(b >= a for a, b in zip(lp.text_offset, lp.text_offset[1:]))
+
+
+def test_logprobs_chat(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert item.logprob <= 0
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-6)
+        assert bytes(item.bytes).decode("utf-8", "replace") == item.token or "\ufffd" in item.token
+
+
+def hf_chat_prompt(messages, **kw):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(TOKDIR))
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+
+
+def test_chat_equals_generate_on_rendered_prompt(client, model):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.object == "chat.completion"
+    msg = r.choices[0].message
+    assert msg.role == "assistant"
+    prompt = hf_chat_prompt(messages, enable_thinking=False)
+    expected = generate_cli(model, prompt, 10)
+    got = (getattr(msg, "reasoning_content", None) or "") + (msg.content or "")
+    # The parser may move a <think> block to reasoning_content; the raw text is the same tokens.
+    assert got.replace("<think>", "").replace("</think>", "").strip() == \
+        expected.replace("<think>", "").replace("</think>", "").strip()
+    assert r.usage.prompt_tokens == len(__import__("tokenizers").Tokenizer.from_file(
+        str(TOKDIR / "tokenizer.json")).encode(prompt, add_special_tokens=False).ids)
+
+
+def test_chat_stream_equals_nonstream(client):
+    messages = [{"role": "user", "content": "Count to three."}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
+    assert content == (full.choices[0].message.content or "")
+    assert reasoning == (getattr(full.choices[0].message, "reasoning_content", None) or "")
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
+        [full.choices[0].finish_reason]
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+
+
+def test_chat_with_tools(client):
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="auto",
+                                       max_tokens=4, temperature=0)
+    # The tools are rendered into the prompt by the template.
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # A multi-turn conversation with a previous tool call and its result renders and runs.
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
+    ]
+    r2 = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=4, temperature=0)
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+    # tool_choice none: the tools are not rendered.
+    r3 = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none",
+                                        max_tokens=4, temperature=0)
+    assert r3.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_n_and_several_prompts(client):
+    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0).choices[0].text
+             for p in PROMPTS[:2]]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=8, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == alone
+    r2 = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=5, n=3)
+    assert len(r2.choices) == 3 and r2.usage.completion_tokens <= 24
+    assert len({c.text for c in r2.choices}) >= 2  # seeds seed, seed+1, seed+2
+    streamed = {}
+    for ch in client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=8, temperature=0, stream=True):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[0], streamed[1]] == alone
+
+
+def test_echo_and_token_id_prompt(client):
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True)
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert r.choices[0].text == PROMPTS[0] + plain.choices[0].text
+    from tokenizers import Tokenizer
+    ids = Tokenizer.from_file(str(TOKDIR / "tokenizer.json")).encode(PROMPTS[0], add_special_tokens=False).ids
+    r2 = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0)
+    assert r2.choices[0].text == plain.choices[0].text
+    assert r2.usage.prompt_tokens == len(ids)
+
+
+def test_api_key_required(server):
+    status, body = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert status == 401
+    assert json.loads(body)["error"]["type"] == "authentication_error"
+    status, _ = server.request("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1},
+                               headers={"Authorization": "Bearer wrong", "Content-Type": "application/json"})
+    assert status == 401
+    status, _ = server.request("GET", "/v1/models")
+    assert status == 401
+    assert server.healthy()  # /health and /metrics need no key
+    assert "deltaserve_num_requests_running" in server.metrics()
+
+
+def test_usage_and_finish_reason_length(client):
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 3

@@ -1,0 +1,246 @@
+"""Bad input never crashes `deltaserve serve` nor disturbs other requests: truncated JSON, wrong
+types, huge numbers, negative / impossible max_tokens, invalid UTF-8, a 100 MB body, empty
+messages, unknown roles, unknown model / path, prompts longer than the context, bad template
+input, and slow-loris clients all get the right OpenAI-shaped 4xx (or are dropped by the read
+timeout), and the server keeps serving: a streaming request running through the whole suite
+finishes with the right text."""
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from server_util import ServerProc, make_tiny_model, requires_server
+
+pytestmark = requires_server
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    srv = ServerProc(model, "--max-batch", 4, "--max-model-len", 256, "--read-timeout", 2, "--max-body-mb", 8,
+                     log_path=tmp_path_factory.mktemp("log") / "server.log")
+    yield srv
+    assert srv.alive(), srv.log_text()
+    assert srv.stop() == 0, srv.log_text()
+
+
+def check_error(status, body, expect_status, type_="invalid_request_error", param=None):
+    assert status == expect_status, (status, body[:500])
+    err = json.loads(body)["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == type_
+    assert err["code"] == expect_status
+    if param is not None:
+        assert err["param"] == param, err
+    return err["message"]
+
+
+OK_COMPLETION = {"prompt": "hello", "max_tokens": 2}
+OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+BAD_COMPLETIONS = [
+    # (body, expected status, param named in the error)
+    (b'{"prompt": "hi", "max_tok', 400, None),
+    (b'', 400, None),
+    (b'[1, 2, 3]', 400, None),
+    (b'"just a string"', 400, None),
+    (b'{"prompt": "hi"} trailing', 400, None),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": [1, "a"]}, 400, "prompt"),
+    ({"prompt": [-1]}, 400, "prompt"),
+    ({"prompt": [999999999]}, 400, None),           # outside the vocabulary
+    ({"prompt": {"a": 1}}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1e300}, 400, "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 99999999999999999999999999}', 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2**31 - 1}, 400, None),  # beyond the context
+    ({"prompt": "x", "max_tokens": 300}, 400, None),        # 1 + 300 > 256
+    ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "temperature": 1e308}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "top_k": 1.5}, 400, "top_k"),
+    ({"prompt": "x", "seed": "abc"}, 400, "seed"),
+    ({"prompt": "x", "seed": 1e40}, 400, "seed"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "n": 1000}, 400, "n"),
+    ({"prompt": "x", "stop": 7}, 400, "stop"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "stop": ["a", 1]}, 400, "stop"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"prompt": "x", "echo": "yes"}, 400, "echo"),
+    ({"prompt": "x", "suffix": "end"}, 400, "suffix"),
+    ({"prompt": "x", "stop_token_ids": [-3]}, 400, "stop_token_ids"),
+    ({"prompt": "x" * 5000}, 400, None),                    # prompt longer than the context
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD_COMPLETIONS)
+def test_bad_completion_requests(server, body, status, param):
+    s, b = server.request("POST", "/v1/completions", body)
+    check_error(s, b, status, param=param)
+
+
+BAD_CHATS = [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": "hi"}, 400, "messages"),
+    ({}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, None),
+    ({"messages": ["hi"]}, 400, "messages[0]"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": "nope"}, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": [1]}, 400, "chat_template_kwargs"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400,
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "word " * 400}]}, 400, None),  # longer than the context
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, 400,
+     "response_format"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD_CHATS)
+def test_bad_chat_requests(server, body, status, param):
+    s, b = server.request("POST", "/v1/chat/completions", body)
+    check_error(s, b, status, param=param)
+
+
+def test_invalid_utf8(server):
+    s, b = server.request("POST", "/v1/completions", b'{"prompt": "abc\xff\xfe", "max_tokens": 2}')
+    msg = check_error(s, b, 400)
+    assert "JSON" in msg
+    s, b = server.request("POST", "/v1/chat/completions",
+                          b'{"messages": [{"role": "user", "content": "\xc3\x28"}], "max_tokens": 2}')
+    check_error(s, b, 400)
+
+
+def test_unknown_model_and_path(server):
+    s, b = server.request("POST", "/v1/completions", {"model": "gpt-17", **OK_COMPLETION})
+    check_error(s, b, 404, type_="not_found_error", param="model")
+    s, b = server.request("GET", "/v1/nothing")
+    check_error(s, b, 404, type_="not_found_error")
+    s, b = server.request("POST", "/v1/completions", {"model": 3, **OK_COMPLETION})
+    check_error(s, b, 400, param="model")
+
+
+def test_100mb_body_gets_413(server):
+    big = b'{"prompt": "' + b"a" * (100 << 20) + b'"}'
+    t0 = time.time()
+    try:
+        s, b = server.request("POST", "/v1/completions", big, timeout=120)
+        check_error(s, b, 413)
+    except (BrokenPipeError, ConnectionResetError):
+        # The server may answer 413 and close before the client finished sending.
+        pass
+    assert time.time() - t0 < 60
+    assert server.healthy()
+
+
+def raw(server, data: bytes, timeout=10.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
+
+
+def test_malformed_http(server):
+    out = raw(server, b"THIS IS NOT HTTP\r\n\r\n")
+    assert out == b"" or out.startswith(b"HTTP/1.1 400")
+    out = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
+    assert out == b"" or out.split(b" ")[1].startswith(b"4")
+    assert server.healthy()
+
+
+def test_slow_loris_clients_are_dropped_and_others_served(server):
+    socks = []
+    for _ in range(20):
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n")  # headers never end
+        socks.append(s)
+    # A slow body: headers complete, body trickles then stalls.
+    slow_body = socket.create_connection(("127.0.0.1", server.port))
+    slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    socks.append(slow_body)
+    # Meanwhile normal requests are served.
+    t0 = time.time()
+    s, b = server.request("POST", "/v1/completions", OK_COMPLETION, timeout=30)
+    assert s == 200, b
+    assert time.time() - t0 < 10
+    # The read timeout (2 s) drops them: each socket sees EOF (possibly after an error response).
+    deadline = time.time() + 15
+    for sk in socks:
+        sk.settimeout(max(0.1, deadline - time.time()))
+        data = b""
+        try:
+            while True:
+                chunk = sk.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        except (socket.timeout, ConnectionResetError) as e:
+            if isinstance(e, socket.timeout):
+                raise AssertionError("a slow client was not dropped by the read timeout")
+        assert data == b"" or data.startswith(b"HTTP/1.1 4"), data[:200]
+        sk.close()
+    assert server.healthy()
+
+
+def test_other_requests_unaffected(server):
+    """A long streaming request runs while the bad-input suite hammers the server; its text equals
+    the same request made alone afterwards."""
+    from openai import OpenAI
+    client = OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="m", prompt="steady", max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+    got = {}
+
+    def stream():
+        got["text"] = "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **kw)
+                              if ch.choices)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    for body, status, param in BAD_COMPLETIONS[:20]:
+        s, b = server.request("POST", "/v1/completions", body)
+        check_error(s, b, status, param=param)
+    for body, status, param in BAD_CHATS[:8]:
+        s, b = server.request("POST", "/v1/chat/completions", body)
+        check_error(s, b, status, param=param)
+    t.join(timeout=120)
+    assert got["text"] == client.completions.create(**kw).choices[0].text
+    m = server.metrics()
+    assert m["deltaserve_state_slots_used"] == 0
+    assert m['deltaserve_request_finished_total{finish_reason="error"}'] == 0
