@@ -3,9 +3,11 @@
 //   stdin: {"messages": [...], "tools": [...], "add_generation_prompt": true, "enable_thinking": false}
 //   stdout: the prompt exactly (no newline added). A template error (raise_exception or a
 //   template bug) goes to stderr with exit code 1.
+// --template FILE renders a template file instead (special tokens still from --tokenizer if given).
 // --jsonl batches: one request per input line; one JSON line per request on stdout, either
 // {"prompt": "..."} or {"error": "..."}.
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -41,11 +43,27 @@ void write_all(const std::string& s) {
 
 struct Options {
   std::string tokenizer;
+  std::string template_file;
   bool jsonl = false;
 };
 
+ChatTemplate load_template(const Options& opt) {
+  DS_CHECK(!opt.tokenizer.empty() || !opt.template_file.empty(), "chat-template needs --tokenizer DIR or --template FILE");
+  if (opt.template_file.empty()) return ChatTemplate::load(opt.tokenizer);
+  std::ifstream f(opt.template_file, std::ios::binary);
+  DS_CHECK(f, "cannot open template file ", opt.template_file);
+  std::string source((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  ojson special = ojson::object();
+  if (!opt.tokenizer.empty()) {  // special tokens (eos_token, ...) from the tokenizer folder
+    std::ifstream c(opt.tokenizer + "/tokenizer_config.json", std::ios::binary);
+    if (c) special = ojson::parse(c, nullptr, /*allow_exceptions=*/false);
+    if (special.is_discarded()) throw_error(opt.tokenizer, "/tokenizer_config.json: not valid JSON");
+  }
+  return ChatTemplate::from_string(source, special);
+}
+
 int run_chat_template(const Options& opt) {
-  ChatTemplate tmpl = ChatTemplate::load(opt.tokenizer);
+  ChatTemplate tmpl = load_template(opt);
   std::string input = read_all_stdin();
   if (!opt.jsonl) {
     std::string prompt = tmpl.render(parse_request(input, "stdin"));
@@ -79,8 +97,9 @@ DS_COMMAND("chat-template", "Render the model's chat template for a JSON request
            [](CLI::App& app) -> std::function<int()> {
              auto opt = std::make_shared<Options>();
              app.add_option("--tokenizer", opt->tokenizer,
-                            "Folder with tokenizer_config.json or chat_template.jinja (a model folder works)")
-                 ->required();
+                            "Folder with tokenizer_config.json or chat_template.jinja (a model folder works)");
+             app.add_option("--template", opt->template_file,
+                            "Jinja template file to use instead of the folder's template (for debugging templates)");
              app.add_flag("--jsonl", opt->jsonl,
                           "One request per stdin line; prints one JSON line {\"prompt\"} or {\"error\"} per request");
              return [opt]() { return run_chat_template(*opt); };
