@@ -242,6 +242,15 @@ TEST(ModelConfig, Errors) {
   expect_bad(with("attention_bias", true), {"attention_bias"});
   expect_bad(with("tie_word_embeddings", "yes"), {"tie_word_embeddings", "true or false"});
   expect_bad(with("linear_conv_kernel_dim", 1000), {"linear_conv_kernel_dim"});
+  expect_bad(with("num_hidden_layers", 5000), {"num_hidden_layers", "implausibly large"});
+  {  // each size alone is fine, together they overflow any derived int64 size
+    json big = small_text();
+    big["hidden_size"] = 1 << 20;
+    big["intermediate_size"] = 1 << 20;
+    big["num_hidden_layers"] = 4000;
+    big.erase("layer_types");
+    expect_bad(big, {"implausibly large"});
+  }
   // Wrapper errors name the text_config field.
   json w = {{"model_type", "qwen3_5"}, {"text_config", with("head_dim", -4)}};
   expect_bad(w, {"head_dim"});

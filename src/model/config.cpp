@@ -320,6 +320,19 @@ void ModelConfig::validate() const {
   if (int64_t(vocab_size) * d_model > (int64_t(1) << 40) || int64_t(d_ff) * d_model > (int64_t(1) << 40)) {
     throw_error(where, ": hidden_size x vocab_size / intermediate_size is implausibly large");
   }
+  if (n_layers > 4096) throw_error(where, ": field 'num_hidden_layers' is implausibly large (", n_layers, ")");
+  // Whole-model sizes in floating point (no overflow possible), so that every int64 size derived
+  // from a config that passes is far from overflowing.
+  {
+    const double h = d_model, layers = n_layers;
+    double per_layer = 3.0 * h * d_ff + (2.0 * n_heads + 2.0 * n_kv_heads) * head_dim * h + h * n_heads * head_dim +
+                       (4.0 * n_k_heads * d_k + 3.0 * n_v_heads * d_v) * h;
+    double total = 2.0 * vocab_size * h + layers * per_layer;
+    double state = layers * (double(n_v_heads) * d_k * d_v + double(conv_kernel) * (2.0 * n_k_heads * d_k + n_v_heads * d_v));
+    if (total > 1e15 || state > 1e15) {
+      throw_error(where, ": the model sizes are implausibly large (", total, " parameters)");
+    }
+  }
   if (n_heads % n_kv_heads != 0) {
     throw_error(where, ": num_attention_heads (", n_heads, ") must be a multiple of num_key_value_heads (",
                 n_kv_heads, ")");

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <sstream>
 
@@ -31,8 +32,13 @@ MemoryPlan plan_memory(const ModelConfig& c, int64_t weight_bytes, const MemoryP
   if (p.free_bytes > p.gdn_state_bytes_per_seq) {
     p.max_tokens_one_seq = p.kv_bytes_per_token > 0 ? (p.free_bytes - p.gdn_state_bytes_per_seq) / per_token : 0;
     if (p.kv_bytes_per_token == 0) p.max_tokens_one_seq = INT64_MAX;  // no attention layer: unbounded
-    int64_t per_seq = p.gdn_state_bytes_per_seq + opt.context_tokens * p.kv_bytes_per_token;
-    p.max_seqs_at_context = per_seq > 0 ? p.free_bytes / per_seq : 0;
+    // context * per-token bytes can exceed int64 for absurd --context values: compare first.
+    if (p.kv_bytes_per_token > 0 && opt.context_tokens > (INT64_MAX / 2) / p.kv_bytes_per_token) {
+      p.max_seqs_at_context = 0;
+    } else {
+      int64_t per_seq = p.gdn_state_bytes_per_seq + opt.context_tokens * p.kv_bytes_per_token;
+      p.max_seqs_at_context = per_seq > 0 ? p.free_bytes / per_seq : 0;
+    }
   }
   return p;
 }
