@@ -76,6 +76,40 @@ TEST(Regex, IsolatedKeepsUnmatchedGaps) {
   EXPECT_THROW(RegexSplitter("(unclosed", "tokenizer.json"), Error);
 }
 
+std::vector<std::string> split_all(const RegexSplitter& re, std::string_view text) {
+  std::vector<std::string> pieces;
+  re.split(text, [&](std::string_view p) { pieces.emplace_back(p); });
+  return pieces;
+}
+
+TEST(Regex, FastQwenMatchersAgreeWithPcre2) {
+  const char* patterns[] = {
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
+  };
+  // Characters of every class the patterns distinguish, ASCII and not.
+  const std::vector<std::string> alphabet = {
+      "a", "Z", "s", "S", "t", "l", "L", "r", "e", "E", "v", "m", "d", "'", "0", "7", " ", " ",
+      "\t", "\n", "\r", "\v", "\f", "!", ".", "-", "_", "(", "\"", "\xc5\xbf" /* long s */,
+      "\xc3\xa9", "\xcc\x81" /* U+0301 */, "\xe2\x83\x9d" /* U+20DD Me */, "\xe4\xb8\xad",
+      "\xd9\xa3" /* Arabic-Indic 3 */, "\xe2\x85\xa0" /* Roman numeral (Nl) */,
+      "\xc2\xbd" /* 1/2 (No) */, "\xc2\xa0", "\xe3\x80\x80", "\xc2\x85", "\xe1\xa0\x8e",
+      "\xe2\x80\x8b", "\xe2\x80\xa8", "\xf0\x9f\x98\x80", "\xe0\xa4\xbe" /* Mc */,
+      "\xd7\x90", "\xe3\x81\x82"};
+  std::mt19937 rng(42);
+  for (const char* pattern : patterns) {
+    RegexSplitter fast(pattern, "test"), slow(pattern, "test", false);
+    ASSERT_TRUE(fast.uses_fast_matcher());
+    ASSERT_FALSE(slow.uses_fast_matcher());
+    for (int iter = 0; iter < 20000; ++iter) {
+      std::string text;
+      const int len = static_cast<int>(rng() % 16);
+      for (int k = 0; k < len; ++k) text += alphabet[rng() % alphabet.size()];
+      ASSERT_EQ(split_all(fast, text), split_all(slow, text)) << "text: " << text;
+    }
+  }
+}
+
 class Tiny : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { tok_ = new Tokenizer(Tokenizer::load(kTiny)); }

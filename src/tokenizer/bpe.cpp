@@ -3,7 +3,7 @@
 #include "tokenizer/bpe.h"
 
 #include <algorithm>
-#include <mutex>
+#include <cstring>
 
 #include "core/error.h"
 
@@ -41,9 +41,11 @@ inline bool later(const Candidate& x, const Candidate& y) {
 
 }  // namespace
 
-BpeModel::BpeModel() {
+BpeModel::BpeModel()
+    : cache_(new CacheSlot[kCacheSlots]()), locks_(new std::atomic<bool>[kStripes]) {
   std::fill(std::begin(byte_ids_), std::end(byte_ids_), -1);
   merges_.assign(1024, MergeSlot{kEmpty, 0, 0});
+  for (size_t i = 0; i < kStripes; ++i) locks_[i].store(false, std::memory_order_relaxed);
 }
 
 BpeModel::~BpeModel() = default;
@@ -167,6 +169,44 @@ void BpeModel::merge_uncached(std::string_view bytes, std::vector<int32_t>& out)
   }
 }
 
+namespace {
+
+// 64-bit hash of a short byte string (8 bytes at a time, multiply-xorshift mixing).
+inline uint64_t hash_bytes(std::string_view s) {
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ s.size();
+  size_t i = 0;
+  for (; i + 8 <= s.size(); i += 8) {
+    uint64_t w;
+    std::memcpy(&w, s.data() + i, 8);
+    h = (h ^ w) * 0xff51afd7ed558ccdull;
+    h ^= h >> 32;
+  }
+  uint64_t w = 0;
+  std::memcpy(&w, s.data() + i, s.size() - i);
+  h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
+  h ^= h >> 29;
+  return h ? h : 1;
+}
+
+class SpinGuard {
+ public:
+  explicit SpinGuard(std::atomic<bool>& f) : f_(f) {
+    while (f_.exchange(true, std::memory_order_acquire)) {
+      while (f_.load(std::memory_order_relaxed)) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+    }
+  }
+  ~SpinGuard() { f_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool>& f_;
+};
+
+}  // namespace
+
 void BpeModel::encode_piece(std::string_view bytes, std::vector<int32_t>& out) const {
   if (bytes.size() == 1) {
     const int32_t id = byte_ids_[static_cast<uint8_t>(bytes[0])];
@@ -175,24 +215,32 @@ void BpeModel::encode_piece(std::string_view bytes, std::vector<int32_t>& out) c
       return;
     }
   }
-  if (bytes.size() > kMaxCachedPiece) {
+  if (bytes.size() > kKeyMax) {
     merge_uncached(bytes, out);
     return;
   }
+  const uint64_t h = hash_bytes(bytes);
+  const size_t slot_index = h & (kCacheSlots - 1);
+  CacheSlot& slot = cache_[slot_index];
+  std::atomic<bool>& lock = locks_[slot_index & (kStripes - 1)];
   {
-    std::shared_lock lock(cache_mutex_);
-    auto it = cache_.find(bytes);
-    if (it != cache_.end()) {
-      out.insert(out.end(), it->second.begin(), it->second.end());
+    SpinGuard guard(lock);
+    if (slot.hash == h && slot.key_len == bytes.size() &&
+        std::memcmp(slot.key, bytes.data(), bytes.size()) == 0) {
+      out.insert(out.end(), slot.ids, slot.ids + slot.n_ids);
       return;
     }
   }
   const size_t first = out.size();
   merge_uncached(bytes, out);
-  std::vector<int32_t> ids(out.begin() + static_cast<std::ptrdiff_t>(first), out.end());
-  std::unique_lock lock(cache_mutex_);
-  if (cache_.size() >= kMaxCacheEntries) cache_.clear();
-  cache_.emplace(std::string(bytes), std::move(ids));
+  const size_t n = out.size() - first;
+  if (n > kIdsMax) return;
+  SpinGuard guard(lock);
+  slot.hash = h;
+  slot.key_len = static_cast<uint8_t>(bytes.size());
+  slot.n_ids = static_cast<uint8_t>(n);
+  std::memcpy(slot.key, bytes.data(), bytes.size());
+  std::memcpy(slot.ids, out.data() + first, n * sizeof(int32_t));
 }
 
 }  // namespace ds

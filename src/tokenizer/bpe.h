@@ -2,13 +2,13 @@
 // merges in rank order, exactly like HF tokenizers' `Word::merge_all`: a min-heap of candidate
 // adjacent pairs keyed by (rank, position) over a doubly linked list of symbols, so a piece of n
 // bytes costs O(n log n) (a 1 MB piece without spaces is fine). Results for short pieces are
-// memoised in a bounded, thread-safe cache.
+// memoised in a bounded, thread-safe cache (one cache line per lookup).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <shared_mutex>
+#include <atomic>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -60,16 +60,20 @@ class BpeModel {
   bool fuse_unk_ = false;
   bool ignore_merges_ = false;
 
-  // Memo of piece -> ids for pieces up to kMaxCachedPiece bytes; cleared when it reaches
-  // kMaxCacheEntries (cheap and bounded; the hot set refills quickly).
-  static constexpr size_t kMaxCachedPiece = 64;
-  static constexpr size_t kMaxCacheEntries = 1 << 18;
-  struct Hash {
-    using is_transparent = void;
-    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  // Memo of piece -> ids: a direct-mapped table of cache-line slots (short pieces only), each
+  // guarded by one of kStripes spin locks. A colliding piece simply evicts the old one.
+  static constexpr size_t kKeyMax = 22, kIdsMax = 8;
+  struct alignas(64) CacheSlot {
+    uint64_t hash;  // 0: empty
+    uint8_t key_len;
+    uint8_t n_ids;
+    char key[kKeyMax];
+    int32_t ids[kIdsMax];
   };
-  mutable std::shared_mutex cache_mutex_;
-  mutable std::unordered_map<std::string, std::vector<int32_t>, Hash, std::equal_to<>> cache_;
+  static constexpr size_t kCacheSlots = size_t{1} << 17;  // 8 MiB
+  static constexpr size_t kStripes = 1024;
+  std::unique_ptr<CacheSlot[]> cache_;
+  std::unique_ptr<std::atomic<bool>[]> locks_;
 };
 
 }  // namespace ds

@@ -3,8 +3,10 @@
 #include "tokenizer/regex_split.h"
 
 #include <pcre2.h>
+#include <utf8proc.h>
 
 #include "core/error.h"
+#include "tokenizer/utf8.h"
 
 namespace ds {
 namespace {
@@ -31,6 +33,69 @@ struct ThreadMatchState {
     pcre2_match_data_free(md);
   }
 };
+
+// The split patterns of Qwen2/Qwen3 and of Qwen3.5 (`[\p{L}\p{M}]` where Qwen2 has `\p{L}`).
+constexpr const char* kQwen2Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr const char* kQwen35Pattern =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+// Character classes the fast matcher needs.
+enum : uint8_t { kL = 1, kN = 2, kM = 4, kS = 8 /* Oniguruma \s */, kNl = 16 /* \r or \n */ };
+
+struct CharInfo {
+  uint32_t cp;
+  uint8_t len;
+  uint8_t cls;
+};
+
+struct AsciiTable {
+  uint8_t cls[128] = {};
+  AsciiTable() {
+    for (int c = 0; c < 128; ++c) {
+      if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z')) cls[c] = kL;
+      if (c >= '0' && c <= '9') cls[c] = kN;
+      if ((c >= 0x09 && c <= 0x0D) || c == 0x20) cls[c] = kS;
+    }
+    cls['\r'] |= kNl;
+    cls['\n'] |= kNl;
+  }
+};
+const AsciiTable kAscii;
+
+uint8_t unicode_class(uint32_t cp) {
+  if (cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||
+      cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000) {
+    return kS;
+  }
+  switch (utf8proc_category(static_cast<utf8proc_int32_t>(cp))) {
+    case UTF8PROC_CATEGORY_LU:
+    case UTF8PROC_CATEGORY_LL:
+    case UTF8PROC_CATEGORY_LT:
+    case UTF8PROC_CATEGORY_LM:
+    case UTF8PROC_CATEGORY_LO:
+      return kL;
+    case UTF8PROC_CATEGORY_ND:
+    case UTF8PROC_CATEGORY_NL:
+    case UTF8PROC_CATEGORY_NO:
+      return kN;
+    case UTF8PROC_CATEGORY_MN:
+    case UTF8PROC_CATEGORY_MC:
+    case UTF8PROC_CATEGORY_ME:
+      return kM;
+    default:
+      return 0;
+  }
+}
+
+// The character at s[i] (s is valid UTF-8).
+inline CharInfo char_at(std::string_view s, size_t i) {
+  const auto b = static_cast<uint8_t>(s[i]);
+  if (b < 0x80) return {b, 1, kAscii.cls[b]};
+  size_t j = i;
+  const uint32_t cp = utf8::decode(s, j);
+  return {cp, static_cast<uint8_t>(j - i), unicode_class(cp)};
+}
 
 ThreadMatchState& thread_state() {
   thread_local ThreadMatchState state;
@@ -84,8 +149,11 @@ std::string onig_to_pcre2(const std::string& p) {
   return out;
 }
 
-RegexSplitter::RegexSplitter(const std::string& onig_pattern, const std::string& what)
+RegexSplitter::RegexSplitter(const std::string& onig_pattern, const std::string& what,
+                             bool allow_fast)
     : pattern_(onig_to_pcre2(onig_pattern)) {
+  if (allow_fast && onig_pattern == kQwen2Pattern) fast_ = Fast::kQwen2;
+  if (allow_fast && onig_pattern == kQwen35Pattern) fast_ = Fast::kQwen35;
   int err = 0;
   PCRE2_SIZE err_off = 0;
   auto* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern_.data()), pattern_.size(),
@@ -105,6 +173,18 @@ RegexSplitter::~RegexSplitter() { pcre2_code_free(static_cast<pcre2_code*>(code_
 
 bool RegexSplitter::next_match(std::string_view text, size_t pos, size_t* start,
                                size_t* end) const {
+  if (fast_ != Fast::kNone) {
+    for (size_t i = pos; i < text.size();) {
+      const size_t e = fast_match_at(text, i);
+      if (e > i) {
+        *start = i;
+        *end = e;
+        return true;
+      }
+      i += char_at(text, i).len;
+    }
+    return false;
+  }
   auto& st = thread_state();
   auto* code = static_cast<pcre2_code*>(code_);
   const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
@@ -128,6 +208,74 @@ bool RegexSplitter::next_match(std::string_view text, size_t pos, size_t* start,
     while (pos < text.size() && (static_cast<uint8_t>(text[pos]) & 0xC0) == 0x80) ++pos;
   }
   return false;
+}
+
+size_t RegexSplitter::fast_match_at(std::string_view s, size_t i) const {
+  const size_t n = s.size();
+  const bool marks = fast_ == Fast::kQwen35;  // Qwen3.5 keeps marks with letters
+  const uint8_t letter = marks ? (kL | kM) : kL;
+  const CharInfo c = char_at(s, i);
+
+  // (?i:'s|'t|'re|'ve|'m|'ll|'d); case-insensitive, so 's also matches U+017F (long s).
+  if (c.cp == '\'' && i + 1 < n) {
+    const char a = static_cast<char>(s[i + 1] | 0x20);
+    if (a == 's' || a == 't' || a == 'm' || a == 'd') {
+      if (static_cast<uint8_t>(s[i + 1]) < 0x80) return i + 2;
+    }
+    if (i + 2 < n && static_cast<uint8_t>(s[i + 1]) < 0x80) {
+      const char b = static_cast<char>(s[i + 2] | 0x20);
+      if ((a == 'r' && b == 'e') || (a == 'v' && b == 'e') || (a == 'l' && b == 'l')) return i + 3;
+    }
+    if (i + 2 < n && s[i + 1] == '\xC5' && s[i + 2] == '\xBF') return i + 3;  // 'ſ
+  }
+  // [^\r\n\p{L}\p{N}]?[\p{L}(\p{M})]+ : first with the optional prefix, then without it.
+  auto letter_run = [&](size_t j) {
+    while (j < n) {
+      const CharInfo d = char_at(s, j);
+      if (!(d.cls & letter)) break;
+      j += d.len;
+    }
+    return j;
+  };
+  if (!(c.cls & (kNl | kL | kN))) {
+    const size_t e = letter_run(i + c.len);
+    if (e > i + c.len) return e;
+  }
+  if (c.cls & letter) return letter_run(i);
+  // \p{N}
+  if (c.cls & kN) return i + c.len;
+  // ' ?[^\s\p{L}(\p{M})\p{N}]+[\r\n]*' (without the space the class cannot start at a space)
+  {
+    const uint8_t not_punct = kS | kL | kN | (marks ? kM : 0);
+    const size_t j = c.cp == ' ' ? i + 1 : i;
+    size_t e = j;
+    while (e < n) {
+      const CharInfo d = char_at(s, e);
+      if (d.cls & not_punct) break;
+      e += d.len;
+    }
+    if (e > j) {
+      while (e < n && (s[e] == '\r' || s[e] == '\n')) ++e;
+      return e;
+    }
+  }
+  if (!(c.cls & kS)) return 0;
+  // Whitespace run [i, k).
+  size_t k = i, last_nl = SIZE_MAX, last_start = i;
+  while (k < n) {
+    const CharInfo d = char_at(s, k);
+    if (!(d.cls & kS)) break;
+    if (d.cls & kNl) last_nl = k;
+    last_start = k;
+    k += d.len;
+  }
+  // \s*[\r\n]+ : backtracking stops at the last newline of the run.
+  if (last_nl != SIZE_MAX) return last_nl + 1;
+  // \s+(?!\S) : the whole run at the end of text, else all but its last character.
+  if (k == n) return n;
+  if (last_start > i) return last_start;
+  // \s+
+  return k;
 }
 
 }  // namespace ds

@@ -133,15 +133,8 @@ uint32_t last_cp(std::string_view s, size_t end) {
   return utf8::decode(s, i);
 }
 
-std::string nfc_normalize(std::string_view s) {
-  bool ascii = true;
-  for (char c : s) {
-    if (static_cast<uint8_t>(c) >= 0x80) {
-      ascii = false;
-      break;
-    }
-  }
-  if (ascii) return std::string(s);
+// NFC through utf8proc.
+std::string utf8proc_nfc(std::string_view s) {
   utf8proc_uint8_t* out = nullptr;
   const utf8proc_ssize_t n =
       utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
@@ -151,6 +144,47 @@ std::string nfc_normalize(std::string_view s) {
   std::string r(reinterpret_cast<const char*>(out), static_cast<size_t>(n));
   std::free(out);
   return r;
+}
+
+// True when cp is left alone by NFC whatever surrounds it: a starter (ccc 0) without canonical
+// decomposition that takes part in no composition (neither as first nor as second), and not
+// Hangul (composed algorithmically).
+bool nfc_inert(uint32_t cp) {
+  if ((cp >= 0x1100 && cp <= 0x11FF) || (cp >= 0xA960 && cp <= 0xA97F) ||
+      (cp >= 0xAC00 && cp <= 0xD7FF)) {
+    return false;
+  }
+  const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(cp));
+  if (p->combining_class != 0 || p->comb_index != UINT16_MAX) return false;
+  return p->decomp_seqindex == UINT16_MAX || p->decomp_type != 0;  // only canonical ones matter
+}
+
+// NFC(s). Text is cut before ASCII characters (always starters that compose with nothing before
+// them), and only runs of non-ASCII characters that hold a non-inert character go through
+// utf8proc, together with the ASCII character before them (it may compose with a mark).
+std::string nfc_normalize(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  size_t i = 0, emitted = 0;
+  const size_t n = s.size();
+  while (i < n) {
+    if (static_cast<uint8_t>(s[i]) < 0x80) {
+      ++i;
+      continue;
+    }
+    const size_t run_start = i;
+    bool inert = true;
+    while (i < n && static_cast<uint8_t>(s[i]) >= 0x80) {
+      if (!nfc_inert(utf8::decode(s, i))) inert = false;
+    }
+    if (inert) continue;
+    const size_t seg = run_start > 0 ? run_start - 1 : 0;
+    out.append(s.data() + emitted, seg - emitted);
+    out += utf8proc_nfc(s.substr(seg, i - seg));
+    emitted = i;
+  }
+  out.append(s.data() + emitted, n - emitted);
+  return out;
 }
 
 // Leftmost-longest matcher over the added tokens' contents (what HF's Aho-Corasick with
