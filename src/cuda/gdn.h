@@ -19,8 +19,11 @@
 // A sequence with seq_pos == 0 starts from zero state (the slot's old contents are ignored and
 // overwritten), so slots need no clearing between requests.
 //
-// Sizes are run-time; d_k and d_v must each be one of 16, 32, 64, 128 (checked, ds::Error
-// otherwise), n_v_heads a multiple of n_k_heads, conv_kernel 4.
+// Sizes are run-time (checked, ds::Error otherwise): d_k one of 16, 32, 64, 128; d_v a multiple
+// of 4 up to 128; n_v_heads a multiple of n_k_heads; conv_kernel 4. The fast kernels (tensor-core
+// chunked prefill, 4-block-cluster decode) take d_v in {16, 32, 64, 128}; other d_v (e.g. 24 in
+// the golden "other ratios" fixture) go to correct but slow generic kernels (token-by-token
+// prefill, one block per head in decode).
 // Tests and timings: tests/cuda/cuda_gdn_test.cpp (vs a token-by-token fp32 CPU recurrence).
 #pragma once
 

@@ -34,7 +34,9 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kDecodeThreads = 128;
-constexpr int kSplit = 4;  // blocks (one cluster) per (sequence, value head), each d_v / 4 rows
+// Blocks (one cluster) per (sequence, value head), each d_v / SPLIT rows: 4 when d_v % 16 == 0
+// (the shipped shapes), else 1 (the generic fallback, e.g. d_v 24: correct, not fast).
+constexpr int kSplitFast = 4;
 constexpr int kMaxD = 128;
 
 // Loads 4 consecutive bf16 (8 bytes) as floats.
@@ -48,8 +50,8 @@ __device__ __forceinline__ void load4(const bf16* p, float* f) {
   f[3] = __high2float(b);
 }
 
-template <int DK, bool VEC>
-__global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
+template <int DK, bool VEC, int SPLIT>
+__global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
     gdn_decode_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
                       const bf16* __restrict__ proj,         // [n_seqs, in_dim]
                       const int32_t* __restrict__ seq_pos,   // [n_seqs]
@@ -59,7 +61,7 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
   constexpr int kLanesPerRow = DK / 4;             // each lane holds 4 consecutive k values
   constexpr int kRowsPerWarp = 32 / kLanesPerRow;  // rows a warp covers per pass
   constexpr int kGroups = (kDecodeThreads / 32) * kRowsPerWarp;  // lane groups in the block
-  constexpr int kMaxRows = kMaxD / kSplit;
+  constexpr int kMaxRows = kMaxD / SPLIT;
   constexpr int kMaxRowsPerGroup = (kMaxRows + kGroups - 1) / kGroups;
   static_assert(2 * DK + kMaxRows <= 4 * kDecodeThreads && kMaxRows <= kDecodeThreads,
                 "one pass must cover the conv channels and the outputs");
@@ -70,7 +72,7 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
   const int seq = blockIdx.x, hv = blockIdx.y, split = blockIdx.z;
   const int ratio = s.n_v_heads / s.n_k_heads, hk = hv / ratio;
   const int d_v = s.d_v, qkv_dim = s.qkv_dim(), in_dim = s.in_dim();
-  const int rows = d_v / kSplit, v0 = split * rows;  // this block's state rows [v0, v0 + rows)
+  const int rows = d_v / SPLIT, v0 = split * rows;  // this block's state rows [v0, v0 + rows)
   const int p = seq_pos[seq];
   const int64_t slot = slot_ids[seq];
   bf16* ring = pool.conv_state + slot * pool.conv_slot_stride;
@@ -217,7 +219,7 @@ __global__ void __cluster_dims__(1, 1, kSplit) __launch_bounds__(kDecodeThreads)
     cg::cluster_group cluster = cg::this_cluster();
     float total = 0.f;
 #pragma unroll
-    for (int r = 0; r < kSplit; ++r) total += *cluster.map_shared_rank(&part, r);
+    for (int r = 0; r < SPLIT; ++r) total += *cluster.map_shared_rank(&part, r);
     rinv = rsqrtf(total / d_v + s.norm_eps);
     // Peers may exit once everyone has read: arrive now, wait at the very end.
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
@@ -255,19 +257,28 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
            "gdn decode: rec_slot_stride too small");
   DS_CHECK(n_seqs >= 0, "gdn decode: n_seqs must be >= 0, got ", n_seqs);
   if (n_seqs == 0) return;
-  const dim3 grid(n_seqs, s.n_v_heads, kSplit);
+  const int split = s.d_v % 16 == 0 ? kSplitFast : 1;
+  const dim3 grid(n_seqs, s.n_v_heads, split);
   // 8-byte loads need 8-byte aligned rows of proj and of the ring.
   const bool vec = s.in_dim() % 4 == 0 && pool.conv_slot_stride % 4 == 0 &&
                    reinterpret_cast<uintptr_t>(proj) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(pool.conv_state) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(w.conv_w) % 16 == 0;
-#define DS_GDN_DECODE(DK)                                                                \
-  if (vec)                                                                               \
-    gdn_decode_kernel<DK, true>                                                          \
-        <<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out); \
-  else                                                                                   \
-    gdn_decode_kernel<DK, false>                                                         \
-        <<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out)
+#define DS_GDN_DECODE_1(DK, VEC, SPLIT) \
+  gdn_decode_kernel<DK, VEC, SPLIT>     \
+      <<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out)
+#define DS_GDN_DECODE(DK)                     \
+  if (split == kSplitFast) {                  \
+    if (vec)                                  \
+      DS_GDN_DECODE_1(DK, true, kSplitFast);  \
+    else                                      \
+      DS_GDN_DECODE_1(DK, false, kSplitFast); \
+  } else {                                    \
+    if (vec)                                  \
+      DS_GDN_DECODE_1(DK, true, 1);           \
+    else                                      \
+      DS_GDN_DECODE_1(DK, false, 1);          \
+  }
   switch (s.d_k) {
     case 16:
       DS_GDN_DECODE(16);
@@ -284,6 +295,7 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
     default:
       DS_ASSERT(false);
   }
+#undef DS_GDN_DECODE_1
 #undef DS_GDN_DECODE
   DS_CUDA_LAUNCH_CHECK();
 }

@@ -896,6 +896,86 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// ---- generic fallback: token-by-token recurrence ------------------------------------------------
+// For head sizes the chunked kernels do not take (d_v not a multiple of 16, e.g. 24): one block
+// per (sequence, value head) walks the sequence's tokens in order, the state [d_v][d_k + 1]
+// (padded: conflict-free column access) in shared memory, thread v owning row v. Reads conv_prep's
+// output; the gated RMSNorm is fused. Slow (sequential over tokens) but exact in fp32: meant for
+// small test models, never for the shipped shapes.
+__global__ void __launch_bounds__(128)
+    gdn_recurrent_kernel(GdnShape s, GdnLayerWeights wts, GdnStatePool pool,
+                         const int32_t* __restrict__ cu_seqlens,
+                         const int32_t* __restrict__ seq_pos, const int32_t* __restrict__ slot_ids,
+                         const bf16* __restrict__ proj,   // [n_tokens, in_dim] (z)
+                         const bf16* __restrict__ qkv,    // [n_tokens, qkv_dim] from conv_prep
+                         const float* __restrict__ g,     // [n_tokens, n_v] raw log decay
+                         const float* __restrict__ beta,  // [n_tokens, n_v]
+                         bf16* __restrict__ out)          // [n_tokens, n_v * d_v]
+{
+  const int seq = blockIdx.x, hv = blockIdx.y;
+  const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
+  if (len <= 0) return;
+  const int d_k = s.d_k, d_v = s.d_v, n_v = s.n_v_heads, qkv_dim = s.qkv_dim();
+  const int hk = hv / (n_v / s.n_k_heads), ld = d_k + 1, tid = threadIdx.x;
+  extern __shared__ float rsm[];
+  float* S = rsm;             // [d_v][d_k + 1]
+  float* qs = S + d_v * ld;   // [d_k]
+  float* ks = qs + d_k;       // [d_k]
+  float* scratch = ks + d_k;  // [32]
+  float* state = pool.rec_state + static_cast<int64_t>(slot_ids[seq]) * pool.rec_slot_stride +
+                 static_cast<int64_t>(hv) * d_v * d_k;
+  const bool has_state = seq_pos[seq] > 0;
+  for (int e = tid; e < d_v * d_k; e += blockDim.x) {
+    S[(e / d_k) * ld + e % d_k] = has_state ? state[e] : 0.f;
+  }
+  const bool norm = wts.norm_w != nullptr;
+  const float w_v = norm && tid < d_v ? __bfloat162float(wts.norm_w[tid]) : 0.f;
+  for (int t = 0; t < len; ++t) {
+    const int64_t row = start + t;
+    __syncthreads();  // the previous token's readers of qs / ks are done (and S is loaded)
+    for (int c = tid; c < d_k; c += blockDim.x) {
+      qs[c] = __bfloat162float(qkv[row * qkv_dim + hk * d_k + c]);
+      ks[c] = __bfloat162float(qkv[row * qkv_dim + s.n_k_heads * d_k + hk * d_k + c]);
+    }
+    __syncthreads();
+    const float decay = expf(g[row * n_v + hv]), b = beta[row * n_v + hv];
+    float o = 0.f;
+    if (tid < d_v) {  // d_v <= 128 = blockDim.x
+      const float vv =
+          __bfloat162float(qkv[row * qkv_dim + 2 * s.n_k_heads * d_k + hv * d_v + tid]);
+      float* Sr = S + tid * ld;
+      float u = 0.f;
+      for (int k = 0; k < d_k; ++k) {
+        Sr[k] *= decay;
+        u += Sr[k] * ks[k];
+      }
+      const float delta = b * (vv - u);
+      for (int k = 0; k < d_k; ++k) {
+        Sr[k] += ks[k] * delta;
+        o += Sr[k] * qs[k];
+      }
+    }
+    float scale = 1.f;
+    if (norm) scale = rsqrtf(block_sum(o * o, scratch) / d_v + s.norm_eps);
+    if (tid < d_v) {
+      float y = o;
+      if (norm) {
+        const float zf = __bfloat162float(proj[row * s.in_dim() + qkv_dim + hv * d_v + tid]);
+        y = w_v * o * scale * (zf / (1.f + __expf(-zf)));
+      }
+      out[row * s.out_dim() + hv * d_v + tid] = __float2bfloat16(y);
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < d_v * d_k; e += blockDim.x) state[e] = S[(e / d_k) * ld + e % d_k];
+}
+
+// Head sizes the chunked (tensor-core) kernels take; others go to gdn_recurrent_kernel.
+bool chunked_dims(const GdnShape& s) {
+  auto ok = [](int d) { return d == 16 || d == 32 || d == 64 || d == 128; };
+  return ok(s.d_k) && ok(s.d_v);
+}
+
 void check_common(const GdnShape& s, const GdnStatePool& pool, int n_seqs) {
   check_gdn_shape(s);
   DS_CHECK(n_seqs >= 0, "gdn: n_seqs must be >= 0, got ", n_seqs);
@@ -922,8 +1002,10 @@ void check_gdn_shape(const GdnShape& s) {
            ") must be a multiple of n_k_heads (", s.n_k_heads, ")");
   DS_CHECK(ok_dim(s.d_k), "gdn: d_k (linear_key_head_dim) = ", s.d_k,
            " is not supported by the CUDA kernels (16, 32, 64 or 128)");
-  DS_CHECK(ok_dim(s.d_v), "gdn: d_v (linear_value_head_dim) = ", s.d_v,
-           " is not supported by the CUDA kernels (16, 32, 64 or 128)");
+  DS_CHECK(s.d_v > 0 && s.d_v <= 128 && s.d_v % 4 == 0,
+           "gdn: d_v (linear_value_head_dim) = ", s.d_v,
+           " is not supported by the CUDA kernels (a multiple of 4 up to 128; 16, 32, 64 and 128 "
+           "have the fast kernels)");
   DS_CHECK(s.conv_kernel == 4, "gdn: conv_kernel (linear_conv_kernel_dim) = ", s.conv_kernel,
            " is not supported (4 only)");
 }
@@ -983,6 +1065,15 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   launch_gdn_conv_prep(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, ws.qkv,
                        ws.g, ws.beta, stream);
   launch_gdn_conv_state_update(s, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, stream);
+  if (!chunked_dims(s)) {
+    const size_t smem_bytes =
+        sizeof(float) * (static_cast<size_t>(s.d_v) * (s.d_k + 1) + 2 * s.d_k + 32);
+    set_smem(gdn_recurrent_kernel, smem_bytes);
+    gdn_recurrent_kernel<<<dim3(n_seqs, s.n_v_heads), 128, smem_bytes, stream>>>(
+        s, w, pool, cu_seqlens, seq_pos, slot_ids, proj, ws.qkv, ws.g, ws.beta, out);
+    DS_CUDA_LAUNCH_CHECK();
+    return;
+  }
 
   static_assert(sizeof(ChunkInfo) == 16);
   const WySmem wl = wy_smem(s.d_k, s.d_v);

@@ -403,6 +403,13 @@ TEST(CudaGdn, ShapeChecks) {
   s.n_v_heads = 40;
   EXPECT_THROW(check_gdn_shape(s), ds::Error);
   s = shape_27b();
+  s.d_v = 24;  // the golden "other ratios" fixture: the generic fallback takes it
+  EXPECT_NO_THROW(check_gdn_shape(s));
+  s.d_v = 26;
+  EXPECT_THROW(check_gdn_shape(s), ds::Error);
+  s.d_v = 132;
+  EXPECT_THROW(check_gdn_shape(s), ds::Error);
+  s = shape_27b();
   s.conv_kernel = 3;
   EXPECT_THROW(check_gdn_shape(s), ds::Error);
 }
@@ -456,6 +463,11 @@ TEST(CudaGdn, PrefillSmallHeads) {
   check_prefill(GdnShape{2, 6, 32, 64, 4, 1e-6f}, pc, 31);
   std::printf("d_k 128, d_v 16, ratio 1\n");
   check_prefill(GdnShape{3, 3, 128, 16, 4, 1e-6f}, pc, 32);
+  // Head sizes off the tensor-core kernels (generic token-by-token fallback).
+  std::printf("d_k 16, d_v 24 (the golden other-ratios fixture)\n");
+  check_prefill(GdnShape{2, 4, 16, 24, 4, 1e-6f}, pc, 33);
+  std::printf("d_k 128, d_v 20, ratio 2\n");
+  check_prefill(GdnShape{2, 4, 128, 20, 4, 1e-6f}, pc, 34);
 }
 
 // Decode: n steps for a batch of sequences at given positions, each step checked.
@@ -523,6 +535,9 @@ TEST(CudaGdn, DecodeSmallHeads) {
   for (int d : {16, 32, 64}) check_decode(GdnShape{2, 4, d, d, 4, 1e-6f}, {0, 3, 9}, 4, 50 + d);
   check_decode(GdnShape{2, 6, 32, 64, 4, 1e-6f}, {0, 3, 9}, 4, 60);
   check_decode(GdnShape{3, 3, 128, 16, 4, 1e-6f}, {0, 3, 9}, 4, 61);
+  // d_v not a multiple of 16: the one-block-per-head fallback.
+  check_decode(GdnShape{2, 4, 16, 24, 4, 1e-6f}, {0, 3, 9}, 4, 62);
+  check_decode(GdnShape{2, 4, 128, 20, 4, 1e-6f}, {0, 3, 9}, 4, 63);
 }
 
 // Prefill 65 tokens, prefill 200 more (carried state), then 4 decode steps: one continuous
