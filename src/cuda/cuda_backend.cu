@@ -367,7 +367,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   DS_CUDA_CHECK(cudaMalloc(&act_mem_, ab.off + 256));
   ab = Bump{static_cast<char*>(act_mem_)};
   measure_acts(ab);
-  meta_ints_ = 4 * size_t(T) + 7 * size_t(n_slots_) + 1 +
+  meta_ints_ = 4 * size_t(T) + 8 * size_t(n_slots_) + 2 +
                size_t(n_slots_) * layout_.max_blocks_per_seq;
   DS_CUDA_CHECK(cudaMalloc(&dmeta_, meta_ints_ * sizeof(int32_t)));
   DS_CUDA_CHECK(cudaMallocHost(&hmeta_, meta_ints_ * sizeof(int32_t)));
@@ -609,18 +609,29 @@ void CudaBackend::step(std::span<const SeqWork> work, std::vector<float>& logits
   }
 }
 
-void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece>& pieces,
+void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece>& pieces_in,
                           const std::vector<int64_t>& row_base, std::vector<float>& logits) {
   const ModelConfig& c = cfg_;
+  // Decode pieces (one token of a running sequence) first: they take the decode kernels, the
+  // rest (prompt chunks) the prompt kernels, in the same forward.
+  std::vector<Piece> pieces = pieces_in;
+  auto is_decode = [](const Piece& p) { return p.n == 1 && p.pos0 > 0; };
+  std::stable_partition(pieces.begin(), pieces.end(), is_decode);
   const int S = static_cast<int>(pieces.size());
-  int T = 0, max_q = 0, max_kv = 0;
-  bool decode = true;
+  int T = 0, S_d = 0, max_q = 0, max_kv = 0, max_kv_d = 0, max_q_p = 0, max_kv_p = 0;
   for (const Piece& p : pieces) {
     T += p.n;
     max_q = std::max(max_q, p.n);
     max_kv = std::max(max_kv, p.pos0 + p.n);
-    decode = decode && p.n == 1 && p.pos0 > 0;
+    if (is_decode(p)) {
+      ++S_d;
+      max_kv_d = std::max(max_kv_d, p.pos0 + 1);
+    } else {
+      max_q_p = std::max(max_q_p, p.n);
+      max_kv_p = std::max(max_kv_p, p.pos0 + p.n);
+    }
   }
+  const int S_p = S - S_d;
   // KV blocks for the new tokens (validated in step()).
   if (layout_.kv_block_bytes > 0) {
     for (const Piece& p : pieces) {
@@ -638,8 +649,9 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   int32_t *tokens = m, *positions = m + T, *slot_map = m + 2 * T, *gather = m + 3 * T;
   int32_t* q_start = m + 4 * T;
   int32_t *q_len = q_start + S, *kv_len = q_len + S, *seq_pos = kv_len + S, *slot_ids = seq_pos + S;
-  int32_t* cu = slot_ids + S;  // [S + 1]
-  int32_t* btab = cu + S + 1;  // [S, MB]
+  int32_t* cu = slot_ids + S;    // [S + 1]
+  int32_t* cu_p = cu + S + 1;    // [S_p + 1] offsets of the prompt pieces, from their first token
+  int32_t* btab = cu_p + S + 1;  // [S, MB]
   std::vector<int64_t> out_row;  // logits row of each gathered hidden row
   int n_gather = 0;
   int t = 0;
@@ -670,14 +682,16 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     }
   }
   cu[S] = T;
-  const size_t n_meta = 4 * size_t(T) + 6 * size_t(S) + 1 + size_t(S) * MB;
+  for (int i = 0; i <= S_p; ++i) cu_p[i] = cu[S_d + i] - S_d;  // decode pieces hold 1 token each
+  const size_t n_meta = 4 * size_t(T) + 7 * size_t(S) + 2 + size_t(S) * MB;
   // Compact: the arrays above were laid out for this T and S, so copy the used prefix.
   DS_CUDA_CHECK(cudaMemcpyAsync(dmeta_, hmeta_, n_meta * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   int32_t* d = dmeta_;
   const int32_t *d_tokens = d, *d_positions = d + T, *d_slot_map = d + 2 * T, *d_gather = d + 3 * T;
   const int32_t* d_q_start = d + 4 * T;
   const int32_t *d_q_len = d_q_start + S, *d_kv_len = d_q_len + S, *d_seq_pos = d_kv_len + S,
-                *d_slot_ids = d_seq_pos + S, *d_cu = d_slot_ids + S, *d_btab = d_cu + S + 1;
+                *d_slot_ids = d_seq_pos + S, *d_cu = d_slot_ids + S, *d_cu_p = d_cu + S + 1,
+                *d_btab = d_cu_p + S + 1;
 
   cuda::AttnBatch ab;
   ab.n_seqs = S;
@@ -688,16 +702,28 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   ab.block_table_stride = MB;
   ab.max_q_len = max_q;
   ab.max_kv_len = max_kv;
+  // The decode pieces [0, S_d) and the prompt pieces [S_d, S) as separate batches.
+  cuda::AttnBatch ab_d = ab, ab_p = ab;
+  ab_d.n_seqs = S_d;
+  ab_d.max_q_len = 1;
+  ab_d.max_kv_len = max_kv_d;
+  ab_p.n_seqs = S_p;
+  ab_p.q_start += S_d;
+  ab_p.q_len += S_d;
+  ab_p.kv_len += S_d;
+  ab_p.block_table += size_t(S_d) * MB;
+  ab_p.max_q_len = max_q_p;
+  ab_p.max_kv_len = max_kv_p;
   const int group = c.n_heads / std::max(1, c.n_kv_heads);
   const bool attn_split_kv =
-      decode && dispatch_.picks(KernelFamily::kAttnDecode,
-                                dispatch_.key(c.head_dim, group, S, max_kv), "split_kv");
+      S_d > 0 && dispatch_.picks(KernelFamily::kAttnDecode,
+                                 dispatch_.key(c.head_dim, group, S_d, max_kv_d), "split_kv");
   const bool gdn_fused_decode =
-      decode && dispatch_.picks(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, S), "fused");
+      S_d > 0 && dispatch_.picks(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, S_d), "fused");
   int kv_chunk = 0, n_splits = 0;
   if (attn_split_kv) {
-    kv_chunk = cuda::attention_decode_kv_chunk(S, c.n_kv_heads, max_kv, n_sms_, kMaxDecodeSplits);
-    n_splits = (max_kv + kv_chunk - 1) / kv_chunk;
+    kv_chunk = cuda::attention_decode_kv_chunk(S_d, c.n_kv_heads, max_kv_d, n_sms_, kMaxDecodeSplits);
+    n_splits = (max_kv_d + kv_chunk - 1) / kv_chunk;
   }
   cuda::AttnGate gate;
   if (attn_.gated) {
@@ -720,11 +746,16 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     if (L.type == LayerType::kLinear) {
       gemm(xn_, L.gdn_in, proj_, c.gdn_in_dim(), dm);  // [qkv | z | b | a]
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
-      if (gdn_fused_decode)
-        cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d_seq_pos, d_slot_ids, S, mix_, stream_);
-      else
+      if (gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
+        cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d_seq_pos, d_slot_ids, S_d, mix_, stream_);
+        if (S_p > 0)
+          cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_ + size_t(S_d) * c.gdn_in_dim(), d_cu_p,
+                                   d_seq_pos + S_d, d_slot_ids + S_d, S_p, T - S_d, gdn_ws_,
+                                   gdn_ws_bytes_, mix_ + size_t(S_d) * c.gdn_z_dim(), stream_);
+      } else {
         cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_, d_cu, d_seq_pos, d_slot_ids, S, T,
                                  gdn_ws_, gdn_ws_bytes_, mix_, stream_);
+      }
       gemm(mix_, L.gdn_out, delta_, dm, c.gdn_z_dim());
     } else {
       gemm(xn_, L.attn_qkv, proj_, attn_.qkv_dim(), dm);  // [q+gate | k | v]
@@ -732,10 +763,12 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
       bf16* vc = kc + layer_elems;
       cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d_positions, d_slot_map, T, q_, kc, vc, stream_);
-      if (attn_split_kv)
-        cuda::launch_attention_decode(attn_, ab, q_, kc, vc, gate, kv_chunk, n_splits, attn_ws_, mix_, stream_);
-      else
+      if (attn_split_kv) {  // rows are absolute (q_start), so the two batches share q_ / mix_
+        cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, kv_chunk, n_splits, attn_ws_, mix_, stream_);
+        if (S_p > 0) cuda::launch_attention_prefill(attn_, ab_p, q_, kc, vc, gate, mix_, stream_);
+      } else {
         cuda::launch_attention_prefill(attn_, ab, q_, kc, vc, gate, mix_, stream_);
+      }
       gemm(mix_, L.attn_o, delta_, dm, c.attn_out_dim());
     }
     // h += mixer output; xn = post_attention_layernorm(h); MLP

@@ -4,10 +4,10 @@
 // identical; chunks of 64, 7 and 1 token and token-by-token decoding each within tolerance of HF.
 // At the 27B shapes (4 layers, device synthetic weights): chunks 512 / 1000 and token-by-token
 // decode agree with one 4096 chunk (L2 < 3e-2). Several sequences in one step (split across
-// forwards, then batched decode) agree with one at a time; device synthetic weights give
-// bit-identical logits to the host generator's uploaded ones; bad requests (slot, token id, KV
-// pool full, length, duplicate slot) are ds::Error and change nothing. Measured numbers are in
-// docs/GPU.md.
+// forwards, batched decode, then a mixed prompt + decode step) agree with one at a time; device
+// synthetic weights give bit-identical logits to the host generator's uploaded ones; bad requests
+// (slot, token id, KV pool full, length, duplicate slot) are ds::Error and change nothing.
+// Measured numbers are in docs/GPU.md.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -241,12 +241,14 @@ TEST(CudaBackend, BatchOfSequencesMatchesOneAtATime) {
   HostWeights w = make_synthetic_weights(c, 7);
   std::mt19937 rng(3);
   std::vector<std::vector<int32_t>> prompts;
-  for (int n : {37, 1, 130, 64}) {
+  for (int n : {37, 1, 130, 64, 50}) {
     std::vector<int32_t> p(n);
     for (auto& t : p) t = rng() % c.vocab_size;
     prompts.push_back(p);
   }
-  // Reference: each sequence alone, prompt then 3 decode tokens.
+  const int n_dec = 4, late = 4;  // sequence 4 arrives with the 4th decode step (a mixed step)
+  auto dec_tok = [&](size_t i, int k) { return int32_t((i * 7 + k) % c.vocab_size); };
+  // Reference: each sequence alone, its prompt then n_dec decode tokens (the late one: prompt only).
   std::vector<std::vector<float>> ref;
   for (size_t i = 0; i < prompts.size(); ++i) {
     auto b = make(w, 4096);
@@ -254,41 +256,45 @@ TEST(CudaBackend, BatchOfSequencesMatchesOneAtATime) {
     SeqWork sw{0, prompts[i], false};
     b->step(std::span<const SeqWork>(&sw, 1), l);
     std::vector<float> seq = l;
-    for (int k = 0; k < 3; ++k) {
-      std::vector<int32_t> one{int32_t((i * 7 + k) % c.vocab_size)};
+    for (int k = 0; k < (int(i) == late ? 0 : n_dec); ++k) {
+      std::vector<int32_t> one{dec_tok(i, k)};
       SeqWork d{0, one, false};
       b->step(std::span<const SeqWork>(&d, 1), l);
       seq.insert(seq.end(), l.begin(), l.end());
     }
     ref.push_back(seq);
   }
-  // All four in one engine: prompts in one step (chunk 100 splits them across forwards), then
-  // three batched decode steps.
-  auto b = make(w, 100);
+  // One engine: four prompts in one step (chunk 100 splits them across forwards), three batched
+  // decode steps, then a mixed step: the late prompt (listed first) with four decode tokens.
+  auto b = make(w, 100, 5);
   std::vector<SeqWork> work;
-  for (size_t i = 0; i < prompts.size(); ++i) work.push_back({int(i), prompts[i], false});
+  for (int i = 0; i < late; ++i) work.push_back({i, prompts[i], false});
   std::vector<float> l;
   b->step(work, l);
   std::vector<std::vector<float>> got(prompts.size());
   const int V = c.vocab_size;
-  for (size_t i = 0; i < prompts.size(); ++i) got[i].assign(l.begin() + i * V, l.begin() + (i + 1) * V);
-  for (int k = 0; k < 3; ++k) {
-    std::vector<std::vector<int32_t>> toks(prompts.size());
+  for (int i = 0; i < late; ++i) got[i].assign(l.begin() + size_t(i) * V, l.begin() + size_t(i + 1) * V);
+  for (int k = 0; k < n_dec; ++k) {
+    std::vector<std::vector<int32_t>> toks(late);
     work.clear();
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      toks[i] = {int32_t((i * 7 + k) % c.vocab_size)};
-      work.push_back({int(i), toks[i], false});
+    if (k == n_dec - 1) work.push_back({late, prompts[late], false});
+    for (int i = 0; i < late; ++i) {
+      toks[i] = {dec_tok(i, k)};
+      work.push_back({i, toks[i], false});
     }
     b->step(work, l);
-    for (size_t i = 0; i < prompts.size(); ++i) got[i].insert(got[i].end(), l.begin() + i * V, l.begin() + (i + 1) * V);
+    ASSERT_EQ(l.size(), work.size() * V);
+    for (size_t r = 0; r < work.size(); ++r)
+      got[work[r].slot].insert(got[work[r].slot].end(), l.begin() + r * V, l.begin() + (r + 1) * V);
   }
   for (size_t i = 0; i < prompts.size(); ++i) {
     const Err e = compare(got[i], ref[i]);
-    std::printf("  sequence %zu: batched (chunk 100) vs alone: max rel %.3e, L2 %.3e\n", i, e.max_rel, e.l2);
+    std::printf("  sequence %zu: batched (chunk 100, mixed last step) vs alone: max rel %.3e, L2 %.3e\n", i, e.max_rel, e.l2);
     EXPECT_LT(e.max_rel, 6e-2) << "sequence " << i;
     EXPECT_LT(e.l2, 3e-2) << "sequence " << i;
   }
-  EXPECT_EQ(b->slot_len(2), 133);
+  EXPECT_EQ(b->slot_len(2), 130 + n_dec);
+  EXPECT_EQ(b->slot_len(late), 50);
 }
 
 TEST(CudaBackend, DeviceSyntheticEqualsHostSynthetic) {
