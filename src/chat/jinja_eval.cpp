@@ -71,19 +71,39 @@ std::string from_cps(const std::vector<uint32_t>& cps, size_t begin, size_t end)
   return out;
 }
 
+// Code point starting at byte i of s (U+FFFD for an invalid byte); *len gets its byte length.
+uint32_t decode_at(const std::string& s, size_t i, size_t* len) {
+  auto c = static_cast<unsigned char>(s[i]);
+  if (c < 0x80) {
+    *len = 1;
+    return c;
+  }
+  utf8proc_int32_t cp = 0;
+  utf8proc_ssize_t n = utf8proc_iterate(reinterpret_cast<const utf8proc_uint8_t*>(s.data() + i),
+                                        static_cast<utf8proc_ssize_t>(s.size() - i), &cp);
+  *len = n > 0 ? static_cast<size_t>(n) : 1;
+  return n > 0 ? static_cast<uint32_t>(cp) : 0xFFFD;
+}
+
+// str.strip / lstrip / rstrip; only the ends are decoded.
 std::string py_strip(const std::string& s, const Value& chars, bool left, bool right) {
-  std::vector<uint32_t> cps = utf8_decode(s);
   std::vector<uint32_t> set;
   bool ws = chars.is_none() || chars.is_undefined();
   if (!ws) set = utf8_decode(chars.as_string());
   auto strip_me = [&](uint32_t c) { return ws ? is_python_space(c) : std::find(set.begin(), set.end(), c) != set.end(); };
-  size_t b = 0, e = cps.size();
+  size_t b = 0, e = s.size(), len = 0;
   if (left)
-    while (b < e && strip_me(cps[b])) ++b;
-  if (right)
-    while (e > b && strip_me(cps[e - 1])) --e;
-  if (b == 0 && e == cps.size()) return s;
-  return from_cps(cps, b, e);
+    while (b < e && strip_me(decode_at(s, b, &len))) b += len;
+  if (right) {
+    while (e > b) {
+      size_t p = e - 1;  // start of the last code point
+      while (p > b && (static_cast<unsigned char>(s[p]) & 0xC0) == 0x80 && e - p < 4) --p;
+      if (!strip_me(decode_at(s, p, &len)) || p + len != e) break;
+      e = p;
+    }
+  }
+  if (b == 0 && e == s.size()) return s;
+  return s.substr(b, e - b);
 }
 
 std::vector<std::string> py_split_ws(const std::string& s, int64_t maxsplit) {
@@ -94,9 +114,7 @@ std::vector<std::string> py_split_ws(const std::string& s, int64_t maxsplit) {
     while (i < n && is_python_space(cps[i])) ++i;
     if (i >= n) break;
     if (maxsplit >= 0 && static_cast<int64_t>(out.size()) == maxsplit) {
-      size_t e = n;
-      while (e > i && is_python_space(cps[e - 1])) --e;
-      out.push_back(from_cps(cps, i, e));
+      out.push_back(from_cps(cps, i, n));  // the remainder keeps its trailing whitespace
       break;
     }
     size_t j = i;
@@ -115,9 +133,7 @@ std::vector<std::string> py_rsplit_ws(const std::string& s, int64_t maxsplit) {
     while (e > 0 && is_python_space(cps[e - 1])) --e;
     if (e == 0) break;
     if (maxsplit >= 0 && static_cast<int64_t>(out.size()) == maxsplit) {
-      size_t b = 0;
-      while (b < e && is_python_space(cps[b])) ++b;
-      out.push_back(from_cps(cps, b, e));
+      out.push_back(from_cps(cps, 0, e));  // the remainder keeps its leading whitespace
       break;
     }
     size_t b = e;
@@ -1674,8 +1690,7 @@ const std::unordered_map<std::string, FilterFn>& filters() {
 // ---------------------------------------------------------------------------------------------
 // Tests (jinja2.tests)
 
-const Value& test_arg(const Value& x, CallArgs& a, const char* name) {
-  (void)x;
+const Value& test_arg(const Value&, CallArgs& a, const char* name) {
   if (a.args.size() != 1 || !a.kwargs.empty()) throw_error("test '", name, "' takes exactly one argument");
   return a.args[0];
 }

@@ -256,8 +256,15 @@ Value Value::function(std::string name, std::function<Value(CallArgs&)> fn) {
   return v;
 }
 
-Value Value::from_json(const nlohmann::ordered_json& j) {
+namespace {
+constexpr int kMaxJsonDepth = 256;  // deeper request JSON is refused (recursion below is bounded)
+}
+
+Value Value::from_json(const nlohmann::ordered_json& j) { return from_json_depth(j, 0); }
+
+Value Value::from_json_depth(const nlohmann::ordered_json& j, int depth) {
   using J = nlohmann::ordered_json::value_t;
+  if (depth > kMaxJsonDepth) throw_error("chat template input is nested deeper than ", kMaxJsonDepth, " levels");
   switch (j.type()) {
     case J::null: return none();
     case J::boolean: return boolean(j.get<bool>());
@@ -272,13 +279,13 @@ Value Value::from_json(const nlohmann::ordered_json& j) {
     case J::array: {
       ValueList items;
       items.reserve(j.size());
-      for (const auto& e : j) items.push_back(from_json(e));
+      for (const auto& e : j) items.push_back(from_json_depth(e, depth + 1));
       return list(std::move(items));
     }
     case J::object: {
       Dict d;
       d.items.reserve(j.size());
-      for (auto it = j.begin(); it != j.end(); ++it) d.items.emplace_back(it.key(), from_json(it.value()));
+      for (auto it = j.begin(); it != j.end(); ++it) d.items.emplace_back(it.key(), from_json_depth(it.value(), depth + 1));
       return dict(std::move(d));
     }
     default: throw_error("chat template input: unsupported JSON value (binary or discarded)");

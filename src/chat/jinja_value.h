@@ -98,6 +98,8 @@ class Value {
   std::string to_json(const struct JsonOptions& opt) const;
 
  private:
+  static Value from_json_depth(const nlohmann::ordered_json& j, int depth);
+
   Type type_ = Type::kUndefined;
   bool tuple_ = false;
   int64_t i_ = 0;

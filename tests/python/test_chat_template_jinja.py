@@ -53,7 +53,8 @@ SNIPPETS = [
     ("{{ s[0] }}|{{ s[-1] }}|{{ s[1:3] }}|{{ s[::-1] }}|{{ s[::2] }}|{{ s[-2:] }}|{{ s[:-2] }}|{{ s[5:1:-1] }}", {"s": "héllo wörld"}),
     ("{{ l[::-1] }}|{{ l[1:] }}|{{ l[:1] }}|{{ l[10:] }}|{{ l[-10:2] }}|{{ l[::-2] }}", {"l": [1, 2, 3, 4]}),
     ("{{ d.items() | list }}|{{ d.keys() | list }}|{{ d.values() | list }}|{{ d.get('a') }}|{{ d.get('z') }}|{{ d.get('z', 5) }}", {"d": {"a": 1, "b": [2]}}),
-    ("{{ d.items }}", {"d": {"items": "key not method"}}),
+    ("{{ d.items is callable }}|{{ d['items'] }}|{{ d.items()|list }}", {"d": {"items": "key not method"}}),
+    ("{{ '  a b  '.split(None, 1) }}|{{ '  a b  '.rsplit(None, 1) }}|{{ 'a b c'.split(maxsplit=1) }}", {}),
     ("{{ u }}|{{ u is defined }}|{{ u is undefined }}|{{ u|length }}|{{ u|default('dflt') }}|{{ u|trim }}|{{ u ~ 'x' }}", {}),
     # statements
     ("{% set x = 1 %}{% set y, z = [2, 3] %}{{ x }}{{ y }}{{ z }}", {}),
