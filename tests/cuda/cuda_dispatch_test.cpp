@@ -1,0 +1,71 @@
+// The dispatch registry (host only, no GPU needed): variants are tried in order, guards pick the
+// specialised ones, generic fallbacks catch the rest, specialised variants switch off by name, by
+// "all" and through $DS_DISABLE_KERNELS, fallbacks cannot be switched off, unknown names are
+// errors that list the known ones; and the decode-split planner covers every length.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "core/error.h"
+#include "cuda/dispatch.h"
+#include "cuda/kernels.h"
+
+namespace ds::cuda {
+namespace {
+
+TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
+  unsetenv("DS_DISABLE_KERNELS");
+  DispatchRegistry r = DispatchRegistry::with_defaults(90);
+  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(256, 6, 1, 4096)).name, "split_kv");
+  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(16, 4, 1, 100)).name, "prefill_kernel");  // hd 16
+  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(128, 12, 1, 100)).name, "prefill_kernel");  // group 12
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused");
+  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, "cublaslt");
+  const std::string list = r.list();
+  EXPECT_NE(list.find("attn_decode.split_kv"), std::string::npos);
+  EXPECT_NE(list.find("[fallback]"), std::string::npos);
+}
+
+TEST(CudaDispatch, SwitchOff) {
+  unsetenv("DS_DISABLE_KERNELS");
+  DispatchRegistry r = DispatchRegistry::with_defaults(90, "attn_decode.split_kv");
+  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(256, 6, 1, 4096)).name, "prefill_kernel");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused");
+  r.disable("all");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "prefill_path");
+  r.set_enabled("gdn_decode.fused", true);
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused");
+  EXPECT_THROW(r.disable("gemm.cublaslt"), Error);  // a fallback
+  try {
+    r.disable("attn_decode.nope");
+    FAIL() << "unknown name accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("attn_decode.split_kv"), std::string::npos) << e.what();
+  }
+  setenv("DS_DISABLE_KERNELS", "gdn_decode.fused, attn_decode.split_kv", 1);
+  DispatchRegistry env = DispatchRegistry::with_defaults(90);
+  EXPECT_EQ(env.select(KernelFamily::kGdnDecode, env.key(128, 128, 8)).name, "prefill_path");
+  EXPECT_EQ(env.select(KernelFamily::kAttnDecode, env.key(256, 6, 1, 10)).name, "prefill_kernel");
+  setenv("DS_DISABLE_KERNELS", "bogus.kernel", 1);
+  EXPECT_THROW(DispatchRegistry::with_defaults(90), Error);
+  unsetenv("DS_DISABLE_KERNELS");
+  KernelVariant dup{KernelFamily::kGemm, "cublaslt", "again", {}};
+  EXPECT_THROW(r.add(dup), Error);
+}
+
+TEST(CudaDispatch, DecodeSplitPlanCoversEveryLength) {
+  for (int n_seqs : {1, 3, 8, 32})
+    for (int len : {1, 63, 64, 65, 4095, 4097, 32768, 262144}) {
+      const int chunk = attention_decode_kv_chunk(n_seqs, 4, len, 132, 64);
+      const int splits = (len + chunk - 1) / chunk;
+      EXPECT_EQ(chunk % 64, 0);
+      EXPECT_GE(splits, 1);
+      EXPECT_LE(splits, 64) << n_seqs << " seqs, " << len;
+      EXPECT_GE(int64_t(splits) * chunk, len);
+    }
+  // Long single sequences are split to fill the GPU.
+  EXPECT_GE((32768 + attention_decode_kv_chunk(1, 4, 32768, 132, 64) - 1) / attention_decode_kv_chunk(1, 4, 32768, 132, 64), 32);
+}
+
+}  // namespace
+}  // namespace ds::cuda
