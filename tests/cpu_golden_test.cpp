@@ -79,9 +79,27 @@ TEST_P(GoldenTest, LogitsAndGreedyMatchHF) {
   CpuModel m(w);
   ASSERT_EQ(m.config().vocab_size, g.vocab);
 
+  // Residual stream after every layer vs HF's (hidden.npy): names the first layer that parts.
+  std::vector<int64_t> hshape;
+  const std::vector<float> hidden = read_npy_f32(kGolden + "/" + c.config + "/hidden.npy", &hshape);
+  const int d = m.config().d_model, T = static_cast<int>(g.tokens.size());
+  ASSERT_EQ(hshape, (std::vector<int64_t>{m.config().n_layers, T, d}));
+  std::vector<double> layer_err(m.config().n_layers, 1e30);  // stays huge if the probe never runs
+  m.set_layer_probe([&](int il, int n, const float* x) {
+    ASSERT_EQ(n, T);
+    std::vector<float> got(x, x + static_cast<size_t>(n) * d);
+    std::vector<float> ref(hidden.begin() + static_cast<size_t>(il) * T * d, hidden.begin() + static_cast<size_t>(il + 1) * T * d);
+    layer_err[il] = rel_err(got, ref);
+  });
+
   CpuSeqState st = m.new_state();
   std::vector<float> logits;
   m.forward(st, g.tokens, 0, /*all_logits=*/true, logits);
+  m.set_layer_probe(nullptr);
+  for (int il = 0; il < m.config().n_layers; ++il) {
+    EXPECT_LT(layer_err[il], 1e-4) << "layer " << il << " ("
+                                   << (m.config().layer_types[il] == LayerType::kFull ? "attention" : "GDN") << ")";
+  }
   const double err = rel_err(logits, g.logits);
   EXPECT_LT(err, 1e-4) << c.config << "/" << c.layout;
   RecordProperty("rel_err", std::to_string(err));

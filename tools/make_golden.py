@@ -5,6 +5,7 @@ For each config it makes a small random Qwen3.5 text model (Qwen3_5ForCausalLM),
 weight through bf16 (so the bf16 checkpoint holds exactly what HF computes with), runs HF in fp32
 on a fixed token sequence and records:
   logits.npy   [T, vocab] float32: the logits of every position of `tokens`
+  hidden.npy   [n_layers, T, d_model] float32: the residual stream after each decoder layer
   golden.json  the tokens, a 16-token greedy continuation (HF, with its cache: decode path),
                the top-1 / top-2 margin of each greedy step, and the config name
 and writes the checkpoint twice, sharded into several safetensors files on purpose:
@@ -192,8 +193,16 @@ def build(name, spec, out_root):
     g = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, special_ids["<|endoftext|>"], (N_TOKENS,), generator=g)
     ids = tokens[None, :]
+    # Residual stream after every decoder layer (hooks), to find the first layer where two paths part.
+    hidden = []
+    hooks = [layer.register_forward_hook(lambda mod, args, out: hidden.append(
+        (out[0] if isinstance(out, tuple) else out)[0].float().clone())) for layer in model.model.layers]
     logits = model(input_ids=ids, use_cache=False).logits[0].float().numpy()
+    for h in hooks:
+        h.remove()
+    assert len(hidden) == cfg.num_hidden_layers
     np.save(os.path.join(out, "logits.npy"), logits.astype(np.float32))
+    np.save(os.path.join(out, "hidden.npy"), torch.stack(hidden).numpy().astype(np.float32))
 
     # Greedy continuation with HF's cache (prefill in the chunked form, then recurrent decode).
     greedy, margins = [], []
@@ -253,6 +262,7 @@ def build(name, spec, out_root):
         "vocab_size": VOCAB,
         "special_ids": special_ids,
         "logits_file": "logits.npy",
+        "hidden_file": "hidden.npy",
         "logits_max_abs": float(np.abs(logits).max()),
         "torch": torch.__version__,
     }

@@ -223,7 +223,8 @@ void CpuModel::forward_chunk(CpuSeqState& state, std::span<const int32_t> tokens
   std::vector<float> xn(x.size()), mix(x.size()), gate_up(static_cast<size_t>(n) * 2 * d_ff),
       act(static_cast<size_t>(n) * d_ff);
 
-  for (const Layer& L : layers_) {
+  for (int il = 0; il < cfg_.n_layers; ++il) {
+    const Layer& L = layers_[il];
     // h = h + Mixer(RMSNorm(h))
     rms_norm_rows(x.data(), L.input_norm.data(), xn.data(), n, d, eps);
     if (L.type == LayerType::kFull) {
@@ -243,6 +244,7 @@ void CpuModel::forward_chunk(CpuSeqState& state, std::span<const int32_t> tokens
     }
     matmul(act.data(), L.mlp_down.data(), mix.data(), n, d_ff, d);
     for (size_t i = 0; i < x.size(); ++i) x[i] += mix[i];
+    if (probe_) probe_(il, n, x.data());
   }
   state.n_past += n;
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -49,6 +50,11 @@ class CpuModel {
   // For tests: evaluate multi-token GDN chunks token by token instead (same maths, other order).
   void set_gdn_mode(GdnMode mode) { gdn_mode_ = mode; }
 
+  // Debug / test hook (named intermediate dumps): called after decoder layer `il` of every chunk
+  // with the residual stream x: [n_tokens, d_model] of the chunk's tokens.
+  using LayerProbe = std::function<void(int il, int n_tokens, const float* x)>;
+  void set_layer_probe(LayerProbe probe) { probe_ = std::move(probe); }
+
  private:
   struct Layer;
   // One chunk of n tokens; x: [n, d_model] in/out (the residual stream).
@@ -58,6 +64,7 @@ class CpuModel {
 
   ModelConfig cfg_;
   GdnMode gdn_mode_ = GdnMode::kChunked;
+  LayerProbe probe_;
   std::vector<float> embed_, final_norm_, lm_head_;  // [vocab, d_model], [d_model], [vocab, d_model]
   std::vector<float> rope_inv_freq_;                 // [rotary_dim / 2]
   std::vector<Layer> layers_;
