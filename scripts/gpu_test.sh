@@ -7,6 +7,9 @@
 #   OUT         where logs go (default ./gpu-test-logs)
 #   --perf      also run the synthetic-27B timing (DS_PERF=1)
 #   --filter F  gtest filter for every binary
+#   --hf-compare DIR  also compare with HF transformers at the 27B shapes: writes a 4-layer
+#               checkpoint + our logits to DIR (cuda_hf_compare_test), then tools/hf_compare.py
+#               ($DS_HF_COMPARE_LAYERS=64 for the full model: 51 GB of disk)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build-cuda}
@@ -17,6 +20,7 @@ while (($#)); do
   case "$1" in
     --perf) export DS_PERF=1 ;;
     --filter) FILTER="$2"; shift ;;
+    --hf-compare) export DS_HF_COMPARE_DIR="$2"; shift ;;
     *) echo "gpu_test: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -51,5 +55,12 @@ for b in $bins; do
     echo "gpu_test: $name FAILED (rc $rc, $n_bad failed, ${secs}s)"; tail -30 "$LOG_DIR/$name.log"
   fi
 done
+if [ -n "${DS_HF_COMPARE_DIR:-}" ] && [ -f "$DS_HF_COMPARE_DIR/ours_logits.npy" ]; then
+  if PYTHONUNBUFFERED=1 python3 tools/hf_compare.py "$DS_HF_COMPARE_DIR" 2>&1 | tee "$LOG_DIR/hf_compare.log"; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); failed="$failed hf_compare"
+  fi
+fi
 echo "GPU TESTS: $pass binaries passed, $fail failed${failed:+ (}${failed# }${failed:+)} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 [ $fail -eq 0 ]
