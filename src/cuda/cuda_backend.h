@@ -6,9 +6,10 @@
 // at step() time, never an out-of-memory crash.
 //
 // step(): prompt work is split into chunks of at most chunk_size tokens per forward (several
-// sequences share one forward, packed back to back); a forward whose items are all single tokens
-// of running sequences takes the decode kernels (split-KV attention, fused GDN decode), every
-// other forward the prompt kernels. Every kernel choice goes through the DispatchRegistry.
+// sequences share one forward, packed back to back). Inside a forward the single tokens of running
+// sequences come first and take the decode kernels (split-KV attention, fused GDN decode), the
+// prompt chunks after them the prompt kernels; GEMMs and the rest run once over all rows. Every
+// kernel choice goes through the DispatchRegistry. Layouts and measured numbers: docs/GPU.md.
 #pragma once
 
 #include <cstdint>
