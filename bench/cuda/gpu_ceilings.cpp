@@ -1,0 +1,103 @@
+// `bench ceilings`: what this GPU can do, measured in the same run as every claim (PERF.md):
+//  - streaming read: a 2 GiB bf16 buffer summed with 16-byte streaming loads (bytes read / time);
+//  - copy: cudaMemcpyAsync device-to-device of 1 GiB (bytes read + written / time);
+//  - GEMM: cuBLASLt (the engine's GemmEngine) bf16 8192 x 8192 x 8192, fp32 accumulate, bf16 out,
+//    random inputs, three input/output sets rotated so no launch finds its operands in L2.
+// Each: warm-up, then the median over CUDA-event-timed replays.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "bench/bench.h"
+#include "bench/cuda/device_util.h"
+#include "core/error.h"
+#include "cuda/gemm.h"
+
+namespace ds::bench {
+
+std::string cuda_device_status() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("no CUDA device: ") + cudaGetErrorString(e);
+  }
+  if (n == 0) return "no CUDA device: cudaGetDeviceCount found none";
+  return "";
+}
+
+Ceilings measure_ceilings(int device, int repeats) {
+  const std::string why = cuda_device_status();
+  DS_CHECK(why.empty(), "bench ceilings: ", why);
+  gpu::check(cudaSetDevice(device), "cudaSetDevice");
+  cudaDeviceProp prop{};
+  gpu::check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  Ceilings c;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%s (sm_%d%d, %d SMs, %.0f MiB L2, %.0f GiB)", prop.name, prop.major,
+                prop.minor, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0,
+                prop.totalGlobalMem / 1073741824.0);
+  c.device = buf;
+  c.l2_bytes = prop.l2CacheSize;
+  cudaStream_t s = nullptr;
+  gpu::check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  struct StreamGuard {
+    cudaStream_t s;
+    ~StreamGuard() { cudaStreamDestroy(s); }
+  } sg{s};
+  gpu::TimerOptions to;
+  to.samples = repeats;
+  to.min_sample_s = 0;  // each launch is long already
+
+  {  // streaming read
+    const size_t bytes = size_t(2) << 30;
+    gpu::DevBuf a(bytes, "read ceiling");
+    gpu::DevBuf partial(gpu::read_kernel_blocks() * sizeof(float), "read partials");
+    gpu::fill_normal_bf16(a.as<__nv_bfloat16>(), int64_t(bytes / 2), 11, 0.f, 1.f, s);
+    c.read_s = gpu::time_launches(
+        [&](int) { gpu::launch_stream_read(a.as<void>(), bytes, partial.as<float>(), s); }, s, to);
+    c.read_bytes = double(bytes);
+    c.read_bps = c.read_bytes / c.read_s.p50;
+  }
+  {  // device-to-device copy
+    const size_t bytes = size_t(1) << 30;
+    gpu::DevBuf a(bytes, "copy source"), b(bytes, "copy destination");
+    gpu::fill_normal_bf16(a.as<__nv_bfloat16>(), int64_t(bytes / 2), 12, 0.f, 1.f, s);
+    c.copy_s = gpu::time_launches(
+        [&](int) { gpu::check(cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s),
+                              "cudaMemcpyAsync D2D"); },
+        s, to);
+    c.copy_bytes = 2.0 * double(bytes);
+    c.copy_bps = c.copy_bytes / c.copy_s.p50;
+  }
+  {  // GEMM 8192^3, bf16, rotated sets
+    const int n = 8192, sets = 3;
+    const int64_t e = int64_t(n) * n;
+    std::vector<gpu::DevBuf> x, w, y;
+    for (int i = 0; i < sets; ++i) {
+      x.emplace_back(size_t(e) * 2, "gemm x");
+      w.emplace_back(size_t(e) * 2, "gemm w");
+      y.emplace_back(size_t(e) * 2, "gemm y");
+      gpu::fill_normal_bf16(x[i].as<__nv_bfloat16>(), e, 100 + i, 0.f, 1.f, s);
+      gpu::fill_normal_bf16(w[i].as<__nv_bfloat16>(), e, 200 + i, 0.f, 0.02f, s);
+    }
+    cuda::GemmEngine gemm;
+    gpu::TimerOptions tg = to;
+    tg.min_per_replay = sets;
+    gemm.prepare(n, n, n, cuda::GemmOut::kBF16);
+    c.gemm_s = gpu::time_launches(
+        [&](int i) {
+          const int k = i % sets;
+          gemm.run(x[k].as<__nv_bfloat16>(), w[k].as<__nv_bfloat16>(), y[k].as<void>(), n, n, n,
+                   cuda::GemmOut::kBF16, s);
+        },
+        s, tg);
+    c.gemm_flop = 2.0 * double(n) * n * n;
+    c.gemm_flops = c.gemm_flop / c.gemm_s.p50;
+  }
+  gpu::check(cudaStreamSynchronize(s), "ceilings");
+  c.valid = true;
+  return c;
+}
+
+}  // namespace ds::bench

@@ -1,0 +1,703 @@
+// `bench kernels` and `--profile`: every kernel family of the CUDA engine, called through its
+// launch_* wrapper at exactly the shapes the forward issues for the configured model (PERF.md's
+// family: prompt chunks of 4096 / 3072 / 512 tokens against 0 / 8K / 16K / 32K cached tokens,
+// every decode GEMM of the model at batch 1 / 4 / 16, decode attention at 4K..32K, GDN at 1, 64,
+// 512 and 4096 tokens, plus the small fused ops). Inputs are random (never zeros), each case
+// rotates among enough input sets that together exceed three times L2, and times are the median
+// of CUDA-graph replays (device_util.h). For every case: bytes and FLOPs it must move, the
+// roofline floor from the measured ceilings, and, where the dispatch registry has a specialised
+// variant in front of a generic one, the fallback's time on the same inputs and whether the two
+// outputs agree.
+//
+// The profile composes one decode step / one prefill chunk from these isolated timings, in the
+// forward's launch order (cuda_backend.cu), grouped by kernel class. It leaves out what only an
+// in-engine timer sees (launch gaps, host work, the logits copy); the engine-measured step is put
+// beside it when the same run measured one.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <numeric>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "bench/bench.h"
+#include "bench/cuda/device_util.h"
+#include "core/error.h"
+#include "cuda/dispatch.h"
+#include "cuda/gemm.h"
+#include "cuda/kernels.h"
+
+namespace ds::bench {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using gpu::DevBuf;
+
+constexpr int kPage = 64;         // the engine's default page size
+constexpr int kMaxSplits = 64;    // the engine's decode-attention split bound
+constexpr int kMaxRotations = 8;
+
+std::string str(const char* f, ...) __attribute__((format(printf, 1, 2)));
+std::string str(const char* f, ...) {
+  char buf[256];
+  va_list ap;
+  va_start(ap, f);
+  std::vsnprintf(buf, sizeof buf, f, ap);
+  va_end(ap);
+  return buf;
+}
+
+// Device int32 array from host values.
+DevBuf dev_ints(const std::vector<int32_t>& v, cudaStream_t s) {
+  DevBuf b(std::max<size_t>(4, v.size() * 4), "bench metadata");
+  gpu::check(cudaMemcpyAsync(b.as<void>(), v.data(), v.size() * 4, cudaMemcpyHostToDevice, s), "metadata copy");
+  gpu::check(cudaStreamSynchronize(s), "metadata copy");
+  return b;
+}
+
+struct GemmOp {
+  std::string name;
+  int n = 0, k = 0;
+  bool f32_out = false;
+};
+
+class KernelBench {
+ public:
+  KernelBench(const ModelConfig& c, const Ceilings& ceil, const KernelBenchOptions& opt)
+      : c_(c), ceil_(ceil), opt_(opt) {
+    DS_CHECK(ceil.valid, "bench kernels: the ceilings were not measured");
+    gpu::check(cudaSetDevice(opt.device), "cudaSetDevice");
+    cudaDeviceProp prop{};
+    gpu::check(cudaGetDeviceProperties(&prop, opt.device), "cudaGetDeviceProperties");
+    sm_ = prop.major * 10 + prop.minor;
+    n_sms_ = prop.multiProcessorCount;
+    l2_ = static_cast<double>(prop.l2CacheSize);
+    gpu::check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate");
+    reg_ = cuda::DispatchRegistry::with_defaults(sm_);
+    attn_.n_heads = c.n_heads;
+    attn_.n_kv_heads = c.n_kv_heads;
+    attn_.head_dim = c.head_dim;
+    attn_.rotary_dim = c.rotary_dim;
+    attn_.gated = c.attn_output_gate;
+    attn_.rope_theta = static_cast<float>(c.rope_theta);
+    attn_.eps = c.rms_norm_eps;
+    attn_.page_size = kPage;
+    gdn_.n_k_heads = c.n_k_heads;
+    gdn_.n_v_heads = c.n_v_heads;
+    gdn_.d_k = c.d_k;
+    gdn_.d_v = c.d_v;
+    gdn_.conv_kernel = c.conv_kernel;
+    gdn_.norm_eps = c.rms_norm_eps;
+    const int d = c.d_model;
+    if (c.n_linear_layers() > 0) {
+      ops_.push_back({"gdn_in", c.gdn_in_dim(), d, false});
+      ops_.push_back({"gdn_out", d, c.gdn_z_dim(), false});
+    }
+    if (c.n_full_layers() > 0) {
+      ops_.push_back({"attn_qkv", attn_.qkv_dim(), d, false});
+      ops_.push_back({"attn_o", d, c.attn_out_dim(), false});
+    }
+    ops_.push_back({"gate_up", 2 * c.d_ff, d, false});
+    ops_.push_back({"down", d, c.d_ff, false});
+    ops_.push_back({"lm_head", c.vocab_size, d, true});
+    to_.samples = opt.samples;
+    to_.min_sample_s = opt.min_sample_s;
+  }
+  ~KernelBench() {
+    if (s_) cudaStreamDestroy(s_);
+  }
+
+  const std::vector<GemmOp>& ops() const { return ops_; }
+  const GemmOp& op(const std::string& name) const {
+    for (const auto& o : ops_)
+      if (o.name == name) return o;
+    ds::throw_error("bench kernels: the model has no matrix '", name, "'");
+  }
+  void seed_results(const std::vector<KernelResult>& prior) {
+    for (const auto& r : prior) cache_[key(r.family, r.op, r.shape)] = r;
+  }
+  std::vector<KernelResult>& results() { return results_; }
+
+  // ---- cases ----
+  const KernelResult& gemm(const std::string& name, int m);
+  const KernelResult& attn_prefill(int q, int cached);
+  const KernelResult& attn_decode(int batch, int ctx);
+  const KernelResult& gdn_prefill(int n_tokens, int seq_pos);
+  const KernelResult& gdn_decode(int batch);
+  const KernelResult& rmsnorm(int n_tokens);
+  const KernelResult& silu_mul(int n_tokens);
+  const KernelResult& rope_kv(int n_tokens);
+  const KernelResult& gather(int n_tokens, int d, const std::string& op);
+
+ private:
+  static std::string key(const std::string& f, const std::string& op, const std::string& shape) {
+    return f + "|" + op + "|" + shape;
+  }
+  const KernelResult* cached(const std::string& f, const std::string& op, const std::string& shape) {
+    auto it = cache_.find(key(f, op, shape));
+    return it == cache_.end() ? nullptr : &it->second;
+  }
+  // Rotated input sets so that one period touches at least 3x L2.
+  int rotations(double bytes_per_set) const {
+    return static_cast<int>(std::clamp(std::ceil(3.0 * l2_ / std::max(1.0, bytes_per_set)), 1.0,
+                                       double(kMaxRotations)));
+  }
+  gpu::TimerOptions timer(int rot) const {
+    gpu::TimerOptions t = to_;
+    t.min_per_replay = rot;
+    return t;
+  }
+  const KernelResult& finish(KernelResult r) {
+    const Floor f = roofline_floor(r.bytes, r.flops, ceil_.read_bps, ceil_.gemm_flops);
+    r.floor_s = f.seconds;
+    r.memory_bound = f.memory_bound;
+    r.time_s = r.samples.p50;
+    std::printf("  %-26s %-9s %-34s %10.2f us  (%3.0f%% of SOL)%s%s\n",
+                (r.family + "." + r.variant).c_str(), r.op.c_str(), r.shape.c_str(), r.time_s * 1e6,
+                100.0 * r.floor_s / r.time_s,
+                r.fallback.empty() ? "" : str("  fallback %.2f us", r.fallback_time_s * 1e6).c_str(),
+                r.match.empty() ? "" : ("  " + r.match).c_str());
+    std::fflush(stdout);
+    const std::string k = key(r.family, r.op, r.shape);
+    results_.push_back(r);
+    return cache_[k] = std::move(r);
+  }
+  std::string variant(cuda::KernelFamily f, const cuda::ShapeKey& k) const { return reg_.select(f, k).name; }
+
+  const ModelConfig& c_;
+  const Ceilings& ceil_;
+  KernelBenchOptions opt_;
+  int sm_ = 0, n_sms_ = 0;
+  double l2_ = 0;
+  cudaStream_t s_ = nullptr;
+  cuda::DispatchRegistry reg_;
+  cuda::AttnShape attn_;
+  cuda::GdnShape gdn_;
+  std::vector<GemmOp> ops_;
+  gpu::TimerOptions to_;
+  std::map<std::string, KernelResult> cache_;
+  std::vector<KernelResult> results_;
+  std::map<std::string, DevBuf> weights_;  // per GEMM op, kept across m (rotated copies)
+  std::map<std::string, int> weight_rot_;
+  uint64_t seed_ = 1000;
+};
+
+const KernelResult& KernelBench::gemm(const std::string& name, int m) {
+  const GemmOp& o = op(name);
+  const std::string shape = str("m=%d n=%d k=%d%s", m, o.n, o.k, o.f32_out ? " f32 out" : "");
+  if (auto* r = cached("gemm", name, shape)) return *r;
+  const double wbytes = 2.0 * o.n * o.k;
+  const double out_elem = o.f32_out ? 4.0 : 2.0;
+  const double set_bytes = wbytes + 2.0 * m * o.k + out_elem * m * o.n;
+  const int rot = rotations(set_bytes);
+  // Weights: rotated copies, made once per op (the largest rotation asked so far).
+  if (weight_rot_[name] < rot) {
+    weights_.erase(name);
+    DevBuf w(size_t(wbytes) * rot, "gemm weights");
+    gpu::fill_normal_bf16(w.as<bf16>(), int64_t(o.n) * o.k * rot, seed_++, 0.f, 0.02f, s_);
+    weights_.emplace(name, std::move(w));
+    weight_rot_[name] = rot;
+  }
+  const bf16* w = weights_.at(name).as<bf16>();
+  DevBuf x(size_t(2) * m * o.k * rot, "gemm x"), y(size_t(out_elem) * m * o.n * rot, "gemm y");
+  gpu::fill_normal_bf16(x.as<bf16>(), int64_t(m) * o.k * rot, seed_++, 0.f, 1.f, s_);
+  cuda::GemmEngine g;
+  const cuda::GemmOut out = o.f32_out ? cuda::GemmOut::kF32 : cuda::GemmOut::kBF16;
+  g.prepare(m, o.n, o.k, out);
+  KernelResult r;
+  r.family = "gemm";
+  r.variant = variant(cuda::KernelFamily::kGemm, reg_.key(m, o.n, o.k));
+  r.op = name;
+  r.shape = shape;
+  r.samples = gpu::time_launches(
+      [&](int i) {
+        const int k = i % rot;
+        g.run(x.as<bf16>() + int64_t(k) * m * o.k, w + int64_t(k) * o.n * o.k,
+              y.as<char>() + size_t(out_elem) * m * o.n * k, m, o.n, o.k, out, s_);
+      },
+      s_, timer(rot));
+  r.bytes = set_bytes;
+  r.flops = 2.0 * m * o.n * o.k;
+  if (rot > 1) r.note = str("%d rotated weight copies", rot);
+  return finish(r);
+}
+
+const KernelResult& KernelBench::attn_prefill(int q, int cached_tokens) {
+  const std::string shape = str("q %d after %d cached, %dq/%dkv hd %d", q, cached_tokens, c_.n_heads,
+                                c_.n_kv_heads, c_.head_dim);
+  if (auto* r = cached("attn_prefill", "", shape)) return *r;
+  const int kv = cached_tokens + q;
+  const int n_blocks = (kv + kPage - 1) / kPage;
+  const int64_t page_elems = int64_t(c_.n_kv_heads) * kPage * c_.head_dim;
+  DevBuf kc(size_t(n_blocks) * page_elems * 2, "attn K"), vc(size_t(n_blocks) * page_elems * 2, "attn V");
+  gpu::fill_normal_bf16(kc.as<bf16>(), n_blocks * page_elems, seed_++, 0.f, 1.f, s_);
+  gpu::fill_normal_bf16(vc.as<bf16>(), n_blocks * page_elems, seed_++, 0.f, 1.f, s_);
+  std::vector<int32_t> table(n_blocks);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937(7));  // pages scattered, as in serving
+  const int64_t qe = int64_t(q) * c_.n_heads * c_.head_dim;
+  DevBuf qb(size_t(qe) * 2, "attn q"), gate(size_t(qe) * 2, "attn gate"), out(size_t(qe) * 2, "attn out");
+  gpu::fill_normal_bf16(qb.as<bf16>(), qe, seed_++, 0.f, 1.f, s_);
+  gpu::fill_normal_bf16(gate.as<bf16>(), qe, seed_++, 0.f, 1.f, s_);
+  DevBuf d_qs = dev_ints({0}, s_), d_ql = dev_ints({q}, s_), d_kl = dev_ints({kv}, s_),
+         d_bt = dev_ints(table, s_);
+  cuda::AttnBatch b;
+  b.n_seqs = 1;
+  b.q_start = d_qs.as<int32_t>();
+  b.q_len = d_ql.as<int32_t>();
+  b.kv_len = d_kl.as<int32_t>();
+  b.block_table = d_bt.as<int32_t>();
+  b.block_table_stride = n_blocks;
+  b.max_q_len = q;
+  b.max_kv_len = kv;
+  cuda::AttnGate g;
+  if (attn_.gated) g = {gate.as<bf16>(), int64_t(c_.n_heads) * c_.head_dim, c_.head_dim};
+  KernelResult r;
+  r.family = "attn_prefill";
+  r.variant = variant(cuda::KernelFamily::kAttnPrefill,
+                      reg_.key(c_.head_dim, c_.n_heads / c_.n_kv_heads, q, kv));
+  r.shape = shape;
+  r.samples = gpu::time_launches(
+      [&](int) { cuda::launch_attention_prefill(attn_, b, qb.as<bf16>(), kc.as<bf16>(), vc.as<bf16>(), g, out.as<bf16>(), s_); },
+      s_, timer(1));
+  r.flops = 4.0 * c_.n_heads * c_.head_dim * causal_pairs(q, cached_tokens);
+  r.bytes = 3.0 * qe * 2 + 2.0 * double(kv) * c_.n_kv_heads * c_.head_dim * 2;
+  return finish(r);
+}
+
+const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
+  const std::string shape = str("batch %d at context %d", batch, ctx);
+  if (auto* r = cached("attn_decode", "", shape)) return *r;
+  const int bps = (ctx + kPage - 1) / kPage;  // blocks per sequence
+  const int64_t page_elems = int64_t(c_.n_kv_heads) * kPage * c_.head_dim;
+  const double kv_bytes = 2.0 * double(batch) * ctx * c_.n_kv_heads * c_.head_dim * 2;
+  const int rot = rotations(kv_bytes);
+  const int64_t n_blocks = int64_t(rot) * batch * bps;
+  DevBuf kc(size_t(n_blocks * page_elems * 2), "decode K"), vc(size_t(n_blocks * page_elems * 2), "decode V");
+  gpu::fill_normal_bf16(kc.as<bf16>(), n_blocks * page_elems, seed_++, 0.f, 1.f, s_);
+  gpu::fill_normal_bf16(vc.as<bf16>(), n_blocks * page_elems, seed_++, 0.f, 1.f, s_);
+  std::vector<int32_t> table(static_cast<size_t>(n_blocks));
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937(9));
+  const int64_t qe = int64_t(batch) * c_.n_heads * c_.head_dim;  // one rotation set
+  DevBuf qb(size_t(qe * rot * 2), "decode q"), gate(size_t(qe * rot * 2), "decode gate"),
+      out(size_t(qe * rot * 2), "decode out"), out2(size_t(qe * 2), "decode out (fallback)");
+  gpu::fill_normal_bf16(qb.as<bf16>(), qe * rot, seed_++, 0.f, 1.f, s_);
+  gpu::fill_normal_bf16(gate.as<bf16>(), qe * rot, seed_++, 0.f, 1.f, s_);
+  std::vector<int32_t> qs(batch), ql(batch, 1), kl(batch, ctx);
+  std::iota(qs.begin(), qs.end(), 0);
+  DevBuf d_qs = dev_ints(qs, s_), d_ql = dev_ints(ql, s_), d_kl = dev_ints(kl, s_), d_bt = dev_ints(table, s_);
+  const int kv_chunk = cuda::attention_decode_kv_chunk(batch, c_.n_kv_heads, ctx, n_sms_, kMaxSplits);
+  const int n_splits = (ctx + kv_chunk - 1) / kv_chunk;
+  DevBuf ws(cuda::attention_decode_workspace_bytes(attn_, batch, kMaxSplits), "decode partials");
+  auto batch_for = [&](int k) {
+    cuda::AttnBatch b;
+    b.n_seqs = batch;
+    b.q_start = d_qs.as<int32_t>();
+    b.q_len = d_ql.as<int32_t>();
+    b.kv_len = d_kl.as<int32_t>();
+    b.block_table = d_bt.as<int32_t>() + int64_t(k) * batch * bps;
+    b.block_table_stride = bps;
+    b.max_q_len = 1;
+    b.max_kv_len = ctx;
+    return b;
+  };
+  auto gate_for = [&](int k) {
+    cuda::AttnGate g;
+    if (attn_.gated) g = {gate.as<bf16>() + k * qe, int64_t(c_.n_heads) * c_.head_dim, c_.head_dim};
+    return g;
+  };
+  KernelResult r;
+  r.family = "attn_decode";
+  const cuda::ShapeKey key = reg_.key(c_.head_dim, c_.n_heads / c_.n_kv_heads, batch, ctx);
+  r.variant = variant(cuda::KernelFamily::kAttnDecode, key);
+  r.shape = shape;
+  const bool split = r.variant == "split_kv";
+  auto run_split = [&](int k, bf16* o) {
+    cuda::launch_attention_decode(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(), vc.as<bf16>(),
+                                  gate_for(k), kv_chunk, n_splits, ws.as<void>(), o, s_);
+  };
+  auto run_generic = [&](int k, bf16* o) {
+    cuda::launch_attention_prefill(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(), vc.as<bf16>(),
+                                   gate_for(k), o, s_);
+  };
+  if (split) {
+    run_split(0, out.as<bf16>());
+    run_generic(0, out2.as<bf16>());
+    r.match = gpu::compare_bf16(out.as<bf16>(), out2.as<bf16>(), qe, s_).text();
+    r.fallback = "prefill_kernel";
+    r.fallback_time_s =
+        gpu::time_launches([&](int i) { run_generic(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot)).p50;
+    r.samples = gpu::time_launches([&](int i) { run_split(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot));
+    r.note = str("kv_chunk %d, %d splits", kv_chunk, n_splits);
+  } else {
+    r.samples = gpu::time_launches([&](int i) { run_generic(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot));
+  }
+  r.flops = 4.0 * c_.n_heads * c_.head_dim * double(batch) * ctx;
+  r.bytes = kv_bytes + 3.0 * qe * 2;
+  return finish(r);
+}
+
+// The GDN layer's inputs for `n_slots` state slots: random projection rows, small weights in
+// their natural ranges, random initial states.
+struct GdnInputs {
+  DevBuf proj, conv_w, a_log, dt_bias, norm_w, conv_state, rec_state;
+  cuda::GdnLayerWeights w;
+  cuda::GdnStatePool pool;
+};
+
+GdnInputs make_gdn_inputs(const cuda::GdnShape& g, int64_t n_rows, int n_slots, uint64_t& seed, cudaStream_t s) {
+  GdnInputs in;
+  const int64_t conv_slot = 4 * int64_t(g.qkv_dim()), rec_slot = int64_t(g.n_v_heads) * g.d_v * g.d_k;
+  in.proj = DevBuf(size_t(n_rows) * g.in_dim() * 2, "gdn proj");
+  in.conv_w = DevBuf(size_t(g.qkv_dim()) * g.conv_kernel * 2, "gdn conv_w");
+  in.a_log = DevBuf(size_t(g.n_v_heads) * 4, "gdn A_log");
+  in.dt_bias = DevBuf(size_t(g.n_v_heads) * 4, "gdn dt_bias");
+  in.norm_w = DevBuf(size_t(g.d_v) * 2, "gdn norm_w");
+  in.conv_state = DevBuf(size_t(conv_slot) * n_slots * 2, "gdn conv state");
+  in.rec_state = DevBuf(size_t(rec_slot) * n_slots * 4, "gdn state");
+  gpu::fill_normal_bf16(in.proj.as<bf16>(), n_rows * g.in_dim(), seed++, 0.f, 1.f, s);
+  gpu::fill_normal_bf16(in.conv_w.as<bf16>(), int64_t(g.qkv_dim()) * g.conv_kernel, seed++, 0.f, 0.5f, s);
+  gpu::fill_uniform_f32(in.a_log.as<float>(), g.n_v_heads, seed++, 0.f, 2.7f, s);  // A in [1, 15]
+  gpu::fill_uniform_f32(in.dt_bias.as<float>(), g.n_v_heads, seed++, -2.f, 1.f, s);
+  gpu::fill_normal_bf16(in.norm_w.as<bf16>(), g.d_v, seed++, 1.f, 0.1f, s);
+  gpu::fill_normal_bf16(in.conv_state.as<bf16>(), conv_slot * n_slots, seed++, 0.f, 1.f, s);
+  gpu::fill_normal_f32(in.rec_state.as<float>(), rec_slot * n_slots, seed++, 0.f, 0.05f, s);
+  in.w = {in.conv_w.as<bf16>(), in.a_log.as<float>(), in.dt_bias.as<float>(), in.norm_w.as<bf16>()};
+  in.pool = {in.conv_state.as<bf16>(), in.rec_state.as<float>(), conv_slot, rec_slot};
+  return in;
+}
+
+const KernelResult& KernelBench::gdn_prefill(int n_tokens, int seq_pos) {
+  const std::string shape = str("%d tokens after %d (state %s)", n_tokens, seq_pos, seq_pos ? "carried" : "fresh");
+  if (auto* r = cached("gdn_prefill", "", shape)) return *r;
+  const double state = double(gdn_.n_v_heads) * gdn_.d_v * gdn_.d_k * 4;
+  const double set_bytes = double(n_tokens) * gdn_.in_dim() * 2 + state;
+  const int rot = rotations(set_bytes);
+  GdnInputs in = make_gdn_inputs(gdn_, int64_t(n_tokens) * rot, rot, seed_, s_);
+  DevBuf out(size_t(n_tokens) * gdn_.out_dim() * 2, "gdn out");
+  const size_t ws_bytes = cuda::gdn_prefill_workspace_bytes(gdn_, n_tokens, 1);
+  DevBuf ws(ws_bytes, "gdn workspace");
+  std::vector<DevBuf> slot_ids;
+  for (int k = 0; k < rot; ++k) slot_ids.push_back(dev_ints({k}, s_));
+  DevBuf cu = dev_ints({0, n_tokens}, s_), pos = dev_ints({seq_pos}, s_);
+  KernelResult r;
+  r.family = "gdn_prefill";
+  r.variant = variant(cuda::KernelFamily::kGdnPrefill, reg_.key(gdn_.d_k, gdn_.d_v, n_tokens, 1));
+  r.shape = shape;
+  r.samples = gpu::time_launches(
+      [&](int i) {
+        const int k = i % rot;
+        cuda::launch_gdn_prefill(gdn_, in.w, in.pool, in.proj.as<bf16>() + int64_t(k) * n_tokens * gdn_.in_dim(),
+                                 cu.as<int32_t>(), pos.as<int32_t>(), slot_ids[k].as<int32_t>(), 1, n_tokens,
+                                 ws.as<void>(), ws_bytes, out.as<bf16>(), s_);
+      },
+      s_, timer(rot));
+  const double ring = 4.0 * gdn_.qkv_dim() * 2;
+  r.bytes = double(n_tokens) * (gdn_.in_dim() + gdn_.out_dim()) * 2 + (seq_pos ? 2 : 1) * (state + ring);
+  r.flops = gdn_layer_flops(c_, n_tokens);
+  return finish(r);
+}
+
+const KernelResult& KernelBench::gdn_decode(int batch) {
+  const std::string shape = str("batch %d (1 token each)", batch);
+  if (auto* r = cached("gdn_decode", "", shape)) return *r;
+  const double state = double(gdn_.n_v_heads) * gdn_.d_v * gdn_.d_k * 4;
+  const double ring = 4.0 * gdn_.qkv_dim() * 2;
+  const int rot = rotations(batch * (state + ring));
+  const int n_slots = rot * batch;
+  GdnInputs a = make_gdn_inputs(gdn_, n_slots, n_slots, seed_, s_);
+  DevBuf out(size_t(n_slots) * gdn_.out_dim() * 2, "gdn decode out");
+  std::vector<DevBuf> slot_ids;
+  for (int k = 0; k < rot; ++k) {
+    std::vector<int32_t> ids(batch);
+    std::iota(ids.begin(), ids.end(), k * batch);
+    slot_ids.push_back(dev_ints(ids, s_));
+  }
+  DevBuf pos = dev_ints(std::vector<int32_t>(batch, 4096), s_);
+  KernelResult r;
+  r.family = "gdn_decode";
+  const cuda::ShapeKey key = reg_.key(gdn_.d_k, gdn_.d_v, batch);
+  r.variant = variant(cuda::KernelFamily::kGdnDecode, key);
+  r.shape = shape;
+  auto run_fused = [&](int k, bf16* o) {
+    cuda::launch_gdn_decode(gdn_, a.w, a.pool, a.proj.as<bf16>() + int64_t(k) * batch * gdn_.in_dim(),
+                            pos.as<int32_t>(), slot_ids[k].as<int32_t>(), batch, o, s_);
+  };
+  // The generic path: the prompt kernels with one token per sequence.
+  std::vector<int32_t> cu_h(batch + 1);
+  std::iota(cu_h.begin(), cu_h.end(), 0);
+  DevBuf cu = dev_ints(cu_h, s_);
+  const size_t ws_bytes = cuda::gdn_prefill_workspace_bytes(gdn_, batch, batch);
+  DevBuf ws(ws_bytes, "gdn workspace");
+  auto run_generic = [&](const cuda::GdnStatePool& pool, int k, bf16* o) {
+    cuda::launch_gdn_prefill(gdn_, a.w, pool, a.proj.as<bf16>() + int64_t(k) * batch * gdn_.in_dim(),
+                             cu.as<int32_t>(), pos.as<int32_t>(), slot_ids[k].as<int32_t>(), batch, batch,
+                             ws.as<void>(), ws_bytes, o, s_);
+  };
+  if (r.variant == "fused") {
+    // Same inputs and initial states through both paths; compare outputs and new states.
+    DevBuf conv2(a.conv_state.bytes(), "gdn conv state copy"), rec2(a.rec_state.bytes(), "gdn state copy");
+    gpu::check(cudaMemcpyAsync(conv2.as<void>(), a.conv_state.as<void>(), a.conv_state.bytes(), cudaMemcpyDeviceToDevice, s_), "copy");
+    gpu::check(cudaMemcpyAsync(rec2.as<void>(), a.rec_state.as<void>(), a.rec_state.bytes(), cudaMemcpyDeviceToDevice, s_), "copy");
+    cuda::GdnStatePool p2 = a.pool;
+    p2.conv_state = conv2.as<bf16>();
+    p2.rec_state = rec2.as<float>();
+    DevBuf out2(size_t(batch) * gdn_.out_dim() * 2, "gdn decode out (fallback)");
+    run_fused(0, out.as<bf16>());
+    run_generic(p2, 0, out2.as<bf16>());
+    const gpu::Diff dy = gpu::compare_bf16(out.as<bf16>(), out2.as<bf16>(), int64_t(batch) * gdn_.out_dim(), s_);
+    const gpu::Diff ds = gpu::compare_f32(a.rec_state.as<float>(), rec2.as<float>(),
+                                          int64_t(batch) * gdn_.n_v_heads * gdn_.d_v * gdn_.d_k, s_);
+    r.match = "y: " + dy.text() + "; state: " + ds.text();
+    r.fallback = "prefill_path";
+    r.fallback_time_s = gpu::time_launches(
+        [&](int i) { run_generic(a.pool, i % rot, out.as<bf16>() + int64_t(i % rot) * batch * gdn_.out_dim()); },
+        s_, timer(rot)).p50;
+    r.samples = gpu::time_launches(
+        [&](int i) { run_fused(i % rot, out.as<bf16>() + int64_t(i % rot) * batch * gdn_.out_dim()); }, s_, timer(rot));
+  } else {
+    r.samples = gpu::time_launches(
+        [&](int i) { run_generic(a.pool, i % rot, out.as<bf16>() + int64_t(i % rot) * batch * gdn_.out_dim()); },
+        s_, timer(rot));
+  }
+  r.bytes = batch * (2 * (state + ring) + double(gdn_.in_dim() + gdn_.out_dim()) * 2);
+  r.flops = batch * double(gdn_.n_v_heads) * gdn_.d_k * gdn_.d_v * 6;  // decay+update+readout
+  return finish(r);
+}
+
+const KernelResult& KernelBench::rmsnorm(int n) {
+  const std::string shape = str("%d rows x %d", n, c_.d_model);
+  if (auto* r = cached("rmsnorm", "", shape)) return *r;
+  const int64_t e = int64_t(n) * c_.d_model;
+  const int rot = rotations(4.0 * e * 2);
+  DevBuf h(size_t(e * rot * 2), "norm residual"), dl(size_t(e * rot * 2), "norm delta"),
+      o(size_t(e * rot * 2), "norm out"), w(size_t(c_.d_model) * 2, "norm w");
+  gpu::fill_normal_bf16(h.as<bf16>(), e * rot, seed_++, 0.f, 1.f, s_);
+  gpu::fill_normal_bf16(dl.as<bf16>(), e * rot, seed_++, 0.f, 1e-3f, s_);  // small: h stays bounded
+  gpu::fill_normal_bf16(w.as<bf16>(), c_.d_model, seed_++, 0.f, 0.1f, s_);
+  KernelResult r;
+  r.family = "rmsnorm";
+  r.variant = variant(cuda::KernelFamily::kRmsNorm, reg_.key(c_.d_model));
+  r.shape = shape;
+  r.samples = gpu::time_launches(
+      [&](int i) {
+        const int64_t off = (i % rot) * e;
+        cuda::launch_add_rmsnorm(h.as<bf16>() + off, dl.as<bf16>() + off, w.as<bf16>(), n, c_.d_model,
+                                 c_.rms_norm_eps, 1.f, o.as<bf16>() + off, s_);
+      },
+      s_, timer(rot));
+  r.bytes = 4.0 * e * 2;
+  r.flops = 4.0 * e;
+  return finish(r);
+}
+
+const KernelResult& KernelBench::silu_mul(int n) {
+  const std::string shape = str("%d rows x %d", n, c_.d_ff);
+  if (auto* r = cached("silu_mul", "", shape)) return *r;
+  const int64_t e = int64_t(n) * c_.d_ff;
+  const int rot = rotations(3.0 * e * 2);
+  DevBuf gu(size_t(2 * e * rot * 2), "silu gu"), o(size_t(e * rot * 2), "silu out");
+  gpu::fill_normal_bf16(gu.as<bf16>(), 2 * e * rot, seed_++, 0.f, 1.f, s_);
+  KernelResult r;
+  r.family = "silu_mul";
+  r.variant = variant(cuda::KernelFamily::kSiluMul, reg_.key(c_.d_ff));
+  r.shape = shape;
+  r.samples = gpu::time_launches(
+      [&](int i) {
+        const int k = i % rot;
+        cuda::launch_silu_mul(gu.as<bf16>() + 2 * e * k, n, c_.d_ff, o.as<bf16>() + e * k, s_);
+      },
+      s_, timer(rot));
+  r.bytes = 3.0 * e * 2;
+  r.flops = 5.0 * e;
+  return finish(r);
+}
+
+const KernelResult& KernelBench::rope_kv(int n) {
+  const std::string shape = str("%d tokens", n);
+  if (auto* r = cached("rope_kv", "", shape)) return *r;
+  const int qkv_dim = attn_.qkv_dim();
+  const int64_t qe = int64_t(n) * c_.n_heads * c_.head_dim;
+  const double set_bytes = double(n) * qkv_dim * 2 + qe * 2 + 2.0 * n * attn_.kv_dim() * 2;
+  const int rot = rotations(set_bytes);
+  const int n_blocks = (n * rot + kPage - 1) / kPage;
+  const int64_t page_elems = int64_t(c_.n_kv_heads) * kPage * c_.head_dim;
+  DevBuf qkv(size_t(n) * qkv_dim * rot * 2, "rope qkv"), q(size_t(qe * rot * 2), "rope q"),
+      kc(size_t(n_blocks * page_elems * 2), "rope K"), vc(size_t(n_blocks * page_elems * 2), "rope V"),
+      qn(size_t(c_.head_dim) * 2, "q_norm"), kn(size_t(c_.head_dim) * 2, "k_norm");
+  gpu::fill_normal_bf16(qkv.as<bf16>(), int64_t(n) * qkv_dim * rot, seed_++, 0.f, 1.f, s_);
+  gpu::fill_normal_bf16(qn.as<bf16>(), c_.head_dim, seed_++, 0.f, 0.1f, s_);
+  gpu::fill_normal_bf16(kn.as<bf16>(), c_.head_dim, seed_++, 0.f, 0.1f, s_);
+  std::vector<int32_t> pos(size_t(n) * rot), slots(size_t(n) * rot);
+  for (int64_t t = 0; t < int64_t(n) * rot; ++t) {
+    pos[t] = static_cast<int32_t>(4096 + t % n);
+    slots[t] = static_cast<int32_t>(t);
+  }
+  DevBuf d_pos = dev_ints(pos, s_), d_slots = dev_ints(slots, s_);
+  KernelResult r;
+  r.family = "rope_kv";
+  r.variant = variant(cuda::KernelFamily::kRopeKv, reg_.key(c_.head_dim, c_.rotary_dim));
+  r.shape = shape;
+  r.samples = gpu::time_launches(
+      [&](int i) {
+        const int k = i % rot;
+        cuda::launch_qk_norm_rope_kv(attn_, qkv.as<bf16>() + int64_t(k) * n * qkv_dim, qn.as<bf16>(), kn.as<bf16>(),
+                                     d_pos.as<int32_t>() + int64_t(k) * n, d_slots.as<int32_t>() + int64_t(k) * n, n,
+                                     q.as<bf16>() + k * qe, kc.as<bf16>(), vc.as<bf16>(), s_);
+      },
+      s_, timer(rot));
+  r.bytes = set_bytes;
+  r.flops = double(n) * qkv_dim * 8;
+  return finish(r);
+}
+
+const KernelResult& KernelBench::gather(int n, int d, const std::string& opname) {
+  const std::string shape = str("%d rows x %d", n, d);
+  if (auto* r = cached("gather", opname, shape)) return *r;
+  const int src_rows = 16384;  // the table size does not matter to a gather of n rows
+  const int rot = rotations(2.0 * n * d * 2);
+  DevBuf src(size_t(src_rows) * d * 2, "gather src"), out(size_t(n) * d * rot * 2, "gather out");
+  gpu::fill_normal_bf16(src.as<bf16>(), int64_t(src_rows) * d, seed_++, 0.f, 1.f, s_);
+  std::vector<int32_t> idx(size_t(n) * rot);
+  std::mt19937 rng(3);
+  for (auto& x : idx) x = static_cast<int32_t>(rng() % src_rows);
+  DevBuf d_idx = dev_ints(idx, s_);
+  KernelResult r;
+  r.family = "gather";
+  r.variant = "rows";
+  r.op = opname;
+  r.shape = shape;
+  r.samples = gpu::time_launches(
+      [&](int i) {
+        const int k = i % rot;
+        cuda::launch_gather_rows(src.as<bf16>(), d_idx.as<int32_t>() + int64_t(k) * n, n, d,
+                                 out.as<bf16>() + int64_t(k) * n * d, s_);
+      },
+      s_, timer(rot));
+  r.bytes = 2.0 * n * d * 2;
+  r.flops = 0;
+  return finish(r);
+}
+
+bool wanted(const KernelBenchOptions& o, const std::string& family) {
+  if (o.only.empty()) return true;
+  std::stringstream ss(o.only);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (item == family) return true;
+  return false;
+}
+
+}  // namespace
+
+std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings& ceil,
+                                           const KernelBenchOptions& opt) {
+  KernelBench kb(c, ceil, opt);
+  const std::vector<int> dec_batches = opt.quick ? std::vector<int>{1} : std::vector<int>{1, 4, 16};
+  const std::vector<int> chunks = opt.quick ? std::vector<int>{4096} : std::vector<int>{4096, 3072, 512};
+  const std::vector<int> cached_lens = opt.quick ? std::vector<int>{0, 32768} : std::vector<int>{0, 8192, 16384, 32768};
+  const std::vector<int> contexts = opt.quick ? std::vector<int>{4096, 32768} : std::vector<int>{4096, 8192, 16384, 32768};
+  std::printf("kernels (%s):\n", opt.quick ? "quick set" : "full set");
+  if (wanted(opt, "gemm")) {
+    for (const auto& o : kb.ops())
+      for (int m : dec_batches) kb.gemm(o.name, m);
+    for (const auto& o : kb.ops())
+      if (!o.f32_out)
+        for (int m : chunks) kb.gemm(o.name, m);
+  }
+  if (c.n_full_layers() > 0 && wanted(opt, "attn_prefill"))
+    for (int q : chunks)
+      for (int kv : cached_lens) kb.attn_prefill(q, kv);
+  if (c.n_full_layers() > 0 && wanted(opt, "attn_decode"))
+    for (int b : dec_batches)
+      for (int ctx : contexts) kb.attn_decode(b, ctx);
+  if (c.n_linear_layers() > 0 && wanted(opt, "gdn_decode"))
+    for (int b : dec_batches) kb.gdn_decode(b);
+  if (c.n_linear_layers() > 0 && wanted(opt, "gdn_prefill")) {
+    for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{64, 512, 4096}) kb.gdn_prefill(t, 8192);
+    kb.gdn_prefill(4096, 0);
+  }
+  const std::vector<int> rows = opt.quick ? std::vector<int>{1, 4096} : std::vector<int>{1, 16, 4096};
+  if (wanted(opt, "rmsnorm"))
+    for (int n : rows) kb.rmsnorm(n);
+  if (wanted(opt, "silu_mul"))
+    for (int n : rows) kb.silu_mul(n);
+  if (c.n_full_layers() > 0 && wanted(opt, "rope_kv"))
+    for (int n : rows) kb.rope_kv(n);
+  if (wanted(opt, "gather"))
+    for (int n : rows) kb.gather(n, c.d_model, "embedding");
+  return kb.results();
+}
+
+std::vector<Profile> run_profile(const ModelConfig& c, const Ceilings& ceil, const KernelBenchOptions& opt,
+                                 int decode_batch, int64_t decode_context, int64_t prefill_chunk,
+                                 int64_t prefill_cached, const std::vector<KernelResult>& prior) {
+  KernelBench kb(c, ceil, opt);
+  kb.seed_results(prior);
+  std::printf("profile: timing the kernels of one decode step and one prefill chunk:\n");
+  auto build = [&](bool decode) {
+    Profile p;
+    p.phase = decode ? "decode" : "prefill";
+    const int T = decode ? decode_batch : static_cast<int>(prefill_chunk);
+    p.shape = decode ? str("batch %d at context %lld", decode_batch, static_cast<long long>(decode_context))
+                     : str("chunk %lld after %lld cached", static_cast<long long>(prefill_chunk),
+                           static_cast<long long>(prefill_cached));
+    std::map<std::string, ProfileEntry> by;
+    std::vector<std::string> order;
+    auto add = [&](const std::string& cls, const KernelResult& r, int count) {
+      if (!by.count(cls)) order.push_back(cls);
+      ProfileEntry& e = by[cls];
+      e.kernel = cls;
+      e.launches += count;
+      e.time_s += r.time_s * count;
+      e.bytes += r.bytes * count;
+      e.flops += r.flops * count;
+    };
+    const int n_lin = c.n_linear_layers(), n_full = c.n_full_layers();
+    add("gather.embedding", kb.gather(T, c.d_model, "embedding"), 1);
+    add("rmsnorm", kb.rmsnorm(T), 2 * c.n_layers + 1);
+    if (n_lin) {
+      add("gemm.gdn_in", kb.gemm("gdn_in", T), n_lin);
+      if (decode)
+        add("gdn_decode", kb.gdn_decode(T), n_lin);
+      else
+        add("gdn_prefill", kb.gdn_prefill(T, static_cast<int>(prefill_cached)), n_lin);
+      add("gemm.gdn_out", kb.gemm("gdn_out", T), n_lin);
+    }
+    if (n_full) {
+      add("gemm.attn_qkv", kb.gemm("attn_qkv", T), n_full);
+      add("rope_kv", kb.rope_kv(T), n_full);
+      if (decode)
+        add("attn_decode", kb.attn_decode(T, static_cast<int>(decode_context)), n_full);
+      else
+        add("attn_prefill", kb.attn_prefill(T, static_cast<int>(prefill_cached)), n_full);
+      add("gemm.attn_o", kb.gemm("attn_o", T), n_full);
+    }
+    add("gemm.gate_up", kb.gemm("gate_up", T), c.n_layers);
+    add("silu_mul", kb.silu_mul(T), c.n_layers);
+    add("gemm.down", kb.gemm("down", T), c.n_layers);
+    const int rows = decode ? T : 1;
+    add("gather.lm_rows", kb.gather(rows, c.d_model, "lm_rows"), 1);
+    add("gemm.lm_head", kb.gemm("lm_head", rows), 1);
+    for (const auto& k : order) p.kernel_sum_s += by[k].time_s;
+    for (const auto& k : order) {
+      ProfileEntry e = by[k];
+      e.share = e.time_s / p.kernel_sum_s;
+      p.entries.push_back(e);
+    }
+    std::sort(p.entries.begin(), p.entries.end(), [](const auto& a, const auto& b) { return a.time_s > b.time_s; });
+    p.method =
+        "sum of isolated kernel timings at the forward's shapes (CUDA-graph replays, inputs rotated past L2), "
+        "times the launches per step; excludes launch gaps, host work and the logits copy";
+    return p;
+  };
+  return {build(true), build(false)};
+}
+
+}  // namespace ds::bench

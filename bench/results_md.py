@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Markdown tables of a `deltaserve bench` JSON file (and optionally peers.py's JSON), for
+docs/perf/RESULTS.md. No dependencies beyond the standard library.
+
+Usage: results_md.py BENCH.json [--peers PEERS.json] [--png-prefix PREFIX] > RESULTS.md
+"""
+import argparse
+import json
+import sys
+
+
+def fmt_ms(s):
+    return "-" if s is None else f"{s * 1e3:.3f}"
+
+
+def ratio(x):
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bench_json")
+    ap.add_argument("--peers")
+    ap.add_argument("--png-prefix", default="")
+    a = ap.parse_args()
+    with open(a.bench_json) as f:
+        d = json.load(f)
+    peers = None
+    if a.peers:
+        try:
+            with open(a.peers) as f:
+                peers = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"results_md.py: peers file unreadable: {e}", file=sys.stderr)
+    m = d.get("meta", {})
+    out = []
+    w = out.append
+    w("# deltaserve benchmark results\n")
+    w(f"- date: {m.get('date')}, commit measured: `{m.get('commit')}`")
+    w(f"- device: {m.get('device', m.get('device_option'))}; engine {m.get('engine', '-')}, weights: {m.get('weights')}")
+    w(f"- command: `deltaserve {m.get('command')}` (scripts/gpu_bench.sh), wall {m.get('wall_s', 0):.0f} s")
+    w(f"- model: {m.get('model', '')}\n")
+    c = d.get("ceilings")
+    if c:
+        w("## Ceilings (measured in this run)\n")
+        w("| what | measured |\n|---|---|")
+        w(f"| streaming read (2 GiB bf16 sum) | {c['read_bytes_per_s'] / 1e12:.2f} TB/s |")
+        w(f"| device-to-device copy (read + write) | {c['copy_bytes_per_s'] / 1e12:.2f} TB/s |")
+        w(f"| bf16 GEMM 8192^3 (cuBLASLt) | {c['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s |\n")
+    if d.get("decode"):
+        w("## Decode (TPOT per step; floor = bytes moved / read ceiling)\n")
+        w(f"![TPOT]({a.png_prefix}tpot.png)\n")
+        w("| batch | context | actual ctx | TPOT p50 ms | p99 ms | tok/s | floor ms | p50 / floor | p99 / floor |")
+        w("|---|---|---|---|---|---|---|---|---|")
+        for r in d["decode"]:
+            w(f"| {r['batch']} | {r['context']} | {r['context_mean']:.0f} | {fmt_ms(r['tpot_s']['p50'])} | "
+              f"{fmt_ms(r['tpot_s']['p99'])} | {r['tok_per_s']:.1f} | {fmt_ms(r.get('floor_s'))} | "
+              f"{ratio(r.get('ratio_p50'))} | {ratio(r.get('ratio_p99'))} |")
+        w("")
+    if d.get("prefill"):
+        w("## Prefill (TTFT; floor = FLOPs / GEMM ceiling)\n")
+        w(f"![TTFT]({a.png_prefix}ttft.png)\n")
+        w("| prompt | runs | TTFT p50 ms | tok/s | TFLOP/s | floor ms | TTFT / floor |")
+        w("|---|---|---|---|---|---|---|")
+        for r in d["prefill"]:
+            w(f"| {r['prompt']} | {r['ttft_s']['n']} | {fmt_ms(r['ttft_s']['p50'])} | {r['tok_per_s']:.0f} | "
+              f"{r['tflops']:.1f} | {fmt_ms(r.get('floor_s'))} | {ratio(r.get('ratio'))} |")
+        w("")
+    if d.get("serve"):
+        s = d["serve"]
+        w(f"## Serving workload, concurrency 1 ({s['mode']}, {s['output_tokens']} output tokens, EOS ignored)\n")
+        w("| bucket | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s | weight |")
+        w("|---|---|---|---|---|---|---|---|")
+        for b in s["buckets"]:
+            w(f"| {b['bucket']} | {len(b['prompts'])} | {fmt_ms(b['ttft_s']['p50'])} | {fmt_ms(b['ttft_s']['p99'])} | "
+              f"{fmt_ms(b['tpot_s']['p50'])} | {fmt_ms(b['tpot_s']['p99'])} | {b['throughput_tok_per_s']:.2f} | "
+              f"{b['weight'] * 100:.0f}% |")
+        w(f"\nWeighted throughput: **{s['weighted_throughput_tok_per_s']:.2f} tok/s**\n")
+    if d.get("profile"):
+        w("## Profile (isolated kernel timings at the forward's shapes)\n")
+        w(f"![profile]({a.png_prefix}profile.png)\n")
+        for p in d["profile"]:
+            meas = p.get("measured_s")
+            w(f"### {p['phase']}: {p['shape']} — kernel sum {fmt_ms(p['kernel_sum_s'])} ms"
+              + (f", engine step {fmt_ms(meas)} ms" if meas else "") + "\n")
+            w("| kernel class | launches | ms | share | GB/s | TFLOP/s |\n|---|---|---|---|---|---|")
+            for e in p["entries"]:
+                t = e["time_s"]
+                w(f"| {e['kernel']} | {e['launches']} | {t * 1e3:.3f} | {e['share'] * 100:.1f}% | "
+                  f"{e['bytes'] / t / 1e9:.0f} | {e['flops'] / t / 1e12:.1f} |")
+            w("")
+    if d.get("kernels"):
+        w("## Kernels ('of SOL' = roofline floor / time)\n")
+        w("| family.variant | op | shape | us | GB/s | TFLOP/s | of SOL | fallback us | match |")
+        w("|---|---|---|---|---|---|---|---|---|")
+        for k in d["kernels"]:
+            t = k["time_s"]
+            fb = "-" if k.get("fallback_time_s") is None else f"{k['fallback_time_s'] * 1e6:.2f} ({k['fallback']})"
+            w(f"| {k['family']}.{k['variant']} | {k['op']} | {k['shape']} | {t * 1e6:.2f} | {k['bytes'] / t / 1e9:.0f} | "
+              f"{k['flops'] / t / 1e12:.1f} | {100 * k['floor_s'] / t:.0f}% | {fb} | {k.get('match') or '-'} |")
+        w("")
+    if peers:
+        w("## Peers (bench/peers/peers.py, same run)\n")
+        pm = peers.get("meta", {})
+        w(f"torch {pm.get('torch')}, fla {pm.get('fla', '-')}, transformers {pm.get('transformers', '-')}\n")
+        for name, pts in peers.get("ttft", {}).items():
+            for p in pts:
+                w(f"- {name}: TTFT {p['prompt']} = {p['ttft_s']:.3f} s")
+        for name, pts in peers.get("tpot", {}).items():
+            for p in pts:
+                w(f"- {name}: TPOT at {p['context']} = {p['tpot_s'] * 1e3:.2f} ms")
+        w("\n| family | impl | shape | us | GB/s | TFLOP/s |\n|---|---|---|---|---|---|")
+        for k in peers.get("kernels", []):
+            t = k["time_s"]
+            w(f"| {k['family']} | {k['impl']} | {k['shape']} | {t * 1e6:.2f} | {k['bytes'] / t / 1e9:.0f} | "
+              f"{k['flops'] / t / 1e12:.1f} |")
+        for n in peers.get("notes", []):
+            w(f"- note: {n}")
+        w("")
+    if d.get("notes"):
+        w("## Notes\n")
+        for n in d["notes"]:
+            w(f"- {n}")
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The whole benchmark set in ONE device call (device time is scarce): ceilings, every kernel
+# family, the per-kernel profile, prefill TTFT, decode TPOT, the concurrency-1 serving workload,
+# then the plots; optionally the peers (HF transformers + flash-linear-attention, torch kernels).
+#
+# Run on the GPU machine from the repository root, with the binary built here and carried:
+#   cmake -S . -B build-bench -DDS_CUDA=ON && cmake --build build-bench -j2 --target deltaserve
+#   git rev-parse HEAD > build-bench/bin/COMMIT      (the commit measured; the device has no .git)
+#   device call: carry [build-bench/bin] (+ .whl for --peers), command: bash scripts/gpu_bench.sh
+#
+# Flags: --peers (also run bench/peers/peers.py; needs the carried .whl/ wheels of fla-core and
+#        flash-linear-attention), --quick (fewer shapes, fewer steps: a smoke run), --budget S
+#        (seconds for `bench all`, default 240).
+# Output under $OUT (default ./bench-out), at most 8 files: bench.json, bench.log, tpot.png,
+# ttft.png, profile.png, and with --peers peers.json, peers.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench-out}
+mkdir -p "$OUT"
+BIN=${BIN:-build-bench/bin/deltaserve}
+peers=0
+quick=0
+budget=240
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --peers) peers=1 ;;
+    --quick) quick=1 ;;
+    --budget) budget=$2; shift ;;
+    *) echo "gpu_bench.sh: unknown flag $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ ! -x "$BIN" ]; then
+  echo "gpu_bench.sh: $BIN not found (build it here and carry build-bench/bin)" >&2
+  exit 2
+fi
+# The binary links libcudart / libcublasLt dynamically: if the loader cannot find them, look in
+# the CUDA toolkit and in the Python CUDA wheels of the machine.
+if ldd "$BIN" | grep -q "not found"; then
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+           $(python3 -c 'import nvidia.cublas, nvidia.cuda_runtime, os; print(os.path.dirname(nvidia.cublas.__file__) + "/lib", os.path.dirname(nvidia.cuda_runtime.__file__) + "/lib")' 2>/dev/null); do
+    [ -d "$d" ] && export LD_LIBRARY_PATH=$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  done
+  ldd "$BIN" | grep "not found" && echo "gpu_bench.sh: libraries still missing (above)" >&2
+fi
+export DS_BENCH_COMMIT=${DS_BENCH_COMMIT:-$(cat "$(dirname "$BIN")/COMMIT" 2>/dev/null || git rev-parse HEAD 2>/dev/null || echo unknown)}
+LOG=$OUT/bench.log
+{
+  echo "gpu_bench.sh: commit $DS_BENCH_COMMIT, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,power.draw,temperature.gpu,memory.used --format=csv 2>&1
+} | tee "$LOG"
+
+# Decode cases: batch 1 at every context bucket (the PERF.md targets), batch 4 up to 8K, batch 16
+# at 4K: the KV cache is filled by real prefill, and 16 x 32K tokens of it would take most of the
+# call (`deltaserve bench decode --batch 1,4,16` runs the full grid when time allows).
+if [ $quick = 1 ]; then
+  args=(--quick --cases 1@4096,4@4096,1@32768 --prompt 4096,32768 --repeats 1,1 --steps 32 --requests 1)
+else
+  args=(--cases 1@4096,4@4096,16@4096,1@8192,4@8192,1@16384,1@32768
+        --prompt 4096,8192,16384,32768 --steps 128 --requests 3)
+fi
+# --max-seconds bounds each engine bench; `timeout` bounds the whole (JSON is saved after each part).
+timeout --signal=INT $((budget + 30)) "$BIN" bench all --profile --json "$OUT/bench.json" \
+ --max-seconds $((budget * 3 / 10)) "${args[@]}" 2>&1 | tee -a "$LOG"
+rc=${PIPESTATUS[0]}
+echo "gpu_bench.sh: bench all exited with $rc" | tee -a "$LOG"
+
+if [ $peers = 1 ]; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "gpu_bench.sh: no .whl/ wheels carried: the GDN peers and the model's FLA path are skipped" | tee -a "$LOG"
+  fi
+  peer_args=(--json "$OUT/peers.json" --max-seconds 100)
+  [ $quick = 1 ] && peer_args+=(--quick)
+  PYTHONUNBUFFERED=1 timeout 130 python3 bench/peers/peers.py "${peer_args[@]}" 2>&1 | tee "$OUT/peers.log"
+fi
+
+if [ -f "$OUT/bench.json" ]; then
+  plot_args=("$OUT/bench.json" --out "$OUT")
+  [ -f "$OUT/peers.json" ] && plot_args+=(--peers "$OUT/peers.json")
+  python3 bench/plot.py "${plot_args[@]}" 2>&1 | tee -a "$LOG"
+fi
+exit $rc
