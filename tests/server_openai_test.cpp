@@ -1,0 +1,274 @@
+// Server pieces without HTTP: request validation (types, ranges, the field named in the error),
+// chat input normalisation, error bodies, UTF-8 sanitising, Prometheus histograms, and the chat
+// output assembly (reasoning split, Qwen tool calls into OpenAI tool_calls) being the same whether
+// the text arrives at once or byte by byte.
+#include <gtest/gtest.h>
+
+#include "server/chat_output.h"
+#include "server/metrics.h"
+#include "server/openai.h"
+
+namespace ds {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+int status_of(const std::function<void()>& f, std::string* param = nullptr) {
+  try {
+    f();
+  } catch (const ApiError& e) {
+    if (param) *param = e.param;
+    return e.status;
+  }
+  return 0;
+}
+
+TEST(ServerOpenAI, ParseBody) {
+  EXPECT_EQ(status_of([] { parse_body("{\"a\": 1"); }), 400);
+  EXPECT_EQ(status_of([] { parse_body(""); }), 400);
+  EXPECT_EQ(status_of([] { parse_body("[1]"); }), 400);
+  EXPECT_EQ(status_of([] { parse_body("{\"p\": \"\xff\"}"); }), 400);  // invalid UTF-8
+  EXPECT_EQ(parse_body("{\"a\": 1}")["a"], 1);
+}
+
+TEST(ServerOpenAI, SamplingFields) {
+  ApiLimits lim;
+  SamplingRequest r = parse_sampling_request(
+      json::parse(R"({"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "seed": -1,
+                      "stop": "END", "stop_token_ids": [5], "stream": true,
+                      "stream_options": {"include_usage": true}, "logprobs": 3, "n": 2})"),
+      false, lim);
+  EXPECT_EQ(r.gen.max_tokens, 7);
+  EXPECT_FLOAT_EQ(r.gen.sampling.temperature, 0.5f);
+  EXPECT_EQ(r.gen.sampling.top_k, 40);
+  EXPECT_EQ(*r.gen.sampling.seed, ~0ull);
+  EXPECT_EQ(r.gen.stop, std::vector<std::string>{"END"});
+  EXPECT_EQ(r.gen.stop_token_ids, std::vector<int32_t>{5});
+  EXPECT_TRUE(r.stream && r.include_usage && r.logprobs);
+  EXPECT_EQ(r.gen.top_logprobs, 3);
+  EXPECT_EQ(r.n, 2);
+  // Chat: max_completion_tokens wins; logprobs bool + top_logprobs.
+  r = parse_sampling_request(
+      json::parse(R"({"max_tokens": 7, "max_completion_tokens": 9, "logprobs": true, "top_logprobs": 2})"), true,
+      lim);
+  EXPECT_EQ(r.gen.max_tokens, 9);
+  EXPECT_EQ(r.gen.top_logprobs, 2);
+  r = parse_sampling_request(json::parse("{}"), true, lim);
+  EXPECT_EQ(r.gen.max_tokens, -1);
+  EXPECT_EQ(r.gen.top_logprobs, -1);
+  EXPECT_EQ(r.gen.max_tokens, -1);
+  r = parse_sampling_request(json::parse(R"({"max_tokens": 16.0, "temperature": null})"), false, lim);
+  EXPECT_EQ(r.gen.max_tokens, 16);
+
+  const std::vector<std::pair<const char*, const char*>> bad = {
+      {R"({"max_tokens": -1})", "max_tokens"},
+      {R"({"max_tokens": 0})", "max_tokens"},
+      {R"({"max_tokens": "3"})", "max_tokens"},
+      {R"({"max_tokens": 1e30})", "max_tokens"},
+      {R"({"max_tokens": 18446744073709551615})", "max_tokens"},
+      {R"({"max_tokens": 3.5})", "max_tokens"},
+      {R"({"max_tokens": true})", "max_tokens"},
+      {R"({"temperature": "x"})", "temperature"},
+      {R"({"temperature": -0.1})", "temperature"},
+      {R"({"top_p": 0})", "top_p"},
+      {R"({"top_k": -2})", "top_k"},
+      {R"({"n": 17})", "n"},
+      {R"({"best_of": 3})", "best_of"},
+      {R"({"stop": [1]})", "stop"},
+      {R"({"stop": {"a": 1}})", "stop"},
+      {R"({"stop_token_ids": [1.5]})", "stop_token_ids"},
+      {R"({"stream": 1})", "stream"},
+      {R"({"stream_options": {"include_usage": true}})", "stream_options"},
+      {R"({"logprobs": 21})", "logprobs"},
+      {R"({"logprobs": true})", "logprobs"},
+      {R"({"logit_bias": {"1": 2}})", "logit_bias"},
+      {R"({"user": 5})", "user"},
+  };
+  for (const auto& [body, field] : bad) {
+    std::string param;
+    EXPECT_EQ(status_of([&] { parse_sampling_request(json::parse(body), false, lim); }, &param), 400) << body;
+    EXPECT_EQ(param, field) << body;
+  }
+  std::string param;
+  EXPECT_EQ(status_of([&] { parse_sampling_request(json::parse(R"({"top_logprobs": 2})"), true, lim); }, &param), 400);
+  EXPECT_EQ(param, "top_logprobs");
+}
+
+TEST(ServerOpenAI, CompletionPrompts) {
+  auto p = parse_completion_prompts(json::parse(R"({"prompt": "hi"})"));
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_EQ(*p[0].text, "hi");
+  p = parse_completion_prompts(json::parse(R"({"prompt": [1, 2, 3]})"));
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_EQ(p[0].ids, (std::vector<int32_t>{1, 2, 3}));
+  p = parse_completion_prompts(json::parse(R"({"prompt": ["a", [4], "b"]})"));
+  ASSERT_EQ(p.size(), 3u);
+  EXPECT_EQ(p[1].ids, std::vector<int32_t>{4});
+  for (const char* body : {R"({})", R"({"prompt": 3})", R"({"prompt": []})", R"({"prompt": ""})",
+                           R"({"prompt": [[]]})", R"({"prompt": [1, "a"]})", R"({"prompt": [-1]})",
+                           R"({"prompt": [true]})"}) {
+    EXPECT_EQ(status_of([&] { parse_completion_prompts(json::parse(body)); }), 400) << body;
+  }
+}
+
+TEST(ServerOpenAI, ChatInput) {
+  json in = chat_template_input(json::parse(R"({
+      "messages": [{"role": "developer", "content": "be brief"},
+                   {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                   {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+      "chat_template_kwargs": {"enable_thinking": true}})"));
+  EXPECT_EQ(in["messages"][0]["role"], "system");
+  EXPECT_EQ(in["messages"][1]["content"], "ab");
+  EXPECT_EQ(in["messages"][2]["content"], "");
+  EXPECT_EQ(in["messages"][2]["tool_calls"][0]["function"]["arguments"]["x"], 1);  // parsed for the template
+  EXPECT_EQ(in["tools"].size(), 1u);
+  EXPECT_EQ(in["enable_thinking"], true);
+  EXPECT_EQ(in["add_generation_prompt"], true);
+  json none = chat_template_input(json::parse(R"({"messages": [{"role": "user", "content": "x"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})"));
+  EXPECT_FALSE(none.contains("tools"));
+
+  const std::vector<std::pair<const char*, const char*>> bad = {
+      {R"({})", "messages"},
+      {R"({"messages": []})", "messages"},
+      {R"({"messages": [{"role": "alien", "content": "x"}]})", "messages[0].role"},
+      {R"({"messages": [{"role": "user"}]})", "messages[0].content"},
+      {R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", "messages[0].content[0].type"},
+      {R"({"messages": [{"role": "user", "content": "x", "tool_calls": []}]})", "messages[0].tool_calls"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})", "tool_choice"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]})",
+       "tools[0].function.name"},
+  };
+  for (const auto& [body, field] : bad) {
+    std::string param;
+    EXPECT_EQ(status_of([&] { chat_template_input(json::parse(body)); }, &param), 400) << body;
+    EXPECT_EQ(param, field) << body;
+  }
+}
+
+TEST(ServerOpenAI, ModelCheckAndErrorBody) {
+  EXPECT_EQ(status_of([] { check_model(json::parse(R"({"model": "x"})"), {"m"}); }), 404);
+  EXPECT_EQ(status_of([] { check_model(json::parse(R"({"model": "m"})"), {"m"}); }), 0);
+  EXPECT_EQ(status_of([] { check_model(json::parse(R"({})"), {"m"}); }), 0);
+  json e = error_body(429, "busy");
+  EXPECT_EQ(e["error"]["type"], "rate_limit_error");
+  EXPECT_EQ(e["error"]["code"], 429);
+  EXPECT_TRUE(e["error"]["param"].is_null());
+  EXPECT_EQ(error_body(401, "k")["error"]["type"], "authentication_error");
+  EXPECT_EQ(error_body(400, "bad \xff", "f")["error"]["message"], "bad \xEF\xBF\xBD");
+}
+
+TEST(ServerOpenAI, SanitizeUtf8) {
+  EXPECT_EQ(sanitize_utf8("ok é 你 🎉"), "ok é 你 🎉");
+  EXPECT_EQ(sanitize_utf8("a\xC3"), "a\xEF\xBF\xBD");
+  EXPECT_EQ(sanitize_utf8("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate
+  EXPECT_EQ(sanitize_utf8("\xC0\xAF"), "\xEF\xBF\xBD\xEF\xBF\xBD");                  // overlong
+}
+
+TEST(ServerMetrics, HistogramAndRender) {
+  Histogram h({0.1, 1.0});
+  h.observe(0.05);
+  h.observe(0.5);
+  h.observe(5);
+  std::string out;
+  h.render("x", out);
+  EXPECT_NE(out.find("x_bucket{le=\"0.1\"} 1\n"), std::string::npos);
+  EXPECT_NE(out.find("x_bucket{le=\"1\"} 2\n"), std::string::npos);
+  EXPECT_NE(out.find("x_bucket{le=\"+Inf\"} 3\n"), std::string::npos);
+  EXPECT_NE(out.find("x_count 3\n"), std::string::npos);
+  ServerMetrics m;
+  m.count_http("/v1/completions", 200);
+  StreamOutput o;
+  o.finish = FinishReason::kStop;
+  o.n_prompt_tokens = 5;
+  o.n_generated = 3;
+  o.ttft_s = 0.1;
+  o.e2e_s = 0.3;
+  m.record_request(o);
+  EngineStats st;
+  st.memory.state_slots_total = 4;
+  const std::string text = m.render(st);
+  EXPECT_NE(text.find("deltaserve_http_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1"),
+            std::string::npos);
+  EXPECT_NE(text.find("deltaserve_request_finished_total{finish_reason=\"stop\"} 1"), std::string::npos);
+  EXPECT_NE(text.find("deltaserve_state_slots_total 4"), std::string::npos);
+  EXPECT_NE(text.find("deltaserve_time_per_output_token_seconds_sum 0.1"), std::string::npos);
+}
+
+// Streams `text` through ChatOutput in pieces of `step` bytes, merging the deltas as a client does.
+json stream_merge(const std::string& text, size_t step, bool reasoning, const json& tools) {
+  ChatOutput out(reasoning, tools);
+  json msg = {{"content", ""}, {"reasoning_content", ""}, {"tool_calls", json::array()}};
+  auto merge = [&](const json& d) {
+    if (d.contains("content")) msg["content"] = msg["content"].get<std::string>() + d["content"].get<std::string>();
+    if (d.contains("reasoning_content")) {
+      msg["reasoning_content"] = msg["reasoning_content"].get<std::string>() + d["reasoning_content"].get<std::string>();
+    }
+    if (d.contains("tool_calls")) {
+      for (const json& c : d["tool_calls"]) {
+        const int i = c["index"];
+        if (c.contains("id")) {
+          EXPECT_EQ(static_cast<int>(msg["tool_calls"].size()), i);
+          EXPECT_EQ(c["type"], "function");
+          msg["tool_calls"].push_back({{"name", c["function"]["name"]}, {"arguments", c["function"]["arguments"]}});
+        } else {
+          EXPECT_LT(i, static_cast<int>(msg["tool_calls"].size()));
+          json& t = msg["tool_calls"][i];
+          t["arguments"] = t["arguments"].get<std::string>() + c["function"]["arguments"].get<std::string>();
+        }
+      }
+    }
+  };
+  for (size_t i = 0; i < text.size(); i += step) merge(out.push(text.substr(i, step)));
+  merge(out.finish());
+  // Same as the non-streaming message.
+  json full = out.message();
+  EXPECT_EQ(msg["content"], full["content"].is_null() ? json("") : full["content"]);
+  EXPECT_EQ(msg["reasoning_content"], full.value("reasoning_content", json("")));
+  const json calls = full.value("tool_calls", json::array());
+  EXPECT_EQ(msg["tool_calls"].size(), calls.size());
+  for (size_t i = 0; i < calls.size() && i < msg["tool_calls"].size(); ++i) {
+    EXPECT_EQ(msg["tool_calls"][i]["name"], calls[i]["function"]["name"]);
+    EXPECT_EQ(json::parse(msg["tool_calls"][i]["arguments"].get<std::string>()),
+              json::parse(calls[i]["function"]["arguments"].get<std::string>()));
+  }
+  msg["has_tool_calls"] = out.has_tool_calls();
+  return msg;
+}
+
+TEST(ServerChatOutput, ReasoningAndXmlToolCallsStreamedAnyChunking) {
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather",
+      "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}])");
+  const std::string text =
+      "Let me check.\n</think>\n\nChecking the weather.\n\n<tool_call>\n<function=get_weather>\n"
+      "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+  for (size_t step : {1, 2, 3, 7, 1000}) {
+    json m = stream_merge(text, step, /*reasoning=*/true, tools);
+    EXPECT_EQ(m["reasoning_content"], "Let me check.") << step;
+    EXPECT_EQ(m["content"], "Checking the weather.") << step;
+    ASSERT_EQ(m["tool_calls"].size(), 1u) << step;
+    EXPECT_EQ(m["tool_calls"][0]["name"], "get_weather");
+    const json args = json::parse(m["tool_calls"][0]["arguments"].get<std::string>());
+    EXPECT_EQ(args["city"], "Paris");
+    EXPECT_EQ(args["days"], 3);  // integer by the schema
+    EXPECT_TRUE(m["has_tool_calls"].get<bool>());
+  }
+}
+
+TEST(ServerChatOutput, NoToolsMeansToolMarkupStaysContent) {
+  const std::string text = "plain answer <tool_call>\n<function=f>\n</function>\n</tool_call>";
+  json m = stream_merge(text, 2, false, json());
+  EXPECT_EQ(m["content"], text);
+  EXPECT_FALSE(m["has_tool_calls"].get<bool>());
+  ChatOutput out(false, json());
+  out.push("hello");
+  out.finish();
+  EXPECT_EQ(out.message()["content"], "hello");
+  EXPECT_FALSE(out.message().contains("tool_calls"));
+}
+
+}  // namespace
+}  // namespace ds
