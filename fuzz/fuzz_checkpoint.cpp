@@ -45,7 +45,8 @@ std::string& dir() {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  dir() = (std::filesystem::temp_directory_path() / ("ds_fuzz_ckpt_" + std::to_string(::getpid()))).string();
+  dir() = (std::filesystem::temp_directory_path() / ("ds_fuzz_ckpt_" + std::to_string(::getpid())))
+              .string();
   std::filesystem::create_directories(dir());
   std::atexit([] {
     std::error_code ec;
@@ -60,7 +61,8 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
         ds::HostWeights w = ds::make_synthetic_weights(fuzz_config(), 1, dt);
         std::string tmp = dir() + "/seed";
         ds::write_checkpoint(w, tmp, 1, wrapper);
-        std::filesystem::copy_file(tmp + "/model.safetensors", std::string(seed_dir) + "/seed" + std::to_string(k++),
+        std::filesystem::copy_file(tmp + "/model.safetensors",
+                                   std::string(seed_dir) + "/seed" + std::to_string(k++),
                                    std::filesystem::copy_options::overwrite_existing);
       }
     }
@@ -87,11 +89,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     touch(w.final_norm);
     touch(w.lm_head);
     for (const ds::LayerWeights& l : w.layers) {
-      for (auto fld : {&ds::LayerWeights::input_norm, &ds::LayerWeights::post_norm, &ds::LayerWeights::mlp_gate_up,
-                       &ds::LayerWeights::mlp_down, &ds::LayerWeights::attn_qkv, &ds::LayerWeights::attn_o,
-                       &ds::LayerWeights::q_norm, &ds::LayerWeights::k_norm, &ds::LayerWeights::gdn_in,
-                       &ds::LayerWeights::gdn_conv, &ds::LayerWeights::gdn_dt_bias, &ds::LayerWeights::gdn_A_log,
-                       &ds::LayerWeights::gdn_norm, &ds::LayerWeights::gdn_out}) {
+      for (auto fld :
+           {&ds::LayerWeights::input_norm, &ds::LayerWeights::post_norm,
+            &ds::LayerWeights::mlp_gate_up, &ds::LayerWeights::mlp_down,
+            &ds::LayerWeights::attn_qkv, &ds::LayerWeights::attn_o, &ds::LayerWeights::q_norm,
+            &ds::LayerWeights::k_norm, &ds::LayerWeights::gdn_in, &ds::LayerWeights::gdn_conv,
+            &ds::LayerWeights::gdn_dt_bias, &ds::LayerWeights::gdn_A_log,
+            &ds::LayerWeights::gdn_norm, &ds::LayerWeights::gdn_out}) {
         touch(l.*fld);
       }
     }

@@ -30,12 +30,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   for (bool wrapper : {false, true}) {
-    ds::ModelConfig r = ds::parse_model_config(ds::model_config_to_json(c, wrapper), "fuzz/roundtrip.json");
+    ds::ModelConfig r =
+        ds::parse_model_config(ds::model_config_to_json(c, wrapper), "fuzz/roundtrip.json");
     if (r.d_model != c.d_model || r.n_layers != c.n_layers || r.layer_types != c.layer_types ||
-        r.rotary_dim != c.rotary_dim || r.rope_theta != c.rope_theta || r.rms_norm_eps != c.rms_norm_eps ||
-        r.eos_token_ids != c.eos_token_ids || r.bos_token_id != c.bos_token_id ||
-        r.tie_word_embeddings != c.tie_word_embeddings || r.n_params_text() != c.n_params_text() ||
-        r.mrope_section != c.mrope_section || r.vocab_size != c.vocab_size) {
+        r.rotary_dim != c.rotary_dim || r.rope_theta != c.rope_theta ||
+        r.rms_norm_eps != c.rms_norm_eps || r.eos_token_ids != c.eos_token_ids ||
+        r.bos_token_id != c.bos_token_id || r.tie_word_embeddings != c.tie_word_embeddings ||
+        r.n_params_text() != c.n_params_text() || r.mrope_section != c.mrope_section ||
+        r.vocab_size != c.vocab_size) {
       std::abort();
     }
   }

@@ -23,7 +23,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (e.begin > e.end || h.data_start + e.end > size) std::abort();
     if (static_cast<uint64_t>(e.numel()) * e.elem_bits != (e.end - e.begin) * 8) std::abort();
     if (h.find(e.name) != &e) std::abort();
-    if (e.end > e.begin) sink = sink + data[h.data_start + e.begin] + data[h.data_start + e.end - 1];
+    if (e.end > e.begin)
+      sink = sink + data[h.data_start + e.begin] + data[h.data_start + e.end - 1];
     ds::DType dt;
     (void)e.engine_dtype(&dt);
   }

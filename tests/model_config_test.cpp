@@ -42,7 +42,8 @@ void expect_error(Fn fn, std::initializer_list<std::string> parts) {
     ADD_FAILURE() << "expected ds::Error";
   } catch (const Error& e) {
     std::string msg = e.what();
-    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    for (const std::string& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
   }
 }
 
@@ -54,7 +55,8 @@ void expect_bad(const json& j, std::initializer_list<std::string> parts) {
     ADD_FAILURE() << "expected ds::Error for " << j.dump();
   } catch (const Error& e) {
     std::string msg = e.what();
-    for (const std::string& p : all) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    for (const std::string& p : all)
+      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
   }
 }
 
@@ -87,7 +89,8 @@ TEST(ModelConfig, Real27BWrapperConfig) {
   EXPECT_EQ(c.bos_token_id, -1);
   EXPECT_EQ(c.n_full_layers(), 16);
   EXPECT_EQ(c.n_linear_layers(), 48);
-  for (int i = 0; i < 64; ++i) EXPECT_EQ(c.layer_types[i], (i + 1) % 4 == 0 ? LayerType::kFull : LayerType::kLinear);
+  for (int i = 0; i < 64; ++i)
+    EXPECT_EQ(c.layer_types[i], (i + 1) % 4 == 0 ? LayerType::kFull : LayerType::kLinear);
   EXPECT_EQ(c.q_proj_dim(), 12288);
   EXPECT_EQ(c.kv_dim(), 1024);
   EXPECT_EQ(c.gdn_qkv_dim(), 10240);
@@ -122,9 +125,10 @@ TEST(ModelConfig, TextOnlyWithLayerTypesList) {
                       "full_attention",   "full_attention", "linear_attention", "full_attention"};
   ModelConfig c = parse(j);
   EXPECT_FALSE(c.is_wrapper);
-  EXPECT_EQ(c.layer_types, (std::vector<LayerType>{LayerType::kLinear, LayerType::kFull, LayerType::kLinear,
-                                                   LayerType::kLinear, LayerType::kFull, LayerType::kFull,
-                                                   LayerType::kLinear, LayerType::kFull}));
+  EXPECT_EQ(c.layer_types,
+            (std::vector<LayerType>{LayerType::kLinear, LayerType::kFull, LayerType::kLinear,
+                                    LayerType::kLinear, LayerType::kFull, LayerType::kFull,
+                                    LayerType::kLinear, LayerType::kFull}));
   EXPECT_EQ(c.d_v, 24);
 }
 
@@ -133,7 +137,8 @@ TEST(ModelConfig, FullAttentionInterval) {
   j["full_attention_interval"] = 3;
   ModelConfig c = parse(j);
   std::vector<LayerType> want;
-  for (int i = 0; i < 8; ++i) want.push_back((i + 1) % 3 == 0 ? LayerType::kFull : LayerType::kLinear);
+  for (int i = 0; i < 8; ++i)
+    want.push_back((i + 1) % 3 == 0 ? LayerType::kFull : LayerType::kLinear);
   EXPECT_EQ(c.layer_types, want);
   // layer_types wins over the interval.
   j["layer_types"] = std::vector<std::string>(8, "linear_attention");
@@ -149,14 +154,16 @@ TEST(ModelConfig, RopeLocationsAndPrecedence) {
   j["partial_rotary_factor"] = 0.5;
   EXPECT_EQ(parse(j).rotary_dim, 16);
   // rope_parameters values win over top-level ones.
-  j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 77.0}, {"partial_rotary_factor", 0.125}};
+  j["rope_parameters"] = {
+      {"rope_type", "default"}, {"rope_theta", 77.0}, {"partial_rotary_factor", 0.125}};
   c = parse(j);
   EXPECT_DOUBLE_EQ(c.rope_theta, 77.0);
   EXPECT_EQ(c.rotary_dim, 4);
   // ... top-level fills what rope_parameters lacks.
   j["rope_parameters"] = {{"rope_theta", 77.0}};
   EXPECT_EQ(parse(j).rotary_dim, 16);
-  // Legacy rope_scaling wins over rope_parameters (transformers: `rope_scaling or rope_parameters`).
+  // Legacy rope_scaling wins over rope_parameters (transformers: `rope_scaling or
+  // rope_parameters`).
   j["rope_scaling"] = {{"type", "default"}, {"rope_theta", 123.0}, {"mrope_section", {4, 2, 2}}};
   c = parse(j);
   EXPECT_DOUBLE_EQ(c.rope_theta, 123.0);
@@ -170,7 +177,8 @@ TEST(ModelConfig, RopeLocationsAndPrecedence) {
 }
 
 TEST(ModelConfig, WrapperTieEmbeddingsAndSpecialTokens) {
-  json w = {{"model_type", "qwen3_5"}, {"text_config", small_text()}, {"tie_word_embeddings", true}};
+  json w = {
+      {"model_type", "qwen3_5"}, {"text_config", small_text()}, {"tie_word_embeddings", true}};
   w["text_config"].erase("model_type");
   ModelConfig c = parse(w);
   EXPECT_TRUE(c.is_wrapper);
@@ -205,9 +213,12 @@ TEST(ModelConfig, RoundTripThroughJson) {
 }
 
 TEST(ModelConfig, Errors) {
-  expect_error([] { parse_model_config("{\"model_type\": ", "test/config.json"); }, {"test/config.json", "invalid JSON"});
-  expect_error([] { parse_model_config("[1, 2]", "test/config.json"); }, {"test/config.json", "object"});
-  expect_error([] { load_model_config("/nonexistent/config.json"); }, {"/nonexistent/config.json", "cannot open"});
+  expect_error([] { parse_model_config("{\"model_type\": ", "test/config.json"); },
+               {"test/config.json", "invalid JSON"});
+  expect_error([] { parse_model_config("[1, 2]", "test/config.json"); },
+               {"test/config.json", "object"});
+  expect_error([] { load_model_config("/nonexistent/config.json"); },
+               {"/nonexistent/config.json", "cannot open"});
   expect_bad(json{{"hidden_size", 64}}, {"model_type"});
   expect_bad(json{{"model_type", "llama"}}, {"unsupported model_type 'llama'"});
   expect_bad(json{{"model_type", "qwen3_5_moe"}}, {"qwen3_5_moe", "not supported"});
@@ -225,13 +236,16 @@ TEST(ModelConfig, Errors) {
   expect_bad(with("num_hidden_layers", -1), {"num_hidden_layers"});
   expect_bad(with("num_attention_heads", 1ll << 40), {"num_attention_heads", "out of range"});
   expect_bad(with("vocab_size", 1 << 30), {"vocab_size"});
-  expect_bad(with("num_key_value_heads", 3), {"num_attention_heads (8)", "num_key_value_heads (3)"});
-  expect_bad(with("linear_num_value_heads", 5), {"linear_num_value_heads (5)", "linear_num_key_heads (2)"});
+  expect_bad(with("num_key_value_heads", 3),
+             {"num_attention_heads (8)", "num_key_value_heads (3)"});
+  expect_bad(with("linear_num_value_heads", 5),
+             {"linear_num_value_heads (5)", "linear_num_key_heads (2)"});
   expect_bad(with("partial_rotary_factor", 0.1), {"rotary", "even"});  // 32 * 0.1 = 3
   expect_bad(with("partial_rotary_factor", 1.5), {"partial_rotary_factor"});
   expect_bad(with("rms_norm_eps", -1.0), {"rms_norm_eps"});
   expect_bad(with("rope_theta", 0.5), {"rope_theta"});
-  expect_bad(with("layer_types", json::array({"linear_attention"})), {"layer_types has 1 entries", "8"});
+  expect_bad(with("layer_types", json::array({"linear_attention"})),
+             {"layer_types has 1 entries", "8"});
   expect_bad(with("layer_types", json::array({"linear_attention", "sliding_attention"})),
              {"layer_types[1]", "sliding_attention"});
   expect_bad(with("layer_types", "full_attention"), {"layer_types", "list"});
@@ -264,9 +278,10 @@ TEST(ModelConfig, ParamCountMatchesTable) {
   int64_t n = w.embed.numel() + w.final_norm.numel() + w.lm_head.numel();
   for (const LayerWeights& l : w.layers) {
     for (auto f : {&LayerWeights::input_norm, &LayerWeights::post_norm, &LayerWeights::mlp_gate_up,
-                   &LayerWeights::mlp_down, &LayerWeights::attn_qkv, &LayerWeights::attn_o, &LayerWeights::q_norm,
-                   &LayerWeights::k_norm, &LayerWeights::gdn_in, &LayerWeights::gdn_conv, &LayerWeights::gdn_dt_bias,
-                   &LayerWeights::gdn_A_log, &LayerWeights::gdn_norm, &LayerWeights::gdn_out}) {
+                   &LayerWeights::mlp_down, &LayerWeights::attn_qkv, &LayerWeights::attn_o,
+                   &LayerWeights::q_norm, &LayerWeights::k_norm, &LayerWeights::gdn_in,
+                   &LayerWeights::gdn_conv, &LayerWeights::gdn_dt_bias, &LayerWeights::gdn_A_log,
+                   &LayerWeights::gdn_norm, &LayerWeights::gdn_out}) {
       if (!(l.*f).empty()) n += (l.*f).numel();
     }
   }

@@ -17,7 +17,9 @@ namespace {
 namespace fs = std::filesystem;
 constexpr int64_t kGiB = int64_t(1) << 30, kMiB = int64_t(1) << 20;
 
-ModelConfig config_27b() { return load_model_config(std::string(DS_TEST_DATA) + "/model/qwen3_5_27b_config.json"); }
+ModelConfig config_27b() {
+  return load_model_config(std::string(DS_TEST_DATA) + "/model/qwen3_5_27b_config.json");
+}
 
 TEST(ModelMemoryPlan, Qwen35_27B) {
   ModelConfig c = config_27b();
@@ -56,8 +58,8 @@ TEST(ModelMemoryPlan, FormatBytes) {
 }
 
 std::string temp_dir() {
-  fs::path p = fs::temp_directory_path() /
-               ("ds_inspect_test_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
+  fs::path p = fs::temp_directory_path() / ("ds_inspect_test_" + std::to_string(::getpid()) + "_" +
+                                            std::to_string(std::random_device{}()));
   fs::create_directories(p);
   return p.string();
 }
@@ -70,8 +72,9 @@ TEST(ModelInspect, CountsFromHeadersAndIgnoredTensors) {
   // Add a third shard with vision and MTP tensors to the index.
   std::vector<float> v(10, 1.f);
   auto p = reinterpret_cast<const std::byte*>(v.data());
-  write_safetensors(d + "/extra.safetensors", {{"model.visual.patch_embed.proj.weight", DType::kF32, {2, 3}, p},
-                                               {"mtp.fc.weight", DType::kF32, {4}, p}});
+  write_safetensors(d + "/extra.safetensors",
+                    {{"model.visual.patch_embed.proj.weight", DType::kF32, {2, 3}, p},
+                     {"mtp.fc.weight", DType::kF32, {4}, p}});
   std::string ip = d + "/model.safetensors.index.json";
   std::string text;
   {
@@ -80,7 +83,9 @@ TEST(ModelInspect, CountsFromHeadersAndIgnoredTensors) {
   }
   size_t pos = text.find("\"weight_map\": {");
   ASSERT_NE(pos, std::string::npos);
-  text.insert(pos + 15, "\"model.visual.patch_embed.proj.weight\": \"extra.safetensors\", \"mtp.fc.weight\": \"extra.safetensors\",");
+  text.insert(pos + 15,
+              "\"model.visual.patch_embed.proj.weight\": \"extra.safetensors\", \"mtp.fc.weight\": "
+              "\"extra.safetensors\",");
   std::ofstream(ip) << text;
 
   CheckpointInfo info = inspect_checkpoint(d);
@@ -95,7 +100,8 @@ TEST(ModelInspect, CountsFromHeadersAndIgnoredTensors) {
   EXPECT_EQ(info.stats.visual_params, 6);
   EXPECT_EQ(info.stats.n_mtp_tensors, 1);
   EXPECT_EQ(info.stats.mtp_params, 4);
-  EXPECT_EQ(info.text_tensors_by_dtype.at("BF16"), static_cast<int64_t>(checkpoint_tensors(c).size()));
+  EXPECT_EQ(info.text_tensors_by_dtype.at("BF16"),
+            static_cast<int64_t>(checkpoint_tensors(c).size()));
   // Loading agrees.
   HostWeights r = load_host_weights(d);
   EXPECT_EQ(r.stats.n_visual_tensors, 1);

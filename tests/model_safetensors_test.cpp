@@ -21,7 +21,8 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 // A safetensors byte image from a header JSON text and a data section.
-std::vector<std::byte> image(const std::string& header, size_t data_bytes, uint64_t declared_len = UINT64_MAX) {
+std::vector<std::byte> image(const std::string& header, size_t data_bytes,
+                             uint64_t declared_len = UINT64_MAX) {
   uint64_t n = declared_len == UINT64_MAX ? header.size() : declared_len;
   std::vector<std::byte> out(8 + header.size() + data_bytes, std::byte{0});
   for (int i = 0; i < 8; ++i) out[i] = std::byte(uint8_t(n >> (8 * i)));
@@ -30,7 +31,9 @@ std::vector<std::byte> image(const std::string& header, size_t data_bytes, uint6
   return out;
 }
 
-SafetensorsHeader parse(const std::vector<std::byte>& b) { return parse_safetensors_header(b.data(), b.size(), "f.safetensors"); }
+SafetensorsHeader parse(const std::vector<std::byte>& b) {
+  return parse_safetensors_header(b.data(), b.size(), "f.safetensors");
+}
 
 void expect_bad(const std::vector<std::byte>& b, std::initializer_list<std::string> parts) {
   try {
@@ -39,7 +42,8 @@ void expect_bad(const std::vector<std::byte>& b, std::initializer_list<std::stri
   } catch (const Error& e) {
     std::string msg = e.what();
     EXPECT_NE(msg.find("f.safetensors"), std::string::npos) << msg;
-    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    for (const std::string& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
   }
 }
 
@@ -63,11 +67,14 @@ TEST(ModelSafetensors, ParsesAValidHeader) {
   EXPECT_EQ(dt, DType::kBF16);
   // Empty file (header only, no tensors) and zero-sized tensors are valid.
   EXPECT_EQ(parse(image("{}", 0)).tensors.size(), 0u);
-  EXPECT_EQ(parse(image(R"({"e":{"dtype":"F32","shape":[0,3],"data_offsets":[0,0]}})", 0)).tensors.size(), 1u);
+  EXPECT_EQ(
+      parse(image(R"({"e":{"dtype":"F32","shape":[0,3],"data_offsets":[0,0]}})", 0)).tensors.size(),
+      1u);
   // Header padded with spaces (as the reference writer does).
   EXPECT_EQ(parse(image(kGood + "    ", 12)).tensors.size(), 2u);
   // Other dtypes parse (they may belong to tensors the engine ignores).
-  SafetensorsHeader h2 = parse(image(R"({"i":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}})", 8));
+  SafetensorsHeader h2 =
+      parse(image(R"({"i":{"dtype":"I64","shape":[1],"data_offsets":[0,8]}})", 8));
   EXPECT_FALSE(h2.tensors[0].engine_dtype(&dt));
 }
 
@@ -91,41 +98,58 @@ TEST(ModelSafetensors, BadJson) {
 
 TEST(ModelSafetensors, BadEntries) {
   expect_bad(image(R"({"a":{"shape":[1],"data_offsets":[0,4]}})", 4), {"'a'", "dtype"});
-  expect_bad(image(R"({"a":{"dtype":"Q4_K","shape":[1],"data_offsets":[0,4]}})", 4), {"'a'", "unknown dtype 'Q4_K'"});
+  expect_bad(image(R"({"a":{"dtype":"Q4_K","shape":[1],"data_offsets":[0,4]}})", 4),
+             {"'a'", "unknown dtype 'Q4_K'"});
   expect_bad(image(R"({"a":{"dtype":"F32","data_offsets":[0,4]}})", 4), {"'a'", "shape"});
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4), {"'a'", "negative"});
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}})", 4), {"'a'", "non-integer"});
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", 4), {"'a'", "data_offsets"});
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,-4]}})", 4), {"'a'", "data_offsets"});
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,4]}})", 4),
-             {"'a'", "too large"});
+  expect_bad(image(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", 4),
+             {"'a'", "negative"});
+  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}})", 4),
+             {"'a'", "non-integer"});
+  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", 4),
+             {"'a'", "data_offsets"});
+  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,-4]}})", 4),
+             {"'a'", "data_offsets"});
+  expect_bad(
+      image(
+          R"({"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,4]}})",
+          4),
+      {"'a'", "too large"});
 }
 
 TEST(ModelSafetensors, OffsetErrors) {
   // Out of range.
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4), {"'a'", "past the end"});
+  expect_bad(image(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4),
+             {"'a'", "past the end"});
   // Reversed.
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}})", 4), {"'a'", "reversed"});
+  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}})", 4),
+             {"'a'", "reversed"});
   // Wrong length for the shape.
   expect_bad(image(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
              {"'a'", "byte length 8", "[3]", "F32"});
-  expect_bad(image(R"({"a":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,4]}})", 4), {"'a'", "byte length 4"});
+  expect_bad(image(R"({"a":{"dtype":"BF16","shape":[2,2],"data_offsets":[0,4]}})", 4),
+             {"'a'", "byte length 4"});
   // Overlapping.
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
-                   12),
-             {"overlap", "'a'", "'b'"});
+  expect_bad(
+      image(
+          R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+          12),
+      {"overlap", "'a'", "'b'"});
   // Two tensors on the same bytes.
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
-                   4),
-             {"overlap"});
+  expect_bad(
+      image(
+          R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+          4),
+      {"overlap"});
   // Gap between tensors and trailing unaccounted data.
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), {"unaccounted", "'a'"});
-  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8), {"cover 4 bytes", "8 bytes"});
+  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8),
+             {"unaccounted", "'a'"});
+  expect_bad(image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8),
+             {"cover 4 bytes", "8 bytes"});
 }
 
 std::string temp_dir() {
-  fs::path p = fs::temp_directory_path() /
-               ("ds_st_test_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
+  fs::path p = fs::temp_directory_path() / ("ds_st_test_" + std::to_string(::getpid()) + "_" +
+                                            std::to_string(std::random_device{}()));
   fs::create_directories(p);
   return p.string();
 }
@@ -134,8 +158,9 @@ TEST(ModelSafetensors, WriterRoundTripAndMmap) {
   std::string d = temp_dir();
   std::vector<float> x = {1.f, 2.f, 3.f, 4.f, 5.f, 6.f};
   std::vector<uint16_t> y = {0x3f80, 0x4000};
-  write_safetensors(d + "/m.safetensors", {{"x", DType::kF32, {2, 3}, reinterpret_cast<const std::byte*>(x.data())},
-                                           {"y", DType::kBF16, {2}, reinterpret_cast<const std::byte*>(y.data())}});
+  write_safetensors(d + "/m.safetensors",
+                    {{"x", DType::kF32, {2, 3}, reinterpret_cast<const std::byte*>(x.data())},
+                     {"y", DType::kBF16, {2}, reinterpret_cast<const std::byte*>(y.data())}});
   SafetensorsFile f(d + "/m.safetensors");
   EXPECT_EQ(f.header().data_start % 8, 0u);
   const SafetensorsEntry* e = f.header().find("x");
@@ -155,7 +180,8 @@ TEST(ModelSafetensors, WriterRoundTripAndMmap) {
     SafetensorsFile g(d + "/short.safetensors");
     ADD_FAILURE();
   } catch (const Error& err) {
-    EXPECT_NE(std::string(err.what()).find("short.safetensors: truncated"), std::string::npos) << err.what();
+    EXPECT_NE(std::string(err.what()).find("short.safetensors: truncated"), std::string::npos)
+        << err.what();
   }
   fs::remove_all(d);
 }
@@ -165,9 +191,11 @@ TEST(ModelSafetensors, ShardedIndex) {
   std::vector<float> x = {1.f, 2.f};
   auto p = reinterpret_cast<const std::byte*>(x.data());
   write_safetensors(d + "/s1.safetensors", {{"a", DType::kF32, {2}, p}});
-  write_safetensors(d + "/s2.safetensors", {{"b", DType::kF32, {1}, p}, {"c", DType::kF32, {1}, p + 4}});
+  write_safetensors(d + "/s2.safetensors",
+                    {{"b", DType::kF32, {1}, p}, {"c", DType::kF32, {1}, p + 4}});
   auto write_index = [&](const json& map) {
-    std::ofstream(d + "/model.safetensors.index.json") << json{{"metadata", {{"total_size", 16}}}, {"weight_map", map}}.dump();
+    std::ofstream(d + "/model.safetensors.index.json")
+        << json{{"metadata", {{"total_size", 16}}}, {"weight_map", map}}.dump();
   };
   write_index({{"a", "s1.safetensors"}, {"b", "s2.safetensors"}, {"c", "s2.safetensors"}});
   {
@@ -188,7 +216,8 @@ TEST(ModelSafetensors, ShardedIndex) {
       ADD_FAILURE() << "expected ds::Error";
     } catch (const Error& e) {
       std::string msg = e.what();
-      for (const std::string& s : parts) EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
+      for (const std::string& s : parts)
+        EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
     }
   };
   // A listed shard file that does not exist.

@@ -25,8 +25,9 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 std::string temp_dir(const std::string& tag) {
-  fs::path p = fs::temp_directory_path() /
-               ("ds_model_test_" + tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(std::random_device{}()));
+  fs::path p =
+      fs::temp_directory_path() / ("ds_model_test_" + tag + "_" + std::to_string(::getpid()) + "_" +
+                                   std::to_string(std::random_device{}()));
   fs::remove_all(p);
   fs::create_directories(p);
   return p.string();
@@ -52,9 +53,10 @@ void expect_same_weights(const HostWeights& a, const HostWeights& b) {
     const LayerWeights &x = a.layers[il], &y = b.layers[il];
     EXPECT_EQ(x.type, y.type);
     for (auto f : {&LayerWeights::input_norm, &LayerWeights::post_norm, &LayerWeights::mlp_gate_up,
-                   &LayerWeights::mlp_down, &LayerWeights::attn_qkv, &LayerWeights::attn_o, &LayerWeights::q_norm,
-                   &LayerWeights::k_norm, &LayerWeights::gdn_in, &LayerWeights::gdn_conv, &LayerWeights::gdn_dt_bias,
-                   &LayerWeights::gdn_A_log, &LayerWeights::gdn_norm, &LayerWeights::gdn_out}) {
+                   &LayerWeights::mlp_down, &LayerWeights::attn_qkv, &LayerWeights::attn_o,
+                   &LayerWeights::q_norm, &LayerWeights::k_norm, &LayerWeights::gdn_in,
+                   &LayerWeights::gdn_conv, &LayerWeights::gdn_dt_bias, &LayerWeights::gdn_A_log,
+                   &LayerWeights::gdn_norm, &LayerWeights::gdn_out}) {
       EXPECT_EQ((x.*f).empty(), (y.*f).empty());
       if (!(x.*f).empty()) {
         EXPECT_TRUE(same_bytes(x.*f, y.*f)) << (x.*f).name;
@@ -71,7 +73,8 @@ void expect_error(Fn fn, std::initializer_list<std::string> parts) {
     ADD_FAILURE() << "expected ds::Error";
   } catch (const Error& e) {
     std::string msg = e.what();
-    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    for (const std::string& p : parts)
+      EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
   }
 }
 
@@ -127,15 +130,18 @@ TEST(ModelWeights, SyntheticValuesArePinned) {
     mix(l.mlp_gate_up);
     mix(l.mlp_down);
     if (l.type == LayerType::kFull) {
-      for (auto f : {&LayerWeights::attn_qkv, &LayerWeights::attn_o, &LayerWeights::q_norm, &LayerWeights::k_norm}) mix(l.*f);
+      for (auto f : {&LayerWeights::attn_qkv, &LayerWeights::attn_o, &LayerWeights::q_norm,
+                     &LayerWeights::k_norm})
+        mix(l.*f);
     } else {
-      for (auto f : {&LayerWeights::gdn_in, &LayerWeights::gdn_conv, &LayerWeights::gdn_A_log, &LayerWeights::gdn_dt_bias,
-                     &LayerWeights::gdn_norm, &LayerWeights::gdn_out}) {
+      for (auto f : {&LayerWeights::gdn_in, &LayerWeights::gdn_conv, &LayerWeights::gdn_A_log,
+                     &LayerWeights::gdn_dt_bias, &LayerWeights::gdn_norm, &LayerWeights::gdn_out}) {
         mix(l.*f);
       }
     }
   }
-  EXPECT_EQ(h, 0xa6f229f0dc649d41ull) << "synthetic weights changed: update every consumer of the generator";
+  EXPECT_EQ(h, 0xa6f229f0dc649d41ull)
+      << "synthetic weights changed: update every consumer of the generator";
 }
 
 TEST(ModelWeights, SyntheticMagnitudes) {
@@ -180,7 +186,8 @@ TEST(ModelWeights, SyntheticBf16IsRoundedF32) {
   HostWeights b = make_synthetic_weights(c, 3, DType::kBF16);
   for (int64_t i = 0; i < 1000; ++i) EXPECT_EQ(round_bf16(f.embed.at(i)), b.embed.at(i));
   HostWeights h = make_synthetic_weights(c, 3, DType::kF16);
-  for (int64_t i = 0; i < 1000; ++i) EXPECT_NEAR(h.embed.at(i), f.embed.at(i), std::fabs(f.embed.at(i)) * 1e-3 + 1e-7);
+  for (int64_t i = 0; i < 1000; ++i)
+    EXPECT_NEAR(h.embed.at(i), f.embed.at(i), std::fabs(f.embed.at(i)) * 1e-3 + 1e-7);
 }
 
 struct RoundTrip {
@@ -216,8 +223,8 @@ TEST_P(ModelWeightsRoundTrip, WriteThenLoadGivesIdenticalBytes) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, ModelWeightsRoundTrip,
-                         ::testing::Values(RoundTrip{false, 1}, RoundTrip{true, 1}, RoundTrip{false, 3},
-                                           RoundTrip{true, 5}));
+                         ::testing::Values(RoundTrip{false, 1}, RoundTrip{true, 1},
+                                           RoundTrip{false, 3}, RoundTrip{true, 5}));
 
 // Writes a checkpoint from explicit tensors (name -> f32 values), for the fusion/error tests.
 struct RawTensor {
@@ -241,7 +248,8 @@ std::vector<RawTensor> raw_from_weights(const HostWeights& w, bool wrapper) {
   return out;
 }
 
-void write_raw(const std::string& dir, const ModelConfig& c, bool wrapper, const std::vector<RawTensor>& ts) {
+void write_raw(const std::string& dir, const ModelConfig& c, bool wrapper,
+               const std::vector<RawTensor>& ts) {
   fs::create_directories(dir);
   std::ofstream(dir + "/config.json") << model_config_to_json(c, wrapper);
   std::vector<TensorToWrite> tw;
@@ -266,7 +274,8 @@ TEST(ModelWeights, FusedGdnLayoutIsQkvZBA) {
     RawTensor* t = find_raw(ts, std::string("model.layers.1.linear_attn.") + parts[k] + ".weight");
     ASSERT_NE(t, nullptr);
     float* v = reinterpret_cast<float*>(t->bytes.data());
-    for (size_t i = 0; i < t->bytes.size() / 4; ++i) v[i] = float(k + 1) + float(i % c.d_model) * 1e-3f;
+    for (size_t i = 0; i < t->bytes.size() / 4; ++i)
+      v[i] = float(k + 1) + float(i % c.d_model) * 1e-3f;
   }
   TempDir dir("fuse");
   write_raw(dir.path, c, false, ts);
@@ -280,8 +289,9 @@ TEST(ModelWeights, FusedGdnLayoutIsQkvZBA) {
       ASSERT_EQ(g.at(row * c.d_model + 7), float(k + 1) + 7e-3f) << "row " << row;
     }
   }
-  EXPECT_EQ(g.name, "fused:layers.1.[linear_attn.in_proj_qkv.weight|linear_attn.in_proj_z.weight|"
-                    "linear_attn.in_proj_b.weight|linear_attn.in_proj_a.weight]");
+  EXPECT_EQ(g.name,
+            "fused:layers.1.[linear_attn.in_proj_qkv.weight|linear_attn.in_proj_z.weight|"
+            "linear_attn.in_proj_b.weight|linear_attn.in_proj_a.weight]");
   // [q|k|v] and [gate|up]
   const TensorView& qkv = r.layers[3].attn_qkv;
   EXPECT_EQ(qkv.shape, (std::vector<int64_t>{c.q_proj_dim() + 2 * c.kv_dim(), c.d_model}));
@@ -341,7 +351,8 @@ TEST_F(ModelWeightsErrors, MissingTensorNamesTensorAndFile) {
     name = full[5].name;
   }
   std::string d = write(c);
-  expect_error([&] { load_host_weights(d); }, {"missing tensor '" + name + "'", d + "/model.safetensors"});
+  expect_error([&] { load_host_weights(d); },
+               {"missing tensor '" + name + "'", d + "/model.safetensors"});
 }
 
 TEST_F(ModelWeightsErrors, MissingTensorInShardedCheckpointNamesTheShard) {
@@ -354,14 +365,17 @@ TEST_F(ModelWeightsErrors, MissingTensorInShardedCheckpointNamesTheShard) {
   std::string shard = idx["weight_map"][gone];
   idx["weight_map"].erase(gone);
   std::ofstream(ip) << idx.dump();
-  expect_error([&] { load_host_weights(sd.path); }, {"missing tensor '" + gone + "'", ip, "layer 2"});
+  expect_error([&] { load_host_weights(sd.path); },
+               {"missing tensor '" + gone + "'", ip, "layer 2"});
 }
 
 TEST_F(ModelWeightsErrors, MissingLmHeadWhenUntied) {
-  ts.erase(std::remove_if(ts.begin(), ts.end(), [](const RawTensor& t) { return t.name == "lm_head.weight"; }),
+  ts.erase(std::remove_if(ts.begin(), ts.end(),
+                          [](const RawTensor& t) { return t.name == "lm_head.weight"; }),
            ts.end());
   std::string d = write(c);
-  expect_error([&] { load_host_weights(d); }, {"missing tensor 'lm_head.weight'", "tie_word_embeddings"});
+  expect_error([&] { load_host_weights(d); },
+               {"missing tensor 'lm_head.weight'", "tie_word_embeddings"});
   // Tied: fine, lm_head is the embedding.
   ModelConfig tied = c;
   tied.tie_word_embeddings = true;
@@ -386,8 +400,9 @@ TEST_F(ModelWeightsErrors, Fp8AndIntegerDtypesRejected) {
   t->bytes.resize(t->bytes.size() / 2);
   t->dtype = DType::kF8E4M3;
   std::string d = write(c);
-  expect_error([&] { load_host_weights(d); }, {"model.language_model.layers.0.mlp.down_proj.weight", "F8_E4M3",
-                                              "not supported", d + "/model.safetensors"});
+  expect_error([&] { load_host_weights(d); },
+               {"model.language_model.layers.0.mlp.down_proj.weight", "F8_E4M3", "not supported",
+                d + "/model.safetensors"});
 }
 
 TEST_F(ModelWeightsErrors, ConfigCheckpointMismatches) {
@@ -464,7 +479,8 @@ TEST(ModelWeightsGolden, HfSavedCheckpointsLoadAndFuseExactly) {
   if (!fs::exists(root)) GTEST_SKIP() << root << " absent";
   for (const char* name : {"qwen35_27b_ratios", "qwen35_other_ratios"}) {
     SCOPED_TRACE(name);
-    const std::string text_dir = root + "/" + name + "/text", wrap_dir = root + "/" + name + "/wrapper";
+    const std::string text_dir = root + "/" + name + "/text",
+                      wrap_dir = root + "/" + name + "/wrapper";
     if (!fs::exists(text_dir) || !fs::exists(wrap_dir)) GTEST_SKIP() << "golden layouts absent";
     HostWeights t = load_host_weights(text_dir);
     HostWeights w = load_host_weights(wrap_dir);
@@ -478,9 +494,11 @@ TEST(ModelWeightsGolden, HfSavedCheckpointsLoadAndFuseExactly) {
     // Each fused field equals its parts read straight from the safetensors files.
     SafetensorsCheckpoint ck(text_dir);
     for (const CheckpointTensor& ct : checkpoint_tensors(t.config)) {
-      const TensorLocation* loc = ck.find(ct.name == "lm_head.weight" ? ct.name : "model." + ct.name);
+      const TensorLocation* loc =
+          ck.find(ct.name == "lm_head.weight" ? ct.name : "model." + ct.name);
       ASSERT_NE(loc, nullptr) << ct.name;
-      const TensorView& f = ct.layer < 0 ? t.*(ct.spec->global_field) : t.layers[ct.layer].*(ct.spec->layer_field);
+      const TensorView& f =
+          ct.layer < 0 ? t.*(ct.spec->global_field) : t.layers[ct.layer].*(ct.spec->layer_field);
       const int64_t row = f.numel() / f.shape[0];
       const size_t es = dtype_size(f.dtype);
       ASSERT_EQ(std::memcmp(f.data + ct.row_offset * row * es, loc->file->tensor_data(*loc->entry),

@@ -36,7 +36,8 @@ nlohmann::ordered_json to_json(const CheckpointInfo& info, const MemoryPlan& pla
   j["model"] = info.dir;
   j["has_weights"] = info.has_weights;
   std::vector<std::string> types;
-  for (LayerType t : c.layer_types) types.push_back(t == LayerType::kFull ? "full_attention" : "linear_attention");
+  for (LayerType t : c.layer_types)
+    types.push_back(t == LayerType::kFull ? "full_attention" : "linear_attention");
   j["config"] = {{"model_type", c.model_type},
                  {"wrapper", c.is_wrapper},
                  {"hidden_size", c.d_model},
@@ -99,15 +100,20 @@ void print_text(const CheckpointInfo& info, const MemoryPlan& plan, const Inspec
   std::printf("model: %s\n%s\n\n", info.dir.c_str(), c.summary().c_str());
   if (info.has_weights) {
     std::string dtypes;
-    for (auto& [dt, n] : info.text_tensors_by_dtype) dtypes += (dtypes.empty() ? "" : ", ") + dt + ": " + std::to_string(n);
-    std::printf("checkpoint: %d file(s) via %s; %lld text tensors (%s)\n", info.stats.n_files, info.listing.c_str(),
-                static_cast<long long>(info.stats.n_text_tensors), dtypes.c_str());
+    for (auto& [dt, n] : info.text_tensors_by_dtype)
+      dtypes += (dtypes.empty() ? "" : ", ") + dt + ": " + std::to_string(n);
+    std::printf("checkpoint: %d file(s) via %s; %lld text tensors (%s)\n", info.stats.n_files,
+                info.listing.c_str(), static_cast<long long>(info.stats.n_text_tensors),
+                dtypes.c_str());
   } else {
-    std::printf("checkpoint: no safetensors files (config.json only); counts from the config, bf16 assumed\n");
+    std::printf(
+        "checkpoint: no safetensors files (config.json only); counts from the config, bf16 "
+        "assumed\n");
   }
   std::printf("\nparameters (text model)          count             bytes\n");
   for (int k = 0; k < kNumParamKinds; ++k) {
-    std::printf("  %-22s %20s  %14s\n", param_kind_name(ParamKind(k)), with_commas(info.params_by_kind[k]).c_str(),
+    std::printf("  %-22s %20s  %14s\n", param_kind_name(ParamKind(k)),
+                with_commas(info.params_by_kind[k]).c_str(),
                 format_bytes(info.bytes_by_kind[k]).c_str());
   }
   std::printf("  %-22s %20s  %14s\n", "total", with_commas(info.text_params()).c_str(),
@@ -115,9 +121,11 @@ void print_text(const CheckpointInfo& info, const MemoryPlan& plan, const Inspec
   if (c.tie_word_embeddings) std::printf("  (lm_head tied to the embedding: counted once)\n");
   if (info.has_weights) {
     std::printf("ignored by the engine:\n");
-    std::printf("  %-22s %20s  (%lld tensors)\n", "visual (model.visual.*)", with_commas(info.stats.visual_params).c_str(),
+    std::printf("  %-22s %20s  (%lld tensors)\n", "visual (model.visual.*)",
+                with_commas(info.stats.visual_params).c_str(),
                 static_cast<long long>(info.stats.n_visual_tensors));
-    std::printf("  %-22s %20s  (%lld tensors)\n", "mtp (mtp.*)", with_commas(info.stats.mtp_params).c_str(),
+    std::printf("  %-22s %20s  (%lld tensors)\n", "mtp (mtp.*)",
+                with_commas(info.stats.mtp_params).c_str(),
                 static_cast<long long>(info.stats.n_mtp_tensors));
     if (!info.stats.other_tensor_names.empty()) {
       std::printf("  other tensors (%zu):\n", info.stats.other_tensor_names.size());
@@ -131,21 +139,24 @@ void print_text(const CheckpointInfo& info, const MemoryPlan& plan, const Inspec
       }
     }
   }
-  std::printf("\nmemory plan (--gpu-memory %.1f GiB, bf16 weights and KV cache):\n%s", o.gpu_memory_gib,
-              plan.to_text().c_str());
+  std::printf("\nmemory plan (--gpu-memory %.1f GiB, bf16 weights and KV cache):\n%s",
+              o.gpu_memory_gib, plan.to_text().c_str());
 }
 
 std::function<int()> setup_inspect(CLI::App& app) {
   auto o = std::make_shared<InspectOpts>();
-  app.add_option("--model", o->model, "Checkpoint folder (config.json + safetensors; config.json alone also works)")
+  app.add_option("--model", o->model,
+                 "Checkpoint folder (config.json + safetensors; config.json alone also works)")
       ->required();
   app.add_option("--gpu-memory", o->gpu_memory_gib, "GPU memory budget in GiB for the memory plan")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  app.add_option("--reserve", o->reserve_gib, "GiB of the budget kept for activations and workspaces")
+  app.add_option("--reserve", o->reserve_gib,
+                 "GiB of the budget kept for activations and workspaces")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  app.add_option("--context", o->context, "Context length (tokens) for the 'sequences that fit' figure")
+  app.add_option("--context", o->context,
+                 "Context length (tokens) for the 'sequences that fit' figure")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_flag("--json", o->json, "Print everything as one JSON object");
@@ -168,7 +179,8 @@ std::function<int()> setup_inspect(CLI::App& app) {
 
 }  // namespace
 
-DS_COMMAND("inspect", "Config, parameter counts and memory plan of a checkpoint (reads headers only)",
+DS_COMMAND("inspect",
+           "Config, parameter counts and memory plan of a checkpoint (reads headers only)",
            setup_inspect);
 
 }  // namespace ds::cli

@@ -28,8 +28,11 @@ std::function<int()> setup_make_tiny(CLI::App& app) {
   auto o = std::make_shared<MakeTinyOpts>();
   app.add_option("--out", o->out, "Folder to write (config.json + safetensors)")->required();
   app.add_option("--seed", o->seed, "Random seed (same seed, same bytes)")->capture_default_str();
-  app.add_option("--vocab", o->vocab, "Vocabulary size")->capture_default_str()->check(CLI::Range(2, 1 << 20));
-  app.add_option("--shards", o->shards, "Number of safetensors files (> 1 writes model.safetensors.index.json)")
+  app.add_option("--vocab", o->vocab, "Vocabulary size")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 1 << 20));
+  app.add_option("--shards", o->shards,
+                 "Number of safetensors files (> 1 writes model.safetensors.index.json)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
   app.add_flag("--wrapper", o->wrapper,
@@ -38,11 +41,13 @@ std::function<int()> setup_make_tiny(CLI::App& app) {
   app.add_option("--dtype", o->dtype, "Weight dtype: bf16, f16 or f32")
       ->capture_default_str()
       ->check(CLI::IsMember({"bf16", "f16", "f32"}));
-  app.add_flag("--force", o->force, "Write into a non-empty folder (its checkpoint files are replaced)");
+  app.add_flag("--force", o->force,
+               "Write into a non-empty folder (its checkpoint files are replaced)");
   return [o]() {
     namespace fs = std::filesystem;
     std::error_code ec;
-    if (fs::exists(o->out, ec) && !fs::is_directory(o->out, ec)) throw_error(o->out, ": exists and is not a folder");
+    if (fs::exists(o->out, ec) && !fs::is_directory(o->out, ec))
+      throw_error(o->out, ": exists and is not a folder");
     if (fs::is_directory(o->out, ec) && !fs::is_empty(o->out, ec) && !o->force) {
       throw_error(o->out, ": folder is not empty (use --force to overwrite the checkpoint in it)");
     }
@@ -64,15 +69,17 @@ std::function<int()> setup_make_tiny(CLI::App& app) {
     std::printf("wrote a tiny Qwen3.5 checkpoint with RANDOM weights (seed %llu) to %s\n",
                 static_cast<unsigned long long>(o->seed), o->out.c_str());
     std::printf("  %s\n", c.summary().c_str());
-    std::printf("  %d file(s), %s layout, %s; its generations are meaningless token ids\n", o->shards,
-                o->wrapper ? "wrapper (model.language_model.*)" : "text-only (model.*)", o->dtype.c_str());
+    std::printf("  %d file(s), %s layout, %s; its generations are meaningless token ids\n",
+                o->shards, o->wrapper ? "wrapper (model.language_model.*)" : "text-only (model.*)",
+                o->dtype.c_str());
     return 0;
   };
 }
 
 }  // namespace
 
-DS_COMMAND("make-tiny", "Write a tiny checkpoint with deterministic random weights (for trying the engine)",
+DS_COMMAND("make-tiny",
+           "Write a tiny checkpoint with deterministic random weights (for trying the engine)",
            setup_make_tiny);
 
 }  // namespace ds::cli

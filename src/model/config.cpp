@@ -44,7 +44,8 @@ struct Section {
     const json* v = find(key);
     if (v == nullptr) return def;
     if (v->is_number_integer()) {
-      if (v->is_number_unsigned() && v->get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max())) {
+      if (v->is_number_unsigned() &&
+          v->get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max())) {
         throw_error(*where, ": field '", field(key), "' is out of range (", v->dump(), ")");
       }
       return v->get<int64_t>();
@@ -52,7 +53,8 @@ struct Section {
     // Some writers emit integral values as floats (e.g. 4096.0); accept those exactly.
     if (v->is_number_float()) {
       double d = v->get<double>();
-      if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15) return static_cast<int64_t>(d);
+      if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 9.0e15)
+        return static_cast<int64_t>(d);
     }
     type_error(key, "an integer", *v);
   }
@@ -177,7 +179,8 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   } catch (const json::exception& e) {
     throw_error(where, ": invalid JSON: ", e.what());
   }
-  if (!root.is_object()) throw_error(where, ": expected a JSON object at the top level, got ", root.type_name());
+  if (!root.is_object())
+    throw_error(where, ": expected a JSON object at the top level, got ", root.type_name());
   Section top{&root, "", &where};
 
   ModelConfig c;
@@ -192,18 +195,21 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     c.is_wrapper = true;
     std::string inner = text.get_string("model_type", "qwen3_5_text");
     if (inner != "qwen3_5_text") {
-      throw_error(where, ": field 'text_config.model_type' is '", inner, "'; expected 'qwen3_5_text'");
+      throw_error(where, ": field 'text_config.model_type' is '", inner,
+                  "'; expected 'qwen3_5_text'");
     }
   } else if (model_type == "qwen3_5_text") {
     c.is_wrapper = false;
   } else if (model_type.empty()) {
     throw_error(where, ": missing field 'model_type' (expected 'qwen3_5' or 'qwen3_5_text')");
   } else if (model_type.rfind("qwen3_5_moe", 0) == 0 || model_type == "qwen3_next") {
-    throw_error(where, ": model_type '", model_type,
-                "' (mixture-of-experts) is not supported; deltaserve serves the dense Qwen3.5 models "
-                "(model_type 'qwen3_5' / 'qwen3_5_text')");
+    throw_error(
+        where, ": model_type '", model_type,
+        "' (mixture-of-experts) is not supported; deltaserve serves the dense Qwen3.5 models "
+        "(model_type 'qwen3_5' / 'qwen3_5_text')");
   } else {
-    throw_error(where, ": unsupported model_type '", model_type, "' (expected 'qwen3_5' or 'qwen3_5_text')");
+    throw_error(where, ": unsupported model_type '", model_type,
+                "' (expected 'qwen3_5' or 'qwen3_5_text')");
   }
   c.model_type = "qwen3_5_text";
 
@@ -224,11 +230,13 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   c.n_k_heads = text.get_int("linear_num_key_heads", 16);
   c.n_v_heads = text.get_int("linear_num_value_heads", 32);
   // tie_word_embeddings may sit at either level; the text_config value wins when present.
-  c.tie_word_embeddings = text.get_bool("tie_word_embeddings", top.get_bool("tie_word_embeddings", false));
+  c.tie_word_embeddings =
+      text.get_bool("tie_word_embeddings", top.get_bool("tie_word_embeddings", false));
 
   std::string act = text.get_string("hidden_act", "silu");
   if (act != "silu") {
-    throw_error(where, ": field '", text.field("hidden_act"), "' is '", act, "'; only 'silu' is supported");
+    throw_error(where, ": field '", text.field("hidden_act"), "' is '", act,
+                "'; only 'silu' is supported");
   }
   if (text.get_bool("attention_bias", false)) {
     throw_error(where, ": field '", text.field("attention_bias"),
@@ -239,8 +247,10 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
 
   // Special tokens: text_config first, then the top level.
   for (const Section* s : {&text, &top}) {
-    if (c.bos_token_id < 0 && s->has("bos_token_id")) c.bos_token_id = s->get_int("bos_token_id", -1);
-    if (c.eos_token_ids.empty() && s->has("eos_token_id")) c.eos_token_ids = parse_int_list(*s, "eos_token_id");
+    if (c.bos_token_id < 0 && s->has("bos_token_id"))
+      c.bos_token_id = s->get_int("bos_token_id", -1);
+    if (c.eos_token_ids.empty() && s->has("eos_token_id"))
+      c.eos_token_ids = parse_int_list(*s, "eos_token_id");
   }
 
   c.validate();
@@ -272,10 +282,11 @@ int64_t ModelConfig::n_params_layer(LayerType type) const {
   const int64_t h = d_model;
   int64_t n = 2 * h + 3 * h * int64_t(d_ff);  // two norms + gate/up/down
   if (type == LayerType::kFull) {
-    n += (int64_t(q_proj_dim()) + 2 * int64_t(kv_dim())) * h + h * attn_out_dim() + 2 * int64_t(head_dim);
+    n += (int64_t(q_proj_dim()) + 2 * int64_t(kv_dim())) * h + h * attn_out_dim() +
+         2 * int64_t(head_dim);
   } else {
-    n += int64_t(gdn_in_dim()) * h + int64_t(gdn_qkv_dim()) * conv_kernel + 2 * int64_t(n_v_heads) + d_v +
-         h * gdn_z_dim();
+    n += int64_t(gdn_in_dim()) * h + int64_t(gdn_qkv_dim()) * conv_kernel + 2 * int64_t(n_v_heads) +
+         d_v + h * gdn_z_dim();
   }
   return n;
 }
@@ -306,47 +317,54 @@ void ModelConfig::validate() const {
   positive("linear_value_head_dim", d_v);
   positive("linear_conv_kernel_dim", conv_kernel);
   positive("max_position_embeddings", max_position_embeddings);
-  if (conv_kernel > 64) throw_error(where, ": field 'linear_conv_kernel_dim' is implausibly large (", conv_kernel, ")");
+  if (conv_kernel > 64)
+    throw_error(where, ": field 'linear_conv_kernel_dim' is implausibly large (", conv_kernel, ")");
   // Derived projection widths must fit an int (they index rows of a matrix).
   auto fits = [&](const char* what, int64_t v) {
-    if (v > std::numeric_limits<int>::max() / 4) throw_error(where, ": ", what, " (", v, ") is implausibly large");
+    if (v > std::numeric_limits<int>::max() / 4)
+      throw_error(where, ": ", what, " (", v, ") is implausibly large");
   };
   fits("num_attention_heads * head_dim", int64_t(n_heads) * head_dim * 2);
   fits("num_key_value_heads * head_dim", int64_t(n_kv_heads) * head_dim);
   fits("linear_num_key_heads * linear_key_head_dim", int64_t(n_k_heads) * d_k * 2);
   fits("linear_num_value_heads * linear_value_head_dim", int64_t(n_v_heads) * d_v * 2);
   fits("linear_num_value_heads * linear_key_head_dim", int64_t(n_v_heads) * d_k);
-  fits("linear_conv_kernel_dim * conv channels", (int64_t(n_k_heads) * d_k * 2 + int64_t(n_v_heads) * d_v) * conv_kernel);
-  if (int64_t(vocab_size) * d_model > (int64_t(1) << 40) || int64_t(d_ff) * d_model > (int64_t(1) << 40)) {
+  fits("linear_conv_kernel_dim * conv channels",
+       (int64_t(n_k_heads) * d_k * 2 + int64_t(n_v_heads) * d_v) * conv_kernel);
+  if (int64_t(vocab_size) * d_model > (int64_t(1) << 40) ||
+      int64_t(d_ff) * d_model > (int64_t(1) << 40)) {
     throw_error(where, ": hidden_size x vocab_size / intermediate_size is implausibly large");
   }
-  if (n_layers > 4096) throw_error(where, ": field 'num_hidden_layers' is implausibly large (", n_layers, ")");
+  if (n_layers > 4096)
+    throw_error(where, ": field 'num_hidden_layers' is implausibly large (", n_layers, ")");
   // Whole-model sizes in floating point (no overflow possible), so that every int64 size derived
   // from a config that passes is far from overflowing.
   {
     const double h = d_model, layers = n_layers;
-    double per_layer = 3.0 * h * d_ff + (2.0 * n_heads + 2.0 * n_kv_heads) * head_dim * h + h * n_heads * head_dim +
-                       (4.0 * n_k_heads * d_k + 3.0 * n_v_heads * d_v) * h;
+    double per_layer = 3.0 * h * d_ff + (2.0 * n_heads + 2.0 * n_kv_heads) * head_dim * h +
+                       h * n_heads * head_dim + (4.0 * n_k_heads * d_k + 3.0 * n_v_heads * d_v) * h;
     double total = 2.0 * vocab_size * h + layers * per_layer;
-    double state = layers * (double(n_v_heads) * d_k * d_v + double(conv_kernel) * (2.0 * n_k_heads * d_k + n_v_heads * d_v));
+    double state = layers * (double(n_v_heads) * d_k * d_v +
+                             double(conv_kernel) * (2.0 * n_k_heads * d_k + n_v_heads * d_v));
     if (total > 1e15 || state > 1e15) {
       throw_error(where, ": the model sizes are implausibly large (", total, " parameters)");
     }
   }
   if (n_heads % n_kv_heads != 0) {
-    throw_error(where, ": num_attention_heads (", n_heads, ") must be a multiple of num_key_value_heads (",
-                n_kv_heads, ")");
+    throw_error(where, ": num_attention_heads (", n_heads,
+                ") must be a multiple of num_key_value_heads (", n_kv_heads, ")");
   }
   if (n_v_heads % n_k_heads != 0) {
-    throw_error(where, ": linear_num_value_heads (", n_v_heads, ") must be a multiple of linear_num_key_heads (",
-                n_k_heads, ")");
+    throw_error(where, ": linear_num_value_heads (", n_v_heads,
+                ") must be a multiple of linear_num_key_heads (", n_k_heads, ")");
   }
   if (!(partial_rotary_factor > 0.0f && partial_rotary_factor <= 1.0f)) {
     throw_error(where, ": partial_rotary_factor must be in (0, 1], got ", partial_rotary_factor);
   }
   if (rotary_dim <= 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim) {
     throw_error(where, ": rotary dimension head_dim * partial_rotary_factor = ", head_dim, " * ",
-                partial_rotary_factor, " = ", rotary_dim, " must be even, positive and <= head_dim");
+                partial_rotary_factor, " = ", rotary_dim,
+                " must be even, positive and <= head_dim");
   }
   if (!(rope_theta > 1.0) || !std::isfinite(rope_theta)) {
     throw_error(where, ": rope_theta must be a finite number > 1, got ", rope_theta);
@@ -355,7 +373,8 @@ void ModelConfig::validate() const {
     throw_error(where, ": rms_norm_eps must be in (0, 1], got ", rms_norm_eps);
   }
   if (static_cast<int64_t>(layer_types.size()) != n_layers) {
-    throw_error(where, ": layer_types has ", layer_types.size(), " entries but num_hidden_layers is ", n_layers);
+    throw_error(where, ": layer_types has ", layer_types.size(),
+                " entries but num_hidden_layers is ", n_layers);
   }
   for (int id : eos_token_ids) {
     if (id < 0 || id >= vocab_size) {
@@ -363,22 +382,24 @@ void ModelConfig::validate() const {
     }
   }
   if (bos_token_id >= vocab_size) {
-    throw_error(where, ": bos_token_id ", bos_token_id, " is outside the vocabulary [0, ", vocab_size, ")");
+    throw_error(where, ": bos_token_id ", bos_token_id, " is outside the vocabulary [0, ",
+                vocab_size, ")");
   }
 }
 
 std::string ModelConfig::summary() const {
   std::ostringstream os;
-  os << model_type << (is_wrapper ? " (vision-language wrapper config, text model only)" : "") << ": "
-     << n_layers << " layers (" << n_linear_layers() << " Gated DeltaNet + " << n_full_layers()
-     << " gated attention), d_model " << d_model << ", d_ff " << d_ff << ", vocab " << vocab_size
-     << (tie_word_embeddings ? " (tied embeddings)" : "") << ". Attention: " << n_heads << " query / "
-     << n_kv_heads << " kv heads x " << head_dim << " (GQA " << n_heads / std::max(1, n_kv_heads)
-     << "), RoPE theta " << rope_theta << " on " << rotary_dim << " dims"
-     << (attn_output_gate ? ", output gate" : "") << ". Gated DeltaNet: " << n_k_heads << " key / "
-     << n_v_heads << " value heads, d_k " << d_k << ", d_v " << d_v << ", conv kernel " << conv_kernel
-     << ". rms_norm_eps " << rms_norm_eps << ", max positions " << max_position_embeddings << ". "
-     << n_params_text() << " text parameters (" << std::fixed << std::setprecision(2) << n_params_text() / 1e9
+  os << model_type << (is_wrapper ? " (vision-language wrapper config, text model only)" : "")
+     << ": " << n_layers << " layers (" << n_linear_layers() << " Gated DeltaNet + "
+     << n_full_layers() << " gated attention), d_model " << d_model << ", d_ff " << d_ff
+     << ", vocab " << vocab_size << (tie_word_embeddings ? " (tied embeddings)" : "")
+     << ". Attention: " << n_heads << " query / " << n_kv_heads << " kv heads x " << head_dim
+     << " (GQA " << n_heads / std::max(1, n_kv_heads) << "), RoPE theta " << rope_theta << " on "
+     << rotary_dim << " dims" << (attn_output_gate ? ", output gate" : "")
+     << ". Gated DeltaNet: " << n_k_heads << " key / " << n_v_heads << " value heads, d_k " << d_k
+     << ", d_v " << d_v << ", conv kernel " << conv_kernel << ". rms_norm_eps " << rms_norm_eps
+     << ", max positions " << max_position_embeddings << ". " << n_params_text()
+     << " text parameters (" << std::fixed << std::setprecision(2) << n_params_text() / 1e9
      << "B).";
   return os.str();
 }
@@ -419,7 +440,8 @@ std::string model_config_to_json(const ModelConfig& c, bool wrapper) {
   t["linear_num_key_heads"] = c.n_k_heads;
   t["linear_num_value_heads"] = c.n_v_heads;
   std::vector<std::string> types;
-  for (LayerType lt : c.layer_types) types.push_back(lt == LayerType::kFull ? "full_attention" : "linear_attention");
+  for (LayerType lt : c.layer_types)
+    types.push_back(lt == LayerType::kFull ? "full_attention" : "linear_attention");
   t["layer_types"] = types;
   nlohmann::ordered_json rope;
   rope["rope_type"] = "default";

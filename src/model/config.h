@@ -11,13 +11,13 @@ namespace ds {
 enum class LayerType : uint8_t { kLinear, kFull };  // Gated DeltaNet / gated full attention
 
 struct ModelConfig {
-  std::string model_type;  // "qwen3_5_text" (after unwrapping a "qwen3_5" wrapper)
-  bool is_wrapper = false; // config.json had the vision-language wrapper (text under text_config)
-  std::string source;      // file (or "<synthetic>") the config came from, named in errors
+  std::string model_type;   // "qwen3_5_text" (after unwrapping a "qwen3_5" wrapper)
+  bool is_wrapper = false;  // config.json had the vision-language wrapper (text under text_config)
+  std::string source;       // file (or "<synthetic>") the config came from, named in errors
 
-  int d_model = 0;       // hidden_size
-  int n_layers = 0;      // num_hidden_layers
-  int d_ff = 0;          // intermediate_size
+  int d_model = 0;   // hidden_size
+  int n_layers = 0;  // num_hidden_layers
+  int d_ff = 0;      // intermediate_size
   int vocab_size = 0;
   float rms_norm_eps = 1e-6f;
   bool tie_word_embeddings = false;
@@ -36,10 +36,10 @@ struct ModelConfig {
   bool mrope_interleaved = false;
 
   // Gated DeltaNet.
-  int n_k_heads = 0;  // linear_num_key_heads
-  int n_v_heads = 0;  // linear_num_value_heads
-  int d_k = 0;        // linear_key_head_dim
-  int d_v = 0;        // linear_value_head_dim
+  int n_k_heads = 0;    // linear_num_key_heads
+  int n_v_heads = 0;    // linear_num_value_heads
+  int d_k = 0;          // linear_key_head_dim
+  int d_v = 0;          // linear_value_head_dim
   int conv_kernel = 4;  // linear_conv_kernel_dim
 
   // Special tokens (from config.json when present; -1 when absent).

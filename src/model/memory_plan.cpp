@@ -13,16 +13,18 @@ namespace ds {
 
 MemoryPlan plan_memory(const ModelConfig& c, int64_t weight_bytes, const MemoryPlanOptions& opt) {
   DS_CHECK(opt.gpu_bytes >= 0 && opt.reserve_bytes >= 0, "memory plan: negative budget");
-  DS_CHECK(opt.context_tokens > 0, "memory plan: context length must be positive, got ", opt.context_tokens);
+  DS_CHECK(opt.context_tokens > 0, "memory plan: context length must be positive, got ",
+           opt.context_tokens);
   MemoryPlan p;
   p.weight_bytes = weight_bytes;
   // Attention layers cache K (after norm + RoPE) and V: 2 x kv_dim per token and layer.
   p.kv_bytes_per_token = int64_t(c.n_full_layers()) * 2 * c.kv_dim() * opt.kv_elem_bytes;
   // GDN layers keep the last conv_kernel-1 inputs of the conv channels and S [n_v, d_k, d_v] fp32.
-  p.conv_state_bytes_per_layer = int64_t(c.conv_kernel - 1) * c.gdn_qkv_dim() * opt.conv_state_elem_bytes;
+  p.conv_state_bytes_per_layer =
+      int64_t(c.conv_kernel - 1) * c.gdn_qkv_dim() * opt.conv_state_elem_bytes;
   p.recurrent_state_bytes_per_layer = int64_t(c.n_v_heads) * c.d_k * c.d_v * 4;
-  p.gdn_state_bytes_per_seq =
-      int64_t(c.n_linear_layers()) * (p.conv_state_bytes_per_layer + p.recurrent_state_bytes_per_layer);
+  p.gdn_state_bytes_per_seq = int64_t(c.n_linear_layers()) *
+                              (p.conv_state_bytes_per_layer + p.recurrent_state_bytes_per_layer);
   p.budget_bytes = opt.gpu_bytes;
   p.reserve_bytes = opt.reserve_bytes;
   p.free_bytes = opt.gpu_bytes - weight_bytes - opt.reserve_bytes;
@@ -30,8 +32,10 @@ MemoryPlan plan_memory(const ModelConfig& c, int64_t weight_bytes, const MemoryP
   p.max_position_embeddings = c.max_position_embeddings;
   const int64_t per_token = std::max<int64_t>(1, p.kv_bytes_per_token);
   if (p.free_bytes > p.gdn_state_bytes_per_seq) {
-    p.max_tokens_one_seq = p.kv_bytes_per_token > 0 ? (p.free_bytes - p.gdn_state_bytes_per_seq) / per_token : 0;
-    if (p.kv_bytes_per_token == 0) p.max_tokens_one_seq = INT64_MAX;  // no attention layer: unbounded
+    p.max_tokens_one_seq =
+        p.kv_bytes_per_token > 0 ? (p.free_bytes - p.gdn_state_bytes_per_seq) / per_token : 0;
+    if (p.kv_bytes_per_token == 0)
+      p.max_tokens_one_seq = INT64_MAX;  // no attention layer: unbounded
     // context * per-token bytes can exceed int64 for absurd --context values: compare first.
     if (p.kv_bytes_per_token > 0 && opt.context_tokens > (INT64_MAX / 2) / p.kv_bytes_per_token) {
       p.max_seqs_at_context = 0;
@@ -77,13 +81,16 @@ std::string MemoryPlan::to_text() const {
     line("fits", "NO: the weights and reserve do not fit in the budget");
     return os.str();
   }
-  std::string max_tokens = max_tokens_one_seq == INT64_MAX ? std::string("unbounded (no attention layer)")
-                                                           : std::to_string(max_tokens_one_seq);
+  std::string max_tokens = max_tokens_one_seq == INT64_MAX
+                               ? std::string("unbounded (no attention layer)")
+                               : std::to_string(max_tokens_one_seq);
   if (max_tokens_one_seq > max_position_embeddings) {
-    max_tokens += " (above the model's limit of " + std::to_string(max_position_embeddings) + " positions)";
+    max_tokens +=
+        " (above the model's limit of " + std::to_string(max_position_embeddings) + " positions)";
   }
   line("KV capacity in tokens (one sequence)", max_tokens);
-  line(("sequences at " + std::to_string(context_tokens) + " tokens").c_str(), std::to_string(max_seqs_at_context));
+  line(("sequences at " + std::to_string(context_tokens) + " tokens").c_str(),
+       std::to_string(max_seqs_at_context));
   return os.str();
 }
 

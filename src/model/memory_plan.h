@@ -21,12 +21,12 @@ struct MemoryPlanOptions {
 
 struct MemoryPlan {
   int64_t weight_bytes = 0;
-  int64_t kv_bytes_per_token = 0;       // all attention layers, K and V
+  int64_t kv_bytes_per_token = 0;               // all attention layers, K and V
   int64_t conv_state_bytes_per_layer = 0;       // per sequence, one GDN layer
   int64_t recurrent_state_bytes_per_layer = 0;  // per sequence, one GDN layer (fp32)
   int64_t gdn_state_bytes_per_seq = 0;          // all GDN layers, conv + recurrent
   int64_t budget_bytes = 0, reserve_bytes = 0;
-  int64_t free_bytes = 0;      // budget - weights - reserve (may be negative: does not fit)
+  int64_t free_bytes = 0;          // budget - weights - reserve (may be negative: does not fit)
   int64_t max_tokens_one_seq = 0;  // KV tokens that fit next to one sequence's GDN state
   int64_t context_tokens = 0;
   int64_t max_position_embeddings = 0;  // the model's own limit on one sequence

@@ -31,10 +31,10 @@ struct DtypeInfo {
 };
 // The dtypes of the safetensors format (0.4-0.8). Only BF16/F16/F32 are usable as weights.
 constexpr DtypeInfo kDtypes[] = {
-    {"BOOL", 8},    {"U8", 8},       {"I8", 8},       {"F8_E5M2", 8}, {"F8_E4M3", 8}, {"F8_E8M0", 8},
-    {"I16", 16},    {"U16", 16},     {"F16", 16},     {"BF16", 16},   {"I32", 32},    {"U32", 32},
-    {"F32", 32},    {"F64", 64},     {"I64", 64},     {"U64", 64},    {"C64", 64},    {"F4", 4},
-    {"F6_E2M3", 6}, {"F6_E3M2", 6},
+    {"BOOL", 8},    {"U8", 8},   {"I8", 8},   {"F8_E5M2", 8}, {"F8_E4M3", 8},
+    {"F8_E8M0", 8}, {"I16", 16}, {"U16", 16}, {"F16", 16},    {"BF16", 16},
+    {"I32", 32},    {"U32", 32}, {"F32", 32}, {"F64", 64},    {"I64", 64},
+    {"U64", 64},    {"C64", 64}, {"F4", 4},   {"F6_E2M3", 6}, {"F6_E3M2", 6},
 };
 
 int dtype_bits(const std::string& s) {
@@ -55,11 +55,16 @@ int64_t SafetensorsEntry::numel() const {
 }
 
 bool SafetensorsEntry::engine_dtype(DType* out) const {
-  if (dtype_str == "BF16") *out = DType::kBF16;
-  else if (dtype_str == "F16") *out = DType::kF16;
-  else if (dtype_str == "F32") *out = DType::kF32;
-  else if (dtype_str == "F8_E4M3") *out = DType::kF8E4M3;
-  else return false;
+  if (dtype_str == "BF16")
+    *out = DType::kBF16;
+  else if (dtype_str == "F16")
+    *out = DType::kF16;
+  else if (dtype_str == "F32")
+    *out = DType::kF32;
+  else if (dtype_str == "F8_E4M3")
+    *out = DType::kF8E4M3;
+  else
+    return false;
   return true;
 }
 
@@ -71,7 +76,8 @@ const SafetensorsEntry* SafetensorsHeader::find(const std::string& name) const {
 SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, uint64_t file_size,
                                            const std::string& where) {
   if (size < 8) {
-    throw_error(where, ": truncated safetensors file (", file_size, " bytes; the 8-byte header length is missing)");
+    throw_error(where, ": truncated safetensors file (", file_size,
+                " bytes; the 8-byte header length is missing)");
   }
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(data[i]);  // little-endian
@@ -81,8 +87,8 @@ SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, u
                 kSafetensorsMaxHeader, "-byte limit (not a safetensors file?)");
   }
   if (8 + n > file_size || 8 + n > size) {
-    throw_error(where, ": truncated safetensors file: header length ", n, " but the file has only ", file_size,
-                " bytes");
+    throw_error(where, ": truncated safetensors file: header length ", n, " but the file has only ",
+                file_size, " bytes");
   }
   SafetensorsHeader h;
   h.data_start = 8 + n;
@@ -96,7 +102,8 @@ SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, u
     throw_error(where, ": corrupt safetensors header (invalid JSON): ", e.what());
   }
   if (!root.is_object()) {
-    throw_error(where, ": corrupt safetensors header: expected a JSON object, got ", root.type_name());
+    throw_error(where, ": corrupt safetensors header: expected a JSON object, got ",
+                root.type_name());
   }
 
   for (auto& item : root.items()) {
@@ -104,9 +111,11 @@ SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, u
     const json& v = item.value();
     if (name == "__metadata__") {
       if (v.is_null()) continue;
-      if (!v.is_object()) throw_error(where, ": safetensors __metadata__ must be an object of strings");
+      if (!v.is_object())
+        throw_error(where, ": safetensors __metadata__ must be an object of strings");
       for (auto& [k, mv] : v.items()) {
-        if (!mv.is_string()) throw_error(where, ": safetensors __metadata__ value '", k, "' is not a string");
+        if (!mv.is_string())
+          throw_error(where, ": safetensors __metadata__ value '", k, "' is not a string");
         h.metadata[k] = mv.get<std::string>();
       }
       continue;
@@ -132,7 +141,8 @@ SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, u
       if (!d.is_number_unsigned() && !(d.is_number_integer() && d.get<int64_t>() >= 0)) {
         bad("shape has a non-integer or negative dimension " + d.dump().substr(0, 40));
       }
-      if (d.is_number_unsigned() && d.get<uint64_t>() > uint64_t(kMaxNumel)) bad("shape dimension too large");
+      if (d.is_number_unsigned() && d.get<uint64_t>() > uint64_t(kMaxNumel))
+        bad("shape dimension too large");
       int64_t dim = d.get<int64_t>();
       e.shape.push_back(dim);
       if (dim != 0 && numel > kMaxNumel / dim) bad("shape is too large");
@@ -146,7 +156,8 @@ SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, u
     e.begin = (*off)[0].get<uint64_t>();
     e.end = (*off)[1].get<uint64_t>();
     if (e.end < e.begin) {
-      bad("data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "] are reversed");
+      bad("data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+          "] are reversed");
     }
     if (e.end > data_size) {
       bad("data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
@@ -166,25 +177,28 @@ SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, u
 
   // Sorted by offset, the tensors must tile the data section exactly (as the reference
   // implementation requires): a gap or an overlap means a corrupt or hand-edited file.
-  std::sort(h.tensors.begin(), h.tensors.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
+  std::sort(h.tensors.begin(), h.tensors.end(),
+            [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+            });
   uint64_t pos = 0;
   for (size_t i = 0; i < h.tensors.size(); ++i) {
     const SafetensorsEntry& e = h.tensors[i];
     if (e.begin < pos) {
-      throw_error(where, ": corrupt safetensors header: tensor '", e.name, "' data_offsets [", e.begin, ", ", e.end,
-                  "] overlap tensor '", h.tensors[i - 1].name, "' (ends at ", pos, ")");
+      throw_error(where, ": corrupt safetensors header: tensor '", e.name, "' data_offsets [",
+                  e.begin, ", ", e.end, "] overlap tensor '", h.tensors[i - 1].name, "' (ends at ",
+                  pos, ")");
     }
     if (e.begin > pos) {
-      throw_error(where, ": corrupt safetensors header: ", e.begin - pos, " unaccounted bytes before tensor '",
-                  e.name, "' (data_offsets [", e.begin, ", ", e.end, "], previous data ends at ", pos, ")");
+      throw_error(where, ": corrupt safetensors header: ", e.begin - pos,
+                  " unaccounted bytes before tensor '", e.name, "' (data_offsets [", e.begin, ", ",
+                  e.end, "], previous data ends at ", pos, ")");
     }
     pos = e.end;
   }
   if (pos != data_size) {
-    throw_error(where, ": corrupt safetensors file: tensors cover ", pos, " bytes of data but the data section has ",
-                data_size, " bytes");
+    throw_error(where, ": corrupt safetensors file: tensors cover ", pos,
+                " bytes of data but the data section has ", data_size, " bytes");
   }
   for (size_t i = 0; i < h.tensors.size(); ++i) h.index[h.tensors[i].name] = i;
   return h;
@@ -206,7 +220,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   size_ = static_cast<uint64_t>(st.st_size);
   if (size_ < 8) {
     ::close(fd);
-    throw_error(path, ": truncated safetensors file (", size_, " bytes; the 8-byte header length is missing)");
+    throw_error(path, ": truncated safetensors file (", size_,
+                " bytes; the 8-byte header length is missing)");
   }
   void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
   std::string why = p == MAP_FAILED ? errno_text() : "";
@@ -228,7 +243,8 @@ SafetensorsFile::~SafetensorsFile() {
 SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& model_dir) : dir_(model_dir) {
   fs::path dir(model_dir);
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) throw_error(model_dir, ": not a directory (expected a checkpoint folder)");
+  if (!fs::is_directory(dir, ec))
+    throw_error(model_dir, ": not a directory (expected a checkpoint folder)");
   fs::path index_path = dir / "model.safetensors.index.json";
   fs::path single_path = dir / "model.safetensors";
 
@@ -245,22 +261,26 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& model_dir) : dir
       throw_error(listing_, ": invalid JSON: ", e.what());
     }
     if (!idx.is_object() || !idx.contains("weight_map") || !idx["weight_map"].is_object()) {
-      throw_error(listing_, ": expected an object with a 'weight_map' object (tensor name -> shard file)");
+      throw_error(listing_,
+                  ": expected an object with a 'weight_map' object (tensor name -> shard file)");
     }
     std::map<std::string, size_t> file_ids;
     for (auto& [name, fv] : idx["weight_map"].items()) {
-      if (!fv.is_string()) throw_error(listing_, ": weight_map entry for tensor '", name, "' is not a file name");
+      if (!fv.is_string())
+        throw_error(listing_, ": weight_map entry for tensor '", name, "' is not a file name");
       std::string fname = fv.get<std::string>();
       // Shards live next to the index: refuse paths that leave the folder.
-      if (fname.empty() || fname.find('/') != std::string::npos || fname.find('\\') != std::string::npos ||
-          fname == "." || fname == "..") {
-        throw_error(listing_, ": weight_map entry for tensor '", name, "' names an invalid shard file '", fname, "'");
+      if (fname.empty() || fname.find('/') != std::string::npos ||
+          fname.find('\\') != std::string::npos || fname == "." || fname == "..") {
+        throw_error(listing_, ": weight_map entry for tensor '", name,
+                    "' names an invalid shard file '", fname, "'");
       }
       auto it = file_ids.find(fname);
       if (it == file_ids.end()) {
         fs::path shard = dir / fname;
         if (!fs::exists(shard, ec)) {
-          throw_error(listing_, ": shard file ", shard.string(), " (listed for tensor '", name, "') does not exist");
+          throw_error(listing_, ": shard file ", shard.string(), " (listed for tensor '", name,
+                      "') does not exist");
         }
         files_.push_back(std::make_unique<SafetensorsFile>(shard.string()));
         it = file_ids.emplace(fname, files_.size() - 1).first;
@@ -268,7 +288,8 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& model_dir) : dir
       const SafetensorsFile* file = files_[it->second].get();
       const SafetensorsEntry* e = file->header().find(name);
       if (e == nullptr) {
-        throw_error(listing_, ": the index places tensor '", name, "' in ", file->path(), " but that file does not hold it");
+        throw_error(listing_, ": the index places tensor '", name, "' in ", file->path(),
+                    " but that file does not hold it");
       }
       tensors_[name] = TensorLocation{file, e};
     }
@@ -276,7 +297,8 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& model_dir) : dir
   } else if (fs::exists(single_path, ec)) {
     listing_ = single_path.string();
     files_.push_back(std::make_unique<SafetensorsFile>(listing_));
-    for (const SafetensorsEntry& e : files_[0]->header().tensors) tensors_[e.name] = TensorLocation{files_[0].get(), &e};
+    for (const SafetensorsEntry& e : files_[0]->header().tensors)
+      tensors_[e.name] = TensorLocation{files_[0].get(), &e};
   } else {
     throw_error(model_dir, ": no model.safetensors or model.safetensors.index.json in this folder");
   }
@@ -300,8 +322,12 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
     int64_t numel = 1;
     for (int64_t d : t.shape) numel *= d;
     uint64_t bytes = static_cast<uint64_t>(numel) * dtype_size(t.dtype);
-    const char* dt = t.dtype == DType::kBF16 ? "BF16" : t.dtype == DType::kF16 ? "F16" : t.dtype == DType::kF32 ? "F32" : "F8_E4M3";
-    header[t.name] = {{"dtype", dt}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    const char* dt = t.dtype == DType::kBF16  ? "BF16"
+                     : t.dtype == DType::kF16 ? "F16"
+                     : t.dtype == DType::kF32 ? "F32"
+                                              : "F8_E4M3";
+    header[t.name] = {
+        {"dtype", dt}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();

@@ -30,8 +30,8 @@ struct SafetensorsEntry {
 };
 
 struct SafetensorsHeader {
-  uint64_t data_start = 0;  // 8 + header length: where data_offsets count from
-  std::vector<SafetensorsEntry> tensors;  // in file-offset order
+  uint64_t data_start = 0;                      // 8 + header length: where data_offsets count from
+  std::vector<SafetensorsEntry> tensors;        // in file-offset order
   std::map<std::string, std::string> metadata;  // "__metadata__" (string -> string)
   std::unordered_map<std::string, size_t> index;  // name -> position in tensors
   const SafetensorsEntry* find(const std::string& name) const;
@@ -44,7 +44,8 @@ struct SafetensorsHeader {
 // the data section exactly. `where` (the file path) prefixes every error.
 SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, uint64_t file_size,
                                            const std::string& where);
-inline SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, const std::string& where) {
+inline SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size,
+                                                  const std::string& where) {
   return parse_safetensors_header(data, size, size, where);
 }
 

@@ -78,12 +78,18 @@ uint64_t fnv1a(const std::string& s) {
 
 const char* param_kind_name(ParamKind k) {
   switch (k) {
-    case ParamKind::kEmbedding: return "embedding";
-    case ParamKind::kLmHead: return "lm_head";
-    case ParamKind::kAttention: return "attention";
-    case ParamKind::kGdn: return "gdn";
-    case ParamKind::kMlp: return "mlp";
-    case ParamKind::kNorm: return "norms";
+    case ParamKind::kEmbedding:
+      return "embedding";
+    case ParamKind::kLmHead:
+      return "lm_head";
+    case ParamKind::kAttention:
+      return "attention";
+    case ParamKind::kGdn:
+      return "gdn";
+    case ParamKind::kMlp:
+      return "mlp";
+    case ParamKind::kNorm:
+      return "norms";
   }
   return "?";
 }
@@ -110,8 +116,8 @@ std::vector<CheckpointTensor> checkpoint_tensors(const ModelConfig& c) {
     for (const WeightSpec& s : kTable) {
       if (s.scope == LayerScope::kGlobal || !in_layer(s.scope, t)) continue;
       Shape shape = s.shape(c);
-      int64_t* acc = s.layer_field == &LW::gdn_in ? &rows_gdn_in
-                     : s.layer_field == &LW::attn_qkv ? &rows_qkv
+      int64_t* acc = s.layer_field == &LW::gdn_in        ? &rows_gdn_in
+                     : s.layer_field == &LW::attn_qkv    ? &rows_qkv
                      : s.layer_field == &LW::mlp_gate_up ? &rows_gate_up
                                                          : nullptr;
       int64_t offset = 0;
@@ -119,13 +125,15 @@ std::vector<CheckpointTensor> checkpoint_tensors(const ModelConfig& c) {
         offset = *acc;
         *acc += shape[0];
       }
-      out.push_back({"layers." + std::to_string(il) + "." + s.name, &s, il, std::move(shape), offset});
+      out.push_back(
+          {"layers." + std::to_string(il) + "." + s.name, &s, il, std::move(shape), offset});
     }
   }
   return out;
 }
 
-SyntheticSpec synthetic_tensor_spec(const ModelConfig& c, const std::string& name, uint64_t model_seed) {
+SyntheticSpec synthetic_tensor_spec(const ModelConfig& c, const std::string& name,
+                                    uint64_t model_seed) {
   const WeightSpec* spec = nullptr;
   std::string suffix = name;
   if (name.rfind("layers.", 0) == 0) {

@@ -27,11 +27,12 @@ enum class SyntheticKind : uint8_t {
 };
 
 struct WeightSpec {
-  const char* name;  // checkpoint name without the model prefix; after "layers.N." for layer tensors
+  const char*
+      name;  // checkpoint name without the model prefix; after "layers.N." for layer tensors
   LayerScope scope;
   ParamKind kind;
-  TensorView HostWeights::*global_field;   // kGlobal tensors
-  TensorView LayerWeights::*layer_field;   // layer tensors
+  TensorView HostWeights::*global_field;  // kGlobal tensors
+  TensorView LayerWeights::*layer_field;  // layer tensors
   int part;     // position inside a fused field (rows concatenated in part order); 0 if not fused
   int n_parts;  // parts of that field (1 when not fused)
   std::vector<int64_t> (*shape)(const ModelConfig&);
@@ -45,11 +46,11 @@ const std::vector<WeightSpec>& weight_table();
 
 // One text tensor of a checkpoint for a given config, in canonical order.
 struct CheckpointTensor {
-  std::string name;         // without prefix: "embed_tokens.weight", "layers.3.mlp.up_proj.weight"
+  std::string name;  // without prefix: "embed_tokens.weight", "layers.3.mlp.up_proj.weight"
   const WeightSpec* spec;
-  int layer;                // -1 for global tensors
+  int layer;  // -1 for global tensors
   std::vector<int64_t> shape;
-  int64_t row_offset;       // first row of this part inside the fused field
+  int64_t row_offset;  // first row of this part inside the fused field
   int64_t numel() const;
 };
 // Every text tensor the config needs (lm_head omitted when tie_word_embeddings).
@@ -64,7 +65,8 @@ struct SyntheticSpec {
   float lo = 0, hi = 0;     // kLogUniform
 };
 // `name` is a checkpoint name without prefix (as in CheckpointTensor::name).
-SyntheticSpec synthetic_tensor_spec(const ModelConfig& c, const std::string& name, uint64_t model_seed);
+SyntheticSpec synthetic_tensor_spec(const ModelConfig& c, const std::string& name,
+                                    uint64_t model_seed);
 
 // splitmix64's output function.
 inline uint64_t mix64(uint64_t z) {
@@ -83,7 +85,8 @@ inline uint64_t synthetic_bits(uint64_t seed, uint64_t i) {
 // (no FMA contraction) to reproduce these exact floats.
 inline float synthetic_normal(uint64_t seed, uint64_t i) {
   uint64_t r = synthetic_bits(seed, i);
-  int32_t s = static_cast<int32_t>((r & 0xffff) + ((r >> 16) & 0xffff) + ((r >> 32) & 0xffff) + (r >> 48));
+  int32_t s =
+      static_cast<int32_t>((r & 0xffff) + ((r >> 16) & 0xffff) + ((r >> 32) & 0xffff) + (r >> 48));
   constexpr float kInvStd = 1.0f / 37837.2266f;  // 1 / (65536 * sqrt(1/3))
   return static_cast<float>(s - 131070) * kInvStd;
 }

@@ -28,10 +28,14 @@ namespace fs = std::filesystem;
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
-    case DType::kF32: return "F32";
-    case DType::kF8E4M3: return "F8_E4M3";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF16:
+      return "F16";
+    case DType::kF32:
+      return "F32";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
   }
   return "?";
 }
@@ -39,9 +43,12 @@ const char* dtype_name(DType t) {
 size_t dtype_size(DType t) {
   switch (t) {
     case DType::kBF16:
-    case DType::kF16: return 2;
-    case DType::kF32: return 4;
-    case DType::kF8E4M3: return 1;
+    case DType::kF16:
+      return 2;
+    case DType::kF32:
+      return 4;
+    case DType::kF8E4M3:
+      return 1;
   }
   return 0;
 }
@@ -69,14 +76,16 @@ float TensorView::at(int64_t i) const {
       std::memcpy(&v, data + 4 * i, 4);
       return v;
     }
-    case DType::kF8E4M3: break;
+    case DType::kF8E4M3:
+      break;
   }
   throw_error("tensor ", name, ": dtype ", dtype_name(dtype), " cannot be widened to float");
 }
 
 void TensorView::to_f32(float* out) const {
   const int64_t n = numel();
-  if (dtype == DType::kF8E4M3) throw_error("tensor ", name, ": dtype F8_E4M3 cannot be widened to float");
+  if (dtype == DType::kF8E4M3)
+    throw_error("tensor ", name, ": dtype F8_E4M3 cannot be widened to float");
   if (dtype == DType::kF32) {
     std::memcpy(out, data, static_cast<size_t>(n) * 4);
     return;
@@ -98,7 +107,7 @@ uint16_t f32_to_f16(float f) {
   std::memcpy(&x, &f, 4);
   uint32_t sign = (x >> 16) & 0x8000u;
   uint32_t absx = x & 0x7fffffffu;
-  if (absx > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (absx > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (absx >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
   if (absx < 0x38800000u) {  // subnormal or zero in half
     if (absx < 0x33000000u) return static_cast<uint16_t>(sign);
@@ -208,7 +217,8 @@ ResolvedCheckpoint resolve_checkpoint(const std::string& model_dir) {
   fs::path dir(model_dir);
   fs::path config_path = dir / "config.json";
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) throw_error(model_dir, ": not a directory (expected a checkpoint folder)");
+  if (!fs::is_directory(dir, ec))
+    throw_error(model_dir, ": not a directory (expected a checkpoint folder)");
   if (!fs::exists(config_path, ec)) throw_error(model_dir, ": no config.json in this folder");
   w.config = load_model_config(config_path.string());
   const ModelConfig& c = w.config;
@@ -249,11 +259,14 @@ ResolvedCheckpoint resolve_checkpoint(const std::string& model_dir) {
     if (!prefix.empty() && text_prefix.empty()) text_prefix = prefix;
     auto [it, fresh] = text_names.emplace(rest, full);
     if (!fresh) {
-      throw_error(ck.listing(), ": tensor '", rest, "' appears twice, as '", it->second, "' and '", full, "'");
+      throw_error(ck.listing(), ": tensor '", rest, "' appears twice, as '", it->second, "' and '",
+                  full, "'");
     }
   }
   if (text_prefix.empty()) text_prefix = c.is_wrapper ? "model.language_model." : "model.";
-  auto full_name = [&](const std::string& rest) { return rest == "lm_head.weight" ? rest : text_prefix + rest; };
+  auto full_name = [&](const std::string& rest) {
+    return rest == "lm_head.weight" ? rest : text_prefix + rest;
+  };
 
   // Text names the table does not know: Qwen3-Next packed projections, layers past the config,
   // tensors of the other layer kind (config/checkpoint mismatch) are errors; the rest is listed.
@@ -269,10 +282,13 @@ ResolvedCheckpoint resolve_checkpoint(const std::string& model_dir) {
       ++w.stats.n_other_tensors;
       continue;
     }
-    if (rest.find("in_proj_qkvz") != std::string::npos || rest.find("in_proj_ba") != std::string::npos) {
+    if (rest.find("in_proj_qkvz") != std::string::npos ||
+        rest.find("in_proj_ba") != std::string::npos) {
       throw_error(file, ": tensor '", full,
-                  "' is a Qwen3-Next packed GDN projection (in_proj_qkvz / in_proj_ba); unpacking that layout is "
-                  "not supported yet (Qwen3.5 checkpoints use in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)");
+                  "' is a Qwen3-Next packed GDN projection (in_proj_qkvz / in_proj_ba); unpacking "
+                  "that layout is "
+                  "not supported yet (Qwen3.5 checkpoints use in_proj_qkv, in_proj_z, in_proj_b, "
+                  "in_proj_a)");
     }
     if (rest.rfind("layers.", 0) == 0) {
       size_t dot = rest.find('.', 7);
@@ -281,22 +297,24 @@ ResolvedCheckpoint resolve_checkpoint(const std::string& model_dir) {
       long il = std::strtol(idx.c_str(), &endp, 10);
       bool numeric = !idx.empty() && endp != nullptr && *endp == '\0';
       if (numeric && (il < 0 || il >= c.n_layers)) {
-        throw_error(file, ": tensor '", full, "' belongs to layer ", il, " but ", c.source, " has num_hidden_layers ",
-                    c.n_layers);
+        throw_error(file, ": tensor '", full, "' belongs to layer ", il, " but ", c.source,
+                    " has num_hidden_layers ", c.n_layers);
       }
       if (numeric && dot != std::string::npos) {
         std::string suffix = rest.substr(dot + 1);
         for (const WeightSpec& s : weight_table()) {
           if (suffix == s.name) {
-            throw_error(file, ": tensor '", full, "' belongs to a ",
-                        s.scope == LayerScope::kFullLayer ? "full-attention" : "Gated DeltaNet",
-                        " layer, but ", c.source, " makes layer ", il, " a ",
-                        c.layer_types[il] == LayerType::kFull ? "full_attention" : "linear_attention",
-                        " layer (layer_types / full_attention_interval disagree with the checkpoint)");
+            throw_error(
+                file, ": tensor '", full, "' belongs to a ",
+                s.scope == LayerScope::kFullLayer ? "full-attention" : "Gated DeltaNet",
+                " layer, but ", c.source, " makes layer ", il, " a ",
+                c.layer_types[il] == LayerType::kFull ? "full_attention" : "linear_attention",
+                " layer (layer_types / full_attention_interval disagree with the checkpoint)");
           }
         }
         if (suffix.find(".experts.") != std::string::npos || suffix.rfind("mlp.gate.", 0) == 0) {
-          throw_error(file, ": tensor '", full, "' is a mixture-of-experts weight; MoE models are not supported");
+          throw_error(file, ": tensor '", full,
+                      "' is a mixture-of-experts weight; MoE models are not supported");
         }
       }
     }
@@ -317,13 +335,16 @@ ResolvedCheckpoint resolve_checkpoint(const std::string& model_dir) {
         std::string lp = "layers." + std::to_string(t.layer) + ".";
         for (auto& [rest, f] : text_names) {
           if (rest.rfind(lp, 0) == 0) {
-            hint = " (the other tensors of layer " + std::to_string(t.layer) + " are in " + ck.find(f)->file->path() + ")";
+            hint = " (the other tensors of layer " + std::to_string(t.layer) + " are in " +
+                   ck.find(f)->file->path() + ")";
             break;
           }
         }
       }
-      if (t.spec->kind == ParamKind::kLmHead) hint = " (tie_word_embeddings is false in " + c.source + ")";
-      throw_error(ck.listing(), ": missing tensor '", full, "' with shape ", shape_str(t.shape), hint);
+      if (t.spec->kind == ParamKind::kLmHead)
+        hint = " (tie_word_embeddings is false in " + c.source + ")";
+      throw_error(ck.listing(), ": missing tensor '", full, "' with shape ", shape_str(t.shape),
+                  hint);
     }
     const TensorLocation* loc = ck.find(it->second);
     const SafetensorsEntry& e = *loc->entry;
@@ -333,12 +354,13 @@ ResolvedCheckpoint resolve_checkpoint(const std::string& model_dir) {
                   "; weights must be BF16, F16 or F32");
     }
     if (dt == DType::kF8E4M3) {
-      throw_error(loc->file->path(), ": tensor '", e.name,
-                  "' is FP8 (F8_E4M3): FP8 checkpoints are not supported yet; use the BF16 checkpoint");
+      throw_error(
+          loc->file->path(), ": tensor '", e.name,
+          "' is FP8 (F8_E4M3): FP8 checkpoints are not supported yet; use the BF16 checkpoint");
     }
     if (e.shape != t.shape) {
-      throw_error(loc->file->path(), ": tensor '", e.name, "' has shape ", shape_str(e.shape), ", expected ",
-                  shape_str(t.shape), " from ", c.source);
+      throw_error(loc->file->path(), ": tensor '", e.name, "' has shape ", shape_str(e.shape),
+                  ", expected ", shape_str(t.shape), " from ", c.source);
     }
     sources[i] = {loc, dt};
     ++w.stats.n_text_tensors;
@@ -419,7 +441,8 @@ HostWeights load_host_weights(const std::string& model_dir) {
   }
   if (c.tie_word_embeddings) w.lm_head = w.embed;
   w.storage = storage;
-  w.stats.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  w.stats.load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return w;
 }
 
@@ -451,8 +474,8 @@ HostWeights make_synthetic_weights(const ModelConfig& config, uint64_t seed, DTy
     dst.data = buf;
     for (const CheckpointTensor* p : g.parts) {
       const int64_t row_elems = dst.numel() / dst.shape[0];
-      jobs.push_back({buf + p->row_offset * row_elems * dtype_size(dtype), synthetic_tensor_spec(c, p->name, seed),
-                      p->numel()});
+      jobs.push_back({buf + p->row_offset * row_elems * dtype_size(dtype),
+                      synthetic_tensor_spec(c, p->name, seed), p->numel()});
     }
     ++w.stats.n_text_tensors;
     w.stats.text_bytes += static_cast<int64_t>(dst.nbytes());
@@ -481,7 +504,8 @@ HostWeights make_synthetic_weights(const ModelConfig& config, uint64_t seed, DTy
   }
   if (c.tie_word_embeddings) w.lm_head = w.embed;
   w.storage = storage;
-  w.stats.load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  w.stats.load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return w;
 }
 
@@ -503,10 +527,12 @@ void write_checkpoint(const HostWeights& w, const std::string& dir, int n_shards
   for (const CheckpointTensor& t : tensors) {
     const TensorView& f = field_of(const_cast<HostWeights&>(w), t);
     if (f.empty()) throw_error("write_checkpoint: tensor '", t.name, "' has no data");
-    if (f.dtype == DType::kF8E4M3) throw_error("write_checkpoint: tensor '", t.name, "' is F8_E4M3");
+    if (f.dtype == DType::kF8E4M3)
+      throw_error("write_checkpoint: tensor '", t.name, "' is F8_E4M3");
     int64_t row_elems = f.numel() / std::max<int64_t>(1, f.shape[0]);
     std::string name = t.spec->kind == ParamKind::kLmHead ? t.name : prefix + t.name;
-    all.push_back({name, f.dtype, t.shape, f.data + t.row_offset * row_elems * dtype_size(f.dtype)});
+    all.push_back(
+        {name, f.dtype, t.shape, f.data + t.row_offset * row_elems * dtype_size(f.dtype)});
     total += static_cast<uint64_t>(t.numel()) * dtype_size(f.dtype);
   }
 
@@ -604,11 +630,14 @@ CheckpointInfo inspect_checkpoint(const std::string& model_dir) {
   info.dir = model_dir;
   fs::path dir(model_dir);
   std::error_code ec;
-  bool weights = fs::exists(dir / "model.safetensors", ec) || fs::exists(dir / "model.safetensors.index.json", ec);
+  bool weights = fs::exists(dir / "model.safetensors", ec) ||
+                 fs::exists(dir / "model.safetensors.index.json", ec);
   if (!weights) {
     // Config only: the counts follow from the config (bf16 assumed).
-    if (!fs::is_directory(dir, ec)) throw_error(model_dir, ": not a directory (expected a checkpoint folder)");
-    if (!fs::exists(dir / "config.json", ec)) throw_error(model_dir, ": no config.json in this folder");
+    if (!fs::is_directory(dir, ec))
+      throw_error(model_dir, ": not a directory (expected a checkpoint folder)");
+    if (!fs::exists(dir / "config.json", ec))
+      throw_error(model_dir, ": no config.json in this folder");
     info.config = load_model_config((dir / "config.json").string());
     for (const CheckpointTensor& t : checkpoint_tensors(info.config)) {
       info.params_by_kind[int(t.spec->kind)] += t.numel();

@@ -19,15 +19,15 @@ const char* dtype_name(DType t);
 size_t dtype_size(DType t);
 
 struct TensorView {
-  std::string name;              // checkpoint name (or "fused:<parts>") for error messages
+  std::string name;  // checkpoint name (or "fused:<parts>") for error messages
   DType dtype = DType::kBF16;
   std::vector<int64_t> shape;
   const std::byte* data = nullptr;  // row-major, contiguous
   int64_t numel() const;
   size_t nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
   bool empty() const { return data == nullptr; }
-  float at(int64_t i) const;        // element i widened to float (bf16/f16/f32)
-  void to_f32(float* out) const;    // all elements widened to float
+  float at(int64_t i) const;      // element i widened to float (bf16/f16/f32)
+  void to_f32(float* out) const;  // all elements widened to float
 };
 
 struct LayerWeights {
@@ -82,7 +82,8 @@ HostWeights load_host_weights(const std::string& model_dir);
 
 // Deterministic random weights for any config (no files): normal(0, std) for matrices, small
 // values for norms, A_log / dt_bias in realistic ranges. Same seed, same weights, everywhere.
-HostWeights make_synthetic_weights(const ModelConfig& config, uint64_t seed, DType dtype = DType::kBF16);
+HostWeights make_synthetic_weights(const ModelConfig& config, uint64_t seed,
+                                   DType dtype = DType::kBF16);
 
 // Writes `w` as a checkpoint folder (config.json + safetensors, `n_shards` files with an index
 // when > 1) in the HF layout, text-only (`model.`) or wrapper (`model.language_model.`).
