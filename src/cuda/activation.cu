@@ -1,6 +1,6 @@
 // SiLU-and-mul of the SwiGLU MLP: out[t, i] = bf16(silu(g) * u) with g = gu[t, i], u =
-// gu[t, d_ff + i] (gu is the fused [gate | up] projection), in fp32, rounded once. Any d_ff; 16-byte
-// loads when d_ff % 8 == 0 (17408 for 27B). Grid-stride over all n_tokens * d_ff elements.
+// gu[t, d_ff + i] (gu is the fused [gate | up] projection), in fp32, rounded once. Any d_ff;
+// 16-byte loads when d_ff % 8 == 0 (17408 for 27B). Grid-stride over all n_tokens * d_ff elements.
 // Tested in tests/cuda/cuda_kernels_test.cpp (tolerance 1 bf16 ulp).
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
@@ -9,8 +9,8 @@ namespace ds::cuda {
 namespace {
 
 __global__ void silu_mul_vec_kernel(const bf16* __restrict__ gu,  // [n_tokens, 2*d_ff]
-                                    int64_t n8, int d8,            // n8 = n_tokens * d_ff / 8
-                                    bf16* __restrict__ out) {      // [n_tokens, d_ff]
+                                    int64_t n8, int d8,           // n8 = n_tokens * d_ff / 8
+                                    bf16* __restrict__ out) {     // [n_tokens, d_ff]
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t t = i / d8, c = i % d8;

@@ -27,7 +27,8 @@ __global__ void __launch_bounds__(kWarps * 32)
                                   const bf16* __restrict__ v_cache, int kv_chunk, int n_splits,
                                   float2* __restrict__ part_ml,  // [n_seqs, n_heads, n_splits]
                                   float* __restrict__ part_o) {  // [n_seqs, n_heads, n_splits, HD]
-  constexpr int kEpl = HD / 32;  // dims per lane
+  // dims per lane
+  constexpr int kEpl = HD / 32;
   __shared__ float sm_m[kWarps][kMaxGroup], sm_l[kWarps][kMaxGroup];
   __shared__ float sm_o[kWarps][kMaxGroup][HD];
   const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
@@ -47,31 +48,32 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
     for (int e = 0; e < kEpl; ++e) {
       acc[g][e] = 0.f;
-      qv[g][e] = g < group ? __bfloat162float(
-                                 q[(qrow * s.n_heads + kvh * group + g) * HD + lane * kEpl + e]) *
-                                 scale_log2
-                           : 0.f;
+      qv[g][e] =
+          g < group
+              ? __bfloat162float(q[(qrow * s.n_heads + kvh * group + g) * HD + lane * kEpl + e]) *
+                    scale_log2
+              : 0.f;
     }
   }
 
   for (int key = k_begin + warp; key < k_end; key += kWarps) {
     const int64_t blk = btab[key / s.page_size];
-    const int64_t off = ((blk * s.n_kv_heads + kvh) * s.page_size + key % s.page_size) * HD +
-                        lane * kEpl;
+    const int64_t off =
+        ((blk * s.n_kv_heads + kvh) * s.page_size + key % s.page_size) * HD + lane * kEpl;
     float kf[kEpl], vf[kEpl];
     if constexpr (kEpl == 1) {
       kf[0] = __bfloat162float(k_cache[off]);
       vf[0] = __bfloat162float(v_cache[off]);
     } else {
 #pragma unroll
-    for (int e = 0; e < kEpl; e += 2) {
-      const __nv_bfloat162 k2 = *reinterpret_cast<const __nv_bfloat162*>(k_cache + off + e);
-      const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162*>(v_cache + off + e);
-      kf[e] = __low2float(k2);
-      kf[e + 1] = __high2float(k2);
-      vf[e] = __low2float(v2);
-      vf[e + 1] = __high2float(v2);
-    }
+      for (int e = 0; e < kEpl; e += 2) {
+        const __nv_bfloat162 k2 = *reinterpret_cast<const __nv_bfloat162*>(k_cache + off + e);
+        const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162*>(v_cache + off + e);
+        kf[e] = __low2float(k2);
+        kf[e + 1] = __high2float(k2);
+        vf[e] = __low2float(v2);
+        vf[e + 1] = __high2float(v2);
+      }
     }
 #pragma unroll
     for (int g = 0; g < kMaxGroup; ++g) {
@@ -146,8 +148,8 @@ __global__ void __launch_bounds__(HD)
   const int64_t row = b.q_start[seq];
   float y = lsum > 0.f ? o / lsum : 0.f;
   if (gate.ptr)
-    y *= sigmoid(__bfloat162float(
-        gate.ptr[row * gate.token_stride + (int64_t)h * gate.head_stride + d]));
+    y *= sigmoid(
+        __bfloat162float(gate.ptr[row * gate.token_stride + (int64_t)h * gate.head_stride + d]));
   out[(row * s.n_heads + h) * HD + d] = __float2bfloat16_rn(y);
 }
 
@@ -158,11 +160,11 @@ void launch_decode_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, con
   float2* ml = static_cast<float2*>(partials);
   float* o = reinterpret_cast<float*>(ml + (size_t)b.n_seqs * s.n_heads * n_splits);
   dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
-  attention_decode_split_kernel<HD><<<grid, kWarps * 32, 0, stream>>>(s, b, q, k_cache, v_cache,
-                                                                     kv_chunk, n_splits, ml, o);
+  attention_decode_split_kernel<HD>
+      <<<grid, kWarps * 32, 0, stream>>>(s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o);
   DS_CUDA_LAUNCH_CHECK();
-  attention_decode_merge_kernel<HD><<<dim3(s.n_heads, b.n_seqs), HD, 0, stream>>>(
-      s, b, n_splits, ml, o, gate, out);
+  attention_decode_merge_kernel<HD>
+      <<<dim3(s.n_heads, b.n_seqs), HD, 0, stream>>>(s, b, n_splits, ml, o, gate, out);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -205,10 +207,18 @@ void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16*
            "attention decode: ", n_splits, " splits of ", kv_chunk, " tokens cannot cover ",
            b.max_kv_len, " tokens");
   switch (s.head_dim) {
-    case 32: return launch_decode_hd<32>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out, stream);
-    case 64: return launch_decode_hd<64>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out, stream);
-    case 128: return launch_decode_hd<128>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out, stream);
-    case 256: return launch_decode_hd<256>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out, stream);
+    case 32:
+      return launch_decode_hd<32>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
+                                  out, stream);
+    case 64:
+      return launch_decode_hd<64>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
+                                  out, stream);
+    case 128:
+      return launch_decode_hd<128>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
+                                   out, stream);
+    case 256:
+      return launch_decode_hd<256>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
+                                   out, stream);
   }
 }
 

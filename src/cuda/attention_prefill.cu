@@ -24,8 +24,8 @@ namespace {
 
 using namespace nvcuda;
 
-constexpr int kBM = 64;       // rows per tile (4 warps x 16)
-constexpr int kBN = 64;       // keys per step
+constexpr int kBM = 64;  // rows per tile (4 warps x 16)
+constexpr int kBN = 64;  // keys per step
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kLdS = kBN + 4;  // fp32 score row stride (pad keeps WMMA 32-byte alignment)
@@ -225,7 +225,8 @@ void launch_prefill_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, co
   const int group = s.n_heads / s.n_kv_heads;
   const int tiles = (b.max_q_len * group + kBM - 1) / kBM;
   dim3 grid(tiles, s.n_kv_heads, b.n_seqs);
-  attention_prefill_kernel<HD><<<grid, kThreads, smem, stream>>>(s, b, q, k_cache, v_cache, gate, out);
+  attention_prefill_kernel<HD>
+      <<<grid, kThreads, smem, stream>>>(s, b, q, k_cache, v_cache, gate, out);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -238,12 +239,19 @@ void launch_attention_prefill(const AttnShape& s, const AttnBatch& b, const bf16
   check_attn_shape(s);
   DS_CHECK(b.n_seqs <= 65535, "attention: too many sequences in one batch (", b.n_seqs, ")");
   switch (s.head_dim) {
-    case 16: return launch_prefill_hd<16>(s, b, q, k_cache, v_cache, gate, out, stream);
-    case 32: return launch_prefill_hd<32>(s, b, q, k_cache, v_cache, gate, out, stream);
-    case 64: return launch_prefill_hd<64>(s, b, q, k_cache, v_cache, gate, out, stream);
-    case 128: return launch_prefill_hd<128>(s, b, q, k_cache, v_cache, gate, out, stream);
-    case 256: return launch_prefill_hd<256>(s, b, q, k_cache, v_cache, gate, out, stream);
-    default: ds::throw_error("attention prefill: head_dim ", s.head_dim, " not supported (16, 32, 64, 128, 256)");
+    case 16:
+      return launch_prefill_hd<16>(s, b, q, k_cache, v_cache, gate, out, stream);
+    case 32:
+      return launch_prefill_hd<32>(s, b, q, k_cache, v_cache, gate, out, stream);
+    case 64:
+      return launch_prefill_hd<64>(s, b, q, k_cache, v_cache, gate, out, stream);
+    case 128:
+      return launch_prefill_hd<128>(s, b, q, k_cache, v_cache, gate, out, stream);
+    case 256:
+      return launch_prefill_hd<256>(s, b, q, k_cache, v_cache, gate, out, stream);
+    default:
+      ds::throw_error("attention prefill: head_dim ", s.head_dim,
+                      " not supported (16, 32, 64, 128, 256)");
   }
 }
 

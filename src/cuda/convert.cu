@@ -9,13 +9,15 @@
 namespace ds::cuda {
 namespace {
 
-__global__ void bf16_to_f32_kernel(const bf16* __restrict__ in, int64_t n, float* __restrict__ out) {
+__global__ void bf16_to_f32_kernel(const bf16* __restrict__ in, int64_t n,
+                                   float* __restrict__ out) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x)
     out[i] = __bfloat162float(in[i]);
 }
 
-__global__ void f32_to_bf16_kernel(const float* __restrict__ in, int64_t n, bf16* __restrict__ out) {
+__global__ void f32_to_bf16_kernel(const float* __restrict__ in, int64_t n,
+                                   bf16* __restrict__ out) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x)
     out[i] = __float2bfloat16_rn(in[i]);
@@ -33,7 +35,8 @@ __global__ void fill_synthetic_normal_kernel(bf16* __restrict__ out, int64_t n, 
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     z = z ^ (z >> 31);
-    const int32_t s = (int32_t)((z & 0xffff) + ((z >> 16) & 0xffff) + ((z >> 32) & 0xffff) + (z >> 48));
+    const int32_t s =
+        (int32_t)((z & 0xffff) + ((z >> 16) & 0xffff) + ((z >> 32) & 0xffff) + (z >> 48));
     const float zn = __fmul_rn(__int2float_rn(s - 131070), kInvStd);
     out[i] = __float2bfloat16_rn(__fadd_rn(mean, __fmul_rn(std, zn)));
   }

@@ -1,8 +1,6 @@
 // The CUDA engine (see cuda_backend.h): memory plan and allocation, weight upload / device
 // synthetic generation, the host-side KV block manager, and the GPU forward, which reads top to
 // bottom: per layer one branch on its type (GDN or gated attention), one line per op.
-#include "cuda/cuda_backend.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -12,6 +10,7 @@
 #include <vector>
 
 #include "core/bf16.h"
+#include "cuda/cuda_backend.h"
 #include "cuda/cuda_common.h"
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
@@ -50,7 +49,7 @@ struct Bump {
 
 struct DevLayer {
   LayerType type = LayerType::kLinear;
-  int fl = -1, ll = -1;  // index among the full-attention / GDN layers
+  int fl = -1, ll = -1;        // index among the full-attention / GDN layers
   bf16* input_norm = nullptr;  // [d_model]
   bf16* post_norm = nullptr;   // [d_model]
   bf16* gate_up = nullptr;     // [2*d_ff, d_model]
@@ -163,11 +162,11 @@ class CudaBackend final : public Backend {
 
  private:
   struct Piece {
-    int item;      // index into work
+    int item;  // index into work
     int slot;
-    int offset;    // first token of the item in this piece
-    int n;         // tokens in this piece
-    int pos0;      // tokens the slot held before the piece
+    int offset;  // first token of the item in this piece
+    int n;       // tokens in this piece
+    int pos0;    // tokens the slot held before the piece
   };
   void check_slot(int slot) const {
     DS_CHECK(slot >= 0 && slot < n_slots_, "slot ", slot, " out of range [0, ", n_slots_, ")");
@@ -207,17 +206,17 @@ class CudaBackend final : public Backend {
   bf16* conv_state_ = nullptr;  // [n_linear, n_slots, 4, gdn_qkv_dim]
   float* rec_state_ = nullptr;  // [n_linear, n_slots, n_v_heads, d_v, d_k]
   bf16 *h_ = nullptr, *xn_ = nullptr, *delta_ = nullptr;  // [T, d_model]
-  bf16* proj_ = nullptr;   // [T, max(gdn_in_dim, attn qkv, 2*d_ff)]
-  bf16* mix_ = nullptr;    // [T, max(n_v*d_v, n_heads*head_dim)]
-  bf16* q_ = nullptr;      // [T, n_heads*head_dim]
-  bf16* act_ = nullptr;    // [T, d_ff]
-  bf16* lrows_ = nullptr;  // [logits_rows, d_model]
-  float* dlogits_ = nullptr;  // [logits_rows, vocab]
+  bf16* proj_ = nullptr;                                  // [T, max(gdn_in_dim, attn qkv, 2*d_ff)]
+  bf16* mix_ = nullptr;                                   // [T, max(n_v*d_v, n_heads*head_dim)]
+  bf16* q_ = nullptr;                                     // [T, n_heads*head_dim]
+  bf16* act_ = nullptr;                                   // [T, d_ff]
+  bf16* lrows_ = nullptr;                                 // [logits_rows, d_model]
+  float* dlogits_ = nullptr;                              // [logits_rows, vocab]
   void* gdn_ws_ = nullptr;
   size_t gdn_ws_bytes_ = 0;
   void* attn_ws_ = nullptr;
-  int32_t* dmeta_ = nullptr;   // device metadata
-  int32_t* hmeta_ = nullptr;   // pinned mirror
+  int32_t* dmeta_ = nullptr;  // device metadata
+  int32_t* hmeta_ = nullptr;  // pinned mirror
   size_t meta_ints_ = 0;
 
   // Host block manager.
@@ -286,10 +285,12 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   layout_.max_step_tokens = chunk_size_;
   const int64_t proj_w = std::max<int64_t>(
       {n_lin ? cfg_.gdn_in_dim() : 0, n_full ? attn_.qkv_dim() : 0, 2 * int64_t(cfg_.d_ff)});
-  const int64_t mix_w = std::max<int64_t>(n_lin ? cfg_.gdn_z_dim() : 0, n_full ? cfg_.attn_out_dim() : 0);
+  const int64_t mix_w =
+      std::max<int64_t>(n_lin ? cfg_.gdn_z_dim() : 0, n_full ? cfg_.attn_out_dim() : 0);
   const int logit_rows = eopt_.logits_rows;
   gdn_ws_bytes_ = n_lin ? cuda::gdn_prefill_workspace_bytes(gdn_, chunk_size_, n_slots_) : 0;
-  const size_t attn_ws = n_full ? cuda::attention_decode_workspace_bytes(attn_, n_slots_, kMaxDecodeSplits) : 0;
+  const size_t attn_ws =
+      n_full ? cuda::attention_decode_workspace_bytes(attn_, n_slots_, kMaxDecodeSplits) : 0;
   const int64_t conv_slot = 4 * int64_t(cfg_.gdn_qkv_dim());
   const int64_t rec_slot = int64_t(cfg_.n_v_heads) * cfg_.d_v * cfg_.d_k;
   layout_.gdn_state_bytes = int64_t(n_lin) * n_slots_ * (conv_slot * 2 + rec_slot * 4);
@@ -309,7 +310,8 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   };
   Bump ab;
   measure_acts(ab);
-  layout_.activation_bytes = static_cast<int64_t>(ab.off) - static_cast<int64_t>(gdn_ws_bytes_ + attn_ws);
+  layout_.activation_bytes =
+      static_cast<int64_t>(ab.off) - static_cast<int64_t>(gdn_ws_bytes_ + attn_ws);
   layout_.workspace_bytes = static_cast<int64_t>(gdn_ws_bytes_ + attn_ws + kGemmWorkspace);
 
   const int max_pos = cfg_.max_position_embeddings > 0 ? cfg_.max_position_embeddings : (1 << 20);
@@ -322,13 +324,12 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   const int64_t fixed = layout_.weight_bytes + layout_.gdn_state_bytes + layout_.activation_bytes +
                         layout_.workspace_bytes + layout_.reserve_bytes;
   if (fixed > budget) {
-    ds::throw_error("cuda engine: the model does not fit on ", prop.name, ": weights ",
-                    format_bytes(layout_.weight_bytes), " + GDN state ",
-                    format_bytes(layout_.gdn_state_bytes), " + activations ",
-                    format_bytes(layout_.activation_bytes), " + workspaces ",
-                    format_bytes(layout_.workspace_bytes), " + reserve ",
-                    format_bytes(layout_.reserve_bytes), " > budget ", format_bytes(budget),
-                    " (try fewer slots or a smaller chunk size)");
+    ds::throw_error(
+        "cuda engine: the model does not fit on ", prop.name, ": weights ",
+        format_bytes(layout_.weight_bytes), " + GDN state ", format_bytes(layout_.gdn_state_bytes),
+        " + activations ", format_bytes(layout_.activation_bytes), " + workspaces ",
+        format_bytes(layout_.workspace_bytes), " + reserve ", format_bytes(layout_.reserve_bytes),
+        " > budget ", format_bytes(budget), " (try fewer slots or a smaller chunk size)");
   }
   int64_t n_blocks = int64_t(n_slots_) * blocks_for(want_len);
   if (layout_.kv_block_bytes > 0) {
@@ -342,9 +343,9 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
     layout_.max_seq_len = want_len;  // no attention layer: no KV cache
     n_blocks = 0;
   }
-  DS_CHECK(opt.max_seq_len <= 0 || layout_.max_seq_len == opt.max_seq_len, "cuda engine: ",
-           opt.max_seq_len, " tokens per sequence requested, only ", layout_.max_seq_len,
-           " fit in the KV pool");
+  DS_CHECK(opt.max_seq_len <= 0 || layout_.max_seq_len == opt.max_seq_len,
+           "cuda engine: ", opt.max_seq_len, " tokens per sequence requested, only ",
+           layout_.max_seq_len, " fit in the KV pool");
   layout_.n_kv_blocks = n_blocks;
   layout_.max_blocks_per_seq = blocks_for(layout_.max_seq_len);
 
@@ -367,8 +368,8 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   DS_CUDA_CHECK(cudaMalloc(&act_mem_, ab.off + 256));
   ab = Bump{static_cast<char*>(act_mem_)};
   measure_acts(ab);
-  meta_ints_ = 4 * size_t(T) + 8 * size_t(n_slots_) + 2 +
-               size_t(n_slots_) * layout_.max_blocks_per_seq;
+  meta_ints_ =
+      4 * size_t(T) + 8 * size_t(n_slots_) + 2 + size_t(n_slots_) * layout_.max_blocks_per_seq;
   DS_CUDA_CHECK(cudaMalloc(&dmeta_, meta_ints_ * sizeof(int32_t)));
   DS_CUDA_CHECK(cudaMallocHost(&hmeta_, meta_ints_ * sizeof(int32_t)));
 
@@ -531,8 +532,10 @@ void CudaBackend::generate_synthetic(uint64_t seed) {
   DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   const double s = seconds_since(t0);
   if (eopt_.verbose)
-    std::fprintf(stderr, "cuda engine: generated %s of synthetic weights (seed %llu) on the device in %.2f s\n",
-                 format_bytes(bytes).c_str(), static_cast<unsigned long long>(seed), s);
+    std::fprintf(
+        stderr,
+        "cuda engine: generated %s of synthetic weights (seed %llu) on the device in %.2f s\n",
+        format_bytes(bytes).c_str(), static_cast<unsigned long long>(seed), s);
 }
 
 bool CudaBackend::can_grow(int slot, int n_new) const {
@@ -581,8 +584,8 @@ void CudaBackend::step(std::span<const SeqWork> work, std::vector<float>& logits
     DS_CHECK(len <= layout_.max_seq_len, "step: slot ", w.slot, " would hold ", len,
              " tokens, more than the engine's max_seq_len ", layout_.max_seq_len);
     if (layout_.kv_block_bytes > 0)
-      need_blocks += std::max<int64_t>(0, blocks_for(static_cast<int>(len)) -
-                                              int64_t(slot_blocks_[w.slot].size()));
+      need_blocks += std::max<int64_t>(
+          0, blocks_for(static_cast<int>(len)) - int64_t(slot_blocks_[w.slot].size()));
     row_base[i] = total_rows;
     total_rows += w.all_logits ? int64_t(w.tokens.size()) : 1;
   }
@@ -665,12 +668,15 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     seq_pos[i] = p.pos0;
     slot_ids[i] = p.slot;
     const auto& blocks = slot_blocks_[p.slot];
-    for (int b = 0; b < MB; ++b) btab[i * MB + b] = b < static_cast<int>(blocks.size()) ? blocks[b] : 0;
+    for (int b = 0; b < MB; ++b)
+      btab[i * MB + b] = b < static_cast<int>(blocks.size()) ? blocks[b] : 0;
     for (int j = 0; j < p.n; ++j, ++t) {
       const int pos = p.pos0 + j;
       tokens[t] = w.tokens[p.offset + j];
       positions[t] = pos;
-      slot_map[t] = layout_.kv_block_bytes > 0 ? blocks[pos / page_size_] * page_size_ + pos % page_size_ : -1;
+      slot_map[t] = layout_.kv_block_bytes > 0
+                        ? blocks[pos / page_size_] * page_size_ + pos % page_size_
+                        : -1;
       const bool last_of_item = p.offset + j == static_cast<int>(w.tokens.size()) - 1;
       if (w.all_logits) {
         gather[n_gather++] = t;
@@ -685,7 +691,8 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   for (int i = 0; i <= S_p; ++i) cu_p[i] = cu[S_d + i] - S_d;  // decode pieces hold 1 token each
   const size_t n_meta = 4 * size_t(T) + 7 * size_t(S) + 2 + size_t(S) * MB;
   // Compact: the arrays above were laid out for this T and S, so copy the used prefix.
-  DS_CUDA_CHECK(cudaMemcpyAsync(dmeta_, hmeta_, n_meta * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  DS_CUDA_CHECK(
+      cudaMemcpyAsync(dmeta_, hmeta_, n_meta * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   int32_t* d = dmeta_;
   const int32_t *d_tokens = d, *d_positions = d + T, *d_slot_map = d + 2 * T, *d_gather = d + 3 * T;
   const int32_t* d_q_start = d + 4 * T;
@@ -719,10 +726,12 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
       S_d > 0 && dispatch_.picks(KernelFamily::kAttnDecode,
                                  dispatch_.key(c.head_dim, group, S_d, max_kv_d), "split_kv");
   const bool gdn_fused_decode =
-      S_d > 0 && dispatch_.picks(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, S_d), "fused");
+      S_d > 0 &&
+      dispatch_.picks(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, S_d), "fused");
   int kv_chunk = 0, n_splits = 0;
   if (attn_split_kv) {
-    kv_chunk = cuda::attention_decode_kv_chunk(S_d, c.n_kv_heads, max_kv_d, n_sms_, kMaxDecodeSplits);
+    kv_chunk =
+        cuda::attention_decode_kv_chunk(S_d, c.n_kv_heads, max_kv_d, n_sms_, kMaxDecodeSplits);
     n_splits = (max_kv_d + kv_chunk - 1) / kv_chunk;
   }
   cuda::AttnGate gate;
@@ -742,15 +751,17 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   for (int il = 0; il < c.n_layers; ++il) {
     const DevLayer& L = w_.layers[il];
     // h += previous layer's MLP output; xn = input_layernorm(h)
-    cuda::launch_add_rmsnorm(h_, il == 0 ? nullptr : delta_, L.input_norm, T, dm, eps, 1.f, xn_, stream_);
+    cuda::launch_add_rmsnorm(h_, il == 0 ? nullptr : delta_, L.input_norm, T, dm, eps, 1.f, xn_,
+                             stream_);
     if (L.type == LayerType::kLinear) {
       gemm(xn_, L.gdn_in, proj_, c.gdn_in_dim(), dm);  // [qkv | z | b | a]
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
       if (gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
-        cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d_seq_pos, d_slot_ids, S_d, mix_, stream_);
+        cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d_seq_pos, d_slot_ids, S_d, mix_,
+                                stream_);
         if (S_p > 0)
-          cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_ + size_t(S_d) * c.gdn_in_dim(), d_cu_p,
-                                   d_seq_pos + S_d, d_slot_ids + S_d, S_p, T - S_d, gdn_ws_,
+          cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_ + size_t(S_d) * c.gdn_in_dim(),
+                                   d_cu_p, d_seq_pos + S_d, d_slot_ids + S_d, S_p, T - S_d, gdn_ws_,
                                    gdn_ws_bytes_, mix_ + size_t(S_d) * c.gdn_z_dim(), stream_);
       } else {
         cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_, d_cu, d_seq_pos, d_slot_ids, S, T,
@@ -759,12 +770,15 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
       gemm(mix_, L.gdn_out, delta_, dm, c.gdn_z_dim());
     } else {
       gemm(xn_, L.attn_qkv, proj_, attn_.qkv_dim(), dm);  // [q+gate | k | v]
-      const int64_t layer_elems = layout_.n_kv_blocks * c.n_kv_heads * page_size_ * int64_t(c.head_dim);
+      const int64_t layer_elems =
+          layout_.n_kv_blocks * c.n_kv_heads * page_size_ * int64_t(c.head_dim);
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
       bf16* vc = kc + layer_elems;
-      cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d_positions, d_slot_map, T, q_, kc, vc, stream_);
+      cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d_positions, d_slot_map, T, q_,
+                                   kc, vc, stream_);
       if (attn_split_kv) {  // rows are absolute (q_start), so the two batches share q_ / mix_
-        cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, kv_chunk, n_splits, attn_ws_, mix_, stream_);
+        cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, kv_chunk, n_splits, attn_ws_,
+                                      mix_, stream_);
         if (S_p > 0) cuda::launch_attention_prefill(attn_, ab_p, q_, kc, vc, gate, mix_, stream_);
       } else {
         cuda::launch_attention_prefill(attn_, ab, q_, kc, vc, gate, mix_, stream_);
@@ -791,7 +805,8 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
                                   cudaMemcpyDeviceToHost, stream_));
     DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
     for (int i = 0; i < r; ++i)
-      std::memcpy(logits.data() + out_row[r0 + i] * V, piece.data() + size_t(i) * V, V * sizeof(float));
+      std::memcpy(logits.data() + out_row[r0 + i] * V, piece.data() + size_t(i) * V,
+                  V * sizeof(float));
   }
   DS_CUDA_CHECK(cudaStreamSynchronize(stream_));  // also surfaces asynchronous kernel errors
   for (const Piece& p : pieces) slot_len_[p.slot] = p.pos0 + p.n;

@@ -23,8 +23,8 @@
 namespace ds {
 
 struct CudaEngineOptions {
-  int page_size = 64;             // tokens per KV block
-  std::string disable_kernels;    // comma-separated "family.variant" names (plus $DS_DISABLE_KERNELS)
+  int page_size = 64;           // tokens per KV block
+  std::string disable_kernels;  // comma-separated "family.variant" names (plus $DS_DISABLE_KERNELS)
   double memory_fraction = 0.92;  // of the device's total memory the engine may use
   int64_t max_kv_tokens = 0;      // > 0: cap the KV pool at this many tokens (tests, sharing a GPU)
   int logits_rows = 256;          // rows of lm_head computed per piece (bounds the logits buffer)
@@ -49,7 +49,7 @@ ModelConfig synthetic_model_config(const std::string& spec);
 // The engine's memory layout for a config (host arithmetic only; printed at start-up).
 struct CudaMemoryLayout {
   int64_t weight_bytes = 0;
-  int64_t kv_block_bytes = 0;   // one page of every attention layer, K and V
+  int64_t kv_block_bytes = 0;  // one page of every attention layer, K and V
   int64_t n_kv_blocks = 0;
   int64_t gdn_state_bytes = 0;  // all slots, all GDN layers (conv ring + fp32 recurrent state)
   int64_t activation_bytes = 0;

@@ -23,9 +23,9 @@ using bf16 = __nv_bfloat16;
 
 }  // namespace ds::cuda
 
-#define DS_CUDA_CHECK(call)                                                          \
-  do {                                                                               \
-    cudaError_t ds_err_ = (call);                                                    \
+#define DS_CUDA_CHECK(call)                                                                       \
+  do {                                                                                            \
+    cudaError_t ds_err_ = (call);                                                                 \
     if (ds_err_ != cudaSuccess) ::ds::cuda::throw_cuda_error(ds_err_, #call, __FILE__, __LINE__); \
   } while (0)
 

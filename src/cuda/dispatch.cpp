@@ -10,21 +10,33 @@ namespace ds::cuda {
 
 const char* family_name(KernelFamily f) {
   switch (f) {
-    case KernelFamily::kGemm: return "gemm";
-    case KernelFamily::kAttnPrefill: return "attn_prefill";
-    case KernelFamily::kAttnDecode: return "attn_decode";
-    case KernelFamily::kGdnPrefill: return "gdn_prefill";
-    case KernelFamily::kGdnDecode: return "gdn_decode";
-    case KernelFamily::kRmsNorm: return "rmsnorm";
-    case KernelFamily::kRopeKv: return "rope_kv";
-    case KernelFamily::kSiluMul: return "silu_mul";
-    case KernelFamily::kSample: return "sample";
-    case KernelFamily::kCount: break;
+    case KernelFamily::kGemm:
+      return "gemm";
+    case KernelFamily::kAttnPrefill:
+      return "attn_prefill";
+    case KernelFamily::kAttnDecode:
+      return "attn_decode";
+    case KernelFamily::kGdnPrefill:
+      return "gdn_prefill";
+    case KernelFamily::kGdnDecode:
+      return "gdn_decode";
+    case KernelFamily::kRmsNorm:
+      return "rmsnorm";
+    case KernelFamily::kRopeKv:
+      return "rope_kv";
+    case KernelFamily::kSiluMul:
+      return "silu_mul";
+    case KernelFamily::kSample:
+      return "sample";
+    case KernelFamily::kCount:
+      break;
   }
   return "?";
 }
 
-std::string KernelVariant::full_name() const { return std::string(family_name(family)) + "." + name; }
+std::string KernelVariant::full_name() const {
+  return std::string(family_name(family)) + "." + name;
+}
 
 int DispatchRegistry::add(KernelVariant v) {
   for (const auto& o : variants_)
@@ -37,7 +49,8 @@ int DispatchRegistry::add(KernelVariant v) {
 void DispatchRegistry::set_enabled(const std::string& full_name, bool on) {
   for (auto& v : variants_) {
     if (v.full_name() != full_name) continue;
-    DS_CHECK(on || v.guard, "dispatch: ", full_name, " is a generic fallback and cannot be switched off");
+    DS_CHECK(on || v.guard, "dispatch: ", full_name,
+             " is a generic fallback and cannot be switched off");
     v.enabled = on;
     return;
   }
@@ -85,11 +98,17 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   DispatchRegistry r;
   r.sm_ = sm;
   using F = KernelFamily;
-  r.add({F::kGemm, "cublaslt", "cuBLASLt bf16 GEMM, fp32 accumulate, algorithm per shape at plan time", {}});
-  r.add({F::kAttnPrefill, "wmma_flash",
-         "flash-style tiles, GQA group packed into rows, WMMA bf16, online softmax; hd 16..256", {}});
+  r.add({F::kGemm,
+         "cublaslt",
+         "cuBLASLt bf16 GEMM, fp32 accumulate, algorithm per shape at plan time",
+         {}});
+  r.add({F::kAttnPrefill,
+         "wmma_flash",
+         "flash-style tiles, GQA group packed into rows, WMMA bf16, online softmax; hd 16..256",
+         {}});
   r.add({F::kAttnDecode, "split_kv",
-         "split-KV flash-decoding, GQA group per block, log-sum-exp merge; hd 32/64/128/256, group <= 8",
+         "split-KV flash-decoding, GQA group per block, log-sum-exp merge; hd 32/64/128/256, group "
+         "<= 8",
          [](const ShapeKey& k) {
            const int64_t hd = k.dims[0], g = k.dims[1];
            return (hd == 32 || hd == 64 || hd == 128 || hd == 256) && g >= 1 && g <= 8;
@@ -102,7 +121,10 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   r.add({F::kRmsNorm, "fused_add", "residual add + zero-centred RMSNorm, one block per row", {}});
   r.add({F::kRopeKv, "fused", "q/k norm + partial RoPE + paged KV write, one block per token", {}});
   r.add({F::kSiluMul, "generic", "SiLU(gate) * up, 16-byte loads", {}});
-  r.add({F::kSample, "bitsearch", "argmax / top-k / top-p by bitwise threshold search, one block per row", {}});
+  r.add({F::kSample,
+         "bitsearch",
+         "argmax / top-k / top-p by bitwise threshold search, one block per row",
+         {}});
   r.disable(disabled);
   if (const char* env = std::getenv("DS_DISABLE_KERNELS")) r.disable(env);
   return r;

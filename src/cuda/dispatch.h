@@ -30,15 +30,15 @@ enum class KernelFamily : uint8_t {
 const char* family_name(KernelFamily f);
 
 struct ShapeKey {
-  int sm = 0;                // compute capability, major * 10 + minor
-  int dtype = 0;             // 0: bf16 (the only one for now)
+  int sm = 0;     // compute capability, major * 10 + minor
+  int dtype = 0;  // 0: bf16 (the only one for now)
   int64_t dims[4] = {0, 0, 0, 0};
 };
 
 struct KernelVariant {
   KernelFamily family = KernelFamily::kGemm;
-  std::string name;         // short name, unique in its family
-  std::string description;  // what it is specialised for
+  std::string name;                            // short name, unique in its family
+  std::string description;                     // what it is specialised for
   std::function<bool(const ShapeKey&)> guard;  // empty: generic fallback (accepts everything)
   bool enabled = true;
   std::string full_name() const;  // "family.name"

@@ -8,8 +8,8 @@
 namespace ds::cuda {
 namespace {
 
-__global__ void gather_rows_vec_kernel(const uint4* __restrict__ src,  // [n_src, d/8]
-                                       const int32_t* __restrict__ idx,  // [n_rows]
+__global__ void gather_rows_vec_kernel(const uint4* __restrict__ src,      // [n_src, d/8]
+                                       const int32_t* __restrict__ idx,    // [n_rows]
                                        int d8, uint4* __restrict__ out) {  // [n_rows, d/8]
   const int row = blockIdx.x;
   const int64_t s = idx[row];

@@ -1,22 +1,21 @@
 // cuBLASLt GEMM plans (see gemm.h). Row-major y[m, n] = x[m, k] w[n, k]^T is computed as the
 // column-major y^T[n, m] = w[n, k] x^T: A = w (stored k x n column-major, op T), B = x (stored
 // k x m, op N), D = y^T (n x m, ld n): the "TN" layout cuBLASLt is fastest at.
-#include "cuda/gemm.h"
-
 #include <cublasLt.h>
 
 #include <sstream>
 
 #include "cuda/cuda_common.h"
+#include "cuda/gemm.h"
 
 namespace ds::cuda {
 
-#define DS_CUBLAS_CHECK(call)                                                             \
-  do {                                                                                    \
-    cublasStatus_t st_ = (call);                                                          \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                     \
+#define DS_CUBLAS_CHECK(call)                                                                 \
+  do {                                                                                        \
+    cublasStatus_t st_ = (call);                                                              \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                         \
       ds::throw_error("cuBLASLt error ", cublasLtGetStatusString(st_), " in ", #call, " at ", \
-                      __FILE__, ":", __LINE__);                                           \
+                      __FILE__, ":", __LINE__);                                               \
   } while (0)
 
 struct GemmEngine::Plan {
@@ -55,8 +54,10 @@ GemmEngine::Plan& GemmEngine::get(int m, int n, int k, GemmOut out, bool accumul
   const cudaDataType_t out_t = out == GemmOut::kBF16 ? CUDA_R_16BF : CUDA_R_32F;
   DS_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
-  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
-  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
+  DS_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
+  DS_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
   DS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_16BF, k, n, k));
   DS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->b, CUDA_R_16BF, k, m, k));
   DS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p->c, out_t, n, m, n));
@@ -66,8 +67,9 @@ GemmEngine::Plan& GemmEngine::get(int m, int n, int k, GemmOut out, bool accumul
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_, sizeof(workspace_bytes_)));
   cublasLtMatmulHeuristicResult_t res{};
   int n_res = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
-      static_cast<cublasLtHandle_t>(handle_), p->desc, p->a, p->b, p->c, p->c, pref, 1, &res, &n_res);
+  const cublasStatus_t st =
+      cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), p->desc, p->a, p->b,
+                                     p->c, p->c, pref, 1, &res, &n_res);
   cublasLtMatmulPreferenceDestroy(pref);
   DS_CHECK(st == CUBLAS_STATUS_SUCCESS && n_res > 0, "gemm: cuBLASLt has no algorithm for m=", m,
            " n=", n, " k=", k, " (", cublasLtGetStatusString(st), ")");
@@ -87,8 +89,8 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   if (m <= 0) return;
   Plan& p = get(m, n, k, out, accumulate, true);
   const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
-  DS_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.desc, &alpha, w, p.a,
-                                 x, p.b, &beta, y, p.c, y, p.c, &p.algo, workspace_, workspace_bytes_,
+  DS_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.desc, &alpha, w, p.a, x,
+                                 p.b, &beta, y, p.c, y, p.c, &p.algo, workspace_, workspace_bytes_,
                                  stream));
 }
 

@@ -27,7 +27,7 @@ namespace ds::cuda {
 // out[i, :] = src[idx[i], :]: the embedding lookup (src = table, idx = token ids) and the row
 // gather before lm_head. idx must be in [0, n_src) (the engine checks token ids on the host).
 void launch_gather_rows(const __nv_bfloat16* src,  // [n_src, d]
-                        const int32_t* idx,         // [n_rows]
+                        const int32_t* idx,        // [n_rows]
                         int n_rows, int d,
                         __nv_bfloat16* out,  // [n_rows, d]
                         cudaStream_t stream);
@@ -52,11 +52,13 @@ struct AttnShape {
   int rotary_dim = 0;  // leading dims that RoPE rotates (even, <= head_dim)
   bool gated = true;   // q_proj rows per head are [query (head_dim) | gate (head_dim)]
   float rope_theta = 1e7f;
-  float eps = 1e-6f;   // q_norm / k_norm epsilon
-  int page_size = 0;   // tokens per KV block
+  float eps = 1e-6f;  // q_norm / k_norm epsilon
+  int page_size = 0;  // tokens per KV block
   __host__ __device__ int q_proj_dim() const { return n_heads * head_dim * (gated ? 2 : 1); }
   __host__ __device__ int kv_dim() const { return n_kv_heads * head_dim; }
-  __host__ __device__ int qkv_dim() const { return q_proj_dim() + 2 * kv_dim(); }  // fused projection row length
+  __host__ __device__ int qkv_dim() const {
+    return q_proj_dim() + 2 * kv_dim();
+  }  // fused projection row length
 };
 
 // Throws ds::Error naming the field when the attention kernels do not support `s`.
@@ -90,7 +92,7 @@ struct AttnBatch {
   const int32_t* kv_len = nullptr;       // [n_seqs]
   const int32_t* block_table = nullptr;  // [n_seqs, block_table_stride]
   int block_table_stride = 0;
-  int max_q_len = 0;   // host-side bounds used for the grid (>= every q_len / kv_len)
+  int max_q_len = 0;  // host-side bounds used for the grid (>= every q_len / kv_len)
   int max_kv_len = 0;
 };
 
@@ -119,7 +121,8 @@ void launch_attention_prefill(const AttnShape& s, const AttnBatch& b,
 // attention_decode_workspace_bytes(s, n_seqs, n_splits); n_splits * kv_chunk >= every kv_len.
 size_t attention_decode_workspace_bytes(const AttnShape& s, int n_seqs, int n_splits);
 // Host planning: tokens per split for this batch (fills the GPU; a multiple of 64).
-int attention_decode_kv_chunk(int n_seqs, int n_kv_heads, int max_kv_len, int n_sms, int max_splits);
+int attention_decode_kv_chunk(int n_seqs, int n_kv_heads, int max_kv_len, int n_sms,
+                              int max_splits);
 bool attention_decode_supported(const AttnShape& s);
 void launch_attention_decode(const AttnShape& s, const AttnBatch& b,
                              const __nv_bfloat16* q,  // [n_rows, n_heads, head_dim]

@@ -1,11 +1,11 @@
 // Attention input preparation, one block per token: zero-centred RMSNorm of each query and key
 // head (q_norm / k_norm over head_dim, fp32, rounded to bf16 as HF does), then RoPE on the first
-// rotary_dim dims (rotate-half / NeoX pairs i and i + rotary_dim/2, angle pos * theta^(-2i/rotary_dim)
-// in fp32, accurate sincosf), q to q_out [n_tokens, n_heads, head_dim], k and v (v untouched) into the
-// paged cache [n_blocks, n_kv_heads, page_size, head_dim] at slot_mapping[t]. Reads the fused
-// projection row [q(+gate) | k | v] directly. One warp per head, the head staged in shared memory.
-// Shapes: head_dim <= 256, any head counts. Tested in tests/cuda/cuda_kernels_test.cpp against a
-// CPU loop (tolerance 2 bf16 ulp).
+// rotary_dim dims (rotate-half / NeoX pairs i and i + rotary_dim/2, angle pos *
+// theta^(-2i/rotary_dim) in fp32, accurate sincosf), q to q_out [n_tokens, n_heads, head_dim], k
+// and v (v untouched) into the paged cache [n_blocks, n_kv_heads, page_size, head_dim] at
+// slot_mapping[t]. Reads the fused projection row [q(+gate) | k | v] directly. One warp per head,
+// the head staged in shared memory. Shapes: head_dim <= 256, any head counts. Tested in
+// tests/cuda/cuda_kernels_test.cpp against a CPU loop (tolerance 2 bf16 ulp).
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
 
@@ -79,10 +79,12 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 void check_attn_shape(const AttnShape& s) {
   DS_CHECK(s.n_heads > 0 && s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0,
-           "attention: num_attention_heads (", s.n_heads, ") must be a positive multiple of "
-           "num_key_value_heads (", s.n_kv_heads, ")");
-  DS_CHECK(s.head_dim >= 16 && s.head_dim <= 256 && s.head_dim % 16 == 0,
-           "attention: head_dim ", s.head_dim, " not supported (multiple of 16, at most 256)");
+           "attention: num_attention_heads (", s.n_heads,
+           ") must be a positive multiple of "
+           "num_key_value_heads (",
+           s.n_kv_heads, ")");
+  DS_CHECK(s.head_dim >= 16 && s.head_dim <= 256 && s.head_dim % 16 == 0, "attention: head_dim ",
+           s.head_dim, " not supported (multiple of 16, at most 256)");
   DS_CHECK(s.rotary_dim >= 0 && s.rotary_dim <= s.head_dim && s.rotary_dim % 2 == 0,
            "attention: rotary dims ", s.rotary_dim, " must be even and at most head_dim");
   DS_CHECK(s.page_size > 0, "attention: page_size must be positive");

@@ -147,7 +147,8 @@ __global__ void __launch_bounds__(kThreads)
   }
   float excl, total;
   BlockScan(scan_tmp).ExclusiveSum(own, excl, total);
-  const uint64_t h = mix64(mix64(p.seed) ^ (p.offset * 0xD1B54A32D192ED03ull + 0x632BE59BD9B4E019ull));
+  const uint64_t h =
+      mix64(mix64(p.seed) ^ (p.offset * 0xD1B54A32D192ED03ull + 0x632BE59BD9B4E019ull));
   const float u = (float)(h >> 40) * (1.0f / 16777216.0f);  // [0, 1)
   const float target = u * total;
   if (tid == 0) chosen = arg;  // fallback when rounding puts the target past the last kept token

@@ -20,20 +20,23 @@ namespace {
 using test::DevBuf;
 using bf = uint16_t;
 
-struct SeqSpec { int q_len, kv_len; };
+struct SeqSpec {
+  int q_len, kv_len;
+};
 
 struct Fixture {
   cuda::AttnShape s;
   std::vector<SeqSpec> seqs;
   int n_rows = 0, max_blocks = 0, n_blocks = 0;
-  std::vector<float> K, V;          // per seq logical [kv_len, n_kv, hd], concatenated
+  std::vector<float> K, V;  // per seq logical [kv_len, n_kv, hd], concatenated
   std::vector<size_t> kv_off;
-  std::vector<bf> q;                // [n_rows, n_heads, hd]
-  std::vector<bf> qkv_gate;         // gate source: [n_rows, n_heads, 2*hd], gate at +hd
-  std::vector<bf> kc, vc;           // paged caches
+  std::vector<bf> q;         // [n_rows, n_heads, hd]
+  std::vector<bf> qkv_gate;  // gate source: [n_rows, n_heads, 2*hd], gate at +hd
+  std::vector<bf> kc, vc;    // paged caches
   std::vector<int32_t> q_start, q_len, kv_len, btab;
 
-  Fixture(cuda::AttnShape shape, std::vector<SeqSpec> ss, uint32_t seed) : s(shape), seqs(std::move(ss)) {
+  Fixture(cuda::AttnShape shape, std::vector<SeqSpec> ss, uint32_t seed)
+      : s(shape), seqs(std::move(ss)) {
     std::mt19937 rng(seed);
     const int nkv = s.n_kv_heads, hd = s.head_dim, ps = s.page_size;
     for (auto& q : seqs) max_blocks = std::max(max_blocks, (q.kv_len + ps - 1) / ps);
@@ -43,7 +46,8 @@ struct Fixture {
     std::iota(perm.begin(), perm.end(), 0);
     std::shuffle(perm.begin(), perm.end(), rng);
     const size_t blk_elems = size_t(nkv) * ps * hd;
-    kc.assign(blk_elems * n_blocks, f32_to_bf16(NAN));  // unused cache rows are NaN: must never be read
+    kc.assign(blk_elems * n_blocks,
+              f32_to_bf16(NAN));  // unused cache rows are NaN: must never be read
     vc = kc;
     int next = 0;
     btab.assign(seqs.size() * max_blocks, 0);
@@ -61,7 +65,8 @@ struct Fixture {
         for (int h = 0; h < nkv; ++h)
           for (int c = 0; c < hd; ++c) {
             const size_t src = (size_t(t) * nkv + h) * hd + c;
-            const size_t dst = (size_t(btab[i * max_blocks + t / ps]) * nkv + h) * ps * hd + size_t(t % ps) * hd + c;
+            const size_t dst = (size_t(btab[i * max_blocks + t / ps]) * nkv + h) * ps * hd +
+                               size_t(t % ps) * hd + c;
             kc[dst] = k[src];
             vc[dst] = v[src];
             K.push_back(bf16_to_f32(k[src]));
@@ -92,7 +97,8 @@ struct Fixture {
     for (int t = 0; t <= pos; ++t) {
       double d = 0;
       for (int c = 0; c < hd; ++c)
-        d += double(bf16_to_f32(q[(size_t(row) * s.n_heads + h) * hd + c])) * Kb[(size_t(t) * nkv + g) * hd + c];
+        d += double(bf16_to_f32(q[(size_t(row) * s.n_heads + h) * hd + c])) *
+             Kb[(size_t(t) * nkv + g) * hd + c];
       sc[t] = d / std::sqrt(double(hd));
       mx = std::max(mx, sc[t]);
     }
@@ -111,7 +117,8 @@ struct Fixture {
   void check(const std::vector<bf>& got_bf, double tol, const char* what) const {
     const int hd = s.head_dim;
     for (size_t i = 0; i < got_bf.size(); ++i)
-      ASSERT_TRUE(std::isfinite(bf16_to_f32(got_bf[i]))) << what << ": element " << i << " not written / NaN";
+      ASSERT_TRUE(std::isfinite(bf16_to_f32(got_bf[i])))
+          << what << ": element " << i << " not written / NaN";
     std::vector<float> got, ref;
     std::mt19937 rng(11);
     for (size_t i = 0; i < seqs.size(); ++i) {
@@ -140,7 +147,11 @@ struct Fixture {
 
 cuda::AttnShape shape_27b() {
   cuda::AttnShape s;
-  s.n_heads = 24; s.n_kv_heads = 4; s.head_dim = 256; s.rotary_dim = 64; s.page_size = 64;
+  s.n_heads = 24;
+  s.n_kv_heads = 4;
+  s.head_dim = 256;
+  s.rotary_dim = 64;
+  s.page_size = 64;
   return s;
 }
 
@@ -150,14 +161,17 @@ void run_prefill(const Fixture& f, const char* what) {
   out.poison();
   cuda::AttnBatch b;
   b.n_seqs = int(f.seqs.size());
-  b.q_start = qs.ptr; b.q_len = ql.ptr; b.kv_len = kl.ptr; b.block_table = bt.ptr;
+  b.q_start = qs.ptr;
+  b.q_len = ql.ptr;
+  b.kv_len = kl.ptr;
+  b.block_table = bt.ptr;
   b.block_table_stride = f.max_blocks;
   for (auto& s : f.seqs) {
     b.max_q_len = std::max(b.max_q_len, s.q_len);
     b.max_kv_len = std::max(b.max_kv_len, s.kv_len);
   }
-  cuda::launch_attention_prefill(f.s, b, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>(),
-                                 f.gate(g), out.as<__nv_bfloat16>(), 0);
+  cuda::launch_attention_prefill(f.s, b, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(),
+                                 vc.as<__nv_bfloat16>(), f.gate(g), out.as<__nv_bfloat16>(), 0);
   f.check(out.download(), 1e-2, what);
 }
 
@@ -167,15 +181,20 @@ void run_decode(const Fixture& f, const char* what) {
   out.poison();
   cuda::AttnBatch b;
   b.n_seqs = int(f.seqs.size());
-  b.q_start = qs.ptr; b.q_len = ql.ptr; b.kv_len = kl.ptr; b.block_table = bt.ptr;
+  b.q_start = qs.ptr;
+  b.q_len = ql.ptr;
+  b.kv_len = kl.ptr;
+  b.block_table = bt.ptr;
   b.block_table_stride = f.max_blocks;
   b.max_q_len = 1;
   for (auto& s : f.seqs) b.max_kv_len = std::max(b.max_kv_len, s.kv_len);
-  const int chunk = cuda::attention_decode_kv_chunk(b.n_seqs, f.s.n_kv_heads, b.max_kv_len, 132, 64);
+  const int chunk =
+      cuda::attention_decode_kv_chunk(b.n_seqs, f.s.n_kv_heads, b.max_kv_len, 132, 64);
   const int splits = (b.max_kv_len + chunk - 1) / chunk;
   DevBuf<char> ws(cuda::attention_decode_workspace_bytes(f.s, b.n_seqs, splits));
-  cuda::launch_attention_decode(f.s, b, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>(),
-                                f.gate(g), chunk, splits, ws.ptr, out.as<__nv_bfloat16>(), 0);
+  cuda::launch_attention_decode(f.s, b, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(),
+                                vc.as<__nv_bfloat16>(), f.gate(g), chunk, splits, ws.ptr,
+                                out.as<__nv_bfloat16>(), 0);
   f.check(out.download(), 1e-2, what);
 }
 
@@ -196,9 +215,14 @@ TEST(CudaAttention, Prefill27bRaggedBatchWithCachedPrefix) {
 
 TEST(CudaAttention, PrefillSmallHeadDims) {
   DS_REQUIRE_GPU();
-  for (auto [nh, nkv, hd] : {std::tuple{6, 1, 32}, std::tuple{8, 2, 16}, std::tuple{16, 2, 128}, std::tuple{8, 8, 64}}) {
+  for (auto [nh, nkv, hd] :
+       {std::tuple{6, 1, 32}, std::tuple{8, 2, 16}, std::tuple{16, 2, 128}, std::tuple{8, 8, 64}}) {
     cuda::AttnShape s;
-    s.n_heads = nh; s.n_kv_heads = nkv; s.head_dim = hd; s.rotary_dim = hd / 4; s.page_size = 16;
+    s.n_heads = nh;
+    s.n_kv_heads = nkv;
+    s.head_dim = hd;
+    s.rotary_dim = hd / 4;
+    s.page_size = 16;
     Fixture f(s, {{100, 100}, {1, 37}, {17, 50}}, 9 + hd);
     run_prefill(f, ("prefill hd " + std::to_string(hd)).c_str());
   }
@@ -217,7 +241,11 @@ TEST(CudaAttention, DecodeOtherShapes) {
   DS_REQUIRE_GPU();
   for (auto [nh, nkv, hd] : {std::tuple{6, 1, 32}, std::tuple{16, 2, 128}, std::tuple{8, 8, 64}}) {
     cuda::AttnShape s;
-    s.n_heads = nh; s.n_kv_heads = nkv; s.head_dim = hd; s.rotary_dim = hd / 4; s.page_size = 16;
+    s.n_heads = nh;
+    s.n_kv_heads = nkv;
+    s.head_dim = hd;
+    s.rotary_dim = hd / 4;
+    s.page_size = 16;
     ASSERT_TRUE(cuda::attention_decode_supported(s));
     Fixture f(s, {{1, 1}, {1, 100}, {1, 1000}}, 30 + hd);
     run_decode(f, ("decode hd " + std::to_string(hd)).c_str());

@@ -8,6 +8,8 @@
 // synthetic weights give bit-identical logits to the host generator's uploaded ones; bad requests
 // (slot, token id, KV pool full, length, duplicate slot) are ds::Error and change nothing.
 // Measured numbers are in docs/GPU.md.
+#include "cuda/cuda_backend.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,7 +20,6 @@
 
 #include "core/error.h"
 #include "core/npy.h"
-#include "cuda/cuda_backend.h"
 #include "cuda_test_util.h"
 #include "model/weights.h"
 
@@ -71,7 +72,9 @@ std::vector<float> score(Backend& b, int slot, const std::vector<int32_t>& toks)
 
 int argmax(const float* r, int n) { return int(std::max_element(r, r + n) - r); }
 
-struct Err { double max_rel, l2; };
+struct Err {
+  double max_rel, l2;
+};
 Err compare(const std::vector<float>& a, const std::vector<float>& ref) {
   double mx = 0, err = 0;
   for (size_t i = 0; i < ref.size(); ++i) {
@@ -100,7 +103,8 @@ TEST_P(GoldenCuda, LogitsGreedyAndChunking) {
   auto logits = score(*b, 0, g.tokens);
   ASSERT_EQ(logits.size(), size_t(T) * V);
   const Err e = compare(logits, g.logits);
-  std::printf("  %s: teacher-forced logits max|err|/max|ref| %.3e, normalised L2 %.3e\n", name.c_str(), e.max_rel, e.l2);
+  std::printf("  %s: teacher-forced logits max|err|/max|ref| %.3e, normalised L2 %.3e\n",
+              name.c_str(), e.max_rel, e.l2);
   // bf16 activations vs HF's fp32 run; this 64-wide, 8-layer random model measured 7.6e-2 / 3.4e-2.
   EXPECT_LT(e.max_rel, 0.12);
   EXPECT_LT(e.l2, 6e-2);
@@ -117,8 +121,8 @@ TEST_P(GoldenCuda, LogitsGreedyAndChunking) {
       agree_decisive += same;
     }
   }
-  std::printf("  %s: top-1 agreement %d/%d (all), %d/%d (HF margin > 0.05)\n", name.c_str(), agree, T,
-              agree_decisive, decisive);
+  std::printf("  %s: top-1 agreement %d/%d (all), %d/%d (HF margin > 0.05)\n", name.c_str(), agree,
+              T, agree_decisive, decisive);
   EXPECT_GE(agree_decisive, decisive * 0.99);
   EXPECT_EQ(agree_decisive, decisive);
 
@@ -152,8 +156,9 @@ TEST_P(GoldenCuda, LogitsGreedyAndChunking) {
       agree_v += argmax(lv.data() + size_t(t) * V, V) == argmax(ref, V);
     }
     const Err vs_one = compare(lv, logits);
-    std::printf("  %s: %s vs HF: max rel %.3e, L2 %.3e, decisive top-1 %d/%d; vs one chunk: max rel %.3e\n",
-                name.c_str(), what.c_str(), ev.max_rel, ev.l2, agree_v, n_dec, vs_one.max_rel);
+    std::printf(
+        "  %s: %s vs HF: max rel %.3e, L2 %.3e, decisive top-1 %d/%d; vs one chunk: max rel %.3e\n",
+        name.c_str(), what.c_str(), ev.max_rel, ev.l2, agree_v, n_dec, vs_one.max_rel);
     // Measured on the H200: L2 2.7e-2..5.3e-2, max rel 4.5e-2..1.9e-1 (chunk 7: most boundaries),
     // decisive top-1 80/81..81/81. This 64-wide random model amplifies bf16 rounding (the 27B-shape
     // test below sees 1-2%).
@@ -222,11 +227,16 @@ TEST(CudaBackend, ChunkingAndDecodeAgreeAt27bShapes) {
     const auto got = run(chunk, dec);
     const Err e = compare(got, ref);
     int agree = 0;
-    for (int r = 0; r < D; ++r) agree += argmax(got.data() + size_t(r) * V, V) == argmax(ref.data() + size_t(r) * V, V);
-    std::printf("  27b shapes, 4 layers: %s vs one 4096 chunk over the last %d tokens: max rel %.3e, L2 %.3e, top-1 %d/%d\n",
-                dec ? "token-by-token decode" : ("chunk " + std::to_string(chunk)).c_str(), D, e.max_rel, e.l2, agree, D);
-    // Measured on the H200: L2 0.96e-2 (chunk 512), 1.1e-2 (1000), 1.9e-2 (decode); max rel <= 2.2e-2.
-    // Top-1 is printed, not gated: a random 248320-way head has near-flat logits (tiny margins).
+    for (int r = 0; r < D; ++r)
+      agree += argmax(got.data() + size_t(r) * V, V) == argmax(ref.data() + size_t(r) * V, V);
+    std::printf(
+        "  27b shapes, 4 layers: %s vs one 4096 chunk over the last %d tokens: max rel %.3e, L2 "
+        "%.3e, top-1 %d/%d\n",
+        dec ? "token-by-token decode" : ("chunk " + std::to_string(chunk)).c_str(), D, e.max_rel,
+        e.l2, agree, D);
+    // Measured on the H200: L2 0.96e-2 (chunk 512), 1.1e-2 (1000), 1.9e-2 (decode); max rel
+    // <= 2.2e-2. Top-1 is printed, not gated: a random 248320-way head has near-flat logits (tiny
+    // margins).
     EXPECT_LT(e.l2, 3e-2);
     EXPECT_LT(e.max_rel, 5e-2);
   }
@@ -248,7 +258,8 @@ TEST(CudaBackend, BatchOfSequencesMatchesOneAtATime) {
   }
   const int n_dec = 4, late = 4;  // sequence 4 arrives with the 4th decode step (a mixed step)
   auto dec_tok = [&](size_t i, int k) { return int32_t((i * 7 + k) % c.vocab_size); };
-  // Reference: each sequence alone, its prompt then n_dec decode tokens (the late one: prompt only).
+  // Reference: each sequence alone, its prompt then n_dec decode tokens (the late one: prompt
+  // only).
   std::vector<std::vector<float>> ref;
   for (size_t i = 0; i < prompts.size(); ++i) {
     auto b = make(w, 4096);
@@ -273,7 +284,8 @@ TEST(CudaBackend, BatchOfSequencesMatchesOneAtATime) {
   b->step(work, l);
   std::vector<std::vector<float>> got(prompts.size());
   const int V = c.vocab_size;
-  for (int i = 0; i < late; ++i) got[i].assign(l.begin() + size_t(i) * V, l.begin() + size_t(i + 1) * V);
+  for (int i = 0; i < late; ++i)
+    got[i].assign(l.begin() + size_t(i) * V, l.begin() + size_t(i + 1) * V);
   for (int k = 0; k < n_dec; ++k) {
     std::vector<std::vector<int32_t>> toks(late);
     work.clear();
@@ -289,7 +301,9 @@ TEST(CudaBackend, BatchOfSequencesMatchesOneAtATime) {
   }
   for (size_t i = 0; i < prompts.size(); ++i) {
     const Err e = compare(got[i], ref[i]);
-    std::printf("  sequence %zu: batched (chunk 100, mixed last step) vs alone: max rel %.3e, L2 %.3e\n", i, e.max_rel, e.l2);
+    std::printf(
+        "  sequence %zu: batched (chunk 100, mixed last step) vs alone: max rel %.3e, L2 %.3e\n", i,
+        e.max_rel, e.l2);
     EXPECT_LT(e.max_rel, 6e-2) << "sequence " << i;
     EXPECT_LT(e.l2, 3e-2) << "sequence " << i;
   }

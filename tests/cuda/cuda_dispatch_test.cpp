@@ -17,8 +17,10 @@ TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
   unsetenv("DS_DISABLE_KERNELS");
   DispatchRegistry r = DispatchRegistry::with_defaults(90);
   EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(256, 6, 1, 4096)).name, "split_kv");
-  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(16, 4, 1, 100)).name, "prefill_kernel");  // hd 16
-  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(128, 12, 1, 100)).name, "prefill_kernel");  // group 12
+  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(16, 4, 1, 100)).name,
+            "prefill_kernel");  // hd 16
+  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(128, 12, 1, 100)).name,
+            "prefill_kernel");  // group 12
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused");
   EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, "cublaslt");
   const std::string list = r.list();
@@ -64,7 +66,9 @@ TEST(CudaDispatch, DecodeSplitPlanCoversEveryLength) {
       EXPECT_GE(int64_t(splits) * chunk, len);
     }
   // Long single sequences are split to fill the GPU.
-  EXPECT_GE((32768 + attention_decode_kv_chunk(1, 4, 32768, 132, 64) - 1) / attention_decode_kv_chunk(1, 4, 32768, 132, 64), 32);
+  EXPECT_GE((32768 + attention_decode_kv_chunk(1, 4, 32768, 132, 64) - 1) /
+                attention_decode_kv_chunk(1, 4, 32768, 132, 64),
+            32);
 }
 
 }  // namespace

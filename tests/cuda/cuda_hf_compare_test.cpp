@@ -25,9 +25,11 @@ namespace {
 TEST(CudaHfCompare, WriteCheckpointAndOurLogits) {
   DS_REQUIRE_GPU();
   const char* dir_env = std::getenv("DS_HF_COMPARE_DIR");
-  if (!dir_env || !*dir_env) GTEST_SKIP() << "set DS_HF_COMPARE_DIR to write the HF comparison files";
+  if (!dir_env || !*dir_env)
+    GTEST_SKIP() << "set DS_HF_COMPARE_DIR to write the HF comparison files";
   const std::string dir = dir_env;
-  const int layers = std::getenv("DS_HF_COMPARE_LAYERS") ? std::atoi(std::getenv("DS_HF_COMPARE_LAYERS")) : 4;
+  const int layers =
+      std::getenv("DS_HF_COMPARE_LAYERS") ? std::atoi(std::getenv("DS_HF_COMPARE_LAYERS")) : 4;
   ModelConfig c = synthetic_model_config("27b");
   ASSERT_GE(layers, 1);
   ASSERT_LE(layers, c.n_layers);
@@ -37,7 +39,8 @@ TEST(CudaHfCompare, WriteCheckpointAndOurLogits) {
   HostWeights w = make_synthetic_weights(c, seed);
   std::filesystem::create_directories(dir);
   const int64_t bytes = w.stats.text_bytes;
-  write_checkpoint(w, dir, static_cast<int>(std::max<int64_t>(1, bytes / (int64_t(4) << 30) + 1)), false);
+  write_checkpoint(w, dir, static_cast<int>(std::max<int64_t>(1, bytes / (int64_t(4) << 30) + 1)),
+                   false);
 
   const int P = 2048, D = 64, V = c.vocab_size;
   std::mt19937 rng(2024);
@@ -69,7 +72,8 @@ TEST(CudaHfCompare, WriteCheckpointAndOurLogits) {
   j["layers"] = layers;
   j["seed"] = seed;
   std::ofstream(dir + "/compare.json") << j.dump();
-  std::printf("  wrote %s: %d-layer 27B-shape checkpoint, our logits [%d, %d]\n", dir.c_str(), layers, P + D, V);
+  std::printf("  wrote %s: %d-layer 27B-shape checkpoint, our logits [%d, %d]\n", dir.c_str(),
+              layers, P + D, V);
 }
 
 }  // namespace

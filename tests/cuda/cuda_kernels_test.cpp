@@ -50,8 +50,9 @@ TEST(CudaKernels, AddRmsNorm) {
         auto w = test::random_bf16(d, rng, 0.1f);
         DevBuf<bf> dres(res), ddel(del), dw(w), out(size_t(rows) * d);
         out.poison();
-        cuda::launch_add_rmsnorm(dres.as<__nv_bfloat16>(), with_delta ? ddel.as<__nv_bfloat16>() : nullptr,
-                                 dw.as<__nv_bfloat16>(), rows, d, 1e-6f, 1.f, out.as<__nv_bfloat16>(), 0);
+        cuda::launch_add_rmsnorm(
+            dres.as<__nv_bfloat16>(), with_delta ? ddel.as<__nv_bfloat16>() : nullptr,
+            dw.as<__nv_bfloat16>(), rows, d, 1e-6f, 1.f, out.as<__nv_bfloat16>(), 0);
         auto got = test::to_f32(out.download());
         auto got_res = dres.download();
         std::vector<float> ref(got.size());
@@ -66,7 +67,8 @@ TEST(CudaKernels, AddRmsNorm) {
             ASSERT_EQ(got_res[size_t(r) * d + c], f32_to_bf16(v)) << "residual row " << r;
           }
           const float inv = 1.f / std::sqrt(float(ss / d) + 1e-6f);
-          for (int c = 0; c < d; ++c) ref[size_t(r) * d + c] = x[c] * inv * (1.f + bf16_to_f32(w[c]));
+          for (int c = 0; c < d; ++c)
+            ref[size_t(r) * d + c] = x[c] * inv * (1.f + bf16_to_f32(w[c]));
         }
         EXPECT_LT(test::norm_err(got, ref), 4e-3) << "d " << d << " rows " << rows;
       }
@@ -118,11 +120,21 @@ std::vector<float> norm_rope_ref(const float* x, const std::vector<bf>& w, int h
 TEST(CudaKernels, QkNormRopeKvWrite) {
   DS_REQUIRE_GPU();
   std::mt19937 rng(4);
-  struct Shape { int nh, nkv, hd, rot; bool gated; };
-  for (Shape sh : {Shape{24, 4, 256, 64, true}, Shape{6, 1, 32, 8, true}, Shape{8, 2, 16, 4, false}}) {
+  struct Shape {
+    int nh, nkv, hd, rot;
+    bool gated;
+  };
+  for (Shape sh :
+       {Shape{24, 4, 256, 64, true}, Shape{6, 1, 32, 8, true}, Shape{8, 2, 16, 4, false}}) {
     cuda::AttnShape s;
-    s.n_heads = sh.nh; s.n_kv_heads = sh.nkv; s.head_dim = sh.hd; s.rotary_dim = sh.rot;
-    s.gated = sh.gated; s.rope_theta = 1e7f; s.eps = 1e-6f; s.page_size = 16;
+    s.n_heads = sh.nh;
+    s.n_kv_heads = sh.nkv;
+    s.head_dim = sh.hd;
+    s.rotary_dim = sh.rot;
+    s.gated = sh.gated;
+    s.rope_theta = 1e7f;
+    s.eps = 1e-6f;
+    s.page_size = 16;
     const int T = 65, n_blocks = 8;
     auto qkv = test::random_bf16(size_t(T) * s.qkv_dim(), rng, 2.f);
     auto qw = test::random_bf16(sh.hd, rng, 0.1f), kw = test::random_bf16(sh.hd, rng, 0.1f);
@@ -138,10 +150,12 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
     DevBuf<int32_t> dpos(pos), dslot(slot);
     const size_t cache_n = size_t(n_blocks) * sh.nkv * s.page_size * sh.hd;
     DevBuf<bf> q(size_t(T) * sh.nh * sh.hd), kc(cache_n), vc(cache_n);
-    q.poison(); kc.poison(); vc.poison();
-    cuda::launch_qk_norm_rope_kv(s, dqkv.as<__nv_bfloat16>(), dqw.as<__nv_bfloat16>(), dkw.as<__nv_bfloat16>(),
-                                 dpos.ptr, dslot.ptr, T, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(),
-                                 vc.as<__nv_bfloat16>(), 0);
+    q.poison();
+    kc.poison();
+    vc.poison();
+    cuda::launch_qk_norm_rope_kv(
+        s, dqkv.as<__nv_bfloat16>(), dqw.as<__nv_bfloat16>(), dkw.as<__nv_bfloat16>(), dpos.ptr,
+        dslot.ptr, T, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>(), 0);
     auto hq = test::to_f32(q.download());
     auto hk = kc.download(), hv = vc.download();
     auto fq = test::to_f32(qkv);
@@ -149,7 +163,8 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
     for (int t = 0; t < T; ++t) {
       const float* row = fq.data() + size_t(t) * s.qkv_dim();
       for (int h = 0; h < sh.nh; ++h) {
-        auto r = norm_rope_ref(row + h * sh.hd * (sh.gated ? 2 : 1), qw, sh.hd, sh.rot, 1e7f, pos[t]);
+        auto r =
+            norm_rope_ref(row + h * sh.hd * (sh.gated ? 2 : 1), qw, sh.hd, sh.rot, 1e7f, pos[t]);
         for (int i = 0; i < sh.hd; ++i) {
           ref_q.push_back(r[i]);
           got_q.push_back(hq[(size_t(t) * sh.nh + h) * sh.hd + i]);
@@ -163,7 +178,8 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
         for (int i = 0; i < sh.hd; ++i) {
           ref_k.push_back(r[i]);
           got_k.push_back(bf16_to_f32(hk[base + i]));
-          ASSERT_EQ(hv[base + i], qkv[size_t(t) * s.qkv_dim() + s.q_proj_dim() + s.kv_dim() + h * sh.hd + i]);
+          ASSERT_EQ(hv[base + i],
+                    qkv[size_t(t) * s.qkv_dim() + s.q_proj_dim() + s.kv_dim() + h * sh.hd + i]);
         }
       }
     }
@@ -179,10 +195,13 @@ TEST(CudaKernels, Bf16F32ConvertExact) {
   std::vector<float> f(100003);
   std::normal_distribution<float> nd(0.f, 100.f);
   for (auto& x : f) x = nd(rng);
-  f[0] = INFINITY; f[1] = -0.f; f[2] = 1e-40f;
+  f[0] = INFINITY;
+  f[1] = -0.f;
+  f[2] = 1e-40f;
   DevBuf<float> df(f), back(f.size());
   DevBuf<bf> b(f.size());
-  b.poison(); back.poison();
+  b.poison();
+  back.poison();
   cuda::launch_f32_to_bf16(df.ptr, f.size(), b.as<__nv_bfloat16>(), 0);
   cuda::launch_bf16_to_f32(b.as<__nv_bfloat16>(), f.size(), back.ptr, 0);
   auto hb = b.download();
@@ -203,10 +222,12 @@ TEST(CudaKernels, SyntheticWeightsMatchHostGenerator) {
     const int64_t n = std::min<int64_t>(t.numel(), 1 << 20);
     DevBuf<bf> out(n);
     out.poison();
-    cuda::launch_fill_synthetic_normal_bf16(out.as<__nv_bfloat16>(), n, spec.seed, spec.mean, spec.std, 0);
+    cuda::launch_fill_synthetic_normal_bf16(out.as<__nv_bfloat16>(), n, spec.seed, spec.mean,
+                                            spec.std, 0);
     auto h = out.download();
     for (int64_t i = 0; i < n; ++i)
-      ASSERT_EQ(h[i], f32_to_bf16(synthetic_value(spec, uint64_t(i)))) << t.name << " element " << i;
+      ASSERT_EQ(h[i], f32_to_bf16(synthetic_value(spec, uint64_t(i))))
+          << t.name << " element " << i;
   }
 }
 
@@ -233,12 +254,15 @@ TEST(CudaSampling, GreedyIsArgmax) {
   l[size_t(2) * V + V - 1] = 60.f;
   l[size_t(3) * V + 5] = NAN;
   std::vector<cuda::SamplingParams> p(R);
-  p[4].temperature = 1.f; p[4].top_k = 1;  // top-k 1 is greedy too
+  p[4].temperature = 1.f;
+  p[4].top_k = 1;  // top-k 1 is greedy too
   auto got = run_sample(l, R, V, p);
   for (int r = 0; r < R; ++r) {
     int best = -1;
     for (int i = 0; i < V; ++i)
-      if (!std::isnan(l[size_t(r) * V + i]) && (best < 0 || l[size_t(r) * V + i] > l[size_t(r) * V + best])) best = i;
+      if (!std::isnan(l[size_t(r) * V + i]) &&
+          (best < 0 || l[size_t(r) * V + i] > l[size_t(r) * V + best]))
+        best = i;
     EXPECT_EQ(got[r], best) << "row " << r;
   }
   EXPECT_EQ(got[1], 1000);
@@ -251,14 +275,20 @@ TEST(CudaSampling, TopKTopPTemperatureFrequencies) {
   std::mt19937 rng(7);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (auto& x : base) x = nd(rng);
-  base[10] = 4.f; base[20] = 3.5f; base[30] = 3.f; base[40] = 2.9f;
+  base[10] = 4.f;
+  base[20] = 3.5f;
+  base[30] = 3.f;
+  base[40] = 2.9f;
   std::vector<float> l;
   for (int r = 0; r < R; ++r) l.insert(l.end(), base.begin(), base.end());
   auto check = [&](float temp, int top_k, float top_p) {
     std::vector<cuda::SamplingParams> p(R);
     for (int r = 0; r < R; ++r) {
-      p[r].temperature = temp; p[r].top_k = top_k; p[r].top_p = top_p;
-      p[r].seed = 99; p[r].offset = r;
+      p[r].temperature = temp;
+      p[r].top_k = top_k;
+      p[r].top_p = top_p;
+      p[r].seed = 99;
+      p[r].offset = r;
     }
     auto got = run_sample(l, R, V, p);
     // Reference distribution: temperature, top-k, then top-p over the renormalised top-k.
@@ -268,7 +298,8 @@ TEST(CudaSampling, TopKTopPTemperatureFrequencies) {
     const int k = top_k > 0 ? top_k : V;
     std::vector<double> w(V, 0.0);
     double z = 0;
-    for (int i = 0; i < k; ++i) z += w[order[i]] = std::exp((base[order[i]] - base[order[0]]) / temp);
+    for (int i = 0; i < k; ++i)
+      z += w[order[i]] = std::exp((base[order[i]] - base[order[0]]) / temp);
     double cum = 0;
     int kept = 0;
     for (int i = 0; i < k; ++i) {

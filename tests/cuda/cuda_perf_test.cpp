@@ -66,9 +66,10 @@ TEST(CudaPerf, Synthetic27b) {
   };
   const double d1 = decode(1, 32);
   const double d8 = decode(8, 16);
-  std::printf("PERF synthetic 27B (%d layers): load %.2f s | prompt 4096 tok %.3f s = %.0f tok/s | "
-              "decode b1 %.2f ms/tok = %.1f tok/s | decode b8 %.2f ms/step = %.1f tok/s\n",
-              c.n_layers, t_load, t_prefill, 4096 / t_prefill, d1 * 1e3, 1 / d1, d8 * 1e3, 8 / d8);
+  std::printf(
+      "PERF synthetic 27B (%d layers): load %.2f s | prompt 4096 tok %.3f s = %.0f tok/s | "
+      "decode b1 %.2f ms/tok = %.1f tok/s | decode b8 %.2f ms/step = %.1f tok/s\n",
+      c.n_layers, t_load, t_prefill, 4096 / t_prefill, d1 * 1e3, 1 / d1, d8 * 1e3, 8 / d8);
 }
 
 }  // namespace

@@ -9,8 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <string>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/bf16.h"
@@ -22,7 +22,9 @@ template <typename T>
 struct DevBuf {
   T* ptr = nullptr;
   size_t n = 0;
-  explicit DevBuf(size_t count) : n(count) { DS_CUDA_CHECK(cudaMalloc(&ptr, sizeof(T) * (n ? n : 1))); }
+  explicit DevBuf(size_t count) : n(count) {
+    DS_CUDA_CHECK(cudaMalloc(&ptr, sizeof(T) * (n ? n : 1)));
+  }
   DevBuf(const std::vector<T>& h) : DevBuf(h.size()) { upload(h); }
   ~DevBuf() { cudaFree(ptr); }
   DevBuf(const DevBuf&) = delete;
@@ -38,7 +40,9 @@ struct DevBuf {
   }
   void poison() { DS_CUDA_CHECK(cudaMemset(ptr, 0xFF, sizeof(T) * (n ? n : 1))); }  // NaN
   template <typename U>
-  U* as() const { return reinterpret_cast<U*>(ptr); }
+  U* as() const {
+    return reinterpret_cast<U*>(ptr);
+  }
 };
 
 // Approximately normal(0, scale) bf16 values (Irwin-Hall of four 16-bit lanes of a xorshift64*
@@ -52,7 +56,8 @@ inline std::vector<uint16_t> random_bf16(size_t n, std::mt19937& rng, float scal
     x ^= x << 25;
     x ^= x >> 27;
     const uint64_t r = x * 0x2545F4914F6CDD1Dull;
-    const int32_t s = int32_t((r & 0xffff) + ((r >> 16) & 0xffff) + ((r >> 32) & 0xffff) + (r >> 48)) - 131070;
+    const int32_t s =
+        int32_t((r & 0xffff) + ((r >> 16) & 0xffff) + ((r >> 32) & 0xffff) + (r >> 48)) - 131070;
     e = f32_to_bf16(float(s) * k);
   }
   return v;
