@@ -91,11 +91,12 @@ TEST(ModelWeights, TinyConfigHasBothLayerKindsAnd27BRatios) {
 }
 
 TEST(ModelWeights, SyntheticIsDeterministicAcrossThreadCounts) {
-  ModelConfig c = tiny_model_config();
+  // Large enough (5M values) that generation really runs on several threads.
+  ModelConfig c = tiny_model_config(40000);
   int saved = omp_get_max_threads();
   omp_set_num_threads(1);
   HostWeights a = make_synthetic_weights(c, 7);
-  omp_set_num_threads(std::max(2, saved));
+  omp_set_num_threads(std::max(3, saved));  // 3: uneven split of the blocks
   HostWeights b = make_synthetic_weights(c, 7);
   omp_set_num_threads(saved);
   expect_same_weights(a, b);

@@ -425,8 +425,11 @@ HostWeights load_host_weights(const std::string& model_dir) {
                       s.loc->file->tensor_data(*s.loc->entry), s.dtype, p->numel()});
     }
   }
-  // Copies touch the mmapped pages for the first time: both cores help with the page faults.
-#pragma omp parallel for schedule(dynamic, 1)
+  // Copies touch the mmapped pages for the first time: all cores help with the page faults
+  // (threads only for real sizes: on a busy machine a parallel region costs milliseconds).
+  int64_t copy_elems = 0;
+  for (const CopyJob& job : jobs) copy_elems += job.numel;
+#pragma omp parallel for schedule(dynamic, 1) if (copy_elems > (int64_t(1) << 22))
   for (size_t j = 0; j < jobs.size(); ++j) {
     const CopyJob& job = jobs[j];
     if (job.src_dtype == job.dst_dtype) {
@@ -487,7 +490,7 @@ HostWeights make_synthetic_weights(const ModelConfig& config, uint64_t seed, DTy
   for (size_t j = 0; j < jobs.size(); ++j) {
     for (int64_t b = 0; b < jobs[j].numel; b += kBlock) blocks.emplace_back(j, b);
   }
-#pragma omp parallel for schedule(dynamic, 4)
+#pragma omp parallel for schedule(dynamic, 4) if (blocks.size() > 64)
   for (size_t k = 0; k < blocks.size(); ++k) {
     const GenJob& job = jobs[blocks[k].first];
     const int64_t b0 = blocks[k].second, n = std::min(job.numel - b0, kBlock);
