@@ -1,7 +1,7 @@
 // SiLU-and-mul of the SwiGLU MLP: out[t, i] = bf16(silu(g) * u) with g = gu[t, i], u =
 // gu[t, d_ff + i] (gu is the fused [gate | up] projection), in fp32, rounded once. Any d_ff;
 // 16-byte loads when d_ff % 8 == 0 (17408 for 27B). Grid-stride over all n_tokens * d_ff elements.
-// Tested in tests/cuda/cuda_kernels_test.cpp (tolerance 1 bf16 ulp).
+// Tested in tests/cuda/cuda_kernels_test.cpp (normalised L2 error < 4e-3 vs an fp32 CPU loop).
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
 
