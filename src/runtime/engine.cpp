@@ -257,6 +257,16 @@ void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
   }
   r.decoder.reset();
   r.held.clear();
+  // Gauges first, so that whoever sees this request finish (its consumer, or wait_idle) also sees
+  // the memory it freed.
+  const MemoryUsage mem = backend_->memory();
+  {
+    std::lock_guard<std::mutex> lk(ctl_->mu);
+    ctl_->stats.memory = mem;
+    ctl_->stats.n_running = scheduler_.n_running();
+    ctl_->stats.n_waiting = scheduler_.n_waiting();
+    ctl_->stats.n_finished[static_cast<int>(reason)]++;
+  }
   publish(r);
   RequestStream& s = *r.stream;
   {
@@ -268,14 +278,8 @@ void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
   }
   s.cv_.notify_all();
   const uint64_t id = r.id;
-  const MemoryUsage mem = backend_->memory();
   {
-    // Gauges first, so that anyone woken by n_active == 0 sees the freed memory.
     std::lock_guard<std::mutex> lk(ctl_->mu);
-    ctl_->stats.memory = mem;
-    ctl_->stats.n_running = scheduler_.n_running();
-    ctl_->stats.n_waiting = scheduler_.n_waiting();
-    ctl_->stats.n_finished[static_cast<int>(reason)]++;
     --ctl_->n_active;
   }
   ctl_->idle_cv.notify_all();

@@ -3,6 +3,7 @@ the Qwen3 tokenizer): models, completions and chat, streamed and not, stop strin
 usage, n / several prompts, echo, tools, API key, and outputs equal to `deltaserve generate` for
 the same request (greedy and seeded sampling)."""
 import json
+import subprocess
 
 import pytest
 
@@ -132,10 +133,13 @@ def test_logprobs_chat(client):
         assert bytes(item.bytes).decode("utf-8", "replace") == item.token or "\ufffd" in item.token
 
 
-def hf_chat_prompt(messages, **kw):
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(TOKDIR))
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+def rendered_prompt(model, messages, **kw):
+    """The prompt our chat template renders (HF equality is tests/python/test_chat_template.py's job)."""
+    req = {"messages": messages, "add_generation_prompt": True, **kw}
+    p = subprocess.run([str(BIN), "chat-template", "--tokenizer", str(model)], input=json.dumps(req).encode(),
+                       capture_output=True, timeout=60)
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    return p.stdout.decode()
 
 
 def test_chat_equals_generate_on_rendered_prompt(client, model):
@@ -145,7 +149,7 @@ def test_chat_equals_generate_on_rendered_prompt(client, model):
     assert r.object == "chat.completion"
     msg = r.choices[0].message
     assert msg.role == "assistant"
-    prompt = hf_chat_prompt(messages, enable_thinking=False)
+    prompt = rendered_prompt(model, messages, enable_thinking=False)
     expected = generate_cli(model, prompt, 10)
     got = (getattr(msg, "reasoning_content", None) or "") + (msg.content or "")
     # The parser may move a <think> block to reasoning_content; the raw text is the same tokens.

@@ -161,7 +161,7 @@ def test_100mb_body_gets_413(server):
     assert server.healthy()
 
 
-def raw(server, data: bytes, timeout=10.0) -> bytes:
+def raw(server, data: bytes, timeout=5.0) -> bytes:
     with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as s:
         s.sendall(data)
         out = b""
@@ -179,7 +179,7 @@ def raw(server, data: bytes, timeout=10.0) -> bytes:
 def test_malformed_http(server):
     out = raw(server, b"THIS IS NOT HTTP\r\n\r\n")
     assert out == b"" or out.startswith(b"HTTP/1.1 400")
-    out = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
+    out = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: -5\r\n\r\n")
     assert out == b"" or out.split(b" ")[1].startswith(b"4")
     assert server.healthy()
 
