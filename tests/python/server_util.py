@@ -20,6 +20,7 @@ BUILD = Path(os.environ.get("DS_BUILD_DIR", REPO / "build"))
 BIN = BUILD / "bin" / "deltaserve"
 TOKDIR = REPO.parent / "shared" / "data" / "tokenizers" / "qwen3"
 QWEN3_VOCAB = 151669  # highest added-token id + 1
+DEVICE = os.environ.get("DS_SERVE_DEVICE", "cpu")  # cuda: the same tests on the GPU engine
 
 requires_server = pytest.mark.skipif(
     not BIN.exists() or not (TOKDIR / "tokenizer.json").exists(),
@@ -46,7 +47,8 @@ class ServerProc:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        self.args = [str(BIN), "serve", "--model", str(model), "--port", str(self.port), *map(str, extra)]
+        self.args = [str(BIN), "serve", "--model", str(model), "--port", str(self.port), "--device", DEVICE,
+                     *map(str, extra)]
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -110,7 +112,7 @@ class ServerProc:
 def generate_cli(model: Path, prompt: str, max_tokens: int, *extra) -> str:
     """`deltaserve generate` text for the same request (skip special tokens, like the server)."""
     p = subprocess.run([str(BIN), "generate", "--model", str(model), "--prompt", prompt, "--max-tokens",
-                        str(max_tokens), "--skip-special", "-q", *map(str, extra)],
+                        str(max_tokens), "--skip-special", "-q", "--device", DEVICE, *map(str, extra)],
                        capture_output=True, timeout=300)
     assert p.returncode == 0, p.stderr.decode(errors="replace")
     out = p.stdout.decode()

@@ -161,7 +161,7 @@ def test_100mb_body_gets_413(server):
     assert server.healthy()
 
 
-def raw(server, data: bytes, timeout=5.0) -> bytes:
+def raw(server, data: bytes, timeout=3.0) -> bytes:
     with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as s:
         s.sendall(data)
         out = b""
