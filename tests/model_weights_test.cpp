@@ -181,14 +181,31 @@ TEST(ModelWeights, SyntheticMagnitudes) {
   EXPECT_NE(s.seed, up.seed);
 }
 
-TEST(ModelWeights, SyntheticBf16IsRoundedF32) {
+TEST(ModelWeights, SyntheticBf16AndF16AreRoundedF32) {
   ModelConfig c = tiny_model_config();
   HostWeights f = make_synthetic_weights(c, 3, DType::kF32);
   HostWeights b = make_synthetic_weights(c, 3, DType::kBF16);
-  for (int64_t i = 0; i < 1000; ++i) EXPECT_EQ(round_bf16(f.embed.at(i)), b.embed.at(i));
   HostWeights h = make_synthetic_weights(c, 3, DType::kF16);
-  for (int64_t i = 0; i < 1000; ++i)
-    EXPECT_NEAR(h.embed.at(i), f.embed.at(i), std::fabs(f.embed.at(i)) * 1e-3 + 1e-7);
+  // Every element of a few tensors with different magnitudes (embedding values reach the f16
+  // subnormal range; conv weights are large; A_log comes from log-uniform).
+  for (auto field : {&LayerWeights::gdn_conv, &LayerWeights::gdn_A_log, &LayerWeights::gdn_in}) {
+    const TensorView &tf = f.layers[0].*field, &tb = b.layers[0].*field, &th = h.layers[0].*field;
+    for (int64_t i = 0; i < tf.numel(); ++i) {
+      ASSERT_EQ(round_bf16(tf.at(i)), tb.at(i)) << tf.name << " " << i;
+      ASSERT_NEAR(th.at(i), tf.at(i), std::fabs(tf.at(i)) * (1.0 / 1024) + 1e-7) << tf.name << " " << i;
+    }
+  }
+  int subnormal = 0;
+  for (int64_t i = 0; i < f.embed.numel(); ++i) {
+    const float x = f.embed.at(i);
+    ASSERT_EQ(round_bf16(x), b.embed.at(i)) << i;
+#ifdef __FLT16_MAX__
+    // The compiler's float -> _Float16 conversion rounds to nearest even: the reference.
+    ASSERT_EQ(static_cast<float>(static_cast<_Float16>(x)), h.embed.at(i)) << x;
+#endif
+    subnormal += x != 0.0f && std::fabs(x) < 6.1e-5f;
+  }
+  EXPECT_GT(subnormal, 0);  // the subnormal path of the f16 conversion was exercised
 }
 
 struct RoundTrip {
