@@ -8,12 +8,14 @@
 // Also measures load time and encode throughput on English text (printed; see the report).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <unistd.h>
 
 #include "tokenizer/tokenizer.h"
 

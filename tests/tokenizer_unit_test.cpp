@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <unistd.h>
 
 #include "core/error.h"
 #include "tokenizer/regex_split.h"

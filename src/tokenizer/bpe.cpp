@@ -52,13 +52,7 @@ BpeModel::~BpeModel() = default;
 
 void BpeModel::add_token(std::string bytes, int32_t id) {
   if (bytes.size() == 1) byte_ids_[static_cast<uint8_t>(bytes[0])] = id;
-  vocab_[std::move(bytes)] = id;
-}
-
-std::optional<int32_t> BpeModel::find(std::string_view bytes) const {
-  auto it = vocab_.find(std::string(bytes));
-  if (it == vocab_.end()) return std::nullopt;
-  return it->second;
+  if (ignore_merges_) vocab_[std::move(bytes)] = id;  // only ignore_merges looks pieces up whole
 }
 
 void BpeModel::grow_merges() {

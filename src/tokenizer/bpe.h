@@ -30,10 +30,10 @@ class BpeModel {
     unk_id_ = unk_id;
     fuse_unk_ = fuse_unk;
   }
-  // HF `ignore_merges`: a piece that is itself a vocabulary token maps to it directly.
+  // HF `ignore_merges`: a piece that is itself a vocabulary token maps to it directly. Must be
+  // set before the tokens are added.
   void set_ignore_merges(bool v) { ignore_merges_ = v; }
 
-  std::optional<int32_t> find(std::string_view bytes) const;
   size_t merge_count() const { return n_merges_; }
 
   // Appends the ids of one piece to out.
@@ -51,7 +51,7 @@ class BpeModel {
   void grow_merges();
   void merge_uncached(std::string_view bytes, std::vector<int32_t>& out) const;
 
-  std::unordered_map<std::string, int32_t> vocab_;  // raw bytes -> id
+  std::unordered_map<std::string, int32_t> vocab_;  // raw bytes -> id (ignore_merges only)
   int32_t byte_ids_[256];                          // id of each single byte, -1 if absent
   std::vector<MergeSlot> merges_;                  // open addressing, power-of-two size
   size_t n_merges_ = 0;

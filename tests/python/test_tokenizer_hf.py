@@ -11,6 +11,7 @@ input, long pieces) and on 10,000 seeded random strings. Two tokenizers:
 Invalid UTF-8 on stdin is decoded as Python does with errors="replace" (each maximal ill-formed
 subsequence -> U+FFFD) before encoding; the HF side is given that same str.
 """
+import functools
 import json
 import os
 import random
@@ -170,6 +171,7 @@ def tok_dir(request, qwen35_dir):
     return SHARED / "qwen3" if request.param == "qwen3" else qwen35_dir
 
 
+@functools.lru_cache(maxsize=None)
 def hf_tokenizer(tok_dir, encode_special_tokens=False):
     t = tokenizers.Tokenizer.from_file(str(Path(tok_dir) / "tokenizer.json"))
     t.encode_special_tokens = encode_special_tokens
@@ -191,39 +193,47 @@ def long_texts():
     ]
 
 
+NFC_NFD = ["café naïve résumé Ångström", "cafe\u0301 nai\u0308ve re\u0301sume\u0301 A\u030angstro\u0308m"]
+ENCODE_TEXTS = CORPUS + long_texts() + random_strings(10_000) + NFC_NFD
+
+
+@pytest.fixture(scope="session")
+def encoded(tok_dir):
+    """Our ids for ENCODE_TEXTS, with and without special-token matching (one CLI call each)."""
+    return {no_special: cli_encode_batch(tok_dir, ENCODE_TEXTS, no_special)
+            for no_special in (False, True)}
+
+
 def assert_same(texts, ours, theirs, what):
     bad = [(t, o, h) for t, o, h in zip(texts, ours, theirs) if o != h]
-    assert not bad, f"{what}: {len(bad)} mismatches; first: text={bad[0][0][:200]!r} " \
+    assert not bad, f"{what}: {len(bad)} of {len(texts)} differ; first: text={bad[0][0][:200]!r} " \
                     f"ours={bad[0][1][:50]} hf={bad[0][2][:50]}"
 
 
 @pytest.mark.parametrize("no_special", [False, True])
-def test_encode_corpus_matches_hf(tok_dir, no_special):
-    texts = CORPUS + long_texts()
+def test_encode_matches_hf(tok_dir, encoded, no_special):
+    # Corpus, long pieces and 10,000 seeded random strings.
     hf = hf_tokenizer(tok_dir, encode_special_tokens=no_special)
-    assert_same(texts, cli_encode_batch(tok_dir, texts, no_special), hf_encode_batch(hf, texts),
+    assert_same(ENCODE_TEXTS, encoded[no_special], hf_encode_batch(hf, ENCODE_TEXTS),
                 f"encode (no_special={no_special})")
 
 
-def test_encode_random_strings_match_hf(tok_dir):
-    texts = random_strings(10_000)
-    hf = hf_tokenizer(tok_dir)
-    assert_same(texts, cli_encode_batch(tok_dir, texts), hf_encode_batch(hf, texts), "encode random")
-
-
-def test_nfd_input_encodes_like_nfc(tok_dir):
-    nfc = "café naïve résumé Ångström"
-    nfd = "cafe\u0301 nai\u0308ve re\u0301sume\u0301 A\u030angstro\u0308m"
-    a, b = cli_encode_batch(tok_dir, [nfc, nfd])
+def test_nfd_input_encodes_like_nfc(encoded):
+    a, b = encoded[False][-2:]
     assert a == b
 
 
-@pytest.mark.parametrize("skip_special", [False, True])
-@pytest.mark.parametrize("stream", [False, True])
-def test_decode_matches_hf(tok_dir, skip_special, stream):
+def test_special_text_is_plain_text_with_no_special(tok_dir, encoded):
+    i = CORPUS.index("text<|im_end|>text <|endoftext|> x<|im_start|>y")
+    im_end = hf_tokenizer(tok_dir).token_to_id("<|im_end|>")
+    assert im_end in encoded[False][i]
+    assert im_end not in encoded[True][i]
+
+
+@pytest.fixture(scope="session")
+def decode_inputs(tok_dir):
     hf = hf_tokenizer(tok_dir)
-    texts = CORPUS + random_strings(2_000, seed=99)
-    id_lists = hf_encode_batch(hf, texts)
+    id_lists = hf_encode_batch(hf, CORPUS + random_strings(2_000, seed=99))
     # Random id sequences (including special tokens) cut multi-byte characters apart.
     rng = random.Random(5)
     n = hf.get_vocab_size()
@@ -231,14 +241,20 @@ def test_decode_matches_hf(tok_dir, skip_special, stream):
     for _ in range(2_000):
         id_lists.append([rng.choice(specials) if rng.random() < 0.1 else rng.randrange(n)
                          for _ in range(rng.randint(0, 12))])
-    ours = cli_decode_batch(tok_dir, id_lists, skip_special, stream)
-    theirs = hf.decode_batch(id_lists, skip_special_tokens=skip_special)
-    assert_same(id_lists, ours, theirs, f"decode (skip_special={skip_special}, stream={stream})")
+    return id_lists
 
 
-def test_roundtrip_random(tok_dir):
-    texts = random_strings(2_000, seed=3)
-    ids = cli_encode_batch(tok_dir, texts)
+@pytest.mark.parametrize("skip_special", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_matches_hf(tok_dir, decode_inputs, skip_special, stream):
+    ours = cli_decode_batch(tok_dir, decode_inputs, skip_special, stream)
+    theirs = hf_tokenizer(tok_dir).decode_batch(decode_inputs, skip_special_tokens=skip_special)
+    assert_same(decode_inputs, ours, theirs, f"decode (skip_special={skip_special}, stream={stream})")
+
+
+def test_roundtrip(tok_dir, encoded):
+    texts = ENCODE_TEXTS[len(CORPUS) + 5:len(CORPUS) + 5 + 3_000]
+    ids = encoded[False][len(CORPUS) + 5:len(CORPUS) + 5 + 3_000]
     # The NFC normaliser is part of encoding (e.g. U+2000 becomes U+2002).
     assert cli_decode_batch(tok_dir, ids) == [unicodedata.normalize("NFC", t) for t in texts]
 
@@ -246,8 +262,7 @@ def test_roundtrip_random(tok_dir):
 INVALID_UTF8 = [
     b"\xff",
     b"abc\x80def",
-    b"\xc3",  # truncated 2-byte sequence at the end
-    b"\xe4\xb8",  # truncated 3-byte sequence at the end
+    b"\xc3 x",  # truncated 2-byte sequence
     b"\xe4\xb8 x \xe4\xb8\xad",
     b"\xed\xa0\x80 surrogate",
     b"\xc0\xaf overlong",
@@ -257,7 +272,12 @@ INVALID_UTF8 = [
 ]
 
 
-@pytest.mark.parametrize("data", INVALID_UTF8 + [b"", "h\u00e9llo\n".encode()])
+@pytest.mark.parametrize("data", [
+    b" | ".join(INVALID_UTF8),
+    b"ends in a truncated character \xe4\xb8",
+    b"",
+    "h\u00e9llo\n".encode(),
+])
 def test_raw_stdin_bytes_match_hf(tok_dir, data):
     # Raw stdin (not --jsonl): bytes are decoded like Python's errors="replace".
     hf = hf_tokenizer(tok_dir)
@@ -279,9 +299,10 @@ def test_qwen35_golden_ids(qwen35_dir):
         "1girl, masterpiece, no text": [16, 27620, 11, 56744, 11, 874, 1414],
         "女孩，杰作，无文字": [100665, 3709, 140724, 3709, 95979, 99943],
     }
-    texts = list(golden)
+    token_counts = json.loads((SHARED / "qwen3.5" / "qwen35_token_golden.json").read_text())
+    texts = list(golden) + [g["text"] for g in token_counts]
     ours = cli_encode_batch(qwen35_dir, texts)
-    for text, got in zip(texts, ours):
+    for text, got in zip(golden, ours):
         want = golden[text]
         assert len(got) == len(want), (text, got, want)
         for g, w in zip(got, want):
@@ -291,14 +312,12 @@ def test_qwen35_golden_ids(qwen35_dir):
                 # Beyond 100665 the test vocabulary lacks the official merge-less tokens, so
                 # the id is lower by their count before it (0 < shift <= 201).
                 assert 0 < w - g <= 201, (text, got, want)
-
-
-def test_qwen35_golden_token_counts(qwen35_dir):
-    golden = json.loads((SHARED / "qwen3.5" / "qwen35_token_golden.json").read_text())
-    texts = [g["text"] for g in golden]
-    ours = cli_encode_batch(qwen35_dir, texts)
-    for g, ids in zip(golden, ours):
+    for g, ids in zip(token_counts, ours[len(golden):]):
         assert len(ids) == g["tokens"], (g["text"], ids)
+    hf = hf_tokenizer(qwen35_dir)
+    for name, want in [("<|endoftext|>", 248044), ("<|im_start|>", 248045), ("<|im_end|>", 248046),
+                       ("<think>", 248068), ("</think>", 248069)]:
+        assert hf.token_to_id(name) == want
 
 
 def test_vocab_json_merges_txt_fallback_matches_tokenizer_json(qwen35_dir, tmp_path):
@@ -310,7 +329,8 @@ def test_vocab_json_merges_txt_fallback_matches_tokenizer_json(qwen35_dir, tmp_p
         "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in j["model"]["merges"]), encoding="utf-8")
     (tmp_path / "tokenizer_config.json").write_bytes((qwen35_dir / "tokenizer_config.json").read_bytes())
     texts = CORPUS + random_strings(1_000, seed=11)
-    assert cli_encode_batch(tmp_path, texts) == cli_encode_batch(qwen35_dir, texts)
+    hf = hf_tokenizer(qwen35_dir)
+    assert_same(texts, cli_encode_batch(tmp_path, texts), hf_encode_batch(hf, texts), "fallback")
 
 
 @pytest.mark.parametrize("stdin,needle", [
