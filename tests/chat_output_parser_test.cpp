@@ -228,6 +228,13 @@ TEST(OutputParser, ToolCallsCanBeLeftAsContent) {
   EXPECT_TRUE(p.tool_calls().empty());
 }
 
+TEST(OutputParser, PromptEndsInReasoning) {
+  EXPECT_TRUE(OutputParser::prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n"));
+  EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+  EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning("<|im_start|>assistant\n"));
+  EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning(""));
+}
+
 // Render an assistant turn with the real Qwen3.5 template, parse the generated part back.
 TEST(OutputParser, RoundTripThroughQwen35Template) {
   std::filesystem::path dir = std::filesystem::path(DS_SHARED_DATA) / "tokenizers" / "qwen3.5";

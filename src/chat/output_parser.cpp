@@ -379,6 +379,12 @@ bool OutputParser::step(OutputDelta& d, bool final) {
   return false;
 }
 
+bool OutputParser::prompt_ends_in_reasoning(std::string_view prompt) {
+  size_t open = prompt.rfind(kThinkOpen);
+  if (open == std::string_view::npos) return false;
+  return prompt.find(kThinkClose, open) == std::string_view::npos;
+}
+
 OutputDelta OutputParser::push(std::string_view text) {
   OutputDelta d;
   buf_.append(text);

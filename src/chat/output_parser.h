@@ -51,6 +51,10 @@ class OutputParser {
   explicit OutputParser(bool starts_in_reasoning = false,
                         const nlohmann::ordered_json& tools = nlohmann::ordered_json(), bool parse_tool_calls = true);
 
+  // Whether generation after `prompt` starts inside reasoning: the prompt's last <think> is not
+  // closed (Qwen3.5's template with enable_thinking=true ends the prompt with "<think>\n").
+  static bool prompt_ends_in_reasoning(std::string_view prompt);
+
   OutputDelta push(std::string_view text);
   // End of generation: emits what was held back. A tool call cut off after its name was emitted
   // is closed with the parameters completed so far; one cut off before is returned as content.
