@@ -114,3 +114,29 @@ def test_inspect_errors(tmp_path):
     st.write_bytes(st.read_bytes()[:-10])
     p = run("inspect", "--model", tmp_path / "m", check=False)
     assert p.returncode == 1 and str(st) in p.stderr and "past the end" in p.stderr
+
+
+@pytest.mark.parametrize("wrapper", [False, True])
+def test_make_tiny_loads_in_hf_transformers(tmp_path, wrapper):
+    """HF transformers reads make-tiny's checkpoint as-is: no missing or unexpected text keys,
+    every tensor equal. Needs torch (absent in CI: skipped there)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors")
+    out = tmp_path / "m"
+    run("make-tiny", "--out", out, "--seed", 3, "--shards", 2, *(["--wrapper"] if wrapper else []))
+    cls = transformers.Qwen3_5ForConditionalGeneration if wrapper else transformers.Qwen3_5ForCausalLM
+    model, info = cls.from_pretrained(str(out), output_loading_info=True, dtype=torch.bfloat16)
+    assert [k for k in info["missing_keys"] if "visual" not in k] == []  # the wrapper has no vision tower
+    assert not info["unexpected_keys"] and not info.get("mismatched_keys")
+    sd = model.state_dict()
+    n = 0
+    for f in sorted(out.glob("*.safetensors")):
+        with safetensors.safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                assert torch.equal(sd[k], st.get_tensor(k)), k
+                n += 1
+    assert n == len([k for k in sd if "visual" not in k])
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 2, 3, 4]])).logits.float()
+    assert logits.shape == (1, 4, 1024) and 0.1 < float(logits.std()) < 10  # random but not degenerate
