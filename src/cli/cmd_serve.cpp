@@ -1,4 +1,4 @@
-// `deltaserve serve --model DIR [--host 127.0.0.1 --port 8000 --max-batch N --max-model-len N
+// `deltaserve serve (--model DIR | --synthetic 27b|tiny|CONFIG [--layers N] --tokenizer DIR) [--host 127.0.0.1 --port 8000 --max-batch N --max-model-len N
 // --chunk-size N --api-key KEY ...]`: the OpenAI-compatible server (src/server) over the engine
 // (src/runtime/engine.h) on the CPU or CUDA backend. SIGTERM / SIGINT shut it down gracefully:
 // new requests get 503, running ones finish (up to --shutdown-timeout seconds), then it exits 0.
@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "bench/bench.h"
 #include "chat/chat_template.h"
 #include "cli/command.h"
 #include "core/error.h"
@@ -25,6 +26,9 @@ namespace ds::cli {
 namespace {
 
 struct ServeOpts {
+  std::string synthetic;  // instead of --model: random weights ("27b", "tiny", or a config.json)
+  int layers = 0;         // synthetic: keep only the first N layers
+  uint64_t seed = 1;      // synthetic weights' seed
   std::string model, tokenizer, device = "cpu", host = "127.0.0.1", api_key;
   std::vector<std::string> served_names;
   int port = 8000;
@@ -53,13 +57,14 @@ int run_serve(const ServeOpts& o) {
   sigaddset(&sigs, SIGINT);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
+  DS_CHECK(o.model.empty() != o.synthetic.empty(), "give exactly one of --model and --synthetic");
   const std::string tok_dir = o.tokenizer.empty() ? o.model : o.tokenizer;
   std::shared_ptr<const Tokenizer> tok;
-  if (!o.tokenizer.empty() || has_file(tok_dir, "tokenizer.json") || has_file(tok_dir, "vocab.json")) {
+  if (!o.tokenizer.empty() || (!tok_dir.empty() && (has_file(tok_dir, "tokenizer.json") || has_file(tok_dir, "vocab.json")))) {
     tok = std::make_shared<const Tokenizer>(Tokenizer::load(tok_dir));
   } else {
-    std::fprintf(stderr, "deltaserve: note: %s has no tokenizer: prompts must be token ids, no chat\n",
-                 o.model.c_str());
+    std::fprintf(stderr, "deltaserve: note: no tokenizer (%s): prompts must be token ids, no chat\n",
+                 tok_dir.empty() ? "synthetic weights; pass --tokenizer DIR" : tok_dir.c_str());
   }
   std::shared_ptr<const ChatTemplate> tmpl;
   if (tok) {
@@ -70,17 +75,32 @@ int run_serve(const ServeOpts& o) {
     }
   }
 
-  HostWeights weights = load_host_weights(o.model);
-  if (tok && tok->vocab_size() > weights.config.vocab_size) {
-    throw_error("the tokenizer of ", tok_dir, " has ", tok->vocab_size(), " tokens but the model's vocab_size is ",
-                weights.config.vocab_size);
+  std::unique_ptr<Backend> backend;
+  if (!o.synthetic.empty()) {
+    // Synthetic weights (generated on the device for CUDA): the bench's engine setup.
+    bench::BenchBackendSpec spec;
+    spec.device = o.device;
+    spec.synthetic = o.synthetic;
+    spec.layers = o.layers;
+    spec.n_slots = o.max_batch;
+    spec.max_seq_len = o.max_model_len;
+    spec.chunk_size = o.chunk_size;
+    spec.seed = o.seed;
+    spec.verbose = false;
+    backend = bench::make_bench_backend(spec);
+  } else {
+    HostWeights weights = load_host_weights(o.model);
+    BackendOptions bo;
+    bo.device = o.device;
+    bo.n_slots = o.max_batch;
+    bo.max_seq_len = o.max_model_len;
+    bo.chunk_size = o.chunk_size;
+    backend = make_backend(bo, weights);
   }
-  BackendOptions bo;
-  bo.device = o.device;
-  bo.n_slots = o.max_batch;
-  bo.max_seq_len = o.max_model_len;
-  bo.chunk_size = o.chunk_size;
-  std::unique_ptr<Backend> backend = make_backend(bo, weights);
+  if (tok && tok->vocab_size() > backend->config().vocab_size) {
+    throw_error("the tokenizer of ", tok_dir, " has ", tok->vocab_size(), " tokens but the model's vocab_size is ",
+                backend->config().vocab_size);
+  }
   const std::string backend_name = backend->name();
 
   EngineOptions eo;
@@ -100,6 +120,10 @@ int run_serve(const ServeOpts& o) {
     if (const char* env = std::getenv("DELTASERVE_API_KEY")) so.api_key = env;
   }
   so.model_names = o.served_names;
+  if (so.model_names.empty() && !o.synthetic.empty()) {
+    const bool path = o.synthetic.find('/') != std::string::npos || o.synthetic.find(".json") != std::string::npos;
+    so.model_names.push_back(path ? std::string("synthetic") : "synthetic-" + o.synthetic);
+  }
   if (so.model_names.empty()) {
     std::string name = std::filesystem::path(o.model).lexically_normal().filename().string();
     if (name.empty()) name = std::filesystem::path(o.model).lexically_normal().parent_path().filename().string();
@@ -139,8 +163,12 @@ int run_serve(const ServeOpts& o) {
 
 std::function<int()> setup_serve(CLI::App& app) {
   auto o = std::make_shared<ServeOpts>();
-  app.add_option("--model", o->model, "Checkpoint folder (config.json + safetensors [+ tokenizer files])")
-      ->required();
+  auto* model = app.add_option("--model", o->model, "Checkpoint folder (config.json + safetensors [+ tokenizer files])");
+  auto* synth = app.add_option("--synthetic", o->synthetic,
+                               "Serve random weights instead of --model: 27b, tiny, or a config.json path");
+  model->excludes(synth);
+  app.add_option("--layers", o->layers, "With --synthetic: keep only the first N layers")->check(CLI::Range(0, 1024));
+  app.add_option("--seed", o->seed, "With --synthetic: seed of the weights")->capture_default_str();
   app.add_option("--tokenizer", o->tokenizer, "Tokenizer + chat template folder (default: the model folder)");
   app.add_option("--host", o->host, "Address to listen on")->capture_default_str();
   app.add_option("--port", o->port, "Port to listen on (0: any free port)")

@@ -432,6 +432,9 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
       if (body.contains("echo") && !body["echo"].is_null()) {
         if (!body["echo"].is_boolean()) throw ApiError(400, "'echo' must be a boolean", "echo");
         echo = body["echo"].get<bool>();
+        if (echo && sr.logprobs) {
+          throw ApiError(400, "'echo' with 'logprobs' is not supported (prompt logprobs are not computed)", "echo");
+        }
       }
       if (body.contains("suffix") && !body["suffix"].is_null()) {
         throw ApiError(400, "'suffix' is not supported", "suffix");

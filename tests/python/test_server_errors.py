@@ -87,6 +87,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ({"prompt": "x", "echo": "yes"}, 400, "echo"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ({"prompt": "x", "suffix": "end"}, 400, "suffix"),
     ({"prompt": "x", "stop_token_ids": [-3]}, 400, "stop_token_ids"),
     ({"prompt": "x" * 5000}, 400, None),                    # prompt longer than the context
