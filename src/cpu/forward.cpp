@@ -69,7 +69,59 @@ inline float dot(const float* a, const float* b, int n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-// y = x W^T. x: [n, in], w: [out, in], y: [n, out].
+// Register-blocked piece of y = x W^T: NT token rows x NO weight rows, 4-wide vectors along `in`.
+// Each y element sums its products in the same fixed order (4 lanes, a scalar tail into lane
+// k % 4, then (l0 + l1) + (l2 + l3)) whatever NT / NO it is computed with, so a row's result does
+// not depend on how many rows are processed together (chunked == token by token, bit for bit).
+typedef float v4f __attribute__((vector_size(16)));
+
+inline v4f load4(const float* p) {
+  v4f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <int NT, int NO>
+inline void matmul_block(const float* x, const float* w, float* y, int in, int out) {
+  v4f acc[NT][NO];
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+    for (int o = 0; o < NO; ++o) acc[t][o] = v4f{0, 0, 0, 0};
+  int k = 0;
+  for (; k + 4 <= in; k += 4) {
+    v4f xv[NT], wv[NO];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) xv[t] = load4(x + static_cast<size_t>(t) * in + k);
+#pragma GCC unroll 4
+    for (int o = 0; o < NO; ++o) wv[o] = load4(w + static_cast<size_t>(o) * in + k);
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+      for (int o = 0; o < NO; ++o) acc[t][o] += xv[t] * wv[o];
+  }
+  for (int t = 0; t < NT; ++t) {
+    for (int o = 0; o < NO; ++o) {
+      float l[4];
+      std::memcpy(l, &acc[t][o], sizeof(l));
+      for (int kk = k; kk < in; ++kk) l[kk & 3] += x[static_cast<size_t>(t) * in + kk] * w[static_cast<size_t>(o) * in + kk];
+      y[static_cast<size_t>(t) * out + o] = (l[0] + l[1]) + (l[2] + l[3]);
+    }
+  }
+}
+
+template <int NT>
+inline void matmul_rows(const float* x, const float* w, float* y, int in, int out, int n_o) {
+  switch (n_o) {
+    case 4: matmul_block<NT, 4>(x, w, y, in, out); break;
+    case 3: matmul_block<NT, 3>(x, w, y, in, out); break;
+    case 2: matmul_block<NT, 2>(x, w, y, in, out); break;
+    default: matmul_block<NT, 1>(x, w, y, in, out); break;
+  }
+}
+
+// y = x W^T. x: [n, in], w: [out, in], y: [n, out]. Tiles of 16 tokens x 32 weight rows are
+// shared out over the threads; inside a tile, blocks of 2 tokens x 4 rows.
 void matmul(const float* x, const float* w, float* y, int n, int in, int out) {
   constexpr int kTileT = 16, kTileO = 32;
   const int n_tb = (n + kTileT - 1) / kTileT, n_ob = (out + kTileO - 1) / kTileO;
@@ -78,10 +130,15 @@ void matmul(const float* x, const float* w, float* y, int n, int in, int out) {
   for (int tb = 0; tb < n_tb; ++tb) {
     for (int ob = 0; ob < n_ob; ++ob) {
       const int t_end = std::min(n, (tb + 1) * kTileT), o_end = std::min(out, (ob + 1) * kTileO);
-      for (int o = ob * kTileO; o < o_end; ++o) {
+      for (int o = ob * kTileO; o < o_end; o += 4) {
+        const int n_o = std::min(4, o_end - o);
         const float* wr = w + static_cast<size_t>(o) * in;
-        for (int t = tb * kTileT; t < t_end; ++t) {
-          y[static_cast<size_t>(t) * out + o] = dot(x + static_cast<size_t>(t) * in, wr, in);
+        int t = tb * kTileT;
+        for (; t + 2 <= t_end; t += 2) {
+          matmul_rows<2>(x + static_cast<size_t>(t) * in, wr, y + static_cast<size_t>(t) * out + o, in, out, n_o);
+        }
+        for (; t < t_end; ++t) {
+          matmul_rows<1>(x + static_cast<size_t>(t) * in, wr, y + static_cast<size_t>(t) * out + o, in, out, n_o);
         }
       }
     }
