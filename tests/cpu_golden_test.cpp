@@ -1,6 +1,7 @@
 // The CPU reference forward against HF transformers (fixtures made by tools/make_golden.py, run by
-// HF in fp32): logits of every position (max abs error / max abs ref < 1e-4) and the greedy
-// continuation, for both configs and both checkpoint layouts; chunked prefill (chunk sizes 1, 7,
+// HF in fp32): logits of every position (max abs error / max abs ref < 1e-4), the residual stream
+// after every layer, and the greedy continuation, for the three configs (27B ratios, other
+// ratios / pattern, odd sizes) and both checkpoint layouts; chunked prefill (chunk sizes 1, 7,
 // 64, all) vs token by token; GDN chunked form vs recurrence; corrupted checkpoints fail with an
 // error naming the file.
 #include <gtest/gtest.h>
@@ -182,7 +183,8 @@ TEST_P(GoldenTest, GdnChunkedFormMatchesRecurrence) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenTest,
                          ::testing::Values(Case{"qwen35_27b_ratios", "text"}, Case{"qwen35_27b_ratios", "wrapper"},
                                            Case{"qwen35_other_ratios", "text"},
-                                           Case{"qwen35_other_ratios", "wrapper"}),
+                                           Case{"qwen35_other_ratios", "wrapper"}, Case{"qwen35_odd_dims", "text"},
+                                           Case{"qwen35_odd_dims", "wrapper"}),
                          [](const ::testing::TestParamInfo<Case>& i) { return i.param.config + "_" + i.param.layout; });
 
 TEST(CpuForward, BadTokensThrowAndLeaveStateAlone) {

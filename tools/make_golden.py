@@ -72,6 +72,26 @@ CONFIGS = {
                              mrope_section=[2, 1, 1], mrope_interleaved=True),
         seed=4321,
     ),
+    # (c) odd sizes everywhere (no dimension a multiple of 4 or 8, conv kernel 3, d_k != d_v): the
+    # remainder paths of vectorised code.
+    "qwen35_odd_dims": dict(
+        hidden_size=38,
+        intermediate_size=90,
+        num_hidden_layers=3,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=14,
+        linear_num_key_heads=1,
+        linear_num_value_heads=3,
+        linear_key_head_dim=10,
+        linear_value_head_dim=6,
+        linear_conv_kernel_dim=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0, partial_rotary_factor=0.43,
+                             mrope_section=[1, 1, 1], mrope_interleaved=True),
+        seed=999,
+        shard_kb=60,
+    ),
 }
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -174,6 +194,7 @@ def write_sharded(tensors, out_dir, n_shards):
 def build(name, spec, out_root):
     spec = dict(spec)
     seed = spec.pop("seed")
+    shard_kb = spec.pop("shard_kb", 300)
     torch.manual_seed(seed)
     out = os.path.join(out_root, name)
     shutil.rmtree(out, ignore_errors=True)
@@ -224,7 +245,7 @@ def build(name, spec, out_root):
 
     # text-only layout: HF's own save_pretrained, sharded.
     text_dir = os.path.join(out, "text")
-    model.to(torch.bfloat16).save_pretrained(text_dir, max_shard_size="300KB", safe_serialization=True)
+    model.to(torch.bfloat16).save_pretrained(text_dir, max_shard_size=f"{shard_kb}KB", safe_serialization=True)
     n_text_shards = len([f for f in os.listdir(text_dir) if f.endswith(".safetensors")])
     assert n_text_shards >= 2, n_text_shards
 

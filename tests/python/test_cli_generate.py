@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "data" / "golden"
 BUILD = Path(os.environ.get("DS_BUILD_DIR", REPO / "build"))
 BIN = BUILD / "bin" / "deltaserve"
-CONFIGS = ["qwen35_27b_ratios", "qwen35_other_ratios"]
+CONFIGS = ["qwen35_27b_ratios", "qwen35_other_ratios", "qwen35_odd_dims"]
 
 pytestmark = pytest.mark.skipif(not BIN.exists(), reason=f"{BIN} not built")
 

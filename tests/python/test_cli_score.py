@@ -34,7 +34,7 @@ def ref_nll(logits, tokens):
     return float(np.mean(lse - l[np.arange(len(tokens) - 1), tokens[1:]]))
 
 
-@pytest.mark.parametrize("config", ["qwen35_27b_ratios", "qwen35_other_ratios"])
+@pytest.mark.parametrize("config", ["qwen35_27b_ratios", "qwen35_other_ratios", "qwen35_odd_dims"])
 @pytest.mark.parametrize("layout", ["text", "wrapper"])
 @pytest.mark.parametrize("chunk", [1, 64, 512])
 def test_score_logits_match_hf(tmp_path, config, layout, chunk):
