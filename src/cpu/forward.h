@@ -30,6 +30,10 @@ enum class GdnMode : uint8_t {
   kRecurrent,  // token by token (what decode always uses)
 };
 
+// Threads: forward() is const and may run concurrently on distinct states (each call uses
+// OpenMP inside; OMP_NUM_THREADS sets the width). The setters below are not synchronised.
+// Memory: every weight is held in fp32 (4 bytes per parameter; the constructor refuses with a
+// ds::Error when that exceeds 90% of physical memory).
 class CpuModel {
  public:
   explicit CpuModel(const HostWeights& weights);
