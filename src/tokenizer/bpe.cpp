@@ -99,8 +99,11 @@ void BpeModel::merge_uncached(std::string_view bytes, std::vector<int32_t>& out)
   }
   // Initial symbols: one per byte (a byte-level character is one byte). Bytes missing from the
   // vocabulary become the unknown token (fused when fuse_unk) or, without one, are dropped.
-  std::vector<Symbol> sym;
-  sym.reserve(bytes.size());
+  // Scratch buffers reused across calls on this thread (no allocation per piece).
+  thread_local std::vector<Symbol> sym;
+  thread_local std::vector<Candidate> heap;
+  sym.clear();
+  heap.clear();
   bool pending_unk = false;
   for (size_t i = 0; i < bytes.size(); ++i) {
     const int32_t id = byte_ids_[static_cast<uint8_t>(bytes[i])];
@@ -122,8 +125,6 @@ void BpeModel::merge_uncached(std::string_view bytes, std::vector<int32_t>& out)
     sym[i].next = i + 1 < n ? i + 1 : -1;
   }
 
-  std::vector<Candidate> heap;
-  heap.reserve(sym.size());
   for (int32_t i = 0; i + 1 < n; ++i) {
     if (const MergeSlot* m = find_merge(sym[i].id, sym[i + 1].id)) {
       heap.push_back({m->rank, i, m->merged});
