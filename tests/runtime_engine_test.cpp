@@ -54,7 +54,8 @@ class ScriptBackend : public Backend {
     logits.assign(work.size() * static_cast<size_t>(cfg_.vocab_size), -10.0f);
     for (size_t i = 0; i < work.size(); ++i) {
       auto& h = hist_.at(work[i].slot);
-      if (!can_grow(work[i].slot, static_cast<int>(work[i].tokens.size()))) throw Error("script: pool overflow");
+      if (!can_grow(work[i].slot, static_cast<int>(work[i].tokens.size())))
+        throw Error("script: pool overflow");
       h.insert(h.end(), work[i].tokens.begin(), work[i].tokens.end());
       size_t m = h.size();
       while (m > 0 && h[m - 1] != kMarker) --m;
@@ -83,8 +84,8 @@ std::shared_ptr<const Tokenizer> qwen3() {
   return tok;
 }
 
-#define NEED_TOKENIZER()                                                               \
-  auto tok = qwen3();                                                                  \
+#define NEED_TOKENIZER() \
+  auto tok = qwen3();    \
   if (!tok) GTEST_SKIP() << "needs ../shared/data/tokenizers/qwen3 (shared test data)"
 
 struct Collected {
@@ -106,8 +107,9 @@ Collected collect(RequestStream& s) {
   return c;
 }
 
-std::unique_ptr<Engine> make_engine(std::shared_ptr<const Tokenizer> tok, const std::string& script_text,
-                                    int n_slots = 4, int64_t blocks = 10000, int max_waiting = 64) {
+std::unique_ptr<Engine> make_engine(std::shared_ptr<const Tokenizer> tok,
+                                    const std::string& script_text, int n_slots = 4,
+                                    int64_t blocks = 10000, int max_waiting = 64) {
   std::vector<int32_t> script = tok->encode(script_text);
   auto backend = std::make_unique<ScriptBackend>(script, n_slots, 16, blocks, tok->vocab_size());
   EngineOptions o;

@@ -49,7 +49,8 @@ class FakeBackend : public Backend {
     for (const SeqWork& w : work) {
       if (!slots.insert(w.slot).second) throw_error("fake: slot ", w.slot, " twice in one step");
       if (w.tokens.empty()) throw_error("fake: empty work item");
-      if (!can_grow(w.slot, static_cast<int>(w.tokens.size()))) throw_error("fake: KV pool overflow");
+      if (!can_grow(w.slot, static_cast<int>(w.tokens.size())))
+        throw_error("fake: KV pool overflow");
       auto& h = history_.at(w.slot);
       h.insert(h.end(), w.tokens.begin(), w.tokens.end());
       max_tokens_in_step = std::max<int>(max_tokens_in_step, static_cast<int>(w.tokens.size()));
@@ -123,7 +124,8 @@ struct Driver {
     return true;
   }
   void run(int max_steps = 100000) {
-    for (int i = 0; i < max_steps && step(); ++i) {}
+    for (int i = 0; i < max_steps && step(); ++i) {
+    }
     ASSERT_TRUE(sched.idle()) << "did not finish in " << max_steps << " steps";
   }
 };
@@ -226,7 +228,7 @@ TEST(Scheduler, WaitingQueueBound) {
   EXPECT_TRUE(s.add(2, {1, 2}));
   EXPECT_FALSE(s.add(3, {1, 2}));  // full
   EXPECT_EQ(s.n_waiting(), 2);
-  s.schedule();                    // admits 1 -> room for one more
+  s.schedule();  // admits 1 -> room for one more
   EXPECT_TRUE(s.add(3, {1, 2}));
   EXPECT_THROW(s.add(3, {1}), Error);  // duplicate id
   EXPECT_THROW(s.add(4, {}), Error);   // empty prompt

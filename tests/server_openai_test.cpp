@@ -49,15 +49,17 @@ TEST(ServerOpenAI, SamplingFields) {
   EXPECT_EQ(r.n, 2);
   // Chat: max_completion_tokens wins; logprobs bool + top_logprobs.
   r = parse_sampling_request(
-      json::parse(R"({"max_tokens": 7, "max_completion_tokens": 9, "logprobs": true, "top_logprobs": 2})"), true,
-      lim);
+      json::parse(
+          R"({"max_tokens": 7, "max_completion_tokens": 9, "logprobs": true, "top_logprobs": 2})"),
+      true, lim);
   EXPECT_EQ(r.gen.max_tokens, 9);
   EXPECT_EQ(r.gen.top_logprobs, 2);
   r = parse_sampling_request(json::parse("{}"), true, lim);
   EXPECT_EQ(r.gen.max_tokens, -1);
   EXPECT_EQ(r.gen.top_logprobs, -1);
   EXPECT_EQ(r.gen.max_tokens, -1);
-  r = parse_sampling_request(json::parse(R"({"max_tokens": 16.0, "temperature": null})"), false, lim);
+  r = parse_sampling_request(json::parse(R"({"max_tokens": 16.0, "temperature": null})"), false,
+                             lim);
   EXPECT_EQ(r.gen.max_tokens, 16);
 
   const std::vector<std::pair<const char*, const char*>> bad = {
@@ -86,11 +88,16 @@ TEST(ServerOpenAI, SamplingFields) {
   };
   for (const auto& [body, field] : bad) {
     std::string param;
-    EXPECT_EQ(status_of([&] { parse_sampling_request(json::parse(body), false, lim); }, &param), 400) << body;
+    EXPECT_EQ(status_of([&] { parse_sampling_request(json::parse(body), false, lim); }, &param),
+              400)
+        << body;
     EXPECT_EQ(param, field) << body;
   }
   std::string param;
-  EXPECT_EQ(status_of([&] { parse_sampling_request(json::parse(R"({"top_logprobs": 2})"), true, lim); }, &param), 400);
+  EXPECT_EQ(
+      status_of([&] { parse_sampling_request(json::parse(R"({"top_logprobs": 2})"), true, lim); },
+                &param),
+      400);
   EXPECT_EQ(param, "top_logprobs");
 }
 
@@ -123,7 +130,8 @@ TEST(ServerOpenAI, ChatInput) {
   EXPECT_EQ(in["messages"][0]["role"], "system");
   EXPECT_EQ(in["messages"][1]["content"], "ab");
   EXPECT_EQ(in["messages"][2]["content"], "");
-  EXPECT_EQ(in["messages"][2]["tool_calls"][0]["function"]["arguments"]["x"], 1);  // parsed for the template
+  EXPECT_EQ(in["messages"][2]["tool_calls"][0]["function"]["arguments"]["x"],
+            1);  // parsed for the template
   EXPECT_EQ(in["tools"].size(), 1u);
   EXPECT_EQ(in["enable_thinking"], true);
   EXPECT_EQ(in["add_generation_prompt"], true);
@@ -136,9 +144,12 @@ TEST(ServerOpenAI, ChatInput) {
       {R"({"messages": []})", "messages"},
       {R"({"messages": [{"role": "alien", "content": "x"}]})", "messages[0].role"},
       {R"({"messages": [{"role": "user"}]})", "messages[0].content"},
-      {R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", "messages[0].content[0].type"},
-      {R"({"messages": [{"role": "user", "content": "x", "tool_calls": []}]})", "messages[0].tool_calls"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})", "tool_choice"},
+      {R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
+       "messages[0].content[0].type"},
+      {R"({"messages": [{"role": "user", "content": "x", "tool_calls": []}]})",
+       "messages[0].tool_calls"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})",
+       "tool_choice"},
       {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]})",
        "tools[0].function.name"},
   };
@@ -191,9 +202,11 @@ TEST(ServerMetrics, HistogramAndRender) {
   EngineStats st;
   st.memory.state_slots_total = 4;
   const std::string text = m.render(st);
-  EXPECT_NE(text.find("deltaserve_http_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1"),
+  EXPECT_NE(
+      text.find("deltaserve_http_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1"),
+      std::string::npos);
+  EXPECT_NE(text.find("deltaserve_request_finished_total{finish_reason=\"stop\"} 1"),
             std::string::npos);
-  EXPECT_NE(text.find("deltaserve_request_finished_total{finish_reason=\"stop\"} 1"), std::string::npos);
   EXPECT_NE(text.find("deltaserve_state_slots_total 4"), std::string::npos);
   EXPECT_NE(text.find("deltaserve_time_per_output_token_seconds_sum 0.1"), std::string::npos);
 }
@@ -203,9 +216,11 @@ json stream_merge(const std::string& text, size_t step, bool reasoning, const js
   ChatOutput out(reasoning, tools);
   json msg = {{"content", ""}, {"reasoning_content", ""}, {"tool_calls", json::array()}};
   auto merge = [&](const json& d) {
-    if (d.contains("content")) msg["content"] = msg["content"].get<std::string>() + d["content"].get<std::string>();
+    if (d.contains("content"))
+      msg["content"] = msg["content"].get<std::string>() + d["content"].get<std::string>();
     if (d.contains("reasoning_content")) {
-      msg["reasoning_content"] = msg["reasoning_content"].get<std::string>() + d["reasoning_content"].get<std::string>();
+      msg["reasoning_content"] =
+          msg["reasoning_content"].get<std::string>() + d["reasoning_content"].get<std::string>();
     }
     if (d.contains("tool_calls")) {
       for (const json& c : d["tool_calls"]) {
@@ -213,11 +228,13 @@ json stream_merge(const std::string& text, size_t step, bool reasoning, const js
         if (c.contains("id")) {
           EXPECT_EQ(static_cast<int>(msg["tool_calls"].size()), i);
           EXPECT_EQ(c["type"], "function");
-          msg["tool_calls"].push_back({{"name", c["function"]["name"]}, {"arguments", c["function"]["arguments"]}});
+          msg["tool_calls"].push_back(
+              {{"name", c["function"]["name"]}, {"arguments", c["function"]["arguments"]}});
         } else {
           EXPECT_LT(i, static_cast<int>(msg["tool_calls"].size()));
           json& t = msg["tool_calls"][i];
-          t["arguments"] = t["arguments"].get<std::string>() + c["function"]["arguments"].get<std::string>();
+          t["arguments"] =
+              t["arguments"].get<std::string>() + c["function"]["arguments"].get<std::string>();
         }
       }
     }
@@ -244,7 +261,8 @@ TEST(ServerChatOutput, ReasoningAndXmlToolCallsStreamedAnyChunking) {
       "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}])");
   const std::string text =
       "Let me check.\n</think>\n\nChecking the weather.\n\n<tool_call>\n<function=get_weather>\n"
-      "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+      "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</"
+      "tool_call>";
   for (size_t step : {1, 2, 3, 7, 1000}) {
     json m = stream_merge(text, step, /*reasoning=*/true, tools);
     EXPECT_EQ(m["reasoning_content"], "Let me check.") << step;

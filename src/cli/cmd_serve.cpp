@@ -1,4 +1,5 @@
-// `deltaserve serve (--model DIR | --synthetic 27b|tiny|CONFIG [--layers N] --tokenizer DIR) [--host 127.0.0.1 --port 8000 --max-batch N --max-model-len N
+// `deltaserve serve (--model DIR | --synthetic 27b|tiny|CONFIG [--layers N] --tokenizer DIR)
+// [--host 127.0.0.1 --port 8000 --max-batch N --max-model-len N
 // --chunk-size N --api-key KEY ...]`: the OpenAI-compatible server (src/server) over the engine
 // (src/runtime/engine.h) on the CPU or CUDA backend. SIGTERM / SIGINT shut it down gracefully:
 // new requests get 503, running ones finish (up to --shutdown-timeout seconds), then it exits 0.
@@ -60,10 +61,12 @@ int run_serve(const ServeOpts& o) {
   DS_CHECK(o.model.empty() != o.synthetic.empty(), "give exactly one of --model and --synthetic");
   const std::string tok_dir = o.tokenizer.empty() ? o.model : o.tokenizer;
   std::shared_ptr<const Tokenizer> tok;
-  if (!o.tokenizer.empty() || (!tok_dir.empty() && (has_file(tok_dir, "tokenizer.json") || has_file(tok_dir, "vocab.json")))) {
+  if (!o.tokenizer.empty() || (!tok_dir.empty() && (has_file(tok_dir, "tokenizer.json") ||
+                                                    has_file(tok_dir, "vocab.json")))) {
     tok = std::make_shared<const Tokenizer>(Tokenizer::load(tok_dir));
   } else {
-    std::fprintf(stderr, "deltaserve: note: no tokenizer (%s): prompts must be token ids, no chat\n",
+    std::fprintf(stderr,
+                 "deltaserve: note: no tokenizer (%s): prompts must be token ids, no chat\n",
                  tok_dir.empty() ? "synthetic weights; pass --tokenizer DIR" : tok_dir.c_str());
   }
   std::shared_ptr<const ChatTemplate> tmpl;
@@ -71,7 +74,9 @@ int run_serve(const ServeOpts& o) {
     try {
       tmpl = std::make_shared<const ChatTemplate>(ChatTemplate::load(tok_dir));
     } catch (const Error& e) {
-      std::fprintf(stderr, "deltaserve: note: no chat template (%s): /v1/chat/completions disabled\n", e.what());
+      std::fprintf(stderr,
+                   "deltaserve: note: no chat template (%s): /v1/chat/completions disabled\n",
+                   e.what());
     }
   }
 
@@ -98,8 +103,8 @@ int run_serve(const ServeOpts& o) {
     backend = make_backend(bo, weights);
   }
   if (tok && tok->vocab_size() > backend->config().vocab_size) {
-    throw_error("the tokenizer of ", tok_dir, " has ", tok->vocab_size(), " tokens but the model's vocab_size is ",
-                backend->config().vocab_size);
+    throw_error("the tokenizer of ", tok_dir, " has ", tok->vocab_size(),
+                " tokens but the model's vocab_size is ", backend->config().vocab_size);
   }
   const std::string backend_name = backend->name();
 
@@ -107,8 +112,9 @@ int run_serve(const ServeOpts& o) {
   eo.max_model_len = o.max_model_len;
   eo.scheduler.max_batch = o.max_batch;
   eo.scheduler.chunk_size = o.chunk_size;
-  eo.scheduler.max_num_batched_tokens =
-      o.max_num_batched_tokens > 0 ? o.max_num_batched_tokens : std::max(2048, o.chunk_size + o.max_batch);
+  eo.scheduler.max_num_batched_tokens = o.max_num_batched_tokens > 0
+                                            ? o.max_num_batched_tokens
+                                            : std::max(2048, o.chunk_size + o.max_batch);
   eo.scheduler.max_waiting = o.max_waiting;
   Engine engine(std::move(backend), tok, eo);
 
@@ -121,12 +127,14 @@ int run_serve(const ServeOpts& o) {
   }
   so.model_names = o.served_names;
   if (so.model_names.empty() && !o.synthetic.empty()) {
-    const bool path = o.synthetic.find('/') != std::string::npos || o.synthetic.find(".json") != std::string::npos;
+    const bool path = o.synthetic.find('/') != std::string::npos ||
+                      o.synthetic.find(".json") != std::string::npos;
     so.model_names.push_back(path ? std::string("synthetic") : "synthetic-" + o.synthetic);
   }
   if (so.model_names.empty()) {
     std::string name = std::filesystem::path(o.model).lexically_normal().filename().string();
-    if (name.empty()) name = std::filesystem::path(o.model).lexically_normal().parent_path().filename().string();
+    if (name.empty())
+      name = std::filesystem::path(o.model).lexically_normal().parent_path().filename().string();
     so.model_names.push_back(name.empty() ? o.model : name);
   }
   so.max_body_bytes = static_cast<size_t>(o.max_body_mb) << 20;
@@ -139,12 +147,13 @@ int run_serve(const ServeOpts& o) {
 
   Server server(engine, render, so);
   const int port = server.bind();
-  std::fprintf(stderr,
-               "deltaserve: serving '%s' on http://%s:%d (backend %s, %d slots, max_model_len %d, chunk %d, "
-               "%s%s)\n",
-               so.model_names.front().c_str(), o.host.c_str(), port, backend_name.c_str(), o.max_batch,
-               engine.max_model_len(), o.chunk_size, tok ? "tokenizer" : "no tokenizer",
-               tmpl ? " + chat template" : "");
+  std::fprintf(
+      stderr,
+      "deltaserve: serving '%s' on http://%s:%d (backend %s, %d slots, max_model_len %d, chunk %d, "
+      "%s%s)\n",
+      so.model_names.front().c_str(), o.host.c_str(), port, backend_name.c_str(), o.max_batch,
+      engine.max_model_len(), o.chunk_size, tok ? "tokenizer" : "no tokenizer",
+      tmpl ? " + chat template" : "");
   std::fflush(stderr);
 
   std::thread signal_thread([&server, sigs] {
@@ -163,48 +172,61 @@ int run_serve(const ServeOpts& o) {
 
 std::function<int()> setup_serve(CLI::App& app) {
   auto o = std::make_shared<ServeOpts>();
-  auto* model = app.add_option("--model", o->model, "Checkpoint folder (config.json + safetensors [+ tokenizer files])");
-  auto* synth = app.add_option("--synthetic", o->synthetic,
-                               "Serve random weights instead of --model: 27b, tiny, or a config.json path");
+  auto* model = app.add_option("--model", o->model,
+                               "Checkpoint folder (config.json + safetensors [+ tokenizer files])");
+  auto* synth =
+      app.add_option("--synthetic", o->synthetic,
+                     "Serve random weights instead of --model: 27b, tiny, or a config.json path");
   model->excludes(synth);
-  app.add_option("--layers", o->layers, "With --synthetic: keep only the first N layers")->check(CLI::Range(0, 1024));
+  app.add_option("--layers", o->layers, "With --synthetic: keep only the first N layers")
+      ->check(CLI::Range(0, 1024));
   app.add_option("--seed", o->seed, "With --synthetic: seed of the weights")->capture_default_str();
-  app.add_option("--tokenizer", o->tokenizer, "Tokenizer + chat template folder (default: the model folder)");
+  app.add_option("--tokenizer", o->tokenizer,
+                 "Tokenizer + chat template folder (default: the model folder)");
   app.add_option("--host", o->host, "Address to listen on")->capture_default_str();
   app.add_option("--port", o->port, "Port to listen on (0: any free port)")
       ->capture_default_str()
       ->check(CLI::Range(0, 65535));
-  app.add_option("--served-model-name", o->served_names, "Model id(s) clients use (default: folder name)");
+  app.add_option("--served-model-name", o->served_names,
+                 "Model id(s) clients use (default: folder name)");
   app.add_option("--max-batch", o->max_batch, "Sequences running at once (sequence slots)")
       ->capture_default_str()
       ->check(CLI::Range(1, 4096));
-  app.add_option("--max-model-len", o->max_model_len, "Tokens per sequence, prompt + output (0: the model's)")
+  app.add_option("--max-model-len", o->max_model_len,
+                 "Tokens per sequence, prompt + output (0: the model's)")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 24));
-  app.add_option("--chunk-size", o->chunk_size, "Prompt tokens per sequence per step (chunked prefill)")
+  app.add_option("--chunk-size", o->chunk_size,
+                 "Prompt tokens per sequence per step (chunked prefill)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
   app.add_option("--max-num-batched-tokens", o->max_num_batched_tokens,
                  "Tokens per engine step, decode + prompt chunks (0: max(2048, chunk + batch))")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 24));
-  app.add_option("--max-waiting", o->max_waiting, "Requests waiting for a slot at most (more get 429)")
+  app.add_option("--max-waiting", o->max_waiting,
+                 "Requests waiting for a slot at most (more get 429)")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 20));
-  app.add_option("--api-key", o->api_key, "Require 'Authorization: Bearer KEY' on /v1 (or env DELTASERVE_API_KEY)");
+  app.add_option("--api-key", o->api_key,
+                 "Require 'Authorization: Bearer KEY' on /v1 (or env DELTASERVE_API_KEY)");
   app.add_option("--max-body-mb", o->max_body_mb, "Largest request body in MiB (larger: 413)")
       ->capture_default_str()
       ->check(CLI::Range(1, 4096));
-  app.add_option("--read-timeout", o->read_timeout, "Seconds a socket read may take (slow clients are dropped)")
+  app.add_option("--read-timeout", o->read_timeout,
+                 "Seconds a socket read may take (slow clients are dropped)")
       ->capture_default_str()
       ->check(CLI::Range(1, 3600));
-  app.add_option("--http-threads", o->http_threads, "HTTP worker threads (0: max(64, 4 x max-batch + 16))")
+  app.add_option("--http-threads", o->http_threads,
+                 "HTTP worker threads (0: max(64, 4 x max-batch + 16))")
       ->capture_default_str()
       ->check(CLI::Range(0, 4096));
-  app.add_option("--shutdown-timeout", o->shutdown_timeout, "Seconds running requests may take to finish on SIGTERM")
+  app.add_option("--shutdown-timeout", o->shutdown_timeout,
+                 "Seconds running requests may take to finish on SIGTERM")
       ->capture_default_str()
       ->check(CLI::Range(0, 3600));
-  app.add_option("--max-logprobs", o->max_logprobs, "Largest logprobs / top_logprobs a request may ask")
+  app.add_option("--max-logprobs", o->max_logprobs,
+                 "Largest logprobs / top_logprobs a request may ask")
       ->capture_default_str()
       ->check(CLI::Range(0, 1000));
   add_device_option(app, o->device);

@@ -11,11 +11,16 @@ using Clock = std::chrono::steady_clock;
 
 const char* finish_reason_name(FinishReason r) {
   switch (r) {
-    case FinishReason::kNone: return "none";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kCancelled: return "cancelled";
-    case FinishReason::kError: return "error";
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kError:
+      return "error";
   }
   return "?";
 }
@@ -75,8 +80,8 @@ struct Engine::Request {
   Sampler sampler;
   std::optional<StreamDecoder> decoder;
   std::vector<int32_t> generated;
-  std::string held;                     // decoded text not yet published (may start a stop string)
-  std::string out_text;                 // to publish
+  std::string held;      // decoded text not yet published (may start a stop string)
+  std::string out_text;  // to publish
   std::vector<GeneratedToken> out_tokens;
   Clock::time_point t_submit;
   double ttft_s = -1;
@@ -102,7 +107,8 @@ Engine::Engine(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer
   if (options.max_model_len > 0) max_model_len_ = std::min(max_model_len_, options.max_model_len);
   DS_CHECK(max_model_len_ >= 2, "engine: max_model_len must be >= 2 (got ", max_model_len_, ")");
   const MemoryUsage mem = backend_->memory();
-  if (mem.page_size > 0 && mem.kv_blocks_total > 0) pool_tokens_ = mem.kv_blocks_total * mem.page_size;
+  if (mem.page_size > 0 && mem.kv_blocks_total > 0)
+    pool_tokens_ = mem.kv_blocks_total * mem.page_size;
   ctl_->stats.memory = mem;
   max_waiting_ = options.scheduler.max_waiting;
   for (int id : config_.eos_token_ids) eos_ids_.push_back(id);
@@ -136,17 +142,17 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
     }
   }
   if (request.max_tokens < 1) {
-    throw RejectedError(K::kInvalid, "max_tokens must be at least 1, got " +
-                                         std::to_string(request.max_tokens));
+    throw RejectedError(K::kInvalid,
+                        "max_tokens must be at least 1, got " + std::to_string(request.max_tokens));
   }
   if (static_cast<int64_t>(n_prompt) + request.max_tokens > max_model_len_) {
-    throw RejectedError(
-        K::kInvalid, "This model's maximum context length is " + std::to_string(max_model_len_) +
-                         " tokens. However, you requested " +
-                         std::to_string(static_cast<int64_t>(n_prompt) + request.max_tokens) +
-                         " tokens (" + std::to_string(n_prompt) + " in the prompt, " +
-                         std::to_string(request.max_tokens) +
-                         " in the completion). Please reduce the prompt or max_tokens.");
+    throw RejectedError(K::kInvalid,
+                        "This model's maximum context length is " + std::to_string(max_model_len_) +
+                            " tokens. However, you requested " +
+                            std::to_string(static_cast<int64_t>(n_prompt) + request.max_tokens) +
+                            " tokens (" + std::to_string(n_prompt) + " in the prompt, " +
+                            std::to_string(request.max_tokens) +
+                            " in the completion). Please reduce the prompt or max_tokens.");
   }
   if (pool_tokens_ > 0 && n_prompt + 1 > pool_tokens_) {
     throw RejectedError(K::kInvalid, "the prompt (" + std::to_string(n_prompt) +
@@ -326,7 +332,8 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     ctl_->stats.generation_tokens++;
   }
 
-  const bool is_eos = !q.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end();
+  const bool is_eos =
+      !q.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end();
   const bool is_stop_id =
       std::find(q.stop_token_ids.begin(), q.stop_token_ids.end(), token) != q.stop_token_ids.end();
   if (is_eos || is_stop_id) {
@@ -384,8 +391,8 @@ void Engine::loop() {
     {
       std::unique_lock<std::mutex> lk(ctl_->mu);
       ctl_->cv.wait(lk, [&] {
-        return ctl_->stop || ctl_->cancel_all || !ctl_->incoming.empty() || !ctl_->cancels.empty() ||
-               !scheduler_.idle();
+        return ctl_->stop || ctl_->cancel_all || !ctl_->incoming.empty() ||
+               !ctl_->cancels.empty() || !scheduler_.idle();
       });
       incoming.swap(ctl_->incoming);
       cancels.swap(ctl_->cancels);

@@ -34,12 +34,12 @@ namespace ds {
 struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
-  int max_tokens = 16;                   // generated tokens at most (>= 1)
-  std::vector<std::string> stop;         // stop strings, excluded from the output
-  std::vector<int32_t> stop_token_ids;   // besides the EOS ids
+  int max_tokens = 16;                  // generated tokens at most (>= 1)
+  std::vector<std::string> stop;        // stop strings, excluded from the output
+  std::vector<int32_t> stop_token_ids;  // besides the EOS ids
   bool ignore_eos = false;
-  int top_logprobs = -1;                 // -1: no logprobs; n >= 0: chosen + n alternatives
-  bool skip_special_tokens = true;       // in the returned text
+  int top_logprobs = -1;            // -1: no logprobs; n >= 0: chosen + n alternatives
+  bool skip_special_tokens = true;  // in the returned text
 };
 
 enum class FinishReason : uint8_t { kNone, kStop, kLength, kCancelled, kError };
@@ -47,8 +47,8 @@ const char* finish_reason_name(FinishReason r);  // "stop", "length", "cancelled
 
 struct GeneratedToken {
   int32_t id = 0;
-  float logprob = 0;               // when logprobs were asked for
-  std::vector<TokenLogprob> top;   // top_logprobs alternatives, best first (sampling.h)
+  float logprob = 0;              // when logprobs were asked for
+  std::vector<TokenLogprob> top;  // top_logprobs alternatives, best first (sampling.h)
 };
 
 // What a consumer takes from a stream: everything produced since its last take.
@@ -56,14 +56,14 @@ struct StreamOutput {
   std::string text;                    // newly complete text
   std::vector<GeneratedToken> tokens;  // newly generated tokens (incl. a final EOS / stop token)
   FinishReason finish = FinishReason::kNone;
-  std::string error;                   // when finish == kError
+  std::string error;  // when finish == kError
   // Totals, valid in every output.
   int n_prompt_tokens = 0;
   int n_generated = 0;
   int n_preemptions = 0;
   // Timing (seconds since submission), valid once known (negative before).
-  double ttft_s = -1;                  // first token
-  double e2e_s = -1;                   // finished
+  double ttft_s = -1;  // first token
+  double e2e_s = -1;   // finished
 };
 
 // Thrown by Engine::submit: the request is refused (nothing was queued).

@@ -111,7 +111,10 @@ StepPlan Scheduler::schedule() {
     int lo = 0, hi = want;  // fits(lo) (or lo == 0), !fits(hi)
     while (hi - lo > 1) {
       const int mid = lo + (hi - lo) / 2;
-      if (fits(s, mid)) lo = mid; else hi = mid;
+      if (fits(s, mid))
+        lo = mid;
+      else
+        hi = mid;
     }
     return lo;
   };
@@ -134,12 +137,16 @@ StepPlan Scheduler::schedule() {
       }
       const bool is_self = victim == s.id;
       preempt(victim, plan);
-      if (is_self) { preempted_self = true; break; }
+      if (is_self) {
+        preempted_self = true;
+        break;
+      }
       // Freed memory: recount the blocks of this step from the backend's view plus what the
       // items planned so far take.
       const MemoryUsage m = backend_.memory();
       free_blocks = m.kv_blocks_total - m.kv_blocks_used;
-      for (const ScheduledItem& it : plan.items) free_blocks -= need_blocks(seqs_.at(it.seq_id), it.end - it.begin);
+      for (const ScheduledItem& it : plan.items)
+        free_blocks -= need_blocks(seqs_.at(it.seq_id), it.end - it.begin);
     }
     if (preempted_self) break;  // everything after it in arrival order is gone too
     emit(s, 1);
@@ -170,9 +177,8 @@ StepPlan Scheduler::schedule() {
     waiting_.pop_front();
     s.status = SeqStatus::kRunning;
     running_.push_back(s.id);
-    std::sort(running_.begin(), running_.end(), [&](uint64_t a, uint64_t b) {
-      return seqs_.at(a).arrival < seqs_.at(b).arrival;
-    });
+    std::sort(running_.begin(), running_.end(),
+              [&](uint64_t a, uint64_t b) { return seqs_.at(a).arrival < seqs_.at(b).arrival; });
     emit(s, n);
   }
 

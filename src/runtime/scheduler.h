@@ -60,11 +60,11 @@ struct ScheduledItem {
 
 struct StepPlan {
   std::vector<ScheduledItem> items;
-  std::vector<SeqWork> work;                // for Backend::step: same order as items
-  std::vector<uint64_t> preempted;          // sent back to waiting while planning this step
-  std::vector<uint64_t> capacity_stopped;   // removed: the KV pool cannot hold one more token
-  int n_tokens = 0;                         // tokens in the step
-  int n_decode = 0;                         // items that are single decode tokens
+  std::vector<SeqWork> work;               // for Backend::step: same order as items
+  std::vector<uint64_t> preempted;         // sent back to waiting while planning this step
+  std::vector<uint64_t> capacity_stopped;  // removed: the KV pool cannot hold one more token
+  int n_tokens = 0;                        // tokens in the step
+  int n_decode = 0;                        // items that are single decode tokens
   bool empty() const { return items.empty(); }
 };
 
@@ -104,9 +104,9 @@ class Scheduler {
   Backend& backend_;
   SchedulerOptions opt_;
   std::map<uint64_t, SchedSeq> seqs_;
-  std::deque<uint64_t> waiting_;     // front = next to admit
-  std::vector<uint64_t> running_;    // arrival order
-  std::vector<int> free_slots_;      // backend slots not in use
+  std::deque<uint64_t> waiting_;   // front = next to admit
+  std::vector<uint64_t> running_;  // arrival order
+  std::vector<int> free_slots_;    // backend slots not in use
   uint64_t next_arrival_ = 0;
   int64_t n_preemptions_ = 0;
 };

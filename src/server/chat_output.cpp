@@ -29,7 +29,8 @@ struct ChatOutput::Impl {
         }
         json c = {{"index", t.index}};
         if (!t.name.empty()) {
-          while (static_cast<int>(call_ids.size()) <= t.index) call_ids.push_back(make_request_id("call_"));
+          while (static_cast<int>(call_ids.size()) <= t.index)
+            call_ids.push_back(make_request_id("call_"));
           c["id"] = call_ids[t.index];
           c["type"] = "function";
           c["function"] = {{"name", t.name}, {"arguments", t.arguments}};
@@ -65,7 +66,8 @@ json ChatOutput::message() const {
     json arr = json::array();
     for (size_t i = 0; i < calls.size(); ++i) {
       while (impl_->call_ids.size() <= i) impl_->call_ids.push_back(make_request_id("call_"));
-      arr.push_back({{"id", impl_->call_ids[i]}, {"type", "function"},
+      arr.push_back({{"id", impl_->call_ids[i]},
+                     {"type", "function"},
                      {"function", {{"name", calls[i].name}, {"arguments", calls[i].arguments}}}});
     }
     m["tool_calls"] = arr;

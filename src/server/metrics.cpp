@@ -53,8 +53,8 @@ void Histogram::render(const std::string& name, std::string& out) const {
 ServerMetrics::ServerMetrics()
     : ttft_({0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
              10.0, 20.0, 40.0, 80.0}),
-      tpot_({0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-             0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5}),
+      tpot_({0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+             0.075, 0.1,    0.15,  0.2,    0.3,  0.4,   0.5,  0.75,  1.0,  2.5}),
       e2e_({0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
             240.0, 480.0}),
       prompt_len_({1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
@@ -83,7 +83,8 @@ void ServerMetrics::record_request(const StreamOutput& o) {
 std::string ServerMetrics::render(const EngineStats& e) const {
   std::string out;
   std::lock_guard<std::mutex> lk(mu_);
-  header(out, "deltaserve_http_requests_total", "counter", "HTTP requests by endpoint and status code.");
+  header(out, "deltaserve_http_requests_total", "counter",
+         "HTTP requests by endpoint and status code.");
   for (const auto& [key, n] : http_) {
     out += "deltaserve_http_requests_total{endpoint=\"" + key.first + "\",status=\"" +
            std::to_string(key.second) + "\"} " + std::to_string(n) + '\n';
@@ -97,14 +98,17 @@ std::string ServerMetrics::render(const EngineStats& e) const {
   }
   header(out, "deltaserve_prompt_tokens_total", "counter", "Prompt tokens of finished requests.");
   line(out, "deltaserve_prompt_tokens_total", static_cast<double>(prompt_tokens_));
-  header(out, "deltaserve_generation_tokens_total", "counter", "Generated tokens of finished requests.");
+  header(out, "deltaserve_generation_tokens_total", "counter",
+         "Generated tokens of finished requests.");
   line(out, "deltaserve_generation_tokens_total", static_cast<double>(generation_tokens_));
   header(out, "deltaserve_engine_prompt_tokens_total", "counter",
          "Prompt tokens computed by the engine (chunks of prefills, recomputes excluded).");
   line(out, "deltaserve_engine_prompt_tokens_total", static_cast<double>(e.prompt_tokens));
-  header(out, "deltaserve_engine_generation_tokens_total", "counter", "Tokens sampled by the engine.");
+  header(out, "deltaserve_engine_generation_tokens_total", "counter",
+         "Tokens sampled by the engine.");
   line(out, "deltaserve_engine_generation_tokens_total", static_cast<double>(e.generation_tokens));
-  header(out, "deltaserve_engine_steps_total", "counter", "Engine steps (batches run by the backend).");
+  header(out, "deltaserve_engine_steps_total", "counter",
+         "Engine steps (batches run by the backend).");
   line(out, "deltaserve_engine_steps_total", static_cast<double>(e.n_steps));
   header(out, "deltaserve_num_preemptions_total", "counter",
          "Sequences preempted (recomputed later) because the KV cache was full.");
@@ -112,7 +116,8 @@ std::string ServerMetrics::render(const EngineStats& e) const {
 
   header(out, "deltaserve_num_requests_running", "gauge", "Sequences running in the engine.");
   line(out, "deltaserve_num_requests_running", e.n_running);
-  header(out, "deltaserve_num_requests_waiting", "gauge", "Sequences waiting for a slot (queue length).");
+  header(out, "deltaserve_num_requests_waiting", "gauge",
+         "Sequences waiting for a slot (queue length).");
   line(out, "deltaserve_num_requests_waiting", e.n_waiting);
   header(out, "deltaserve_kv_blocks_used", "gauge", "Paged KV cache blocks in use.");
   line(out, "deltaserve_kv_blocks_used", static_cast<double>(e.memory.kv_blocks_used));
@@ -125,7 +130,8 @@ std::string ServerMetrics::render(const EngineStats& e) const {
   const double usage = e.memory.kv_blocks_total > 0
                            ? static_cast<double>(e.memory.kv_blocks_used) / e.memory.kv_blocks_total
                            : 0.0;
-  header(out, "deltaserve_kv_cache_usage_perc", "gauge", "Fraction of KV cache blocks in use (0-1).");
+  header(out, "deltaserve_kv_cache_usage_perc", "gauge",
+         "Fraction of KV cache blocks in use (0-1).");
   line(out, "deltaserve_kv_cache_usage_perc", usage);
 
   header(out, "deltaserve_time_to_first_token_seconds", "histogram", "Time to first token.");

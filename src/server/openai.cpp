@@ -12,12 +12,17 @@ namespace ds {
 
 using json = nlohmann::ordered_json;
 
-nlohmann::ordered_json error_body(int status, const std::string& message, const std::string& param) {
+nlohmann::ordered_json error_body(int status, const std::string& message,
+                                  const std::string& param) {
   const char* type = "invalid_request_error";
-  if (status == 401) type = "authentication_error";
-  else if (status == 404) type = "not_found_error";
-  else if (status == 429) type = "rate_limit_error";
-  else if (status >= 500) type = "server_error";
+  if (status == 401)
+    type = "authentication_error";
+  else if (status == 404)
+    type = "not_found_error";
+  else if (status == 429)
+    type = "rate_limit_error";
+  else if (status >= 500)
+    type = "server_error";
   json err = {{"message", sanitize_utf8(message)}, {"type", type}, {"code", status}};
   err["param"] = param.empty() ? json(nullptr) : json(param);
   return json{{"error", err}};
@@ -27,15 +32,23 @@ namespace {
 
 const char* type_name(const json& v) {
   switch (v.type()) {
-    case json::value_t::null: return "null";
-    case json::value_t::boolean: return "a boolean";
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
     case json::value_t::number_integer:
-    case json::value_t::number_unsigned: return "an integer";
-    case json::value_t::number_float: return "a number";
-    case json::value_t::string: return "a string";
-    case json::value_t::array: return "an array";
-    case json::value_t::object: return "an object";
-    default: return "an unsupported value";
+    case json::value_t::number_unsigned:
+      return "an integer";
+    case json::value_t::number_float:
+      return "a number";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    default:
+      return "an unsupported value";
   }
 }
 
@@ -57,22 +70,26 @@ std::optional<int64_t> get_int(const json& obj, const char* key, int64_t lo, int
   int64_t x = 0;
   if (v->is_number_unsigned()) {
     const uint64_t u = v->get<uint64_t>();
-    if (u > static_cast<uint64_t>(hi)) bad(key, "must be at most " + std::to_string(hi) + ", got " + std::to_string(u));
+    if (u > static_cast<uint64_t>(hi))
+      bad(key, "must be at most " + std::to_string(hi) + ", got " + std::to_string(u));
     x = static_cast<int64_t>(u);
   } else if (v->is_number_integer()) {
     x = v->get<int64_t>();
   } else if (v->is_number_float()) {
     const double d = v->get<double>();
-    if (!std::isfinite(d) || d != std::floor(d)) bad(key, std::string("must be an integer, got ") + v->dump());
+    if (!std::isfinite(d) || d != std::floor(d))
+      bad(key, std::string("must be an integer, got ") + v->dump());
     if (d < static_cast<double>(lo) || d > static_cast<double>(hi)) {
-      bad(key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + v->dump());
+      bad(key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " +
+                   v->dump());
     }
     x = static_cast<int64_t>(d);
   } else {
     bad(key, std::string("must be an integer, got ") + type_name(*v));
   }
   if (x < lo || x > hi) {
-    bad(key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " + std::to_string(x));
+    bad(key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " +
+                 std::to_string(x));
   }
   return x;
 }
@@ -107,7 +124,8 @@ nlohmann::ordered_json parse_body(const std::string& body) {
   } catch (const json::parse_error& e) {
     throw ApiError(400, std::string("invalid JSON in the request body: ") + e.what());
   }
-  if (!j.is_object()) throw ApiError(400, std::string("the request body must be a JSON object, got ") + type_name(j));
+  if (!j.is_object())
+    throw ApiError(400, std::string("the request body must be a JSON object, got ") + type_name(j));
   return j;
 }
 
@@ -122,12 +140,14 @@ void check_model(const nlohmann::ordered_json& body, const std::vector<std::stri
   throw ApiError(404, "The model `" + name + "` does not exist.", "model");
 }
 
-SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool chat, const ApiLimits& lim) {
+SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool chat,
+                                       const ApiLimits& lim) {
   SamplingRequest r;
   GenerationRequest& g = r.gen;
   g.max_tokens = -1;
   std::optional<int64_t> max_tokens;
-  if (chat) max_tokens = get_int(b, "max_completion_tokens", 1, std::numeric_limits<int32_t>::max());
+  if (chat)
+    max_tokens = get_int(b, "max_completion_tokens", 1, std::numeric_limits<int32_t>::max());
   if (!max_tokens) max_tokens = get_int(b, "max_tokens", 1, std::numeric_limits<int32_t>::max());
   if (max_tokens) g.max_tokens = static_cast<int>(*max_tokens);
 
@@ -137,15 +157,19 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
     if (*p <= 0.0) bad("top_p", "must be in (0, 1], got 0");
     s.top_p = static_cast<float>(*p);
   }
-  if (auto k = get_int(b, "top_k", -1, std::numeric_limits<int32_t>::max())) s.top_k = static_cast<int>(*k);
+  if (auto k = get_int(b, "top_k", -1, std::numeric_limits<int32_t>::max()))
+    s.top_k = static_cast<int>(*k);
   if (auto m = get_number(b, "min_p", 0.0, 1.0)) s.min_p = static_cast<float>(*m);
-  if (auto p = get_number(b, "presence_penalty", -2.0, 2.0)) s.presence_penalty = static_cast<float>(*p);
-  if (auto p = get_number(b, "frequency_penalty", -2.0, 2.0)) s.frequency_penalty = static_cast<float>(*p);
+  if (auto p = get_number(b, "presence_penalty", -2.0, 2.0))
+    s.presence_penalty = static_cast<float>(*p);
+  if (auto p = get_number(b, "frequency_penalty", -2.0, 2.0))
+    s.frequency_penalty = static_cast<float>(*p);
   if (auto p = get_number(b, "repetition_penalty", 0.0, 100.0)) {
     if (*p <= 0.0) bad("repetition_penalty", "must be > 0");
     s.repetition_penalty = static_cast<float>(*p);
   }
-  if (auto seed = get_int(b, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max())) {
+  if (auto seed = get_int(b, "seed", std::numeric_limits<int64_t>::min(),
+                          std::numeric_limits<int64_t>::max())) {
     s.seed = static_cast<uint64_t>(*seed);
   }
   if (auto n = get_int(b, "n", 1, lim.max_n)) r.n = static_cast<int>(*n);
@@ -157,9 +181,11 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
     if (stop->is_string()) {
       g.stop.push_back(stop->get<std::string>());
     } else if (stop->is_array()) {
-      if (static_cast<int>(stop->size()) > lim.max_stop) bad("stop", "has more than " + std::to_string(lim.max_stop) + " strings");
+      if (static_cast<int>(stop->size()) > lim.max_stop)
+        bad("stop", "has more than " + std::to_string(lim.max_stop) + " strings");
       for (const json& x : *stop) {
-        if (!x.is_string()) bad("stop", std::string("must be a string or a list of strings, found ") + type_name(x));
+        if (!x.is_string())
+          bad("stop", std::string("must be a string or a list of strings, found ") + type_name(x));
         g.stop.push_back(x.get<std::string>());
       }
     } else {
@@ -170,9 +196,11 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
     }
   }
   if (const json* ids = field(b, "stop_token_ids")) {
-    if (!ids->is_array()) bad("stop_token_ids", std::string("must be a list of integers, got ") + type_name(*ids));
+    if (!ids->is_array())
+      bad("stop_token_ids", std::string("must be a list of integers, got ") + type_name(*ids));
     for (const json& x : *ids) {
-      if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      if (!x.is_number_integer() || x.get<int64_t>() < 0 ||
+          x.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
         bad("stop_token_ids", "must be a list of non-negative integers, found " + x.dump());
       }
       g.stop_token_ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
@@ -188,7 +216,8 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
     if (r.logprobs) g.top_logprobs = top ? static_cast<int>(*top) : 0;
   } else {
     const json* lp = field(b, "logprobs");
-    if (lp && lp->is_boolean()) bad("logprobs", "must be an integer (the number of top log probabilities) for completions");
+    if (lp && lp->is_boolean())
+      bad("logprobs", "must be an integer (the number of top log probabilities) for completions");
     if (auto n = get_int(b, "logprobs", 0, lim.max_logprobs)) {
       r.logprobs = true;
       g.top_logprobs = static_cast<int>(*n);
@@ -197,12 +226,14 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
 
   if (auto v = get_bool(b, "stream")) r.stream = *v;
   if (const json* so = field(b, "stream_options")) {
-    if (!so->is_object()) bad("stream_options", std::string("must be an object, got ") + type_name(*so));
+    if (!so->is_object())
+      bad("stream_options", std::string("must be an object, got ") + type_name(*so));
     if (!r.stream) bad("stream_options", "is only allowed when 'stream' is true");
     if (auto v = get_bool(*so, "include_usage")) r.include_usage = *v;
   }
   if (const json* lb = field(b, "logit_bias")) {
-    if (!lb->is_object()) bad("logit_bias", std::string("must be an object, got ") + type_name(*lb));
+    if (!lb->is_object())
+      bad("logit_bias", std::string("must be an object, got ") + type_name(*lb));
     if (!lb->empty()) bad("logit_bias", "is not supported");
   }
   if (const json* rf = field(b, "response_format")) {
@@ -223,9 +254,11 @@ std::vector<PromptInput> parse_completion_prompts(const nlohmann::ordered_json& 
   auto ids_of = [](const json& arr) {
     PromptInput in;
     for (const json& x : arr) {
-      if (!x.is_number_integer()) bad("prompt", "token lists must hold integers, found " + x.dump());
+      if (!x.is_number_integer())
+        bad("prompt", "token lists must hold integers, found " + x.dump());
       const int64_t v = x.get<int64_t>();
-      if (v < 0 || v > std::numeric_limits<int32_t>::max()) bad("prompt", "token id out of range: " + x.dump());
+      if (v < 0 || v > std::numeric_limits<int32_t>::max())
+        bad("prompt", "token id out of range: " + x.dump());
       in.ids.push_back(static_cast<int32_t>(v));
     }
     return in;
@@ -239,9 +272,14 @@ std::vector<PromptInput> parse_completion_prompts(const nlohmann::ordered_json& 
       out.push_back(ids_of(*p));
     } else {
       for (const json& x : *p) {
-        if (x.is_string()) out.push_back(PromptInput{x.get<std::string>(), {}});
-        else if (x.is_array()) out.push_back(ids_of(x));
-        else bad("prompt", std::string("must be a string, a list of strings, a list of token ids or a list of such lists; found ") + type_name(x));
+        if (x.is_string())
+          out.push_back(PromptInput{x.get<std::string>(), {}});
+        else if (x.is_array())
+          out.push_back(ids_of(x));
+        else
+          bad("prompt", std::string("must be a string, a list of strings, a list of token ids or a "
+                                    "list of such lists; found ") +
+                            type_name(x));
       }
     }
   } else {
@@ -268,7 +306,8 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
     std::string r = role->get<std::string>();
     if (r == "developer") r = "system";
     if (r != "system" && r != "user" && r != "assistant" && r != "tool") {
-      bad(where + ".role", "must be one of system, developer, user, assistant, tool; got '" + r + "'");
+      bad(where + ".role",
+          "must be one of system, developer, user, assistant, tool; got '" + r + "'");
     }
     json out = m;
     out["role"] = r;
@@ -284,14 +323,16 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
         if (!part.is_object()) bad(pw, "must be an object");
         const json* type = field(part, "type");
         if (!type || !type->is_string()) bad(pw + ".type", "is required");
-        if (*type != "text") bad(pw + ".type", "'" + type->get<std::string>() + "' is not supported (text only)");
+        if (*type != "text")
+          bad(pw + ".type", "'" + type->get<std::string>() + "' is not supported (text only)");
         const json* t = field(part, "text");
         if (!t || !t->is_string()) bad(pw + ".text", "is required and must be a string");
         text += t->get<std::string>();
       }
       out["content"] = text;
     } else if (!content->is_string()) {
-      bad(where + ".content", std::string("must be a string or a list of content parts, got ") + type_name(*content));
+      bad(where + ".content",
+          std::string("must be a string or a list of content parts, got ") + type_name(*content));
     }
     if (const json* tc = field(m, "tool_calls")) {
       if (r != "assistant") bad(where + ".tool_calls", "is only allowed in assistant messages");
@@ -300,10 +341,12 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
       for (size_t k = 0; k < tc->size(); ++k) {
         const std::string cw = where + ".tool_calls[" + std::to_string(k) + "]";
         const json& c = (*tc)[k];
-        if (!c.is_object() || !c.contains("function") || !c["function"].is_object()) bad(cw, "must be an object with a 'function' object");
+        if (!c.is_object() || !c.contains("function") || !c["function"].is_object())
+          bad(cw, "must be an object with a 'function' object");
         json call = c;
         const json& fn = c["function"];
-        if (!fn.contains("name") || !fn["name"].is_string()) bad(cw + ".function.name", "is required and must be a string");
+        if (!fn.contains("name") || !fn["name"].is_string())
+          bad(cw + ".function.name", "is required and must be a string");
         if (fn.contains("arguments") && fn["arguments"].is_string()) {
           // Templates iterate the arguments as a mapping (vLLM / transformers do the same).
           try {
@@ -311,13 +354,15 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
           } catch (const json::parse_error&) {
             bad(cw + ".function.arguments", "is not valid JSON");
           }
-          if (!call["function"]["arguments"].is_object()) bad(cw + ".function.arguments", "must be a JSON object");
+          if (!call["function"]["arguments"].is_object())
+            bad(cw + ".function.arguments", "must be a JSON object");
         }
         calls.push_back(call);
       }
       out["tool_calls"] = calls;
     }
-    if (r == "tool" && m.contains("tool_call_id") && !m["tool_call_id"].is_string() && !m["tool_call_id"].is_null()) {
+    if (r == "tool" && m.contains("tool_call_id") && !m["tool_call_id"].is_string() &&
+        !m["tool_call_id"].is_null()) {
       bad(where + ".tool_call_id", "must be a string");
     }
     messages.push_back(out);
@@ -325,7 +370,8 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
 
   json input = json::object();
   if (const json* kw = field(b, "chat_template_kwargs")) {
-    if (!kw->is_object()) bad("chat_template_kwargs", std::string("must be an object, got ") + type_name(*kw));
+    if (!kw->is_object())
+      bad("chat_template_kwargs", std::string("must be an object, got ") + type_name(*kw));
     for (auto it = kw->begin(); it != kw->end(); ++it) input[it.key()] = it.value();
   }
   input["messages"] = messages;
@@ -336,10 +382,13 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
   if (const json* tc = field(b, "tool_choice")) {
     if (tc->is_string()) {
       tool_choice = tc->get<std::string>();
-      if (tool_choice == "required") bad("tool_choice", "'required' is not supported (no constrained decoding); use 'auto'");
-      if (tool_choice != "auto" && tool_choice != "none") bad("tool_choice", "must be 'auto' or 'none', got '" + tool_choice + "'");
+      if (tool_choice == "required")
+        bad("tool_choice", "'required' is not supported (no constrained decoding); use 'auto'");
+      if (tool_choice != "auto" && tool_choice != "none")
+        bad("tool_choice", "must be 'auto' or 'none', got '" + tool_choice + "'");
     } else if (tc->is_object()) {
-      bad("tool_choice", "naming a function is not supported (no constrained decoding); use 'auto'");
+      bad("tool_choice",
+          "naming a function is not supported (no constrained decoding); use 'auto'");
     } else {
       bad("tool_choice", std::string("must be a string, got ") + type_name(*tc));
     }
@@ -351,12 +400,15 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
       const std::string tw = "tools[" + std::to_string(k) + "]";
       if (!t.is_object()) bad(tw, "must be an object");
       if (!t.contains("type") || t["type"] != "function") bad(tw + ".type", "must be 'function'");
-      if (!t.contains("function") || !t["function"].is_object()) bad(tw + ".function", "is required and must be an object");
+      if (!t.contains("function") || !t["function"].is_object())
+        bad(tw + ".function", "is required and must be an object");
       const json& fn = t["function"];
-      if (!fn.contains("name") || !fn["name"].is_string() || fn["name"].get<std::string>().empty()) {
+      if (!fn.contains("name") || !fn["name"].is_string() ||
+          fn["name"].get<std::string>().empty()) {
         bad(tw + ".function.name", "is required and must be a non-empty string");
       }
-      if (fn.contains("parameters") && !fn["parameters"].is_object() && !fn["parameters"].is_null()) {
+      if (fn.contains("parameters") && !fn["parameters"].is_object() &&
+          !fn["parameters"].is_null()) {
         bad(tw + ".function.parameters", "must be an object (a JSON schema)");
       }
     }
@@ -367,7 +419,8 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
 
 std::string make_request_id(const char* prefix) {
   static std::atomic<uint64_t> counter{0};
-  static const uint64_t salt = std::random_device{}() ^
+  static const uint64_t salt =
+      std::random_device{}() ^
       static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   const uint64_t x = (counter.fetch_add(1) + 1) * 0x9E3779B97F4A7C15ull ^ salt;
   char buf[40];
@@ -385,14 +438,27 @@ std::string sanitize_utf8(const std::string& s) {
     const unsigned char c = p[i];
     int len = 0;
     uint32_t cp = 0;
-    if (c < 0x80) { out += static_cast<char>(c); ++i; continue; }
-    if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; }
-    else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; }
-    else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; }
+    if (c < 0x80) {
+      out += static_cast<char>(c);
+      ++i;
+      continue;
+    }
+    if ((c & 0xE0) == 0xC0) {
+      len = 2;
+      cp = c & 0x1F;
+    } else if ((c & 0xF0) == 0xE0) {
+      len = 3;
+      cp = c & 0x0F;
+    } else if ((c & 0xF8) == 0xF0) {
+      len = 4;
+      cp = c & 0x07;
+    }
     bool ok = len > 0 && i + len <= n;
     for (int k = 1; ok && k < len; ++k) {
-      if ((p[i + k] & 0xC0) != 0x80) ok = false;
-      else cp = (cp << 6) | (p[i + k] & 0x3F);
+      if ((p[i + k] & 0xC0) != 0x80)
+        ok = false;
+      else
+        cp = (cp << 6) | (p[i + k] & 0x3F);
     }
     if (ok) {
       const uint32_t min_cp = len == 2 ? 0x80 : len == 3 ? 0x800 : 0x10000;

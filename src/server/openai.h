@@ -24,7 +24,8 @@ class ApiError : public Error {
 
 // {"error": {...}} for a status: type "invalid_request_error" (4xx), "authentication_error"
 // (401), "not_found_error" (404), "rate_limit_error" (429), "server_error" (5xx).
-nlohmann::ordered_json error_body(int status, const std::string& message, const std::string& param = {});
+nlohmann::ordered_json error_body(int status, const std::string& message,
+                                  const std::string& param = {});
 
 // Limits the server applies to every request.
 struct ApiLimits {
@@ -35,7 +36,7 @@ struct ApiLimits {
 
 // Fields common to /v1/completions and /v1/chat/completions, parsed and checked.
 struct SamplingRequest {
-  GenerationRequest gen;       // prompt left empty; max_tokens < 0 when not given
+  GenerationRequest gen;  // prompt left empty; max_tokens < 0 when not given
   int n = 1;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
@@ -44,7 +45,8 @@ struct SamplingRequest {
 
 // Parses the sampling / stop / logprobs / stream fields of `body` (an object). `chat` selects the
 // chat flavour of logprobs (bool + top_logprobs) over the completions one (int).
-SamplingRequest parse_sampling_request(const nlohmann::ordered_json& body, bool chat, const ApiLimits& lim);
+SamplingRequest parse_sampling_request(const nlohmann::ordered_json& body, bool chat,
+                                       const ApiLimits& lim);
 
 // The prompt of a completions request: a string, a list of ids, or a list of one of those
 // (several prompts make several choices). Strings are returned as text, ids as ids.

@@ -21,18 +21,23 @@ std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_hand
 
 const char* finish_reason_api(FinishReason r) {
   switch (r) {
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kCancelled: return "abort";
-    case FinishReason::kError: return "error";
-    case FinishReason::kNone: break;
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kCancelled:
+      return "abort";
+    case FinishReason::kError:
+      return "error";
+    case FinishReason::kNone:
+      break;
   }
   return nullptr;
 }
 
 std::string endpoint_label(const std::string& path) {
-  for (const char* p : {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                        "/version"}) {
+  for (const char* p : {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
+                        "/metrics", "/version"}) {
     if (path == p) return p;
   }
   return "other";
@@ -40,9 +45,12 @@ std::string endpoint_label(const std::string& path) {
 
 int status_of(RejectedError::Kind k) {
   switch (k) {
-    case RejectedError::Kind::kInvalid: return 400;
-    case RejectedError::Kind::kQueueFull: return 429;
-    case RejectedError::Kind::kShuttingDown: return 503;
+    case RejectedError::Kind::kInvalid:
+      return 400;
+    case RejectedError::Kind::kQueueFull:
+      return 429;
+    case RejectedError::Kind::kShuttingDown:
+      return 503;
   }
   return 400;
 }
@@ -76,10 +84,10 @@ struct Server::Job {
     std::shared_ptr<RequestStream> stream;
     int index = 0;
     int prompt_index = 0;
-    std::string echo;                 // completions with echo: the prompt text
-    std::string text;                 // completions: all text (non-streaming)
+    std::string echo;                    // completions with echo: the prompt text
+    std::string text;                    // completions: all text (non-streaming)
     std::vector<GeneratedToken> tokens;  // all tokens (non-streaming logprobs)
-    size_t text_offset = 0;           // completions logprobs text_offset
+    size_t text_offset = 0;              // completions logprobs text_offset
     std::unique_ptr<ChatOutput> chat;
     bool role_sent = false;
     bool finished = false;
@@ -113,16 +121,22 @@ struct Server::Job {
     int prompt = 0, completion = 0;
     for (int n : prompt_lens) prompt += n;
     for (const Choice& c : choices) completion += c.n_generated;
-    return json{{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
+    return json{{"prompt_tokens", prompt},
+                {"completion_tokens", completion},
+                {"total_tokens", prompt + completion}};
   }
   json chunk_base() const {
-    return json{{"id", id}, {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                {"created", created}, {"model", model}};
+    return json{{"id", id},
+                {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                {"created", created},
+                {"model", model}};
   }
 
   // Completions logprobs for `tokens` (text offsets continue from c.text_offset).
   json completion_logprobs(Choice& c, const std::vector<GeneratedToken>& tokens) {
-    json lp = {{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()},
+    json lp = {{"tokens", json::array()},
+               {"token_logprobs", json::array()},
+               {"top_logprobs", json::array()},
                {"text_offset", json::array()}};
     for (const GeneratedToken& g : tokens) {
       const std::string t = token_text(tok, g.id);
@@ -141,17 +155,21 @@ struct Server::Job {
     for (const GeneratedToken& g : tokens) {
       json top = json::array();
       for (const TokenLogprob& a : g.top) {
-        top.push_back({{"token", token_text(tok, a.token)}, {"logprob", a.logprob},
+        top.push_back({{"token", token_text(tok, a.token)},
+                       {"logprob", a.logprob},
                        {"bytes", token_bytes_json(tok, a.token)}});
       }
-      content.push_back({{"token", token_text(tok, g.id)}, {"logprob", g.logprob},
-                         {"bytes", token_bytes_json(tok, g.id)}, {"top_logprobs", top}});
+      content.push_back({{"token", token_text(tok, g.id)},
+                         {"logprob", g.logprob},
+                         {"bytes", token_bytes_json(tok, g.id)},
+                         {"top_logprobs", top}});
     }
     return json{{"content", content}};
   }
 
   std::string final_finish_reason(const Choice& c) const {
-    if (chat && c.finish == FinishReason::kStop && c.chat && c.chat->has_tool_calls()) return "tool_calls";
+    if (chat && c.finish == FinishReason::kStop && c.chat && c.chat->has_tool_calls())
+      return "tool_calls";
     const char* r = finish_reason_api(c.finish);
     return r ? r : "stop";
   }
@@ -168,8 +186,10 @@ struct Server::Job {
       if (chat) {
         if (!c.role_sent) {
           json ch = base;
-          ch["choices"] = json::array({{{"index", c.index}, {"delta", {{"role", "assistant"}, {"content", ""}}},
-                                        {"logprobs", nullptr}, {"finish_reason", nullptr}}});
+          ch["choices"] = json::array({{{"index", c.index},
+                                        {"delta", {{"role", "assistant"}, {"content", ""}}},
+                                        {"logprobs", nullptr},
+                                        {"finish_reason", nullptr}}});
           if (include_usage) ch["usage"] = nullptr;
           sse += "data: " + dump(ch) + "\n\n";
           c.role_sent = true;
@@ -180,7 +200,8 @@ struct Server::Job {
           for (auto it = rest.begin(); it != rest.end(); ++it) {
             if (it.value().is_string() && delta.contains(it.key()) && delta[it.key()].is_string()) {
               delta[it.key()] = delta[it.key()].get<std::string>() + it.value().get<std::string>();
-            } else if (it.value().is_array() && delta.contains(it.key()) && delta[it.key()].is_array()) {
+            } else if (it.value().is_array() && delta.contains(it.key()) &&
+                       delta[it.key()].is_array()) {
               for (const json& x : it.value()) delta[it.key()].push_back(x);
             } else {
               delta[it.key()] = it.value();
@@ -189,9 +210,11 @@ struct Server::Job {
         }
         if (!delta.empty() || (logprobs && !out.tokens.empty())) {
           json ch = base;
-          ch["choices"] = json::array({{{"index", c.index}, {"delta", delta},
-                                        {"logprobs", logprobs ? chat_logprobs(out.tokens) : json(nullptr)},
-                                        {"finish_reason", nullptr}}});
+          ch["choices"] =
+              json::array({{{"index", c.index},
+                            {"delta", delta},
+                            {"logprobs", logprobs ? chat_logprobs(out.tokens) : json(nullptr)},
+                            {"finish_reason", nullptr}}});
           if (include_usage) ch["usage"] = nullptr;
           sse += "data: " + dump(ch) + "\n\n";
         }
@@ -204,9 +227,11 @@ struct Server::Job {
         }
         if (!text.empty() || (logprobs && !out.tokens.empty())) {
           json ch = base;
-          ch["choices"] = json::array({{{"index", c.index}, {"text", text},
-                                        {"logprobs", logprobs ? completion_logprobs(c, out.tokens) : json(nullptr)},
-                                        {"finish_reason", nullptr}}});
+          ch["choices"] = json::array(
+              {{{"index", c.index},
+                {"text", text},
+                {"logprobs", logprobs ? completion_logprobs(c, out.tokens) : json(nullptr)},
+                {"finish_reason", nullptr}}});
           if (include_usage) ch["usage"] = nullptr;
           sse += "data: " + dump(ch) + "\n\n";
         }
@@ -230,9 +255,12 @@ struct Server::Job {
           sse += "data: " + dump(error_body(500, "generation failed: " + c.error)) + "\n\n";
         }
         json ch = chunk_base();
-        json choice = {{"index", c.index}, {"logprobs", nullptr}, {"finish_reason", final_finish_reason(c)}};
-        if (chat) choice["delta"] = json::object();
-        else choice["text"] = "";
+        json choice = {
+            {"index", c.index}, {"logprobs", nullptr}, {"finish_reason", final_finish_reason(c)}};
+        if (chat)
+          choice["delta"] = json::object();
+        else
+          choice["text"] = "";
         ch["choices"] = json::array({choice});
         if (include_usage) ch["usage"] = nullptr;
         sse += "data: " + dump(ch) + "\n\n";
@@ -243,7 +271,9 @@ struct Server::Job {
 
   // The non-streaming response body.
   json response() {
-    json r = {{"id", id}, {"object", chat ? "chat.completion" : "text_completion"}, {"created", created},
+    json r = {{"id", id},
+              {"object", chat ? "chat.completion" : "text_completion"},
+              {"created", created},
               {"model", model}};
     json arr = json::array();
     for (Choice& c : choices) {
@@ -268,12 +298,16 @@ struct Server::Job {
 };
 
 Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
-    : engine_(engine), render_chat_(std::move(render_chat)), opt_(std::move(options)),
+    : engine_(engine),
+      render_chat_(std::move(render_chat)),
+      opt_(std::move(options)),
       http_(std::make_unique<httplib::Server>()) {
   if (opt_.model_names.empty()) opt_.model_names.push_back("deltaserve");
   int threads = opt_.http_threads;
   if (threads <= 0) threads = std::max(64, 4 * engine_.stats().memory.state_slots_total);
-  http_->new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  http_->new_task_queue = [threads] {
+    return new httplib::ThreadPool(static_cast<size_t>(threads));
+  };
   http_->set_read_timeout(opt_.read_timeout_s, 0);
   http_->set_write_timeout(opt_.write_timeout_s, 0);
   http_->set_keep_alive_timeout(opt_.keep_alive_timeout_s);
@@ -284,7 +318,9 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
     if (api && !opt_.api_key.empty()) {
       const std::string auth = req.get_header_value("Authorization");
       if (auth != "Bearer " + opt_.api_key) {
-        respond_error(res, 401, auth.empty() ? "missing API key (Authorization: Bearer ...)" : "invalid API key");
+        respond_error(
+            res, 401,
+            auth.empty() ? "missing API key (Authorization: Bearer ...)" : "invalid API key");
         return httplib::Server::HandlerResponse::Handled;
       }
     }
@@ -294,29 +330,43 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
     }
     return httplib::Server::HandlerResponse::Unhandled;
   });
-  http_->set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req, httplib::Response& res) {
-    if (!res.body.empty() || res.content_length_ > 0) return httplib::Server::HandlerResponse::Unhandled;
-    std::string msg;
-    switch (res.status) {
-      case 404: msg = "not found: " + req.method + " " + req.path; break;
-      case 413: msg = "the request body is too large (limit " + std::to_string(opt_.max_body_bytes) + " bytes)"; break;
-      case 400: msg = "malformed HTTP request"; break;
-      case 408: msg = "request timeout"; break;
-      default: msg = "HTTP error " + std::to_string(res.status); break;
-    }
-    res.set_content(dump(error_body(res.status, msg)), "application/json");
-    return httplib::Server::HandlerResponse::Handled;
-  }));
-  http_->set_exception_handler([this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-    std::string msg = "internal error";
-    try {
-      if (ep) std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      msg = std::string("internal error: ") + e.what();
-    } catch (...) {
-    }
-    respond_error(res, 500, msg);
-  });
+  http_->set_error_handler(httplib::Server::HandlerWithResponse(
+      [this](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty() || res.content_length_ > 0)
+          return httplib::Server::HandlerResponse::Unhandled;
+        std::string msg;
+        switch (res.status) {
+          case 404:
+            msg = "not found: " + req.method + " " + req.path;
+            break;
+          case 413:
+            msg = "the request body is too large (limit " + std::to_string(opt_.max_body_bytes) +
+                  " bytes)";
+            break;
+          case 400:
+            msg = "malformed HTTP request";
+            break;
+          case 408:
+            msg = "request timeout";
+            break;
+          default:
+            msg = "HTTP error " + std::to_string(res.status);
+            break;
+        }
+        res.set_content(dump(error_body(res.status, msg)), "application/json");
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  http_->set_exception_handler(
+      [this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+        std::string msg = "internal error";
+        try {
+          if (ep) std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          msg = std::string("internal error: ") + e.what();
+        } catch (...) {
+        }
+        respond_error(res, 500, msg);
+      });
   http_->set_logger([this](const httplib::Request& req, const httplib::Response& res) {
     metrics_.count_http(endpoint_label(req.path), res.status);
   });
@@ -335,8 +385,12 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
   http_->Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     json data = json::array();
     for (const std::string& name : opt_.model_names) {
-      data.push_back({{"id", name}, {"object", "model"}, {"created", static_cast<int64_t>(std::time(nullptr))},
-                      {"owned_by", "deltaserve"}, {"root", name}, {"max_model_len", engine_.max_model_len()}});
+      data.push_back({{"id", name},
+                      {"object", "model"},
+                      {"created", static_cast<int64_t>(std::time(nullptr))},
+                      {"owned_by", "deltaserve"},
+                      {"root", name},
+                      {"max_model_len", engine_.max_model_len()}});
     }
     res.set_content(dump(json{{"object", "list"}, {"data", data}}), "application/json");
   });
@@ -355,7 +409,8 @@ Server::~Server() {
   if (drain_thread_.joinable()) drain_thread_.join();
 }
 
-void Server::respond_error(httplib::Response& res, int status, const std::string& msg, const std::string& param) {
+void Server::respond_error(httplib::Response& res, int status, const std::string& msg,
+                           const std::string& param) {
   res.status = status;
   res.set_content(dump(error_body(status, msg, param)), "application/json");
 }
@@ -366,7 +421,8 @@ int Server::bind() {
     if (port_ <= 0) throw_error("server: cannot listen on ", opt_.host, " (any port)");
   } else {
     if (!http_->bind_to_port(opt_.host, opt_.port)) {
-      throw_error("server: cannot listen on ", opt_.host, ":", opt_.port, " (address in use or not local?)");
+      throw_error("server: cannot listen on ", opt_.host, ":", opt_.port,
+                  " (address in use or not local?)");
     }
     port_ = opt_.port;
   }
@@ -412,7 +468,8 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
     std::vector<std::vector<int32_t>> prompts;
     std::vector<std::string> echoes;
     if (chat) {
-      if (!render_chat_) throw ApiError(400, "this model has no chat template; use /v1/completions");
+      if (!render_chat_)
+        throw ApiError(400, "this model has no chat template; use /v1/completions");
       if (!tok) throw ApiError(400, "this model has no tokenizer; chat needs one");
       const json input = chat_template_input(body);
       std::string text;
@@ -423,7 +480,8 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
       }
       // Thinking on: the template opened <think> in the prompt, so generation starts as reasoning.
       const size_t end = text.find_last_not_of(" \n");
-      job->starts_in_reasoning = end != std::string::npos && end >= 6 && text.compare(end - 6, 7, "<think>") == 0;
+      job->starts_in_reasoning =
+          end != std::string::npos && end >= 6 && text.compare(end - 6, 7, "<think>") == 0;
       if (input.contains("tools")) job->tools = input["tools"];
       prompts.push_back(tok->encode(text, true));
       echoes.emplace_back();
@@ -433,7 +491,9 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         if (!body["echo"].is_boolean()) throw ApiError(400, "'echo' must be a boolean", "echo");
         echo = body["echo"].get<bool>();
         if (echo && sr.logprobs) {
-          throw ApiError(400, "'echo' with 'logprobs' is not supported (prompt logprobs are not computed)", "echo");
+          throw ApiError(
+              400, "'echo' with 'logprobs' is not supported (prompt logprobs are not computed)",
+              "echo");
         }
       }
       if (body.contains("suffix") && !body["suffix"].is_null()) {
@@ -441,13 +501,17 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
       }
       for (PromptInput& in : parse_completion_prompts(body)) {
         if (in.text) {
-          if (!tok) throw ApiError(400, "this model has no tokenizer: send the prompt as token ids", "prompt");
+          if (!tok)
+            throw ApiError(400, "this model has no tokenizer: send the prompt as token ids",
+                           "prompt");
           prompts.push_back(tok->encode(*in.text, true));
-          if (prompts.back().empty()) throw ApiError(400, "'prompt' encodes to no tokens", "prompt");
+          if (prompts.back().empty())
+            throw ApiError(400, "'prompt' encodes to no tokens", "prompt");
           echoes.push_back(echo ? *in.text : std::string());
         } else {
           prompts.push_back(std::move(in.ids));
-          echoes.push_back(echo && tok ? sanitize_utf8(tok->decode(prompts.back())) : std::string());
+          echoes.push_back(echo && tok ? sanitize_utf8(tok->decode(prompts.back()))
+                                       : std::string());
         }
       }
       if (static_cast<int>(prompts.size()) * sr.n > opt_.limits.max_n * 4) {
@@ -464,8 +528,10 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
           // OpenAI: 16 for completions; chat: the rest of the context.
           g.max_tokens = chat ? engine_.max_model_len() - n_prompt : 16;
           if (g.max_tokens < 1) {
-            throw ApiError(400, "This model's maximum context length is " + std::to_string(engine_.max_model_len()) +
-                                    " tokens; the messages take " + std::to_string(n_prompt) + " tokens",
+            throw ApiError(400,
+                           "This model's maximum context length is " +
+                               std::to_string(engine_.max_model_len()) +
+                               " tokens; the messages take " + std::to_string(n_prompt) + " tokens",
                            "messages");
           }
         }
@@ -479,7 +545,8 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         try {
           c.stream = engine_.submit(std::move(g));
         } catch (const RejectedError& e) {
-          throw ApiError(status_of(e.kind), e.what(), e.kind == RejectedError::Kind::kInvalid ? "max_tokens" : "");
+          throw ApiError(status_of(e.kind), e.what(),
+                         e.kind == RejectedError::Kind::kInvalid ? "max_tokens" : "");
         }
         submitted.push_back(c.stream);
         job->choices.push_back(std::move(c));

@@ -34,15 +34,15 @@ namespace ds {
 
 struct ServerOptions {
   std::string host = "127.0.0.1";
-  int port = 8000;                          // 0: any free port (see Server::port())
-  std::string api_key;                      // empty: no authentication
-  std::vector<std::string> model_names;     // served ids; the first is reported
-  size_t max_body_bytes = 16u << 20;        // request bodies above this get 413
-  int read_timeout_s = 20;                  // per socket read (slow clients)
-  int write_timeout_s = 60;                 // per socket write
+  int port = 8000;                       // 0: any free port (see Server::port())
+  std::string api_key;                   // empty: no authentication
+  std::vector<std::string> model_names;  // served ids; the first is reported
+  size_t max_body_bytes = 16u << 20;     // request bodies above this get 413
+  int read_timeout_s = 20;               // per socket read (slow clients)
+  int write_timeout_s = 60;              // per socket write
   int keep_alive_timeout_s = 5;
-  int http_threads = 0;                     // 0: max(64, 4 * max_batch)
-  int shutdown_timeout_s = 30;              // how long running requests may finish on shutdown
+  int http_threads = 0;         // 0: max(64, 4 * max_batch)
+  int shutdown_timeout_s = 30;  // how long running requests may finish on shutdown
   ApiLimits limits;
 };
 
