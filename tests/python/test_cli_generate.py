@@ -148,3 +148,16 @@ def test_cuda_device_without_cuda_build():
     if p.returncode == 0:
         pytest.skip("this binary has the CUDA backend")
     assert "CUDA backend is not built" in p.stderr or "cuda" in p.stderr.lower()
+
+
+def test_readme_run_path_make_tiny_then_generate(tmp_path):
+    """What scripts/run.sh does without a checkpoint: make-tiny, then generate on the CPU."""
+    model = tmp_path / "tiny"
+    run("make-tiny", "--out", model, "--seed", 1)
+    a = run("generate", "--model", model, "--device", "cpu", "--prompt-ids", "1,2,3,4", "--max-tokens", 16)
+    ids = json.loads(a.stdout)  # no tokenizer in the folder: ids
+    assert len(ids) == 16 and all(isinstance(i, int) for i in ids)
+    b = run("generate", "--model", model, "--prompt-ids", "1,2,3,4", "--max-tokens", 16, "--chunk-size", 1)
+    assert json.loads(b.stdout) == ids
+    s = run("score", "--model", model, "--prompt-ids", ids_arg([1, 2, 3, 4] + ids), "--json")
+    assert json.loads(s.stdout)["scored"] == 19
