@@ -167,6 +167,9 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
   } catch (const Error& e) {
     throw RejectedError(K::kInvalid, e.what());
   }
+  if (!tokenizer_ && !request.stop.empty()) {
+    throw RejectedError(K::kInvalid, "stop strings need a tokenizer (this model has none); use stop_token_ids");
+  }
   for (const std::string& s : request.stop) {
     if (s.empty()) throw RejectedError(K::kInvalid, "stop strings must not be empty");
   }

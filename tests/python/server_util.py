@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 BUILD = Path(os.environ.get("DS_BUILD_DIR", REPO / "build"))
 BIN = BUILD / "bin" / "deltaserve"
-TOKDIR = REPO.parent / "shared" / "data" / "tokenizers" / "qwen3"
+TOKDIR = Path(os.environ.get("DS_QWEN3_TOKENIZER_DIR", REPO.parent / "shared" / "data" / "tokenizers" / "qwen3"))
 QWEN3_VOCAB = 151669  # highest added-token id + 1
 DEVICE = os.environ.get("DS_SERVE_DEVICE", "cpu")  # cuda: the same tests on the GPU engine
 
