@@ -7,6 +7,7 @@
 //    so the golden ids are compared exactly only up to 100665.
 // Also measures load time and encode throughput on English text (printed; see the report).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -15,7 +16,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <unistd.h>
 
 #include "tokenizer/tokenizer.h"
 
@@ -107,7 +107,8 @@ class Qwen35 : public Qwen {
       const size_t sp = line.find(' ');
       vocab[line.substr(0, sp) + line.substr(sp + 1)] = next++;
     }
-    for (int i = 0; next < 248044; ++i) vocab["<|qwen35_test_unused_" + std::to_string(i) + "|>"] = next++;
+    for (int i = 0; next < 248044; ++i)
+      vocab["<|qwen35_test_unused_" + std::to_string(i) + "|>"] = next++;
     std::ofstream(dir_ / "vocab.json") << vocab.dump();
     fs::copy_file(src / "merges.txt", dir_ / "merges.txt");
     fs::copy_file(src / "tokenizer_config.json", dir_ / "tokenizer_config.json");
@@ -134,10 +135,12 @@ fs::path Qwen35::dir_;
 
 TEST_F(Qwen35, GoldenIdsFromReadme) {
   EXPECT_EQ(tok_->encode("girl, "), (Ids{27620, 11, 220}));
-  EXPECT_EQ(tok_->encode("1girl, masterpiece, no text"), (Ids{16, 27620, 11, 56744, 11, 874, 1414}));
+  EXPECT_EQ(tok_->encode("1girl, masterpiece, no text"),
+            (Ids{16, 27620, 11, 56744, 11, 874, 1414}));
   // Official: [100665, 3709, 140724, 3709, 95979, 99943]; 140724 is beyond the exact range.
-  const Ids got = tok_->encode("\xe5\xa5\xb3\xe5\xad\xa9\xef\xbc\x8c\xe6\x9d\xb0\xe4\xbd\x9c\xef\xbc\x8c"
-                               "\xe6\x97\xa0\xe6\x96\x87\xe5\xad\x97");
+  const Ids got = tok_->encode(
+      "\xe5\xa5\xb3\xe5\xad\xa9\xef\xbc\x8c\xe6\x9d\xb0\xe4\xbd\x9c\xef\xbc\x8c"
+      "\xe6\x97\xa0\xe6\x96\x87\xe5\xad\x97");
   ASSERT_EQ(got.size(), 6u);
   EXPECT_EQ(got[0], 100665);
   EXPECT_EQ(got[1], 3709);
@@ -156,8 +159,9 @@ TEST_F(Qwen35, SpecialTokensAndStopIds) {
   EXPECT_EQ(tok_->token_id("</think>"), 248069);
   EXPECT_EQ(tok_->vocab_size(), 248077);
   EXPECT_EQ(tok_->eos_ids(), (Ids{248046, 248044}));
-  EXPECT_EQ(tok_->encode("<|im_start|>user\nhi<|im_end|>\n"),
-            (Ids{248045, 846, 198, 5834, 248046, 198}));  // HF tokenizers on the test tokenizer.json
+  EXPECT_EQ(
+      tok_->encode("<|im_start|>user\nhi<|im_end|>\n"),
+      (Ids{248045, 846, 198, 5834, 248046, 198}));  // HF tokenizers on the test tokenizer.json
   // Qwen3.5's split regex keeps combining marks with their letter ([\p{L}\p{M}]+); digits split.
   EXPECT_EQ(tok_->encode("12345").size(), 5u);
 }

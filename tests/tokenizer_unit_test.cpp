@@ -2,13 +2,13 @@
 // split, BPE merge order, added-token flags, decoding, streaming, and load errors. The expected
 // ids for tests/data/tokenizer/tiny were produced by HF tokenizers 0.23 on the same file.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <unistd.h>
 
 #include "core/error.h"
 #include "tokenizer/regex_split.h"
@@ -39,9 +39,9 @@ TEST(Utf8, RepairMatchesPythonReplace) {
   // Expected strings: bytes.decode("utf-8", "replace") in Python.
   EXPECT_EQ(utf8::repair("abc"), "abc");
   EXPECT_EQ(utf8::repair("\xff"), "\xEF\xBF\xBD");
-  EXPECT_EQ(utf8::repair("\xe4\xb8"), "\xEF\xBF\xBD");                          // one subpart
+  EXPECT_EQ(utf8::repair("\xe4\xb8"), "\xEF\xBF\xBD");                              // one subpart
   EXPECT_EQ(utf8::repair("\xed\xa0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate
-  EXPECT_EQ(utf8::repair("\xc0\xaf"), "\xEF\xBF\xBD\xEF\xBF\xBD");              // overlong
+  EXPECT_EQ(utf8::repair("\xc0\xaf"), "\xEF\xBF\xBD\xEF\xBF\xBD");                  // overlong
   EXPECT_EQ(utf8::repair("\xf0\x9f\x98 x"), "\xEF\xBF\xBD x");
   EXPECT_EQ(utf8::repair("\xf4\x90\x80\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");
   EXPECT_TRUE(utf8::is_valid("h\xc3\xa9llo \xf0\x9f\x98\x80"));
@@ -89,14 +89,53 @@ TEST(Regex, FastQwenMatchersAgreeWithPcre2) {
       R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)",
   };
   // Characters of every class the patterns distinguish, ASCII and not.
-  const std::vector<std::string> alphabet = {
-      "a", "Z", "s", "S", "t", "l", "L", "r", "e", "E", "v", "m", "d", "'", "0", "7", " ", " ",
-      "\t", "\n", "\r", "\v", "\f", "!", ".", "-", "_", "(", "\"", "\xc5\xbf" /* long s */,
-      "\xc3\xa9", "\xcc\x81" /* U+0301 */, "\xe2\x83\x9d" /* U+20DD Me */, "\xe4\xb8\xad",
-      "\xd9\xa3" /* Arabic-Indic 3 */, "\xe2\x85\xa0" /* Roman numeral (Nl) */,
-      "\xc2\xbd" /* 1/2 (No) */, "\xc2\xa0", "\xe3\x80\x80", "\xc2\x85", "\xe1\xa0\x8e",
-      "\xe2\x80\x8b", "\xe2\x80\xa8", "\xf0\x9f\x98\x80", "\xe0\xa4\xbe" /* Mc */,
-      "\xd7\x90", "\xe3\x81\x82"};
+  const std::vector<std::string> alphabet = {"a",
+                                             "Z",
+                                             "s",
+                                             "S",
+                                             "t",
+                                             "l",
+                                             "L",
+                                             "r",
+                                             "e",
+                                             "E",
+                                             "v",
+                                             "m",
+                                             "d",
+                                             "'",
+                                             "0",
+                                             "7",
+                                             " ",
+                                             " ",
+                                             "\t",
+                                             "\n",
+                                             "\r",
+                                             "\v",
+                                             "\f",
+                                             "!",
+                                             ".",
+                                             "-",
+                                             "_",
+                                             "(",
+                                             "\"",
+                                             "\xc5\xbf" /* long s */,
+                                             "\xc3\xa9",
+                                             "\xcc\x81" /* U+0301 */,
+                                             "\xe2\x83\x9d" /* U+20DD Me */,
+                                             "\xe4\xb8\xad",
+                                             "\xd9\xa3" /* Arabic-Indic 3 */,
+                                             "\xe2\x85\xa0" /* Roman numeral (Nl) */,
+                                             "\xc2\xbd" /* 1/2 (No) */,
+                                             "\xc2\xa0",
+                                             "\xe3\x80\x80",
+                                             "\xc2\x85",
+                                             "\xe1\xa0\x8e",
+                                             "\xe2\x80\x8b",
+                                             "\xe2\x80\xa8",
+                                             "\xf0\x9f\x98\x80",
+                                             "\xe0\xa4\xbe" /* Mc */,
+                                             "\xd7\x90",
+                                             "\xe3\x81\x82"};
   std::mt19937 rng(42);
   for (const char* pattern : patterns) {
     RegexSplitter fast(pattern, "test"), slow(pattern, "test", false);
@@ -128,8 +167,8 @@ TEST_F(Tiny, EncodeMatchesHf) {
       {"caf\xc3\xa9", {275}},
       {"cafe\xcc\x81", {275}},  // NFD input, NFC normaliser
       {"x<|sp|>y", {87, 276, 88}},
-      {"x<|sp|>xy", {87, 280, 88}},                                 // leftmost-longest
-      {"a  <mask>  b", {64, 277, 65}},                              // lstrip + rstrip
+      {"x<|sp|>xy", {87, 280, 88}},                                     // leftmost-longest
+      {"a  <mask>  b", {64, 277, 65}},                                  // lstrip + rstrip
       {"a[w]b a [w] b", {64, 58, 86, 60, 65, 258, 220, 278, 220, 65}},  // single_word
       {"[w]", {278}},
       {"e\xcc\x81! \xc3\xa9!", {279, 220, 279}},  // normalized=true token matches after NFC
@@ -152,7 +191,7 @@ TEST_F(Tiny, DecodeAndMetadata) {
   EXPECT_EQ(tok_->decode(Ids{276, 277, 256}), "<|sp|><mask>ab");
   EXPECT_EQ(tok_->decode(Ids{276, 277, 256}, true), "<mask>ab");
   EXPECT_EQ(tok_->decode(Ids{195, 169}), "\x07\xEF\xBF\xBD");  // lone continuation byte
-  EXPECT_EQ(tok_->decode(Ids{281}), "an added token");  // not byte-level: raw content
+  EXPECT_EQ(tok_->decode(Ids{281}), "an added token");         // not byte-level: raw content
   EXPECT_THROW(tok_->decode(Ids{282}), Error);
   EXPECT_THROW(tok_->decode(Ids{-1}), Error);
   EXPECT_EQ(tok_->token_id("<|sp|>"), 276);
@@ -215,7 +254,8 @@ TEST(TokenizerLoad, ClearErrors) {
     Tokenizer::load(dir.string());
     FAIL() << "expected an error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("neither tokenizer.json nor vocab.json"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("neither tokenizer.json nor vocab.json"),
+              std::string::npos);
   }
   auto expect_error = [&](const std::string& json_text, const std::string& needle) {
     write(dir / "tokenizer.json", json_text);
@@ -232,8 +272,7 @@ TEST(TokenizerLoad, ClearErrors) {
                "not in the vocabulary");
   expect_error(R"({"model": {"type": "BPE", "vocab": {"a": "x"}, "merges": []}})",
                "not an integer id");
-  expect_error(R"({"model": {"type": "WordPiece", "vocab": {"a": 0}, "merges": []}})",
-               "only BPE");
+  expect_error(R"({"model": {"type": "WordPiece", "vocab": {"a": 0}, "merges": []}})", "only BPE");
   expect_error(R"({"normalizer": {"type": "NFKC"},
                    "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})",
                "NFKC");
@@ -241,8 +280,7 @@ TEST(TokenizerLoad, ClearErrors) {
                    "behavior": "Isolated"},
                    "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})",
                "does not compile");
-  expect_error(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a"]}})",
-               "two tokens");
+  expect_error(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a"]}})", "two tokens");
   fs::remove_all(dir);
 }
 
@@ -255,14 +293,16 @@ TEST(TokenizerLoad, VocabJsonMergesTxtFallback) {
   std::string merges = "#version: 0.2\n";
   for (const auto& m : j["model"]["merges"]) merges += m.get<std::string>() + "\n";
   write(dir / "merges.txt", merges);
-  nlohmann::json config = {{"eos_token", "<|sp|>"},
-                           {"pretokenize_regex",
-                            j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]}};
-  for (const auto& t : j["added_tokens"]) config["added_tokens_decoder"][std::to_string(t["id"].get<int>())] = t;
+  nlohmann::json config = {
+      {"eos_token", "<|sp|>"},
+      {"pretokenize_regex", j["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]}};
+  for (const auto& t : j["added_tokens"])
+    config["added_tokens_decoder"][std::to_string(t["id"].get<int>())] = t;
   write(dir / "tokenizer_config.json", config.dump());
   const Tokenizer a = Tokenizer::load(dir.string());
   const Tokenizer b = Tokenizer::load(kTiny);
-  for (const char* text : {"abc hello world", "cafe\xcc\x81 x<|sp|>y", "a  <mask>  b", "e\xcc\x81!"}) {
+  for (const char* text :
+       {"abc hello world", "cafe\xcc\x81 x<|sp|>y", "a  <mask>  b", "e\xcc\x81!"}) {
     EXPECT_EQ(a.encode(text), b.encode(text)) << text;
   }
   EXPECT_EQ(a.vocab_size(), b.vocab_size());
@@ -274,7 +314,8 @@ TEST(TokenizerLoad, AddedTokenIdsFollowHf) {
   // the file when it would leave a gap; a content already in the vocabulary keeps its id.
   const fs::path dir = temp_dir("added_ids");
   nlohmann::json j;
-  j["model"] = {{"type", "BPE"}, {"vocab", {{"a", 0}, {"b", 1}}}, {"merges", nlohmann::json::array()}};
+  j["model"] = {
+      {"type", "BPE"}, {"vocab", {{"a", 0}, {"b", 1}}}, {"merges", nlohmann::json::array()}};
   j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}};
   j["decoder"] = {{"type", "ByteLevel"}};
   j["added_tokens"] = {{{"id", 10}, {"content", "<x>"}, {"special", true}},

@@ -5,10 +5,10 @@
 // memoised in a bounded, thread-safe cache (one cache line per lookup).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
-#include <atomic>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -52,8 +52,8 @@ class BpeModel {
   void merge_uncached(std::string_view bytes, std::vector<int32_t>& out) const;
 
   std::unordered_map<std::string, int32_t> vocab_;  // raw bytes -> id (ignore_merges only)
-  int32_t byte_ids_[256];                          // id of each single byte, -1 if absent
-  std::vector<MergeSlot> merges_;                  // open addressing, power-of-two size
+  int32_t byte_ids_[256];                           // id of each single byte, -1 if absent
+  std::vector<MergeSlot> merges_;                   // open addressing, power-of-two size
   size_t n_merges_ = 0;
   int32_t next_rank_ = 0;
   std::optional<int32_t> unk_id_;

@@ -64,8 +64,8 @@ struct AsciiTable {
 const AsciiTable kAscii;
 
 uint8_t unicode_class(uint32_t cp) {
-  if (cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||
-      cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000) {
+  if (cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 ||
+      cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000) {
     return kS;
   }
   switch (utf8proc_category(static_cast<utf8proc_int32_t>(cp))) {

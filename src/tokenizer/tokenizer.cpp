@@ -136,10 +136,9 @@ uint32_t last_cp(std::string_view s, size_t end) {
 // NFC through utf8proc.
 std::string utf8proc_nfc(std::string_view s) {
   utf8proc_uint8_t* out = nullptr;
-  const utf8proc_ssize_t n =
-      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                   static_cast<utf8proc_ssize_t>(s.size()), &out,
-                   static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+  const utf8proc_ssize_t n = utf8proc_map(
+      reinterpret_cast<const utf8proc_uint8_t*>(s.data()), static_cast<utf8proc_ssize_t>(s.size()),
+      &out, static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
   if (n < 0) throw_error("NFC normalisation failed: ", utf8proc_errmsg(n));
   std::string r(reinterpret_cast<const char*>(out), static_cast<size_t>(n));
   std::free(out);
@@ -303,9 +302,10 @@ void Tokenizer::Impl::finish_added_tokens() {
     if (known != token_to_id.end()) {
       t.id = known->second;
     } else {
-      t.id = static_cast<int32_t>(
-          max_added >= 0 && (max_added >= model_vocab_len || model_vocab_len == 0) ? max_added + 1
-                                                                                   : model_vocab_len);
+      t.id = static_cast<int32_t>(max_added >= 0 &&
+                                          (max_added >= model_vocab_len || model_vocab_len == 0)
+                                      ? max_added + 1
+                                      : model_vocab_len);
     }
     max_added = std::max<int64_t>(max_added, t.id);
     token_to_id[t.content] = t.id;
@@ -379,9 +379,8 @@ void Tokenizer::Impl::encode_pretokenized(std::string_view s, size_t level,
     bpe.encode_piece(s, out);
     return;
   }
-  splitters[level]->split(s, [&](std::string_view piece) {
-    encode_pretokenized(piece, level + 1, out);
-  });
+  splitters[level]->split(
+      s, [&](std::string_view piece) { encode_pretokenized(piece, level + 1, out); });
 }
 
 void Tokenizer::Impl::encode_normalized_segment(std::string_view s, bool allow_special,
@@ -465,7 +464,8 @@ std::vector<std::pair<std::string, std::string>> read_merges_txt(const fs::path&
     if (line.empty() || line.starts_with("#version")) continue;
     const size_t sp = line.find(' ');
     DS_CHECK(sp != std::string_view::npos && line.find(' ', sp + 1) == std::string_view::npos,
-             path.string(), ":", line_no, ": `", line, "` is not two tokens separated by one space");
+             path.string(), ":", line_no, ": `", line,
+             "` is not two tokens separated by one space");
     merges.emplace_back(std::string(line.substr(0, sp)), std::string(line.substr(sp + 1)));
   }
   return merges;
@@ -522,7 +522,8 @@ void load_pre_tokenizer(Tokenizer::Impl& impl, const json& p, const std::string&
     const std::string behavior = beh != p.end() && beh->is_string() ? beh->get<std::string>() : "";
     DS_CHECK(behavior == "Isolated", where, ": Split behavior `", behavior,
              "` is not supported (only Isolated)");
-    DS_CHECK(!get_bool(p, "invert", false, where), where, ": Split with invert=true is not supported");
+    DS_CHECK(!get_bool(p, "invert", false, where), where,
+             ": Split with invert=true is not supported");
     impl.splitters.push_back(std::make_unique<RegexSplitter>(regex, where));
   } else if (type == "ByteLevel") {
     DS_CHECK(!get_bool(p, "add_prefix_space", false, where), where,
@@ -627,7 +628,8 @@ Tokenizer Tokenizer::load(const std::string& dir_arg) {
     bool byte_level_seen = false;
     load_pre_tokenizer(*impl, j.value("pre_tokenizer", json()), where + ": pre_tokenizer",
                        &byte_level_seen);
-    DS_CHECK(byte_level_seen, where, ": pre_tokenizer has no ByteLevel step (only byte-level BPE "
+    DS_CHECK(byte_level_seen, where,
+             ": pre_tokenizer has no ByteLevel step (only byte-level BPE "
              "tokenizers are supported)");
     check_decoder(j.value("decoder", json()), where + ": decoder");
     if (auto at = j.find("added_tokens"); at != j.end() && !at->is_null()) {
@@ -641,8 +643,9 @@ Tokenizer Tokenizer::load(const std::string& dir_arg) {
     }
   } else {
     const fs::path vocab_path = dir / "vocab.json", merges_path = dir / "merges.txt";
-    DS_CHECK(fs::is_regular_file(vocab_path) && fs::is_regular_file(merges_path), "tokenizer folder ",
-             dir.string(), " has neither tokenizer.json nor vocab.json + merges.txt");
+    DS_CHECK(fs::is_regular_file(vocab_path) && fs::is_regular_file(merges_path),
+             "tokenizer folder ", dir.string(),
+             " has neither tokenizer.json nor vocab.json + merges.txt");
     impl->source = vocab_path.string() + " + " + merges_path.string();
     VocabFile vf = read_vocab_file(vocab_path.string(), {}, {"\x01"});
     DS_CHECK(vf.has_vocab, vocab_path.string(), " must hold a JSON object of token -> id");
@@ -693,7 +696,8 @@ Tokenizer Tokenizer::load(const std::string& dir_arg) {
     if (auto it = g.find("eos_token_id"); g.is_object() && it != g.end() && !it->is_null()) {
       if (it->is_array()) {
         for (size_t i = 0; i < it->size(); ++i) {
-          add_eos(parse_id((*it)[i], gen_path.string() + ": eos_token_id[" + std::to_string(i) + "]"));
+          add_eos(
+              parse_id((*it)[i], gen_path.string() + ": eos_token_id[" + std::to_string(i) + "]"));
         }
       } else {
         add_eos(parse_id(*it, gen_path.string() + ": eos_token_id"));

@@ -59,8 +59,10 @@ class Handler {
   }
 
   bool start_object(size_t) {
-    if (mode_ == Mode::kVocab) throw_error(where_, ": vocabulary entry `", key_, "` is not an integer id");
-    if (mode_ != Mode::kNormal) throw_error(where_, ": merges[", out_.merges.size(), "] is malformed");
+    if (mode_ == Mode::kVocab)
+      throw_error(where_, ": vocabulary entry `", key_, "` is not an integer id");
+    if (mode_ != Mode::kNormal)
+      throw_error(where_, ": merges[", out_.merges.size(), "] is malformed");
     const std::vector<std::string> child = child_path();
     if (child == vocab_path_) {
       saved_key_ = key_;
@@ -80,13 +82,15 @@ class Handler {
   }
 
   bool start_array(size_t) {
-    if (mode_ == Mode::kVocab) throw_error(where_, ": vocabulary entry `", key_, "` is not an integer id");
+    if (mode_ == Mode::kVocab)
+      throw_error(where_, ": vocabulary entry `", key_, "` is not an integer id");
     if (mode_ == Mode::kMerges) {
       mode_ = Mode::kMergePair;
       pair_.clear();
       return true;
     }
-    if (mode_ == Mode::kMergePair) throw_error(where_, ": merges[", out_.merges.size(), "] is malformed");
+    if (mode_ == Mode::kMergePair)
+      throw_error(where_, ": merges[", out_.merges.size(), "] is malformed");
     const std::vector<std::string> child = child_path();
     if (child == merges_path_) {
       mode_ = Mode::kMerges;
@@ -136,7 +140,8 @@ class Handler {
     if (mode_ == Mode::kMerges || mode_ == Mode::kMergePair) {
       throw_error(where_, ": merges[", out_.merges.size(), "] is malformed");
     }
-    if (mode_ == Mode::kVocab) throw_error(where_, ": vocabulary entry `", key_, "` is not an integer id");
+    if (mode_ == Mode::kVocab)
+      throw_error(where_, ": vocabulary entry `", key_, "` is not an integer id");
     if (stack_.empty()) {
       out_.rest = std::move(v);
     } else if (stack_.back()->is_object()) {

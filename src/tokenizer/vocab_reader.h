@@ -14,7 +14,7 @@ namespace ds {
 
 struct VocabFile {
   nlohmann::json rest;  // the document without the streamed parts (they are left null)
-  std::vector<std::pair<std::string, int64_t>> vocab;   // token -> id, file order
+  std::vector<std::pair<std::string, int64_t>> vocab;       // token -> id, file order
   std::vector<std::pair<std::string, std::string>> merges;  // (left, right), rank order
   bool has_vocab = false;
   bool has_merges = false;
