@@ -574,7 +574,8 @@ void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
       for (Job::Choice& c : job->choices) {
         if (c.finished) continue;
         StreamOutput out;
-        while (!c.finished && c.stream->next(out, wait)) out_buf += job->absorb(c, out);
+        // One take per choice, then write: next() hands over everything produced so far.
+        if (c.stream->next(out, wait)) out_buf += job->absorb(c, out);
       }
       if (!out_buf.empty()) {
         if (!sink.write(out_buf.data(), out_buf.size())) {

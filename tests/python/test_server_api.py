@@ -247,3 +247,17 @@ def test_usage_and_finish_reason_length(client):
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 3
+
+
+def test_stream_is_incremental(client):
+    """Chunks arrive as tokens are generated, not all at the end."""
+    import time
+    t0 = time.time()
+    times = []
+    for ch in client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=40, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True}):
+        if ch.choices and ch.choices[0].text:
+            times.append(time.time() - t0)
+    assert len(times) >= 20
+    assert times[0] < 0.5 * times[-1], times
+    assert len({round(t, 3) for t in times}) >= 10  # spread over time, not one burst
