@@ -44,9 +44,9 @@ class CpuModel {
   const ModelConfig& config() const { return cfg_; }
   CpuSeqState new_state() const;
 
-  // Runs `tokens` after what `state` has seen, in chunks of at most `chunk_size` tokens (GDN uses
-  // the chunked WY form inside a chunk, the state is carried across), and appends logits:
-  // every token's row when `all_logits`, else only the last token's. logits: [rows, vocab].
+  // Runs `tokens` after what `state` has seen, in chunks of at most `chunk_size` tokens (<= 0: one
+  // chunk; GDN uses the chunked WY form inside a chunk, the state is carried across), and appends
+  // logits: every token's row when `all_logits`, else only the last token's. logits: [rows, vocab].
   // Token ids outside [0, vocab) throw ds::Error (the state is left untouched then).
   void forward(CpuSeqState& state, std::span<const int32_t> tokens, int chunk_size,
                bool all_logits, std::vector<float>& logits) const;
