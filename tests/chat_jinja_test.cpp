@@ -145,3 +145,53 @@ TEST(ChatTemplate, NormalisesLikeTransformers) {
 
 }  // namespace
 }  // namespace ds::jinja
+
+namespace ds::jinja {
+namespace {
+
+// Robustness: mutated real templates and random token soups must either render or throw
+// TemplateError / Error, never crash or hang.
+TEST(Jinja, MutatedTemplatesFailCleanly) {
+  std::string base =
+      "{%- set ns = namespace(a=1) %}{% macro m(x, y=2) %}{{ x ~ y }}{% endmacro %}"
+      "{% for msg in messages[::-1] if msg.role != 'x' %}{{ loop.index }}{{ m(msg.content|trim, y=ns.a) }}"
+      "{% if msg.content is string and 'a' in msg.content %}{% set ns.a = ns.a + 1 %}{% elif not msg %}"
+      "{{ raise_exception('boom') }}{% else %}{{ msg|tojson(indent=2) }}{% endif %}{% endfor %}"
+      "{{ (tools or [])|length }}{{ {'k': [1, 2.5, none]}['k'][1:] }}{{ 'a,b'.split(',')|join('-') }}";
+  const char* pieces[] = {"{{", "}}", "{%", "%}", "{#", "#}", "-", "+", "(", ")", "[", "]", "{", "}", "'", "\"",
+                          "|", ".", ",", ":", "if", "for", "endfor", "endif", "set", "macro", "in", "is", "not",
+                          "~", "*", "**", "//", "%", "\\", "\n", " ", "x", "1", "1.5e3", "none", "loop", "ns"};
+  Value msgs = Value::from_json(ojson::parse(R"([{"role": "user", "content": " abc "}, {"role": "assistant"}])"));
+  Dict vars;
+  vars.set("messages", msgs);
+  uint64_t rng = 12345;
+  auto next = [&rng](uint64_t n) {
+    rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+    return static_cast<size_t>((rng >> 33) % n);
+  };
+  int rendered = 0, rejected = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    std::string t = base;
+    int edits = 1 + static_cast<int>(next(4));
+    for (int k = 0; k < edits; ++k) {
+      size_t pos = next(t.size() + 1);
+      switch (next(3)) {
+        case 0: t.insert(pos, pieces[next(sizeof(pieces) / sizeof(pieces[0]))]); break;
+        case 1: t.erase(pos, next(6)); break;
+        default: t.insert(pos, 1, static_cast<char>(next(256))); break;
+      }
+    }
+    try {
+      Template tmpl(t);
+      tmpl.render(vars);
+      ++rendered;
+    } catch (const Error&) {
+      ++rejected;
+    }
+  }
+  EXPECT_GT(rendered, 100);
+  EXPECT_GT(rejected, 100);
+}
+
+}  // namespace
+}  // namespace ds::jinja
