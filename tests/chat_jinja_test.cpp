@@ -30,9 +30,11 @@ TEST(JinjaValue, PythonFloatRepr) {
 }
 
 TEST(JinjaValue, StrReprAndJson) {
-  Value v = Value::from_json(ojson::parse(R"({"b": [1, 2.0, null, true, "it's"], "a": {"x": "\"q\" é\u2028\n"}})"));
+  Value v = Value::from_json(
+      ojson::parse(R"({"b": [1, 2.0, null, true, "it's"], "a": {"x": "\"q\" é\u2028\n"}})"));
   EXPECT_EQ(v.str(), R"({'b': [1, 2.0, None, True, "it's"], 'a': {'x': '"q" é\u2028\n'}})");
-  EXPECT_EQ(v.to_json(JsonOptions{}), "{\"b\": [1, 2.0, null, true, \"it's\"], \"a\": {\"x\": \"\\\"q\\\" é\u2028\\n\"}}");
+  EXPECT_EQ(v.to_json(JsonOptions{}),
+            "{\"b\": [1, 2.0, null, true, \"it's\"], \"a\": {\"x\": \"\\\"q\\\" é\u2028\\n\"}}");
   JsonOptions pretty;
   pretty.pretty = true;
   pretty.indent = "  ";
@@ -46,13 +48,15 @@ TEST(JinjaValue, EqualityAndOrder) {
   EXPECT_TRUE(values_equal(Value::integer(1), Value::floating(1.0)));
   EXPECT_TRUE(values_equal(Value::integer(1), Value::boolean(true)));
   EXPECT_FALSE(values_equal(Value::string("1"), Value::integer(1)));
-  EXPECT_FALSE(values_equal(Value::list({Value::integer(1)}, true), Value::list({Value::integer(1)})));
+  EXPECT_FALSE(
+      values_equal(Value::list({Value::integer(1)}, true), Value::list({Value::integer(1)})));
   EXPECT_LT(compare_values(Value::string("a"), Value::string("b")), 0);
   EXPECT_THROW(compare_values(Value::string("a"), Value::integer(1)), Error);
 }
 
 TEST(Jinja, WhitespaceControlAsHF) {
-  EXPECT_EQ(render("a\n{% if true %}\nb\n{% endif %}\nc\n"), "a\nb\nc");  // trim_blocks, trailing \n dropped
+  EXPECT_EQ(render("a\n{% if true %}\nb\n{% endif %}\nc\n"),
+            "a\nb\nc");  // trim_blocks, trailing \n dropped
   EXPECT_EQ(render("  {% if true %}\n    x\n  {% endif %}\n  y"), "    x\n  y");  // lstrip_blocks
   EXPECT_EQ(render("a  {% if true %}b{% endif %}"), "a  b");  // lstrip only at line start
   EXPECT_EQ(render("{%- if true -%}\n  x  \n{%- endif -%}\n  y"), "xy");
@@ -64,32 +68,49 @@ TEST(Jinja, WhitespaceControlAsHF) {
 }
 
 TEST(Jinja, LoopsScopesNamespaces) {
-  EXPECT_EQ(render("{% for a in [1,2,3] %}{{ loop.previtem }}/{{ loop.nextitem }};{% endfor %}"), "/2;1/3;2/;");
-  EXPECT_EQ(render("{% set x = 5 %}{% for i in [1, 2] %}[{{ x }}]{% set x = i %}{% endfor %}{{ x }}"), "[5][5]5");
-  EXPECT_EQ(render("{% for i in [1, 2] %}{% if i == 2 %}[{{ x }}]{% endif %}{% set x = i %}{% endfor %}"), "[]");
-  EXPECT_EQ(render("{% set ns = namespace(n=0) %}{% for i in range(4) %}{% set ns.n = ns.n + i %}{% endfor %}{{ ns.n }}"), "6");
+  EXPECT_EQ(render("{% for a in [1,2,3] %}{{ loop.previtem }}/{{ loop.nextitem }};{% endfor %}"),
+            "/2;1/3;2/;");
+  EXPECT_EQ(
+      render("{% set x = 5 %}{% for i in [1, 2] %}[{{ x }}]{% set x = i %}{% endfor %}{{ x }}"),
+      "[5][5]5");
+  EXPECT_EQ(
+      render("{% for i in [1, 2] %}{% if i == 2 %}[{{ x }}]{% endif %}{% set x = i %}{% endfor %}"),
+      "[]");
+  EXPECT_EQ(render("{% set ns = namespace(n=0) %}{% for i in range(4) %}{% set ns.n = ns.n + i "
+                   "%}{% endfor %}{{ ns.n }}"),
+            "6");
   EXPECT_EQ(render("{% for x in [] %}x{% else %}empty{% endfor %}"), "empty");
-  EXPECT_EQ(render("{% for x in range(10) %}{% if x == 2 %}{% continue %}{% endif %}{% if x > 4 %}{% break %}{% endif %}{{ x }}{% endfor %}"),
+  EXPECT_EQ(render("{% for x in range(10) %}{% if x == 2 %}{% continue %}{% endif %}{% if x > 4 "
+                   "%}{% break %}{% endif %}{{ x }}{% endfor %}"),
             "0134");
-  EXPECT_EQ(render("{% for k, v in d|items %}{{ k }}={{ v }};{% endfor %}", R"({"d": {"b": 1, "a": 2}})"), "b=1;a=2;");
+  EXPECT_EQ(
+      render("{% for k, v in d|items %}{{ k }}={{ v }};{% endfor %}", R"({"d": {"b": 1, "a": 2}})"),
+      "b=1;a=2;");
   EXPECT_EQ(render("{% for m in ms[::-1] %}{{ m }}{% endfor %}", R"({"ms": [1, 2, 3]})"), "321");
 }
 
 TEST(Jinja, MacrosSeeCallTimeGlobals) {
-  EXPECT_EQ(render("{% macro m(a, b=2) %}{{a}}-{{b}}-{{ g }}{% endmacro %}{% set g = 1 %}{{ m(1) }}{% set g = 3 %}{{ m(4, b=5) }}"),
+  EXPECT_EQ(render("{% macro m(a, b=2) %}{{a}}-{{b}}-{{ g }}{% endmacro %}{% set g = 1 %}{{ m(1) "
+                   "}}{% set g = 3 %}{{ m(4, b=5) }}"),
             "1-2-14-5-3");
-  EXPECT_EQ(render("{% macro f(n) %}{% if n > 0 %}{{ n }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(3) }}"), "321");
+  EXPECT_EQ(
+      render(
+          "{% macro f(n) %}{% if n > 0 %}{{ n }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(3) }}"),
+      "321");
 }
 
 TEST(Jinja, UndefinedSemantics) {
-  EXPECT_EQ(render("[{{ u }}]{{ u is defined }}{{ u|length }}{{ u is iterable }}{{ 'x' in u }}"), "[]False0TrueFalse");
+  EXPECT_EQ(render("[{{ u }}]{{ u is defined }}{{ u|length }}{{ u is iterable }}{{ 'x' in u }}"),
+            "[]False0TrueFalse");
   EXPECT_EQ(render("{{ d.missing }}|{{ l[5] }}|{{ 'abc'.nope }}", R"({"d": {}, "l": []})"), "||");
   try {
     render("line one\n{{ d.content.startswith('x') }}", R"({"d": {}})");
     FAIL() << "expected an error";
   } catch (const TemplateError& e) {
     EXPECT_EQ(e.line(), 2);
-    EXPECT_NE(std::string(e.what()).find("'dict object' has no attribute 'content'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'dict object' has no attribute 'content'"),
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -121,22 +142,27 @@ TEST(Jinja, UnsupportedConstructsFailAtParseWithLocation) {
 }
 
 TEST(Jinja, StringMethodsAndFilters) {
-  EXPECT_EQ(render("{{ ' a  b '.split() }}|{{ 'a,b'.split(',') }}|{{ '\n\nx\n'.lstrip('\n') }}|{{ 'x\n\n'.rstrip('\n') }}"),
+  EXPECT_EQ(render("{{ ' a  b '.split() }}|{{ 'a,b'.split(',') }}|{{ '\n\nx\n'.lstrip('\n') }}|{{ "
+                   "'x\n\n'.rstrip('\n') }}"),
             "['a', 'b']|['a', 'b']|x\n|x");
   EXPECT_EQ(render("{{ s[1:3] }}|{{ s|length }}|{{ s[-1] }}", R"({"s": "héllo"})"), "él|5|o");
-  EXPECT_EQ(render("{{ '\u3000x '|trim }}|{{ [1,2]|tojson }}|{{ {'a': 'é'}|tojson }}"), "x|[1, 2]|{\"a\": \"é\"}");
-  EXPECT_EQ(render("{{ x | tojson | safe if x is mapping else x | string }}", R"({"x": true})"), "True");
+  EXPECT_EQ(render("{{ '\u3000x '|trim }}|{{ [1,2]|tojson }}|{{ {'a': 'é'}|tojson }}"),
+            "x|[1, 2]|{\"a\": \"é\"}");
+  EXPECT_EQ(render("{{ x | tojson | safe if x is mapping else x | string }}", R"({"x": true})"),
+            "True");
 }
 
 TEST(ChatTemplate, NormalisesLikeTransformers) {
   ChatTemplate t = ChatTemplate::from_string(
-      "{% for m in messages %}{{ m|tojson }}\n{% endfor %}{{ eos_token }}|{{ tools }}|{{ add_generation_prompt }}",
+      "{% for m in messages %}{{ m|tojson }}\n{% endfor %}{{ eos_token }}|{{ tools }}|{{ "
+      "add_generation_prompt }}",
       ojson::parse(R"({"eos_token": "<|im_end|>", "pad_token": {"content": "<pad>"}})"));
   ojson req = ojson::parse(R"({"messages": [{"role": "user", "content": null, "name": "x"},
                                             {"role": "assistant", "content": "a", "reasoning": "r"}]})");
   EXPECT_EQ(t.render(req),
             "{\"role\": \"user\", \"name\": \"x\"}\n"
-            "{\"thinking\": \"r\", \"role\": \"assistant\", \"content\": \"a\", \"reasoning\": \"r\", \"reasoning_content\": \"r\"}\n"
+            "{\"thinking\": \"r\", \"role\": \"assistant\", \"content\": \"a\", \"reasoning\": "
+            "\"r\", \"reasoning_content\": \"r\"}\n"
             "<|im_end|>|None|False");
   EXPECT_THROW(t.render(ojson::parse(R"({"messages": []})")), Error);
   EXPECT_THROW(t.render(ojson::parse(R"({"messages": "x"})")), Error);
@@ -154,14 +180,20 @@ namespace {
 TEST(Jinja, MutatedTemplatesFailCleanly) {
   std::string base =
       "{%- set ns = namespace(a=1) %}{% macro m(x, y=2) %}{{ x ~ y }}{% endmacro %}"
-      "{% for msg in messages[::-1] if msg.role != 'x' %}{{ loop.index }}{{ m(msg.content|trim, y=ns.a) }}"
-      "{% if msg.content is string and 'a' in msg.content %}{% set ns.a = ns.a + 1 %}{% elif not msg %}"
+      "{% for msg in messages[::-1] if msg.role != 'x' %}{{ loop.index }}{{ m(msg.content|trim, "
+      "y=ns.a) }}"
+      "{% if msg.content is string and 'a' in msg.content %}{% set ns.a = ns.a + 1 %}{% elif not "
+      "msg %}"
       "{{ raise_exception('boom') }}{% else %}{{ msg|tojson(indent=2) }}{% endif %}{% endfor %}"
-      "{{ (tools or [])|length }}{{ {'k': [1, 2.5, none]}['k'][1:] }}{{ 'a,b'.split(',')|join('-') }}";
-  const char* pieces[] = {"{{", "}}", "{%", "%}", "{#", "#}", "-", "+", "(", ")", "[", "]", "{", "}", "'", "\"",
-                          "|", ".", ",", ":", "if", "for", "endfor", "endif", "set", "macro", "in", "is", "not",
-                          "~", "*", "**", "//", "%", "\\", "\n", " ", "x", "1", "1.5e3", "none", "loop", "ns"};
-  Value msgs = Value::from_json(ojson::parse(R"([{"role": "user", "content": " abc "}, {"role": "assistant"}])"));
+      "{{ (tools or [])|length }}{{ {'k': [1, 2.5, none]}['k'][1:] }}{{ 'a,b'.split(',')|join('-') "
+      "}}";
+  const char* pieces[] = {"{{", "}}",  "{%", "%}",    "{#",     "#}",    "-",   "+",     "(",
+                          ")",  "[",   "]",  "{",     "}",      "'",     "\"",  "|",     ".",
+                          ",",  ":",   "if", "for",   "endfor", "endif", "set", "macro", "in",
+                          "is", "not", "~",  "*",     "**",     "//",    "%",   "\\",    "\n",
+                          " ",  "x",   "1",  "1.5e3", "none",   "loop",  "ns"};
+  Value msgs = Value::from_json(
+      ojson::parse(R"([{"role": "user", "content": " abc "}, {"role": "assistant"}])"));
   Dict vars;
   vars.set("messages", msgs);
   uint64_t rng = 12345;
@@ -176,9 +208,15 @@ TEST(Jinja, MutatedTemplatesFailCleanly) {
     for (int k = 0; k < edits; ++k) {
       size_t pos = next(t.size() + 1);
       switch (next(3)) {
-        case 0: t.insert(pos, pieces[next(sizeof(pieces) / sizeof(pieces[0]))]); break;
-        case 1: t.erase(pos, next(6)); break;
-        default: t.insert(pos, 1, static_cast<char>(next(256))); break;
+        case 0:
+          t.insert(pos, pieces[next(sizeof(pieces) / sizeof(pieces[0]))]);
+          break;
+        case 1:
+          t.erase(pos, next(6));
+          break;
+        default:
+          t.insert(pos, 1, static_cast<char>(next(256)));
+          break;
       }
     }
     try {

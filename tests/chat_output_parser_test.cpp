@@ -1,8 +1,6 @@
 // OutputParser: reasoning split and tool-call parsing, checked for every way of chunking the text
 // (the result must not depend on where the stream is cut), plus a round trip through the real
 // Qwen3.5 chat template (render an assistant turn, parse it back).
-#include "chat/output_parser.h"
-
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -10,6 +8,7 @@
 #include <map>
 
 #include "chat/chat_template.h"
+#include "chat/output_parser.h"
 
 namespace ds {
 namespace {
@@ -19,11 +18,14 @@ using ojson = nlohmann::ordered_json;
 struct Result {
   std::string reasoning, content;
   std::vector<std::pair<std::string, std::string>> calls;  // name, arguments
-  bool operator==(const Result& o) const { return reasoning == o.reasoning && content == o.content && calls == o.calls; }
+  bool operator==(const Result& o) const {
+    return reasoning == o.reasoning && content == o.content && calls == o.calls;
+  }
 };
 
 std::ostream& operator<<(std::ostream& os, const Result& r) {
-  os << "reasoning=" << ojson(r.reasoning).dump() << " content=" << ojson(r.content).dump() << " calls=[";
+  os << "reasoning=" << ojson(r.reasoning).dump() << " content=" << ojson(r.content).dump()
+     << " calls=[";
   for (auto& [n, a] : r.calls) os << n << a << " ";
   return os << "]";
 }
@@ -55,7 +57,8 @@ Result run_chunks(const std::vector<std::string>& chunks, bool in_reasoning, con
     for (const ToolCallDelta& t : d.tool_calls) {
       if (!slot.count(t.index)) {
         EXPECT_FALSE(t.name.empty()) << "first delta of a call must carry its name";
-        EXPECT_EQ(static_cast<size_t>(t.index), r.calls.size()) << "calls must be announced in order";
+        EXPECT_EQ(static_cast<size_t>(t.index), r.calls.size())
+            << "calls must be announced in order";
         slot[t.index] = r.calls.size();
         r.calls.emplace_back(t.name, "");
       } else {
@@ -72,13 +75,15 @@ Result run_chunks(const std::vector<std::string>& chunks, bool in_reasoning, con
   for (size_t i = 0; i < r.calls.size() && i < p.tool_calls().size(); ++i) {
     EXPECT_EQ(r.calls[i].first, p.tool_calls()[i].name);
     EXPECT_EQ(r.calls[i].second, p.tool_calls()[i].arguments);
-    EXPECT_FALSE(ojson::parse(r.calls[i].second, nullptr, false).is_discarded()) << r.calls[i].second;
+    EXPECT_FALSE(ojson::parse(r.calls[i].second, nullptr, false).is_discarded())
+        << r.calls[i].second;
   }
   return r;
 }
 
 // The whole text at once, split at every byte position, and byte by byte: all must agree.
-Result parse_all_ways(const std::string& text, bool in_reasoning = false, const ojson& tools = ojson()) {
+Result parse_all_ways(const std::string& text, bool in_reasoning = false,
+                      const ojson& tools = ojson()) {
   Result whole = run_chunks({text}, in_reasoning, tools);
   for (size_t cut = 1; cut < text.size(); ++cut) {
     Result r = run_chunks({text.substr(0, cut), text.substr(cut)}, in_reasoning, tools);
@@ -136,34 +141,43 @@ TEST(OutputParser, UnfinishedReasoning) {
 
 TEST(OutputParser, Qwen35XmlToolCallWithTypes) {
   std::string text =
-      "I'll check.\n\n<tool_call>\n<function=get_weather>\n<parameter=location>\nSão Paulo\n</parameter>\n"
-      "<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=ratio>\n0.5\n"
-      "</parameter>\n<parameter=filters>\n{\"a\": [1, 2]}\n</parameter>\n<parameter=tags>\n[\"x\"]\n</parameter>\n"
-      "<parameter=note>\nnull\n</parameter>\n<parameter=maybe>\n7\n</parameter>\n<parameter=unknown>\n42\n</parameter>\n"
+      "I'll check.\n\n<tool_call>\n<function=get_weather>\n<parameter=location>\nSão "
+      "Paulo\n</parameter>\n"
+      "<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</"
+      "parameter>\n<parameter=ratio>\n0.5\n"
+      "</parameter>\n<parameter=filters>\n{\"a\": [1, "
+      "2]}\n</parameter>\n<parameter=tags>\n[\"x\"]\n</parameter>\n"
+      "<parameter=note>\nnull\n</parameter>\n<parameter=maybe>\n7\n</"
+      "parameter>\n<parameter=unknown>\n42\n</parameter>\n"
       "</function>\n</tool_call>";
   Result r = parse_all_ways(text, false, kTools);
   EXPECT_EQ(r.content, "I'll check.");
   ASSERT_EQ(r.calls.size(), 1u);
   EXPECT_EQ(r.calls[0].first, "get_weather");
   EXPECT_EQ(r.calls[0].second,
-            "{\"location\": \"São Paulo\", \"days\": 3, \"metric\": true, \"ratio\": 0.5, \"filters\": {\"a\": [1, 2]}, "
+            "{\"location\": \"São Paulo\", \"days\": 3, \"metric\": true, \"ratio\": 0.5, "
+            "\"filters\": {\"a\": [1, 2]}, "
             "\"tags\": [\"x\"], \"note\": \"null\", \"maybe\": 7, \"unknown\": \"42\"}");
 }
 
 TEST(OutputParser, ValuesThatDoNotMatchTheirTypeStayStrings) {
   std::string text =
-      "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n<parameter=metric>\nyes\n"
-      "</parameter>\n<parameter=filters>\n[1]\n</parameter>\n<parameter=location>\n  two\nlines  \n</parameter>\n"
+      "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</"
+      "parameter>\n<parameter=metric>\nyes\n"
+      "</parameter>\n<parameter=filters>\n[1]\n</parameter>\n<parameter=location>\n  two\nlines  "
+      "\n</parameter>\n"
       "</function>\n</tool_call>";
   Result r = parse_all_ways(text, false, kTools);
   ASSERT_EQ(r.calls.size(), 1u);
   EXPECT_EQ(r.calls[0].second,
-            "{\"days\": \"three\", \"metric\": \"yes\", \"filters\": \"[1]\", \"location\": \"  two\\nlines  \"}");
+            "{\"days\": \"three\", \"metric\": \"yes\", \"filters\": \"[1]\", \"location\": \"  "
+            "two\\nlines  \"}");
 }
 
 TEST(OutputParser, SeveralCallsNoToolsAndBareToolShape) {
   std::string text =
-      "<tool_call>\n<function=bare_tool>\n<parameter=n>\n5\n</parameter>\n</function>\n</tool_call>\n"
+      "<tool_call>\n<function=bare_tool>\n<parameter=n>\n5\n</parameter>\n</function>\n</"
+      "tool_call>\n"
       "<tool_call>\n<function=no_params>\n</function>\n</tool_call>\n\n";
   Result r = parse_all_ways(text, false, kTools);
   EXPECT_EQ(r.content, "");
@@ -177,7 +191,8 @@ TEST(OutputParser, SeveralCallsNoToolsAndBareToolShape) {
 
 TEST(OutputParser, ReasoningThenToolCall) {
   std::string text =
-      "need the weather\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=location>\nRome\n"
+      "need the "
+      "weather\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=location>\nRome\n"
       "</parameter>\n</function>\n</tool_call>";
   Result r = parse_all_ways(text, true, kTools);
   EXPECT_EQ(r.reasoning, "need the weather");
@@ -188,11 +203,13 @@ TEST(OutputParser, ReasoningThenToolCall) {
 
 TEST(OutputParser, Qwen3JsonToolCall) {
   std::string text =
-      "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\", \"days\": 2}}\n</tool_call>\n"
+      "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"location\": \"Paris\", \"days\": "
+      "2}}\n</tool_call>\n"
       "<tool_call>\n{\"name\": \"f\", \"arguments\": \"{\\\"a\\\":1}\"}\n</tool_call>";
   Result r = parse_all_ways(text, false, kTools);
   ASSERT_EQ(r.calls.size(), 2u);
-  EXPECT_EQ(r.calls[0], (std::pair<std::string, std::string>{"get_weather", "{\"location\": \"Paris\", \"days\": 2}"}));
+  EXPECT_EQ(r.calls[0], (std::pair<std::string, std::string>{
+                            "get_weather", "{\"location\": \"Paris\", \"days\": 2}"}));
   EXPECT_EQ(r.calls[1], (std::pair<std::string, std::string>{"f", "{\"a\": 1}"}));
 }
 
@@ -208,8 +225,9 @@ TEST(OutputParser, MalformedToolCallsBecomeContent) {
 
 TEST(OutputParser, TruncatedCallIsClosed) {
   Result r = parse_all_ways(
-      "<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n</parameter>\n<parameter=days>\n3", false,
-      kTools);
+      "<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n</"
+      "parameter>\n<parameter=days>\n3",
+      false, kTools);
   ASSERT_EQ(r.calls.size(), 1u);
   EXPECT_EQ(r.calls[0].second, "{\"location\": \"Paris\"}");
 }
@@ -230,7 +248,8 @@ TEST(OutputParser, ToolCallsCanBeLeftAsContent) {
 
 TEST(OutputParser, PromptEndsInReasoning) {
   EXPECT_TRUE(OutputParser::prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n"));
-  EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+  EXPECT_FALSE(
+      OutputParser::prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
   EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning("<|im_start|>assistant\n"));
   EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning(""));
 }
@@ -240,14 +259,17 @@ TEST(OutputParser, RoundTripThroughQwen35Template) {
   std::filesystem::path dir = std::filesystem::path(DS_SHARED_DATA) / "tokenizers" / "qwen3.5";
   if (!std::filesystem::exists(dir / "tokenizer_config.json")) GTEST_SKIP() << dir << " absent";
   ChatTemplate tmpl = ChatTemplate::load(dir.string());
-  ojson args = ojson::parse(R"({"location": "Zürich \"HQ\"", "days": 14, "metric": false, "ratio": 2.5,
+  ojson args =
+      ojson::parse(R"({"location": "Zürich \"HQ\"", "days": 14, "metric": false, "ratio": 2.5,
                                 "filters": {"k": [1, {"x": null}]}, "tags": ["a", "b"], "note": "multi\nline"})");
   ojson req = {{"messages",
                 {{{"role", "user"}, {"content", "weather?"}},
                  {{"role", "assistant"},
                   {"content", "Checking."},
                   {"reasoning_content", "The user wants weather."},
-                  {"tool_calls", {{{"type", "function"}, {"function", {{"name", "get_weather"}, {"arguments", args}}}}}}}}},
+                  {"tool_calls",
+                   {{{"type", "function"},
+                     {"function", {{"name", "get_weather"}, {"arguments", args}}}}}}}}},
                {"tools", kTools}};
   std::string prompt = tmpl.render(req);
   const std::string head = "<|im_start|>assistant\n";

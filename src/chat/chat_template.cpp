@@ -26,11 +26,13 @@ ojson read_json(const std::filesystem::path& p) {
   }
 }
 
-std::shared_ptr<const jinja::Template> compile(const std::string& source, const std::string& where) {
+std::shared_ptr<const jinja::Template> compile(const std::string& source,
+                                               const std::string& where) {
   try {
     return std::make_shared<const jinja::Template>(source);
   } catch (const TemplateError& e) {
-    throw TemplateError("chat template of " + where + ": " + e.message(), e.line(), e.column(), false);
+    throw TemplateError("chat template of " + where + ": " + e.message(), e.line(), e.column(),
+                        false);
   }
 }
 
@@ -38,10 +40,12 @@ std::shared_ptr<const jinja::Template> compile(const std::string& source, const 
 jinja::Dict special_tokens_from(const ojson& cfg) {
   jinja::Dict d;
   if (!cfg.is_object()) return d;
-  for (const char* key : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"}) {
+  for (const char* key : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                          "cls_token", "mask_token"}) {
     auto it = cfg.find(key);
     if (it == cfg.end()) continue;
-    if (it->is_string()) d.set(key, jinja::Value::string(it->get<std::string>()));
+    if (it->is_string())
+      d.set(key, jinja::Value::string(it->get<std::string>()));
     else if (it->is_object() && it->contains("content") && (*it)["content"].is_string())
       d.set(key, jinja::Value::string((*it)["content"].get<std::string>()));
   }
@@ -105,9 +109,10 @@ ChatTemplate ChatTemplate::load(const std::string& dir) {
     } else if (ct.is_array()) {
       bool found = false;
       for (const ojson& entry : ct) {
-        DS_CHECK(entry.is_object() && entry.contains("name") && entry.contains("template") && entry["name"].is_string() &&
-                     entry["template"].is_string(),
-                 cfg_path.string(), ": chat_template list entries must be {\"name\": ..., \"template\": ...}");
+        DS_CHECK(entry.is_object() && entry.contains("name") && entry.contains("template") &&
+                     entry["name"].is_string() && entry["template"].is_string(),
+                 cfg_path.string(),
+                 ": chat_template list entries must be {\"name\": ..., \"template\": ...}");
         std::string name = entry["name"].get<std::string>();
         if (name == "default") {
           t.source_ = entry["template"].get<std::string>();
@@ -118,16 +123,18 @@ ChatTemplate ChatTemplate::load(const std::string& dir) {
       }
       DS_CHECK(found, cfg_path.string(), ": chat_template list has no \"default\" template");
     } else {
-      throw_error(cfg_path.string(), ": \"chat_template\" must be a string or a list of named templates");
+      throw_error(cfg_path.string(),
+                  ": \"chat_template\" must be a string or a list of named templates");
     }
   } else if (fs::exists(json_path)) {
     ojson j = read_json(json_path);
-    DS_CHECK(j.is_object() && j.contains("chat_template") && j["chat_template"].is_string(), json_path.string(),
-             ": expected {\"chat_template\": \"...\"}");
+    DS_CHECK(j.is_object() && j.contains("chat_template") && j["chat_template"].is_string(),
+             json_path.string(), ": expected {\"chat_template\": \"...\"}");
     t.source_ = j["chat_template"].get<std::string>();
     where = json_path.string();
   } else {
-    throw_error("no chat template in ", dir, " (looked for chat_template.jinja, \"chat_template\" in ",
+    throw_error("no chat template in ", dir,
+                " (looked for chat_template.jinja, \"chat_template\" in ",
                 "tokenizer_config.json, and chat_template.json)");
   }
   t.template_ = compile(t.source_, where);
@@ -139,7 +146,8 @@ std::string ChatTemplate::render(const ojson& request) const {
   auto msgs = request.find("messages");
   DS_CHECK(msgs != request.end(), "chat template request has no \"messages\"");
   DS_CHECK(msgs->is_array(), "\"messages\" must be a list of message objects");
-  DS_CHECK(!msgs->empty(), "Cannot apply chat template to an empty conversation. Provide at least one message.");
+  DS_CHECK(!msgs->empty(),
+           "Cannot apply chat template to an empty conversation. Provide at least one message.");
 
   ojson messages = ojson::array();
   for (size_t i = 0; i < msgs->size(); ++i) messages.push_back(normalize_message((*msgs)[i], i));
@@ -147,7 +155,8 @@ std::string ChatTemplate::render(const ojson& request) const {
   jinja::Dict vars = special_tokens_;
   for (auto it = request.begin(); it != request.end(); ++it) {
     const std::string& k = it.key();
-    if (k == "messages" || k == "tools" || k == "documents" || k == "add_generation_prompt") continue;
+    if (k == "messages" || k == "tools" || k == "documents" || k == "add_generation_prompt")
+      continue;
     vars.set(k, jinja::Value::from_json(it.value()));
   }
   auto tools = request.find("tools");
@@ -156,7 +165,8 @@ std::string ChatTemplate::render(const ojson& request) const {
   vars.set("messages", jinja::Value::from_json(messages));
   vars.set("tools", has_tools ? jinja::Value::from_json(*tools) : jinja::Value::none());
   auto docs = request.find("documents");
-  vars.set("documents", docs != request.end() ? jinja::Value::from_json(*docs) : jinja::Value::none());
+  vars.set("documents",
+           docs != request.end() ? jinja::Value::from_json(*docs) : jinja::Value::none());
   auto agp = request.find("add_generation_prompt");
   vars.set("add_generation_prompt",
            agp != request.end() ? jinja::Value::from_json(*agp) : jinja::Value::boolean(false));

@@ -21,8 +21,9 @@ class ChatTemplate {
   // naming the file, or TemplateError (with line and column) when the template does not parse.
   static ChatTemplate load(const std::string& dir);
   // From template text; special_tokens: {"eos_token": "<|im_end|>", ...} (strings or {content}).
-  static ChatTemplate from_string(const std::string& source,
-                                  const nlohmann::ordered_json& special_tokens = nlohmann::ordered_json::object());
+  static ChatTemplate from_string(
+      const std::string& source,
+      const nlohmann::ordered_json& special_tokens = nlohmann::ordered_json::object());
 
   // request: {"messages": [...], "tools": [...]?, "add_generation_prompt": bool, plus any extra
   // keys passed to the template (e.g. "enable_thinking")}. Throws ds::TemplateError (derives

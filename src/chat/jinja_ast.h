@@ -11,7 +11,19 @@
 
 namespace ds::jinja {
 
-enum class Tok { kData, kVarBegin, kVarEnd, kBlockBegin, kBlockEnd, kName, kString, kInt, kFloat, kOp, kEof };
+enum class Tok {
+  kData,
+  kVarBegin,
+  kVarEnd,
+  kBlockBegin,
+  kBlockEnd,
+  kName,
+  kString,
+  kInt,
+  kFloat,
+  kOp,
+  kEof
+};
 
 struct Token {
   Tok type;
@@ -27,8 +39,27 @@ struct Token {
 std::vector<Token> tokenize(const std::string& source);
 
 enum class ExprKind {
-  kConst, kName, kGetattr, kGetitem, kSlice, kCall, kFilter, kTest, kNeg, kPos, kNot, kBinary,
-  kCompare, kAnd, kOr, kCond, kList, kTuple, kDict, kConcat, kBlockInput
+  kConst,
+  kName,
+  kGetattr,
+  kGetitem,
+  kSlice,
+  kCall,
+  kFilter,
+  kTest,
+  kNeg,
+  kPos,
+  kNot,
+  kBinary,
+  kCompare,
+  kAnd,
+  kOr,
+  kCond,
+  kList,
+  kTuple,
+  kDict,
+  kConcat,
+  kBlockInput
 };
 
 struct Expr;
@@ -37,19 +68,32 @@ using ExprPtr = std::unique_ptr<Expr>;
 struct Expr {
   ExprKind kind;
   int line = 0, col = 0;
-  Value value;                          // kConst
-  std::string name;                     // name, attribute, filter, test, binary operator
-  std::vector<std::string> ops;         // kCompare: one operator per operand after the first
-  std::vector<ExprPtr> kids;            // operands (see below); may hold nullptr for slices
-  std::vector<std::string> kw_names;    // kCall/kFilter/kTest: names of the trailing keyword args
-  size_t n_pos = 0;                     // kCall/kFilter/kTest: positional args after kids[0]
+  Value value;                        // kConst
+  std::string name;                   // name, attribute, filter, test, binary operator
+  std::vector<std::string> ops;       // kCompare: one operator per operand after the first
+  std::vector<ExprPtr> kids;          // operands (see below); may hold nullptr for slices
+  std::vector<std::string> kw_names;  // kCall/kFilter/kTest: names of the trailing keyword args
+  size_t n_pos = 0;                   // kCall/kFilter/kTest: positional args after kids[0]
   // kGetattr/kGetitem: kids = {obj[, key]}; kSlice: {obj, start, stop, step};
   // kCall: {callee, positional..., keyword...}; kFilter/kTest: {input, positional..., keyword...}
   // (a filter's input is a kBlockInput for `{% filter %}` / `{% set x | f %}` blocks);
   // kCond: {test, then, else-or-null}; kDict: {key, value, key, value, ...}.
 };
 
-enum class StmtKind { kText, kOutput, kIf, kFor, kSet, kSetBlock, kMacro, kBreak, kContinue, kFilterBlock, kWith, kScope };
+enum class StmtKind {
+  kText,
+  kOutput,
+  kIf,
+  kFor,
+  kSet,
+  kSetBlock,
+  kMacro,
+  kBreak,
+  kContinue,
+  kFilterBlock,
+  kWith,
+  kScope
+};
 
 struct Stmt;
 using Body = std::vector<std::unique_ptr<Stmt>>;
@@ -57,15 +101,15 @@ using Body = std::vector<std::unique_ptr<Stmt>>;
 struct Stmt {
   StmtKind kind;
   int line = 0, col = 0;
-  std::string text;                     // kText
-  std::vector<ExprPtr> exprs;           // kOutput: {expr}; kIf: conditions; kFor: {iter, filter?};
-                                        // kSet: {value}; kSetBlock/kFilterBlock: {filter chain};
-                                        // kMacro: defaults (nullptr when none); kWith: values
-  std::vector<Body> bodies;             // kIf: one per condition (+ else); kFor: {body, else};
-                                        // kSetBlock/kMacro/kFilterBlock/kWith/kScope: {body}
-  std::vector<std::string> targets;     // kFor/kSet/kSetBlock/kWith: names; kMacro: parameters
-  std::string ns_attr;                  // kSet/kSetBlock into namespace: targets[0].ns_attr
-  std::string name;                     // kMacro: macro name
+  std::string text;                  // kText
+  std::vector<ExprPtr> exprs;        // kOutput: {expr}; kIf: conditions; kFor: {iter, filter?};
+                                     // kSet: {value}; kSetBlock/kFilterBlock: {filter chain};
+                                     // kMacro: defaults (nullptr when none); kWith: values
+  std::vector<Body> bodies;          // kIf: one per condition (+ else); kFor: {body, else};
+                                     // kSetBlock/kMacro/kFilterBlock/kWith/kScope: {body}
+  std::vector<std::string> targets;  // kFor/kSet/kSetBlock/kWith: names; kMacro: parameters
+  std::string ns_attr;               // kSet/kSetBlock into namespace: targets[0].ns_attr
+  std::string name;                  // kMacro: macro name
   bool uses_varargs = false, uses_kwargs = false;  // kMacro
 };
 

@@ -2,9 +2,6 @@
 // (default Undefined, per-iteration loop scopes, macros as closures over their defining scope,
 // namespace() as the one mutable object, ImmutableSandboxedEnvironment attribute rules), plus
 // jinja2's filters and tests, the Python str / dict / list methods, and transformers' globals.
-#include <unordered_map>
-#include <unordered_set>
-
 #include <utf8proc.h>
 
 #include <algorithm>
@@ -12,13 +9,17 @@
 #include <cstdio>
 #include <ctime>
 #include <optional>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "chat/jinja_ast.h"
 
 namespace ds {
 
 TemplateError::TemplateError(const std::string& message, int line, int column, bool raised)
-    : Error(raised ? message : "line " + std::to_string(line) + ", column " + std::to_string(column) + ": " + message),
+    : Error(raised ? message
+                   : "line " + std::to_string(line) + ", column " + std::to_string(column) + ": " +
+                         message),
       message_(message),
       line_(line),
       column_(column),
@@ -90,7 +91,9 @@ std::string py_strip(const std::string& s, const Value& chars, bool left, bool r
   std::vector<uint32_t> set;
   bool ws = chars.is_none() || chars.is_undefined();
   if (!ws) set = utf8_decode(chars.as_string());
-  auto strip_me = [&](uint32_t c) { return ws ? is_python_space(c) : std::find(set.begin(), set.end(), c) != set.end(); };
+  auto strip_me = [&](uint32_t c) {
+    return ws ? is_python_space(c) : std::find(set.begin(), set.end(), c) != set.end();
+  };
   size_t b = 0, e = s.size(), len = 0;
   if (left)
     while (b < e && strip_me(decode_at(s, b, &len))) b += len;
@@ -179,8 +182,8 @@ std::vector<std::string> py_splitlines(const std::string& s, bool keepends) {
   size_t b = 0, i = 0, n = cps.size();
   while (i < n) {
     uint32_t c = cps[i];
-    bool brk = c == '\n' || c == '\r' || c == 0x0B || c == 0x0C || (c >= 0x1C && c <= 0x1E) || c == 0x85 ||
-               c == 0x2028 || c == 0x2029;
+    bool brk = c == '\n' || c == '\r' || c == 0x0B || c == 0x0C || (c >= 0x1C && c <= 0x1E) ||
+               c == 0x85 || c == 0x2028 || c == 0x2029;
     if (!brk) {
       ++i;
       continue;
@@ -193,7 +196,8 @@ std::vector<std::string> py_splitlines(const std::string& s, bool keepends) {
   return out;
 }
 
-std::string py_replace(const std::string& s, const std::string& old, const std::string& repl, int64_t count) {
+std::string py_replace(const std::string& s, const std::string& old, const std::string& repl,
+                       int64_t count) {
   std::string out;
   if (old.empty()) {  // inserts repl around every code point
     std::vector<uint32_t> cps = utf8_decode(s);
@@ -238,7 +242,9 @@ bool is_alpha(uint32_t c) {
   auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
   return cat >= UTF8PROC_CATEGORY_LU && cat <= UTF8PROC_CATEGORY_LO;
 }
-bool is_decimal(uint32_t c) { return utf8proc_category(static_cast<utf8proc_int32_t>(c)) == UTF8PROC_CATEGORY_ND; }
+bool is_decimal(uint32_t c) {
+  return utf8proc_category(static_cast<utf8proc_int32_t>(c)) == UTF8PROC_CATEGORY_ND;
+}
 bool is_numeric(uint32_t c) {
   auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
   return cat == UTF8PROC_CATEGORY_ND || cat == UTF8PROC_CATEGORY_NL || cat == UTF8PROC_CATEGORY_NO;
@@ -260,7 +266,8 @@ std::string py_title(const std::string& s) {  // str.title()
   for (uint32_t c : utf8_decode(s)) {
     auto cp = static_cast<utf8proc_int32_t>(c);
     bool cased = is_cased_letter(c);
-    utf8_append(out, static_cast<uint32_t>(cased ? (prev_cased ? utf8proc_tolower(cp) : utf8proc_totitle(cp)) : cp));
+    utf8_append(out, static_cast<uint32_t>(
+                         cased ? (prev_cased ? utf8proc_tolower(cp) : utf8proc_totitle(cp)) : cp));
     prev_cased = cased;
   }
   return out;
@@ -297,7 +304,8 @@ class Args {
     vals_.resize(names_.size());
     given_.resize(names_.size(), false);
     if (a.args.size() > names_.size())
-      throw_error(fn, "() takes at most ", names_.size(), " argument(s) (", a.args.size(), " given)");
+      throw_error(fn, "() takes at most ", names_.size(), " argument(s) (", a.args.size(),
+                  " given)");
     for (size_t i = 0; i < a.args.size(); ++i) {
       vals_[i] = a.args[i];
       given_[i] = true;
@@ -334,8 +342,10 @@ const std::string& str_arg(const Value& v, const char* what) {
 // Items of an iterable: list items, dict keys, string code points; undefined is empty.
 ValueList iterate(const Value& v) {
   switch (v.type()) {
-    case Type::kUndefined: return {};
-    case Type::kList: return v.as_list();
+    case Type::kUndefined:
+      return {};
+    case Type::kList:
+      return v.as_list();
     case Type::kDict: {
       ValueList keys;
       for (const auto& kv : v.as_dict().items) keys.push_back(Value::string(kv.first));
@@ -350,37 +360,48 @@ ValueList iterate(const Value& v) {
       }
       return chars;
     }
-    default: throw_error("'", v.type_name(), "' is not iterable");
+    default:
+      throw_error("'", v.type_name(), "' is not iterable");
   }
 }
 
 int64_t py_len(const Value& v) {
   switch (v.type()) {
-    case Type::kUndefined: return 0;
-    case Type::kString: return static_cast<int64_t>(utf8_length(v.as_string()));
-    case Type::kList: return static_cast<int64_t>(v.as_list().size());
-    case Type::kDict: return static_cast<int64_t>(v.as_dict().items.size());
-    default: throw_error("object of type '", v.type_name(), "' has no len()");
+    case Type::kUndefined:
+      return 0;
+    case Type::kString:
+      return static_cast<int64_t>(utf8_length(v.as_string()));
+    case Type::kList:
+      return static_cast<int64_t>(v.as_list().size());
+    case Type::kDict:
+      return static_cast<int64_t>(v.as_dict().items.size());
+    default:
+      throw_error("object of type '", v.type_name(), "' has no len()");
   }
 }
 
 bool contains(const Value& container, const Value& item) {
   switch (container.type()) {
-    case Type::kUndefined: return false;
+    case Type::kUndefined:
+      return false;
     case Type::kString:
-      if (!item.is_string()) throw_error("'in <string>' requires string as left operand, not ", item.type_name());
+      if (!item.is_string())
+        throw_error("'in <string>' requires string as left operand, not ", item.type_name());
       return container.as_string().find(item.as_string()) != std::string::npos;
     case Type::kList:
       for (const Value& v : container.as_list())
         if (values_equal(v, item)) return true;
       return false;
-    case Type::kDict: return item.is_string() && container.as_dict().find(item.as_string()) != nullptr;
-    default: throw_error("argument of type '", container.type_name(), "' is not iterable");
+    case Type::kDict:
+      return item.is_string() && container.as_dict().find(item.as_string()) != nullptr;
+    default:
+      throw_error("argument of type '", container.type_name(), "' is not iterable");
   }
 }
 
 // Python slice index normalisation (PySlice_AdjustIndices).
-ValueList slice_indices(int64_t len, const Value& start_v, const Value& stop_v, const Value& step_v, std::vector<int64_t>* idx) {
+ValueList slice_indices(int64_t len, const Value& start_v, const Value& stop_v, const Value& step_v,
+                        std::vector<int64_t>* idx) {
   auto as_opt = [](const Value& v, const char* what) -> std::optional<int64_t> {
     if (v.is_none() || v.is_undefined()) return std::nullopt;
     return int_arg(v, what);
@@ -407,11 +428,14 @@ ValueList slice_indices(int64_t len, const Value& start_v, const Value& stop_v, 
 
 bool is_str_method(const std::string& n) {
   static const std::unordered_set<std::string> k = {
-      "startswith", "endswith", "split", "rsplit", "splitlines", "strip", "lstrip", "rstrip", "replace", "upper",
-      "lower", "title", "capitalize", "find", "rfind", "index", "rindex", "count", "join", "isdigit", "isalpha",
-      "isalnum", "isspace", "isupper", "islower", "isnumeric", "isdecimal", "removeprefix", "removesuffix",
-      "center", "ljust", "rjust", "zfill", "swapcase", "partition", "rpartition", "format", "casefold", "encode",
-      "expandtabs", "format_map", "isascii", "isidentifier", "isprintable", "istitle", "maketrans", "translate"};
+      "startswith",   "endswith",    "split",     "rsplit",       "splitlines",   "strip",
+      "lstrip",       "rstrip",      "replace",   "upper",        "lower",        "title",
+      "capitalize",   "find",        "rfind",     "index",        "rindex",       "count",
+      "join",         "isdigit",     "isalpha",   "isalnum",      "isspace",      "isupper",
+      "islower",      "isnumeric",   "isdecimal", "removeprefix", "removesuffix", "center",
+      "ljust",        "rjust",       "zfill",     "swapcase",     "partition",    "rpartition",
+      "format",       "casefold",    "encode",    "expandtabs",   "format_map",   "isascii",
+      "isidentifier", "isprintable", "istitle",   "maketrans",    "translate"};
   return k.count(n) > 0;
 }
 
@@ -439,7 +463,9 @@ class Renderer {
     return out;
   }
 
-  [[noreturn]] void fail(const std::string& msg) const { throw TemplateError(msg, line_, col_, false); }
+  [[noreturn]] void fail(const std::string& msg) const {
+    throw TemplateError(msg, line_, col_, false);
+  }
   [[noreturn]] void fail_undefined(const Value& v) const {
     fail(v.as_string().empty() ? "undefined value used" : v.as_string());
   }
@@ -448,11 +474,14 @@ class Renderer {
 
   Value get_attr(const Value& obj, const std::string& name) {
     switch (obj.type()) {
-      case Type::kUndefined: fail_undefined(obj);
+      case Type::kUndefined:
+        fail_undefined(obj);
       case Type::kDict: {
-        if (name == "items" || name == "keys" || name == "values" || name == "get" || name == "copy")
+        if (name == "items" || name == "keys" || name == "values" || name == "get" ||
+            name == "copy")
           return bound_method(obj, name);
-        if (name == "clear" || name == "pop" || name == "popitem" || name == "setdefault" || name == "update")
+        if (name == "clear" || name == "pop" || name == "popitem" || name == "setdefault" ||
+            name == "update")
           return Value::undefined("access to attribute '" + name + "' of 'dict' object is unsafe");
         if (const Value* v = obj.as_dict().find(name)) return *v;
         break;
@@ -462,14 +491,15 @@ class Renderer {
         break;
       case Type::kList:
         if (name == "index" || name == "count" || name == "copy") return bound_method(obj, name);
-        if (name == "append" || name == "extend" || name == "insert" || name == "pop" || name == "remove" ||
-            name == "reverse" || name == "sort" || name == "clear")
+        if (name == "append" || name == "extend" || name == "insert" || name == "pop" ||
+            name == "remove" || name == "reverse" || name == "sort" || name == "clear")
           return Value::undefined("access to attribute '" + name + "' of 'list' object is unsafe");
         break;
       case Type::kNamespace:
         if (const Value* v = obj.as_namespace().attrs.find(name)) return *v;
         break;
-      default: break;
+      default:
+        break;
     }
     return Value::undefined("'" + obj.type_name() + "' has no attribute '" + name + "'");
   }
@@ -490,13 +520,16 @@ class Renderer {
       if (obj.is_list()) {
         int64_t n = static_cast<int64_t>(obj.as_list().size());
         if (i < 0) i += n;
-        if (i < 0 || i >= n) return Value::undefined(obj.type_name() + " has no element " + std::to_string(key.as_int()));
+        if (i < 0 || i >= n)
+          return Value::undefined(obj.type_name() + " has no element " +
+                                  std::to_string(key.as_int()));
         return obj.as_list()[static_cast<size_t>(i)];
       }
       std::vector<uint32_t> cps = utf8_decode(obj.as_string());
       int64_t n = static_cast<int64_t>(cps.size());
       if (i < 0) i += n;
-      if (i < 0 || i >= n) return Value::undefined("str object has no element " + std::to_string(key.as_int()));
+      if (i < 0 || i >= n)
+        return Value::undefined("str object has no element " + std::to_string(key.as_int()));
       return Value::string(from_cps(cps, static_cast<size_t>(i), static_cast<size_t>(i) + 1));
     }
     if (key.is_string()) return get_attr(obj, key.as_string());
@@ -528,7 +561,8 @@ class Renderer {
   Value get_path(const Value& obj, const std::string& path) {
     Value cur = obj;
     for (const std::string& part : py_split(path, ".", -1)) {
-      bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
+      bool digits = !part.empty() && std::all_of(part.begin(), part.end(),
+                                                 [](char c) { return c >= '0' && c <= '9'; });
       cur = get_item(cur, digits ? Value::integer(std::stoll(part)) : Value::string(part));
     }
     return cur;
@@ -553,7 +587,8 @@ class Renderer {
   // --- methods ------------------------------------------------------------------------------
 
   Value bound_method(const Value& obj, const std::string& name) {
-    return Value::function(name, [this, obj, name](CallArgs& a) { return call_method(obj, name, a); });
+    return Value::function(name,
+                           [this, obj, name](CallArgs& a) { return call_method(obj, name, a); });
   }
 
   Value call_method(const Value& obj, const std::string& name, CallArgs& a) {
@@ -569,9 +604,12 @@ class Renderer {
       ValueList out;
       if (name == "copy") return obj;
       for (const auto& [k, v] : d.items) {
-        if (name == "items") out.push_back(Value::list({Value::string(k), v}, true));
-        else if (name == "keys") out.push_back(Value::string(k));
-        else out.push_back(v);
+        if (name == "items")
+          out.push_back(Value::list({Value::string(k), v}, true));
+        else if (name == "keys")
+          out.push_back(Value::string(k));
+        else
+          out.push_back(v);
       }
       return Value::list(std::move(out));
     }
@@ -608,7 +646,8 @@ class Renderer {
       auto test = [&](const Value& x) {
         const std::string& t = str_arg(x, name.c_str());
         if (t.size() > s.size()) return false;
-        return ends ? s.compare(s.size() - t.size(), t.size(), t) == 0 : s.compare(0, t.size(), t) == 0;
+        return ends ? s.compare(s.size() - t.size(), t.size(), t) == 0
+                    : s.compare(0, t.size(), t) == 0;
       };
       if (p[0].is_tuple()) {
         for (const Value& x : p[0].as_list())
@@ -637,7 +676,8 @@ class Renderer {
     }
     if (name == "replace") {
       Args p("replace", a, {"old", "new", "count"});
-      return Value::string(py_replace(s, str_arg(p[0], "old"), str_arg(p[1], "new"), p.has(2) ? int_arg(p[2], "count") : -1));
+      return Value::string(py_replace(s, str_arg(p[0], "old"), str_arg(p[1], "new"),
+                                      p.has(2) ? int_arg(p[2], "count") : -1));
     }
     if (name == "upper" || name == "lower" || name == "casefold") {
       Args p(name.c_str(), a, {});
@@ -656,11 +696,13 @@ class Renderer {
       std::string out;
       for (uint32_t c : utf8_decode(s)) {
         auto cp = static_cast<utf8proc_int32_t>(c);
-        utf8_append(out, static_cast<uint32_t>(utf8proc_isupper(cp) ? utf8proc_tolower(cp) : utf8proc_toupper(cp)));
+        utf8_append(out, static_cast<uint32_t>(utf8proc_isupper(cp) ? utf8proc_tolower(cp)
+                                                                    : utf8proc_toupper(cp)));
       }
       return Value::string(out);
     }
-    if (name == "find" || name == "rfind" || name == "index" || name == "rindex" || name == "count") {
+    if (name == "find" || name == "rfind" || name == "index" || name == "rindex" ||
+        name == "count") {
       Args p(name.c_str(), a, {"sub"});
       const std::string& sub = str_arg(p[0], "sub");
       if (name == "count") {
@@ -681,7 +723,8 @@ class Renderer {
       std::string out;
       bool first = true;
       for (const Value& v : iterate(p[0])) {
-        if (!v.is_string()) fail("sequence item: expected str instance, " + v.type_name() + " found");
+        if (!v.is_string())
+          fail("sequence item: expected str instance, " + v.type_name() + " found");
         if (!first) out += s;
         first = false;
         out += v.as_string();
@@ -691,8 +734,10 @@ class Renderer {
     if (name == "removeprefix" || name == "removesuffix") {
       Args p(name.c_str(), a, {"affix"});
       const std::string& t = str_arg(p[0], "affix");
-      if (name == "removeprefix" && s.compare(0, t.size(), t) == 0) return Value::string(s.substr(t.size()));
-      if (name == "removesuffix" && !t.empty() && t.size() <= s.size() && s.compare(s.size() - t.size(), t.size(), t) == 0)
+      if (name == "removeprefix" && s.compare(0, t.size(), t) == 0)
+        return Value::string(s.substr(t.size()));
+      if (name == "removesuffix" && !t.empty() && t.size() <= s.size() &&
+          s.compare(s.size() - t.size(), t.size(), t) == 0)
         return Value::string(s.substr(0, s.size() - t.size()));
       return Value::string(s);
     }
@@ -704,8 +749,10 @@ class Renderer {
       int64_t len = static_cast<int64_t>(utf8_length(s));
       if (width <= len) return Value::string(s);
       int64_t pad = width - len, left = 0;
-      if (name == "center") left = pad / 2 + (pad & width & 1);
-      else if (name == "rjust") left = pad;
+      if (name == "center")
+        left = pad / 2 + (pad & width & 1);
+      else if (name == "rjust")
+        left = pad;
       else if (name == "zfill") {
         std::string body = s, sign;
         if (!body.empty() && (body[0] == '+' || body[0] == '-')) {
@@ -728,18 +775,23 @@ class Renderer {
       if (sep.empty()) fail("empty separator");
       size_t q = name == "partition" ? s.find(sep) : s.rfind(sep);
       if (q == std::string::npos)
-        return name == "partition" ? Value::list({Value::string(s), Value::string(""), Value::string("")}, true)
-                                   : Value::list({Value::string(""), Value::string(""), Value::string(s)}, true);
-      return Value::list({Value::string(s.substr(0, q)), Value::string(sep), Value::string(s.substr(q + sep.size()))}, true);
+        return name == "partition"
+                   ? Value::list({Value::string(s), Value::string(""), Value::string("")}, true)
+                   : Value::list({Value::string(""), Value::string(""), Value::string(s)}, true);
+      return Value::list({Value::string(s.substr(0, q)), Value::string(sep),
+                          Value::string(s.substr(q + sep.size()))},
+                         true);
     }
-    if (name.rfind("is", 0) == 0 && name != "isidentifier" && name != "isprintable" && name != "istitle") {
+    if (name.rfind("is", 0) == 0 && name != "isidentifier" && name != "isprintable" &&
+        name != "istitle") {
       Args p(name.c_str(), a, {});
       std::vector<uint32_t> cps = utf8_decode(s);
       if (name == "isupper" || name == "islower") {
         bool any_cased = false;
         for (uint32_t c : cps) {
           auto cp = static_cast<utf8proc_int32_t>(c);
-          if (name == "isupper" ? utf8proc_islower(cp) : utf8proc_isupper(cp)) return Value::boolean(false);
+          if (name == "isupper" ? utf8proc_islower(cp) : utf8proc_isupper(cp))
+            return Value::boolean(false);
           if (is_cased_letter(c)) any_cased = true;
         }
         return Value::boolean(any_cased);
@@ -762,28 +814,31 @@ class Renderer {
   // --- globals -------------------------------------------------------------------------------
 
   void add_globals() {
-    globals_->set("range", Value::function("range", [this](CallArgs& a) {
-      if (!a.kwargs.empty()) fail("range() takes no keyword arguments");
-      if (a.args.empty() || a.args.size() > 3) fail("range expected 1 to 3 arguments");
-      int64_t start = 0, stop, step = 1;
-      if (a.args.size() == 1) {
-        stop = int_arg(a.args[0], "range() argument");
-      } else {
-        start = int_arg(a.args[0], "range() argument");
-        stop = int_arg(a.args[1], "range() argument");
-        if (a.args.size() == 3) step = int_arg(a.args[2], "range() argument");
-      }
-      if (step == 0) fail("range() arg 3 must not be zero");
-      ValueList out;
-      for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
-        if (static_cast<int64_t>(out.size()) >= kMaxRange) fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
-        out.push_back(Value::integer(i));
-      }
-      return Value::list(std::move(out));
-    }));
+    globals_->set(
+        "range", Value::function("range", [this](CallArgs& a) {
+          if (!a.kwargs.empty()) fail("range() takes no keyword arguments");
+          if (a.args.empty() || a.args.size() > 3) fail("range expected 1 to 3 arguments");
+          int64_t start = 0, stop, step = 1;
+          if (a.args.size() == 1) {
+            stop = int_arg(a.args[0], "range() argument");
+          } else {
+            start = int_arg(a.args[0], "range() argument");
+            stop = int_arg(a.args[1], "range() argument");
+            if (a.args.size() == 3) step = int_arg(a.args[2], "range() argument");
+          }
+          if (step == 0) fail("range() arg 3 must not be zero");
+          ValueList out;
+          for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+            if (static_cast<int64_t>(out.size()) >= kMaxRange)
+              fail("Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
+            out.push_back(Value::integer(i));
+          }
+          return Value::list(std::move(out));
+        }));
     auto make_dict = [this](CallArgs& a, bool ns) {
       Dict d;
-      if (a.args.size() > 1) fail(std::string(ns ? "namespace" : "dict") + "() takes at most 1 positional argument");
+      if (a.args.size() > 1)
+        fail(std::string(ns ? "namespace" : "dict") + "() takes at most 1 positional argument");
       if (a.args.size() == 1) {
         const Value& src = a.args[0];
         if (src.is_dict()) {
@@ -802,27 +857,33 @@ class Renderer {
       if (ns)
         for (auto& kv : d.items)
           if (!kv.first.empty() && kv.first[0] == '_')
-            fail("Chat templates cannot store underscore-prefixed attributes on a namespace, but got '" + kv.first + "'. Please rename the attribute.");
+            fail(
+                "Chat templates cannot store underscore-prefixed attributes on a namespace, but "
+                "got '" +
+                kv.first + "'. Please rename the attribute.");
       return d;
     };
     globals_->set("namespace", Value::function("namespace", [make_dict](CallArgs& a) {
-      return Value::make_namespace(make_dict(a, true));
-    }));
-    globals_->set("dict", Value::function("dict", [make_dict](CallArgs& a) { return Value::dict(make_dict(a, false)); }));
-    globals_->set("raise_exception", Value::function("raise_exception", [this](CallArgs& a) -> Value {
-      Args p("raise_exception", a, {"message"});
-      throw TemplateError(p[0].str(), line_, col_, true);
-    }));
+                    return Value::make_namespace(make_dict(a, true));
+                  }));
+    globals_->set("dict", Value::function("dict", [make_dict](CallArgs& a) {
+                    return Value::dict(make_dict(a, false));
+                  }));
+    globals_->set("raise_exception",
+                  Value::function("raise_exception", [this](CallArgs& a) -> Value {
+                    Args p("raise_exception", a, {"message"});
+                    throw TemplateError(p[0].str(), line_, col_, true);
+                  }));
     globals_->set("strftime_now", Value::function("strftime_now", [](CallArgs& a) {
-      Args p("strftime_now", a, {"format"});
-      const std::string& fmt = str_arg(p[0], "format");
-      std::time_t t = std::time(nullptr);
-      std::tm tm{};
-      localtime_r(&t, &tm);
-      std::vector<char> buf(fmt.size() * 8 + 64);
-      size_t n = std::strftime(buf.data(), buf.size(), fmt.c_str(), &tm);
-      return Value::string(std::string(buf.data(), n));
-    }));
+                    Args p("strftime_now", a, {"format"});
+                    const std::string& fmt = str_arg(p[0], "format");
+                    std::time_t t = std::time(nullptr);
+                    std::tm tm{};
+                    localtime_r(&t, &tm);
+                    std::vector<char> buf(fmt.size() * 8 + 64);
+                    size_t n = std::strftime(buf.data(), buf.size(), fmt.c_str(), &tm);
+                    return Value::string(std::string(buf.data(), n));
+                  }));
   }
 
   // --- statements ----------------------------------------------------------------------------
@@ -838,24 +899,29 @@ class Renderer {
   void assign(const Stmt& s, const ScopePtr& scope, Value v) {
     if (!s.ns_attr.empty()) {
       const Value* target = scope->find(s.targets[0]);
-      if (!target || !target->is_namespace()) fail("Cannot assign attribute on non-namespace object");
+      if (!target || !target->is_namespace())
+        fail("Cannot assign attribute on non-namespace object");
       if (s.ns_attr[0] == '_')
-        fail("Chat templates cannot store underscore-prefixed attributes on a namespace, but got '" + s.ns_attr + "'. Please rename the attribute.");
+        fail(
+            "Chat templates cannot store underscore-prefixed attributes on a namespace, but got '" +
+            s.ns_attr + "'. Please rename the attribute.");
       target->as_namespace().attrs.set(s.ns_attr, std::move(v));
       return;
     }
     bind_targets(s.targets, scope, v);
   }
 
-  void bind_targets(const std::vector<std::string>& targets, const ScopePtr& scope, const Value& v) {
+  void bind_targets(const std::vector<std::string>& targets, const ScopePtr& scope,
+                    const Value& v) {
     if (targets.size() == 1) {
       scope->set(targets[0], v);
       return;
     }
     ValueList items = iterate(v);
     if (items.size() != targets.size())
-      fail((items.size() < targets.size() ? "not enough" : "too many") + std::string(" values to unpack (expected ") +
-           std::to_string(targets.size()) + ", got " + std::to_string(items.size()) + ")");
+      fail((items.size() < targets.size() ? "not enough" : "too many") +
+           std::string(" values to unpack (expected ") + std::to_string(targets.size()) + ", got " +
+           std::to_string(items.size()) + ")");
     for (size_t i = 0; i < targets.size(); ++i) scope->set(targets[i], items[i]);
   }
 
@@ -871,11 +937,15 @@ class Renderer {
     line_ = s.line;
     col_ = s.col;
     switch (s.kind) {
-      case StmtKind::kText: out += s.text; return Flow::kNormal;
+      case StmtKind::kText:
+        out += s.text;
+        return Flow::kNormal;
       case StmtKind::kOutput: {
         Value v = eval(*s.exprs[0], scope);
-        if (v.is_string()) out += v.as_string();
-        else out += v.str();
+        if (v.is_string())
+          out += v.as_string();
+        else
+          out += v.str();
         return Flow::kNormal;
       }
       case StmtKind::kIf:
@@ -883,27 +953,35 @@ class Renderer {
           if (eval(*s.exprs[i], scope).truthy()) return exec_body(s.bodies[i], scope, out);
         if (s.bodies.size() > s.exprs.size()) return exec_body(s.bodies.back(), scope, out);
         return Flow::kNormal;
-      case StmtKind::kFor: exec_for(s, scope, out); return Flow::kNormal;
-      case StmtKind::kSet: assign(s, scope, eval(*s.exprs[0], scope)); return Flow::kNormal;
+      case StmtKind::kFor:
+        exec_for(s, scope, out);
+        return Flow::kNormal;
+      case StmtKind::kSet:
+        assign(s, scope, eval(*s.exprs[0], scope));
+        return Flow::kNormal;
       case StmtKind::kSetBlock: {
         std::string text;
         exec_body(s.bodies[0], std::make_shared<Scope>(scope), text);
-        Value v = s.exprs.empty() ? Value::string(std::move(text)) : apply_block_filters(*s.exprs[0], std::move(text), scope);
+        Value v = s.exprs.empty() ? Value::string(std::move(text))
+                                  : apply_block_filters(*s.exprs[0], std::move(text), scope);
         assign(s, scope, std::move(v));
         return Flow::kNormal;
       }
       case StmtKind::kMacro: {
         const Stmt* m = &s;
-        std::weak_ptr<Scope> def_scope = scope;  // the scope holds the macro: avoid a reference cycle
+        std::weak_ptr<Scope> def_scope =
+            scope;  // the scope holds the macro: avoid a reference cycle
         scope->set(s.name, Value::function(s.name, [this, m, def_scope](CallArgs& a) {
-          ScopePtr d = def_scope.lock();
-          if (!d) fail("macro '" + m->name + "' called after its scope ended");
-          return call_macro(*m, d, a);
-        }));
+                     ScopePtr d = def_scope.lock();
+                     if (!d) fail("macro '" + m->name + "' called after its scope ended");
+                     return call_macro(*m, d, a);
+                   }));
         return Flow::kNormal;
       }
-      case StmtKind::kBreak: return Flow::kBreak;
-      case StmtKind::kContinue: return Flow::kContinue;
+      case StmtKind::kBreak:
+        return Flow::kBreak;
+      case StmtKind::kContinue:
+        return Flow::kContinue;
       case StmtKind::kFilterBlock: {
         std::string text;
         exec_body(s.bodies[0], std::make_shared<Scope>(scope), text);
@@ -912,17 +990,20 @@ class Renderer {
       }
       case StmtKind::kWith: {
         auto inner = std::make_shared<Scope>(scope);
-        for (size_t i = 0; i < s.targets.size(); ++i) inner->set(s.targets[i], eval(*s.exprs[i], scope));
+        for (size_t i = 0; i < s.targets.size(); ++i)
+          inner->set(s.targets[i], eval(*s.exprs[i], scope));
         return exec_body(s.bodies[0], inner, out);
       }
-      case StmtKind::kScope: return exec_body(s.bodies[0], std::make_shared<Scope>(scope), out);
+      case StmtKind::kScope:
+        return exec_body(s.bodies[0], std::make_shared<Scope>(scope), out);
     }
     return Flow::kNormal;
   }
 
   void exec_for(const Stmt& s, const ScopePtr& scope, std::string& out) {
     Value iterable = eval(*s.exprs[0], scope);
-    if (!(iterable.is_list() || iterable.is_dict() || iterable.is_string() || iterable.is_undefined()))
+    if (!(iterable.is_list() || iterable.is_dict() || iterable.is_string() ||
+          iterable.is_undefined()))
       fail("'" + iterable.type_name() + "' is not iterable");
     ValueList items = iterate(iterable);
     if (s.exprs.size() > 1) {  // loop filter: `for x in xs if cond`
@@ -950,12 +1031,14 @@ class Renderer {
       loop.items.emplace_back("length", Value::integer(n64));
       loop.items.emplace_back("depth", Value::integer(1));
       loop.items.emplace_back("depth0", Value::integer(0));
-      loop.items.emplace_back("previtem", i > 0 ? items[i - 1] : Value::undefined("there is no previous item"));
-      loop.items.emplace_back("nextitem", i + 1 < n ? items[i + 1] : Value::undefined("there is no next item"));
+      loop.items.emplace_back("previtem",
+                              i > 0 ? items[i - 1] : Value::undefined("there is no previous item"));
+      loop.items.emplace_back("nextitem",
+                              i + 1 < n ? items[i + 1] : Value::undefined("there is no next item"));
       loop.items.emplace_back("cycle", Value::function("cycle", [this, i](CallArgs& a) {
-        if (a.args.empty()) fail("no items for cycling given");
-        return a.args[i % a.args.size()];
-      }));
+                                if (a.args.empty()) fail("no items for cycling given");
+                                return a.args[i % a.args.size()];
+                              }));
       it->set("loop", Value::dict(std::move(loop)));
       Flow f = exec_body(s.bodies[0], it, out);
       if (f == Flow::kBreak) break;
@@ -968,7 +1051,8 @@ class Renderer {
       int& d;
       ~DepthGuard() { --d; }
     } guard{++depth_};
-    if (depth_ > kMaxCallDepth) fail("maximum macro recursion depth (" + std::to_string(kMaxCallDepth) + ") exceeded");
+    if (depth_ > kMaxCallDepth)
+      fail("maximum macro recursion depth (" + std::to_string(kMaxCallDepth) + ") exceeded");
     int saved_line = line_, saved_col = col_;
     auto scope = std::make_shared<Scope>(def_scope);
     size_t np = m.targets.size();
@@ -1000,8 +1084,11 @@ class Renderer {
     }
     for (size_t i = 0; i < np; ++i) {
       if (given[i]) continue;
-      if (m.exprs[i]) scope->set(m.targets[i], eval(*m.exprs[i], scope));
-      else scope->set(m.targets[i], Value::undefined("parameter '" + m.targets[i] + "' was not provided"));
+      if (m.exprs[i])
+        scope->set(m.targets[i], eval(*m.exprs[i], scope));
+      else
+        scope->set(m.targets[i],
+                   Value::undefined("parameter '" + m.targets[i] + "' was not provided"));
     }
     if (m.uses_varargs) scope->set("varargs", Value::list(std::move(varargs), true));
     if (m.uses_kwargs) scope->set("kwargs", Value::dict(std::move(kwargs)));
@@ -1041,11 +1128,15 @@ class Renderer {
     } else if (op == "*") {
       if (ints) return Value::integer(mul_i(a.as_int(), b.as_int()));
       if (nums) return Value::floating(a.as_float() * b.as_float());
-      const Value* seq = (a.is_string() || a.is_list()) ? &a : (b.is_string() || b.is_list()) ? &b : nullptr;
+      const Value* seq = (a.is_string() || a.is_list())   ? &a
+                         : (b.is_string() || b.is_list()) ? &b
+                                                          : nullptr;
       const Value* cnt = seq == &a ? &b : &a;
       if (seq && (cnt->is_int() || cnt->is_bool())) {
         int64_t n = std::max<int64_t>(0, cnt->as_int());
-        if (n * (seq->is_string() ? static_cast<int64_t>(seq->as_string().size()) : static_cast<int64_t>(seq->as_list().size())) > (1 << 26))
+        if (n * (seq->is_string() ? static_cast<int64_t>(seq->as_string().size())
+                                  : static_cast<int64_t>(seq->as_list().size())) >
+            (1 << 26))
           fail("sequence repetition result is too large");
         if (seq->is_string()) {
           std::string out;
@@ -1053,7 +1144,8 @@ class Renderer {
           return Value::string(out);
         }
         ValueList out;
-        for (int64_t i = 0; i < n; ++i) out.insert(out.end(), seq->as_list().begin(), seq->as_list().end());
+        for (int64_t i = 0; i < n; ++i)
+          out.insert(out.end(), seq->as_list().begin(), seq->as_list().end());
         return Value::list(std::move(out), seq->is_tuple());
       }
     } else if (op == "/") {
@@ -1090,7 +1182,8 @@ class Renderer {
       }
       if (nums) return Value::floating(std::pow(a.as_float(), b.as_float()));
     }
-    fail("unsupported operand type(s) for " + op + ": '" + a.type_name() + "' and '" + b.type_name() + "'");
+    fail("unsupported operand type(s) for " + op + ": '" + a.type_name() + "' and '" +
+         b.type_name() + "'");
   }
 
   bool compare_op(const std::string& op, const Value& a, const Value& b) {
@@ -1123,12 +1216,14 @@ class Renderer {
     line_ = e.line;
     col_ = e.col;
     switch (e.kind) {
-      case ExprKind::kConst: return e.value;
+      case ExprKind::kConst:
+        return e.value;
       case ExprKind::kName: {
         if (const Value* v = scope->find(e.name)) return *v;
         return Value::undefined("'" + e.name + "' is undefined");
       }
-      case ExprKind::kBlockInput: return block_input_;
+      case ExprKind::kBlockInput:
+        return block_input_;
       case ExprKind::kGetattr: {
         Value obj = eval(*e.kids[0], scope);
         line_ = e.line;
@@ -1145,7 +1240,8 @@ class Renderer {
       case ExprKind::kSlice: {
         Value obj = eval(*e.kids[0], scope);
         Value parts[3];
-        for (int i = 0; i < 3; ++i) parts[i] = e.kids[1 + i] ? eval(*e.kids[1 + i], scope) : Value::none();
+        for (int i = 0; i < 3; ++i)
+          parts[i] = e.kids[1 + i] ? eval(*e.kids[1 + i], scope) : Value::none();
         line_ = e.line;
         col_ = e.col;
         return slice(obj, parts[0], parts[1], parts[2]);
@@ -1180,14 +1276,17 @@ class Renderer {
         line_ = e.line;
         col_ = e.col;
         if (v.is_undefined()) fail_undefined(v);
-        if (v.is_float()) return Value::floating(e.kind == ExprKind::kNeg ? -v.as_float() : v.as_float());
+        if (v.is_float())
+          return Value::floating(e.kind == ExprKind::kNeg ? -v.as_float() : v.as_float());
         if (v.is_number()) {
           if (e.kind == ExprKind::kPos) return Value::integer(v.as_int());
           return Value::integer(sub_i(int64_t{0}, v.as_int()));
         }
-        fail(std::string("bad operand type for unary ") + (e.kind == ExprKind::kNeg ? "-" : "+") + ": '" + v.type_name() + "'");
+        fail(std::string("bad operand type for unary ") + (e.kind == ExprKind::kNeg ? "-" : "+") +
+             ": '" + v.type_name() + "'");
       }
-      case ExprKind::kNot: return Value::boolean(!eval(*e.kids[0], scope).truthy());
+      case ExprKind::kNot:
+        return Value::boolean(!eval(*e.kids[0], scope).truthy());
       case ExprKind::kAnd: {
         Value a = eval(*e.kids[0], scope);
         return a.truthy() ? eval(*e.kids[1], scope) : a;
@@ -1222,7 +1321,8 @@ class Renderer {
       case ExprKind::kCond: {
         if (eval(*e.kids[0], scope).truthy()) return eval(*e.kids[1], scope);
         if (e.kids[2]) return eval(*e.kids[2], scope);
-        return Value::undefined("the inline if-expression on line " + std::to_string(e.line) + " evaluated to false and no else section was defined.");
+        return Value::undefined("the inline if-expression on line " + std::to_string(e.line) +
+                                " evaluated to false and no else section was defined.");
       }
       case ExprKind::kList:
       case ExprKind::kTuple: {
@@ -1235,7 +1335,8 @@ class Renderer {
         Dict d;
         for (size_t i = 0; i + 1 < e.kids.size(); i += 2) {
           Value k = eval(*e.kids[i], scope);
-          if (!k.is_string()) fail("only string keys are supported in dict literals, got " + k.type_name());
+          if (!k.is_string())
+            fail("only string keys are supported in dict literals, got " + k.type_name());
           d.set(k.as_string(), eval(*e.kids[i + 1], scope));
         }
         return Value::dict(std::move(d));
@@ -1263,12 +1364,23 @@ std::string html_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -1298,11 +1410,15 @@ Value f_tojson(Renderer&, const Value& x, CallArgs& a) {
   if (p.present(1)) {
     opt.pretty = true;
     opt.item_sep = ",";
-    if (p[1].is_string()) opt.indent = p[1].as_string();
-    else opt.indent = std::string(static_cast<size_t>(std::max<int64_t>(0, int_arg(p[1], "indent"))), ' ');
+    if (p[1].is_string())
+      opt.indent = p[1].as_string();
+    else
+      opt.indent =
+          std::string(static_cast<size_t>(std::max<int64_t>(0, int_arg(p[1], "indent"))), ' ');
   }
   if (p.present(2)) {
-    if (!p[2].is_list() || p[2].as_list().size() != 2 || !p[2].as_list()[0].is_string() || !p[2].as_list()[1].is_string())
+    if (!p[2].is_list() || p[2].as_list().size() != 2 || !p[2].as_list()[0].is_string() ||
+        !p[2].as_list()[1].is_string())
       throw_error("tojson: separators must be a pair of strings");
     opt.item_sep = p[2].as_list()[0].as_string();
     opt.key_sep = p[2].as_list()[1].as_string();
@@ -1324,7 +1440,8 @@ Value f_items(Renderer&, const Value& x, CallArgs& a) {
   if (x.is_undefined()) return Value::list({});
   if (!x.is_dict()) throw_error("Can only get item pairs from a mapping.");
   ValueList out;
-  for (const auto& [k, v] : x.as_dict().items) out.push_back(Value::list({Value::string(k), v}, true));
+  for (const auto& [k, v] : x.as_dict().items)
+    out.push_back(Value::list({Value::string(k), v}, true));
   return Value::list(std::move(out));
 }
 
@@ -1340,7 +1457,8 @@ Value f_string(Renderer&, const Value& x, CallArgs& a) {
 
 Value f_default(Renderer&, const Value& x, CallArgs& a) {
   Args p("default", a, {"default_value", "boolean"});
-  if (x.is_undefined() || (p[1].truthy() && !x.truthy())) return p.has(0) ? p[0] : Value::string("");
+  if (x.is_undefined() || (p[1].truthy() && !x.truthy()))
+    return p.has(0) ? p[0] : Value::string("");
   return x;
 }
 
@@ -1369,7 +1487,8 @@ Value f_capitalize(Renderer&, const Value& x, CallArgs& a) {
   Args p("capitalize", a, {});
   return Value::string(py_capitalize(x.str()));
 }
-Value f_title(Renderer&, const Value& x, CallArgs& a) {  // jinja2's do_title: words split at [-\s({\[<]+
+Value f_title(Renderer&, const Value& x,
+              CallArgs& a) {  // jinja2's do_title: words split at [-\s({\[<]+
   Args p("title", a, {});
   std::string out;
   bool word_start = true;
@@ -1380,7 +1499,8 @@ Value f_title(Renderer&, const Value& x, CallArgs& a) {  // jinja2's do_title: w
       utf8_append(out, c);
       word_start = true;
     } else {
-      utf8_append(out, static_cast<uint32_t>(word_start ? utf8proc_toupper(cp) : utf8proc_tolower(cp)));
+      utf8_append(out,
+                  static_cast<uint32_t>(word_start ? utf8proc_toupper(cp) : utf8proc_tolower(cp)));
       word_start = false;
     }
   }
@@ -1413,7 +1533,8 @@ Value f_escape(Renderer&, const Value& x, CallArgs& a) {
 }
 Value f_replace(Renderer&, const Value& x, CallArgs& a) {
   Args p("replace", a, {"old", "new", "count"});
-  return Value::string(py_replace(x.str(), p[0].str(), p[1].str(), p.present(2) ? int_arg(p[2], "count") : -1));
+  return Value::string(
+      py_replace(x.str(), p[0].str(), p[1].str(), p.present(2) ? int_arg(p[2], "count") : -1));
 }
 Value f_reverse(Renderer&, const Value& x, CallArgs& a) {
   Args p("reverse", a, {});
@@ -1432,7 +1553,8 @@ Value f_sort(Renderer& r, const Value& x, CallArgs& a) {
   ValueList items = iterate(x);
   bool cs = p[1].truthy(), rev = p[0].truthy();
   std::vector<std::pair<Value, Value>> keyed;
-  for (auto& v : items) keyed.emplace_back(sort_key(p.present(2) ? r.get_path(v, p[2].str()) : v, cs), v);
+  for (auto& v : items)
+    keyed.emplace_back(sort_key(p.present(2) ? r.get_path(v, p[2].str()) : v, cs), v);
   std::stable_sort(keyed.begin(), keyed.end(), [rev](const auto& l, const auto& rr) {
     return rev ? compare_values(rr.first, l.first) < 0 : compare_values(l.first, rr.first) < 0;
   });
@@ -1462,7 +1584,8 @@ Value f_dictsort(Renderer&, const Value& x, CallArgs& a) {
   std::string by = p.has(1) ? p[1].str() : "key";
   if (by != "key" && by != "value") throw_error("You can only sort by either \"key\" or \"value\"");
   ValueList pairs;
-  for (const auto& [k, v] : x.as_dict().items) pairs.push_back(Value::list({Value::string(k), v}, true));
+  for (const auto& [k, v] : x.as_dict().items)
+    pairs.push_back(Value::list({Value::string(k), v}, true));
   bool cs = p[0].truthy(), rev = p[2].truthy();
   size_t idx = by == "key" ? 0 : 1;
   std::stable_sort(pairs.begin(), pairs.end(), [&](const Value& l, const Value& rr) {
@@ -1523,10 +1646,18 @@ Value select_impl(Renderer& r, const Value& x, CallArgs& a, bool want, bool by_a
   }
   return Value::list(std::move(out));
 }
-Value f_select(Renderer& r, const Value& x, CallArgs& a) { return select_impl(r, x, a, true, false); }
-Value f_reject(Renderer& r, const Value& x, CallArgs& a) { return select_impl(r, x, a, false, false); }
-Value f_selectattr(Renderer& r, const Value& x, CallArgs& a) { return select_impl(r, x, a, true, true); }
-Value f_rejectattr(Renderer& r, const Value& x, CallArgs& a) { return select_impl(r, x, a, false, true); }
+Value f_select(Renderer& r, const Value& x, CallArgs& a) {
+  return select_impl(r, x, a, true, false);
+}
+Value f_reject(Renderer& r, const Value& x, CallArgs& a) {
+  return select_impl(r, x, a, false, false);
+}
+Value f_selectattr(Renderer& r, const Value& x, CallArgs& a) {
+  return select_impl(r, x, a, true, true);
+}
+Value f_rejectattr(Renderer& r, const Value& x, CallArgs& a) {
+  return select_impl(r, x, a, false, true);
+}
 
 Value f_int(Renderer&, const Value& x, CallArgs& a) {
   Args p("int", a, {"default", "base"});
@@ -1583,7 +1714,8 @@ Value f_round(Renderer&, const Value& x, CallArgs& a) {
     if (!x.is_float()) return Value::integer(x.as_int());
     char buf[512];
     if (prec < 0 || prec > 300) throw_error("round: unsupported precision");
-    std::snprintf(buf, sizeof buf, "%.*f", static_cast<int>(prec), x.as_float());  // correctly rounded, half-even
+    std::snprintf(buf, sizeof buf, "%.*f", static_cast<int>(prec),
+                  x.as_float());  // correctly rounded, half-even
     return Value::floating(std::strtod(buf, nullptr));
   }
   if (method != "ceil" && method != "floor") throw_error("method must be common, ceil or floor");
@@ -1599,7 +1731,8 @@ Value f_sum(Renderer& r, const Value& x, CallArgs& a) {
   for (const Value& v : iterate(x)) {
     Value item = p.present(0) ? r.get_path(v, p[0].str()) : v;
     if (!total.is_number() || !item.is_number()) throw_error("sum: unsupported operand types");
-    if (total.is_float() || item.is_float()) total = Value::floating(total.as_float() + item.as_float());
+    if (total.is_float() || item.is_float())
+      total = Value::floating(total.as_float() + item.as_float());
     else {
       total = Value::integer(add_i(total.as_int(), item.as_int()));
     }
@@ -1610,9 +1743,12 @@ Value f_sum(Renderer& r, const Value& x, CallArgs& a) {
 Value minmax(Renderer& r, const Value& x, CallArgs& a, bool want_max) {
   Args p(want_max ? "max" : "min", a, {"case_sensitive", "attribute"});
   ValueList items = iterate(x);
-  if (items.empty()) return Value::undefined(std::string("No aggregated item, sequence was empty."));
+  if (items.empty())
+    return Value::undefined(std::string("No aggregated item, sequence was empty."));
   size_t best = 0;
-  auto key = [&](const Value& v) { return sort_key(p.present(1) ? r.get_path(v, p[1].str()) : v, p[0].truthy()); };
+  auto key = [&](const Value& v) {
+    return sort_key(p.present(1) ? r.get_path(v, p[1].str()) : v, p[0].truthy());
+  };
   for (size_t i = 1; i < items.size(); ++i) {
     int c = compare_values(key(items[i]), key(items[best]));
     if (want_max ? c > 0 : c < 0) best = i;
@@ -1624,8 +1760,12 @@ Value f_min(Renderer& r, const Value& x, CallArgs& a) { return minmax(r, x, a, f
 
 Value f_indent(Renderer&, const Value& x, CallArgs& a) {
   Args p("indent", a, {"width", "first", "blank"});
-  std::string ind = p.has(0) ? (p[0].is_string() ? p[0].as_string() : std::string(static_cast<size_t>(std::max<int64_t>(0, int_arg(p[0], "width"))), ' '))
-                             : std::string(4, ' ');
+  std::string ind =
+      p.has(0) ? (p[0].is_string()
+                      ? p[0].as_string()
+                      : std::string(
+                            static_cast<size_t>(std::max<int64_t>(0, int_arg(p[0], "width"))), ' '))
+               : std::string(4, ' ');
   std::string s = x.str() + "\n";
   std::vector<std::string> lines = py_splitlines(s, false);
   std::string rv;
@@ -1659,7 +1799,8 @@ Value f_center(Renderer& r, const Value& x, CallArgs& a) {
   int64_t len = static_cast<int64_t>(utf8_length(s));
   if (width <= len) return Value::string(s);
   int64_t pad = width - len, left = pad / 2 + (pad & width & 1);
-  return Value::string(std::string(static_cast<size_t>(left), ' ') + s + std::string(static_cast<size_t>(pad - left), ' '));
+  return Value::string(std::string(static_cast<size_t>(left), ' ') + s +
+                       std::string(static_cast<size_t>(pad - left), ' '));
 }
 
 Value f_attr(Renderer& r, const Value& x, CallArgs& a) {
@@ -1672,16 +1813,46 @@ Value f_attr(Renderer& r, const Value& x, CallArgs& a) {
 
 const std::unordered_map<std::string, FilterFn>& filters() {
   static const std::unordered_map<std::string, FilterFn> k = {
-      {"tojson", f_tojson},       {"trim", f_trim},         {"items", f_items},        {"length", f_length},
-      {"count", f_length},        {"string", f_string},     {"safe", f_safe},          {"default", f_default},
-      {"d", f_default},           {"join", f_join},         {"lower", f_lower},        {"upper", f_upper},
-      {"capitalize", f_capitalize}, {"title", f_title},     {"first", f_first},        {"last", f_last},
-      {"list", f_list},           {"escape", f_escape},     {"e", f_escape},           {"forceescape", f_escape},
-      {"replace", f_replace},     {"reverse", f_reverse},   {"sort", f_sort},          {"unique", f_unique},
-      {"dictsort", f_dictsort},   {"map", f_map},           {"select", f_select},      {"reject", f_reject},
-      {"selectattr", f_selectattr}, {"rejectattr", f_rejectattr}, {"int", f_int},      {"float", f_float},
-      {"abs", f_abs},             {"round", f_round},       {"sum", f_sum},            {"max", f_max},
-      {"min", f_min},             {"indent", f_indent},     {"wordcount", f_wordcount}, {"center", f_center},
+      {"tojson", f_tojson},
+      {"trim", f_trim},
+      {"items", f_items},
+      {"length", f_length},
+      {"count", f_length},
+      {"string", f_string},
+      {"safe", f_safe},
+      {"default", f_default},
+      {"d", f_default},
+      {"join", f_join},
+      {"lower", f_lower},
+      {"upper", f_upper},
+      {"capitalize", f_capitalize},
+      {"title", f_title},
+      {"first", f_first},
+      {"last", f_last},
+      {"list", f_list},
+      {"escape", f_escape},
+      {"e", f_escape},
+      {"forceescape", f_escape},
+      {"replace", f_replace},
+      {"reverse", f_reverse},
+      {"sort", f_sort},
+      {"unique", f_unique},
+      {"dictsort", f_dictsort},
+      {"map", f_map},
+      {"select", f_select},
+      {"reject", f_reject},
+      {"selectattr", f_selectattr},
+      {"rejectattr", f_rejectattr},
+      {"int", f_int},
+      {"float", f_float},
+      {"abs", f_abs},
+      {"round", f_round},
+      {"sum", f_sum},
+      {"max", f_max},
+      {"min", f_min},
+      {"indent", f_indent},
+      {"wordcount", f_wordcount},
+      {"center", f_center},
       {"attr", f_attr},
   };
   return k;
@@ -1691,17 +1862,18 @@ const std::unordered_map<std::string, FilterFn>& filters() {
 // Tests (jinja2.tests)
 
 const Value& test_arg(const Value&, CallArgs& a, const char* name) {
-  if (a.args.size() != 1 || !a.kwargs.empty()) throw_error("test '", name, "' takes exactly one argument");
+  if (a.args.size() != 1 || !a.kwargs.empty())
+    throw_error("test '", name, "' takes exactly one argument");
   return a.args[0];
 }
 void no_args(CallArgs& a, const char* name) {
   if (!a.args.empty() || !a.kwargs.empty()) throw_error("test '", name, "' takes no arguments");
 }
 
-#define DS_SIMPLE_TEST(fn, name, expr)       \
+#define DS_SIMPLE_TEST(fn, name, expr)              \
   bool fn(Renderer&, const Value& x, CallArgs& a) { \
-    no_args(a, name);                        \
-    return (expr);                           \
+    no_args(a, name);                               \
+    return (expr);                                  \
   }
 DS_SIMPLE_TEST(t_defined, "defined", !x.is_undefined())
 DS_SIMPLE_TEST(t_undefined, "undefined", x.is_undefined())
@@ -1714,12 +1886,20 @@ DS_SIMPLE_TEST(t_number, "number", x.is_number())
 DS_SIMPLE_TEST(t_integer, "integer", x.is_int())
 DS_SIMPLE_TEST(t_float, "float", x.is_float())
 DS_SIMPLE_TEST(t_mapping, "mapping", x.is_dict())
-DS_SIMPLE_TEST(t_iterable, "iterable", x.is_string() || x.is_list() || x.is_dict() || x.is_undefined())
-DS_SIMPLE_TEST(t_sequence, "sequence", x.is_string() || x.is_list() || x.is_dict() || x.is_undefined())
+DS_SIMPLE_TEST(t_iterable, "iterable",
+               x.is_string() || x.is_list() || x.is_dict() || x.is_undefined())
+DS_SIMPLE_TEST(t_sequence, "sequence",
+               x.is_string() || x.is_list() || x.is_dict() || x.is_undefined())
 DS_SIMPLE_TEST(t_callable, "callable", x.is_function() || x.is_undefined())
 DS_SIMPLE_TEST(t_escaped, "escaped", false)
-DS_SIMPLE_TEST(t_lower, "lower", x.is_string() && !x.as_string().empty() && map_case(x.as_string(), 0) == x.as_string() && map_case(x.as_string(), 1) != x.as_string())
-DS_SIMPLE_TEST(t_upper, "upper", x.is_string() && !x.as_string().empty() && map_case(x.as_string(), 1) == x.as_string() && map_case(x.as_string(), 0) != x.as_string())
+DS_SIMPLE_TEST(t_lower, "lower",
+               x.is_string() && !x.as_string().empty() &&
+                   map_case(x.as_string(), 0) == x.as_string() &&
+                   map_case(x.as_string(), 1) != x.as_string())
+DS_SIMPLE_TEST(t_upper, "upper",
+               x.is_string() && !x.as_string().empty() &&
+                   map_case(x.as_string(), 1) == x.as_string() &&
+                   map_case(x.as_string(), 0) != x.as_string())
 #undef DS_SIMPLE_TEST
 
 bool t_odd(Renderer&, const Value& x, CallArgs& a) {
@@ -1737,24 +1917,39 @@ bool t_divisibleby(Renderer&, const Value& x, CallArgs& a) {
 }
 bool t_eq(Renderer&, const Value& x, CallArgs& a) { return values_equal(x, test_arg(x, a, "eq")); }
 bool t_ne(Renderer&, const Value& x, CallArgs& a) { return !values_equal(x, test_arg(x, a, "ne")); }
-bool t_lt(Renderer&, const Value& x, CallArgs& a) { return compare_values(x, test_arg(x, a, "lt")) < 0; }
-bool t_le(Renderer&, const Value& x, CallArgs& a) { return compare_values(x, test_arg(x, a, "le")) <= 0; }
-bool t_gt(Renderer&, const Value& x, CallArgs& a) { return compare_values(x, test_arg(x, a, "gt")) > 0; }
-bool t_ge(Renderer&, const Value& x, CallArgs& a) { return compare_values(x, test_arg(x, a, "ge")) >= 0; }
+bool t_lt(Renderer&, const Value& x, CallArgs& a) {
+  return compare_values(x, test_arg(x, a, "lt")) < 0;
+}
+bool t_le(Renderer&, const Value& x, CallArgs& a) {
+  return compare_values(x, test_arg(x, a, "le")) <= 0;
+}
+bool t_gt(Renderer&, const Value& x, CallArgs& a) {
+  return compare_values(x, test_arg(x, a, "gt")) > 0;
+}
+bool t_ge(Renderer&, const Value& x, CallArgs& a) {
+  return compare_values(x, test_arg(x, a, "ge")) >= 0;
+}
 bool t_in(Renderer&, const Value& x, CallArgs& a) { return contains(test_arg(x, a, "in"), x); }
 bool t_sameas(Renderer&, const Value& x, CallArgs& a) {
   const Value& y = test_arg(x, a, "sameas");
   if (x.type() != y.type()) return false;
   switch (x.type()) {
     case Type::kNone:
-    case Type::kUndefined: return true;
+    case Type::kUndefined:
+      return true;
     case Type::kBool:
-    case Type::kInt: return x.as_int() == y.as_int();
-    case Type::kList: return &x.as_list() == &y.as_list();
-    case Type::kDict: return &x.as_dict() == &y.as_dict();
-    case Type::kNamespace: return &x.as_namespace() == &y.as_namespace();
-    case Type::kFunction: return &x.as_function() == &y.as_function();
-    default: return values_equal(x, y);
+    case Type::kInt:
+      return x.as_int() == y.as_int();
+    case Type::kList:
+      return &x.as_list() == &y.as_list();
+    case Type::kDict:
+      return &x.as_dict() == &y.as_dict();
+    case Type::kNamespace:
+      return &x.as_namespace() == &y.as_namespace();
+    case Type::kFunction:
+      return &x.as_function() == &y.as_function();
+    default:
+      return values_equal(x, y);
   }
 }
 bool t_filter(Renderer&, const Value& x, CallArgs& a) {
@@ -1765,16 +1960,45 @@ bool t_test(Renderer&, const Value& x, CallArgs& a);
 
 const std::unordered_map<std::string, TestFn>& tests() {
   static const std::unordered_map<std::string, TestFn> k = {
-      {"defined", t_defined},   {"undefined", t_undefined}, {"none", t_none},         {"boolean", t_boolean},
-      {"true", t_true},         {"false", t_false},         {"string", t_string},     {"number", t_number},
-      {"integer", t_integer},   {"float", t_float},         {"mapping", t_mapping},   {"iterable", t_iterable},
-      {"sequence", t_sequence}, {"callable", t_callable},   {"escaped", t_escaped},   {"lower", t_lower},
-      {"upper", t_upper},       {"odd", t_odd},             {"even", t_even},         {"divisibleby", t_divisibleby},
-      {"eq", t_eq},             {"equalto", t_eq},          {"==", t_eq},             {"ne", t_ne},
-      {"!=", t_ne},             {"lt", t_lt},               {"lessthan", t_lt},       {"<", t_lt},
-      {"le", t_le},             {"<=", t_le},               {"gt", t_gt},             {"greaterthan", t_gt},
-      {">", t_gt},              {"ge", t_ge},               {">=", t_ge},             {"in", t_in},
-      {"sameas", t_sameas},     {"filter", t_filter},       {"test", t_test},
+      {"defined", t_defined},
+      {"undefined", t_undefined},
+      {"none", t_none},
+      {"boolean", t_boolean},
+      {"true", t_true},
+      {"false", t_false},
+      {"string", t_string},
+      {"number", t_number},
+      {"integer", t_integer},
+      {"float", t_float},
+      {"mapping", t_mapping},
+      {"iterable", t_iterable},
+      {"sequence", t_sequence},
+      {"callable", t_callable},
+      {"escaped", t_escaped},
+      {"lower", t_lower},
+      {"upper", t_upper},
+      {"odd", t_odd},
+      {"even", t_even},
+      {"divisibleby", t_divisibleby},
+      {"eq", t_eq},
+      {"equalto", t_eq},
+      {"==", t_eq},
+      {"ne", t_ne},
+      {"!=", t_ne},
+      {"lt", t_lt},
+      {"lessthan", t_lt},
+      {"<", t_lt},
+      {"le", t_le},
+      {"<=", t_le},
+      {"gt", t_gt},
+      {"greaterthan", t_gt},
+      {">", t_gt},
+      {"ge", t_ge},
+      {">=", t_ge},
+      {"in", t_in},
+      {"sameas", t_sameas},
+      {"filter", t_filter},
+      {"test", t_test},
   };
   return k;
 }

@@ -37,7 +37,9 @@ class Lexer {
     bool line_starting = true;
     while (pos < n) {
       size_t t = pos;
-      while (t + 1 < n && !(src_[t] == '{' && (src_[t + 1] == '{' || src_[t + 1] == '%' || src_[t + 1] == '#'))) ++t;
+      while (t + 1 < n &&
+             !(src_[t] == '{' && (src_[t + 1] == '{' || src_[t + 1] == '%' || src_[t + 1] == '#')))
+        ++t;
       if (t + 1 >= n) {
         emit_data(src_.substr(pos), pos);
         break;
@@ -78,8 +80,10 @@ class Lexer {
     size_t lo = 0, hi = line_starts_.size();
     while (hi - lo > 1) {
       size_t mid = (lo + hi) / 2;
-      if (line_starts_[mid] <= pos) lo = mid;
-      else hi = mid;
+      if (line_starts_[mid] <= pos)
+        lo = mid;
+      else
+        hi = mid;
     }
     return {static_cast<int>(lo + 1), static_cast<int>(pos - line_starts_[lo] + 1)};
   }
@@ -115,7 +119,9 @@ class Lexer {
     }
     return pos;
   }
-  bool starts_with(size_t pos, std::string_view s) const { return src_.compare(pos, s.size(), s) == 0; }
+  bool starts_with(size_t pos, std::string_view s) const {
+    return src_.compare(pos, s.size(), s) == 0;
+  }
 
   static std::string rstrip_ws(const std::string& text) {
     std::vector<uint32_t> cps = utf8_decode(text);
@@ -128,7 +134,8 @@ class Lexer {
 
   // jinja2's OptionalLStrip: `-` strips all whitespace before the tag; otherwise lstrip_blocks
   // strips the whitespace between the line start and a block/comment tag.
-  static std::string strip_before_tag(const std::string& text, char sign, bool lstrip_applies, bool line_starting) {
+  static std::string strip_before_tag(const std::string& text, char sign, bool lstrip_applies,
+                                      bool line_starting) {
     if (sign == '-') return rstrip_ws(text);
     if (sign == '+' || !lstrip_applies) return text;
     size_t nl = text.rfind('\n');
@@ -167,10 +174,14 @@ class Lexer {
       if (!starts_with(q, "endraw")) continue;
       q = skip_ws(q + 6);
       size_t end;
-      if (starts_with(q, "+%}")) end = q + 3;
-      else if (starts_with(q, "-%}")) end = skip_ws(q + 3);
-      else if (starts_with(q, "%}")) end = q + 2 + (q + 2 < src_.size() && src_[q + 2] == '\n');
-      else continue;
+      if (starts_with(q, "+%}"))
+        end = q + 3;
+      else if (starts_with(q, "-%}"))
+        end = skip_ws(q + 3);
+      else if (starts_with(q, "%}"))
+        end = q + 2 + (q + 2 < src_.size() && src_[q + 2] == '\n');
+      else
+        continue;
       emit_data(strip_before_tag(src_.substr(pos, t - pos), sign, true, *line_starting), pos);
       *line_starting = src_[end - 1] == '\n';
       return end;
@@ -181,9 +192,12 @@ class Lexer {
   size_t lex_comment(size_t begin, size_t p, bool* line_starting) {
     for (size_t q = p; q < src_.size(); ++q) {
       size_t end = 0;
-      if (starts_with(q, "+#}")) end = q + 3;
-      else if (starts_with(q, "-#}")) end = skip_ws(q + 3);
-      else if (starts_with(q, "#}")) end = q + 2 + (q + 2 < src_.size() && src_[q + 2] == '\n');
+      if (starts_with(q, "+#}"))
+        end = q + 3;
+      else if (starts_with(q, "-#}"))
+        end = skip_ws(q + 3);
+      else if (starts_with(q, "#}"))
+        end = q + 2 + (q + 2 < src_.size() && src_[q + 2] == '\n');
       if (end) {
         *line_starting = src_[end - 1] == '\n';
         return end;
@@ -197,16 +211,23 @@ class Lexer {
     size_t n = src_.size();
     while (true) {
       pos = skip_ws(pos);
-      if (pos >= n) fail(pos, block ? "unexpected end of template, expected '%}'" : "unexpected end of template, expected '}}'");
+      if (pos >= n)
+        fail(pos, block ? "unexpected end of template, expected '%}'"
+                        : "unexpected end of template, expected '}}'");
       if (balance.empty()) {
         size_t end = 0;
         if (block) {
-          if (starts_with(pos, "+%}")) end = pos + 3;
-          else if (starts_with(pos, "-%}")) end = skip_ws(pos + 3);
-          else if (starts_with(pos, "%}")) end = pos + 2 + (pos + 2 < n && src_[pos + 2] == '\n');
+          if (starts_with(pos, "+%}"))
+            end = pos + 3;
+          else if (starts_with(pos, "-%}"))
+            end = skip_ws(pos + 3);
+          else if (starts_with(pos, "%}"))
+            end = pos + 2 + (pos + 2 < n && src_[pos + 2] == '\n');
         } else {
-          if (starts_with(pos, "-}}")) end = skip_ws(pos + 3);
-          else if (starts_with(pos, "}}")) end = pos + 2;
+          if (starts_with(pos, "-}}"))
+            end = skip_ws(pos + 3);
+          else if (starts_with(pos, "}}"))
+            end = pos + 2;
         }
         if (end) {
           push(block ? Tok::kBlockEnd : Tok::kVarEnd, block ? "%}" : "}}", pos);
@@ -225,8 +246,9 @@ class Lexer {
       } else if (c == '\'' || c == '"') {
         pos = lex_string(pos);
       } else {
-        static const char* kOps[] = {"//", "**", "==", "!=", ">=", "<=", "+", "-", "/", "*", "%", "~", "[", "]",
-                                     "(", ")", "{", "}", ">", "<", "=", ".", ":", "|", ",", ";"};
+        static const char* kOps[] = {"//", "**", "==", "!=", ">=", "<=", "+", "-", "/",
+                                     "*",  "%",  "~",  "[",  "]",  "(",  ")", "{", "}",
+                                     ">",  "<",  "=",  ".",  ":",  "|",  ",", ";"};
         std::string op;
         for (const char* o : kOps) {
           if (starts_with(pos, o)) {
@@ -239,7 +261,8 @@ class Lexer {
           balance.push_back(op == "(" ? ')' : op == "[" ? ']' : '}');
         } else if (op == ")" || op == "]" || op == "}") {
           if (balance.empty()) fail(pos, "unexpected '" + op + "'");
-          if (balance.back() != op[0]) fail(pos, "unexpected '" + op + "', expected '" + std::string(1, balance.back()) + "'");
+          if (balance.back() != op[0])
+            fail(pos, "unexpected '" + op + "', expected '" + std::string(1, balance.back()) + "'");
           balance.pop_back();
         }
         push(Tok::kOp, op, pos);
@@ -253,7 +276,8 @@ class Lexer {
     auto digits = [&](size_t p) {  // (\d+_)*\d+
       size_t e = p;
       while (e < n && (std::isdigit(static_cast<unsigned char>(src_[e])) ||
-                       (src_[e] == '_' && e + 1 < n && std::isdigit(static_cast<unsigned char>(src_[e + 1])) && e > p)))
+                       (src_[e] == '_' && e + 1 < n &&
+                        std::isdigit(static_cast<unsigned char>(src_[e + 1])) && e > p)))
         ++e;
       return e;
     };
@@ -319,17 +343,38 @@ class Lexer {
       char e = src_[i + 1];
       i += 2;
       switch (e) {
-        case '\n': break;
-        case '\\': out += '\\'; break;
-        case '\'': out += '\''; break;
-        case '"': out += '"'; break;
-        case 'a': out += '\a'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'v': out += '\v'; break;
+        case '\n':
+          break;
+        case '\\':
+          out += '\\';
+          break;
+        case '\'':
+          out += '\'';
+          break;
+        case '"':
+          out += '"';
+          break;
+        case 'a':
+          out += '\a';
+          break;
+        case 'b':
+          out += '\b';
+          break;
+        case 'f':
+          out += '\f';
+          break;
+        case 'n':
+          out += '\n';
+          break;
+        case 'r':
+          out += '\r';
+          break;
+        case 't':
+          out += '\t';
+          break;
+        case 'v':
+          out += '\v';
+          break;
         case 'x':
         case 'u':
         case 'U': {
@@ -345,11 +390,13 @@ class Lexer {
           i += static_cast<size_t>(len);
           break;
         }
-        case 'N': fail(pos, "\\N{...} escapes are not supported in string literals");
+        case 'N':
+          fail(pos, "\\N{...} escapes are not supported in string literals");
         default:
           if (e >= '0' && e <= '7') {
             uint32_t cp = static_cast<uint32_t>(e - '0');
-            for (int k = 0; k < 2 && i < n && src_[i] >= '0' && src_[i] <= '7'; ++k) cp = cp * 8 + static_cast<uint32_t>(src_[i++] - '0');
+            for (int k = 0; k < 2 && i < n && src_[i] >= '0' && src_[i] <= '7'; ++k)
+              cp = cp * 8 + static_cast<uint32_t>(src_[i++] - '0');
             utf8_append(out, cp);
           } else {
             out += '\\';

@@ -37,15 +37,22 @@ class Parser {
     return true;
   }
 
-  [[noreturn]] void fail(const Token& t, const std::string& msg) const { throw TemplateError(msg, t.line, t.col, false); }
+  [[noreturn]] void fail(const Token& t, const std::string& msg) const {
+    throw TemplateError(msg, t.line, t.col, false);
+  }
 
   static std::string describe(const Token& t) {
     switch (t.type) {
-      case Tok::kEof: return "end of template";
-      case Tok::kBlockEnd: return "end of statement block";
-      case Tok::kVarEnd: return "end of print statement";
-      case Tok::kData: return "template data";
-      default: return "'" + t.text + "'";
+      case Tok::kEof:
+        return "end of template";
+      case Tok::kBlockEnd:
+        return "end of statement block";
+      case Tok::kVarEnd:
+        return "end of print statement";
+      case Tok::kData:
+        return "template data";
+      default:
+        return "'" + t.text + "'";
     }
   }
 
@@ -57,7 +64,8 @@ class Parser {
     return advance().text;
   }
   void expect_block_end() {
-    if (cur().type != Tok::kBlockEnd) fail(cur(), "expected end of statement block, got " + describe(cur()));
+    if (cur().type != Tok::kBlockEnd)
+      fail(cur(), "expected end of statement block, got " + describe(cur()));
     advance();
   }
 
@@ -79,7 +87,8 @@ class Parser {
       if (t.type == Tok::kEof) {
         if (end_names.size() == 0) return body;
         std::string expected;
-        for (const char* n : end_names) expected += std::string(expected.empty() ? "" : " or ") + "'" + n + "'";
+        for (const char* n : end_names)
+          expected += std::string(expected.empty() ? "" : " or ") + "'" + n + "'";
         fail(t, "unexpected end of template, expected " + expected);
       }
       if (t.type == Tok::kData) {
@@ -97,7 +106,8 @@ class Parser {
         s->line = t.line;
         s->col = t.col;
         s->exprs.push_back(parse_tuple(true));
-        if (cur().type != Tok::kVarEnd) fail(cur(), "expected end of print statement, got " + describe(cur()));
+        if (cur().type != Tok::kVarEnd)
+          fail(cur(), "expected end of print statement, got " + describe(cur()));
         advance();
         body.push_back(std::move(s));
       } else if (t.type == Tok::kBlockBegin) {
@@ -145,11 +155,13 @@ class Parser {
       expect_block_end();
       return s;
     }
-    static const std::set<std::string> kEnds = {"endif", "endfor", "endmacro", "endset", "endfilter", "endwith",
-                                                "endgeneration", "elif", "else", "endcall", "endblock", "endraw"};
+    static const std::set<std::string> kEnds = {"endif",     "endfor",  "endmacro",      "endset",
+                                                "endfilter", "endwith", "endgeneration", "elif",
+                                                "else",      "endcall", "endblock",      "endraw"};
     if (kEnds.count(tag)) fail(t, "unexpected '" + tag + "'");
-    fail(t, "unsupported tag '" + tag + "' (the chat-template interpreter supports if, for, set, macro, filter, "
-            "with, break, continue, raw, generation)");
+    fail(t, "unsupported tag '" + tag +
+                "' (the chat-template interpreter supports if, for, set, macro, filter, "
+                "with, break, continue, raw, generation)");
   }
 
   std::unique_ptr<Stmt> parse_if() {
@@ -275,9 +287,12 @@ class Parser {
       if (!s->targets.empty()) expect_op(",");
       if (is_op(")")) break;
       s->targets.push_back(expect_name_token());
-      if (skip_op("=")) s->exprs.push_back(parse_expression(true));
-      else if (!s->exprs.empty() && s->exprs.back()) fail(cur(), "non-default argument follows default argument");
-      else s->exprs.push_back(nullptr);
+      if (skip_op("="))
+        s->exprs.push_back(parse_expression(true));
+      else if (!s->exprs.empty() && s->exprs.back())
+        fail(cur(), "non-default argument follows default argument");
+      else
+        s->exprs.push_back(nullptr);
     }
     expect_op(")");
     expect_block_end();
@@ -292,7 +307,8 @@ class Parser {
     expect_block_end();
     s->uses_varargs = names.count("varargs") > 0;
     s->uses_kwargs = names.count("kwargs") > 0;
-    if (names.count("caller")) fail(*s_tok(s.get()), "macros using 'caller' (call blocks) are not supported");
+    if (names.count("caller"))
+      fail(*s_tok(s.get()), "macros using 'caller' (call blocks) are not supported");
     return s;
   }
   const Token* s_tok(const Stmt* s) {
@@ -335,7 +351,9 @@ class Parser {
     return false;
   }
 
-  ExprPtr parse_expression(bool with_condexpr) { return with_condexpr ? parse_condexpr() : parse_or(); }
+  ExprPtr parse_expression(bool with_condexpr) {
+    return with_condexpr ? parse_condexpr() : parse_or();
+  }
 
   ExprPtr parse_condexpr() {
     ExprPtr expr = parse_or();
@@ -390,8 +408,9 @@ class Parser {
     ExprPtr e;
     while (true) {
       std::string op;
-      if (cur().type == Tok::kOp && (cur().text == "==" || cur().text == "!=" || cur().text == "<" ||
-                                     cur().text == ">" || cur().text == "<=" || cur().text == ">=")) {
+      if (cur().type == Tok::kOp &&
+          (cur().text == "==" || cur().text == "!=" || cur().text == "<" || cur().text == ">" ||
+           cur().text == "<=" || cur().text == ">=")) {
         op = advance().text;
       } else if (skip_name("in")) {
         op = "in";
@@ -464,9 +483,12 @@ class Parser {
       case Tok::kName: {
         advance();
         auto e = node(ExprKind::kConst, t);
-        if (t.text == "true" || t.text == "True") e->value = Value::boolean(true);
-        else if (t.text == "false" || t.text == "False") e->value = Value::boolean(false);
-        else if (t.text == "none" || t.text == "None") e->value = Value::none();
+        if (t.text == "true" || t.text == "True")
+          e->value = Value::boolean(true);
+        else if (t.text == "false" || t.text == "False")
+          e->value = Value::boolean(false);
+        else if (t.text == "none" || t.text == "None")
+          e->value = Value::none();
         else {
           e->kind = ExprKind::kName;
           e->name = t.text;
@@ -538,7 +560,8 @@ class Parser {
           return e;
         }
         break;
-      default: break;
+      default:
+        break;
     }
     fail(t, "unexpected " + describe(t));
   }
@@ -587,8 +610,10 @@ class Parser {
       advance();
       parts.push_back(std::move(key));
       parts.push_back(parse_part());
-      if (skip_op(":")) parts.push_back(parse_part());
-      else parts.push_back(nullptr);
+      if (skip_op(":"))
+        parts.push_back(parse_part());
+      else
+        parts.push_back(nullptr);
     } else if (!key) {
       fail(cur(), "expected a subscript, got " + describe(cur()));
     } else if (is_op(",")) {
@@ -695,10 +720,12 @@ class Parser {
     const Token& c = cur();
     if (is_op("(")) {
       parse_call_args(t.get());
-    } else if ((c.type == Tok::kName || c.type == Tok::kString || c.type == Tok::kInt || c.type == Tok::kFloat ||
+    } else if ((c.type == Tok::kName || c.type == Tok::kString || c.type == Tok::kInt ||
+                c.type == Tok::kFloat ||
                 (c.type == Tok::kOp && (c.text == "(" || c.text == "[" || c.text == "{"))) &&
                !(c.type == Tok::kName && (c.text == "else" || c.text == "or" || c.text == "and"))) {
-      if (c.type == Tok::kName && c.text == "is") fail(c, "You cannot chain multiple tests with is");
+      if (c.type == Tok::kName && c.text == "is")
+        fail(c, "You cannot chain multiple tests with is");
       ExprPtr arg = parse_postfix(parse_primary());
       t->kids.push_back(std::move(arg));
       t->n_pos = 1;
@@ -717,6 +744,8 @@ class Parser {
 
 }  // namespace
 
-std::shared_ptr<TemplateProgram> parse_template(const std::string& source) { return Parser(tokenize(source)).run(); }
+std::shared_ptr<TemplateProgram> parse_template(const std::string& source) {
+  return Parser(tokenize(source)).run();
+}
 
 }  // namespace ds::jinja

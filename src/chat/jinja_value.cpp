@@ -121,13 +121,27 @@ void json_escape(std::string& out, const std::string& s) {
   out += '"';
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -169,7 +183,8 @@ std::string python_float_repr(double f) {
   } else if (static_cast<size_t>(decpt) >= digits.size()) {
     out += digits + std::string(static_cast<size_t>(decpt) - digits.size(), '0') + ".0";
   } else {
-    out += digits.substr(0, static_cast<size_t>(decpt)) + "." + digits.substr(static_cast<size_t>(decpt));
+    out += digits.substr(0, static_cast<size_t>(decpt)) + "." +
+           digits.substr(static_cast<size_t>(decpt));
   }
   return out;
 }
@@ -264,18 +279,25 @@ Value Value::from_json(const nlohmann::ordered_json& j) { return from_json_depth
 
 Value Value::from_json_depth(const nlohmann::ordered_json& j, int depth) {
   using J = nlohmann::ordered_json::value_t;
-  if (depth > kMaxJsonDepth) throw_error("chat template input is nested deeper than ", kMaxJsonDepth, " levels");
+  if (depth > kMaxJsonDepth)
+    throw_error("chat template input is nested deeper than ", kMaxJsonDepth, " levels");
   switch (j.type()) {
-    case J::null: return none();
-    case J::boolean: return boolean(j.get<bool>());
-    case J::number_integer: return integer(j.get<int64_t>());
+    case J::null:
+      return none();
+    case J::boolean:
+      return boolean(j.get<bool>());
+    case J::number_integer:
+      return integer(j.get<int64_t>());
     case J::number_unsigned: {
       uint64_t u = j.get<uint64_t>();
-      if (u > static_cast<uint64_t>(INT64_MAX)) throw_error("integer ", u, " is too large for a chat template");
+      if (u > static_cast<uint64_t>(INT64_MAX))
+        throw_error("integer ", u, " is too large for a chat template");
       return integer(static_cast<int64_t>(u));
     }
-    case J::number_float: return floating(j.get<double>());
-    case J::string: return string(j.get<std::string>());
+    case J::number_float:
+      return floating(j.get<double>());
+    case J::string:
+      return string(j.get<std::string>());
     case J::array: {
       ValueList items;
       items.reserve(j.size());
@@ -285,18 +307,21 @@ Value Value::from_json_depth(const nlohmann::ordered_json& j, int depth) {
     case J::object: {
       Dict d;
       d.items.reserve(j.size());
-      for (auto it = j.begin(); it != j.end(); ++it) d.items.emplace_back(it.key(), from_json_depth(it.value(), depth + 1));
+      for (auto it = j.begin(); it != j.end(); ++it)
+        d.items.emplace_back(it.key(), from_json_depth(it.value(), depth + 1));
       return dict(std::move(d));
     }
-    default: throw_error("chat template input: unsupported JSON value (binary or discarded)");
+    default:
+      throw_error("chat template input: unsupported JSON value (binary or discarded)");
   }
 }
 
 static const std::string kEmpty;
 
 const std::string& Value::as_string() const {
-  return p_ && (type_ == Type::kString || type_ == Type::kUndefined) ? *static_cast<const std::string*>(p_.get())
-                                                                      : kEmpty;
+  return p_ && (type_ == Type::kString || type_ == Type::kUndefined)
+             ? *static_cast<const std::string*>(p_.get())
+             : kEmpty;
 }
 const ValueList& Value::as_list() const { return *static_cast<const ValueList*>(p_.get()); }
 const Dict& Value::as_dict() const { return *static_cast<const Dict*>(p_.get()); }
@@ -308,33 +333,49 @@ const Function& Value::as_function() const { return *static_cast<const Function*
 bool Value::truthy() const {
   switch (type_) {
     case Type::kUndefined:
-    case Type::kNone: return false;
+    case Type::kNone:
+      return false;
     case Type::kBool:
-    case Type::kInt: return i_ != 0;
-    case Type::kFloat: return f_ != 0;
-    case Type::kString: return !as_string().empty();
-    case Type::kList: return !as_list().empty();
-    case Type::kDict: return !as_dict().items.empty();
-    default: return true;
+    case Type::kInt:
+      return i_ != 0;
+    case Type::kFloat:
+      return f_ != 0;
+    case Type::kString:
+      return !as_string().empty();
+    case Type::kList:
+      return !as_list().empty();
+    case Type::kDict:
+      return !as_dict().items.empty();
+    default:
+      return true;
   }
 }
 
 std::string Value::str() const {
   switch (type_) {
-    case Type::kUndefined: return "";
-    case Type::kString: return as_string();
-    default: return repr();
+    case Type::kUndefined:
+      return "";
+    case Type::kString:
+      return as_string();
+    default:
+      return repr();
   }
 }
 
 std::string Value::repr() const {
   switch (type_) {
-    case Type::kUndefined: return "Undefined";
-    case Type::kNone: return "None";
-    case Type::kBool: return i_ ? "True" : "False";
-    case Type::kInt: return std::to_string(i_);
-    case Type::kFloat: return python_float_repr(f_);
-    case Type::kString: return python_string_repr(as_string());
+    case Type::kUndefined:
+      return "Undefined";
+    case Type::kNone:
+      return "None";
+    case Type::kBool:
+      return i_ ? "True" : "False";
+    case Type::kInt:
+      return std::to_string(i_);
+    case Type::kFloat:
+      return python_float_repr(f_);
+    case Type::kString:
+      return python_string_repr(as_string());
     case Type::kList: {
       const ValueList& l = as_list();
       std::string out = tuple_ ? "(" : "[";
@@ -356,24 +397,36 @@ std::string Value::repr() const {
       }
       return out + "}";
     }
-    case Type::kNamespace: return "<Namespace " + Value::dict(as_namespace().attrs).repr() + ">";
-    case Type::kFunction: return "<function " + as_function().name + ">";
+    case Type::kNamespace:
+      return "<Namespace " + Value::dict(as_namespace().attrs).repr() + ">";
+    case Type::kFunction:
+      return "<function " + as_function().name + ">";
   }
   return "";
 }
 
 std::string Value::type_name() const {
   switch (type_) {
-    case Type::kUndefined: return "Undefined";
-    case Type::kNone: return "NoneType object";
-    case Type::kBool: return "bool object";
-    case Type::kInt: return "int object";
-    case Type::kFloat: return "float object";
-    case Type::kString: return "str object";
-    case Type::kList: return tuple_ ? "tuple object" : "list object";
-    case Type::kDict: return "dict object";
-    case Type::kNamespace: return "Namespace object";
-    case Type::kFunction: return "function object";
+    case Type::kUndefined:
+      return "Undefined";
+    case Type::kNone:
+      return "NoneType object";
+    case Type::kBool:
+      return "bool object";
+    case Type::kInt:
+      return "int object";
+    case Type::kFloat:
+      return "float object";
+    case Type::kString:
+      return "str object";
+    case Type::kList:
+      return tuple_ ? "tuple object" : "list object";
+    case Type::kDict:
+      return "dict object";
+    case Type::kNamespace:
+      return "Namespace object";
+    case Type::kFunction:
+      return "function object";
   }
   return "object";
 }
@@ -386,17 +439,28 @@ void to_json_rec(const Value& v, const JsonOptions& opt, int level, std::string&
     for (int i = 0; i < lvl; ++i) out += opt.indent;
   };
   switch (v.type()) {
-    case Type::kNone: out += "null"; return;
-    case Type::kBool: out += v.as_bool() ? "true" : "false"; return;
-    case Type::kInt: out += std::to_string(v.as_int()); return;
+    case Type::kNone:
+      out += "null";
+      return;
+    case Type::kBool:
+      out += v.as_bool() ? "true" : "false";
+      return;
+    case Type::kInt:
+      out += std::to_string(v.as_int());
+      return;
     case Type::kFloat: {
       double f = v.as_float();
-      if (std::isnan(f)) out += "NaN";
-      else if (std::isinf(f)) out += f > 0 ? "Infinity" : "-Infinity";
-      else out += python_float_repr(f);
+      if (std::isnan(f))
+        out += "NaN";
+      else if (std::isinf(f))
+        out += f > 0 ? "Infinity" : "-Infinity";
+      else
+        out += python_float_repr(f);
       return;
     }
-    case Type::kString: json_escape(out, v.as_string()); return;
+    case Type::kString:
+      json_escape(out, v.as_string());
+      return;
     case Type::kList: {
       const ValueList& l = v.as_list();
       if (l.empty()) {
@@ -422,7 +486,8 @@ void to_json_rec(const Value& v, const JsonOptions& opt, int level, std::string&
       std::vector<const std::pair<std::string, Value>*> items;
       for (const auto& kv : d.items) items.push_back(&kv);
       if (opt.sort_keys)
-        std::stable_sort(items.begin(), items.end(), [](auto* a, auto* b) { return a->first < b->first; });
+        std::stable_sort(items.begin(), items.end(),
+                         [](auto* a, auto* b) { return a->first < b->first; });
       out += '{';
       for (size_t i = 0; i < items.size(); ++i) {
         if (i) out += opt.item_sep;
@@ -436,7 +501,8 @@ void to_json_rec(const Value& v, const JsonOptions& opt, int level, std::string&
       return;
     }
     default:
-      throw_error("Object of type ", v.is_undefined() ? "Undefined" : v.type_name(), " is not JSON serializable");
+      throw_error("Object of type ", v.is_undefined() ? "Undefined" : v.type_name(),
+                  " is not JSON serializable");
   }
 }
 
@@ -459,8 +525,10 @@ bool values_equal(const Value& a, const Value& b) {
   if (a.type() != b.type()) return false;
   switch (a.type()) {
     case Type::kUndefined:
-    case Type::kNone: return true;
-    case Type::kString: return a.as_string() == b.as_string();
+    case Type::kNone:
+      return true;
+    case Type::kString:
+      return a.as_string() == b.as_string();
     case Type::kList: {
       if (a.is_tuple() != b.is_tuple()) return false;
       const ValueList& x = a.as_list();
@@ -480,9 +548,12 @@ bool values_equal(const Value& a, const Value& b) {
       }
       return true;
     }
-    case Type::kNamespace: return &a.as_namespace() == &b.as_namespace();
-    case Type::kFunction: return &a.as_function() == &b.as_function();
-    default: return false;
+    case Type::kNamespace:
+      return &a.as_namespace() == &b.as_namespace();
+    case Type::kFunction:
+      return &a.as_function() == &b.as_function();
+    default:
+      return false;
   }
 }
 
@@ -507,7 +578,8 @@ int compare_values(const Value& a, const Value& b) {
     }
     return x.size() < y.size() ? -1 : (x.size() > y.size() ? 1 : 0);
   }
-  throw_error("'<' not supported between instances of '", a.type_name(), "' and '", b.type_name(), "'");
+  throw_error("'<' not supported between instances of '", a.type_name(), "' and '", b.type_name(),
+              "'");
 }
 
 }  // namespace ds::jinja

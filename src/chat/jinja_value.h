@@ -50,7 +50,18 @@ struct Function {
   std::function<Value(CallArgs&)> call;
 };
 
-enum class Type : uint8_t { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kDict, kNamespace, kFunction };
+enum class Type : uint8_t {
+  kUndefined,
+  kNone,
+  kBool,
+  kInt,
+  kFloat,
+  kString,
+  kList,
+  kDict,
+  kNamespace,
+  kFunction
+};
 
 class Value {
  public:
@@ -73,7 +84,9 @@ class Value {
   bool is_bool() const { return type_ == Type::kBool; }
   bool is_int() const { return type_ == Type::kInt; }  // bool excluded
   bool is_float() const { return type_ == Type::kFloat; }
-  bool is_number() const { return type_ == Type::kInt || type_ == Type::kFloat || type_ == Type::kBool; }
+  bool is_number() const {
+    return type_ == Type::kInt || type_ == Type::kFloat || type_ == Type::kBool;
+  }
   bool is_string() const { return type_ == Type::kString; }
   bool is_list() const { return type_ == Type::kList; }
   bool is_tuple() const { return type_ == Type::kList && tuple_; }
@@ -84,16 +97,16 @@ class Value {
   bool as_bool() const { return i_ != 0; }
   int64_t as_int() const { return i_; }  // also bool as 0/1
   double as_float() const { return type_ == Type::kFloat ? f_ : static_cast<double>(i_); }
-  const std::string& as_string() const;      // kString (or the hint of an undefined)
+  const std::string& as_string() const;  // kString (or the hint of an undefined)
   const ValueList& as_list() const;
   const Dict& as_dict() const;
   Namespace& as_namespace() const;
   const Function& as_function() const;
 
-  bool truthy() const;                  // Python bool()
-  std::string str() const;              // Python str(); undefined -> ""
-  std::string repr() const;             // Python repr()
-  std::string type_name() const;        // jinja2's names: 'dict object', 'str object', ...
+  bool truthy() const;            // Python bool()
+  std::string str() const;        // Python str(); undefined -> ""
+  std::string repr() const;       // Python repr()
+  std::string type_name() const;  // jinja2's names: 'dict object', 'str object', ...
   // json.dumps(v, ensure_ascii=False, ...); throws ds::Error for values JSON cannot hold.
   std::string to_json(const struct JsonOptions& opt) const;
 

@@ -56,7 +56,9 @@ std::string trim_ws(std::string_view s) {
 }
 
 // json.dumps(v, ensure_ascii=False): the argument text OpenAI clients get (as vLLM produces it).
-std::string dumps(const ojson& v) { return jinja::Value::from_json(v).to_json(jinja::JsonOptions{}); }
+std::string dumps(const ojson& v) {
+  return jinja::Value::from_json(v).to_json(jinja::JsonOptions{});
+}
 
 void append_args(OutputDelta& d, int index, const std::string& piece) {
   if (!d.tool_calls.empty() && d.tool_calls.back().index == index) {
@@ -74,7 +76,8 @@ std::vector<std::string> schema_types(const ojson& schema) {
   if (!schema.is_object()) return types;
   auto t = schema.find("type");
   if (t != schema.end()) {
-    if (t->is_string()) types.push_back(t->get<std::string>());
+    if (t->is_string())
+      types.push_back(t->get<std::string>());
     else if (t->is_array())
       for (const auto& x : *t)
         if (x.is_string()) types.push_back(x.get<std::string>());
@@ -91,16 +94,18 @@ std::vector<std::string> schema_types(const ojson& schema) {
 }  // namespace
 
 OutputParser::OutputParser(bool starts_in_reasoning, const ojson& tools, bool parse_tool_calls)
-    : state_(starts_in_reasoning ? State::kReasoning : State::kContent), parse_tool_calls_(parse_tool_calls) {
+    : state_(starts_in_reasoning ? State::kReasoning : State::kContent),
+      parse_tool_calls_(parse_tool_calls) {
   tool_params_ = ojson::object();
   if (!tools.is_array()) return;
   for (const auto& tool : tools) {
     if (!tool.is_object()) continue;
-    const ojson& fn = tool.contains("function") && tool["function"].is_object() ? tool["function"] : tool;
+    const ojson& fn =
+        tool.contains("function") && tool["function"].is_object() ? tool["function"] : tool;
     if (!fn.contains("name") || !fn["name"].is_string()) continue;
     ojson props = ojson::object();
-    if (fn.contains("parameters") && fn["parameters"].is_object() && fn["parameters"].contains("properties") &&
-        fn["parameters"]["properties"].is_object())
+    if (fn.contains("parameters") && fn["parameters"].is_object() &&
+        fn["parameters"].contains("properties") && fn["parameters"]["properties"].is_object())
       props = fn["parameters"]["properties"];
     tool_params_[fn["name"].get<std::string>()] = props;
   }
@@ -115,7 +120,8 @@ ojson OutputParser::convert_value(const std::string& param, const std::string& r
   for (const std::string& type : types) {
     if (type == "boolean" || type == "bool") {
       std::string lower = t;
-      std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+      std::transform(lower.begin(), lower.end(), lower.begin(),
+                     [](unsigned char c) { return std::tolower(c); });
       if (lower == "true" || lower == "false") return lower == "true";
       continue;
     }
@@ -162,11 +168,13 @@ void OutputParser::open_call(OutputDelta& d, const std::string& name) {
   d.tool_calls.push_back(std::move(t));
 }
 
-void OutputParser::add_argument(OutputDelta& d, const std::string& key, const std::string& raw_value) {
+void OutputParser::add_argument(OutputDelta& d, const std::string& key,
+                                const std::string& raw_value) {
   std::string_view v(raw_value);
   if (starts_with(v, "\n")) v.remove_prefix(1);  // the template writes ">\n" VALUE "\n</parameter>"
   if (!v.empty() && v.back() == '\n') v.remove_suffix(1);
-  std::string piece = (n_args_ == 0 ? "{" : ", ") + dumps(ojson(key)) + ": " + dumps(convert_value(key, std::string(v)));
+  std::string piece = (n_args_ == 0 ? "{" : ", ") + dumps(ojson(key)) + ": " +
+                      dumps(convert_value(key, std::string(v)));
   ++n_args_;
   calls_.back().arguments += piece;
   append_args(d, static_cast<int>(calls_.size()) - 1, piece);
@@ -211,7 +219,8 @@ bool OutputParser::step(OutputDelta& d, bool final) {
         size_t pos = buf_.find(kToolOpen);
         if (pos != std::string::npos) {
           size_t end = pos;
-          while (end > 0 && is_ws(buf_[end - 1])) --end;  // the template's "\n\n" before <tool_call>
+          while (end > 0 && is_ws(buf_[end - 1]))
+            --end;  // the template's "\n\n" before <tool_call>
           emit_content(d, std::string_view(buf_).substr(0, end));
           buf_.erase(0, pos + kToolOpen.size());
           state_ = State::kToolCall;
@@ -289,7 +298,8 @@ bool OutputParser::step(OutputDelta& d, bool final) {
           buf_.erase(0, kParamOpen.size());  // junk: skip the broken tag
           return true;
         }
-        param_name_ = trim_ws(std::string_view(buf_).substr(kParamOpen.size(), gt - kParamOpen.size()));
+        param_name_ =
+            trim_ws(std::string_view(buf_).substr(kParamOpen.size(), gt - kParamOpen.size()));
         buf_.erase(0, gt + 1);
         state_ = State::kParameter;
         return true;
@@ -314,7 +324,8 @@ bool OutputParser::step(OutputDelta& d, bool final) {
     case State::kParameter: {
       size_t pos = buf_.find(kParamClose);
       size_t fpos = buf_.find(kFunctionClose);
-      if (fpos != std::string::npos && (pos == std::string::npos || fpos < pos)) {  // `</parameter>` missing
+      if (fpos != std::string::npos &&
+          (pos == std::string::npos || fpos < pos)) {  // `</parameter>` missing
         add_argument(d, param_name_, buf_.substr(0, fpos));
         buf_.erase(0, fpos);
         state_ = State::kFunction;
@@ -356,8 +367,10 @@ bool OutputParser::step(OutputDelta& d, bool final) {
           args = dumps(a);
         } else if (a.is_string()) {
           ojson inner = ojson::parse(a.get<std::string>(), nullptr, false);
-          if (inner.is_object()) args = dumps(inner);
-          else ok = false;
+          if (inner.is_object())
+            args = dumps(inner);
+          else
+            ok = false;
         } else {
           ok = false;
         }
@@ -404,8 +417,11 @@ OutputDelta OutputParser::finish() {
       emit_content(d, buf_);
       break;
     case State::kFunction:
-    case State::kParameter: close_call(d); break;
-    default: break;
+    case State::kParameter:
+      close_call(d);
+      break;
+    default:
+      break;
   }
   buf_.clear();
   state_ = State::kContent;

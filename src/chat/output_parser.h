@@ -49,7 +49,8 @@ class OutputParser {
   // shape, [{"type": "function", "function": {"name", "parameters"}}]) for value types; may be
   // null. parse_tool_calls=false leaves <tool_call> text in the content.
   explicit OutputParser(bool starts_in_reasoning = false,
-                        const nlohmann::ordered_json& tools = nlohmann::ordered_json(), bool parse_tool_calls = true);
+                        const nlohmann::ordered_json& tools = nlohmann::ordered_json(),
+                        bool parse_tool_calls = true);
 
   // Whether generation after `prompt` starts inside reasoning: the prompt's last <think> is not
   // closed (Qwen3.5's template with enable_thinking=true ends the prompt with "<think>\n").
@@ -66,7 +67,15 @@ class OutputParser {
   const std::vector<ParsedToolCall>& tool_calls() const { return calls_; }
 
  private:
-  enum class State { kContent, kReasoning, kToolCall, kFunction, kParameter, kAfterFunction, kJsonCall };
+  enum class State {
+    kContent,
+    kReasoning,
+    kToolCall,
+    kFunction,
+    kParameter,
+    kAfterFunction,
+    kJsonCall
+  };
 
   bool step(OutputDelta& d, bool final);  // one transition; false when it needs more text
   void emit_content(OutputDelta& d, std::string_view s);
@@ -84,7 +93,7 @@ class OutputParser {
   bool reasoning_started_ = false;  // a non-newline reasoning char was emitted
   bool drop_whitespace_ = false;    // between / after tool calls
   std::string param_name_;
-  int n_args_ = 0;                  // parameters emitted for the open call
+  int n_args_ = 0;  // parameters emitted for the open call
   bool call_open_ = false;
   nlohmann::ordered_json tool_params_;  // tool name -> {param -> schema}
   std::string current_tool_;

@@ -1,7 +1,7 @@
 // `deltaserve chat-template`: renders the model's chat template from the command line, for users
 // debugging prompts and for the tests that compare us with HF apply_chat_template.
-//   stdin: {"messages": [...], "tools": [...], "add_generation_prompt": true, "enable_thinking": false}
-//   stdout: the prompt exactly (no newline added). A template error (raise_exception or a
+//   stdin: {"messages": [...], "tools": [...], "add_generation_prompt": true, "enable_thinking":
+//   false} stdout: the prompt exactly (no newline added). A template error (raise_exception or a
 //   template bug) goes to stderr with exit code 1.
 // --template FILE renders a template file instead (special tokens still from --tokenizer if given).
 // --jsonl batches: one request per input line; one JSON line per request on stdout, either
@@ -38,7 +38,8 @@ ojson parse_request(const std::string& text, const std::string& where) {
 }
 
 void write_all(const std::string& s) {
-  if (!s.empty() && std::fwrite(s.data(), 1, s.size(), stdout) != s.size()) throw_error("cannot write to stdout");
+  if (!s.empty() && std::fwrite(s.data(), 1, s.size(), stdout) != s.size())
+    throw_error("cannot write to stdout");
 }
 
 struct Options {
@@ -48,7 +49,8 @@ struct Options {
 };
 
 ChatTemplate load_template(const Options& opt) {
-  DS_CHECK(!opt.tokenizer.empty() || !opt.template_file.empty(), "chat-template needs --tokenizer DIR or --template FILE");
+  DS_CHECK(!opt.tokenizer.empty() || !opt.template_file.empty(),
+           "chat-template needs --tokenizer DIR or --template FILE");
   if (opt.template_file.empty()) return ChatTemplate::load(opt.tokenizer);
   std::ifstream f(opt.template_file, std::ios::binary);
   DS_CHECK(f, "cannot open template file ", opt.template_file);
@@ -57,7 +59,8 @@ ChatTemplate load_template(const Options& opt) {
   if (!opt.tokenizer.empty()) {  // special tokens (eos_token, ...) from the tokenizer folder
     std::ifstream c(opt.tokenizer + "/tokenizer_config.json", std::ios::binary);
     if (c) special = ojson::parse(c, nullptr, /*allow_exceptions=*/false);
-    if (special.is_discarded()) throw_error(opt.tokenizer, "/tokenizer_config.json: not valid JSON");
+    if (special.is_discarded())
+      throw_error(opt.tokenizer, "/tokenizer_config.json: not valid JSON");
   }
   return ChatTemplate::from_string(source, special);
 }
@@ -93,16 +96,20 @@ int run_chat_template(const Options& opt) {
 
 }  // namespace
 
-DS_COMMAND("chat-template", "Render the model's chat template for a JSON request read on stdin",
-           [](CLI::App& app) -> std::function<int()> {
-             auto opt = std::make_shared<Options>();
-             app.add_option("--tokenizer", opt->tokenizer,
-                            "Folder with tokenizer_config.json or chat_template.jinja (a model folder works)");
-             app.add_option("--template", opt->template_file,
-                            "Jinja template file to use instead of the folder's template (for debugging templates)");
-             app.add_flag("--jsonl", opt->jsonl,
-                          "One request per stdin line; prints one JSON line {\"prompt\"} or {\"error\"} per request");
-             return [opt]() { return run_chat_template(*opt); };
-           });
+DS_COMMAND(
+    "chat-template", "Render the model's chat template for a JSON request read on stdin",
+    [](CLI::App& app) -> std::function<int()> {
+      auto opt = std::make_shared<Options>();
+      app.add_option(
+          "--tokenizer", opt->tokenizer,
+          "Folder with tokenizer_config.json or chat_template.jinja (a model folder works)");
+      app.add_option(
+          "--template", opt->template_file,
+          "Jinja template file to use instead of the folder's template (for debugging templates)");
+      app.add_flag("--jsonl", opt->jsonl,
+                   "One request per stdin line; prints one JSON line {\"prompt\"} or {\"error\"} "
+                   "per request");
+      return [opt]() { return run_chat_template(*opt); };
+    });
 
 }  // namespace ds::cli
