@@ -89,7 +89,8 @@ TEST_P(GoldenTest, LogitsAndGreedyMatchHF) {
   m.set_layer_probe([&](int il, int n, const float* x) {
     ASSERT_EQ(n, T);
     std::vector<float> got(x, x + static_cast<size_t>(n) * d);
-    std::vector<float> ref(hidden.begin() + static_cast<size_t>(il) * T * d, hidden.begin() + static_cast<size_t>(il + 1) * T * d);
+    std::vector<float> ref(hidden.begin() + static_cast<size_t>(il) * T * d,
+                           hidden.begin() + static_cast<size_t>(il + 1) * T * d);
     layer_err[il] = rel_err(got, ref);
   });
 
@@ -98,13 +99,15 @@ TEST_P(GoldenTest, LogitsAndGreedyMatchHF) {
   m.forward(st, g.tokens, 0, /*all_logits=*/true, logits);
   m.set_layer_probe(nullptr);
   for (int il = 0; il < m.config().n_layers; ++il) {
-    EXPECT_LT(layer_err[il], 1e-4) << "layer " << il << " ("
-                                   << (m.config().layer_types[il] == LayerType::kFull ? "attention" : "GDN") << ")";
+    EXPECT_LT(layer_err[il], 1e-4)
+        << "layer " << il << " ("
+        << (m.config().layer_types[il] == LayerType::kFull ? "attention" : "GDN") << ")";
   }
   const double err = rel_err(logits, g.logits);
   EXPECT_LT(err, 1e-4) << c.config << "/" << c.layout;
   RecordProperty("rel_err", std::to_string(err));
-  std::printf("[ info ] %s/%s: logits max abs err / max abs ref = %.3g\n", c.config.c_str(), c.layout.c_str(), err);
+  std::printf("[ info ] %s/%s: logits max abs err / max abs ref = %.3g\n", c.config.c_str(),
+              c.layout.c_str(), err);
 
   // Greedy continuation: decode steps (the recurrent GDN path) from the prefilled state.
   std::vector<int32_t> out;
@@ -174,18 +177,20 @@ TEST_P(GoldenTest, GdnChunkedFormMatchesRecurrence) {
   m.set_gdn_mode(GdnMode::kRecurrent);
   m.forward(b, g.tokens, 0, true, lb);
   EXPECT_LT(rel_err(la, lb), 2e-5);
-  for (size_t i = 0; i < a.rec_state.size(); ++i) EXPECT_LT(rel_err(a.rec_state[i], b.rec_state[i]), 1e-4) << i;
+  for (size_t i = 0; i < a.rec_state.size(); ++i)
+    EXPECT_LT(rel_err(a.rec_state[i], b.rec_state[i]), 1e-4) << i;
   // Layer 0 sees identical inputs; later layers' inputs differ by rounding only.
   EXPECT_EQ(a.conv_state[0], b.conv_state[0]);
-  for (size_t i = 1; i < a.conv_state.size(); ++i) EXPECT_LT(rel_err(a.conv_state[i], b.conv_state[i]), 1e-5) << i;
+  for (size_t i = 1; i < a.conv_state.size(); ++i)
+    EXPECT_LT(rel_err(a.conv_state[i], b.conv_state[i]), 1e-5) << i;
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenTest,
-                         ::testing::Values(Case{"qwen35_27b_ratios", "text"}, Case{"qwen35_27b_ratios", "wrapper"},
-                                           Case{"qwen35_other_ratios", "text"},
-                                           Case{"qwen35_other_ratios", "wrapper"}, Case{"qwen35_odd_dims", "text"},
-                                           Case{"qwen35_odd_dims", "wrapper"}),
-                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.config + "_" + i.param.layout; });
+INSTANTIATE_TEST_SUITE_P(
+    Fixtures, GoldenTest,
+    ::testing::Values(Case{"qwen35_27b_ratios", "text"}, Case{"qwen35_27b_ratios", "wrapper"},
+                      Case{"qwen35_other_ratios", "text"}, Case{"qwen35_other_ratios", "wrapper"},
+                      Case{"qwen35_odd_dims", "text"}, Case{"qwen35_odd_dims", "wrapper"}),
+    [](const ::testing::TestParamInfo<Case>& i) { return i.param.config + "_" + i.param.layout; });
 
 TEST(CpuForward, BadTokensThrowAndLeaveStateAlone) {
   CpuModel m(load_host_weights(kGolden + "/qwen35_other_ratios/text"));
@@ -220,13 +225,15 @@ TEST(CpuForward, RefusesWhatCannotFitInsteadOfCrashing) {
     FAIL() << "no error";
   } catch (const Error& e) {
     const std::string msg = e.what();
-    EXPECT_TRUE(msg.find("GiB") != std::string::npos || msg.find("missing") != std::string::npos) << msg;
+    EXPECT_TRUE(msg.find("GiB") != std::string::npos || msg.find("missing") != std::string::npos)
+        << msg;
   }
 }
 
 // Copies a fixture checkpoint into a fresh temp folder.
 fs::path copy_fixture(const std::string& src, const std::string& tag) {
-  fs::path dst = fs::temp_directory_path() / ("ds_cpu_golden_" + tag + "_" + std::to_string(::getpid()));
+  fs::path dst =
+      fs::temp_directory_path() / ("ds_cpu_golden_" + tag + "_" + std::to_string(::getpid()));
   fs::remove_all(dst);
   fs::copy(kGolden + "/" + src, dst, fs::copy_options::recursive);
   return dst;
@@ -276,7 +283,8 @@ TEST(CorruptCheckpoint, FlippedHeaderNamesTheFile) {
       }
     }
     const std::string msg = load_error(d);
-    EXPECT_NE(msg.find("model-00003-of-00003.safetensors"), std::string::npos) << "variant " << variant << ": " << msg;
+    EXPECT_NE(msg.find("model-00003-of-00003.safetensors"), std::string::npos)
+        << "variant " << variant << ": " << msg;
     fs::remove_all(d);
   }
 }

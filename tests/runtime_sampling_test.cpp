@@ -1,7 +1,5 @@
 // Sampling: greedy, seeded reproducibility, top-k / top-p / min-p supports, temperature
 // frequencies, penalties, log-softmax helpers, parameter validation.
-#include "runtime/sampling.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,6 +8,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "runtime/sampling.h"
 
 namespace ds {
 namespace {

@@ -35,7 +35,8 @@ struct GenerateOpts {
 bool has_tokenizer(const std::string& dir) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  return fs::exists(fs::path(dir) / "tokenizer.json", ec) || fs::exists(fs::path(dir) / "vocab.json", ec);
+  return fs::exists(fs::path(dir) / "tokenizer.json", ec) ||
+         fs::exists(fs::path(dir) / "vocab.json", ec);
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
@@ -55,7 +56,8 @@ int run_generate(const GenerateOpts& o) {
   std::vector<int32_t> prompt;
   if (o.use_text) {
     DS_CHECK(tok.has_value(), "--prompt needs a tokenizer: ", o.model,
-             " has no tokenizer.json (or vocab.json + merges.txt); pass --tokenizer DIR or use --prompt-ids");
+             " has no tokenizer.json (or vocab.json + merges.txt); pass --tokenizer DIR or use "
+             "--prompt-ids");
     prompt = tok->encode(o.prompt);
     DS_CHECK(!prompt.empty(), "--prompt: the text encodes to no tokens");
   } else {
@@ -68,8 +70,9 @@ int run_generate(const GenerateOpts& o) {
   check_token_ids(prompt, cfg.vocab_size, o.use_text ? "--prompt" : "--prompt-ids");
   const int64_t total = static_cast<int64_t>(prompt.size()) + o.max_tokens;
   if (cfg.max_position_embeddings > 0) {
-    DS_CHECK(total <= cfg.max_position_embeddings, "prompt (", prompt.size(), " tokens) + --max-tokens ",
-             o.max_tokens, " exceed the model's max_position_embeddings ", cfg.max_position_embeddings);
+    DS_CHECK(total <= cfg.max_position_embeddings, "prompt (", prompt.size(),
+             " tokens) + --max-tokens ", o.max_tokens,
+             " exceed the model's max_position_embeddings ", cfg.max_position_embeddings);
   }
   BackendOptions bo;
   bo.device = o.device;
@@ -128,7 +131,8 @@ int run_generate(const GenerateOpts& o) {
       const std::string piece = dec->push(next);
       std::fwrite(piece.data(), 1, piece.size(), stdout);
     } else {
-      ++n_untokenizable;  // the model's padded vocabulary rows have no token (HF decodes them to "")
+      ++n_untokenizable;  // the model's padded vocabulary rows have no token (HF decodes them to
+                          // "")
     }
     std::fflush(stdout);
     if (i + 1 == o.max_tokens) break;  // no forward needed for a token we will not sample after
@@ -147,14 +151,18 @@ int run_generate(const GenerateOpts& o) {
 
   if (!o.quiet) {
     if (n_untokenizable > 0) {
-      std::fprintf(stderr, "note: %d generated id(s) are past the tokenizer's vocabulary (%d) and print as nothing\n",
+      std::fprintf(stderr,
+                   "note: %d generated id(s) are past the tokenizer's vocabulary (%d) and print as "
+                   "nothing\n",
                    n_untokenizable, tok->vocab_size());
     }
     std::fprintf(stderr,
-                 "[%s] load %.2f s | prompt %zu tokens in %.3f s (%.1f tok/s) | generated %zu tokens in %.3f s "
+                 "[%s] load %.2f s | prompt %zu tokens in %.3f s (%.1f tok/s) | generated %zu "
+                 "tokens in %.3f s "
                  "(%.1f tok/s) | stop: %s\n",
-                 be->name().c_str(), load_s, prompt.size(), prefill_s, prompt.size() / std::max(prefill_s, 1e-9),
-                 generated.size(), decode_s, generated.size() / std::max(decode_s, 1e-9), stop.c_str());
+                 be->name().c_str(), load_s, prompt.size(), prefill_s,
+                 prompt.size() / std::max(prefill_s, 1e-9), generated.size(), decode_s,
+                 generated.size() / std::max(decode_s, 1e-9), stop.c_str());
   }
   return 0;
 }
@@ -162,8 +170,10 @@ int run_generate(const GenerateOpts& o) {
 std::function<int()> setup_generate(CLI::App& app) {
   auto o = std::make_shared<GenerateOpts>();
   app.add_option("--model", o->model, "Checkpoint folder (config.json + safetensors)")->required();
-  auto* ids = app.add_option("--prompt-ids", o->prompt_ids, "Prompt token ids: 1,2,3 or a file holding them");
-  auto* text = app.add_option("--prompt", o->prompt, "Prompt text (encoded with the folder's tokenizer; no chat template)");
+  auto* ids = app.add_option("--prompt-ids", o->prompt_ids,
+                             "Prompt token ids: 1,2,3 or a file holding them");
+  auto* text = app.add_option(
+      "--prompt", o->prompt, "Prompt text (encoded with the folder's tokenizer; no chat template)");
   ids->excludes(text);
   app.add_option("--tokenizer", o->tokenizer, "Tokenizer folder (default: the model folder)");
   app.add_option("--max-tokens", o->max_tokens, "Tokens to generate at most")
@@ -172,20 +182,28 @@ std::function<int()> setup_generate(CLI::App& app) {
   app.add_option("--temperature", o->sampling.temperature, "Sampling temperature; 0 = greedy")
       ->default_val(0.0f)
       ->check(CLI::Range(0.0f, 100.0f));
-  app.add_option("--top-p", o->sampling.top_p, "Nucleus sampling mass (0, 1]")->capture_default_str();
-  app.add_option("--top-k", o->sampling.top_k, "Sample among the k most likely tokens; 0 = off")->capture_default_str();
-  app.add_option("--min-p", o->sampling.min_p, "Drop tokens below min_p x the top probability")->capture_default_str();
-  app.add_option("--repetition-penalty", o->sampling.repetition_penalty, "Penalty > 1 for generated tokens")
+  app.add_option("--top-p", o->sampling.top_p, "Nucleus sampling mass (0, 1]")
       ->capture_default_str();
-  app.add_option("--presence-penalty", o->sampling.presence_penalty, "OpenAI presence penalty [-2, 2]")
+  app.add_option("--top-k", o->sampling.top_k, "Sample among the k most likely tokens; 0 = off")
       ->capture_default_str();
-  app.add_option("--frequency-penalty", o->sampling.frequency_penalty, "OpenAI frequency penalty [-2, 2]")
+  app.add_option("--min-p", o->sampling.min_p, "Drop tokens below min_p x the top probability")
       ->capture_default_str();
-  auto* seed = app.add_option("--seed", o->seed, "Random seed (same seed, same tokens); default: random");
+  app.add_option("--repetition-penalty", o->sampling.repetition_penalty,
+                 "Penalty > 1 for generated tokens")
+      ->capture_default_str();
+  app.add_option("--presence-penalty", o->sampling.presence_penalty,
+                 "OpenAI presence penalty [-2, 2]")
+      ->capture_default_str();
+  app.add_option("--frequency-penalty", o->sampling.frequency_penalty,
+                 "OpenAI frequency penalty [-2, 2]")
+      ->capture_default_str();
+  auto* seed =
+      app.add_option("--seed", o->seed, "Random seed (same seed, same tokens); default: random");
   app.add_option("--chunk-size", o->chunk_size, "Prompt tokens per forward step")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
-  app.add_option("--output", o->output, "text (streamed through the tokenizer) or ids (one JSON list)")
+  app.add_option("--output", o->output,
+                 "text (streamed through the tokenizer) or ids (one JSON list)")
       ->capture_default_str()
       ->check(CLI::IsMember({"text", "ids"}));
   app.add_flag("--ignore-eos", o->ignore_eos, "Do not stop at the EOS tokens");
@@ -204,6 +222,7 @@ std::function<int()> setup_generate(CLI::App& app) {
 
 }  // namespace
 
-DS_COMMAND("generate", "Generate a completion from a prompt (text or token ids), streamed", setup_generate);
+DS_COMMAND("generate", "Generate a completion from a prompt (text or token ids), streamed",
+           setup_generate);
 
 }  // namespace ds::cli

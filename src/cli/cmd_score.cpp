@@ -36,8 +36,9 @@ int run_score(const ScoreOpts& o) {
   const int V = cfg.vocab_size;
   check_token_ids(ids, V, "--prompt-ids");
   if (cfg.max_position_embeddings > 0) {
-    DS_CHECK(static_cast<int64_t>(ids.size()) <= cfg.max_position_embeddings, "--prompt-ids: ", ids.size(),
-             " tokens exceed the model's max_position_embeddings ", cfg.max_position_embeddings);
+    DS_CHECK(static_cast<int64_t>(ids.size()) <= cfg.max_position_embeddings,
+             "--prompt-ids: ", ids.size(), " tokens exceed the model's max_position_embeddings ",
+             cfg.max_position_embeddings);
   }
   BackendOptions bo;
   bo.device = o.device;
@@ -81,8 +82,10 @@ int run_score(const ScoreOpts& o) {
     if (!o.logits_out.empty()) j["logits_out"] = o.logits_out;
     std::printf("%s\n", j.dump().c_str());
   } else {
-    std::printf("tokens %zu | scored %zu | mean NLL %.6f nats | perplexity %.4f\n", T, T - 1, mean_nll, ppl);
-    if (!o.logits_out.empty()) std::printf("wrote logits [%zu, %d] float32 to %s\n", T, V, o.logits_out.c_str());
+    std::printf("tokens %zu | scored %zu | mean NLL %.6f nats | perplexity %.4f\n", T, T - 1,
+                mean_nll, ppl);
+    if (!o.logits_out.empty())
+      std::printf("wrote logits [%zu, %d] float32 to %s\n", T, V, o.logits_out.c_str());
   }
   std::fprintf(stderr, "[%s] %.2f s\n", be->name().c_str(), secs);
   return 0;
@@ -91,10 +94,12 @@ int run_score(const ScoreOpts& o) {
 std::function<int()> setup_score(CLI::App& app) {
   auto o = std::make_shared<ScoreOpts>();
   app.add_option("--model", o->model, "Checkpoint folder (config.json + safetensors)")->required();
-  app.add_option("--prompt-ids", o->prompt_ids, "Token ids to score: 1,2,3 or a file holding them (JSON list or "
-                                                 "whitespace / comma separated)")
+  app.add_option("--prompt-ids", o->prompt_ids,
+                 "Token ids to score: 1,2,3 or a file holding them (JSON list or "
+                 "whitespace / comma separated)")
       ->required();
-  app.add_option("--logits-out", o->logits_out, "Write all logits [T, vocab] as a float32 .npy here");
+  app.add_option("--logits-out", o->logits_out,
+                 "Write all logits [T, vocab] as a float32 .npy here");
   app.add_option("--chunk-size", o->chunk_size, "Tokens per forward step")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 20));
@@ -105,6 +110,8 @@ std::function<int()> setup_score(CLI::App& app) {
 
 }  // namespace
 
-DS_COMMAND("score", "Teacher-forced scoring of token ids: mean NLL, perplexity, optional logits .npy", setup_score);
+DS_COMMAND("score",
+           "Teacher-forced scoring of token ids: mean NLL, perplexity, optional logits .npy",
+           setup_score);
 
 }  // namespace ds::cli

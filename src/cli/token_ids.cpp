@@ -17,7 +17,9 @@ std::vector<int32_t> parse_list(const std::string& s, const std::string& where) 
   std::vector<int32_t> ids;
   size_t i = 0;
   const size_t n = s.size();
-  auto is_sep = [](char c) { return std::isspace(static_cast<unsigned char>(c)) || c == ',' || c == '[' || c == ']'; };
+  auto is_sep = [](char c) {
+    return std::isspace(static_cast<unsigned char>(c)) || c == ',' || c == '[' || c == ']';
+  };
   while (i < n) {
     while (i < n && is_sep(s[i])) ++i;
     if (i >= n) break;
@@ -28,7 +30,8 @@ std::vector<int32_t> parse_list(const std::string& s, const std::string& where) 
     char* end = nullptr;
     const long long v = std::strtoll(item.c_str(), &end, 10);
     if (end != item.c_str() + item.size() || errno == ERANGE || v < 0 || v > INT32_MAX) {
-      throw_error(where, ": '", item, "' (item ", ids.size() + 1, ") is not a token id (a non-negative integer)");
+      throw_error(where, ": '", item, "' (item ", ids.size() + 1,
+                  ") is not a token id (a non-negative integer)");
     }
     ids.push_back(static_cast<int32_t>(v));
     i = j;

@@ -5,12 +5,12 @@
 // parallelism is OpenMP over output features (matmuls), heads (attention, GDN) and rows.
 #include "cpu/forward.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
-
-#include <unistd.h>
 
 #include "core/error.h"
 
@@ -104,7 +104,8 @@ inline void matmul_block(const float* x, const float* w, float* y, int in, int o
     for (int o = 0; o < NO; ++o) {
       float l[4];
       std::memcpy(l, &acc[t][o], sizeof(l));
-      for (int kk = k; kk < in; ++kk) l[kk & 3] += x[static_cast<size_t>(t) * in + kk] * w[static_cast<size_t>(o) * in + kk];
+      for (int kk = k; kk < in; ++kk)
+        l[kk & 3] += x[static_cast<size_t>(t) * in + kk] * w[static_cast<size_t>(o) * in + kk];
       y[static_cast<size_t>(t) * out + o] = (l[0] + l[1]) + (l[2] + l[3]);
     }
   }
@@ -113,10 +114,18 @@ inline void matmul_block(const float* x, const float* w, float* y, int in, int o
 template <int NT>
 inline void matmul_rows(const float* x, const float* w, float* y, int in, int out, int n_o) {
   switch (n_o) {
-    case 4: matmul_block<NT, 4>(x, w, y, in, out); break;
-    case 3: matmul_block<NT, 3>(x, w, y, in, out); break;
-    case 2: matmul_block<NT, 2>(x, w, y, in, out); break;
-    default: matmul_block<NT, 1>(x, w, y, in, out); break;
+    case 4:
+      matmul_block<NT, 4>(x, w, y, in, out);
+      break;
+    case 3:
+      matmul_block<NT, 3>(x, w, y, in, out);
+      break;
+    case 2:
+      matmul_block<NT, 2>(x, w, y, in, out);
+      break;
+    default:
+      matmul_block<NT, 1>(x, w, y, in, out);
+      break;
   }
 }
 
@@ -125,7 +134,8 @@ inline void matmul_rows(const float* x, const float* w, float* y, int in, int ou
 void matmul(const float* x, const float* w, float* y, int n, int in, int out) {
   constexpr int kTileT = 16, kTileO = 32;
   const int n_tb = (n + kTileT - 1) / kTileT, n_ob = (out + kTileO - 1) / kTileO;
-  const bool big = static_cast<int64_t>(n) * in * out >= (1 << 22);  // else threads cost more than they save
+  const bool big =
+      static_cast<int64_t>(n) * in * out >= (1 << 22);  // else threads cost more than they save
 #pragma omp parallel for schedule(static) collapse(2) if (big)
   for (int tb = 0; tb < n_tb; ++tb) {
     for (int ob = 0; ob < n_ob; ++ob) {
@@ -135,10 +145,12 @@ void matmul(const float* x, const float* w, float* y, int n, int in, int out) {
         const float* wr = w + static_cast<size_t>(o) * in;
         int t = tb * kTileT;
         for (; t + 2 <= t_end; t += 2) {
-          matmul_rows<2>(x + static_cast<size_t>(t) * in, wr, y + static_cast<size_t>(t) * out + o, in, out, n_o);
+          matmul_rows<2>(x + static_cast<size_t>(t) * in, wr, y + static_cast<size_t>(t) * out + o,
+                         in, out, n_o);
         }
         for (; t < t_end; ++t) {
-          matmul_rows<1>(x + static_cast<size_t>(t) * in, wr, y + static_cast<size_t>(t) * out + o, in, out, n_o);
+          matmul_rows<1>(x + static_cast<size_t>(t) * in, wr, y + static_cast<size_t>(t) * out + o,
+                         in, out, n_o);
         }
       }
     }
@@ -155,13 +167,16 @@ inline void rms_norm_row(const float* x, const float* w, float* out, int d, floa
 }
 
 void rms_norm_rows(const float* x, const float* w, float* out, int n, int d, float eps) {
-#pragma omp parallel for schedule(static) if (static_cast<int64_t>(n) * d >= (1 << 18))
-  for (int t = 0; t < n; ++t) rms_norm_row(x + static_cast<size_t>(t) * d, w, out + static_cast<size_t>(t) * d, d, eps);
+#pragma omp parallel for schedule(static) if (static_cast <int64_t>(n) * d >= (1 << 18))
+  for (int t = 0; t < n; ++t)
+    rms_norm_row(x + static_cast<size_t>(t) * d, w, out + static_cast<size_t>(t) * d, d, eps);
 }
 
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
-inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch threshold 20
+inline float softplus(float x) {
+  return x > 20.0f ? x : std::log1p(std::exp(x));
+}  // torch threshold 20
 
 // x *= rsqrt(sum(x^2) + 1e-6), as HF / FLA l2norm.
 inline void l2norm(float* x, int d) {
@@ -177,10 +192,13 @@ CpuModel::CpuModel(const HostWeights& w) : cfg_(w.config) {
   cfg_.validate();
   const int64_t d = cfg_.d_model, V = cfg_.vocab_size;
   // fp32 copies of every weight (lm_head too when tied): refuse clearly rather than be OOM-killed.
-  const double need = 4.0 * static_cast<double>(cfg_.n_params_text() + (cfg_.tie_word_embeddings ? V * d : 0));
-  const double phys = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-  DS_CHECK(phys <= 0 || need < 0.9 * phys, "the CPU reference widens the weights to fp32: ", w.source, " needs ",
-           need / (1 << 30), " GiB, this machine has ", phys / (1 << 30), " GiB of memory (use --device cuda)");
+  const double need =
+      4.0 * static_cast<double>(cfg_.n_params_text() + (cfg_.tie_word_embeddings ? V * d : 0));
+  const double phys =
+      static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+  DS_CHECK(phys <= 0 || need < 0.9 * phys,
+           "the CPU reference widens the weights to fp32: ", w.source, " needs ", need / (1 << 30),
+           " GiB, this machine has ", phys / (1 << 30), " GiB of memory (use --device cuda)");
   DS_CHECK(static_cast<int>(w.layers.size()) == cfg_.n_layers, "CpuModel: ", w.layers.size(),
            " layers in the weights, config says ", cfg_.n_layers);
   embed_ = widen(w.embed, V * d, "embed_tokens");
@@ -188,11 +206,13 @@ CpuModel::CpuModel(const HostWeights& w) : cfg_(w.config) {
   lm_head_ = widen(w.lm_head.empty() ? w.embed : w.lm_head, V * d, "lm_head");
 
   const int rot = cfg_.rotary_dim;
-  DS_CHECK(rot % 2 == 0 && rot <= cfg_.head_dim, "CpuModel: rotary_dim ", rot, " must be even and <= head_dim");
+  DS_CHECK(rot % 2 == 0 && rot <= cfg_.head_dim, "CpuModel: rotary_dim ", rot,
+           " must be even and <= head_dim");
   rope_inv_freq_.resize(rot / 2);
   for (int i = 0; i < rot / 2; ++i) {  // as HF: 1 / theta^(2i / rot) with the exponent in fp32
     const float e = static_cast<float>(2 * i) / static_cast<float>(rot);
-    rope_inv_freq_[i] = 1.0f / static_cast<float>(std::pow(cfg_.rope_theta, static_cast<double>(e)));
+    rope_inv_freq_[i] =
+        1.0f / static_cast<float>(std::pow(cfg_.rope_theta, static_cast<double>(e)));
   }
 
   int n_full = 0, n_lin = 0;
@@ -208,14 +228,16 @@ CpuModel::CpuModel(const HostWeights& w) : cfg_(w.config) {
     L.mlp_down = widen(lw.mlp_down, d * cfg_.d_ff, "mlp.down_proj");
     if (L.type == LayerType::kFull) {
       L.cache_idx = n_full++;
-      L.attn_qkv = widen(lw.attn_qkv, int64_t{cfg_.q_proj_dim() + 2 * cfg_.kv_dim()} * d, "attn qkv");
+      L.attn_qkv =
+          widen(lw.attn_qkv, int64_t{cfg_.q_proj_dim() + 2 * cfg_.kv_dim()} * d, "attn qkv");
       L.attn_o = widen(lw.attn_o, d * cfg_.attn_out_dim(), "self_attn.o_proj");
       L.q_norm = widen_plus_one(lw.q_norm, cfg_.head_dim, "self_attn.q_norm");
       L.k_norm = widen_plus_one(lw.k_norm, cfg_.head_dim, "self_attn.k_norm");
     } else {
       L.cache_idx = n_lin++;
       L.gdn_in = widen(lw.gdn_in, int64_t{cfg_.gdn_in_dim()} * d, "linear_attn in_proj");
-      L.gdn_conv = widen(lw.gdn_conv, int64_t{cfg_.gdn_qkv_dim()} * cfg_.conv_kernel, "linear_attn.conv1d");
+      L.gdn_conv =
+          widen(lw.gdn_conv, int64_t{cfg_.gdn_qkv_dim()} * cfg_.conv_kernel, "linear_attn.conv1d");
       L.dt_bias = widen(lw.gdn_dt_bias, cfg_.n_v_heads, "linear_attn.dt_bias");
       L.A = widen(lw.gdn_A_log, cfg_.n_v_heads, "linear_attn.A_log");
       for (float& a : L.A) a = std::exp(a);
@@ -234,8 +256,11 @@ CpuSeqState CpuModel::new_state() const {
   const int n_full = cfg_.n_full_layers(), n_lin = cfg_.n_linear_layers();
   s.k_cache.resize(n_full);
   s.v_cache.resize(n_full);
-  s.conv_state.assign(n_lin, std::vector<float>(static_cast<size_t>(cfg_.conv_kernel - 1) * cfg_.gdn_qkv_dim(), 0.0f));
-  s.rec_state.assign(n_lin, std::vector<float>(static_cast<size_t>(cfg_.n_v_heads) * cfg_.d_k * cfg_.d_v, 0.0f));
+  s.conv_state.assign(
+      n_lin,
+      std::vector<float>(static_cast<size_t>(cfg_.conv_kernel - 1) * cfg_.gdn_qkv_dim(), 0.0f));
+  s.rec_state.assign(
+      n_lin, std::vector<float>(static_cast<size_t>(cfg_.n_v_heads) * cfg_.d_k * cfg_.d_v, 0.0f));
   return s;
 }
 
@@ -270,12 +295,14 @@ void CpuModel::forward(CpuSeqState& state, std::span<const int32_t> tokens, int 
   }
 }
 
-void CpuModel::forward_chunk(CpuSeqState& state, std::span<const int32_t> tokens, std::vector<float>& x) const {
+void CpuModel::forward_chunk(CpuSeqState& state, std::span<const int32_t> tokens,
+                             std::vector<float>& x) const {
   const int n = static_cast<int>(tokens.size()), d = cfg_.d_model, d_ff = cfg_.d_ff;
   const float eps = cfg_.rms_norm_eps;
   x.resize(static_cast<size_t>(n) * d);
   for (int t = 0; t < n; ++t) {
-    std::memcpy(&x[static_cast<size_t>(t) * d], &embed_[static_cast<size_t>(tokens[t]) * d], d * sizeof(float));
+    std::memcpy(&x[static_cast<size_t>(t) * d], &embed_[static_cast<size_t>(tokens[t]) * d],
+                d * sizeof(float));
   }
   std::vector<float> xn(x.size()), mix(x.size()), gate_up(static_cast<size_t>(n) * 2 * d_ff),
       act(static_cast<size_t>(n) * d_ff);
@@ -307,7 +334,8 @@ void CpuModel::forward_chunk(CpuSeqState& state, std::span<const int32_t> tokens
 }
 
 // Gated full attention over the KV cache. xn: [n, d_model]; out: [n, d_model].
-void CpuModel::attention_layer(const Layer& L, CpuSeqState& state, int n, const float* xn, float* out) const {
+void CpuModel::attention_layer(const Layer& L, CpuSeqState& state, int n, const float* xn,
+                               float* out) const {
   const int d = cfg_.d_model, H = cfg_.n_heads, Hkv = cfg_.n_kv_heads, hd = cfg_.head_dim;
   const int q_dim = cfg_.q_proj_dim(), kv_dim = cfg_.kv_dim(), row = q_dim + 2 * kv_dim;
   const int group = H / Hkv, half = cfg_.rotary_dim / 2;
@@ -346,7 +374,8 @@ void CpuModel::attention_layer(const Layer& L, CpuSeqState& state, int n, const 
       float* kh = &kc[static_cast<size_t>(p0 + t) * kv_dim + h * hd];
       rms_norm_row(r + q_dim + h * hd, L.k_norm.data(), kh, hd, eps);
       rope(kh, p0 + t);
-      std::memcpy(&vc[static_cast<size_t>(p0 + t) * kv_dim + h * hd], r + q_dim + kv_dim + h * hd, hd * sizeof(float));
+      std::memcpy(&vc[static_cast<size_t>(p0 + t) * kv_dim + h * hd], r + q_dim + kv_dim + h * hd,
+                  hd * sizeof(float));
     }
   }
 
@@ -389,8 +418,10 @@ void CpuModel::attention_layer(const Layer& L, CpuSeqState& state, int n, const 
 }
 
 // Gated DeltaNet. xn: [n, d_model]; out: [n, d_model].
-void CpuModel::gdn_layer(const Layer& L, CpuSeqState& state, int n, const float* xn, float* out) const {
-  const int d = cfg_.d_model, nk = cfg_.n_k_heads, nv = cfg_.n_v_heads, dk = cfg_.d_k, dv = cfg_.d_v;
+void CpuModel::gdn_layer(const Layer& L, CpuSeqState& state, int n, const float* xn,
+                         float* out) const {
+  const int d = cfg_.d_model, nk = cfg_.n_k_heads, nv = cfg_.n_v_heads, dk = cfg_.d_k,
+            dv = cfg_.d_v;
   const int K = cfg_.conv_kernel, C = cfg_.gdn_qkv_dim(), z_dim = cfg_.gdn_z_dim();
   const int row = cfg_.gdn_in_dim(), ratio = nv / nk;
   const float eps = cfg_.rms_norm_eps, q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
@@ -404,10 +435,11 @@ void CpuModel::gdn_layer(const Layer& L, CpuSeqState& state, int n, const float*
   std::vector<float> ext(static_cast<size_t>(K - 1 + n) * C);      // [K-1+n, C] pre-conv inputs
   std::copy(conv_state.begin(), conv_state.end(), ext.begin());
   for (int t = 0; t < n; ++t) {
-    std::memcpy(&ext[static_cast<size_t>(K - 1 + t) * C], &proj[static_cast<size_t>(t) * row], C * sizeof(float));
+    std::memcpy(&ext[static_cast<size_t>(K - 1 + t) * C], &proj[static_cast<size_t>(t) * row],
+                C * sizeof(float));
   }
   std::vector<float> qkv(static_cast<size_t>(n) * C);  // [n, C] = [q: nk*dk | k: nk*dk | v: nv*dv]
-#pragma omp parallel for schedule(static) if (static_cast<int64_t>(n) * C * K >= (1 << 20))
+#pragma omp parallel for schedule(static) if (static_cast <int64_t>(n) * C * K >= (1 << 20))
   for (int c = 0; c < C; ++c) {
     const float* w = &L.gdn_conv[static_cast<size_t>(c) * K];
     for (int t = 0; t < n; ++t) {
@@ -440,7 +472,7 @@ void CpuModel::gdn_layer(const Layer& L, CpuSeqState& state, int n, const float*
   std::vector<float>& S_all = state.rec_state[L.cache_idx];
   std::vector<float> o(static_cast<size_t>(n) * nv * dv);  // [n, nv, dv]
   const bool recurrent = n == 1 || gdn_mode_ == GdnMode::kRecurrent;
-#pragma omp parallel for schedule(static) if (static_cast<int64_t>(n) * nv * dk * dv >= (1 << 20))
+#pragma omp parallel for schedule(static) if (static_cast <int64_t>(n) * nv * dk * dv >= (1 << 20))
   for (int h = 0; h < nv; ++h) {
     float* S = &S_all[static_cast<size_t>(h) * dk * dv];
     const int kh = h / ratio;
@@ -479,7 +511,8 @@ void CpuModel::gdn_layer(const Layer& L, CpuSeqState& state, int n, const float*
     //   (I + A) U = beta v,  (I + A) W = beta k exp(gc)          (forward substitution)
     //   v_new = U - W S;  o_i = exp(gc_i) q_i S + sum_{j<=i} (q_i . k_j) exp(gc_i - gc_j) v_new_j
     //   S = exp(gc_last) S + sum_j exp(gc_last - gc_j) k_j v_new_j^T
-    std::vector<float> gc(kGdnChunk), Amat(kGdnChunk * kGdnChunk), U(kGdnChunk * dv), W(kGdnChunk * dk);
+    std::vector<float> gc(kGdnChunk), Amat(kGdnChunk * kGdnChunk), U(kGdnChunk * dv),
+        W(kGdnChunk * dk);
     for (int s0 = 0; s0 < n; s0 += kGdnChunk) {
       const int Lc = std::min(kGdnChunk, n - s0);
       float acc = 0.0f;
@@ -490,7 +523,8 @@ void CpuModel::gdn_layer(const Layer& L, CpuSeqState& state, int n, const float*
       for (int i = 0; i < Lc; ++i) {
         const float bi = beta[static_cast<size_t>(s0 + i) * nv + h];
         for (int j = 0; j < i; ++j) {
-          Amat[i * kGdnChunk + j] = bi * dot(k_of(s0 + i), k_of(s0 + j), dk) * std::exp(gc[i] - gc[j]);
+          Amat[i * kGdnChunk + j] =
+              bi * dot(k_of(s0 + i), k_of(s0 + j), dk) * std::exp(gc[i] - gc[j]);
         }
       }
       for (int i = 0; i < Lc; ++i) {

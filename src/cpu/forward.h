@@ -19,14 +19,16 @@ namespace ds {
 // layers, and the number of tokens seen.
 struct CpuSeqState {
   int n_past = 0;
-  std::vector<std::vector<float>> k_cache, v_cache;  // per full layer: [n_past, n_kv_heads, head_dim]
-  std::vector<std::vector<float>> conv_state;        // per linear layer: [conv_kernel-1, gdn_qkv_dim]
-  std::vector<std::vector<float>> rec_state;         // per linear layer: [n_v_heads, d_k, d_v]
+  std::vector<std::vector<float>> k_cache,
+      v_cache;                                 // per full layer: [n_past, n_kv_heads, head_dim]
+  std::vector<std::vector<float>> conv_state;  // per linear layer: [conv_kernel-1, gdn_qkv_dim]
+  std::vector<std::vector<float>> rec_state;   // per linear layer: [n_v_heads, d_k, d_v]
 };
 
 // How the GDN recurrence is evaluated inside a prompt chunk of more than one token.
 enum class GdnMode : uint8_t {
-  kChunked,    // WY / UT-transform form over sub-chunks of 64 tokens (HF torch_chunk_gated_delta_rule)
+  kChunked,    // WY / UT-transform form over sub-chunks of 64 tokens (HF
+               // torch_chunk_gated_delta_rule)
   kRecurrent,  // token by token (what decode always uses)
 };
 
@@ -48,8 +50,8 @@ class CpuModel {
   // chunk; GDN uses the chunked WY form inside a chunk, the state is carried across), and appends
   // logits: every token's row when `all_logits`, else only the last token's. logits: [rows, vocab].
   // Token ids outside [0, vocab) throw ds::Error (the state is left untouched then).
-  void forward(CpuSeqState& state, std::span<const int32_t> tokens, int chunk_size,
-               bool all_logits, std::vector<float>& logits) const;
+  void forward(CpuSeqState& state, std::span<const int32_t> tokens, int chunk_size, bool all_logits,
+               std::vector<float>& logits) const;
 
   // For tests: evaluate multi-token GDN chunks token by token instead (same maths, other order).
   void set_gdn_mode(GdnMode mode) { gdn_mode_ = mode; }
@@ -62,15 +64,18 @@ class CpuModel {
  private:
   struct Layer;
   // One chunk of n tokens; x: [n, d_model] in/out (the residual stream).
-  void forward_chunk(CpuSeqState& state, std::span<const int32_t> tokens, std::vector<float>& x) const;
-  void attention_layer(const Layer& L, CpuSeqState& state, int n, const float* xn, float* out) const;
+  void forward_chunk(CpuSeqState& state, std::span<const int32_t> tokens,
+                     std::vector<float>& x) const;
+  void attention_layer(const Layer& L, CpuSeqState& state, int n, const float* xn,
+                       float* out) const;
   void gdn_layer(const Layer& L, CpuSeqState& state, int n, const float* xn, float* out) const;
 
   ModelConfig cfg_;
   GdnMode gdn_mode_ = GdnMode::kChunked;
   LayerProbe probe_;
-  std::vector<float> embed_, final_norm_, lm_head_;  // [vocab, d_model], [d_model], [vocab, d_model]
-  std::vector<float> rope_inv_freq_;                 // [rotary_dim / 2]
+  std::vector<float> embed_, final_norm_,
+      lm_head_;                       // [vocab, d_model], [d_model], [vocab, d_model]
+  std::vector<float> rope_inv_freq_;  // [rotary_dim / 2]
   std::vector<Layer> layers_;
 };
 

@@ -26,7 +26,8 @@ std::unique_ptr<Backend> make_backend(const BackendOptions& opts, const HostWeig
 #ifdef DS_CUDA_BACKEND_AVAILABLE
     return make_cuda_backend(opts, weights);
 #else
-    throw_error("device '", dev, "': the CUDA backend is not built into this binary (configure with "
+    throw_error("device '", dev,
+                "': the CUDA backend is not built into this binary (configure with "
                 "-DDS_CUDA=ON on a machine with nvcc); use --device cpu");
 #endif
   }

@@ -18,7 +18,8 @@ CpuBackend::CpuBackend(const HostWeights& weights, const BackendOptions& opts) :
 }
 
 void CpuBackend::check_slot(int slot) const {
-  DS_CHECK(slot >= 0 && slot < n_slots(), "cpu backend: slot ", slot, " out of range [0, ", n_slots(), ")");
+  DS_CHECK(slot >= 0 && slot < n_slots(), "cpu backend: slot ", slot, " out of range [0, ",
+           n_slots(), ")");
 }
 
 int CpuBackend::slot_len(int slot) const {
@@ -39,8 +40,8 @@ void CpuBackend::reset_slot(int slot) {
 MemoryUsage CpuBackend::memory() const {
   MemoryUsage m;
   m.state_slots_total = n_slots();
-  m.state_slots_used = static_cast<int>(
-      std::count_if(slots_.begin(), slots_.end(), [](const CpuSeqState& s) { return s.n_past > 0; }));
+  m.state_slots_used = static_cast<int>(std::count_if(
+      slots_.begin(), slots_.end(), [](const CpuSeqState& s) { return s.n_past > 0; }));
   return m;  // no paged KV pool: kv_blocks_* and page_size stay 0
 }
 
@@ -53,11 +54,13 @@ void CpuBackend::step(std::span<const SeqWork> work, std::vector<float>& logits)
     DS_CHECK(!seen[w.slot], "cpu backend: slot ", w.slot, " appears twice in one step");
     seen[w.slot] = true;
     DS_CHECK(!w.tokens.empty(), "cpu backend: empty work item for slot ", w.slot);
-    DS_CHECK(can_grow(w.slot, static_cast<int>(w.tokens.size())), "cpu backend: slot ", w.slot, " holds ",
-             slots_[w.slot].n_past, " tokens; ", w.tokens.size(), " more exceed max_seq_len ", max_seq_len_);
+    DS_CHECK(can_grow(w.slot, static_cast<int>(w.tokens.size())), "cpu backend: slot ", w.slot,
+             " holds ", slots_[w.slot].n_past, " tokens; ", w.tokens.size(),
+             " more exceed max_seq_len ", max_seq_len_);
     const int V = model_.config().vocab_size;
     for (int32_t t : w.tokens) {
-      DS_CHECK(t >= 0 && t < V, "cpu backend: token id ", t, " (slot ", w.slot, ") outside the vocabulary [0, ", V, ")");
+      DS_CHECK(t >= 0 && t < V, "cpu backend: token id ", t, " (slot ", w.slot,
+               ") outside the vocabulary [0, ", V, ")");
     }
   }
   for (const SeqWork& w : work) {

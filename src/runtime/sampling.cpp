@@ -10,9 +10,12 @@
 namespace ds {
 
 void SamplingParams::validate() const {
-  DS_CHECK(std::isfinite(temperature) && temperature >= 0.0f, "temperature must be >= 0, got ", temperature);
-  DS_CHECK(std::isfinite(top_p) && top_p > 0.0f && top_p <= 1.0f, "top_p must be in (0, 1], got ", top_p);
-  DS_CHECK(std::isfinite(min_p) && min_p >= 0.0f && min_p <= 1.0f, "min_p must be in [0, 1], got ", min_p);
+  DS_CHECK(std::isfinite(temperature) && temperature >= 0.0f, "temperature must be >= 0, got ",
+           temperature);
+  DS_CHECK(std::isfinite(top_p) && top_p > 0.0f && top_p <= 1.0f, "top_p must be in (0, 1], got ",
+           top_p);
+  DS_CHECK(std::isfinite(min_p) && min_p >= 0.0f && min_p <= 1.0f, "min_p must be in [0, 1], got ",
+           min_p);
   DS_CHECK(std::isfinite(repetition_penalty) && repetition_penalty > 0.0f,
            "repetition_penalty must be > 0, got ", repetition_penalty);
   DS_CHECK(std::isfinite(presence_penalty) && std::fabs(presence_penalty) <= 2.0f,
@@ -63,7 +66,8 @@ std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, int k) {
   return out;
 }
 
-void apply_penalties(std::span<float> logits, std::span<const int32_t> history, const SamplingParams& p) {
+void apply_penalties(std::span<float> logits, std::span<const int32_t> history,
+                     const SamplingParams& p) {
   if (history.empty() ||
       (p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f)) {
     return;
@@ -74,7 +78,8 @@ void apply_penalties(std::span<float> logits, std::span<const int32_t> history, 
   }
   for (const auto& [t, c] : count) {
     float& l = logits[t];
-    if (p.repetition_penalty != 1.0f) l = l > 0.0f ? l / p.repetition_penalty : l * p.repetition_penalty;
+    if (p.repetition_penalty != 1.0f)
+      l = l > 0.0f ? l / p.repetition_penalty : l * p.repetition_penalty;
     l -= p.presence_penalty + p.frequency_penalty * static_cast<float>(c);
   }
 }
@@ -89,7 +94,8 @@ uint64_t fresh_seed() { return (static_cast<uint64_t>(entropy()()) << 32) ^ entr
 double uniform01(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * 0x1.0p-53; }
 }  // namespace
 
-Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed.value_or(fresh_seed())) {
+Sampler::Sampler(const SamplingParams& params)
+    : params_(params), rng_(params.seed.value_or(fresh_seed())) {
   params_.validate();
 }
 
@@ -98,7 +104,8 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
   DS_CHECK(V > 0, "sampling from an empty logits row");
   work_.assign(logits.begin(), logits.end());
   apply_penalties(work_, history, params_);
-  for (float w : work_) DS_CHECK(!std::isnan(w) && w != INFINITY, "sampling: the logits contain NaN or +inf");
+  for (float w : work_)
+    DS_CHECK(!std::isnan(w) && w != INFINITY, "sampling: the logits contain NaN or +inf");
   if (params_.greedy()) return argmax(work_);
 
   // Unnormalised probabilities exp((l - max) / T): the best token has weight 1.
@@ -108,7 +115,9 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
 
   order_.resize(V);
   std::iota(order_.begin(), order_.end(), 0);
-  auto more_probable = [&](int32_t a, int32_t b) { return work_[a] > work_[b] || (work_[a] == work_[b] && a < b); };
+  auto more_probable = [&](int32_t a, int32_t b) {
+    return work_[a] > work_[b] || (work_[a] == work_[b] && a < b);
+  };
   int n = V;
   if (params_.top_k > 0 && params_.top_k < n) {
     std::nth_element(order_.begin(), order_.begin() + params_.top_k, order_.end(), more_probable);
@@ -116,7 +125,8 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
   }
   if (params_.min_p > 0.0f) {
     const float thr = params_.min_p;  // p_max has weight 1
-    n = static_cast<int>(std::partition(order_.begin(), order_.begin() + n, [&](int32_t t) { return work_[t] >= thr; }) -
+    n = static_cast<int>(std::partition(order_.begin(), order_.begin() + n,
+                                        [&](int32_t t) { return work_[t] >= thr; }) -
                          order_.begin());
   }
   if (params_.top_p < 1.0f) {
@@ -130,13 +140,19 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
     int cut = -1;
     for (int i = 0; i < head; ++i) {
       acc += work_[order_[i]];
-      if (acc >= target) { cut = i + 1; break; }
+      if (acc >= target) {
+        cut = i + 1;
+        break;
+      }
     }
     if (cut < 0 && head < n) {
       std::sort(order_.begin() + head, order_.begin() + n, more_probable);
       for (int i = head; i < n; ++i) {
         acc += work_[order_[i]];
-        if (acc >= target) { cut = i + 1; break; }
+        if (acc >= target) {
+          cut = i + 1;
+          break;
+        }
       }
     }
     n = cut < 0 ? n : cut;

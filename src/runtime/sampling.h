@@ -15,10 +15,10 @@
 namespace ds {
 
 struct SamplingParams {
-  float temperature = 1.0f;   // 0: greedy (argmax, lowest id on ties)
-  float top_p = 1.0f;         // (0, 1]: smallest set of tokens whose probability reaches top_p
-  int top_k = 0;              // 0 or < 0: off
-  float min_p = 0.0f;         // [0, 1]: drop tokens with p < min_p * p_max
+  float temperature = 1.0f;  // 0: greedy (argmax, lowest id on ties)
+  float top_p = 1.0f;        // (0, 1]: smallest set of tokens whose probability reaches top_p
+  int top_k = 0;             // 0 or < 0: off
+  float min_p = 0.0f;        // [0, 1]: drop tokens with p < min_p * p_max
   float repetition_penalty = 1.0f;  // > 0; 1: off (logit / rp if > 0 else * rp, for seen tokens)
   float presence_penalty = 0.0f;    // [-2, 2]: minus this once for every token already generated
   float frequency_penalty = 0.0f;   // [-2, 2]: minus this times the token's count
