@@ -152,10 +152,69 @@ std::string ChatTemplate::render(const ojson& request) const {
   ojson messages = ojson::array();
   for (size_t i = 0; i < msgs->size(); ++i) messages.push_back(normalize_message((*msgs)[i], i));
 
+  auto agp = request.find("add_generation_prompt");
+  bool add_generation_prompt = agp != request.end() && agp->is_boolean() && agp->get<bool>();
+
+  // continue_final_message (true, or the name of the field to continue): the last message is left
+  // open for the model to continue, as transformers does it: render it with a tag appended, then
+  // cut the prompt at the tag.
+  static const std::string kTag = "CONTINUE_FINAL_MESSAGE_TAG ";
+  std::string final_text;
+  bool cont = false;
+  if (auto c = request.find("continue_final_message"); c != request.end() && !c->is_null()) {
+    DS_CHECK(c->is_boolean() || c->is_string(),
+             "\"continue_final_message\" must be a boolean or a field name");
+    cont = c->is_string() || c->get<bool>();
+  }
+  if (cont) {
+    const ojson& c = request["continue_final_message"];
+    std::string field = c.is_string() ? c.get<std::string>() : "content";
+    DS_CHECK(!add_generation_prompt,
+             "continue_final_message and add_generation_prompt are not compatible. Use "
+             "continue_final_message when you want the model to continue the final message, and "
+             "add_generation_prompt when you want to add a header that will prompt it to start a "
+             "new assistant message instead.");
+    ojson& last = messages.back();
+    DS_CHECK(last.contains(field) && !last[field].is_null(),
+             "continue_final_message is set but the final message has no \"", field,
+             "\" to continue!");
+    const ojson final_value = last[field];
+    std::vector<std::string> fields = {field};
+    if (field == "reasoning_content" || field == "thinking" || field == "reasoning") {
+      fields.clear();
+      for (const char* f : {"reasoning_content", "thinking", "reasoning"})
+        if (last.contains(f) && last[f] == final_value) fields.push_back(f);
+    }
+    bool in_template = false;
+    for (const auto& f : fields) in_template = in_template || source_.find(f) != std::string::npos;
+    DS_CHECK(in_template, "continue_final_message is set to \"", field,
+             "\" but this is not an accepted field in the chat_template");
+    if (final_value.is_array()) {
+      bool found = false;
+      for (auto it = last[field].rbegin(); it != last[field].rend(); ++it) {
+        if (it->is_object() && it->contains("text") && (*it)["text"].is_string()) {
+          final_text = (*it)["text"].get<std::string>();
+          (*it)["text"] = final_text + kTag;
+          found = true;
+          break;
+        }
+      }
+      DS_CHECK(found,
+               "continue_final_message is set but we could not find any text to continue in the "
+               "final message!");
+    } else {
+      DS_CHECK(final_value.is_string(), "continue_final_message: the final message's \"", field,
+               "\" must be a string or a list of text parts");
+      final_text = final_value.get<std::string>();
+      for (const auto& f : fields) last[f] = last[f].get<std::string>() + kTag;
+    }
+  }
+
   jinja::Dict vars = special_tokens_;
   for (auto it = request.begin(); it != request.end(); ++it) {
     const std::string& k = it.key();
-    if (k == "messages" || k == "tools" || k == "documents" || k == "add_generation_prompt")
+    if (k == "messages" || k == "tools" || k == "documents" || k == "add_generation_prompt" ||
+        k == "continue_final_message")
       continue;
     vars.set(k, jinja::Value::from_json(it.value()));
   }
@@ -167,12 +226,35 @@ std::string ChatTemplate::render(const ojson& request) const {
   auto docs = request.find("documents");
   vars.set("documents",
            docs != request.end() ? jinja::Value::from_json(*docs) : jinja::Value::none());
-  auto agp = request.find("add_generation_prompt");
   vars.set("add_generation_prompt",
            agp != request.end() ? jinja::Value::from_json(*agp) : jinja::Value::boolean(false));
 
   const jinja::Template& tmpl = (has_tools && tool_template_) ? *tool_template_ : *template_;
-  return tmpl.render(vars);
+  std::string prompt = tmpl.render(vars);
+  if (!cont) return prompt;
+
+  auto ascii_space = [](char c) {
+    return static_cast<unsigned char>(c) < 0x80 &&
+           jinja::is_python_space(static_cast<unsigned char>(c));
+  };
+  auto strip = [&](const std::string& s) {  // Python str.strip(), for ASCII whitespace
+    size_t b = 0, e = s.size();
+    while (b < e && ascii_space(s[b])) ++b;
+    while (e > b && ascii_space(s[e - 1])) --e;
+    return s.substr(b, e - b);
+  };
+  std::string tag = strip(kTag);
+  DS_CHECK(
+      prompt.find(strip(final_text)) != std::string::npos && prompt.find(tag) != std::string::npos,
+      "continue_final_message is set but the final message does not appear in the chat after "
+      "applying the chat template! This can happen if the chat template deletes portions of "
+      "the final message.");
+  size_t loc = prompt.rfind(tag);
+  if (prompt.compare(loc, kTag.size(), kTag) == 0) return prompt.substr(0, loc);
+  std::string head = prompt.substr(0, loc);
+  size_t e = head.size();
+  while (e > 0 && ascii_space(head[e - 1])) --e;
+  return head.substr(0, e);
 }
 
 std::string ChatTemplate::render(const nlohmann::json& request) const {

@@ -25,8 +25,9 @@ class ChatTemplate {
       const std::string& source,
       const nlohmann::ordered_json& special_tokens = nlohmann::ordered_json::object());
 
-  // request: {"messages": [...], "tools": [...]?, "add_generation_prompt": bool, plus any extra
-  // keys passed to the template (e.g. "enable_thinking")}. Throws ds::TemplateError (derives
+  // request: {"messages": [...], "tools": [...]?, "add_generation_prompt": bool,
+  // "continue_final_message": bool or field name (leave the last message open, as HF does), plus
+  // any extra keys passed to the template (e.g. "enable_thinking")}. Throws ds::TemplateError (derives
   // from ds::Error) with the template's message / line:column, or ds::Error for a malformed
   // request. Parse request JSON as ordered_json: tojson of tools keeps their key order, like HF.
   std::string render(const nlohmann::ordered_json& request) const;

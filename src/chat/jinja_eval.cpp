@@ -1873,6 +1873,7 @@ void no_args(CallArgs& a, const char* name) {
 #define DS_SIMPLE_TEST(fn, name, expr)              \
   bool fn(Renderer&, const Value& x, CallArgs& a) { \
     no_args(a, name);                               \
+    (void)x;                                        \
     return (expr);                                  \
   }
 DS_SIMPLE_TEST(t_defined, "defined", !x.is_undefined())

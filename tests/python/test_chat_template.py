@@ -46,9 +46,16 @@ def hf_render(hf, name, request):
     messages = req.pop("messages")
     tools = req.pop("tools", None)
     agp = req.pop("add_generation_prompt", False)
+    cont = req.pop("continue_final_message", False)
     try:
         out = tok.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=agp, tokenize=False, chat_template=templates[name], **req
+            messages,
+            tools=tools,
+            add_generation_prompt=agp,
+            continue_final_message=cont,
+            tokenize=False,
+            chat_template=templates[name],
+            **req,
         )
         return out, None
     except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
@@ -291,6 +298,17 @@ def issue_cases():
             },
         ),
         ("empty content", {"messages": [U(""), A("")], "add_generation_prompt": True}),
+        ("continue final message", {"messages": [U("Write a poem"), A("Roses are red,\n")], "continue_final_message": True}),
+        (
+            "continue final text part",
+            {"messages": [U("q"), {"role": "assistant", "content": [{"type": "text", "text": "Part A "}, {"type": "text", "text": "Part B"}]}], "continue_final_message": True},
+        ),
+        (
+            "continue reasoning",
+            {"messages": [U("q"), A("", reasoning_content="I think")], "continue_final_message": "reasoning_content"},
+        ),
+        ("continue with gen prompt", {"messages": [U("q"), A("x")], "continue_final_message": True, "add_generation_prompt": True}),
+        ("continue missing field", {"messages": [U("q"), A(None)], "continue_final_message": True}),
         (
             "tool message first after system",
             {"messages": [S("s"), U("q"), A("", tool_calls=[call("search", {"query": "x"})]), T("r1"), T("r2"), T("r3")]},
