@@ -115,6 +115,14 @@ SNIPPETS = [
     # globals
     ("{{ range(3)|list }}|{{ range(1, 7, 2)|list }}|{{ range(5, 0, -2)|list }}|{{ dict(a=1, b=2) }}|{{ dict({'x': 1}, y=2) }}", {}),
     ("{{ namespace(a=1).a }}|{% set n = namespace({'k': 'v'}) %}{{ n.k }}", {}),
+    # idioms of other models' templates (Llama 3, Mistral, DeepSeek, Gemma)
+    ("{{ bos_token ~ '<|h|>' + m['role'] + '<|e|>\n\n' + m['content'] | trim + '<|eot|>' }}", {"bos_token": "<s>", "m": {"role": "user", "content": "  hi  "}}),
+    ("{{ parts | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') }}", {"parts": [{"type": "text", "text": "a"}, {"type": "image"}, {"type": "text", "text": "b"}]}),
+    ("{% set loop_messages = ms[1:] %}{% for m in loop_messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}{{ m.role[0] }}{% endfor %}", {"ms": [{"role": "system"}, {"role": "user"}, {"role": "assistant"}, {"role": "assistant"}]}),
+    ("{%- if x is defined and x is not none %}{{ x }}{%- endif %}{{ ms | length > 0 and ms[-1].role == 'user' }}", {"x": 0, "ms": [{"role": "user"}]}),
+    ("{% set ns = namespace(found=false) %}{% for m in ms %}{% if m.role == 'system' %}{% set ns.found = true %}{% endif %}{% endfor %}{{ ns.found }}", {"ms": [{"role": "system"}]}),
+    ("{{ '[INST] ' + m['content'].strip() + ' [/INST]' if m['role'] == 'user' else m['content'] + eos }}", {"m": {"role": "user", "content": " q "}, "eos": "</s>"}),
+    ("{%- for tool in tools %}{{- tool.function.name }}({% for n, p in tool.function.parameters.properties.items() %}{{ n }}: {{ p.type }}{% if not loop.last %}, {% endif %}{% endfor %}){% endfor %}", {"tools": [{"function": {"name": "f", "parameters": {"properties": {"a": {"type": "string"}, "b": {"type": "integer"}}}}}]}),
     # errors
     ("{{ raise_exception('custom failure: ' ~ x) }}", {"x": 42}),
     ("{{ u.attr }}", {}),
@@ -149,7 +157,8 @@ def render_jinja2(compile_fn, template, variables):
 
     try:
         t = compile_fn(template)
-        return t.render(messages=MSGS, tools=None, documents=None, add_generation_prompt=False, **variables), None
+        kw = {"tools": None, "documents": None, "add_generation_prompt": False, **variables}
+        return t.render(messages=MSGS, **kw), None
     except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
         return None, e
 
