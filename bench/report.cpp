@@ -110,6 +110,12 @@ void Report::add_kernels(const std::vector<KernelResult>& r) {
            "bound", "fallback us", "match"});
   Json arr = Json::array();
   for (const auto& k : r) {
+    if (k.time_s <= 0) {  // a failed case
+      t.row({k.family + "." + k.variant, k.op, k.shape, "-", "-", "-", "-", "-", "-", "-", k.note});
+      arr.push_back(Json{{"family", k.family}, {"variant", k.variant}, {"op", k.op}, {"shape", k.shape},
+                         {"time_s", nullptr}, {"note", k.note}});
+      continue;
+    }
     const double gbs = k.time_s > 0 ? k.bytes / k.time_s / 1e9 : 0;
     const double tf = k.time_s > 0 ? k.flops / k.time_s / 1e12 : 0;
     t.row({k.family + "." + k.variant, k.op, k.shape, us(k.time_s), fmt("%.0f", gbs), fmt("%.1f", tf),

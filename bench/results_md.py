@@ -94,7 +94,10 @@ def main():
         w("| family.variant | op | shape | us | GB/s | TFLOP/s | of SOL | fallback us | match |")
         w("|---|---|---|---|---|---|---|---|---|")
         for k in d["kernels"]:
-            t = k["time_s"]
+            t = k.get("time_s")
+            if not t:
+                w(f"| {k['family']}.{k['variant']} | {k['op']} | {k['shape']} | - | - | - | - | - | {k.get('note', '')} |")
+                continue
             fb = "-" if k.get("fallback_time_s") is None else f"{k['fallback_time_s'] * 1e6:.2f} ({k['fallback']})"
             w(f"| {k['family']}.{k['variant']} | {k['op']} | {k['shape']} | {t * 1e6:.2f} | {k['bytes'] / t / 1e9:.0f} | "
               f"{k['flops'] / t / 1e12:.1f} | {100 * k['floor_s'] / t:.0f}% | {fb} | {k.get('match') or '-'} |")

@@ -10,7 +10,8 @@
 #
 # Flags: --peers (also run bench/peers/peers.py; needs the carried .whl/ wheels of fla-core and
 #        flash-linear-attention), --quick (fewer shapes, fewer steps: a smoke run), --budget S
-#        (seconds for `bench all`, default 240).
+#        (seconds for `bench all`, default 240), --total S (seconds for the whole script, default
+#        340: the peers get what is left).
 # Output under $OUT (default ./bench-out), at most 8 files: bench.json, bench.log, tpot.png,
 # ttft.png, profile.png, and with --peers peers.json, peers.log.
 set -uo pipefail
@@ -21,11 +22,13 @@ BIN=${BIN:-build-bench/bin/deltaserve}
 peers=0
 quick=0
 budget=240
+total=340
 while [ $# -gt 0 ]; do
   case "$1" in
     --peers) peers=1 ;;
     --quick) quick=1 ;;
     --budget) budget=$2; shift ;;
+    --total) total=$2; shift ;;
     *) echo "gpu_bench.sh: unknown flag $1" >&2; exit 2 ;;
   esac
   shift
@@ -65,21 +68,28 @@ timeout --signal=INT $((budget + 30)) "$BIN" bench all --profile --json "$OUT/be
 rc=${PIPESTATUS[0]}
 echo "gpu_bench.sh: bench all exited with $rc" | tee -a "$LOG"
 
-if [ $peers = 1 ]; then
+plot() {
+  [ -f "$OUT/bench.json" ] || return 0
+  local plot_args=("$OUT/bench.json" --out "$OUT")
+  [ -f "$OUT/peers.json" ] && plot_args+=(--peers "$OUT/peers.json")
+  python3 bench/plot.py "${plot_args[@]}" 2>&1 | tee -a "$LOG"
+}
+plot  # first, so the plots exist even if the peers run out of time
+
+left=$((total - SECONDS - 20))
+if [ $peers = 1 ] && [ $left -lt 40 ]; then
+  echo "gpu_bench.sh: only ${left} s left of ${total}: peers skipped" | tee -a "$LOG"
+elif [ $peers = 1 ]; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   else
     echo "gpu_bench.sh: no .whl/ wheels carried: the GDN peers and the model's FLA path are skipped" | tee -a "$LOG"
   fi
-  peer_args=(--json "$OUT/peers.json" --max-seconds 100)
+  peer_args=(--json "$OUT/peers.json" --max-seconds $((left - 25)))
   [ $quick = 1 ] && peer_args+=(--quick)
-  PYTHONUNBUFFERED=1 timeout 130 python3 bench/peers/peers.py "${peer_args[@]}" 2>&1 | tee "$OUT/peers.log"
+  PYTHONUNBUFFERED=1 timeout $left python3 bench/peers/peers.py "${peer_args[@]}" 2>&1 | tee "$OUT/peers.log"
+  plot
 fi
-
-if [ -f "$OUT/bench.json" ]; then
-  plot_args=("$OUT/bench.json" --out "$OUT")
-  [ -f "$OUT/peers.json" ] && plot_args+=(--peers "$OUT/peers.json")
-  python3 bench/plot.py "${plot_args[@]}" 2>&1 | tee -a "$LOG"
-fi
+echo "gpu_bench.sh: done in ${SECONDS} s" | tee -a "$LOG"
 exit $rc

@@ -33,8 +33,8 @@ Ceilings measure_ceilings(int device, int repeats) {
   cudaDeviceProp prop{};
   gpu::check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
   Ceilings c;
-  char buf[256];
-  std::snprintf(buf, sizeof buf, "%s (sm_%d%d, %d SMs, %.0f MiB L2, %.0f GiB)", prop.name, prop.major,
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "%.256s (sm_%d%d, %d SMs, %.0f MiB L2, %.0f GiB)", prop.name, prop.major,
                 prop.minor, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0,
                 prop.totalGlobalMem / 1073741824.0);
   c.device = buf;

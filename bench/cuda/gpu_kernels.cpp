@@ -119,7 +119,8 @@ class KernelBench {
     ds::throw_error("bench kernels: the model has no matrix '", name, "'");
   }
   void seed_results(const std::vector<KernelResult>& prior) {
-    for (const auto& r : prior) cache_[key(r.family, r.op, r.shape)] = r;
+    for (const auto& r : prior)
+      if (r.time_s > 0) cache_[key(r.family, r.op, r.shape)] = r;
   }
   std::vector<KernelResult>& results() { return results_; }
 
@@ -604,34 +605,51 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
   const std::vector<int> cached_lens = opt.quick ? std::vector<int>{0, 32768} : std::vector<int>{0, 8192, 16384, 32768};
   const std::vector<int> contexts = opt.quick ? std::vector<int>{4096, 32768} : std::vector<int>{4096, 8192, 16384, 32768};
   std::printf("kernels (%s):\n", opt.quick ? "quick set" : "full set");
+  // One failing case is recorded (time 0, note FAILED) and the others still run.
+  auto guarded = [&](const std::string& family, const std::string& what, const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      std::printf("  %s %s FAILED: %s\n", family.c_str(), what.c_str(), e.what());
+      std::fflush(stdout);
+      cudaGetLastError();
+      KernelResult r;
+      r.family = family;
+      r.variant = "FAILED";
+      r.shape = what;
+      r.note = std::string("FAILED: ") + e.what();
+      kb.results().push_back(r);
+    }
+  };
+  auto S = [](int a, int b) { return std::to_string(a) + "/" + std::to_string(b); };
   if (wanted(opt, "gemm")) {
     for (const auto& o : kb.ops())
-      for (int m : dec_batches) kb.gemm(o.name, m);
+      for (int m : dec_batches) guarded("gemm", o.name + " m=" + std::to_string(m), [&] { kb.gemm(o.name, m); });
     for (const auto& o : kb.ops())
       if (!o.f32_out)
-        for (int m : chunks) kb.gemm(o.name, m);
+        for (int m : chunks) guarded("gemm", o.name + " m=" + std::to_string(m), [&] { kb.gemm(o.name, m); });
   }
   if (c.n_full_layers() > 0 && wanted(opt, "attn_prefill"))
     for (int q : chunks)
-      for (int kv : cached_lens) kb.attn_prefill(q, kv);
+      for (int kv : cached_lens) guarded("attn_prefill", "q/cached " + S(q, kv), [&] { kb.attn_prefill(q, kv); });
   if (c.n_full_layers() > 0 && wanted(opt, "attn_decode"))
     for (int b : dec_batches)
-      for (int ctx : contexts) kb.attn_decode(b, ctx);
+      for (int ctx : contexts) guarded("attn_decode", "batch/ctx " + S(b, ctx), [&] { kb.attn_decode(b, ctx); });
   if (c.n_linear_layers() > 0 && wanted(opt, "gdn_decode"))
-    for (int b : dec_batches) kb.gdn_decode(b);
+    for (int b : dec_batches) guarded("gdn_decode", "batch " + std::to_string(b), [&] { kb.gdn_decode(b); });
   if (c.n_linear_layers() > 0 && wanted(opt, "gdn_prefill")) {
-    for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{64, 512, 4096}) kb.gdn_prefill(t, 8192);
-    kb.gdn_prefill(4096, 0);
+    for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{64, 512, 4096})
+      guarded("gdn_prefill", "tokens/pos " + S(t, 8192), [&] { kb.gdn_prefill(t, 8192); });
+    guarded("gdn_prefill", "tokens/pos " + S(4096, 0), [&] { kb.gdn_prefill(4096, 0); });
   }
   const std::vector<int> rows = opt.quick ? std::vector<int>{1, 4096} : std::vector<int>{1, 16, 4096};
-  if (wanted(opt, "rmsnorm"))
-    for (int n : rows) kb.rmsnorm(n);
-  if (wanted(opt, "silu_mul"))
-    for (int n : rows) kb.silu_mul(n);
-  if (c.n_full_layers() > 0 && wanted(opt, "rope_kv"))
-    for (int n : rows) kb.rope_kv(n);
-  if (wanted(opt, "gather"))
-    for (int n : rows) kb.gather(n, c.d_model, "embedding");
+  for (int n : rows) {
+    const std::string w = std::to_string(n) + " rows";
+    if (wanted(opt, "rmsnorm")) guarded("rmsnorm", w, [&] { kb.rmsnorm(n); });
+    if (wanted(opt, "silu_mul")) guarded("silu_mul", w, [&] { kb.silu_mul(n); });
+    if (c.n_full_layers() > 0 && wanted(opt, "rope_kv")) guarded("rope_kv", w, [&] { kb.rope_kv(n); });
+    if (wanted(opt, "gather")) guarded("gather", w, [&] { kb.gather(n, c.d_model, "embedding"); });
+  }
   return kb.results();
 }
 
