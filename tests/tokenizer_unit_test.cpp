@@ -231,6 +231,14 @@ TEST_F(Tiny, StreamDecoderHoldsBackIncompleteUtf8) {
   EXPECT_THROW(d3.push(100000), Error);
 }
 
+TEST_F(Tiny, NfcUsesHfUnicodeVersion) {
+  // HF's NFC tables are Unicode 9.0: U+0898 (14.0, ccc 230) is an inert starter for it, so it is
+  // not reordered after U+0336 (ccc 1) as utf8proc alone would; U+08D4 (9.0) is.
+  EXPECT_EQ(tok_->decode(tok_->encode("a\xe0\xa2\x98\xcc\xb6")), "a\xe0\xa2\x98\xcc\xb6");
+  EXPECT_EQ(tok_->decode(tok_->encode("a\xe0\xa3\x94\xcc\xb6")), "a\xcc\xb6\xe0\xa3\x94");
+  EXPECT_EQ(tok_->decode(tok_->encode("e\xcc\x81")), "\xc3\xa9");
+}
+
 TEST_F(Tiny, InvalidUtf8InputIsRepairedFirst) {
   EXPECT_EQ(tok_->encode("a\xff"), tok_->encode("a\xEF\xBF\xBD"));
 }

@@ -32,6 +32,7 @@ struct Candidate {
   int32_t rank;
   int32_t pos;  // index of the left symbol
   int32_t merged;
+  int32_t left, right;  // the pair's ids when pushed
 };
 
 // Heap order: the lowest rank first, then the leftmost position (HF's Merge ordering).
@@ -127,7 +128,7 @@ void BpeModel::merge_uncached(std::string_view bytes, std::vector<int32_t>& out)
 
   for (int32_t i = 0; i + 1 < n; ++i) {
     if (const MergeSlot* m = find_merge(sym[i].id, sym[i + 1].id)) {
-      heap.push_back({m->rank, i, m->merged});
+      heap.push_back({m->rank, i, m->merged, sym[i].id, sym[i + 1].id});
     }
   }
   std::make_heap(heap.begin(), heap.end(), later);
@@ -139,8 +140,9 @@ void BpeModel::merge_uncached(std::string_view bytes, std::vector<int32_t>& out)
     if (cur.len == 0 || cur.next < 0) continue;
     Symbol& right = sym[cur.next];
     // Skip stale entries: the pair at this position changed since the candidate was pushed.
-    const MergeSlot* m = find_merge(cur.id, right.id);
-    if (!m || m->merged != top.merged) continue;
+    // (HF re-looks the pair up and compares the merged id; symbols only ever grow, so a changed
+    // pair always spells a different string, hence a different merged id: the same test.)
+    if (cur.id != top.left || right.id != top.right) continue;
     cur.id = top.merged;
     cur.len += right.len;
     right.len = 0;
@@ -148,13 +150,13 @@ void BpeModel::merge_uncached(std::string_view bytes, std::vector<int32_t>& out)
     if (cur.next >= 0) sym[cur.next].prev = top.pos;
     if (cur.prev >= 0) {
       if (const MergeSlot* p = find_merge(sym[cur.prev].id, cur.id)) {
-        heap.push_back({p->rank, cur.prev, p->merged});
+        heap.push_back({p->rank, cur.prev, p->merged, sym[cur.prev].id, cur.id});
         std::push_heap(heap.begin(), heap.end(), later);
       }
     }
     if (cur.next >= 0) {
       if (const MergeSlot* q = find_merge(cur.id, sym[cur.next].id)) {
-        heap.push_back({q->rank, top.pos, q->merged});
+        heap.push_back({q->rank, top.pos, q->merged, cur.id, sym[cur.next].id});
         std::push_heap(heap.begin(), heap.end(), later);
       }
     }

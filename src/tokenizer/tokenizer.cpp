@@ -8,6 +8,7 @@
 #include <array>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <unordered_map>
@@ -158,6 +159,37 @@ bool nfc_inert(uint32_t cp) {
   return p->decomp_seqindex == UINT16_MAX || p->decomp_type != 0;  // only canonical ones matter
 }
 
+// Code points HF's NFC knows (assigned in Unicode 9.0, the version of its tables); see
+// tools/make_unicode_classes.py. Later ones are inert for HF: no decomposition, combining class 0.
+struct CodeRange {
+  uint32_t first, last;
+};
+constexpr CodeRange kNfcKnown[] = {
+#include "tokenizer/nfc_known.inc"
+};
+
+bool hf_nfc_knows(uint32_t cp) {
+  const CodeRange* end = kNfcKnown + std::size(kNfcKnown);
+  const CodeRange* it = std::upper_bound(
+      kNfcKnown, end, cp, [](uint32_t c, const CodeRange& r) { return c < r.first; });
+  return it != kNfcKnown && cp <= (it - 1)->last;
+}
+
+// NFC of a run that needs it, as HF computes it: code points unknown to HF's tables are copied
+// as they are and cut the run (for HF they are starters that compose with nothing).
+void nfc_run(std::string_view s, std::string& out) {
+  size_t i = 0, piece = 0;
+  while (i < s.size()) {
+    const size_t at = i;
+    const uint32_t cp = utf8::decode(s, i);
+    if (cp < 0x80 || hf_nfc_knows(cp)) continue;
+    if (at > piece) out += utf8proc_nfc(s.substr(piece, at - piece));
+    out.append(s.data() + at, i - at);
+    piece = i;
+  }
+  if (s.size() > piece) out += utf8proc_nfc(s.substr(piece));
+}
+
 // NFC(s). Text is cut before ASCII characters (always starters that compose with nothing before
 // them), and only runs of non-ASCII characters that hold a non-inert character go through
 // utf8proc, together with the ASCII character before them (it may compose with a mark).
@@ -179,7 +211,7 @@ std::string nfc_normalize(std::string_view s) {
     if (inert) continue;
     const size_t seg = run_start > 0 ? run_start - 1 : 0;
     out.append(s.data() + emitted, seg - emitted);
-    out += utf8proc_nfc(s.substr(seg, i - seg));
+    nfc_run(s.substr(seg, i - seg), out);
     emitted = i;
   }
   out.append(s.data() + emitted, n - emitted);

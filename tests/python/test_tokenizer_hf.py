@@ -122,6 +122,27 @@ def random_strings(n, seed=1234):
     return out
 
 
+def random_codepoint_strings(n, seed=4321):
+    """Code points from the whole Unicode range (no surrogates), heavy on combining marks: checks
+    that our character classes and NFC use the same Unicode data as HF (Unicode 16 classes,
+    Unicode 9.0 NFC tables)."""
+    rng = random.Random(seed)
+
+    def one():
+        r = rng.random()
+        if r < 0.3:
+            return chr(rng.randrange(0x80, 0x3000))
+        if r < 0.5:
+            return chr(rng.randrange(0x3000, 0xD800))
+        if r < 0.6:
+            return chr(rng.randrange(0x10000, 0x32000))
+        if r < 0.8:
+            return rng.choice("aAsS' \n\t1.,\u00e9")
+        return chr(rng.randrange(0x300, 0x370))
+
+    return ["".join(one() for _ in range(rng.randint(0, 20))) for _ in range(n)]
+
+
 def run_cli(args, data):
     if not BIN.exists():
         pytest.fail(f"{BIN} not found: build the `deltaserve` target (DS_BUILD_DIR={BUILD})")
@@ -194,7 +215,7 @@ def long_texts():
 
 
 NFC_NFD = ["café naïve résumé Ångström", "cafe\u0301 nai\u0308ve re\u0301sume\u0301 A\u030angstro\u0308m"]
-ENCODE_TEXTS = CORPUS + long_texts() + random_strings(10_000) + NFC_NFD
+ENCODE_TEXTS = CORPUS + long_texts() + random_strings(10_000) + random_codepoint_strings(5_000) + NFC_NFD
 
 
 @pytest.fixture(scope="session")
@@ -212,7 +233,7 @@ def assert_same(texts, ours, theirs, what):
 
 @pytest.mark.parametrize("no_special", [False, True])
 def test_encode_matches_hf(tok_dir, encoded, no_special):
-    # Corpus, long pieces and 10,000 seeded random strings.
+    # Corpus, long pieces, 10,000 seeded random strings, 5,000 of random code points.
     hf = hf_tokenizer(tok_dir, encode_special_tokens=no_special)
     assert_same(ENCODE_TEXTS, encoded[no_special], hf_encode_batch(hf, ENCODE_TEXTS),
                 f"encode (no_special={no_special})")
