@@ -202,6 +202,23 @@ TEST(Engine, StopTokenIdAndEos) {
   EXPECT_EQ(c2.last.n_generated, 40);
 }
 
+TEST(Engine, IdsBeyondTheTokenizerHaveNoText) {
+  NEED_TOKENIZER();
+  // Model vocabularies are padded past the tokenizer (Qwen3.5: 248320 rows); such ids must not
+  // break detokenizing.
+  std::vector<int32_t> script = tok->encode("ab");
+  script.insert(script.begin() + 1, tok->vocab_size() + 5);
+  auto backend = std::make_unique<ScriptBackend>(script, 2, 16, 1000, tok->vocab_size() + 64);
+  Engine eng(std::move(backend), tok, EngineOptions{});
+  GenerationRequest r = greedy(*tok, static_cast<int>(script.size()));
+  r.top_logprobs = 1;
+  Collected c = collect(*eng.submit(r));
+  EXPECT_EQ(c.last.finish, FinishReason::kLength);
+  EXPECT_EQ(c.text, "ab");
+  ASSERT_EQ(c.tokens.size(), script.size());
+  EXPECT_EQ(c.tokens[1].id, tok->vocab_size() + 5);
+}
+
 TEST(Engine, Logprobs) {
   NEED_TOKENIZER();
   auto eng = make_engine(tok, "one two three");

@@ -113,6 +113,7 @@ Engine::Engine(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer
   max_waiting_ = options.scheduler.max_waiting;
   for (int id : config_.eos_token_ids) eos_ids_.push_back(id);
   if (tokenizer_) {
+    tok_vocab_ = tokenizer_->vocab_size();
     for (int32_t id : tokenizer_->eos_ids()) {
       if (std::find(eos_ids_.begin(), eos_ids_.end(), id) == eos_ids_.end()) eos_ids_.push_back(id);
     }
@@ -351,7 +352,8 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     return;
   }
   if (r.decoder) {
-    r.held += r.decoder->push(token);
+    // Ids past the tokenizer (checkpoints pad the embedding beyond it) decode to nothing.
+    if (token < tok_vocab_) r.held += r.decoder->push(token);
     if (!q.stop.empty()) {
       const size_t at = find_stop(r.held, q.stop);
       if (at != std::string::npos) {
@@ -476,7 +478,15 @@ void Engine::loop() {
       Request& r = *found->second;
       const float* row = logits.data() + i * vocab;
       const int32_t token = r.sampler.sample(std::span<const float>(row, vocab), r.generated);
-      on_token(r, token, row);
+      try {
+        on_token(r, token, row);
+      } catch (const std::exception& e) {
+        // Never let one request's failure take the loop (and the server) down.
+        std::fprintf(stderr, "deltaserve: request %llu failed: %s\n",
+                     static_cast<unsigned long long>(it.seq_id), e.what());
+        auto again = active_.find(it.seq_id);
+        if (again != active_.end()) finish(*again->second, FinishReason::kError, e.what());
+      }
     }
     update_stats();
   }

@@ -155,6 +155,7 @@ class Engine {
   int64_t pool_tokens_ = 0;  // tokens the KV pool can hold for one sequence (0: unknown)
   int max_waiting_ = 0;      // queued (not yet running) requests at most
   std::vector<int32_t> eos_ids_;
+  int32_t tok_vocab_ = 0;  // ids >= this have no text (model vocabularies are often padded)
   Scheduler scheduler_;
 
   struct Control;                 // mutex-guarded state shared with the streams

@@ -57,7 +57,7 @@ int status_of(RejectedError::Kind k) {
 
 // The text a token stands for on its own (logprobs "token" fields).
 std::string token_text(const Tokenizer* tok, int32_t id) {
-  if (!tok) return "token_id:" + std::to_string(id);
+  if (!tok || id >= tok->vocab_size()) return "token_id:" + std::to_string(id);
   const int32_t one[1] = {id};
   return sanitize_utf8(tok->decode(std::span<const int32_t>(one, 1)));
 }
@@ -71,7 +71,7 @@ size_t utf8_length(const std::string& s) {
 
 json token_bytes_json(const Tokenizer* tok, int32_t id) {
   json b = json::array();
-  if (!tok) return b;
+  if (!tok || id >= tok->vocab_size()) return b;
   for (unsigned char c : tok->token_bytes(id)) b.push_back(static_cast<int>(c));
   return b;
 }
