@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -66,9 +67,13 @@ int run_bench(BenchOpts o) {
   DS_CHECK(gpu || o.spec.device == "cpu", "--device: bad value '", o.spec.device, "' (cpu, cuda or cuda:N)");
   DS_CHECK(gpu || (o.which != "ceilings" && o.which != "kernels" && !o.profile), "bench ", o.which,
            o.profile ? " --profile" : "", " needs a GPU (--device cuda)");
-  if (!o.json_path.empty()) {  // fail now, not after minutes of measuring
-    std::ofstream f(o.json_path, std::ios::app);
-    DS_CHECK(f.good(), "--json: cannot write ", o.json_path);
+  if (!o.json_path.empty()) {  // fail now, not after minutes of measuring (and leave no empty file)
+    const bool existed = std::filesystem::exists(o.json_path);
+    {
+      std::ofstream f(o.json_path, std::ios::app);
+      DS_CHECK(f.good(), "--json: cannot write ", o.json_path);
+    }
+    if (!existed) std::filesystem::remove(o.json_path);
   }
 
   bench::Report report;
