@@ -254,10 +254,12 @@ def test_stream_is_incremental(client):
     import time
     t0 = time.time()
     times = []
-    for ch in client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=40, temperature=0, stream=True,
+    for ch in client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True,
                                         extra_body={"ignore_eos": True}):
         if ch.choices and ch.choices[0].text:
             times.append(time.time() - t0)
-    assert len(times) >= 20
+    assert len(times) >= 100
+    if times[-1] < 0.05:
+        pytest.skip(f"generation too fast ({times[-1]:.3f} s for 200 tokens) to see the spread")
     assert times[0] < 0.5 * times[-1], times
-    assert len({round(t, 3) for t in times}) >= 10  # spread over time, not one burst
+    assert len({round(t, 3) for t in times}) >= 20  # spread over time, not one burst
