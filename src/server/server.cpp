@@ -8,6 +8,7 @@
 #include <ctime>
 #include <thread>
 
+#include "chat/output_parser.h"
 #include "server/chat_output.h"
 
 namespace ds {
@@ -479,9 +480,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         throw ApiError(400, std::string("chat template error: ") + e.what(), "messages");
       }
       // Thinking on: the template opened <think> in the prompt, so generation starts as reasoning.
-      const size_t end = text.find_last_not_of(" \n");
-      job->starts_in_reasoning =
-          end != std::string::npos && end >= 6 && text.compare(end - 6, 7, "<think>") == 0;
+      job->starts_in_reasoning = OutputParser::prompt_ends_in_reasoning(text);
       if (input.contains("tools")) job->tools = input["tools"];
       prompts.push_back(tok->encode(text, true));
       echoes.emplace_back();
