@@ -30,6 +30,7 @@ struct ServeOpts {
   std::string synthetic;  // instead of --model: random weights ("27b", "tiny", or a config.json)
   int layers = 0;         // synthetic: keep only the first N layers
   uint64_t seed = 1;      // synthetic weights' seed
+  int64_t max_kv_tokens = 0;  // synthetic on CUDA: cap the KV pool (tests preemption)
   std::string model, tokenizer, device = "cpu", host = "127.0.0.1", api_key;
   std::vector<std::string> served_names;
   int port = 8000;
@@ -91,6 +92,7 @@ int run_serve(const ServeOpts& o) {
     spec.max_seq_len = o.max_model_len;
     spec.chunk_size = o.chunk_size;
     spec.seed = o.seed;
+    spec.max_kv_tokens = o.max_kv_tokens;
     spec.verbose = false;
     backend = bench::make_bench_backend(spec);
   } else {
@@ -181,6 +183,9 @@ std::function<int()> setup_serve(CLI::App& app) {
   app.add_option("--layers", o->layers, "With --synthetic: keep only the first N layers")
       ->check(CLI::Range(0, 1024));
   app.add_option("--seed", o->seed, "With --synthetic: seed of the weights")->capture_default_str();
+  app.add_option("--max-kv-tokens", o->max_kv_tokens,
+                 "With --synthetic on CUDA: cap the KV pool to this many tokens (0: by memory)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   app.add_option("--tokenizer", o->tokenizer,
                  "Tokenizer + chat template folder (default: the model folder)");
   app.add_option("--host", o->host, "Address to listen on")->capture_default_str();
