@@ -29,7 +29,8 @@ ModelConfig bench_model_config(const BenchBackendSpec& spec) {
     c = load_model_config(spec.synthetic);
   }
   if (spec.layers > 0) {
-    DS_CHECK(spec.layers <= c.n_layers, "--layers ", spec.layers, " exceeds the model's ", c.n_layers, " layers");
+    DS_CHECK(spec.layers <= c.n_layers, "--layers ", spec.layers, " exceeds the model's ",
+             c.n_layers, " layers");
     c.n_layers = spec.layers;
     c.layer_types.resize(spec.layers);
   }

@@ -17,10 +17,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "bench/bench_math.h"
 #include "model/config.h"
@@ -30,12 +29,12 @@ namespace ds::bench {
 
 // ---- Ceilings (gpu_bench.cpp) -----------------------------------------------------------------
 struct Ceilings {
-  bool valid = false;     // measured on a GPU in this run
-  std::string device;     // "NVIDIA H200 (sm_90, 132 SMs, 60 MiB L2)"
+  bool valid = false;  // measured on a GPU in this run
+  std::string device;  // "NVIDIA H200 (sm_90, 132 SMs, 60 MiB L2)"
   double l2_bytes = 0;
-  double read_bps = 0;    // streaming read, bytes/s
-  double copy_bps = 0;    // device-to-device copy, bytes read + written per second
-  double gemm_flops = 0;  // bf16 GEMM 8192^3 through cuBLASLt, FLOP/s
+  double read_bps = 0;             // streaming read, bytes/s
+  double copy_bps = 0;             // device-to-device copy, bytes read + written per second
+  double gemm_flops = 0;           // bf16 GEMM 8192^3 through cuBLASLt, FLOP/s
   Summary read_s, copy_s, gemm_s;  // per-repetition times
   double read_bytes = 0, copy_bytes = 0, gemm_flop = 0;  // work of one repetition
 };
@@ -56,7 +55,7 @@ struct KernelResult {
   Summary samples;      // per-launch times, seconds
   double bytes = 0;     // device-memory bytes the launch must move at least
   double flops = 0;
-  double floor_s = 0;   // roofline floor from the ceilings
+  double floor_s = 0;  // roofline floor from the ceilings
   bool memory_bound = true;
   std::string fallback;         // the generic variant it replaces ("" if none)
   double fallback_time_s = -1;  // its median time on the same inputs
@@ -66,10 +65,10 @@ struct KernelResult {
 
 struct KernelBenchOptions {
   int device = 0;
-  int samples = 30;          // timed replays per case
+  int samples = 30;            // timed replays per case
   double min_sample_s = 2e-4;  // launches per replay are added until one replay takes this long
-  bool quick = false;        // fewer shapes (decode batch 1, the 4096 chunk only)
-  std::string only;          // comma-separated families to run ("" = all)
+  bool quick = false;          // fewer shapes (decode batch 1, the 4096 chunk only)
+  std::string only;            // comma-separated families to run ("" = all)
 };
 
 // Times every case; needs the ceilings for the floors.
@@ -78,18 +77,18 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
 
 // ---- Profile (gpu_kernels.cpp) ----------------------------------------------------------------
 struct ProfileEntry {
-  std::string kernel;   // kernel class (gemm.gate_up, attn_decode, gdn_decode, rmsnorm, ...)
-  int launches = 0;     // per step
-  double time_s = 0;    // all launches of the class in one step
+  std::string kernel;  // kernel class (gemm.gate_up, attn_decode, gdn_decode, rmsnorm, ...)
+  int launches = 0;    // per step
+  double time_s = 0;   // all launches of the class in one step
   double bytes = 0, flops = 0;
-  double share = 0;     // of the kernel sum
+  double share = 0;  // of the kernel sum
 };
 struct Profile {
-  std::string phase;    // "decode" or "prefill"
-  std::string shape;    // "batch 1 at context 4096" / "chunk 4096 after 0 cached"
+  std::string phase;  // "decode" or "prefill"
+  std::string shape;  // "batch 1 at context 4096" / "chunk 4096 after 0 cached"
   std::vector<ProfileEntry> entries;
-  double kernel_sum_s = 0;   // sum of the isolated kernel times
-  double measured_s = -1;    // the whole step through the engine, when measured in this run
+  double kernel_sum_s = 0;  // sum of the isolated kernel times
+  double measured_s = -1;   // the whole step through the engine, when measured in this run
   std::string method;
 };
 // One decode step (batch, context) and one prefill chunk (chunk tokens after `cached`), each
@@ -98,7 +97,8 @@ struct Profile {
 std::vector<Profile> run_profile(const ModelConfig& c, const Ceilings& ceil,
                                  const KernelBenchOptions& opt, int decode_batch,
                                  int64_t decode_context, int64_t prefill_chunk,
-                                 int64_t prefill_cached, const std::vector<KernelResult>& prior = {});
+                                 int64_t prefill_cached,
+                                 const std::vector<KernelResult>& prior = {});
 
 // ---- Engine benches (engine_bench.cpp) --------------------------------------------------------
 struct PrefillResult {
@@ -107,17 +107,17 @@ struct PrefillResult {
   double tok_per_s = 0;  // prompt / median TTFT
   double tflops = 0;     // FLOPs / median TTFT, 1e12
   PrefillFlops flops;
-  double floor_s = -1;   // FLOPs / GEMM ceiling (-1 without ceilings)
+  double floor_s = -1;  // FLOPs / GEMM ceiling (-1 without ceilings)
 };
 struct DecodeResult {
   int batch = 0;
-  int64_t context = 0;         // nominal (the bucket)
-  double context_mean = 0;     // tokens each sequence held, mean over the timed steps
+  int64_t context = 0;      // nominal (the bucket)
+  double context_mean = 0;  // tokens each sequence held, mean over the timed steps
   int warmup = 0;
-  Summary tpot_s;              // per step (one token for every sequence)
-  DecodeBytes bytes;           // at context_mean
-  double floor_s = -1;         // bytes / streaming-read ceiling (-1 without ceilings)
-  double fill_s = 0;           // time spent filling the KV cache for this case (prefill)
+  Summary tpot_s;       // per step (one token for every sequence)
+  DecodeBytes bytes;    // at context_mean
+  double floor_s = -1;  // bytes / streaming-read ceiling (-1 without ceilings)
+  double fill_s = 0;    // time spent filling the KV cache for this case (prefill)
   int64_t fill_tokens = 0;
 };
 struct ServeBucket {
@@ -144,10 +144,10 @@ struct EngineBenchOptions {
   std::vector<std::pair<int, int64_t>> decode_cases;
   int decode_steps = 128;
   int decode_warmup = 8;
-  int serve_requests = 5;      // per bucket
+  int serve_requests = 5;  // per bucket
   int serve_output = 128;
   uint64_t seed = 0;
-  double max_seconds = 0;      // > 0: skip the cases left once a bench has run this long
+  double max_seconds = 0;  // > 0: skip the cases left once a bench has run this long
 };
 
 std::vector<PrefillResult> run_prefill_bench(Backend& be, const Ceilings& ceil,
@@ -167,14 +167,14 @@ std::vector<std::pair<int, int64_t>> cross_cases(const std::vector<int64_t>& bat
 
 // ---- The engine under test (backend_setup.cpp) -----------------------------------------------
 struct BenchBackendSpec {
-  std::string device = "cuda";  // cpu, cuda, cuda:N
+  std::string device = "cuda";    // cpu, cuda, cuda:N
   std::string synthetic = "27b";  // "27b", "tiny", or a config.json path (random weights)
-  std::string model;            // a checkpoint folder instead of synthetic weights
-  int layers = 0;               // > 0: keep only the first `layers` layers (quick runs)
+  std::string model;              // a checkpoint folder instead of synthetic weights
+  int layers = 0;                 // > 0: keep only the first `layers` layers (quick runs)
   int n_slots = 1;
-  int max_seq_len = 0;          // 0: the engine's default
+  int max_seq_len = 0;  // 0: the engine's default
   int chunk_size = 4096;
-  int64_t max_kv_tokens = 0;    // cuda: cap the KV pool (leaves memory to the kernel bench)
+  int64_t max_kv_tokens = 0;  // cuda: cap the KV pool (leaves memory to the kernel bench)
   uint64_t seed = 1;
   bool verbose = true;
 };

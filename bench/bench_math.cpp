@@ -93,15 +93,18 @@ double gdn_layer_flops(const ModelConfig& c, int64_t n_tokens) {
   return per_token * double(c.n_v_heads) * double(n_tokens);
 }
 
-PrefillFlops prefill_flops(const ModelConfig& c, int64_t n_new, int64_t n_cached, int64_t logit_rows) {
+PrefillFlops prefill_flops(const ModelConfig& c, int64_t n_new, int64_t n_cached,
+                           int64_t logit_rows) {
   DS_CHECK(n_new >= 1 && n_cached >= 0 && logit_rows >= 0, "prefill floor: bad shape (", n_new,
            " new tokens, ", n_cached, " cached)");
   PrefillFlops f;
   double params = 0;
   for (LayerType t : c.layer_types) params += layer_matrix_params(c, t);
-  f.linear = 2.0 * params * double(n_new) + 2.0 * double(c.vocab_size) * c.d_model * double(logit_rows);
+  f.linear =
+      2.0 * params * double(n_new) + 2.0 * double(c.vocab_size) * c.d_model * double(logit_rows);
   // QK^T and PV: 2 FLOPs per multiply-add, head_dim each, per (query, key) pair and query head.
-  f.attention = double(c.n_full_layers()) * 4.0 * c.n_heads * c.head_dim * causal_pairs(n_new, n_cached);
+  f.attention =
+      double(c.n_full_layers()) * 4.0 * c.n_heads * c.head_dim * causal_pairs(n_new, n_cached);
   f.gdn = double(c.n_linear_layers()) * gdn_layer_flops(c, n_new);
   return f;
 }
@@ -125,7 +128,8 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
   while (i <= text.size()) {
     const size_t j = std::min(text.find(',', i), text.size());
     std::string item = text.substr(i, j - i);
-    while (!item.empty() && std::isspace(static_cast<unsigned char>(item.front()))) item.erase(item.begin());
+    while (!item.empty() && std::isspace(static_cast<unsigned char>(item.front())))
+      item.erase(item.begin());
     while (!item.empty() && std::isspace(static_cast<unsigned char>(item.back()))) item.pop_back();
     DS_CHECK(!item.empty(), what, ": empty item in '", text, "'");
     int64_t mult = 1;
@@ -133,10 +137,11 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
       mult = 1024;
       item.pop_back();
     }
-    DS_CHECK(!item.empty() && std::all_of(item.begin(), item.end(),
-                                          [](char ch) { return ch >= '0' && ch <= '9'; }) &&
-                 item.size() <= 9,
-             what, ": '", text.substr(i, j - i), "' is not a positive integer");
+    DS_CHECK(
+        !item.empty() &&
+            std::all_of(item.begin(), item.end(), [](char ch) { return ch >= '0' && ch <= '9'; }) &&
+            item.size() <= 9,
+        what, ": '", text.substr(i, j - i), "' is not a positive integer");
     const int64_t v = std::stoll(item) * mult;
     DS_CHECK(v > 0, what, ": values must be positive, got ", v);
     out.push_back(v);

@@ -28,9 +28,9 @@ double percentile(std::vector<double>& samples, double q);
 // The device-memory traffic of one decode step of `batch` sequences that each hold `context`
 // tokens (before the new one), bf16 weights and KV, fp32 GDN state, as the engine lays them out.
 struct DecodeBytes {
-  double weights = 0;    // every matrix read once (embedding: only the batch's rows), norms
-  double kv = 0;         // K and V of every cached token of every attention layer, read once
-  double gdn_state = 0;  // recurrent state (fp32) read + written, conv ring read + written
+  double weights = 0;      // every matrix read once (embedding: only the batch's rows), norms
+  double kv = 0;           // K and V of every cached token of every attention layer, read once
+  double gdn_state = 0;    // recurrent state (fp32) read + written, conv ring read + written
   double activations = 0;  // the new token's K/V written (negligible, counted for honesty)
   double total() const { return weights + kv + gdn_state + activations; }
 };

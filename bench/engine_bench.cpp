@@ -111,8 +111,8 @@ std::vector<PrefillResult> run_prefill_bench(Backend& be, const Ceilings& ceil,
                   opt.max_seconds, static_cast<long long>(p));
       break;
     }
-    DS_CHECK(p <= be.max_seq_len(), "prefill: prompt ", p, " is longer than the engine's max_seq_len ",
-             be.max_seq_len());
+    DS_CHECK(p <= be.max_seq_len(), "prefill: prompt ", p,
+             " is longer than the engine's max_seq_len ", be.max_seq_len());
     const int reps = i < opt.prefill_repeats.size() ? opt.prefill_repeats[i] : default_repeats(p);
     std::vector<double> t;
     for (int r = 0; r < reps; ++r) {
@@ -145,8 +145,8 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
   DS_CHECK(!opt.decode_cases.empty(), "decode: no (batch, context) cases");
   DS_CHECK(opt.decode_steps >= 1 && opt.decode_warmup >= 0, "decode: bad step counts");
   const int n_slots = decode_slots_needed(opt);
-  DS_CHECK(n_slots <= be.n_slots(), "decode: batch ", n_slots, " needs more slots than the engine has (",
-           be.n_slots(), ")");
+  DS_CHECK(n_slots <= be.n_slots(), "decode: batch ", n_slots,
+           " needs more slots than the engine has (", be.n_slots(), ")");
   // Contexts ascending; within a context, batches ascending.
   auto cases = opt.decode_cases;
   std::stable_sort(cases.begin(), cases.end(), [](const auto& a, const auto& b) {
@@ -189,7 +189,8 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
       for (size_t a = 0; a < work.size();) {
         size_t b = a;
         int64_t n = 0;
-        while (b < work.size() && (b == a || n + static_cast<int64_t>(work[b].tokens.size()) <= 65536))
+        while (b < work.size() &&
+               (b == a || n + static_cast<int64_t>(work[b].tokens.size()) <= 65536))
           n += static_cast<int64_t>(work[b++].tokens.size());
         be.step(std::span<const SeqWork>(work.data() + a, b - a), logits);
         a = b;
@@ -197,9 +198,10 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
     }
     const double fill_s = seconds_since(t_fill);
     if (fill_tokens > 0)
-      std::printf("decode: filled %d slot(s) to %lld tokens: %lld prompt tokens in %.2f s (%.0f tok/s)\n",
-                  max_b, static_cast<long long>(ctx), static_cast<long long>(fill_tokens), fill_s,
-                  fill_tokens / fill_s);
+      std::printf(
+          "decode: filled %d slot(s) to %lld tokens: %lld prompt tokens in %.2f s (%.0f tok/s)\n",
+          max_b, static_cast<long long>(ctx), static_cast<long long>(fill_tokens), fill_s,
+          fill_tokens / fill_s);
     bool first = true;
     for (; i < j; ++i) {
       const int batch = cases[i].first;
@@ -239,8 +241,9 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
         r.fill_tokens = fill_tokens;
         first = false;
       }
-      std::printf("decode batch %2d context %6lld: TPOT p50 %.3f ms p99 %.3f ms (%d steps)\n", batch,
-                  static_cast<long long>(ctx), r.tpot_s.p50 * 1e3, r.tpot_s.p99 * 1e3, r.tpot_s.n);
+      std::printf("decode batch %2d context %6lld: TPOT p50 %.3f ms p99 %.3f ms (%d steps)\n",
+                  batch, static_cast<long long>(ctx), r.tpot_s.p50 * 1e3, r.tpot_s.p99 * 1e3,
+                  r.tpot_s.n);
       std::fflush(stdout);
       out.push_back(r);
     }
@@ -250,7 +253,8 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
 }
 
 ServeResult run_serve_bench(std::unique_ptr<Backend> be, const EngineBenchOptions& opt) {
-  DS_CHECK(opt.serve_requests >= 1 && opt.serve_output >= 1, "serve: bad request count / output length");
+  DS_CHECK(opt.serve_requests >= 1 && opt.serve_output >= 1,
+           "serve: bad request count / output length");
   const ModelConfig c = be->config();
   const int max_len = be->max_seq_len();
   struct B {
@@ -259,7 +263,8 @@ ServeResult run_serve_bench(std::unique_ptr<Backend> be, const EngineBenchOption
     double weight;
   };
   // PERF.md: buckets 4K-8K, 8K-16K, 16K-32K, weighted 20/50/30.
-  const B spec[3] = {{"4K-8K", 4096, 8192, 0.2}, {"8K-16K", 8192, 16384, 0.5}, {"16K-32K", 16384, 32768, 0.3}};
+  const B spec[3] = {
+      {"4K-8K", 4096, 8192, 0.2}, {"8K-16K", 8192, 16384, 0.5}, {"16K-32K", 16384, 32768, 0.3}};
   ServeResult res;
   res.mode = "in-process (Engine + " + be->name() + ")";
   res.output_tokens = opt.serve_output;
@@ -281,13 +286,14 @@ ServeResult run_serve_bench(std::unique_ptr<Backend> be, const EngineBenchOption
     int out_sum = 0;
     for (int r = 0; r < opt.serve_requests; ++r) {
       if (r > 0 && opt.max_seconds > 0 && seconds_since(t_start) > opt.max_seconds) {
-        std::printf("serve: time budget of %.0f s spent, bucket %s stops at %d request(s)\n", opt.max_seconds,
-                    b.name, r);
+        std::printf("serve: time budget of %.0f s spent, bucket %s stops at %d request(s)\n",
+                    opt.max_seconds, b.name, r);
         break;
       }
       int len = b.lo + static_cast<int>(rng() % static_cast<uint64_t>(b.hi - b.lo));
       len = std::min(len, max_len - opt.serve_output);
-      DS_CHECK(len >= 1, "serve: the engine's max_seq_len ", max_len, " is too short for bucket ", b.name);
+      DS_CHECK(len >= 1, "serve: the engine's max_seq_len ", max_len, " is too short for bucket ",
+               b.name);
       sb.prompts.push_back(len);
       GenerationRequest req;
       req.prompt = random_tokens(rng, len, c.vocab_size);
@@ -304,7 +310,8 @@ ServeResult run_serve_bench(std::unique_ptr<Backend> be, const EngineBenchOption
         }
         if (seconds_since(t_sub) > 1800) {
           stream->cancel();
-          ds::throw_error("serve: request ", r, " of bucket ", b.name, " did not finish in 30 minutes");
+          ds::throw_error("serve: request ", r, " of bucket ", b.name,
+                          " did not finish in 30 minutes");
         }
       }
       DS_CHECK(last.finish == FinishReason::kLength, "serve: request ended with '",
@@ -314,8 +321,8 @@ ServeResult run_serve_bench(std::unique_ptr<Backend> be, const EngineBenchOption
       if (last.n_generated > 1) tpot.push_back((last.e2e_s - last.ttft_s) / (last.n_generated - 1));
       e2e_sum += last.e2e_s;
       out_sum += last.n_generated;
-      std::printf("serve %s request %d: prompt %d, TTFT %.3f s, %d tokens in %.3f s\n", b.name, r, len,
-                  last.ttft_s, last.n_generated, last.e2e_s);
+      std::printf("serve %s request %d: prompt %d, TTFT %.3f s, %d tokens in %.3f s\n", b.name, r,
+                  len, last.ttft_s, last.n_generated, last.e2e_s);
       std::fflush(stdout);
     }
     sb.ttft_s = summarize(ttft);

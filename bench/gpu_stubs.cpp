@@ -16,12 +16,13 @@ std::string cuda_device_status() { return kNoCuda; }
 
 Ceilings measure_ceilings(int, int) { ds::throw_error("bench: ", kNoCuda); }
 
-std::vector<KernelResult> run_kernel_bench(const ModelConfig&, const Ceilings&, const KernelBenchOptions&) {
+std::vector<KernelResult> run_kernel_bench(const ModelConfig&, const Ceilings&,
+                                           const KernelBenchOptions&) {
   ds::throw_error("bench kernels: ", kNoCuda);
 }
 
-std::vector<Profile> run_profile(const ModelConfig&, const Ceilings&, const KernelBenchOptions&, int, int64_t,
-                                 int64_t, int64_t, const std::vector<KernelResult>&) {
+std::vector<Profile> run_profile(const ModelConfig&, const Ceilings&, const KernelBenchOptions&,
+                                 int, int64_t, int64_t, int64_t, const std::vector<KernelResult>&) {
   ds::throw_error("bench --profile: ", kNoCuda);
 }
 

@@ -67,8 +67,9 @@ std::string tbs(double bps) { return fmt("%.2f", bps / 1e12); }
 }  // namespace
 
 nlohmann::json to_json(const Summary& s) {
-  return Json{{"n", s.n},     {"mean", s.mean}, {"stddev", s.stddev}, {"min", s.min}, {"max", s.max},
-              {"p10", s.p10}, {"p50", s.p50},   {"p90", s.p90},       {"p99", s.p99}};
+  return Json{{"n", s.n},     {"mean", s.mean}, {"stddev", s.stddev},
+              {"min", s.min}, {"max", s.max},   {"p10", s.p10},
+              {"p50", s.p50}, {"p90", s.p90},   {"p99", s.p99}};
 }
 
 Report::Report() {
@@ -80,7 +81,9 @@ Report::Report() {
   doc_["notes"] = Json::array();
 }
 
-void Report::set_meta(const std::string& key, const nlohmann::json& value) { doc_["meta"][key] = value; }
+void Report::set_meta(const std::string& key, const nlohmann::json& value) {
+  doc_["meta"][key] = value;
+}
 
 void Report::add_note(const std::string& text) {
   std::printf("note: %s\n", text.c_str());
@@ -97,11 +100,16 @@ void Report::add_ceilings(const Ceilings& c) {
   t.row({"bf16 GEMM 8192^3 (cuBLASLt)", fmt("%.0f", c.gemm_flops / 1e12) + " TFLOP/s",
          us(c.gemm_s.p50) + " us", us(c.gemm_s.p10) + "-" + us(c.gemm_s.p90) + " us"});
   t.print("ceilings on " + c.device);
-  doc_["ceilings"] = Json{{"device", c.device},         {"l2_bytes", c.l2_bytes},
-                          {"read_bytes_per_s", c.read_bps}, {"copy_bytes_per_s", c.copy_bps},
-                          {"gemm_flops_per_s", c.gemm_flops}, {"read_s", to_json(c.read_s)},
-                          {"copy_s", to_json(c.copy_s)},    {"gemm_s", to_json(c.gemm_s)},
-                          {"read_bytes", c.read_bytes},     {"copy_bytes", c.copy_bytes},
+  doc_["ceilings"] = Json{{"device", c.device},
+                          {"l2_bytes", c.l2_bytes},
+                          {"read_bytes_per_s", c.read_bps},
+                          {"copy_bytes_per_s", c.copy_bps},
+                          {"gemm_flops_per_s", c.gemm_flops},
+                          {"read_s", to_json(c.read_s)},
+                          {"copy_s", to_json(c.copy_s)},
+                          {"gemm_s", to_json(c.gemm_s)},
+                          {"read_bytes", c.read_bytes},
+                          {"copy_bytes", c.copy_bytes},
                           {"gemm_flop", c.gemm_flop}};
 }
 
@@ -112,34 +120,42 @@ void Report::add_kernels(const std::vector<KernelResult>& r) {
   for (const auto& k : r) {
     if (k.time_s <= 0) {  // a failed case
       t.row({k.family + "." + k.variant, k.op, k.shape, "-", "-", "-", "-", "-", "-", "-", k.note});
-      arr.push_back(Json{{"family", k.family}, {"variant", k.variant}, {"op", k.op}, {"shape", k.shape},
-                         {"time_s", nullptr}, {"note", k.note}});
+      arr.push_back(Json{{"family", k.family},
+                         {"variant", k.variant},
+                         {"op", k.op},
+                         {"shape", k.shape},
+                         {"time_s", nullptr},
+                         {"note", k.note}});
       continue;
     }
     const double gbs = k.time_s > 0 ? k.bytes / k.time_s / 1e9 : 0;
     const double tf = k.time_s > 0 ? k.flops / k.time_s / 1e12 : 0;
-    t.row({k.family + "." + k.variant, k.op, k.shape, us(k.time_s), fmt("%.0f", gbs), fmt("%.1f", tf),
-           us(k.floor_s), k.time_s > 0 ? fmt("%.0f%%", 100.0 * k.floor_s / k.time_s) : "-",
+    t.row({k.family + "." + k.variant, k.op, k.shape, us(k.time_s), fmt("%.0f", gbs),
+           fmt("%.1f", tf), us(k.floor_s),
+           k.time_s > 0 ? fmt("%.0f%%", 100.0 * k.floor_s / k.time_s) : "-",
            k.memory_bound ? "mem" : "flop",
            k.fallback.empty() ? "-" : us(k.fallback_time_s) + " (" + k.fallback + ")",
            k.match.empty() ? "-" : k.match});
-    arr.push_back(Json{{"family", k.family},
-                       {"variant", k.variant},
-                       {"op", k.op},
-                       {"shape", k.shape},
-                       {"time_s", k.time_s},
-                       {"samples", to_json(k.samples)},
-                       {"bytes", k.bytes},
-                       {"flops", k.flops},
-                       {"floor_s", k.floor_s},
-                       {"fraction_of_floor", k.time_s > 0 ? Json(k.floor_s / k.time_s) : Json(nullptr)},
-                       {"memory_bound", k.memory_bound},
-                       {"fallback", k.fallback},
-                       {"fallback_time_s", k.fallback_time_s >= 0 ? Json(k.fallback_time_s) : Json(nullptr)},
-                       {"match", k.match},
-                       {"note", k.note}});
+    arr.push_back(
+        Json{{"family", k.family},
+             {"variant", k.variant},
+             {"op", k.op},
+             {"shape", k.shape},
+             {"time_s", k.time_s},
+             {"samples", to_json(k.samples)},
+             {"bytes", k.bytes},
+             {"flops", k.flops},
+             {"floor_s", k.floor_s},
+             {"fraction_of_floor", k.time_s > 0 ? Json(k.floor_s / k.time_s) : Json(nullptr)},
+             {"memory_bound", k.memory_bound},
+             {"fallback", k.fallback},
+             {"fallback_time_s", k.fallback_time_s >= 0 ? Json(k.fallback_time_s) : Json(nullptr)},
+             {"match", k.match},
+             {"note", k.note}});
   }
-  t.print("kernels (median of CUDA-graph replays, inputs rotated past L2; 'of SOL' = roofline floor / time)");
+  t.print(
+      "kernels (median of CUDA-graph replays, inputs rotated past L2; 'of SOL' = roofline floor / "
+      "time)");
   doc_["kernels"] = arr;
 }
 
@@ -152,13 +168,18 @@ void Report::add_profile(const std::vector<Profile>& ps) {
       t.row({e.kernel, std::to_string(e.launches), us(e.time_s), fmt("%.1f%%", 100 * e.share),
              e.time_s > 0 ? fmt("%.0f", e.bytes / e.time_s / 1e9) : "-",
              e.time_s > 0 ? fmt("%.1f", e.flops / e.time_s / 1e12) : "-"});
-      entries.push_back(Json{{"kernel", e.kernel}, {"launches", e.launches}, {"time_s", e.time_s},
-                             {"bytes", e.bytes}, {"flops", e.flops}, {"share", e.share}});
+      entries.push_back(Json{{"kernel", e.kernel},
+                             {"launches", e.launches},
+                             {"time_s", e.time_s},
+                             {"bytes", e.bytes},
+                             {"flops", e.flops},
+                             {"share", e.share}});
     }
     t.row({"sum of kernels", "", us(p.kernel_sum_s), "100%", "", ""});
     if (p.measured_s > 0)
       t.row({"measured step (engine)", "", us(p.measured_s),
-             fmt("%.1f%% gaps/host", 100 * (p.measured_s - p.kernel_sum_s) / p.measured_s), "", ""});
+             fmt("%.1f%% gaps/host", 100 * (p.measured_s - p.kernel_sum_s) / p.measured_s), "",
+             ""});
     t.print("profile: " + p.phase + " " + p.shape);
     arr.push_back(Json{{"phase", p.phase},
                        {"shape", p.shape},
@@ -172,7 +193,8 @@ void Report::add_profile(const std::vector<Profile>& ps) {
 }
 
 void Report::add_prefill(const std::vector<PrefillResult>& r, const Ceilings& c) {
-  Table t({"prompt", "runs", "TTFT ms (p50)", "min", "max", "tok/s", "TFLOP/s", "floor ms", "TTFT/floor"});
+  Table t({"prompt", "runs", "TTFT ms (p50)", "min", "max", "tok/s", "TFLOP/s", "floor ms",
+           "TTFT/floor"});
   Json arr = Json::array();
   for (const auto& p : r) {
     t.row({std::to_string(p.prompt), std::to_string(p.ttft_s.n), ms(p.ttft_s.p50), ms(p.ttft_s.min),
@@ -189,7 +211,8 @@ void Report::add_prefill(const std::vector<PrefillResult>& r, const Ceilings& c)
                        {"floor_s", p.floor_s > 0 ? Json(p.floor_s) : Json(nullptr)},
                        {"ratio", ratio_json(p.ttft_s.p50, p.floor_s)}});
   }
-  t.print(std::string("prefill (TTFT = one step() with the whole prompt, host clock; floor = FLOPs / ") +
+  t.print(std::string(
+              "prefill (TTFT = one step() with the whole prompt, host clock; floor = FLOPs / ") +
           (c.valid ? fmt("%.0f TFLOP/s GEMM ceiling)", c.gemm_flops / 1e12) : "no ceiling)"));
   doc_["prefill"] = arr;
 }
@@ -231,7 +254,8 @@ void Report::add_serve(const ServeResult& r) {
   Json arr = Json::array();
   for (const auto& b : r.buckets) {
     t.row({b.name, std::to_string(b.prompts.size()), ms(b.ttft_s.p50), ms(b.ttft_s.p99),
-           ms(b.tpot_s.p50), ms(b.tpot_s.p99), fmt("%.2f", b.throughput), fmt("%.0f%%", 100 * b.weight)});
+           ms(b.tpot_s.p50), ms(b.tpot_s.p99), fmt("%.2f", b.throughput),
+           fmt("%.0f%%", 100 * b.weight)});
     arr.push_back(Json{{"bucket", b.name},
                        {"lo", b.lo},
                        {"hi", b.hi},

@@ -16,7 +16,8 @@ namespace {
 
 class FakeBackend final : public Backend {
  public:
-  explicit FakeBackend(int slots, int max_len) : cfg_(tiny_model_config()), len_(slots, 0), max_len_(max_len) {}
+  explicit FakeBackend(int slots, int max_len)
+      : cfg_(tiny_model_config()), len_(slots, 0), max_len_(max_len) {}
   const ModelConfig& config() const override { return cfg_; }
   std::string name() const override { return "fake"; }
   int n_slots() const override { return static_cast<int>(len_.size()); }
@@ -72,7 +73,8 @@ TEST(BenchEngine, DecodeFillsOncePerContextAndRunsEveryBatch) {
   for (const auto& d : r) {
     EXPECT_EQ(d.tpot_s.n, 10);
     EXPECT_GT(d.floor_s, 0);
-    const DecodeBytes b = decode_step_bytes(be.config(), static_cast<int64_t>(d.context_mean + 0.5), d.batch);
+    const DecodeBytes b =
+        decode_step_bytes(be.config(), static_cast<int64_t>(d.context_mean + 0.5), d.batch);
     EXPECT_DOUBLE_EQ(d.floor_s, b.total() / 1e12);
   }
   // Steps: fill (4 items), 12 steps of batch 1, 12 of batch 4, fill (1 item), 12 of batch 1.

@@ -1,6 +1,8 @@
 // The benchmark arithmetic (bench/bench_math.h): percentiles and summaries, the decode bandwidth
 // floor and the prefill FLOP floor of Qwen3.5-27B against the figures PERF.md derives by hand,
 // list parsing, and the report's JSON shape. CPU only (runs in CI).
+#include "bench/bench_math.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -10,14 +12,15 @@
 #include <sstream>
 
 #include "bench/bench.h"
-#include "bench/bench_math.h"
 #include "core/error.h"
 #include "model/config.h"
 
 namespace ds::bench {
 namespace {
 
-ModelConfig config_27b() { return load_model_config(std::string(DS_SOURCE_DIR) + "/configs/qwen3.5-27b.json"); }
+ModelConfig config_27b() {
+  return load_model_config(std::string(DS_SOURCE_DIR) + "/configs/qwen3.5-27b.json");
+}
 
 TEST(BenchMath, PercentileInterpolatesLikeNumpy) {
   std::vector<double> v = {4, 1, 3, 2};

@@ -1,12 +1,11 @@
 // Device helpers of the GPU benches (see device_util.h).
-#include "bench/cuda/device_util.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <vector>
 
+#include "bench/cuda/device_util.h"
 #include "core/error.h"
 
 namespace ds::bench::gpu {
@@ -35,31 +34,38 @@ __device__ __forceinline__ float normal_at(uint64_t seed, uint64_t i) {
 
 __global__ void fill_normal_bf16_kernel(__nv_bfloat16* __restrict__ p, int64_t n, uint64_t seed,
                                         float mean, float std) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
     p[i] = __float2bfloat16(mean + std * normal_at(seed, uint64_t(i)));
 }
 
-__global__ void fill_normal_f32_kernel(float* __restrict__ p, int64_t n, uint64_t seed, float mean, float std) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+__global__ void fill_normal_f32_kernel(float* __restrict__ p, int64_t n, uint64_t seed, float mean,
+                                       float std) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
     p[i] = mean + std * normal_at(seed, uint64_t(i));
 }
 
-__global__ void fill_uniform_f32_kernel(float* __restrict__ p, int64_t n, uint64_t seed, float lo, float hi) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+__global__ void fill_uniform_f32_kernel(float* __restrict__ p, int64_t n, uint64_t seed, float lo,
+                                        float hi) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const uint64_t a = mix64(seed * 0x9e3779b97f4a7c15ull + uint64_t(i));
     p[i] = lo + (hi - lo) * (static_cast<float>(a >> 40) * (1.f / 16777216.f));
   }
 }
 
 // Streaming read: 16-byte loads, grid-stride, four loads in flight per thread per iteration.
-__global__ void stream_read_kernel(const uint4* __restrict__ p, int64_t n_vec, float* __restrict__ partial) {
+__global__ void stream_read_kernel(const uint4* __restrict__ p, int64_t n_vec,
+                                   float* __restrict__ partial) {
   float acc = 0.f;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   auto add = [&](const uint4& v) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-    for (int k = 0; k < 4; ++k) acc += __uint_as_float(w[k] << 16) + __uint_as_float(w[k] & 0xffff0000u);
+    for (int k = 0; k < 4; ++k)
+      acc += __uint_as_float(w[k] << 16) + __uint_as_float(w[k] & 0xffff0000u);
   };
   for (; i + 3 * stride < n_vec; i += 4 * stride) {
     const uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride), c = __ldcs(p + i + 2 * stride),
@@ -86,22 +92,30 @@ __device__ __forceinline__ void atomic_max_pos(float* addr, float v) {
 template <typename T>
 __device__ __forceinline__ float to_f(T x);
 template <>
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 template <>
-__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(float x) {
+  return x;
+}
 
 __device__ __forceinline__ int bits_differ(__nv_bfloat16 a, __nv_bfloat16 b) {
   return __bfloat16_as_ushort(a) != __bfloat16_as_ushort(b);
 }
-__device__ __forceinline__ int bits_differ(float a, float b) { return __float_as_uint(a) != __float_as_uint(b); }
+__device__ __forceinline__ int bits_differ(float a, float b) {
+  return __float_as_uint(a) != __float_as_uint(b);
+}
 
 // out[0] = max |a-b|, out[1] = max |b|, out[2] = count of differing bit patterns, out[3] = count
 // of non-finite values in a or b.
 template <typename T>
-__global__ void diff_kernel(const T* __restrict__ a, const T* __restrict__ b, int64_t n, float* out) {
+__global__ void diff_kernel(const T* __restrict__ a, const T* __restrict__ b, int64_t n,
+                            float* out) {
   float md = 0.f, mr = 0.f;
   int ndiff = 0, nbad = 0;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
     const float x = to_f(a[i]), y = to_f(b[i]);
     if (!isfinite(x) || !isfinite(y)) {
       ++nbad;
@@ -128,7 +142,8 @@ DevBuf::DevBuf(size_t bytes, const char* what) : bytes_(bytes) {
   const cudaError_t e = cudaMalloc(&p_, bytes);
   if (e != cudaSuccess) {
     p_ = nullptr;
-    ds::throw_error("bench: cudaMalloc of ", bytes, " bytes for ", what, " failed: ", cudaGetErrorString(e));
+    ds::throw_error("bench: cudaMalloc of ", bytes, " bytes for ", what,
+                    " failed: ", cudaGetErrorString(e));
   }
 }
 
@@ -146,10 +161,13 @@ DevBuf& DevBuf::operator=(DevBuf&& o) noexcept {
 }
 
 namespace {
-int grid_for(int64_t n) { return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 16)); }
+int grid_for(int64_t n) {
+  return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 132 * 16));
+}
 }  // namespace
 
-void fill_normal_bf16(__nv_bfloat16* p, int64_t n, uint64_t seed, float mean, float std, cudaStream_t s) {
+void fill_normal_bf16(__nv_bfloat16* p, int64_t n, uint64_t seed, float mean, float std,
+                      cudaStream_t s) {
   if (n <= 0) return;
   fill_normal_bf16_kernel<<<grid_for(n), kThreads, 0, s>>>(p, n, seed, mean, std);
   check(cudaGetLastError(), "fill_normal_bf16 launch");
@@ -170,7 +188,7 @@ int read_kernel_blocks() { return kReadBlocks; }
 void launch_stream_read(const void* p, size_t n_bytes, float* partial, cudaStream_t s) {
   DS_CHECK(n_bytes % 16 == 0, "stream read: size must be a multiple of 16 bytes");
   stream_read_kernel<<<kReadBlocks, kThreads, 0, s>>>(static_cast<const uint4*>(p),
-                                                     static_cast<int64_t>(n_bytes / 16), partial);
+                                                      static_cast<int64_t>(n_bytes / 16), partial);
   check(cudaGetLastError(), "stream_read launch");
 }
 
@@ -190,7 +208,8 @@ Diff compare_impl(const T* a, const T* b, int64_t n, cudaStream_t s) {
   diff_kernel<T><<<grid_for(n), kThreads, 0, s>>>(a, b, n, out.as<float>());
   check(cudaGetLastError(), "diff launch");
   float h[4];
-  check(cudaMemcpyAsync(h, out.as<float>(), sizeof h, cudaMemcpyDeviceToHost, s), "cudaMemcpyAsync");
+  check(cudaMemcpyAsync(h, out.as<float>(), sizeof h, cudaMemcpyDeviceToHost, s),
+        "cudaMemcpyAsync");
   check(cudaStreamSynchronize(s), "compare sync");
   int ndiff = 0, nbad = 0;
   std::memcpy(&ndiff, &h[2], 4);
@@ -207,9 +226,12 @@ Diff compare_impl(const T* a, const T* b, int64_t n, cudaStream_t s) {
 Diff compare_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, cudaStream_t s) {
   return compare_impl(a, b, n, s);
 }
-Diff compare_f32(const float* a, const float* b, int64_t n, cudaStream_t s) { return compare_impl(a, b, n, s); }
+Diff compare_f32(const float* a, const float* b, int64_t n, cudaStream_t s) {
+  return compare_impl(a, b, n, s);
+}
 
-Summary time_launches(const std::function<void(int)>& launch, cudaStream_t s, const TimerOptions& o) {
+Summary time_launches(const std::function<void(int)>& launch, cudaStream_t s,
+                      const TimerOptions& o) {
   cudaEvent_t e0, e1;
   check(cudaEventCreate(&e0), "cudaEventCreate");
   check(cudaEventCreate(&e1), "cudaEventCreate");
@@ -230,8 +252,8 @@ Summary time_launches(const std::function<void(int)>& launch, cudaStream_t s, co
   float ms = 0;
   check(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
   const double est = std::max(1e-7, ms * 1e-3 / 3);
-  const int per = std::max(o.min_per_replay,
-                           static_cast<int>(std::clamp(std::ceil(o.min_sample_s / est), 1.0, 256.0)));
+  const int per = std::max(
+      o.min_per_replay, static_cast<int>(std::clamp(std::ceil(o.min_sample_s / est), 1.0, 256.0)));
 
   // Capture `per` launches into a graph.
   cudaGraph_t graph = nullptr;

@@ -30,7 +30,9 @@ class DevBuf {
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   template <typename T>
-  T* as() const { return static_cast<T*>(p_); }
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
   size_t bytes() const { return bytes_; }
 
  private:
@@ -39,7 +41,8 @@ class DevBuf {
 };
 
 // mean + std * N(0, 1) from a counter-based generator (the value depends on (seed, index) only).
-void fill_normal_bf16(__nv_bfloat16* p, int64_t n, uint64_t seed, float mean, float std, cudaStream_t s);
+void fill_normal_bf16(__nv_bfloat16* p, int64_t n, uint64_t seed, float mean, float std,
+                      cudaStream_t s);
 void fill_normal_f32(float* p, int64_t n, uint64_t seed, float mean, float std, cudaStream_t s);
 void fill_uniform_f32(float* p, int64_t n, uint64_t seed, float lo, float hi, cudaStream_t s);
 
@@ -61,13 +64,15 @@ Diff compare_f32(const float* a, const float* b, int64_t n, cudaStream_t s);
 
 // Times `launch(i)` (i = 0, 1, 2, ... selects the rotated input set): captures a graph of
 // `per_replay` launches (chosen so that one replay lasts at least min_sample_s, at most 256
-// launches, at least min_per_replay), replays it `samples` times between events after two warm-up replays, and returns
-// the per-launch time of each replay. Falls back to plain launches when capture fails.
+// launches, at least min_per_replay), replays it `samples` times between events after two warm-up
+// replays, and returns the per-launch time of each replay. Falls back to plain launches when
+// capture fails.
 struct TimerOptions {
   int samples = 30;
   double min_sample_s = 2e-4;
   int min_per_replay = 1;  // at least this many launches per replay (= the rotation period)
 };
-Summary time_launches(const std::function<void(int)>& launch, cudaStream_t s, const TimerOptions& o);
+Summary time_launches(const std::function<void(int)>& launch, cudaStream_t s,
+                      const TimerOptions& o);
 
 }  // namespace ds::bench::gpu

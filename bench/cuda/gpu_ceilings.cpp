@@ -34,8 +34,8 @@ Ceilings measure_ceilings(int device, int repeats) {
   gpu::check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
   Ceilings c;
   char buf[512];
-  std::snprintf(buf, sizeof buf, "%.256s (sm_%d%d, %d SMs, %.0f MiB L2, %.0f GiB)", prop.name, prop.major,
-                prop.minor, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0,
+  std::snprintf(buf, sizeof buf, "%.256s (sm_%d%d, %d SMs, %.0f MiB L2, %.0f GiB)", prop.name,
+                prop.major, prop.minor, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0,
                 prop.totalGlobalMem / 1073741824.0);
   c.device = buf;
   c.l2_bytes = prop.l2CacheSize;
@@ -64,8 +64,11 @@ Ceilings measure_ceilings(int device, int repeats) {
     gpu::DevBuf a(bytes, "copy source"), b(bytes, "copy destination");
     gpu::fill_normal_bf16(a.as<__nv_bfloat16>(), int64_t(bytes / 2), 12, 0.f, 1.f, s);
     c.copy_s = gpu::time_launches(
-        [&](int) { gpu::check(cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s),
-                              "cudaMemcpyAsync D2D"); },
+        [&](int) {
+          gpu::check(
+              cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s),
+              "cudaMemcpyAsync D2D");
+        },
         s, to);
     c.copy_bytes = 2.0 * double(bytes);
     c.copy_bps = c.copy_bytes / c.copy_s.p50;

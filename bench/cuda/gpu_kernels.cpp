@@ -16,8 +16,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdarg>
 #include <cmath>
+#include <cstdarg>
 #include <cstdio>
 #include <map>
 #include <numeric>
@@ -38,8 +38,8 @@ namespace {
 using bf16 = __nv_bfloat16;
 using gpu::DevBuf;
 
-constexpr int kPage = 64;         // the engine's default page size
-constexpr int kMaxSplits = 64;    // the engine's decode-attention split bound
+constexpr int kPage = 64;       // the engine's default page size
+constexpr int kMaxSplits = 64;  // the engine's decode-attention split bound
 constexpr int kMaxRotations = 8;
 
 std::string str(const char* f, ...) __attribute__((format(printf, 1, 2)));
@@ -55,7 +55,8 @@ std::string str(const char* f, ...) {
 // Device int32 array from host values.
 DevBuf dev_ints(const std::vector<int32_t>& v, cudaStream_t s) {
   DevBuf b(std::max<size_t>(4, v.size() * 4), "bench metadata");
-  gpu::check(cudaMemcpyAsync(b.as<void>(), v.data(), v.size() * 4, cudaMemcpyHostToDevice, s), "metadata copy");
+  gpu::check(cudaMemcpyAsync(b.as<void>(), v.data(), v.size() * 4, cudaMemcpyHostToDevice, s),
+             "metadata copy");
   gpu::check(cudaStreamSynchronize(s), "metadata copy");
   return b;
 }
@@ -139,7 +140,8 @@ class KernelBench {
   static std::string key(const std::string& f, const std::string& op, const std::string& shape) {
     return f + "|" + op + "|" + shape;
   }
-  const KernelResult* cached(const std::string& f, const std::string& op, const std::string& shape) {
+  const KernelResult* cached(const std::string& f, const std::string& op,
+                             const std::string& shape) {
     auto it = cache_.find(key(f, op, shape));
     return it == cache_.end() ? nullptr : &it->second;
   }
@@ -158,17 +160,20 @@ class KernelBench {
     r.floor_s = f.seconds;
     r.memory_bound = f.memory_bound;
     r.time_s = r.samples.p50;
-    std::printf("  %-26s %-9s %-34s %10.2f us  (%3.0f%% of SOL)%s%s\n",
-                (r.family + "." + r.variant).c_str(), r.op.c_str(), r.shape.c_str(), r.time_s * 1e6,
-                100.0 * r.floor_s / r.time_s,
-                r.fallback.empty() ? "" : str("  fallback %.2f us", r.fallback_time_s * 1e6).c_str(),
-                r.match.empty() ? "" : ("  " + r.match).c_str());
+    std::printf(
+        "  %-26s %-9s %-34s %10.2f us  (%3.0f%% of SOL)%s%s\n",
+        (r.family + "." + r.variant).c_str(), r.op.c_str(), r.shape.c_str(), r.time_s * 1e6,
+        100.0 * r.floor_s / r.time_s,
+        r.fallback.empty() ? "" : str("  fallback %.2f us", r.fallback_time_s * 1e6).c_str(),
+        r.match.empty() ? "" : ("  " + r.match).c_str());
     std::fflush(stdout);
     const std::string k = key(r.family, r.op, r.shape);
     results_.push_back(r);
     return cache_[k] = std::move(r);
   }
-  std::string variant(cuda::KernelFamily f, const cuda::ShapeKey& k) const { return reg_.select(f, k).name; }
+  std::string variant(cuda::KernelFamily f, const cuda::ShapeKey& k) const {
+    return reg_.select(f, k).name;
+  }
 
   const ModelConfig& c_;
   const Ceilings& ceil_;
@@ -229,20 +234,22 @@ const KernelResult& KernelBench::gemm(const std::string& name, int m) {
 }
 
 const KernelResult& KernelBench::attn_prefill(int q, int cached_tokens) {
-  const std::string shape = str("q %d after %d cached, %dq/%dkv hd %d", q, cached_tokens, c_.n_heads,
-                                c_.n_kv_heads, c_.head_dim);
+  const std::string shape = str("q %d after %d cached, %dq/%dkv hd %d", q, cached_tokens,
+                                c_.n_heads, c_.n_kv_heads, c_.head_dim);
   if (auto* r = cached("attn_prefill", "", shape)) return *r;
   const int kv = cached_tokens + q;
   const int n_blocks = (kv + kPage - 1) / kPage;
   const int64_t page_elems = int64_t(c_.n_kv_heads) * kPage * c_.head_dim;
-  DevBuf kc(size_t(n_blocks) * page_elems * 2, "attn K"), vc(size_t(n_blocks) * page_elems * 2, "attn V");
+  DevBuf kc(size_t(n_blocks) * page_elems * 2, "attn K"),
+      vc(size_t(n_blocks) * page_elems * 2, "attn V");
   gpu::fill_normal_bf16(kc.as<bf16>(), n_blocks * page_elems, seed_++, 0.f, 1.f, s_);
   gpu::fill_normal_bf16(vc.as<bf16>(), n_blocks * page_elems, seed_++, 0.f, 1.f, s_);
   std::vector<int32_t> table(n_blocks);
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), std::mt19937(7));  // pages scattered, as in serving
   const int64_t qe = int64_t(q) * c_.n_heads * c_.head_dim;
-  DevBuf qb(size_t(qe) * 2, "attn q"), gate(size_t(qe) * 2, "attn gate"), out(size_t(qe) * 2, "attn out");
+  DevBuf qb(size_t(qe) * 2, "attn q"), gate(size_t(qe) * 2, "attn gate"),
+      out(size_t(qe) * 2, "attn out");
   gpu::fill_normal_bf16(qb.as<bf16>(), qe, seed_++, 0.f, 1.f, s_);
   gpu::fill_normal_bf16(gate.as<bf16>(), qe, seed_++, 0.f, 1.f, s_);
   DevBuf d_qs = dev_ints({0}, s_), d_ql = dev_ints({q}, s_), d_kl = dev_ints({kv}, s_),
@@ -264,7 +271,10 @@ const KernelResult& KernelBench::attn_prefill(int q, int cached_tokens) {
                       reg_.key(c_.head_dim, c_.n_heads / c_.n_kv_heads, q, kv));
   r.shape = shape;
   r.samples = gpu::time_launches(
-      [&](int) { cuda::launch_attention_prefill(attn_, b, qb.as<bf16>(), kc.as<bf16>(), vc.as<bf16>(), g, out.as<bf16>(), s_); },
+      [&](int) {
+        cuda::launch_attention_prefill(attn_, b, qb.as<bf16>(), kc.as<bf16>(), vc.as<bf16>(), g,
+                                       out.as<bf16>(), s_);
+      },
       s_, timer(1));
   r.flops = 4.0 * c_.n_heads * c_.head_dim * causal_pairs(q, cached_tokens);
   r.bytes = 3.0 * qe * 2 + 2.0 * double(kv) * c_.n_kv_heads * c_.head_dim * 2;
@@ -279,7 +289,8 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
   const double kv_bytes = 2.0 * double(batch) * ctx * c_.n_kv_heads * c_.head_dim * 2;
   const int rot = rotations(kv_bytes);
   const int64_t n_blocks = int64_t(rot) * batch * bps;
-  DevBuf kc(size_t(n_blocks * page_elems * 2), "decode K"), vc(size_t(n_blocks * page_elems * 2), "decode V");
+  DevBuf kc(size_t(n_blocks * page_elems * 2), "decode K"),
+      vc(size_t(n_blocks * page_elems * 2), "decode V");
   gpu::fill_normal_bf16(kc.as<bf16>(), n_blocks * page_elems, seed_++, 0.f, 1.f, s_);
   gpu::fill_normal_bf16(vc.as<bf16>(), n_blocks * page_elems, seed_++, 0.f, 1.f, s_);
   std::vector<int32_t> table(static_cast<size_t>(n_blocks));
@@ -292,8 +303,10 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
   gpu::fill_normal_bf16(gate.as<bf16>(), qe * rot, seed_++, 0.f, 1.f, s_);
   std::vector<int32_t> qs(batch), ql(batch, 1), kl(batch, ctx);
   std::iota(qs.begin(), qs.end(), 0);
-  DevBuf d_qs = dev_ints(qs, s_), d_ql = dev_ints(ql, s_), d_kl = dev_ints(kl, s_), d_bt = dev_ints(table, s_);
-  const int kv_chunk = cuda::attention_decode_kv_chunk(batch, c_.n_kv_heads, ctx, n_sms_, kMaxSplits);
+  DevBuf d_qs = dev_ints(qs, s_), d_ql = dev_ints(ql, s_), d_kl = dev_ints(kl, s_),
+         d_bt = dev_ints(table, s_);
+  const int kv_chunk =
+      cuda::attention_decode_kv_chunk(batch, c_.n_kv_heads, ctx, n_sms_, kMaxSplits);
   const int n_splits = (ctx + kv_chunk - 1) / kv_chunk;
   DevBuf ws(cuda::attention_decode_workspace_bytes(attn_, batch, kMaxSplits), "decode partials");
   auto batch_for = [&](int k) {
@@ -320,12 +333,13 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
   r.shape = shape;
   const bool split = r.variant == "split_kv";
   auto run_split = [&](int k, bf16* o) {
-    cuda::launch_attention_decode(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(), vc.as<bf16>(),
-                                  gate_for(k), kv_chunk, n_splits, ws.as<void>(), o, s_);
+    cuda::launch_attention_decode(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(),
+                                  vc.as<bf16>(), gate_for(k), kv_chunk, n_splits, ws.as<void>(), o,
+                                  s_);
   };
   auto run_generic = [&](int k, bf16* o) {
-    cuda::launch_attention_prefill(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(), vc.as<bf16>(),
-                                   gate_for(k), o, s_);
+    cuda::launch_attention_prefill(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(),
+                                   vc.as<bf16>(), gate_for(k), o, s_);
   };
   if (split) {
     run_split(0, out.as<bf16>());
@@ -333,11 +347,15 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
     r.match = gpu::compare_bf16(out.as<bf16>(), out2.as<bf16>(), qe, s_).text();
     r.fallback = "prefill_kernel";
     r.fallback_time_s =
-        gpu::time_launches([&](int i) { run_generic(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot)).p50;
-    r.samples = gpu::time_launches([&](int i) { run_split(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot));
+        gpu::time_launches([&](int i) { run_generic(i % rot, out.as<bf16>() + (i % rot) * qe); },
+                           s_, timer(rot))
+            .p50;
+    r.samples = gpu::time_launches(
+        [&](int i) { run_split(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot));
     r.note = str("kv_chunk %d, %d splits", kv_chunk, n_splits);
   } else {
-    r.samples = gpu::time_launches([&](int i) { run_generic(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot));
+    r.samples = gpu::time_launches(
+        [&](int i) { run_generic(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot));
   }
   r.flops = 4.0 * c_.n_heads * c_.head_dim * double(batch) * ctx;
   r.bytes = kv_bytes + 3.0 * qe * 2;
@@ -352,9 +370,11 @@ struct GdnInputs {
   cuda::GdnStatePool pool;
 };
 
-GdnInputs make_gdn_inputs(const cuda::GdnShape& g, int64_t n_rows, int n_slots, uint64_t& seed, cudaStream_t s) {
+GdnInputs make_gdn_inputs(const cuda::GdnShape& g, int64_t n_rows, int n_slots, uint64_t& seed,
+                          cudaStream_t s) {
   GdnInputs in;
-  const int64_t conv_slot = 4 * int64_t(g.qkv_dim()), rec_slot = int64_t(g.n_v_heads) * g.d_v * g.d_k;
+  const int64_t conv_slot = 4 * int64_t(g.qkv_dim()),
+                rec_slot = int64_t(g.n_v_heads) * g.d_v * g.d_k;
   in.proj = DevBuf(size_t(n_rows) * g.in_dim() * 2, "gdn proj");
   in.conv_w = DevBuf(size_t(g.qkv_dim()) * g.conv_kernel * 2, "gdn conv_w");
   in.a_log = DevBuf(size_t(g.n_v_heads) * 4, "gdn A_log");
@@ -363,7 +383,8 @@ GdnInputs make_gdn_inputs(const cuda::GdnShape& g, int64_t n_rows, int n_slots, 
   in.conv_state = DevBuf(size_t(conv_slot) * n_slots * 2, "gdn conv state");
   in.rec_state = DevBuf(size_t(rec_slot) * n_slots * 4, "gdn state");
   gpu::fill_normal_bf16(in.proj.as<bf16>(), n_rows * g.in_dim(), seed++, 0.f, 1.f, s);
-  gpu::fill_normal_bf16(in.conv_w.as<bf16>(), int64_t(g.qkv_dim()) * g.conv_kernel, seed++, 0.f, 0.5f, s);
+  gpu::fill_normal_bf16(in.conv_w.as<bf16>(), int64_t(g.qkv_dim()) * g.conv_kernel, seed++, 0.f,
+                        0.5f, s);
   gpu::fill_uniform_f32(in.a_log.as<float>(), g.n_v_heads, seed++, 0.f, 2.7f, s);  // A in [1, 15]
   gpu::fill_uniform_f32(in.dt_bias.as<float>(), g.n_v_heads, seed++, -2.f, 1.f, s);
   gpu::fill_normal_bf16(in.norm_w.as<bf16>(), g.d_v, seed++, 1.f, 0.1f, s);
@@ -375,7 +396,8 @@ GdnInputs make_gdn_inputs(const cuda::GdnShape& g, int64_t n_rows, int n_slots, 
 }
 
 const KernelResult& KernelBench::gdn_prefill(int n_tokens, int seq_pos) {
-  const std::string shape = str("%d tokens after %d (state %s)", n_tokens, seq_pos, seq_pos ? "carried" : "fresh");
+  const std::string shape =
+      str("%d tokens after %d (state %s)", n_tokens, seq_pos, seq_pos ? "carried" : "fresh");
   if (auto* r = cached("gdn_prefill", "", shape)) return *r;
   const double state = double(gdn_.n_v_heads) * gdn_.d_v * gdn_.d_k * 4;
   const double set_bytes = double(n_tokens) * gdn_.in_dim() * 2 + state;
@@ -394,13 +416,15 @@ const KernelResult& KernelBench::gdn_prefill(int n_tokens, int seq_pos) {
   r.samples = gpu::time_launches(
       [&](int i) {
         const int k = i % rot;
-        cuda::launch_gdn_prefill(gdn_, in.w, in.pool, in.proj.as<bf16>() + int64_t(k) * n_tokens * gdn_.in_dim(),
-                                 cu.as<int32_t>(), pos.as<int32_t>(), slot_ids[k].as<int32_t>(), 1, n_tokens,
-                                 ws.as<void>(), ws_bytes, out.as<bf16>(), s_);
+        cuda::launch_gdn_prefill(gdn_, in.w, in.pool,
+                                 in.proj.as<bf16>() + int64_t(k) * n_tokens * gdn_.in_dim(),
+                                 cu.as<int32_t>(), pos.as<int32_t>(), slot_ids[k].as<int32_t>(), 1,
+                                 n_tokens, ws.as<void>(), ws_bytes, out.as<bf16>(), s_);
       },
       s_, timer(rot));
   const double ring = 4.0 * gdn_.qkv_dim() * 2;
-  r.bytes = double(n_tokens) * (gdn_.in_dim() + gdn_.out_dim()) * 2 + (seq_pos ? 2 : 1) * (state + ring);
+  r.bytes =
+      double(n_tokens) * (gdn_.in_dim() + gdn_.out_dim()) * 2 + (seq_pos ? 2 : 1) * (state + ring);
   r.flops = gdn_layer_flops(c_, n_tokens);
   return finish(r);
 }
@@ -427,7 +451,8 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
   r.variant = variant(cuda::KernelFamily::kGdnDecode, key);
   r.shape = shape;
   auto run_fused = [&](int k, bf16* o) {
-    cuda::launch_gdn_decode(gdn_, a.w, a.pool, a.proj.as<bf16>() + int64_t(k) * batch * gdn_.in_dim(),
+    cuda::launch_gdn_decode(gdn_, a.w, a.pool,
+                            a.proj.as<bf16>() + int64_t(k) * batch * gdn_.in_dim(),
                             pos.as<int32_t>(), slot_ids[k].as<int32_t>(), batch, o, s_);
   };
   // The generic path: the prompt kernels with one token per sequence.
@@ -437,34 +462,51 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
   const size_t ws_bytes = cuda::gdn_prefill_workspace_bytes(gdn_, batch, batch);
   DevBuf ws(ws_bytes, "gdn workspace");
   auto run_generic = [&](const cuda::GdnStatePool& pool, int k, bf16* o) {
-    cuda::launch_gdn_prefill(gdn_, a.w, pool, a.proj.as<bf16>() + int64_t(k) * batch * gdn_.in_dim(),
-                             cu.as<int32_t>(), pos.as<int32_t>(), slot_ids[k].as<int32_t>(), batch, batch,
-                             ws.as<void>(), ws_bytes, o, s_);
+    cuda::launch_gdn_prefill(
+        gdn_, a.w, pool, a.proj.as<bf16>() + int64_t(k) * batch * gdn_.in_dim(), cu.as<int32_t>(),
+        pos.as<int32_t>(), slot_ids[k].as<int32_t>(), batch, batch, ws.as<void>(), ws_bytes, o, s_);
   };
   if (r.variant == "fused") {
     // Same inputs and initial states through both paths; compare outputs and new states.
-    DevBuf conv2(a.conv_state.bytes(), "gdn conv state copy"), rec2(a.rec_state.bytes(), "gdn state copy");
-    gpu::check(cudaMemcpyAsync(conv2.as<void>(), a.conv_state.as<void>(), a.conv_state.bytes(), cudaMemcpyDeviceToDevice, s_), "copy");
-    gpu::check(cudaMemcpyAsync(rec2.as<void>(), a.rec_state.as<void>(), a.rec_state.bytes(), cudaMemcpyDeviceToDevice, s_), "copy");
+    DevBuf conv2(a.conv_state.bytes(), "gdn conv state copy"),
+        rec2(a.rec_state.bytes(), "gdn state copy");
+    gpu::check(cudaMemcpyAsync(conv2.as<void>(), a.conv_state.as<void>(), a.conv_state.bytes(),
+                               cudaMemcpyDeviceToDevice, s_),
+               "copy");
+    gpu::check(cudaMemcpyAsync(rec2.as<void>(), a.rec_state.as<void>(), a.rec_state.bytes(),
+                               cudaMemcpyDeviceToDevice, s_),
+               "copy");
     cuda::GdnStatePool p2 = a.pool;
     p2.conv_state = conv2.as<bf16>();
     p2.rec_state = rec2.as<float>();
     DevBuf out2(size_t(batch) * gdn_.out_dim() * 2, "gdn decode out (fallback)");
     run_fused(0, out.as<bf16>());
     run_generic(p2, 0, out2.as<bf16>());
-    const gpu::Diff dy = gpu::compare_bf16(out.as<bf16>(), out2.as<bf16>(), int64_t(batch) * gdn_.out_dim(), s_);
-    const gpu::Diff ds = gpu::compare_f32(a.rec_state.as<float>(), rec2.as<float>(),
-                                          int64_t(batch) * gdn_.n_v_heads * gdn_.d_v * gdn_.d_k, s_);
+    const gpu::Diff dy =
+        gpu::compare_bf16(out.as<bf16>(), out2.as<bf16>(), int64_t(batch) * gdn_.out_dim(), s_);
+    const gpu::Diff ds =
+        gpu::compare_f32(a.rec_state.as<float>(), rec2.as<float>(),
+                         int64_t(batch) * gdn_.n_v_heads * gdn_.d_v * gdn_.d_k, s_);
     r.match = "y: " + dy.text() + "; state: " + ds.text();
     r.fallback = "prefill_path";
-    r.fallback_time_s = gpu::time_launches(
-        [&](int i) { run_generic(a.pool, i % rot, out.as<bf16>() + int64_t(i % rot) * batch * gdn_.out_dim()); },
-        s_, timer(rot)).p50;
+    r.fallback_time_s =
+        gpu::time_launches(
+            [&](int i) {
+              run_generic(a.pool, i % rot,
+                          out.as<bf16>() + int64_t(i % rot) * batch * gdn_.out_dim());
+            },
+            s_, timer(rot))
+            .p50;
     r.samples = gpu::time_launches(
-        [&](int i) { run_fused(i % rot, out.as<bf16>() + int64_t(i % rot) * batch * gdn_.out_dim()); }, s_, timer(rot));
+        [&](int i) {
+          run_fused(i % rot, out.as<bf16>() + int64_t(i % rot) * batch * gdn_.out_dim());
+        },
+        s_, timer(rot));
   } else {
     r.samples = gpu::time_launches(
-        [&](int i) { run_generic(a.pool, i % rot, out.as<bf16>() + int64_t(i % rot) * batch * gdn_.out_dim()); },
+        [&](int i) {
+          run_generic(a.pool, i % rot, out.as<bf16>() + int64_t(i % rot) * batch * gdn_.out_dim());
+        },
         s_, timer(rot));
   }
   r.bytes = batch * (2 * (state + ring) + double(gdn_.in_dim() + gdn_.out_dim()) * 2);
@@ -489,8 +531,8 @@ const KernelResult& KernelBench::rmsnorm(int n) {
   r.samples = gpu::time_launches(
       [&](int i) {
         const int64_t off = (i % rot) * e;
-        cuda::launch_add_rmsnorm(h.as<bf16>() + off, dl.as<bf16>() + off, w.as<bf16>(), n, c_.d_model,
-                                 c_.rms_norm_eps, 1.f, o.as<bf16>() + off, s_);
+        cuda::launch_add_rmsnorm(h.as<bf16>() + off, dl.as<bf16>() + off, w.as<bf16>(), n,
+                                 c_.d_model, c_.rms_norm_eps, 1.f, o.as<bf16>() + off, s_);
       },
       s_, timer(rot));
   r.bytes = 4.0 * e * 2;
@@ -530,8 +572,9 @@ const KernelResult& KernelBench::rope_kv(int n) {
   const int n_blocks = (n * rot + kPage - 1) / kPage;
   const int64_t page_elems = int64_t(c_.n_kv_heads) * kPage * c_.head_dim;
   DevBuf qkv(size_t(n) * qkv_dim * rot * 2, "rope qkv"), q(size_t(qe * rot * 2), "rope q"),
-      kc(size_t(n_blocks * page_elems * 2), "rope K"), vc(size_t(n_blocks * page_elems * 2), "rope V"),
-      qn(size_t(c_.head_dim) * 2, "q_norm"), kn(size_t(c_.head_dim) * 2, "k_norm");
+      kc(size_t(n_blocks * page_elems * 2), "rope K"),
+      vc(size_t(n_blocks * page_elems * 2), "rope V"), qn(size_t(c_.head_dim) * 2, "q_norm"),
+      kn(size_t(c_.head_dim) * 2, "k_norm");
   gpu::fill_normal_bf16(qkv.as<bf16>(), int64_t(n) * qkv_dim * rot, seed_++, 0.f, 1.f, s_);
   gpu::fill_normal_bf16(qn.as<bf16>(), c_.head_dim, seed_++, 0.f, 0.1f, s_);
   gpu::fill_normal_bf16(kn.as<bf16>(), c_.head_dim, seed_++, 0.f, 0.1f, s_);
@@ -548,9 +591,10 @@ const KernelResult& KernelBench::rope_kv(int n) {
   r.samples = gpu::time_launches(
       [&](int i) {
         const int k = i % rot;
-        cuda::launch_qk_norm_rope_kv(attn_, qkv.as<bf16>() + int64_t(k) * n * qkv_dim, qn.as<bf16>(), kn.as<bf16>(),
-                                     d_pos.as<int32_t>() + int64_t(k) * n, d_slots.as<int32_t>() + int64_t(k) * n, n,
-                                     q.as<bf16>() + k * qe, kc.as<bf16>(), vc.as<bf16>(), s_);
+        cuda::launch_qk_norm_rope_kv(
+            attn_, qkv.as<bf16>() + int64_t(k) * n * qkv_dim, qn.as<bf16>(), kn.as<bf16>(),
+            d_pos.as<int32_t>() + int64_t(k) * n, d_slots.as<int32_t>() + int64_t(k) * n, n,
+            q.as<bf16>() + k * qe, kc.as<bf16>(), vc.as<bf16>(), s_);
       },
       s_, timer(rot));
   r.bytes = set_bytes;
@@ -601,12 +645,16 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
                                            const KernelBenchOptions& opt) {
   KernelBench kb(c, ceil, opt);
   const std::vector<int> dec_batches = opt.quick ? std::vector<int>{1} : std::vector<int>{1, 4, 16};
-  const std::vector<int> chunks = opt.quick ? std::vector<int>{4096} : std::vector<int>{4096, 3072, 512};
-  const std::vector<int> cached_lens = opt.quick ? std::vector<int>{0, 32768} : std::vector<int>{0, 8192, 16384, 32768};
-  const std::vector<int> contexts = opt.quick ? std::vector<int>{4096, 32768} : std::vector<int>{4096, 8192, 16384, 32768};
+  const std::vector<int> chunks =
+      opt.quick ? std::vector<int>{4096} : std::vector<int>{4096, 3072, 512};
+  const std::vector<int> cached_lens =
+      opt.quick ? std::vector<int>{0, 32768} : std::vector<int>{0, 8192, 16384, 32768};
+  const std::vector<int> contexts =
+      opt.quick ? std::vector<int>{4096, 32768} : std::vector<int>{4096, 8192, 16384, 32768};
   std::printf("kernels (%s):\n", opt.quick ? "quick set" : "full set");
   // One failing case is recorded (time 0, note FAILED) and the others still run.
-  auto guarded = [&](const std::string& family, const std::string& what, const std::function<void()>& fn) {
+  auto guarded = [&](const std::string& family, const std::string& what,
+                     const std::function<void()>& fn) {
     try {
       fn();
     } catch (const std::exception& e) {
@@ -624,37 +672,45 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
   auto S = [](int a, int b) { return std::to_string(a) + "/" + std::to_string(b); };
   if (wanted(opt, "gemm")) {
     for (const auto& o : kb.ops())
-      for (int m : dec_batches) guarded("gemm", o.name + " m=" + std::to_string(m), [&] { kb.gemm(o.name, m); });
+      for (int m : dec_batches)
+        guarded("gemm", o.name + " m=" + std::to_string(m), [&] { kb.gemm(o.name, m); });
     for (const auto& o : kb.ops())
       if (!o.f32_out)
-        for (int m : chunks) guarded("gemm", o.name + " m=" + std::to_string(m), [&] { kb.gemm(o.name, m); });
+        for (int m : chunks)
+          guarded("gemm", o.name + " m=" + std::to_string(m), [&] { kb.gemm(o.name, m); });
   }
   if (c.n_full_layers() > 0 && wanted(opt, "attn_prefill"))
     for (int q : chunks)
-      for (int kv : cached_lens) guarded("attn_prefill", "q/cached " + S(q, kv), [&] { kb.attn_prefill(q, kv); });
+      for (int kv : cached_lens)
+        guarded("attn_prefill", "q/cached " + S(q, kv), [&] { kb.attn_prefill(q, kv); });
   if (c.n_full_layers() > 0 && wanted(opt, "attn_decode"))
     for (int b : dec_batches)
-      for (int ctx : contexts) guarded("attn_decode", "batch/ctx " + S(b, ctx), [&] { kb.attn_decode(b, ctx); });
+      for (int ctx : contexts)
+        guarded("attn_decode", "batch/ctx " + S(b, ctx), [&] { kb.attn_decode(b, ctx); });
   if (c.n_linear_layers() > 0 && wanted(opt, "gdn_decode"))
-    for (int b : dec_batches) guarded("gdn_decode", "batch " + std::to_string(b), [&] { kb.gdn_decode(b); });
+    for (int b : dec_batches)
+      guarded("gdn_decode", "batch " + std::to_string(b), [&] { kb.gdn_decode(b); });
   if (c.n_linear_layers() > 0 && wanted(opt, "gdn_prefill")) {
     for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{64, 512, 4096})
       guarded("gdn_prefill", "tokens/pos " + S(t, 8192), [&] { kb.gdn_prefill(t, 8192); });
     guarded("gdn_prefill", "tokens/pos " + S(4096, 0), [&] { kb.gdn_prefill(4096, 0); });
   }
-  const std::vector<int> rows = opt.quick ? std::vector<int>{1, 4096} : std::vector<int>{1, 16, 4096};
+  const std::vector<int> rows =
+      opt.quick ? std::vector<int>{1, 4096} : std::vector<int>{1, 16, 4096};
   for (int n : rows) {
     const std::string w = std::to_string(n) + " rows";
     if (wanted(opt, "rmsnorm")) guarded("rmsnorm", w, [&] { kb.rmsnorm(n); });
     if (wanted(opt, "silu_mul")) guarded("silu_mul", w, [&] { kb.silu_mul(n); });
-    if (c.n_full_layers() > 0 && wanted(opt, "rope_kv")) guarded("rope_kv", w, [&] { kb.rope_kv(n); });
+    if (c.n_full_layers() > 0 && wanted(opt, "rope_kv"))
+      guarded("rope_kv", w, [&] { kb.rope_kv(n); });
     if (wanted(opt, "gather")) guarded("gather", w, [&] { kb.gather(n, c.d_model, "embedding"); });
   }
   return kb.results();
 }
 
-std::vector<Profile> run_profile(const ModelConfig& c, const Ceilings& ceil, const KernelBenchOptions& opt,
-                                 int decode_batch, int64_t decode_context, int64_t prefill_chunk,
+std::vector<Profile> run_profile(const ModelConfig& c, const Ceilings& ceil,
+                                 const KernelBenchOptions& opt, int decode_batch,
+                                 int64_t decode_context, int64_t prefill_chunk,
                                  int64_t prefill_cached, const std::vector<KernelResult>& prior) {
   KernelBench kb(c, ceil, opt);
   kb.seed_results(prior);
@@ -663,7 +719,8 @@ std::vector<Profile> run_profile(const ModelConfig& c, const Ceilings& ceil, con
     Profile p;
     p.phase = decode ? "decode" : "prefill";
     const int T = decode ? decode_batch : static_cast<int>(prefill_chunk);
-    p.shape = decode ? str("batch %d at context %lld", decode_batch, static_cast<long long>(decode_context))
+    p.shape = decode ? str("batch %d at context %lld", decode_batch,
+                           static_cast<long long>(decode_context))
                      : str("chunk %lld after %lld cached", static_cast<long long>(prefill_chunk),
                            static_cast<long long>(prefill_cached));
     std::map<std::string, ProfileEntry> by;
@@ -709,9 +766,11 @@ std::vector<Profile> run_profile(const ModelConfig& c, const Ceilings& ceil, con
       e.share = e.time_s / p.kernel_sum_s;
       p.entries.push_back(e);
     }
-    std::sort(p.entries.begin(), p.entries.end(), [](const auto& a, const auto& b) { return a.time_s > b.time_s; });
+    std::sort(p.entries.begin(), p.entries.end(),
+              [](const auto& a, const auto& b) { return a.time_s > b.time_s; });
     p.method =
-        "sum of isolated kernel timings at the forward's shapes (CUDA-graph replays, inputs rotated past L2), "
+        "sum of isolated kernel timings at the forward's shapes (CUDA-graph replays, inputs "
+        "rotated past L2), "
         "times the launches per step; excludes launch gaps, host work and the logits copy";
     return p;
   };

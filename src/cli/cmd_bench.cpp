@@ -52,7 +52,8 @@ int run_bench(BenchOpts o) {
   const auto t0 = std::chrono::steady_clock::now();
   const bool all = o.which == "all";
   const bool gpu = o.spec.device.rfind("cuda", 0) == 0;
-  const bool want_kernels = (all && gpu) || o.which == "kernels";  // a CPU `all` skips the GPU parts
+  const bool want_kernels =
+      (all && gpu) || o.which == "kernels";  // a CPU `all` skips the GPU parts
   const bool want_prefill = all || o.which == "prefill";
   const bool want_decode = all || o.which == "decode";
   const bool want_serve = all || o.which == "serve";
@@ -64,7 +65,8 @@ int run_bench(BenchOpts o) {
       ds::throw_error("--device: bad value '", o.spec.device, "' (cpu, cuda or cuda:N)");
     }
   }
-  DS_CHECK(gpu || o.spec.device == "cpu", "--device: bad value '", o.spec.device, "' (cpu, cuda or cuda:N)");
+  DS_CHECK(gpu || o.spec.device == "cpu", "--device: bad value '", o.spec.device,
+           "' (cpu, cuda or cuda:N)");
   DS_CHECK(gpu || (o.which != "ceilings" && o.which != "kernels" && !o.profile), "bench ", o.which,
            o.profile ? " --profile" : "", " needs a GPU (--device cuda)");
   if (!o.json_path.empty()) {  // fail now, not after minutes of measuring (and leave no empty file)
@@ -116,7 +118,8 @@ int run_bench(BenchOpts o) {
       report.set_meta("device", ceil.device);
     });
   } else {
-    report.add_note("CPU run: no ceilings, so no floors in seconds and no ratios (a dry run of the harness)");
+    report.add_note(
+        "CPU run: no ceilings, so no floors in seconds and no ratios (a dry run of the harness)");
   }
   save();
   if (o.which == "ceilings") return failures ? 1 : 0;
@@ -131,10 +134,12 @@ int run_bench(BenchOpts o) {
   bench::EngineBenchOptions eo;
   eo.prompts = bench::parse_int_list(o.prompts, "--prompt");
   if (!o.repeats.empty())
-    for (int64_t r : bench::parse_int_list(o.repeats, "--repeats")) eo.prefill_repeats.push_back(static_cast<int>(r));
-  eo.decode_cases = o.cases.empty() ? bench::cross_cases(bench::parse_int_list(o.batches, "--batch"),
-                                                         bench::parse_int_list(o.contexts, "--context"))
-                                    : bench::parse_decode_cases(o.cases);
+    for (int64_t r : bench::parse_int_list(o.repeats, "--repeats"))
+      eo.prefill_repeats.push_back(static_cast<int>(r));
+  eo.decode_cases = o.cases.empty()
+                        ? bench::cross_cases(bench::parse_int_list(o.batches, "--batch"),
+                                             bench::parse_int_list(o.contexts, "--context"))
+                        : bench::parse_decode_cases(o.cases);
   eo.decode_steps = o.steps;
   eo.decode_warmup = o.warmup;
   eo.serve_requests = o.requests;
@@ -148,11 +153,13 @@ int run_bench(BenchOpts o) {
     int64_t max_len = 64, kv_tokens = 64;
     int slots = 1;
     if (want_prefill)
-      for (int64_t p : eo.prompts) max_len = std::max(max_len, p), kv_tokens = std::max(kv_tokens, p + 64);
+      for (int64_t p : eo.prompts)
+        max_len = std::max(max_len, p), kv_tokens = std::max(kv_tokens, p + 64);
     if (want_decode) {
       int64_t max_ctx = 0;
       for (const auto& [b, c] : eo.decode_cases) max_ctx = std::max(max_ctx, c);
-      max_len = std::max<int64_t>(max_len, max_ctx + int64_t(eo.decode_cases.size()) * (o.steps + o.warmup) + 64);
+      max_len = std::max<int64_t>(
+          max_len, max_ctx + int64_t(eo.decode_cases.size()) * (o.steps + o.warmup) + 64);
       kv_tokens = std::max(kv_tokens, bench::decode_kv_tokens_needed(eo));
       slots = std::max(slots, bench::decode_slots_needed(eo));
     }
@@ -169,8 +176,8 @@ int run_bench(BenchOpts o) {
       be = bench::make_bench_backend(o.spec);
       report.set_meta("engine", be->name());
       report.set_meta("engine_setup_s", seconds_since(t_load));
-      std::printf("engine %s ready in %.1f s: %d slots, %d tokens per sequence\n", be->name().c_str(),
-                  seconds_since(t_load), be->n_slots(), be->max_seq_len());
+      std::printf("engine %s ready in %.1f s: %d slots, %d tokens per sequence\n",
+                  be->name().c_str(), seconds_since(t_load), be->n_slots(), be->max_seq_len());
       std::fflush(stdout);
     });
     if (be && want_prefill)
@@ -196,13 +203,15 @@ int run_bench(BenchOpts o) {
     });
   if (o.profile)
     part("profile", [&]() {
-      std::vector<bench::Profile> profile = bench::run_profile(cfg, ceil, ko, o.profile_batch, o.profile_context,
-                                                               o.profile_chunk, o.profile_cached, kernels);
+      std::vector<bench::Profile> profile =
+          bench::run_profile(cfg, ceil, ko, o.profile_batch, o.profile_context, o.profile_chunk,
+                             o.profile_cached, kernels);
       // The engine-measured step beside the kernel sum, where this run measured the same shape.
       for (auto& p : profile) {
         if (p.phase == "decode")
           for (const auto& d : decode)
-            if (d.batch == o.profile_batch && d.context == o.profile_context) p.measured_s = d.tpot_s.p50;
+            if (d.batch == o.profile_batch && d.context == o.profile_context)
+              p.measured_s = d.tpot_s.p50;
         if (p.phase == "prefill" && o.profile_cached == 0)
           for (const auto& r : prefill)
             if (r.prompt == o.profile_chunk) p.measured_s = r.ttft_s.p50;
@@ -217,7 +226,8 @@ int run_bench(BenchOpts o) {
 
 void add_common(CLI::App* sub, BenchOpts& o) {
   sub->add_option("--json", o.json_path, "Write every result to this JSON file");
-  sub->add_option("--device", o.spec.device, "cuda, cuda:N, or cpu (engine benches only: a dry run)")
+  sub->add_option("--device", o.spec.device,
+                  "cuda, cuda:N, or cpu (engine benches only: a dry run)")
       ->capture_default_str();
   sub->add_option("--synthetic", o.spec.synthetic,
                   "Random weights for: 27b (Qwen3.5-27B), tiny, or a config.json path")
@@ -225,28 +235,39 @@ void add_common(CLI::App* sub, BenchOpts& o) {
   sub->add_option("--model", o.spec.model, "A checkpoint folder instead of synthetic weights");
   sub->add_option("--layers", o.spec.layers, "Keep only the first N layers (quick runs)");
   sub->add_option("--seed", o.spec.seed, "Seed of the synthetic weights")->capture_default_str();
-  sub->add_flag("--profile", o.profile, "Per-kernel breakdown of one decode step and one prefill chunk");
-  sub->add_option("--profile-batch", o.profile_batch, "Decode batch of the profile")->capture_default_str();
-  sub->add_option("--profile-context", o.profile_context, "Decode context of the profile")->capture_default_str();
-  sub->add_option("--profile-chunk", o.profile_chunk, "Prefill chunk of the profile")->capture_default_str();
+  sub->add_flag("--profile", o.profile,
+                "Per-kernel breakdown of one decode step and one prefill chunk");
+  sub->add_option("--profile-batch", o.profile_batch, "Decode batch of the profile")
+      ->capture_default_str();
+  sub->add_option("--profile-context", o.profile_context, "Decode context of the profile")
+      ->capture_default_str();
+  sub->add_option("--profile-chunk", o.profile_chunk, "Prefill chunk of the profile")
+      ->capture_default_str();
   sub->add_option("--profile-cached", o.profile_cached, "Tokens cached before the profiled chunk")
       ->capture_default_str();
-  sub->add_option("--max-seconds", o.max_seconds, "Per engine bench: skip the cases left after this long (0: no limit)");
-  sub->add_option("--chunk-size", o.spec.chunk_size, "Engine prompt chunk (tokens per forward)")->capture_default_str();
+  sub->add_option("--max-seconds", o.max_seconds,
+                  "Per engine bench: skip the cases left after this long (0: no limit)");
+  sub->add_option("--chunk-size", o.spec.chunk_size, "Engine prompt chunk (tokens per forward)")
+      ->capture_default_str();
 }
 
 void add_kernel_opts(CLI::App* sub, BenchOpts& o) {
   sub->add_flag("--quick", o.quick, "Fewer kernel shapes (decode batch 1, the 4096 chunk)");
-  sub->add_option("--only", o.only, "Comma-separated kernel families (gemm,attn_prefill,attn_decode,gdn_prefill,"
-                                    "gdn_decode,rmsnorm,silu_mul,rope_kv,gather)");
-  sub->add_option("--samples", o.samples, "Timed graph replays per kernel case")->capture_default_str();
+  sub->add_option("--only", o.only,
+                  "Comma-separated kernel families (gemm,attn_prefill,attn_decode,gdn_prefill,"
+                  "gdn_decode,rmsnorm,silu_mul,rope_kv,gather)");
+  sub->add_option("--samples", o.samples, "Timed graph replays per kernel case")
+      ->capture_default_str();
 }
 void add_prefill_opts(CLI::App* sub, BenchOpts& o) {
-  sub->add_option("--prompt", o.prompts, "Prompt lengths (comma-separated, K suffix allowed)")->capture_default_str();
-  sub->add_option("--repeats", o.repeats, "Runs per prompt length (default 3 up to 8K, 2 up to 16K, else 1)");
+  sub->add_option("--prompt", o.prompts, "Prompt lengths (comma-separated, K suffix allowed)")
+      ->capture_default_str();
+  sub->add_option("--repeats", o.repeats,
+                  "Runs per prompt length (default 3 up to 8K, 2 up to 16K, else 1)");
 }
 void add_decode_opts(CLI::App* sub, BenchOpts& o) {
-  sub->add_option("--context", o.contexts, "Context lengths (comma-separated)")->capture_default_str();
+  sub->add_option("--context", o.contexts, "Context lengths (comma-separated)")
+      ->capture_default_str();
   sub->add_option("--batch", o.batches, "Batch sizes (comma-separated)")->capture_default_str();
   sub->add_option("--cases", o.cases, "Explicit BATCH@CONTEXT list instead of --batch x --context");
   sub->add_option("--steps", o.steps, "Timed decode steps per case")->capture_default_str();
@@ -254,7 +275,8 @@ void add_decode_opts(CLI::App* sub, BenchOpts& o) {
 }
 void add_serve_opts(CLI::App* sub, BenchOpts& o) {
   sub->add_option("--requests", o.requests, "Requests per bucket")->capture_default_str();
-  sub->add_option("--output-tokens", o.output_tokens, "Generated tokens per request")->capture_default_str();
+  sub->add_option("--output-tokens", o.output_tokens, "Generated tokens per request")
+      ->capture_default_str();
 }
 
 std::function<int()> setup_bench(CLI::App& app) {
@@ -293,7 +315,8 @@ std::function<int()> setup_bench(CLI::App& app) {
   };
 }
 
-DS_COMMAND("bench", "Benchmarks: ceilings, kernels, prefill, decode, serve, all (see docs/perf/)", setup_bench);
+DS_COMMAND("bench", "Benchmarks: ceilings, kernels, prefill, decode, serve, all (see docs/perf/)",
+           setup_bench);
 
 }  // namespace
 }  // namespace ds::cli
