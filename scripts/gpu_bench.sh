@@ -11,9 +11,10 @@
 # Flags: --peers (also run bench/peers/peers.py; needs the carried .whl/ wheels of fla-core and
 #        flash-linear-attention), --quick (fewer shapes, fewer steps: a smoke run), --budget S
 #        (seconds for `bench all`, default 240), --total S (seconds for the whole script, default
-#        340: the peers get what is left).
+#        340: the peers get what is left), --http (also the serving workload over HTTP against
+#        `deltaserve serve --synthetic 27b`, by bench/serve_http.py: serve_http.json).
 # Output under $OUT (default ./bench-out), at most 8 files: bench.json, bench.log, tpot.png,
-# ttft.png, profile.png, and with --peers peers.json, peers.log.
+# ttft.png, profile.png, with --peers peers.json, peers.log, with --http serve_http.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench-out}
@@ -21,11 +22,13 @@ mkdir -p "$OUT"
 BIN=${BIN:-build-bench/bin/deltaserve}
 peers=0
 quick=0
+http=0
 budget=240
 total=340
 while [ $# -gt 0 ]; do
   case "$1" in
     --peers) peers=1 ;;
+    --http) http=1 ;;
     --quick) quick=1 ;;
     --budget) budget=$2; shift ;;
     --total) total=$2; shift ;;
@@ -67,6 +70,28 @@ timeout --signal=INT $((budget + 30)) "$BIN" bench all --profile --json "$OUT/be
  --max-seconds $((budget * 3 / 10)) "${args[@]}" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 echo "gpu_bench.sh: bench all exited with $rc" | tee -a "$LOG"
+
+if [ $http = 1 ]; then
+  # The same workload through the HTTP server (client-side timings), 2 requests per bucket.
+  port=18000
+  "$BIN" serve --synthetic 27b --device cuda --port $port --max-batch 1 --chunk-size 4096 \
+    --max-num-batched-tokens 4096 --max-kv-tokens 40000 --max-model-len 33024 >>"$LOG" 2>&1 &
+  spid=$!
+  up=0
+  for _ in $(seq 1 180); do
+    kill -0 "$spid" 2>/dev/null || break
+    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; then
+      up=1
+      break
+    fi
+    sleep 1
+  done
+  [ $up = 1 ] || echo "gpu_bench.sh: the server did not come up (see the log above)" | tee -a "$LOG"
+  [ $up = 1 ] && PYTHONUNBUFFERED=1 timeout 150 python3 bench/serve_http.py --url http://127.0.0.1:$port --requests 2 \
+    --json "$OUT/serve_http.json" 2>&1 | tee -a "$LOG"
+  kill "$spid" 2>/dev/null
+  wait "$spid" 2>/dev/null
+fi
 
 plot() {
   [ -f "$OUT/bench.json" ] || return 0

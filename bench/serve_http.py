@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""`bench serve` over HTTP: PERF.md's concurrency-1 workload against a running `deltaserve serve`
+(or any OpenAI-compatible server that takes token-id prompts), measured from the client side.
+
+Buckets 4K-8K, 8K-16K, 16K-32K prompt tokens, N requests each (lengths and token ids from a fixed
+seed, as `deltaserve bench serve` draws them), 128 output tokens, EOS ignored, greedy, streamed.
+TTFT = time to the first streamed chunk that carries a token; TPOT = (end - first token) /
+(completion tokens - 1); throughput = output tokens / end-to-end time; weighted 20/50/30.
+Standard library only. Output: a table and, with --json, the same "serve" layout as deltaserve's
+JSON (mode "HTTP ...").
+
+Usage: serve_http.py --url http://127.0.0.1:8000 [--requests 5] [--output-tokens 128]
+                     [--vocab 248320] [--scale 1.0] [--json FILE] [--api-key KEY]
+--scale multiplies the bucket bounds (e.g. 0.01 for a dry run against a tiny CPU model).
+"""
+import argparse
+import http.client
+import json
+import random
+import sys
+import time
+import urllib.parse
+
+BUCKETS = [("4K-8K", 4096, 8192, 0.2), ("8K-16K", 8192, 16384, 0.5), ("16K-32K", 16384, 32768, 0.3)]
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    pos = q / 100 * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def one_request(url, key, prompt, max_tokens):
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=3600)
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                       "stream": True, "logprobs": 0, "stream_options": {"include_usage": True}})
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    t0 = time.perf_counter()
+    conn.request("POST", u.path.rstrip("/") + "/v1/completions", body=body, headers=headers)
+    resp = conn.getresponse()
+    if resp.status != 200:
+        sys.exit(f"serve_http.py: HTTP {resp.status}: {resp.read()[:500]!r}")
+    ttft, n_tokens, usage = None, 0, None
+    for raw in resp:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        msg = json.loads(data)
+        if msg.get("usage"):
+            usage = msg["usage"]
+        for ch in msg.get("choices", []):
+            lp = ch.get("logprobs") or {}
+            got = len(lp.get("tokens") or []) or (1 if ch.get("text") else 0)
+            if got and ttft is None:
+                ttft = time.perf_counter() - t0
+            n_tokens += got
+    e2e = time.perf_counter() - t0
+    conn.close()
+    if usage and usage.get("completion_tokens"):
+        n_tokens = usage["completion_tokens"]
+    if ttft is None:
+        sys.exit("serve_http.py: the stream carried no token (does the server send logprobs tokens?)")
+    return ttft, e2e, n_tokens
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--requests", type=int, default=5)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=248320, help="token ids are drawn below this")
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json")
+    ap.add_argument("--api-key")
+    a = ap.parse_args()
+    if a.requests < 1 or a.output_tokens < 1 or a.scale <= 0:
+        sys.exit("serve_http.py: --requests, --output-tokens and --scale must be positive")
+    rng = random.Random(a.seed)
+    buckets, weighted = [], 0.0
+    print(f"{'bucket':<8} {'n':>2} {'TTFT p50 ms':>12} {'p99':>10} {'TPOT p50 ms':>12} {'p99':>8} {'tok/s':>7}")
+    for name, lo, hi, w in BUCKETS:
+        lo, hi = max(1, int(lo * a.scale)), max(2, int(hi * a.scale))
+        ttft, tpot, prompts, e2e_sum, out_sum = [], [], [], 0.0, 0
+        for _ in range(a.requests):
+            n = rng.randrange(lo, hi)
+            prompts.append(n)
+            prompt = [rng.randrange(a.vocab) for _ in range(n)]
+            t, e, k = one_request(a.url, a.api_key, prompt, a.output_tokens)
+            ttft.append(t)
+            if k > 1:
+                tpot.append((e - t) / (k - 1))
+            e2e_sum += e
+            out_sum += k
+        thr = out_sum / e2e_sum
+        weighted += w * thr
+        summ = lambda xs: {"n": len(xs), "p50": pct(xs, 50), "p99": pct(xs, 99), "min": min(xs) if xs else None,  # noqa: E731
+                           "max": max(xs) if xs else None, "mean": sum(xs) / len(xs) if xs else None}
+        b = {"bucket": name, "lo": lo, "hi": hi, "weight": w, "prompts": prompts, "ttft_s": summ(ttft),
+             "tpot_s": summ(tpot), "throughput_tok_per_s": thr}
+        buckets.append(b)
+        f = lambda s: "-" if s is None else f"{s * 1e3:.3f}"  # noqa: E731
+        print(f"{name:<8} {len(prompts):>2} {f(b['ttft_s']['p50']):>12} {f(b['ttft_s']['p99']):>10} "
+              f"{f(b['tpot_s']['p50']):>12} {f(b['tpot_s']['p99']):>8} {thr:>7.2f}", flush=True)
+    print(f"weighted throughput {weighted:.2f} tok/s")
+    if a.json:
+        doc = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "url": a.url,
+                        "scale": a.scale, "seed": a.seed},
+               "serve": {"mode": f"HTTP ({a.url})", "output_tokens": a.output_tokens, "buckets": buckets,
+                         "weighted_throughput_tok_per_s": weighted}}
+        with open(a.json, "w") as fh:
+            json.dump(doc, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
