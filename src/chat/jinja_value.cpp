@@ -1,6 +1,8 @@
 // Values of the Jinja interpreter: Python str()/repr()/==/< and json.dumps formatting.
 #include "chat/jinja_value.h"
 
+#include "core/utf8.h"
+
 #include <utf8proc.h>
 
 #include <algorithm>
@@ -35,21 +37,7 @@ std::vector<uint32_t> utf8_decode(std::string_view s) {
 }
 
 void utf8_append(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
+  append_utf8(out, cp);
 }
 
 size_t utf8_length(std::string_view s) {

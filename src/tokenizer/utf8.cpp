@@ -1,6 +1,7 @@
 // UTF-8 validation and lossy repair following the Unicode "maximal subpart" practice (the
 // replacement policy of Rust's from_utf8_lossy, Python's "replace" handler and the WHATWG
 // decoder), so our bytes->text conversions agree with HF tokenizers byte for byte.
+#include "core/utf8.h"
 #include "tokenizer/utf8.h"
 
 namespace ds::utf8 {
@@ -127,21 +128,7 @@ uint32_t decode(std::string_view s, size_t& i) {
 }
 
 void append(std::string& out, uint32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
+  append_utf8(out, cp);
 }
 
 }  // namespace ds::utf8
