@@ -9,12 +9,13 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 BIN=${BUILD_DIR:-build}/bin/deltaserve
 device=cpu
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && "$BIN" --help | grep -q cuda; then
+# The GPU when there is one and the binary has the CUDA backend (it then links the CUDA runtime).
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && ldd "$BIN" | grep -q libcudart; then
   device=cuda
 fi
 if [ $# -eq 0 ]; then
   tiny=${TINY_DIR:-build/tiny-model}
-  "$BIN" make-tiny --out "$tiny" --seed 1
+  "$BIN" make-tiny --out "$tiny" --seed 1 --force  # deterministic: same bytes every run
   echo "NOTE: this model has deterministic RANDOM weights (no checkpoint given); its text is noise."
   exec "$BIN" generate --model "$tiny" --device "$device" --prompt-ids 1,2,3,4 --max-tokens 16
 fi
