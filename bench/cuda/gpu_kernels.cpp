@@ -31,6 +31,7 @@
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
+#include "cuda/model_shapes.h"
 
 namespace ds::bench {
 namespace {
@@ -80,20 +81,8 @@ class KernelBench {
     l2_ = static_cast<double>(prop.l2CacheSize);
     gpu::check(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate");
     reg_ = cuda::DispatchRegistry::with_defaults(sm_);
-    attn_.n_heads = c.n_heads;
-    attn_.n_kv_heads = c.n_kv_heads;
-    attn_.head_dim = c.head_dim;
-    attn_.rotary_dim = c.rotary_dim;
-    attn_.gated = c.attn_output_gate;
-    attn_.rope_theta = static_cast<float>(c.rope_theta);
-    attn_.eps = c.rms_norm_eps;
-    attn_.page_size = kPage;
-    gdn_.n_k_heads = c.n_k_heads;
-    gdn_.n_v_heads = c.n_v_heads;
-    gdn_.d_k = c.d_k;
-    gdn_.d_v = c.d_v;
-    gdn_.conv_kernel = c.conv_kernel;
-    gdn_.norm_eps = c.rms_norm_eps;
+    attn_ = cuda::attn_shape_of(c, kPage);
+    gdn_ = cuda::gdn_shape_of(c);
     const int d = c.d_model;
     if (c.n_linear_layers() > 0) {
       ops_.push_back({"gdn_in", c.gdn_in_dim(), d, false});

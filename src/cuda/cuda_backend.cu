@@ -15,6 +15,7 @@
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
+#include "cuda/model_shapes.h"
 #include "model/memory_plan.h"
 #include "model/weight_table.h"
 
@@ -257,20 +258,8 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   page_size_ = eopt.page_size;
   chunk_size_ = opt.chunk_size;
 
-  attn_.n_heads = cfg_.n_heads;
-  attn_.n_kv_heads = cfg_.n_kv_heads;
-  attn_.head_dim = cfg_.head_dim;
-  attn_.rotary_dim = cfg_.rotary_dim;
-  attn_.gated = cfg_.attn_output_gate;
-  attn_.rope_theta = static_cast<float>(cfg_.rope_theta);
-  attn_.eps = cfg_.rms_norm_eps;
-  attn_.page_size = page_size_;
-  gdn_.n_k_heads = cfg_.n_k_heads;
-  gdn_.n_v_heads = cfg_.n_v_heads;
-  gdn_.d_k = cfg_.d_k;
-  gdn_.d_v = cfg_.d_v;
-  gdn_.conv_kernel = cfg_.conv_kernel;
-  gdn_.norm_eps = cfg_.rms_norm_eps;
+  attn_ = cuda::attn_shape_of(cfg_, page_size_);
+  gdn_ = cuda::gdn_shape_of(cfg_);
   const int n_full = cfg_.n_full_layers(), n_lin = cfg_.n_linear_layers();
   if (n_full > 0) cuda::check_attn_shape(attn_);
   if (n_lin > 0) cuda::check_gdn_shape(gdn_);
