@@ -234,7 +234,8 @@ void launch_prefill_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, co
 
 void launch_attention_prefill(const AttnShape& s, const AttnBatch& b, const bf16* q,
                               const bf16* k_cache, const bf16* v_cache, AttnGate gate, bf16* out,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, const DispatchRegistry* dispatch) {
+  (void)dispatch;  // only the generic kernel so far
   if (b.n_seqs <= 0 || b.max_q_len <= 0) return;
   check_attn_shape(s);
   DS_CHECK(b.n_seqs <= 65535, "attention: too many sequences in one batch (", b.n_seqs, ")");

@@ -341,6 +341,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   // ---- Allocation ----
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   gemm_ = std::make_unique<cuda::GemmEngine>(kGemmWorkspace);
+  gemm_->set_dispatch(&dispatch_);
   DS_CUDA_CHECK(cudaMalloc(&weight_mem_, layout_.weight_bytes));
   wb = Bump{static_cast<char*>(weight_mem_)};
   layout_weights(cfg_, wb, w_);
@@ -751,10 +752,11 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
         if (S_p > 0)
           cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_ + size_t(S_d) * c.gdn_in_dim(),
                                    d_cu_p, d_seq_pos + S_d, d_slot_ids + S_d, S_p, T - S_d, gdn_ws_,
-                                   gdn_ws_bytes_, mix_ + size_t(S_d) * c.gdn_z_dim(), stream_);
+                                   gdn_ws_bytes_, mix_ + size_t(S_d) * c.gdn_z_dim(), stream_,
+                                   &dispatch_);
       } else {
         cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_, d_cu, d_seq_pos, d_slot_ids, S, T,
-                                 gdn_ws_, gdn_ws_bytes_, mix_, stream_);
+                                 gdn_ws_, gdn_ws_bytes_, mix_, stream_, &dispatch_);
       }
       gemm(mix_, L.gdn_out, delta_, dm, c.gdn_z_dim());
     } else {
@@ -768,9 +770,10 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
       if (attn_split_kv) {  // rows are absolute (q_start), so the two batches share q_ / mix_
         cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, kv_chunk, n_splits, attn_ws_,
                                       mix_, stream_);
-        if (S_p > 0) cuda::launch_attention_prefill(attn_, ab_p, q_, kc, vc, gate, mix_, stream_);
+        if (S_p > 0)
+          cuda::launch_attention_prefill(attn_, ab_p, q_, kc, vc, gate, mix_, stream_, &dispatch_);
       } else {
-        cuda::launch_attention_prefill(attn_, ab, q_, kc, vc, gate, mix_, stream_);
+        cuda::launch_attention_prefill(attn_, ab, q_, kc, vc, gate, mix_, stream_, &dispatch_);
       }
       gemm(mix_, L.attn_o, delta_, dm, c.attn_out_dim());
     }

@@ -35,6 +35,8 @@
 
 namespace ds::cuda {
 
+class DispatchRegistry;  // dispatch.h
+
 struct GdnShape {
   int n_k_heads = 0;  // linear_num_key_heads (16 for 27B)
   int n_v_heads = 0;  // linear_num_value_heads (48)
@@ -91,7 +93,8 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
                         const int32_t* slot_ids,    // [n_seqs] state slot of each sequence
                         int n_seqs, int n_tokens, void* workspace, size_t workspace_bytes,
                         __nv_bfloat16* out,  // [n_tokens, n_v_heads * d_v]
-                        cudaStream_t stream);
+                        cudaStream_t stream,
+                        const DispatchRegistry* dispatch = nullptr);  // null: generic kernels
 
 // ---- Decode path ------------------------------------------------------------------------------
 // One token for each of n_seqs sequences, one fused kernel: conv ring update + conv + SiLU, q/k

@@ -1048,7 +1048,9 @@ void launch_gdn_conv_state_update(const GdnShape& s, const GdnStatePool& pool, c
 void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                         const bf16* proj, const int32_t* cu_seqlens, const int32_t* seq_pos,
                         const int32_t* slot_ids, int n_seqs, int n_tokens, void* workspace,
-                        size_t workspace_bytes, bf16* out, cudaStream_t stream) {
+                        size_t workspace_bytes, bf16* out, cudaStream_t stream,
+                        const DispatchRegistry* dispatch) {
+  (void)dispatch;  // only the generic chunked kernels so far
   check_common(s, pool, n_seqs);
   DS_CHECK(w.conv_w && w.A_log && w.dt_bias, "gdn prefill: layer weight pointers are null");
   DS_CHECK(n_tokens >= 0, "gdn prefill: n_tokens must be >= 0, got ", n_tokens);

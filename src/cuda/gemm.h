@@ -18,6 +18,8 @@
 
 namespace ds::cuda {
 
+class DispatchRegistry;  // dispatch.h
+
 enum class GemmOut : uint8_t { kBF16, kF32 };
 
 class GemmEngine {
@@ -37,6 +39,10 @@ class GemmEngine {
            void* y,                 // [m, n] bf16 or fp32
            int m, int n, int k, GemmOut out, cudaStream_t stream, bool accumulate = false);
 
+  // Specialised kernels (e.g. decode GEMVs) are picked through this registry when set; null or
+  // unset: cuBLASLt for every shape. The registry must outlive the engine.
+  void set_dispatch(const DispatchRegistry* dispatch) { dispatch_ = dispatch; }
+
   int n_plans() const { return static_cast<int>(plans_.size()); }
   int late_plans() const { return late_plans_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
@@ -52,6 +58,7 @@ class GemmEngine {
   size_t workspace_bytes_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;
   int late_plans_ = 0;
+  const DispatchRegistry* dispatch_ = nullptr;
 };
 
 }  // namespace ds::cuda

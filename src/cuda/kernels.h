@@ -23,6 +23,8 @@
 
 namespace ds::cuda {
 
+class DispatchRegistry;  // dispatch.h: picks a specialised variant or the generic kernel
+
 // ---- embedding.cu ----------------------------------------------------------------------------
 // out[i, :] = src[idx[i], :]: the embedding lookup (src = table, idx = token ids) and the row
 // gather before lm_head. idx must be in [0, n_src) (the engine checks token ids on the host).
@@ -113,7 +115,8 @@ void launch_attention_prefill(const AttnShape& s, const AttnBatch& b,
                               const __nv_bfloat16* k_cache,  // paged, see above
                               const __nv_bfloat16* v_cache, AttnGate gate,
                               __nv_bfloat16* out,  // [n_rows, n_heads, head_dim]
-                              cudaStream_t stream);
+                              cudaStream_t stream,
+                              const DispatchRegistry* dispatch = nullptr);  // null: generic kernel
 
 // Decode attention (q_len 1 for every sequence): split-KV over the paged cache, one block per
 // (split, kv head, sequence) that serves all query heads of the GQA group, partial softmaxes
