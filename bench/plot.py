@@ -3,7 +3,7 @@
 scripts/gpu_bench.sh, or anywhere with matplotlib):
 
   tpot.png     decode TPOT (P50, with P99 as error bars) vs context, one line per batch size,
-               against the bandwidth floor of each (dashed)
+               against the bandwidth floor of each (dashed), with the peers' TPOT when given
   ttft.png     prefill TTFT vs prompt length against the FLOP floor, with peers when given
   profile.png  per-kernel-class breakdown of one decode step and one prefill chunk
 
@@ -30,7 +30,7 @@ def title_of(doc):
     return f"{dev}\ncommit {commit}, {meta.get('date', '?')}"
 
 
-def plot_tpot(plt, doc, out):
+def plot_tpot(plt, doc, peers, out):
     rows = doc.get("decode") or []
     if not rows:
         return None
@@ -46,6 +46,10 @@ def plot_tpot(plt, doc, out):
         floors = [r["floor_s"] * 1e3 for r in rs if r.get("floor_s")]
         if len(floors) == len(rs):
             ax.plot(x, floors, "--", color=line[0].get_color(), alpha=0.7, label=f"batch {b} floor (bytes / read BW)")
+    for name, pts in (peers or {}).get("tpot", {}).items():
+        pts = sorted(pts, key=lambda p: p["context"])
+        if pts:
+            ax.plot([p["context"] for p in pts], [p["tpot_s"] * 1e3 for p in pts], "s:", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (tokens per sequence)")
     ax.set_ylabel("TPOT (ms per step)")
@@ -135,7 +139,7 @@ def main():
     doc = load(a.bench_json)
     peers = load(a.peers) if a.peers and os.path.exists(a.peers) else None
     os.makedirs(a.out, exist_ok=True)
-    for p in (plot_tpot(plt, doc, a.out), plot_ttft(plt, doc, peers, a.out), plot_profile(plt, doc, a.out)):
+    for p in (plot_tpot(plt, doc, peers, a.out), plot_ttft(plt, doc, peers, a.out), plot_profile(plt, doc, a.out)):
         if p:
             print("wrote", p)
 

@@ -2,7 +2,10 @@
 """Markdown tables of a `deltaserve bench` JSON file (and optionally peers.py's JSON), for
 docs/perf/RESULTS.md. No dependencies beyond the standard library.
 
-Usage: results_md.py BENCH.json [--peers PEERS.json] [--png-prefix PREFIX] > RESULTS.md
+Usage: results_md.py BENCH.json [--peers PEERS.json] [--serve-http SERVE_HTTP.json]
+                     [--hf-compare HF_COMPARE.json] [--png-prefix PREFIX] > RESULTS.md
+--serve-http adds the serving workload measured over HTTP (bench/serve_http.py) beside the
+in-process one, with the ratio per bucket; --hf-compare adds tools/hf_compare.py's summary.
 """
 import argparse
 import json
@@ -17,21 +20,76 @@ def ratio(x):
     return "-" if x is None else f"{x:.2f}x"
 
 
+def load_optional(path, what):
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"results_md.py: {what} file unreadable: {e}", file=sys.stderr)
+        return None
+
+
+def serve_table(w, s, title):
+    w(f"## {title} ({s['mode']}, {s['output_tokens']} output tokens, EOS ignored)\n")
+    w("| bucket | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s | weight |")
+    w("|---|---|---|---|---|---|---|---|")
+    for b in s["buckets"]:
+        w(f"| {b['bucket']} | {len(b['prompts'])} | {fmt_ms(b['ttft_s']['p50'])} | {fmt_ms(b['ttft_s']['p99'])} | "
+          f"{fmt_ms(b['tpot_s']['p50'])} | {fmt_ms(b['tpot_s']['p99'])} | {b['throughput_tok_per_s']:.2f} | "
+          f"{b['weight'] * 100:.0f}% |")
+    w(f"\nWeighted throughput: **{s['weighted_throughput_tok_per_s']:.2f} tok/s**\n")
+
+
+def serve_ratio_table(w, ref, http):
+    """HTTP / in-process per bucket (same prompt lengths when serve_http.py ran --prompts-from)."""
+    by = {b["bucket"]: b for b in ref["buckets"]}
+    w("HTTP vs in-process, per bucket (HTTP / in-process; 1.00 = identical):\n")
+    w("| bucket | same prompts | TTFT p50 | TPOT p50 | tok/s |\n|---|---|---|---|---|")
+    for b in http["buckets"]:
+        r = by.get(b["bucket"])
+        if not r:
+            continue
+        q = lambda x, y: "-" if not x or not y else f"{x / y:.3f}"  # noqa: E731
+        w(f"| {b['bucket']} | {'yes' if b['prompts'] == r['prompts'] else 'no'} | "
+          f"{q(b['ttft_s']['p50'], r['ttft_s']['p50'])} | {q(b['tpot_s']['p50'], r['tpot_s']['p50'])} | "
+          f"{q(b['throughput_tok_per_s'], r['throughput_tok_per_s'])} |")
+    w(f"| weighted | | | | {http['weighted_throughput_tok_per_s'] / ref['weighted_throughput_tok_per_s']:.3f} |\n")
+
+
+def hf_compare_section(w, hfc):
+    m = hfc.get("meta", {})
+    w("## Against HF transformers at the 27B shapes (tools/hf_compare.py)\n")
+    w(f"Random synthetic weights rebuilt bit-exactly in HF; {m.get('tokens')} teacher-forced tokens "
+      f"({m.get('n_prompt')} prompt in one chunk, the rest decoded one by one by our engine); HF "
+      f"{m.get('transformers')} (GDN: {m.get('hf_gdn_impl')}), torch {m.get('torch')}. Decisive rows: HF top-2 "
+      "margin above 2 x the p99.9 of |ours - HF|.\n")
+    w("| layers | rows | top-1 all | top-1 decisive (rows) | top-1 decode rows | max abs err | p99.9 | p99 | mean "
+      "| HF logit std | rel L2 p50 / p99 | KL mean / max | gate |")
+    w("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for n, r in sorted(hfc.get("results", {}).items(), key=lambda kv: int(kv[0])):
+        g, d = r["groups"]["all"], r["groups"]["decode"]
+        dec = "-" if g["top1_decisive"] is None else f"{g['top1_decisive'] * 100:.2f}%"
+        w(f"| {n} | {r['rows']} | {g['top1'] * 100:.2f}% | {dec} ({g['decisive_rows']}) | {d['top1'] * 100:.2f}% | "
+          f"{g['abs_err_max']:.3e} | {g['abs_err_p999']:.3e} | {g['abs_err_p99']:.3e} | {g['abs_err_mean']:.3e} | "
+          f"{r['logit_std']:.3f} | {g['rel_l2_p50']:.2e} / {g['rel_l2_p99']:.2e} | {g['kl_mean']:.2e} / "
+          f"{g['kl_max']:.2e} | {'pass' if r.get('gate_pass') else 'FAIL'} |")
+    w("")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("bench_json")
     ap.add_argument("--peers")
+    ap.add_argument("--serve-http")
+    ap.add_argument("--hf-compare")
     ap.add_argument("--png-prefix", default="")
     a = ap.parse_args()
     with open(a.bench_json) as f:
         d = json.load(f)
-    peers = None
-    if a.peers:
-        try:
-            with open(a.peers) as f:
-                peers = json.load(f)
-        except (OSError, ValueError) as e:
-            print(f"results_md.py: peers file unreadable: {e}", file=sys.stderr)
+    peers, http, hfc = (load_optional(a.peers, "peers"), load_optional(a.serve_http, "serve-http"),
+                        load_optional(a.hf_compare, "hf-compare"))
     m = d.get("meta", {})
     out = []
     w = out.append
@@ -67,15 +125,13 @@ def main():
               f"{r['tflops']:.1f} | {fmt_ms(r.get('floor_s'))} | {ratio(r.get('ratio'))} |")
         w("")
     if d.get("serve"):
-        s = d["serve"]
-        w(f"## Serving workload, concurrency 1 ({s['mode']}, {s['output_tokens']} output tokens, EOS ignored)\n")
-        w("| bucket | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s | weight |")
-        w("|---|---|---|---|---|---|---|---|")
-        for b in s["buckets"]:
-            w(f"| {b['bucket']} | {len(b['prompts'])} | {fmt_ms(b['ttft_s']['p50'])} | {fmt_ms(b['ttft_s']['p99'])} | "
-              f"{fmt_ms(b['tpot_s']['p50'])} | {fmt_ms(b['tpot_s']['p99'])} | {b['throughput_tok_per_s']:.2f} | "
-              f"{b['weight'] * 100:.0f}% |")
-        w(f"\nWeighted throughput: **{s['weighted_throughput_tok_per_s']:.2f} tok/s**\n")
+        serve_table(w, d["serve"], "Serving workload, concurrency 1")
+    if http and http.get("serve"):
+        serve_table(w, http["serve"], "Serving workload over HTTP, concurrency 1")
+        if d.get("serve"):
+            serve_ratio_table(w, d["serve"], http["serve"])
+    if hfc:
+        hf_compare_section(w, hfc)
     if d.get("profile"):
         w("## Profile (isolated kernel timings at the forward's shapes)\n")
         w(f"![profile]({a.png_prefix}profile.png)\n")
@@ -112,11 +168,11 @@ def main():
         for name, pts in peers.get("tpot", {}).items():
             for p in pts:
                 w(f"- {name}: TPOT at {p['context']} = {p['tpot_s'] * 1e3:.2f} ms")
-        w("\n| family | impl | shape | us | GB/s | TFLOP/s |\n|---|---|---|---|---|---|")
+        w("\n| family | impl | shape | us | GB/s | TFLOP/s | timed |\n|---|---|---|---|---|---|---|")
         for k in peers.get("kernels", []):
             t = k["time_s"]
             w(f"| {k['family']} | {k['impl']} | {k['shape']} | {t * 1e6:.2f} | {k['bytes'] / t / 1e9:.0f} | "
-              f"{k['flops'] / t / 1e12:.1f} |")
+              f"{k['flops'] / t / 1e12:.1f} | {k.get('method', '')} |")
         for n in peers.get("notes", []):
             w(f"- note: {n}")
         w("")

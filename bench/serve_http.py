@@ -11,7 +11,11 @@ JSON (mode "HTTP ...").
 
 Usage: serve_http.py --url http://127.0.0.1:8000 [--requests 5] [--output-tokens 128]
                      [--vocab 248320] [--scale 1.0] [--json FILE] [--api-key KEY]
+                     [--prompts-from BENCH.json]
 --scale multiplies the bucket bounds (e.g. 0.01 for a dry run against a tiny CPU model).
+--prompts-from takes the prompt lengths of each bucket from the "serve" part of a `deltaserve
+bench serve --json` file, so that both runs serve exactly the same requests (the in-process bench
+draws them with its own generator); --requests and --scale are then ignored.
 """
 import argparse
 import http.client
@@ -83,7 +87,15 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--api-key")
+    ap.add_argument("--prompts-from", help="bench JSON whose serve buckets give the prompt lengths")
     a = ap.parse_args()
+    given = None
+    if a.prompts_from:
+        try:
+            with open(a.prompts_from) as f:
+                given = {b["bucket"]: list(b["prompts"]) for b in json.load(f)["serve"]["buckets"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"serve_http.py: --prompts-from {a.prompts_from}: no serve buckets ({type(e).__name__}: {e})")
     if a.requests < 1 or a.output_tokens < 1 or a.scale <= 0:
         sys.exit("serve_http.py: --requests, --output-tokens and --scale must be positive")
     rng = random.Random(a.seed)
@@ -92,8 +104,10 @@ def main():
     for name, lo, hi, w in BUCKETS:
         lo, hi = max(1, int(lo * a.scale)), max(2, int(hi * a.scale))
         ttft, tpot, prompts, e2e_sum, out_sum = [], [], [], 0.0, 0
-        for _ in range(a.requests):
-            n = rng.randrange(lo, hi)
+        lengths = given.get(name, []) if given is not None else [rng.randrange(lo, hi) for _ in range(a.requests)]
+        if not lengths:
+            continue
+        for n in lengths:
             prompts.append(n)
             prompt = [rng.randrange(a.vocab) for _ in range(n)]
             t, e, k = one_request(a.url, a.api_key, prompt, a.output_tokens)
@@ -115,7 +129,7 @@ def main():
     print(f"weighted throughput {weighted:.2f} tok/s")
     if a.json:
         doc = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "url": a.url,
-                        "scale": a.scale, "seed": a.seed},
+                        "scale": a.scale, "seed": a.seed, "prompts_from": a.prompts_from},
                "serve": {"mode": f"HTTP ({a.url})", "output_tokens": a.output_tokens, "buckets": buckets,
                          "weighted_throughput_tok_per_s": weighted}}
         with open(a.json, "w") as fh:

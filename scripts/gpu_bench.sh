@@ -10,9 +10,12 @@
 #
 # Flags: --peers (also run bench/peers/peers.py; needs the carried .whl/ wheels of fla-core and
 #        flash-linear-attention), --quick (fewer shapes, fewer steps: a smoke run), --budget S
-#        (seconds for `bench all`, default 240), --total S (seconds for the whole script, default
-#        340: the peers get what is left), --http (also the serving workload over HTTP against
-#        `deltaserve serve --synthetic 27b`, by bench/serve_http.py: serve_http.json).
+#        (seconds for the deltaserve bench, default 240), --total S (seconds for the whole script,
+#        default 340: the peers get what is left), --http (also the serving workload over HTTP
+#        against `deltaserve serve --synthetic 27b`, by bench/serve_http.py with the very prompt
+#        lengths of the in-process run: serve_http.json), --bench all|serve|ceilings (which
+#        deltaserve bench: default all; `serve` = ceilings + the in-process serving workload only),
+#        --requests N (serving requests per bucket: default 3, 1 with --quick).
 # Output under $OUT (default ./bench-out), at most 8 files: bench.json, bench.log, tpot.png,
 # ttft.png, profile.png, with --peers peers.json, peers.log, with --http serve_http.json.
 set -uo pipefail
@@ -25,6 +28,8 @@ quick=0
 http=0
 budget=240
 total=340
+bench_cmd=all
+requests=
 while [ $# -gt 0 ]; do
   case "$1" in
     --peers) peers=1 ;;
@@ -32,6 +37,8 @@ while [ $# -gt 0 ]; do
     --quick) quick=1 ;;
     --budget) budget=$2; shift ;;
     --total) total=$2; shift ;;
+    --bench) bench_cmd=$2; shift ;;
+    --requests) requests=$2; shift ;;
     *) echo "gpu_bench.sh: unknown flag $1" >&2; exit 2 ;;
   esac
   shift
@@ -59,20 +66,30 @@ LOG=$OUT/bench.log
 # Decode cases: batch 1 at every context bucket (the PERF.md targets), batch 4 up to 8K, batch 16
 # at 4K: the KV cache is filled by real prefill, and 16 x 32K tokens of it would take most of the
 # call (`deltaserve bench decode --batch 1,4,16` runs the full grid when time allows).
-if [ $quick = 1 ]; then
-  args=(--quick --cases 1@4096,4@4096,1@32768 --prompt 4096,32768 --repeats 1,1 --steps 32 --requests 1)
-else
-  args=(--cases 1@4096,4@4096,16@4096,1@8192,4@8192,1@16384,1@32768
-        --prompt 4096,8192,16384,32768 --steps 128 --requests 3)
-fi
+[ -n "$requests" ] || { [ $quick = 1 ] && requests=1 || requests=3; }
+case "$bench_cmd" in
+  all)
+    if [ $quick = 1 ]; then
+      args=(--profile --quick --cases 1@4096,4@4096,1@32768 --prompt 4096,32768 --repeats 1,1 --steps 32)
+    else
+      args=(--profile --cases 1@4096,4@4096,16@4096,1@8192,4@8192,1@16384,1@32768
+            --prompt 4096,8192,16384,32768 --steps 128)
+    fi
+    args+=(--requests "$requests") ;;
+  serve) args=(--requests "$requests") ;;
+  ceilings) args=() ;;
+  *) echo "gpu_bench.sh: --bench must be all, serve or ceilings" >&2; exit 2 ;;
+esac
 # --max-seconds bounds each engine bench; `timeout` bounds the whole (JSON is saved after each part).
-timeout --signal=INT $((budget + 30)) "$BIN" bench all --profile --json "$OUT/bench.json" \
- --max-seconds $((budget * 3 / 10)) "${args[@]}" 2>&1 | tee -a "$LOG"
+args+=(--max-seconds $((budget * 3 / 10)))
+timeout --signal=INT $((budget + 30)) "$BIN" bench "$bench_cmd" --json "$OUT/bench.json" \
+ "${args[@]}" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
-echo "gpu_bench.sh: bench all exited with $rc" | tee -a "$LOG"
+echo "gpu_bench.sh: bench $bench_cmd exited with $rc" | tee -a "$LOG"
 
 if [ $http = 1 ]; then
-  # The same workload through the HTTP server (client-side timings), 2 requests per bucket.
+  # The same workload through the HTTP server (client-side timings): the same prompt lengths as
+  # the in-process run when bench.json has them.
   port=18000
   "$BIN" serve --synthetic 27b --device cuda --port $port --max-batch 1 --chunk-size 4096 \
     --max-num-batched-tokens 4096 --max-kv-tokens 40000 --max-model-len 33024 >>"$LOG" 2>&1 &
@@ -87,8 +104,11 @@ if [ $http = 1 ]; then
     sleep 1
   done
   [ $up = 1 ] || echo "gpu_bench.sh: the server did not come up (see the log above)" | tee -a "$LOG"
-  [ $up = 1 ] && PYTHONUNBUFFERED=1 timeout 150 python3 bench/serve_http.py --url http://127.0.0.1:$port --requests 2 \
-    --json "$OUT/serve_http.json" 2>&1 | tee -a "$LOG"
+  http_args=(--requests "$requests")
+  python3 -c "import json,sys; sys.exit(0 if json.load(open('$OUT/bench.json')).get('serve') else 1)" 2>/dev/null \
+    && http_args=(--prompts-from "$OUT/bench.json")
+  [ $up = 1 ] && PYTHONUNBUFFERED=1 timeout $((budget / 2 + 60)) python3 bench/serve_http.py \
+    --url http://127.0.0.1:$port "${http_args[@]}" --json "$OUT/serve_http.json" 2>&1 | tee -a "$LOG"
   kill "$spid" 2>/dev/null
   wait "$spid" 2>/dev/null
 fi
@@ -111,7 +131,7 @@ elif [ $peers = 1 ]; then
   else
     echo "gpu_bench.sh: no .whl/ wheels carried: the GDN peers and the model's FLA path are skipped" | tee -a "$LOG"
   fi
-  peer_args=(--json "$OUT/peers.json" --max-seconds $((left - 25)))
+  peer_args=(--json "$OUT/peers.json" --budget $((left - 25)))
   [ $quick = 1 ] && peer_args+=(--quick)
   PYTHONUNBUFFERED=1 timeout $left python3 bench/peers/peers.py "${peer_args[@]}" 2>&1 | tee "$OUT/peers.log"
   plot

@@ -7,20 +7,27 @@
 #   OUT         where logs go (default ./gpu-test-logs)
 #   --perf      also run the synthetic-27B timing (DS_PERF=1)
 #   --filter F  gtest filter for every binary
-#   --hf-compare DIR  also compare with HF transformers at the 27B shapes: writes a 4-layer
-#               checkpoint + our logits to DIR (cuda_hf_compare_test), then tools/hf_compare.py
-#               ($DS_HF_COMPARE_LAYERS=64 for the full model: 51 GB of disk)
+#   --only A,B  run only these binaries (names without the folder, e.g. cuda_hf_compare_test)
+#   --hf-compare DIR  also compare with HF transformers at the 27B shapes: cuda_hf_compare_test
+#               writes our logits for 4 and 64 layers (synthetic weights made on the GPU, no
+#               checkpoint: 2.1 GB of logits per layer count) and the weight fingerprint to DIR,
+#               then tools/hf_compare.py rebuilds the weights in HF and compares (its JSON goes to
+#               $OUT/hf_compare.json); the logits files are deleted afterwards.
+#               $DS_HF_COMPARE_LAYERS picks the layer counts (default 4,64). Run it before
+#               installing flash-linear-attention so that HF uses its fp32 torch GDN path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build-cuda}
 LOG_DIR=${OUT:-$PWD/gpu-test-logs}
 mkdir -p "$LOG_DIR"
 FILTER="*"
+ONLY=""
 while (($#)); do
   case "$1" in
     --perf) export DS_PERF=1 ;;
     --filter) FILTER="$2"; shift ;;
     --hf-compare) export DS_HF_COMPARE_DIR="$2"; shift ;;
+    --only) ONLY="$2"; shift ;;
     *) echo "gpu_test: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -28,6 +35,14 @@ done
 export DS_TEST_DATA_DIR="$PWD/tests/data" DS_SOURCE_DIR_OVERRIDE="$PWD"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>&1 | tee "$LOG_DIR/gpu.txt"
 bins=$(ls "$BUILD_DIR"/tests/cuda_*_test 2>/dev/null | sort)
+if [ -n "$ONLY" ]; then
+  sel=""
+  for n in ${ONLY//,/ }; do
+    [ -x "$BUILD_DIR/tests/$n" ] || { echo "gpu_test: --only: $BUILD_DIR/tests/$n not found"; exit 1; }
+    sel="$sel $BUILD_DIR/tests/$n"
+  done
+  bins=$sel
+fi
 if [ -z "$bins" ]; then
   echo "gpu_test: no GPU test binaries in $BUILD_DIR/tests (build with -DDS_CUDA=ON)"; exit 1
 fi
@@ -55,12 +70,15 @@ for b in $bins; do
     echo "gpu_test: $name FAILED (rc $rc, $n_bad failed, ${secs}s)"; tail -30 "$LOG_DIR/$name.log"
   fi
 done
-if [ -n "${DS_HF_COMPARE_DIR:-}" ] && [ -f "$DS_HF_COMPARE_DIR/ours_logits.npy" ]; then
-  if PYTHONUNBUFFERED=1 python3 tools/hf_compare.py "$DS_HF_COMPARE_DIR" 2>&1 | tee "$LOG_DIR/hf_compare.log"; then
+if [ -n "${DS_HF_COMPARE_DIR:-}" ]; then
+  if [ -f "$DS_HF_COMPARE_DIR/compare.json" ] && \
+     PYTHONUNBUFFERED=1 python3 tools/hf_compare.py "$DS_HF_COMPARE_DIR" --json "$LOG_DIR/hf_compare.json" \
+       2>&1 | tee "$LOG_DIR/hf_compare.log"; then
     pass=$((pass + 1))
   else
     fail=$((fail + 1)); failed="$failed hf_compare"
   fi
+  rm -f "$DS_HF_COMPARE_DIR"/ours_L*.npy
 fi
 echo "GPU TESTS: $pass binaries passed, $fail failed${failed:+ (}${failed# }${failed:+)} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 [ $fail -eq 0 ]

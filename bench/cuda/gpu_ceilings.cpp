@@ -1,14 +1,18 @@
 // `bench ceilings`: what this GPU can do, measured in the same run as every claim (PERF.md):
 //  - streaming read: a 2 GiB bf16 buffer summed with 16-byte streaming loads (bytes read / time);
-//  - copy: cudaMemcpyAsync device-to-device of 1 GiB (bytes read + written / time);
+//  - copy: 1 GiB device-to-device by our 16-byte-load/store kernel (bench/cuda/ceiling_copy.h),
+//    bytes read + written / time. cudaMemcpyAsync D2D is timed beside it and printed (inside a
+//    CUDA graph it measured 2.76 TB/s on the H200, plain launches are timed here too);
 //  - GEMM: cuBLASLt (the engine's GemmEngine) bf16 8192 x 8192 x 8192, fp32 accumulate, bf16 out,
 //    random inputs, three input/output sets rotated so no launch finds its operands in L2.
 // Each: warm-up, then the median over CUDA-event-timed replays.
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <vector>
 
 #include "bench/bench.h"
+#include "bench/cuda/ceiling_copy.h"
 #include "bench/cuda/device_util.h"
 #include "core/error.h"
 #include "cuda/gemm.h"
@@ -63,15 +67,37 @@ Ceilings measure_ceilings(int device, int repeats) {
     const size_t bytes = size_t(1) << 30;
     gpu::DevBuf a(bytes, "copy source"), b(bytes, "copy destination");
     gpu::fill_normal_bf16(a.as<__nv_bfloat16>(), int64_t(bytes / 2), 12, 0.f, 1.f, s);
+    auto memcpy_d2d = [&](int) {
+      gpu::check(cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s),
+                 "cudaMemcpyAsync D2D");
+    };
     c.copy_s = gpu::time_launches(
-        [&](int) {
-          gpu::check(
-              cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice, s),
-              "cudaMemcpyAsync D2D");
-        },
-        s, to);
+        [&](int) { gpu::launch_copy_16b(b.as<void>(), a.as<void>(), bytes, s); }, s, to);
     c.copy_bytes = 2.0 * double(bytes);
     c.copy_bps = c.copy_bytes / c.copy_s.p50;
+    // For the record: cudaMemcpyAsync in a graph (a memcpy node) and as plain calls.
+    const Summary in_graph = gpu::time_launches(memcpy_d2d, s, to);
+    std::vector<double> plain;
+    cudaEvent_t e0, e1;
+    gpu::check(cudaEventCreate(&e0), "cudaEventCreate");
+    gpu::check(cudaEventCreate(&e1), "cudaEventCreate");
+    memcpy_d2d(0);
+    for (int i = 0; i < repeats; ++i) {
+      gpu::check(cudaEventRecord(e0, s), "cudaEventRecord");
+      memcpy_d2d(0);
+      gpu::check(cudaEventRecord(e1, s), "cudaEventRecord");
+      gpu::check(cudaEventSynchronize(e1), "cudaEventSynchronize");
+      float ms = 0;
+      gpu::check(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
+      plain.push_back(ms * 1e-3);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    const Summary p = summarize(plain);
+    std::printf(
+        "ceilings: D2D copy of 1 GiB: 16-byte kernel %.2f TB/s (the ceiling used), "
+        "cudaMemcpyAsync %.2f TB/s in a CUDA graph, %.2f TB/s as plain calls\n",
+        c.copy_bps / 1e12, c.copy_bytes / in_graph.p50 / 1e12, c.copy_bytes / p.p50 / 1e12);
   }
   {  // GEMM 8192^3, bf16, rotated sets
     const int n = 8192, sets = 3;

@@ -78,5 +78,60 @@ def test_serve_http_against_a_tiny_server(tmp_path):
         assert s["weighted_throughput_tok_per_s"] > 0
         # A fixed seed: the same requests every run.
         assert [b["prompts"] for b in runs[0]["buckets"]] == [b["prompts"] for b in runs[1]["buckets"]]
+        # --prompts-from: the very prompt lengths of an in-process run's JSON, bucket by bucket.
+        given = {"serve": {"buckets": [{"bucket": "4K-8K", "prompts": [40, 33]}, {"bucket": "8K-16K", "prompts": [70]},
+                                       {"bucket": "16K-32K", "prompts": [130]}]}}
+        src = tmp_path / "bench.json"
+        src.write_text(json.dumps(given))
+        out = tmp_path / "same.json"
+        r = subprocess.run([sys.executable, str(REPO / "bench" / "serve_http.py"), "--url", srv.base, "--output-tokens",
+                            "2", "--vocab", "1024", "--prompts-from", str(src), "--json", str(out)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr + srv.log_text()
+        got = json.loads(out.read_text())["serve"]
+        assert [b["prompts"] for b in got["buckets"]] == [[40, 33], [70], [130]]
+        bad = tmp_path / "bad.json"
+        bad.write_text("{}")
+        r = subprocess.run([sys.executable, str(REPO / "bench" / "serve_http.py"), "--url", srv.base, "--prompts-from",
+                            str(bad)], capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and "--prompts-from" in r.stderr
     finally:
         srv.stop()
+
+
+def _serve_doc(mode, ttft, tpot, thr, prompts):
+    summ = lambda x: {"n": 1, "p50": x, "p99": x, "min": x, "max": x, "mean": x}  # noqa: E731
+    buckets = [{"bucket": b, "lo": 1, "hi": 2, "weight": w, "prompts": p, "ttft_s": summ(ttft), "tpot_s": summ(tpot),
+                "throughput_tok_per_s": thr} for (b, w), p in zip((("4K-8K", 0.2), ("8K-16K", 0.5), ("16K-32K", 0.3)),
+                                                                   prompts)]
+    return {"mode": mode, "output_tokens": 128, "buckets": buckets, "weighted_throughput_tok_per_s": thr}
+
+
+def test_results_md_http_and_hf_compare_sections(tmp_path):
+    """results_md.py puts the HTTP run beside the in-process one (ratios, same-prompt check) and
+    renders hf_compare.py's summary; a missing optional file is named, not fatal."""
+    bench = {"meta": {"date": "d", "commit": "c", "command": "bench serve"},
+             "serve": _serve_doc("in-process", 1.0, 0.020, 40.0, [[5000], [9000], [20000]])}
+    http = {"serve": _serve_doc("HTTP (x)", 1.02, 0.0202, 39.0, [[5000], [9000], [20001]])}
+    grp = {"rows": 10, "top1": 0.9, "decisive_rows": 6, "top1_decisive": 1.0, "near_tie_rows_disagreeing": 1,
+           "abs_err_max": 0.1, "abs_err_p999": 0.05, "abs_err_p99": 0.03, "abs_err_mean": 0.01, "rel_l2_p50": 0.01,
+           "rel_l2_p99": 0.02, "rel_l2_max": 0.03, "kl_mean": 1e-4, "kl_p99": 2e-4, "kl_max": 3e-4,
+           "margin_p10": 0.01, "margin_p50": 0.1}
+    hfc = {"meta": {"tokens": 10, "n_prompt": 8, "transformers": "5", "torch": "2", "hf_gdn_impl": "torch"},
+           "results": {"4": {"rows": 10, "n_prompt": 8, "logit_std": 1.0, "groups": {"all": grp, "decode": grp},
+                             "gate_pass": True}}}
+    paths = {}
+    for name, doc in (("bench", bench), ("http", http), ("hfc", hfc)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(doc))
+    md = subprocess.run([sys.executable, str(REPO / "bench" / "results_md.py"), str(paths["bench"]), "--serve-http",
+                         str(paths["http"]), "--hf-compare", str(paths["hfc"]), "--peers", str(tmp_path / "none.json")],
+                        capture_output=True, text=True)
+    assert md.returncode == 0, md.stderr
+    out = md.stdout
+    assert "## Serving workload over HTTP" in out and "HTTP vs in-process" in out
+    assert "| 4K-8K | yes | 1.020 | 1.010 | 0.975 |" in out
+    assert "| 16K-32K | no |" in out  # another prompt length: flagged
+    assert "| weighted | | | | 0.975 |" in out
+    assert "## Against HF transformers" in out and "| 4 | 10 | 90.00% | 100.00% (6) |" in out
+    assert "peers file unreadable" in md.stderr
