@@ -1,7 +1,9 @@
 // The engine seen from the scheduler, server, CLI and benchmarks: a fixed number of sequence
 // slots, each with its own KV cache / GDN state, and a step that runs a batch of work items (a
 // prompt chunk or one decode token per slot) and returns logits. Implemented by the CPU reference
-// (CpuBackend) and the CUDA engine (CudaBackend).
+// (CpuBackend) and the CUDA engine (CudaBackend). step_greedy() is the same step for callers that
+// sample some rows greedily: those rows come back as one token id each (argmax on the device for
+// the CUDA engine: 4 bytes copied instead of a vocab-sized fp32 row).
 #pragma once
 
 #include <cstdint>
@@ -18,6 +20,19 @@ struct SeqWork {
   int slot = 0;                       // which sequence
   std::span<const int32_t> tokens;    // appended after what the slot already holds
   bool all_logits = false;            // logits for every token (scoring) or only the last
+  // Only the greedy token of the last row is wanted (step_greedy): argmax, lowest id on ties.
+  // step() ignores it; step_greedy() ignores it on items with all_logits.
+  bool greedy = false;
+};
+
+// What step_greedy() returns.
+struct StepOutput {
+  // [rows, vocab]: the rows of the items without `greedy` (or with all_logits), in work order,
+  // one per item or one per token where all_logits (step()'s layout minus the greedy items).
+  std::vector<float> logits;
+  // [work.size()]: for items with `greedy`, the argmax of their last row (lowest id on ties), or
+  // -1 when that row holds NaN or +inf; -1 for the other items.
+  std::vector<int32_t> tokens;
 };
 
 struct MemoryUsage {
@@ -41,7 +56,15 @@ class Backend {
   // Runs the work items (distinct slots) as one step. logits: rows in work order, `vocab` floats
   // each; one row per item, or one per token where all_logits.
   virtual void step(std::span<const SeqWork> work, std::vector<float>& logits) = 0;
+  // The same step (same state changes, same validation); items with `greedy` get their token in
+  // out.tokens and no logits row. This default runs step() and takes the argmax on the host
+  // (CpuBackend uses it); the CUDA engine computes it on the device.
+  virtual void step_greedy(std::span<const SeqWork> work, StepOutput& out);
 };
+
+// The greedy token of a logits row as step_greedy() defines it: argmax, lowest id on ties, -1 if
+// the row holds NaN or +inf (the host sampler refuses such rows too).
+int32_t greedy_token(std::span<const float> row);
 
 struct BackendOptions {
   std::string device = "cpu";  // "cpu" or "cuda" / "cuda:N"

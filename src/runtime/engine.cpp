@@ -104,6 +104,7 @@ Engine::Engine(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer
                  }()),
       ctl_(std::make_shared<Control>()) {
   max_model_len_ = backend_->max_seq_len();
+  device_greedy_ = options.device_greedy;
   if (options.max_model_len > 0) max_model_len_ = std::min(max_model_len_, options.max_model_len);
   DS_CHECK(max_model_len_ >= 2, "engine: max_model_len must be >= 2 (got ", max_model_len_, ")");
   const MemoryUsage mem = backend_->memory();
@@ -297,6 +298,13 @@ void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
 }
 
 namespace {
+// True when the request's next token is exactly the argmax of the raw logits and nothing else of
+// the row is needed: greedy, no logprobs, no penalties (they change the logits on the host).
+bool wants_only_argmax(const GenerationRequest& q) {
+  const SamplingParams& p = q.sampling;
+  return p.greedy() && q.top_logprobs < 0 && p.repetition_penalty == 1.0f &&
+         p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f;
+}
 // Length of the longest suffix of `text` that is a proper prefix of one of `stops`.
 size_t stop_holdback(const std::string& text, const std::vector<std::string>& stops) {
   size_t best = 0;
@@ -321,10 +329,11 @@ size_t find_stop(const std::string& text, const std::vector<std::string>& stops)
 
 void Engine::on_token(Request& r, int32_t token, const float* row) {
   const GenerationRequest& q = r.req;
-  const std::span<const float> logits(row, static_cast<size_t>(config_.vocab_size));
   GeneratedToken g;
   g.id = token;
   if (q.top_logprobs >= 0) {
+    DS_CHECK(row != nullptr, "engine: logprobs asked for but no logits row");
+    const std::span<const float> logits(row, static_cast<size_t>(config_.vocab_size));
     g.logprob = token_logprob(logits, token);
     if (q.top_logprobs > 0) g.top = top_logprobs(logits, q.top_logprobs);
   }
@@ -388,7 +397,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
 }
 
 void Engine::loop() {
-  std::vector<float> logits;
+  StepOutput out;
   for (;;) {
     std::deque<std::unique_ptr<Request>> incoming;
     std::vector<uint64_t> cancels;
@@ -452,8 +461,18 @@ void Engine::loop() {
       const SchedSeq* s = scheduler_.find(it.seq_id);
       n_prompt_tokens += std::max(0, std::min(it.end, s->n_prompt) - it.begin);
     }
+    // Rows that are not sampled, or sampled by plain argmax, come back as token ids only.
+    for (size_t i = 0; i < plan.items.size(); ++i) {
+      const ScheduledItem& it = plan.items[i];
+      bool greedy = device_greedy_;
+      if (greedy && it.sample) {
+        auto found = active_.find(it.seq_id);
+        greedy = found != active_.end() && wants_only_argmax(found->second->req);
+      }
+      plan.work[i].greedy = greedy;
+    }
     try {
-      backend_->step(plan.work, logits);
+      backend_->step_greedy(plan.work, out);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "deltaserve: engine step failed: %s\n", e.what());
       for (const ScheduledItem& it : plan.items) {
@@ -470,15 +489,28 @@ void Engine::loop() {
       ctl_->stats.prompt_tokens += n_prompt_tokens;
     }
     const size_t vocab = static_cast<size_t>(config_.vocab_size);
+    size_t next_row = 0;  // rows of out.logits belong to the items without `greedy`, in order
     for (size_t i = 0; i < plan.items.size(); ++i) {
       const ScheduledItem& it = plan.items[i];
+      const SeqWork& w = plan.work[i];
+      const float* row = nullptr;
+      if (!w.greedy || w.all_logits) {
+        const size_t n_rows = w.all_logits ? w.tokens.size() : 1;
+        row = out.logits.data() + (next_row + n_rows - 1) * vocab;  // the last token's row
+        next_row += n_rows;
+      }
       if (!it.sample) continue;
       auto found = active_.find(it.seq_id);
       if (found == active_.end()) continue;
       Request& r = *found->second;
-      const float* row = logits.data() + i * vocab;
-      const int32_t token = r.sampler.sample(std::span<const float>(row, vocab), r.generated);
       try {
+        int32_t token = 0;
+        if (row) {
+          token = r.sampler.sample(std::span<const float>(row, vocab), r.generated);
+        } else {
+          token = out.tokens.at(i);
+          DS_CHECK(token >= 0, "sampling: the logits contain NaN or +inf");
+        }
         on_token(r, token, row);
       } catch (const std::exception& e) {
         // Never let one request's failure take the loop (and the server) down.

@@ -101,6 +101,10 @@ class RequestStream {
 struct EngineOptions {
   SchedulerOptions scheduler;
   int max_model_len = 0;  // 0: the backend's max_seq_len
+  // Rows sampled greedily without logprobs or penalties (and rows not sampled at all) come back
+  // from the backend as token ids (Backend::step_greedy: argmax on the GPU, no logits copy).
+  // Off: every row's logits go to the host sampler (same tokens, slower).
+  bool device_greedy = true;
 };
 
 // Counters and gauges for /metrics, a consistent snapshot.
@@ -143,6 +147,8 @@ class Engine {
   struct Request;
   void loop();
   void finish(Request& r, FinishReason reason, const std::string& error = {});
+  // logits_row: the row the token was sampled from; null when the backend gave only the token
+  // (then the request asked for no logprobs).
   void on_token(Request& r, int32_t token, const float* logits_row);
   void publish(Request& r);
   void update_stats();
@@ -152,6 +158,7 @@ class Engine {
   ModelConfig config_;
   std::string backend_name_;
   int max_model_len_ = 0;
+  bool device_greedy_ = true;
   int64_t pool_tokens_ = 0;  // tokens the KV pool can hold for one sequence (0: unknown)
   int max_waiting_ = 0;      // queued (not yet running) requests at most
   std::vector<int32_t> eos_ids_;
