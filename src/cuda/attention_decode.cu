@@ -3,25 +3,55 @@
 // block per (split, kv head, sequence) computes an unnormalised partial softmax for all query heads
 // of the GQA group at once (each K/V byte is read once, not once per query head), and a second
 // kernel merges the partials by log-sum-exp, divides, applies sigmoid(gate) and writes bf16.
-// Inside a block, 4 warps take keys round-robin; a lane holds head_dim/32 consecutive dims (16-byte
-// loads at head_dim 256), dot products by warp shuffles, online softmax in fp32 (exp2 domain).
-// Partials: float2 (m, l) [n_seqs, n_heads, n_splits] then float o [n_seqs, n_heads, n_splits, hd].
-// Shapes: head_dim in {32, 64, 128, 256}, group (n_heads / n_kv_heads) <= 8; other shapes go to the
-// prefill kernel through the dispatch registry (attention_decode_supported). Splits past a
-// sequence's length write an empty partial, so the grid may be sized for the longest sequence.
-// Tests: tests/cuda/cuda_attention_test.cpp (vs the fp32 CPU reference and vs the prefill kernel).
+// Partials: float2 (m, l) [n_seqs, n_heads, n_splits] then float o [n_seqs, n_heads, n_splits, hd]
+// (m in the log2 domain of the scaled scores). Splits past a sequence's length write an empty
+// partial (m = -inf, l = 0, o = 0) that the merge skips, so the grid may be sized for the longest
+// sequence (or larger: CUDA graphs capture one grid per batch bucket).
+//
+// Two split kernels (kernels.h AttnDecodeKernel; kAuto takes the first that supports the shape):
+//  - mma (head_dim 128 / 256, group <= 8, 16-byte aligned q and caches): tensor cores. 4 warps per
+//    block, each warp takes every 4th tile of 8 keys of the split and streams its tiles through
+//    its own 3-stage cp.async ring in shared memory (2 tiles of K and V in flight per warp while
+//    one is computed; no block barrier in the loop). S = Q K^T with mma m16n8k16 (the GQA group's
+//    query heads are the M rows, padded to 16; the 8 keys are N), online softmax in fp32 (exp2),
+//    then O^T += V^T P^T with mma m16n8k8 (head_dim is M, the 8 keys are K, the 8 heads N): P goes
+//    from the S accumulators straight into the B operand, no shuffle through shared memory. Q,
+//    K and V fragments come from 16-byte loads; the order of the head dims inside each mma is
+//    permuted consistently (Q with K, V with the output), which a dot product does not see. K and
+//    V rows are XOR-swizzled in shared memory so that the fragment loads hit distinct banks. The
+//    4 warps' partials are merged in shared memory at the end. P is rounded to bf16 for the PV
+//    product (as FlashAttention does); l and m stay fp32.
+//    Its merge kernel weights the splits in parallel (block reductions) and then streams the o
+//    partials with independent loads.
+//  - simt (head_dim 32/64/128/256, group <= 8): the first version, kept as the fallback: 4 warps
+//    take keys round-robin, a lane holds head_dim/32 dims, dot products by warp shuffles; its
+//    merge walks the splits serially.
+// Other shapes go to the prefill kernel through the dispatch registry (attention_decode_supported).
+// Measured on the H200 (27B: 24 q / 4 kv heads, hd 256, page 64; tests/cuda/
+// cuda_attention_decode_test.cpp Timing: split + merge per launch in a CUDA graph, KV rotated past
+// L2, GB/s of KV read), mma vs simt:
+//   batch 1:  4K 16.0 us (1.05 TB/s) vs 37.5;  16K 29.2 (2.30) vs 107.6;  32K 44.7 (3.00) vs 198.6
+//   batch 4:  4K 26.9 (2.49) vs 102.7;  16K 72.4 (3.71) vs 373.9;  32K 166 (3.23) vs 1059
+//   batch 16: 4K 91.8 (2.92) vs 592;    16K 315 (3.41) vs 2313;    32K 630 (3.41) vs 4585
+// Tests: tests/cuda/cuda_attention_test.cpp (both kernels vs the fp32 CPU reference, vs each other,
+// empty / oversized split grids). Bench: `deltaserve bench kernels --families attn_decode`.
+#include <mutex>
+
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
 
 namespace ds::cuda {
 namespace {
 
-constexpr int kWarps = 4;
 constexpr int kMaxGroup = 8;
 
+// ---- simt split kernel (fallback) -------------------------------------------------------------
+
+constexpr int kSimtWarps = 4;
+
 template <int HD>
-__global__ void __launch_bounds__(kWarps * 32)
-    attention_decode_split_kernel(AttnShape s, AttnBatch b,
+__global__ void __launch_bounds__(kSimtWarps * 32)
+    attention_decode_simt_kernel(AttnShape s, AttnBatch b,
                                   const bf16* __restrict__ q,        // [n_rows, n_heads, HD]
                                   const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, HD]
                                   const bf16* __restrict__ v_cache, int kv_chunk, int n_splits,
@@ -29,8 +59,8 @@ __global__ void __launch_bounds__(kWarps * 32)
                                   float* __restrict__ part_o) {  // [n_seqs, n_heads, n_splits, HD]
   // dims per lane
   constexpr int kEpl = HD / 32;
-  __shared__ float sm_m[kWarps][kMaxGroup], sm_l[kWarps][kMaxGroup];
-  __shared__ float sm_o[kWarps][kMaxGroup][HD];
+  __shared__ float sm_m[kSimtWarps][kMaxGroup], sm_l[kSimtWarps][kMaxGroup];
+  __shared__ float sm_o[kSimtWarps][kMaxGroup][HD];
   const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int group = s.n_heads / s.n_kv_heads;
@@ -56,7 +86,7 @@ __global__ void __launch_bounds__(kWarps * 32)
     }
   }
 
-  for (int key = k_begin + warp; key < k_end; key += kWarps) {
+  for (int key = k_begin + warp; key < k_end; key += kSimtWarps) {
     const int64_t blk = btab[key / s.page_size];
     const int64_t off =
         ((blk * s.n_kv_heads + kvh) * s.page_size + key % s.page_size) * HD + lane * kEpl;
@@ -104,15 +134,15 @@ __global__ void __launch_bounds__(kWarps * 32)
     for (int e = 0; e < kEpl; ++e) sm_o[warp][g][lane * kEpl + e] = acc[g][e];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < group * HD; i += kWarps * 32) {
+  for (int i = threadIdx.x; i < group * HD; i += kSimtWarps * 32) {
     const int g = i / HD, d = i % HD;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    for (int w = 0; w < kSimtWarps; ++w) mx = fmaxf(mx, sm_m[w][g]);
     float lsum = 0.f, o = 0.f;
     if (mx != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
+      for (int w = 0; w < kSimtWarps; ++w) {
         const float f = exp2f(sm_m[w][g] - mx);
         lsum += sm_l[w][g] * f;
         o += sm_o[w][g][d] * f;
@@ -124,10 +154,11 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// One block per (query head, sequence), one thread per dim.
+// The simt variant's merge: one block per (query head, sequence), one thread per dim, the splits
+// walked one after another.
 template <int HD>
 __global__ void __launch_bounds__(HD)
-    attention_decode_merge_kernel(AttnShape s, AttnBatch b, int n_splits,
+    attention_decode_merge_serial_kernel(AttnShape s, AttnBatch b, int n_splits,
                                   const float2* __restrict__ part_ml,
                                   const float* __restrict__ part_o, AttnGate gate,
                                   bf16* __restrict__ out) {  // [n_rows, n_heads, HD]
@@ -153,20 +184,344 @@ __global__ void __launch_bounds__(HD)
   out[(row * s.n_heads + h) * HD + d] = __float2bfloat16_rn(y);
 }
 
+// ---- mma split kernel --------------------------------------------------------------------------
+
+constexpr int kMmaWarps = 4;
+constexpr int kTile = 8;    // keys per tile (the N of QK^T, the K of PV)
+constexpr int kStages = 3;  // cp.async ring depth per warp
+
+__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                          uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_1688(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// 16 bytes global -> shared; src_bytes 0 writes zeros without reading.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (low half)
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 template <int HD>
-void launch_decode_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
-                      const bf16* v_cache, AttnGate gate, int kv_chunk, int n_splits,
-                      void* partials, bf16* out, cudaStream_t stream) {
+constexpr int mma_smem_bytes() {
+  return kMmaWarps * kStages * 2 * kTile * HD * 2;  // ring: [warp][stage][K|V][key][HD] bf16
+}
+
+// Lane (g = lane / 4, t = lane % 4) roles, per tile of 8 keys:
+//  QK (m16n8k16, k-steps of 16 dims taken in pairs u): A = Q rows (head g; rows 8..15 zero),
+//    B = K^T (key g). One 16-byte chunk, dims [32u + 8t, +8), gives the lane's A regs of two
+//    k-steps (Q) and its B regs of two k-steps (K): logical k 2t, 2t+1 -> dims +0, +1 (step 2u)
+//    and +4, +5 (step 2u+1); k 2t+8, 2t+9 -> +2, +3 and +6, +7. C: S[head g][keys 2t, 2t+1].
+//  PV (m16n8k8): A = V^T (rows = dims, cols = keys 2t, 2t+1), B = P^T (keys 2t, 2t+1 of head g:
+//    exactly the S accumulators), C = O^T[dims][heads 2t, 2t+1]. m-tile 8I + j, row r: dim
+//    128I + 8r + j (r < 8) or 128I + 64 + 8(r-8) + j, so a lane's A pairs come from 16-byte
+//    chunks 16I + g and 16I + 8 + g of keys 2t and 2t+1 (two bf16 of one dim packed by prmt).
+// Shared memory swizzle (16-byte chunk c of key row r): K at c ^ ((r & 1) << 2), V at
+// c ^ (((r >> 1) & 3) << 1): each quarter-warp's 16-byte reads then cover all 32 banks.
+template <int HD>
+__global__ void __launch_bounds__(kMmaWarps * 32, 2)
+    attention_decode_mma_kernel(AttnShape s, AttnBatch b,
+                                const bf16* __restrict__ q,        // [n_rows, n_heads, HD]
+                                const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, HD]
+                                const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, HD]
+                                int kv_chunk, int n_splits,
+                                float2* __restrict__ part_ml,  // [n_seqs, n_heads, n_splits]
+                                float* __restrict__ part_o) {  // [n_seqs, n_heads, n_splits, HD]
+  static_assert(HD == 128 || HD == 256, "mma decode: head_dim 128 or 256");
+  constexpr int kRowBytes = HD * 2;
+  constexpr int kTileBytes = kTile * kRowBytes;  // K (or V) of one tile
+  constexpr int kStageBytes = 2 * kTileBytes;
+  constexpr int kChunks = HD / 8;             // 16-byte chunks per row
+  constexpr int kCopies = kTile * kChunks / 32;  // cp.async per lane per tile, K and V each
+  constexpr int kU = HD / 32;                 // pairs of QK k-steps
+  constexpr int kI = HD / 128;                // groups of 8 PV m-tiles
+  constexpr int kMt = HD / 16;                // PV m-tiles
+  extern __shared__ __align__(16) unsigned char smem[];
+
+  const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int group = s.n_heads / s.n_kv_heads;
+  const int kv_len = b.kv_len[seq];
+  const int k_begin = split * kv_chunk;
+  const int k_end = min(kv_len, k_begin + kv_chunk);
+  const int n_tiles = k_end > k_begin ? (k_end - k_begin + kTile - 1) / kTile : 0;
+  const int n_my = n_tiles > warp ? (n_tiles - warp + kMmaWarps - 1) / kMmaWarps : 0;
+  const int32_t* btab = b.block_table + (int64_t)seq * b.block_table_stride;
+  const int64_t head_elems = (int64_t)s.page_size * HD;
+  const int64_t blk_elems = (int64_t)s.n_kv_heads * head_elems;
+  const bf16* kbase = k_cache + kvh * head_elems;
+  const bf16* vbase = v_cache + kvh * head_elems;
+  // One page lookup per tile when no tile crosses a page.
+  const bool tile_in_page = s.page_size % kTile == 0 && kv_chunk % kTile == 0;
+  unsigned char* ring = smem + warp * kStages * kStageBytes;
+  const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+
+  // Tile j of this warp (keys k_begin + (warp + 4j) * 8 ...) into stage j % kStages; always
+  // commits a group (empty past the end) so the wait counts stay uniform.
+  auto issue = [&](int j) {
+    if (j < n_my) {
+      const int k0 = k_begin + (warp + j * kMmaWarps) * kTile;
+      const uint32_t kst = ring_s + (j % kStages) * kStageBytes, vst = kst + kTileBytes;
+      int64_t tile_off = 0;
+      if (tile_in_page)
+        tile_off = btab[k0 / s.page_size] * blk_elems + (int64_t)(k0 % s.page_size) * HD;
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
+        const int c = lane + 32 * i;
+        const int r = c / kChunks, ch = c % kChunks;  // key row in the tile, chunk in the row
+        const int key = k0 + r;
+        const bool ok = key < k_end;
+        int64_t off = 0;
+        if (ok)
+          off = tile_in_page ? tile_off + (int64_t)r * HD
+                             : btab[key / s.page_size] * blk_elems +
+                                   (int64_t)(key % s.page_size) * HD;
+        off += ch * 8;
+        cp_async_16(kst + r * kRowBytes + ((ch ^ ((r & 1) << 2)) << 4), kbase + off, ok ? 16 : 0);
+        cp_async_16(vst + r * kRowBytes + ((ch ^ (((r >> 1) & 3) << 1)) << 4), vbase + off,
+                    ok ? 16 : 0);
+      }
+    }
+    cp_async_commit();
+  };
+
+#pragma unroll
+  for (int j = 0; j < kStages - 1; ++j) issue(j);
+
+  // Q fragments (zeros for the padding heads), scores scaled in fp32 after the product.
+  uint4 qa[kU];
+  {
+    const int64_t qrow = b.q_start[seq];
+    const bf16* qh = q + (qrow * s.n_heads + kvh * group + g) * HD + 8 * t;
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      qa[u] = g < group ? *reinterpret_cast<const uint4*>(qh + 32 * u) : make_uint4(0, 0, 0, 0);
+  }
+  const float scale_log2 = rsqrtf((float)HD) * 1.4426950408889634f;
+
+  float acc[kMt][4];
+#pragma unroll
+  for (int mt = 0; mt < kMt; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  float m_run = -INFINITY, l_run = 0.f;  // of head g (the same in the 4 lanes of a group)
+
+  for (int j = 0; j < n_my; ++j) {
+    issue(j + kStages - 1);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const unsigned char* kst = ring + (j % kStages) * kStageBytes;
+    const unsigned char* vst = kst + kTileBytes;
+    const int k0 = k_begin + (warp + j * kMmaWarps) * kTile;
+
+    // S = Q K^T: [16 heads (6 used), 8 keys]
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint4 kk =
+          *reinterpret_cast<const uint4*>(kst + g * kRowBytes + (((4 * u + t) ^ ((g & 1) << 2)) << 4));
+      mma_16816(sc, qa[u].x, 0u, qa[u].y, 0u, kk.x, kk.y);
+      mma_16816(sc, qa[u].z, 0u, qa[u].w, 0u, kk.z, kk.w);
+    }
+    // Online softmax of head g over keys 2t, 2t+1 (masked past the split / sequence).
+    const int kb = k0 + 2 * t;
+    const float x0 = kb < k_end ? sc[0] * scale_log2 : -INFINITY;
+    const float x1 = kb + 1 < k_end ? sc[1] * scale_log2 : -INFINITY;
+    float mx = fmaxf(x0, x1);
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    const float m_use = m_new == -INFINITY ? 0.f : m_new;
+    const float corr = exp2f(m_run - m_use);
+    const float p0 = exp2f(x0 - m_use), p1 = exp2f(x1 - m_use);
+    l_run = l_run * corr + p0 + p1;
+    m_run = m_new;
+    // The accumulator columns are heads 2t and 2t+1: their factors live in lanes 8t and 8t+4.
+    const float c_a = __shfl_sync(0xffffffffu, corr, 8 * t);
+    const float c_b = __shfl_sync(0xffffffffu, corr, 8 * t + 4);
+    const uint32_t pb = pack_bf16(p0, p1);
+    // O^T += V^T P^T
+#pragma unroll
+    for (int I = 0; I < kI; ++I) {
+      const int pos0 = (16 * I + g) ^ (t << 1), pos1 = (16 * I + 8 + g) ^ (t << 1);
+      const uint4 va0 = *reinterpret_cast<const uint4*>(vst + (2 * t) * kRowBytes + (pos0 << 4));
+      const uint4 vb0 =
+          *reinterpret_cast<const uint4*>(vst + (2 * t + 1) * kRowBytes + (pos0 << 4));
+      const uint4 va1 = *reinterpret_cast<const uint4*>(vst + (2 * t) * kRowBytes + (pos1 << 4));
+      const uint4 vb1 =
+          *reinterpret_cast<const uint4*>(vst + (2 * t + 1) * kRowBytes + (pos1 << 4));
+      const uint32_t a0w[4] = {va0.x, va0.y, va0.z, va0.w}, b0w[4] = {vb0.x, vb0.y, vb0.z, vb0.w};
+      const uint32_t a1w[4] = {va1.x, va1.y, va1.z, va1.w}, b1w[4] = {vb1.x, vb1.y, vb1.z, vb1.w};
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const uint32_t sel = (jj & 1) ? 0x7632u : 0x5410u;
+        float(&c)[4] = acc[8 * I + jj];
+        c[0] *= c_a;
+        c[1] *= c_b;
+        c[2] *= c_a;
+        c[3] *= c_b;
+        mma_1688(c, __byte_perm(a0w[jj >> 1], b0w[jj >> 1], sel),
+                 __byte_perm(a1w[jj >> 1], b1w[jj >> 1], sel), pb);
+      }
+    }
+    __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+  cp_async_wait<0>();
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+
+  // Merge the 4 warps in shared memory (the rings are free now).
+  __syncthreads();
+  float* sm_m = reinterpret_cast<float*>(smem);  // [warps][8]
+  float* sm_l = sm_m + kMmaWarps * kMaxGroup;    // [warps][8]
+  float* sm_o = sm_l + kMmaWarps * kMaxGroup;    // [warps][8][HD]
+  if (t == 0) {
+    sm_m[warp * kMaxGroup + g] = m_run;
+    sm_l[warp * kMaxGroup + g] = l_run;
+  }
+#pragma unroll
+  for (int I = 0; I < kI; ++I)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int col = 0; col < 2; ++col) {
+        float* dst = sm_o + (warp * kMaxGroup + 2 * t + col) * HD + 128 * I + 64 * half + 8 * g;
+        const int e = 2 * half + col;
+        *reinterpret_cast<float4*>(dst) = make_float4(acc[8 * I][e], acc[8 * I + 1][e],
+                                                      acc[8 * I + 2][e], acc[8 * I + 3][e]);
+        *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[8 * I + 4][e], acc[8 * I + 5][e],
+                                                          acc[8 * I + 6][e], acc[8 * I + 7][e]);
+      }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * HD; i += kMmaWarps * 32) {
+    const int hh = i / HD, d = i % HD;
+    float mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) mx = fmaxf(mx, sm_m[w * kMaxGroup + hh]);
+    float lsum = 0.f, o = 0.f;
+    if (mx != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w) {
+        const float f = exp2f(sm_m[w * kMaxGroup + hh] - mx);  // empty warp: -inf -> 0
+        lsum += sm_l[w * kMaxGroup + hh] * f;
+        o += sm_o[(w * kMaxGroup + hh) * HD + d] * f;
+      }
+    }
+    const int64_t idx = ((int64_t)seq * s.n_heads + kvh * group + hh) * n_splits + split;
+    part_o[idx * HD + d] = o;
+    if (d == 0) part_ml[idx] = make_float2(mx, lsum);
+  }
+}
+
+// Merge: one block per (query head, sequence), one thread per dim. The split weights
+// 2^(m_i - max) are computed in parallel into shared memory, then each thread streams its dim of
+// the o partials with independent loads (every partial is written by the split kernel, empty
+// ones as zeros, so no load is skipped).
+template <int HD>
+__global__ void __launch_bounds__(HD)
+    attention_decode_merge_kernel(AttnShape s, AttnBatch b, int n_splits,
+                                  const float2* __restrict__ part_ml,
+                                  const float* __restrict__ part_o, AttnGate gate,
+                                  bf16* __restrict__ out) {  // [n_rows, n_heads, HD]
+  extern __shared__ float w_split[];  // [n_splits]
+  __shared__ float scratch[32];
+  const int h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+  const int64_t base = ((int64_t)seq * s.n_heads + h) * n_splits;
+  const int64_t row = b.q_start[seq];
+  const float gt =
+      gate.ptr ? __bfloat162float(gate.ptr[row * gate.token_stride + (int64_t)h * gate.head_stride + d])
+               : 0.f;
+  float mx = -INFINITY;
+  for (int i = d; i < n_splits; i += HD) mx = fmaxf(mx, part_ml[base + i].x);
+  mx = block_max(mx, scratch);
+  float lsum = 0.f;
+  for (int i = d; i < n_splits; i += HD) {
+    const float2 ml = part_ml[base + i];
+    const float w = (mx == -INFINITY || ml.x == -INFINITY) ? 0.f : exp2f(ml.x - mx);
+    w_split[i] = w;
+    lsum += ml.y * w;
+  }
+  lsum = block_sum(lsum, scratch);  // its barriers also publish w_split
+  const float* po = part_o + base * HD + d;
+  float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
+  int i = 0;
+  for (; i + 4 <= n_splits; i += 4) {
+    o0 += w_split[i] * po[(int64_t)i * HD];
+    o1 += w_split[i + 1] * po[(int64_t)(i + 1) * HD];
+    o2 += w_split[i + 2] * po[(int64_t)(i + 2) * HD];
+    o3 += w_split[i + 3] * po[(int64_t)(i + 3) * HD];
+  }
+  for (; i < n_splits; ++i) o0 += w_split[i] * po[(int64_t)i * HD];
+  const float o = (o0 + o1) + (o2 + o3);
+  float y = lsum > 0.f ? o / lsum : 0.f;
+  if (gate.ptr) y *= sigmoid(gt);
+  out[(row * s.n_heads + h) * HD + d] = __float2bfloat16_rn(y);
+}
+
+constexpr int kMaxMergeSplits = 8192;  // the merge's shared weights: 32 KB (+ static scratch)
+
+template <int HD>
+void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
+                   const bf16* v_cache, AttnGate gate, int kv_chunk, int n_splits, void* partials,
+                   bf16* out, cudaStream_t stream) {
+  constexpr int kSmem = mma_smem_bytes<HD>();
+  static_assert(kSmem >= (2 * kMmaWarps * kMaxGroup + kMmaWarps * kMaxGroup * HD) * 4,
+                "the block merge reuses the rings");
+  static std::once_flag once;  // raise the dynamic shared memory limit once per instantiation
+  std::call_once(once, [] {
+    DS_CUDA_CHECK(cudaFuncSetAttribute(attention_decode_mma_kernel<HD>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  });
   float2* ml = static_cast<float2*>(partials);
   float* o = reinterpret_cast<float*>(ml + (size_t)b.n_seqs * s.n_heads * n_splits);
   dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
-  attention_decode_split_kernel<HD>
-      <<<grid, kWarps * 32, 0, stream>>>(s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o);
+  attention_decode_mma_kernel<HD>
+      <<<grid, kMmaWarps * 32, kSmem, stream>>>(s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o);
   DS_CUDA_LAUNCH_CHECK();
-  attention_decode_merge_kernel<HD>
+  attention_decode_merge_kernel<HD><<<dim3(s.n_heads, b.n_seqs), HD, n_splits * sizeof(float), stream>>>(
+      s, b, n_splits, ml, o, gate, out);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+template <int HD>
+void launch_simt_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
+                    const bf16* v_cache, AttnGate gate, int kv_chunk, int n_splits,
+                    void* partials, bf16* out, cudaStream_t stream) {
+  float2* ml = static_cast<float2*>(partials);
+  float* o = reinterpret_cast<float*>(ml + (size_t)b.n_seqs * s.n_heads * n_splits);
+  dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
+  attention_decode_simt_kernel<HD>
+      <<<grid, kSimtWarps * 32, 0, stream>>>(s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o);
+  DS_CUDA_LAUNCH_CHECK();
+  attention_decode_merge_serial_kernel<HD>
       <<<dim3(s.n_heads, b.n_seqs), HD, 0, stream>>>(s, b, n_splits, ml, o, gate, out);
   DS_CUDA_LAUNCH_CHECK();
 }
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
@@ -196,9 +551,21 @@ bool attention_decode_supported(const AttnShape& s) {
          s.n_heads % s.n_kv_heads == 0 && s.n_heads / s.n_kv_heads <= kMaxGroup;
 }
 
+bool attention_decode_mma_supported(const AttnShape& s) {
+  return attention_decode_supported(s) && (s.head_dim == 128 || s.head_dim == 256);
+}
+
 void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16* q,
                              const bf16* k_cache, const bf16* v_cache, AttnGate gate, int kv_chunk,
                              int n_splits, void* partials, bf16* out, cudaStream_t stream) {
+  launch_attention_decode(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
+                          stream, AttnDecodeKernel::kAuto);
+}
+
+void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16* q,
+                             const bf16* k_cache, const bf16* v_cache, AttnGate gate, int kv_chunk,
+                             int n_splits, void* partials, bf16* out, cudaStream_t stream,
+                             AttnDecodeKernel which) {
   if (b.n_seqs <= 0) return;
   check_attn_shape(s);
   DS_CHECK(attention_decode_supported(s), "attention decode: head_dim ", s.head_dim, " / group ",
@@ -206,19 +573,31 @@ void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16*
   DS_CHECK(n_splits >= 1 && kv_chunk >= 1 && (int64_t)n_splits * kv_chunk >= b.max_kv_len,
            "attention decode: ", n_splits, " splits of ", kv_chunk, " tokens cannot cover ",
            b.max_kv_len, " tokens");
+  const bool mma_ok = attention_decode_mma_supported(s) && n_splits <= kMaxMergeSplits &&
+                      aligned16(q) && aligned16(k_cache) && aligned16(v_cache);
+  DS_CHECK(which != AttnDecodeKernel::kMma || mma_ok,
+           "attention decode: the mma kernel needs head_dim 128 or 256 (got ", s.head_dim,
+           "), group <= 8, 16-byte aligned q / caches and at most ", kMaxMergeSplits, " splits");
+  if (which != AttnDecodeKernel::kSimt && mma_ok) {
+    if (s.head_dim == 256)
+      return launch_mma_hd<256>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
+                                stream);
+    return launch_mma_hd<128>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
+                              stream);
+  }
   switch (s.head_dim) {
     case 32:
-      return launch_decode_hd<32>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
-                                  out, stream);
+      return launch_simt_hd<32>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
+                                out, stream);
     case 64:
-      return launch_decode_hd<64>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
-                                  out, stream);
+      return launch_simt_hd<64>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
+                                out, stream);
     case 128:
-      return launch_decode_hd<128>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
-                                   out, stream);
+      return launch_simt_hd<128>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
+                                 out, stream);
     case 256:
-      return launch_decode_hd<256>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
-                                   out, stream);
+      return launch_simt_hd<256>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
+                                 out, stream);
   }
 }
 

@@ -108,6 +108,14 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
                        int n_seqs,
                        __nv_bfloat16* out,  // [n_seqs, n_v_heads * d_v]
                        cudaStream_t stream);
+// The same step with an explicit block split (gdn_decode.cu): kAuto = 8-block clusters per value
+// head at batch <= 4 when d_v % 32 == 0, else 4-block clusters (1 block when d_v % 16 != 0);
+// kCluster4 / kCluster8 force one (kCluster8 throws when unsupported). Same results.
+enum class GdnDecodeKernel { kAuto, kCluster4, kCluster8 };
+bool gdn_decode_cluster8_supported(const GdnShape& s);
+void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                       const __nv_bfloat16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
+                       int n_seqs, __nv_bfloat16* out, cudaStream_t stream, GdnDecodeKernel which);
 
 // ---- Prompt-path stages (launch_gdn_prefill runs these; exposed for tests and later fusions) ---
 // Conv + SiLU over the qkv channels, l2norm of q and k (q also times d_k^-0.5), and the gates.

@@ -18,11 +18,17 @@
 //     y = w * o * rsqrt(mean(o^2) + eps) * silu(z) as bf16 (the out_proj input).
 // Specialised on d_k (16/32/64/128, template) and on 8-byte aligned rows (VEC; scalar loads
 // otherwise); d_v is any of 16..128 at run time.
+// Block split: 4-block clusters (above) or 8-block clusters (d_v / 8 rows per block), picked by
+// batch size (kCluster8MaxSeqs; gdn.h GdnDecodeKernel forces one). Same per-row arithmetic, so the
+// two give bit-equal states.
 // Bytes per layer: 2 * n_seqs * n_v_heads * d_v * d_k * 4 (state) + small; 27B batch 1: 6.3 MB.
-// Measured on the H200 (tests/cuda/cuda_gdn_test.cpp, Timing; 64 layers' launches in a CUDA
-// graph, states rotated past L2): 7.2 us/layer at batch 1 (0.88 TB/s), 15.8 us at batch 4,
-// 45 us at batch 16 (2.2 TB/s). PERF.md: flash-linear-attention 5.9 us at batch 1; target 2 us.
-// Test: tests/cuda/cuda_gdn_test.cpp (Decode* vs the fp32 CPU recurrence).
+// Measured on the H200 (tests/cuda/cuda_gdn_decode_test.cpp Timing: 64 launches in a CUDA graph,
+// states rotated past L2), cluster8 / cluster4 us per layer: batch 1 6.27 / 7.25 (1.00 / 0.87
+// TB/s), batch 2 8.82 / 9.88, batch 4 14.9 / 16.4, batch 16 47.6 / 45.7 (2.1 / 2.2 TB/s).
+// PERF.md: flash-linear-attention 5.9 us at batch 1; target 2 us (not reached: the kernel is
+// latency-bound at small batch, one load round trip + the row updates + a cluster barrier).
+// Tests: tests/cuda/cuda_gdn_test.cpp (Decode* vs the fp32 CPU recurrence, kAuto) and
+// tests/cuda/cuda_gdn_decode_test.cpp (cluster8 vs cluster4: states bit-equal, outputs equal).
 #include <cooperative_groups.h>
 
 #include "cuda/cuda_common.h"
@@ -37,6 +43,11 @@ constexpr int kDecodeThreads = 128;
 // Blocks (one cluster) per (sequence, value head), each d_v / SPLIT rows: 4 when d_v % 16 == 0
 // (the shipped shapes), else 1 (the generic fallback, e.g. d_v 24: correct, not fast).
 constexpr int kSplitFast = 4;
+// The 8-block cluster (d_v / 8 rows per block, 4 per thread at d_v 128) for small batches, where
+// 4 blocks per head leave most SMs idle (48 heads x 4 = 192 blocks at batch 1); needs d_v % 32 ==
+// 0 (each block's v channels are whole 4-channel conv groups). Picked by kAuto up to this batch
+// (measured faster at batch 1, 2 and 4; slower at 16).
+constexpr int kCluster8MaxSeqs = 4;
 constexpr int kMaxD = 128;
 
 // Loads 4 consecutive bf16 (8 bytes) as floats.
@@ -249,6 +260,13 @@ __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
 void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                        const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
                        int n_seqs, bf16* out, cudaStream_t stream) {
+  launch_gdn_decode(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream,
+                    GdnDecodeKernel::kAuto);
+}
+
+void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                       const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
+                       int n_seqs, bf16* out, cudaStream_t stream, GdnDecodeKernel which) {
   check_gdn_shape(s);
   DS_CHECK(w.conv_w && w.A_log && w.dt_bias, "gdn decode: layer weight pointers are null");
   DS_CHECK(pool.conv_state && pool.rec_state, "gdn decode: state pool pointers are null");
@@ -257,7 +275,13 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
            "gdn decode: rec_slot_stride too small");
   DS_CHECK(n_seqs >= 0, "gdn decode: n_seqs must be >= 0, got ", n_seqs);
   if (n_seqs == 0) return;
-  const int split = s.d_v % 16 == 0 ? kSplitFast : 1;
+  const bool can8 = gdn_decode_cluster8_supported(s);
+  DS_CHECK(which != GdnDecodeKernel::kCluster8 || can8,
+           "gdn decode: the 8-block cluster kernel needs d_v % 32 == 0, got d_v ", s.d_v);
+  int split = s.d_v % 16 == 0 ? kSplitFast : 1;
+  if (can8 && (which == GdnDecodeKernel::kCluster8 ||
+               (which == GdnDecodeKernel::kAuto && n_seqs <= kCluster8MaxSeqs)))
+    split = 8;
   const dim3 grid(n_seqs, s.n_v_heads, split);
   // 8-byte loads need 8-byte aligned rows of proj and of the ring.
   const bool vec = s.in_dim() % 4 == 0 && pool.conv_slot_stride % 4 == 0 &&
@@ -267,17 +291,18 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 #define DS_GDN_DECODE_1(DK, VEC, SPLIT) \
   gdn_decode_kernel<DK, VEC, SPLIT>     \
       <<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out)
-#define DS_GDN_DECODE(DK)                     \
-  if (split == kSplitFast) {                  \
-    if (vec)                                  \
-      DS_GDN_DECODE_1(DK, true, kSplitFast);  \
-    else                                      \
-      DS_GDN_DECODE_1(DK, false, kSplitFast); \
-  } else {                                    \
-    if (vec)                                  \
-      DS_GDN_DECODE_1(DK, true, 1);           \
-    else                                      \
-      DS_GDN_DECODE_1(DK, false, 1);          \
+#define DS_GDN_DECODE_S(DK, SPLIT)   \
+  if (vec)                           \
+    DS_GDN_DECODE_1(DK, true, SPLIT); \
+  else                               \
+    DS_GDN_DECODE_1(DK, false, SPLIT);
+#define DS_GDN_DECODE(DK)                    \
+  if (split == 8) {                          \
+    DS_GDN_DECODE_S(DK, 8)                   \
+  } else if (split == kSplitFast) {          \
+    DS_GDN_DECODE_S(DK, kSplitFast)          \
+  } else {                                   \
+    DS_GDN_DECODE_S(DK, 1)                   \
   }
   switch (s.d_k) {
     case 16:
@@ -296,8 +321,11 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
       DS_ASSERT(false);
   }
 #undef DS_GDN_DECODE_1
+#undef DS_GDN_DECODE_S
 #undef DS_GDN_DECODE
   DS_CUDA_LAUNCH_CHECK();
 }
+
+bool gdn_decode_cluster8_supported(const GdnShape& s) { return s.d_v % 32 == 0; }
 
 }  // namespace ds::cuda

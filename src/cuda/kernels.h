@@ -81,6 +81,16 @@ void launch_qk_norm_rope_kv(const AttnShape& s,
                             __nv_bfloat16* k_cache,  // [n_blocks, n_kv_heads, page_size, head_dim]
                             __nv_bfloat16* v_cache,  // [n_blocks, n_kv_heads, page_size, head_dim]
                             cudaStream_t stream);
+// The same with an explicit kernel (rope_kv.cu): kAuto = one warp per (token, head) when
+// qk_norm_rope_kv_warp_supported(s) and the rows are aligned, else one block per token;
+// kWarpPerHead throws when it cannot run the shape. Same results.
+enum class RopeKvKernel { kAuto, kWarpPerHead, kBlockPerToken };
+bool qk_norm_rope_kv_warp_supported(const AttnShape& s);  // head_dim 64/128/256, rotary fits
+void launch_qk_norm_rope_kv(const AttnShape& s, const __nv_bfloat16* qkv,
+                            const __nv_bfloat16* q_norm_w, const __nv_bfloat16* k_norm_w,
+                            const int32_t* positions, const int32_t* slot_mapping, int n_tokens,
+                            __nv_bfloat16* q_out, __nv_bfloat16* k_cache, __nv_bfloat16* v_cache,
+                            cudaStream_t stream, RopeKvKernel which);
 
 // ---- attention (attention_prefill.cu / attention_decode.cu) -----------------------------------
 // A batch of sequences for attention; all arrays are on the device. Sequence i has q_len[i] query
@@ -133,6 +143,16 @@ void launch_attention_decode(const AttnShape& s, const AttnBatch& b,
                              AttnGate gate, int kv_chunk, int n_splits, void* partials,
                              __nv_bfloat16* out,  // [n_rows, n_heads, head_dim]
                              cudaStream_t stream);
+// Which split kernel (attention_decode.cu): kAuto = the tensor-core kernel when
+// attention_decode_mma_supported(s) and q / caches are 16-byte aligned, else the SIMT one; kMma
+// throws when it cannot run the shape; kSimt is the first version (kept as the fallback and for
+// A/B tests). Both merge into the same output.
+enum class AttnDecodeKernel { kAuto, kMma, kSimt };
+bool attention_decode_mma_supported(const AttnShape& s);  // head_dim 128 / 256, group <= 8
+void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const __nv_bfloat16* q,
+                             const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+                             AttnGate gate, int kv_chunk, int n_splits, void* partials,
+                             __nv_bfloat16* out, cudaStream_t stream, AttnDecodeKernel which);
 
 // ---- activation.cu ---------------------------------------------------------------------------
 // out[t, i] = bf16(silu(gu[t, i]) * gu[t, d_ff + i]) (gu = the fused [gate | up] projection).

@@ -1,18 +1,27 @@
-// Attention input preparation, one block per token: zero-centred RMSNorm of each query and key
-// head (q_norm / k_norm over head_dim, fp32, rounded to bf16 as HF does), then RoPE on the first
-// rotary_dim dims (rotate-half / NeoX pairs i and i + rotary_dim/2, angle pos *
-// theta^(-2i/rotary_dim) in fp32, accurate sincosf), q to q_out [n_tokens, n_heads, head_dim], k
-// and v (v untouched) into the paged cache [n_blocks, n_kv_heads, page_size, head_dim] at
-// slot_mapping[t]. Reads the fused projection row [q(+gate) | k | v] directly. One warp per head,
-// the head staged in shared memory. Shapes: head_dim <= 256, any head counts. Tested in
-// tests/cuda/cuda_kernels_test.cpp against a CPU loop (normalised L2 < 8e-3, v bit-exact).
+// Attention input preparation: zero-centred RMSNorm of each query and key head (q_norm / k_norm
+// over head_dim, fp32, rounded to bf16 as HF does), then RoPE on the first rotary_dim dims
+// (rotate-half / NeoX pairs i and i + rotary_dim/2, angle pos * theta^(-2i/rotary_dim) in fp32,
+// accurate sincosf), q to q_out [n_tokens, n_heads, head_dim], k and v (v untouched) into the paged
+// cache [n_blocks, n_kv_heads, page_size, head_dim] at slot_mapping[t]. Reads the fused projection
+// row [q(+gate) | k | v] directly. Two kernels (kernels.h RopeKvKernel):
+//  - warp_per_head (head_dim 64 / 128 / 256, rotary_dim / 2 a multiple of head_dim / 32, aligned
+//    rows): one warp per (token, head) over the whole grid, a lane holds head_dim / 32 consecutive
+//    dims (16-byte loads and stores at 256), the RoPE partner comes from the lane rotary_dim /
+//    2 / (head_dim / 32) away by a shuffle: one memory round trip, and 32 warps for one decode
+//    token instead of one block (the first version took 12 us for one token on the H200);
+//  - block_per_token (any head_dim <= 256): one block of 8 warps per token, a warp per head in
+//    turn, the head staged in shared memory. The fallback.
+// Same formulas, so the outputs agree up to the order of the fp32 sum of squares.
+// Tested in tests/cuda/cuda_kernels_test.cpp against a CPU loop (normalised L2 < 8e-3, v
+// bit-exact), both kernels.
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
 
 namespace ds::cuda {
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8;      // block_per_token
+constexpr int kHeadWarps = 4;  // warp_per_head: warps per block
 
 __global__ void __launch_bounds__(kWarps * 32)
     qk_norm_rope_kv_kernel(AttnShape s, const bf16* __restrict__ qkv,  // [n_tokens, qkv_dim]
@@ -75,7 +84,119 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+
+// E consecutive bf16 <-> floats (E = 2, 4 or 8: 4-, 8- or 16-byte accesses).
+template <int E>
+struct BfVec;
+template <>
+struct BfVec<8> {
+  using T = uint4;
+};
+template <>
+struct BfVec<4> {
+  using T = uint2;
+};
+template <>
+struct BfVec<2> {
+  using T = uint32_t;
+};
+template <int E>
+__device__ __forceinline__ void load_bf(const bf16* p, float (&f)[E]) {
+  const typename BfVec<E>::T u = *reinterpret_cast<const typename BfVec<E>::T*>(p);
+  const bf16* b = reinterpret_cast<const bf16*>(&u);
+#pragma unroll
+  for (int e = 0; e < E; ++e) f[e] = __bfloat162float(b[e]);
+}
+template <int E>
+__device__ __forceinline__ void store_bf(bf16* p, const float (&f)[E]) {
+  typename BfVec<E>::T u;
+  bf16* b = reinterpret_cast<bf16*>(&u);
+#pragma unroll
+  for (int e = 0; e < E; ++e) b[e] = __float2bfloat16_rn(f[e]);
+  *reinterpret_cast<typename BfVec<E>::T*>(p) = u;
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kHeadWarps * 32)
+    qk_norm_rope_kv_warp_kernel(AttnShape s, const bf16* __restrict__ qkv,  // [n_tokens, qkv_dim]
+                                const bf16* __restrict__ q_norm_w,          // [HD]
+                                const bf16* __restrict__ k_norm_w,          // [HD]
+                                const int32_t* __restrict__ positions,      // [n_tokens]
+                                const int32_t* __restrict__ slot_mapping,   // [n_tokens]
+                                int n_tokens,
+                                bf16* __restrict__ q_out,  // [n_tokens, n_heads, HD]
+                                bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
+  constexpr int E = HD / 32;
+  const int lane = threadIdx.x & 31;
+  const int n_work = s.n_heads + 2 * s.n_kv_heads;
+  const int64_t item = (int64_t)blockIdx.x * kHeadWarps + (threadIdx.x >> 5);
+  if (item >= (int64_t)n_tokens * n_work) return;  // whole warps only
+  const int t = static_cast<int>(item / n_work), h = static_cast<int>(item % n_work);
+  const bool is_q = h < s.n_heads, is_k = !is_q && h < s.n_heads + s.n_kv_heads;
+  const bf16* row = qkv + (int64_t)t * s.qkv_dim();
+  const bf16* src;
+  bf16* dst;
+  if (is_q) {
+    src = row + h * HD * (s.gated ? 2 : 1);
+    dst = q_out + ((int64_t)t * s.n_heads + h) * HD;
+  } else {
+    const int slot = slot_mapping[t];
+    if (slot < 0) return;
+    const int kh = is_k ? h - s.n_heads : h - s.n_heads - s.n_kv_heads;
+    src = row + s.q_proj_dim() + (is_k ? 0 : s.kv_dim()) + kh * HD;
+    const int64_t blk = slot / s.page_size, r = slot % s.page_size;
+    dst = (is_k ? k_cache : v_cache) + ((blk * s.n_kv_heads + kh) * s.page_size + r) * HD;
+  }
+  src += lane * E;
+  dst += lane * E;
+  if (!is_q && !is_k) {  // v: plain copy
+    *reinterpret_cast<typename BfVec<E>::T*>(dst) =
+        *reinterpret_cast<const typename BfVec<E>::T*>(src);
+    return;
+  }
+  float x[E], w[E];
+  load_bf<E>(src, x);
+  load_bf<E>((is_q ? q_norm_w : k_norm_w) + lane * E, w);
+  const float pos = static_cast<float>(positions[t]);
+  float ss = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) ss += x[e] * x[e];
+  ss = warp_sum(ss);
+  const float inv = rsqrtf(ss / HD + s.eps);
+#pragma unroll
+  for (int e = 0; e < E; ++e)  // normalised value rounded to bf16 (HF's q_norm output)
+    x[e] = __bfloat162float(__float2bfloat16_rn(x[e] * inv * (1.f + w[e])));
+  const int half = s.rotary_dim / 2;
+  const int i0 = lane * E;
+  const int partner = i0 < half ? lane + half / E : lane - half / E;
+  const int src_lane = partner < 0 ? 0 : (partner > 31 ? 31 : partner);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float other = __shfl_sync(0xffffffffu, x[e], src_lane);
+    const int i = i0 + e;
+    if (i < s.rotary_dim) {
+      const int j = i < half ? i : i - half;
+      const float inv_freq = 1.f / powf(s.rope_theta, (2.f * j) / s.rotary_dim);
+      float sn, cs;
+      sincosf(pos * inv_freq, &sn, &cs);
+      w[e] = i < half ? x[e] * cs - other * sn : x[e] * cs + other * sn;
+    } else {
+      w[e] = x[e];
+    }
+  }
+  store_bf<E>(dst, w);
+}
+
+bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
 }  // namespace
+
+bool qk_norm_rope_kv_warp_supported(const AttnShape& s) {
+  const int hd = s.head_dim;
+  if (hd != 64 && hd != 128 && hd != 256) return false;
+  const int e = hd / 32;
+  return s.rotary_dim % (2 * e) == 0 && s.rotary_dim <= hd && s.page_size > 0;
+}
 
 void check_attn_shape(const AttnShape& s) {
   DS_CHECK(s.n_heads > 0 && s.n_kv_heads > 0 && s.n_heads % s.n_kv_heads == 0,
@@ -94,8 +215,41 @@ void launch_qk_norm_rope_kv(const AttnShape& s, const bf16* qkv, const bf16* q_n
                             const bf16* k_norm_w, const int32_t* positions,
                             const int32_t* slot_mapping, int n_tokens, bf16* q_out, bf16* k_cache,
                             bf16* v_cache, cudaStream_t stream) {
+  launch_qk_norm_rope_kv(s, qkv, q_norm_w, k_norm_w, positions, slot_mapping, n_tokens, q_out,
+                         k_cache, v_cache, stream, RopeKvKernel::kAuto);
+}
+
+void launch_qk_norm_rope_kv(const AttnShape& s, const bf16* qkv, const bf16* q_norm_w,
+                            const bf16* k_norm_w, const int32_t* positions,
+                            const int32_t* slot_mapping, int n_tokens, bf16* q_out, bf16* k_cache,
+                            bf16* v_cache, cudaStream_t stream, RopeKvKernel which) {
   if (n_tokens <= 0) return;
   check_attn_shape(s);
+  const int vb = 2 * s.head_dim / 32;  // bytes per lane access of the warp kernel
+  const bool warp_ok = qk_norm_rope_kv_warp_supported(s) && s.qkv_dim() % (vb / 2) == 0 &&
+                       aligned(qkv, vb) && aligned(q_out, vb) && aligned(k_cache, vb) &&
+                       aligned(v_cache, vb) && aligned(q_norm_w, vb) && aligned(k_norm_w, vb);
+  DS_CHECK(which != RopeKvKernel::kWarpPerHead || warp_ok,
+           "rope_kv: the warp-per-head kernel needs head_dim 64/128/256 (got ", s.head_dim,
+           "), rotary_dim / 2 a multiple of head_dim / 32 (got rotary_dim ", s.rotary_dim,
+           ") and aligned rows");
+  if (which != RopeKvKernel::kBlockPerToken && warp_ok) {
+    const int64_t items = (int64_t)n_tokens * (s.n_heads + 2 * s.n_kv_heads);
+    const int64_t blocks = (items + kHeadWarps - 1) / kHeadWarps;
+    DS_CHECK(blocks < (1ll << 31), "rope_kv: ", n_tokens, " tokens is too many for one launch");
+#define DS_ROPE_WARP(HD)                                                                     \
+  qk_norm_rope_kv_warp_kernel<HD><<<static_cast<unsigned>(blocks), kHeadWarps * 32, 0, stream>>>( \
+      s, qkv, q_norm_w, k_norm_w, positions, slot_mapping, n_tokens, q_out, k_cache, v_cache)
+    if (s.head_dim == 256)
+      DS_ROPE_WARP(256);
+    else if (s.head_dim == 128)
+      DS_ROPE_WARP(128);
+    else
+      DS_ROPE_WARP(64);
+#undef DS_ROPE_WARP
+    DS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   const size_t smem = sizeof(float) * kWarps * s.head_dim;
   qk_norm_rope_kv_kernel<<<n_tokens, kWarps * 32, smem, stream>>>(
       s, qkv, q_norm_w, k_norm_w, positions, slot_mapping, q_out, k_cache, v_cache);

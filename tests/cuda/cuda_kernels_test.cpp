@@ -1,16 +1,21 @@
 // GPU tests of the small kernels against CPU loops on random inputs, at the 27B widths and odd
 // ones, outputs poisoned (NaN) before each run: row gather / embedding (exact), fused add +
 // RMSNorm (normalised error < 4e-3, residual exact), SiLU-mul (< 4e-3), q/k norm + RoPE + paged KV
-// write (< 8e-3, v exact), bf16 <-> f32 (exact), device synthetic weights (bit-identical to the
-// host generator), sampling (greedy exact; top-k / top-p / temperature by frequencies; replay).
+// write (both kernels, 1 and 65 tokens: < 8e-3, v exact, nothing else written), bf16 <-> f32
+// (exact), device synthetic weights (bit-identical to the host generator), sampling (greedy
+// exact; top-k / top-p / temperature by frequencies; replay).
+// DecodeSmallKernelTiming prints the decode-sized launches (rope_kv, add_rmsnorm, silu_mul).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <numeric>
 
 #include "cuda/kernels.h"
+#include "cuda_graph_timer.h"
 #include "cuda_test_util.h"
 #include "model/weight_table.h"
 
@@ -117,6 +122,8 @@ std::vector<float> norm_rope_ref(const float* x, const std::vector<bf>& w, int h
   return o;
 }
 
+// Both kernels (warp per head, block per token) where they apply, the default (kAuto) otherwise,
+// against the CPU loop; the two kernels' caches agree (v bit-exact) and their q / k within 1e-2.
 TEST(CudaKernels, QkNormRopeKvWrite) {
   DS_REQUIRE_GPU();
   std::mt19937 rng(4);
@@ -124,8 +131,10 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
     int nh, nkv, hd, rot;
     bool gated;
   };
-  for (Shape sh :
-       {Shape{24, 4, 256, 64, true}, Shape{6, 1, 32, 8, true}, Shape{8, 2, 16, 4, false}}) {
+  using K = cuda::RopeKvKernel;
+  for (Shape sh : {Shape{24, 4, 256, 64, true}, Shape{16, 2, 128, 32, true},
+                   Shape{8, 2, 64, 16, false}, Shape{6, 1, 32, 8, true}, Shape{8, 2, 16, 4, false},
+                   Shape{4, 2, 256, 8, true}}) {
     cuda::AttnShape s;
     s.n_heads = sh.nh;
     s.n_kv_heads = sh.nkv;
@@ -135,57 +144,144 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
     s.rope_theta = 1e7f;
     s.eps = 1e-6f;
     s.page_size = 16;
-    const int T = 65, n_blocks = 8;
-    auto qkv = test::random_bf16(size_t(T) * s.qkv_dim(), rng, 2.f);
-    auto qw = test::random_bf16(sh.hd, rng, 0.1f), kw = test::random_bf16(sh.hd, rng, 0.1f);
-    std::vector<int32_t> pos(T), slot(T);
-    std::vector<int> perm(n_blocks * s.page_size);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    for (int t = 0; t < T; ++t) {
-      pos[t] = t == 0 ? 200000 : int(rng() % 5000);
-      slot[t] = t == 7 ? -1 : perm[t];  // token 7 skips the cache
+    const bool warp_ok = cuda::qk_norm_rope_kv_warp_supported(s);
+    EXPECT_EQ(warp_ok, sh.hd >= 64 && (sh.rot / 2) % (sh.hd / 32) == 0) << "hd " << sh.hd;
+    for (int T : {1, 65}) {
+      const int n_blocks = 8;
+      auto qkv = test::random_bf16(size_t(T) * s.qkv_dim(), rng, 2.f);
+      auto qw = test::random_bf16(sh.hd, rng, 0.1f), kw = test::random_bf16(sh.hd, rng, 0.1f);
+      std::vector<int32_t> pos(T), slot(T);
+      std::vector<int> perm(n_blocks * s.page_size);
+      std::iota(perm.begin(), perm.end(), 0);
+      std::shuffle(perm.begin(), perm.end(), rng);
+      for (int t = 0; t < T; ++t) {
+        pos[t] = t == 0 ? (T == 1 ? 32767 : 200000) : int(rng() % 5000);
+        slot[t] = t == 7 ? -1 : perm[t];  // token 7 skips the cache
+      }
+      DevBuf<bf> dqkv(qkv), dqw(qw), dkw(kw);
+      DevBuf<int32_t> dpos(pos), dslot(slot);
+      const size_t cache_n = size_t(n_blocks) * sh.nkv * s.page_size * sh.hd;
+      std::vector<K> kernels = warp_ok ? std::vector<K>{K::kWarpPerHead, K::kBlockPerToken}
+                                       : std::vector<K>{K::kAuto};
+      if (!warp_ok) {
+        DevBuf<bf> q(size_t(T) * sh.nh * sh.hd), kc(cache_n), vc(cache_n);
+        EXPECT_THROW(cuda::launch_qk_norm_rope_kv(
+                         s, dqkv.as<__nv_bfloat16>(), dqw.as<__nv_bfloat16>(),
+                         dkw.as<__nv_bfloat16>(), dpos.ptr, dslot.ptr, T, q.as<__nv_bfloat16>(),
+                         kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>(), 0, K::kWarpPerHead),
+                     Error);
+      }
+      std::vector<std::vector<float>> qs, ks;
+      for (K which : kernels) {
+        const char* kname = which == K::kWarpPerHead ? "warp_per_head" : "block_per_token";
+        DevBuf<bf> q(size_t(T) * sh.nh * sh.hd), kc(cache_n), vc(cache_n);
+        q.poison();
+        kc.poison();
+        vc.poison();
+        cuda::launch_qk_norm_rope_kv(s, dqkv.as<__nv_bfloat16>(), dqw.as<__nv_bfloat16>(),
+                                     dkw.as<__nv_bfloat16>(), dpos.ptr, dslot.ptr, T,
+                                     q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(),
+                                     vc.as<__nv_bfloat16>(), 0, which);
+        auto hq = test::to_f32(q.download());
+        auto hk = kc.download(), hv = vc.download();
+        auto fq = test::to_f32(qkv);
+        std::vector<float> got_q, ref_q, got_k, ref_k;
+        for (int t = 0; t < T; ++t) {
+          const float* row = fq.data() + size_t(t) * s.qkv_dim();
+          for (int h = 0; h < sh.nh; ++h) {
+            auto r = norm_rope_ref(row + h * sh.hd * (sh.gated ? 2 : 1), qw, sh.hd, sh.rot, 1e7f,
+                                   pos[t]);
+            for (int i = 0; i < sh.hd; ++i) {
+              ref_q.push_back(r[i]);
+              got_q.push_back(hq[(size_t(t) * sh.nh + h) * sh.hd + i]);
+            }
+          }
+          if (slot[t] < 0) continue;
+          const int blk = slot[t] / s.page_size, rr = slot[t] % s.page_size;
+          for (int h = 0; h < sh.nkv; ++h) {
+            auto r =
+                norm_rope_ref(row + s.q_proj_dim() + h * sh.hd, kw, sh.hd, sh.rot, 1e7f, pos[t]);
+            const size_t base = ((size_t(blk) * sh.nkv + h) * s.page_size + rr) * sh.hd;
+            for (int i = 0; i < sh.hd; ++i) {
+              ref_k.push_back(r[i]);
+              got_k.push_back(bf16_to_f32(hk[base + i]));
+              ASSERT_EQ(hv[base + i], qkv[size_t(t) * s.qkv_dim() + s.q_proj_dim() + s.kv_dim() +
+                                          h * sh.hd + i])
+                  << kname;
+            }
+          }
+        }
+        // Every other cache row (token 7's among them) is still NaN: nothing else was written.
+        size_t written = 0;
+        for (size_t i = 0; i < hk.size(); ++i) written += std::isfinite(bf16_to_f32(hk[i]));
+        EXPECT_EQ(written, size_t(T > 7 ? T - 1 : T) * sh.nkv * sh.hd) << kname;
+        EXPECT_LT(test::norm_err(got_q, ref_q), 8e-3) << "q, hd " << sh.hd << " " << kname;
+        EXPECT_LT(test::norm_err(got_k, ref_k), 8e-3) << "k, hd " << sh.hd << " " << kname;
+        qs.push_back(got_q);
+        ks.push_back(got_k);
+      }
+      if (qs.size() == 2) {
+        EXPECT_LT(test::norm_err(qs[0], qs[1]), 1e-2) << "q: warp vs block, hd " << sh.hd;
+        EXPECT_LT(test::norm_err(ks[0], ks[1]), 1e-2) << "k: warp vs block, hd " << sh.hd;
+      }
     }
-    DevBuf<bf> dqkv(qkv), dqw(qw), dkw(kw);
+  }
+}
+
+// Launch-level timings of the decode-sized small kernels (1 and 16 rows), CUDA-graph replays
+// (cuda_graph_timer.h), inputs rotated past L2. Prints; asserts nothing.
+TEST(CudaKernels, DecodeSmallKernelTiming) {
+  DS_REQUIRE_GPU();
+  std::mt19937 rng(9);
+  cuda::AttnShape s;
+  s.n_heads = 24;
+  s.n_kv_heads = 4;
+  s.head_dim = 256;
+  s.rotary_dim = 64;
+  s.page_size = 64;
+  const int rot = 64;
+  for (int T : {1, 16}) {
+    const size_t qn = size_t(T) * s.qkv_dim() * rot;
+    DevBuf<bf> qkv(test::random_bf16(qn, rng)), qw(test::random_bf16(256, rng, 0.1f)),
+        kw(test::random_bf16(256, rng, 0.1f)), q(size_t(T) * s.n_heads * 256 * rot),
+        kc(size_t(rot) * 4 * 64 * 256), vc(size_t(rot) * 4 * 64 * 256);
+    std::vector<int32_t> pos(size_t(T) * rot), slot(size_t(T) * rot);
+    for (size_t i = 0; i < pos.size(); ++i) {
+      pos[i] = 4096 + int(i);
+      slot[i] = int(i);
+    }
     DevBuf<int32_t> dpos(pos), dslot(slot);
-    const size_t cache_n = size_t(n_blocks) * sh.nkv * s.page_size * sh.hd;
-    DevBuf<bf> q(size_t(T) * sh.nh * sh.hd), kc(cache_n), vc(cache_n);
-    q.poison();
-    kc.poison();
-    vc.poison();
-    cuda::launch_qk_norm_rope_kv(
-        s, dqkv.as<__nv_bfloat16>(), dqw.as<__nv_bfloat16>(), dkw.as<__nv_bfloat16>(), dpos.ptr,
-        dslot.ptr, T, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>(), 0);
-    auto hq = test::to_f32(q.download());
-    auto hk = kc.download(), hv = vc.download();
-    auto fq = test::to_f32(qkv);
-    std::vector<float> got_q, ref_q, got_k, ref_k;
-    for (int t = 0; t < T; ++t) {
-      const float* row = fq.data() + size_t(t) * s.qkv_dim();
-      for (int h = 0; h < sh.nh; ++h) {
-        auto r =
-            norm_rope_ref(row + h * sh.hd * (sh.gated ? 2 : 1), qw, sh.hd, sh.rot, 1e7f, pos[t]);
-        for (int i = 0; i < sh.hd; ++i) {
-          ref_q.push_back(r[i]);
-          got_q.push_back(hq[(size_t(t) * sh.nh + h) * sh.hd + i]);
-        }
-      }
-      if (slot[t] < 0) continue;
-      const int blk = slot[t] / s.page_size, rr = slot[t] % s.page_size;
-      for (int h = 0; h < sh.nkv; ++h) {
-        auto r = norm_rope_ref(row + s.q_proj_dim() + h * sh.hd, kw, sh.hd, sh.rot, 1e7f, pos[t]);
-        const size_t base = ((size_t(blk) * sh.nkv + h) * s.page_size + rr) * sh.hd;
-        for (int i = 0; i < sh.hd; ++i) {
-          ref_k.push_back(r[i]);
-          got_k.push_back(bf16_to_f32(hk[base + i]));
-          ASSERT_EQ(hv[base + i],
-                    qkv[size_t(t) * s.qkv_dim() + s.q_proj_dim() + s.kv_dim() + h * sh.hd + i]);
-        }
-      }
-    }
-    EXPECT_LT(test::norm_err(got_q, ref_q), 8e-3) << "q, hd " << sh.hd;
-    EXPECT_LT(test::norm_err(got_k, ref_k), 8e-3) << "k, hd " << sh.hd;
-    // Token 7's row of the cache was never written (still NaN poison): it was skipped.
+    double us[2];
+    int k = 0;
+    for (auto which : {cuda::RopeKvKernel::kWarpPerHead, cuda::RopeKvKernel::kBlockPerToken})
+      us[k++] = test::graph_time_us([&](int i, cudaStream_t st) {
+        const int r = i % rot;
+        cuda::launch_qk_norm_rope_kv(
+            s, qkv.as<__nv_bfloat16>() + size_t(r) * T * s.qkv_dim(), qw.as<__nv_bfloat16>(),
+            kw.as<__nv_bfloat16>(), dpos.ptr + r * T, dslot.ptr + r * T, T,
+            q.as<__nv_bfloat16>() + size_t(r) * T * s.n_heads * 256, kc.as<__nv_bfloat16>(),
+            vc.as<__nv_bfloat16>(), st, which);
+      });
+    std::printf("  rope_kv %2d tokens: warp_per_head %.2f us, block_per_token %.2f us\n", T, us[0],
+                us[1]);
+    const int d = 5120, dff = 17408;
+    DevBuf<bf> h(test::random_bf16(size_t(T) * d * rot, rng)),
+        dl(test::random_bf16(size_t(T) * d * rot, rng)), w(test::random_bf16(d, rng, 0.1f)),
+        o(size_t(T) * d * rot), gu(test::random_bf16(size_t(T) * 2 * dff * rot, rng)),
+        act(size_t(T) * dff * rot);
+    const double rms = test::graph_time_us([&](int i, cudaStream_t st) {
+      const size_t off = size_t(i % rot) * T * d;
+      cuda::launch_add_rmsnorm(h.as<__nv_bfloat16>() + off, dl.as<__nv_bfloat16>() + off,
+                               w.as<__nv_bfloat16>(), T, d, 1e-6f, 1.f, o.as<__nv_bfloat16>() + off,
+                               st);
+    });
+    const double silu = test::graph_time_us([&](int i, cudaStream_t st) {
+      const size_t r = size_t(i % rot);
+      cuda::launch_silu_mul(gu.as<__nv_bfloat16>() + r * T * 2 * dff, T, dff,
+                            act.as<__nv_bfloat16>() + r * T * dff, st);
+    });
+    std::printf("  add_rmsnorm %2d x 5120: %.2f us; silu_mul %2d x 17408: %.2f us\n", T, rms, T,
+                silu);
   }
 }
 

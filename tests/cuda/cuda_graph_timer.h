@@ -1,0 +1,52 @@
+// Timing helper for the GPU tests: captures `reps` calls of a launch body in one CUDA graph and
+// returns the median time per call over several replays (warm, launch gaps removed as in the
+// engine's captured decode step). The body gets the call index (to rotate inputs past L2) and
+// the stream to launch on.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda/cuda_common.h"
+
+namespace ds::test {
+
+template <typename Body>
+double graph_time_us(Body&& body, int reps = 20, int replays = 7) {
+  cudaStream_t st;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  for (int i = 0; i < 3; ++i) body(i, st);  // warm-up (module load, one-time attributes)
+  DS_CUDA_CHECK(cudaStreamSynchronize(st));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < reps; ++i) body(i, st);
+  DS_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+  DS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  DS_CUDA_CHECK(cudaGraphLaunch(exec, st));
+  DS_CUDA_CHECK(cudaStreamSynchronize(st));
+  cudaEvent_t e0, e1;
+  DS_CUDA_CHECK(cudaEventCreate(&e0));
+  DS_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<float> ts;
+  for (int r = 0; r < replays; ++r) {
+    DS_CUDA_CHECK(cudaEventRecord(e0, st));
+    DS_CUDA_CHECK(cudaGraphLaunch(exec, st));
+    DS_CUDA_CHECK(cudaEventRecord(e1, st));
+    DS_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    DS_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    ts.push_back(ms);
+  }
+  DS_CUDA_CHECK(cudaEventDestroy(e0));
+  DS_CUDA_CHECK(cudaEventDestroy(e1));
+  DS_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  DS_CUDA_CHECK(cudaGraphDestroy(graph));
+  DS_CUDA_CHECK(cudaStreamDestroy(st));
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2] * 1e3 / reps;
+}
+
+}  // namespace ds::test
