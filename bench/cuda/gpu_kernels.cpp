@@ -342,6 +342,19 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
     r.samples = gpu::time_launches(
         [&](int i) { run_split(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot));
     r.note = str("kv_chunk %d, %d splits", kv_chunk, n_splits);
+    // The first (SIMT) split kernel on the same inputs, for the speed-up of the mma kernel.
+    if (cuda::attention_decode_mma_supported(attn_)) {
+      auto run_simt = [&](int i) {
+        const int k = i % rot;
+        cuda::launch_attention_decode(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(),
+                                      vc.as<bf16>(), gate_for(k), kv_chunk, n_splits,
+                                      ws.as<void>(), out.as<bf16>() + k * qe, s_,
+                                      cuda::AttnDecodeKernel::kSimt);
+      };
+      const double t_simt = gpu::time_launches(run_simt, s_, timer(rot)).p50;
+      r.note += str("; split kernel mma (simt: %.1f us, %.0f GB/s)", t_simt * 1e6,
+                    kv_bytes / t_simt * 1e-9);
+    }
   } else {
     r.samples = gpu::time_launches(
         [&](int i) { run_generic(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot));
@@ -439,11 +452,28 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
   const cuda::ShapeKey key = reg_.key(gdn_.d_k, gdn_.d_v, batch);
   r.variant = variant(cuda::KernelFamily::kGdnDecode, key);
   r.shape = shape;
-  auto run_fused = [&](int k, bf16* o) {
+  auto run_fused_with = [&](int k, bf16* o, cuda::GdnDecodeKernel which) {
     cuda::launch_gdn_decode(gdn_, a.w, a.pool,
                             a.proj.as<bf16>() + int64_t(k) * batch * gdn_.in_dim(),
-                            pos.as<int32_t>(), slot_ids[k].as<int32_t>(), batch, o, s_);
+                            pos.as<int32_t>(), slot_ids[k].as<int32_t>(), batch, o, s_, which);
   };
+  auto run_fused = [&](int k, bf16* o) { run_fused_with(k, o, cuda::GdnDecodeKernel::kAuto); };
+  // Both block splits of the fused kernel (kAuto picks one by batch size).
+  if (cuda::gdn_decode_cluster8_supported(gdn_)) {
+    const auto t_of = [&](cuda::GdnDecodeKernel which) {
+      return gpu::time_launches(
+                 [&](int i) {
+                   const int k = i % rot;
+                   run_fused_with(k, out.as<bf16>() + int64_t(k) * batch * gdn_.out_dim(), which);
+                 },
+                 s_, timer(rot))
+          .p50;
+    };
+    const double t8 = t_of(cuda::GdnDecodeKernel::kCluster8),
+                 t4 = t_of(cuda::GdnDecodeKernel::kCluster4);
+    r.note = str("fused cluster8 %.2f us, cluster4 %.2f us (kAuto takes cluster8 up to batch 4)",
+                 t8 * 1e6, t4 * 1e6);
+  }
   // The generic path: the prompt kernels with one token per sequence.
   std::vector<int32_t> cu_h(batch + 1);
   std::iota(cu_h.begin(), cu_h.end(), 0);
@@ -577,15 +607,30 @@ const KernelResult& KernelBench::rope_kv(int n) {
   r.family = "rope_kv";
   r.variant = variant(cuda::KernelFamily::kRopeKv, reg_.key(c_.head_dim, c_.rotary_dim));
   r.shape = shape;
+  auto run = [&](int k, bf16* qo, cuda::RopeKvKernel which) {
+    cuda::launch_qk_norm_rope_kv(attn_, qkv.as<bf16>() + int64_t(k) * n * qkv_dim, qn.as<bf16>(),
+                                 kn.as<bf16>(), d_pos.as<int32_t>() + int64_t(k) * n,
+                                 d_slots.as<int32_t>() + int64_t(k) * n, n, qo, kc.as<bf16>(),
+                                 vc.as<bf16>(), s_, which);
+  };
+  if (cuda::qk_norm_rope_kv_warp_supported(attn_)) {
+    r.variant = "warp_per_head";  // kernels.h RopeKvKernel: the warp kernel, else block_per_token
+    DevBuf q2(size_t(qe * 2), "rope q (fallback)");
+    run(0, q.as<bf16>(), cuda::RopeKvKernel::kAuto);
+    run(0, q2.as<bf16>(), cuda::RopeKvKernel::kBlockPerToken);
+    r.match = gpu::compare_bf16(q.as<bf16>(), q2.as<bf16>(), qe, s_).text();
+    r.fallback = "block_per_token";
+    r.fallback_time_s =
+        gpu::time_launches(
+            [&](int i) {
+              run(i % rot, q.as<bf16>() + (i % rot) * qe, cuda::RopeKvKernel::kBlockPerToken);
+            },
+            s_, timer(rot))
+            .p50;
+  }
   r.samples = gpu::time_launches(
-      [&](int i) {
-        const int k = i % rot;
-        cuda::launch_qk_norm_rope_kv(
-            attn_, qkv.as<bf16>() + int64_t(k) * n * qkv_dim, qn.as<bf16>(), kn.as<bf16>(),
-            d_pos.as<int32_t>() + int64_t(k) * n, d_slots.as<int32_t>() + int64_t(k) * n, n,
-            q.as<bf16>() + k * qe, kc.as<bf16>(), vc.as<bf16>(), s_);
-      },
-      s_, timer(rot));
+      [&](int i) { run(i % rot, q.as<bf16>() + (i % rot) * qe, cuda::RopeKvKernel::kAuto); }, s_,
+      timer(rot));
   r.bytes = set_bytes;
   r.flops = double(n) * qkv_dim * 8;
   return finish(r);
