@@ -3,8 +3,9 @@
 // block per (split, kv head, sequence) computes an unnormalised partial softmax for all query heads
 // of the GQA group at once (each K/V byte is read once, not once per query head), and a second
 // kernel merges the partials by log-sum-exp, divides, applies sigmoid(gate) and writes bf16.
-// Partials: float2 (m, l) [n_seqs, n_heads, n_splits] then float o [n_seqs, n_heads, n_splits, hd]
-// (m in the log2 domain of the scaled scores). Splits past a sequence's length write an empty
+// Partials (the workspace): float2 (m, l) [n_seqs, n_heads, n_splits] and float o [n_seqs,
+// n_heads, n_splits, hd] (the simt kernel stores (m, l) first, the mma kernel o first for aligned
+// float4 reads); m is in the log2 domain of the scaled scores. Splits past a sequence's length write an empty
 // partial (m = -inf, l = 0, o = 0) that the merge skips, so the grid may be sized for the longest
 // sequence (or larger: CUDA graphs capture one grid per batch bucket).
 //
@@ -29,12 +30,11 @@
 // Other shapes go to the prefill kernel through the dispatch registry (attention_decode_supported).
 // Measured on the H200 (27B: 24 q / 4 kv heads, hd 256, page 64; tests/cuda/
 // cuda_attention_decode_test.cpp Timing: split + merge per launch in a CUDA graph, KV rotated past
-// L2, GB/s of KV read), mma vs simt:
-//   batch 1:  4K 16.0 us (1.05 TB/s) vs 37.5;  16K 29.2 (2.30) vs 107.6;  32K 44.7 (3.00) vs 198.6
-//   batch 4:  4K 26.9 (2.49) vs 102.7;  16K 72.4 (3.71) vs 373.9;  32K 166 (3.23) vs 1059
-//   batch 16: 4K 91.8 (2.92) vs 592;    16K 315 (3.41) vs 2313;    32K 630 (3.41) vs 4585
-// Tests: tests/cuda/cuda_attention_test.cpp (both kernels vs the fp32 CPU reference, vs each other,
-// empty / oversized split grids). Bench: `deltaserve bench kernels --families attn_decode`.
+// L2, TB/s of KV read; the engine's split plan, at most 64 splits), mma vs simt us:
+//   batch 1:  4K 14.5 (1.15 TB/s) vs 37.1;  16K 27.7 (2.42) vs 106;   32K 43.4 (3.09) vs 196
+//   batch 4:  4K 26.9 (2.50) vs 101;    16K 73.4 (3.66) vs 370;   32K 136 (3.96) vs 727
+//   batch 16: 4K 72.8 (3.69) vs 369;    16K 254 (4.23) vs 1439;   32K 490 (4.38) vs 2865
+// (first session's simt numbers, with its ceil'd split count: 39 us at batch 1 x 4K, 199 at 32K).
 #include <mutex>
 
 #include "cuda/cuda_common.h"
@@ -52,11 +52,11 @@ constexpr int kSimtWarps = 4;
 template <int HD>
 __global__ void __launch_bounds__(kSimtWarps * 32)
     attention_decode_simt_kernel(AttnShape s, AttnBatch b,
-                                  const bf16* __restrict__ q,        // [n_rows, n_heads, HD]
-                                  const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, HD]
-                                  const bf16* __restrict__ v_cache, int kv_chunk, int n_splits,
-                                  float2* __restrict__ part_ml,  // [n_seqs, n_heads, n_splits]
-                                  float* __restrict__ part_o) {  // [n_seqs, n_heads, n_splits, HD]
+                                 const bf16* __restrict__ q,        // [n_rows, n_heads, HD]
+                                 const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, HD]
+                                 const bf16* __restrict__ v_cache, int kv_chunk, int n_splits,
+                                 float2* __restrict__ part_ml,  // [n_seqs, n_heads, n_splits]
+                                 float* __restrict__ part_o) {  // [n_seqs, n_heads, n_splits, HD]
   // dims per lane
   constexpr int kEpl = HD / 32;
   __shared__ float sm_m[kSimtWarps][kMaxGroup], sm_l[kSimtWarps][kMaxGroup];
@@ -159,9 +159,9 @@ __global__ void __launch_bounds__(kSimtWarps * 32)
 template <int HD>
 __global__ void __launch_bounds__(HD)
     attention_decode_merge_serial_kernel(AttnShape s, AttnBatch b, int n_splits,
-                                  const float2* __restrict__ part_ml,
-                                  const float* __restrict__ part_o, AttnGate gate,
-                                  bf16* __restrict__ out) {  // [n_rows, n_heads, HD]
+                                         const float2* __restrict__ part_ml,
+                                         const float* __restrict__ part_o, AttnGate gate,
+                                         bf16* __restrict__ out) {  // [n_rows, n_heads, HD]
   const int h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
   const int64_t base = ((int64_t)seq * s.n_heads + h) * n_splits;
   float mx = -INFINITY;
@@ -255,11 +255,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
   constexpr int kRowBytes = HD * 2;
   constexpr int kTileBytes = kTile * kRowBytes;  // K (or V) of one tile
   constexpr int kStageBytes = 2 * kTileBytes;
-  constexpr int kChunks = HD / 8;             // 16-byte chunks per row
+  constexpr int kChunks = HD / 8;                // 16-byte chunks per row
   constexpr int kCopies = kTile * kChunks / 32;  // cp.async per lane per tile, K and V each
-  constexpr int kU = HD / 32;                 // pairs of QK k-steps
-  constexpr int kI = HD / 128;                // groups of 8 PV m-tiles
-  constexpr int kMt = HD / 16;                // PV m-tiles
+  constexpr int kU = HD / 32;                    // pairs of QK k-steps
+  constexpr int kI = HD / 128;                   // groups of 8 PV m-tiles
+  constexpr int kMt = HD / 16;                   // PV m-tiles
   extern __shared__ __align__(16) unsigned char smem[];
 
   const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
@@ -298,9 +298,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
         const bool ok = key < k_end;
         int64_t off = 0;
         if (ok)
-          off = tile_in_page ? tile_off + (int64_t)r * HD
-                             : btab[key / s.page_size] * blk_elems +
-                                   (int64_t)(key % s.page_size) * HD;
+          off = tile_in_page
+                    ? tile_off + (int64_t)r * HD
+                    : btab[key / s.page_size] * blk_elems + (int64_t)(key % s.page_size) * HD;
         off += ch * 8;
         cp_async_16(kst + r * kRowBytes + ((ch ^ ((r & 1) << 2)) << 4), kbase + off, ok ? 16 : 0);
         cp_async_16(vst + r * kRowBytes + ((ch ^ (((r >> 1) & 3) << 1)) << 4), vbase + off,
@@ -338,14 +338,17 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     const int k0 = k_begin + (warp + j * kMmaWarps) * kTile;
 
     // S = Q K^T: [16 heads (6 used), 8 keys]
-    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    // Two accumulators (even / odd k-steps) halve the dependent mma chain.
+    float sc[4] = {0.f, 0.f, 0.f, 0.f}, sc2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      const uint4 kk =
-          *reinterpret_cast<const uint4*>(kst + g * kRowBytes + (((4 * u + t) ^ ((g & 1) << 2)) << 4));
+      const uint4 kk = *reinterpret_cast<const uint4*>(kst + g * kRowBytes +
+                                                       (((4 * u + t) ^ ((g & 1) << 2)) << 4));
       mma_16816(sc, qa[u].x, 0u, qa[u].y, 0u, kk.x, kk.y);
-      mma_16816(sc, qa[u].z, 0u, qa[u].w, 0u, kk.z, kk.w);
+      mma_16816(sc2, qa[u].z, 0u, qa[u].w, 0u, kk.z, kk.w);
     }
+    sc[0] += sc2[0];
+    sc[1] += sc2[1];
     // Online softmax of head g over keys 2t, 2t+1 (masked past the split / sequence).
     const int kb = k0 + 2 * t;
     const float x0 = kb < k_end ? sc[0] * scale_log2 : -INFINITY;
@@ -410,10 +413,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       for (int col = 0; col < 2; ++col) {
         float* dst = sm_o + (warp * kMaxGroup + 2 * t + col) * HD + 128 * I + 64 * half + 8 * g;
         const int e = 2 * half + col;
-        *reinterpret_cast<float4*>(dst) = make_float4(acc[8 * I][e], acc[8 * I + 1][e],
-                                                      acc[8 * I + 2][e], acc[8 * I + 3][e]);
-        *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[8 * I + 4][e], acc[8 * I + 5][e],
-                                                          acc[8 * I + 6][e], acc[8 * I + 7][e]);
+        *reinterpret_cast<float4*>(dst) =
+            make_float4(acc[8 * I][e], acc[8 * I + 1][e], acc[8 * I + 2][e], acc[8 * I + 3][e]);
+        *reinterpret_cast<float4*>(dst + 4) =
+            make_float4(acc[8 * I + 4][e], acc[8 * I + 5][e], acc[8 * I + 6][e], acc[8 * I + 7][e]);
       }
   __syncthreads();
   for (int i = threadIdx.x; i < group * HD; i += kMmaWarps * 32) {
@@ -436,49 +439,73 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
   }
 }
 
-// Merge: one block per (query head, sequence), one thread per dim. The split weights
-// 2^(m_i - max) are computed in parallel into shared memory, then each thread streams its dim of
-// the o partials with independent loads (every partial is written by the split kernel, empty
-// ones as zeros, so no load is skipped).
+// Merge: one block of 256 threads per (query head, sequence). The split weights 2^(m_i - max) are
+// computed in parallel into shared memory; then thread (group, c) sums float4 column c of the o
+// partials over the splits group, group + G, ... (G = 256 / (HD / 4) split groups) with
+// independent 16-byte loads (every partial is written by the split kernel, empty ones as zeros,
+// so none is skipped), and the G group sums are added in shared memory.
+constexpr int kMergeThreads = 256;
+
 template <int HD>
-__global__ void __launch_bounds__(HD)
-    attention_decode_merge_kernel(AttnShape s, AttnBatch b, int n_splits,
-                                  const float2* __restrict__ part_ml,
-                                  const float* __restrict__ part_o, AttnGate gate,
-                                  bf16* __restrict__ out) {  // [n_rows, n_heads, HD]
+__global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(
+    AttnShape s, AttnBatch b, int n_splits,
+    const float2* __restrict__ part_ml,  // [n_seqs, n_heads, splits]
+    const float* __restrict__ part_o,    // [.., splits, HD], 16B-aligned
+    AttnGate gate,
+    bf16* __restrict__ out) {  // [n_rows, n_heads, HD]
+  constexpr int kCols = HD / 4;
+  constexpr int kGroups = kMergeThreads / kCols;
   extern __shared__ float w_split[];  // [n_splits]
   __shared__ float scratch[32];
-  const int h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
+  __shared__ float4 red[kGroups][kCols];
+  const int h = blockIdx.x, seq = blockIdx.y, tid = threadIdx.x;
+  const int c = tid % kCols, grp = tid / kCols;
   const int64_t base = ((int64_t)seq * s.n_heads + h) * n_splits;
   const int64_t row = b.q_start[seq];
-  const float gt =
-      gate.ptr ? __bfloat162float(gate.ptr[row * gate.token_stride + (int64_t)h * gate.head_stride + d])
-               : 0.f;
   float mx = -INFINITY;
-  for (int i = d; i < n_splits; i += HD) mx = fmaxf(mx, part_ml[base + i].x);
+  for (int i = tid; i < n_splits; i += kMergeThreads) mx = fmaxf(mx, part_ml[base + i].x);
   mx = block_max(mx, scratch);
   float lsum = 0.f;
-  for (int i = d; i < n_splits; i += HD) {
+  for (int i = tid; i < n_splits; i += kMergeThreads) {
     const float2 ml = part_ml[base + i];
     const float w = (mx == -INFINITY || ml.x == -INFINITY) ? 0.f : exp2f(ml.x - mx);
     w_split[i] = w;
     lsum += ml.y * w;
   }
   lsum = block_sum(lsum, scratch);  // its barriers also publish w_split
-  const float* po = part_o + base * HD + d;
-  float o0 = 0.f, o1 = 0.f, o2 = 0.f, o3 = 0.f;
-  int i = 0;
-  for (; i + 4 <= n_splits; i += 4) {
-    o0 += w_split[i] * po[(int64_t)i * HD];
-    o1 += w_split[i + 1] * po[(int64_t)(i + 1) * HD];
-    o2 += w_split[i + 2] * po[(int64_t)(i + 2) * HD];
-    o3 += w_split[i + 3] * po[(int64_t)(i + 3) * HD];
+  const float4* po = reinterpret_cast<const float4*>(part_o + base * HD) + c;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+  for (int i = grp; i < n_splits; i += kGroups) {
+    const float w = w_split[i];
+    const float4 v = po[(int64_t)i * kCols];
+    acc.x += w * v.x;
+    acc.y += w * v.y;
+    acc.z += w * v.z;
+    acc.w += w * v.w;
   }
-  for (; i < n_splits; ++i) o0 += w_split[i] * po[(int64_t)i * HD];
-  const float o = (o0 + o1) + (o2 + o3);
-  float y = lsum > 0.f ? o / lsum : 0.f;
-  if (gate.ptr) y *= sigmoid(gt);
-  out[(row * s.n_heads + h) * HD + d] = __float2bfloat16_rn(y);
+  red[grp][c] = acc;
+  __syncthreads();
+  if (grp != 0) return;
+#pragma unroll
+  for (int g = 1; g < kGroups; ++g) {
+    const float4 r = red[g][c];
+    acc.x += r.x;
+    acc.y += r.y;
+    acc.z += r.z;
+    acc.w += r.w;
+  }
+  const float o[4] = {acc.x, acc.y, acc.z, acc.w};
+  bf16* dst = out + (row * s.n_heads + h) * HD + 4 * c;
+  const bf16* gp = gate.ptr
+                       ? gate.ptr + row * gate.token_stride + (int64_t)h * gate.head_stride + 4 * c
+                       : nullptr;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float y = lsum > 0.f ? o[e] / lsum : 0.f;
+    if (gp) y *= sigmoid(__bfloat162float(gp[e]));
+    dst[e] = __float2bfloat16_rn(y);
+  }
 }
 
 constexpr int kMaxMergeSplits = 8192;  // the merge's shared weights: 32 KB (+ static scratch)
@@ -495,21 +522,23 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
     DS_CUDA_CHECK(cudaFuncSetAttribute(attention_decode_mma_kernel<HD>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   });
-  float2* ml = static_cast<float2*>(partials);
-  float* o = reinterpret_cast<float*>(ml + (size_t)b.n_seqs * s.n_heads * n_splits);
+  // Workspace: o partials first (16-byte aligned for the merge's float4 loads), then (m, l).
+  float* o = static_cast<float*>(partials);
+  float2* ml = reinterpret_cast<float2*>(o + (size_t)b.n_seqs * s.n_heads * n_splits * HD);
   dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
-  attention_decode_mma_kernel<HD>
-      <<<grid, kMmaWarps * 32, kSmem, stream>>>(s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o);
+  attention_decode_mma_kernel<HD><<<grid, kMmaWarps * 32, kSmem, stream>>>(
+      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o);
   DS_CUDA_LAUNCH_CHECK();
-  attention_decode_merge_kernel<HD><<<dim3(s.n_heads, b.n_seqs), HD, n_splits * sizeof(float), stream>>>(
-      s, b, n_splits, ml, o, gate, out);
+  attention_decode_merge_kernel<HD>
+      <<<dim3(s.n_heads, b.n_seqs), kMergeThreads, n_splits * sizeof(float), stream>>>(
+          s, b, n_splits, ml, o, gate, out);
   DS_CUDA_LAUNCH_CHECK();
 }
 
 template <int HD>
 void launch_simt_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
-                    const bf16* v_cache, AttnGate gate, int kv_chunk, int n_splits,
-                    void* partials, bf16* out, cudaStream_t stream) {
+                    const bf16* v_cache, AttnGate gate, int kv_chunk, int n_splits, void* partials,
+                    bf16* out, cudaStream_t stream) {
   float2* ml = static_cast<float2*>(partials);
   float* o = reinterpret_cast<float*>(ml + (size_t)b.n_seqs * s.n_heads * n_splits);
   dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
@@ -532,7 +561,9 @@ size_t attention_decode_workspace_bytes(const AttnShape& s, int n_seqs, int n_sp
 int attention_decode_kv_chunk(int n_seqs, int n_kv_heads, int max_kv_len, int n_sms,
                               int max_splits) {
   const int per_split_blocks = n_seqs * n_kv_heads > 0 ? n_seqs * n_kv_heads : 1;
-  int splits = (2 * n_sms + per_split_blocks - 1) / per_split_blocks;
+  // At most one wave of the split kernel at 2 blocks per SM (the mma kernel's occupancy): a second,
+  // mostly empty wave cost 12% at batch 4 x 32K (17 splits, 272 blocks) on the H200.
+  int splits = 2 * n_sms / per_split_blocks;
   const int by_len = (max_kv_len + 63) / 64;
   if (splits > by_len) splits = by_len;
   if (splits > max_splits) splits = max_splits;
@@ -574,10 +605,12 @@ void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16*
            "attention decode: ", n_splits, " splits of ", kv_chunk, " tokens cannot cover ",
            b.max_kv_len, " tokens");
   const bool mma_ok = attention_decode_mma_supported(s) && n_splits <= kMaxMergeSplits &&
-                      aligned16(q) && aligned16(k_cache) && aligned16(v_cache);
+                      aligned16(q) && aligned16(k_cache) && aligned16(v_cache) &&
+                      aligned16(partials);
   DS_CHECK(which != AttnDecodeKernel::kMma || mma_ok,
            "attention decode: the mma kernel needs head_dim 128 or 256 (got ", s.head_dim,
-           "), group <= 8, 16-byte aligned q / caches and at most ", kMaxMergeSplits, " splits");
+           "), group <= 8, 16-byte aligned q / caches / workspace and at most ", kMaxMergeSplits,
+           " splits");
   if (which != AttnDecodeKernel::kSimt && mma_ok) {
     if (s.head_dim == 256)
       return launch_mma_hd<256>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
@@ -587,17 +620,17 @@ void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16*
   }
   switch (s.head_dim) {
     case 32:
-      return launch_simt_hd<32>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
-                                out, stream);
+      return launch_simt_hd<32>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
+                                stream);
     case 64:
-      return launch_simt_hd<64>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
-                                out, stream);
+      return launch_simt_hd<64>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
+                                stream);
     case 128:
-      return launch_simt_hd<128>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
-                                 out, stream);
+      return launch_simt_hd<128>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
+                                 stream);
     case 256:
-      return launch_simt_hd<256>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials,
-                                 out, stream);
+      return launch_simt_hd<256>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
+                                 stream);
   }
 }
 

@@ -291,18 +291,18 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 #define DS_GDN_DECODE_1(DK, VEC, SPLIT) \
   gdn_decode_kernel<DK, VEC, SPLIT>     \
       <<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out)
-#define DS_GDN_DECODE_S(DK, SPLIT)   \
-  if (vec)                           \
+#define DS_GDN_DECODE_S(DK, SPLIT)    \
+  if (vec)                            \
     DS_GDN_DECODE_1(DK, true, SPLIT); \
-  else                               \
+  else                                \
     DS_GDN_DECODE_1(DK, false, SPLIT);
-#define DS_GDN_DECODE(DK)                    \
-  if (split == 8) {                          \
-    DS_GDN_DECODE_S(DK, 8)                   \
-  } else if (split == kSplitFast) {          \
-    DS_GDN_DECODE_S(DK, kSplitFast)          \
-  } else {                                   \
-    DS_GDN_DECODE_S(DK, 1)                   \
+#define DS_GDN_DECODE(DK)           \
+  if (split == 8) {                 \
+    DS_GDN_DECODE_S(DK, 8)          \
+  } else if (split == kSplitFast) { \
+    DS_GDN_DECODE_S(DK, kSplitFast) \
+  } else {                          \
+    DS_GDN_DECODE_S(DK, 1)          \
   }
   switch (s.d_k) {
     case 16:

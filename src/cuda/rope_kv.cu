@@ -84,7 +84,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-
 // E consecutive bf16 <-> floats (E = 2, 4 or 8: 4-, 8- or 16-byte accesses).
 template <int E>
 struct BfVec;
@@ -237,7 +236,7 @@ void launch_qk_norm_rope_kv(const AttnShape& s, const bf16* qkv, const bf16* q_n
     const int64_t items = (int64_t)n_tokens * (s.n_heads + 2 * s.n_kv_heads);
     const int64_t blocks = (items + kHeadWarps - 1) / kHeadWarps;
     DS_CHECK(blocks < (1ll << 31), "rope_kv: ", n_tokens, " tokens is too many for one launch");
-#define DS_ROPE_WARP(HD)                                                                     \
+#define DS_ROPE_WARP(HD)                                                                          \
   qk_norm_rope_kv_warp_kernel<HD><<<static_cast<unsigned>(blocks), kHeadWarps * 32, 0, stream>>>( \
       s, qkv, q_norm_w, k_norm_w, positions, slot_mapping, n_tokens, q_out, k_cache, v_cache)
     if (s.head_dim == 256)

@@ -71,7 +71,8 @@ struct DecodeFixture {
     for (int i = 0; i < n; ++i) {
       q_start.push_back(i);
       q_len.push_back(1);
-      for (int b = 0; b < (kv_len[i] + ps - 1) / ps; ++b) btab[size_t(i) * max_blocks + b] = perm[next++];
+      for (int b = 0; b < (kv_len[i] + ps - 1) / ps; ++b)
+        btab[size_t(i) * max_blocks + b] = perm[next++];
       const auto k = test::random_bf16(size_t(kv_len[i]) * nkv * hd, rng);
       const auto v = test::random_bf16(size_t(kv_len[i]) * nkv * hd, rng);
       for (int t = 0; t < kv_len[i]; ++t)
@@ -171,8 +172,8 @@ void check_both(const DecodeFixture& f, const std::string& what, int kv_chunk = 
     auto& got = outs[i++];
     got = f.run(k, kv_chunk, n_splits);
     for (size_t j = 0; j < got.size(); ++j)
-      ASSERT_TRUE(std::isfinite(got[j])) << what << " [" << name_of(k) << "]: element " << j
-                                         << " not written / not finite";
+      ASSERT_TRUE(std::isfinite(got[j]))
+          << what << " [" << name_of(k) << "]: element " << j << " not written / not finite";
     const double e = test::norm_err(got, ref);
     EXPECT_LT(e, 1e-2) << what << " [" << name_of(k) << "]";
     std::printf("  %s [%s]: normalised error %.2e\n", what.c_str(), name_of(k), e);
@@ -198,7 +199,8 @@ TEST(CudaAttentionDecode, Batches27b) {
   check_both(b3, "27b batch 3, kv 65/1/4097");
   std::vector<int32_t> lens;
   std::mt19937 rng(5);
-  for (int i = 0; i < 16; ++i) lens.push_back(i < 4 ? std::vector<int>{1, 63, 64, 65}[i] : 1 + int(rng() % 3000));
+  for (int i = 0; i < 16; ++i)
+    lens.push_back(i < 4 ? std::vector<int>{1, 63, 64, 65}[i] : 1 + int(rng() % 3000));
   DecodeFixture b16(shape_27b(), lens, 33);
   check_both(b16, "27b batch 16, kv 1..3000");
 }
@@ -284,7 +286,8 @@ TEST(CudaAttentionDecode, Timing) {
     for (int ctx : {4096, 16384, 32768}) {
       const int bps = (ctx + ps - 1) / ps;
       const double kv_bytes = 2.0 * batch * ctx * nkv * hd * 2;
-      const int rot = int(std::min<int64_t>(8, std::max<int64_t>(1, pool_blocks / (int64_t(batch) * bps))));
+      const int rot =
+          int(std::min<int64_t>(8, std::max<int64_t>(1, pool_blocks / (int64_t(batch) * bps))));
       std::vector<int32_t> table(size_t(rot) * batch * bps);
       std::vector<int32_t> all(pool_blocks);
       std::iota(all.begin(), all.end(), 0);

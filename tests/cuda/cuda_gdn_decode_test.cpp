@@ -49,8 +49,8 @@ struct GdnSetup {
         conv(test::random_bf16(size_t(slots) * 4 * shape.qkv_dim(), rng)),
         a_log(random_f32(shape.n_v_heads, rng, std::log(0.01f), std::log(4.f))),
         dt_bias(random_f32(shape.n_v_heads, rng, -3.f, 1.f)),
-        rec(random_f32(size_t(slots) * shape.n_v_heads * shape.d_v * shape.d_k, rng, -0.2f,
-                       0.2f)) {}
+        rec(random_f32(size_t(slots) * shape.n_v_heads * shape.d_v * shape.d_k, rng, -0.2f, 0.2f)) {
+  }
   cuda::GdnLayerWeights w() const {
     return {conv_w.as<__nv_bfloat16>(), a_log.ptr, dt_bias.ptr, norm_w.as<__nv_bfloat16>()};
   }
@@ -84,8 +84,8 @@ void compare_splits(const cuda::GdnShape& s, const std::vector<int>& pos, uint32
     a.rec.upload(rec0);
     DevBuf<bf> out(size_t(n) * s.out_dim());
     out.poison();
-    cuda::launch_gdn_decode(s, a.w(), a.pool(), proj.as<__nv_bfloat16>(), d_pos.ptr, d_slots.ptr,
-                            n, out.as<__nv_bfloat16>(), 0, which);
+    cuda::launch_gdn_decode(s, a.w(), a.pool(), proj.as<__nv_bfloat16>(), d_pos.ptr, d_slots.ptr, n,
+                            out.as<__nv_bfloat16>(), 0, which);
     DS_CUDA_CHECK(cudaGetLastError());
     outs[k] = out.download();
     convs[k] = a.conv.download();
@@ -93,8 +93,7 @@ void compare_splits(const cuda::GdnShape& s, const std::vector<int>& pos, uint32
     for (bf x : outs[k]) ASSERT_TRUE(std::isfinite(bf16_to_f32(x))) << "output not written";
     ++k;
   }
-  EXPECT_EQ(0, std::memcmp(recs[0].data(), recs[1].data(), recs[0].size() * 4))
-      << "states differ";
+  EXPECT_EQ(0, std::memcmp(recs[0].data(), recs[1].data(), recs[0].size() * 4)) << "states differ";
   EXPECT_EQ(convs[0], convs[1]) << "conv rings differ";
   // Slot 0 is untouched by both.
   const size_t per = size_t(s.n_v_heads) * s.d_v * s.d_k;
@@ -125,10 +124,10 @@ TEST(CudaGdnDecode, Cluster8Unsupported) {
   GdnSetup a(s, 2, rng);
   DevBuf<bf> proj(test::random_bf16(size_t(s.in_dim()), rng)), out(size_t(s.out_dim()));
   DevBuf<int32_t> pos(std::vector<int32_t>{3}), slot(std::vector<int32_t>{1});
-  EXPECT_THROW(cuda::launch_gdn_decode(s, a.w(), a.pool(), proj.as<__nv_bfloat16>(), pos.ptr,
-                                       slot.ptr, 1, out.as<__nv_bfloat16>(), 0,
-                                       GdnDecodeKernel::kCluster8),
-               Error);
+  EXPECT_THROW(
+      cuda::launch_gdn_decode(s, a.w(), a.pool(), proj.as<__nv_bfloat16>(), pos.ptr, slot.ptr, 1,
+                              out.as<__nv_bfloat16>(), 0, GdnDecodeKernel::kCluster8),
+      Error);
 }
 
 TEST(CudaGdnDecode, Timing) {
@@ -150,11 +149,10 @@ TEST(CudaGdnDecode, Timing) {
       us[k++] = test::graph_time_us(
           [&](int i, cudaStream_t st) {
             const int r = i % rot;
-            cuda::launch_gdn_decode(s, a.w(), a.pool(),
-                                    proj.as<__nv_bfloat16>() + size_t(r) * B * s.in_dim(), pos.ptr,
-                                    d_slots.ptr + r * B, B,
-                                    out.as<__nv_bfloat16>() + size_t(r) * B * s.out_dim(), st,
-                                    which);
+            cuda::launch_gdn_decode(
+                s, a.w(), a.pool(), proj.as<__nv_bfloat16>() + size_t(r) * B * s.in_dim(), pos.ptr,
+                d_slots.ptr + r * B, B, out.as<__nv_bfloat16>() + size_t(r) * B * s.out_dim(), st,
+                which);
           },
           64);
     const double bytes = 2.0 * B * s.n_v_heads * s.d_v * s.d_k * 4;

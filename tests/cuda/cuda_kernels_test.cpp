@@ -132,9 +132,9 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
     bool gated;
   };
   using K = cuda::RopeKvKernel;
-  for (Shape sh : {Shape{24, 4, 256, 64, true}, Shape{16, 2, 128, 32, true},
-                   Shape{8, 2, 64, 16, false}, Shape{6, 1, 32, 8, true}, Shape{8, 2, 16, 4, false},
-                   Shape{4, 2, 256, 8, true}}) {
+  for (Shape sh :
+       {Shape{24, 4, 256, 64, true}, Shape{16, 2, 128, 32, true}, Shape{8, 2, 64, 16, false},
+        Shape{6, 1, 32, 8, true}, Shape{8, 2, 16, 4, false}, Shape{4, 2, 256, 8, true}}) {
     cuda::AttnShape s;
     s.n_heads = sh.nh;
     s.n_kv_heads = sh.nkv;
@@ -161,8 +161,8 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
       DevBuf<bf> dqkv(qkv), dqw(qw), dkw(kw);
       DevBuf<int32_t> dpos(pos), dslot(slot);
       const size_t cache_n = size_t(n_blocks) * sh.nkv * s.page_size * sh.hd;
-      std::vector<K> kernels = warp_ok ? std::vector<K>{K::kWarpPerHead, K::kBlockPerToken}
-                                       : std::vector<K>{K::kAuto};
+      std::vector<K> kernels =
+          warp_ok ? std::vector<K>{K::kWarpPerHead, K::kBlockPerToken} : std::vector<K>{K::kAuto};
       if (!warp_ok) {
         DevBuf<bf> q(size_t(T) * sh.nh * sh.hd), kc(cache_n), vc(cache_n);
         EXPECT_THROW(cuda::launch_qk_norm_rope_kv(
@@ -205,8 +205,8 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
             for (int i = 0; i < sh.hd; ++i) {
               ref_k.push_back(r[i]);
               got_k.push_back(bf16_to_f32(hk[base + i]));
-              ASSERT_EQ(hv[base + i], qkv[size_t(t) * s.qkv_dim() + s.q_proj_dim() + s.kv_dim() +
-                                          h * sh.hd + i])
+              ASSERT_EQ(hv[base + i],
+                        qkv[size_t(t) * s.qkv_dim() + s.q_proj_dim() + s.kv_dim() + h * sh.hd + i])
                   << kname;
             }
           }
@@ -256,11 +256,11 @@ TEST(CudaKernels, DecodeSmallKernelTiming) {
     for (auto which : {cuda::RopeKvKernel::kWarpPerHead, cuda::RopeKvKernel::kBlockPerToken})
       us[k++] = test::graph_time_us([&](int i, cudaStream_t st) {
         const int r = i % rot;
-        cuda::launch_qk_norm_rope_kv(
-            s, qkv.as<__nv_bfloat16>() + size_t(r) * T * s.qkv_dim(), qw.as<__nv_bfloat16>(),
-            kw.as<__nv_bfloat16>(), dpos.ptr + r * T, dslot.ptr + r * T, T,
-            q.as<__nv_bfloat16>() + size_t(r) * T * s.n_heads * 256, kc.as<__nv_bfloat16>(),
-            vc.as<__nv_bfloat16>(), st, which);
+        cuda::launch_qk_norm_rope_kv(s, qkv.as<__nv_bfloat16>() + size_t(r) * T * s.qkv_dim(),
+                                     qw.as<__nv_bfloat16>(), kw.as<__nv_bfloat16>(),
+                                     dpos.ptr + r * T, dslot.ptr + r * T, T,
+                                     q.as<__nv_bfloat16>() + size_t(r) * T * s.n_heads * 256,
+                                     kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>(), st, which);
       });
     std::printf("  rope_kv %2d tokens: warp_per_head %.2f us, block_per_token %.2f us\n", T, us[0],
                 us[1]);
