@@ -5,9 +5,9 @@
 // kernel merges the partials by log-sum-exp, divides, applies sigmoid(gate) and writes bf16.
 // Partials (the workspace): float2 (m, l) [n_seqs, n_heads, n_splits] and float o [n_seqs,
 // n_heads, n_splits, hd] (the simt kernel stores (m, l) first, the mma kernel o first for aligned
-// float4 reads); m is in the log2 domain of the scaled scores. Splits past a sequence's length write an empty
-// partial (m = -inf, l = 0, o = 0) that the merge skips, so the grid may be sized for the longest
-// sequence (or larger: CUDA graphs capture one grid per batch bucket).
+// float4 reads); m is in the log2 domain of the scaled scores. Splits past a sequence's length
+// write an empty partial (m = -inf, l = 0, o = 0) that the merge skips, so the grid may be sized
+// for the longest sequence (or larger: CUDA graphs capture one grid per batch bucket).
 //
 // Two split kernels (kernels.h AttnDecodeKernel; kAuto takes the first that supports the shape):
 //  - mma (head_dim 128 / 256, group <= 8, 16-byte aligned q and caches): tensor cores. 4 warps per
