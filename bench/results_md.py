@@ -75,6 +75,15 @@ def hf_compare_section(w, hfc):
           f"{g['abs_err_max']:.3e} | {g['abs_err_p999']:.3e} | {g['abs_err_p99']:.3e} | {g['abs_err_mean']:.3e} | "
           f"{r['logit_std']:.3f} | {g['rel_l2_p50']:.2e} / {g['rel_l2_p99']:.2e} | {g['kl_mean']:.2e} / "
           f"{g['kl_max']:.2e} | {'pass' if r.get('gate_pass') else 'FAIL'} |")
+    ctl = [(n, r) for n, r in sorted(hfc.get("results", {}).items(), key=lambda kv: int(kv[0])) if "ours_vs_fp32" in r]
+    if ctl:
+        w("\nControl (`--fp32-control`): the same HF model in fp32 as the exact reference, for ours and for HF bf16:\n")
+        w("| layers | who | top-1 vs fp32 | rel L2 p50 / p99 | mean abs err | KL mean |\n|---|---|---|---|---|---|")
+        for n, r in ctl:
+            for who, key in (("ours (bf16)", "ours_vs_fp32"), ("HF bf16", "hf_bf16_vs_fp32")):
+                g = r[key]
+                w(f"| {n} | {who} | {g['top1'] * 100:.2f}% | {g['rel_l2_p50']:.2e} / {g['rel_l2_p99']:.2e} | "
+                  f"{g['abs_err_mean']:.3e} | {g['kl_mean']:.2e} |")
     w("")
 
 

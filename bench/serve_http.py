@@ -5,13 +5,19 @@
 Buckets 4K-8K, 8K-16K, 16K-32K prompt tokens, N requests each (lengths and token ids from a fixed
 seed, as `deltaserve bench serve` draws them), 128 output tokens, EOS ignored, greedy, streamed.
 TTFT = time to the first streamed chunk that carries a token; TPOT = (end - first token) /
-(completion tokens - 1); throughput = output tokens / end-to-end time; weighted 20/50/30.
+(completion tokens - 1, from the usage block); throughput = output tokens / end-to-end time;
+weighted 20/50/30. Tokens are seen in the stream's text chunks, as OpenAI benchmark clients do;
+a server without a tokenizer streams no text, so then (--logprobs auto, the default) each request
+asks for logprobs, whose "token_id:N" entries carry the tokens; that makes the server compute a
+log-softmax over the vocabulary per token (about 2 ms per token on the 27B synthetic model in the
+first H200 run), so serve a tokenizer (`deltaserve serve --tokenizer DIR`) for a fair comparison
+with the in-process bench. The mode used is in the JSON (meta.token_counting).
 Standard library only. Output: a table and, with --json, the same "serve" layout as deltaserve's
 JSON (mode "HTTP ...").
 
 Usage: serve_http.py --url http://127.0.0.1:8000 [--requests 5] [--output-tokens 128]
                      [--vocab 248320] [--scale 1.0] [--json FILE] [--api-key KEY]
-                     [--prompts-from BENCH.json]
+                     [--prompts-from BENCH.json] [--logprobs auto|on|off]
 --scale multiplies the bucket bounds (e.g. 0.01 for a dry run against a tiny CPU model).
 --prompts-from takes the prompt lengths of each bucket from the "serve" part of a `deltaserve
 bench serve --json` file, so that both runs serve exactly the same requests (the in-process bench
@@ -38,11 +44,15 @@ def pct(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def one_request(url, key, prompt, max_tokens):
+def one_request(url, key, prompt, max_tokens, logprobs):
+    """(TTFT or None when no chunk carried a token, end-to-end time, completion tokens)."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=3600)
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                       "stream": True, "logprobs": 0, "stream_options": {"include_usage": True}})
+    req = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+           "stream_options": {"include_usage": True}}
+    if logprobs:
+        req["logprobs"] = 0
+    body = json.dumps(req)
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
@@ -72,8 +82,6 @@ def one_request(url, key, prompt, max_tokens):
     conn.close()
     if usage and usage.get("completion_tokens"):
         n_tokens = usage["completion_tokens"]
-    if ttft is None:
-        sys.exit("serve_http.py: the stream carried no token (does the server send logprobs tokens?)")
     return ttft, e2e, n_tokens
 
 
@@ -88,6 +96,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--api-key")
     ap.add_argument("--prompts-from", help="bench JSON whose serve buckets give the prompt lengths")
+    ap.add_argument("--logprobs", choices=("auto", "on", "off"), default="auto",
+                    help="see tokens through logprobs (on), text chunks (off), or text unless the server streams none")
     a = ap.parse_args()
     given = None
     if a.prompts_from:
@@ -99,6 +109,7 @@ def main():
     if a.requests < 1 or a.output_tokens < 1 or a.scale <= 0:
         sys.exit("serve_http.py: --requests, --output-tokens and --scale must be positive")
     rng = random.Random(a.seed)
+    use_lp = a.logprobs == "on"
     buckets, weighted = [], 0.0
     print(f"{'bucket':<8} {'n':>2} {'TTFT p50 ms':>12} {'p99':>10} {'TPOT p50 ms':>12} {'p99':>8} {'tok/s':>7}")
     for name, lo, hi, w in BUCKETS:
@@ -110,7 +121,14 @@ def main():
         for n in lengths:
             prompts.append(n)
             prompt = [rng.randrange(a.vocab) for _ in range(n)]
-            t, e, k = one_request(a.url, a.api_key, prompt, a.output_tokens)
+            t, e, k = one_request(a.url, a.api_key, prompt, a.output_tokens, use_lp)
+            if t is None and not use_lp and a.logprobs == "auto" and k > 0:
+                print("serve_http.py: the server streams no text (no tokenizer?): tokens counted through logprobs "
+                      "from here on (the server then computes a log-softmax per token)", flush=True)
+                use_lp = True
+                t, e, k = one_request(a.url, a.api_key, prompt, a.output_tokens, use_lp)
+            if t is None:
+                sys.exit("serve_http.py: the stream carried no token (no text, no logprobs tokens)")
             ttft.append(t)
             if k > 1:
                 tpot.append((e - t) / (k - 1))
@@ -129,7 +147,8 @@ def main():
     print(f"weighted throughput {weighted:.2f} tok/s")
     if a.json:
         doc = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "url": a.url,
-                        "scale": a.scale, "seed": a.seed, "prompts_from": a.prompts_from},
+                        "scale": a.scale, "seed": a.seed, "prompts_from": a.prompts_from,
+                        "token_counting": "logprobs" if use_lp else "text chunks"},
                "serve": {"mode": f"HTTP ({a.url})", "output_tokens": a.output_tokens, "buckets": buckets,
                          "weighted_throughput_tok_per_s": weighted}}
         with open(a.json, "w") as fh:

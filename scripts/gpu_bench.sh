@@ -15,7 +15,11 @@
 #        against `deltaserve serve --synthetic 27b`, by bench/serve_http.py with the very prompt
 #        lengths of the in-process run: serve_http.json), --bench all|serve|ceilings (which
 #        deltaserve bench: default all; `serve` = ceilings + the in-process serving workload only),
-#        --requests N (serving requests per bucket: default 3, 1 with --quick).
+#        --requests N (serving requests per bucket: default 3, 1 with --quick), --tokenizer DIR
+#        (for --http: the server detokenizes and streams text, so serve_http.py needs no logprobs,
+#        which cost the server a log-softmax per token; make one here with
+#        `python3 tools/make_qwen35_test_tokenizer.py ../shared/data/tokenizers/qwen3.5 DIR`
+#        into a carried folder; without it the HTTP TPOT includes that logprob cost).
 # Output under $OUT (default ./bench-out), at most 8 files: bench.json, bench.log, tpot.png,
 # ttft.png, profile.png, with --peers peers.json, peers.log, with --http serve_http.json.
 set -uo pipefail
@@ -30,6 +34,7 @@ budget=240
 total=340
 bench_cmd=all
 requests=
+tokenizer=
 while [ $# -gt 0 ]; do
   case "$1" in
     --peers) peers=1 ;;
@@ -39,6 +44,7 @@ while [ $# -gt 0 ]; do
     --total) total=$2; shift ;;
     --bench) bench_cmd=$2; shift ;;
     --requests) requests=$2; shift ;;
+    --tokenizer) tokenizer=$2; shift ;;
     *) echo "gpu_bench.sh: unknown flag $1" >&2; exit 2 ;;
   esac
   shift
@@ -91,8 +97,10 @@ if [ $http = 1 ]; then
   # The same workload through the HTTP server (client-side timings): the same prompt lengths as
   # the in-process run when bench.json has them.
   port=18000
+  tok_args=()
+  [ -n "$tokenizer" ] && tok_args=(--tokenizer "$tokenizer")
   "$BIN" serve --synthetic 27b --device cuda --port $port --max-batch 1 --chunk-size 4096 \
-    --max-num-batched-tokens 4096 --max-kv-tokens 40000 --max-model-len 33024 >>"$LOG" 2>&1 &
+    --max-num-batched-tokens 4096 --max-kv-tokens 40000 --max-model-len 33024 "${tok_args[@]}" >>"$LOG" 2>&1 &
   spid=$!
   up=0
   for _ in $(seq 1 180); do

@@ -15,6 +15,8 @@
 #               $OUT/hf_compare.json); the logits files are deleted afterwards.
 #               $DS_HF_COMPARE_LAYERS picks the layer counts (default 4,64). Run it before
 #               installing flash-linear-attention so that HF uses its fp32 torch GDN path.
+#   --hf-fp32-control  with --hf-compare: also run HF in fp32 (108 GB of GPU memory at 64 layers)
+#               and report ours and HF bf16 against it (how much of the gap is bf16 itself)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build-cuda}
@@ -22,12 +24,14 @@ LOG_DIR=${OUT:-$PWD/gpu-test-logs}
 mkdir -p "$LOG_DIR"
 FILTER="*"
 ONLY=""
+HF_ARGS=""
 while (($#)); do
   case "$1" in
     --perf) export DS_PERF=1 ;;
     --filter) FILTER="$2"; shift ;;
     --hf-compare) export DS_HF_COMPARE_DIR="$2"; shift ;;
     --only) ONLY="$2"; shift ;;
+    --hf-fp32-control) HF_ARGS="--fp32-control" ;;
     *) echo "gpu_test: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -72,7 +76,7 @@ for b in $bins; do
 done
 if [ -n "${DS_HF_COMPARE_DIR:-}" ]; then
   if [ -f "$DS_HF_COMPARE_DIR/compare.json" ] && \
-     PYTHONUNBUFFERED=1 python3 tools/hf_compare.py "$DS_HF_COMPARE_DIR" --json "$LOG_DIR/hf_compare.json" \
+     PYTHONUNBUFFERED=1 python3 tools/hf_compare.py "$DS_HF_COMPARE_DIR" --json "$LOG_DIR/hf_compare.json" $HF_ARGS \
        2>&1 | tee "$LOG_DIR/hf_compare.log"; then
     pass=$((pass + 1))
   else

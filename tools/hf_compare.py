@@ -24,7 +24,12 @@ The gate (exit 1 otherwise): top-1 >= 99% on decisive rows, relative L2 error p9
 <= 5e-2 (a wrong operation gives ~1), everything finite. All-row agreement is printed against the
 issue's 99% with the fraction of near-tie rows beside it.
 
-Usage: hf_compare.py DIR [--json OUT] [--layers 64,4] [--no-fla]
+--fp32-control also runs the same HF model in fp32 (an exact reference: the bf16 weights are
+exactly representable) and reports ours vs fp32 next to HF bf16 vs fp32: how far each bf16
+implementation is from exact arithmetic. With random weights a deep stack amplifies rounding
+differences, so this control separates "our error" from "bf16's error at this depth".
+
+Usage: hf_compare.py DIR [--json OUT] [--layers 64,4] [--fp32-control]
 """
 import argparse
 import json
@@ -135,6 +140,15 @@ def hf_gdn_impl(model):
     return f"{getattr(f, '__module__', '?')}.{getattr(f, '__name__', '?')}" if f is not None else "?"
 
 
+def set_dtype(model, dtype):
+    """Every parameter to dtype, one at a time (peak = the new copy + one old tensor)."""
+    for i, p in enumerate(model.parameters()):
+        p.data = p.data.to(dtype)
+        if i % 64 == 63:
+            torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
+
+
 def truncate_layers(model, n):
     model.model.layers = torch.nn.ModuleList(list(model.model.layers)[:n])
     model.config.num_hidden_layers = n
@@ -214,6 +228,8 @@ def main():
     ap.add_argument("dir")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--layers", help="layer counts to compare (default: those in compare.json)")
+    ap.add_argument("--fp32-control", action="store_true",
+                    help="also run HF in fp32 (108 GB at 64 layers) and compare ours and HF bf16 with it")
     a = ap.parse_args()
     t0 = time.time()
     meta = json.load(open(os.path.join(a.dir, "compare.json")))
@@ -233,6 +249,10 @@ def main():
     model = build_hf_model(text, specs)
     torch.cuda.synchronize()
     impl = hf_gdn_impl(model)
+    if impl == "?":  # transformers >= 5.17 binds the kernel lazily (and warns on its torch fallback)
+        import importlib.util
+        impl = ("flash-linear-attention (importable)" if importlib.util.find_spec("fla")
+                else "HF's torch code, fp32 (flash-linear-attention not importable)")
     out["meta"]["hf_gdn_impl"] = impl
     print(f"hf_compare: {counts[0]}-layer HF model built and filled with the synthetic weights in "
           f"{time.time() - t0:.1f} s (all {len(specs)} tensors match the host generator's samples); "
@@ -248,6 +268,13 @@ def main():
             truncate_layers(model, n)
         t1 = time.time()
         ref = hf_logits(model, toks)
+        exact = None
+        if a.fp32_control:  # the same HF model in fp32: an exact reference for both bf16 runs
+            ref = ref.cpu()
+            set_dtype(model, torch.float32)
+            exact = hf_logits(model, toks).cpu()
+            set_dtype(model, torch.bfloat16)
+            ref = ref.cuda()
         ours = torch.from_numpy(np.load(path)).cuda()
         if ours.shape != ref.shape:
             sys.exit(f"hf_compare: {path} has shape {tuple(ours.shape)}, HF gives {tuple(ref.shape)}")
@@ -260,6 +287,15 @@ def main():
         ok = ok and r["gate_pass"]
         out["results"][str(n)] = r
         print_result(n, r)
+        if exact is not None:
+            exact = exact.cuda()
+            r["ours_vs_fp32"] = compare(ours, exact, n_prompt)["groups"]["all"]
+            r["hf_bf16_vs_fp32"] = compare(ref, exact, n_prompt)["groups"]["all"]
+            for who, g2 in (("ours   ", r["ours_vs_fp32"]), ("HF bf16", r["hf_bf16_vs_fp32"])):
+                print(f"  control, {who} vs HF fp32: top-1 {g2['top1'] * 100:6.2f}%  rel L2 p50 {g2['rel_l2_p50']:.2e} "
+                      f"p99 {g2['rel_l2_p99']:.2e}  |err| mean {g2['abs_err_mean']:.3e} max {g2['abs_err_max']:.3e}  "
+                      f"KL mean {g2['kl_mean']:.2e}", flush=True)
+            del exact
         print(f"HF COMPARE {n} layers: top-1 {g['top1'] * 100:.2f}% of all rows (issue gate 99%), "
               f"{(g['top1_decisive'] or 0) * 100:.2f}% of {g['decisive_rows']} decisive rows, rel L2 p99 "
               f"{g['rel_l2_p99']:.2e}: {'PASS' if r['gate_pass'] else 'FAIL'} ({r['seconds']:.1f} s)", flush=True)

@@ -7,8 +7,8 @@ in the output), SDPA attention, batch 1. TTFT per prompt length of `bench prefil
 / 32K random tokens: one forward with the KV / GDN cache, logits of the last token only, as
 generate() does), and TPOT at the `bench decode` contexts (the median of 16 single-token steps
 right after that prompt, each synchronised: what a batch-1 generate loop pays). Wall clock with
-torch.cuda.synchronize(); one warm-up forward at the shortest prompt length and one decode step
-first (Triton compiles and autotunes, cuDNN plans).
+torch.cuda.synchronize(). Before each timed prompt, an untimed prefill of the same length and two
+decode steps (FLA's Triton kernels compile and autotune per sequence length; cuDNN plans).
 
 Kernel peers on the shapes of `deltaserve bench kernels` (Qwen3.5-27B):
   - flash-linear-attention chunk_gated_delta_rule on 64 / 512 / 4096-token prompt chunks with a
@@ -341,21 +341,25 @@ def model_peer(a, torch, budget):
         gdn_label = "FLA"
     elif "torch" in impl:
         gdn_label = "torch GDN"
-    else:
-        gdn_label = "FLA importable" if RESULT["meta"].get("fla") else "GDN path unknown, FLA not importable"
+    else:  # transformers >= 5.17 binds the kernel lazily; it warns when it falls back to torch
+        gdn_label = "FLA" if RESULT["meta"].get("fla") else "torch GDN (FLA not importable)"
     name = f"HF transformers {transformers.__version__} + {gdn_label}, bs 1, 64 layers"
     RESULT["ttft"][name], RESULT["tpot"][name] = [], []
     steps = 16
     with torch.no_grad():
-        ids = torch.randint(0, VOCAB, (1, min(prompts)), device="cuda")
-        out = model(ids, use_cache=True, logits_to_keep=1)  # warm-up: compiles, autotunes, plans
-        tok = out.logits[:, -1:].argmax(-1)
-        model(tok, past_key_values=out.past_key_values, use_cache=True)
-        del out
-        torch.cuda.synchronize()
         for p in prompts:
             if budget.over(f"model peer at {p} tokens"):
                 break
+            # An untimed prefill of this very length first: FLA's Triton kernels autotune per
+            # sequence length (the first H200 run timed 10.5 s at 8K and 12.1 s at 16K without it).
+            ids = torch.randint(0, VOCAB, (1, p), device="cuda")
+            out = model(ids, use_cache=True, logits_to_keep=1)
+            tok = out.logits[:, -1:].argmax(-1)
+            for _ in range(2):
+                out = model(tok, past_key_values=out.past_key_values, use_cache=True)
+                tok = out.logits[:, -1:].argmax(-1)
+            del out
+            torch.cuda.empty_cache()
             ids = torch.randint(0, VOCAB, (1, p), device="cuda")
             torch.cuda.synchronize()
             t = time.time()

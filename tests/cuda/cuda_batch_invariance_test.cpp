@@ -22,6 +22,13 @@
 // 4096 at these shapes measured 1e-2); an indexing or state-mixing bug between sequences gives
 // O(1). Greedy tokens are reported, not gated: random weights make near-flat logits whose top-2
 // margins are often smaller than that bf16 noise.
+//
+// Measured on the H200 (2026-11-29, engine of 67440f6, docs/perf/2026-11-29-6db1efd-RESULTS.md):
+// alone twice and among 1 or 3 same-length requests: bit-exact; prompt logits bit-exact in every
+// case except the prompt split by the step budget (3.5e-2); decode among 15 others: max 5.4e-2,
+// L2 8.6e-3 (the worst); with split_kv off the 3-other-lengths case becomes bit-exact. GEMM rows:
+// every 27B shape bit-exact across m except `down` (k = 17408, cuBLASLt split-K whose workspace
+// grows with m) from m = 16 on (max 1.6e-2; 3.1e-2 at m >= 512).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -164,7 +171,7 @@ void run_all(const char* label, Backend& b, double* worst_l2) {
     for (float x : got) ASSERT_TRUE(std::isfinite(x)) << c.name << ": non-finite logit";
     const RowDiff d = diff_rows(got, ref, V);
     std::printf(
-        "  [%s] %-40s prompt %4d: %s  max|dlogit| prompt %.3e decode %.3e  L2 %.3e  greedy "
+        "  [%-11s] %-40s prompt %4d: %s  max|dlogit| prompt %.3e decode %.3e  L2 %.3e  greedy "
         "%d/%d\n",
         label, c.name.c_str(), c.target_len, d.bit_exact ? "bit-exact " : "differs   ",
         d.max_abs_prefill, d.max_abs_decode, d.l2, d.greedy_agree, d.rows);
