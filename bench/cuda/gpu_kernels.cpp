@@ -201,21 +201,35 @@ const KernelResult& KernelBench::gemm(const std::string& name, int m) {
   const bf16* w = weights_.at(name).as<bf16>();
   DevBuf x(size_t(2) * m * o.k * rot, "gemm x"), y(size_t(out_elem) * m * o.n * rot, "gemm y");
   gpu::fill_normal_bf16(x.as<bf16>(), int64_t(m) * o.k * rot, seed_++, 0.f, 1.f, s_);
-  cuda::GemmEngine g;
+  // The engine's path (registry set: gemm.skinny_mma for decode shapes) and, when that is a
+  // specialised variant, plain cuBLASLt on the same inputs (time and agreement).
+  cuda::GemmEngine g, fallback;
+  g.set_dispatch(&reg_);
   const cuda::GemmOut out = o.f32_out ? cuda::GemmOut::kF32 : cuda::GemmOut::kBF16;
   g.prepare(m, o.n, o.k, out);
   KernelResult r;
   r.family = "gemm";
-  r.variant = variant(cuda::KernelFamily::kGemm, reg_.key(m, o.n, o.k));
+  r.variant = g.variant(m, o.n, o.k);
   r.op = name;
   r.shape = shape;
-  r.samples = gpu::time_launches(
-      [&](int i) {
-        const int k = i % rot;
-        g.run(x.as<bf16>() + int64_t(k) * m * o.k, w + int64_t(k) * o.n * o.k,
-              y.as<char>() + size_t(out_elem) * m * o.n * k, m, o.n, o.k, out, s_);
-      },
-      s_, timer(rot));
+  auto launch = [&](cuda::GemmEngine& e, int i) {
+    const int k = i % rot;
+    e.run(x.as<bf16>() + int64_t(k) * m * o.k, w + int64_t(k) * o.n * o.k,
+          y.as<char>() + size_t(out_elem) * m * o.n * k, m, o.n, o.k, out, s_);
+  };
+  if (r.variant != "cublaslt") {
+    fallback.prepare(m, o.n, o.k, out);
+    DevBuf y2(size_t(out_elem) * m * o.n, "gemm y (fallback)");
+    g.run(x.as<bf16>(), w, y.as<void>(), m, o.n, o.k, out, s_);
+    fallback.run(x.as<bf16>(), w, y2.as<void>(), m, o.n, o.k, out, s_);
+    const int64_t cnt = int64_t(m) * o.n;
+    r.match = o.f32_out ? gpu::compare_f32(y.as<float>(), y2.as<float>(), cnt, s_).text()
+                        : gpu::compare_bf16(y.as<bf16>(), y2.as<bf16>(), cnt, s_).text();
+    r.fallback = "cublaslt";
+    r.fallback_time_s =
+        gpu::time_launches([&](int i) { launch(fallback, i); }, s_, timer(rot)).p50;
+  }
+  r.samples = gpu::time_launches([&](int i) { launch(g, i); }, s_, timer(rot));
   r.bytes = set_bytes;
   r.flops = 2.0 * m * o.n * o.k;
   if (rot > 1) r.note = str("%d rotated weight copies", rot);

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "cuda/gemv.h"
 
 namespace ds::cuda {
 
@@ -98,6 +99,12 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   DispatchRegistry r;
   r.sm_ = sm;
   using F = KernelFamily;
+  r.add({F::kGemm, "skinny_mma",
+         "decode GEMV / skinny GEMM (gemv.h): m 1..16, mma.sync with tokens as M, weight read once; "
+         "sm 90, k % 8 == 0, k <= 32768, n <= 262144, 16-byte aligned x/w (checked at run)",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dtype == 0 && skinny_gemm_supports(k.dims[0], k.dims[1], k.dims[2]);
+         }});
   r.add({F::kGemm,
          "cublaslt",
          "cuBLASLt bf16 GEMM, fp32 accumulate, algorithm per shape at plan time",

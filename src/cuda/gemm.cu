@@ -6,7 +6,9 @@
 #include <sstream>
 
 #include "cuda/cuda_common.h"
+#include "cuda/dispatch.h"
 #include "cuda/gemm.h"
+#include "cuda/gemv.h"
 
 namespace ds::cuda {
 
@@ -36,6 +38,9 @@ GemmEngine::GemmEngine(size_t workspace_bytes) : workspace_bytes_(workspace_byte
   DS_CUBLAS_CHECK(cublasLtCreate(&h));
   handle_ = h;
   if (workspace_bytes_ > 0) DS_CUDA_CHECK(cudaMalloc(&workspace_, workspace_bytes_));
+  int dev = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, dev));
 }
 
 GemmEngine::~GemmEngine() {
@@ -87,6 +92,13 @@ void GemmEngine::prepare(int m, int n, int k, GemmOut out, bool accumulate) {
 void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n, int k,
                      GemmOut out, cudaStream_t stream, bool accumulate) {
   if (m <= 0) return;
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
+  if (aligned && variant(m, n, k) == "skinny_mma") {
+    launch_skinny_gemm(x, w, y, m, n, k, out, accumulate, skinny_gemm_config(m, n, k, n_sms_),
+                       stream);
+    return;
+  }
   Plan& p = get(m, n, k, out, accumulate, true);
   const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   DS_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.desc, &alpha, w, p.a, x,
@@ -94,12 +106,18 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
                                  stream));
 }
 
+std::string GemmEngine::variant(int m, int n, int k) const {
+  if (!dispatch_) return "cublaslt";
+  return dispatch_->select(KernelFamily::kGemm, dispatch_->key(m, n, k)).name;
+}
+
 std::string GemmEngine::describe() const {
   std::ostringstream os;
   for (const auto& [key, p] : plans_) {
     os << "gemm m=" << std::get<0>(key) << " n=" << std::get<1>(key) << " k=" << std::get<2>(key)
        << (std::get<3>(key) == 0 ? " bf16" : " f32") << (std::get<4>(key) ? " +=" : "")
-       << " workspace " << p->ws << "\n";
+       << " workspace " << p->ws << " -> "
+       << variant(std::get<0>(key), std::get<1>(key), std::get<2>(key)) << "\n";
   }
   return os.str();
 }

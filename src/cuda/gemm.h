@@ -5,6 +5,9 @@
 // algorithm once (prepare(), at start-up or at plan time) and reuses them on every call; the
 // workspace is allocated once. run() on a shape never prepared prepares it on the spot and
 // counts it in late_plans() (host work only, no device synchronisation, so still graph-safe).
+// With a dispatch registry set, run() sends the shapes that the registry's "gemm.skinny_mma" guard
+// accepts (decode: m <= 16, see gemv.h) to the skinny tensor-core kernel when x and w are 16-byte
+// aligned; everything else goes to cuBLASLt.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,6 +46,10 @@ class GemmEngine {
   // unset: cuBLASLt for every shape. The registry must outlive the engine.
   void set_dispatch(const DispatchRegistry* dispatch) { dispatch_ = dispatch; }
 
+  // The variant run() takes for this shape with 16-byte aligned x and w: "skinny_mma" or
+  // "cublaslt".
+  std::string variant(int m, int n, int k) const;
+
   int n_plans() const { return static_cast<int>(plans_.size()); }
   int late_plans() const { return late_plans_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
@@ -59,6 +66,7 @@ class GemmEngine {
   std::map<Key, std::unique_ptr<Plan>> plans_;
   int late_plans_ = 0;
   const DispatchRegistry* dispatch_ = nullptr;
+  int n_sms_ = 0;  // of the current device at construction (skinny kernel config)
 };
 
 }  // namespace ds::cuda

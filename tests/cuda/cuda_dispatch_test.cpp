@@ -22,7 +22,8 @@ TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
   EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(128, 12, 1, 100)).name,
             "prefill_kernel");  // group 12
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused");
-  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, "cublaslt");
+  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, "skinny_mma");
+  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(4096, 5120, 17408)).name, "cublaslt");
   const std::string list = r.list();
   EXPECT_NE(list.find("attn_decode.split_kv"), std::string::npos);
   EXPECT_NE(list.find("[fallback]"), std::string::npos);

@@ -1,0 +1,380 @@
+// The decode GEMV / skinny GEMM (src/cuda/gemv.cu, variant gemm.skinny_mma)
+// against cuBLASLt and an fp64 CPU loop:
+//  - odd shapes (m = 1, 3, 8, 9, 16; n not a multiple of any tile; k = 8, 24,
+//  40 (not a multiple
+//    of the 32-wide k-step), 5128; k = 32768) with every compiled config, bf16
+//    and fp32 output, accumulate, poisoned outputs: normalised error vs fp64 <
+//    4e-3 (bf16 out) / 1e-4 (fp32 out: tensor-core fp32 accumulation, as
+//    cuda_gemm_test);
+//  - every Qwen3.5-27B decode shape at m = 1, 4, 16 through GemmEngine with the
+//  registry (the
+//    engine's path): vs cuBLASLt, bf16 out within 1 bf16 ulp of the larger
+//    magnitude, or 1e-3 of the output's max where both are near zero (the two
+//    sum in different orders; each rounds an fp32 sum once), fp32 out (lm_head)
+//    relative L2 < 1e-4 (the measured value is printed);
+//  - batch invariance: token i's outputs are bit-identical for m = 1 and m = 16
+//  (the summation
+//    order does not depend on m);
+//  - the guard (dispatch) and the launch errors (unaligned pointers, bad
+//  shapes).
+// DS_GEMV_SWEEP=1 also times every config on every decode shape (rotating
+// weights past L2) next to cuBLASLt and prints a table (used to pick
+// skinny_gemm_config).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+
+#include "core/error.h"
+#include "cuda/dispatch.h"
+#include "cuda/gemm.h"
+#include "cuda/gemv.h"
+#include "cuda_test_util.h"
+
+namespace ds {
+namespace {
+
+using test::DevBuf;
+using bf = uint16_t;
+using cuda::GemmOut;
+using cuda::SkinnyConfig;
+
+const __nv_bfloat16* B(const DevBuf<bf>& b, size_t off = 0) {
+  return reinterpret_cast<const __nv_bfloat16*>(b.ptr + off);
+}
+
+// fp64 reference y[m, n] (+ init).
+std::vector<float> reference(const std::vector<bf>& x, const std::vector<bf>& w,
+                             const std::vector<float>& init, int m, int n, int k) {
+  std::vector<float> xf = test::to_f32(x), wf = test::to_f32(w);
+  std::vector<float> y(size_t(m) * n);
+  for (int i = 0; i < m; ++i)
+    for (int j = 0; j < n; ++j) {
+      double s = init.empty() ? 0.0 : init[size_t(i) * n + j];
+      const float* xr = &xf[size_t(i) * k];
+      const float* wr = &wf[size_t(j) * k];
+      for (int c = 0; c < k; ++c) s += double(xr[c]) * wr[c];
+      y[size_t(i) * n + j] = float(s);
+    }
+  return y;
+}
+
+std::vector<float> download_out(const DevBuf<char>& y, size_t count, bool f32) {
+  auto raw = y.download();
+  std::vector<float> v(count);
+  for (size_t i = 0; i < count; ++i) {
+    if (f32) {
+      std::memcpy(&v[i], raw.data() + 4 * i, 4);
+    } else {
+      bf b;
+      std::memcpy(&b, raw.data() + 2 * i, 2);
+      v[i] = bf16_to_f32(b);
+    }
+  }
+  return v;
+}
+
+// One shape, one config: poisoned (or accumulated-into) output vs the fp64
+// loop.
+void check_vs_cpu(int m, int n, int k, GemmOut out, bool acc, const SkinnyConfig& cfg,
+                  std::mt19937& rng) {
+  const bool f32 = out == GemmOut::kF32;
+  auto x = test::random_bf16(size_t(m) * k, rng), w = test::random_bf16(size_t(n) * k, rng, 0.05f);
+  DevBuf<bf> dx(x), dw(w);
+  DevBuf<char> y(size_t(m) * n * (f32 ? 4 : 2));
+  std::vector<float> init;
+  if (acc) {
+    std::normal_distribution<float> nd;
+    init.resize(size_t(m) * n);
+    std::vector<char> raw(y.n);
+    for (size_t i = 0; i < init.size(); ++i) {
+      init[i] = f32 ? nd(rng) : round_bf16(nd(rng));
+      if (f32) {
+        std::memcpy(raw.data() + 4 * i, &init[i], 4);
+      } else {
+        const bf b = f32_to_bf16(init[i]);
+        std::memcpy(raw.data() + 2 * i, &b, 2);
+      }
+    }
+    y.upload(raw);
+  } else {
+    y.poison();
+  }
+  cuda::launch_skinny_gemm(B(dx), B(dw), y.ptr, m, n, k, out, acc, cfg, 0);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto got = download_out(y, size_t(m) * n, f32);
+  const auto ref = reference(x, w, init, m, n, k);
+  const double e = test::norm_err(got, ref);
+  EXPECT_LT(e, f32 ? 1e-4 : 4e-3) << "m " << m << " n " << n << " k " << k << " cfg " << cfg.name()
+                                  << (f32 ? " f32" : " bf16") << (acc ? " +=" : "");
+}
+
+TEST(CudaGemv, OddShapesEveryConfig) {
+  DS_REQUIRE_GPU();
+  std::mt19937 rng(11);
+  for (const SkinnyConfig& cfg : cuda::skinny_gemm_configs()) {
+    for (int m : {1, 3, 9, 16})
+      for (auto [n, k] :
+           {std::pair{1, 8}, std::pair{37, 24}, std::pair{203, 40}, std::pair{77, 5128}}) {
+        check_vs_cpu(m, n, k, GemmOut::kBF16, false, cfg, rng);
+        check_vs_cpu(m, n, k, GemmOut::kF32, false, cfg, rng);
+      }
+    check_vs_cpu(8, 133, 200, GemmOut::kBF16, true, cfg, rng);
+    check_vs_cpu(5, 70, 264, GemmOut::kF32, true, cfg, rng);
+  }
+  // The largest k the guard accepts, a wide n, one config each.
+  check_vs_cpu(2, 24, cuda::kSkinnyMaxK, GemmOut::kBF16, false, {1, 8, 4}, rng);
+  check_vs_cpu(16, 1000, 1024, GemmOut::kF32, false, {4, 4, 4}, rng);
+}
+
+// ulp of a bf16 value of magnitude a (8 significant bits).
+double bf16_ulp(double a) {
+  if (a < 1e-30) return 0;
+  return std::ldexp(1.0, int(std::floor(std::log2(a))) - 7);
+}
+
+struct Op {
+  const char* name;
+  int n, k;
+  bool f32;
+};
+const Op kOps27b[] = {{"gdn_in", 16480, 5120, false},   {"gdn_out", 5120, 6144, false},
+                      {"attn_qkv", 14336, 5120, false}, {"attn_o", 5120, 6144, false},
+                      {"gate_up", 34816, 5120, false},  {"down", 5120, 17408, false},
+                      {"lm_head", 248320, 5120, true}};
+
+// A device pool of random bf16 big enough for the largest weight: 64 Mi
+// host-random values uploaded with different shifts (cheap to make; rows never
+// repeat with the row length's period).
+struct Pool {
+  DevBuf<bf> buf;
+  explicit Pool(size_t n, std::mt19937& rng, float scale) : buf(n) {
+    const size_t chunk = size_t(64) << 20;
+    auto src = test::random_bf16(chunk + 4096, rng, scale);
+    for (size_t off = 0, i = 0; off < n; off += chunk, ++i) {
+      const size_t len = std::min(chunk, n - off);
+      DS_CUDA_CHECK(cudaMemcpy(buf.ptr + off, src.data() + (i * 997) % 4096, len * 2,
+                               cudaMemcpyHostToDevice));
+    }
+  }
+};
+
+TEST(CudaGemv, Shapes27bMatchCublasLt) {
+  DS_REQUIRE_GPU();
+  int dev = 0, major = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  DS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  if (major != 9) GTEST_SKIP() << "the skinny kernel is guarded to sm 90";
+  std::mt19937 rng(5);
+  Pool wpool(size_t(248320) * 5120, rng, 0.02f);
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  cuda::GemmEngine fast, ref;
+  fast.set_dispatch(&reg);
+  for (const Op& o : kOps27b) {
+    for (int m : {1, 4, 16}) {
+      ASSERT_EQ(fast.variant(m, o.n, o.k), "skinny_mma") << o.name;
+      auto x = test::random_bf16(size_t(m) * o.k, rng);
+      DevBuf<bf> dx(x);
+      const size_t es = o.f32 ? 4 : 2, cnt = size_t(m) * o.n;
+      DevBuf<char> y1(cnt * es), y2(cnt * es);
+      y1.poison();
+      y2.poison();
+      const GemmOut out = o.f32 ? GemmOut::kF32 : GemmOut::kBF16;
+      fast.run(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, out, 0);
+      ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, out, 0);
+      DS_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto a = download_out(y1, cnt, o.f32), b = download_out(y2, cnt, o.f32);
+      if (o.f32) {
+        const double e = test::norm_err(a, b);
+        EXPECT_LT(e, 1e-4) << o.name << " m " << m;
+        std::printf("  %-8s m=%-2d f32 out: relative L2 vs cuBLASLt %.2e\n", o.name, m, e);
+      } else {
+        double ymax = 0;
+        for (float v : b) ymax = std::max(ymax, double(std::fabs(v)));
+        size_t bad = 0, first_bad = 0, over_half = 0;
+        double worst = 0;
+        for (size_t i = 0; i < cnt; ++i) {
+          const double d = std::fabs(double(a[i]) - b[i]);
+          const double tol =
+              std::max(bf16_ulp(std::max(std::fabs(a[i]), std::fabs(b[i]))), 1e-3 * ymax);
+          if (!(d <= tol)) {
+            if (!bad) first_bad = i;
+            ++bad;
+          }
+          if (d > 0) ++over_half;
+          worst = std::max(worst, d / std::max(tol, 1e-30));
+        }
+        EXPECT_EQ(bad, 0u) << o.name << " m " << m << ": first at " << first_bad << " ("
+                           << a[first_bad] << " vs " << b[first_bad] << ")";
+        std::printf(
+            "  %-8s m=%-2d bf16 out: %zu of %zu differ from cuBLASLt "
+            "(all within %.2f of "
+            "the tolerance), max |y| %.3g\n",
+            o.name, m, over_half, cnt, worst, ymax);
+      }
+    }
+  }
+}
+
+TEST(CudaGemv, BatchInvariant) {
+  DS_REQUIRE_GPU();
+  std::mt19937 rng(9);
+  for (auto [n, k] : {std::pair{5120, 6144}, std::pair{16480, 5120}, std::pair{300, 5128}}) {
+    auto x = test::random_bf16(size_t(16) * k, rng), w = test::random_bf16(size_t(n) * k, rng);
+    DevBuf<bf> dx(x), dw(w);
+    DevBuf<char> y16(size_t(16) * n * 2), y1(size_t(n) * 2);
+    cuda::launch_skinny_gemm(B(dx), B(dw), y16.ptr, 16, n, k, GemmOut::kBF16, false,
+                             cuda::skinny_gemm_config(16, n, k, 132), 0);
+    const auto a = y16.download();
+    for (int i : {0, 7, 8, 15}) {
+      cuda::launch_skinny_gemm(B(dx, size_t(i) * k), B(dw), y1.ptr, 1, n, k, GemmOut::kBF16, false,
+                               cuda::skinny_gemm_config(1, n, k, 132), 0);
+      const auto b = y1.download();
+      EXPECT_EQ(std::memcmp(a.data() + size_t(i) * n * 2, b.data(), size_t(n) * 2), 0)
+          << "token " << i << " n " << n << " k " << k;
+    }
+  }
+}
+
+TEST(CudaGemv, GuardAndErrors) {
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  using F = cuda::KernelFamily;
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 248320, 5120)).name, "skinny_mma");
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(16, 5120, 17408)).name, "skinny_mma");
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(17, 5120, 17408)).name, "cublaslt");
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17412)).name,
+            "cublaslt");  // k % 8
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 65536)).name,
+            "cublaslt");  // k too large
+  auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
+  EXPECT_EQ(r80.select(F::kGemm, r80.key(1, 5120, 5120)).name, "cublaslt");
+  auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.skinny_mma");
+  EXPECT_EQ(off.select(F::kGemm, off.key(1, 5120, 5120)).name, "cublaslt");
+  DS_REQUIRE_GPU();
+  DevBuf<bf> x(64), w(64 * 64);
+  DevBuf<char> y(64 * 64 * 4);
+  const SkinnyConfig c;
+  EXPECT_THROW(
+      cuda::launch_skinny_gemm(B(x, 1), B(w), y.ptr, 1, 8, 16, GemmOut::kBF16, false, c, 0),
+      Error);  // x not 16-byte aligned
+  EXPECT_THROW(cuda::launch_skinny_gemm(B(x), B(w), y.ptr, 17, 8, 16, GemmOut::kBF16, false, c, 0),
+               Error);
+  EXPECT_THROW(cuda::launch_skinny_gemm(B(x), B(w), y.ptr, 1, 8, 12, GemmOut::kBF16, false, c, 0),
+               Error);
+  EXPECT_THROW(
+      cuda::launch_skinny_gemm(B(x), B(w), y.ptr, 1, 8, 16, GemmOut::kBF16, false, {3, 4, 4}, 0),
+      Error);  // not compiled
+  // Through GemmEngine with the registry: the skinny path makes no cuBLASLt
+  // plan.
+  auto reg2 = cuda::DispatchRegistry::with_defaults(90, "");
+  cuda::GemmEngine g;
+  g.set_dispatch(&reg2);
+  std::mt19937 rng(3);
+  auto hx = test::random_bf16(64, rng), hw = test::random_bf16(64 * 64, rng);
+  DevBuf<bf> dx(hx), dw(hw);
+  DevBuf<char> y1(17 * 8 * 2);
+  g.run(B(dx), B(dw), y1.ptr, 1, 8, 16, GemmOut::kBF16, 0);
+  EXPECT_EQ(g.late_plans(), 0);
+  g.run(B(dx), B(dw), y1.ptr, 17, 8, 1, GemmOut::kBF16, 0);  // k = 1: cuBLASLt
+  EXPECT_EQ(g.late_plans(), 1);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// ---- optional sweep (DS_GEMV_SWEEP=1): every config on every decode shape,
+// and cuBLASLt ----
+double time_us(const std::function<void(int)>& launch, int rot) {
+  cudaEvent_t a, b;
+  DS_CUDA_CHECK(cudaEventCreate(&a));
+  DS_CUDA_CHECK(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) launch(i % rot);
+  std::vector<float> ts;
+  const int reps = std::max(8, rot);
+  for (int s = 0; s < 7; ++s) {
+    DS_CUDA_CHECK(cudaEventRecord(a, 0));
+    for (int i = 0; i < reps; ++i) launch(i % rot);
+    DS_CUDA_CHECK(cudaEventRecord(b, 0));
+    DS_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    DS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    ts.push_back(ms * 1e3f / reps);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
+
+TEST(CudaGemv, Sweep) {
+  const char* e = std::getenv("DS_GEMV_SWEEP");
+  if (!e || std::string(e) != "1") GTEST_SKIP() << "set DS_GEMV_SWEEP=1 to time every config";
+  DS_REQUIRE_GPU();
+  int dev = 0, n_sms = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
+  std::mt19937 rng(21);
+  const size_t pool_elems = size_t(248320) * 5120;  // 2.5 GB: every shape rotates through it
+  Pool wpool(pool_elems, rng, 0.02f);
+  auto xs = test::random_bf16(size_t(16) * 17408, rng);
+  DevBuf<bf> dx(xs);
+  DevBuf<char> y(size_t(16) * 248320 * 4);
+  cuda::GemmEngine ref;
+  std::printf(
+      "SWEEP shape m | cublaslt us TB/s | picked cfg us TB/s | best "
+      "cfg us TB/s | all\n");
+  double sum_ref[3] = {0, 0, 0}, sum_pick[3] = {0, 0, 0}, sum_best[3] = {0, 0, 0};
+  const int mult[] = {48, 48, 16, 16, 64, 64, 1};
+  int oi = 0;
+  for (const Op& o : kOps27b) {
+    const size_t welems = size_t(o.n) * o.k;
+    const int rot = int(std::max<size_t>(1, std::min<size_t>(pool_elems / welems, 16)));
+    const GemmOut out = o.f32 ? GemmOut::kF32 : GemmOut::kBF16;
+    int mi = 0;
+    for (int m : {1, 4, 16}) {
+      const double bytes = 2.0 * welems + 2.0 * m * o.k + (o.f32 ? 4.0 : 2.0) * m * o.n;
+      ref.prepare(m, o.n, o.k, out);
+      const double t_ref = time_us(
+          [&](int i) { ref.run(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, out, 0); },
+          rot);
+      const SkinnyConfig pick = cuda::skinny_gemm_config(m, o.n, o.k, n_sms);
+      double t_pick = 0, t_best = 1e30;
+      std::string best, all;
+      for (const SkinnyConfig& c : cuda::skinny_gemm_configs()) {
+        const double t = time_us(
+            [&](int i) {
+              cuda::launch_skinny_gemm(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, out,
+                                       false, c, 0);
+            },
+            rot);
+        if (c.name() == pick.name()) t_pick = t;
+        if (t < t_best) t_best = t, best = c.name();
+        char buf[64];
+        std::snprintf(buf, sizeof buf, " %s:%.1f", c.name().c_str(), t);
+        all += buf;
+      }
+      std::printf(
+          "SWEEP %-8s m=%-2d | %8.2f %5.2f | %s %8.2f %5.2f | %s %8.2f "
+          "%5.2f |%s\n",
+          o.name, m, t_ref, bytes / t_ref * 1e-6, pick.name().c_str(), t_pick,
+          bytes / t_pick * 1e-6, best.c_str(), t_best, bytes / t_best * 1e-6, all.c_str());
+      sum_ref[mi] += mult[oi] * t_ref;
+      sum_pick[mi] += mult[oi] * t_pick;
+      sum_best[mi] += mult[oi] * t_best;
+      ++mi;
+    }
+    ++oi;
+  }
+  for (int mi = 0; mi < 3; ++mi)
+    std::printf(
+        "SWEEP 27B decode step GEMMs m=%d: cublaslt %.3f ms, picked "
+        "%.3f ms, best %.3f ms\n",
+        mi == 0   ? 1
+        : mi == 1 ? 4
+                  : 16,
+        sum_ref[mi] * 1e-3, sum_pick[mi] * 1e-3, sum_best[mi] * 1e-3);
+}
+
+}  // namespace
+}  // namespace ds
