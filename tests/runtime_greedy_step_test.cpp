@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <thread>
 
 #include "model/weights.h"
 #include "runtime/cpu_backend.h"
@@ -184,34 +185,47 @@ TEST(EngineGreedy, TokenRowsGiveTheHostSamplersTokens) {
   BackendOptions bo;
   bo.n_slots = 4;
   bo.chunk_size = 64;
-  auto run_all = [&](bool device_greedy, std::pair<int, int>* counts) {
+  GenerationRequest lp = greedy_request(2, 6);  // logprobs: the row must come to the host
+  lp.top_logprobs = 2;
+  GenerationRequest pen = greedy_request(3, 8);  // penalties act on the host logits
+  pen.sampling.repetition_penalty = 1.3f;
+  const std::vector<GenerationRequest> reqs = {greedy_request(1, 12), lp, pen,
+                                               greedy_request(4, 9)};
+  // One request at a time, or all at once (rows with and without tokens mixed in each step).
+  auto run_all = [&](bool device_greedy, bool together, std::pair<int, int>* counts) {
     auto rec = std::make_unique<RecordingBackend>(std::make_unique<CpuBackend>(w, bo));
     RecordingBackend* r = rec.get();
     Engine eng(std::move(rec), nullptr, engine_options(device_greedy));
-    std::vector<std::vector<int32_t>> outs;
-    outs.push_back(run_request(eng, greedy_request(1, 12)));
-    GenerationRequest lp = greedy_request(2, 6);  // logprobs: the row must come to the host
-    lp.top_logprobs = 2;
-    std::vector<GeneratedToken> lp_toks;
-    outs.push_back(run_request(eng, lp, nullptr, nullptr, &lp_toks));
-    EXPECT_EQ(lp_toks.size(), 6u);
-    for (const GeneratedToken& g : lp_toks) {
+    std::vector<std::vector<int32_t>> outs(reqs.size());
+    std::vector<std::vector<GeneratedToken>> toks(reqs.size());
+    if (together) {
+      std::vector<std::thread> th;
+      for (size_t i = 0; i < reqs.size(); ++i)
+        th.emplace_back(
+            [&, i] { outs[i] = run_request(eng, reqs[i], nullptr, nullptr, &toks[i]); });
+      for (auto& t : th) t.join();
+    } else {
+      for (size_t i = 0; i < reqs.size(); ++i)
+        outs[i] = run_request(eng, reqs[i], nullptr, nullptr, &toks[i]);
+    }
+    EXPECT_EQ(toks[1].size(), 6u);
+    for (const GeneratedToken& g : toks[1]) {
       EXPECT_EQ(g.top.size(), 2u);
       EXPECT_LT(g.logprob, 0.f);
       if (!g.top.empty()) {
         EXPECT_EQ(g.top[0].token, g.id);  // greedy: the most probable
       }
     }
-    GenerationRequest pen = greedy_request(3, 8);  // penalties act on the host logits
-    pen.sampling.repetition_penalty = 1.3f;
-    outs.push_back(run_request(eng, pen));
     *counts = r->counts();
     return outs;
   };
-  std::pair<int, int> on{}, off{};
-  const auto got = run_all(true, &on);
-  const auto ref = run_all(false, &off);
+  std::pair<int, int> on{}, off{}, both{}, both_off{};
+  const auto got = run_all(true, false, &on);
+  const auto ref = run_all(false, false, &off);
   EXPECT_EQ(got, ref);
+  EXPECT_EQ(run_all(true, true, &both), ref);
+  EXPECT_EQ(run_all(false, true, &both_off), ref);
+  EXPECT_GT(both.second, 0);
   for (const auto& o : got) EXPECT_FALSE(o.empty());
   EXPECT_EQ(off.second, 0) << "device_greedy off: every row goes to the host";
   EXPECT_GT(on.second, 0);

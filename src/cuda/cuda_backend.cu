@@ -3,13 +3,17 @@
 // bottom: per layer one branch on its type (GDN or gated attention), one line per op.
 #include <algorithm>
 #include <chrono>
+#include <compare>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <set>
 #include <sstream>
 #include <vector>
 
 #include "core/bf16.h"
+#include "cuda/argmax.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_common.h"
 #include "cuda/dispatch.h"
@@ -29,7 +33,12 @@ using cuda::KernelFamily;
 constexpr const char* kQwen35_27bConfig =
     R"({"architectures":["Qwen3_5ForCausalLM"],"model_type":"qwen3_5_text","dtype":"bfloat16","hidden_size":5120,"num_hidden_layers":64,"intermediate_size":17408,"vocab_size":248320,"num_attention_heads":24,"num_key_value_heads":4,"head_dim":256,"attn_output_gate":true,"linear_num_key_heads":16,"linear_num_value_heads":48,"linear_key_head_dim":128,"linear_value_head_dim":128,"linear_conv_kernel_dim":4,"full_attention_interval":4,"layer_types":["linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention","linear_attention","linear_attention","linear_attention","full_attention"],"rms_norm_eps":1e-06,"hidden_act":"silu","attention_bias":false,"tie_word_embeddings":false,"max_position_embeddings":262144,"eos_token_id":248044,"rope_parameters":{"rope_type":"default","rope_theta":10000000,"partial_rotary_factor":0.25,"mrope_section":[11,11,10],"mrope_interleaved":true}})";
 
-constexpr int kMaxDecodeSplits = 64;
+constexpr int kMaxDecodeSplits = 64;  // splits the decode plan aims at (bucket bottom)
+constexpr int kMaxGraphSplits = 2 * kMaxDecodeSplits;  // splits at the bucket top (workspace)
+// Device memory one captured decode graph is assumed to take (~900 kernel nodes and their
+// parameters after cudaGraphUpload); the reserve keeps max_cuda_graphs of these and the cache
+// evicts by the measured sizes. Measured on the H200: see docs/GPU.md.
+constexpr int64_t kGraphBytesEstimate = int64_t(4) << 20;
 constexpr size_t kGemmWorkspace = size_t(64) << 20;
 constexpr size_t kStagingBytes = size_t(64) << 20;  // per pinned staging buffer (2 of them)
 
@@ -160,6 +169,18 @@ class CudaBackend final : public Backend {
   void reset_slot(int slot) override;
   MemoryUsage memory() const override;
   void step(std::span<const SeqWork> work, std::vector<float>& logits) override;
+  void step_greedy(std::span<const SeqWork> work, StepOutput& out) override;
+
+  CudaGraphStats graph_stats() const {
+    CudaGraphStats s = gstats_;
+    s.enabled = graphs_on_;
+    s.cached = static_cast<int>(graphs_.size());
+    return s;
+  }
+  void set_graphs(bool on) {
+    if (!on) clear_graphs();
+    graphs_on_ = on;
+  }
 
  private:
   struct Piece {
@@ -173,8 +194,52 @@ class CudaBackend final : public Backend {
     DS_CHECK(slot >= 0 && slot < n_slots_, "slot ", slot, " out of range [0, ", n_slots_, ")");
   }
   int blocks_for(int tokens) const { return (tokens + page_size_ - 1) / page_size_; }
+  // The split-KV decode grid for a bucket of max kv lengths (see decode_kv_plan()).
+  struct DecodeKvPlan {
+    int bucket = 0;  // power of two >= every kv_len of the step (the grid's bound)
+    int kv_chunk = 0, n_splits = 0;
+  };
+  // Pointers into one metadata block (host mirror or device) laid out for T tokens, S pieces.
+  struct StepMeta {
+    int32_t *tokens = nullptr, *positions = nullptr, *slot_map = nullptr, *gather = nullptr;
+    int32_t *q_start = nullptr, *q_len = nullptr, *kv_len = nullptr, *seq_pos = nullptr;
+    int32_t *slot_ids = nullptr, *cu = nullptr, *cu_p = nullptr, *btab = nullptr;
+    size_t n_ints = 0;
+  };
+  // Every host decision of one forward, made before the first launch.
+  struct FwdPlan {
+    int T = 0, S = 0, S_d = 0, S_p = 0;  // tokens, pieces, decode pieces, prompt pieces
+    int max_q = 0, max_kv = 0, max_kv_d = 0, max_q_p = 0, max_kv_p = 0;
+    int n_gather = 0;     // hidden rows that go through lm_head
+    bool argmax = false;  // some gathered rows want only their argmax
+    bool attn_split_kv = false, gdn_fused_decode = false;
+    DecodeKvPlan kv;
+    StepMeta d;  // device metadata
+  };
+  struct GraphKey {
+    int n_seqs = 0, kv_bucket = 0;
+    bool argmax = false;
+    auto operator<=>(const GraphKey&) const = default;
+  };
+  struct GraphEntry {
+    cudaGraphExec_t exec = nullptr;
+    uint64_t last_used = 0;
+    int64_t bytes = 0;
+  };
+
+  void run_step(std::span<const SeqWork> work, std::vector<float>& logits,
+                std::vector<int32_t>* tokens);
   void forward(std::span<const SeqWork> work, const std::vector<Piece>& pieces,
-               const std::vector<int64_t>& row_base, std::vector<float>& logits);
+               const std::vector<int64_t>& row_base, std::vector<float>& logits,
+               std::vector<int32_t>* tokens);
+  DecodeKvPlan decode_kv_plan(int n_seqs, int max_kv_len) const;
+  StepMeta meta_layout(int32_t* base, int T, int S) const;
+  void enqueue_layers(const FwdPlan& f);
+  void enqueue_head(const FwdPlan& f, int r0, int r);
+  bool run_graph(const FwdPlan& f);
+  void graph_failed(const char* what, const std::string& why);
+  void destroy_graph(std::map<GraphKey, GraphEntry>::iterator it);
+  void clear_graphs();
   cuda::GdnStatePool gdn_pool(int ll) const {
     cuda::GdnStatePool p;
     const int64_t conv_slot = 4 * int64_t(cfg_.gdn_qkv_dim());
@@ -219,6 +284,15 @@ class CudaBackend final : public Backend {
   int32_t* dmeta_ = nullptr;  // device metadata
   int32_t* hmeta_ = nullptr;  // pinned mirror
   size_t meta_ints_ = 0;
+  int32_t* dtok_ = nullptr;  // [logits_rows] argmax of the lm_head rows
+  int32_t* htok_ = nullptr;  // [logits_rows] pinned mirror
+
+  // Decode graphs.
+  bool graphs_on_ = true;
+  std::map<GraphKey, GraphEntry> graphs_;
+  std::set<GraphKey> warm_keys_;  // keys that ran eagerly once: captured on the next use
+  uint64_t graph_clock_ = 0;
+  CudaGraphStats gstats_;
 
   // Host block manager.
   std::vector<int> free_blocks_;
@@ -279,7 +353,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   const int logit_rows = eopt_.logits_rows;
   gdn_ws_bytes_ = n_lin ? cuda::gdn_prefill_workspace_bytes(gdn_, chunk_size_, n_slots_) : 0;
   const size_t attn_ws =
-      n_full ? cuda::attention_decode_workspace_bytes(attn_, n_slots_, kMaxDecodeSplits) : 0;
+      n_full ? cuda::attention_decode_workspace_bytes(attn_, n_slots_, kMaxGraphSplits) : 0;
   const int64_t conv_slot = 4 * int64_t(cfg_.gdn_qkv_dim());
   const int64_t rec_slot = int64_t(cfg_.n_v_heads) * cfg_.d_v * cfg_.d_k;
   layout_.gdn_state_bytes = int64_t(n_lin) * n_slots_ * (conv_slot * 2 + rec_slot * 4);
@@ -294,6 +368,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
     act_ = b.take<bf16>(T * cfg_.d_ff);
     lrows_ = b.take<bf16>(int64_t(logit_rows) * d);
     dlogits_ = b.take<float>(int64_t(logit_rows) * cfg_.vocab_size);
+    dtok_ = b.take<int32_t>(logit_rows);
     gdn_ws_ = b.take<char>(static_cast<int64_t>(gdn_ws_bytes_));
     attn_ws_ = b.take<char>(static_cast<int64_t>(attn_ws));
   };
@@ -309,7 +384,15 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   const int64_t budget = std::min<int64_t>(static_cast<int64_t>(free_b),
                                            static_cast<int64_t>(eopt_.memory_fraction * total_b));
-  layout_.reserve_bytes = std::max<int64_t>(int64_t(1) << 30, static_cast<int64_t>(total_b) / 50);
+  graphs_on_ = eopt_.cuda_graphs;
+  if (const char* env = std::getenv("DS_CUDA_GRAPHS")) {
+    const std::string v = env;
+    if (v == "0" || v == "off" || v == "false") graphs_on_ = false;
+  }
+  // Kept whether graphs are on or not, so that both modes get the same KV pool.
+  layout_.graph_bytes = std::max(0, eopt_.max_cuda_graphs) * kGraphBytesEstimate;
+  layout_.reserve_bytes =
+      std::max<int64_t>(int64_t(1) << 30, static_cast<int64_t>(total_b) / 50) + layout_.graph_bytes;
   const int64_t fixed = layout_.weight_bytes + layout_.gdn_state_bytes + layout_.activation_bytes +
                         layout_.workspace_bytes + layout_.reserve_bytes;
   if (fixed > budget) {
@@ -362,6 +445,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
       4 * size_t(T) + 8 * size_t(n_slots_) + 2 + size_t(n_slots_) * layout_.max_blocks_per_seq;
   DS_CUDA_CHECK(cudaMalloc(&dmeta_, meta_ints_ * sizeof(int32_t)));
   DS_CUDA_CHECK(cudaMallocHost(&hmeta_, meta_ints_ * sizeof(int32_t)));
+  DS_CUDA_CHECK(cudaMallocHost(&htok_, size_t(logit_rows) * sizeof(int32_t)));
 
   // Block manager: every block free; lowest ids handed out first.
   free_blocks_.resize(n_blocks);
@@ -388,11 +472,16 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
                  n_sms_, format_bytes(total_b).c_str(), format_bytes(free_b).c_str(),
                  layout_.to_text().c_str());
     std::fprintf(stderr, "cuda engine: kernel dispatch table\n%s", dispatch_.list().c_str());
+    std::fprintf(stderr,
+                 "cuda engine: decode CUDA graphs %s (at most %d, %s kept in the reserve)\n",
+                 graphs_on_ ? "on" : "off ($DS_CUDA_GRAPHS / option)", eopt_.max_cuda_graphs,
+                 format_bytes(layout_.graph_bytes).c_str());
   }
 }
 
 CudaBackend::~CudaBackend() {
   if (stream_) cudaStreamSynchronize(stream_);
+  clear_graphs();
   gemm_.reset();
   cudaFree(weight_mem_);
   cudaFree(kv_mem_);
@@ -400,6 +489,7 @@ CudaBackend::~CudaBackend() {
   cudaFree(act_mem_);
   cudaFree(dmeta_);
   cudaFreeHost(hmeta_);
+  cudaFreeHost(htok_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -557,6 +647,15 @@ MemoryUsage CudaBackend::memory() const {
 }
 
 void CudaBackend::step(std::span<const SeqWork> work, std::vector<float>& logits) {
+  run_step(work, logits, nullptr);
+}
+
+void CudaBackend::step_greedy(std::span<const SeqWork> work, StepOutput& out) {
+  run_step(work, out.logits, &out.tokens);
+}
+
+void CudaBackend::run_step(std::span<const SeqWork> work, std::vector<float>& logits,
+                           std::vector<int32_t>* tokens) {
   // Validate everything before touching any state.
   std::vector<char> seen(n_slots_, 0);
   int64_t need_blocks = 0, total_rows = 0;
@@ -576,13 +675,19 @@ void CudaBackend::step(std::span<const SeqWork> work, std::vector<float>& logits
     if (layout_.kv_block_bytes > 0)
       need_blocks += std::max<int64_t>(
           0, blocks_for(static_cast<int>(len)) - int64_t(slot_blocks_[w.slot].size()));
-    row_base[i] = total_rows;
-    total_rows += w.all_logits ? int64_t(w.tokens.size()) : 1;
+    if (tokens && w.greedy && !w.all_logits) {
+      row_base[i] = -1;  // the token only
+    } else {
+      row_base[i] = total_rows;
+      total_rows += w.all_logits ? int64_t(w.tokens.size()) : 1;
+    }
   }
   DS_CHECK(need_blocks <= static_cast<int64_t>(free_blocks_.size()), "step: the KV pool is full (",
            need_blocks, " blocks of ", page_size_, " tokens needed, ", free_blocks_.size(),
            " free of ", layout_.n_kv_blocks, ")");
-  logits.assign(static_cast<size_t>(total_rows) * cfg_.vocab_size, 0.f);
+  // Every row is written below: no clearing (1 MB per row at a 248K vocabulary).
+  logits.resize(static_cast<size_t>(total_rows) * cfg_.vocab_size);
+  if (tokens) tokens->assign(work.size(), -1);
 
   // Chunked execution: each forward takes at most chunk_size tokens in all.
   std::vector<int> done(work.size(), 0);
@@ -597,34 +702,70 @@ void CudaBackend::step(std::span<const SeqWork> work, std::vector<float>& logits
       budget -= n;
     }
     if (pieces.empty()) break;
-    forward(work, pieces, row_base, logits);
+    forward(work, pieces, row_base, logits, tokens);
     for (const Piece& p : pieces) done[p.item] += p.n;
   }
 }
 
+CudaBackend::DecodeKvPlan CudaBackend::decode_kv_plan(int n_seqs, int max_kv_len) const {
+  // The grid is sized for the bucket's top (splits past a sequence's kv_len write empty
+  // partials) and the chunk for its bottom, so a step anywhere in the bucket fills the GPU.
+  DecodeKvPlan p;
+  p.bucket = 64;
+  while (p.bucket < max_kv_len) p.bucket *= 2;
+  const int lo = std::max(64, p.bucket / 2);
+  p.kv_chunk =
+      cuda::attention_decode_kv_chunk(n_seqs, cfg_.n_kv_heads, lo, n_sms_, kMaxDecodeSplits);
+  p.n_splits = (p.bucket + p.kv_chunk - 1) / p.kv_chunk;
+  DS_CHECK(p.n_splits <= kMaxGraphSplits, "cuda engine: decode plan of ", p.n_splits,
+           " splits for ", max_kv_len, " tokens exceeds the workspace (", kMaxGraphSplits, ")");
+  return p;
+}
+
+CudaBackend::StepMeta CudaBackend::meta_layout(int32_t* base, int T, int S) const {
+  const int MB = layout_.max_blocks_per_seq;
+  StepMeta m;
+  m.tokens = base;
+  m.positions = base + T;
+  m.slot_map = base + 2 * T;
+  m.gather = base + 3 * T;
+  m.q_start = base + 4 * T;
+  m.q_len = m.q_start + S;
+  m.kv_len = m.q_len + S;
+  m.seq_pos = m.kv_len + S;
+  m.slot_ids = m.seq_pos + S;
+  m.cu = m.slot_ids + S;    // [S + 1]
+  m.cu_p = m.cu + S + 1;    // [S_p + 1] offsets of the prompt pieces, from their first token
+  m.btab = m.cu_p + S + 1;  // [S, MB]
+  m.n_ints = 4 * size_t(T) + 7 * size_t(S) + 2 + size_t(S) * MB;
+  return m;
+}
+
 void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece>& pieces_in,
-                          const std::vector<int64_t>& row_base, std::vector<float>& logits) {
+                          const std::vector<int64_t>& row_base, std::vector<float>& logits,
+                          std::vector<int32_t>* tokens) {
   const ModelConfig& c = cfg_;
   // Decode pieces (one token of a running sequence) first: they take the decode kernels, the
   // rest (prompt chunks) the prompt kernels, in the same forward.
   std::vector<Piece> pieces = pieces_in;
   auto is_decode = [](const Piece& p) { return p.n == 1 && p.pos0 > 0; };
   std::stable_partition(pieces.begin(), pieces.end(), is_decode);
-  const int S = static_cast<int>(pieces.size());
-  int T = 0, S_d = 0, max_q = 0, max_kv = 0, max_kv_d = 0, max_q_p = 0, max_kv_p = 0;
+  FwdPlan f;
+  f.S = static_cast<int>(pieces.size());
   for (const Piece& p : pieces) {
-    T += p.n;
-    max_q = std::max(max_q, p.n);
-    max_kv = std::max(max_kv, p.pos0 + p.n);
+    f.T += p.n;
+    f.max_q = std::max(f.max_q, p.n);
+    f.max_kv = std::max(f.max_kv, p.pos0 + p.n);
     if (is_decode(p)) {
-      ++S_d;
-      max_kv_d = std::max(max_kv_d, p.pos0 + 1);
+      ++f.S_d;
+      f.max_kv_d = std::max(f.max_kv_d, p.pos0 + 1);
     } else {
-      max_q_p = std::max(max_q_p, p.n);
-      max_kv_p = std::max(max_kv_p, p.pos0 + p.n);
+      f.max_q_p = std::max(f.max_q_p, p.n);
+      f.max_kv_p = std::max(f.max_kv_p, p.pos0 + p.n);
     }
   }
-  const int S_p = S - S_d;
+  f.S_p = f.S - f.S_d;
+  const int T = f.T, S = f.S;
   // KV blocks for the new tokens (validated in step()).
   if (layout_.kv_block_bytes > 0) {
     for (const Piece& p : pieces) {
@@ -636,94 +777,124 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     }
   }
 
-  // Step metadata, one host->device copy.
+  // Step metadata, one host->device copy. The layout depends on (T, S) only, so a graph captured
+  // for a decode batch of S finds its arrays at the same device addresses on every replay.
   const int MB = layout_.max_blocks_per_seq;
-  int32_t* m = hmeta_;
-  int32_t *tokens = m, *positions = m + T, *slot_map = m + 2 * T, *gather = m + 3 * T;
-  int32_t* q_start = m + 4 * T;
-  int32_t *q_len = q_start + S, *kv_len = q_len + S, *seq_pos = kv_len + S, *slot_ids = seq_pos + S;
-  int32_t* cu = slot_ids + S;    // [S + 1]
-  int32_t* cu_p = cu + S + 1;    // [S_p + 1] offsets of the prompt pieces, from their first token
-  int32_t* btab = cu_p + S + 1;  // [S, MB]
-  std::vector<int64_t> out_row;  // logits row of each gathered hidden row
-  int n_gather = 0;
+  const StepMeta h = meta_layout(hmeta_, T, S);
+  f.d = meta_layout(dmeta_, T, S);
+  std::vector<int64_t> out_row;  // per gathered hidden row: its logits row, or -1 - item (token)
   int t = 0;
   for (int i = 0; i < S; ++i) {
     const Piece& p = pieces[i];
     const SeqWork& w = work[p.item];
-    q_start[i] = t;
-    cu[i] = t;
-    q_len[i] = p.n;
-    kv_len[i] = p.pos0 + p.n;
-    seq_pos[i] = p.pos0;
-    slot_ids[i] = p.slot;
+    h.q_start[i] = t;
+    h.cu[i] = t;
+    h.q_len[i] = p.n;
+    h.kv_len[i] = p.pos0 + p.n;
+    h.seq_pos[i] = p.pos0;
+    h.slot_ids[i] = p.slot;
     const auto& blocks = slot_blocks_[p.slot];
     for (int b = 0; b < MB; ++b)
-      btab[i * MB + b] = b < static_cast<int>(blocks.size()) ? blocks[b] : 0;
+      h.btab[i * MB + b] = b < static_cast<int>(blocks.size()) ? blocks[b] : 0;
     for (int j = 0; j < p.n; ++j, ++t) {
       const int pos = p.pos0 + j;
-      tokens[t] = w.tokens[p.offset + j];
-      positions[t] = pos;
-      slot_map[t] = layout_.kv_block_bytes > 0
-                        ? blocks[pos / page_size_] * page_size_ + pos % page_size_
-                        : -1;
+      h.tokens[t] = w.tokens[p.offset + j];
+      h.positions[t] = pos;
+      h.slot_map[t] = layout_.kv_block_bytes > 0
+                          ? blocks[pos / page_size_] * page_size_ + pos % page_size_
+                          : -1;
       const bool last_of_item = p.offset + j == static_cast<int>(w.tokens.size()) - 1;
       if (w.all_logits) {
-        gather[n_gather++] = t;
+        h.gather[f.n_gather++] = t;
         out_row.push_back(row_base[p.item] + p.offset + j);
       } else if (last_of_item) {
-        gather[n_gather++] = t;
-        out_row.push_back(row_base[p.item]);
+        h.gather[f.n_gather++] = t;
+        out_row.push_back(row_base[p.item] >= 0 ? row_base[p.item] : -1 - int64_t(p.item));
+        if (row_base[p.item] < 0) f.argmax = true;
       }
     }
   }
-  cu[S] = T;
-  for (int i = 0; i <= S_p; ++i) cu_p[i] = cu[S_d + i] - S_d;  // decode pieces hold 1 token each
-  const size_t n_meta = 4 * size_t(T) + 7 * size_t(S) + 2 + size_t(S) * MB;
-  // Compact: the arrays above were laid out for this T and S, so copy the used prefix.
+  h.cu[S] = T;
+  for (int i = 0; i <= f.S_p; ++i) h.cu_p[i] = h.cu[f.S_d + i] - f.S_d;  // decode pieces: 1 token
   DS_CUDA_CHECK(
-      cudaMemcpyAsync(dmeta_, hmeta_, n_meta * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
-  int32_t* d = dmeta_;
-  const int32_t *d_tokens = d, *d_positions = d + T, *d_slot_map = d + 2 * T, *d_gather = d + 3 * T;
-  const int32_t* d_q_start = d + 4 * T;
-  const int32_t *d_q_len = d_q_start + S, *d_kv_len = d_q_len + S, *d_seq_pos = d_kv_len + S,
-                *d_slot_ids = d_seq_pos + S, *d_cu = d_slot_ids + S, *d_cu_p = d_cu + S + 1,
-                *d_btab = d_cu_p + S + 1;
+      cudaMemcpyAsync(dmeta_, hmeta_, h.n_ints * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
 
+  // Host decisions for the kernels (all before any launch, so a graph can replay them).
+  const int group = c.n_heads / std::max(1, c.n_kv_heads);
+  if (f.S_d > 0) {
+    f.kv = decode_kv_plan(f.S_d, f.max_kv_d);
+    f.attn_split_kv =
+        dispatch_.picks(KernelFamily::kAttnDecode,
+                        dispatch_.key(c.head_dim, group, f.S_d, f.kv.bucket), "split_kv");
+    f.gdn_fused_decode =
+        dispatch_.picks(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, f.S_d), "fused");
+  }
+
+  // A decode-only forward replays its graph (or captures it); everything else runs eagerly.
+  const bool graphed = f.S_d == S && f.n_gather == S && S <= eopt_.logits_rows &&
+                       (f.attn_split_kv || c.n_full_layers() == 0) &&
+                       (f.gdn_fused_decode || c.n_linear_layers() == 0) && run_graph(f);
+  if (!graphed) enqueue_layers(f);
+
+  // ---- Outputs: logits rows to the host, greedy rows as token ids ----
+  const int V = c.vocab_size;
+  for (int r0 = 0; r0 < f.n_gather; r0 += eopt_.logits_rows) {
+    const int r = std::min(eopt_.logits_rows, f.n_gather - r0);
+    if (!graphed) enqueue_head(f, r0, r);
+    // Logits rows in runs that are contiguous on both sides, straight into the output.
+    for (int i = 0; i < r;) {
+      const int64_t dst = out_row[r0 + i];
+      if (dst < 0) {
+        ++i;
+        continue;
+      }
+      int n = 1;
+      while (i + n < r && out_row[r0 + i + n] == dst + n) ++n;
+      DS_CUDA_CHECK(cudaMemcpyAsync(logits.data() + dst * V, dlogits_ + size_t(i) * V,
+                                    size_t(n) * V * sizeof(float), cudaMemcpyDeviceToHost,
+                                    stream_));
+      i += n;
+    }
+    if (f.argmax)
+      DS_CUDA_CHECK(cudaMemcpyAsync(htok_, dtok_, size_t(r) * sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, stream_));
+    DS_CUDA_CHECK(cudaStreamSynchronize(stream_));  // also surfaces asynchronous kernel errors
+    if (f.argmax)
+      for (int i = 0; i < r; ++i)
+        if (out_row[r0 + i] < 0) (*tokens)[-1 - out_row[r0 + i]] = htok_[i];
+  }
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (const Piece& p : pieces) slot_len_[p.slot] = p.pos0 + p.n;
+}
+
+// The layers of a forward, from the embedding to the final norm: every launch reads only `f`
+// and fixed buffers, so the same sequence can be captured into a graph.
+void CudaBackend::enqueue_layers(const FwdPlan& f) {
+  const ModelConfig& c = cfg_;
+  const int T = f.T, S = f.S, S_d = f.S_d, S_p = f.S_p;
+  const int MB = layout_.max_blocks_per_seq;
+  const StepMeta& d = f.d;
   cuda::AttnBatch ab;
   ab.n_seqs = S;
-  ab.q_start = d_q_start;
-  ab.q_len = d_q_len;
-  ab.kv_len = d_kv_len;
-  ab.block_table = d_btab;
+  ab.q_start = d.q_start;
+  ab.q_len = d.q_len;
+  ab.kv_len = d.kv_len;
+  ab.block_table = d.btab;
   ab.block_table_stride = MB;
-  ab.max_q_len = max_q;
-  ab.max_kv_len = max_kv;
+  ab.max_q_len = f.max_q;
+  ab.max_kv_len = f.max_kv;
   // The decode pieces [0, S_d) and the prompt pieces [S_d, S) as separate batches.
   cuda::AttnBatch ab_d = ab, ab_p = ab;
   ab_d.n_seqs = S_d;
   ab_d.max_q_len = 1;
-  ab_d.max_kv_len = max_kv_d;
+  ab_d.max_kv_len = S_d > 0 ? f.kv.bucket : 0;  // the grid bound of the decode plan
   ab_p.n_seqs = S_p;
   ab_p.q_start += S_d;
   ab_p.q_len += S_d;
   ab_p.kv_len += S_d;
   ab_p.block_table += size_t(S_d) * MB;
-  ab_p.max_q_len = max_q_p;
-  ab_p.max_kv_len = max_kv_p;
-  const int group = c.n_heads / std::max(1, c.n_kv_heads);
-  const bool attn_split_kv =
-      S_d > 0 && dispatch_.picks(KernelFamily::kAttnDecode,
-                                 dispatch_.key(c.head_dim, group, S_d, max_kv_d), "split_kv");
-  const bool gdn_fused_decode =
-      S_d > 0 &&
-      dispatch_.picks(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, S_d), "fused");
-  int kv_chunk = 0, n_splits = 0;
-  if (attn_split_kv) {
-    kv_chunk =
-        cuda::attention_decode_kv_chunk(S_d, c.n_kv_heads, max_kv_d, n_sms_, kMaxDecodeSplits);
-    n_splits = (max_kv_d + kv_chunk - 1) / kv_chunk;
-  }
+  ab_p.max_q_len = f.max_q_p;
+  ab_p.max_kv_len = f.max_kv_p;
   cuda::AttnGate gate;
   if (attn_.gated) {
     gate.ptr = proj_ + c.head_dim;
@@ -736,8 +907,7 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     gemm_->run(x, wt, y, T, n, k, cuda::GemmOut::kBF16, stream_);
   };
 
-  // ---- The forward ----
-  cuda::launch_gather_rows(w_.embed, d_tokens, T, dm, h_, stream_);
+  cuda::launch_gather_rows(w_.embed, d.tokens, T, dm, h_, stream_);
   for (int il = 0; il < c.n_layers; ++il) {
     const DevLayer& L = w_.layers[il];
     // h += previous layer's MLP output; xn = input_layernorm(h)
@@ -746,16 +916,16 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     if (L.type == LayerType::kLinear) {
       gemm(xn_, L.gdn_in, proj_, c.gdn_in_dim(), dm);  // [qkv | z | b | a]
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
-      if (gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
-        cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d_seq_pos, d_slot_ids, S_d, mix_,
+      if (f.gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
+        cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d.seq_pos, d.slot_ids, S_d, mix_,
                                 stream_);
         if (S_p > 0)
           cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_ + size_t(S_d) * c.gdn_in_dim(),
-                                   d_cu_p, d_seq_pos + S_d, d_slot_ids + S_d, S_p, T - S_d, gdn_ws_,
+                                   d.cu_p, d.seq_pos + S_d, d.slot_ids + S_d, S_p, T - S_d, gdn_ws_,
                                    gdn_ws_bytes_, mix_ + size_t(S_d) * c.gdn_z_dim(), stream_,
                                    &dispatch_);
       } else {
-        cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_, d_cu, d_seq_pos, d_slot_ids, S, T,
+        cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_, d.cu, d.seq_pos, d.slot_ids, S, T,
                                  gdn_ws_, gdn_ws_bytes_, mix_, stream_, &dispatch_);
       }
       gemm(mix_, L.gdn_out, delta_, dm, c.gdn_z_dim());
@@ -765,11 +935,11 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
           layout_.n_kv_blocks * c.n_kv_heads * page_size_ * int64_t(c.head_dim);
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
       bf16* vc = kc + layer_elems;
-      cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d_positions, d_slot_map, T, q_,
+      cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d.positions, d.slot_map, T, q_,
                                    kc, vc, stream_);
-      if (attn_split_kv) {  // rows are absolute (q_start), so the two batches share q_ / mix_
-        cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, kv_chunk, n_splits, attn_ws_,
-                                      mix_, stream_);
+      if (f.attn_split_kv) {  // rows are absolute (q_start), so the two batches share q_ / mix_
+        cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, f.kv.kv_chunk, f.kv.n_splits,
+                                      attn_ws_, mix_, stream_);
         if (S_p > 0)
           cuda::launch_attention_prefill(attn_, ab_p, q_, kc, vc, gate, mix_, stream_, &dispatch_);
       } else {
@@ -784,24 +954,111 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     gemm(act_, L.down, delta_, dm, c.d_ff);
   }
   cuda::launch_add_rmsnorm(h_, delta_, w_.final_norm, T, dm, eps, 1.f, xn_, stream_);
+}
 
-  // ---- lm_head on the rows that need logits, in pieces ----
-  const int V = c.vocab_size;
-  std::vector<float> piece;
-  for (int r0 = 0; r0 < n_gather; r0 += eopt_.logits_rows) {
-    const int r = std::min(eopt_.logits_rows, n_gather - r0);
-    cuda::launch_gather_rows(xn_, d_gather + r0, r, dm, lrows_, stream_);
-    gemm_->run(lrows_, w_.lm_head, dlogits_, r, V, dm, cuda::GemmOut::kF32, stream_);
-    piece.resize(size_t(r) * V);
-    DS_CUDA_CHECK(cudaMemcpyAsync(piece.data(), dlogits_, piece.size() * sizeof(float),
-                                  cudaMemcpyDeviceToHost, stream_));
-    DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    for (int i = 0; i < r; ++i)
-      std::memcpy(logits.data() + out_row[r0 + i] * V, piece.data() + size_t(i) * V,
-                  V * sizeof(float));
+// lm_head on gathered rows [r0, r0 + r) into dlogits_ (fp32), and their argmax into dtok_ when
+// the step has greedy rows.
+void CudaBackend::enqueue_head(const FwdPlan& f, int r0, int r) {
+  const int V = cfg_.vocab_size, dm = cfg_.d_model;
+  cuda::launch_gather_rows(xn_, f.d.gather + r0, r, dm, lrows_, stream_);
+  gemm_->run(lrows_, w_.lm_head, dlogits_, r, V, dm, cuda::GemmOut::kF32, stream_);
+  if (f.argmax) cuda::launch_argmax_rows(dlogits_, r, V, dtok_, stream_);
+}
+
+// Replays (or captures, then replays) the graph of a decode-only forward: layers + lm_head (+
+// argmax). False: run it eagerly (graphs off, first use of the key, or a failure just now).
+bool CudaBackend::run_graph(const FwdPlan& f) {
+  if (!graphs_on_) {
+    ++gstats_.eager_decode;
+    return false;
   }
-  DS_CUDA_CHECK(cudaStreamSynchronize(stream_));  // also surfaces asynchronous kernel errors
-  for (const Piece& p : pieces) slot_len_[p.slot] = p.pos0 + p.n;
+  const GraphKey key{f.S, cfg_.n_full_layers() > 0 ? f.kv.bucket : 0, f.argmax};
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    if (warm_keys_.insert(key).second) {  // first use: eager, which loads every kernel
+      ++gstats_.eager_decode;
+      return false;
+    }
+    // Keep within the count and the memory kept for graphs: least recently used go first.
+    while (!graphs_.empty() && (static_cast<int>(graphs_.size()) >= eopt_.max_cuda_graphs ||
+                                gstats_.graph_bytes + kGraphBytesEstimate > layout_.graph_bytes)) {
+      auto lru = std::min_element(graphs_.begin(), graphs_.end(), [](const auto& a, const auto& b) {
+        return a.second.last_used < b.second.last_used;
+      });
+      destroy_graph(lru);
+      ++gstats_.evictions;
+    }
+    if (eopt_.max_cuda_graphs < 1) {
+      ++gstats_.eager_decode;
+      return false;
+    }
+    size_t free0 = 0, free1 = 0, total = 0;
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    try {
+      DS_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
+      DS_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      try {
+        enqueue_layers(f);
+        enqueue_head(f, 0, f.n_gather);
+      } catch (...) {
+        cudaStreamEndCapture(stream_, &g);  // leaves capture mode (the capture is invalid)
+        if (g) cudaGraphDestroy(g);
+        g = nullptr;
+        throw;
+      }
+      DS_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+      DS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+      DS_CUDA_CHECK(cudaGraphDestroy(g));
+      g = nullptr;
+      DS_CUDA_CHECK(cudaGraphUpload(exec, stream_));
+      DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      DS_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
+    } catch (const std::exception& e) {
+      if (g) cudaGraphDestroy(g);
+      if (exec) cudaGraphExecDestroy(exec);
+      graph_failed("capture", e.what());
+      return false;
+    }
+    GraphEntry entry;
+    entry.exec = exec;
+    entry.bytes = free0 > free1 ? static_cast<int64_t>(free0 - free1) : 0;
+    gstats_.graph_bytes += entry.bytes;
+    ++gstats_.captures;
+    it = graphs_.emplace(key, entry).first;
+  }
+  it->second.last_used = ++graph_clock_;
+  const cudaError_t err = cudaGraphLaunch(it->second.exec, stream_);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    graph_failed("launch", cudaGetErrorString(err));
+    return false;
+  }
+  ++gstats_.replays;
+  return true;
+}
+
+void CudaBackend::graph_failed(const char* what, const std::string& why) {
+  cudaGetLastError();  // the capture's error is not sticky: clear it for the eager run
+  ++gstats_.failures;
+  ++gstats_.eager_decode;
+  std::fprintf(stderr,
+               "cuda engine: warning: CUDA graph %s failed (%s); decode steps run eagerly from now "
+               "on\n",
+               what, why.c_str());
+  clear_graphs();
+  graphs_on_ = false;
+}
+
+void CudaBackend::destroy_graph(std::map<GraphKey, GraphEntry>::iterator it) {
+  cudaGraphExecDestroy(it->second.exec);  // freed when it completes, if still in flight
+  gstats_.graph_bytes -= it->second.bytes;
+  graphs_.erase(it);
+}
+
+void CudaBackend::clear_graphs() {
+  while (!graphs_.empty()) destroy_graph(graphs_.begin());
+  warm_keys_.clear();
 }
 
 }  // namespace
@@ -821,7 +1078,8 @@ std::string CudaMemoryLayout::to_text() const {
   line("activations", format_bytes(activation_bytes) + " (" + std::to_string(max_step_tokens) +
                           " tokens per forward)");
   line("workspaces", format_bytes(workspace_bytes));
-  line("reserve", format_bytes(reserve_bytes));
+  line("reserve",
+       format_bytes(reserve_bytes) + " (of which decode graphs " + format_bytes(graph_bytes) + ")");
   line("max tokens per sequence", std::to_string(max_seq_len));
   return os.str();
 }
@@ -845,6 +1103,18 @@ std::unique_ptr<Backend> make_cuda_backend_synthetic(const BackendOptions& opt,
   auto b = std::make_unique<CudaBackend>(opt, config, eopt);
   b->generate_synthetic(seed);
   return b;
+}
+
+CudaGraphStats cuda_graph_stats(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_graph_stats: backend ", b.name(), " is not the CUDA engine");
+  return cb->graph_stats();
+}
+
+void set_cuda_graphs(Backend& b, bool on) {
+  auto* cb = dynamic_cast<CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "set_cuda_graphs: backend ", b.name(), " is not the CUDA engine");
+  cb->set_graphs(on);
 }
 
 ModelConfig synthetic_model_config(const std::string& spec) {

@@ -10,6 +10,14 @@
 // sequences come first and take the decode kernels (split-KV attention, fused GDN decode), the
 // prompt chunks after them the prompt kernels; GEMMs and the rest run once over all rows. Every
 // kernel choice goes through the DispatchRegistry. Layouts and measured numbers: docs/GPU.md.
+//
+// Decode steps (every piece one token of a running sequence) replay a captured CUDA graph per
+// (batch size, KV bucket, greedy) key: the split-KV attention grid is planned for the bucket (the
+// next power of two of the longest sequence), eager steps use the same plan, so graph and eager
+// logits are bit-identical. A key is captured on its second use (the first runs eagerly and warms
+// every kernel and GEMM plan); at most max_cuda_graphs are kept (least recently used evicted).
+// A capture or launch failure prints a warning and turns graphs off (eager from then on).
+// step_greedy(): greedy rows get their argmax on the device; 4 bytes per row are copied back.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +37,8 @@ struct CudaEngineOptions {
   int64_t max_kv_tokens = 0;      // > 0: cap the KV pool at this many tokens (tests, sharing a GPU)
   int logits_rows = 256;          // rows of lm_head computed per piece (bounds the logits buffer)
   bool verbose = true;            // print the memory plan, load time and dispatch table to stderr
+  bool cuda_graphs = true;        // decode steps as CUDA graphs ($DS_CUDA_GRAPHS=0 turns them off)
+  int max_cuda_graphs = 64;       // captured graphs kept at most (each counted in the reserve)
 };
 
 // Uploads `w` (bf16 / f16 / f32 tensors; f16 / f32 are converted to bf16 on the host).
@@ -55,10 +65,27 @@ struct CudaMemoryLayout {
   int64_t activation_bytes = 0;
   int64_t workspace_bytes = 0;  // cuBLASLt + GDN prefill + decode-attention partials
   int64_t reserve_bytes = 0;    // left to the CUDA context, cuBLASLt internals, graphs
+  int64_t graph_bytes = 0;      // the part of the reserve kept for captured decode graphs
   int max_seq_len = 0;          // tokens one sequence may hold
   int max_step_tokens = 0;      // tokens per forward
   int max_blocks_per_seq = 0;
   std::string to_text() const;
 };
+
+// CUDA-graph counters of a CUDA backend (tests, benchmarks). Throws ds::Error when `b` is not one.
+struct CudaGraphStats {
+  bool enabled = false;      // graphs on now (off by option, env, set_cuda_graphs or a failure)
+  int cached = 0;            // executable graphs held now
+  int64_t captures = 0;      // graphs captured and instantiated
+  int64_t replays = 0;       // steps run by cudaGraphLaunch
+  int64_t eager_decode = 0;  // decode-only steps run eagerly (graphs off, first use of a key)
+  int64_t evictions = 0;     // graphs destroyed to stay within max_cuda_graphs / the budget
+  int64_t failures = 0;      // failed captures / launches (each turned graphs off)
+  int64_t graph_bytes = 0;   // device memory the cached graphs took (cudaMemGetInfo deltas)
+};
+CudaGraphStats cuda_graph_stats(const Backend& b);
+// Turns decode graphs on or off at run time (off destroys the cached ones). Throws ds::Error when
+// `b` is not a CUDA backend.
+void set_cuda_graphs(Backend& b, bool on);
 
 }  // namespace ds

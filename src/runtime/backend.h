@@ -6,12 +6,14 @@
 // the CUDA engine: 4 bytes copied instead of a vocab-sized fp32 row).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "model/config.h"
 
 namespace ds {
@@ -63,8 +65,45 @@ class Backend {
 };
 
 // The greedy token of a logits row as step_greedy() defines it: argmax, lowest id on ties, -1 if
-// the row holds NaN or +inf (the host sampler refuses such rows too).
-int32_t greedy_token(std::span<const float> row);
+// the row holds NaN or +inf (the host sampler refuses such rows too). Inline, like
+// Backend::step_greedy, so that the GPU library (below the runtime) needs no runtime code.
+inline int32_t greedy_token(std::span<const float> row) {
+  DS_CHECK(!row.empty(), "greedy_token: empty logits row");
+  int32_t best = 0;
+  for (size_t i = 0; i < row.size(); ++i) {
+    const float v = row[i];
+    if (std::isnan(v) || v == INFINITY) return -1;
+    if (v > row[best]) best = static_cast<int32_t>(i);
+  }
+  return best;
+}
+
+inline void Backend::step_greedy(std::span<const SeqWork> work, StepOutput& out) {
+  std::vector<float> all;
+  step(work, all);
+  const size_t V = static_cast<size_t>(config().vocab_size);
+  out.tokens.assign(work.size(), -1);
+  bool any = false;
+  for (const SeqWork& w : work) any |= w.greedy && !w.all_logits;
+  if (!any) {
+    out.logits.swap(all);
+    return;
+  }
+  out.logits.clear();
+  size_t row = 0;
+  for (size_t i = 0; i < work.size(); ++i) {
+    const SeqWork& w = work[i];
+    const size_t n_rows = w.all_logits ? w.tokens.size() : 1;
+    DS_CHECK((row + n_rows) * V <= all.size(), "step_greedy: the backend returned ",
+             all.size() / V, " logits rows, fewer than the work needs");
+    if (w.greedy && !w.all_logits) {
+      out.tokens[i] = greedy_token(std::span<const float>(all.data() + row * V, V));
+    } else {
+      out.logits.insert(out.logits.end(), all.begin() + row * V, all.begin() + (row + n_rows) * V);
+    }
+    row += n_rows;
+  }
+}
 
 struct BackendOptions {
   std::string device = "cpu";  // "cpu" or "cuda" / "cuda:N"

@@ -7,19 +7,28 @@
 // forwards, batched decode, then a mixed prompt + decode step) agree with one at a time; device
 // synthetic weights give bit-identical logits to the host generator's uploaded ones; bad requests
 // (slot, token id, KV pool full, length, duplicate slot) are ds::Error and change nothing.
+// Decode CUDA graphs: replayed logits bit-identical to eager ($DS_CUDA_GRAPHS=0) for batches of
+// 1, 3, 8 across KV buckets and pages, sequences finishing / joining, graphs toggled at run time
+// and an LRU cache of 3 graphs, at the tiny and the 27B shapes; device greedy (step_greedy) equal
+// to the host greedy_token of the same logits; the split-KV kernel unchanged by empty splits.
+// DS_PERF=1: decode TPOT of the synthetic 27B, graphs off / on, logits / device greedy.
 // Measured numbers are in docs/GPU.md.
 #include "cuda/cuda_backend.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/npy.h"
+#include "cuda/kernels.h"
 #include "cuda_test_util.h"
 #include "model/weights.h"
 
@@ -362,6 +371,338 @@ TEST(CudaBackend, BadRequestsAreErrors) {
   EXPECT_EQ(b->slot_len(1), 30);
   std::vector<SeqWork> dup{{1, ok, false}, {1, ok, false}};
   EXPECT_THROW(b->step(dup, l), Error);
+}
+
+// ---- Decode CUDA graphs and device greedy ----
+
+// The split-KV decode kernel with more splits than the keys need (what a graph planned for its
+// bucket's top does for every shorter sequence): the extra splits are empty partials, so the
+// output is bit-identical to the tight grid with the same kv_chunk.
+TEST(CudaGraphs, DecodeSplitsPastKvLenChangeNothing) {
+  DS_REQUIRE_GPU();
+  cuda::AttnShape s;
+  s.n_heads = 24;
+  s.n_kv_heads = 4;
+  s.head_dim = 256;
+  s.rotary_dim = 64;
+  s.page_size = 16;
+  const std::vector<int32_t> kv_len = {100, 37, 300};
+  const int S = 3, hd = s.head_dim, ps = s.page_size;
+  int MB = 0, n_blocks = 2;
+  for (int l : kv_len) {
+    MB = std::max(MB, (l + ps - 1) / ps);
+    n_blocks += (l + ps - 1) / ps;
+  }
+  std::vector<int32_t> btab(size_t(S) * MB, 0);
+  int next = n_blocks - 1;  // blocks handed out backwards: the table is not the identity
+  for (int i = 0; i < S; ++i)
+    for (int b = 0; b < (kv_len[i] + ps - 1) / ps; ++b) btab[i * MB + b] = next--;
+  std::mt19937 rng(17);
+  const size_t cache_elems = size_t(n_blocks) * s.n_kv_heads * ps * hd;
+  test::DevBuf<uint16_t> kc(test::random_bf16(cache_elems, rng)),
+      vc(test::random_bf16(cache_elems, rng));
+  test::DevBuf<uint16_t> q(test::random_bf16(size_t(S) * s.n_heads * hd, rng, 2.f));
+  test::DevBuf<uint16_t> g(test::random_bf16(size_t(S) * s.n_heads * hd, rng));
+  test::DevBuf<int32_t> d_btab(btab), d_kv(kv_len), d_qs(std::vector<int32_t>{0, 1, 2}),
+      d_ql(std::vector<int32_t>{1, 1, 1});
+  cuda::AttnBatch b;
+  b.n_seqs = S;
+  b.q_start = d_qs.ptr;
+  b.q_len = d_ql.ptr;
+  b.kv_len = d_kv.ptr;
+  b.block_table = d_btab.ptr;
+  b.block_table_stride = MB;
+  b.max_q_len = 1;
+  b.max_kv_len = 300;
+  cuda::AttnGate gate{g.as<const cuda::bf16>(), int64_t(s.n_heads) * hd, hd};
+  auto run = [&](int n_splits) {
+    test::DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, S, n_splits));
+    test::DevBuf<uint16_t> out(size_t(S) * s.n_heads * hd);
+    out.poison();
+    cuda::launch_attention_decode(s, b, q.as<const cuda::bf16>(), kc.as<const cuda::bf16>(),
+                                  vc.as<const cuda::bf16>(), gate, 64, n_splits, ws.ptr,
+                                  out.as<cuda::bf16>(), nullptr);
+    return out.download();
+  };
+  const auto tight = run(5);  // 5 * 64 >= 300
+  for (float f : test::to_f32(tight)) ASSERT_TRUE(std::isfinite(f));
+  for (int n : {6, 16, 128}) EXPECT_EQ(run(n), tight) << n << " splits vs 5";
+}
+
+// Runs the same steps on a backend with decode graphs and on one without ($DS_CUDA_GRAPHS=0 at
+// construction): logits compared bit for bit, step_greedy's device argmax compared with the host
+// greedy_token of the eager logits. Decode tokens are fixed (not sampled), so both stay in step.
+class GraphVsEager {
+ public:
+  GraphVsEager(const std::function<std::unique_ptr<Backend>()>& make) {
+    g_ = make();
+    setenv("DS_CUDA_GRAPHS", "0", 1);
+    e_ = make();
+    unsetenv("DS_CUDA_GRAPHS");
+    V_ = g_->config().vocab_size;
+  }
+  Backend& graphs() { return *g_; }
+  Backend& eager() { return *e_; }
+
+  void prefill(const std::vector<std::pair<int, std::vector<int32_t>>>& prompts,
+               const std::vector<int>& decoding = {}) {
+    std::vector<std::vector<int32_t>> toks;
+    std::vector<SeqWork> work;
+    for (int s : decoding) toks.push_back({token(s)});
+    for (size_t i = 0; i < decoding.size(); ++i) work.push_back({decoding[i], toks[i], false});
+    for (const auto& [slot, p] : prompts) work.push_back({slot, p, false});
+    run(work, 0);
+  }
+  // One decode token for each slot; mode 0: step() on both; 1: step_greedy with every item
+  // greedy; 2: step_greedy with every other item greedy.
+  void decode(const std::vector<int>& slots, int mode) {
+    std::vector<std::vector<int32_t>> toks;
+    for (int s : slots) toks.push_back({token(s)});
+    std::vector<SeqWork> work;
+    for (size_t i = 0; i < slots.size(); ++i) work.push_back({slots[i], toks[i], false});
+    run(work, mode);
+  }
+  void reset(int slot) {
+    g_->reset_slot(slot);
+    e_->reset_slot(slot);
+  }
+  int steps() const { return steps_; }
+  int greedy_rows() const { return greedy_rows_; }
+
+ private:
+  int32_t token(int slot) const { return int32_t((steps_ * 131 + slot * 17 + 5) % V_); }
+  void run(std::vector<SeqWork>& work, int mode) {
+    ++steps_;
+    std::vector<float> ref;
+    e_->step(work, ref);
+    ASSERT_EQ(ref.size(), work.size() * size_t(V_));
+    std::vector<float> rows;
+    std::vector<int32_t> toks;
+    if (mode == 0) {
+      g_->step(work, rows);
+    } else {
+      for (size_t i = 0; i < work.size(); ++i) work[i].greedy = mode == 1 || i % 2 == 0;
+      StepOutput out;
+      g_->step_greedy(work, out);
+      rows = std::move(out.logits);
+      toks = std::move(out.tokens);
+      ASSERT_EQ(toks.size(), work.size());
+    }
+    size_t r = 0;
+    for (size_t i = 0; i < work.size(); ++i) {
+      const float* e = ref.data() + i * V_;
+      if (mode != 0 && work[i].greedy) {
+        ++greedy_rows_;
+        EXPECT_EQ(toks[i], greedy_token(std::span<const float>(e, V_)))
+            << "step " << steps_ << " item " << i << " (slot " << work[i].slot << ")";
+        continue;
+      }
+      if (mode != 0) {
+        EXPECT_EQ(toks[i], -1);
+      }
+      ASSERT_LE((r + 1) * V_, rows.size());
+      const float* gr = rows.data() + r * V_;
+      if (std::memcmp(gr, e, V_ * sizeof(float)) != 0) {
+        int first = 0;
+        while (gr[first] == e[first]) ++first;
+        ADD_FAILURE() << "step " << steps_ << " item " << i << " (slot " << work[i].slot
+                      << ", batch " << work.size() << "): graph logits differ from eager at "
+                      << first << ": " << gr[first] << " vs " << e[first];
+      }
+      ++r;
+    }
+    EXPECT_EQ(r * V_, rows.size());
+    for (const SeqWork& w : work) EXPECT_EQ(g_->slot_len(w.slot), e_->slot_len(w.slot));
+  }
+
+  std::unique_ptr<Backend> g_, e_;
+  int V_ = 0, steps_ = 0, greedy_rows_ = 0;
+};
+
+std::vector<int32_t> prompt_of(int n, int salt, int vocab) {
+  std::vector<int32_t> p(n);
+  for (int i = 0; i < n; ++i) p[i] = (i * 7919 + salt * 104729) % vocab;
+  return p;
+}
+
+void print_graph_stats(const char* what, const Backend& b) {
+  const CudaGraphStats s = cuda_graph_stats(b);
+  std::printf(
+      "  %s: graphs %s, %d cached, %lld captured, %lld replays, %lld eager decode steps, %lld "
+      "evicted, %lld failures, %.1f MiB held\n",
+      what, s.enabled ? "on" : "off", s.cached, (long long)s.captures, (long long)s.replays,
+      (long long)s.eager_decode, (long long)s.evictions, (long long)s.failures,
+      s.graph_bytes / 1048576.0);
+}
+
+// Tiny model (3 GDN + 1 attention layer), page 16: batches of 1, 3 and 8 decoding across KV
+// buckets (64 -> 128 -> 256) and pages, sequences finishing and new ones joining (a mixed prompt +
+// decode step, then batch 8 again), graphs switched off and on at run time, and a cache of at most
+// 3 graphs (evictions).
+TEST(CudaGraphs, ReplayMatchesEagerBitExactTiny) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = tiny_model_config();
+  const HostWeights w = make_synthetic_weights(c, 21);
+  GraphVsEager t([&] {
+    BackendOptions o;
+    o.device = "cuda";
+    o.n_slots = 8;
+    o.chunk_size = 64;
+    CudaEngineOptions e = quiet();
+    e.max_cuda_graphs = 3;
+    return make_cuda_backend(o, w, e);
+  });
+  const int V = c.vocab_size;
+  std::vector<std::pair<int, std::vector<int32_t>>> prompts;
+  for (int i = 0; i < 8; ++i) prompts.push_back({i, prompt_of(20 + 13 * i, i, V)});
+  t.prefill(prompts);  // 8 prompts, chunk 64: several forwards
+  int k = 0;
+  for (int i = 0; i < 50; ++i) t.decode({0}, k++ % 3);  // slot 0: 21 -> 70 (bucket 64 -> 128)
+  for (int i = 0; i < 30; ++i) t.decode({0, 1, 2}, k++ % 3);
+  const std::vector<int> all{0, 1, 2, 3, 4, 5, 6, 7};
+  for (int i = 0; i < 25; ++i) t.decode(all, k++ % 3);  // slot 7: 111 -> 136 (bucket 256)
+  // Slots 2 and 5 finish; new prompts join in a mixed step with the other six decoding.
+  t.reset(2);
+  t.reset(5);
+  t.prefill({{2, prompt_of(30, 9, V)}, {5, prompt_of(45, 10, V)}}, {0, 1, 3, 4, 6, 7});
+  for (int i = 0; i < 15; ++i) t.decode(all, k++ % 3);
+  for (int i = 0; i < 6; ++i) t.decode({6, 1}, k++ % 3);  // a batch in another slot order
+  set_cuda_graphs(t.graphs(), false);
+  EXPECT_FALSE(cuda_graph_stats(t.graphs()).enabled);
+  for (int i = 0; i < 3; ++i) t.decode(all, k++ % 3);
+  set_cuda_graphs(t.graphs(), true);
+  for (int i = 0; i < 6; ++i) t.decode(all, k++ % 3);
+  print_graph_stats("tiny, graphs", t.graphs());
+  print_graph_stats("tiny, DS_CUDA_GRAPHS=0", t.eager());
+  const CudaGraphStats g = cuda_graph_stats(t.graphs()), e = cuda_graph_stats(t.eager());
+  EXPECT_TRUE(g.enabled);
+  EXPECT_EQ(g.failures, 0);
+  EXPECT_GT(g.captures, 5);
+  EXPECT_GT(g.replays, 80);
+  EXPECT_GT(g.evictions, 0);
+  EXPECT_LE(g.cached, 3);
+  EXPECT_FALSE(e.enabled);
+  EXPECT_EQ(e.replays, 0);
+  EXPECT_EQ(e.captures, 0);
+  EXPECT_GT(t.greedy_rows(), 200);
+}
+
+// The 27B shapes (first 4 layers: 3 GDN + 1 attention; cuBLASLt or the decode GEMVs, the real
+// decode attention and GDN kernels), page 64: batch 1 crossing the 64 -> 128 bucket, batch 4
+// crossing a page and the 128 -> 256 bucket, then a sequence finishing and a new one joining.
+TEST(CudaGraphs, ReplayMatchesEagerBitExact27bShapes) {
+  DS_REQUIRE_GPU();
+  ModelConfig c = synthetic_model_config("27b");
+  c.n_layers = 4;
+  c.layer_types.resize(4);
+  GraphVsEager t([&] {
+    BackendOptions o;
+    o.device = "cuda";
+    o.n_slots = 4;
+    o.chunk_size = 4096;
+    CudaEngineOptions e = quiet();
+    e.max_kv_tokens = 4096;
+    e.page_size = 64;
+    return make_cuda_backend_synthetic(o, c, 3, e);
+  });
+  const int V = c.vocab_size;
+  t.prefill({{0, prompt_of(60, 1, V)},
+             {1, prompt_of(100, 2, V)},
+             {2, prompt_of(121, 3, V)},
+             {3, prompt_of(200, 4, V)}});
+  int k = 0;
+  for (int i = 0; i < 10; ++i) t.decode({0}, k++ % 3);           // 61 -> 70
+  for (int i = 0; i < 12; ++i) t.decode({0, 1, 2, 3}, k++ % 3);  // slot 2: 121 -> 133
+  t.reset(1);
+  t.prefill({{1, prompt_of(77, 5, V)}}, {0, 2, 3});
+  for (int i = 0; i < 6; ++i) t.decode({3, 2, 1, 0}, k++ % 3);
+  print_graph_stats("27b shapes, graphs", t.graphs());
+  const CudaGraphStats g = cuda_graph_stats(t.graphs());
+  EXPECT_EQ(g.failures, 0);
+  EXPECT_GT(g.replays, 15);
+  EXPECT_GT(t.greedy_rows(), 20);
+}
+
+// Decode TPOT of the synthetic 27B (64 layers) with graphs off / on, full logits rows / device
+// greedy, batch 1 and 4 at context 4096, batch 1 at 32768 (batch 4 too with DS_PERF_B4_32K=1),
+// timed on the host around each step (median of 20 after 4 warm-up steps). DS_PERF=1 only.
+TEST(CudaGraphsPerf, DecodeSynthetic27b) {
+  DS_REQUIRE_GPU();
+  const char* env = std::getenv("DS_PERF");
+  if (!env || std::string(env) != "1") GTEST_SKIP() << "set DS_PERF=1 to run the 27B timing";
+  const bool b4_long =
+      std::getenv("DS_PERF_B4_32K") && std::string(std::getenv("DS_PERF_B4_32K")) == "1";
+  const ModelConfig c = synthetic_model_config("27b");
+  BackendOptions o;
+  o.device = "cuda";
+  o.n_slots = 4;
+  o.chunk_size = 4096;
+  CudaEngineOptions e;
+  e.max_kv_tokens = b4_long ? 4 * 33600 : 3 * 4600 + 33600;
+  auto t0 = std::chrono::steady_clock::now();
+  auto b = make_cuda_backend_synthetic(o, c, 1, e);
+  std::printf("  load %.2f s\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::mt19937 rng(1);
+  const int V = c.vocab_size;
+  std::vector<float> logits;
+  auto fill = [&](int n_seqs, int ctx) {
+    const auto f0 = std::chrono::steady_clock::now();
+    for (int s = 0; s < n_seqs; ++s) {
+      const int have = b->slot_len(s);
+      if (have >= ctx) continue;
+      std::vector<int32_t> p(ctx - have);
+      for (auto& x : p) x = rng() % V;
+      SeqWork w{s, p, false};
+      b->step(std::span<const SeqWork>(&w, 1), logits);
+    }
+    std::printf("  filled %d slot(s) to %d tokens in %.2f s\n", n_seqs, ctx,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count());
+  };
+  auto tpot = [&](int batch, bool graphs, bool greedy) {
+    set_cuda_graphs(*b, graphs);
+    std::vector<std::vector<int32_t>> toks(batch, std::vector<int32_t>(1));
+    std::vector<SeqWork> work(batch);
+    StepOutput out;
+    std::vector<double> t;
+    for (int st = 0; st < 24; ++st) {
+      for (int s = 0; s < batch; ++s) {
+        toks[s][0] = rng() % V;
+        work[s] = {s, toks[s], false, greedy};
+      }
+      const auto s0 = std::chrono::steady_clock::now();
+      if (greedy) {
+        b->step_greedy(work, out);
+      } else {
+        b->step(work, logits);
+      }
+      if (st >= 4)
+        t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count());
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2] * 1e3;
+  };
+  auto row = [&](int batch, int ctx) {
+    const double el = tpot(batch, false, false), eg = tpot(batch, false, true);
+    const double gl = tpot(batch, true, false), gg = tpot(batch, true, true);
+    std::printf(
+        "GRAPHS decode batch %d context %d: eager+logits %.3f ms | eager+greedy %.3f ms | "
+        "graph+logits %.3f ms | graph+greedy %.3f ms (graph+greedy vs eager+logits: -%.3f ms, "
+        "%.1f%%)\n",
+        batch, ctx, el, eg, gl, gg, el - gg, 100 * (el - gg) / el);
+  };
+  fill(4, 4096);
+  row(1, 4096);
+  row(4, 4096);
+  fill(b4_long ? 4 : 1, 32768);
+  row(1, 32768);
+  if (b4_long) row(4, 32768);
+  print_graph_stats("27b", *b);
+  const CudaGraphStats s = cuda_graph_stats(*b);
+  EXPECT_EQ(s.failures, 0);
+  if (s.cached > 0)
+    std::printf("  device memory per captured 64-layer graph: %.2f MiB\n",
+                s.graph_bytes / 1048576.0 / s.cached);
 }
 
 TEST(CudaBackend, BuiltinConfigMatchesConfigsFile) {
