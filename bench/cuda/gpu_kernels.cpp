@@ -252,7 +252,7 @@ const KernelResult& KernelBench::attn_prefill(int q, int cached_tokens) {
   std::shuffle(table.begin(), table.end(), std::mt19937(7));  // pages scattered, as in serving
   const int64_t qe = int64_t(q) * c_.n_heads * c_.head_dim;
   DevBuf qb(size_t(qe) * 2, "attn q"), gate(size_t(qe) * 2, "attn gate"),
-      out(size_t(qe) * 2, "attn out");
+      out(size_t(qe) * 2, "attn out"), out2(size_t(qe) * 2, "attn out (fallback)");
   gpu::fill_normal_bf16(qb.as<bf16>(), qe, seed_++, 0.f, 1.f, s_);
   gpu::fill_normal_bf16(gate.as<bf16>(), qe, seed_++, 0.f, 1.f, s_);
   DevBuf d_qs = dev_ints({0}, s_), d_ql = dev_ints({q}, s_), d_kl = dev_ints({kv}, s_),
@@ -270,17 +270,50 @@ const KernelResult& KernelBench::attn_prefill(int q, int cached_tokens) {
   if (attn_.gated) g = {gate.as<bf16>(), int64_t(c_.n_heads) * c_.head_dim, c_.head_dim};
   KernelResult r;
   r.family = "attn_prefill";
-  r.variant = variant(cuda::KernelFamily::kAttnPrefill,
-                      reg_.key(c_.head_dim, c_.n_heads / c_.n_kv_heads, q, kv));
+  const cuda::ShapeKey key = reg_.key(c_.head_dim, c_.n_heads / c_.n_kv_heads, q, kv);
+  r.variant = variant(cuda::KernelFamily::kAttnPrefill, key);
   r.shape = shape;
-  r.samples = gpu::time_launches(
-      [&](int) {
-        cuda::launch_attention_prefill(attn_, b, qb.as<bf16>(), kc.as<bf16>(), vc.as<bf16>(), g,
-                                       out.as<bf16>(), s_);
-      },
-      s_, timer(1));
+  auto run = [&](const cuda::DispatchRegistry* reg, bf16* o) {
+    cuda::launch_attention_prefill(attn_, b, qb.as<bf16>(), kc.as<bf16>(), vc.as<bf16>(), g, o,
+                                   s_, reg);
+  };
+  const bool generic = !reg_.select(cuda::KernelFamily::kAttnPrefill, key).guard;
+  if (!generic) {
+    // The generic kernel (registry null) on the same inputs: agreement and its time.
+    run(&reg_, out.as<bf16>());
+    run(nullptr, out2.as<bf16>());
+    r.match = gpu::compare_bf16(out.as<bf16>(), out2.as<bf16>(), qe, s_).text();
+    r.fallback = "wmma_flash";
+    r.fallback_time_s =
+        gpu::time_launches([&](int) { run(nullptr, out2.as<bf16>()); }, s_, timer(1)).p50;
+    // Every other specialised variant that accepts the shape, for the dispatch table: its time
+    // and its agreement with the generic kernel, in the note.
+    for (const auto& v : reg_.variants()) {
+      if (v.family != cuda::KernelFamily::kAttnPrefill || !v.guard || !v.enabled ||
+          v.name == r.variant || !v.guard(key))
+        continue;
+      cuda::DispatchRegistry only = reg_;
+      for (const auto& o : reg_.variants())
+        if (o.family == v.family && o.guard && o.name != v.name)
+          only.set_enabled(o.full_name(), false);
+      bf16* o3 = out.as<bf16>();
+      run(&only, o3);
+      const std::string m = gpu::compare_bf16(o3, out2.as<bf16>(), qe, s_).text();
+      const double t = gpu::time_launches([&](int) { run(&only, o3); }, s_, timer(1)).p50;
+      r.note += str("%s%s %.2f us (%.0f TFLOP/s; vs generic %s)", r.note.empty() ? "" : "; ",
+                    v.name.c_str(), t * 1e6,
+                    4.0 * c_.n_heads * c_.head_dim * causal_pairs(q, cached_tokens) / t / 1e12,
+                    m.c_str());
+    }
+  }
+  r.samples = gpu::time_launches([&](int) { run(&reg_, out.as<bf16>()); }, s_, timer(1));
   r.flops = 4.0 * c_.n_heads * c_.head_dim * causal_pairs(q, cached_tokens);
   r.bytes = 3.0 * qe * 2 + 2.0 * double(kv) * c_.n_kv_heads * c_.head_dim * 2;
+  std::printf("    %s: %.0f TFLOP/s%s%s%s\n", r.variant.c_str(), r.flops / r.samples.p50 / 1e12,
+              r.fallback.empty()
+                  ? ""
+                  : str(", generic %.0f TFLOP/s", r.flops / r.fallback_time_s / 1e12).c_str(),
+              r.note.empty() ? "" : "; ", r.note.c_str());
   return finish(r);
 }
 
@@ -727,10 +760,17 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
         for (int m : chunks)
           guarded("gemm", o.name + " m=" + std::to_string(m), [&] { kb.gemm(o.name, m); });
   }
-  if (c.n_full_layers() > 0 && wanted(opt, "attn_prefill"))
+  if (c.n_full_layers() > 0 && wanted(opt, "attn_prefill")) {
     for (int q : chunks)
       for (int kv : cached_lens)
         guarded("attn_prefill", "q/cached " + S(q, kv), [&] { kb.attn_prefill(q, kv); });
+    // One unchunked 16K causal prompt (issue 7's kernel target, the peers' shape) and a short
+    // chunk against a long cache (speculative / small-chunk regime).
+    if (!opt.quick) {
+      guarded("attn_prefill", "q/cached " + S(16384, 0), [&] { kb.attn_prefill(16384, 0); });
+      guarded("attn_prefill", "q/cached " + S(16, 8192), [&] { kb.attn_prefill(16, 8192); });
+    }
+  }
   if (c.n_full_layers() > 0 && wanted(opt, "attn_decode"))
     for (int b : dec_batches)
       for (int ctx : contexts)

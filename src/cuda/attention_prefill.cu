@@ -11,12 +11,14 @@
 // O lives in shared memory in fp32 and is rescaled there. Keys past the last query of the tile
 // are never loaded; masked scores are -inf; K/V rows past the sequence are zero-filled.
 // Shapes: head_dim in {16, 32, 64, 128, 256}, any group size, any lengths. Shared memory at
-// head_dim 256: 191 KiB (one block per SM). This is the generic, correct-first kernel; issue 7
-// adds the Hopper (TMA + wgmma) specialisations behind the dispatch registry.
+// head_dim 256: 191 KiB (one block per SM). This is the generic, correct-first kernel; the
+// head_dim 256 specialisation (attention_prefill_mma.cu) is picked here through the registry.
 // Tests: tests/cuda/cuda_attention_test.cpp (vs an fp32 CPU reference, rel. error < 1e-2).
 #include <mma.h>
 
+#include "cuda/attention_prefill_mma.h"
 #include "cuda/cuda_common.h"
+#include "cuda/dispatch.h"
 #include "cuda/kernels.h"
 
 namespace ds::cuda {
@@ -235,10 +237,22 @@ void launch_prefill_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, co
 void launch_attention_prefill(const AttnShape& s, const AttnBatch& b, const bf16* q,
                               const bf16* k_cache, const bf16* v_cache, AttnGate gate, bf16* out,
                               cudaStream_t stream, const DispatchRegistry* dispatch) {
-  (void)dispatch;  // only the generic kernel so far
   if (b.n_seqs <= 0 || b.max_q_len <= 0) return;
   check_attn_shape(s);
   DS_CHECK(b.n_seqs <= 65535, "attention: too many sequences in one batch (", b.n_seqs, ")");
+  // Specialised variants (dispatch.cpp, family attn_prefill); the page-size requirement is not in
+  // the shape key, so it is checked here and an unsupported cache falls back to the generic kernel.
+  if (dispatch && attention_prefill_mma_supported(s)) {
+    const KernelVariant& v =
+        dispatch->select(KernelFamily::kAttnPrefill,
+                         dispatch->key(s.head_dim, s.n_heads / s.n_kv_heads, b.max_q_len,
+                                       b.max_kv_len));
+    if (v.name == "wgmma_m128")
+      return launch_attention_prefill_wgmma(s, b, q, k_cache, v_cache, gate, out, stream);
+    if (v.name == "mma_m128" || v.name == "mma_m64")
+      return launch_attention_prefill_mma(v.name == "mma_m128" ? 128 : 64, s, b, q, k_cache,
+                                          v_cache, gate, out, stream);
+  }
   switch (s.head_dim) {
     case 16:
       return launch_prefill_hd<16>(s, b, q, k_cache, v_cache, gate, out, stream);

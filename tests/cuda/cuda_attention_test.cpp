@@ -1,16 +1,24 @@
-// GPU attention kernels (prefill: WMMA flash tiles; decode: split-KV) against an fp32 CPU
-// reference over a paged cache with shuffled blocks: the 27B shape (24 q / 4 kv heads, head_dim
-// 256, sigmoid output gate) at sequence lengths 1, 63, 64, 65, 4095, 4097, several sequences of
-// different lengths in one launch, query chunks against a longer cache (chunked prefill), and the
-// small head dims of the test configs. Outputs are poisoned (NaN) first and every row must be
-// finite; long sequences compare a sample of rows (the first, the last, every tile edge and random
-// ones). Tolerance: normalised L2 error < 1e-2 (bf16 inputs, P rounded to bf16, bf16 output).
+// GPU attention kernels (prefill: the generic WMMA flash tiles and the head_dim-256
+// specialisations wgmma_m128 / mma_m128 / mma_m64 picked through the dispatch registry; decode:
+// split-KV)
+// against an fp32 CPU reference over a paged cache with shuffled blocks: the 27B shape (24 q / 4
+// kv heads, head_dim 256, sigmoid output gate) at sequence lengths 1, 63, 64, 65, 4095, 4097 with
+// 0 / some / many cached tokens, several sequences of different lengths in one launch, query
+// chunks against a longer cache (chunked prefill), other GQA groups and page sizes at head_dim
+// 256, and the small head dims of the test configs. Outputs are poisoned (NaN) first and every
+// row must be finite; cache rows past each sequence are NaN, so a kernel that reads them fails;
+// long sequences compare a sample of rows (the first, the last, every tile edge and random ones).
+// Tolerance: normalised L2 error ||out - ref|| / ||ref|| < 1e-2 against the fp32 reference (bf16
+// inputs, P rounded to bf16, bf16 output; measured errors are printed, typically ~3e-3), and the
+// same bound between the specialised and the generic kernel.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <numeric>
 #include <set>
 
+#include "cuda/attention_prefill_mma.h"
+#include "cuda/dispatch.h"
 #include "cuda/kernels.h"
 #include "cuda_test_util.h"
 
@@ -77,6 +85,8 @@ struct Fixture {
     qkv_gate = test::random_bf16(size_t(n_rows) * s.n_heads * 2 * hd, rng, 2.f);
   }
 
+  mutable std::vector<float> ref_;  // reference values of the checked rows (filled on first use)
+
   cuda::AttnGate gate(const DevBuf<bf>& g) const {
     cuda::AttnGate a;
     a.ptr = g.as<__nv_bfloat16>() + s.head_dim;
@@ -119,7 +129,12 @@ struct Fixture {
     for (size_t i = 0; i < got_bf.size(); ++i)
       ASSERT_TRUE(std::isfinite(bf16_to_f32(got_bf[i])))
           << what << ": element " << i << " not written / NaN";
-    std::vector<float> got, ref;
+    // The reference rows are computed once per fixture (in parallel) and reused by every kernel
+    // checked.
+    struct RowRef {
+      int seq, tok, head;
+    };
+    std::vector<RowRef> todo;
     std::mt19937 rng(11);
     for (size_t i = 0; i < seqs.size(); ++i) {
       std::set<int> rows;
@@ -129,16 +144,22 @@ struct Fixture {
         for (int j : {0, 1, 9, 10, 11, 63, 64, 65, q_len[i] - 2, q_len[i] - 1}) rows.insert(j);
         for (int k = 0; k < 24; ++k) rows.insert(rng() % q_len[i]);
       }
-      std::vector<float> r(hd);
       for (int j : rows)
-        for (int h = 0; h < s.n_heads; ++h) {
-          ref_row(int(i), j, h, r.data());
-          for (int c = 0; c < hd; ++c) {
-            ref.push_back(r[c]);
-            got.push_back(bf16_to_f32(got_bf[(size_t(q_start[i] + j) * s.n_heads + h) * hd + c]));
-          }
-        }
+        for (int h = 0; h < s.n_heads; ++h) todo.push_back({int(i), j, h});
     }
+    if (ref_.empty()) {
+      ref_.resize(todo.size() * hd);
+#pragma omp parallel for schedule(dynamic, 4)
+      for (size_t n = 0; n < todo.size(); ++n)
+        ref_row(todo[n].seq, todo[n].tok, todo[n].head, ref_.data() + n * hd);
+    }
+    std::vector<float> got;
+    got.reserve(todo.size() * hd);
+    for (const auto& w : todo)
+      for (int c = 0; c < hd; ++c)
+        got.push_back(bf16_to_f32(
+            got_bf[(size_t(q_start[w.seq] + w.tok) * s.n_heads + w.head) * hd + c]));
+    const std::vector<float>& ref = ref_;
     const double e = test::norm_err(got, ref);
     EXPECT_LT(e, tol) << what;
     std::printf("  %s: normalised error %.2e over %zu values\n", what, e, got.size());
@@ -155,7 +176,10 @@ cuda::AttnShape shape_27b() {
   return s;
 }
 
-void run_prefill(const Fixture& f, const char* what) {
+// Runs the prefill through launch_attention_prefill with `reg` (null: the generic kernel) and
+// checks it against the reference; returns the output.
+std::vector<bf> run_prefill(const Fixture& f, const char* what,
+                            const cuda::DispatchRegistry* reg = nullptr) {
   DevBuf<bf> q(f.q), kc(f.kc), vc(f.vc), g(f.qkv_gate), out(f.q.size());
   DevBuf<int32_t> qs(f.q_start), ql(f.q_len), kl(f.kv_len), bt(f.btab);
   out.poison();
@@ -171,8 +195,11 @@ void run_prefill(const Fixture& f, const char* what) {
     b.max_kv_len = std::max(b.max_kv_len, s.kv_len);
   }
   cuda::launch_attention_prefill(f.s, b, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(),
-                                 vc.as<__nv_bfloat16>(), f.gate(g), out.as<__nv_bfloat16>(), 0);
-  f.check(out.download(), 1e-2, what);
+                                 vc.as<__nv_bfloat16>(), f.gate(g), out.as<__nv_bfloat16>(), 0,
+                                 reg);
+  auto got = out.download();
+  f.check(got, 1e-2, what);
+  return got;
 }
 
 void run_decode(const Fixture& f, const char* what) {
@@ -250,6 +277,117 @@ TEST(CudaAttention, DecodeOtherShapes) {
     Fixture f(s, {{1, 1}, {1, 100}, {1, 1000}}, 30 + hd);
     run_decode(f, ("decode hd " + std::to_string(hd)).c_str());
   }
+}
+
+
+// ---- the head_dim-256 mma.sync specialisations ----------------------------------------------
+
+int device_sm() {
+  int dev = 0;
+  cudaDeviceProp p{};
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  DS_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
+  return p.major * 10 + p.minor;
+}
+
+// A registry whose attn_prefill family picks `variant` for every shape (whatever the default
+// guards say), then the generic kernel: launch_attention_prefill dispatches on the name.
+cuda::DispatchRegistry registry_for(const std::string& variant) {
+  cuda::DispatchRegistry r;
+  r.add({cuda::KernelFamily::kAttnPrefill, variant, "forced by the test",
+         [](const cuda::ShapeKey&) { return true; }});
+  r.add({cuda::KernelFamily::kAttnPrefill, "wmma_flash", "generic", {}});
+  return r;
+}
+
+// The specialised variants against the reference and the generic kernel on the same fixture.
+void check_mma_variants(const Fixture& f, const std::string& what, bool with_generic = true) {
+  std::vector<bf> generic;
+  if (with_generic) generic = run_prefill(f, (what + " [generic]").c_str());
+  for (const char* v : {"wgmma_m128", "mma_m128", "mma_m64"}) {
+    if (std::string(v) == "wgmma_m128" && device_sm() != 90) continue;  // sm_90a code only
+    const cuda::DispatchRegistry reg = registry_for(v);
+    const auto got = run_prefill(f, (what + " [" + v + "]").c_str(), &reg);
+    if (!with_generic) continue;
+    const double e = test::norm_err(test::to_f32(got), test::to_f32(generic));
+    EXPECT_LT(e, 1e-2) << what << ": " << v << " vs generic";
+    std::printf("  %s: %s vs generic %.2e\n", what.c_str(), v, e);
+  }
+}
+
+TEST(CudaAttentionMma, Prefill27bLengthsWithCachedTokens) {
+  DS_REQUIRE_GPU();
+  if (device_sm() < 90) GTEST_SKIP() << "the mma variants are registered for sm >= 90";
+  // (q_len, tokens cached before the chunk): none, some (not a page multiple), many.
+  const std::vector<std::pair<int, int>> cases = {
+      {1, 0},    {63, 0},    {64, 0},    {65, 0},     {4095, 0},   {4097, 0},
+      {1, 4096}, {63, 64},   {64, 37},   {65, 1000},  {4095, 300}, {4097, 8191},
+      {1, 63},   {64, 2048}, {3, 12000}, {512, 8000}};
+  for (auto [n, cached] : cases) {
+    Fixture f(shape_27b(), {{n, n + cached}}, 1000 + n + cached);
+    check_mma_variants(f, "mma 27b q " + std::to_string(n) + " after " + std::to_string(cached));
+  }
+}
+
+TEST(CudaAttentionMma, Prefill27bRaggedBatch) {
+  DS_REQUIRE_GPU();
+  if (device_sm() < 90) GTEST_SKIP() << "the mma variants are registered for sm >= 90";
+  Fixture f(shape_27b(),
+            {{65, 200}, {1, 4097}, {512, 1000}, {63, 63}, {64, 129}, {3000, 9000}, {7, 7}, {1, 1}},
+            77);
+  check_mma_variants(f, "mma 27b ragged batch of 8");
+}
+
+TEST(CudaAttentionMma, OtherGroupsAndPageSizes) {
+  DS_REQUIRE_GPU();
+  if (device_sm() < 90) GTEST_SKIP() << "the mma variants are registered for sm >= 90";
+  // Group 1, 2, 8 and 5 (rows of a tile cross token boundaries unevenly), page 128 and 256.
+  for (auto [nh, nkv, ps] : {std::tuple{4, 4, 64}, std::tuple{8, 4, 128}, std::tuple{16, 2, 64},
+                             std::tuple{10, 2, 256}}) {
+    cuda::AttnShape s = shape_27b();
+    s.n_heads = nh;
+    s.n_kv_heads = nkv;
+    s.page_size = ps;
+    Fixture f(s, {{300, 300}, {129, 700}, {1, 90}}, 50 + nh + ps);
+    check_mma_variants(f, "mma hd 256 group " + std::to_string(nh / nkv) + " page " +
+                              std::to_string(ps));
+  }
+}
+
+TEST(CudaAttentionMma, DefaultDispatch) {
+  // Measured on the H200 (bench kernels): wgmma_m128 is fastest from 512-token chunks up
+  // (300-440 TFLOP/s against 210-300 for mma_m128); with at most 128 packed rows (<= 21 tokens
+  // at group 6) the 64-row mma tiles win by giving more blocks.
+  const auto r = cuda::DispatchRegistry::with_defaults(90);
+  const auto pick = [&](int q, int kv) {
+    return r.select(cuda::KernelFamily::kAttnPrefill, r.key(256, 6, q, kv)).name;
+  };
+  EXPECT_EQ(pick(4096, 4096), "wgmma_m128");
+  EXPECT_EQ(pick(512, 33280), "wgmma_m128");
+  EXPECT_EQ(pick(22, 8192), "wgmma_m128");
+  EXPECT_EQ(pick(21, 8192), "mma_m64");
+  EXPECT_EQ(pick(1, 100), "mma_m64");
+  EXPECT_EQ(r.select(cuda::KernelFamily::kAttnPrefill, r.key(128, 6, 4096, 4096)).name,
+            "wmma_flash");
+  const auto r80 = cuda::DispatchRegistry::with_defaults(80);  // no sm_90a code: generic
+  EXPECT_EQ(r80.select(cuda::KernelFamily::kAttnPrefill, r80.key(256, 6, 4096, 4096)).name,
+            "wmma_flash");
+}
+
+TEST(CudaAttentionMma, UnsupportedPageSizeFallsBackToGeneric) {
+  DS_REQUIRE_GPU();
+  // page 16: not a multiple of the 64-key tile; the registry still selects a variant by shape,
+  // launch_attention_prefill must run the generic kernel instead (and be right).
+  cuda::AttnShape s = shape_27b();
+  s.page_size = 16;
+  EXPECT_FALSE(cuda::attention_prefill_mma_supported(s));
+  Fixture f(s, {{100, 150}, {33, 33}}, 5);
+  const cuda::DispatchRegistry reg = cuda::DispatchRegistry::with_defaults(device_sm());
+  run_prefill(f, "hd 256 page 16 through the registry", &reg);
+  s.page_size = 64;
+  EXPECT_TRUE(cuda::attention_prefill_mma_supported(s));
+  s.head_dim = 128;
+  EXPECT_FALSE(cuda::attention_prefill_mma_supported(s));
 }
 
 }  // namespace

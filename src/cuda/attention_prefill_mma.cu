@@ -1,0 +1,669 @@
+// Prompt attention for head_dim 256 over the paged KV cache, FlashAttention-2 style with every
+// running quantity in registers: the specialised attn_prefill variants "mma_m128" / "mma_m64"
+// (dispatch.cpp) behind launch_attention_prefill. Same maths and contract as the generic kernel
+// (attention_prefill.cu): causal softmax(q k^T / 16) v, bottom-right aligned against the tokens
+// already in the cache (query j of a q_len chunk sits at kv_len - q_len + j), GQA, output times
+// sigmoid(gate), several sequences of different lengths per launch (AttnBatch).
+//
+// Work layout: one block per (row tile, kv head, sequence); the rows of a tile are (query token,
+// query head of the GQA group) pairs, row = token * group + head, so one K/V tile in shared memory
+// serves every query head that reads it (6 for Qwen3.5-27B). kWarps warps x 16 rows (128 or 64
+// rows), 64 keys per step = exactly one page of one kv head when page_size % 64 == 0 (a contiguous
+// [64, 256] bf16 block, the only paging requirement). Per step and warp:
+//   S[16, 64]  = Q K^T    mma.sync m16n8k16 bf16 -> fp32, Q and K by ldmatrix from shared memory
+//   online softmax in fp32 (exp2 domain), each thread owns 2 rows x 16 keys, row max / sum over the
+//   4 lanes of a quad; the causal mask is applied only on tiles that reach past the first query
+//   P (bf16)   = the S accumulators re-packed as the A operand (no shared-memory round trip)
+//   O[16, 256] += P V     V by ldmatrix.trans; O = 128 fp32 registers per thread
+// K/V tiles stream through a 2-stage cp.async pipeline (tile j+1 loads while tile j computes);
+// rows past the last needed key are zero-filled, never read. Shared memory: Q tile + 2 x (K + V)
+// = 192 KiB (m128) / 160 KiB (m64), XOR-swizzled 16-byte chunks (chunk ^ (row & 7)) so ldmatrix
+// and cp.async are bank-conflict free. The epilogue stages O / l in fp32 through shared memory and
+// writes 16-byte rows with the gate applied. The heaviest (last) tiles of the causal triangle are
+// scheduled first.
+// Tests: tests/cuda/cuda_attention_test.cpp (vs the fp32 CPU reference and the generic kernel);
+// bench: `deltaserve bench kernels` rows attn_prefill.* (fallback time and match beside them).
+#include "cuda/attention_prefill_mma.h"
+#include "cuda/cuda_common.h"
+
+namespace ds::cuda {
+namespace {
+
+constexpr int kHd = kAttnMmaHeadDim;  // 256
+constexpr int kBn = kAttnMmaKeyTile;  // 64 keys per step
+constexpr int kRowBytes = kHd * 2;    // one bf16 row of Q / K / V: 512 bytes = 32 chunks of 16
+constexpr int kStages = 2;
+constexpr int kLdO = kHd + 8;  // fp32 row stride of the epilogue staging buffer
+
+template <int kWarps>
+constexpr size_t mma_smem_bytes() {
+  return size_t(kWarps * 16) * kRowBytes + size_t(kStages) * 2 * kBn * kRowBytes;
+}
+
+// Byte offset of 16-byte chunk `c` (0..31) of row `r` in a swizzled [rows, 256] bf16 tile.
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+  return uint32_t(r) * kRowBytes + (uint32_t(c ^ (r & 7)) << 4);
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  // src-size 0 zero-fills the 16 bytes without reading the source.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c[16x8] += a[16x16] b[16x8], bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Epilogue rows: os holds O / l in fp32 ([kBm, kLdO]); writes 16-byte rows of out with the gate.
+template <int kBm, int kThreads>
+__device__ __forceinline__ void store_rows(const float* os, const AttnShape& s, AttnGate gate,
+                                           int q0, int q_len, int row0, int kvh, int group,
+                                           bf16* __restrict__ out) {
+  for (int i = threadIdx.x; i < kBm * 32; i += kThreads) {
+    const int r = i >> 5, c = i & 31, pr = row0 + r, tok = pr / group;
+    if (tok >= q_len) continue;
+    const int h = kvh * group + pr % group;
+    const float4 lo = *reinterpret_cast<const float4*>(os + r * kLdO + c * 8);
+    const float4 hi = *reinterpret_cast<const float4*>(os + r * kLdO + c * 8 + 4);
+    float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    if (gate.ptr) {
+      const bf16* gp = gate.ptr + int64_t(q0 + tok) * gate.token_stride +
+                       int64_t(h) * gate.head_stride + c * 8;
+      if ((reinterpret_cast<uintptr_t>(gp) & 15) == 0) {
+        const uint4 gv = *reinterpret_cast<const uint4*>(gp);
+        const bf16* ge = reinterpret_cast<const bf16*>(&gv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] *= sigmoid(__bfloat162float(ge[e]));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] *= sigmoid(__bfloat162float(gp[e]));
+      }
+    }
+    uint4 ov;
+    ov.x = pack_bf16(v[0], v[1]);
+    ov.y = pack_bf16(v[2], v[3]);
+    ov.z = pack_bf16(v[4], v[5]);
+    ov.w = pack_bf16(v[6], v[7]);
+    *reinterpret_cast<uint4*>(out + (int64_t(q0 + tok) * s.n_heads + h) * kHd + c * 8) = ov;
+  }
+}
+
+template <int kWarps>
+__global__ void __launch_bounds__(kWarps * 32, 1)
+    attention_prefill_mma_kernel(AttnShape s, AttnBatch b,
+                                 const bf16* __restrict__ q,        // [n_rows, n_heads, 256]
+                                 const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, 256]
+                                 const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, 256]
+                                 AttnGate gate,
+                                 bf16* __restrict__ out) {  // [n_rows, n_heads, 256]
+  constexpr int kBm = kWarps * 16;
+  constexpr int kThreads = kWarps * 32;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t q_smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t kv_smem = q_smem + kBm * kRowBytes;  // stage st: K, then V, kBn rows each
+  auto k_stage = [&](int st) { return kv_smem + uint32_t(st) * 2 * kBn * kRowBytes; };
+  auto v_stage = [&](int st) { return k_stage(st) + kBn * kRowBytes; };
+
+  const int seq = blockIdx.z, kvh = blockIdx.y;
+  const int tile = gridDim.x - 1 - blockIdx.x;  // the longest rows of the triangle start first
+  const int group = s.n_heads / s.n_kv_heads;
+  const int q_len = b.q_len[seq];
+  const int row0 = tile * kBm;
+  if (row0 >= q_len * group) return;
+  const int kv_len = b.kv_len[seq], q0 = b.q_start[seq];
+  const int past = kv_len - q_len;  // tokens cached before this chunk
+  const int first_tok = row0 / group;
+  const int last_tok = min(q_len - 1, (row0 + kBm - 1) / group);
+  const int n_keys = past + last_tok + 1;  // keys 0 .. position of the tile's last query
+  const int n_tiles = (n_keys + kBn - 1) / kBn;
+  const int ps = s.page_size, n_kv = s.n_kv_heads;
+  const int32_t* btab = b.block_table + int64_t(seq) * b.block_table_stride;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
+
+  // Q tile (rows past the chunk zero-filled: their scores are 0, finite, and never stored).
+  for (int i = threadIdx.x; i < kBm * 32; i += kThreads) {
+    const int r = i >> 5, c = i & 31, pr = row0 + r, tok = pr / group;
+    const bool ok = tok < q_len;
+    const bf16* src =
+        ok ? q + (int64_t(q0 + tok) * s.n_heads + kvh * group + pr % group) * kHd + c * 8 : q;
+    cp_async16(q_smem + swz(r, c), src, ok);
+  }
+  auto load_kv = [&](int j, int st) {
+    const int kt = j * kBn;
+    const int64_t blk = btab[kt / ps];
+    const int64_t off = ((blk * n_kv + kvh) * ps + kt % ps) * kHd;
+    const bf16* kp = k_cache + off;
+    const bf16* vp = v_cache + off;
+    const uint32_t kd = k_stage(st), vd = v_stage(st);
+    for (int i = threadIdx.x; i < kBn * 32; i += kThreads) {
+      const int r = i >> 5, c = i & 31;
+      const bool ok = kt + r < n_keys;  // rows past the last needed key: zeros, not read
+      cp_async16(kd + swz(r, c), kp + r * kHd + c * 8, ok);
+      cp_async16(vd + swz(r, c), vp + r * kHd + c * 8, ok);
+    }
+  };
+  load_kv(0, 0);
+  cp_async_commit();
+
+  // This thread's two rows (g and g + 8 of the warp's 16) and their query positions. Rows past
+  // the chunk get no mask (their zero Q gives finite scores over zero-filled keys).
+  const int ra = warp * 16 + g, rb = ra + 8;
+  const int tok_a = (row0 + ra) / group, tok_b = (row0 + rb) / group;
+  const int pos_a = tok_a < q_len ? past + tok_a : INT_MAX;
+  const int pos_b = tok_b < q_len ? past + tok_b : INT_MAX;
+  const int first_pos = past + first_tok;
+  const float scale_log2 = 0.0625f * 1.4426950408889634f;  // 1/sqrt(256) * log2(e)
+
+  float o[kHd / 8][4];
+#pragma unroll
+  for (int d = 0; d < kHd / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;  // l: this thread's partial sums
+
+  // ldmatrix lane addressing (see the fragment layouts of mma.m16n8k16).
+  const int q_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int q_chunk = lane >> 4;
+  const int k_row = (lane & 7) + (lane >> 4) * 8;
+  const int k_chunk = (lane >> 3) & 1;
+  const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int v_chunk = lane >> 4;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles) load_kv(j + 1, (j + 1) & 1);
+    cp_async_commit();  // possibly empty group: keeps the wait count uniform
+    cp_async_wait<1>();
+    __syncthreads();
+    const uint32_t ks = k_stage(j & 1), vs = v_stage(j & 1);
+    const int kt = j * kBn;
+
+    // S = Q K^T for this warp's 16 rows and 64 keys.
+    float sc[kBn / 8][4];
+#pragma unroll
+    for (int n = 0; n < kBn / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kHd / 16; ++kk) {
+      uint32_t a[4];
+      ldmatrix_x4(a, q_smem + swz(q_row, 2 * kk + q_chunk));
+#pragma unroll
+      for (int np = 0; np < kBn / 16; ++np) {
+        uint32_t bk[4];
+        ldmatrix_x4(bk, ks + swz(np * 16 + k_row, 2 * kk + k_chunk));
+        mma_bf16(sc[2 * np], a, bk[0], bk[1]);
+        mma_bf16(sc[2 * np + 1], a, bk[2], bk[3]);
+      }
+    }
+
+    // Online softmax (exp2 domain). Mask only where a key can pass some row's position.
+    const bool need_mask = kt + kBn - 1 > first_pos;
+    float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kBn / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = sc[n][e] * scale_log2;
+        if (need_mask) {
+          const int key = kt + n * 8 + 2 * t + (e & 1);
+          if (key > (e < 2 ? pos_a : pos_b)) v = -INFINITY;
+        }
+        sc[n][e] = v;
+      }
+      mx_a = fmaxf(mx_a, fmaxf(sc[n][0], sc[n][1]));
+      mx_b = fmaxf(mx_b, fmaxf(sc[n][2], sc[n][3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+    const float base_a = mn_a == -INFINITY ? 0.f : mn_a;  // a row with no key yet stays 0
+    const float base_b = mn_b == -INFINITY ? 0.f : mn_b;
+    const float alpha_a = fast_exp2(m_a - base_a), alpha_b = fast_exp2(m_b - base_b);
+    m_a = mn_a;
+    m_b = mn_b;
+    float sum_a = 0.f, sum_b = 0.f;
+    uint32_t p[kBn / 16][4];  // P as the A operand of P V, per 16-key step
+#pragma unroll
+    for (int n = 0; n < kBn / 8; ++n) {
+      const float p0 = fast_exp2(sc[n][0] - base_a), p1 = fast_exp2(sc[n][1] - base_a);
+      const float p2 = fast_exp2(sc[n][2] - base_b), p3 = fast_exp2(sc[n][3] - base_b);
+      sum_a += p0 + p1;
+      sum_b += p2 + p3;
+      p[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p0, p1);
+      p[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
+    }
+    l_a = l_a * alpha_a + sum_a;
+    l_b = l_b * alpha_b + sum_b;
+#pragma unroll
+    for (int d = 0; d < kHd / 8; ++d) {
+      o[d][0] *= alpha_a;
+      o[d][1] *= alpha_a;
+      o[d][2] *= alpha_b;
+      o[d][3] *= alpha_b;
+    }
+
+    // O += P V.
+#pragma unroll
+    for (int kk = 0; kk < kBn / 16; ++kk) {
+#pragma unroll
+      for (int dp = 0; dp < kHd / 16; ++dp) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, vs + swz(kk * 16 + v_row, 2 * dp + v_chunk));
+        mma_bf16(o[2 * dp], p[kk], bv[0], bv[1]);
+        mma_bf16(o[2 * dp + 1], p[kk], bv[2], bv[3]);
+      }
+    }
+    __syncthreads();  // stage j & 1 is refilled by the next iteration's prefetch
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: O / l in fp32 through shared memory, then 16-byte rows with the gate applied.
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+  float* os = reinterpret_cast<float*>(smem);  // [kBm, kLdO], fits in the Q + K/V space
+#pragma unroll
+  for (int d = 0; d < kHd / 8; ++d) {
+    *reinterpret_cast<float2*>(os + ra * kLdO + d * 8 + 2 * t) =
+        make_float2(o[d][0] * inv_a, o[d][1] * inv_a);
+    *reinterpret_cast<float2*>(os + rb * kLdO + d * 8 + 2 * t) =
+        make_float2(o[d][2] * inv_b, o[d][3] * inv_b);
+  }
+  __syncthreads();
+  store_rows<kBm, kThreads>(os, s, gate, q0, q_len, row0, kvh, group, out);
+}
+
+template <int kWarps>
+void launch_mma(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
+                const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
+  constexpr size_t smem = mma_smem_bytes<kWarps>();
+  static_assert(size_t(kWarps * 16) * kLdO * 4 <= smem, "epilogue staging must fit");
+  static const bool attr_set = [] {
+    DS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_mma_kernel<kWarps>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    return true;
+  }();
+  (void)attr_set;
+  const int group = s.n_heads / s.n_kv_heads;
+  const int64_t tiles = (int64_t(b.max_q_len) * group + kWarps * 16 - 1) / (kWarps * 16);
+  DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
+  dim3 grid(unsigned(tiles), s.n_kv_heads, b.n_seqs);
+  attention_prefill_mma_kernel<kWarps>
+      <<<grid, kWarps * 32, smem, stream>>>(s, b, q, k_cache, v_cache, gate, out);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+
+// ---- wgmma variant: the same tiles with Hopper warpgroup MMAs ---------------------------------
+// 2 warpgroups x 64 rows; S = Q K^T by wgmma m64n64k16 with Q and K from shared memory, O += P V
+// by wgmma m64n256k16 with P from registers and V from shared memory (MN-major). Tiles are stored
+// as 4 column blocks of [rows, 64] bf16 with the 128-byte swizzle the descriptors name.
+
+constexpr int kWgRows = 128;
+constexpr size_t kWgSmemBytes =
+    1024 + size_t(kWgRows) * kRowBytes + size_t(kStages) * 2 * kBn * kRowBytes;
+
+// Byte offset of 16-byte chunk `c` (0..31) of row `r` in a [rows, 256] tile in wgmma layout.
+__device__ __forceinline__ uint32_t gswz(int rows, int r, int c) {
+  return uint32_t(c >> 3) * uint32_t(rows) * 128u + uint32_t(r) * 128u +
+         (uint32_t((c & 7) ^ (r & 7)) << 4);
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "Matrix Descriptor Format").
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) |
+         (uint64_t((sbo & 0x3FFFF) >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// cp.async writes (generic proxy) become visible to wgmma reads (async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Keeps the compiler from moving accesses of accumulator registers across wgmma issue / wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// d[64 x 64] += A[64 x 16] B[16 x 64]; A and B from shared memory, both K-major.
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a,
+                                                   uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+// d[64 x 256] += A[64 x 16] B[16 x 256]; A from registers (the mma.m16n8k16 A fragment of each
+// warp's 16 rows), B from shared memory, MN-major (transposed).
+__device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint32_t (&a)[4],
+                                                    uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
+        "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]),
+        "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]),
+        "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
+        "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]),
+        "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+        "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+__global__ void __launch_bounds__(256, 1)
+    attention_prefill_wgmma_kernel(AttnShape s, AttnBatch b,
+                                   const bf16* __restrict__ q,        // [n_rows, n_heads, 256]
+                                   const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, 256]
+                                   const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, 256]
+                                   AttnGate gate,
+                                   bf16* __restrict__ out) {  // [n_rows, n_heads, 256]
+  constexpr int kBm = kWgRows;
+  constexpr int kThreads = 256;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));  // swizzle atoms
+  const uint32_t q_smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t kv_smem = q_smem + kBm * kRowBytes;
+  auto k_stage = [&](int st) { return kv_smem + uint32_t(st) * 2 * kBn * kRowBytes; };
+  auto v_stage = [&](int st) { return k_stage(st) + kBn * kRowBytes; };
+
+  const int seq = blockIdx.z, kvh = blockIdx.y;
+  const int tile = gridDim.x - 1 - blockIdx.x;
+  const int group = s.n_heads / s.n_kv_heads;
+  const int q_len = b.q_len[seq];
+  const int row0 = tile * kBm;
+  if (row0 >= q_len * group) return;
+  const int kv_len = b.kv_len[seq], q0 = b.q_start[seq];
+  const int past = kv_len - q_len;
+  const int first_tok = row0 / group;
+  const int last_tok = min(q_len - 1, (row0 + kBm - 1) / group);
+  const int n_keys = past + last_tok + 1;
+  const int n_tiles = (n_keys + kBn - 1) / kBn;
+  const int ps = s.page_size, n_kv = s.n_kv_heads;
+  const int32_t* btab = b.block_table + int64_t(seq) * b.block_table_stride;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  const int t = lane & 3;
+
+  for (int i = threadIdx.x; i < kBm * 32; i += kThreads) {
+    const int r = i >> 5, c = i & 31, pr = row0 + r, tok = pr / group;
+    const bool ok = tok < q_len;
+    const bf16* src =
+        ok ? q + (int64_t(q0 + tok) * s.n_heads + kvh * group + pr % group) * kHd + c * 8 : q;
+    cp_async16(q_smem + gswz(kBm, r, c), src, ok);
+  }
+  auto load_kv = [&](int j, int st) {
+    const int kt = j * kBn;
+    const int64_t blk = btab[kt / ps];
+    const int64_t off = ((blk * n_kv + kvh) * ps + kt % ps) * kHd;
+    const bf16* kp = k_cache + off;
+    const bf16* vp = v_cache + off;
+    const uint32_t kd = k_stage(st), vd = v_stage(st);
+    for (int i = threadIdx.x; i < kBn * 32; i += kThreads) {
+      const int r = i >> 5, c = i & 31;
+      const bool ok = kt + r < n_keys;
+      cp_async16(kd + gswz(kBn, r, c), kp + r * kHd + c * 8, ok);
+      cp_async16(vd + gswz(kBn, r, c), vp + r * kHd + c * 8, ok);
+    }
+  };
+  load_kv(0, 0);
+  cp_async_commit();
+
+  const int ra = warp * 16 + (lane >> 2), rb = ra + 8;
+  const int tok_a = (row0 + ra) / group, tok_b = (row0 + rb) / group;
+  const int pos_a = tok_a < q_len ? past + tok_a : INT_MAX;
+  const int pos_b = tok_b < q_len ? past + tok_b : INT_MAX;
+  const int first_pos = past + first_tok;
+  const float scale_log2 = 0.0625f * 1.4426950408889634f;
+
+  float o[kHd / 2];  // o[4 * d8 + e]: the mma accumulator layout of 8-column block d8
+#pragma unroll
+  for (int i = 0; i < kHd / 2; ++i) o[i] = 0.f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    if (j + 1 < n_tiles) load_kv(j + 1, (j + 1) & 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_proxy_async();
+    __syncthreads();
+    const uint32_t ks = k_stage(j & 1), vs = v_stage(j & 1);
+    const int kt = j * kBn;
+
+    float sc[kBn / 2];  // sc[4 * n8 + e]
+#pragma unroll
+    for (int i = 0; i < kBn / 2; ++i) sc[i] = 0.f;
+    fence_regs(sc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHd / 16; ++kk) {
+      const uint64_t da =
+          gmma_desc(q_smem + (kk >> 2) * kBm * 128 + wg * 64 * 128 + (kk & 3) * 32, 16, 1024);
+      const uint64_t db = gmma_desc(ks + (kk >> 2) * kBn * 128 + (kk & 3) * 32, 16, 1024);
+      wgmma_m64n64k16_ss(sc, da, db);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_regs(sc);
+
+    const bool need_mask = kt + kBn - 1 > first_pos;
+    float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kBn / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v = sc[4 * n + e] * scale_log2;
+        if (need_mask) {
+          const int key = kt + n * 8 + 2 * t + (e & 1);
+          if (key > (e < 2 ? pos_a : pos_b)) v = -INFINITY;
+        }
+        sc[4 * n + e] = v;
+      }
+      mx_a = fmaxf(mx_a, fmaxf(sc[4 * n], sc[4 * n + 1]));
+      mx_b = fmaxf(mx_b, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+    }
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+    const float base_a = mn_a == -INFINITY ? 0.f : mn_a;
+    const float base_b = mn_b == -INFINITY ? 0.f : mn_b;
+    const float alpha_a = fast_exp2(m_a - base_a), alpha_b = fast_exp2(m_b - base_b);
+    m_a = mn_a;
+    m_b = mn_b;
+    float sum_a = 0.f, sum_b = 0.f;
+    uint32_t p[kBn / 16][4];
+#pragma unroll
+    for (int n = 0; n < kBn / 8; ++n) {
+      const float p0 = fast_exp2(sc[4 * n] - base_a), p1 = fast_exp2(sc[4 * n + 1] - base_a);
+      const float p2 = fast_exp2(sc[4 * n + 2] - base_b), p3 = fast_exp2(sc[4 * n + 3] - base_b);
+      sum_a += p0 + p1;
+      sum_b += p2 + p3;
+      p[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p0, p1);
+      p[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
+    }
+    l_a = l_a * alpha_a + sum_a;
+    l_b = l_b * alpha_b + sum_b;
+#pragma unroll
+    for (int d = 0; d < kHd / 8; ++d) {
+      o[4 * d] *= alpha_a;
+      o[4 * d + 1] *= alpha_a;
+      o[4 * d + 2] *= alpha_b;
+      o[4 * d + 3] *= alpha_b;
+    }
+
+    fence_regs(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBn / 16; ++kk)
+      wgmma_m64n256k16_rs(o, p[kk], gmma_desc(vs + kk * 16 * 128, kBn * 128, 1024));
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_regs(o);
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+  float* os = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int d = 0; d < kHd / 8; ++d) {
+    *reinterpret_cast<float2*>(os + ra * kLdO + d * 8 + 2 * t) =
+        make_float2(o[4 * d] * inv_a, o[4 * d + 1] * inv_a);
+    *reinterpret_cast<float2*>(os + rb * kLdO + d * 8 + 2 * t) =
+        make_float2(o[4 * d + 2] * inv_b, o[4 * d + 3] * inv_b);
+  }
+  __syncthreads();
+  store_rows<kBm, kThreads>(os, s, gate, q0, q_len, row0, kvh, group, out);
+}
+
+void launch_wgmma(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
+                  const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
+  static_assert(size_t(kWgRows) * kLdO * 4 + 1024 <= kWgSmemBytes, "epilogue staging must fit");
+  static const bool attr_set = [] {
+    DS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_wgmma_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(kWgSmemBytes)));
+    return true;
+  }();
+  (void)attr_set;
+  const int group = s.n_heads / s.n_kv_heads;
+  const int64_t tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
+  DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
+  dim3 grid(unsigned(tiles), s.n_kv_heads, b.n_seqs);
+  attention_prefill_wgmma_kernel<<<grid, 256, kWgSmemBytes, stream>>>(s, b, q, k_cache, v_cache,
+                                                                       gate, out);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool attention_prefill_mma_supported(const AttnShape& s) {
+  return s.head_dim == kHd && s.page_size > 0 && s.page_size % kBn == 0 && s.n_kv_heads > 0 &&
+         s.n_heads % s.n_kv_heads == 0;
+}
+
+void launch_attention_prefill_mma(int rows_per_tile, const AttnShape& s, const AttnBatch& b,
+                                  const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                                  AttnGate gate, bf16* out, cudaStream_t stream) {
+  DS_CHECK(attention_prefill_mma_supported(s), "attention prefill (mma): needs head_dim 256 and ",
+           "page_size % ", kBn, " == 0 (got head_dim ", s.head_dim, ", page_size ", s.page_size,
+           ")");
+  if (b.n_seqs <= 0 || b.max_q_len <= 0) return;
+  switch (rows_per_tile) {
+    case 128:
+      return launch_mma<8>(s, b, q, k_cache, v_cache, gate, out, stream);
+    case 64:
+      return launch_mma<4>(s, b, q, k_cache, v_cache, gate, out, stream);
+    default:
+      ds::throw_error("attention prefill (mma): rows_per_tile ", rows_per_tile,
+                      " not supported (64, 128)");
+  }
+}
+
+void launch_attention_prefill_wgmma(const AttnShape& s, const AttnBatch& b, const bf16* q,
+                                    const bf16* k_cache, const bf16* v_cache, AttnGate gate,
+                                    bf16* out, cudaStream_t stream) {
+  DS_CHECK(attention_prefill_mma_supported(s), "attention prefill (wgmma): needs head_dim 256 ",
+           "and page_size % ", kBn, " == 0 (got head_dim ", s.head_dim, ", page_size ",
+           s.page_size, ")");
+  if (b.n_seqs <= 0 || b.max_q_len <= 0) return;
+  launch_wgmma(s, b, q, k_cache, v_cache, gate, out, stream);
+}
+
+}  // namespace ds::cuda

@@ -1,0 +1,38 @@
+// The register-resident flash prefill kernels for head_dim 256 (attention_prefill_mma.cu): the
+// specialised variants behind launch_attention_prefill (attention_prefill.cu), which selects
+// them through the dispatch registry (family attn_prefill, variants "wgmma_m128" (Hopper
+// warpgroup MMA), "mma_m128" / "mma_m64" (mma.sync)).
+#pragma once
+
+#include "cuda/kernels.h"
+
+namespace ds::cuda {
+
+// Head dim the mma kernel is built for, and the key tile (keys per step) it reads from one page.
+constexpr int kAttnMmaHeadDim = 256;
+constexpr int kAttnMmaKeyTile = 64;
+
+// Whether the mma kernel can run `s` at all (head_dim 256, page_size a multiple of the key tile);
+// the registry guard decides on top of this whether it should.
+bool attention_prefill_mma_supported(const AttnShape& s);
+
+// Same contract as launch_attention_prefill. rows_per_tile: 128 (8 warps) or 64 (4 warps) packed
+// (token, head) rows per block.
+void launch_attention_prefill_mma(int rows_per_tile, const AttnShape& s, const AttnBatch& b,
+                                  const __nv_bfloat16* q,        // [n_rows, n_heads, 256]
+                                  const __nv_bfloat16* k_cache,  // [blocks, n_kv, page, 256]
+                                  const __nv_bfloat16* v_cache,  // [blocks, n_kv, page, 256]
+                                  AttnGate gate,
+                                  __nv_bfloat16* out,  // [n_rows, n_heads, 256]
+                                  cudaStream_t stream);
+
+// Same contract; Hopper wgmma (sm_90a), 128 rows per block (2 warpgroups x 64).
+void launch_attention_prefill_wgmma(const AttnShape& s, const AttnBatch& b,
+                                    const __nv_bfloat16* q,        // [n_rows, n_heads, 256]
+                                    const __nv_bfloat16* k_cache,  // [blocks, n_kv, page, 256]
+                                    const __nv_bfloat16* v_cache,  // [blocks, n_kv, page, 256]
+                                    AttnGate gate,
+                                    __nv_bfloat16* out,  // [n_rows, n_heads, 256]
+                                    cudaStream_t stream);
+
+}  // namespace ds::cuda
