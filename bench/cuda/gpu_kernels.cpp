@@ -462,15 +462,44 @@ const KernelResult& KernelBench::gdn_prefill(int n_tokens, int seq_pos) {
   r.family = "gdn_prefill";
   r.variant = variant(cuda::KernelFamily::kGdnPrefill, reg_.key(gdn_.d_k, gdn_.d_v, n_tokens, 1));
   r.shape = shape;
-  r.samples = gpu::time_launches(
-      [&](int i) {
-        const int k = i % rot;
-        cuda::launch_gdn_prefill(gdn_, in.w, in.pool,
-                                 in.proj.as<bf16>() + int64_t(k) * n_tokens * gdn_.in_dim(),
-                                 cu.as<int32_t>(), pos.as<int32_t>(), slot_ids[k].as<int32_t>(), 1,
-                                 n_tokens, ws.as<void>(), ws_bytes, out.as<bf16>(), s_);
-      },
-      s_, timer(rot));
+  // The engine's path (registry) and, when that is a specialised variant, the generic kernels.
+  auto run = [&](const cuda::DispatchRegistry* reg, const cuda::GdnStatePool& pool, int k,
+                 bf16* o) {
+    cuda::launch_gdn_prefill(gdn_, in.w, pool,
+                             in.proj.as<bf16>() + int64_t(k) * n_tokens * gdn_.in_dim(),
+                             cu.as<int32_t>(), pos.as<int32_t>(), slot_ids[k].as<int32_t>(), 1,
+                             n_tokens, ws.as<void>(), ws_bytes, o, s_, reg);
+  };
+  if (r.variant != "chunked") {
+    // Same inputs and initial state (slot 0) through both paths; compare y and the new state.
+    DevBuf conv2(in.conv_state.bytes(), "gdn conv state copy"),
+        rec2(in.rec_state.bytes(), "gdn state copy");
+    gpu::check(cudaMemcpyAsync(conv2.as<void>(), in.conv_state.as<void>(), in.conv_state.bytes(),
+                               cudaMemcpyDeviceToDevice, s_),
+               "copy");
+    gpu::check(cudaMemcpyAsync(rec2.as<void>(), in.rec_state.as<void>(), in.rec_state.bytes(),
+                               cudaMemcpyDeviceToDevice, s_),
+               "copy");
+    cuda::GdnStatePool p2 = in.pool;
+    p2.conv_state = conv2.as<bf16>();
+    p2.rec_state = rec2.as<float>();
+    DevBuf out2(size_t(n_tokens) * gdn_.out_dim() * 2, "gdn out (fallback)");
+    run(&reg_, in.pool, 0, out.as<bf16>());
+    run(nullptr, p2, 0, out2.as<bf16>());
+    const gpu::Diff dy = gpu::compare_bf16(out.as<bf16>(), out2.as<bf16>(),
+                                           int64_t(n_tokens) * gdn_.out_dim(), s_);
+    const gpu::Diff ds =
+        gpu::compare_f32(in.rec_state.as<float>(), rec2.as<float>(),
+                         int64_t(gdn_.n_v_heads) * gdn_.d_v * gdn_.d_k, s_);
+    r.match = "y: " + dy.text() + "; state: " + ds.text();
+    r.fallback = "chunked";
+    r.fallback_time_s =
+        gpu::time_launches([&](int i) { run(nullptr, in.pool, i % rot, out.as<bf16>()); }, s_,
+                           timer(rot))
+            .p50;
+  }
+  r.samples = gpu::time_launches([&](int i) { run(&reg_, in.pool, i % rot, out.as<bf16>()); },
+                                 s_, timer(rot));
   const double ring = 4.0 * gdn_.qkv_dim() * 2;
   r.bytes =
       double(n_tokens) * (gdn_.in_dim() + gdn_.out_dim()) * 2 + (seq_pos ? 2 : 1) * (state + ring);
@@ -779,9 +808,10 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
     for (int b : dec_batches)
       guarded("gdn_decode", "batch " + std::to_string(b), [&] { kb.gdn_decode(b); });
   if (c.n_linear_layers() > 0 && wanted(opt, "gdn_prefill")) {
-    for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{64, 512, 4096})
+    for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{64, 512, 4096, 8192})
       guarded("gdn_prefill", "tokens/pos " + S(t, 8192), [&] { kb.gdn_prefill(t, 8192); });
-    guarded("gdn_prefill", "tokens/pos " + S(4096, 0), [&] { kb.gdn_prefill(4096, 0); });
+    for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{512, 4096})
+      guarded("gdn_prefill", "tokens/pos " + S(t, 0), [&] { kb.gdn_prefill(t, 0); });
   }
   const std::vector<int> rows =
       opt.quick ? std::vector<int>{1, 4096} : std::vector<int>{1, 16, 4096};

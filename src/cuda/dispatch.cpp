@@ -137,6 +137,23 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return (hd == 32 || hd == 64 || hd == 128 || hd == 256) && g >= 1 && g <= 8;
          }});
   r.add({F::kAttnDecode, "prefill_kernel", "the prefill kernel with one query per sequence", {}});
+  // gdn_prefill dims: {d_k, d_v, n_tokens, n_seqs}; pointer alignment is checked in
+  // launch_gdn_prefill (else the generic kernels run). Token thresholds from the H200 timings
+  // (one sequence; gdn_prefill_sm90.cu): wymma_scan_x2 wins at 4096 / 8192 tokens but loses at
+  // 512 (its 8-token conv blocks under-fill the GPU), scan_mma wins at 512 and 4096, both lose to
+  // the generic kernels at 64 tokens.
+  r.add({F::kGdnPrefill, "wymma_scan_x2",
+         "d_k = d_v = 128, >= 2048 tokens: 8-token conv blocks, WY on register mma.sync, then state "
+         "pass + output + gated norm in one scan per head over a 2-CTA cluster (gdn_prefill_sm90.cu)",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 2048;
+         }});
+  r.add({F::kGdnPrefill, "scan_mma",
+         "d_k = d_v = 128, >= 512 tokens: generic conv + WY, then state pass + output + gated norm "
+         "in one kernel per (sequence, head), state in registers (mma.sync)",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
+         }});
   r.add({F::kGdnPrefill, "chunked", "GDN chunked WY/UT prefill (gdn.h)", {}});
   r.add({F::kGdnDecode, "fused", "fused GDN decode step (gdn.h launch_gdn_decode)",
          [](const ShapeKey&) { return true; }});

@@ -33,13 +33,22 @@
 // FlashInfer keeps the state in registers across warpgroups), the WY kernel's inverse is SIMT,
 // and W, U, V_new and the snapshots make ~0.6 GB of extra traffic per 4096 tokens that a fused
 // kernel would not.
+// Specialised variants (dispatch.cpp kGdnPrefill, sm 90, d_k = d_v = 128; gdn_prefill_sm90.cu):
+// stages 3 + 4 replaced by one register-resident scan per (sequence, head) ("scan_mma"), and
+// with 8-token conv blocks, the WY stage on register mma.sync and the scan over a 2-CTA cluster
+// ("wymma_scan_x2"). Stage profile of these generic kernels under ncu on the H200 (4096 tokens,
+// carried state, 2026-11-29): chunk map 2.8 us, conv_prep 103, conv ring 4.4, wy 294, state pass
+// 384, output 223 (1.01 ms in all).
 // Test: tests/cuda/cuda_gdn_test.cpp (vs the token-by-token fp32 recurrence; timings printed).
 #include <mma.h>
 
 #include <algorithm>
+#include <string>
 
 #include "cuda/cuda_common.h"
+#include "cuda/dispatch.h"
 #include "cuda/gdn.h"
+#include "cuda/gdn_prefill_sm90.h"
 
 namespace ds::cuda {
 namespace {
@@ -1050,7 +1059,6 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
                         const int32_t* slot_ids, int n_seqs, int n_tokens, void* workspace,
                         size_t workspace_bytes, bf16* out, cudaStream_t stream,
                         const DispatchRegistry* dispatch) {
-  (void)dispatch;  // only the generic chunked kernels so far
   check_common(s, pool, n_seqs);
   DS_CHECK(w.conv_w && w.A_log && w.dt_bias, "gdn prefill: layer weight pointers are null");
   DS_CHECK(n_tokens >= 0, "gdn prefill: n_tokens must be >= 0, got ", n_tokens);
@@ -1064,8 +1072,29 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   gdn_chunk_map_kernel<<<1, 256, 0, stream>>>(cu_seqlens, n_seqs, max_chunks, ws.chunks,
                                               ws.seq_chunk0);
   DS_CUDA_LAUNCH_CHECK();
-  launch_gdn_conv_prep(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, ws.qkv,
-                       ws.g, ws.beta, stream);
+  // Compile-time head sizes for d_k == d_v == 128 (the shipped models); run-time otherwise.
+  const bool d128 = s.d_k == 128 && s.d_v == 128;
+  // The specialised variants (dispatch.cpp kGdnPrefill; gdn_prefill_sm90.cu): "scan_mma" = the
+  // generic conv and WY kernels, then the state pass, output and gated norm in one
+  // register-resident scan per (sequence, head); "wymma_scan_x2" = 8-token conv blocks, the WY
+  // stage on register mma.sync, and the scan split over a 2-CTA cluster per head.
+  int scan_split = 0;  // 0: the generic state pass + output kernels
+  bool wy_mma = false, conv_multi = false;
+  if (d128 && dispatch != nullptr && gdn_scan_supported(s, w, pool, proj, out)) {
+    const std::string& v =
+        dispatch->select(KernelFamily::kGdnPrefill, dispatch->key(s.d_k, s.d_v, n_tokens, n_seqs))
+            .name;
+    wy_mma = v == "wymma_scan_x2";
+    scan_split = wy_mma ? 2 : v == "scan_mma" ? 1 : 0;
+    conv_multi = scan_split == 2 && gdn_conv_prep_multi_supported(s, w, pool, proj);
+  }
+  if (conv_multi) {
+    launch_gdn_conv_prep_multi(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens,
+                               ws.qkv, ws.g, ws.beta, stream);
+  } else {
+    launch_gdn_conv_prep(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, ws.qkv,
+                         ws.g, ws.beta, stream);
+  }
   launch_gdn_conv_state_update(s, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, stream);
   if (!chunked_dims(s)) {
     const size_t smem_bytes =
@@ -1093,12 +1122,18 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
                                                 ws.u, ws.h, out);
     DS_CUDA_LAUNCH_CHECK();
   };
-  // Compile-time head sizes for d_k == d_v == 128 (the shipped models); run-time otherwise.
-  const bool d128 = s.d_k == 128 && s.d_v == 128;
-  if (d128)
+  if (wy_mma)
+    launch_gdn_wy_mma(s, reinterpret_cast<const int4*>(ws.chunks), max_chunks, ws.qkv, ws.g,
+                      ws.beta, ws.w, ws.u, stream);
+  else if (d128)
     run_wy(gdn_wy_kernel<128, 128>);
   else
     run_wy(gdn_wy_kernel<0, 0>);
+  if (scan_split > 0) {
+    launch_gdn_scan(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, ws.qkv, ws.g, ws.w,
+                    ws.u, out, scan_split, stream);
+    return;
+  }
 
   switch (s.d_k) {
     case 16:

@@ -17,12 +17,14 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "core/bf16.h"
 #include "core/error.h"
 #include "cuda/cuda_common.h"
+#include "cuda/dispatch.h"
 #include "cuda/gdn.h"
 
 namespace ds::cuda {
@@ -333,7 +335,46 @@ struct PrefillCase {
   std::vector<int> pos;  // tokens already in each sequence (carried state when > 0)
 };
 
-// Runs one prefill launch of several sequences against the oracle; checks y, state and ring.
+// The prefill variants to check: the generic kernels (no registry) and each specialised kGdnPrefill
+// variant of the device's registry, forced for every d_k = d_v = 128 shape (its token threshold
+// dropped, so that short and tail cases run it too; other head sizes take the generic fallback).
+// engine_dispatch(): the registry as the engine has it.
+struct PrefillVariant {
+  std::string name;
+  const DispatchRegistry* dispatch;
+};
+int device_sm() {
+  int dev = 0, major = 0, minor = 0;
+  CK(cudaGetDevice(&dev));
+  CK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  CK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  return major * 10 + minor;
+}
+const DispatchRegistry* engine_dispatch() {
+  static const DispatchRegistry* reg =
+      new DispatchRegistry(DispatchRegistry::with_defaults(device_sm()));
+  return reg;
+}
+const std::vector<PrefillVariant>& prefill_variants() {
+  static const std::vector<PrefillVariant> vars = [] {
+    std::vector<PrefillVariant> v{{"generic", nullptr}};
+    const ShapeKey probe = engine_dispatch()->key(128, 128, 1 << 20, 1);  // a long 27B prompt
+    for (const KernelVariant& kv : engine_dispatch()->variants()) {
+      if (kv.family != KernelFamily::kGdnPrefill || !kv.guard || !kv.enabled || !kv.guard(probe))
+        continue;
+      auto* reg = new DispatchRegistry();
+      reg->add({KernelFamily::kGdnPrefill, kv.name, kv.description,
+                [](const ShapeKey& k) { return k.dims[0] == 128 && k.dims[1] == 128; }});
+      reg->add({KernelFamily::kGdnPrefill, "chunked", "generic", {}});
+      v.push_back({kv.name, reg});
+    }
+    return v;
+  }();
+  return vars;
+}
+
+// Runs one prefill launch of several sequences against the oracle, once per variant (the same
+// inputs and initial state); checks y, state and ring.
 void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, double tol_y = 2e-2,
                    double tol_s = 2e-2, bool norm = true) {
   std::mt19937 rng(seed);
@@ -347,11 +388,14 @@ void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, doub
   }
   const int n_tokens = cu[n_seqs];
   const auto proj = random_proj(s, n_tokens, rng);
-  std::vector<HostSeq> seqs;
-  for (int i = 0; i < n_seqs; ++i) seqs.push_back(make_seq(s, pc.pos[i], rng));
+  std::vector<HostSeq> init;
+  for (int i = 0; i < n_seqs; ++i) init.push_back(make_seq(s, pc.pos[i], rng));
+  // The oracle, once for all variants.
+  std::vector<HostSeq> seqs = init;
+  std::vector<std::vector<float>> ys(n_seqs);
+  for (int i = 0; i < n_seqs; ++i)
+    ref_gdn(s, hl, &proj[size_t(cu[i]) * s.in_dim()], pc.lens[i], seqs[i], ys[i], norm);
 
-  DevPool pool(s, 2 * n_seqs + 1);
-  for (int i = 0; i < n_seqs; ++i) pool.put(s, slots[i], seqs[i]);
   DevBuf<bf16> d_proj(proj.size()), d_out(size_t(n_tokens) * s.out_dim());
   upload(d_proj, to_bf16(proj));
   DevBuf<int32_t> d_cu(n_seqs + 1), d_pos(n_seqs), d_slots(n_seqs);
@@ -360,38 +404,42 @@ void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, doub
   upload(d_slots, slots);
   const size_t ws_bytes = gdn_prefill_workspace_bytes(s, n_tokens, n_seqs);
   DevBuf<unsigned char> d_ws(ws_bytes);
-  d_ws.poison();
-  d_out.poison();
-  launch_gdn_prefill(s, dl.w(norm), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slots.p, n_seqs,
-                     n_tokens, d_ws.p, ws_bytes, d_out.p, nullptr);
-  CK(cudaDeviceSynchronize());
-  const auto out = download_bf16(d_out.p, d_out.n);
-
-  for (int i = 0; i < n_seqs; ++i) {
-    std::vector<float> y;
-    ref_gdn(s, hl, &proj[size_t(cu[i]) * s.in_dim()], pc.lens[i], seqs[i], y, norm);
-    std::vector<float> got(out.begin() + size_t(cu[i]) * s.out_dim(),
-                           out.begin() + size_t(cu[i + 1]) * s.out_dim());
-    char what[128];
-    std::snprintf(what, sizeof what, "seq %d (len %d, pos %d) y", i, pc.lens[i], pc.pos[i]);
-    if (pc.lens[i] > 0) {
-      const Err ey = compare(got, y);
-      EXPECT_ERR(ey, tol_y, what);
-      std::printf("  %-32s err %.2e (max abs %.2e)\n", what, ey.norm, ey.max_abs);
+  for (const PrefillVariant& var : prefill_variants()) {
+    std::printf(" variant %s\n", var.name.c_str());
+    DevPool pool(s, 2 * n_seqs + 1);
+    for (int i = 0; i < n_seqs; ++i) pool.put(s, slots[i], init[i]);
+    d_ws.poison();
+    d_out.poison();
+    launch_gdn_prefill(s, dl.w(norm), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slots.p, n_seqs,
+                       n_tokens, d_ws.p, ws_bytes, d_out.p, nullptr, var.dispatch);
+    CK(cudaDeviceSynchronize());
+    const auto out = download_bf16(d_out.p, d_out.n);
+    for (int i = 0; i < n_seqs; ++i) {
+      std::vector<float> got(out.begin() + size_t(cu[i]) * s.out_dim(),
+                             out.begin() + size_t(cu[i + 1]) * s.out_dim());
+      char what[160];
+      std::snprintf(what, sizeof what, "[%s] seq %d (len %d, pos %d) y", var.name.c_str(), i,
+                    pc.lens[i], pc.pos[i]);
+      if (pc.lens[i] > 0) {
+        const Err ey = compare(got, ys[i]);
+        EXPECT_ERR(ey, tol_y, what);
+        std::printf("  %-42s err %.2e (max abs %.2e)\n", what, ey.norm, ey.max_abs);
+      }
+      if (pc.lens[i] > 0 || pc.pos[i] > 0) {
+        const Err es = compare(pool.state(s, slots[i]), seqs[i].S);
+        std::snprintf(what, sizeof what, "[%s] seq %d (len %d, pos %d) state", var.name.c_str(), i,
+                      pc.lens[i], pc.pos[i]);
+        EXPECT_ERR(es, tol_s, what);
+        std::printf("  %-42s err %.2e (max abs %.2e)\n", what, es.norm, es.max_abs);
+        pool.expect_ring(s, slots[i], seqs[i], what);
+      }
     }
-    if (pc.lens[i] > 0 || pc.pos[i] > 0) {
-      const Err es = compare(pool.state(s, slots[i]), seqs[i].S);
-      std::snprintf(what, sizeof what, "seq %d (len %d, pos %d) state", i, pc.lens[i], pc.pos[i]);
-      EXPECT_ERR(es, tol_s, what);
-      std::printf("  %-32s err %.2e (max abs %.2e)\n", what, es.norm, es.max_abs);
-      pool.expect_ring(s, slots[i], seqs[i], what);
-    }
+    // Slots no sequence uses stay poisoned (nothing wrote outside its slot).
+    auto untouched = download_f32(pool.rec.p, size_t(s.n_v_heads) * s.d_v * s.d_k);
+    EXPECT_TRUE(
+        std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }))
+        << "[" << var.name << "] slot 0 (unused) was written";
   }
-  // Slots no sequence uses stay poisoned (nothing wrote outside its slot).
-  auto untouched = download_f32(pool.rec.p, size_t(s.n_v_heads) * s.d_v * s.d_k);
-  EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(), [](float x) {
-    return std::isnan(x);
-  })) << "slot 0 (unused) was written";
 }
 
 TEST(CudaGdn, ShapeChecks) {
@@ -563,7 +611,7 @@ TEST(CudaGdn, PrefillThenPrefillThenDecode27B) {
     DevBuf<unsigned char> ws(wsb);
     d_out.poison();
     launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, len, ws.p,
-                       wsb, d_out.p, nullptr);
+                       wsb, d_out.p, nullptr, engine_dispatch());
     CK(cudaDeviceSynchronize());
     std::vector<float> y;
     ref_gdn(s, hl, proj.data(), len, seq, y);
@@ -631,19 +679,21 @@ TEST(CudaGdn, Timing) {
     const size_t wsb = gdn_prefill_workspace_bytes(s, T, 1);
     DevBuf<unsigned char> ws(wsb);
     CK(cudaMemset(pool.conv.p, 0, pool.conv.n * 2));
-    const double ms = median_ms(
-        [&](int) {
-          launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T,
-                             ws.p, wsb, d_out.p, nullptr);
-        },
-        20);
-    std::printf(
-        "TIMING gdn prefill  %5d tokens, 1 seq: %.3f ms/layer (%.1f M tok/s)  [PERF.md: FLA %s, "
-        "target 0.16 ms @4096]\n",
-        T, ms, T / ms / 1e3,
-        T == 512    ? "0.075"
-        : T == 4096 ? "0.405"
-                    : "0.788");
+    for (const PrefillVariant& var : prefill_variants()) {
+      const double ms = median_ms(
+          [&](int) {
+            launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T,
+                               ws.p, wsb, d_out.p, nullptr, var.dispatch);
+          },
+          20);
+      std::printf(
+          "TIMING gdn prefill [%-13s] %5d tokens, 1 seq: %.3f ms/layer (%.1f M tok/s)  [PERF.md: "
+          "FLA %s, target 0.16 ms @4096]\n",
+          var.name.c_str(), T, ms, T / ms / 1e3,
+          T == 512    ? "0.075"
+          : T == 4096 ? "0.405"
+                      : "0.788");
+    }
   }
   // Decode: batch B, states rotated over 32 layers' worth of slots (96 MiB at B = 1: past L2).
   for (int B : {1, 4, 16}) {
@@ -722,8 +772,10 @@ TEST(CudaGdn, DISABLED_ProfileOnce) {
   upload(d_slot, std::vector<int>{0});
   const size_t wsb = gdn_prefill_workspace_bytes(s, T, 1);
   DevBuf<unsigned char> ws(wsb);
-  launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, ws.p, wsb,
-                     d_out.p, nullptr);
+  for (const PrefillVariant& var : prefill_variants()) {
+    launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, ws.p, wsb,
+                       d_out.p, nullptr, var.dispatch);
+  }
   launch_gdn_decode(s, dl.w(), pool.pool(), d_proj.p, d_pos.p, d_slot.p, 1, d_out.p, nullptr);
   CK(cudaDeviceSynchronize());
 }

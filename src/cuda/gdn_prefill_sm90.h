@@ -1,0 +1,66 @@
+// Internal to the GDN prompt path (gdn_prefill.cu): the register-resident chunk scan of
+// gdn_prefill_sm90.cu, the kGdnPrefill variant "scan_mma" (dispatch.cpp). Not part of the
+// kernels' public interface (gdn.h).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/cuda_common.h"
+#include "cuda/gdn.h"
+
+namespace ds::cuda {
+
+// Shapes and pointers the scan kernel takes: d_k = d_v = 128, 16-byte aligned rows of proj,
+// qkv, W and U, 8-byte aligned state slots and output rows. False: use the generic kernels.
+bool gdn_scan_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                        const bf16* proj, const bf16* out);
+
+// The sequential half of the prompt path in one kernel per (sequence, value head) (split 1: one CTA
+// of 8 warps; split 2: a cluster of two CTAs of 4 warps, each owning half of the state), each
+// warp owning 16 rows (value columns) of the fp32 state in registers across the chunks: per chunk
+// of 64 tokens, P = causal(Q K^T) e^(gamma_i - gamma_j), V_new = U - W h,
+// O = e^gamma (Q h) + P V_new, h <- e^(gamma_last) h + K^T (e^(gamma_last - gamma) V_new), then the
+// gated RMSNorm of O written to out. Reads the outputs of conv_prep (qkv) and of the WY kernel
+// (gamma = in-chunk cumsum of g, W = T (beta e^gamma K), U = T (beta V)); writes each sequence's
+// final state into its slot (read first when seq_pos > 0). No workspace of its own.
+void launch_gdn_scan(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                     const bf16* proj,           // [n_tokens, in_dim] (z)
+                     const int32_t* cu_seqlens,  // [n_seqs + 1]
+                     const int32_t* seq_pos,     // [n_seqs]
+                     const int32_t* slot_ids,    // [n_seqs]
+                     int n_seqs,
+                     const bf16* qkv,     // [n_tokens, qkv_dim] conv + SiLU, q/k normed
+                     const float* gamma,  // [n_tokens, n_v_heads] in-chunk cumsum of g
+                     const bf16* w_mat,   // [n_tokens, n_v_heads, 128]
+                     const bf16* u_mat,   // [n_tokens, n_v_heads, 128]
+                     bf16* out,           // [n_tokens, n_v_heads * 128]
+                     int split,           // CTAs per (sequence, head): 1 or 2
+                     cudaStream_t stream);
+
+// conv + SiLU + l2norm + gates (launch_gdn_conv_prep's maths) for d_k = d_v = 128 with
+// 8 tokens per block (the conv weights read once per 8 tokens instead of per token).
+bool gdn_conv_prep_multi_supported(const GdnShape& s, const GdnLayerWeights& w,
+                                   const GdnStatePool& pool, const bf16* proj);
+void launch_gdn_conv_prep_multi(const GdnShape& s, const GdnLayerWeights& w,
+                                const GdnStatePool& pool,
+                                const bf16* proj,  // [n_tokens, in_dim]
+                                const int32_t* cu_seqlens, const int32_t* seq_pos,
+                                const int32_t* slot_ids, int n_seqs, int n_tokens,
+                                bf16* qkv,    // [n_tokens, qkv_dim]
+                                float* g,     // [n_tokens, n_v_heads]
+                                float* beta,  // [n_tokens, n_v_heads]
+                                cudaStream_t stream);
+
+// The WY stage (gamma = in-chunk cumsum of g written back into g, W = T (beta e^gamma K),
+// U = T (beta V)) for d_k = d_v = 128 with register-resident mma.sync products; the same maths as
+// the generic gdn_wy_kernel. chunks: the chunk map of gdn_prefill.cu ({sequence or -1, first
+// token, valid rows, index in the sequence} per chunk).
+void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks,
+                       const bf16* qkv,    // [n_tokens, qkv_dim]
+                       float* g,           // [n_tokens, n_v_heads] in: g, out: gamma
+                       const float* beta,  // [n_tokens, n_v_heads]
+                       bf16* w_mat,        // [n_tokens, n_v_heads, 128]
+                       bf16* u_mat,        // [n_tokens, n_v_heads, 128]
+                       cudaStream_t stream);
+
+}  // namespace ds::cuda
