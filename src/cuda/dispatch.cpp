@@ -154,6 +154,13 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          [](const ShapeKey& k) {
            return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
          }});
+  // Not yet timed on its own (its parts are: est. ~0.84 ms at 4096 tokens); after scan_mma, so the
+  // engine never picks it until a run shows it winning (the GDN tests and Timing force it).
+  r.add({F::kGdnPrefill, "wymma_scan",
+         "d_k = d_v = 128, >= 512 tokens: generic conv, WY on register mma.sync, scan_mma's scan",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
+         }});
   r.add({F::kGdnPrefill, "chunked", "GDN chunked WY/UT prefill (gdn.h)", {}});
   r.add({F::kGdnDecode, "fused", "fused GDN decode step (gdn.h launch_gdn_decode)",
          [](const ShapeKey&) { return true; }});

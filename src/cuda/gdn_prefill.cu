@@ -1077,15 +1077,16 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   // The specialised variants (dispatch.cpp kGdnPrefill; gdn_prefill_sm90.cu): "scan_mma" = the
   // generic conv and WY kernels, then the state pass, output and gated norm in one
   // register-resident scan per (sequence, head); "wymma_scan_x2" = 8-token conv blocks, the WY
-  // stage on register mma.sync, and the scan split over a 2-CTA cluster per head.
+  // stage on register mma.sync, and the scan split over a 2-CTA cluster per head; "wymma_scan" =
+  // the generic conv, the register WY stage and scan_mma's scan.
   int scan_split = 0;  // 0: the generic state pass + output kernels
   bool wy_mma = false, conv_multi = false;
   if (d128 && dispatch != nullptr && gdn_scan_supported(s, w, pool, proj, out)) {
     const std::string& v =
         dispatch->select(KernelFamily::kGdnPrefill, dispatch->key(s.d_k, s.d_v, n_tokens, n_seqs))
             .name;
-    wy_mma = v == "wymma_scan_x2";
-    scan_split = wy_mma ? 2 : v == "scan_mma" ? 1 : 0;
+    wy_mma = v == "wymma_scan_x2" || v == "wymma_scan";
+    scan_split = v == "wymma_scan_x2" ? 2 : v == "scan_mma" || v == "wymma_scan" ? 1 : 0;
     conv_multi = scan_split == 2 && gdn_conv_prep_multi_supported(s, w, pool, proj);
   }
   if (conv_multi) {

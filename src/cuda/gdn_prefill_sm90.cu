@@ -33,6 +33,7 @@
 //   generic         0.173    1.037   1.977
 //   scan_mma        0.153    0.967   1.873   (scan<1> 554 us replaces state 386 + output 226)
 //   wymma_scan_x2   0.186    0.893   1.735   (conv_multi 99 us, wy_mma 176 us vs 295, scan<2> 604)
+//   wymma_scan      (not run yet: generic conv + wy_mma + scan<1>, est. ~0.84 at 4096)
 // `bench kernels` (graph replays, rotated inputs): 4096 tokens 0.891 ms vs the generic 1.034
 // (carried), 0.881 vs 1.004 (fresh); 512 tokens 0.178 vs 0.163 and 64 tokens 0.120 vs 0.084:
 // hence the token thresholds of the guards. Far from FLA (0.405 ms at 4096): the scan is
