@@ -274,8 +274,8 @@ const KernelResult& KernelBench::attn_prefill(int q, int cached_tokens) {
   r.variant = variant(cuda::KernelFamily::kAttnPrefill, key);
   r.shape = shape;
   auto run = [&](const cuda::DispatchRegistry* reg, bf16* o) {
-    cuda::launch_attention_prefill(attn_, b, qb.as<bf16>(), kc.as<bf16>(), vc.as<bf16>(), g, o,
-                                   s_, reg);
+    cuda::launch_attention_prefill(attn_, b, qb.as<bf16>(), kc.as<bf16>(), vc.as<bf16>(), g, o, s_,
+                                   reg);
   };
   const bool generic = !reg_.select(cuda::KernelFamily::kAttnPrefill, key).guard;
   if (!generic) {

@@ -243,12 +243,12 @@ void launch_attention_prefill(const AttnShape& s, const AttnBatch& b, const bf16
   // Specialised variants (dispatch.cpp, family attn_prefill); the page-size requirement is not in
   // the shape key, so it is checked here and an unsupported cache falls back to the generic kernel.
   if (dispatch && attention_prefill_mma_supported(s)) {
-    const KernelVariant& v =
-        dispatch->select(KernelFamily::kAttnPrefill,
-                         dispatch->key(s.head_dim, s.n_heads / s.n_kv_heads, b.max_q_len,
-                                       b.max_kv_len));
-    if (v.name == "wgmma_m128")
-      return launch_attention_prefill_wgmma(s, b, q, k_cache, v_cache, gate, out, stream);
+    const KernelVariant& v = dispatch->select(
+        KernelFamily::kAttnPrefill,
+        dispatch->key(s.head_dim, s.n_heads / s.n_kv_heads, b.max_q_len, b.max_kv_len));
+    if (v.name == "wgmma_m128" || v.name == "wgmma_pipe")
+      return launch_attention_prefill_wgmma(v.name == "wgmma_pipe", s, b, q, k_cache, v_cache, gate,
+                                            out, stream);
     if (v.name == "mma_m128" || v.name == "mma_m64")
       return launch_attention_prefill_mma(v.name == "mma_m128" ? 128 : 64, s, b, q, k_cache,
                                           v_cache, gate, out, stream);

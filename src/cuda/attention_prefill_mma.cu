@@ -1,28 +1,36 @@
-// Prompt attention for head_dim 256 over the paged KV cache, FlashAttention-2 style with every
-// running quantity in registers: the specialised attn_prefill variants "mma_m128" / "mma_m64"
-// (dispatch.cpp) behind launch_attention_prefill. Same maths and contract as the generic kernel
-// (attention_prefill.cu): causal softmax(q k^T / 16) v, bottom-right aligned against the tokens
-// already in the cache (query j of a q_len chunk sits at kv_len - q_len + j), GQA, output times
-// sigmoid(gate), several sequences of different lengths per launch (AttnBatch).
+// Prompt attention for head_dim 256 over the paged KV cache, FlashAttention-2/3 style with every
+// running quantity in registers: the specialised attn_prefill variants (dispatch.cpp) behind
+// launch_attention_prefill. Same maths and contract as the generic kernel (attention_prefill.cu):
+// causal softmax(q k^T / 16) v, bottom-right aligned against the tokens already in the cache
+// (query j of a q_len chunk sits at kv_len - q_len + j), GQA, output times sigmoid(gate), several
+// sequences of different lengths per launch (AttnBatch).
 //
-// Work layout: one block per (row tile, kv head, sequence); the rows of a tile are (query token,
-// query head of the GQA group) pairs, row = token * group + head, so one K/V tile in shared memory
-// serves every query head that reads it (6 for Qwen3.5-27B). kWarps warps x 16 rows (128 or 64
-// rows), 64 keys per step = exactly one page of one kv head when page_size % 64 == 0 (a contiguous
-// [64, 256] bf16 block, the only paging requirement). Per step and warp:
-//   S[16, 64]  = Q K^T    mma.sync m16n8k16 bf16 -> fp32, Q and K by ldmatrix from shared memory
-//   online softmax in fp32 (exp2 domain), each thread owns 2 rows x 16 keys, row max / sum over the
-//   4 lanes of a quad; the causal mask is applied only on tiles that reach past the first query
-//   P (bf16)   = the S accumulators re-packed as the A operand (no shared-memory round trip)
-//   O[16, 256] += P V     V by ldmatrix.trans; O = 128 fp32 registers per thread
-// K/V tiles stream through a 2-stage cp.async pipeline (tile j+1 loads while tile j computes);
-// rows past the last needed key are zero-filled, never read. Shared memory: Q tile + 2 x (K + V)
-// = 192 KiB (m128) / 160 KiB (m64), XOR-swizzled 16-byte chunks (chunk ^ (row & 7)) so ldmatrix
-// and cp.async are bank-conflict free. The epilogue stages O / l in fp32 through shared memory and
-// writes 16-byte rows with the gate applied. The heaviest (last) tiles of the causal triangle are
-// scheduled first.
+// Work layout (all variants): one block per (row tile, kv head, sequence); the rows of a tile are
+// (query token, query head of the GQA group) pairs, row = token * group + head, so one K/V tile in
+// shared memory serves every query head that reads it (6 for Qwen3.5-27B). 64 keys per step =
+// exactly one page of one kv head when page_size % 64 == 0 (a contiguous [64, 256] bf16 block,
+// the only paging requirement). Online softmax in fp32 (exp2 domain): each thread owns 2 rows x
+// 16 keys, row max / sum over the 4 lanes of a quad; the causal mask is applied only on tiles that
+// reach past the tile's first query. P (bf16) is the S accumulators re-packed as the A operand of
+// P V (no shared-memory round trip); O [rows, 256] stays in fp32 registers (128 per thread).
+// K/V tiles stream through a 2-stage cp.async pipeline; rows past the last needed key are
+// zero-filled, never read. The epilogue stages O / l in fp32 through shared memory and writes
+// 16-byte rows with the gate applied. The heaviest (last) tiles of the causal triangle start first.
+//
+// Variants (H200, bench kernels, 27B shapes; generic kernel 21-34 TFLOP/s):
+//   wgmma_m128  (default from 22 tokens) 2 warpgroups x 64 rows; S = Q K^T by wgmma m64n64k16 with
+//               Q and K in shared memory, O += P V by wgmma m64n256k16 with P in registers and V
+//               MN-major in shared memory; tiles in the 128-byte-swizzled wgmma layout. 310-443
+//               TFLOP/s for 3072/4096-token chunks (435 at 16K causal), 300-326 for 512-token
+//               chunks against 8K-32K cached tokens: 8.5-15x the generic kernel.
+//   wgmma_pipe  the same with the next tile's Q K^T issued before this tile's softmax (separate K
+//               and V stages); correct but 6-14% slower than wgmma_m128 (lockstep barriers and
+//               253 registers): kept for A/B runs, never picked by default.
+//   mma_m128 / mma_m64  8 / 4 warps x 16 rows, mma.sync m16n8k16 with ldmatrix (.trans for V),
+//               XOR-swizzled rows (chunk ^ (row & 7)); 170-300 TFLOP/s. mma_m64 is the default
+//               for <= 128 packed rows (short chunks), where twice the blocks beat larger tiles.
 // Tests: tests/cuda/cuda_attention_test.cpp (vs the fp32 CPU reference and the generic kernel);
-// bench: `deltaserve bench kernels` rows attn_prefill.* (fallback time and match beside them).
+// bench: `deltaserve bench kernels --only attn_prefill` (every variant's time, fallback, match).
 #include "cuda/attention_prefill_mma.h"
 #include "cuda/cuda_common.h"
 
@@ -101,8 +109,8 @@ __device__ __forceinline__ void store_rows(const float* os, const AttnShape& s, 
     const float4 hi = *reinterpret_cast<const float4*>(os + r * kLdO + c * 8 + 4);
     float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
     if (gate.ptr) {
-      const bf16* gp = gate.ptr + int64_t(q0 + tok) * gate.token_stride +
-                       int64_t(h) * gate.head_stride + c * 8;
+      const bf16* gp =
+          gate.ptr + int64_t(q0 + tok) * gate.token_stride + int64_t(h) * gate.head_stride + c * 8;
       if ((reinterpret_cast<uintptr_t>(gp) & 15) == 0) {
         const uint4 gv = *reinterpret_cast<const uint4*>(gp);
         const bf16* ge = reinterpret_cast<const bf16*>(&gv);
@@ -328,7 +336,6 @@ void launch_mma(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf1
   DS_CUDA_LAUNCH_CHECK();
 }
 
-
 // ---- wgmma variant: the same tiles with Hopper warpgroup MMAs ---------------------------------
 // 2 warpgroups x 64 rows; S = Q K^T by wgmma m64n64k16 with Q and K from shared memory, O += P V
 // by wgmma m64n256k16 with P from registers and V from shared memory (MN-major). Tiles are stored
@@ -379,13 +386,10 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
       "%32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
-        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
         "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(desc_a), "l"(desc_b), "r"(1));
 }
@@ -404,41 +408,95 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
       "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
       "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
       "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, "
+      "%127}, "
       "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
-        "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
-        "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]),
-        "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]),
-        "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]),
-        "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]),
-        "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
-        "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
-        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
-        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+}
+
+// Online softmax of one 64-key tile for this thread's rows a (g) and b (g + 8): scales and masks
+// sc (the m64n64 accumulator layout, sc[4 * n8 + e]), updates the running max m and partial sums
+// l, returns the factor alpha by which O must be rescaled, and P in bf16 as the A operand of P V.
+struct SoftmaxRows {
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+};
+__device__ __forceinline__ void softmax_tile(float (&sc)[kBn / 2], uint32_t (&p)[kBn / 16][4],
+                                             int kt, bool need_mask, int pos_a, int pos_b, int t,
+                                             SoftmaxRows& st, float& alpha_a, float& alpha_b) {
+  constexpr float kScaleLog2 = 0.0625f * 1.4426950408889634f;  // 1/sqrt(256) * log2(e)
+  float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < kBn / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v = sc[4 * n + e] * kScaleLog2;
+      if (need_mask) {
+        const int key = kt + n * 8 + 2 * t + (e & 1);
+        if (key > (e < 2 ? pos_a : pos_b)) v = -INFINITY;
+      }
+      sc[4 * n + e] = v;
+    }
+    mx_a = fmaxf(mx_a, fmaxf(sc[4 * n], sc[4 * n + 1]));
+    mx_b = fmaxf(mx_b, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+  }
+  mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+  mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+  mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+  mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+  const float mn_a = fmaxf(st.m_a, mx_a), mn_b = fmaxf(st.m_b, mx_b);
+  const float base_a = mn_a == -INFINITY ? 0.f : mn_a;  // a row with no key yet stays 0
+  const float base_b = mn_b == -INFINITY ? 0.f : mn_b;
+  alpha_a = fast_exp2(st.m_a - base_a);
+  alpha_b = fast_exp2(st.m_b - base_b);
+  st.m_a = mn_a;
+  st.m_b = mn_b;
+  float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+  for (int n = 0; n < kBn / 8; ++n) {
+    const float p0 = fast_exp2(sc[4 * n] - base_a), p1 = fast_exp2(sc[4 * n + 1] - base_a);
+    const float p2 = fast_exp2(sc[4 * n + 2] - base_b), p3 = fast_exp2(sc[4 * n + 3] - base_b);
+    sum_a += p0 + p1;
+    sum_b += p2 + p3;
+    p[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p0, p1);
+    p[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
+  }
+  st.l_a = st.l_a * alpha_a + sum_a;
+  st.l_b = st.l_b * alpha_b + sum_b;
+}
+
+// Issues S = Q K^T (64 rows of warpgroup wg x 64 keys) into sc, zeroed first; not committed.
+__device__ __forceinline__ void issue_qk(float (&sc)[kBn / 2], uint32_t q_smem, uint32_t ks,
+                                         int wg) {
+#pragma unroll
+  for (int i = 0; i < kBn / 2; ++i) sc[i] = 0.f;
+  fence_regs(sc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kHd / 16; ++kk) {
+    const uint64_t da =
+        gmma_desc(q_smem + (kk >> 2) * kWgRows * 128 + wg * 64 * 128 + (kk & 3) * 32, 16, 1024);
+    const uint64_t db = gmma_desc(ks + (kk >> 2) * kBn * 128 + (kk & 3) * 32, 16, 1024);
+    wgmma_m64n64k16_ss(sc, da, db);
+  }
 }
 
 __global__ void __launch_bounds__(256, 1)
@@ -504,12 +562,11 @@ __global__ void __launch_bounds__(256, 1)
   const int pos_a = tok_a < q_len ? past + tok_a : INT_MAX;
   const int pos_b = tok_b < q_len ? past + tok_b : INT_MAX;
   const int first_pos = past + first_tok;
-  const float scale_log2 = 0.0625f * 1.4426950408889634f;
 
   float o[kHd / 2];  // o[4 * d8 + e]: the mma accumulator layout of 8-column block d8
 #pragma unroll
   for (int i = 0; i < kHd / 2; ++i) o[i] = 0.f;
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+  SoftmaxRows st;
 
   for (int j = 0; j < n_tiles; ++j) {
     if (j + 1 < n_tiles) load_kv(j + 1, (j + 1) & 1);
@@ -521,60 +578,14 @@ __global__ void __launch_bounds__(256, 1)
     const int kt = j * kBn;
 
     float sc[kBn / 2];  // sc[4 * n8 + e]
-#pragma unroll
-    for (int i = 0; i < kBn / 2; ++i) sc[i] = 0.f;
-    fence_regs(sc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kHd / 16; ++kk) {
-      const uint64_t da =
-          gmma_desc(q_smem + (kk >> 2) * kBm * 128 + wg * 64 * 128 + (kk & 3) * 32, 16, 1024);
-      const uint64_t db = gmma_desc(ks + (kk >> 2) * kBn * 128 + (kk & 3) * 32, 16, 1024);
-      wgmma_m64n64k16_ss(sc, da, db);
-    }
+    issue_qk(sc, q_smem, ks, wg);
     wgmma_commit();
     wgmma_wait_all();
     fence_regs(sc);
 
-    const bool need_mask = kt + kBn - 1 > first_pos;
-    float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < kBn / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = sc[4 * n + e] * scale_log2;
-        if (need_mask) {
-          const int key = kt + n * 8 + 2 * t + (e & 1);
-          if (key > (e < 2 ? pos_a : pos_b)) v = -INFINITY;
-        }
-        sc[4 * n + e] = v;
-      }
-      mx_a = fmaxf(mx_a, fmaxf(sc[4 * n], sc[4 * n + 1]));
-      mx_b = fmaxf(mx_b, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-    }
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-    const float base_a = mn_a == -INFINITY ? 0.f : mn_a;
-    const float base_b = mn_b == -INFINITY ? 0.f : mn_b;
-    const float alpha_a = fast_exp2(m_a - base_a), alpha_b = fast_exp2(m_b - base_b);
-    m_a = mn_a;
-    m_b = mn_b;
-    float sum_a = 0.f, sum_b = 0.f;
     uint32_t p[kBn / 16][4];
-#pragma unroll
-    for (int n = 0; n < kBn / 8; ++n) {
-      const float p0 = fast_exp2(sc[4 * n] - base_a), p1 = fast_exp2(sc[4 * n + 1] - base_a);
-      const float p2 = fast_exp2(sc[4 * n + 2] - base_b), p3 = fast_exp2(sc[4 * n + 3] - base_b);
-      sum_a += p0 + p1;
-      sum_b += p2 + p3;
-      p[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p0, p1);
-      p[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
-    }
-    l_a = l_a * alpha_a + sum_a;
-    l_b = l_b * alpha_b + sum_b;
+    float alpha_a, alpha_b;
+    softmax_tile(sc, p, kt, kt + kBn - 1 > first_pos, pos_a, pos_b, t, st, alpha_a, alpha_b);
 #pragma unroll
     for (int d = 0; d < kHd / 8; ++d) {
       o[4 * d] *= alpha_a;
@@ -595,6 +606,7 @@ __global__ void __launch_bounds__(256, 1)
   }
   cp_async_wait<0>();
 
+  float l_a = st.l_a, l_b = st.l_b;
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
@@ -612,12 +624,164 @@ __global__ void __launch_bounds__(256, 1)
   store_rows<kBm, kThreads>(os, s, gate, q0, q_len, row0, kvh, group, out);
 }
 
+// The pipelined form (variant wgmma_pipe): each warpgroup issues S(j+1) = Q K(j+1)^T on the tensor
+// cores before the softmax of tile j, so the exponentials overlap the next tile's MMAs; K and V
+// stream through separate 2-stage buffers (K(j+2) is loaded once S(j) is done, V(j+1) once P
+// V(j-1) is done), each with a full iteration to arrive. Commit order per iteration: K(j+2),
+// V(j+1); the waits below count on it.
+__global__ void __launch_bounds__(256, 1) attention_prefill_wgmma_pipe_kernel(
+    AttnShape s, AttnBatch b,
+    const bf16* __restrict__ q,        // [n_rows, n_heads, 256]
+    const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, 256]
+    const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, 256]
+    AttnGate gate,
+    bf16* __restrict__ out) {  // [n_rows, n_heads, 256]
+  constexpr int kBm = kWgRows;
+  constexpr int kThreads = 256;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t q_smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t kv_smem = q_smem + kBm * kRowBytes;
+  auto k_buf = [&](int st) { return kv_smem + uint32_t(st) * kBn * kRowBytes; };
+  auto v_buf = [&](int st) { return kv_smem + uint32_t(2 + st) * kBn * kRowBytes; };
+
+  const int seq = blockIdx.z, kvh = blockIdx.y;
+  const int tile = gridDim.x - 1 - blockIdx.x;
+  const int group = s.n_heads / s.n_kv_heads;
+  const int q_len = b.q_len[seq];
+  const int row0 = tile * kBm;
+  if (row0 >= q_len * group) return;
+  const int kv_len = b.kv_len[seq], q0 = b.q_start[seq];
+  const int past = kv_len - q_len;
+  const int first_tok = row0 / group;
+  const int last_tok = min(q_len - 1, (row0 + kBm - 1) / group);
+  const int n_keys = past + last_tok + 1;
+  const int n_tiles = (n_keys + kBn - 1) / kBn;
+  const int ps = s.page_size, n_kv = s.n_kv_heads;
+  const int32_t* btab = b.block_table + int64_t(seq) * b.block_table_stride;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
+  const int t = lane & 3;
+
+  for (int i = threadIdx.x; i < kBm * 32; i += kThreads) {
+    const int r = i >> 5, c = i & 31, pr = row0 + r, tok = pr / group;
+    const bool ok = tok < q_len;
+    const bf16* src =
+        ok ? q + (int64_t(q0 + tok) * s.n_heads + kvh * group + pr % group) * kHd + c * 8 : q;
+    cp_async16(q_smem + gswz(kBm, r, c), src, ok);
+  }
+  // One 64-key tile of K or V (cache = k_cache or v_cache) into buffer dst; nothing past n_tiles.
+  auto load_tile = [&](const bf16* cache, int j, uint32_t dst) {
+    if (j >= n_tiles) return;
+    const int kt = j * kBn;
+    const int64_t blk = btab[kt / ps];
+    const bf16* src = cache + ((blk * n_kv + kvh) * ps + kt % ps) * kHd;
+    for (int i = threadIdx.x; i < kBn * 32; i += kThreads) {
+      const int r = i >> 5, c = i & 31;
+      cp_async16(dst + gswz(kBn, r, c), src + r * kHd + c * 8, kt + r < n_keys);
+    }
+  };
+  load_tile(k_cache, 0, k_buf(0));
+  cp_async_commit();  // Q, K(0)
+  load_tile(k_cache, 1, k_buf(1));
+  cp_async_commit();  // K(1)
+  load_tile(v_cache, 0, v_buf(0));
+  cp_async_commit();  // V(0)
+
+  const int ra = warp * 16 + (lane >> 2), rb = ra + 8;
+  const int tok_a = (row0 + ra) / group, tok_b = (row0 + rb) / group;
+  const int pos_a = tok_a < q_len ? past + tok_a : INT_MAX;
+  const int pos_b = tok_b < q_len ? past + tok_b : INT_MAX;
+  const int first_pos = past + first_tok;
+
+  float o[kHd / 2];
+#pragma unroll
+  for (int i = 0; i < kHd / 2; ++i) o[i] = 0.f;
+  SoftmaxRows st;
+
+  float sc[kBn / 2], sn[kBn / 2];  // S of tile j, S of tile j + 1
+  cp_async_wait<2>();              // Q, K(0)
+  fence_proxy_async();
+  __syncthreads();
+  issue_qk(sc, q_smem, k_buf(0), wg);
+  wgmma_commit();
+  wgmma_wait_all();
+  fence_regs(sc);
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const bool next = j + 1 < n_tiles;
+    cp_async_wait<1>();  // K(j+1) (V(j) may still be in flight)
+    fence_proxy_async();
+    __syncthreads();  // also: every warpgroup finished S(j) and P V(j-1)
+    if (next) {
+      issue_qk(sn, q_smem, k_buf((j + 1) & 1), wg);
+      wgmma_commit();
+    }
+    load_tile(k_cache, j + 2, k_buf(j & 1));
+    cp_async_commit();
+    load_tile(v_cache, j + 1, v_buf((j + 1) & 1));
+    cp_async_commit();
+
+    uint32_t p[kBn / 16][4];
+    float alpha_a, alpha_b;
+    const int kt = j * kBn;
+    softmax_tile(sc, p, kt, kt + kBn - 1 > first_pos, pos_a, pos_b, t, st, alpha_a, alpha_b);
+    fence_regs(o);
+#pragma unroll
+    for (int d = 0; d < kHd / 8; ++d) {
+      o[4 * d] *= alpha_a;
+      o[4 * d + 1] *= alpha_a;
+      o[4 * d + 2] *= alpha_b;
+      o[4 * d + 3] *= alpha_b;
+    }
+
+    cp_async_wait<2>();  // V(j)
+    fence_proxy_async();
+    __syncthreads();
+    fence_regs(o);
+    wgmma_fence();
+    const uint32_t vs = v_buf(j & 1);
+#pragma unroll
+    for (int kk = 0; kk < kBn / 16; ++kk)
+      wgmma_m64n256k16_rs(o, p[kk], gmma_desc(vs + kk * 16 * 128, kBn * 128, 1024));
+    wgmma_commit();
+    wgmma_wait_all();  // S(j+1) and P V(j)
+    fence_regs(o);
+    if (next) {
+      fence_regs(sn);
+#pragma unroll
+      for (int i = 0; i < kBn / 2; ++i) sc[i] = sn[i];
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // all warpgroups done with the K/V buffers before the staging overwrite
+
+  float l_a = st.l_a, l_b = st.l_b;
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+  float* os = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int d = 0; d < kHd / 8; ++d) {
+    *reinterpret_cast<float2*>(os + ra * kLdO + d * 8 + 2 * t) =
+        make_float2(o[4 * d] * inv_a, o[4 * d + 1] * inv_a);
+    *reinterpret_cast<float2*>(os + rb * kLdO + d * 8 + 2 * t) =
+        make_float2(o[4 * d + 2] * inv_b, o[4 * d + 3] * inv_b);
+  }
+  __syncthreads();
+  store_rows<kBm, kThreads>(os, s, gate, q0, q_len, row0, kvh, group, out);
+}
+
+template <bool kPipelined>
 void launch_wgmma(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
                   const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
   static_assert(size_t(kWgRows) * kLdO * 4 + 1024 <= kWgSmemBytes, "epilogue staging must fit");
+  constexpr auto kernel =
+      kPipelined ? attention_prefill_wgmma_pipe_kernel : attention_prefill_wgmma_kernel;
   static const bool attr_set = [] {
-    DS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_wgmma_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+    DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        int(kWgSmemBytes)));
     return true;
   }();
@@ -626,8 +790,7 @@ void launch_wgmma(const AttnShape& s, const AttnBatch& b, const bf16* q, const b
   const int64_t tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
   DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
   dim3 grid(unsigned(tiles), s.n_kv_heads, b.n_seqs);
-  attention_prefill_wgmma_kernel<<<grid, 256, kWgSmemBytes, stream>>>(s, b, q, k_cache, v_cache,
-                                                                       gate, out);
+  kernel<<<grid, 256, kWgSmemBytes, stream>>>(s, b, q, k_cache, v_cache, gate, out);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -656,14 +819,15 @@ void launch_attention_prefill_mma(int rows_per_tile, const AttnShape& s, const A
   }
 }
 
-void launch_attention_prefill_wgmma(const AttnShape& s, const AttnBatch& b, const bf16* q,
-                                    const bf16* k_cache, const bf16* v_cache, AttnGate gate,
-                                    bf16* out, cudaStream_t stream) {
+void launch_attention_prefill_wgmma(bool pipelined, const AttnShape& s, const AttnBatch& b,
+                                    const bf16* q, const bf16* k_cache, const bf16* v_cache,
+                                    AttnGate gate, bf16* out, cudaStream_t stream) {
   DS_CHECK(attention_prefill_mma_supported(s), "attention prefill (wgmma): needs head_dim 256 ",
-           "and page_size % ", kBn, " == 0 (got head_dim ", s.head_dim, ", page_size ",
-           s.page_size, ")");
+           "and page_size % ", kBn, " == 0 (got head_dim ", s.head_dim, ", page_size ", s.page_size,
+           ")");
   if (b.n_seqs <= 0 || b.max_q_len <= 0) return;
-  launch_wgmma(s, b, q, k_cache, v_cache, gate, out, stream);
+  if (pipelined) return launch_wgmma<true>(s, b, q, k_cache, v_cache, gate, out, stream);
+  launch_wgmma<false>(s, b, q, k_cache, v_cache, gate, out, stream);
 }
 
 }  // namespace ds::cuda

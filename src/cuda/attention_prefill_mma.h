@@ -1,7 +1,8 @@
 // The register-resident flash prefill kernels for head_dim 256 (attention_prefill_mma.cu): the
 // specialised variants behind launch_attention_prefill (attention_prefill.cu), which selects
 // them through the dispatch registry (family attn_prefill, variants "wgmma_m128" (Hopper
-// warpgroup MMA), "mma_m128" / "mma_m64" (mma.sync)).
+// warpgroup MMA), "wgmma_pipe" (the same with the next Q K^T overlapping the softmax),
+// "mma_m128" / "mma_m64" (mma.sync)).
 #pragma once
 
 #include "cuda/kernels.h"
@@ -26,8 +27,9 @@ void launch_attention_prefill_mma(int rows_per_tile, const AttnShape& s, const A
                                   __nv_bfloat16* out,  // [n_rows, n_heads, 256]
                                   cudaStream_t stream);
 
-// Same contract; Hopper wgmma (sm_90a), 128 rows per block (2 warpgroups x 64).
-void launch_attention_prefill_wgmma(const AttnShape& s, const AttnBatch& b,
+// Same contract; Hopper wgmma (sm_90a), 128 rows per block (2 warpgroups x 64). pipelined: the
+// next tile's Q K^T overlaps this tile's softmax (variant wgmma_pipe).
+void launch_attention_prefill_wgmma(bool pipelined, const AttnShape& s, const AttnBatch& b,
                                     const __nv_bfloat16* q,        // [n_rows, n_heads, 256]
                                     const __nv_bfloat16* k_cache,  // [blocks, n_kv, page, 256]
                                     const __nv_bfloat16* v_cache,  // [blocks, n_kv, page, 256]

@@ -112,7 +112,8 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // attn_prefill dims: {head_dim, group, max_q_len, max_kv_len}; the hd-256 kernels also need
   // page_size % 64 == 0, checked in launch_attention_prefill (else the generic kernel runs).
   // Order measured on the H200 (issue 7): wgmma_m128 wins from 22 tokens (x6 heads) up; below,
-  // the 64-row mma tiles give twice the blocks. mma_m128 is kept for A/B runs.
+  // the 64-row mma tiles give twice the blocks. wgmma_pipe (6-14% slower) and mma_m128 are kept
+  // for A/B runs (DS_DISABLE_KERNELS=attn_prefill.wgmma_m128 picks wgmma_pipe).
   r.add({F::kAttnPrefill, "mma_m64",
          "hd 256, <= 128 packed rows (short chunks): 64 (token, head) rows x 64 keys per block, "
          "mma.sync + ldmatrix, O in registers, 2-stage cp.async K/V",
@@ -122,6 +123,10 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   r.add({F::kAttnPrefill, "wgmma_m128",
          "hd 256, 128 rows x 64 keys per block, Hopper wgmma (Q K^T smem x smem, P V regs x smem), "
          "O in registers, 2-stage cp.async K/V",
+         [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
+  r.add({F::kAttnPrefill, "wgmma_pipe",
+         "as wgmma_m128 with the next tile's Q K^T issued before this tile's softmax (overlap), "
+         "separate 2-stage K and V buffers",
          [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
   r.add({F::kAttnPrefill, "mma_m128", "as mma_m64 with 128-row tiles (8 warps), any length",
          [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});

@@ -1,16 +1,16 @@
 // GPU attention kernels (prefill: the generic WMMA flash tiles and the head_dim-256
-// specialisations wgmma_m128 / mma_m128 / mma_m64 picked through the dispatch registry; decode:
-// split-KV)
-// against an fp32 CPU reference over a paged cache with shuffled blocks: the 27B shape (24 q / 4
-// kv heads, head_dim 256, sigmoid output gate) at sequence lengths 1, 63, 64, 65, 4095, 4097 with
-// 0 / some / many cached tokens, several sequences of different lengths in one launch, query
-// chunks against a longer cache (chunked prefill), other GQA groups and page sizes at head_dim
-// 256, and the small head dims of the test configs. Outputs are poisoned (NaN) first and every
-// row must be finite; cache rows past each sequence are NaN, so a kernel that reads them fails;
-// long sequences compare a sample of rows (the first, the last, every tile edge and random ones).
-// Tolerance: normalised L2 error ||out - ref|| / ||ref|| < 1e-2 against the fp32 reference (bf16
-// inputs, P rounded to bf16, bf16 output; measured errors are printed, typically ~3e-3), and the
-// same bound between the specialised and the generic kernel.
+// specialisations wgmma_pipe / wgmma_m128 / mma_m128 / mma_m64 picked through the dispatch
+// registry; decode: split-KV) against an fp32 CPU reference over a paged cache with shuffled
+// blocks: the 27B shape (24 q / 4 kv heads, head_dim 256, sigmoid output gate) at sequence lengths
+// 1, 63, 64, 65, 4095, 4097 with 0 / some / many cached tokens, several sequences of different
+// lengths in one launch, query chunks against a longer cache (chunked prefill), other GQA groups
+// and page sizes at head_dim 256, and the small head dims of the test configs. Outputs are
+// poisoned (NaN) first and every row must be finite; cache rows past each sequence are NaN, so a
+// kernel that reads them fails; long sequences compare a sample of rows (the first, the last,
+// every tile edge and random ones). Tolerance: normalised L2 error ||out - ref|| / ||ref|| < 1e-2
+// against the fp32 reference (bf16 inputs, P rounded to bf16, bf16 output; measured 1.8e-3 to
+// 2.2e-3 on the H200), and the same bound between the specialised and the generic kernel
+// (measured <= 3.5e-5).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -157,8 +157,8 @@ struct Fixture {
     got.reserve(todo.size() * hd);
     for (const auto& w : todo)
       for (int c = 0; c < hd; ++c)
-        got.push_back(bf16_to_f32(
-            got_bf[(size_t(q_start[w.seq] + w.tok) * s.n_heads + w.head) * hd + c]));
+        got.push_back(
+            bf16_to_f32(got_bf[(size_t(q_start[w.seq] + w.tok) * s.n_heads + w.head) * hd + c]));
     const std::vector<float>& ref = ref_;
     const double e = test::norm_err(got, ref);
     EXPECT_LT(e, tol) << what;
@@ -279,7 +279,6 @@ TEST(CudaAttention, DecodeOtherShapes) {
   }
 }
 
-
 // ---- the head_dim-256 mma.sync specialisations ----------------------------------------------
 
 int device_sm() {
@@ -304,8 +303,8 @@ cuda::DispatchRegistry registry_for(const std::string& variant) {
 void check_mma_variants(const Fixture& f, const std::string& what, bool with_generic = true) {
   std::vector<bf> generic;
   if (with_generic) generic = run_prefill(f, (what + " [generic]").c_str());
-  for (const char* v : {"wgmma_m128", "mma_m128", "mma_m64"}) {
-    if (std::string(v) == "wgmma_m128" && device_sm() != 90) continue;  // sm_90a code only
+  for (const char* v : {"wgmma_pipe", "wgmma_m128", "mma_m128", "mma_m64"}) {
+    if (std::string(v).rfind("wgmma", 0) == 0 && device_sm() != 90) continue;  // sm_90a only
     const cuda::DispatchRegistry reg = registry_for(v);
     const auto got = run_prefill(f, (what + " [" + v + "]").c_str(), &reg);
     if (!with_generic) continue;
@@ -319,10 +318,10 @@ TEST(CudaAttentionMma, Prefill27bLengthsWithCachedTokens) {
   DS_REQUIRE_GPU();
   if (device_sm() < 90) GTEST_SKIP() << "the mma variants are registered for sm >= 90";
   // (q_len, tokens cached before the chunk): none, some (not a page multiple), many.
-  const std::vector<std::pair<int, int>> cases = {
-      {1, 0},    {63, 0},    {64, 0},    {65, 0},     {4095, 0},   {4097, 0},
-      {1, 4096}, {63, 64},   {64, 37},   {65, 1000},  {4095, 300}, {4097, 8191},
-      {1, 63},   {64, 2048}, {3, 12000}, {512, 8000}};
+  const std::vector<std::pair<int, int>> cases = {{1, 0},    {63, 0},    {64, 0},     {65, 0},
+                                                  {4095, 0}, {4097, 0},  {1, 4096},   {63, 64},
+                                                  {64, 37},  {65, 1000}, {4095, 300}, {4097, 8191},
+                                                  {1, 63},   {64, 2048}, {3, 12000},  {512, 8000}};
   for (auto [n, cached] : cases) {
     Fixture f(shape_27b(), {{n, n + cached}}, 1000 + n + cached);
     check_mma_variants(f, "mma 27b q " + std::to_string(n) + " after " + std::to_string(cached));
@@ -349,8 +348,8 @@ TEST(CudaAttentionMma, OtherGroupsAndPageSizes) {
     s.n_kv_heads = nkv;
     s.page_size = ps;
     Fixture f(s, {{300, 300}, {129, 700}, {1, 90}}, 50 + nh + ps);
-    check_mma_variants(f, "mma hd 256 group " + std::to_string(nh / nkv) + " page " +
-                              std::to_string(ps));
+    check_mma_variants(
+        f, "mma hd 256 group " + std::to_string(nh / nkv) + " page " + std::to_string(ps));
   }
 }
 
