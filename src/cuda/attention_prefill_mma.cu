@@ -96,6 +96,57 @@ __device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
   return y;
 }
 
+// Online softmax of one 64-key tile for this thread's rows a (g) and b (g + 8): scales and masks
+// sc (the mma.m16n8 / wgmma accumulator layout of 8 key blocks, sc[4 * n8 + e]), updates the
+// running max m and partial sums l, returns the factor alpha by which O must be rescaled, and P in
+// bf16 as the A operand of P V (the A fragment of mma.m16n8k16 and of wgmma with A in registers).
+struct SoftmaxRows {
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+};
+__device__ __forceinline__ void softmax_tile(float (&sc)[kBn / 2], uint32_t (&p)[kBn / 16][4],
+                                             int kt, bool need_mask, int pos_a, int pos_b, int t,
+                                             SoftmaxRows& st, float& alpha_a, float& alpha_b) {
+  constexpr float kScaleLog2 = 0.0625f * 1.4426950408889634f;  // 1/sqrt(256) * log2(e)
+  float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < kBn / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v = sc[4 * n + e] * kScaleLog2;
+      if (need_mask) {
+        const int key = kt + n * 8 + 2 * t + (e & 1);
+        if (key > (e < 2 ? pos_a : pos_b)) v = -INFINITY;
+      }
+      sc[4 * n + e] = v;
+    }
+    mx_a = fmaxf(mx_a, fmaxf(sc[4 * n], sc[4 * n + 1]));
+    mx_b = fmaxf(mx_b, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+  }
+  mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+  mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+  mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+  mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+  const float mn_a = fmaxf(st.m_a, mx_a), mn_b = fmaxf(st.m_b, mx_b);
+  const float base_a = mn_a == -INFINITY ? 0.f : mn_a;  // a row with no key yet stays 0
+  const float base_b = mn_b == -INFINITY ? 0.f : mn_b;
+  alpha_a = fast_exp2(st.m_a - base_a);
+  alpha_b = fast_exp2(st.m_b - base_b);
+  st.m_a = mn_a;
+  st.m_b = mn_b;
+  float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+  for (int n = 0; n < kBn / 8; ++n) {
+    const float p0 = fast_exp2(sc[4 * n] - base_a), p1 = fast_exp2(sc[4 * n + 1] - base_a);
+    const float p2 = fast_exp2(sc[4 * n + 2] - base_b), p3 = fast_exp2(sc[4 * n + 3] - base_b);
+    sum_a += p0 + p1;
+    sum_b += p2 + p3;
+    p[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p0, p1);
+    p[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
+  }
+  st.l_a = st.l_a * alpha_a + sum_a;
+  st.l_b = st.l_b * alpha_b + sum_b;
+}
+
 // Epilogue rows: os holds O / l in fp32 ([kBm, kLdO]); writes 16-byte rows of out with the gate.
 template <int kBm, int kThreads>
 __device__ __forceinline__ void store_rows(const float* os, const AttnShape& s, AttnGate gate,
@@ -195,12 +246,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int pos_a = tok_a < q_len ? past + tok_a : INT_MAX;
   const int pos_b = tok_b < q_len ? past + tok_b : INT_MAX;
   const int first_pos = past + first_tok;
-  const float scale_log2 = 0.0625f * 1.4426950408889634f;  // 1/sqrt(256) * log2(e)
 
   float o[kHd / 8][4];
 #pragma unroll
   for (int d = 0; d < kHd / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;  // l: this thread's partial sums
+  SoftmaxRows st;  // running max and this thread's partial sums of its two rows
 
   // ldmatrix lane addressing (see the fragment layouts of mma.m16n8k16).
   const int q_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -235,46 +285,11 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
       }
     }
 
-    // Online softmax (exp2 domain). Mask only where a key can pass some row's position.
-    const bool need_mask = kt + kBn - 1 > first_pos;
-    float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < kBn / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float v = sc[n][e] * scale_log2;
-        if (need_mask) {
-          const int key = kt + n * 8 + 2 * t + (e & 1);
-          if (key > (e < 2 ? pos_a : pos_b)) v = -INFINITY;
-        }
-        sc[n][e] = v;
-      }
-      mx_a = fmaxf(mx_a, fmaxf(sc[n][0], sc[n][1]));
-      mx_b = fmaxf(mx_b, fmaxf(sc[n][2], sc[n][3]));
-    }
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-    mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-    mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-    const float base_a = mn_a == -INFINITY ? 0.f : mn_a;  // a row with no key yet stays 0
-    const float base_b = mn_b == -INFINITY ? 0.f : mn_b;
-    const float alpha_a = fast_exp2(m_a - base_a), alpha_b = fast_exp2(m_b - base_b);
-    m_a = mn_a;
-    m_b = mn_b;
-    float sum_a = 0.f, sum_b = 0.f;
+    // Online softmax; O rescaled by alpha.
     uint32_t p[kBn / 16][4];  // P as the A operand of P V, per 16-key step
-#pragma unroll
-    for (int n = 0; n < kBn / 8; ++n) {
-      const float p0 = fast_exp2(sc[n][0] - base_a), p1 = fast_exp2(sc[n][1] - base_a);
-      const float p2 = fast_exp2(sc[n][2] - base_b), p3 = fast_exp2(sc[n][3] - base_b);
-      sum_a += p0 + p1;
-      sum_b += p2 + p3;
-      p[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p0, p1);
-      p[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
-    }
-    l_a = l_a * alpha_a + sum_a;
-    l_b = l_b * alpha_b + sum_b;
+    float alpha_a, alpha_b;
+    softmax_tile(reinterpret_cast<float(&)[kBn / 2]>(sc), p, kt, kt + kBn - 1 > first_pos, pos_a,
+                 pos_b, t, st, alpha_a, alpha_b);
 #pragma unroll
     for (int d = 0; d < kHd / 8; ++d) {
       o[d][0] *= alpha_a;
@@ -299,6 +314,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   cp_async_wait<0>();
 
   // Epilogue: O / l in fp32 through shared memory, then 16-byte rows with the gate applied.
+  float l_a = st.l_a, l_b = st.l_b;
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
@@ -431,56 +447,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs(float (&d)[128], const uint3
         "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
         "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
-}
-
-// Online softmax of one 64-key tile for this thread's rows a (g) and b (g + 8): scales and masks
-// sc (the m64n64 accumulator layout, sc[4 * n8 + e]), updates the running max m and partial sums
-// l, returns the factor alpha by which O must be rescaled, and P in bf16 as the A operand of P V.
-struct SoftmaxRows {
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
-};
-__device__ __forceinline__ void softmax_tile(float (&sc)[kBn / 2], uint32_t (&p)[kBn / 16][4],
-                                             int kt, bool need_mask, int pos_a, int pos_b, int t,
-                                             SoftmaxRows& st, float& alpha_a, float& alpha_b) {
-  constexpr float kScaleLog2 = 0.0625f * 1.4426950408889634f;  // 1/sqrt(256) * log2(e)
-  float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-  for (int n = 0; n < kBn / 8; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float v = sc[4 * n + e] * kScaleLog2;
-      if (need_mask) {
-        const int key = kt + n * 8 + 2 * t + (e & 1);
-        if (key > (e < 2 ? pos_a : pos_b)) v = -INFINITY;
-      }
-      sc[4 * n + e] = v;
-    }
-    mx_a = fmaxf(mx_a, fmaxf(sc[4 * n], sc[4 * n + 1]));
-    mx_b = fmaxf(mx_b, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
-  }
-  mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-  mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-  mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-  mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
-  const float mn_a = fmaxf(st.m_a, mx_a), mn_b = fmaxf(st.m_b, mx_b);
-  const float base_a = mn_a == -INFINITY ? 0.f : mn_a;  // a row with no key yet stays 0
-  const float base_b = mn_b == -INFINITY ? 0.f : mn_b;
-  alpha_a = fast_exp2(st.m_a - base_a);
-  alpha_b = fast_exp2(st.m_b - base_b);
-  st.m_a = mn_a;
-  st.m_b = mn_b;
-  float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-  for (int n = 0; n < kBn / 8; ++n) {
-    const float p0 = fast_exp2(sc[4 * n] - base_a), p1 = fast_exp2(sc[4 * n + 1] - base_a);
-    const float p2 = fast_exp2(sc[4 * n + 2] - base_b), p3 = fast_exp2(sc[4 * n + 3] - base_b);
-    sum_a += p0 + p1;
-    sum_b += p2 + p3;
-    p[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p0, p1);
-    p[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
-  }
-  st.l_a = st.l_a * alpha_a + sum_a;
-  st.l_b = st.l_b * alpha_b + sum_b;
 }
 
 // Issues S = Q K^T (64 rows of warpgroup wg x 64 keys) into sc, zeroed first; not committed.
