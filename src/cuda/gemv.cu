@@ -96,6 +96,20 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS)
     w_ok[j] = r < n;
     wr[j] = w + size_t(w_ok[j] ? r : 0) * k + t * 8;
   }
+  // Programmatic dependent launch: the weights do not depend on the kernel before this one, so
+  // this warp's first iteration of them is pulled into L2 while that kernel finishes; x and y are
+  // touched only after griddepcontrol.wait (a no-op when launched without the PDL attribute).
+  // Dependents may launch once every block got here; they wait for this grid the same way.
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int kk = (warp * U + u) * 32;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      if (kk + t * 8 < k && w_ok[j]) asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[j] + kk));
+  }
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+
   const bool x0_ok = g < m, x1_ok = HI && g + 8 < m;
   const bf16* xr0 = x + size_t(x0_ok ? g : 0) * k + t * 8;
   const bf16* xr1 = x + size_t(x1_ok ? g + 8 : 0) * k + t * 8;
@@ -156,10 +170,24 @@ __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS)
 
 template <int NT, int WARPS, int U, bool HI, typename OutT>
 void launch_cfg(const bf16* x, const bf16* w, void* y, int m, int n, int k, bool accumulate,
-                cudaStream_t stream) {
+                bool pdl, cudaStream_t stream) {
   const int blocks = (n + 8 * NT - 1) / (8 * NT);
-  skinny_gemm_kernel<NT, WARPS, U, HI, OutT>
-      <<<blocks, WARPS * 32, 0, stream>>>(x, w, static_cast<OutT*>(y), m, n, k, accumulate);
+  auto* kern = skinny_gemm_kernel<NT, WARPS, U, HI, OutT>;
+  if (!pdl) {
+    kern<<<blocks, WARPS * 32, 0, stream>>>(x, w, static_cast<OutT*>(y), m, n, k, accumulate);
+    return;
+  }
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(blocks);
+  lc.blockDim = dim3(WARPS * 32);
+  lc.dynamicSmemBytes = 0;
+  lc.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  lc.attrs = attr;
+  lc.numAttrs = 1;
+  DS_CUDA_CHECK(cudaLaunchKernelEx(&lc, kern, x, w, static_cast<OutT*>(y), m, n, k, accumulate));
 }
 
 template <int NT, int WARPS, int U>
@@ -169,14 +197,14 @@ bool launch_nwu(const SkinnyConfig& c, const bf16* x, const bf16* w, void* y, in
   const bool hi = m > 8;
   if (out == GemmOut::kBF16) {
     if (hi)
-      launch_cfg<NT, WARPS, U, true, bf16>(x, w, y, m, n, k, accumulate, stream);
+      launch_cfg<NT, WARPS, U, true, bf16>(x, w, y, m, n, k, accumulate, c.pdl, stream);
     else
-      launch_cfg<NT, WARPS, U, false, bf16>(x, w, y, m, n, k, accumulate, stream);
+      launch_cfg<NT, WARPS, U, false, bf16>(x, w, y, m, n, k, accumulate, c.pdl, stream);
   } else {
     if (hi)
-      launch_cfg<NT, WARPS, U, true, float>(x, w, y, m, n, k, accumulate, stream);
+      launch_cfg<NT, WARPS, U, true, float>(x, w, y, m, n, k, accumulate, c.pdl, stream);
     else
-      launch_cfg<NT, WARPS, U, false, float>(x, w, y, m, n, k, accumulate, stream);
+      launch_cfg<NT, WARPS, U, false, float>(x, w, y, m, n, k, accumulate, c.pdl, stream);
   }
   return true;
 }
@@ -209,7 +237,7 @@ bool launch_any(const SkinnyConfig& c, const bf16* x, const bf16* w, void* y, in
 
 std::string SkinnyConfig::name() const {
   std::ostringstream os;
-  os << "nt" << n_tile << "w" << warps << "u" << unroll;
+  os << "nt" << n_tile << "w" << warps << "u" << unroll << (pdl ? "" : "-nopdl");
   return os.str();
 }
 
@@ -218,7 +246,7 @@ std::vector<SkinnyConfig> skinny_gemm_configs() {
   for (int nt : {1, 2, 4})
     for (int wp : {4, 8})
       for (int u : {2, 4, 8})
-        if (nt * u <= 16) v.push_back({nt, wp, u});
+        if (nt * u <= 16) v.push_back({nt, wp, u, true});
   return v;
 }
 
@@ -228,15 +256,18 @@ bool skinny_gemm_supports(int64_t m, int64_t n, int64_t k) {
 }
 
 SkinnyConfig skinny_gemm_config(int m, int n, int k, int n_sms) {
-  (void)m;
-  (void)k;
+  (void)n_sms;
+  // From the config sweep on the H200 (cuda_gemv_test DS_GEMV_SWEEP=1, 2026-11-29): narrow
+  // outputs (5120 rows) and long rows (down, k 17408) do best with 16-row blocks of 8 warps and 2
+  // k-steps per iteration; the wider ones with 8 k-steps per iteration and 4 warps, 8-row blocks
+  // up to 8 tokens, 16-row blocks above (half the x re-reads). warps and unroll depend on (n, k)
+  // only: every m of a shape sums in the same order (batch-invariant).
   SkinnyConfig c;
-  c.warps = 4;
-  c.unroll = 4;
-  // Enough blocks to fill every SM several times over with the smallest tile;
-  // wider outputs take wider tiles (fewer re-reads of x per weight byte).
-  const int64_t tiles8 = (int64_t(n) + 7) / 8;
-  c.n_tile = tiles8 >= int64_t(16) * n_sms * 4 ? 4 : tiles8 >= int64_t(8) * n_sms * 2 ? 2 : 1;
+  if (n <= 8192 || k >= 12288) {
+    c.n_tile = 2, c.warps = 8, c.unroll = 2;
+  } else {
+    c.n_tile = m > 8 ? 2 : 1, c.warps = 4, c.unroll = 8;
+  }
   return c;
 }
 

@@ -1,26 +1,23 @@
-// Decode GEMV and skinny GEMM (gemv.cu): y[m, n] = x[m, k] * w[n, k]^T (+ y
-// when accumulate) for m = 1..16 tokens, bf16 inputs, fp32 accumulation, bf16
-// or fp32 output. The weight is the row-major [out, in] checkpoint matrix and
-// is read exactly once per call for all m tokens, so a batch of 16 costs little
-// more than one token. Picked by GemmEngine::run through the dispatch registry
-// (variant "gemm.skinny_mma") for the decode shapes; cuBLASLt stays the
-// fallback.
+// Decode GEMV and skinny GEMM (gemv.cu): y[m, n] = x[m, k] * w[n, k]^T (+ y when accumulate) for
+// m = 1..16 tokens, bf16 inputs, fp32 accumulation, bf16 or fp32 output. The weight is the
+// row-major [out, in] checkpoint matrix and is read exactly once per call for all m tokens, so a
+// batch of 16 costs little more than one token. Picked by GemmEngine::run through the dispatch
+// registry (variant "gemm.skinny_mma") for the decode shapes; cuBLASLt stays the fallback.
 //
-// Method: tensor cores (mma.sync m16n8k16, bf16 -> fp32) with the tokens as the
-// MMA's M side (padded to 16) and 8 weight rows as its N side. Each lane loads
-// 16 contiguous bytes of a weight row per k-step of 32 (four lanes cover 64
-// contiguous bytes of the row) with ld.global.nc.L1::no_allocate; the MMA's k
-// order is permuted identically for x and w, so no shuffles are needed. A block
-// owns 8 * n_tile weight rows and its warps split k between them (reduced
-// through shared memory at the end), so narrow outputs (n = 5120) still fill
-// the chip with small blocks. The summation order of an output depends only on
-// (k, warps, unroll), never on m or on the other tokens: results are
-// batch-invariant for a fixed config, and the config's warps / unroll are
+// Method: tensor cores (mma.sync m16n8k16, bf16 -> fp32) with the tokens as the MMA's M side
+// (padded to 16) and 8 weight rows as its N side. Each lane loads 16 contiguous bytes of a weight
+// row per k-step of 32 (four lanes cover 64 contiguous bytes of the row) with
+// ld.global.nc.L1::no_allocate; the MMA's k order is permuted identically for x and w, so no
+// shuffles are needed. A block owns 8 * n_tile weight rows and its warps split k between them
+// (reduced through shared memory at the end), so narrow outputs (n = 5120) still fill the chip
+// with small blocks. Launched with programmatic dependent launch (see SkinnyConfig::pdl). The
+// summation order of an output depends only on (k, warps, unroll), never on m or on the other
+// tokens: results are batch-invariant for a fixed config, and the config's warps / unroll are
 // chosen from (n, k) only.
 //
-// Tests: tests/cuda/cuda_gemv_test.cpp (vs cuBLASLt and an fp64 CPU loop;
-// DS_GEMV_SWEEP=1 also times every config). Bench: `deltaserve bench kernels
-// --only gemm` (rows gemm.skinny_mma with cuBLASLt as the fallback column).
+// Tests: tests/cuda/cuda_gemv_test.cpp (vs cuBLASLt and an fp64 CPU loop; DS_GEMV_SWEEP=1 also
+// times every config). Bench: `deltaserve bench kernels --only gemm` (rows gemm.skinny_mma with
+// cuBLASLt as the fallback column).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -39,11 +36,14 @@ constexpr int kSkinnyMaxN = 262144;  // largest n tested (27B lm_head: 248320)
 
 // One compiled kernel configuration.
 struct SkinnyConfig {
-  int n_tile = 1;            // 8-row MMA tiles per block: 1, 2 or 4
-  int warps = 4;             // warps per block, splitting k: 4 or 8
-  int unroll = 4;            // k-steps of 32 per warp iteration (loads in flight per row):
-                             // 2, 4 or 8
-  std::string name() const;  // "nt1w4u4"
+  int n_tile = 1;  // 8-row MMA tiles per block: 1, 2 or 4
+  int warps = 4;   // warps per block, splitting k: 4 or 8
+  int unroll = 4;  // k-steps of 32 per warp iteration (loads in flight per row): 2, 4 or 8
+  // Programmatic dependent launch: the kernel prefetches its first weights into L2 and waits for
+  // the previous kernel of the stream only before it reads x (griddepcontrol), so its start
+  // overlaps the end of that kernel, and a following skinny GEMM overlaps this one's tail.
+  bool pdl = true;
+  std::string name() const;  // "nt1w4u4", "nt1w4u4-nopdl"
 };
 
 // The shape part of the guard: 1 <= m <= 16, k % 8 == 0, 8 <= k <= kSkinnyMaxK,

@@ -1,25 +1,20 @@
-// The decode GEMV / skinny GEMM (src/cuda/gemv.cu, variant gemm.skinny_mma)
-// against cuBLASLt and an fp64 CPU loop:
-//  - odd shapes (m = 1, 3, 8, 9, 16; n not a multiple of any tile; k = 8, 24,
-//  40 (not a multiple
-//    of the 32-wide k-step), 5128; k = 32768) with every compiled config, bf16
-//    and fp32 output, accumulate, poisoned outputs: normalised error vs fp64 <
-//    4e-3 (bf16 out) / 1e-4 (fp32 out: tensor-core fp32 accumulation, as
-//    cuda_gemm_test);
-//  - every Qwen3.5-27B decode shape at m = 1, 4, 16 through GemmEngine with the
-//  registry (the
-//    engine's path): vs cuBLASLt, bf16 out within 1 bf16 ulp of the larger
-//    magnitude, or 1e-3 of the output's max where both are near zero (the two
-//    sum in different orders; each rounds an fp32 sum once), fp32 out (lm_head)
-//    relative L2 < 1e-4 (the measured value is printed);
-//  - batch invariance: token i's outputs are bit-identical for m = 1 and m = 16
-//  (the summation
+// The decode GEMV / skinny GEMM (src/cuda/gemv.cu, variant gemm.skinny_mma) against cuBLASLt and
+// an fp64 CPU loop:
+//  - odd shapes (m = 1, 3, 5, 8, 9, 16; n not a multiple of any tile; k = 8, 24, 40 (not a
+//    multiple of the 32-wide k-step), 5128, 32768) with every compiled config, bf16 and fp32
+//    output, accumulate, poisoned outputs: normalised error vs fp64 < 4e-3 (bf16 out) / 1e-4
+//    (fp32 out: tensor-core fp32 accumulation, as cuda_gemm_test);
+//  - every Qwen3.5-27B decode shape at m = 1, 4, 16 through GemmEngine with the registry (the
+//    engine's path) vs cuBLASLt: bf16 out within 1 bf16 ulp of the larger magnitude, or 1e-3 of
+//    the output's max where both are near zero (the two sum in different orders; each rounds an
+//    fp32 sum once); fp32 out (lm_head) relative L2 < 1e-4 (the measured value is printed);
+//  - batch invariance: token i's outputs are bit-identical for m = 1 and m = 16 (the summation
 //    order does not depend on m);
-//  - the guard (dispatch) and the launch errors (unaligned pointers, bad
-//  shapes).
-// DS_GEMV_SWEEP=1 also times every config on every decode shape (rotating
-// weights past L2) next to cuBLASLt and prints a table (used to pick
-// skinny_gemm_config).
+//  - programmatic dependent launch: a dependent pair of launches reads finished data, on a stream
+//    and from a CUDA graph;
+//  - the guard (dispatch) and the launch errors (unaligned pointers, bad shapes).
+// DS_GEMV_SWEEP=1 also times every config on every decode shape (rotating weights past L2) next to
+// cuBLASLt and prints a table (used to pick skinny_gemm_config).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -239,6 +234,63 @@ TEST(CudaGemv, BatchInvariant) {
   }
 }
 
+// Programmatic dependent launch: y2 = y1 w2^T launched right behind y1 = x w1^T (both with the
+// PDL attribute) must read the finished y1 (poisoned before: a missing wait gives NaN), on a stream
+// and replayed from a CUDA graph; bit-identical to the same launches without PDL.
+TEST(CudaGemv, DependentLaunchesChain) {
+  DS_REQUIRE_GPU();
+  std::mt19937 rng(13);
+  const int m = 4, n1 = 16384, k1 = 5120, n2 = 1000;  // the first launch is long (168 MB)
+  auto x = test::random_bf16(size_t(m) * k1, rng),
+       w1 = test::random_bf16(size_t(n1) * k1, rng, 0.02f),
+       w2 = test::random_bf16(size_t(n2) * n1, rng, 0.02f);
+  DevBuf<bf> dx(x), dw1(w1), dw2(w2), y1(size_t(m) * n1), y2(size_t(m) * n2);
+  cudaStream_t s;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto chain = [&](bool pdl) {
+    SkinnyConfig c1 = cuda::skinny_gemm_config(m, n1, k1, 132),
+                 c2 = cuda::skinny_gemm_config(m, n2, n1, 132);
+    c1.pdl = c2.pdl = pdl;
+    cuda::launch_skinny_gemm(B(dx), B(dw1), reinterpret_cast<void*>(y1.ptr), m, n1, k1,
+                             GemmOut::kBF16, false, c1, s);
+    cuda::launch_skinny_gemm(B(y1), B(dw2), reinterpret_cast<void*>(y2.ptr), m, n2, n1,
+                             GemmOut::kBF16, false, c2, s);
+  };
+  y1.poison();
+  y2.poison();
+  chain(false);
+  DS_CUDA_CHECK(cudaStreamSynchronize(s));
+  const auto ref1 = y1.download(), ref2 = y2.download();
+  // The serial result against the fp64 loop (second GEMM from the first's bf16 output).
+  const auto cpu2 = reference(ref1, w2, {}, m, n2, n1);
+  EXPECT_LT(test::norm_err(test::to_f32(ref2), cpu2), 4e-3);
+  for (int rep = 0; rep < 3; ++rep) {
+    y1.poison();
+    y2.poison();
+    chain(true);
+    DS_CUDA_CHECK(cudaStreamSynchronize(s));
+    EXPECT_TRUE(y1.download() == ref1) << "rep " << rep;
+    EXPECT_TRUE(y2.download() == ref2) << "rep " << rep;
+  }
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  chain(true);
+  DS_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  DS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 3; ++rep) {
+    y1.poison();
+    y2.poison();
+    DS_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    DS_CUDA_CHECK(cudaStreamSynchronize(s));
+    EXPECT_TRUE(y1.download() == ref1) << "graph rep " << rep;
+    EXPECT_TRUE(y2.download() == ref2) << "graph rep " << rep;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
 TEST(CudaGemv, GuardAndErrors) {
   auto reg = cuda::DispatchRegistry::with_defaults(90, "");
   using F = cuda::KernelFamily;
@@ -324,7 +376,8 @@ TEST(CudaGemv, Sweep) {
   std::printf(
       "SWEEP shape m | cublaslt us TB/s | picked cfg us TB/s | best "
       "cfg us TB/s | all\n");
-  double sum_ref[3] = {0, 0, 0}, sum_pick[3] = {0, 0, 0}, sum_best[3] = {0, 0, 0};
+  double sum_ref[3] = {0, 0, 0}, sum_pick[3] = {0, 0, 0}, sum_best[3] = {0, 0, 0},
+         sum_nopdl[3] = {0, 0, 0};
   const int mult[] = {48, 48, 16, 16, 64, 64, 1};
   int oi = 0;
   for (const Op& o : kOps27b) {
@@ -354,11 +407,19 @@ TEST(CudaGemv, Sweep) {
         std::snprintf(buf, sizeof buf, " %s:%.1f", c.name().c_str(), t);
         all += buf;
       }
+      SkinnyConfig nopdl = pick;
+      nopdl.pdl = false;
+      const double t_nopdl = time_us(
+          [&](int i) {
+            cuda::launch_skinny_gemm(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, out,
+                                     false, nopdl, 0);
+          },
+          rot);
       std::printf(
-          "SWEEP %-8s m=%-2d | %8.2f %5.2f | %s %8.2f %5.2f | %s %8.2f "
-          "%5.2f |%s\n",
+          "SWEEP %-8s m=%-2d | %8.2f %5.2f | %s %8.2f %5.2f (no pdl %.2f) | %s %8.2f %5.2f |%s\n",
           o.name, m, t_ref, bytes / t_ref * 1e-6, pick.name().c_str(), t_pick,
-          bytes / t_pick * 1e-6, best.c_str(), t_best, bytes / t_best * 1e-6, all.c_str());
+          bytes / t_pick * 1e-6, t_nopdl, best.c_str(), t_best, bytes / t_best * 1e-6, all.c_str());
+      sum_nopdl[mi] += mult[oi] * t_nopdl;
       sum_ref[mi] += mult[oi] * t_ref;
       sum_pick[mi] += mult[oi] * t_pick;
       sum_best[mi] += mult[oi] * t_best;
@@ -368,12 +429,10 @@ TEST(CudaGemv, Sweep) {
   }
   for (int mi = 0; mi < 3; ++mi)
     std::printf(
-        "SWEEP 27B decode step GEMMs m=%d: cublaslt %.3f ms, picked "
-        "%.3f ms, best %.3f ms\n",
-        mi == 0   ? 1
-        : mi == 1 ? 4
-                  : 16,
-        sum_ref[mi] * 1e-3, sum_pick[mi] * 1e-3, sum_best[mi] * 1e-3);
+        "SWEEP 27B decode step GEMMs m=%d: cublaslt %.3f ms, picked %.3f ms (without pdl %.3f), "
+        "best %.3f ms\n",
+        mi == 0 ? 1 : (mi == 1 ? 4 : 16), sum_ref[mi] * 1e-3, sum_pick[mi] * 1e-3,
+        sum_nopdl[mi] * 1e-3, sum_best[mi] * 1e-3);
 }
 
 }  // namespace
