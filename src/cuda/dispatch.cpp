@@ -100,10 +100,11 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   r.sm_ = sm;
   using F = KernelFamily;
   r.add({F::kGemm, "skinny_mma",
-         "decode GEMV / skinny GEMM (gemv.h): m 1..16, mma.sync with tokens as M, weight read once; "
-         "sm 90, k % 8 == 0, k <= 32768, n <= 262144, 16-byte aligned x/w (checked at run)",
+         "decode skinny GEMM (gemv.h): m 1..16, mma.sync with tokens as M, weight read once, "
+         "batch-invariant; sm 90, k % 8 == 0, shapes where it beats cuBLASLt (k >= 12288)",
          [](const ShapeKey& k) {
-           return k.sm == 90 && k.dtype == 0 && skinny_gemm_supports(k.dims[0], k.dims[1], k.dims[2]);
+           return k.sm == 90 && k.dtype == 0 &&
+                  skinny_gemm_preferred(k.dims[0], k.dims[1], k.dims[2]);
          }});
   r.add({F::kGemm,
          "cublaslt",

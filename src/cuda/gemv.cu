@@ -237,7 +237,7 @@ bool launch_any(const SkinnyConfig& c, const bf16* x, const bf16* w, void* y, in
 
 std::string SkinnyConfig::name() const {
   std::ostringstream os;
-  os << "nt" << n_tile << "w" << warps << "u" << unroll << (pdl ? "" : "-nopdl");
+  os << "nt" << n_tile << "w" << warps << "u" << unroll << (pdl ? "-pdl" : "");
   return os.str();
 }
 
@@ -246,7 +246,7 @@ std::vector<SkinnyConfig> skinny_gemm_configs() {
   for (int nt : {1, 2, 4})
     for (int wp : {4, 8})
       for (int u : {2, 4, 8})
-        if (nt * u <= 16) v.push_back({nt, wp, u, true});
+        if (nt * u <= 16) v.push_back({nt, wp, u, false});
   return v;
 }
 
@@ -257,18 +257,28 @@ bool skinny_gemm_supports(int64_t m, int64_t n, int64_t k) {
 
 SkinnyConfig skinny_gemm_config(int m, int n, int k, int n_sms) {
   (void)n_sms;
-  // From the config sweep on the H200 (cuda_gemv_test DS_GEMV_SWEEP=1, 2026-11-29): narrow
+  // From two config sweeps on the H200 (cuda_gemv_test DS_GEMV_SWEEP=1, 2026-11-29): narrow
   // outputs (5120 rows) and long rows (down, k 17408) do best with 16-row blocks of 8 warps and 2
   // k-steps per iteration; the wider ones with 8 k-steps per iteration and 4 warps, 8-row blocks
   // up to 8 tokens, 16-row blocks above (half the x re-reads). warps and unroll depend on (n, k)
-  // only: every m of a shape sums in the same order (batch-invariant).
+  // only: every m of a shape sums in the same order (batch-invariant). PDL off: it helped the
+  // 4-warp configs by 1-2 us but cost the 8-warp ones up to 11 us (the next kernel's waiting blocks
+  // hold one of only two block slots per SM while this one drains).
   SkinnyConfig c;
   if (n <= 8192 || k >= 12288) {
     c.n_tile = 2, c.warps = 8, c.unroll = 2;
   } else {
     c.n_tile = m > 8 ? 2 : 1, c.warps = 4, c.unroll = 8;
   }
+  c.pdl = false;
   return c;
+}
+
+bool skinny_gemm_preferred(int64_t m, int64_t n, int64_t k) {
+  // Measured faster than cuBLASLt only on the long-row shapes: down 5120 x 17408 at 47.0-47.9 us
+  // vs 50.5-51.7 us (m 1 and 4), 51.1-51.5 vs 52.8 (m 16), in both sweeps. On the 5120-k shapes
+  // it ties or loses by 1-10% (cuBLASLt 3.7-4.1 TB/s there), so those stay with cuBLASLt.
+  return skinny_gemm_supports(m, n, k) && k >= 12288;
 }
 
 void launch_skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n,

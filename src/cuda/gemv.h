@@ -10,7 +10,7 @@
 // ld.global.nc.L1::no_allocate; the MMA's k order is permuted identically for x and w, so no
 // shuffles are needed. A block owns 8 * n_tile weight rows and its warps split k between them
 // (reduced through shared memory at the end), so narrow outputs (n = 5120) still fill the chip
-// with small blocks. Launched with programmatic dependent launch (see SkinnyConfig::pdl). The
+// with small blocks. Programmatic dependent launch is optional (SkinnyConfig::pdl). The
 // summation order of an output depends only on (k, warps, unroll), never on m or on the other
 // tokens: results are batch-invariant for a fixed config, and the config's warps / unroll are
 // chosen from (n, k) only.
@@ -42,14 +42,19 @@ struct SkinnyConfig {
   // Programmatic dependent launch: the kernel prefetches its first weights into L2 and waits for
   // the previous kernel of the stream only before it reads x (griddepcontrol), so its start
   // overlaps the end of that kernel, and a following skinny GEMM overlaps this one's tail.
-  bool pdl = true;
-  std::string name() const;  // "nt1w4u4", "nt1w4u4-nopdl"
+  // Tested, off by default (mixed timings, see skinny_gemm_config).
+  bool pdl = false;
+  std::string name() const;  // "nt1w4u4", "nt1w4u4-pdl"
 };
 
 // The shape part of the guard: 1 <= m <= 16, k % 8 == 0, 8 <= k <= kSkinnyMaxK,
 // 1 <= n <= kSkinnyMaxN. (Device sm 90 and bf16 are checked by the registry
 // guard; 16-byte aligned x and w by GemmEngine::run.)
 bool skinny_gemm_supports(int64_t m, int64_t n, int64_t k);
+
+// The registry guard's shape test: supported and measured faster than cuBLASLt on the H200
+// (today: k >= 12288, the MLP down projection; see gemv.cu).
+bool skinny_gemm_preferred(int64_t m, int64_t n, int64_t k);
 
 // The config for a shape on a device with n_sms multiprocessors. warps and
 // unroll depend on (n, k) only, so every m of one (n, k) sums in the same

@@ -4,10 +4,11 @@
 //    multiple of the 32-wide k-step), 5128, 32768) with every compiled config, bf16 and fp32
 //    output, accumulate, poisoned outputs: normalised error vs fp64 < 4e-3 (bf16 out) / 1e-4
 //    (fp32 out: tensor-core fp32 accumulation, as cuda_gemm_test);
-//  - every Qwen3.5-27B decode shape at m = 1, 4, 16 through GemmEngine with the registry (the
-//    engine's path) vs cuBLASLt: bf16 out within 1 bf16 ulp of the larger magnitude, or 1e-3 of
-//    the output's max where both are near zero (the two sum in different orders; each rounds an
-//    fp32 sum once); fp32 out (lm_head) relative L2 < 1e-4 (the measured value is printed);
+//  - every Qwen3.5-27B decode shape at m = 1, 4, 16 with the shipped config vs cuBLASLt (and the
+//    engine's path through the registry where the guard picks it, bit-identical): bf16 out within 1
+//    bf16 ulp of the larger magnitude, or 1e-3 of the output's max where both are near zero (the
+//    two sum in different orders; each rounds an fp32 sum once); fp32 out (lm_head) relative L2 <
+//    1e-4 (the measured value is printed);
 //  - batch invariance: token i's outputs are bit-identical for m = 1 and m = 16 (the summation
 //    order does not depend on m);
 //  - programmatic dependent launch: a dependent pair of launches reads finished data, on a stream
@@ -166,11 +167,14 @@ TEST(CudaGemv, Shapes27bMatchCublasLt) {
   std::mt19937 rng(5);
   Pool wpool(size_t(248320) * 5120, rng, 0.02f);
   auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  int n_sms = 0;
+  DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
   cuda::GemmEngine fast, ref;
   fast.set_dispatch(&reg);
   for (const Op& o : kOps27b) {
     for (int m : {1, 4, 16}) {
-      ASSERT_EQ(fast.variant(m, o.n, o.k), "skinny_mma") << o.name;
+      const bool guarded = fast.variant(m, o.n, o.k) == "skinny_mma";
+      EXPECT_EQ(guarded, o.k >= 12288) << o.name << " m " << m;  // the shapes where it wins
       auto x = test::random_bf16(size_t(m) * o.k, rng);
       DevBuf<bf> dx(x);
       const size_t es = o.f32 ? 4 : 2, cnt = size_t(m) * o.n;
@@ -178,8 +182,17 @@ TEST(CudaGemv, Shapes27bMatchCublasLt) {
       y1.poison();
       y2.poison();
       const GemmOut out = o.f32 ? GemmOut::kF32 : GemmOut::kBF16;
-      fast.run(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, out, 0);
+      // The kernel with the config it ships with (on every shape, guarded or not) vs cuBLASLt;
+      // where the guard picks it, the engine's own path must give the same bits.
+      cuda::launch_skinny_gemm(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, out, false,
+                               cuda::skinny_gemm_config(m, o.n, o.k, n_sms), 0);
       ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, out, 0);
+      if (guarded) {
+        DevBuf<char> y3(cnt * es);
+        y3.poison();
+        fast.run(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, out, 0);
+        EXPECT_TRUE(y3.download() == y1.download()) << o.name << " m " << m << " engine path";
+      }
       DS_CUDA_CHECK(cudaDeviceSynchronize());
       const auto a = download_out(y1, cnt, o.f32), b = download_out(y2, cnt, o.f32);
       if (o.f32) {
@@ -294,17 +307,18 @@ TEST(CudaGemv, DependentLaunchesChain) {
 TEST(CudaGemv, GuardAndErrors) {
   auto reg = cuda::DispatchRegistry::with_defaults(90, "");
   using F = cuda::KernelFamily;
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 248320, 5120)).name, "skinny_mma");
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17408)).name, "skinny_mma");  // down
   EXPECT_EQ(reg.select(F::kGemm, reg.key(16, 5120, 17408)).name, "skinny_mma");
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(17, 5120, 17408)).name, "cublaslt");
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17412)).name,
-            "cublaslt");  // k % 8
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 65536)).name,
-            "cublaslt");  // k too large
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(17, 5120, 17408)).name, "cublaslt");  // m > 16
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 248320, 5120)).name, "cublaslt");  // ties cuBLASLt
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17412)).name, "cublaslt");   // k % 8
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 65536)).name, "cublaslt");   // k too large
+  EXPECT_TRUE(cuda::skinny_gemm_supports(1, 248320, 5120));
+  EXPECT_FALSE(cuda::skinny_gemm_supports(1, 5120, 65536));
   auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
-  EXPECT_EQ(r80.select(F::kGemm, r80.key(1, 5120, 5120)).name, "cublaslt");
+  EXPECT_EQ(r80.select(F::kGemm, r80.key(1, 5120, 17408)).name, "cublaslt");
   auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.skinny_mma");
-  EXPECT_EQ(off.select(F::kGemm, off.key(1, 5120, 5120)).name, "cublaslt");
+  EXPECT_EQ(off.select(F::kGemm, off.key(1, 5120, 17408)).name, "cublaslt");
   DS_REQUIRE_GPU();
   DevBuf<bf> x(64), w(64 * 64);
   DevBuf<char> y(64 * 64 * 4);
@@ -325,10 +339,10 @@ TEST(CudaGemv, GuardAndErrors) {
   cuda::GemmEngine g;
   g.set_dispatch(&reg2);
   std::mt19937 rng(3);
-  auto hx = test::random_bf16(64, rng), hw = test::random_bf16(64 * 64, rng);
+  auto hx = test::random_bf16(12288, rng), hw = test::random_bf16(8 * 12288, rng);
   DevBuf<bf> dx(hx), dw(hw);
   DevBuf<char> y1(17 * 8 * 2);
-  g.run(B(dx), B(dw), y1.ptr, 1, 8, 16, GemmOut::kBF16, 0);
+  g.run(B(dx), B(dw), y1.ptr, 1, 8, 12288, GemmOut::kBF16, 0);  // guarded: skinny
   EXPECT_EQ(g.late_plans(), 0);
   g.run(B(dx), B(dw), y1.ptr, 17, 8, 1, GemmOut::kBF16, 0);  // k = 1: cuBLASLt
   EXPECT_EQ(g.late_plans(), 1);
@@ -337,17 +351,17 @@ TEST(CudaGemv, GuardAndErrors) {
 
 // ---- optional sweep (DS_GEMV_SWEEP=1): every config on every decode shape,
 // and cuBLASLt ----
-double time_us(const std::function<void(int)>& launch, int rot) {
+double time_us(const std::function<void(int)>& launch, int rot, cudaStream_t s) {
   cudaEvent_t a, b;
   DS_CUDA_CHECK(cudaEventCreate(&a));
   DS_CUDA_CHECK(cudaEventCreate(&b));
   for (int i = 0; i < 3; ++i) launch(i % rot);
   std::vector<float> ts;
   const int reps = std::max(8, rot);
-  for (int s = 0; s < 7; ++s) {
-    DS_CUDA_CHECK(cudaEventRecord(a, 0));
+  for (int rep = 0; rep < 7; ++rep) {
+    DS_CUDA_CHECK(cudaEventRecord(a, s));
     for (int i = 0; i < reps; ++i) launch(i % rot);
-    DS_CUDA_CHECK(cudaEventRecord(b, 0));
+    DS_CUDA_CHECK(cudaEventRecord(b, s));
     DS_CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
     DS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
@@ -373,11 +387,13 @@ TEST(CudaGemv, Sweep) {
   DevBuf<bf> dx(xs);
   DevBuf<char> y(size_t(16) * 248320 * 4);
   cuda::GemmEngine ref;
+  cudaStream_t st;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   std::printf(
       "SWEEP shape m | cublaslt us TB/s | picked cfg us TB/s | best "
       "cfg us TB/s | all\n");
   double sum_ref[3] = {0, 0, 0}, sum_pick[3] = {0, 0, 0}, sum_best[3] = {0, 0, 0},
-         sum_nopdl[3] = {0, 0, 0};
+         sum_pdl[3] = {0, 0, 0};
   const int mult[] = {48, 48, 16, 16, 64, 64, 1};
   int oi = 0;
   for (const Op& o : kOps27b) {
@@ -389,8 +405,8 @@ TEST(CudaGemv, Sweep) {
       const double bytes = 2.0 * welems + 2.0 * m * o.k + (o.f32 ? 4.0 : 2.0) * m * o.n;
       ref.prepare(m, o.n, o.k, out);
       const double t_ref = time_us(
-          [&](int i) { ref.run(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, out, 0); },
-          rot);
+          [&](int i) { ref.run(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, out, st); },
+          rot, st);
       const SkinnyConfig pick = cuda::skinny_gemm_config(m, o.n, o.k, n_sms);
       double t_pick = 0, t_best = 1e30;
       std::string best, all;
@@ -398,28 +414,28 @@ TEST(CudaGemv, Sweep) {
         const double t = time_us(
             [&](int i) {
               cuda::launch_skinny_gemm(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, out,
-                                       false, c, 0);
+                                       false, c, st);
             },
-            rot);
+            rot, st);
         if (c.name() == pick.name()) t_pick = t;
         if (t < t_best) t_best = t, best = c.name();
         char buf[64];
         std::snprintf(buf, sizeof buf, " %s:%.1f", c.name().c_str(), t);
         all += buf;
       }
-      SkinnyConfig nopdl = pick;
-      nopdl.pdl = false;
-      const double t_nopdl = time_us(
+      SkinnyConfig with_pdl = pick;
+      with_pdl.pdl = true;
+      const double t_pdl = time_us(
           [&](int i) {
             cuda::launch_skinny_gemm(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, out,
-                                     false, nopdl, 0);
+                                     false, with_pdl, st);
           },
-          rot);
+          rot, st);
       std::printf(
-          "SWEEP %-8s m=%-2d | %8.2f %5.2f | %s %8.2f %5.2f (no pdl %.2f) | %s %8.2f %5.2f |%s\n",
+          "SWEEP %-8s m=%-2d | %8.2f %5.2f | %s %8.2f %5.2f (with pdl %.2f) | %s %8.2f %5.2f |%s\n",
           o.name, m, t_ref, bytes / t_ref * 1e-6, pick.name().c_str(), t_pick,
-          bytes / t_pick * 1e-6, t_nopdl, best.c_str(), t_best, bytes / t_best * 1e-6, all.c_str());
-      sum_nopdl[mi] += mult[oi] * t_nopdl;
+          bytes / t_pick * 1e-6, t_pdl, best.c_str(), t_best, bytes / t_best * 1e-6, all.c_str());
+      sum_pdl[mi] += mult[oi] * t_pdl;
       sum_ref[mi] += mult[oi] * t_ref;
       sum_pick[mi] += mult[oi] * t_pick;
       sum_best[mi] += mult[oi] * t_best;
@@ -429,10 +445,11 @@ TEST(CudaGemv, Sweep) {
   }
   for (int mi = 0; mi < 3; ++mi)
     std::printf(
-        "SWEEP 27B decode step GEMMs m=%d: cublaslt %.3f ms, picked %.3f ms (without pdl %.3f), "
+        "SWEEP 27B decode step GEMMs m=%d: cublaslt %.3f ms, picked %.3f ms (with pdl %.3f), "
         "best %.3f ms\n",
         mi == 0 ? 1 : (mi == 1 ? 4 : 16), sum_ref[mi] * 1e-3, sum_pick[mi] * 1e-3,
-        sum_nopdl[mi] * 1e-3, sum_best[mi] * 1e-3);
+        sum_pdl[mi] * 1e-3, sum_best[mi] * 1e-3);
+  cudaStreamDestroy(st);
 }
 
 }  // namespace
