@@ -6,18 +6,26 @@ Buckets 4K-8K, 8K-16K, 16K-32K prompt tokens, N requests each (lengths and token
 seed, as `deltaserve bench serve` draws them), 128 output tokens, EOS ignored, greedy, streamed.
 TTFT = time to the first streamed chunk that carries a token; TPOT = (end - first token) /
 (completion tokens - 1, from the usage block); throughput = output tokens / end-to-end time;
-weighted 20/50/30. Tokens are seen in the stream's text chunks, as OpenAI benchmark clients do;
-a server without a tokenizer streams no text, so then (--logprobs auto, the default) each request
-asks for logprobs, whose "token_id:N" entries carry the tokens; that makes the server compute a
-log-softmax over the vocabulary per token (about 2 ms per token on the 27B synthetic model in the
-first H200 run), so serve a tokenizer (`deltaserve serve --tokenizer DIR`) for a fair comparison
-with the in-process bench. The mode used is in the JSON (meta.token_counting).
+weighted 20/50/30.
+How tokens are seen in the stream (--count, in the JSON as meta.token_counting):
+  ids (auto's first choice): the request asks for "return_token_ids" (a vLLM extension that
+      deltaserve serves): every chunk carries the ids of its new tokens, so tokens are counted
+      exactly, with or without a tokenizer on the server, and the server does no extra work;
+  text: one token per chunk with text (as OpenAI benchmark clients do; needs a server tokenizer);
+  logprobs: the "token_id:N" entries of logprobs; this makes the server compute a log-softmax over
+      the vocabulary per token (about 2 ms per token on the 27B synthetic model in the first H200
+      run), so its TPOT is not comparable with the in-process bench.
+auto takes ids, else text, else logprobs, whichever the server streams first.
+Engine-side timings: when the server has a Prometheus /metrics (deltaserve serve does), the
+engine's own TTFT/TPOT of each request (the quantities the in-process bench reports) are read
+from its histogram sums before and after the request, so every bucket also shows the per-token
+HTTP overhead (client TPOT - engine TPOT) measured on the same requests.
 Standard library only. Output: a table and, with --json, the same "serve" layout as deltaserve's
 JSON (mode "HTTP ...").
 
 Usage: serve_http.py --url http://127.0.0.1:8000 [--requests 5] [--output-tokens 128]
                      [--vocab 248320] [--scale 1.0] [--json FILE] [--api-key KEY]
-                     [--prompts-from BENCH.json] [--logprobs auto|on|off]
+                     [--prompts-from BENCH.json] [--count auto|ids|text|logprobs]
 --scale multiplies the bucket bounds (e.g. 0.01 for a dry run against a tiny CPU model).
 --prompts-from takes the prompt lengths of each bucket from the "serve" part of a `deltaserve
 bench serve --json` file, so that both runs serve exactly the same requests (the in-process bench
@@ -44,13 +52,41 @@ def pct(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def one_request(url, key, prompt, max_tokens, logprobs):
-    """(TTFT or None when no chunk carried a token, end-to-end time, completion tokens)."""
+def engine_sums(url, key):
+    """(TTFT sum, TPOT sum, TPOT count) of the server's /metrics histograms, or None."""
+    u = urllib.parse.urlparse(url)
+    try:
+        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=30)
+        conn.request("GET", u.path.rstrip("/") + "/metrics",
+                     headers={"Authorization": f"Bearer {key}"} if key else {})
+        resp = conn.getresponse()
+        text = resp.read().decode("utf-8", "replace") if resp.status == 200 else ""
+        conn.close()
+    except OSError:
+        return None
+    vals = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in ("deltaserve_time_to_first_token_seconds_sum",
+                                            "deltaserve_time_per_output_token_seconds_sum",
+                                            "deltaserve_time_per_output_token_seconds_count"):
+            vals[parts[0]] = float(parts[1])
+    if len(vals) != 3:
+        return None
+    return (vals["deltaserve_time_to_first_token_seconds_sum"], vals["deltaserve_time_per_output_token_seconds_sum"],
+            vals["deltaserve_time_per_output_token_seconds_count"])
+
+
+def one_request(url, key, prompt, max_tokens, count):
+    """(TTFT or None when no chunk carried a token, end-to-end time, completion tokens, how the
+    tokens were seen: "ids", "text", "logprobs" or None)."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=3600)
     req = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
            "stream_options": {"include_usage": True}}
-    if logprobs:
+    if count in ("ids", "auto"):
+        req["return_token_ids"] = True
+    if count == "logprobs":
         req["logprobs"] = 0
     body = json.dumps(req)
     headers = {"Content-Type": "application/json"}
@@ -61,28 +97,36 @@ def one_request(url, key, prompt, max_tokens, logprobs):
     resp = conn.getresponse()
     if resp.status != 200:
         sys.exit(f"serve_http.py: HTTP {resp.status}: {resp.read()[:500]!r}")
-    ttft, n_tokens, usage = None, 0, None
+    ttft, n_tokens, usage, seen = None, 0, None, None
     for raw in resp:
-        line = raw.decode("utf-8", "replace").strip()
-        if not line.startswith("data:"):
+        if not raw.startswith(b"data:"):
             continue
-        data = line[5:].strip()
-        if data == "[DONE]":
+        data = raw[5:].strip()
+        if data == b"[DONE]":
             break
         msg = json.loads(data)
         if msg.get("usage"):
             usage = msg["usage"]
-        for ch in msg.get("choices", []):
-            lp = ch.get("logprobs") or {}
-            got = len(lp.get("tokens") or []) or (1 if ch.get("text") else 0)
-            if got and ttft is None:
-                ttft = time.perf_counter() - t0
+        for ch in msg.get("choices", ()):
+            ids = ch.get("token_ids")
+            if ids is not None:
+                got, how = len(ids), "ids"
+            else:
+                lp = ch.get("logprobs") or {}
+                got = len(lp.get("tokens") or ())
+                how = "logprobs"
+                if not got and ch.get("text"):
+                    got, how = 1, "text"
+            if got:
+                seen = seen or how
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
             n_tokens += got
     e2e = time.perf_counter() - t0
     conn.close()
     if usage and usage.get("completion_tokens"):
         n_tokens = usage["completion_tokens"]
-    return ttft, e2e, n_tokens
+    return ttft, e2e, n_tokens, seen
 
 
 def main():
@@ -96,8 +140,10 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--api-key")
     ap.add_argument("--prompts-from", help="bench JSON whose serve buckets give the prompt lengths")
-    ap.add_argument("--logprobs", choices=("auto", "on", "off"), default="auto",
-                    help="see tokens through logprobs (on), text chunks (off), or text unless the server streams none")
+    ap.add_argument("--count", choices=("auto", "ids", "text", "logprobs"), default="auto",
+                    help="how tokens are seen in the stream (see above)")
+    ap.add_argument("--logprobs", choices=("auto", "on", "off"), default=None,
+                    help="old spelling: on = --count logprobs, off = --count text")
     a = ap.parse_args()
     given = None
     if a.prompts_from:
@@ -108,27 +154,42 @@ def main():
             sys.exit(f"serve_http.py: --prompts-from {a.prompts_from}: no serve buckets ({type(e).__name__}: {e})")
     if a.requests < 1 or a.output_tokens < 1 or a.scale <= 0:
         sys.exit("serve_http.py: --requests, --output-tokens and --scale must be positive")
+    if a.logprobs is not None and a.count == "auto":
+        a.count = {"on": "logprobs", "off": "text", "auto": "auto"}[a.logprobs]
     rng = random.Random(a.seed)
-    use_lp = a.logprobs == "on"
+    count = a.count  # "auto" until the first request shows what the server streams
+    engine = engine_sums(a.url, a.api_key) is not None
     buckets, weighted = [], 0.0
-    print(f"{'bucket':<8} {'n':>2} {'TTFT p50 ms':>12} {'p99':>10} {'TPOT p50 ms':>12} {'p99':>8} {'tok/s':>7}")
+    print(f"{'bucket':<8} {'n':>2} {'TTFT p50 ms':>12} {'p99':>10} {'TPOT p50 ms':>12} {'p99':>8} {'tok/s':>7}"
+          + (f" {'engine TTFT':>11} {'engine TPOT':>11} {'HTTP +us/tok':>12}" if engine else ""))
     for name, lo, hi, w in BUCKETS:
         lo, hi = max(1, int(lo * a.scale)), max(2, int(hi * a.scale))
         ttft, tpot, prompts, e2e_sum, out_sum = [], [], [], 0.0, 0
+        eng_ttft, eng_tpot, overhead = [], [], []
         lengths = given.get(name, []) if given is not None else [rng.randrange(lo, hi) for _ in range(a.requests)]
         if not lengths:
             continue
         for n in lengths:
             prompts.append(n)
             prompt = [rng.randrange(a.vocab) for _ in range(n)]
-            t, e, k = one_request(a.url, a.api_key, prompt, a.output_tokens, use_lp)
-            if t is None and not use_lp and a.logprobs == "auto" and k > 0:
-                print("serve_http.py: the server streams no text (no tokenizer?): tokens counted through logprobs "
-                      "from here on (the server then computes a log-softmax per token)", flush=True)
-                use_lp = True
-                t, e, k = one_request(a.url, a.api_key, prompt, a.output_tokens, use_lp)
+            before = engine_sums(a.url, a.api_key) if engine else None
+            t, e, k, seen = one_request(a.url, a.api_key, prompt, a.output_tokens, count)
+            if count == "auto" and t is None and k > 0:
+                print("serve_http.py: the server streams neither token ids nor text: tokens counted through "
+                      "logprobs from here on (the server then computes a log-softmax per token)", flush=True)
+                count = "logprobs"
+                before = engine_sums(a.url, a.api_key) if engine else None
+                t, e, k, seen = one_request(a.url, a.api_key, prompt, a.output_tokens, count)
             if t is None:
-                sys.exit("serve_http.py: the stream carried no token (no text, no logprobs tokens)")
+                sys.exit("serve_http.py: the stream carried no token (no token ids, text or logprobs tokens)")
+            if count == "auto":
+                count = seen
+            after = engine_sums(a.url, a.api_key) if before else None
+            if after and after[2] == before[2] + 1:
+                eng_ttft.append(after[0] - before[0])
+                eng_tpot.append(after[1] - before[1])
+                if k > 1:
+                    overhead.append((e - t) / (k - 1) - eng_tpot[-1])
             ttft.append(t)
             if k > 1:
                 tpot.append((e - t) / (k - 1))
@@ -140,15 +201,23 @@ def main():
                            "max": max(xs) if xs else None, "mean": sum(xs) / len(xs) if xs else None}
         b = {"bucket": name, "lo": lo, "hi": hi, "weight": w, "prompts": prompts, "ttft_s": summ(ttft),
              "tpot_s": summ(tpot), "throughput_tok_per_s": thr}
+        if eng_tpot:
+            b["engine_ttft_s"] = summ(eng_ttft)
+            b["engine_tpot_s"] = summ(eng_tpot)
+            b["http_overhead_per_token_s"] = summ(overhead)
         buckets.append(b)
         f = lambda s: "-" if s is None else f"{s * 1e3:.3f}"  # noqa: E731
         print(f"{name:<8} {len(prompts):>2} {f(b['ttft_s']['p50']):>12} {f(b['ttft_s']['p99']):>10} "
-              f"{f(b['tpot_s']['p50']):>12} {f(b['tpot_s']['p99']):>8} {thr:>7.2f}", flush=True)
+              f"{f(b['tpot_s']['p50']):>12} {f(b['tpot_s']['p99']):>8} {thr:>7.2f}"
+              + (f" {f(b['engine_ttft_s']['p50']):>11} {f(b['engine_tpot_s']['p50']):>11}"
+                 f" {b['http_overhead_per_token_s']['mean'] * 1e6:>12.1f}" if eng_tpot and overhead else ""),
+              flush=True)
     print(f"weighted throughput {weighted:.2f} tok/s")
     if a.json:
         doc = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "url": a.url,
                         "scale": a.scale, "seed": a.seed, "prompts_from": a.prompts_from,
-                        "token_counting": "logprobs" if use_lp else "text chunks"},
+                        "token_counting": {"ids": "token_ids (return_token_ids)", "text": "text chunks",
+                                           "logprobs": "logprobs"}.get(count, count)},
                "serve": {"mode": f"HTTP ({a.url})", "output_tokens": a.output_tokens, "buckets": buckets,
                          "weighted_throughput_tok_per_s": weighted}}
         with open(a.json, "w") as fh:

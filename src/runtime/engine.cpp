@@ -25,7 +25,30 @@ const char* finish_reason_name(FinishReason r) {
   return "?";
 }
 
-// ---- RequestStream ----
+// ---- StreamNotifier / RequestStream ----
+
+uint64_t StreamNotifier::epoch() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return epoch_;
+}
+
+bool StreamNotifier::wait_past(uint64_t seen, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  return cv_.wait_for(lk, timeout, [&] { return epoch_ != seen; });
+}
+
+void StreamNotifier::notify() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++epoch_;
+  }
+  cv_.notify_all();
+}
+
+void RequestStream::set_notifier(std::shared_ptr<StreamNotifier> n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  notifier_ = std::move(n);
+}
 
 bool RequestStream::next(StreamOutput& out, std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lk(mu_);
@@ -246,6 +269,7 @@ void Engine::update_stats() {
 
 void Engine::publish(Request& r) {
   RequestStream& s = *r.stream;
+  std::shared_ptr<StreamNotifier> notifier;
   {
     std::lock_guard<std::mutex> lk(s.mu_);
     s.pending_.text += r.out_text;
@@ -254,10 +278,12 @@ void Engine::publish(Request& r) {
     s.pending_.n_preemptions = r.n_preemptions;
     s.pending_.ttft_s = r.ttft_s;
     s.has_news_ = true;
+    notifier = s.notifier_;
   }
   r.out_text.clear();
   r.out_tokens.clear();
   s.cv_.notify_all();
+  if (notifier) notifier->notify();
 }
 
 void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
@@ -280,14 +306,17 @@ void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
   }
   publish(r);
   RequestStream& s = *r.stream;
+  std::shared_ptr<StreamNotifier> notifier;
   {
     std::lock_guard<std::mutex> lk(s.mu_);
     s.pending_.finish = reason;
     s.pending_.error = error;
     s.pending_.e2e_s = std::chrono::duration<double>(Clock::now() - r.t_submit).count();
     s.done_ = true;
+    notifier = s.notifier_;
   }
   s.cv_.notify_all();
+  if (notifier) notifier->notify();
   const uint64_t id = r.id;
   {
     std::lock_guard<std::mutex> lk(ctl_->mu);

@@ -74,6 +74,23 @@ class RejectedError : public Error {
   Kind kind;
 };
 
+// Wakes a consumer that waits on several streams at once (e.g. an HTTP request with n > 1
+// choices): every output a stream publishes after RequestStream::set_notifier bumps its epoch.
+// Read epoch(), poll the streams (next with a zero timeout), then wait_past(epoch): nothing
+// published in between is missed.
+class StreamNotifier {
+ public:
+  uint64_t epoch() const;
+  // Waits until the epoch is past `seen` or `timeout` has passed; true when it is past.
+  bool wait_past(uint64_t seen, std::chrono::milliseconds timeout);
+  void notify();
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t epoch_ = 0;
+};
+
 class RequestStream {
  public:
   // Waits up to `timeout` for output; returns false when nothing new came (not finished yet).
@@ -83,6 +100,9 @@ class RequestStream {
   void cancel();
   bool finished() const;
   uint64_t id() const { return id_; }
+  // Also wake `n` on every later output (null: stop). Outputs published before are only seen
+  // by next().
+  void set_notifier(std::shared_ptr<StreamNotifier> n);
 
  private:
   friend class Engine;
@@ -92,6 +112,7 @@ class RequestStream {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   StreamOutput pending_;
+  std::shared_ptr<StreamNotifier> notifier_;
   bool has_news_ = false;
   bool done_ = false;       // final output produced by the engine
   bool delivered_ = false;  // final output taken by the consumer

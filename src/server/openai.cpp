@@ -225,6 +225,7 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
   }
 
   if (auto v = get_bool(b, "stream")) r.stream = *v;
+  if (auto v = get_bool(b, "return_token_ids")) r.return_token_ids = *v;
   if (const json* so = field(b, "stream_options")) {
     if (!so->is_object())
       bad("stream_options", std::string("must be an object, got ") + type_name(*so));

@@ -41,6 +41,10 @@ struct SamplingRequest {
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   bool logprobs = false;       // chat: logprobs flag; completions: logprobs field given
+  // vLLM's extension "return_token_ids": choices carry "token_ids" (the generated ids; in a
+  // stream, each chunk's new ones, so a client counts tokens exactly without logprobs or a
+  // tokenizer) and "prompt_token_ids" (non-streaming, or the choice's first chunk).
+  bool return_token_ids = false;
 };
 
 // Parses the sampling / stop / logprobs / stream fields of `body` (an object). `chat` selects the

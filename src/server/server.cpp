@@ -86,6 +86,7 @@ struct Server::Job {
     int index = 0;
     int prompt_index = 0;
     std::string echo;                    // completions with echo: the prompt text
+    std::vector<int32_t> prompt_ids;     // with return_token_ids: sent once, then cleared
     std::string text;                    // completions: all text (non-streaming)
     std::vector<GeneratedToken> tokens;  // all tokens (non-streaming logprobs)
     size_t text_offset = 0;              // completions logprobs text_offset
@@ -98,6 +99,9 @@ struct Server::Job {
     double ttft_s = -1, e2e_s = -1;
   };
   bool chat = false, stream = false, include_usage = false, logprobs = false;
+  bool return_token_ids = false;
+  // Bumped by every output of any choice: the response writer sleeps on it (no polling).
+  std::shared_ptr<StreamNotifier> notifier = std::make_shared<StreamNotifier>();
   std::string id, model;
   int64_t created = 0;
   const Tokenizer* tok = nullptr;
@@ -168,6 +172,12 @@ struct Server::Job {
     return json{{"content", content}};
   }
 
+  static json ids_json(const std::vector<GeneratedToken>& tokens) {
+    json ids = json::array();
+    for (const GeneratedToken& g : tokens) ids.push_back(g.id);
+    return ids;
+  }
+
   std::string final_finish_reason(const Choice& c) const {
     if (chat && c.finish == FinishReason::kStop && c.chat && c.chat->has_tool_calls())
       return "tool_calls";
@@ -191,6 +201,10 @@ struct Server::Job {
                                         {"delta", {{"role", "assistant"}, {"content", ""}}},
                                         {"logprobs", nullptr},
                                         {"finish_reason", nullptr}}});
+          if (return_token_ids) {
+            ch["prompt_token_ids"] = c.prompt_ids;
+            c.prompt_ids.clear();
+          }
           if (include_usage) ch["usage"] = nullptr;
           sse += "data: " + dump(ch) + "\n\n";
           c.role_sent = true;
@@ -209,13 +223,14 @@ struct Server::Job {
             }
           }
         }
-        if (!delta.empty() || (logprobs && !out.tokens.empty())) {
+        if (!delta.empty() || ((logprobs || return_token_ids) && !out.tokens.empty())) {
           json ch = base;
           ch["choices"] =
               json::array({{{"index", c.index},
                             {"delta", delta},
                             {"logprobs", logprobs ? chat_logprobs(out.tokens) : json(nullptr)},
                             {"finish_reason", nullptr}}});
+          if (return_token_ids) ch["choices"][0]["token_ids"] = ids_json(out.tokens);
           if (include_usage) ch["usage"] = nullptr;
           sse += "data: " + dump(ch) + "\n\n";
         }
@@ -226,13 +241,21 @@ struct Server::Job {
           c.text_offset += utf8_length(c.echo);
           c.echo.clear();
         }
-        if (!text.empty() || (logprobs && !out.tokens.empty())) {
+        if (!text.empty() || ((logprobs || return_token_ids) && !out.tokens.empty())) {
           json ch = base;
           ch["choices"] = json::array(
               {{{"index", c.index},
                 {"text", text},
                 {"logprobs", logprobs ? completion_logprobs(c, out.tokens) : json(nullptr)},
                 {"finish_reason", nullptr}}});
+          if (return_token_ids) {
+            json& choice = ch["choices"][0];
+            choice["token_ids"] = ids_json(out.tokens);
+            if (!c.prompt_ids.empty()) {
+              choice["prompt_token_ids"] = c.prompt_ids;
+              c.prompt_ids.clear();
+            }
+          }
           if (include_usage) ch["usage"] = nullptr;
           sse += "data: " + dump(ch) + "\n\n";
         }
@@ -282,10 +305,18 @@ struct Server::Job {
       if (chat) {
         choice["message"] = c.chat->message();
         choice["logprobs"] = logprobs ? chat_logprobs(c.tokens) : json(nullptr);
+        if (return_token_ids) {
+          choice["token_ids"] = ids_json(c.tokens);
+          if (!r.contains("prompt_token_ids")) r["prompt_token_ids"] = c.prompt_ids;
+        }
       } else {
         choice["text"] = c.echo + c.text;
         c.text_offset = utf8_length(c.echo);
         choice["logprobs"] = logprobs ? completion_logprobs(c, c.tokens) : json(nullptr);
+        if (return_token_ids) {
+          choice["prompt_token_ids"] = c.prompt_ids;
+          choice["token_ids"] = ids_json(c.tokens);
+        }
       }
       arr.push_back(choice);
     }
@@ -313,6 +344,9 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
   http_->set_write_timeout(opt_.write_timeout_s, 0);
   http_->set_keep_alive_timeout(opt_.keep_alive_timeout_s);
   http_->set_payload_max_length(opt_.max_body_bytes);
+  // Stream chunks are small writes, one per step: send each at once (no Nagle delay waiting for
+  // the client's delayed ACK).
+  http_->set_tcp_nodelay(true);
 
   http_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     const bool api = req.path.rfind("/v1/", 0) == 0;
@@ -460,6 +494,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
     job->stream = sr.stream;
     job->include_usage = sr.include_usage;
     job->logprobs = sr.logprobs;
+    job->return_token_ids = sr.return_token_ids;
     job->id = make_request_id(chat ? "chatcmpl-" : "cmpl-");
     job->created = static_cast<int64_t>(std::time(nullptr));
     job->model = opt_.model_names.front();
@@ -540,6 +575,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         c.prompt_index = static_cast<int>(p);
         c.echo = echoes[p];
         c.n_prompt = n_prompt;
+        if (sr.return_token_ids) c.prompt_ids = prompts[p];
         if (chat) c.chat = std::make_unique<ChatOutput>(job->starts_in_reasoning, job->tools);
         try {
           c.stream = engine_.submit(std::move(g));
@@ -547,6 +583,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
           throw ApiError(status_of(e.kind), e.what(),
                          e.kind == RejectedError::Kind::kInvalid ? "max_tokens" : "");
         }
+        c.stream->set_notifier(job->notifier);
         submitted.push_back(c.stream);
         job->choices.push_back(std::move(c));
       }
@@ -567,23 +604,28 @@ void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
   ++in_flight_;
   const bool stream = job->stream;
   auto provider = [job](size_t /*offset*/, httplib::DataSink& sink) -> bool {
-    const Ms wait(job->choices.size() == 1 ? 50 : 5);
+    // The engine thread never waits on this one: it publishes into the streams and bumps the
+    // job's notifier; here we take everything new from every choice, write it in one chunk,
+    // and sleep on the notifier until the next output (no polling interval).
     std::string out_buf;
-    while (!job->all_finished()) {
+    for (;;) {
+      const uint64_t seen = job->notifier->epoch();
       for (Job::Choice& c : job->choices) {
         if (c.finished) continue;
         StreamOutput out;
-        // One take per choice, then write: next() hands over everything produced so far.
-        if (c.stream->next(out, wait)) out_buf += job->absorb(c, out);
+        if (c.stream->next(out, Ms(0))) out_buf += job->absorb(c, out);
       }
+      if (job->all_finished()) break;  // the last tokens go out with the end of the stream
       if (!out_buf.empty()) {
-        if (!sink.write(out_buf.data(), out_buf.size())) {
+        if (!sink.write(out_buf.data(), out_buf.size())) {  // also fails once the client left
           job->cancel_all();
           return false;
         }
         out_buf.clear();
+        continue;
       }
-      if (!job->all_finished() && !sink.is_writable()) {  // the client went away
+      // Nothing new for 50 ms (a long prefill): check that the client is still there.
+      if (!job->notifier->wait_past(seen, Ms(50)) && !sink.is_writable()) {
         job->cancel_all();
         return false;
       }

@@ -2,7 +2,7 @@
 in any clean clone): token-id prompts, generated ids read back from logprobs ("token_id:N"),
 equal to `deltaserve generate --output ids`; stop_token_ids; text prompts, stop strings and chat
 refused with 400; 32 concurrent streams with cancellations give the same ids as alone (exact on
-the CPU engine) and leave no slot in use."""
+the CPU engine) and leave no slot in use; return_token_ids streams the ids without logprobs."""
 import json
 import random
 import subprocess
@@ -141,3 +141,72 @@ def test_32_concurrent_streams_with_cancellations(server):
         time.sleep(0.05)
     assert m['deltaserve_request_finished_total{finish_reason="cancelled"}'] >= 1
     assert server.healthy()
+
+
+def stream_events(server, body):
+    """The parsed `data:` events of a streamed completion (without [DONE]) and whether [DONE] came."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    events, done = [], False
+    for line in resp:
+        line = line.strip()
+        if line == b"data: [DONE]":
+            done = True
+            break
+        if line.startswith(b"data: "):
+            events.append(json.loads(line[6:]))
+    conn.close()
+    return events, done
+
+
+def test_return_token_ids_without_tokenizer(server):
+    """return_token_ids (vLLM's extension): without a tokenizer there is no text, yet every token
+    is streamed as an id (no logprobs needed to count or read them); the ids equal the logprobs
+    ids, the non-streamed token_ids and the usage count; prompt_token_ids once per choice."""
+    prompt = [9, 100, 31, 7, 512]
+    want = ids_of(complete(server, prompt, 10)["choices"][0]["logprobs"])
+    base = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    status, body = server.request("POST", "/v1/completions", base)
+    assert status == 200, body
+    c = json.loads(body)["choices"][0]
+    assert c["token_ids"] == want and c["prompt_token_ids"] == prompt and c["logprobs"] is None
+
+    events, done = stream_events(server, {**base, "stream_options": {"include_usage": True}})
+    assert done
+    ids, prompt_ids, token_chunks = [], [], 0
+    for ev in events:
+        for ch in ev["choices"]:
+            assert ch["logprobs"] is None
+            if "token_ids" in ch:
+                token_chunks += 1
+                ids += ch["token_ids"]
+            prompt_ids += ch.get("prompt_token_ids", [])
+    assert ids == want and prompt_ids == prompt
+    assert token_chunks >= 2  # streamed as they come, not in one piece at the end
+    assert events[-1]["usage"]["completion_tokens"] == len(want)
+    # Without the flag: no ids in the chunks (and no text without a tokenizer).
+    events, done = stream_events(server, {k: v for k, v in base.items() if k != "return_token_ids"})
+    assert done and all("token_ids" not in ch for ev in events for ch in ev["choices"])
+    status, body = server.request("POST", "/v1/completions", {**base, "return_token_ids": "yes"})
+    assert status == 400 and "return_token_ids" in json.loads(body)["error"]["message"]
+
+
+def test_return_token_ids_several_choices_stream(server):
+    """Two prompts x n=2 in one streamed request: the writer wakes on any choice's output (one
+    notifier per request, no polling); each choice's ids equal the request alone."""
+    prompts = [[4, 5, 6], [700, 1, 2, 3]]
+    alone = [ids_of(complete(server, p, 8)["choices"][0]["logprobs"]) for p in prompts]
+    events, done = stream_events(server, {"prompt": prompts, "n": 2, "max_tokens": 8, "temperature": 0,
+                                          "ignore_eos": True, "return_token_ids": True})
+    assert done
+    got, finish = {}, {}
+    for ev in events:
+        for ch in ev["choices"]:
+            got.setdefault(ch["index"], []).extend(ch.get("token_ids", []))
+            if ch["finish_reason"]:
+                finish[ch["index"]] = ch["finish_reason"]
+    assert [got[i] for i in range(4)] == [alone[0], alone[0], alone[1], alone[1]]
+    assert finish == {i: "length" for i in range(4)}
