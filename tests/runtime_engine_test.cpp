@@ -2,7 +2,8 @@
 // text equals the decoded tokens, stop strings (across token boundaries, held back while they may
 // still match, never cutting a UTF-8 character), stop ids and EOS, max_tokens, logprobs,
 // cancellation freeing the slot, queue bound, request validation, and batch invariance of 32
-// concurrent requests under KV pressure (preemption).
+// concurrent requests under KV pressure (preemption); StreamNotifier (one consumer of several
+// streams, as the HTTP writer of an n > 1 request).
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -342,6 +343,68 @@ TEST(Engine, BatchInvariance32ConcurrentWithPreemption) {
   EXPECT_GT(eng->stats().n_preemptions, 0);
   EXPECT_TRUE(eng->wait_idle(std::chrono::milliseconds(2000)));
   EXPECT_EQ(eng->stats().memory.kv_blocks_used, 0);
+}
+
+TEST(StreamNotifier, WaitPastTimesOutOrSeesANotify) {
+  StreamNotifier n;
+  const uint64_t e0 = n.epoch();
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(n.wait_past(e0, std::chrono::milliseconds(20)));
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(15));
+  n.notify();  // before the wait: not missed
+  EXPECT_TRUE(n.wait_past(e0, std::chrono::milliseconds(0)));
+  const uint64_t e1 = n.epoch();
+  EXPECT_NE(e1, e0);
+  std::thread later([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    n.notify();
+  });
+  EXPECT_TRUE(n.wait_past(e1, std::chrono::milliseconds(10000)));
+  later.join();
+}
+
+// The HTTP writer's loop over several streams of one request: epoch, poll each stream without
+// waiting, sleep on the notifier. Every output wakes it, nothing is lost, and the text of each
+// stream equals that stream read alone.
+TEST(StreamNotifier, OneConsumerOfSeveralStreams) {
+  NEED_TOKENIZER();
+  const std::string script = "one two three four five six seven eight nine ten";
+  const int n_tok = static_cast<int>(tok->encode(script).size());
+  auto eng = make_engine(tok, script);
+  auto notifier = std::make_shared<StreamNotifier>();
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  for (int i = 0; i < 3; ++i) {
+    streams.push_back(eng->submit(greedy(*tok, n_tok)));
+    streams.back()->set_notifier(notifier);
+  }
+  std::vector<std::string> text(3);
+  std::vector<bool> done(3, false);
+  int timeouts = 0;
+  for (int iter = 0; iter < 100000; ++iter) {
+    const uint64_t seen = notifier->epoch();
+    for (int i = 0; i < 3; ++i) {
+      StreamOutput out;
+      if (!done[i] && streams[i]->next(out, std::chrono::milliseconds(0))) {
+        text[i] += out.text;
+        done[i] = out.finish != FinishReason::kNone;
+      }
+    }
+    if (done[0] && done[1] && done[2]) break;
+    if (!notifier->wait_past(seen, std::chrono::milliseconds(5000))) ++timeouts;
+  }
+  EXPECT_EQ(timeouts, 0);  // the engine keeps producing: no wait may run out
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(done[i]);
+    EXPECT_EQ(text[i], script) << i;
+  }
+  // A stream without a notifier still works, and one whose notifier was removed stops bumping it.
+  auto s = eng->submit(greedy(*tok, 3));
+  s->set_notifier(notifier);
+  s->set_notifier(nullptr);
+  const uint64_t before = notifier->epoch();
+  Collected c = collect(*s);
+  EXPECT_EQ(c.last.finish, FinishReason::kLength);
+  EXPECT_EQ(notifier->epoch(), before);
 }
 
 }  // namespace
