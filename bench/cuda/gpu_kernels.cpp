@@ -367,7 +367,7 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
   const cuda::ShapeKey key = reg_.key(c_.head_dim, c_.n_heads / c_.n_kv_heads, batch, ctx);
   r.variant = variant(cuda::KernelFamily::kAttnDecode, key);
   r.shape = shape;
-  const bool split = r.variant == "split_kv";
+  const bool split = r.variant == "split_kv_mma" || r.variant == "split_kv";
   auto run_split = [&](int k, bf16* o) {
     cuda::launch_attention_decode(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(),
                                   vc.as<bf16>(), gate_for(k), kv_chunk, n_splits, ws.as<void>(), o,
@@ -561,7 +561,7 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
         gdn_, a.w, pool, a.proj.as<bf16>() + int64_t(k) * batch * gdn_.in_dim(), cu.as<int32_t>(),
         pos.as<int32_t>(), slot_ids[k].as<int32_t>(), batch, batch, ws.as<void>(), ws_bytes, o, s_);
   };
-  if (r.variant == "fused") {
+  if (r.variant == "fused" || r.variant == "fused_cluster8") {
     // Same inputs and initial states through both paths; compare outputs and new states.
     DevBuf conv2(a.conv_state.bytes(), "gdn conv state copy"),
         rec2(a.rec_state.bytes(), "gdn state copy");

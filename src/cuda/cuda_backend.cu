@@ -213,6 +213,8 @@ class CudaBackend final : public Backend {
     int n_gather = 0;     // hidden rows that go through lm_head
     bool argmax = false;  // some gathered rows want only their argmax
     bool attn_split_kv = false, gdn_fused_decode = false;
+    cuda::AttnDecodeKernel attn_decode_kernel = cuda::AttnDecodeKernel::kSimt;
+    cuda::GdnDecodeKernel gdn_decode_kernel = cuda::GdnDecodeKernel::kCluster4;
     DecodeKvPlan kv;
     StepMeta d;  // device metadata
   };
@@ -258,6 +260,8 @@ class CudaBackend final : public Backend {
   CudaMemoryLayout layout_;
   cudaStream_t stream_ = nullptr;
   cuda::DispatchRegistry dispatch_;
+  // rope_kv variant for this model's (fixed) attention shape; kAuto still checks alignment.
+  cuda::RopeKvKernel rope_kernel_ = cuda::RopeKvKernel::kBlockPerToken;
   std::unique_ptr<cuda::GemmEngine> gemm_;
   cuda::AttnShape attn_;
   cuda::GdnShape gdn_;
@@ -333,6 +337,11 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   chunk_size_ = opt.chunk_size;
 
   attn_ = cuda::attn_shape_of(cfg_, page_size_);
+  if (cfg_.n_full_layers() > 0 &&
+      dispatch_.picks(KernelFamily::kRopeKv, dispatch_.key(attn_.head_dim, attn_.rotary_dim),
+                      "warp_per_head") &&
+      cuda::qk_norm_rope_kv_warp_supported(attn_))
+    rope_kernel_ = cuda::RopeKvKernel::kAuto;
   gdn_ = cuda::gdn_shape_of(cfg_);
   const int n_full = cfg_.n_full_layers(), n_lin = cfg_.n_linear_layers();
   if (n_full > 0) cuda::check_attn_shape(attn_);
@@ -823,11 +832,19 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   const int group = c.n_heads / std::max(1, c.n_kv_heads);
   if (f.S_d > 0) {
     f.kv = decode_kv_plan(f.S_d, f.max_kv_d);
-    f.attn_split_kv =
-        dispatch_.picks(KernelFamily::kAttnDecode,
-                        dispatch_.key(c.head_dim, group, f.S_d, f.kv.bucket), "split_kv");
-    f.gdn_fused_decode =
-        dispatch_.picks(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, f.S_d), "fused");
+    const std::string& attn_v =
+        dispatch_.select(KernelFamily::kAttnDecode,
+                         dispatch_.key(c.head_dim, group, f.S_d, f.kv.bucket))
+            .name;
+    f.attn_split_kv = attn_v == "split_kv_mma" || attn_v == "split_kv";
+    // kAuto: the tensor-core kernel when the launch's alignment checks pass, else SIMT.
+    f.attn_decode_kernel =
+        attn_v == "split_kv_mma" ? cuda::AttnDecodeKernel::kAuto : cuda::AttnDecodeKernel::kSimt;
+    const std::string& gdn_v =
+        dispatch_.select(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, f.S_d)).name;
+    f.gdn_fused_decode = gdn_v == "fused_cluster8" || gdn_v == "fused";
+    f.gdn_decode_kernel = gdn_v == "fused_cluster8" ? cuda::GdnDecodeKernel::kCluster8
+                                                    : cuda::GdnDecodeKernel::kCluster4;
   }
 
   // A decode-only forward replays its graph (or captures it); everything else runs eagerly.
@@ -918,7 +935,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
       if (f.gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
         cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d.seq_pos, d.slot_ids, S_d, mix_,
-                                stream_);
+                                stream_, f.gdn_decode_kernel);
         if (S_p > 0)
           cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_ + size_t(S_d) * c.gdn_in_dim(),
                                    d.cu_p, d.seq_pos + S_d, d.slot_ids + S_d, S_p, T - S_d, gdn_ws_,
@@ -936,10 +953,10 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
       bf16* vc = kc + layer_elems;
       cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d.positions, d.slot_map, T, q_,
-                                   kc, vc, stream_);
+                                   kc, vc, stream_, rope_kernel_);
       if (f.attn_split_kv) {  // rows are absolute (q_start), so the two batches share q_ / mix_
         cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, f.kv.kv_chunk, f.kv.n_splits,
-                                      attn_ws_, mix_, stream_);
+                                      attn_ws_, mix_, stream_, f.attn_decode_kernel);
         if (S_p > 0)
           cuda::launch_attention_prefill(attn_, ab_p, q_, kc, vc, gate, mix_, stream_, &dispatch_);
       } else {

@@ -135,9 +135,18 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          "wmma_flash",
          "flash-style tiles, GQA group packed into rows, WMMA bf16, online softmax; hd 16..256",
          {}});
+  // attn_decode dims: {head_dim, group, n_seqs, kv_bucket}. split_kv_mma needs 16-byte aligned
+  // q / caches / workspace and <= 128 splits (checked at launch; else the SIMT kernel runs).
+  r.add({F::kAttnDecode, "split_kv_mma",
+         "split-KV decode on tensor cores (mma.sync): GQA group per block, 3-stage cp.async K/V per "
+         "warp, parallel log-sum-exp merge; hd 128/256, group <= 8",
+         [](const ShapeKey& k) {
+           const int64_t hd = k.dims[0], g = k.dims[1];
+           return k.sm >= 80 && (hd == 128 || hd == 256) && g >= 1 && g <= 8;
+         }});
   r.add({F::kAttnDecode, "split_kv",
-         "split-KV flash-decoding, GQA group per block, log-sum-exp merge; hd 32/64/128/256, group "
-         "<= 8",
+         "split-KV flash-decoding on CUDA cores, GQA group per block, log-sum-exp merge; hd "
+         "32/64/128/256, group <= 8",
          [](const ShapeKey& k) {
            const int64_t hd = k.dims[0], g = k.dims[1];
            return (hd == 32 || hd == 64 || hd == 128 || hd == 256) && g >= 1 && g <= 8;
@@ -168,10 +177,24 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
          }});
   r.add({F::kGdnPrefill, "chunked", "GDN chunked WY/UT prefill (gdn.h)", {}});
-  r.add({F::kGdnDecode, "fused", "fused GDN decode step (gdn.h launch_gdn_decode)",
+  // gdn_decode dims: {d_k, d_v, n_seqs}.
+  r.add({F::kGdnDecode, "fused_cluster8",
+         "fused GDN decode step, each value head split over an 8-block cluster; d_v % 32 == 0, "
+         "batch <= 4 (faster there on the H200, slower at 16)",
+         [](const ShapeKey& k) { return k.dims[1] % 32 == 0 && k.dims[2] <= 4; }});
+  r.add({F::kGdnDecode, "fused", "fused GDN decode step, 4-block cluster per value head (gdn.h)",
          [](const ShapeKey&) { return true; }});
   r.add({F::kGdnDecode, "prefill_path", "GDN prompt path with one token per sequence", {}});
   r.add({F::kRmsNorm, "fused_add", "residual add + zero-centred RMSNorm, one block per row", {}});
+  // rope_kv dims: {head_dim, rotary_dim}; row alignment is checked at launch.
+  r.add({F::kRopeKv, "warp_per_head",
+         "q/k norm + partial RoPE + paged KV write, one warp per (token, head), 16-byte loads; hd "
+         "64/128/256, rotary_dim a multiple of head_dim / 16",
+         [](const ShapeKey& k) {
+           const int64_t hd = k.dims[0];
+           return (hd == 64 || hd == 128 || hd == 256) && k.dims[1] % (hd / 16) == 0 &&
+                  k.dims[1] <= hd;
+         }});
   r.add({F::kRopeKv, "fused", "q/k norm + partial RoPE + paged KV write, one block per token", {}});
   r.add({F::kSiluMul, "generic", "SiLU(gate) * up, 16-byte loads", {}});
   r.add({F::kSample,

@@ -196,7 +196,7 @@ TEST(CudaBatchInvariance, AloneVersusAmongOthers) {
     run_all("default", *b, &worst);
   }
   {
-    auto b = make_engine(c, "attn_decode.split_kv");
+    auto b = make_engine(c, "attn_decode.split_kv_mma,attn_decode.split_kv");
     run_all("no split_kv", *b, &worst_no_split);
   }
   std::printf(

@@ -16,12 +16,18 @@ namespace {
 TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
   unsetenv("DS_DISABLE_KERNELS");
   DispatchRegistry r = DispatchRegistry::with_defaults(90);
-  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(256, 6, 1, 4096)).name, "split_kv");
+  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(256, 6, 1, 4096)).name, "split_kv_mma");
+  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(64, 6, 1, 4096)).name, "split_kv");  // hd 64
   EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(16, 4, 1, 100)).name,
             "prefill_kernel");  // hd 16
   EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(128, 12, 1, 100)).name,
             "prefill_kernel");  // group 12
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 4)).name, "fused_cluster8");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 48, 1)).name, "fused");  // d_v % 32
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64)).name, "warp_per_head");
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 40)).name, "fused");  // 40 % 16
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(32, 32)).name, "fused");   // hd 32
   EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, "skinny_mma");
   EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(4096, 5120, 17408)).name, "cublaslt");
   const std::string list = r.list();
@@ -31,7 +37,9 @@ TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
 
 TEST(CudaDispatch, SwitchOff) {
   unsetenv("DS_DISABLE_KERNELS");
-  DispatchRegistry r = DispatchRegistry::with_defaults(90, "attn_decode.split_kv");
+  DispatchRegistry r = DispatchRegistry::with_defaults(90, "attn_decode.split_kv_mma");
+  EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(256, 6, 1, 4096)).name, "split_kv");
+  r.disable("attn_decode.split_kv");
   EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(256, 6, 1, 4096)).name, "prefill_kernel");
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused");
   r.disable("all");
@@ -45,9 +53,12 @@ TEST(CudaDispatch, SwitchOff) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("attn_decode.split_kv"), std::string::npos) << e.what();
   }
-  setenv("DS_DISABLE_KERNELS", "gdn_decode.fused, attn_decode.split_kv", 1);
+  setenv("DS_DISABLE_KERNELS",
+         "gdn_decode.fused_cluster8,gdn_decode.fused, attn_decode.split_kv_mma, attn_decode.split_kv",
+         1);
   DispatchRegistry env = DispatchRegistry::with_defaults(90);
   EXPECT_EQ(env.select(KernelFamily::kGdnDecode, env.key(128, 128, 8)).name, "prefill_path");
+  EXPECT_EQ(env.select(KernelFamily::kGdnDecode, env.key(128, 128, 1)).name, "prefill_path");
   EXPECT_EQ(env.select(KernelFamily::kAttnDecode, env.key(256, 6, 1, 10)).name, "prefill_kernel");
   setenv("DS_DISABLE_KERNELS", "bogus.kernel", 1);
   EXPECT_THROW(DispatchRegistry::with_defaults(90), Error);
