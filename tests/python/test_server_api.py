@@ -1,6 +1,7 @@
 """`deltaserve serve` through the official `openai` client (CPU engine, tiny random checkpoint with
 the Qwen3 tokenizer): models, completions and chat, streamed and not, stop strings, logprobs,
-usage, n / several prompts, echo, tools, API key, and outputs equal to `deltaserve generate` for
+usage, n / several prompts, echo, tools, API key, return_token_ids, and outputs equal to
+`deltaserve generate` for
 the same request (greedy and seeded sampling)."""
 import json
 import subprocess
@@ -172,6 +173,38 @@ def test_chat_stream_equals_nonstream(client):
     assert chunks[-1].usage.total_tokens == full.usage.total_tokens
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
         [full.choices[0].finish_reason]
+
+
+
+def test_return_token_ids_chat_and_completions(client):
+    """return_token_ids: the streamed ids (one list per chunk) equal the non-streamed ones, decode
+    to the same text, and count as usage.completion_tokens; prompt_token_ids are the prompt."""
+    from tokenizers import Tokenizer
+    tk = Tokenizer.from_file(str(TOKDIR / "tokenizer.json"))
+    messages = [{"role": "user", "content": "Count to three."}]
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                          extra_body=extra).model_dump()
+    ids = full["choices"][0]["token_ids"]
+    assert len(ids) == full["usage"]["completion_tokens"] == 10
+    assert len(full["prompt_token_ids"]) == full["usage"]["prompt_tokens"]
+    chunks = [ch.model_dump() for ch in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True, extra_body=extra)]
+    assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"]
+    assert [i for ch in chunks if ch["choices"] for i in ch["choices"][0].get("token_ids") or []] == ids
+    r = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=9, temperature=0,
+                                  extra_body=extra).model_dump()
+    c = r["choices"][0]
+    assert tk.decode(c["token_ids"], skip_special_tokens=True) == c["text"]
+    assert c["prompt_token_ids"] == tk.encode(PROMPTS[2], add_special_tokens=False).ids
+    streamed, text = [], ""
+    for ch in client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=9, temperature=0, stream=True,
+                                        extra_body=extra):
+        if ch.choices:
+            d = ch.choices[0].model_dump()
+            streamed += d.get("token_ids") or []
+            text += d["text"]
+    assert streamed == c["token_ids"] and text == c["text"]
 
 
 TOOLS = [{"type": "function", "function": {
