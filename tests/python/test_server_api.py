@@ -1,8 +1,7 @@
 """`deltaserve serve` through the official `openai` client (CPU engine, tiny random checkpoint with
 the Qwen3 tokenizer): models, completions and chat, streamed and not, stop strings, logprobs,
 usage, n / several prompts, echo, tools, API key, return_token_ids, and outputs equal to
-`deltaserve generate` for
-the same request (greedy and seeded sampling)."""
+`deltaserve generate` for the same request (greedy and seeded sampling)."""
 import json
 import subprocess
 
