@@ -47,6 +47,11 @@ TEST(ServerOpenAI, SamplingFields) {
   EXPECT_TRUE(r.stream && r.include_usage && r.logprobs);
   EXPECT_EQ(r.gen.top_logprobs, 3);
   EXPECT_EQ(r.n, 2);
+  EXPECT_FALSE(r.return_token_ids);  // off unless asked for
+  r = parse_sampling_request(json::parse(R"({"return_token_ids": true})"), false, lim);
+  EXPECT_TRUE(r.return_token_ids);
+  r = parse_sampling_request(json::parse(R"({"return_token_ids": null})"), true, lim);
+  EXPECT_FALSE(r.return_token_ids);
   // Chat: max_completion_tokens wins; logprobs bool + top_logprobs.
   r = parse_sampling_request(
       json::parse(
@@ -80,6 +85,7 @@ TEST(ServerOpenAI, SamplingFields) {
       {R"({"stop": {"a": 1}})", "stop"},
       {R"({"stop_token_ids": [1.5]})", "stop_token_ids"},
       {R"({"stream": 1})", "stream"},
+      {R"({"return_token_ids": "yes"})", "return_token_ids"},
       {R"({"stream_options": {"include_usage": true}})", "stream_options"},
       {R"({"logprobs": 21})", "logprobs"},
       {R"({"logprobs": true})", "logprobs"},
