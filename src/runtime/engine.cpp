@@ -193,7 +193,8 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
     throw RejectedError(K::kInvalid, e.what());
   }
   if (!tokenizer_ && !request.stop.empty()) {
-    throw RejectedError(K::kInvalid, "stop strings need a tokenizer (this model has none); use stop_token_ids");
+    throw RejectedError(K::kInvalid,
+                        "stop strings need a tokenizer (this model has none); use stop_token_ids");
   }
   for (const std::string& s : request.stop) {
     if (s.empty()) throw RejectedError(K::kInvalid, "stop strings must not be empty");
