@@ -681,32 +681,35 @@ const KernelResult& KernelBench::rope_kv(int n) {
   DevBuf d_pos = dev_ints(pos, s_), d_slots = dev_ints(slots, s_);
   KernelResult r;
   r.family = "rope_kv";
-  r.variant = variant(cuda::KernelFamily::kRopeKv, reg_.key(c_.head_dim, c_.rotary_dim));
+  r.variant = variant(cuda::KernelFamily::kRopeKv, reg_.key(c_.head_dim, c_.rotary_dim, n));
   r.shape = shape;
+  // The engine's kernel for this many tokens (kernels.h RopeKvKernel) and the other one.
+  const bool warp_ok = cuda::qk_norm_rope_kv_warp_supported(attn_);
+  const cuda::RopeKvKernel chosen = r.variant == "warp_per_head" && warp_ok
+                                        ? cuda::RopeKvKernel::kAuto
+                                        : cuda::RopeKvKernel::kBlockPerToken;
+  const cuda::RopeKvKernel other = chosen == cuda::RopeKvKernel::kAuto
+                                       ? cuda::RopeKvKernel::kBlockPerToken
+                                       : cuda::RopeKvKernel::kAuto;
   auto run = [&](int k, bf16* qo, cuda::RopeKvKernel which) {
     cuda::launch_qk_norm_rope_kv(attn_, qkv.as<bf16>() + int64_t(k) * n * qkv_dim, qn.as<bf16>(),
                                  kn.as<bf16>(), d_pos.as<int32_t>() + int64_t(k) * n,
                                  d_slots.as<int32_t>() + int64_t(k) * n, n, qo, kc.as<bf16>(),
                                  vc.as<bf16>(), s_, which);
   };
-  if (cuda::qk_norm_rope_kv_warp_supported(attn_)) {
-    r.variant = "warp_per_head";  // kernels.h RopeKvKernel: the warp kernel, else block_per_token
-    DevBuf q2(size_t(qe * 2), "rope q (fallback)");
-    run(0, q.as<bf16>(), cuda::RopeKvKernel::kAuto);
-    run(0, q2.as<bf16>(), cuda::RopeKvKernel::kBlockPerToken);
+  if (warp_ok) {  // time the other kernel too (for the fallback column or the rejected variant)
+    DevBuf q2(size_t(qe * 2), "rope q (other kernel)");
+    run(0, q.as<bf16>(), chosen);
+    run(0, q2.as<bf16>(), other);
     r.match = gpu::compare_bf16(q.as<bf16>(), q2.as<bf16>(), qe, s_).text();
-    r.fallback = "block_per_token";
+    r.fallback = other == cuda::RopeKvKernel::kAuto ? "warp_per_head (not picked here)" : "fused";
     r.fallback_time_s =
-        gpu::time_launches(
-            [&](int i) {
-              run(i % rot, q.as<bf16>() + (i % rot) * qe, cuda::RopeKvKernel::kBlockPerToken);
-            },
-            s_, timer(rot))
+        gpu::time_launches([&](int i) { run(i % rot, q.as<bf16>() + (i % rot) * qe, other); }, s_,
+                           timer(rot))
             .p50;
   }
   r.samples = gpu::time_launches(
-      [&](int i) { run(i % rot, q.as<bf16>() + (i % rot) * qe, cuda::RopeKvKernel::kAuto); }, s_,
-      timer(rot));
+      [&](int i) { run(i % rot, q.as<bf16>() + (i % rot) * qe, chosen); }, s_, timer(rot));
   r.bytes = set_bytes;
   r.flops = double(n) * qkv_dim * 8;
   return finish(r);

@@ -215,6 +215,7 @@ class CudaBackend final : public Backend {
     bool attn_split_kv = false, gdn_fused_decode = false;
     cuda::AttnDecodeKernel attn_decode_kernel = cuda::AttnDecodeKernel::kSimt;
     cuda::GdnDecodeKernel gdn_decode_kernel = cuda::GdnDecodeKernel::kCluster4;
+    cuda::RopeKvKernel rope_kernel = cuda::RopeKvKernel::kBlockPerToken;  // kAuto: warp per head
     DecodeKvPlan kv;
     StepMeta d;  // device metadata
   };
@@ -260,8 +261,7 @@ class CudaBackend final : public Backend {
   CudaMemoryLayout layout_;
   cudaStream_t stream_ = nullptr;
   cuda::DispatchRegistry dispatch_;
-  // rope_kv variant for this model's (fixed) attention shape; kAuto still checks alignment.
-  cuda::RopeKvKernel rope_kernel_ = cuda::RopeKvKernel::kBlockPerToken;
+  bool rope_warp_ok_ = false;  // the warp-per-head rope_kv kernel supports this attention shape
   std::unique_ptr<cuda::GemmEngine> gemm_;
   cuda::AttnShape attn_;
   cuda::GdnShape gdn_;
@@ -337,11 +337,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   chunk_size_ = opt.chunk_size;
 
   attn_ = cuda::attn_shape_of(cfg_, page_size_);
-  if (cfg_.n_full_layers() > 0 &&
-      dispatch_.picks(KernelFamily::kRopeKv, dispatch_.key(attn_.head_dim, attn_.rotary_dim),
-                      "warp_per_head") &&
-      cuda::qk_norm_rope_kv_warp_supported(attn_))
-    rope_kernel_ = cuda::RopeKvKernel::kAuto;
+  rope_warp_ok_ = cfg_.n_full_layers() > 0 && cuda::qk_norm_rope_kv_warp_supported(attn_);
   gdn_ = cuda::gdn_shape_of(cfg_);
   const int n_full = cfg_.n_full_layers(), n_lin = cfg_.n_linear_layers();
   if (n_full > 0) cuda::check_attn_shape(attn_);
@@ -830,6 +826,10 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
 
   // Host decisions for the kernels (all before any launch, so a graph can replay them).
   const int group = c.n_heads / std::max(1, c.n_kv_heads);
+  if (rope_warp_ok_ &&
+      dispatch_.picks(KernelFamily::kRopeKv, dispatch_.key(attn_.head_dim, attn_.rotary_dim, f.T),
+                      "warp_per_head"))
+    f.rope_kernel = cuda::RopeKvKernel::kAuto;
   if (f.S_d > 0) {
     f.kv = decode_kv_plan(f.S_d, f.max_kv_d);
     const std::string& attn_v =
@@ -953,7 +953,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
       bf16* vc = kc + layer_elems;
       cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d.positions, d.slot_map, T, q_,
-                                   kc, vc, stream_, rope_kernel_);
+                                   kc, vc, stream_, f.rope_kernel);
       if (f.attn_split_kv) {  // rows are absolute (q_start), so the two batches share q_ / mix_
         cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, f.kv.kv_chunk, f.kv.n_splits,
                                       attn_ws_, mix_, stream_, f.attn_decode_kernel);

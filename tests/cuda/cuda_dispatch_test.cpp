@@ -25,9 +25,11 @@ TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused");
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 4)).name, "fused_cluster8");
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 48, 1)).name, "fused");  // d_v % 32
-  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64)).name, "warp_per_head");
-  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 40)).name, "fused");  // 40 % 16
-  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(32, 32)).name, "fused");   // hd 32
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64, 1)).name, "warp_per_head");
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64, 128)).name, "warp_per_head");
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64, 129)).name, "fused");  // prompt chunk
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 40, 1)).name, "fused");    // 40 % 16
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(32, 32, 1)).name, "fused");     // hd 32
   EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, "skinny_mma");
   EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(4096, 5120, 17408)).name, "cublaslt");
   const std::string list = r.list();
