@@ -22,7 +22,10 @@ toss between near-ties. So agreement is also reported on the "decisive" rows: th
 margin exceeds 2 x the p99.9 of |ours - HF| (a flip there needs two errors in the 0.1% tail).
 The gate (exit 1 otherwise): top-1 >= 99% on decisive rows, relative L2 error p99 over rows
 <= 5e-2 (a wrong operation gives ~1), everything finite. All-row agreement is printed against the
-issue's 99% with the fraction of near-tie rows beside it.
+issue's 99% with the fraction of near-tie rows beside it. With --fp32-control, a layer count that
+misses the 5e-2 bound still passes when ours is at least as close to the fp32 result as HF's own
+bf16 model is (rel L2 p50 and p99 within 1.1x of HF bf16's, top-1 vs fp32 within 1 point) and
+every decisive row agrees: at 64 random layers bf16 rounding alone (HF's included) exceeds 5e-2.
 
 --fp32-control also runs the same HF model in fp32 (an exact reference: the bf16 weights are
 exactly representable) and reports ours vs fp32 next to HF bf16 vs fp32: how far each bf16
@@ -284,7 +287,7 @@ def main():
         r["seconds"] = time.time() - t1
         g = r["groups"]["all"]
         r["gate_pass"] = finite and (g["top1_decisive"] or 0) >= 0.99 and g["rel_l2_p99"] <= 5e-2
-        ok = ok and r["gate_pass"]
+        r["gate_rule"] = "decisive top-1 >= 99%, rel L2 p99 <= 5e-2"
         out["results"][str(n)] = r
         print_result(n, r)
         if exact is not None:
@@ -296,9 +299,21 @@ def main():
                       f"p99 {g2['rel_l2_p99']:.2e}  |err| mean {g2['abs_err_mean']:.3e} max {g2['abs_err_max']:.3e}  "
                       f"KL mean {g2['kl_mean']:.2e}", flush=True)
             del exact
+            # With the exact reference, a deep random stack's bf16 rounding noise can exceed the
+            # fixed 5e-2 bound for any bf16 engine (HF's own included). Then the gate asks that
+            # ours be no further from exact arithmetic than HF bf16 is (10% slack) on every row
+            # statistic that matters, and still every decisive row agrees.
+            o, h = r["ours_vs_fp32"], r["hf_bf16_vs_fp32"]
+            closer = (o["rel_l2_p99"] <= 1.1 * h["rel_l2_p99"] and o["rel_l2_p50"] <= 1.1 * h["rel_l2_p50"]
+                      and o["top1"] >= h["top1"] - 0.01)
+            if not r["gate_pass"] and finite and (g["top1_decisive"] or 0) >= 0.99 and closer:
+                r["gate_pass"] = True
+                r["gate_rule"] = ("decisive top-1 >= 99% and ours at least as close to HF fp32 as HF bf16 "
+                                  "(rel L2 p50 / p99 within 1.1x, top-1 within 1 point)")
+        ok = ok and r["gate_pass"]
         print(f"HF COMPARE {n} layers: top-1 {g['top1'] * 100:.2f}% of all rows (issue gate 99%), "
               f"{(g['top1_decisive'] or 0) * 100:.2f}% of {g['decisive_rows']} decisive rows, rel L2 p99 "
-              f"{g['rel_l2_p99']:.2e}: {'PASS' if r['gate_pass'] else 'FAIL'} ({r['seconds']:.1f} s)", flush=True)
+              f"{g['rel_l2_p99']:.2e}: {'PASS' if r['gate_pass'] else 'FAIL'} [{r['gate_rule']}] ({r['seconds']:.1f} s)", flush=True)
         del ref, ours
         torch.cuda.empty_cache()
     out["meta"]["wall_s"] = time.time() - t0
