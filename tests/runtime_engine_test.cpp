@@ -398,6 +398,8 @@ TEST(StreamNotifier, OneConsumerOfSeveralStreams) {
     EXPECT_EQ(text[i], script) << i;
   }
   // A stream without a notifier still works, and one whose notifier was removed stops bumping it.
+  // (Idle first: a finished stream's last bump comes just after its final output is visible.)
+  EXPECT_TRUE(eng->wait_idle(std::chrono::milliseconds(5000)));
   auto s = eng->submit(greedy(*tok, 3));
   s->set_notifier(notifier);
   s->set_notifier(nullptr);
