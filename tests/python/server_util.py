@@ -20,7 +20,12 @@ BUILD = Path(os.environ.get("DS_BUILD_DIR", REPO / "build"))
 BIN = BUILD / "bin" / "deltaserve"
 TOKDIR = Path(os.environ.get("DS_QWEN3_TOKENIZER_DIR", REPO.parent / "shared" / "data" / "tokenizers" / "qwen3"))
 QWEN3_VOCAB = 151669  # highest added-token id + 1
-DEVICE = os.environ.get("DS_SERVE_DEVICE", "cpu")  # cuda: the same tests on the GPU engine
+# The backend of every server and `deltaserve generate` these tests start: cpu (default, CI) or cuda
+# (scripts/gpu_server_test.sh: the same tests on the GPU engine). DS_TEST_DEVICE wins over the
+# older name DS_SERVE_DEVICE.
+DEVICE = os.environ.get("DS_TEST_DEVICE") or os.environ.get("DS_SERVE_DEVICE") or "cpu"
+if DEVICE != "cpu" and DEVICE != "cuda" and not DEVICE.startswith("cuda:"):
+    raise RuntimeError(f"DS_TEST_DEVICE={DEVICE!r}: expected cpu, cuda or cuda:N")
 
 requires_server = pytest.mark.skipif(
     not BIN.exists() or not (TOKDIR / "tokenizer.json").exists(),
