@@ -156,6 +156,7 @@ class CudaBackend final : public Backend {
 
   void upload(const HostWeights& w);
   void generate_synthetic(uint64_t seed);
+  void tune_gemms();  // after the weights exist, before any graph (see the definition)
 
   const ModelConfig& config() const override { return cfg_; }
   std::string name() const override { return "cuda:" + std::to_string(device_); }
@@ -621,6 +622,108 @@ void CudaBackend::generate_synthetic(uint64_t seed) {
         stderr,
         "cuda engine: generated %s of synthetic weights (seed %llu) on the device in %.2f s\n",
         format_bytes(bytes).c_str(), static_cast<unsigned long long>(seed), s);
+}
+
+// GEMM autotuning (gemm.h tune()): every cuBLASLt shape the engine runs is timed on the real
+// weights and activation buffers, and the fastest of cuBLASLt's top candidates is kept in its
+// plan. Decode m in {1, 2, 4, 8, ...} and n_slots are tuned fully; the m's between try only the
+// heuristic's choice and the algorithms their two tuned neighbours kept (up to m 32; bounds the
+// start-up cost for many slots). The prompt chunk m = chunk_size is tuned with fewer candidates
+// and calls (compute-bound, ms per call). Shapes the skinny kernel takes are skipped. Runs before
+// any graph is captured (graphs keep the algorithm).
+void CudaBackend::tune_gemms() {
+  if (!cuda::GemmEngine::tuning_enabled()) {
+    if (eopt_.verbose)
+      std::fprintf(stderr,
+                   "cuda engine: GEMM tuning off ($DS_GEMM_TUNE=0): heuristic algorithms\n");
+    return;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  struct Shape {
+    const char* name;
+    int n, k;
+    cuda::GemmOut out;
+    bf16* x;
+    void* y;
+    std::vector<const bf16*> w;
+  };
+  const ModelConfig& c = cfg_;
+  const int dm = c.d_model;
+  std::vector<Shape> shapes = {
+      {"gdn_in", c.gdn_in_dim(), dm, cuda::GemmOut::kBF16, xn_, proj_, {}},
+      {"gdn_out", dm, c.gdn_z_dim(), cuda::GemmOut::kBF16, mix_, delta_, {}},
+      {"attn_qkv", attn_.qkv_dim(), dm, cuda::GemmOut::kBF16, xn_, proj_, {}},
+      {"attn_o", dm, c.attn_out_dim(), cuda::GemmOut::kBF16, mix_, delta_, {}},
+      {"gate_up", 2 * c.d_ff, dm, cuda::GemmOut::kBF16, xn_, proj_, {}},
+      {"down", dm, c.d_ff, cuda::GemmOut::kBF16, act_, delta_, {}},
+  };
+  constexpr size_t kMaxWeights = 4;  // distinct matrices rotated per shape (> L2 on the 27B)
+  auto add_w = [&](Shape& s, const bf16* w) {
+    if (s.w.size() < kMaxWeights) s.w.push_back(w);
+  };
+  for (const DevLayer& L : w_.layers) {
+    if (L.type == LayerType::kFull) {
+      add_w(shapes[2], L.attn_qkv);
+      add_w(shapes[3], L.attn_o);
+    } else {
+      add_w(shapes[0], L.gdn_in);
+      add_w(shapes[1], L.gdn_out);
+    }
+    add_w(shapes[4], L.gate_up);
+    add_w(shapes[5], L.down);
+  }
+  Shape lm_head{"lm_head", c.vocab_size, dm, cuda::GemmOut::kF32, lrows_, dlogits_, {w_.lm_head}};
+
+  int n_tuned = 0, n_changed = 0;
+  double saved_us = 0;  // per call, summed over the tuned shapes
+  auto tune = [&](const Shape& s, int m, const cuda::GemmTuneOptions& o) {
+    if (s.w.empty() || gemm_->variant(m, s.n, s.k) != "cublaslt") return;
+    const cuda::GemmTuneResult r =
+        gemm_->tune(m, s.n, s.k, s.out, s.w, s.x, s.y, stream_, false, o);
+    ++n_tuned;
+    if (r.timed && r.chosen != 0) {
+      ++n_changed;
+      saved_us += r.heuristic_us - r.chosen_us;
+    }
+    if (eopt_.verbose)
+      std::fprintf(stderr, "cuda engine: %-8s %s\n", s.name, r.to_string().c_str());
+  };
+  // Decode shapes: the m's prepared in the constructor.
+  const int m_max = std::min(n_slots_, chunk_size_);
+  std::vector<int> exact;
+  for (int m = 1; m < m_max; m *= 2) exact.push_back(m);
+  exact.push_back(m_max);
+  cuda::GemmTuneOptions full;
+  for (int m : exact) {
+    for (const Shape& s : shapes) tune(s, m, full);
+    if (m <= eopt_.logits_rows) tune(lm_head, m, full);
+  }
+  constexpr int kMaxBetweenM = 32;  // m's between tuned ones above this keep the heuristic's
+  for (size_t i = 0; i + 1 < exact.size() && exact[i + 1] <= kMaxBetweenM; ++i) {
+    cuda::GemmTuneOptions between;
+    between.max_candidates = 1;
+    between.borrow_m = {exact[i], exact[i + 1]};
+    for (int m = exact[i] + 1; m < exact[i + 1]; ++m) {
+      for (const Shape& s : shapes) tune(s, m, between);
+      if (m <= eopt_.logits_rows) tune(lm_head, m, between);
+    }
+  }
+  // The full prompt chunk (prompt shapes only; lm_head runs on the gathered rows).
+  if (chunk_size_ > m_max) {
+    cuda::GemmTuneOptions prompt;
+    prompt.max_candidates = 8;
+    prompt.max_weights = 1;
+    prompt.batches = 3;
+    for (const Shape& s : shapes) tune(s, chunk_size_, prompt);
+  }
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (eopt_.verbose)
+    std::fprintf(
+        stderr,
+        "cuda engine: tuned %d GEMM shapes in %.2f s: %d changed from the heuristic's "
+        "choice, %.1f us saved per call summed over them ($DS_GEMM_TUNE=0 turns this off)\n",
+        n_tuned, seconds_since(t0), n_changed, saved_us);
 }
 
 bool CudaBackend::can_grow(int slot, int n_new) const {
@@ -1111,6 +1214,7 @@ std::unique_ptr<Backend> make_cuda_backend(const BackendOptions& opt, const Host
                                            const CudaEngineOptions& eopt) {
   auto b = std::make_unique<CudaBackend>(opt, w.config, eopt);
   b->upload(w);
+  b->tune_gemms();
   return b;
 }
 
@@ -1119,6 +1223,7 @@ std::unique_ptr<Backend> make_cuda_backend_synthetic(const BackendOptions& opt,
                                                      const CudaEngineOptions& eopt) {
   auto b = std::make_unique<CudaBackend>(opt, config, eopt);
   b->generate_synthetic(seed);
+  b->tune_gemms();
   return b;
 }
 

@@ -1,8 +1,15 @@
 // cuBLASLt GEMM plans (see gemm.h). Row-major y[m, n] = x[m, k] w[n, k]^T is computed as the
 // column-major y^T[n, m] = w[n, k] x^T: A = w (stored k x n column-major, op T), B = x (stored
 // k x m, op N), D = y^T (n x m, ld n): the "TN" layout cuBLASLt is fastest at.
+// tune(): candidates from cublasLtMatmulAlgoGetHeuristic (top N) and borrowed plans, each timed
+// with CUDA events behind a short spin kernel (so the host queues ahead of the device).
 #include <cublasLt.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 #include "cuda/cuda_common.h"
@@ -25,6 +32,9 @@ struct GemmEngine::Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
   size_t ws = 0;
+  cublasLtMatmulAlgo_t heuristic{};  // the heuristic's first choice (algo unless tuned)
+  size_t heuristic_ws = 0;
+  std::string tune_note;  // the last tune() result, for describe()
   ~Plan() {
     if (c) cublasLtMatrixLayoutDestroy(c);
     if (b) cublasLtMatrixLayoutDestroy(b);
@@ -78,8 +88,8 @@ GemmEngine::Plan& GemmEngine::get(int m, int n, int k, GemmOut out, bool accumul
   cublasLtMatmulPreferenceDestroy(pref);
   DS_CHECK(st == CUBLAS_STATUS_SUCCESS && n_res > 0, "gemm: cuBLASLt has no algorithm for m=", m,
            " n=", n, " k=", k, " (", cublasLtGetStatusString(st), ")");
-  p->algo = res.algo;
-  p->ws = res.workspaceSize;
+  p->algo = p->heuristic = res.algo;
+  p->ws = p->heuristic_ws = res.workspaceSize;
   auto& ref = *p;
   plans_.emplace(key, std::move(p));
   return ref;
@@ -111,13 +121,232 @@ std::string GemmEngine::variant(int m, int n, int k) const {
   return dispatch_->select(KernelFamily::kGemm, dispatch_->key(m, n, k)).name;
 }
 
+namespace {
+
+bool same_algo(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
+  return std::memcmp(a.data, b.data, sizeof a.data) == 0;
+}
+
+// Keeps the device busy for `ns` nanoseconds so that the host queues the timed
+// calls ahead of it (the events then measure device time, not launch latency).
+__global__ void spin_kernel(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+// x[i] = a hash of i mapped to a bf16 in [-1, 1): deterministic, never all
+// zeros.
+__global__ void fill_tune_input_kernel(__nv_bfloat16* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ static_cast<uint32_t>(i >> 32);
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    x[i] = __float2bfloat16(static_cast<float>(h >> 8) * (2.f / 16777216.f) - 1.f);
+  }
+}
+
+// Events owned for one tune() call.
+struct EventSet {
+  std::vector<cudaEvent_t> ev;
+  explicit EventSet(int n) {
+    for (int i = 0; i < n; ++i) {
+      cudaEvent_t e = nullptr;
+      DS_CUDA_CHECK(cudaEventCreate(&e));
+      ev.push_back(e);
+    }
+  }
+  ~EventSet() {
+    for (cudaEvent_t e : ev) cudaEventDestroy(e);
+  }
+};
+
+struct TuneCandidate {
+  cublasLtMatmulAlgo_t algo;
+  size_t ws;
+  bool borrowed;
+};
+
+const char* out_name(GemmOut out) { return out == GemmOut::kBF16 ? "bf16" : "f32"; }
+
+}  // namespace
+
+bool GemmEngine::tuning_enabled() {
+  const char* env = std::getenv("DS_GEMM_TUNE");
+  return env == nullptr || std::string(env) != "0";
+}
+
+bool GemmEngine::uses_heuristic_algo(int m, int n, int k, GemmOut out, bool accumulate) const {
+  auto it = plans_.find(Key{m, n, k, static_cast<int>(out), accumulate});
+  DS_CHECK(it != plans_.end(), "gemm: no plan for m=", m, " n=", n, " k=", k, " ", out_name(out));
+  return same_algo(it->second->algo, it->second->heuristic);
+}
+
+std::string GemmTuneResult::to_string() const {
+  char buf[320];
+  if (!timed) {
+    std::snprintf(buf, sizeof buf, "gemm tune m=%d n=%d k=%d %s%s: heuristic kept (%s)", m, n, k,
+                  out_name(out), accumulate ? " +=" : "", note.c_str());
+  } else {
+    const double gain = heuristic_us > 0 ? 100.0 * (heuristic_us - chosen_us) / heuristic_us : 0;
+    std::snprintf(buf, sizeof buf,
+                  "gemm tune m=%d n=%d k=%d %s%s: heuristic %.2f us -> %s #%d "
+                  "%.2f us (%+.1f%%), "
+                  "%d of %d candidates timed, %.0f ms",
+                  m, n, k, out_name(out), accumulate ? " +=" : "", heuristic_us,
+                  chosen == 0 ? "kept" : (borrowed ? "borrowed" : "candidate"), chosen, chosen_us,
+                  -gain, ran, candidates, tune_ms);
+  }
+  return buf;
+}
+
+GemmTuneResult GemmEngine::tune(int m, int n, int k, GemmOut out,
+                                const std::vector<const __nv_bfloat16*>& weights, __nv_bfloat16* x,
+                                void* y, cudaStream_t stream, bool accumulate,
+                                const GemmTuneOptions& opt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  GemmTuneResult r;
+  r.m = m, r.n = n, r.k = k, r.out = out, r.accumulate = accumulate;
+  Plan& p = get(m, n, k, out, accumulate, false);
+  DS_CHECK(!weights.empty(), "gemm tune: no weight matrix given for m=", m, " n=", n, " k=", k);
+  for (const __nv_bfloat16* w : weights)
+    DS_CHECK(w != nullptr, "gemm tune: null weight matrix for m=", m, " n=", n, " k=", k);
+  DS_CHECK(x != nullptr && y != nullptr, "gemm tune: null x or y for m=", m, " n=", n, " k=", k);
+  auto finish = [&](const std::string& note) {
+    r.note = note;
+    r.tune_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    p.tune_note =
+        r.timed ? r.to_string().substr(r.to_string().find(": ") + 2) : "heuristic kept: " + note;
+    return r;
+  };
+  // Candidate 0 is always the heuristic's first choice (the plan's fallback).
+  std::vector<TuneCandidate> cands{{p.heuristic, p.heuristic_ws, false}};
+  auto known = [&](const cublasLtMatmulAlgo_t& a) {
+    for (const TuneCandidate& c : cands)
+      if (same_algo(c.algo, a)) return true;
+    return false;
+  };
+  auto h = static_cast<cublasLtHandle_t>(handle_);
+  if (!tuning_enabled()) {
+    p.algo = p.heuristic, p.ws = p.heuristic_ws;
+    r.candidates = 1;
+    return finish("DS_GEMM_TUNE=0");
+  }
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &cap) != cudaSuccess || cap != cudaStreamCaptureStatusNone) {
+    r.candidates = 1;
+    return finish("stream is capturing a graph");
+  }
+  const int n_req = std::clamp(opt.max_candidates, 1, 64);
+  if (n_req > 1) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    if (cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS) {
+      // (a fixed array: nvcc 13.0's front end crashes on a std::vector of this type)
+      cublasLtMatmulHeuristicResult_t res[64] = {};
+      int n_res = 0;
+      if (cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                               &workspace_bytes_,
+                                               sizeof(workspace_bytes_)) == CUBLAS_STATUS_SUCCESS &&
+          cublasLtMatmulAlgoGetHeuristic(h, p.desc, p.a, p.b, p.c, p.c, pref, n_req, res, &n_res) ==
+              CUBLAS_STATUS_SUCCESS) {
+        for (int i = 0; i < n_res; ++i)
+          if (res[i].state == CUBLAS_STATUS_SUCCESS && res[i].workspaceSize <= workspace_bytes_ &&
+              !known(res[i].algo))
+            cands.push_back({res[i].algo, res[i].workspaceSize, false});
+      }
+      cublasLtMatmulPreferenceDestroy(pref);
+    }
+  }
+  for (int bm : opt.borrow_m) {
+    auto it = plans_.find(Key{bm, n, k, static_cast<int>(out), accumulate});
+    if (bm == m || it == plans_.end() || known(it->second->algo)) continue;
+    cublasLtMatmulHeuristicResult_t chk{};
+    if (cublasLtMatmulAlgoCheck(h, p.desc, p.a, p.b, p.c, p.c, &it->second->algo, &chk) ==
+            CUBLAS_STATUS_SUCCESS &&
+        chk.state == CUBLAS_STATUS_SUCCESS && chk.workspaceSize <= workspace_bytes_)
+      cands.push_back({it->second->algo, chk.workspaceSize, true});
+  }
+  r.candidates = static_cast<int>(cands.size());
+  if (cands.size() == 1) return finish("single candidate");
+
+  const int n_w = std::clamp(opt.max_weights, 1, static_cast<int>(weights.size()));
+  const int n_batches = std::clamp(opt.batches, 1, 50);
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
+  std::vector<double> per_call(cands.size(), -1.0);
+  try {
+    const int64_t nx = int64_t(m) * k;
+    fill_tune_input_kernel<<<static_cast<int>(std::min<int64_t>((nx + 255) / 256, 1024)), 256, 0,
+                             stream>>>(x, nx);
+    DS_CUDA_LAUNCH_CHECK();
+    if (accumulate)
+      DS_CUDA_CHECK(cudaMemsetAsync(y, 0, size_t(m) * n * (out == GemmOut::kF32 ? 4 : 2), stream));
+    EventSet ev(n_batches + 1);
+    for (size_t ci = 0; ci < cands.size(); ++ci) {
+      const TuneCandidate& c = cands[ci];
+      auto call = [&](int wi) {
+        return cublasLtMatmul(h, p.desc, &alpha, weights[wi], p.a, x, p.b, &beta, y, p.c, y, p.c,
+                              &c.algo, workspace_, workspace_bytes_, stream);
+      };
+      spin_kernel<<<1, 1, 0, stream>>>(50000);
+      DS_CUDA_LAUNCH_CHECK();
+      bool ok = true;
+      for (int wi = 0; wi < n_w && ok; ++wi) ok = call(wi) == CUBLAS_STATUS_SUCCESS;  // warm-up
+      for (int b = 0; b < n_batches && ok; ++b) {
+        DS_CUDA_CHECK(cudaEventRecord(ev.ev[b], stream));
+        for (int wi = 0; wi < n_w && ok; ++wi) ok = call(wi) == CUBLAS_STATUS_SUCCESS;
+      }
+      if (ok) DS_CUDA_CHECK(cudaEventRecord(ev.ev[n_batches], stream));
+      DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      DS_CUDA_CHECK(cudaGetLastError());
+      if (!ok) continue;
+      std::vector<double> t(n_batches);
+      for (int b = 0; b < n_batches; ++b) {
+        float ms = 0;
+        DS_CUDA_CHECK(cudaEventElapsedTime(&ms, ev.ev[b], ev.ev[b + 1]));
+        t[b] = 1e3 * ms / n_w;
+      }
+      std::nth_element(t.begin(), t.begin() + n_batches / 2, t.end());
+      per_call[ci] = t[n_batches / 2];
+      ++r.ran;
+    }
+  } catch (const std::exception& e) {
+    cudaStreamSynchronize(stream);
+    p.algo = p.heuristic, p.ws = p.heuristic_ws;
+    r.ran = 0;
+    return finish(std::string("timing failed: ") + e.what());
+  }
+  if (per_call[0] <= 0) {  // the fallback itself did not run: do not trust the others
+    p.algo = p.heuristic, p.ws = p.heuristic_ws;
+    return finish("the heuristic's algorithm failed to run");
+  }
+  size_t best = 0;
+  for (size_t ci = 1; ci < cands.size(); ++ci)
+    if (per_call[ci] > 0 && per_call[ci] < per_call[best]) best = ci;
+  if (best != 0 && per_call[best] > per_call[0] * (1.0 - opt.min_gain)) best = 0;
+  p.algo = cands[best].algo;
+  p.ws = cands[best].ws;
+  r.timed = true;
+  r.chosen = static_cast<int>(best);
+  r.borrowed = cands[best].borrowed;
+  r.heuristic_us = per_call[0];
+  r.chosen_us = per_call[best];
+  return finish("");
+}
+
 std::string GemmEngine::describe() const {
   std::ostringstream os;
   for (const auto& [key, p] : plans_) {
     os << "gemm m=" << std::get<0>(key) << " n=" << std::get<1>(key) << " k=" << std::get<2>(key)
        << (std::get<3>(key) == 0 ? " bf16" : " f32") << (std::get<4>(key) ? " +=" : "")
        << " workspace " << p->ws << " -> "
-       << variant(std::get<0>(key), std::get<1>(key), std::get<2>(key)) << "\n";
+       << variant(std::get<0>(key), std::get<1>(key), std::get<2>(key));
+    if (!p->tune_note.empty()) os << " (" << p->tune_note << ")";
+    os << "\n";
   }
   return os.str();
 }

@@ -8,6 +8,11 @@
 // With a dispatch registry set, run() sends the shapes that the registry's "gemm.skinny_mma" guard
 // accepts (decode: m <= 16, see gemv.h) to the skinny tensor-core kernel when x and w are 16-byte
 // aligned; everything else goes to cuBLASLt.
+// tune() replaces a plan's heuristic algorithm by the fastest of cuBLASLt's top candidates, timed
+// on the caller's real buffers (CUDA events, median per call over batches that rotate over several
+// distinct weight matrices, so L2 does not flatter small matrices). $DS_GEMM_TUNE=0, a failure or
+// a stream under capture keep the heuristic's first choice. Tune before any graph is captured: a
+// graph keeps the algorithm it captured.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -18,12 +23,39 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace ds::cuda {
 
 class DispatchRegistry;  // dispatch.h
 
 enum class GemmOut : uint8_t { kBF16, kF32 };
+
+struct GemmTuneOptions {
+  int max_candidates = 12;  // heuristic candidates asked for (1: only the heuristic's first)
+  int max_weights = 4;      // distinct weight matrices rotated per timed batch (<= weights given)
+  int batches = 5;          // timed batches; the median time per call is kept
+  double min_gain = 0.01;   // another algorithm replaces the heuristic's only if this much faster
+  // Also try the algorithms these m's (same n, k, out, accumulate) were tuned to, when
+  // cublasLtMatmulAlgoCheck accepts them for this m.
+  std::vector<int> borrow_m;
+};
+
+struct GemmTuneResult {
+  int m = 0, n = 0, k = 0;
+  GemmOut out = GemmOut::kBF16;
+  bool accumulate = false;
+  bool timed = false;             // candidates were timed (false: heuristic kept, see note)
+  int candidates = 0;             // algorithms offered (the heuristic's first included)
+  int ran = 0;                    // of which ran and were timed
+  int chosen = 0;                 // index of the kept algorithm; 0 = the heuristic's first
+  bool borrowed = false;          // the kept algorithm came from borrow_m
+  double heuristic_us = 0;        // median per call of the heuristic's first (0 when not timed)
+  double chosen_us = 0;           // of the kept one
+  double tune_ms = 0;             // host wall time of this tune() call
+  std::string note;               // why nothing was timed, or a failure message
+  std::string to_string() const;  // one line
+};
 
 class GemmEngine {
  public:
@@ -36,6 +68,24 @@ class GemmEngine {
   // Picks the algorithm for this shape (cuBLASLt heuristic) and keeps it. Throws ds::Error when
   // cuBLASLt has no algorithm for it.
   void prepare(int m, int n, int k, GemmOut out, bool accumulate = false);
+
+  // Times the heuristic's top candidates for this shape (preparing it first) and keeps the fastest
+  // in the plan. x [m, k] and y [m, n] are the caller's buffers: x is overwritten with
+  // pseudo-random bf16 values (timing on zeros flatters), y with results. weights: one or more
+  // distinct [n, k] matrices of this shape (e.g. the same projection of different layers). Blocks
+  // until the timing is done. Never throws for timing trouble (keeps the heuristic, says why in
+  // note); throws ds::Error for a bad shape or arguments, like prepare().
+  GemmTuneResult tune(int m, int n, int k, GemmOut out,
+                      const std::vector<const __nv_bfloat16*>& weights,  // each [n, k]
+                      __nv_bfloat16* x,                                  // [m, k] (overwritten)
+                      void* y,                                           // [m, n] (overwritten)
+                      cudaStream_t stream, bool accumulate = false,
+                      const GemmTuneOptions& opt = {});
+  // False when $DS_GEMM_TUNE is "0" (tune() then keeps the heuristic's first choice).
+  static bool tuning_enabled();
+  // Whether the planned shape runs the heuristic's first algorithm (false: tuned to another).
+  // Throws ds::Error when the shape has no plan.
+  bool uses_heuristic_algo(int m, int n, int k, GemmOut out, bool accumulate = false) const;
 
   void run(const __nv_bfloat16* x,  // [m, k]
            const __nv_bfloat16* w,  // [n, k]
@@ -53,7 +103,7 @@ class GemmEngine {
   int n_plans() const { return static_cast<int>(plans_.size()); }
   int late_plans() const { return late_plans_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
-  std::string describe() const;  // one line per planned shape
+  std::string describe() const;  // one line per planned shape (with its tuning result)
 
  private:
   struct Plan;
