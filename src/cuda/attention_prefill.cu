@@ -16,6 +16,9 @@
 // Tests: tests/cuda/cuda_attention_test.cpp (vs an fp32 CPU reference, rel. error < 1e-2).
 #include <mma.h>
 
+#include <string_view>
+#include <utility>
+
 #include "cuda/attention_prefill_mma.h"
 #include "cuda/cuda_common.h"
 #include "cuda/dispatch.h"
@@ -246,12 +249,15 @@ void launch_attention_prefill(const AttnShape& s, const AttnBatch& b, const bf16
     const KernelVariant& v = dispatch->select(
         KernelFamily::kAttnPrefill,
         dispatch->key(s.head_dim, s.n_heads / s.n_kv_heads, b.max_q_len, b.max_kv_len));
-    if (v.name == "wgmma_m128" || v.name == "wgmma_pipe")
-      return launch_attention_prefill_wgmma(v.name == "wgmma_pipe", s, b, q, k_cache, v_cache, gate,
-                                            out, stream);
-    if (v.name == "mma_m128" || v.name == "mma_m64")
-      return launch_attention_prefill_mma(v.name == "mma_m128" ? 128 : 64, s, b, q, k_cache,
-                                          v_cache, gate, out, stream);
+    static constexpr std::pair<std::string_view, AttnMmaKernel> kMmaVariants[] = {
+        {"wgmma_m128", AttnMmaKernel::kWgmmaM128},
+        {"wgmma_pipe", AttnMmaKernel::kWgmmaPipe},
+        {"mma_m128", AttnMmaKernel::kMmaM128},
+        {"mma_m64", AttnMmaKernel::kMmaM64}};
+    for (const auto& [name, kernel] : kMmaVariants) {
+      if (v.name == name)
+        return launch_attention_prefill_mma(kernel, s, b, q, k_cache, v_cache, gate, out, stream);
+    }
   }
   switch (s.head_dim) {
     case 16:

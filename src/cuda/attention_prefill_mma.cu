@@ -33,6 +33,7 @@
 // bench: `deltaserve bench kernels --only attn_prefill` (every variant's time, fallback, match).
 #include "cuda/attention_prefill_mma.h"
 #include "cuda/cuda_common.h"
+#include "cuda/mma_util.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -51,43 +52,6 @@ constexpr size_t mma_smem_bytes() {
 // Byte offset of 16-byte chunk `c` (0..31) of row `r` in a swizzled [rows, 256] bf16 tile.
 __device__ __forceinline__ uint32_t swz(int r, int c) {
   return uint32_t(r) * kRowBytes + (uint32_t(c ^ (r & 7)) << 4);
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  // src-size 0 zero-fills the 16 bytes without reading the source.
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// c[16x8] += a[16x16] b[16x8], bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
@@ -147,11 +111,149 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[kBn / 2], uint32_t (&p)
   st.l_b = st.l_b * alpha_b + sum_b;
 }
 
+// Byte offset of 16-byte chunk `c` (0..31) of row `r` in a [rows, 256] tile in wgmma layout.
+__device__ __forceinline__ uint32_t gswz(int rows, int r, int c) {
+  return uint32_t(c >> 3) * uint32_t(rows) * 128u + uint32_t(r) * 128u +
+         (uint32_t((c & 7) ^ (r & 7)) << 4);
+}
+
+// Byte offset of chunk c of row r in a [kRows, 256] tile: the wgmma layout (kWgmma) or the
+// XOR-swizzled row layout of the mma.sync kernels.
+template <int kRows, bool kWgmma>
+__device__ __forceinline__ uint32_t tile_off(int r, int c) {
+  if constexpr (kWgmma) {
+    return gswz(kRows, r, c);
+  } else {
+    return swz(r, c);
+  }
+}
+
+// A block's place in the work layout (one block per row tile, kv head, sequence; the heaviest
+// tiles of the causal triangle first) and the keys its rows need.
+struct RowTile {
+  int kvh, group, q_len, row0;  // rows row0 .. row0 + kBm - 1, row = token * group + head
+  int q0, past;                 // first token of the chunk in q / out; tokens cached before it
+  int first_pos;                // position of the tile's first query
+  int n_keys, n_tiles;          // keys 0 .. position of the tile's last query; 64-key tiles
+  int ps, n_kv;
+  const int32_t* btab;  // this sequence's block table
+};
+
+// Fills rt; false when the tile lies past the sequence's rows (the block has nothing to do).
+template <int kBm>
+__device__ __forceinline__ bool row_tile(const AttnShape& s, const AttnBatch& b, RowTile& rt) {
+  const int seq = blockIdx.z;
+  rt.kvh = blockIdx.y;
+  const int tile = gridDim.x - 1 - blockIdx.x;  // the longest rows of the triangle start first
+  rt.group = s.n_heads / s.n_kv_heads;
+  rt.q_len = b.q_len[seq];
+  rt.row0 = tile * kBm;
+  if (rt.row0 >= rt.q_len * rt.group) return false;
+  const int kv_len = b.kv_len[seq];
+  rt.q0 = b.q_start[seq];
+  rt.past = kv_len - rt.q_len;  // tokens cached before this chunk
+  const int first_tok = rt.row0 / rt.group;
+  const int last_tok = min(rt.q_len - 1, (rt.row0 + kBm - 1) / rt.group);
+  rt.first_pos = rt.past + first_tok;
+  rt.n_keys = rt.past + last_tok + 1;
+  rt.n_tiles = (rt.n_keys + kBn - 1) / kBn;
+  rt.ps = s.page_size;
+  rt.n_kv = s.n_kv_heads;
+  rt.btab = b.block_table + int64_t(seq) * b.block_table_stride;
+  return true;
+}
+
+// Starts the cp.async copies of the Q tile (rows past the chunk zero-filled: their scores are 0,
+// finite, and never stored).
+template <int kBm, int kThreads, bool kWgmma>
+__device__ __forceinline__ void load_q_tile(uint32_t q_smem, const bf16* __restrict__ q,
+                                            const AttnShape& s, const RowTile& rt) {
+  for (int i = threadIdx.x; i < kBm * 32; i += kThreads) {
+    const int r = i >> 5, c = i & 31, pr = rt.row0 + r, tok = pr / rt.group;
+    const bool ok = tok < rt.q_len;
+    const bf16* src =
+        ok ? q + (int64_t(rt.q0 + tok) * s.n_heads + rt.kvh * rt.group + pr % rt.group) * kHd +
+                 c * 8
+           : q;
+    cp_async16(q_smem + tile_off<kBm, kWgmma>(r, c), src, ok);
+  }
+}
+
+// Element offset of key tile j (64 keys = one page run of this kv head) in the K / V cache.
+__device__ __forceinline__ int64_t key_tile_offset(const RowTile& rt, int j) {
+  const int kt = j * kBn;
+  const int64_t blk = rt.btab[kt / rt.ps];
+  return ((blk * rt.n_kv + rt.kvh) * rt.ps + kt % rt.ps) * kHd;
+}
+
+// Starts the cp.async copies of key tile j of K into kd and of V into vd; rows past the last
+// needed key are zero-filled, not read.
+template <int kThreads, bool kWgmma>
+__device__ __forceinline__ void load_kv_tile(const RowTile& rt, const bf16* __restrict__ k_cache,
+                                             const bf16* __restrict__ v_cache, int j, uint32_t kd,
+                                             uint32_t vd) {
+  const int kt = j * kBn;
+  const int64_t off = key_tile_offset(rt, j);
+  const bf16* kp = k_cache + off;
+  const bf16* vp = v_cache + off;
+  for (int i = threadIdx.x; i < kBn * 32; i += kThreads) {
+    const int r = i >> 5, c = i & 31;
+    const bool ok = kt + r < rt.n_keys;
+    cp_async16(kd + tile_off<kBn, kWgmma>(r, c), kp + r * kHd + c * 8, ok);
+    cp_async16(vd + tile_off<kBn, kWgmma>(r, c), vp + r * kHd + c * 8, ok);
+  }
+}
+
+// This thread's two rows ra (g of its warp's 16) and rb = ra + 8, and their query positions.
+// Rows past the chunk get no mask (INT_MAX: their zero Q gives finite scores over zero-filled
+// keys).
+struct QueryRows {
+  int ra, rb, pos_a, pos_b;
+};
+__device__ __forceinline__ QueryRows query_rows(const RowTile& rt, int ra) {
+  QueryRows qr;
+  qr.ra = ra;
+  qr.rb = ra + 8;
+  const int tok_a = (rt.row0 + qr.ra) / rt.group, tok_b = (rt.row0 + qr.rb) / rt.group;
+  qr.pos_a = tok_a < rt.q_len ? rt.past + tok_a : INT_MAX;
+  qr.pos_b = tok_b < rt.q_len ? rt.past + tok_b : INT_MAX;
+  return qr;
+}
+
+// O (the accumulator layout o[4 * d8 + e] of 32 8-column blocks) times alpha of its row.
+__device__ __forceinline__ void rescale_o(float (&o)[kHd / 2], float alpha_a, float alpha_b) {
+#pragma unroll
+  for (int d = 0; d < kHd / 8; ++d) {
+    o[4 * d] *= alpha_a;
+    o[4 * d + 1] *= alpha_a;
+    o[4 * d + 2] *= alpha_b;
+    o[4 * d + 3] *= alpha_b;
+  }
+}
+
+// Epilogue, first half: the rows' sums over the quad, then O / l in fp32 into os ([kBm, kLdO]).
+__device__ __forceinline__ void stage_o(const float (&o)[kHd / 2], const SoftmaxRows& st,
+                                        const QueryRows& qr, int t, float* os) {
+  float l_a = st.l_a, l_b = st.l_b;
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+#pragma unroll
+  for (int d = 0; d < kHd / 8; ++d) {
+    *reinterpret_cast<float2*>(os + qr.ra * kLdO + d * 8 + 2 * t) =
+        make_float2(o[4 * d] * inv_a, o[4 * d + 1] * inv_a);
+    *reinterpret_cast<float2*>(os + qr.rb * kLdO + d * 8 + 2 * t) =
+        make_float2(o[4 * d + 2] * inv_b, o[4 * d + 3] * inv_b);
+  }
+}
+
 // Epilogue rows: os holds O / l in fp32 ([kBm, kLdO]); writes 16-byte rows of out with the gate.
 template <int kBm, int kThreads>
 __device__ __forceinline__ void store_rows(const float* os, const AttnShape& s, AttnGate gate,
-                                           int q0, int q_len, int row0, int kvh, int group,
-                                           bf16* __restrict__ out) {
+                                           const RowTile& rt, bf16* __restrict__ out) {
+  const int q0 = rt.q0, q_len = rt.q_len, row0 = rt.row0, kvh = rt.kvh, group = rt.group;
   for (int i = threadIdx.x; i < kBm * 32; i += kThreads) {
     const int r = i >> 5, c = i & 31, pr = row0 + r, tok = pr / group;
     if (tok >= q_len) continue;
@@ -197,55 +299,19 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   auto k_stage = [&](int st) { return kv_smem + uint32_t(st) * 2 * kBn * kRowBytes; };
   auto v_stage = [&](int st) { return k_stage(st) + kBn * kRowBytes; };
 
-  const int seq = blockIdx.z, kvh = blockIdx.y;
-  const int tile = gridDim.x - 1 - blockIdx.x;  // the longest rows of the triangle start first
-  const int group = s.n_heads / s.n_kv_heads;
-  const int q_len = b.q_len[seq];
-  const int row0 = tile * kBm;
-  if (row0 >= q_len * group) return;
-  const int kv_len = b.kv_len[seq], q0 = b.q_start[seq];
-  const int past = kv_len - q_len;  // tokens cached before this chunk
-  const int first_tok = row0 / group;
-  const int last_tok = min(q_len - 1, (row0 + kBm - 1) / group);
-  const int n_keys = past + last_tok + 1;  // keys 0 .. position of the tile's last query
-  const int n_tiles = (n_keys + kBn - 1) / kBn;
-  const int ps = s.page_size, n_kv = s.n_kv_heads;
-  const int32_t* btab = b.block_table + int64_t(seq) * b.block_table_stride;
+  RowTile rt;
+  if (!row_tile<kBm>(s, b, rt)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
 
-  // Q tile (rows past the chunk zero-filled: their scores are 0, finite, and never stored).
-  for (int i = threadIdx.x; i < kBm * 32; i += kThreads) {
-    const int r = i >> 5, c = i & 31, pr = row0 + r, tok = pr / group;
-    const bool ok = tok < q_len;
-    const bf16* src =
-        ok ? q + (int64_t(q0 + tok) * s.n_heads + kvh * group + pr % group) * kHd + c * 8 : q;
-    cp_async16(q_smem + swz(r, c), src, ok);
-  }
+  load_q_tile<kBm, kThreads, false>(q_smem, q, s, rt);
   auto load_kv = [&](int j, int st) {
-    const int kt = j * kBn;
-    const int64_t blk = btab[kt / ps];
-    const int64_t off = ((blk * n_kv + kvh) * ps + kt % ps) * kHd;
-    const bf16* kp = k_cache + off;
-    const bf16* vp = v_cache + off;
-    const uint32_t kd = k_stage(st), vd = v_stage(st);
-    for (int i = threadIdx.x; i < kBn * 32; i += kThreads) {
-      const int r = i >> 5, c = i & 31;
-      const bool ok = kt + r < n_keys;  // rows past the last needed key: zeros, not read
-      cp_async16(kd + swz(r, c), kp + r * kHd + c * 8, ok);
-      cp_async16(vd + swz(r, c), vp + r * kHd + c * 8, ok);
-    }
+    load_kv_tile<kThreads, false>(rt, k_cache, v_cache, j, k_stage(st), v_stage(st));
   };
   load_kv(0, 0);
   cp_async_commit();
 
-  // This thread's two rows (g and g + 8 of the warp's 16) and their query positions. Rows past
-  // the chunk get no mask (their zero Q gives finite scores over zero-filled keys).
-  const int ra = warp * 16 + g, rb = ra + 8;
-  const int tok_a = (row0 + ra) / group, tok_b = (row0 + rb) / group;
-  const int pos_a = tok_a < q_len ? past + tok_a : INT_MAX;
-  const int pos_b = tok_b < q_len ? past + tok_b : INT_MAX;
-  const int first_pos = past + first_tok;
+  const QueryRows qr = query_rows(rt, warp * 16 + g);
 
   float o[kHd / 8][4];
 #pragma unroll
@@ -260,8 +326,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8;
   const int v_chunk = lane >> 4;
 
-  for (int j = 0; j < n_tiles; ++j) {
-    if (j + 1 < n_tiles) load_kv(j + 1, (j + 1) & 1);
+  for (int j = 0; j < rt.n_tiles; ++j) {
+    if (j + 1 < rt.n_tiles) load_kv(j + 1, (j + 1) & 1);
     cp_async_commit();  // possibly empty group: keeps the wait count uniform
     cp_async_wait<1>();
     __syncthreads();
@@ -288,15 +354,9 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
     // Online softmax; O rescaled by alpha.
     uint32_t p[kBn / 16][4];  // P as the A operand of P V, per 16-key step
     float alpha_a, alpha_b;
-    softmax_tile(reinterpret_cast<float(&)[kBn / 2]>(sc), p, kt, kt + kBn - 1 > first_pos, pos_a,
-                 pos_b, t, st, alpha_a, alpha_b);
-#pragma unroll
-    for (int d = 0; d < kHd / 8; ++d) {
-      o[d][0] *= alpha_a;
-      o[d][1] *= alpha_a;
-      o[d][2] *= alpha_b;
-      o[d][3] *= alpha_b;
-    }
+    softmax_tile(reinterpret_cast<float(&)[kBn / 2]>(sc), p, kt, kt + kBn - 1 > rt.first_pos,
+                 qr.pos_a, qr.pos_b, t, st, alpha_a, alpha_b);
+    rescale_o(reinterpret_cast<float(&)[kHd / 2]>(o), alpha_a, alpha_b);
 
     // O += P V.
 #pragma unroll
@@ -314,22 +374,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1)
   cp_async_wait<0>();
 
   // Epilogue: O / l in fp32 through shared memory, then 16-byte rows with the gate applied.
-  float l_a = st.l_a, l_b = st.l_b;
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
   float* os = reinterpret_cast<float*>(smem);  // [kBm, kLdO], fits in the Q + K/V space
-#pragma unroll
-  for (int d = 0; d < kHd / 8; ++d) {
-    *reinterpret_cast<float2*>(os + ra * kLdO + d * 8 + 2 * t) =
-        make_float2(o[d][0] * inv_a, o[d][1] * inv_a);
-    *reinterpret_cast<float2*>(os + rb * kLdO + d * 8 + 2 * t) =
-        make_float2(o[d][2] * inv_b, o[d][3] * inv_b);
-  }
+  stage_o(reinterpret_cast<const float(&)[kHd / 2]>(o), st, qr, t, os);
   __syncthreads();
-  store_rows<kBm, kThreads>(os, s, gate, q0, q_len, row0, kvh, group, out);
+  store_rows<kBm, kThreads>(os, s, gate, rt, out);
 }
 
 template <int kWarps>
@@ -361,10 +409,11 @@ constexpr int kWgRows = 128;
 constexpr size_t kWgSmemBytes =
     1024 + size_t(kWgRows) * kRowBytes + size_t(kStages) * 2 * kBn * kRowBytes;
 
-// Byte offset of 16-byte chunk `c` (0..31) of row `r` in a [rows, 256] tile in wgmma layout.
-__device__ __forceinline__ uint32_t gswz(int rows, int r, int c) {
-  return uint32_t(c >> 3) * uint32_t(rows) * 128u + uint32_t(r) * 128u +
-         (uint32_t((c & 7) ^ (r & 7)) << 4);
+// p rounded up to 1024 bytes (the alignment of the 128-byte swizzle atoms); kWgSmemBytes holds
+// the 1024 bytes of slack.
+__device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {
+  return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(p) + 1023) &
+                                          ~uintptr_t(1023));
 }
 
 // Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "Matrix Descriptor Format").
@@ -475,67 +524,33 @@ __global__ void __launch_bounds__(256, 1)
   constexpr int kBm = kWgRows;
   constexpr int kThreads = 256;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));  // swizzle atoms
+  unsigned char* smem = align_1024(smem_raw);  // swizzle atoms
   const uint32_t q_smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kv_smem = q_smem + kBm * kRowBytes;
   auto k_stage = [&](int st) { return kv_smem + uint32_t(st) * 2 * kBn * kRowBytes; };
   auto v_stage = [&](int st) { return k_stage(st) + kBn * kRowBytes; };
 
-  const int seq = blockIdx.z, kvh = blockIdx.y;
-  const int tile = gridDim.x - 1 - blockIdx.x;
-  const int group = s.n_heads / s.n_kv_heads;
-  const int q_len = b.q_len[seq];
-  const int row0 = tile * kBm;
-  if (row0 >= q_len * group) return;
-  const int kv_len = b.kv_len[seq], q0 = b.q_start[seq];
-  const int past = kv_len - q_len;
-  const int first_tok = row0 / group;
-  const int last_tok = min(q_len - 1, (row0 + kBm - 1) / group);
-  const int n_keys = past + last_tok + 1;
-  const int n_tiles = (n_keys + kBn - 1) / kBn;
-  const int ps = s.page_size, n_kv = s.n_kv_heads;
-  const int32_t* btab = b.block_table + int64_t(seq) * b.block_table_stride;
+  RowTile rt;
+  if (!row_tile<kBm>(s, b, rt)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const int t = lane & 3;
 
-  for (int i = threadIdx.x; i < kBm * 32; i += kThreads) {
-    const int r = i >> 5, c = i & 31, pr = row0 + r, tok = pr / group;
-    const bool ok = tok < q_len;
-    const bf16* src =
-        ok ? q + (int64_t(q0 + tok) * s.n_heads + kvh * group + pr % group) * kHd + c * 8 : q;
-    cp_async16(q_smem + gswz(kBm, r, c), src, ok);
-  }
+  load_q_tile<kBm, kThreads, true>(q_smem, q, s, rt);
   auto load_kv = [&](int j, int st) {
-    const int kt = j * kBn;
-    const int64_t blk = btab[kt / ps];
-    const int64_t off = ((blk * n_kv + kvh) * ps + kt % ps) * kHd;
-    const bf16* kp = k_cache + off;
-    const bf16* vp = v_cache + off;
-    const uint32_t kd = k_stage(st), vd = v_stage(st);
-    for (int i = threadIdx.x; i < kBn * 32; i += kThreads) {
-      const int r = i >> 5, c = i & 31;
-      const bool ok = kt + r < n_keys;
-      cp_async16(kd + gswz(kBn, r, c), kp + r * kHd + c * 8, ok);
-      cp_async16(vd + gswz(kBn, r, c), vp + r * kHd + c * 8, ok);
-    }
+    load_kv_tile<kThreads, true>(rt, k_cache, v_cache, j, k_stage(st), v_stage(st));
   };
   load_kv(0, 0);
   cp_async_commit();
 
-  const int ra = warp * 16 + (lane >> 2), rb = ra + 8;
-  const int tok_a = (row0 + ra) / group, tok_b = (row0 + rb) / group;
-  const int pos_a = tok_a < q_len ? past + tok_a : INT_MAX;
-  const int pos_b = tok_b < q_len ? past + tok_b : INT_MAX;
-  const int first_pos = past + first_tok;
+  const QueryRows qr = query_rows(rt, warp * 16 + (lane >> 2));
 
   float o[kHd / 2];  // o[4 * d8 + e]: the mma accumulator layout of 8-column block d8
 #pragma unroll
   for (int i = 0; i < kHd / 2; ++i) o[i] = 0.f;
   SoftmaxRows st;
 
-  for (int j = 0; j < n_tiles; ++j) {
-    if (j + 1 < n_tiles) load_kv(j + 1, (j + 1) & 1);
+  for (int j = 0; j < rt.n_tiles; ++j) {
+    if (j + 1 < rt.n_tiles) load_kv(j + 1, (j + 1) & 1);
     cp_async_commit();
     cp_async_wait<1>();
     fence_proxy_async();
@@ -551,14 +566,9 @@ __global__ void __launch_bounds__(256, 1)
 
     uint32_t p[kBn / 16][4];
     float alpha_a, alpha_b;
-    softmax_tile(sc, p, kt, kt + kBn - 1 > first_pos, pos_a, pos_b, t, st, alpha_a, alpha_b);
-#pragma unroll
-    for (int d = 0; d < kHd / 8; ++d) {
-      o[4 * d] *= alpha_a;
-      o[4 * d + 1] *= alpha_a;
-      o[4 * d + 2] *= alpha_b;
-      o[4 * d + 3] *= alpha_b;
-    }
+    softmax_tile(sc, p, kt, kt + kBn - 1 > rt.first_pos, qr.pos_a, qr.pos_b, t, st, alpha_a,
+                 alpha_b);
+    rescale_o(o, alpha_a, alpha_b);
 
     fence_regs(o);
     wgmma_fence();
@@ -572,22 +582,10 @@ __global__ void __launch_bounds__(256, 1)
   }
   cp_async_wait<0>();
 
-  float l_a = st.l_a, l_b = st.l_b;
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
   float* os = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int d = 0; d < kHd / 8; ++d) {
-    *reinterpret_cast<float2*>(os + ra * kLdO + d * 8 + 2 * t) =
-        make_float2(o[4 * d] * inv_a, o[4 * d + 1] * inv_a);
-    *reinterpret_cast<float2*>(os + rb * kLdO + d * 8 + 2 * t) =
-        make_float2(o[4 * d + 2] * inv_b, o[4 * d + 3] * inv_b);
-  }
+  stage_o(o, st, qr, t, os);
   __syncthreads();
-  store_rows<kBm, kThreads>(os, s, gate, q0, q_len, row0, kvh, group, out);
+  store_rows<kBm, kThreads>(os, s, gate, rt, out);
 }
 
 // The pipelined form (variant wgmma_pipe): each warpgroup issues S(j+1) = Q K(j+1)^T on the tensor
@@ -605,46 +603,26 @@ __global__ void __launch_bounds__(256, 1) attention_prefill_wgmma_pipe_kernel(
   constexpr int kBm = kWgRows;
   constexpr int kThreads = 256;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem = align_1024(smem_raw);  // swizzle atoms
   const uint32_t q_smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t kv_smem = q_smem + kBm * kRowBytes;
   auto k_buf = [&](int st) { return kv_smem + uint32_t(st) * kBn * kRowBytes; };
   auto v_buf = [&](int st) { return kv_smem + uint32_t(2 + st) * kBn * kRowBytes; };
 
-  const int seq = blockIdx.z, kvh = blockIdx.y;
-  const int tile = gridDim.x - 1 - blockIdx.x;
-  const int group = s.n_heads / s.n_kv_heads;
-  const int q_len = b.q_len[seq];
-  const int row0 = tile * kBm;
-  if (row0 >= q_len * group) return;
-  const int kv_len = b.kv_len[seq], q0 = b.q_start[seq];
-  const int past = kv_len - q_len;
-  const int first_tok = row0 / group;
-  const int last_tok = min(q_len - 1, (row0 + kBm - 1) / group);
-  const int n_keys = past + last_tok + 1;
-  const int n_tiles = (n_keys + kBn - 1) / kBn;
-  const int ps = s.page_size, n_kv = s.n_kv_heads;
-  const int32_t* btab = b.block_table + int64_t(seq) * b.block_table_stride;
+  RowTile rt;
+  if (!row_tile<kBm>(s, b, rt)) return;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const int t = lane & 3;
 
-  for (int i = threadIdx.x; i < kBm * 32; i += kThreads) {
-    const int r = i >> 5, c = i & 31, pr = row0 + r, tok = pr / group;
-    const bool ok = tok < q_len;
-    const bf16* src =
-        ok ? q + (int64_t(q0 + tok) * s.n_heads + kvh * group + pr % group) * kHd + c * 8 : q;
-    cp_async16(q_smem + gswz(kBm, r, c), src, ok);
-  }
+  load_q_tile<kBm, kThreads, true>(q_smem, q, s, rt);
   // One 64-key tile of K or V (cache = k_cache or v_cache) into buffer dst; nothing past n_tiles.
   auto load_tile = [&](const bf16* cache, int j, uint32_t dst) {
-    if (j >= n_tiles) return;
+    if (j >= rt.n_tiles) return;
     const int kt = j * kBn;
-    const int64_t blk = btab[kt / ps];
-    const bf16* src = cache + ((blk * n_kv + kvh) * ps + kt % ps) * kHd;
+    const bf16* src = cache + key_tile_offset(rt, j);
     for (int i = threadIdx.x; i < kBn * 32; i += kThreads) {
       const int r = i >> 5, c = i & 31;
-      cp_async16(dst + gswz(kBn, r, c), src + r * kHd + c * 8, kt + r < n_keys);
+      cp_async16(dst + gswz(kBn, r, c), src + r * kHd + c * 8, kt + r < rt.n_keys);
     }
   };
   load_tile(k_cache, 0, k_buf(0));
@@ -654,11 +632,7 @@ __global__ void __launch_bounds__(256, 1) attention_prefill_wgmma_pipe_kernel(
   load_tile(v_cache, 0, v_buf(0));
   cp_async_commit();  // V(0)
 
-  const int ra = warp * 16 + (lane >> 2), rb = ra + 8;
-  const int tok_a = (row0 + ra) / group, tok_b = (row0 + rb) / group;
-  const int pos_a = tok_a < q_len ? past + tok_a : INT_MAX;
-  const int pos_b = tok_b < q_len ? past + tok_b : INT_MAX;
-  const int first_pos = past + first_tok;
+  const QueryRows qr = query_rows(rt, warp * 16 + (lane >> 2));
 
   float o[kHd / 2];
 #pragma unroll
@@ -674,8 +648,8 @@ __global__ void __launch_bounds__(256, 1) attention_prefill_wgmma_pipe_kernel(
   wgmma_wait_all();
   fence_regs(sc);
 
-  for (int j = 0; j < n_tiles; ++j) {
-    const bool next = j + 1 < n_tiles;
+  for (int j = 0; j < rt.n_tiles; ++j) {
+    const bool next = j + 1 < rt.n_tiles;
     cp_async_wait<1>();  // K(j+1) (V(j) may still be in flight)
     fence_proxy_async();
     __syncthreads();  // also: every warpgroup finished S(j) and P V(j-1)
@@ -691,15 +665,10 @@ __global__ void __launch_bounds__(256, 1) attention_prefill_wgmma_pipe_kernel(
     uint32_t p[kBn / 16][4];
     float alpha_a, alpha_b;
     const int kt = j * kBn;
-    softmax_tile(sc, p, kt, kt + kBn - 1 > first_pos, pos_a, pos_b, t, st, alpha_a, alpha_b);
+    softmax_tile(sc, p, kt, kt + kBn - 1 > rt.first_pos, qr.pos_a, qr.pos_b, t, st, alpha_a,
+                 alpha_b);
     fence_regs(o);
-#pragma unroll
-    for (int d = 0; d < kHd / 8; ++d) {
-      o[4 * d] *= alpha_a;
-      o[4 * d + 1] *= alpha_a;
-      o[4 * d + 2] *= alpha_b;
-      o[4 * d + 3] *= alpha_b;
-    }
+    rescale_o(o, alpha_a, alpha_b);
 
     cp_async_wait<2>();  // V(j)
     fence_proxy_async();
@@ -722,22 +691,10 @@ __global__ void __launch_bounds__(256, 1) attention_prefill_wgmma_pipe_kernel(
   cp_async_wait<0>();
   __syncthreads();  // all warpgroups done with the K/V buffers before the staging overwrite
 
-  float l_a = st.l_a, l_b = st.l_b;
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
   float* os = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int d = 0; d < kHd / 8; ++d) {
-    *reinterpret_cast<float2*>(os + ra * kLdO + d * 8 + 2 * t) =
-        make_float2(o[4 * d] * inv_a, o[4 * d + 1] * inv_a);
-    *reinterpret_cast<float2*>(os + rb * kLdO + d * 8 + 2 * t) =
-        make_float2(o[4 * d + 2] * inv_b, o[4 * d + 3] * inv_b);
-  }
+  stage_o(o, st, qr, t, os);
   __syncthreads();
-  store_rows<kBm, kThreads>(os, s, gate, q0, q_len, row0, kvh, group, out);
+  store_rows<kBm, kThreads>(os, s, gate, rt, out);
 }
 
 template <bool kPipelined>
@@ -767,33 +724,24 @@ bool attention_prefill_mma_supported(const AttnShape& s) {
          s.n_heads % s.n_kv_heads == 0;
 }
 
-void launch_attention_prefill_mma(int rows_per_tile, const AttnShape& s, const AttnBatch& b,
+void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, const AttnBatch& b,
                                   const bf16* q, const bf16* k_cache, const bf16* v_cache,
                                   AttnGate gate, bf16* out, cudaStream_t stream) {
-  DS_CHECK(attention_prefill_mma_supported(s), "attention prefill (mma): needs head_dim 256 and ",
-           "page_size % ", kBn, " == 0 (got head_dim ", s.head_dim, ", page_size ", s.page_size,
-           ")");
-  if (b.n_seqs <= 0 || b.max_q_len <= 0) return;
-  switch (rows_per_tile) {
-    case 128:
-      return launch_mma<8>(s, b, q, k_cache, v_cache, gate, out, stream);
-    case 64:
-      return launch_mma<4>(s, b, q, k_cache, v_cache, gate, out, stream);
-    default:
-      ds::throw_error("attention prefill (mma): rows_per_tile ", rows_per_tile,
-                      " not supported (64, 128)");
-  }
-}
-
-void launch_attention_prefill_wgmma(bool pipelined, const AttnShape& s, const AttnBatch& b,
-                                    const bf16* q, const bf16* k_cache, const bf16* v_cache,
-                                    AttnGate gate, bf16* out, cudaStream_t stream) {
-  DS_CHECK(attention_prefill_mma_supported(s), "attention prefill (wgmma): needs head_dim 256 ",
+  DS_CHECK(attention_prefill_mma_supported(s), "attention prefill (mma/wgmma): needs head_dim 256 ",
            "and page_size % ", kBn, " == 0 (got head_dim ", s.head_dim, ", page_size ", s.page_size,
            ")");
   if (b.n_seqs <= 0 || b.max_q_len <= 0) return;
-  if (pipelined) return launch_wgmma<true>(s, b, q, k_cache, v_cache, gate, out, stream);
-  launch_wgmma<false>(s, b, q, k_cache, v_cache, gate, out, stream);
+  switch (kernel) {
+    case AttnMmaKernel::kMmaM64:
+      return launch_mma<4>(s, b, q, k_cache, v_cache, gate, out, stream);
+    case AttnMmaKernel::kMmaM128:
+      return launch_mma<8>(s, b, q, k_cache, v_cache, gate, out, stream);
+    case AttnMmaKernel::kWgmmaM128:
+      return launch_wgmma<false>(s, b, q, k_cache, v_cache, gate, out, stream);
+    case AttnMmaKernel::kWgmmaPipe:
+      return launch_wgmma<true>(s, b, q, k_cache, v_cache, gate, out, stream);
+  }
+  ds::throw_error("attention prefill (mma): unknown kernel ", static_cast<int>(kernel));
 }
 
 }  // namespace ds::cuda

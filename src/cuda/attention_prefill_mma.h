@@ -17,24 +17,18 @@ constexpr int kAttnMmaKeyTile = 64;
 // the registry guard decides on top of this whether it should.
 bool attention_prefill_mma_supported(const AttnShape& s);
 
-// Same contract as launch_attention_prefill. rows_per_tile: 128 (8 warps) or 64 (4 warps) packed
-// (token, head) rows per block.
-void launch_attention_prefill_mma(int rows_per_tile, const AttnShape& s, const AttnBatch& b,
+// The kernels of this file, one per attn_prefill variant of dispatch.cpp: mma.sync with 64 (4
+// warps) or 128 (8 warps) packed (token, head) rows per block, and Hopper wgmma (sm_90a, 2
+// warpgroups x 64 rows), plain or pipelined (the next tile's Q K^T overlaps this tile's softmax).
+enum class AttnMmaKernel { kMmaM64, kMmaM128, kWgmmaM128, kWgmmaPipe };
+
+// Same contract as launch_attention_prefill, run by `kernel`.
+void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, const AttnBatch& b,
                                   const __nv_bfloat16* q,        // [n_rows, n_heads, 256]
                                   const __nv_bfloat16* k_cache,  // [blocks, n_kv, page, 256]
                                   const __nv_bfloat16* v_cache,  // [blocks, n_kv, page, 256]
                                   AttnGate gate,
                                   __nv_bfloat16* out,  // [n_rows, n_heads, 256]
                                   cudaStream_t stream);
-
-// Same contract; Hopper wgmma (sm_90a), 128 rows per block (2 warpgroups x 64). pipelined: the
-// next tile's Q K^T overlaps this tile's softmax (variant wgmma_pipe).
-void launch_attention_prefill_wgmma(bool pipelined, const AttnShape& s, const AttnBatch& b,
-                                    const __nv_bfloat16* q,        // [n_rows, n_heads, 256]
-                                    const __nv_bfloat16* k_cache,  // [blocks, n_kv, page, 256]
-                                    const __nv_bfloat16* v_cache,  // [blocks, n_kv, page, 256]
-                                    AttnGate gate,
-                                    __nv_bfloat16* out,  // [n_rows, n_heads, 256]
-                                    cudaStream_t stream);
 
 }  // namespace ds::cuda
