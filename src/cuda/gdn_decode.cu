@@ -33,6 +33,7 @@
 
 #include "cuda/cuda_common.h"
 #include "cuda/gdn.h"
+#include "cuda/mma_util.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -49,17 +50,6 @@ constexpr int kSplitFast = 4;
 // (measured faster at batch 1, 2 and 4; slower at 16).
 constexpr int kCluster8MaxSeqs = 4;
 constexpr int kMaxD = 128;
-
-// Loads 4 consecutive bf16 (8 bytes) as floats.
-__device__ __forceinline__ void load4(const bf16* p, float* f) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
-  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
-  f[0] = __low2float(a);
-  f[1] = __high2float(a);
-  f[2] = __low2float(b);
-  f[3] = __high2float(b);
-}
 
 template <int DK, bool VEC, int SPLIT>
 __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
@@ -132,24 +122,16 @@ __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
       ch = 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
     float tap[3][4], wt[16];
     if (VEC) {
-      load4(x + ch, xin);
+      load4_bf16(x + ch, xin);
 #pragma unroll
       for (int j = 0; j < 3; ++j) {
         const int pp = p - 3 + j;
         if (pp >= 0)
-          load4(ring + (pp & 3) * qkv_dim + ch, tap[j]);
+          load4_bf16(ring + (pp & 3) * qkv_dim + ch, tap[j]);
         else
           tap[j][0] = tap[j][1] = tap[j][2] = tap[j][3] = 0.f;
       }
-      const uint4 w0 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4);
-      const uint4 w1 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4 + 8);
-      const bf16* wb0 = reinterpret_cast<const bf16*>(&w0);
-      const bf16* wb1 = reinterpret_cast<const bf16*>(&w1);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        wt[i] = __bfloat162float(wb0[i]);
-        wt[8 + i] = __bfloat162float(wb1[i]);
-      }
+      load16_bf16(w.conv_w + ch * 4, wt);
     } else {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {

@@ -48,7 +48,9 @@
 #include "cuda/cuda_common.h"
 #include "cuda/dispatch.h"
 #include "cuda/gdn.h"
+#include "cuda/gdn_chunk.cuh"
 #include "cuda/gdn_prefill_sm90.h"
+#include "cuda/mma_util.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -139,20 +141,6 @@ __device__ void smem_mma(const bf16* A, int lda, const bf16* B, int ldb, float* 
   }
 }
 
-// 16-byte (or 4-byte) async copy global -> shared; zero-fills when !valid (src is not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
-               "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
-
 // Starts async copies of rows [0, n) of a [rows, width] bf16 matrix (global row stride `stride`
 // elements, width a multiple of 8) into smem (row stride ld), zero-filling rows [n, 64). The caller
 // commits / waits (cp_async_commit, cp_async_wait_all) before its barrier.
@@ -196,17 +184,6 @@ __global__ void gdn_chunk_map_kernel(const int32_t* __restrict__ cu_seqlens,  //
 }
 
 // ---- 1. conv + SiLU + l2norm + gates ------------------------------------------------------------
-// Loads 4 consecutive bf16 (8 bytes) as floats.
-__device__ __forceinline__ void load4(const bf16* p, float* f) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
-  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
-  f[0] = __low2float(a);
-  f[1] = __high2float(a);
-  f[2] = __low2float(b);
-  f[3] = __high2float(b);
-}
-
 // One block per token; one warp per head of conv channels (q heads, k heads, v heads), each lane
 // 4 consecutive channels (8-byte loads; VEC = false: the same with scalar loads, for rows that
 // are not 8-byte aligned).
@@ -222,16 +199,7 @@ __global__ void gdn_conv_prep_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool
                                      float* __restrict__ beta)  // [n_tokens, n_v_heads]
 {
   const int t = blockIdx.x;
-  // Sequence of this token: the last s with cu_seqlens[s] <= t (binary search).
-  int lo = 0, hi = n_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (cu_seqlens[mid] <= t)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const int seq = lo;
+  const int seq = seq_of_token(cu_seqlens, n_seqs, t);
   const int start = cu_seqlens[seq];
   const int pos0 = seq_pos[seq];     // absolute position of the sequence's first token here
   const int p = pos0 + (t - start);  // absolute position of token t
@@ -279,7 +247,7 @@ __global__ void gdn_conv_prep_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool
         float xv[4] = {0.f, 0.f, 0.f, 0.f};
         if (tap[j] != nullptr) {
           if (VEC) {
-            load4(tap[j] + ch, xv);
+            load4_bf16(tap[j] + ch, xv);
           } else {
 #pragma unroll
             for (int i = 0; i < 4; ++i) xv[i] = __bfloat162float(tap[j][ch + i]);
@@ -407,30 +375,7 @@ __global__ void __launch_bounds__(256)
   cp_async_commit();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp == 0) {
-    // Inclusive cumsum of g over the 64 rows (2 per lane); rows past n get g = 0, i.e. gamma
-    // stays at the last valid value.
-    float g0 = lane < n ? g[(row0 + lane) * n_v + hv] : 0.f;
-    float g1 = lane + 32 < n ? g[(row0 + lane + 32) * n_v + hv] : 0.f;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float a0 = __shfl_up_sync(0xffffffffu, g0, o);
-      const float a1 = __shfl_up_sync(0xffffffffu, g1, o);
-      if (lane >= o) {
-        g0 += a0;
-        g1 += a1;
-      }
-    }
-    g1 += __shfl_sync(0xffffffffu, g0, 31);
-    gam[lane] = g0;
-    gam[lane + 32] = g1;
-    const float b0 = lane < n ? beta[(row0 + lane) * n_v + hv] : 0.f;
-    const float b1 = lane + 32 < n ? beta[(row0 + lane + 32) * n_v + hv] : 0.f;
-    bet[lane] = b0;
-    bet[lane + 32] = b1;
-    eg[lane] = b0 * expf(g0);  // beta e^gamma, the row scale of K in W
-    eg[lane + 32] = b1 * expf(g1);
-    if (lane < n) g[(row0 + lane) * n_v + hv] = g0;
-    if (lane + 32 < n) g[(row0 + lane + 32) * n_v + hv] = g1;
+    stage_chunk_gates(g, beta, row0, n, n_v, hv, lane, gam, bet, eg);  // gamma, beta, beta e^gamma
   }
   cp_async_wait_all();
   __syncthreads();

@@ -47,7 +47,9 @@
 #include <cooperative_groups.h>
 
 #include "cuda/cuda_common.h"
+#include "cuda/gdn_chunk.cuh"
 #include "cuda/gdn_prefill_sm90.h"
+#include "cuda/mma_util.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -79,60 +81,6 @@ struct ScanCfg {
   static constexpr size_t kTotal = kSs + sizeof(float) * 3 * kC;
   static_assert(kBuf % 128 == 0 && kO % 16 == 0 && kSs % 16 == 0);
 };
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
-               "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
-// ldmatrix: four (two) 8x8 bf16 matrices; lane l supplies the row address of matrix l / 8.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p))
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_u32(p))
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const bf16* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-               : "=r"(r[0]), "=r"(r[1])
-               : "r"(smem_u32(p))
-               : "memory");
-}
-
-// d += a * b: m16n8k16, bf16 operands, fp32 accumulators (PTX fragment layouts: lane = 4 g + c;
-// a: {(g, 2c..2c+1), (g+8, 2c..), (g, 2c+8..), (g+8, 2c+8..)}; b: {(k 2c..2c+1, n g), (k 2c+8.., n
-// g)}; d: {(g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)}).
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 // The A fragments (k-step s covers accumulator tiles 2s, 2s + 1) of a [16, 8 * N_TILES] fp32
 // accumulator, as bf16.
@@ -499,16 +447,6 @@ __global__ void __launch_bounds__(ScanCfg<SPLIT>::kThreads, 1)
 // d_k = d_v = 128 (lane = 4 channels), 8-byte aligned proj / ring rows, 16-byte aligned conv_w.
 constexpr int kConvTokens = 8;
 
-__device__ __forceinline__ void load4_bf16(const bf16* p, float* f) {
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
-  const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
-  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
-  f[0] = __low2float(a);
-  f[1] = __high2float(a);
-  f[2] = __low2float(b);
-  f[3] = __high2float(b);
-}
-
 __global__ void __launch_bounds__(256)
     gdn_conv_prep_multi_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
                                const bf16* __restrict__ proj,           // [n_tokens, in_dim]
@@ -526,16 +464,10 @@ __global__ void __launch_bounds__(256)
   const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim();
   if (threadIdx.x < n_here) {
     const int t = t_first + threadIdx.x;
-    int lo = 0, hi = n_seqs - 1;  // the last sequence starting at or before t
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (cu_seqlens[mid] <= t)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const int start = cu_seqlens[lo], pos0 = seq_pos[lo], p = pos0 + (t - start);
-    const bf16* ring = pool.conv_state + static_cast<int64_t>(slot_ids[lo]) * pool.conv_slot_stride;
+    const int seq = seq_of_token(cu_seqlens, n_seqs, t);
+    const int start = cu_seqlens[seq], pos0 = seq_pos[seq], p = pos0 + (t - start);
+    const bf16* ring =
+        pool.conv_state + static_cast<int64_t>(slot_ids[seq]) * pool.conv_slot_stride;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int pp = p - 3 + j;
@@ -551,17 +483,7 @@ __global__ void __launch_bounds__(256)
     const bool is_v = hh >= 2 * s.n_k_heads;
     const int ch = hh * kD + 4 * lane;  // q, k and v heads are all 128 channels wide here
     float wt[16];                       // [4 channels][4 taps]
-    {
-      const uint4 w0 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4);
-      const uint4 w1 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4 + 8);
-      const bf16* wb0 = reinterpret_cast<const bf16*>(&w0);
-      const bf16* wb1 = reinterpret_cast<const bf16*>(&w1);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        wt[i] = __bfloat162float(wb0[i]);
-        wt[8 + i] = __bfloat162float(wb1[i]);
-      }
-    }
+    load16_bf16(w.conv_w + ch * 4, wt);
     const float head_scale = hh < s.n_k_heads ? q_scale : 1.f;
 #pragma unroll 2
     for (int tt = 0; tt < n_here; ++tt) {
@@ -660,29 +582,7 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
   }
   cp_async_commit();
   if (warp == 0) {
-    // Inclusive cumsum of g over the 64 rows (2 per lane); rows past n add 0 (gamma held).
-    float g0 = lane < n ? g[(row0 + lane) * n_v + hv] : 0.f;
-    float g1 = lane + 32 < n ? g[(row0 + lane + 32) * n_v + hv] : 0.f;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float a0 = __shfl_up_sync(0xffffffffu, g0, o);
-      const float a1 = __shfl_up_sync(0xffffffffu, g1, o);
-      if (lane >= o) {
-        g0 += a0;
-        g1 += a1;
-      }
-    }
-    g1 += __shfl_sync(0xffffffffu, g0, 31);
-    gam[lane] = g0;
-    gam[lane + 32] = g1;
-    const float b0 = lane < n ? beta[(row0 + lane) * n_v + hv] : 0.f;
-    const float b1 = lane + 32 < n ? beta[(row0 + lane + 32) * n_v + hv] : 0.f;
-    bet[lane] = b0;
-    bet[lane + 32] = b1;
-    eg[lane] = b0 * expf(g0);
-    eg[lane + 32] = b1 * expf(g1);
-    if (lane < n) g[(row0 + lane) * n_v + hv] = g0;
-    if (lane + 32 < n) g[(row0 + lane + 32) * n_v + hv] = g1;
+    stage_chunk_gates(g, beta, row0, n, n_v, hv, lane, gam, bet, eg);  // gamma, beta, beta e^gamma
   }
   cp_async_wait_all();
   __syncthreads();
