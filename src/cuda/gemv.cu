@@ -22,32 +22,30 @@
 namespace ds::cuda {
 namespace {
 
-// Streaming 16-byte weight load (read-only path, no L1 allocation: each byte is
-// used once); predicated in PTX (zero when !pred) so that no branch splits the
-// load batch.
+// 16-byte load through the read-only path, predicated in PTX (zero when !pred) so that no
+// branch splits the load batch; CACHE_OP is the PTX cache qualifier.
+#define DS_GEMV_LD16(CACHE_OP)                                               \
+  asm volatile(                                                              \
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"                          \
+      " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n" \
+      " @p ld.global.nc" CACHE_OP ".v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"     \
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)                           \
+      : "l"(p), "r"(int(pred)))
+
+// Streaming weight load (no L1 allocation: each byte is used once).
 __device__ __forceinline__ uint4 ld_stream16(const bf16* p, bool pred) {
   uint4 r;
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
-      " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
-      " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "r"(int(pred)));
+  DS_GEMV_LD16(".L1::no_allocate");
   return r;
 }
 
-// 16-byte activation load, cached (every block of the grid reads the same x);
-// zero when !pred.
+// Activation load, cached (every block of the grid reads the same x).
 __device__ __forceinline__ uint4 ld_cached16(const bf16* p, bool pred) {
   uint4 r;
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
-      " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
-      " @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "r"(int(pred)));
+  DS_GEMV_LD16("");
   return r;
 }
+#undef DS_GEMV_LD16
 
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                           uint32_t a3, uint32_t b0, uint32_t b1) {
