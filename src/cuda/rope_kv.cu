@@ -23,6 +23,20 @@ namespace {
 constexpr int kWarps = 8;      // block_per_token
 constexpr int kHeadWarps = 4;  // warp_per_head: warps per block
 
+// Start of kv head kh's slice (k, or v when !is_k) in a token's qkv row.
+__device__ __forceinline__ const bf16* kv_head_src(const AttnShape& s, const bf16* row, bool is_k,
+                                                   int kh, int hd) {
+  return row + s.q_proj_dim() + (is_k ? 0 : s.kv_dim()) + kh * hd;
+}
+
+// Row of cache slot `slot` (block slot / page_size, row slot % page_size) of kv head kh in a
+// [blocks, n_kv, page, hd] cache.
+__device__ __forceinline__ bf16* cache_row(const AttnShape& s, bf16* cache, int slot, int kh,
+                                           int hd) {
+  const int64_t blk = slot / s.page_size, r = slot % s.page_size;
+  return cache + ((blk * s.n_kv_heads + kh) * s.page_size + r) * hd;
+}
+
 __global__ void __launch_bounds__(kWarps * 32)
     qk_norm_rope_kv_kernel(AttnShape s, const bf16* __restrict__ qkv,  // [n_tokens, qkv_dim]
                            const bf16* __restrict__ q_norm_w,          // [head_dim]
@@ -48,10 +62,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       dst = q_out + ((int64_t)t * s.n_heads + h) * hd;
     } else {
       const int kh = is_k ? h - s.n_heads : h - s.n_heads - s.n_kv_heads;
-      src = row + s.q_proj_dim() + (is_k ? 0 : s.kv_dim()) + kh * hd;
+      src = kv_head_src(s, row, is_k, kh, hd);
       if (slot < 0) continue;
-      const int64_t blk = slot / s.page_size, r = slot % s.page_size;
-      dst = (is_k ? k_cache : v_cache) + ((blk * s.n_kv_heads + kh) * s.page_size + r) * hd;
+      dst = cache_row(s, is_k ? k_cache : v_cache, slot, kh, hd);
     }
     if (!is_q && !is_k) {  // v: plain copy
       for (int i = lane; i < hd; i += 32) dst[i] = src[i];
@@ -142,9 +155,8 @@ __global__ void __launch_bounds__(kHeadWarps * 32)
     const int slot = slot_mapping[t];
     if (slot < 0) return;
     const int kh = is_k ? h - s.n_heads : h - s.n_heads - s.n_kv_heads;
-    src = row + s.q_proj_dim() + (is_k ? 0 : s.kv_dim()) + kh * HD;
-    const int64_t blk = slot / s.page_size, r = slot % s.page_size;
-    dst = (is_k ? k_cache : v_cache) + ((blk * s.n_kv_heads + kh) * s.page_size + r) * HD;
+    src = kv_head_src(s, row, is_k, kh, HD);
+    dst = cache_row(s, is_k ? k_cache : v_cache, slot, kh, HD);
   }
   src += lane * E;
   dst += lane * E;
