@@ -33,16 +33,6 @@ using bf = uint16_t;
 using cuda::AttnDecodeKernel;
 using test::DevBuf;
 
-cuda::AttnShape shape_27b() {
-  cuda::AttnShape s;
-  s.n_heads = 24;
-  s.n_kv_heads = 4;
-  s.head_dim = 256;
-  s.rotary_dim = 64;
-  s.page_size = 64;
-  return s;
-}
-
 // One decode batch: sequence i has kv_len[i] cached tokens and one query row (row i).
 struct DecodeFixture {
   cuda::AttnShape s;
@@ -185,37 +175,37 @@ void check_both(const DecodeFixture& f, const std::string& what, int kv_chunk = 
 
 TEST(CudaAttentionDecode, Contexts27b) {
   DS_REQUIRE_GPU();
-  DecodeFixture f(shape_27b(), {1, 63, 64, 65, 4095, 4097, 20000}, 21);
+  DecodeFixture f(test::attn_shape_27b(), {1, 63, 64, 65, 4095, 4097, 20000}, 21);
   check_both(f, "27b batch 7, kv 1..20000");
-  DecodeFixture one(shape_27b(), {32768}, 22);
+  DecodeFixture one(test::attn_shape_27b(), {32768}, 22);
   check_both(one, "27b batch 1, kv 32768");
 }
 
 TEST(CudaAttentionDecode, Batches27b) {
   DS_REQUIRE_GPU();
-  DecodeFixture b1(shape_27b(), {4097}, 31);
+  DecodeFixture b1(test::attn_shape_27b(), {4097}, 31);
   check_both(b1, "27b batch 1, kv 4097");
-  DecodeFixture b3(shape_27b(), {65, 1, 4097}, 32);
+  DecodeFixture b3(test::attn_shape_27b(), {65, 1, 4097}, 32);
   check_both(b3, "27b batch 3, kv 65/1/4097");
   std::vector<int32_t> lens;
   std::mt19937 rng(5);
   for (int i = 0; i < 16; ++i)
     lens.push_back(i < 4 ? std::vector<int>{1, 63, 64, 65}[i] : 1 + int(rng() % 3000));
-  DecodeFixture b16(shape_27b(), lens, 33);
+  DecodeFixture b16(test::attn_shape_27b(), lens, 33);
   check_both(b16, "27b batch 16, kv 1..3000");
 }
 
 TEST(CudaAttentionDecode, OversizedAndOddGrids) {
   DS_REQUIRE_GPU();
   // 64 splits of 512 keys for sequences of at most 300: most splits (and whole blocks) are empty.
-  DecodeFixture f(shape_27b(), {1, 65, 300}, 41);
+  DecodeFixture f(test::attn_shape_27b(), {1, 65, 300}, 41);
   check_both(f, "27b 64 x 512-key splits over kv <= 300", 512, 64);
   // One split covering everything, and a chunk that is not a multiple of the 8-key tile.
   check_both(f, "27b one split of 4096", 4096, 1);
   check_both(f, "27b chunk 20 (tiles cross splits' ends)", 20, 15);
   // Page sizes that are not multiples of 8 (a tile crosses pages) and a small one.
   for (int ps : {24, 16, 8}) {
-    cuda::AttnShape s = shape_27b();
+    cuda::AttnShape s = test::attn_shape_27b();
     s.page_size = ps;
     DecodeFixture g(s, {1, 63, 64, 65, 777}, 50 + ps);
     check_both(g, "27b page " + std::to_string(ps));
@@ -225,7 +215,7 @@ TEST(CudaAttentionDecode, OversizedAndOddGrids) {
 TEST(CudaAttentionDecode, HeadDim128Groups) {
   DS_REQUIRE_GPU();
   for (auto [nh, nkv] : {std::pair{16, 2}, std::pair{4, 4}, std::pair{10, 2}}) {
-    cuda::AttnShape s = shape_27b();
+    cuda::AttnShape s = test::attn_shape_27b();
     s.n_heads = nh;
     s.n_kv_heads = nkv;
     s.head_dim = 128;
@@ -238,14 +228,14 @@ TEST(CudaAttentionDecode, HeadDim128Groups) {
 
 TEST(CudaAttentionDecode, UnsupportedShapes) {
   DS_REQUIRE_GPU();
-  cuda::AttnShape s = shape_27b();
+  cuda::AttnShape s = test::attn_shape_27b();
   s.head_dim = 64;
   s.n_heads = 8;
   s.n_kv_heads = 8;
   s.rotary_dim = 16;
   s.page_size = 16;
   EXPECT_FALSE(cuda::attention_decode_mma_supported(s));
-  EXPECT_TRUE(cuda::attention_decode_mma_supported(shape_27b()));
+  EXPECT_TRUE(cuda::attention_decode_mma_supported(test::attn_shape_27b()));
   DecodeFixture f(s, {5, 40}, 70);
   EXPECT_THROW(f.run(AttnDecodeKernel::kMma), Error);
   // kAuto falls back to the simt kernel.
@@ -257,7 +247,7 @@ TEST(CudaAttentionDecode, UnsupportedShapes) {
 // block tables (more than 3x L2 at every size).
 TEST(CudaAttentionDecode, Timing) {
   DS_REQUIRE_GPU();
-  const cuda::AttnShape s = shape_27b();
+  const cuda::AttnShape s = test::attn_shape_27b();
   const int hd = s.head_dim, nkv = s.n_kv_heads, ps = s.page_size;
   int dev = 0;
   cudaDeviceProp prop{};

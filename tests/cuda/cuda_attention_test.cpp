@@ -166,16 +166,6 @@ struct Fixture {
   }
 };
 
-cuda::AttnShape shape_27b() {
-  cuda::AttnShape s;
-  s.n_heads = 24;
-  s.n_kv_heads = 4;
-  s.head_dim = 256;
-  s.rotary_dim = 64;
-  s.page_size = 64;
-  return s;
-}
-
 // Runs the prefill through launch_attention_prefill with `reg` (null: the generic kernel) and
 // checks it against the reference; returns the output.
 std::vector<bf> run_prefill(const Fixture& f, const char* what,
@@ -228,7 +218,7 @@ void run_decode(const Fixture& f, const char* what) {
 TEST(CudaAttention, Prefill27bSingleSequenceLengths) {
   DS_REQUIRE_GPU();
   for (int n : {1, 63, 64, 65, 4095, 4097}) {
-    Fixture f(shape_27b(), {{n, n}}, 100 + n);
+    Fixture f(test::attn_shape_27b(), {{n, n}}, 100 + n);
     run_prefill(f, ("prefill 27b len " + std::to_string(n)).c_str());
   }
 }
@@ -236,7 +226,7 @@ TEST(CudaAttention, Prefill27bSingleSequenceLengths) {
 TEST(CudaAttention, Prefill27bRaggedBatchWithCachedPrefix) {
   DS_REQUIRE_GPU();
   // q chunk against a longer cache (earlier chunks), several sequences of different lengths.
-  Fixture f(shape_27b(), {{65, 200}, {1, 4097}, {512, 1000}, {63, 63}, {64, 129}}, 7);
+  Fixture f(test::attn_shape_27b(), {{65, 200}, {1, 4097}, {512, 1000}, {63, 63}, {64, 129}}, 7);
   run_prefill(f, "prefill 27b ragged + cached prefix");
 }
 
@@ -257,10 +247,11 @@ TEST(CudaAttention, PrefillSmallHeadDims) {
 
 TEST(CudaAttention, Decode27bSplitKv) {
   DS_REQUIRE_GPU();
-  Fixture f(shape_27b(), {{1, 1}, {1, 63}, {1, 64}, {1, 65}, {1, 4095}, {1, 4097}, {1, 20000}}, 21);
+  Fixture f(test::attn_shape_27b(),
+            {{1, 1}, {1, 63}, {1, 64}, {1, 65}, {1, 4095}, {1, 4097}, {1, 20000}}, 21);
   run_decode(f, "decode 27b batch 7, kv 1..20000");
   run_prefill(f, "same batch through the prefill kernel");
-  Fixture one(shape_27b(), {{1, 32768}}, 22);
+  Fixture one(test::attn_shape_27b(), {{1, 32768}}, 22);
   run_decode(one, "decode 27b batch 1, kv 32768");
 }
 
@@ -323,7 +314,7 @@ TEST(CudaAttentionMma, Prefill27bLengthsWithCachedTokens) {
                                                   {64, 37},  {65, 1000}, {4095, 300}, {4097, 8191},
                                                   {1, 63},   {64, 2048}, {3, 12000},  {512, 8000}};
   for (auto [n, cached] : cases) {
-    Fixture f(shape_27b(), {{n, n + cached}}, 1000 + n + cached);
+    Fixture f(test::attn_shape_27b(), {{n, n + cached}}, 1000 + n + cached);
     check_mma_variants(f, "mma 27b q " + std::to_string(n) + " after " + std::to_string(cached));
   }
 }
@@ -331,7 +322,7 @@ TEST(CudaAttentionMma, Prefill27bLengthsWithCachedTokens) {
 TEST(CudaAttentionMma, Prefill27bRaggedBatch) {
   DS_REQUIRE_GPU();
   if (device_sm() < 90) GTEST_SKIP() << "the mma variants are registered for sm >= 90";
-  Fixture f(shape_27b(),
+  Fixture f(test::attn_shape_27b(),
             {{65, 200}, {1, 4097}, {512, 1000}, {63, 63}, {64, 129}, {3000, 9000}, {7, 7}, {1, 1}},
             77);
   check_mma_variants(f, "mma 27b ragged batch of 8");
@@ -343,7 +334,7 @@ TEST(CudaAttentionMma, OtherGroupsAndPageSizes) {
   // Group 1, 2, 8 and 5 (rows of a tile cross token boundaries unevenly), page 128 and 256.
   for (auto [nh, nkv, ps] : {std::tuple{4, 4, 64}, std::tuple{8, 4, 128}, std::tuple{16, 2, 64},
                              std::tuple{10, 2, 256}}) {
-    cuda::AttnShape s = shape_27b();
+    cuda::AttnShape s = test::attn_shape_27b();
     s.n_heads = nh;
     s.n_kv_heads = nkv;
     s.page_size = ps;
@@ -377,7 +368,7 @@ TEST(CudaAttentionMma, UnsupportedPageSizeFallsBackToGeneric) {
   DS_REQUIRE_GPU();
   // page 16: not a multiple of the 64-key tile; the registry still selects a variant by shape,
   // launch_attention_prefill must run the generic kernel instead (and be right).
-  cuda::AttnShape s = shape_27b();
+  cuda::AttnShape s = test::attn_shape_27b();
   s.page_size = 16;
   EXPECT_FALSE(cuda::attention_prefill_mma_supported(s));
   Fixture f(s, {{100, 150}, {33, 33}}, 5);

@@ -216,19 +216,13 @@ TEST(CudaBackend, ChunkingAndDecodeAgreeAt27bShapes) {
     e.max_kv_tokens = 4096;
     e.page_size = 64;
     auto b = make_cuda_backend_synthetic(o, c, 3, e);
-    std::vector<float> out, l;
+    std::vector<float> out;
     if (!decode_tail) {
       SeqWork w{0, toks, true};
       b->step(std::span<const SeqWork>(&w, 1), out);
       return std::vector<float>(out.end() - size_t(D) * V, out.end());  // the last D rows
     }
-    SeqWork w{0, std::span<const int32_t>(toks.data(), P), false};
-    b->step(std::span<const SeqWork>(&w, 1), l);
-    for (int i = 0; i < D; ++i) {
-      SeqWork wd{0, std::span<const int32_t>(toks.data() + P + i, 1), true};
-      b->step(std::span<const SeqWork>(&wd, 1), l);
-      out.insert(out.end(), l.begin(), l.end());
-    }
+    test::prefill_then_decode(*b, toks, P, /*keep_prompt=*/false, out);
     return out;
   };
   const auto ref = run(4096, false);
@@ -380,12 +374,7 @@ TEST(CudaBackend, BadRequestsAreErrors) {
 // output is bit-identical to the tight grid with the same kv_chunk.
 TEST(CudaGraphs, DecodeSplitsPastKvLenChangeNothing) {
   DS_REQUIRE_GPU();
-  cuda::AttnShape s;
-  s.n_heads = 24;
-  s.n_kv_heads = 4;
-  s.head_dim = 256;
-  s.rotary_dim = 64;
-  s.page_size = 16;
+  const cuda::AttnShape s = test::attn_shape_27b(/*page_size=*/16);
   const std::vector<int32_t> kv_len = {100, 37, 300};
   const int S = 3, hd = s.head_dim, ps = s.page_size;
   int MB = 0, n_blocks = 2;

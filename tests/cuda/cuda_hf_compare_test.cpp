@@ -120,14 +120,8 @@ TEST(CudaHfCompare, WriteOurLogitsAndWeightFingerprint) {
     e.max_kv_tokens = 4096;
     e.verbose = false;
     auto b = make_cuda_backend_synthetic(o, c, kModelSeed, e);
-    std::vector<float> all, l;
-    SeqWork pw{0, std::span<const int32_t>(toks.data(), kPrompt), true};
-    b->step(std::span<const SeqWork>(&pw, 1), all);
-    for (int i = 0; i < kDecode; ++i) {
-      SeqWork dw{0, std::span<const int32_t>(toks.data() + kPrompt + i, 1), false};
-      b->step(std::span<const SeqWork>(&dw, 1), l);
-      all.insert(all.end(), l.begin(), l.end());
-    }
+    std::vector<float> all;
+    test::prefill_then_decode(*b, toks, kPrompt, /*keep_prompt=*/true, all);
     b.reset();
     // Row r is the prediction after token r (rows 0..P-1 from the prompt, P..P+D-1 from decode).
     ASSERT_EQ(all.size(), size_t(kPrompt + kDecode) * V);

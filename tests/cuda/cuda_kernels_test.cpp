@@ -233,12 +233,7 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
 TEST(CudaKernels, DecodeSmallKernelTiming) {
   DS_REQUIRE_GPU();
   std::mt19937 rng(9);
-  cuda::AttnShape s;
-  s.n_heads = 24;
-  s.n_kv_heads = 4;
-  s.head_dim = 256;
-  s.rotary_dim = 64;
-  s.page_size = 64;
+  const cuda::AttnShape s = test::attn_shape_27b();
   const int rot = 64;
   for (int T : {1, 16}) {
     const size_t qn = size_t(T) * s.qkv_dim() * rot;

@@ -1,6 +1,6 @@
 // Helpers shared by the GPU tests: a device buffer that frees itself, bf16 host vectors, random
 // inputs, poisoned outputs (0xFFFF bf16 = NaN, so an unwritten element fails every check), and the
-// normalised error ||out - ref|| / ||ref|| with NaN always failing.
+// normalised error ||out - ref|| / ||ref|| with NaN always failing, the 27B attention shape.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,11 +10,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "core/bf16.h"
 #include "cuda/cuda_common.h"
+#include "cuda/kernels.h"
+#include "runtime/backend.h"
 
 namespace ds::test {
 
@@ -92,6 +95,34 @@ inline std::string test_data_dir() {
 inline std::string source_dir() {
   const char* e = std::getenv("DS_SOURCE_DIR_OVERRIDE");
   return e && *e ? e : DS_SOURCE_DIR;
+}
+
+// The full-attention layer shape of Qwen3.5-27B (24 query heads, 4 kv heads, head_dim 256, rotary
+// dim 64) over a paged cache of `page_size` tokens per page.
+inline cuda::AttnShape attn_shape_27b(int page_size = 64) {
+  cuda::AttnShape s;
+  s.n_heads = 24;
+  s.n_kv_heads = 4;
+  s.head_dim = 256;
+  s.rotary_dim = 64;
+  s.page_size = page_size;
+  return s;
+}
+
+// Runs slot 0 of `b` over `tokens`: the first n_prompt as one step, then the rest one token per
+// step. out = the prompt step's logits of every row (keep_prompt; none otherwise), then one row
+// per decode step.
+inline void prefill_then_decode(Backend& b, std::span<const int32_t> tokens, int n_prompt,
+                                bool keep_prompt, std::vector<float>& out) {
+  out.clear();
+  std::vector<float> l;
+  const SeqWork pw{0, tokens.first(size_t(n_prompt)), keep_prompt};
+  b.step(std::span<const SeqWork>(&pw, 1), keep_prompt ? out : l);
+  for (size_t i = size_t(n_prompt); i < tokens.size(); ++i) {
+    const SeqWork dw{0, tokens.subspan(i, 1), false};
+    b.step(std::span<const SeqWork>(&dw, 1), l);
+    out.insert(out.end(), l.begin(), l.end());
+  }
 }
 
 inline bool cuda_available() {
