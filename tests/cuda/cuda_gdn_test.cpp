@@ -26,6 +26,7 @@
 #include "cuda/cuda_common.h"
 #include "cuda/dispatch.h"
 #include "cuda/gdn.h"
+#include "cuda_graph_timer.h"
 
 namespace ds::cuda {
 namespace {
@@ -637,26 +638,12 @@ TEST(CudaGdn, PrefillThenPrefillThenDecode27B) {
 }
 
 // ---- timing (printed, not asserted) ------------------------------------------------------------
+// Median ms of f(i) on the default stream over `iters` calls, after 3 warm-up calls.
 template <typename F>
 double median_ms(F&& f, int iters) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
   for (int i = 0; i < 3; ++i) f(i);
-  std::vector<float> t;
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(a));
-    f(i);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms);
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  int i = 0;
+  return test::median_event_ms(nullptr, iters, [&] { f(i++); });
 }
 
 TEST(CudaGdn, Timing) {

@@ -1,4 +1,5 @@
-// Timing helper for the GPU tests: captures `reps` calls of a launch body in one CUDA graph and
+// Timing helpers for the GPU tests: median_event_ms times single launches with CUDA events;
+// graph_time_us captures `reps` calls of a launch body in one CUDA graph and
 // returns the median time per call over several replays (warm, launch gaps removed as in the
 // engine's captured decode step). The body gets the call index (to rotate inputs past L2) and
 // the stream to launch on.
@@ -12,6 +13,29 @@
 #include "cuda/cuda_common.h"
 
 namespace ds::test {
+
+// Median time in ms of `runs` calls of launch() (work enqueued on stream st), each timed on its own
+// by a pair of CUDA events on st.
+template <typename Launch>
+float median_event_ms(cudaStream_t st, int runs, Launch&& launch) {
+  cudaEvent_t e0, e1;
+  DS_CUDA_CHECK(cudaEventCreate(&e0));
+  DS_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<float> ts;
+  for (int r = 0; r < runs; ++r) {
+    DS_CUDA_CHECK(cudaEventRecord(e0, st));
+    launch();
+    DS_CUDA_CHECK(cudaEventRecord(e1, st));
+    DS_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0;
+    DS_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    ts.push_back(ms);
+  }
+  DS_CUDA_CHECK(cudaEventDestroy(e0));
+  DS_CUDA_CHECK(cudaEventDestroy(e1));
+  std::sort(ts.begin(), ts.end());
+  return ts[ts.size() / 2];
+}
 
 template <typename Body>
 double graph_time_us(Body&& body, int reps = 20, int replays = 7) {
@@ -27,26 +51,11 @@ double graph_time_us(Body&& body, int reps = 20, int replays = 7) {
   DS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   DS_CUDA_CHECK(cudaGraphLaunch(exec, st));
   DS_CUDA_CHECK(cudaStreamSynchronize(st));
-  cudaEvent_t e0, e1;
-  DS_CUDA_CHECK(cudaEventCreate(&e0));
-  DS_CUDA_CHECK(cudaEventCreate(&e1));
-  std::vector<float> ts;
-  for (int r = 0; r < replays; ++r) {
-    DS_CUDA_CHECK(cudaEventRecord(e0, st));
-    DS_CUDA_CHECK(cudaGraphLaunch(exec, st));
-    DS_CUDA_CHECK(cudaEventRecord(e1, st));
-    DS_CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms = 0;
-    DS_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    ts.push_back(ms);
-  }
-  DS_CUDA_CHECK(cudaEventDestroy(e0));
-  DS_CUDA_CHECK(cudaEventDestroy(e1));
+  const float ms = median_event_ms(st, replays, [&] { DS_CUDA_CHECK(cudaGraphLaunch(exec, st)); });
   DS_CUDA_CHECK(cudaGraphExecDestroy(exec));
   DS_CUDA_CHECK(cudaGraphDestroy(graph));
   DS_CUDA_CHECK(cudaStreamDestroy(st));
-  std::sort(ts.begin(), ts.end());
-  return ts[ts.size() / 2] * 1e3 / reps;
+  return ms * 1e3 / reps;
 }
 
 }  // namespace ds::test
