@@ -96,6 +96,24 @@ __device__ __forceinline__ void acc_to_a(const float (&acc)[N_TILES][4],
   }
 }
 
+// acc [16 v, 64 t] = h^T X^T for this warp's 16 state rows: ha the bf16 A fragments of h^T
+// (acc_to_a), B(k, t) = X[t][k] from the [64][kLd] bf16 tile x (W or Q).
+__device__ __forceinline__ void ha_times_tile_t(const uint32_t (&ha)[8][4], const bf16* x, int lane,
+                                                float (&acc)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < kD / 32; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t b[4];
+      ldsm_x4(b, x + (8 * j + (lane & 7)) * kLd + 32 * kk + (lane >> 3) * 8);
+      mma_bf16(acc[j], ha[2 * kk], b[0], b[1]);
+      mma_bf16(acc[j], ha[2 * kk + 1], b[2], b[3]);
+    }
+  }
+}
+
 template <int SPLIT>
 __global__ void __launch_bounds__(ScanCfg<SPLIT>::kThreads, 1)
     gdn_scan_kernel(GdnShape s, GdnLayerWeights wts, GdnStatePool pool,
@@ -250,18 +268,7 @@ __global__ void __launch_bounds__(ScanCfg<SPLIT>::kThreads, 1)
 
     // ---- Vn^T [16 v, 64 t] = U^T - h^T W^T; B(k, t) = W[t][k].
     float vn[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) vn[j][0] = vn[j][1] = vn[j][2] = vn[j][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kD / 32; ++kk) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bw[4];
-        ldsm_x4(bw, w_s + (8 * j + (lane & 7)) * kLd + 32 * kk + (lane >> 3) * 8);
-        mma_bf16(vn[j], ha[2 * kk], bw[0], bw[1]);
-        mma_bf16(vn[j], ha[2 * kk + 1], bw[2], bw[3]);
-      }
-    }
+    ha_times_tile_t(ha, w_s, lane, vn);
     // Gamma of this thread's columns t = 8 j + 2 c + e (held at gamma[n - 1] past the end).
     float gcol[8][2];
 #pragma unroll
@@ -288,18 +295,7 @@ __global__ void __launch_bounds__(ScanCfg<SPLIT>::kThreads, 1)
 
     // ---- O^T [16 v, 64 t] = (h^T Q^T) e^(gamma_t); B(k, t) = Q[t][k].
     float o[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kD / 32; ++kk) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bq[4];
-        ldsm_x4(bq, q_s + (8 * j + (lane & 7)) * kLd + 32 * kk + (lane >> 3) * 8);
-        mma_bf16(o[j], ha[2 * kk], bq[0], bq[1]);
-        mma_bf16(o[j], ha[2 * kk + 1], bq[2], bq[3]);
-      }
-    }
+    ha_times_tile_t(ha, q_s, lane, o);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
