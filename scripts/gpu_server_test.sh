@@ -14,6 +14,7 @@
 #   WHEELS      wheel folder (default .whl-serve); absent: python3 must already have pytest + openai
 #   DS_QWEN3_TOKENIZER_DIR  tokenizer.json + tokenizer_config.json of Qwen3 (default: the first of
 #               ../shared/data/tokenizers/qwen3 and .carry-gpuserve/tokenizers/qwen3 that exists)
+#   DS_TEST_DEVICE  cuda (default; cpu checks the script itself on a machine without a GPU)
 #   --timeout S   wall-clock limit of the pytest run (default 240 s; the CPU run takes ~30-60 s)
 #   -k EXPR       pytest -k expression (default: every test)
 #   --files F,G   test files instead of tests/python/test_server_*.py
@@ -69,14 +70,14 @@ fi
   echo "gpu_server_test: no Qwen3 tokenizer (set DS_QWEN3_TOKENIZER_DIR or copy" \
        "../shared/data/tokenizers/qwen3/tokenizer*.json into .carry-gpuserve/tokenizers/qwen3)"; exit 1; }
 
-export DS_BUILD_DIR="$PWD/$BUILD_DIR" DS_TEST_DEVICE=cuda PYTHONUNBUFFERED=1
+export DS_BUILD_DIR="$PWD/$BUILD_DIR" DS_TEST_DEVICE=${DS_TEST_DEVICE:-cuda} PYTHONUNBUFFERED=1
 [[ "$BUILD_DIR" = /* ]] && export DS_BUILD_DIR="$BUILD_DIR"
 if [ -n "$FILES" ]; then files=${FILES//,/ }; else files=$(ls tests/python/test_server_*.py); fi
 TMPBASE=/tmp/serve-pytest
 rm -rf "$TMPBASE"
 args=(-p no:cacheprovider -rsfE --durations=10 --junitxml="$LOG_DIR/junit.xml" --basetemp="$TMPBASE")
 [ -n "$KEXPR" ] && args+=(-k "$KEXPR")
-echo "gpu_server_test: $BIN --device cuda, tokenizer $DS_QWEN3_TOKENIZER_DIR, limit ${TIMEOUT}s:" $files
+echo "gpu_server_test: $BIN --device $DS_TEST_DEVICE, tokenizer $DS_QWEN3_TOKENIZER_DIR, limit ${TIMEOUT}s:" $files
 start=$(date +%s)
 timeout --kill-after=10 "$TIMEOUT" python3 -m pytest "${args[@]}" $files 2>&1 | tee "$LOG_DIR/pytest.log"
 rc=${PIPESTATUS[0]}
