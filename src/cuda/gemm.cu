@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 
 #include "cuda/cuda_common.h"
@@ -127,8 +128,8 @@ bool same_algo(const cublasLtMatmulAlgo_t& a, const cublasLtMatmulAlgo_t& b) {
   return std::memcmp(a.data, b.data, sizeof a.data) == 0;
 }
 
-// Keeps the device busy for `ns` nanoseconds so that the host queues the timed
-// calls ahead of it (the events then measure device time, not launch latency).
+// Keeps the device busy for `ns` nanoseconds so that the host queues the timed calls ahead of it
+// (the events then measure device time, not launch latency).
 __global__ void spin_kernel(unsigned long long ns) {
   unsigned long long t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -137,8 +138,7 @@ __global__ void spin_kernel(unsigned long long ns) {
   } while (t - t0 < ns);
 }
 
-// x[i] = a hash of i mapped to a bf16 in [-1, 1): deterministic, never all
-// zeros.
+// x[i] = a hash of i mapped to a bf16 in [-1, 1): deterministic, never all zeros.
 __global__ void fill_tune_input_kernel(__nv_bfloat16* x, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
@@ -171,6 +171,17 @@ struct TuneCandidate {
   bool borrowed;
 };
 
+// Tuning choices of this process: (device, m, n, k, out, accumulate) -> the kept algorithm and
+// the result that chose it.
+struct TuneCacheEntry {
+  cublasLtMatmulAlgo_t algo;
+  size_t ws;
+  GemmTuneResult result;
+};
+using TuneCacheKey = std::tuple<int, int, int, int, int, bool>;
+std::mutex g_tune_cache_mutex;
+std::map<TuneCacheKey, TuneCacheEntry> g_tune_cache;
+
 const char* out_name(GemmOut out) { return out == GemmOut::kBF16 ? "bf16" : "f32"; }
 
 }  // namespace
@@ -194,12 +205,12 @@ std::string GemmTuneResult::to_string() const {
   } else {
     const double gain = heuristic_us > 0 ? 100.0 * (heuristic_us - chosen_us) / heuristic_us : 0;
     std::snprintf(buf, sizeof buf,
-                  "gemm tune m=%d n=%d k=%d %s%s: heuristic %.2f us -> %s #%d "
-                  "%.2f us (%+.1f%%), "
-                  "%d of %d candidates timed, %.0f ms",
+                  "gemm tune m=%d n=%d k=%d %s%s: heuristic %.2f us -> %s #%d %.2f us (%+.1f%%), "
+                  "%d of %d candidates timed, %.0f ms%s",
                   m, n, k, out_name(out), accumulate ? " +=" : "", heuristic_us,
                   chosen == 0 ? "kept" : (borrowed ? "borrowed" : "candidate"), chosen, chosen_us,
-                  -gain, ran, candidates, tune_ms);
+                  -gain, ran, candidates, tune_ms,
+                  cached ? " (cached: this process tuned it before)" : "");
   }
   return buf;
 }
@@ -241,6 +252,24 @@ GemmTuneResult GemmEngine::tune(int m, int n, int k, GemmOut out,
   if (cudaStreamIsCapturing(stream, &cap) != cudaSuccess || cap != cudaStreamCaptureStatusNone) {
     r.candidates = 1;
     return finish("stream is capturing a graph");
+  }
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) device = -1;
+  const TuneCacheKey cache_key{device, m, n, k, static_cast<int>(out), accumulate};
+  if (opt.use_process_cache) {
+    std::lock_guard<std::mutex> lock(g_tune_cache_mutex);
+    auto it = g_tune_cache.find(cache_key);
+    cublasLtMatmulHeuristicResult_t chk{};
+    if (it != g_tune_cache.end() && it->second.ws <= workspace_bytes_ &&
+        cublasLtMatmulAlgoCheck(h, p.desc, p.a, p.b, p.c, p.c, &it->second.algo, &chk) ==
+            CUBLAS_STATUS_SUCCESS &&
+        chk.state == CUBLAS_STATUS_SUCCESS && chk.workspaceSize <= workspace_bytes_) {
+      p.algo = it->second.algo;
+      p.ws = chk.workspaceSize;
+      r = it->second.result;
+      r.cached = true;
+      return finish("reused this process's earlier choice");
+    }
   }
   const int n_req = std::clamp(opt.max_candidates, 1, 64);
   if (n_req > 1) {
@@ -335,7 +364,12 @@ GemmTuneResult GemmEngine::tune(int m, int n, int k, GemmOut out,
   r.borrowed = cands[best].borrowed;
   r.heuristic_us = per_call[0];
   r.chosen_us = per_call[best];
-  return finish("");
+  finish("");
+  {
+    std::lock_guard<std::mutex> lock(g_tune_cache_mutex);
+    g_tune_cache[cache_key] = TuneCacheEntry{p.algo, p.ws, r};
+  }
+  return r;
 }
 
 std::string GemmEngine::describe() const {

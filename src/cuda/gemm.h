@@ -12,7 +12,8 @@
 // on the caller's real buffers (CUDA events, median per call over batches that rotate over several
 // distinct weight matrices, so L2 does not flatter small matrices). $DS_GEMM_TUNE=0, a failure or
 // a stream under capture keep the heuristic's first choice. Tune before any graph is captured: a
-// graph keeps the algorithm it captured.
+// graph keeps the algorithm it captured. Choices are cached per process (device, shape) so that
+// every engine of a process runs the same algorithm on a shape.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -39,6 +40,10 @@ struct GemmTuneOptions {
   // Also try the algorithms these m's (same n, k, out, accumulate) were tuned to, when
   // cublasLtMatmulAlgoCheck accepts them for this m.
   std::vector<int> borrow_m;
+  // Reuse the choice an earlier tune() in this process made for the same device and shape (any
+  // engine): engines of one process then run the same algorithms, so their results stay
+  // bit-identical to each other (tests compare two engines bit for bit), and start-up is cheaper.
+  bool use_process_cache = true;
 };
 
 struct GemmTuneResult {
@@ -52,6 +57,7 @@ struct GemmTuneResult {
   bool borrowed = false;          // the kept algorithm came from borrow_m
   double heuristic_us = 0;        // median per call of the heuristic's first (0 when not timed)
   double chosen_us = 0;           // of the kept one
+  bool cached = false;            // taken from the process cache (the times are that tune's)
   double tune_ms = 0;             // host wall time of this tune() call
   std::string note;               // why nothing was timed, or a failure message
   std::string to_string() const;  // one line
