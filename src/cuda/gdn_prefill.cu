@@ -229,15 +229,7 @@ __global__ void gdn_conv_prep_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool
       const int ch = ch0 + c;
       float wt[16];  // [4 channels][4 taps]
       if (VEC) {
-        const uint4 w0 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4);
-        const uint4 w1 = *reinterpret_cast<const uint4*>(w.conv_w + ch * 4 + 8);
-        const bf16* wb0 = reinterpret_cast<const bf16*>(&w0);
-        const bf16* wb1 = reinterpret_cast<const bf16*>(&w1);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          wt[i] = __bfloat162float(wb0[i]);
-          wt[8 + i] = __bfloat162float(wb1[i]);
-        }
+        load16_bf16(w.conv_w + ch * 4, wt);
       } else {
 #pragma unroll
         for (int i = 0; i < 16; ++i) wt[i] = __bfloat162float(w.conv_w[ch * 4 + i]);

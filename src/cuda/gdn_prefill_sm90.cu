@@ -114,6 +114,25 @@ __device__ __forceinline__ void ha_times_tile_t(const uint32_t (&ha)[8][4], cons
   }
 }
 
+// acc [16 rows, 128] += A X for this warp's 16 rows: a the bf16 A fragments of k-steps 0..3 (16
+// columns each), X the [64][kLd] bf16 tile x (ldmatrix.trans); k-steps past last_step skipped.
+__device__ __forceinline__ void acc_a_times_tile(const uint32_t (&a)[4][4], const bf16* x, int lane,
+                                                 int last_step, float (&acc)[16][4]) {
+#pragma unroll
+  for (int ks = 0; ks < kC / 16; ++ks) {
+    if (ks <= last_step) {
+#pragma unroll
+      for (int jp = 0; jp < 8; ++jp) {
+        uint32_t bk[4];
+        ldsm_x4_t(bk, x + (16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + 16 * jp +
+                          (lane >> 4) * 8);
+        mma_bf16(acc[2 * jp], a[ks], bk[0], bk[1]);
+        mma_bf16(acc[2 * jp + 1], a[ks], bk[2], bk[3]);
+      }
+    }
+  }
+}
+
 template <int SPLIT>
 __global__ void __launch_bounds__(ScanCfg<SPLIT>::kThreads, 1)
     gdn_scan_kernel(GdnShape s, GdnLayerWeights wts, GdnStatePool pool,
@@ -339,17 +358,7 @@ __global__ void __launch_bounds__(ScanCfg<SPLIT>::kThreads, 1)
 #pragma unroll
         for (int i = 0; i < 4; ++i) h[j][i] *= decay;
       }
-#pragma unroll
-      for (int ks = 0; ks < kC / 16; ++ks) {
-#pragma unroll
-        for (int jp = 0; jp < 8; ++jp) {
-          uint32_t bk[4];
-          ldsm_x4_t(bk, k_s + (16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + 16 * jp +
-                            (lane >> 4) * 8);
-          mma_bf16(h[2 * jp], vsa[ks], bk[0], bk[1]);
-          mma_bf16(h[2 * jp + 1], vsa[ks], bk[2], bk[3]);
-        }
-      }
+      acc_a_times_tile(vsa, k_s, lane, kC / 16 - 1, h);
     }
 
     // ---- Output rows through shared memory, then the gated RMSNorm (warp w: rows w + kWarps r).
@@ -683,19 +692,7 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     float acc[16][4];
 #pragma unroll
     for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-    for (int kstep = 0; kstep < 4; ++kstep) {
-      if (kstep <= warp) {
-#pragma unroll
-        for (int jp = 0; jp < 8; ++jp) {
-          uint32_t bk[4];
-          ldsm_x4_t(bk, src + (16 * kstep + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + 16 * jp +
-                            (lane >> 4) * 8);
-          mma_bf16(acc[2 * jp], ta[kstep], bk[0], bk[1]);
-          mma_bf16(acc[2 * jp + 1], ta[kstep], bk[2], bk[3]);
-        }
-      }
-    }
+    acc_a_times_tile(ta, src, lane, warp, acc);  // T is lower triangular: k-steps <= warp
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int i = 16 * warp + gq + 8 * half;
