@@ -675,18 +675,22 @@ void CudaBackend::tune_gemms() {
   }
   Shape lm_head{"lm_head", c.vocab_size, dm, cuda::GemmOut::kF32, lrows_, dlogits_, {w_.lm_head}};
 
-  int n_tuned = 0, n_changed = 0;
+  int n_tuned = 0, n_timed = 0, n_cached = 0, n_changed = 0;
   double saved_us = 0;  // per call, summed over the tuned shapes
   auto tune = [&](const Shape& s, int m, const cuda::GemmTuneOptions& o) {
     if (s.w.empty() || gemm_->variant(m, s.n, s.k) != "cublaslt") return;
     const cuda::GemmTuneResult r =
         gemm_->tune(m, s.n, s.k, s.out, s.w, s.x, s.y, stream_, false, o);
     ++n_tuned;
+    n_timed += r.timed && !r.cached;
+    n_cached += r.cached;
     if (r.timed && r.chosen != 0) {
       ++n_changed;
       saved_us += r.heuristic_us - r.chosen_us;
     }
-    if (eopt_.verbose)
+    // One line per shape timed here or whose timing failed (not for the cached or
+    // single-candidate ones: the summary counts them; describe() has every plan's result).
+    if (eopt_.verbose && ((r.timed && !r.cached) || (!r.timed && r.candidates > 1)))
       std::fprintf(stderr, "cuda engine: %-8s %s\n", s.name, r.to_string().c_str());
   };
   // Decode shapes: the m's prepared in the constructor.
@@ -719,11 +723,12 @@ void CudaBackend::tune_gemms() {
   }
   DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (eopt_.verbose)
-    std::fprintf(
-        stderr,
-        "cuda engine: tuned %d GEMM shapes in %.2f s: %d changed from the heuristic's "
-        "choice, %.1f us saved per call summed over them ($DS_GEMM_TUNE=0 turns this off)\n",
-        n_tuned, seconds_since(t0), n_changed, saved_us);
+    std::fprintf(stderr,
+                 "cuda engine: tuned %d GEMM shapes in %.2f s (%d timed, %d reused from this "
+                 "process, the rest kept the heuristic's untimed): %d run another algorithm "
+                 "than the heuristic's, %.1f us saved per call summed over them "
+                 "($DS_GEMM_TUNE=0: off)\n",
+                 n_tuned, seconds_since(t0), n_timed, n_cached, n_changed, saved_us);
 }
 
 bool CudaBackend::can_grow(int slot, int n_new) const {
