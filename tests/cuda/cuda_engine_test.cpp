@@ -17,14 +17,19 @@
 // inside batches of other sizes, and after a preemption by prefill kernels (chunked attention and
 // GDN prefill) over the recomputed prefix: valid bf16 orders of the same sums, which differ by
 // about 1e-2 relative in the logits (cuda_backend_test: chunked vs decode and batched vs alone
-// within 3e-2 L2). That cannot change a clear argmax, but random weights give near-ties. So a
-// request's tokens must equal the alone run's up to the first difference, and at that position
-// the alone run's top-2 logprob margin must be below kNearTie (0.1 nats: well above that noise on
-// the tiny model's logits of magnitude ~1-5, far below the margins seen elsewhere); after it the
-// two continuations are different sequences and are not compared. An indexing, state or
-// block-table bug (the recompute reading another slot's KV, a stale GDN state) changes tokens at
-// positions with large margins and fails. How many requests are bit-exact and the smallest margin
-// where one differed are printed.
+// within 3e-2 L2; cuda_batch_invariance_test: up to 5.4e-2 on one logit). That cannot change a
+// clear argmax, but random weights give near-ties (on the CPU, 29% of the alone runs' tokens have
+// a top-2 margin below 0.1 nats). Two checks, both with kNearTie = 0.25 nats (a gap is the
+// difference of two logits, each off by up to ~5e-2: 0.1, times 2.5 for safety):
+//  - A request's tokens equal the alone run's up to the first difference, and there the alone
+//    run's top-2 margin is below kNearTie; after it the two continuations are different sequences.
+//  - Teacher-forced: a backend without memory pressure scores prompt + generated tokens in one
+//    pass; every generated token is within kNearTie of that pass's greedy choice at its position
+//    (all positions, also after a first difference).
+// An indexing, state or block-table bug (the recompute reading another slot's KV, a stale GDN
+// state) gives tokens far from the greedy choice: a planted recompute bug (the first token of every
+// re-prefill chunk changed) failed on the CPU in 3 requests with gaps of 0.2-3.6 nats, most above
+// 0.4. The counts (exact requests, tokens not the exact argmax, largest gap) are printed.
 //
 // DS_ENGINE_TEST_DEVICE=cpu runs the same tests on the CPU reference backend behind a host-side
 // paged-pool accounting (same page size and block count), to check the test itself on a machine
@@ -51,7 +56,7 @@ namespace ds {
 namespace {
 
 constexpr int kPage = 16;           // tokens per KV block
-constexpr float kNearTie = 0.1f;    // nats: see the file comment
+constexpr float kNearTie = 0.25f;   // nats: see the file comment
 constexpr int64_t kBigPool = 8192;  // tokens: no memory pressure
 constexpr auto kWait = std::chrono::milliseconds(60000);
 
