@@ -19,13 +19,16 @@
 // about 1e-2 relative in the logits (cuda_backend_test: chunked vs decode and batched vs alone
 // within 3e-2 L2; cuda_batch_invariance_test: up to 5.4e-2 on one logit). That cannot change a
 // clear argmax, but random weights give near-ties (on the CPU, 29% of the alone runs' tokens have
-// a top-2 margin below 0.1 nats). Two checks, both with kNearTie = 0.25 nats (a gap is the
+// a top-2 margin below 0.1 nats). Two checks, with kNearTie = 0.25 nats (a gap is the
 // difference of two logits, each off by up to ~5e-2: 0.1, times 2.5 for safety):
 //  - A request's tokens equal the alone run's up to the first difference, and there the alone
 //    run's top-2 margin is below kNearTie; after it the two continuations are different sequences.
 //  - Teacher-forced: a backend without memory pressure scores prompt + generated tokens in one
-//    pass; every generated token is within kNearTie of that pass's greedy choice at its position
-//    (all positions, also after a first difference).
+//    pass; every generated token is within the tolerance of that pass's greedy choice at its
+//    position (all positions, also after a first difference). The tolerance is kNearTie or 1.5x
+//    the same backend's own noise, measured on the alone runs, whichever is larger: on the H200
+//    the alone runs (decode) differ from the one-pass prefill by up to ~1.4 nats at this tiny
+//    d_model (first GPU run: 1.38 and 2.18 nats for the loaded runs failed a fixed 0.25).
 // An indexing, state or block-table bug (the recompute reading another slot's KV, a stale GDN
 // state) gives tokens far from the greedy choice: a planted recompute bug (the first token of every
 // re-prefill chunk changed) failed on the CPU in 3 requests with gaps of 0.2-3.6 nats, most above
@@ -246,9 +249,10 @@ struct ForcedStats {
   int tokens = 0, not_argmax = 0;
   float max_gap = 0;
 };
+// tolerance < 0: measure only (no expectations), for the noise calibration below.
 void expect_greedy_teacher_forced(Backend& ref, const GenerationRequest& r,
                                   const std::vector<GeneratedToken>& got, const std::string& what,
-                                  ForcedStats& st) {
+                                  ForcedStats& st, float tolerance) {
   if (got.empty()) return;
   std::vector<int32_t> seq = r.prompt;
   for (size_t k = 0; k + 1 < got.size(); ++k) seq.push_back(got[k].id);
@@ -268,9 +272,33 @@ void expect_greedy_teacher_forced(Backend& ref, const GenerationRequest& r,
     ++st.tokens;
     st.not_argmax += gap > 0;
     st.max_gap = std::max(st.max_gap, gap);
-    EXPECT_LE(gap, kNearTie) << what << ": generated token " << k << " (" << got[k].id << ") is "
-                             << gap << " below the greedy choice given the same prefix";
+    if (tolerance >= 0) {
+      EXPECT_LE(gap, tolerance) << what << ": generated token " << k << " (" << got[k].id
+                                << ") is " << gap
+                                << " below the greedy choice given the same prefix (tolerance "
+                                << tolerance << ")";
+    }
   }
+}
+
+// The teacher-forced tolerance for this backend: the alone runs (no pressure, no batching, no
+// preemption: decode kernels one token at a time) scored against the same one-pass prefill give
+// the backend's own decode-vs-prefill noise. On the CPU that is 0, so kNearTie applies; on the GPU
+// with the tiny random model it measured up to ~1.4 nats (d_model 64: few terms per dot product,
+// so bf16 rounding is large relative to the logits; cf. the golden fixtures' max rel 7.6e-2). The
+// preempted / concurrent runs may be at most 1.5x that noise (or kNearTie): a recompute that reads
+// a wrong slot, block or stale state lands far outside it.
+float calibrated_tolerance(Backend& ref, const std::vector<GenerationRequest>& reqs,
+                           const std::vector<Collected>& alone) {
+  ForcedStats noise;
+  for (size_t i = 0; i < reqs.size(); ++i)
+    expect_greedy_teacher_forced(ref, reqs[i], alone[i].tokens, "alone", noise, -1.f);
+  const float tol = std::max(kNearTie, 1.5f * noise.max_gap);
+  std::printf(
+      "  noise (alone runs vs one-pass prefill): %d tokens, %d not the exact argmax, largest gap "
+      "%.4f nats -> tolerance %.4f\n",
+      noise.tokens, noise.not_argmax, noise.max_gap, tol);
+  return tol;
 }
 
 void expect_drained(Engine& eng) {
@@ -305,6 +333,7 @@ TEST(CudaEngine, PreemptionRecomputesAndMatchesAlone) {
   MatchStats ms;
   ForcedStats fs;
   auto ref = make_backend(1, kBigPool, 32);
+  const float tol = calibrated_tolerance(*ref, reqs, alone);
   int preempted_requests = 0;
   for (size_t i = 0; i < reqs.size(); ++i) {
     const std::string what = "request " + std::to_string(i);
@@ -313,7 +342,7 @@ TEST(CudaEngine, PreemptionRecomputesAndMatchesAlone) {
     EXPECT_EQ(got[i].last.n_generated, 48) << what;
     preempted_requests += got[i].last.n_preemptions > 0;
     expect_matches_alone(got[i].tokens, alone[i], what, ms);
-    expect_greedy_teacher_forced(*ref, reqs[i], got[i].tokens, what, fs);
+    expect_greedy_teacher_forced(*ref, reqs[i], got[i].tokens, what, fs, tol);
   }
   const EngineStats st = eng->stats();
   std::printf(
@@ -351,6 +380,7 @@ TEST(CudaEngine, ConcurrentWithRandomCancellations) {
   MatchStats ms;
   ForcedStats fs;
   auto ref = make_backend(1, kBigPool, 32);
+  const float tol = calibrated_tolerance(*ref, reqs, alone);
   int cancelled = 0;
   for (size_t i = 0; i < reqs.size(); ++i) {
     const std::string what = "request " + std::to_string(i);
@@ -365,7 +395,7 @@ TEST(CudaEngine, ConcurrentWithRandomCancellations) {
     }
     // Whatever came (also before a cancellation) follows the alone run.
     if (!got[i].tokens.empty()) expect_matches_alone(got[i].tokens, alone[i], what, ms);
-    expect_greedy_teacher_forced(*ref, reqs[i], got[i].tokens, what, fs);
+    expect_greedy_teacher_forced(*ref, reqs[i], got[i].tokens, what, fs, tol);
   }
   std::printf("  teacher-forced: %d tokens, %d not the exact argmax, largest gap %.4f nats\n",
               fs.tokens, fs.not_argmax, fs.max_gap);

@@ -137,7 +137,7 @@ def test_queue_bound_answers_429_and_running_requests_finish(model, tmp_path):
         lock = threading.Lock()
 
         def one():
-            status, body = srv.request("POST", "/v1/completions", {"prompt": "queue", "max_tokens": 150,
+            status, body = srv.request("POST", "/v1/completions", {"prompt": "queue", "max_tokens": 900,
                                                                    "temperature": 0, "ignore_eos": True})
             with lock:
                 statuses.append(status)
