@@ -301,6 +301,20 @@ float calibrated_tolerance(Backend& ref, const std::vector<GenerationRequest>& r
   return tol;
 }
 
+// Submits every request at once and reads each stream on its own thread (cancel_after[i] as in
+// collect()); the streams are returned for the finished() checks.
+std::vector<Collected> submit_and_collect(Engine& eng, const std::vector<GenerationRequest>& reqs,
+                                          const std::vector<int>& cancel_after,
+                                          std::vector<std::shared_ptr<RequestStream>>& streams) {
+  for (const auto& r : reqs) streams.push_back(eng.submit(r));
+  std::vector<Collected> got(reqs.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < reqs.size(); ++i)
+    threads.emplace_back([&, i] { got[i] = collect(*streams[i], cancel_after[i]); });
+  for (auto& t : threads) t.join();
+  return got;
+}
+
 void expect_drained(Engine& eng) {
   ASSERT_TRUE(eng.wait_idle(kWait));
   const EngineStats st = eng.stats();
@@ -323,12 +337,8 @@ TEST(CudaEngine, PreemptionRecomputesAndMatchesAlone) {
   // 24 blocks of 16 = 384 tokens for 8 sequences growing to 68-110 tokens (5-7 blocks each).
   auto eng = make_engine(8, 24 * kPage);
   std::vector<std::shared_ptr<RequestStream>> streams;
-  for (const auto& r : reqs) streams.push_back(eng->submit(r));
-  std::vector<Collected> got(reqs.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < reqs.size(); ++i)
-    threads.emplace_back([&, i] { got[i] = collect(*streams[i]); });
-  for (auto& t : threads) t.join();
+  const std::vector<Collected> got =
+      submit_and_collect(*eng, reqs, std::vector<int>(reqs.size(), -1), streams);
 
   MatchStats ms;
   ForcedStats fs;
@@ -370,12 +380,7 @@ TEST(CudaEngine, ConcurrentWithRandomCancellations) {
 
   auto eng = make_engine(16, 40 * kPage, 16);
   std::vector<std::shared_ptr<RequestStream>> streams;
-  for (const auto& r : reqs) streams.push_back(eng->submit(r));
-  std::vector<Collected> got(reqs.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < reqs.size(); ++i)
-    threads.emplace_back([&, i] { got[i] = collect(*streams[i], cancel_after[i]); });
-  for (auto& t : threads) t.join();
+  const std::vector<Collected> got = submit_and_collect(*eng, reqs, cancel_after, streams);
 
   MatchStats ms;
   ForcedStats fs;
