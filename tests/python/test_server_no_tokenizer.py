@@ -167,8 +167,11 @@ def test_return_token_ids_without_tokenizer(server):
     is streamed as an id (no logprobs needed to count or read them); the ids equal the logprobs
     ids, the non-streamed token_ids and the usage count; prompt_token_ids once per choice."""
     prompt = [9, 100, 31, 7, 512]
-    want = ids_of(complete(server, prompt, 10)["choices"][0]["logprobs"])
-    base = {"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    # 200 tokens: enough engine steps that the stream writer wakes before the last one even on a
+    # loaded 2-core CI machine (with 10, all tokens were sometimes ready before the first write).
+    n = 200
+    want = ids_of(complete(server, prompt, n)["choices"][0]["logprobs"])
+    base = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     status, body = server.request("POST", "/v1/completions", base)
     assert status == 200, body
     c = json.loads(body)["choices"][0]
