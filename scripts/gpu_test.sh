@@ -17,6 +17,9 @@
 #               installing flash-linear-attention so that HF uses its fp32 torch GDN path.
 #   --hf-fp32-control  with --hf-compare: also run HF in fp32 (108 GB of GPU memory at 64 layers)
 #               and report ours and HF bf16 against it (how much of the gap is bf16 itself)
+#   --server    also the server pytest suite on the CUDA engine (scripts/gpu_server_test.sh: needs
+#               $BUILD_DIR/bin/deltaserve and the carried .whl-serve/ wheels of pytest + openai),
+#               counted as one more entry of the summary line
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build-cuda}
@@ -25,6 +28,7 @@ mkdir -p "$LOG_DIR"
 FILTER="*"
 ONLY=""
 HF_ARGS=""
+SERVER=0
 while (($#)); do
   case "$1" in
     --perf) export DS_PERF=1 ;;
@@ -32,6 +36,7 @@ while (($#)); do
     --hf-compare) export DS_HF_COMPARE_DIR="$2"; shift ;;
     --only) ONLY="$2"; shift ;;
     --hf-fp32-control) HF_ARGS="--fp32-control" ;;
+    --server) SERVER=1 ;;
     *) echo "gpu_test: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -83,6 +88,13 @@ if [ -n "${DS_HF_COMPARE_DIR:-}" ]; then
     fail=$((fail + 1)); failed="$failed hf_compare"
   fi
   rm -f "$DS_HF_COMPARE_DIR"/ours_L*.npy
+fi
+if [ "$SERVER" = 1 ]; then
+  if BUILD_DIR="$BUILD_DIR" OUT="$LOG_DIR/server" bash scripts/gpu_server_test.sh 2>&1 | tail -12; then
+    pass=$((pass + 1))
+  else
+    fail=$((fail + 1)); failed="$failed gpu_server_test"
+  fi
 fi
 echo "GPU TESTS: $pass binaries passed, $fail failed${failed:+ (}${failed# }${failed:+)} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 [ $fail -eq 0 ]
