@@ -117,8 +117,9 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
                                  stream));
 }
 
-std::string GemmEngine::variant(int m, int n, int k) const {
-  if (!dispatch_) return "cublaslt";
+const std::string& GemmEngine::variant(int m, int n, int k) const {
+  static const std::string kCublasLt = "cublaslt";
+  if (!dispatch_) return kCublasLt;
   return dispatch_->select(KernelFamily::kGemm, dispatch_->key(m, n, k)).name;
 }
 

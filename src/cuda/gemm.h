@@ -103,8 +103,8 @@ class GemmEngine {
   void set_dispatch(const DispatchRegistry* dispatch) { dispatch_ = dispatch; }
 
   // The variant run() takes for this shape with 16-byte aligned x and w: "skinny_mma" or
-  // "cublaslt".
-  std::string variant(int m, int n, int k) const;
+  // "cublaslt" (a name owned by the registry: no copy per call on the launch path).
+  const std::string& variant(int m, int n, int k) const;
 
   int n_plans() const { return static_cast<int>(plans_.size()); }
   int late_plans() const { return late_plans_; }

@@ -114,6 +114,26 @@ class ServerProc:
         return status == 200
 
 
+def run_concurrently(n: int, fn, timeout: float = 300) -> list:
+    """Runs fn(i) for i in range(n) on n threads (fn may wait on a threading.Barrier(n) to start
+    them together); returns [(i, repr(exception)), ...] for the calls that raised."""
+    import threading
+    errors = []
+
+    def one(i):
+        try:
+            fn(i)
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout)
+    return errors
+
+
 def generate_cli(model: Path, prompt: str, max_tokens: int, *extra) -> str:
     """`deltaserve generate` text for the same request (skip special tokens, like the server)."""
     p = subprocess.run([str(BIN), "generate", "--model", str(model), "--prompt", prompt, "--max-tokens",

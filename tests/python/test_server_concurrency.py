@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from server_util import DEVICE, ServerProc, make_tiny_model, requires_server
+from server_util import DEVICE, ServerProc, make_tiny_model, requires_server, run_concurrently
 
 pytestmark = requires_server
 
@@ -62,34 +62,26 @@ def test_32_streaming_clients_with_cancellations(server):
     rng = random.Random(7)
     cancel_after = {i: rng.randint(1, 6) for i in rng.sample(range(N_CLIENTS), 10)}
     results = [None] * N_CLIENTS
-    errors = []
     start = threading.Barrier(N_CLIENTS)
 
     def run(i):
-        try:
-            c = client_for(server)
-            start.wait()
-            stream = c.completions.create(model="m", prompt=prompt_of(i), max_tokens=MAX_TOKENS, temperature=0,
-                                          stream=True, extra_body={"ignore_eos": True})
-            text, finish, n = "", None, 0
-            for ch in stream:
-                if ch.choices:
-                    text += ch.choices[0].text
-                    finish = ch.choices[0].finish_reason or finish
-                n += 1
-                if i in cancel_after and n >= cancel_after[i]:
-                    stream.close()  # the client goes away mid-stream
-                    finish = "cancelled"
-                    break
-            results[i] = (text, finish)
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append((i, repr(e)))
+        c = client_for(server)
+        start.wait()
+        stream = c.completions.create(model="m", prompt=prompt_of(i), max_tokens=MAX_TOKENS, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        text, finish, n = "", None, 0
+        for ch in stream:
+            if ch.choices:
+                text += ch.choices[0].text
+                finish = ch.choices[0].finish_reason or finish
+            n += 1
+            if i in cancel_after and n >= cancel_after[i]:
+                stream.close()  # the client goes away mid-stream
+                finish = "cancelled"
+                break
+        results[i] = (text, finish)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(N_CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    errors = run_concurrently(N_CLIENTS, run)
     assert not errors, errors
     # Batch invariance is exact on the CPU engine (every row computed on its own). The CUDA engine
     # batches rows in bf16 GEMMs, so near-tied logits (random weights!) can flip: there only the

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from server_util import BIN, DEVICE, ServerProc
+from server_util import BIN, DEVICE, ServerProc, run_concurrently
 
 pytestmark = pytest.mark.skipif(not BIN.exists(), reason=f"{BIN} not built")
 
@@ -87,42 +87,35 @@ def test_32_concurrent_streams_with_cancellations(server):
     alone = [ids_of(complete(server, p, 16)["choices"][0]["logprobs"]) for p in prompts]
     rng = random.Random(3)
     cancel = set(rng.sample(range(32), 8))
-    results, errors = [None] * 32, []
+    results = [None] * 32
     barrier = threading.Barrier(32)
 
     def run(i):
         import http.client
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-            barrier.wait()
-            conn.request("POST", "/v1/completions", json.dumps({
-                "prompt": prompts[i], "max_tokens": 16, "temperature": 0, "logprobs": 0, "ignore_eos": True,
-                "stream": True}), {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            assert resp.status == 200
-            ids, finish, events = [], None, 0
-            for line in resp:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                ch = json.loads(line[6:])["choices"][0]
-                if ch["logprobs"]:
-                    ids += [int(t.split(":")[1]) for t in ch["logprobs"]["tokens"]]
-                finish = ch["finish_reason"] or finish
-                events += 1
-                if i in cancel and events >= 3:
-                    conn.close()
-                    finish = "cancelled"
-                    break
-            results[i] = (ids, finish)
-        except Exception as e:  # noqa: BLE001
-            errors.append((i, repr(e)))
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        barrier.wait()
+        conn.request("POST", "/v1/completions", json.dumps({
+            "prompt": prompts[i], "max_tokens": 16, "temperature": 0, "logprobs": 0, "ignore_eos": True,
+            "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        ids, finish, events = [], None, 0
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            ch = json.loads(line[6:])["choices"][0]
+            if ch["logprobs"]:
+                ids += [int(t.split(":")[1]) for t in ch["logprobs"]["tokens"]]
+            finish = ch["finish_reason"] or finish
+            events += 1
+            if i in cancel and events >= 3:
+                conn.close()
+                finish = "cancelled"
+                break
+        results[i] = (ids, finish)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    errors = run_concurrently(32, run)
     assert not errors, errors
     exact = DEVICE == "cpu"
     for i, (ids, finish) in enumerate(results):
