@@ -1,0 +1,263 @@
+// Issue 6's whole-model gate: greedy continuations with every specialised kernel ON (the default
+// dispatch, tuned GEMM algorithms, decode CUDA graphs) against every specialisation OFF
+// (disable_kernels = "all": each family's generic fallback; $DS_GEMM_TUNE=0: cuBLASLt's heuristic
+// algorithm; graphs off), at the 27B shapes (first 4 layers: 3 GDN + 1 attention, device synthetic
+// weights) and on the HF golden fixtures.
+//
+// 27B shapes: two prompts (700 and 2500 random tokens, one sequence each, then 256 tokens decoded
+// greedily one per step). Checks:
+//  - The two greedy continuations are identical up to their first difference, and there both runs
+//    saw a near-tie: the top-2 margin of the row that chose differently is below kTie in each run
+//    (random 248320-way heads have near-flat logits, so ties do occur; a wrong kernel diverges at a
+//    clear margin). The number of identical tokens is printed.
+//  - Teacher-forced: each engine scores prompt + the OTHER run's continuation in one pass; the
+//    specialised engine's decode rows and the generic engine's one-pass rows of the same prefixes
+//    agree within the bf16 tolerance of cuda_backend_test's 27B chunking test (normalised L2 < 3e-2,
+//    max |err| / max |ref| < 5e-2; that test measured decode vs one chunk 1.9e-2 / 2.2e-2), and every
+//    token each run chose is within kTie of the other engine's greedy choice at that position.
+// Golden fixtures (HF fp32 logits, tests/data/golden): the generic engine reproduces HF's 16-token
+// greedy continuation exactly, as the specialised engine does in cuda_backend_test, and its
+// teacher-forced logits are within that test's tolerance of the specialised engine's.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+
+#include "core/npy.h"
+#include "cuda/cuda_backend.h"
+#include "cuda_test_util.h"
+#include "model/weights.h"
+
+namespace ds {
+namespace {
+
+constexpr float kTie = 0.25f;  // nats: a gap of two logits each off by up to ~0.1 (5e-2 x max|ref|)
+constexpr int kDecode = 256;
+
+struct Mode {
+  bool specialised;
+  const char* name() const { return specialised ? "specialised" : "generic"; }
+};
+
+std::unique_ptr<Backend> make_engine(Mode m, const ModelConfig* synth, const HostWeights* w,
+                                     int page) {
+  if (m.specialised)
+    unsetenv("DS_GEMM_TUNE");
+  else
+    setenv("DS_GEMM_TUNE", "0", 1);
+  BackendOptions o;
+  o.device = "cuda";
+  o.n_slots = 2;
+  o.chunk_size = 4096;
+  CudaEngineOptions e;
+  e.verbose = false;
+  e.max_kv_tokens = 8192;
+  e.page_size = page;
+  e.cuda_graphs = m.specialised;
+  if (!m.specialised) e.disable_kernels = "all";
+  auto b = synth ? make_cuda_backend_synthetic(o, *synth, 3, e) : make_cuda_backend(o, *w, e);
+  unsetenv("DS_GEMM_TUNE");
+  return b;
+}
+
+struct Greedy {
+  std::vector<int32_t> ids;
+  std::vector<float> margin;  // top-1 minus top-2 of the row that chose ids[k]
+  std::vector<float> rows;    // [n, V] those rows
+};
+
+void top2(const float* r, int V, int& best, float& margin) {
+  best = 0;
+  float b1 = -INFINITY, b2 = -INFINITY;
+  for (int i = 0; i < V; ++i) {
+    if (r[i] > b1) {
+      b2 = b1;
+      b1 = r[i];
+      best = i;
+    } else if (r[i] > b2) {
+      b2 = r[i];
+    }
+  }
+  margin = b1 - b2;
+}
+
+Greedy greedy(Backend& b, int slot, const std::vector<int32_t>& prompt, int n) {
+  const int V = b.config().vocab_size;
+  Greedy g;
+  b.reset_slot(slot);
+  std::vector<float> l;
+  SeqWork w{slot, prompt, false};
+  b.step(std::span<const SeqWork>(&w, 1), l);
+  for (int k = 0; k < n; ++k) {
+    EXPECT_EQ(l.size(), size_t(V));
+    int id;
+    float m;
+    top2(l.data(), V, id, m);
+    g.ids.push_back(id);
+    g.margin.push_back(m);
+    g.rows.insert(g.rows.end(), l.begin(), l.end());
+    if (k + 1 == n) break;
+    std::vector<int32_t> one{id};
+    SeqWork d{slot, one, false};
+    b.step(std::span<const SeqWork>(&d, 1), l);
+  }
+  b.reset_slot(slot);
+  return g;
+}
+
+// The rows of `b` scoring prompt + ids[0, n-1) in one pass that predict ids[0, n).
+std::vector<float> teacher_forced(Backend& b, int slot, const std::vector<int32_t>& prompt,
+                                  const std::vector<int32_t>& ids) {
+  const size_t V = size_t(b.config().vocab_size);
+  std::vector<int32_t> seq = prompt;
+  seq.insert(seq.end(), ids.begin(), ids.end() - 1);
+  b.reset_slot(slot);
+  std::vector<float> l;
+  SeqWork w{slot, seq, true};
+  b.step(std::span<const SeqWork>(&w, 1), l);
+  b.reset_slot(slot);
+  EXPECT_EQ(l.size(), seq.size() * V);
+  return std::vector<float>(l.end() - ids.size() * V, l.end());
+}
+
+struct Err {
+  double max_rel = 0, l2 = 0, max_abs = 0;
+};
+Err compare(const std::vector<float>& a, const std::vector<float>& ref) {
+  Err e;
+  double mx = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(ref[i])) return {INFINITY, INFINITY, INFINITY};
+    mx = std::max(mx, std::fabs(double(ref[i])));
+    e.max_abs = std::max(e.max_abs, std::fabs(double(a[i]) - ref[i]));
+  }
+  e.max_rel = e.max_abs / mx;
+  e.l2 = test::norm_err(a, ref);
+  return e;
+}
+
+// Largest gap between the greedy choice of `rows` and the token `ids` picked at each position.
+float max_gap(const std::vector<float>& rows, const std::vector<int32_t>& ids, int V) {
+  float g = 0;
+  for (size_t k = 0; k < ids.size(); ++k) {
+    const float* r = rows.data() + k * size_t(V);
+    g = std::max(g, *std::max_element(r, r + V) - r[ids[k]]);
+  }
+  return g;
+}
+
+TEST(Specialisations, GreedyOnVsOffAt27bShapes) {
+  DS_REQUIRE_GPU();
+  ModelConfig c = synthetic_model_config("27b");
+  c.n_layers = 4;
+  c.layer_types.resize(4);
+  const int V = c.vocab_size;
+  std::mt19937 rng(23);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int n : {700, 2500}) {
+    prompts.emplace_back(n);
+    for (auto& t : prompts.back()) t = int32_t(rng() % V);
+  }
+  // One engine at a time (each holds the 4-layer weights and its pools).
+  std::vector<Greedy> on, off;
+  std::vector<std::vector<float>> tf_on, tf_off;  // rows scoring the OTHER run's continuation
+  {
+    auto b = make_engine({true}, &c, nullptr, 64);
+    for (auto& p : prompts) on.push_back(greedy(*b, 0, p, kDecode));
+  }
+  {
+    auto b = make_engine({false}, &c, nullptr, 64);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      off.push_back(greedy(*b, 0, prompts[i], kDecode));
+      tf_off.push_back(teacher_forced(*b, 1, prompts[i], on[i].ids));
+    }
+  }
+  {
+    auto b = make_engine({true}, &c, nullptr, 64);
+    for (size_t i = 0; i < prompts.size(); ++i)
+      tf_on.push_back(teacher_forced(*b, 1, prompts[i], off[i].ids));
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const std::string what = "prompt " + std::to_string(prompts[i].size());
+    size_t k = 0;
+    while (k < size_t(kDecode) && on[i].ids[k] == off[i].ids[k]) ++k;
+    // The specialised run's decode rows vs the generic engine's one-pass rows of the same prefixes.
+    const Err e = compare(on[i].rows, tf_off[i]);
+    const Err e2 = compare(off[i].rows, tf_on[i]);
+    const float gap_on = max_gap(tf_off[i], on[i].ids, V);   // on's tokens under the generic engine
+    const float gap_off = max_gap(tf_on[i], off[i].ids, V);  // off's tokens under the specialised one
+    std::printf(
+        "  %s: %zu/%d greedy tokens identical%s; specialised decode vs generic one-pass: max abs "
+        "%.3e, max rel %.3e, L2 %.3e; generic decode vs specialised one-pass: max rel %.3e, L2 %.3e; "
+        "largest teacher-forced gap %.4f / %.4f nats\n",
+        what.c_str(), k, kDecode,
+        k < size_t(kDecode) ? (" (first difference at a top-2 margin of " +
+                               std::to_string(on[i].margin[k]) + " / " +
+                               std::to_string(off[i].margin[k]) + " nats)")
+                                  .c_str()
+                            : "",
+        e.max_abs, e.max_rel, e.l2, e2.max_rel, e2.l2, gap_on, gap_off);
+    if (k < size_t(kDecode)) {
+      EXPECT_LT(on[i].margin[k], kTie) << what << ": the runs differ at token " << k
+                                       << " where the specialised run's choice was clear";
+      EXPECT_LT(off[i].margin[k], kTie) << what << ": the runs differ at token " << k
+                                        << " where the generic run's choice was clear";
+    }
+    EXPECT_LT(e.l2, 3e-2) << what;
+    EXPECT_LT(e.max_rel, 5e-2) << what;
+    EXPECT_LT(e2.l2, 3e-2) << what;
+    EXPECT_LT(e2.max_rel, 5e-2) << what;
+    EXPECT_LE(gap_on, kTie) << what;
+    EXPECT_LE(gap_off, kTie) << what;
+  }
+}
+
+class GoldenOnOff : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {
+  DS_REQUIRE_GPU();
+  const std::string dir = test::test_data_dir() + "/golden/" + GetParam();
+  std::ifstream f(dir + "/golden.json");
+  ASSERT_TRUE(f) << "missing fixture " << dir;
+  const auto j = nlohmann::json::parse(f);
+  const auto tokens = j["tokens"].get<std::vector<int32_t>>();
+  const auto hf_greedy = j["greedy"].get<std::vector<int32_t>>();
+  std::vector<int64_t> shape;
+  const std::vector<float> hf = read_npy_f32(dir + "/logits.npy", &shape);
+  const HostWeights w = load_host_weights(dir + "/text");
+  std::vector<float> lon, loff;
+  std::vector<int32_t> gon, goff;
+  for (bool spec : {true, false}) {
+    std::unique_ptr<Backend> b;
+    try {
+      b = make_engine({spec}, nullptr, &w, 16);
+    } catch (const Error& e) {
+      GTEST_SKIP() << GetParam() << ": the engine does not support this config: " << e.what();
+    }
+    std::vector<float> l;
+    SeqWork s{0, tokens, true};
+    b->step(std::span<const SeqWork>(&s, 1), l);
+    (spec ? lon : loff) = l;
+    (spec ? gon : goff) = greedy(*b, 1, tokens, int(hf_greedy.size())).ids;
+  }
+  const Err vs_spec = compare(loff, lon), vs_hf = compare(loff, hf);
+  std::printf("  %s: generic vs specialised: max rel %.3e, L2 %.3e; generic vs HF: max rel %.3e, L2 %.3e\n",
+              GetParam().c_str(), vs_spec.max_rel, vs_spec.l2, vs_hf.max_rel, vs_hf.l2);
+  EXPECT_EQ(goff, hf_greedy) << "generic engine's greedy continuation differs from HF";
+  EXPECT_EQ(gon, hf_greedy) << "specialised engine's greedy continuation differs from HF";
+  EXPECT_LT(vs_hf.max_rel, 0.12);  // cuda_backend_test's one-chunk tolerance vs HF fp32
+  EXPECT_LT(vs_hf.l2, 6e-2);
+  EXPECT_LT(vs_spec.l2, 6e-2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenOnOff,
+                         ::testing::Values("qwen35_27b_ratios", "qwen35_other_ratios"));
+
+}  // namespace
+}  // namespace ds
