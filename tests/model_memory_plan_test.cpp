@@ -31,10 +31,11 @@ TEST(ModelMemoryPlan, Qwen35_27B) {
   MemoryPlan p = plan_memory(c, weights, o);
   // 16 attention layers x 2 (K, V) x 4 kv heads x 256 x 2 bytes = 64 KiB per token.
   EXPECT_EQ(p.kv_bytes_per_token, 64 * 1024);
-  // Per GDN layer: recurrent 48 x 128 x 128 fp32 = 3 MiB; conv 3 x 10240 bf16 = 60 KiB.
+  // Per GDN layer: recurrent 48 x 128 x 128 fp32 = 3 MiB; conv ring 4 x 10240 bf16 = 80 KiB (the
+  // CUDA engine's ring of conv_kernel rows).
   EXPECT_EQ(p.recurrent_state_bytes_per_layer, 3 * kMiB);
-  EXPECT_EQ(p.conv_state_bytes_per_layer, 3 * 10240 * 2);
-  EXPECT_EQ(p.gdn_state_bytes_per_seq, 48 * (3 * kMiB + 61440));
+  EXPECT_EQ(p.conv_state_bytes_per_layer, 4 * 10240 * 2);
+  EXPECT_EQ(p.gdn_state_bytes_per_seq, 48 * (3 * kMiB + 81920));
   EXPECT_EQ(p.free_bytes, 110 * kGiB - weights);
   EXPECT_TRUE(p.fits());
   EXPECT_EQ(p.max_tokens_one_seq, (p.free_bytes - p.gdn_state_bytes_per_seq) / (64 * 1024));

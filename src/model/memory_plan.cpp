@@ -19,9 +19,11 @@ MemoryPlan plan_memory(const ModelConfig& c, int64_t weight_bytes, const MemoryP
   p.weight_bytes = weight_bytes;
   // Attention layers cache K (after norm + RoPE) and V: 2 x kv_dim per token and layer.
   p.kv_bytes_per_token = int64_t(c.n_full_layers()) * 2 * c.kv_dim() * opt.kv_elem_bytes;
-  // GDN layers keep the last conv_kernel-1 inputs of the conv channels and S [n_v, d_k, d_v] fp32.
+  // GDN layers keep a ring of the last conv_kernel pre-conv inputs of the conv channels (the CUDA
+  // engine's layout, src/cuda/gdn.h: row p % 4; the conv itself needs conv_kernel - 1 of them) and
+  // S [n_v, d_k, d_v] fp32.
   p.conv_state_bytes_per_layer =
-      int64_t(c.conv_kernel - 1) * c.gdn_qkv_dim() * opt.conv_state_elem_bytes;
+      int64_t(c.conv_kernel) * c.gdn_qkv_dim() * opt.conv_state_elem_bytes;
   p.recurrent_state_bytes_per_layer = int64_t(c.n_v_heads) * c.d_k * c.d_v * 4;
   p.gdn_state_bytes_per_seq = int64_t(c.n_linear_layers()) *
                               (p.conv_state_bytes_per_layer + p.recurrent_state_bytes_per_layer);

@@ -93,7 +93,7 @@ def test_inspect_27b_config_only(tmp_path):
     plan = j["memory_plan"]
     assert plan["kv_bytes_per_token"] == 64 * 1024
     assert plan["gdn_recurrent_state_bytes_per_layer"] == 3 * 1024 * 1024
-    assert plan["gdn_state_bytes_per_seq"] == 48 * (3 * 1024 * 1024 + 3 * 10240 * 2)
+    assert plan["gdn_state_bytes_per_seq"] == 48 * (3 * 1024 * 1024 + 4 * 10240 * 2)  # conv ring of 4 rows
     assert plan["budget_bytes"] == 80 * 1024**3
     assert plan["fits"] is True
     assert plan["max_seqs_at_context"] == plan["free_bytes"] // (plan["gdn_state_bytes_per_seq"] + 4096 * 64 * 1024)
