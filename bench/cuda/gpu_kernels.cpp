@@ -477,7 +477,18 @@ const KernelResult& KernelBench::gdn_prefill(int n_tokens, int seq_pos) {
   r.family = "gdn_prefill";
   r.variant = variant(cuda::KernelFamily::kGdnPrefill, reg_.key(gdn_.d_k, gdn_.d_v, n_tokens, 1));
   r.shape = shape;
-  // The engine's path (registry) and, when that is a specialised variant, the generic kernels.
+  // The engine's path (registry) and, when that is a specialised variant, the path it replaces:
+  // for the slice_scan variants the one picked with them off (the previous session's variant),
+  // else the generic kernels.
+  cuda::DispatchRegistry prev_reg = reg_;
+  for (const cuda::KernelVariant& kv : reg_.variants())
+    if (kv.family == cuda::KernelFamily::kGdnPrefill && kv.name.rfind("slice_scan", 0) == 0)
+      prev_reg.set_enabled(kv.full_name(), false);
+  const std::string prev =
+      prev_reg.select(cuda::KernelFamily::kGdnPrefill, reg_.key(gdn_.d_k, gdn_.d_v, n_tokens, 1))
+          .name;
+  const cuda::DispatchRegistry* fallback_reg =
+      r.variant.rfind("slice_scan", 0) == 0 && prev != "chunked" ? &prev_reg : nullptr;
   auto run = [&](const cuda::DispatchRegistry* reg, const cuda::GdnStatePool& pool, int k,
                  bf16* o) {
     cuda::launch_gdn_prefill(gdn_, in.w, pool,
@@ -500,16 +511,16 @@ const KernelResult& KernelBench::gdn_prefill(int n_tokens, int seq_pos) {
     p2.rec_state = rec2.as<float>();
     DevBuf out2(size_t(n_tokens) * gdn_.out_dim() * 2, "gdn out (fallback)");
     run(&reg_, in.pool, 0, out.as<bf16>());
-    run(nullptr, p2, 0, out2.as<bf16>());
+    run(fallback_reg, p2, 0, out2.as<bf16>());
     const gpu::Diff dy = gpu::compare_bf16(out.as<bf16>(), out2.as<bf16>(),
                                            int64_t(n_tokens) * gdn_.out_dim(), s_);
     const gpu::Diff ds =
         gpu::compare_f32(in.rec_state.as<float>(), rec2.as<float>(),
                          int64_t(gdn_.n_v_heads) * gdn_.d_v * gdn_.d_k, s_);
     r.match = "y: " + dy.text() + "; state: " + ds.text();
-    r.fallback = "chunked";
+    r.fallback = fallback_reg ? prev : "chunked";
     r.fallback_time_s =
-        gpu::time_launches([&](int i) { run(nullptr, in.pool, i % rot, out.as<bf16>()); }, s_,
+        gpu::time_launches([&](int i) { run(fallback_reg, in.pool, i % rot, out.as<bf16>()); }, s_,
                            timer(rot))
             .p50;
   }
@@ -828,7 +839,7 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
   if (c.n_linear_layers() > 0 && wanted(opt, "gdn_prefill")) {
     for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{64, 512, 4096, 8192})
       guarded("gdn_prefill", "tokens/pos " + S(t, 8192), [&] { kb.gdn_prefill(t, 8192); });
-    for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{512, 4096})
+    for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{512, 4096, 8192})
       guarded("gdn_prefill", "tokens/pos " + S(t, 0), [&] { kb.gdn_prefill(t, 0); });
   }
   const std::vector<int> rows =

@@ -157,6 +157,25 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // (one sequence; gdn_prefill_sm90.cu): wymma_scan_x2 wins at 4096 / 8192 tokens but loses at
   // 512 (its 8-token conv blocks under-fill the GPU), scan_mma wins at 512 and 4096, both lose to
   // the generic kernels at 64 tokens.
+  // slice_scan (gdn_prefill_slice.cu): the state pass alone on the sequential path, split over
+  // 64-column slices of each head's state; the output + gated norm parallel over chunks. H200
+  // (cuda_gdn_test Timing, one sequence, carried state), ms: 64 tokens 0.061 vs generic 0.073,
+  // 512 0.115 vs scan_mma 0.151, 2048 0.352 vs wymma_scan_x2 0.489, 4096 0.600 vs 0.897, 8192
+  // 1.124 vs 1.746. slice_scan_v32 (32-column slices) is slower at every size (0.625 at 4096):
+  // after it, so never picked; kept for the A/B in the tests and timings.
+  r.add({F::kGdnPrefill, "slice_scan",
+         "d_k = d_v = 128, >= 64 tokens: WY on register mma.sync (tf32 off-diagonal inverse), state "
+         "pass split over 64-column slices (snapshots + V_new), output + gated norm parallel over "
+         "chunks (gdn_prefill_slice.cu)",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 64;
+         }});
+  r.add({F::kGdnPrefill, "slice_scan_v32",
+         "slice_scan with 32-column state slices (twice the CTAs and K / W reads; slower on the "
+         "H200, never picked while slice_scan is on)",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 64;
+         }});
   r.add({F::kGdnPrefill, "wymma_scan_x2",
          "d_k = d_v = 128, >= 2048 tokens: 8-token conv blocks, WY on register mma.sync, then state "
          "pass + output + gated norm in one scan per head over a 2-CTA cluster (gdn_prefill_sm90.cu)",

@@ -1,12 +1,17 @@
-// Device helpers shared by the chunked GDN prompt kernels (gdn_prefill.cu's generic WY kernel and
-// gdn_prefill_sm90.cu's gdn_wy_mma_kernel and conv kernels): the per-chunk gate staging and the
-// token -> sequence lookup. Everything is
+// Device helpers shared by the chunked GDN prompt kernels (gdn_prefill.cu's generic WY kernel,
+// gdn_prefill_sm90.cu's gdn_wy_mma_kernel, scan and conv kernels, gdn_prefill_slice.cu's state
+// pass and output kernels): the per-chunk gate staging, the token -> sequence lookup, and
+// (namespace gdn_tile) the register-fragment products over [64][128] bf16 shared-memory tiles of
+// the d_k = d_v = 128 mma.sync kernels. Everything is
 // __device__ __forceinline__, so each kernel compiles as with its own copy. Include only from .cu
 // files (nvcc).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+
+#include "cuda/cuda_common.h"
+#include "cuda/mma_util.cuh"
 
 namespace ds::cuda {
 
@@ -60,5 +65,67 @@ __device__ __forceinline__ int seq_of_token(const int32_t* __restrict__ cu_seqle
   }
   return lo;
 }
+
+// ---- mma.sync products on [64][128] bf16 tiles (d_k = d_v = 128, chunk 64) ---------------------
+// Fragment layouts are mma_util.cuh's m16n8k16 ones; tiles live in shared memory with row stride
+// kLd (272 B: ldmatrix conflict-free).
+namespace gdn_tile {
+
+constexpr int kC = 64;       // chunk length
+constexpr int kD = 128;      // d_k = d_v
+constexpr int kLd = kD + 8;  // bf16 row stride of the [rows][128] tiles
+
+// The A fragments (k-step s covers accumulator tiles 2s, 2s + 1) of a [16, 8 * N_TILES] fp32
+// accumulator, as bf16.
+template <int N_TILES>
+__device__ __forceinline__ void acc_to_a(const float (&acc)[N_TILES][4],
+                                         uint32_t (&a)[N_TILES / 2][4]) {
+#pragma unroll
+  for (int s = 0; s < N_TILES / 2; ++s) {
+    a[s][0] = pack_bf16(acc[2 * s][0], acc[2 * s][1]);
+    a[s][1] = pack_bf16(acc[2 * s][2], acc[2 * s][3]);
+    a[s][2] = pack_bf16(acc[2 * s + 1][0], acc[2 * s + 1][1]);
+    a[s][3] = pack_bf16(acc[2 * s + 1][2], acc[2 * s + 1][3]);
+  }
+}
+
+// acc [16 v, 64 t] = h^T X^T for this warp's 16 state rows: ha the bf16 A fragments of h^T
+// (acc_to_a), B(k, t) = X[t][k] from the [64][kLd] bf16 tile x (W or Q).
+__device__ __forceinline__ void ha_times_tile_t(const uint32_t (&ha)[8][4], const bf16* x, int lane,
+                                                float (&acc)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < kD / 32; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      uint32_t b[4];
+      ldsm_x4(b, x + (8 * j + (lane & 7)) * kLd + 32 * kk + (lane >> 3) * 8);
+      mma_bf16(acc[j], ha[2 * kk], b[0], b[1]);
+      mma_bf16(acc[j], ha[2 * kk + 1], b[2], b[3]);
+    }
+  }
+}
+
+// acc [16 rows, 128] += A X for this warp's 16 rows: a the bf16 A fragments of k-steps 0..3 (16
+// columns each), X the [64][kLd] bf16 tile x (ldmatrix.trans); k-steps past last_step skipped.
+__device__ __forceinline__ void acc_a_times_tile(const uint32_t (&a)[4][4], const bf16* x, int lane,
+                                                 int last_step, float (&acc)[16][4]) {
+#pragma unroll
+  for (int ks = 0; ks < kC / 16; ++ks) {
+    if (ks <= last_step) {
+#pragma unroll
+      for (int jp = 0; jp < 8; ++jp) {
+        uint32_t bk[4];
+        ldsm_x4_t(bk, x + (16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + 16 * jp +
+                          (lane >> 4) * 8);
+        mma_bf16(acc[2 * jp], a[ks], bk[0], bk[1]);
+        mma_bf16(acc[2 * jp + 1], a[ks], bk[2], bk[3]);
+      }
+    }
+  }
+}
+
+}  // namespace gdn_tile
 
 }  // namespace ds::cuda

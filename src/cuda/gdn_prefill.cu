@@ -36,7 +36,10 @@
 // Specialised variants (dispatch.cpp kGdnPrefill, sm 90, d_k = d_v = 128; gdn_prefill_sm90.cu):
 // stages 3 + 4 replaced by one register-resident scan per (sequence, head) ("scan_mma"), and
 // with 8-token conv blocks, the WY stage on register mma.sync and the scan over a 2-CTA cluster
-// ("wymma_scan_x2"). Stage profile of these generic kernels under ncu on the H200 (4096 tokens,
+// ("wymma_scan_x2"); the FLA split with the state pass alone on the sequential path, sliced over
+// value columns, and the output + gated norm parallel over chunks ("slice_scan", "slice_scan_v32":
+// gdn_prefill_slice.cu; they reuse this file's snapshot region h and write V_new over U). Stage
+// profile of these generic kernels under ncu on the H200 (4096 tokens,
 // carried state, 2026-11-29): chunk map 2.8 us, conv_prep 103, conv ring 4.4, wy 294, state pass
 // 384, output 223 (1.01 ms in all).
 // Test: tests/cuda/cuda_gdn_test.cpp (vs the token-by-token fp32 recurrence; timings printed).
@@ -1016,15 +1019,27 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   // register-resident scan per (sequence, head); "wymma_scan_x2" = 8-token conv blocks, the WY
   // stage on register mma.sync, and the scan split over a 2-CTA cluster per head; "wymma_scan" =
   // the generic conv, the register WY stage and scan_mma's scan.
+  // "slice_scan" / "slice_scan_v32" (gdn_prefill_slice.cu): the register WY stage, then the state
+  // pass split over 64- / 32-column slices of each head's state and the output + gated norm
+  // parallel over chunks; the 8-token conv blocks from 2048 tokens on (they under-fill the GPU on
+  // shorter chunks).
   int scan_split = 0;  // 0: the generic state pass + output kernels
+  int slice = 0;       // > 0: gdn_prefill_slice.cu's state pass with this many columns per CTA
   bool wy_mma = false, conv_multi = false;
   if (d128 && dispatch != nullptr && gdn_scan_supported(s, w, pool, proj, out)) {
     const std::string& v =
         dispatch->select(KernelFamily::kGdnPrefill, dispatch->key(s.d_k, s.d_v, n_tokens, n_seqs))
             .name;
-    wy_mma = v == "wymma_scan_x2" || v == "wymma_scan";
-    scan_split = v == "wymma_scan_x2" ? 2 : v == "scan_mma" || v == "wymma_scan" ? 1 : 0;
-    conv_multi = scan_split == 2 && gdn_conv_prep_multi_supported(s, w, pool, proj);
+    if ((v == "slice_scan" || v == "slice_scan_v32") &&
+        gdn_slice_supported(s, w, pool, proj, out)) {
+      slice = v == "slice_scan" ? 64 : 32;
+      wy_mma = true;
+      conv_multi = n_tokens >= 2048 && gdn_conv_prep_multi_supported(s, w, pool, proj);
+    } else {
+      wy_mma = v == "wymma_scan_x2" || v == "wymma_scan";
+      scan_split = v == "wymma_scan_x2" ? 2 : v == "scan_mma" || v == "wymma_scan" ? 1 : 0;
+      conv_multi = scan_split == 2 && gdn_conv_prep_multi_supported(s, w, pool, proj);
+    }
   }
   if (conv_multi) {
     launch_gdn_conv_prep_multi(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens,
@@ -1062,11 +1077,17 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   };
   if (wy_mma)
     launch_gdn_wy_mma(s, reinterpret_cast<const int4*>(ws.chunks), max_chunks, ws.qkv, ws.g,
-                      ws.beta, ws.w, ws.u, stream);
+                      ws.beta, ws.w, ws.u, stream, /*tf32_offdiag=*/slice > 0);
   else if (d128)
     run_wy(gdn_wy_kernel<128, 128>);
   else
     run_wy(gdn_wy_kernel<0, 0>);
+  if (slice > 0) {
+    launch_gdn_slice_scan(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs,
+                          reinterpret_cast<const int4*>(ws.chunks), ws.seq_chunk0, max_chunks,
+                          ws.qkv, ws.g, ws.w, ws.u, ws.h, out, slice, stream);
+    return;
+  }
   if (scan_split > 0) {
     launch_gdn_scan(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, ws.qkv, ws.g, ws.w,
                     ws.u, out, scan_split, stream);

@@ -61,6 +61,7 @@ constexpr int kD = 128;  // d_k = d_v
 constexpr int kLd =
     kD + 8;  // bf16 row stride of the [64][128] tiles: 272 B, ldmatrix conflict-free
 constexpr int kLdp = kC + 8;  // P row stride: 144 B
+static_assert(kC == gdn_tile::kC && kD == gdn_tile::kD && kLd == gdn_tile::kLd);
 
 // SPLIT CTAs (a cluster) share one (sequence, head): each owns d_v / SPLIT state rows with
 // 8 / SPLIT warps; SPLIT = 2 puts 96 CTAs (not 48) on the 132 SMs for one 27B sequence.
@@ -82,56 +83,9 @@ struct ScanCfg {
   static_assert(kBuf % 128 == 0 && kO % 16 == 0 && kSs % 16 == 0);
 };
 
-// The A fragments (k-step s covers accumulator tiles 2s, 2s + 1) of a [16, 8 * N_TILES] fp32
-// accumulator, as bf16.
-template <int N_TILES>
-__device__ __forceinline__ void acc_to_a(const float (&acc)[N_TILES][4],
-                                         uint32_t (&a)[N_TILES / 2][4]) {
-#pragma unroll
-  for (int s = 0; s < N_TILES / 2; ++s) {
-    a[s][0] = pack_bf16(acc[2 * s][0], acc[2 * s][1]);
-    a[s][1] = pack_bf16(acc[2 * s][2], acc[2 * s][3]);
-    a[s][2] = pack_bf16(acc[2 * s + 1][0], acc[2 * s + 1][1]);
-    a[s][3] = pack_bf16(acc[2 * s + 1][2], acc[2 * s + 1][3]);
-  }
-}
-
-// acc [16 v, 64 t] = h^T X^T for this warp's 16 state rows: ha the bf16 A fragments of h^T
-// (acc_to_a), B(k, t) = X[t][k] from the [64][kLd] bf16 tile x (W or Q).
-__device__ __forceinline__ void ha_times_tile_t(const uint32_t (&ha)[8][4], const bf16* x, int lane,
-                                                float (&acc)[8][4]) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < kD / 32; ++kk) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      uint32_t b[4];
-      ldsm_x4(b, x + (8 * j + (lane & 7)) * kLd + 32 * kk + (lane >> 3) * 8);
-      mma_bf16(acc[j], ha[2 * kk], b[0], b[1]);
-      mma_bf16(acc[j], ha[2 * kk + 1], b[2], b[3]);
-    }
-  }
-}
-
-// acc [16 rows, 128] += A X for this warp's 16 rows: a the bf16 A fragments of k-steps 0..3 (16
-// columns each), X the [64][kLd] bf16 tile x (ldmatrix.trans); k-steps past last_step skipped.
-__device__ __forceinline__ void acc_a_times_tile(const uint32_t (&a)[4][4], const bf16* x, int lane,
-                                                 int last_step, float (&acc)[16][4]) {
-#pragma unroll
-  for (int ks = 0; ks < kC / 16; ++ks) {
-    if (ks <= last_step) {
-#pragma unroll
-      for (int jp = 0; jp < 8; ++jp) {
-        uint32_t bk[4];
-        ldsm_x4_t(bk, x + (16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + 16 * jp +
-                          (lane >> 4) * 8);
-        mma_bf16(acc[2 * jp], a[ks], bk[0], bk[1]);
-        mma_bf16(acc[2 * jp + 1], a[ks], bk[2], bk[3]);
-      }
-    }
-  }
-}
+using gdn_tile::acc_a_times_tile;
+using gdn_tile::acc_to_a;
+using gdn_tile::ha_times_tile_t;
 
 template <int SPLIT>
 __global__ void __launch_bounds__(ScanCfg<SPLIT>::kThreads, 1)
@@ -550,6 +504,35 @@ struct WyCfg {
   static constexpr size_t kTotal = kEg + sizeof(float) * kC;
 };
 
+// tf32 operands (round to nearest) and mma.sync m16n8k8 with fp32 accumulators: a (16x8 row) =
+// {(g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)}, b (8x8 col) = {(k t, n g), (k t + 4, n g)}, c
+// as the bf16 m16n8 layout (lane = 4 g + t).
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// The tf32 A fragment of the 16x8 block at p (fp32, row stride ld) for this lane (g, t).
+__device__ __forceinline__ void load_a_tf32(uint32_t (&a)[4], const float* p, int ld, int g,
+                                            int t) {
+  a[0] = to_tf32(p[g * ld + t]);
+  a[1] = to_tf32(p[(g + 8) * ld + t]);
+  a[2] = to_tf32(p[g * ld + t + 4]);
+  a[3] = to_tf32(p[(g + 8) * ld + t + 4]);
+}
+
+// TF32_OFFDIAG: the off-diagonal blocks of T per column block on tf32 mma.sync, warp j owning
+// column block j (no block barriers between the distances; used by the slice_scan variants);
+// else the three SIMT rounds (the shipped wymma variants, unchanged).
+template <bool TF32_OFFDIAG>
 __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     GdnShape s,
     const int4* __restrict__ chunks,  // [max_chunks] {seq (-1: none), t0, n, index}
@@ -650,26 +633,78 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     *k2 = __floats2bfloat162_rn(__low2float(*k2) * ek, __high2float(*k2) * ek);
     *v2 = __floats2bfloat162_rn(__low2float(*v2) * bv, __high2float(*v2) * bv);
   }
-  // ---- Off-diagonal blocks by distance: T_ij = -T_ii * sum_{k=j}^{i-1} A_ik T_kj (i = j + d).
-  for (int dist = 1; dist < 4; ++dist) {
-    const int nb = 4 - dist;
-    for (int e = tid; e < nb * 256; e += L::kThreads) {
-      const int jb = e / 256, r = (e % 256) / 16, cc = e % 16, ib = jb + dist;
-      float acc = 0.f;
-      for (int k = jb * 16; k < ib * 16; ++k)
-        acc += af[(ib * 16 + r) * L::kLda + k] * tf[k * L::kLdt + jb * 16 + cc];
-      xs[e] = acc;
-    }
-    __syncthreads();
-    for (int e = tid; e < nb * 256; e += L::kThreads) {
-      const int jb = e / 256, r = (e % 256) / 16, cc = e % 16, ib = jb + dist;
-      float acc = 0.f;
+  if constexpr (TF32_OFFDIAG) {
+    // ---- Column block jb = warp, rows ib = jb + 1 .. 3 in order: X = sum_{k=jb}^{ib-1} A_ik T_kj
+    // (tf32 mma, fp32 accumulate), T_ij = -T_ii X (X through this warp's 16x16 scratch). T is
+    // stored bf16 for the W / U products afterwards, so tf32 here costs nothing measurable.
+    const int jb = warp;
+    float* xw = xs + 256 * (warp < 3 ? warp : 0);  // [16][16]; warp 3 has no off-diagonal block
+    for (int ib = jb + 1; ib < 4; ++ib) {
+      float x[2][4] = {};
+      for (int k0 = 16 * jb; k0 < 16 * ib; k0 += 8) {
+        uint32_t a[4];
+        load_a_tf32(a, af + 16 * ib * L::kLda + k0, L::kLda, gq, c);
 #pragma unroll
-      for (int k = 0; k < 16; ++k)
-        acc += tf[(ib * 16 + r) * L::kLdt + ib * 16 + k] * xs[jb * 256 + k * 16 + cc];
-      tf[(ib * 16 + r) * L::kLdt + jb * 16 + cc] = -acc;
+        for (int nt = 0; nt < 2; ++nt) {
+          const float* b = tf + (k0 + c) * L::kLdt + 16 * jb + 8 * nt + gq;
+          mma_tf32(x[nt], a, to_tf32(b[0]), to_tf32(b[4 * L::kLdt]));
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float* d = xw + (gq + 8 * half) * 16 + 8 * nt + 2 * c;
+          d[0] = x[nt][2 * half];
+          d[1] = x[nt][2 * half + 1];
+        }
+      }
+      __syncwarp();
+      float y[2][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < 16; k0 += 8) {
+        uint32_t a[4];
+        load_a_tf32(a, tf + 16 * ib * L::kLdt + 16 * ib + k0, L::kLdt, gq, c);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const float* b = xw + (k0 + c) * 16 + 8 * nt + gq;
+          mma_tf32(y[nt], a, to_tf32(b[0]), to_tf32(b[4 * 16]));
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float* d = tf + (16 * ib + gq + 8 * half) * L::kLdt + 16 * jb + 8 * nt + 2 * c;
+          d[0] = -y[nt][2 * half];
+          d[1] = -y[nt][2 * half + 1];
+        }
+      }
+      __syncwarp();  // T_ib,jb visible to the next row's products; the scratch is free again
     }
-    __syncthreads();
+    __syncthreads();  // all of T complete (and Kb, Vb)
+  } else {
+    // ---- Off-diagonal blocks by distance: T_ij = -T_ii * sum_{k=j}^{i-1} A_ik T_kj (i = j + d).
+    for (int dist = 1; dist < 4; ++dist) {
+      const int nb = 4 - dist;
+      for (int e = tid; e < nb * 256; e += L::kThreads) {
+        const int jb = e / 256, r = (e % 256) / 16, cc = e % 16, ib = jb + dist;
+        float acc = 0.f;
+        for (int k = jb * 16; k < ib * 16; ++k)
+          acc += af[(ib * 16 + r) * L::kLda + k] * tf[k * L::kLdt + jb * 16 + cc];
+        xs[e] = acc;
+      }
+      __syncthreads();
+      for (int e = tid; e < nb * 256; e += L::kThreads) {
+        const int jb = e / 256, r = (e % 256) / 16, cc = e % 16, ib = jb + dist;
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < 16; ++k)
+          acc += tf[(ib * 16 + r) * L::kLdt + ib * 16 + k] * xs[jb * 256 + k * 16 + cc];
+        tf[(ib * 16 + r) * L::kLdt + jb * 16 + cc] = -acc;
+      }
+      __syncthreads();
+    }
   }
   // ---- W = T Kb, U = T Vb for rows [16 w, 16 w + 16): k-steps ks <= w (T lower triangular).
   uint32_t ta[4][4];
@@ -781,16 +816,23 @@ void launch_gdn_conv_prep_multi(const GdnShape& s, const GdnLayerWeights& w,
 }
 
 void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks, const bf16* qkv,
-                       float* g, const float* beta, bf16* w_mat, bf16* u_mat, cudaStream_t stream) {
+                       float* g, const float* beta, bf16* w_mat, bf16* u_mat, cudaStream_t stream,
+                       bool tf32_offdiag) {
   DS_CHECK(s.d_k == kD && s.d_v == kD, "gdn wy mma: d_k = d_v = 128 only");
   DS_CHECK(aligned(qkv, 16) && aligned(w_mat, 4) && aligned(u_mat, 4) && s.qkv_dim() % 8 == 0,
            "gdn wy mma: qkv rows must be 16-byte aligned");
   if (max_chunks <= 0) return;
-  DS_CUDA_CHECK(cudaFuncSetAttribute(gdn_wy_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(WyCfg::kTotal)));
-  gdn_wy_mma_kernel<<<dim3(max_chunks, s.n_v_heads), WyCfg::kThreads, WyCfg::kTotal, stream>>>(
-      s, chunks, qkv, g, beta, w_mat, u_mat);
-  DS_CUDA_LAUNCH_CHECK();
+  auto run = [&](auto kernel) {
+    DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(WyCfg::kTotal)));
+    kernel<<<dim3(max_chunks, s.n_v_heads), WyCfg::kThreads, WyCfg::kTotal, stream>>>(
+        s, chunks, qkv, g, beta, w_mat, u_mat);
+    DS_CUDA_LAUNCH_CHECK();
+  };
+  if (tf32_offdiag)
+    run(gdn_wy_mma_kernel<true>);
+  else
+    run(gdn_wy_mma_kernel<false>);
 }
 
 }  // namespace ds::cuda

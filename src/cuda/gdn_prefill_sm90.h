@@ -1,6 +1,7 @@
-// Internal to the GDN prompt path (gdn_prefill.cu): the register-resident chunk scan of
-// gdn_prefill_sm90.cu, the kGdnPrefill variant "scan_mma" (dispatch.cpp). Not part of the
-// kernels' public interface (gdn.h).
+// Internal to the GDN prompt path (gdn_prefill.cu): the register-resident chunk scan, conv and WY
+// kernels of gdn_prefill_sm90.cu (kGdnPrefill variants "scan_mma", "wymma_scan_x2", "wymma_scan")
+// and the sliced state pass + parallel output of gdn_prefill_slice.cu ("slice_scan",
+// "slice_scan_v32"). Not part of the kernels' public interface (gdn.h).
 #pragma once
 
 #include <cstdint>
@@ -53,14 +54,43 @@ void launch_gdn_conv_prep_multi(const GdnShape& s, const GdnLayerWeights& w,
 
 // The WY stage (gamma = in-chunk cumsum of g written back into g, W = T (beta e^gamma K),
 // U = T (beta V)) for d_k = d_v = 128 with register-resident mma.sync products; the same maths as
-// the generic gdn_wy_kernel. chunks: the chunk map of gdn_prefill.cu ({sequence or -1, first
-// token, valid rows, index in the sequence} per chunk).
+// the generic gdn_wy_kernel (tf32_offdiag: T's off-diagonal 16x16 blocks on tf32 mma.sync per
+// column block, no block barriers between them, instead of three SIMT rounds). chunks: the chunk
+// map of gdn_prefill.cu ({sequence or -1, first token, valid rows, index in the sequence} per
+// chunk).
 void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks,
                        const bf16* qkv,    // [n_tokens, qkv_dim]
                        float* g,           // [n_tokens, n_v_heads] in: g, out: gamma
                        const float* beta,  // [n_tokens, n_v_heads]
                        bf16* w_mat,        // [n_tokens, n_v_heads, 128]
                        bf16* u_mat,        // [n_tokens, n_v_heads, 128]
-                       cudaStream_t stream);
+                       cudaStream_t stream,
+                       bool tf32_offdiag = false);  // T's off-diagonal blocks on tf32 mma.sync
+
+// gdn_prefill_slice.cu: the state pass split over slices of `slice` (32 or 64) value columns per
+// CTA (sequential over chunks; writes the bf16 snapshot h_c of every chunk into h_snap, V_new over
+// U, the final state into the slot, read first when seq_pos > 0), then the output O = e^gamma
+// (Q h_c) + causal(Q K^T e^(gamma_i - gamma_j)) V_new and the gated RMSNorm, one CTA per (chunk,
+// head). Inputs as launch_gdn_scan's plus the chunk map of gdn_prefill.cu. Needs 16-byte aligned
+// proj rows (z is staged with cp.async) besides launch_gdn_scan's alignment.
+bool gdn_slice_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                         const bf16* proj, const bf16* out);
+void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                           const bf16* proj,           // [n_tokens, in_dim] (z)
+                           const int32_t* cu_seqlens,  // [n_seqs + 1]
+                           const int32_t* seq_pos,     // [n_seqs]
+                           const int32_t* slot_ids,    // [n_seqs]
+                           int n_seqs,
+                           const int4* chunks,     // [max_chunks] {seq or -1, t0, n, index}
+                           const int* seq_chunk0,  // [n_seqs + 1] first chunk of each sequence
+                           int max_chunks,
+                           const bf16* qkv,     // [n_tokens, qkv_dim] conv + SiLU, q/k normed
+                           const float* gamma,  // [n_tokens, n_v_heads] in-chunk cumsum of g
+                           const bf16* w_mat,   // [n_tokens, n_v_heads, 128]
+                           bf16* u_mat,         // [n_tokens, n_v_heads, 128] in U, out V_new
+                           bf16* h_snap,        // [max_chunks, n_v_heads, 128 v, 128 k]
+                           bf16* out,           // [n_tokens, n_v_heads * 128]
+                           int slice, cudaStream_t stream,
+                           int stages = 3);  // 1: the state pass only, 2: the output only (timing)
 
 }  // namespace ds::cuda

@@ -9,7 +9,8 @@
 // Shapes: Qwen3.5-27B (16 k heads, 48 v heads, d 128) at lengths 1, 63, 64, 65, 4095, 4097, several
 // sequences of different lengths in one launch, carried state (prefill -> prefill -> decode), and
 // small heads (d 16/32/64, d_k != d_v). The Timing test prints ms per layer (CUDA events, warm,
-// median) next to PERF.md's targets; it asserts nothing about speed.
+// median) next to PERF.md's targets, PrefillStageTiming the time of each prompt-path stage at
+// 4096 tokens (sm 90); they assert nothing about speed.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include "cuda/cuda_common.h"
 #include "cuda/dispatch.h"
 #include "cuda/gdn.h"
+#include "cuda/gdn_prefill_sm90.h"
 #include "cuda_graph_timer.h"
 
 namespace ds::cuda {
@@ -653,7 +655,7 @@ TEST(CudaGdn, Timing) {
   const HostLayer hl = make_layer(s, rng);
   const DevLayer dl = upload_layer(s, hl);
   // Prefill: one sequence of T tokens from zero state, and the same with carried state.
-  for (int T : {512, 4096, 8192}) {
+  for (int T : {64, 512, 2048, 4096, 8192}) {
     const auto proj = random_proj(s, T, rng);
     DevBuf<bf16> d_proj(proj.size()), d_out(size_t(T) * s.out_dim());
     upload(d_proj, to_bf16(proj));
@@ -679,7 +681,8 @@ TEST(CudaGdn, Timing) {
           var.name.c_str(), T, ms, T / ms / 1e3,
           T == 512    ? "0.075"
           : T == 4096 ? "0.405"
-                      : "0.788");
+          : T == 8192 ? "0.788"
+                      : "-");
     }
   }
   // Decode: batch B, states rotated over 32 layers' worth of slots (96 MiB at B = 1: past L2).
@@ -731,6 +734,100 @@ TEST(CudaGdn, Timing) {
         "MB r+w: %.2f TB/s)  [PERF.md: FLA 5.9 us @1 in a graph, target 2 us]\n",
         B, ms * 1e3, ms_graph * 1e3, bytes / 1e6, bytes / (ms_graph * 1e-3) / 1e12);
   }
+}
+
+// Each stage of the d 128 prompt path alone at 4096 tokens (one sequence, carried state): the
+// conv kernels, the WY kernels (SIMT vs tf32 off-diagonal blocks of T), the fused scans of
+// wymma_scan_x2 / scan_mma, and slice_scan's state pass (64- and 32-column slices) and output.
+// Inputs come from a real conv + WY run, so every stage sees the data it would see in the layer.
+TEST(CudaGdn, PrefillStageTiming) {
+  REQUIRE_GPU();
+  if (device_sm() < 90) GTEST_SKIP() << "the staged kernels are sm 90 only";
+  const GdnShape s = shape_27b();
+  std::mt19937 rng(6);
+  const HostLayer hl = make_layer(s, rng);
+  const DevLayer dl = upload_layer(s, hl);
+  const int T = 4096, n_chunks = T / 64, max_chunks = n_chunks + 1, n_v = s.n_v_heads;
+  const auto proj = random_proj(s, T, rng);
+  DevBuf<bf16> d_proj(proj.size()), d_out(size_t(T) * s.out_dim());
+  upload(d_proj, to_bf16(proj));
+  DevPool pool(s, 1);
+  CK(cudaMemset(pool.rec.p, 0, pool.rec.n * 4));
+  CK(cudaMemset(pool.conv.p, 0, pool.conv.n * 2));
+  DevBuf<int32_t> d_cu(2), d_pos(1), d_slot(1), d_chunk0(2), d_chunks(4 * size_t(max_chunks));
+  upload(d_cu, std::vector<int>{0, T});
+  upload(d_pos, std::vector<int>{T});
+  upload(d_slot, std::vector<int>{0});
+  upload(d_chunk0, std::vector<int>{0, n_chunks});
+  std::vector<int> chunks(4 * size_t(max_chunks), 0);
+  for (int c = 0; c < max_chunks; ++c) {
+    const bool ok = c < n_chunks;
+    chunks[4 * c] = ok ? 0 : -1;
+    chunks[4 * c + 1] = ok ? 64 * c : 0;
+    chunks[4 * c + 2] = ok ? 64 : 0;
+    chunks[4 * c + 3] = ok ? c : 0;
+  }
+  upload(d_chunks, chunks);
+  const int4* ch4 = reinterpret_cast<const int4*>(d_chunks.p);
+  DevBuf<bf16> qkv(size_t(T) * s.qkv_dim()), wm(size_t(T) * n_v * 128), um(size_t(T) * n_v * 128),
+      hs(size_t(max_chunks) * n_v * 128 * 128);
+  DevBuf<float> g(size_t(T) * n_v), g0(size_t(T) * n_v), beta(size_t(T) * n_v);
+  const GdnLayerWeights w = dl.w();
+  const GdnStatePool pp = pool.pool();
+  auto stage = [&](const char* name, auto&& f) {
+    const double ms = median_ms([&](int) { f(); }, 20);
+    std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", name, ms * 1e3);
+    return ms;
+  };
+  stage("conv_prep (generic, 1 token/block)", [&] {
+    launch_gdn_conv_prep(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p, beta.p,
+                         nullptr);
+  });
+  stage("conv_prep_multi (8 tokens/block)", [&] {
+    launch_gdn_conv_prep_multi(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
+                               beta.p, nullptr);
+  });
+  // The WY kernels turn g into gamma in place: each timed run first restores g (timed alone too).
+  CK(cudaMemcpy(g0.p, g.p, g.n * 4, cudaMemcpyDeviceToDevice));
+  auto restore_g = [&] {
+    CK(cudaMemcpyAsync(g.p, g0.p, g.n * 4, cudaMemcpyDeviceToDevice, nullptr));
+  };
+  const double t_restore = stage("(g restore copy, included below)", restore_g);
+  for (bool tf32 : {false, true}) {
+    const char* name =
+        tf32 ? "wy_mma tf32 off-diagonal (+ restore)" : "wy_mma SIMT off-diagonal (+ restore)";
+    const double ms = stage(name, [&] {
+      restore_g();
+      launch_gdn_wy_mma(s, ch4, max_chunks, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, tf32);
+    });
+    std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n",
+                tf32 ? "  = wy_mma tf32" : "  = wy_mma SIMT", (ms - t_restore) * 1e3);
+  }
+  restore_g();
+  launch_gdn_wy_mma(s, ch4, max_chunks, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, true);
+  // (The slice state pass writes V_new over U: it runs last; timings do not depend on values.)
+  for (int split : {1, 2}) {
+    stage(split == 1 ? "scan<1> (scan_mma: state + output + norm)"
+                     : "scan<2> (wymma_scan_x2, 2-CTA cluster)",
+          [&] {
+            launch_gdn_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, qkv.p, g.p, wm.p,
+                            um.p, d_out.p, split, nullptr);
+          });
+  }
+  for (int slice : {64, 32}) {
+    stage(slice == 64 ? "slice state pass, 64-column slices" : "slice state pass, 32-column slices",
+          [&] {
+            launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
+                                  max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, slice, nullptr,
+                                  /*stages=*/1);
+          });
+  }
+  stage("slice output + gated norm", [&] {
+    launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
+                          max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, 64, nullptr,
+                          /*stages=*/2);
+  });
+  CK(cudaDeviceSynchronize());
 }
 
 }  // namespace

@@ -1,0 +1,421 @@
+// GDN prompt path, Hopper kernels for d_k = d_v = 128: the kGdnPrefill variants "slice_scan" and
+// "slice_scan_v32" of dispatch.cpp (gdn_prefill.cu runs them after the 8-token conv and the
+// register WY kernel of gdn_prefill_sm90.cu). The FLA / FlashInfer split of the chunked delta rule:
+//  - gdn_state_slice_kernel: the only sequential stage, the inter-chunk state pass, split over
+//    slices of NW * 16 value columns of each head's state (the rows of h^T are independent given
+//    W, U and K), so 48 heads x 128 / (16 NW) CTAs share the SMs (96 for NW = 4, 192 for NW = 2,
+//    one 27B sequence). Warp w keeps 16 rows of h^T [v, k] in registers (fp32 mma.sync accumulator
+//    fragments); per chunk of 64 tokens it stores the bf16 snapshot h_c (what the output needs),
+//    V_new^T = U^T - h^T W^T, and h^T <- e^(gamma_last) h^T + (V_new^T e^(gamma_last - gamma_t)) K.
+//    V_new (bf16) overwrites U in place (each warp its own columns). K, W, this slice's U columns
+//    and gamma of the next chunk stream in with cp.async (double buffer). Nothing else is on the
+//    sequential path: no P, no output, no norm (gdn_scan_kernel did all of it per warp, ~3300
+//    instructions per chunk with one warp per scheduler; this one does ~450).
+//  - gdn_chunk_out_kernel: the output, fully parallel over chunks x heads (one CTA of 4 warps, warp
+//    w = rows [16 w, 16 w + 16) of the chunk, all 128 value columns): P = causal(Q K^T) *
+//    e^(gamma_i - gamma_j), O = e^gamma (Q h_c) + P V_new, then the gated RMSNorm (row sums by quad
+//    shuffles) with z staged in shared memory, y written as bf16.
+// Precision as FLA and the other variants: bf16 operands (h_c, V_new, P, Q, K, W, U), fp32
+// accumulators, state and gamma. Workspace: gdn_prefill.cu's h snapshot region ([chunk, head, v,
+// k] bf16, the generic layout) and U (V_new after the pass).
+// Shared memory: state pass 88.6 KB (NW 4) / 80.4 KB (NW 2); output 104.7 KB (2 CTAs per SM).
+//
+// Measured on the H200 (2026-11-29, cuda_gdn_test PrefillStageTiming / Timing: CUDA-event
+// medians, 27B shapes, one sequence with carried state), at 4096 tokens in us: conv_prep_multi
+// 104, wy_mma with tf32 off-diagonal blocks 144 (183 with the SIMT rounds), state pass 177 (64-
+// column slices; 202 with 32), output 182: 0.600 ms per layer vs 0.897 for wymma_scan_x2 (whose
+// fused scan alone takes 611). 512 tokens 0.115 ms, 8192 1.124. The state pass is still
+// latency-bound (~2.8 us per chunk step for ~700 instructions per warp, one warp per scheduler);
+// the output kernel moves ~300 MB (the bf16 snapshots are 100 MB of it) at ~1.7 TB/s.
+// Test: tests/cuda/cuda_gdn_test.cpp (every prefill case runs each variant, forced for all
+// lengths); bench: `deltaserve bench kernels --only gdn_prefill`.
+#include "cuda/cuda_common.h"
+#include "cuda/gdn_chunk.cuh"
+#include "cuda/gdn_prefill_sm90.h"
+#include "cuda/mma_util.cuh"
+
+namespace ds::cuda {
+namespace {
+
+using gdn_tile::acc_a_times_tile;
+using gdn_tile::acc_to_a;
+using gdn_tile::ha_times_tile_t;
+using gdn_tile::kC;
+using gdn_tile::kD;
+using gdn_tile::kLd;
+
+constexpr size_t kTileBytes = sizeof(bf16) * kC * kLd;  // one [64][kLd] bf16 tile
+
+// ---- state pass ---------------------------------------------------------------------------------
+template <int NW>
+struct SliceCfg {
+  static constexpr int kThreads = 32 * NW;
+  static constexpr int kVs = 16 * NW;   // state rows (value columns) per CTA
+  static constexpr int kLdu = kVs + 8;  // U / V_new tile row stride (bf16)
+  static constexpr size_t kK = 0, kW = kTileBytes, kU = 2 * kTileBytes;
+  static constexpr size_t kGam = kU + sizeof(bf16) * kC * kLdu;
+  static constexpr size_t kBuf = (kGam + sizeof(float) * kC + 127) / 128 * 128;  // one stage
+  static constexpr size_t kTotal = 2 * kBuf;
+  static_assert(kThreads >= kC && (kLdu * sizeof(bf16)) % 16 == 0);
+};
+
+template <int NW>
+__global__ void __launch_bounds__(SliceCfg<NW>::kThreads)
+    gdn_state_slice_kernel(GdnShape s, GdnStatePool pool,
+                           const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
+                           const int32_t* __restrict__ seq_pos,     // [n_seqs]
+                           const int32_t* __restrict__ slot_ids,    // [n_seqs]
+                           const int* __restrict__ seq_chunk0,      // [n_seqs + 1] first chunk
+                           const bf16* __restrict__ qkv,            // [n_tokens, qkv_dim]
+                           const float* __restrict__ gamma,         // [n_tokens, n_v]
+                           const bf16* __restrict__ w_mat,          // [n_tokens, n_v, 128]
+                           bf16* __restrict__ u_mat,   // [n_tokens, n_v, 128] in U, out V_new
+                           bf16* __restrict__ h_snap)  // [max_chunks, n_v, 128 v, 128 k]
+{
+  using L = SliceCfg<NW>;
+  constexpr int kVs = L::kVs, kLdu = L::kLdu, kThreads = L::kThreads;
+  const int seq = blockIdx.x, hv = blockIdx.y;
+  const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
+  if (len <= 0) return;  // the slot is left untouched
+  const int v_cta = blockIdx.z * kVs;
+  const int n_v = s.n_v_heads, hk = hv / (n_v / s.n_k_heads), qkv_dim = s.qkv_dim();
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int v_loc = 16 * warp;       // this warp's first column in the U tile
+  const int v_base = v_cta + v_loc;  // this warp's state rows (head-relative)
+  const int n_chunks = (len + kC - 1) / kC;
+  const int64_t chunk0 = seq_chunk0[seq];
+
+  auto tile = [&](int b, size_t off) { return reinterpret_cast<bf16*>(smem + b * L::kBuf + off); };
+  auto gam_buf = [&](int b) { return reinterpret_cast<float*>(smem + b * L::kBuf + L::kGam); };
+  // Chunk ch's K and W rows, this CTA's U columns and gamma into stage b (rows past the end: 0).
+  auto fetch = [&](int ch, int b) {
+    const int64_t row0 = start + static_cast<int64_t>(ch) * kC;
+    const int n = min(kC, len - ch * kC);
+    bf16* k_d = tile(b, L::kK);
+    bf16* w_d = tile(b, L::kW);
+    bf16* u_d = tile(b, L::kU);
+    for (int e = tid; e < kC * (kD / 8); e += kThreads) {
+      const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
+      const bool ok = r < n;
+      const int64_t row = row0 + (ok ? r : 0);
+      cp_async16(k_d + r * kLd + col, qkv + row * qkv_dim + (s.n_k_heads + hk) * kD + col, ok);
+      cp_async16(w_d + r * kLd + col, w_mat + (row * n_v + hv) * kD + col, ok);
+    }
+    for (int e = tid; e < kC * (kVs / 8); e += kThreads) {
+      const int r = e / (kVs / 8), col = (e % (kVs / 8)) * 8;
+      const bool ok = r < n;
+      const int64_t row = row0 + (ok ? r : 0);
+      cp_async16(u_d + r * kLdu + col, u_mat + (row * n_v + hv) * kD + v_cta + col, ok);
+    }
+    if (tid < kC) {
+      const bool ok = tid < n;
+      cp_async4(gam_buf(b) + tid, gamma + (row0 + (ok ? tid : 0)) * n_v + hv, ok);
+    }
+  };
+  fetch(0, 0);
+  cp_async_commit();
+
+  // The state: h[j][i] = h^T(v, k), v = v_base + g + 8 (i / 2), k = 8 j + 2 c + (i % 2).
+  float* state = pool.rec_state + static_cast<int64_t>(slot_ids[seq]) * pool.rec_slot_stride +
+                 static_cast<int64_t>(hv) * kD * kD;
+  const bool has_state = seq_pos[seq] > 0;
+  float h[16][4];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float2 x = make_float2(0.f, 0.f);
+      if (has_state)
+        x = *reinterpret_cast<const float2*>(state + (v_base + g + 8 * half) * kD + 8 * j + 2 * c);
+      h[j][2 * half] = x.x;
+      h[j][2 * half + 1] = x.y;
+    }
+  }
+
+  for (int ch = 0; ch < n_chunks; ++ch) {
+    const int b = ch & 1;
+    const int64_t row0 = start + static_cast<int64_t>(ch) * kC;
+    const int n = min(kC, len - ch * kC);
+    cp_async_wait_all();
+    __syncthreads();  // chunk ch landed; every warp is done with chunk ch - 1's stage
+    if (ch + 1 < n_chunks) fetch(ch + 1, b ^ 1);
+    cp_async_commit();
+    const bf16* k_s = tile(b, L::kK);
+    const bf16* w_s = tile(b, L::kW);
+    bf16* u_s = tile(b, L::kU);
+    const float* gam = gam_buf(b);
+    const float g_last = gam[n - 1];
+
+    // ---- h^T as bf16 A fragments; they are also the snapshot h_c the output kernel reads.
+    uint32_t ha[8][4];
+    acc_to_a<16>(h, ha);
+    {
+      bf16* hs = h_snap + ((chunk0 + ch) * n_v + hv) * static_cast<int64_t>(kD * kD) +
+                 (v_base + g) * kD + 2 * c;
+#pragma unroll
+      for (int sk = 0; sk < 8; ++sk) {
+        *reinterpret_cast<uint32_t*>(hs + 16 * sk) = ha[sk][0];
+        *reinterpret_cast<uint32_t*>(hs + 8 * kD + 16 * sk) = ha[sk][1];
+        *reinterpret_cast<uint32_t*>(hs + 16 * sk + 8) = ha[sk][2];
+        *reinterpret_cast<uint32_t*>(hs + 8 * kD + 16 * sk + 8) = ha[sk][3];
+      }
+    }
+
+    // ---- V_new^T [16 v, 64 t] = U^T - h^T W^T; B(k, t) = W[t][k].
+    float vn[8][4];
+    ha_times_tile_t(ha, w_s, lane, vn);
+    uint32_t vsa[4][4];  // (V_new^T e^(gamma_last - gamma_t)) as A fragments
+    {
+      float vs[8][4];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float gc[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) gc[e] = __expf(g_last - gam[min(8 * j + 2 * c + e, n - 1)]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int v = v_loc + g + 8 * (i >> 1), t = 8 * j + 2 * c + (i & 1);
+          const bf16 x = __float2bfloat16(__bfloat162float(u_s[t * kLdu + v]) - vn[j][i]);
+          u_s[t * kLdu + v] = x;  // V_new in place of U (this warp's columns only)
+          vs[j][i] = __bfloat162float(x) * gc[i & 1];
+        }
+      }
+      acc_to_a<8>(vs, vsa);
+    }
+    __syncwarp();
+    // V_new rows of this chunk, this warp's 16 columns (two 16-byte pieces per row), over U.
+    for (int e = lane; e < 2 * kC; e += 32) {
+      const int t = e >> 1, piece = e & 1;
+      if (t < n) {
+        *reinterpret_cast<uint4*>(u_mat + ((row0 + t) * n_v + hv) * kD + v_base + 8 * piece) =
+            *reinterpret_cast<const uint4*>(u_s + t * kLdu + v_loc + 8 * piece);
+      }
+    }
+
+    // ---- h^T <- e^(gamma_last) h^T + Vs^T K; B(t, k) = K[t][k] (ldmatrix.trans).
+    const float decay = __expf(g_last);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) h[j][i] *= decay;
+    }
+    acc_a_times_tile(vsa, k_s, lane, kC / 16 - 1, h);
+  }
+  cp_async_wait_all();  // nothing in flight at exit (the last commit is empty)
+
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      *reinterpret_cast<float2*>(state + (v_base + g + 8 * half) * kD + 8 * j + 2 * c) =
+          make_float2(h[j][2 * half], h[j][2 * half + 1]);
+    }
+  }
+}
+
+// ---- output -------------------------------------------------------------------------------------
+struct OutCfg {
+  static constexpr int kThreads = 128;
+  static constexpr size_t kQ = 0, kK = kTileBytes, kV = 2 * kTileBytes, kZ = 3 * kTileBytes;
+  static constexpr size_t kH = 4 * kTileBytes;                  // [128 v][kLd] bf16
+  static constexpr size_t kGam = kH + sizeof(bf16) * kD * kLd;  // [64] fp32
+  static constexpr size_t kTotal = kGam + sizeof(float) * kC;
+};
+
+__global__ void __launch_bounds__(OutCfg::kThreads)
+    gdn_chunk_out_kernel(GdnShape s, GdnLayerWeights wts,
+                         const int4* __restrict__ chunks,  // [max_chunks] {seq, t0, n, index}
+                         const bf16* __restrict__ proj,    // [n_tokens, in_dim] (z)
+                         const bf16* __restrict__ qkv,     // [n_tokens, qkv_dim]
+                         const float* __restrict__ gamma,  // [n_tokens, n_v]
+                         const bf16* __restrict__ vn_mat,  // [n_tokens, n_v, 128] V_new
+                         const bf16* __restrict__ h_snap,  // [max_chunks, n_v, 128 v, 128 k]
+                         bf16* __restrict__ out)           // [n_tokens, n_v * 128]
+{
+  const int4 ci = chunks[blockIdx.x];
+  if (ci.x < 0) return;
+  const int hv = blockIdx.y;
+  const int64_t row0 = ci.y;
+  const int n = ci.z;
+  const int n_v = s.n_v_heads, hk = hv / (n_v / s.n_k_heads);
+  const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim(), out_dim = s.out_dim();
+  const bool norm = wts.norm_w != nullptr;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* q_s = reinterpret_cast<bf16*>(smem + OutCfg::kQ);
+  bf16* k_s = reinterpret_cast<bf16*>(smem + OutCfg::kK);
+  bf16* v_s = reinterpret_cast<bf16*>(smem + OutCfg::kV);
+  bf16* z_s = reinterpret_cast<bf16*>(smem + OutCfg::kZ);
+  bf16* h_s = reinterpret_cast<bf16*>(smem + OutCfg::kH);
+  float* gam = reinterpret_cast<float*>(smem + OutCfg::kGam);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+
+  for (int e = tid; e < kC * (kD / 8); e += OutCfg::kThreads) {
+    const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
+    const bool ok = r < n;
+    const int64_t row = row0 + (ok ? r : 0);
+    const bf16* qkv_row = qkv + row * qkv_dim;
+    cp_async16(q_s + r * kLd + col, qkv_row + hk * kD + col, ok);
+    cp_async16(k_s + r * kLd + col, qkv_row + (s.n_k_heads + hk) * kD + col, ok);
+    cp_async16(v_s + r * kLd + col, vn_mat + (row * n_v + hv) * kD + col, ok);
+    if (norm) cp_async16(z_s + r * kLd + col, proj + row * in_dim + qkv_dim + hv * kD + col, ok);
+  }
+  const bf16* hsrc = h_snap + (static_cast<int64_t>(blockIdx.x) * n_v + hv) * (kD * kD);
+  for (int e = tid; e < kD * (kD / 8); e += OutCfg::kThreads) {
+    const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
+    cp_async16(h_s + r * kLd + col, hsrc + r * kD + col, true);
+  }
+  cp_async_commit();
+  if (tid < kC) gam[tid] = gamma[(row0 + min(tid, n - 1)) * n_v + hv];  // held past the end
+  cp_async_wait_all();
+  __syncthreads();
+  if (16 * warp >= n) return;  // no valid row in this warp's 16 (no barrier follows)
+
+  // Q rows [16 w, 16 w + 16) as A fragments (k-steps of 16).
+  uint32_t qa[8][4];
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks)
+    ldsm_x4(qa[ks], q_s + (16 * warp + (lane & 15)) * kLd + 16 * ks + (lane >> 4) * 8);
+
+  // ---- P [16 t, 64 t'] = causal(Q K^T) e^(gamma_t - gamma_t'): column tiles jt <= 2 w + 1.
+  float pacc[8][4];
+#pragma unroll
+  for (int jt = 0; jt < 8; ++jt) pacc[jt][0] = pacc[jt][1] = pacc[jt][2] = pacc[jt][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+#pragma unroll
+    for (int jt = 0; jt < 8; ++jt) {
+      if (jt <= 2 * warp + 1) {
+        uint32_t bb[2];
+        ldsm_x2(bb, k_s + (8 * jt + (lane & 7)) * kLd + 16 * ks + ((lane >> 3) & 1) * 8);
+        mma_bf16(pacc[jt], qa[ks], bb[0], bb[1]);
+      }
+    }
+  }
+  float grow[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) grow[half] = gam[16 * warp + g + 8 * half];
+#pragma unroll
+  for (int jt = 0; jt < 8; ++jt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = 16 * warp + g + 8 * half;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = 8 * jt + 2 * c + e;
+        float& p = pacc[jt][2 * half + e];
+        p = j <= i ? p * __expf(grow[half] - gam[j]) : 0.f;
+      }
+    }
+  }
+  uint32_t pa[4][4];
+  acc_to_a<8>(pacc, pa);
+
+  // ---- O [16 t, 128 v] = e^gamma (Q h_c) + P V_new; B(k, v) = h^T[v][k] (h_s rows v).
+  float o[16][4];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < kD / 32; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      uint32_t bh[4];
+      ldsm_x4(bh, h_s + (8 * j + (lane & 7)) * kLd + 32 * kk + (lane >> 3) * 8);
+      mma_bf16(o[j], qa[2 * kk], bh[0], bh[1]);
+      mma_bf16(o[j], qa[2 * kk + 1], bh[2], bh[3]);
+    }
+  }
+  const float eg0 = __expf(grow[0]), eg1 = __expf(grow[1]);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    o[j][0] *= eg0;
+    o[j][1] *= eg0;
+    o[j][2] *= eg1;
+    o[j][3] *= eg1;
+  }
+  acc_a_times_tile(pa, v_s, lane, warp, o);  // P is lower triangular: k-steps <= warp
+
+  // ---- Gated RMSNorm per row (the 4 lanes of a quad hold one row's 128 columns), bf16 out.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = 16 * warp + g + 8 * half;
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      ss += o[j][2 * half] * o[j][2 * half] + o[j][2 * half + 1] * o[j][2 * half + 1];
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    const float scale = norm ? rsqrtf(ss / kD + s.norm_eps) : 1.f;
+    if (i < n) {
+      bf16* y = out + (row0 + i) * out_dim + hv * kD + 2 * c;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        float y0 = o[j][2 * half], y1 = o[j][2 * half + 1];
+        if (norm) {
+          const int v = 8 * j + 2 * c;
+          const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(z_s + i * kLd + v);
+          const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(wts.norm_w + v);
+          y0 = __low2float(w2) * y0 * scale * silu(__low2float(z2));
+          y1 = __high2float(w2) * y1 * scale * silu(__high2float(z2));
+        }
+        *reinterpret_cast<uint32_t*>(y + 8 * j) = pack_bf16(y0, y1);
+      }
+    }
+  }
+}
+
+bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+template <int NW>
+void launch_state(const GdnShape& s, const GdnStatePool& pool, const int32_t* cu_seqlens,
+                  const int32_t* seq_pos, const int32_t* slot_ids, const int* seq_chunk0,
+                  int n_seqs, const bf16* qkv, const float* gamma, const bf16* w_mat, bf16* u_mat,
+                  bf16* h_snap, cudaStream_t stream) {
+  using L = SliceCfg<NW>;
+  DS_CUDA_CHECK(cudaFuncSetAttribute(gdn_state_slice_kernel<NW>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(L::kTotal)));
+  gdn_state_slice_kernel<NW>
+      <<<dim3(n_seqs, s.n_v_heads, kD / L::kVs), L::kThreads, L::kTotal, stream>>>(
+          s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, qkv, gamma, w_mat, u_mat, h_snap);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool gdn_slice_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                         const bf16* proj, const bf16* out) {
+  return s.d_k == kD && s.d_v == kD && s.in_dim() % 8 == 0 && s.qkv_dim() % 8 == 0 &&
+         aligned(proj, 16) && aligned(out, 4) && (w.norm_w == nullptr || aligned(w.norm_w, 4)) &&
+         aligned(pool.rec_state, 8) && pool.rec_slot_stride % 2 == 0;
+}
+
+void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                           const bf16* proj, const int32_t* cu_seqlens, const int32_t* seq_pos,
+                           const int32_t* slot_ids, int n_seqs, const int4* chunks,
+                           const int* seq_chunk0, int max_chunks, const bf16* qkv,
+                           const float* gamma, const bf16* w_mat, bf16* u_mat, bf16* h_snap,
+                           bf16* out, int slice, cudaStream_t stream, int stages) {
+  DS_CHECK(slice == 32 || slice == 64, "gdn slice scan: slice must be 32 or 64, got ", slice);
+  DS_CHECK(gdn_slice_supported(s, w, pool, proj, out),
+           "gdn slice scan: shape / alignment not supported (d_k = d_v = 128 only)");
+  DS_CHECK(aligned(qkv, 16) && aligned(w_mat, 16) && aligned(u_mat, 16) && aligned(h_snap, 16),
+           "gdn slice scan: workspace tiles must be 16-byte aligned");
+  if (n_seqs <= 0 || max_chunks <= 0) return;
+  if (stages & 1) {
+    auto state = slice == 64 ? launch_state<4> : launch_state<2>;
+    state(s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, n_seqs, qkv, gamma, w_mat, u_mat,
+          h_snap, stream);
+  }
+  if ((stages & 2) == 0) return;
+  DS_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_out_kernel,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(OutCfg::kTotal)));
+  gdn_chunk_out_kernel<<<dim3(max_chunks, s.n_v_heads), OutCfg::kThreads, OutCfg::kTotal, stream>>>(
+      s, w, chunks, proj, qkv, gamma, u_mat, h_snap, out);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace ds::cuda
