@@ -608,6 +608,7 @@ void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
     // job's notifier; here we take everything new from every choice, write it in one chunk,
     // and sleep on the notifier until the next output (no polling interval).
     std::string out_buf;
+    auto last_alive_check = std::chrono::steady_clock::now();
     for (;;) {
       const uint64_t seen = job->notifier->epoch();
       for (Job::Choice& c : job->choices) {
@@ -624,10 +625,16 @@ void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
         out_buf.clear();
         continue;
       }
-      // Nothing new for 50 ms (a long prefill): check that the client is still there.
-      if (!job->notifier->wait_past(seen, Ms(50)) && !sink.is_writable()) {
-        job->cancel_all();
-        return false;
+      // Nothing to write for 50 ms (a long prefill, or a non-streamed answer whose tokens keep
+      // coming but are only written at the end): check that the client is still there.
+      const bool woke = job->notifier->wait_past(seen, Ms(50));
+      const auto now = std::chrono::steady_clock::now();
+      if (!woke || now - last_alive_check >= Ms(50)) {
+        last_alive_check = now;
+        if (!sink.is_writable()) {
+          job->cancel_all();
+          return false;
+        }
       }
     }
     if (job->stream) {

@@ -14,25 +14,28 @@
 //
 // Tolerance (why not bit-exact): alone, a request's tokens come from decode steps (split-KV
 // attention, fused GDN decode, batch 1 GEMMs). Under pressure the same positions are computed
-// inside batches of other sizes, and after a preemption by prefill kernels (chunked attention and
-// GDN prefill) over the recomputed prefix: valid bf16 orders of the same sums, which differ by
-// about 1e-2 relative in the logits (cuda_backend_test: chunked vs decode and batched vs alone
-// within 3e-2 L2; cuda_batch_invariance_test: up to 5.4e-2 on one logit). That cannot change a
-// clear argmax, but random weights give near-ties (on the CPU, 29% of the alone runs' tokens have
-// a top-2 margin below 0.1 nats). Two checks, with kNearTie = 0.25 nats (a gap is the
-// difference of two logits, each off by up to ~5e-2: 0.1, times 2.5 for safety):
-//  - A request's tokens equal the alone run's up to the first difference, and there the alone
-//    run's top-2 margin is below kNearTie; after it the two continuations are different sequences.
-//  - Teacher-forced: a backend without memory pressure scores prompt + generated tokens in one
-//    pass; every generated token is within the tolerance of that pass's greedy choice at its
-//    position (all positions, also after a first difference). The tolerance is kNearTie or 1.5x
-//    the same backend's own noise, measured on the alone runs, whichever is larger: on the H200
-//    the alone runs (decode) differ from the one-pass prefill by up to ~1.4 nats at this tiny
-//    d_model (first GPU run: 1.38 and 2.18 nats for the loaded runs failed a fixed 0.25).
-// An indexing, state or block-table bug (the recompute reading another slot's KV, a stale GDN
-// state) gives tokens far from the greedy choice: a planted recompute bug (the first token of every
-// re-prefill chunk changed) failed on the CPU in 3 requests with gaps of 0.2-3.6 nats, most above
-// 0.4. The counts (exact requests, tokens not the exact argmax, largest gap) are printed.
+// inside batches of other sizes, and after a preemption by prefill kernels over the recomputed
+// prefix: valid bf16 orders of the same sums. This random tiny model is ill-conditioned (see
+// CudaEngineNumerics below): merely rounding its weights to bf16 moves the CPU fp32 oracle's
+// logits by L2 1.07e-1, single logits by up to 3.7 (logit std 1) and flips greedy tokens by up to
+// 2.2 nats, exactly what every device path does (H200: L2 1.0-1.1e-1, up to 3.8, 2.1 nats); and
+// 55% of its greedy tokens have a top-2 margin below 0.25 nats. So a valid bf16 order can flip the
+// argmax at ill-conditioned rows by more than a nat (the first H200 run: 1.38 and 2.18 nats
+// against a one-pass prefill), while a row moves by ~0.2 on average. A single global tolerance is
+// either too loose for the well-conditioned rows or fails the ill-conditioned ones; the tolerance
+// is per row instead, from the measured errors of correct computations of that very
+// row (the teacher-forced check below). Checks per request:
+//  - Teacher-forced: every generated token (all positions, also after a first difference from
+//    the alone run) is the CPU oracle's greedy choice given the same prefix, within the row's
+//    tolerance (below), plus two controls: a valid path outside the envelope passes, a planted
+//    recompute bug is caught in every request.
+//  - The tokens equal the alone run's up to the first difference, and there the alone run's top-2
+//    margin is within the row's tolerance; after it the two continuations are different sequences.
+// The counts (exact requests, tokens not the oracle's argmax, largest gap, largest gap relative to
+// the envelope, controls) are printed. H200 (2026-11-29, 8d6522d, two repeats, same numbers): the
+// loaded runs' largest gap / (2 x envelope) is 0.21 and 0.36 (largest gaps 0.98 and 1.74 nats), the
+// chunk-7 control's 0.50 and 0.88, all under kNoiseFactor = 2; the planted bug is caught in 8/8
+// and 22/22 requests at up to 28x and 51x the envelope.
 //
 // DS_ENGINE_TEST_DEVICE=cpu runs the same tests on the CPU reference backend behind a host-side
 // paged-pool accounting (same page size and block count), to check the test itself on a machine
@@ -41,14 +44,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cpu/forward.h"
 #include "cuda/cuda_backend.h"
 #include "cuda_test_util.h"
 #include "model/weights.h"
@@ -59,7 +66,7 @@ namespace ds {
 namespace {
 
 constexpr int kPage = 16;           // tokens per KV block
-constexpr float kNearTie = 0.25f;   // nats: see the file comment
+constexpr float kNearTie = 0.25f;   // nats: "close to a tie" in the alone runs' printed statistics
 constexpr int64_t kBigPool = 8192;  // tokens: no memory pressure
 constexpr auto kWait = std::chrono::milliseconds(60000);
 
@@ -217,9 +224,12 @@ struct MatchStats {
   float min_margin_at_diff = 1e30f;
 };
 
-// `got` against `alone` under the tolerance of the file comment.
+// `got` against `alone`: equal up to the first difference, and there the alone run's top-2 margin
+// is within the row's tolerance (`tol`: the teacher-forced tolerance of `got`'s row k, whose
+// prefix is the alone run's); on the CPU backend recompute is exact, so no difference at all.
+// After a first difference the two continuations are different sequences.
 void expect_matches_alone(const std::vector<GeneratedToken>& got, const Collected& alone,
-                          const std::string& what, MatchStats& st) {
+                          const std::vector<float>& tol, const std::string& what, MatchStats& st) {
   ++st.compared;
   const size_t n = std::min(got.size(), alone.tokens.size());
   size_t k = 0;
@@ -230,6 +240,7 @@ void expect_matches_alone(const std::vector<GeneratedToken>& got, const Collecte
   }
   const auto& top = alone.tokens[k].top;
   ASSERT_GE(top.size(), 2u) << what;
+  ASSERT_LT(k, tol.size()) << what;
   const float margin = top[0].logprob - top[1].logprob;
   st.min_margin_at_diff = std::min(st.min_margin_at_diff, margin);
   ++st.near_tie;
@@ -237,68 +248,204 @@ void expect_matches_alone(const std::vector<GeneratedToken>& got, const Collecte
     ADD_FAILURE() << what << ": token " << k << " is " << got[k].id << ", alone "
                   << alone.tokens[k].id << " (the CPU backend recomputes exactly)";
   }
-  EXPECT_LT(margin, kNearTie) << what << ": token " << k << " is " << got[k].id << ", alone "
-                              << alone.tokens[k].id << " whose top-2 margin is " << margin
-                              << " nats (not a near-tie)";
+  EXPECT_LE(margin, tol[k]) << what << ": token " << k << " is " << got[k].id << ", alone "
+                            << alone.tokens[k].id << " whose top-2 margin is " << margin
+                            << " nats, more than the row's tolerance " << tol[k];
 }
 
-// Every generated token, given the tokens before it, is the greedy choice of `ref` (a backend
-// without memory pressure that scores prompt + generated tokens in one pass) within kNearTie:
-// checks all positions, also those after a first difference from the alone run.
-struct ForcedStats {
-  int tokens = 0, not_argmax = 0;
-  float max_gap = 0;
+// ---- The teacher-forced check ------------------------------------------------------------------
+// For a request's teacher sequence (prompt + generated tokens but the last), the rows at the
+// generated positions from the CPU fp32 oracle, and the per-row noise envelope of correct
+// computations of those rows: noise_k = the largest |logit - oracle| at row k over three valid
+// device paths (one-pass prefill in chunks of 32, in chunks of 16, and prompt + token-by-token
+// decode, the alone run's path) and the oracle itself with its residual stream rounded to bf16
+// after every layer (a device-independent sample of the row's sensitivity). A correct computation
+// in any other valid order (the loaded runs: batched GEMMs, other KV buckets, a re-prefill after a
+// preemption) errs by the same order at the same row, since the error comes from the row's
+// conditioning (CudaEngineNumerics below: every device path's row errors follow the CPU-measured
+// sensitivity). A generated token t at row k passes when
+//   gap_k = max(oracle_k) - oracle_k[t] <= 2 * kNoiseFactor * noise_k + kGapFloor:
+// to win, t's logit error minus the best token's must reach gap_k, each error at most
+// kNoiseFactor times the envelope. Checked on every generated token (also after a first difference
+// from the alone run), and on two controls on the same rows: a valid path outside the envelope
+// (prefill in chunks of 7: its argmax must pass) and a planted recompute bug (a preemption after 8
+// tokens whose recompute restored the wrong state: the first prompt + 8 positions re-prefilled from
+// other tokens; the rows after it must be flagged in every request).
+constexpr float kNoiseFactor = 2.0f;
+constexpr float kGapFloor = 1e-3f;  // nats; the CPU backends' fp32 order differences are < 1e-3
+
+const CpuModel& oracle() {
+  static const CpuModel m(weights());
+  return m;
+}
+
+// rows [n, V] of seq from the CPU oracle (one pass; its chunked GDN in 64-token sub-chunks);
+// bf16_residual: the residual stream rounded to bf16 after every layer.
+std::vector<float> oracle_rows(std::span<const int32_t> seq, bool bf16_residual = false) {
+  static const CpuModel rounded = [] {
+    CpuModel m(weights());
+    const int d = weights().config.d_model;
+    m.set_layer_probe([d](int, int n, const float* x) {
+      float* y = const_cast<float*>(x);  // the forward's own (non-const) residual buffer
+      for (int i = 0; i < n * d; ++i) y[i] = round_bf16(y[i]);
+    });
+    return m;
+  }();
+  const CpuModel& m = bf16_residual ? rounded : oracle();
+  CpuSeqState st = m.new_state();
+  std::vector<float> l;
+  m.forward(st, seq, 0, true, l);
+  return l;
+}
+
+// Slot 0 of `b` scores seq in one step (all rows) or prompt + decode (all rows); slot left empty.
+std::vector<float> device_rows(Backend& b, std::span<const int32_t> seq, int n_prompt) {
+  b.reset_slot(0);
+  std::vector<float> l;
+  if (n_prompt <= 0) {
+    const SeqWork w{0, seq, true};
+    b.step(std::span<const SeqWork>(&w, 1), l);
+  } else {
+    test::prefill_then_decode(b, seq, n_prompt, /*keep_prompt=*/true, l);
+  }
+  b.reset_slot(0);
+  return l;
+}
+
+size_t argmax_of(const float* r, size_t n) { return size_t(std::max_element(r, r + n) - r); }
+float max_abs_diff(const float* a, const float* b, size_t n) {
+  float m = 0;
+  for (size_t i = 0; i < n; ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+struct TeacherRows {
+  int n_gen = 0;
+  std::vector<float> oracle;  // [n_gen, V] at the generated positions
+  std::vector<float> noise;   // [n_gen] envelope of the valid paths
+  std::vector<float> tol;     // [n_gen] allowed gap
 };
-// tolerance < 0: measure only (no expectations), for the noise calibration below.
-void expect_greedy_teacher_forced(Backend& ref, const GenerationRequest& r,
-                                  const std::vector<GeneratedToken>& got, const std::string& what,
-                                  ForcedStats& st, float tolerance) {
-  if (got.empty()) return;
+
+// Device backends without memory pressure (1 slot each) for the envelope and the controls.
+struct RefBackends {
+  std::unique_ptr<Backend> chunk32 = make_backend(1, kBigPool, 32);
+  std::unique_ptr<Backend> chunk16 = make_backend(1, kBigPool, 16);
+  std::unique_ptr<Backend> chunk7 = make_backend(1, kBigPool, 7);
+};
+
+std::vector<int32_t> teacher_sequence(const GenerationRequest& r,
+                                      const std::vector<GeneratedToken>& got) {
   std::vector<int32_t> seq = r.prompt;
   for (size_t k = 0; k + 1 < got.size(); ++k) seq.push_back(got[k].id);
-  ref.reset_slot(0);
-  std::vector<float> logits;
-  const SeqWork w{0, seq, true};
-  ref.step(std::span<const SeqWork>(&w, 1), logits);
-  ref.reset_slot(0);
-  const size_t V = static_cast<size_t>(ref.config().vocab_size);
-  ASSERT_EQ(logits.size(), seq.size() * V) << what;
-  for (size_t k = 0; k < got.size(); ++k) {
-    const float* row = logits.data() + (r.prompt.size() - 1 + k) * V;
-    const float best = *std::max_element(row, row + V);
+  return seq;
+}
+
+TeacherRows teacher_rows(RefBackends& ref, const GenerationRequest& r,
+                         const std::vector<GeneratedToken>& got) {
+  TeacherRows t;
+  t.n_gen = static_cast<int>(got.size());
+  if (got.empty()) return t;
+  const std::vector<int32_t> seq = teacher_sequence(r, got);
+  const size_t V = static_cast<size_t>(ref.chunk32->config().vocab_size);
+  const size_t first = r.prompt.size() - 1;  // row of the first generated token
+  const std::vector<float> o = oracle_rows(seq);
+  const std::vector<std::vector<float>> paths = {
+      device_rows(*ref.chunk32, seq, 0), device_rows(*ref.chunk16, seq, 0),
+      device_rows(*ref.chunk32, seq, static_cast<int>(r.prompt.size())),
+      oracle_rows(seq, /*bf16_residual=*/true)};
+  for (const auto& p : paths) EXPECT_EQ(p.size(), seq.size() * V);
+  t.oracle.assign(o.begin() + first * V, o.end());
+  for (int k = 0; k < t.n_gen; ++k) {
+    const size_t at = (first + k) * V;
+    float n = 0;
+    for (const auto& p : paths) n = std::max(n, max_abs_diff(p.data() + at, o.data() + at, V));
+    t.noise.push_back(n);
+    t.tol.push_back(2 * kNoiseFactor * n + kGapFloor);
+  }
+  return t;
+}
+
+// gap of token `id` at generated row k under the oracle.
+float gap_at(const TeacherRows& t, int k, int32_t id) {
+  const size_t V = t.oracle.size() / t.n_gen;
+  const float* row = t.oracle.data() + size_t(k) * V;
+  return *std::max_element(row, row + V) - row[id];
+}
+
+struct ForcedStats {
+  int tokens = 0, not_argmax = 0, over = 0;
+  float max_gap = 0, max_ratio = 0;  // ratio: gap / (2 noise), what kNoiseFactor must cover
+  void add(float gap, float noise, float tol) {
+    ++tokens;
+    not_argmax += gap > 0;
+    over += gap > tol;
+    max_gap = std::max(max_gap, gap);
+    if (gap > kGapFloor) max_ratio = std::max(max_ratio, gap / std::max(2 * noise, 1e-6f));
+  }
+  void print(const char* what) const {
+    std::printf(
+        "  %s: %d tokens, %d not the oracle's argmax, largest gap %.4f nats, largest gap / "
+        "(2 noise) %.2f, %d over the tolerance\n",
+        what, tokens, not_argmax, max_gap, max_ratio, over);
+  }
+};
+
+// The generated tokens against the oracle within the row tolerance (all positions).
+void expect_greedy_teacher_forced(const TeacherRows& t, const std::vector<GeneratedToken>& got,
+                                  const std::string& what, ForcedStats& st) {
+  ASSERT_EQ(static_cast<int>(got.size()), t.n_gen) << what;
+  const int V = static_cast<int>(t.oracle.size() / std::max(t.n_gen, 1));
+  for (int k = 0; k < t.n_gen; ++k) {
     ASSERT_GE(got[k].id, 0) << what;
-    ASSERT_LT(static_cast<size_t>(got[k].id), V) << what;
-    const float gap = best - row[got[k].id];
-    ++st.tokens;
-    st.not_argmax += gap > 0;
-    st.max_gap = std::max(st.max_gap, gap);
-    if (tolerance >= 0) {
-      EXPECT_LE(gap, tolerance) << what << ": generated token " << k << " (" << got[k].id
-                                << ") is " << gap
-                                << " below the greedy choice given the same prefix (tolerance "
-                                << tolerance << ")";
-    }
+    ASSERT_LT(got[k].id, V) << what;
+    const float gap = gap_at(t, k, got[k].id);
+    st.add(gap, t.noise[k], t.tol[k]);
+    EXPECT_LE(gap, t.tol[k]) << what << ": generated token " << k << " (" << got[k].id << ") is "
+                             << gap << " nats below the oracle's greedy choice given the same "
+                             << "prefix; correct device paths err by up to " << t.noise[k]
+                             << " at this row (tolerance " << t.tol[k] << ")";
   }
 }
 
-// The teacher-forced tolerance for this backend: the alone runs (no pressure, no batching, no
-// preemption: decode kernels one token at a time) scored against the same one-pass prefill give
-// the backend's own decode-vs-prefill noise. On the CPU that is 0, so kNearTie applies; on the GPU
-// with the tiny random model it measured up to ~1.4 nats (d_model 64: few terms per dot product,
-// so bf16 rounding is large relative to the logits; cf. the golden fixtures' max rel 7.6e-2). The
-// preempted / concurrent runs may be at most 1.5x that noise (or kNearTie): a recompute that reads
-// a wrong slot, block or stale state lands far outside it.
-float calibrated_tolerance(Backend& ref, const std::vector<GenerationRequest>& reqs,
-                           const std::vector<Collected>& alone) {
-  ForcedStats noise;
-  for (size_t i = 0; i < reqs.size(); ++i)
-    expect_greedy_teacher_forced(ref, reqs[i], alone[i].tokens, "alone", noise, -1.f);
-  const float tol = std::max(kNearTie, 1.5f * noise.max_gap);
-  std::printf(
-      "  noise (alone runs vs one-pass prefill): %d tokens, %d not the exact argmax, largest gap "
-      "%.4f nats -> tolerance %.4f\n",
-      noise.tokens, noise.not_argmax, noise.max_gap, tol);
-  return tol;
+// The controls of the file comment on the same teacher rows: a valid path outside the envelope
+// (prefill in chunks of 7: its argmax must pass) and a planted recompute bug (below: its argmax
+// must be flagged at some row of every request).
+struct ControlStats {
+  ForcedStats valid, planted;
+  int planted_requests = 0, planted_caught = 0;
+};
+void run_controls(RefBackends& ref, const GenerationRequest& r,
+                  const std::vector<GeneratedToken>& got, const TeacherRows& t, ControlStats& cs) {
+  if (got.size() < 2) return;
+  const std::vector<int32_t> seq = teacher_sequence(r, got);
+  const size_t V = static_cast<size_t>(ref.chunk7->config().vocab_size);
+  const size_t first = r.prompt.size() - 1;
+  const std::vector<float> c7 = device_rows(*ref.chunk7, seq, 0);
+  for (int k = 0; k < t.n_gen; ++k) {
+    const int32_t id = static_cast<int32_t>(argmax_of(c7.data() + (first + k) * V, V));
+    const float gap = gap_at(t, k, id);
+    cs.valid.add(gap, t.noise[k], t.tol[k]);
+    EXPECT_LE(gap, t.tol[k]) << "control (prefill in chunks of 7, a correct path): row " << k
+                             << ", envelope " << t.noise[k];
+  }
+  // Planted: a preemption after g0 generated tokens whose recompute restored the wrong state (the
+  // first p positions re-prefilled from other tokens); rows after p are checked. Requests with 16
+  // or more tokens (enough rows after the recompute).
+  if (got.size() < 16) return;
+  const int g0 = 8;
+  const size_t p = r.prompt.size() + g0;
+  std::vector<int32_t> bad = seq;
+  for (size_t j = 0; j < p; ++j) bad[j] = static_cast<int32_t>((bad[j] * 7919 + 104729) % V);
+  const std::vector<float> b = device_rows(*ref.chunk7, bad, 0);
+  int caught = 0;
+  for (int k = g0 + 1; k < t.n_gen; ++k) {  // row first + k: the query token at p - 1 + k - g0
+    const int32_t id = static_cast<int32_t>(argmax_of(b.data() + (first + k) * V, V));
+    const float gap = gap_at(t, k, id);
+    cs.planted.add(gap, t.noise[k], t.tol[k]);
+    caught += gap > t.tol[k];
+  }
+  ++cs.planted_requests;
+  cs.planted_caught += caught > 0;
 }
 
 // Submits every request at once and reads each stream on its own thread (cancel_after[i] as in
@@ -327,6 +474,33 @@ void expect_drained(Engine& eng) {
 #define REQUIRE_DEVICE() \
   if (!on_cpu()) DS_REQUIRE_GPU()
 
+// The checks shared by both tests for request i: alone-run agreement, the teacher-forced check
+// and its two controls.
+struct Checks {
+  MatchStats ms;
+  ForcedStats fs;
+  ControlStats cs;
+  RefBackends ref;
+  void check(const GenerationRequest& r, const std::vector<GeneratedToken>& got,
+             const Collected& alone, const std::string& what) {
+    if (got.empty()) return;
+    const TeacherRows t = teacher_rows(ref, r, got);
+    expect_matches_alone(got, alone, t.tol, what, ms);
+    expect_greedy_teacher_forced(t, got, what, fs);
+    run_controls(ref, r, got, t, cs);
+  }
+  void print_and_check_controls() {
+    fs.print("teacher-forced (loaded runs)");
+    cs.valid.print("control, prefill in chunks of 7 (a correct path)");
+    cs.planted.print("control, planted recompute bug (wrong state restored)");
+    std::printf("  planted bug caught in %d of %d requests\n", cs.planted_caught,
+                cs.planted_requests);
+    // A wrong prefix is a different sequence: every request must show it.
+    EXPECT_EQ(cs.planted_caught, cs.planted_requests)
+        << "the tolerance is too loose to see a recompute from the wrong sequence";
+  }
+};
+
 TEST(CudaEngine, PreemptionRecomputesAndMatchesAlone) {
   REQUIRE_DEVICE();
   std::mt19937 rng(5);
@@ -340,10 +514,7 @@ TEST(CudaEngine, PreemptionRecomputesAndMatchesAlone) {
   const std::vector<Collected> got =
       submit_and_collect(*eng, reqs, std::vector<int>(reqs.size(), -1), streams);
 
-  MatchStats ms;
-  ForcedStats fs;
-  auto ref = make_backend(1, kBigPool, 32);
-  const float tol = calibrated_tolerance(*ref, reqs, alone);
+  Checks ck;
   int preempted_requests = 0;
   for (size_t i = 0; i < reqs.size(); ++i) {
     const std::string what = "request " + std::to_string(i);
@@ -351,17 +522,15 @@ TEST(CudaEngine, PreemptionRecomputesAndMatchesAlone) {
     ASSERT_EQ(got[i].tokens.size(), 48u) << what;
     EXPECT_EQ(got[i].last.n_generated, 48) << what;
     preempted_requests += got[i].last.n_preemptions > 0;
-    expect_matches_alone(got[i].tokens, alone[i], what, ms);
-    expect_greedy_teacher_forced(*ref, reqs[i], got[i].tokens, what, fs, tol);
+    ck.check(reqs[i], got[i].tokens, alone[i], what);
   }
   const EngineStats st = eng->stats();
   std::printf(
       "  %s: %lld preemptions (%d of 8 requests preempted), %d/8 requests token-exact vs alone, "
-      "%d differ first at a near-tie (smallest margin %.4f nats)\n",
+      "%d differ first within the row tolerance (smallest alone margin there %.4f nats)\n",
       on_cpu() ? "cpu+pool" : "cuda", static_cast<long long>(st.n_preemptions), preempted_requests,
-      ms.exact, ms.near_tie, ms.near_tie ? ms.min_margin_at_diff : 0.0f);
-  std::printf("  teacher-forced: %d tokens, %d not the exact argmax, largest gap %.4f nats\n",
-              fs.tokens, fs.not_argmax, fs.max_gap);
+      ck.ms.exact, ck.ms.near_tie, ck.ms.near_tie ? ck.ms.min_margin_at_diff : 0.0f);
+  ck.print_and_check_controls();
   EXPECT_GT(st.n_preemptions, 0) << "the pool did not force a preemption";
   EXPECT_GT(preempted_requests, 0);
   expect_drained(*eng);
@@ -382,10 +551,7 @@ TEST(CudaEngine, ConcurrentWithRandomCancellations) {
   std::vector<std::shared_ptr<RequestStream>> streams;
   const std::vector<Collected> got = submit_and_collect(*eng, reqs, cancel_after, streams);
 
-  MatchStats ms;
-  ForcedStats fs;
-  auto ref = make_backend(1, kBigPool, 32);
-  const float tol = calibrated_tolerance(*ref, reqs, alone);
+  Checks ck;
   int cancelled = 0;
   for (size_t i = 0; i < reqs.size(); ++i) {
     const std::string what = "request " + std::to_string(i);
@@ -399,27 +565,318 @@ TEST(CudaEngine, ConcurrentWithRandomCancellations) {
       EXPECT_EQ(got[i].tokens.size(), static_cast<size_t>(reqs[i].max_tokens)) << what;
     }
     // Whatever came (also before a cancellation) follows the alone run.
-    if (!got[i].tokens.empty()) expect_matches_alone(got[i].tokens, alone[i], what, ms);
-    expect_greedy_teacher_forced(*ref, reqs[i], got[i].tokens, what, fs, tol);
+    ck.check(reqs[i], got[i].tokens, alone[i], what);
   }
-  std::printf("  teacher-forced: %d tokens, %d not the exact argmax, largest gap %.4f nats\n",
-              fs.tokens, fs.not_argmax, fs.max_gap);
   const EngineStats st = eng->stats();
   std::printf(
       "  %s: 32 requests, %d cancelled, %lld preemptions, %d/%d token-exact vs alone, %d differ "
-      "first at a near-tie\n",
-      on_cpu() ? "cpu+pool" : "cuda", cancelled, static_cast<long long>(st.n_preemptions), ms.exact,
-      ms.compared, ms.near_tie);
+      "first within the row tolerance\n",
+      on_cpu() ? "cpu+pool" : "cuda", cancelled, static_cast<long long>(st.n_preemptions),
+      ck.ms.exact, ck.ms.compared, ck.ms.near_tie);
   EXPECT_GT(cancelled, 0);
   expect_drained(*eng);
   EXPECT_EQ(eng->stats().n_finished[static_cast<int>(FinishReason::kCancelled)], cancelled);
 
-  // Still serving: one more request, alone on the drained engine, matches its alone run.
-  MatchStats again;
+  // Still serving: one more request, alone on the drained engine, checked like the others.
   Collected c = collect(*eng->submit(reqs[0]));
   EXPECT_EQ(c.last.finish, FinishReason::kLength);
-  expect_matches_alone(c.tokens, alone[0], "request 0 after the load", again);
+  EXPECT_EQ(c.tokens.size(), alone[0].tokens.size());
+  ck.check(reqs[0], c.tokens, alone[0], "request 0 after the load");
   expect_drained(*eng);
+  ck.print_and_check_controls();
+}
+
+// ---- CudaEngineNumerics: every device path vs the CPU fp32 oracle -----------------------------
+// The sequences the preemption test checks (its 8 prompts, each followed by the oracle's greedy
+// continuation of 48 tokens) scored by every device path: one pass, prefill in chunks of 32 / 16 /
+// 7, prompt + token-by-token decode with CUDA graphs on and off, every token its own step, and
+// (CUDA) one pass / prompt + decode with every specialised kernel switched off (the generic
+// fallbacks). Each row is compared with the CPU fp32 oracle: normalised L2, largest |error|,
+// rows whose argmax is not the oracle's and the largest such gap (what the engine test's
+// teacher-forced check sees), and where the worst row is; per layer, the same on the model cut
+// after layer 1, 2, 3 (GDN layers) and on one attention layer alone.
+// The yardstick: the same oracle run on the synthetic weights BEFORE their rounding to bf16
+// (make_synthetic_weights with F32): a half-ulp bf16 perturbation of every weight and nothing
+// else. It moves the logits as much as the device does, layer by layer (H200, 2026-11-29, at
+// 8d6522d, L2 / largest |err| vs the oracle, device one pass | unrounded weights):
+//   1 GDN layer 2.5e-2 / 1.35 | 1.6e-2 / 0.43;  2 GDN layers 5.4e-2 / 2.0 | 5.3e-2 / 2.6;
+//   3 GDN layers 1.0e-1 / 4.3 | 9.7e-2 / 3.4;   full model 1.10e-1 / 3.8 | 1.07e-1 / 3.7 (largest
+//   gap 2.12 | 2.21 nats);  attention layer alone 8.9e-3 / 0.07 | 6.8e-3 / 0.05,
+// and every device path (prefill, decode, graphs, generic kernels) errs the same (L2 1.00e-1 to
+// 1.10e-1). So the 1-2 nat gaps of the engine test are this random model's conditioning, not a
+// kernel bug: its GDN layers amplify bf16-sized changes ~10x (e.g. the gated RMSNorm of a GDN
+// output that nearly cancels: o = beta (q.k) v at a token whose q.k is near 0 flips sign under
+// any rounding). A path with a real bug (a wrong index, state or boundary) errs far beyond the
+// yardstick: the bound is kPathFactor x the yardstick's L2 (measured ratio <= 1.6). Also printed:
+// row errors per position class (page starts, chunk starts, prompt vs generated rows: a boundary
+// bug shows there) and against the yardstick row by row (e/s). Graphs on and off bit-identical.
+constexpr double kPathFactor = 2.5;
+
+struct NumSeq {
+  std::vector<int32_t> tokens;
+  int n_prompt = 0;
+};
+
+std::vector<NumSeq> numerics_sequences(const CpuModel& m) {
+  std::mt19937 rng(5);
+  std::vector<NumSeq> out;
+  const size_t V = static_cast<size_t>(m.config().vocab_size);
+  for (int i = 0; i < 8; ++i) {
+    NumSeq s;
+    s.tokens = make_request(rng, 20 + 6 * i, 48).prompt;
+    s.n_prompt = static_cast<int>(s.tokens.size());
+    CpuSeqState st = m.new_state();
+    std::vector<float> l;
+    m.forward(st, s.tokens, 0, false, l);
+    for (int k = 0; k + 1 < 48; ++k) {
+      const int32_t t = static_cast<int32_t>(argmax_of(l.data() + l.size() - V, V));
+      s.tokens.push_back(t);
+      l.clear();
+      m.forward(st, std::span<const int32_t>(&s.tokens.back(), 1), 0, false, l);
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// Errors of one path against the oracle over all rows of all sequences.
+struct PathErr {
+  std::string name;
+  double num = 0, den = 0;
+  float max_abs = 0, max_gap = 0;
+  int rows = 0, not_argmax = 0, worst_seq = -1, worst_pos = -1;
+  std::vector<float> row_err;  // per row, max |path - oracle|
+  std::vector<int> row_pos, row_prompt;
+  void add(const std::vector<float>& got, const std::vector<float>& ref, size_t V, int seq,
+           int n_prompt) {
+    ASSERT_EQ(got.size(), ref.size()) << name;
+    for (size_t r = 0; r < ref.size() / V; ++r) {
+      const float* g = got.data() + r * V;
+      const float* o = ref.data() + r * V;
+      float e = 0;
+      for (size_t v = 0; v < V; ++v) {
+        const double d = double(g[v]) - o[v];
+        num += d * d;
+        den += double(o[v]) * o[v];
+        e = std::isfinite(g[v]) ? std::max(e, float(std::fabs(d))) : INFINITY;
+      }
+      const float gap = o[argmax_of(o, V)] - o[argmax_of(g, V)];
+      not_argmax += gap > 0;
+      max_gap = std::max(max_gap, gap);
+      if (e > max_abs) {
+        max_abs = e;
+        worst_seq = seq;
+        worst_pos = static_cast<int>(r);
+      }
+      row_err.push_back(e);
+      row_pos.push_back(static_cast<int>(r));
+      row_prompt.push_back(static_cast<int>(r) < n_prompt - 1);
+      ++rows;
+    }
+  }
+  double l2() const { return std::sqrt(num / std::max(den, 1e-30)); }
+};
+
+// Max and mean of the row errors over the rows where pred(i) holds.
+std::string row_class(const PathErr& e, const std::function<bool(size_t)>& pred) {
+  float mx = 0;
+  double sum = 0;
+  int n = 0;
+  for (size_t i = 0; i < e.row_err.size(); ++i) {
+    if (!pred(i)) continue;
+    mx = std::max(mx, e.row_err[i]);
+    sum += e.row_err[i];
+    ++n;
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.3f/%.3f (%d)", n ? sum / n : 0.0, mx, n);
+  return buf;
+}
+
+// Row error relative to the sensitivity s_r: quantiles of e_r / s_r and the correlation of the
+// logs (s_r floored at 1e-3).
+std::string vs_sensitivity(const PathErr& e, const PathErr& s) {
+  if (e.row_err.size() != s.row_err.size() || e.row_err.empty()) return "-";
+  std::vector<double> ratio, le, ls;
+  for (size_t i = 0; i < e.row_err.size(); ++i) {
+    const double si = std::max(s.row_err[i], 1e-3f), ei = std::max(e.row_err[i], 1e-6f);
+    ratio.push_back(ei / si);
+    le.push_back(std::log(ei));
+    ls.push_back(std::log(si));
+  }
+  std::sort(ratio.begin(), ratio.end());
+  const size_t n = le.size();
+  double me = 0, ms = 0;
+  for (size_t i = 0; i < n; ++i) me += le[i] / n, ms += ls[i] / n;
+  double cov = 0, ve = 0, vs = 0;
+  for (size_t i = 0; i < n; ++i) {
+    cov += (le[i] - me) * (ls[i] - ms);
+    ve += (le[i] - me) * (le[i] - me);
+    vs += (ls[i] - ms) * (ls[i] - ms);
+  }
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "e/s median %.2f p99 %.2f max %.2f, corr(log e, log s) %.2f",
+                ratio[n / 2], ratio[std::min(n - 1, n * 99 / 100)], ratio.back(),
+                cov / std::sqrt(std::max(ve * vs, 1e-30)));
+  return buf;
+}
+
+void print_path(const PathErr& e, const PathErr* sens) {
+  std::printf("  %-34s L2 %.3e max|err| %.3f (seq %d row %d) not-argmax %3d/%d max gap %.3f\n",
+              e.name.c_str(), e.l2(), e.max_abs, e.worst_seq, e.worst_pos, e.not_argmax, e.rows,
+              e.max_gap);
+  if (!sens) return;
+  const auto& pos = e.row_pos;
+  std::printf(
+      "  %-34s mean/max|err| (rows): page starts %s, others %s; chunk-32 starts %s; prompt rows "
+      "%s, generated rows %s\n",
+      "", row_class(e, [&](size_t i) { return pos[i] % kPage == 0; }).c_str(),
+      row_class(e, [&](size_t i) { return pos[i] % kPage != 0; }).c_str(),
+      row_class(e, [&](size_t i) { return pos[i] % 32 == 0; }).c_str(),
+      row_class(e, [&](size_t i) { return e.row_prompt[i] != 0; }).c_str(),
+      row_class(e, [&](size_t i) { return e.row_prompt[i] == 0; }).c_str());
+  std::printf("  %-34s %s\n", "", vs_sensitivity(e, *sens).c_str());
+}
+
+struct PathSpec {
+  std::string name;
+  int chunk;
+  int mode;  // 0: one pass, 1: prompt + decode, 2: every token its own step
+  bool graphs = true, generic = false, cuda_only = false;
+};
+
+std::unique_ptr<Backend> make_numerics_backend(const HostWeights& w, const PathSpec& p) {
+  BackendOptions o;
+  o.n_slots = 1;
+  o.chunk_size = p.chunk;
+  if (on_cpu()) {
+    o.device = "cpu";
+    o.max_seq_len = 512;
+    return std::make_unique<CpuBackend>(w, o);
+  }
+  o.device = "cuda";
+  CudaEngineOptions e;
+  e.verbose = false;
+  e.page_size = kPage;
+  e.max_kv_tokens = 4096;
+  e.cuda_graphs = p.graphs;
+  if (p.generic) e.disable_kernels = "all";
+  return make_cuda_backend(o, w, e);
+}
+
+// One model (synthetic weights of `seed`): every path against the oracle, printed, after the
+// yardsticks (out[0]: unrounded fp32 weights; out[1]: the residual stream rounded to bf16 after
+// every layer); returns the errors.
+std::vector<PathErr> run_paths(const HostWeights& w, uint64_t seed, const std::vector<NumSeq>& seqs,
+                               const std::vector<PathSpec>& paths, bool print_classes,
+                               std::vector<std::vector<float>>* graphs_on_rows = nullptr) {
+  const size_t V = static_cast<size_t>(w.config.vocab_size);
+  CpuModel m(w);
+  std::vector<std::vector<float>> ref;
+  for (const NumSeq& s : seqs) {
+    CpuSeqState st = m.new_state();
+    ref.emplace_back();
+    m.forward(st, s.tokens, 0, true, ref.back());
+  }
+  std::vector<PathErr> out;
+  auto oracle_variant = [&](const std::string& name, const HostWeights& wv,
+                            CpuModel::LayerProbe probe) {
+    CpuModel pm(wv);
+    if (probe) pm.set_layer_probe(std::move(probe));
+    PathErr e;
+    e.name = name;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      CpuSeqState st = pm.new_state();
+      std::vector<float> l;
+      pm.forward(st, seqs[i].tokens, 0, true, l);
+      e.add(l, ref[i], V, static_cast<int>(i), seqs[i].n_prompt);
+    }
+    return e;
+  };
+  const HostWeights unrounded = make_synthetic_weights(w.config, seed, DType::kF32);
+  out.push_back(oracle_variant("cpu: unrounded fp32 weights", unrounded, nullptr));
+  const int d = w.config.d_model;
+  // The probe's buffer is the forward's own (non-const) residual stream.
+  auto round_residual = [d](int, int n, const float* x) {
+    float* y = const_cast<float*>(x);
+    for (int i = 0; i < n * d; ++i) y[i] = round_bf16(y[i]);
+  };
+  out.push_back(oracle_variant("cpu: residual -> bf16 per layer", w, round_residual));
+  for (const PathErr& e : out) print_path(e, nullptr);
+  for (const PathSpec& p : paths) {
+    if (p.cuda_only && on_cpu()) continue;
+    auto b = make_numerics_backend(w, p);
+    PathErr e;
+    e.name = (on_cpu() ? "cpu: " : "cuda: ") + p.name;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const int n_prompt = p.mode == 0 ? 0 : p.mode == 1 ? seqs[i].n_prompt : 1;
+      std::vector<float> l = device_rows(*b, seqs[i].tokens, n_prompt);
+      e.add(l, ref[i], V, static_cast<int>(i), seqs[i].n_prompt);
+      if (graphs_on_rows && p.mode == 1 && p.chunk == 32 && !p.generic) {
+        if (p.graphs) {
+          graphs_on_rows->push_back(l);
+        } else if (i < graphs_on_rows->size()) {
+          EXPECT_EQ(std::memcmp(l.data(), (*graphs_on_rows)[i].data(), l.size() * sizeof(float)), 0)
+              << "prompt + decode: graphs on and off differ (sequence " << i << ")";
+        }
+      }
+    }
+    print_path(e, print_classes ? &out[0] : nullptr);
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+TEST(CudaEngineNumerics, EveryPathVsCpuOracle) {
+  REQUIRE_DEVICE();
+  const std::vector<NumSeq> seqs = numerics_sequences(oracle());
+  const std::vector<PathSpec> paths = {
+      {"one pass (chunk 4096)", 4096, 0},
+      {"prefill chunk 32", 32, 0},
+      {"prefill chunk 16", 16, 0},
+      {"prefill chunk 7", 7, 0},
+      {"prompt + decode, graphs", 32, 1, true},
+      {"prompt + decode, no graphs", 32, 1, false, false, true},
+      {"every token its own step", 32, 2},
+      {"generic kernels: one pass", 4096, 0, true, true, true},
+      {"generic kernels: prompt + decode", 32, 1, false, true, true},
+  };
+  std::printf("  full model (3 GDN + 1 attention), %zu sequences of 68-110 tokens:\n", seqs.size());
+  std::vector<std::vector<float>> graph_rows;
+  const std::vector<PathErr> full = run_paths(weights(), 11, seqs, paths, true, &graph_rows);
+  for (size_t i = 2; i < full.size(); ++i) {
+    EXPECT_LT(full[i].l2(), kPathFactor * full[0].l2()) << full[i].name;
+    EXPECT_TRUE(std::isfinite(full[i].max_abs)) << full[i].name;
+  }
+  // Per layer: the model cut after layer 1..3 (GDN layers), and one attention layer alone.
+  const std::vector<PathSpec> few = {
+      {"one pass", 4096, 0},
+      {"prefill chunk 16", 16, 0},
+      {"prompt + decode", 32, 1},
+      {"generic kernels: prompt + decode", 32, 1, false, true, true}};
+  for (int cut = 1; cut <= 4; ++cut) {
+    ModelConfig c = tiny_model_config();
+    if (cut < 4) {
+      c.n_layers = cut;
+      c.layer_types.resize(cut);
+    } else {
+      c.n_layers = 1;
+      c.layer_types = {LayerType::kFull};
+    }
+    const HostWeights w = make_synthetic_weights(c, 11);
+    if (cut < 4) {
+      std::printf("  cut after layer %d (%d GDN layer%s):\n", cut, cut, cut > 1 ? "s" : "");
+    } else {
+      std::printf("  one attention layer alone:\n");
+    }
+    try {
+      const std::vector<PathErr> e = run_paths(w, 11, seqs, few, false);
+      for (size_t i = 2; i < e.size(); ++i)
+        EXPECT_LT(e[i].l2(), kPathFactor * e[0].l2()) << e[i].name << ", cut " << cut;
+    } catch (const Error& err) {
+      std::printf("    (not run: %s)\n", err.what());
+    }
+  }
 }
 
 }  // namespace

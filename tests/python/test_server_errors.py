@@ -222,25 +222,37 @@ def test_slow_loris_clients_are_dropped_and_others_served(server):
 
 def test_other_requests_unaffected(server):
     """A long streaming request runs while the bad-input suite hammers the server; its text equals
-    the same request made alone afterwards."""
+    the same request made alone afterwards. The suite starts once the stream's first chunk came,
+    and the stream must still be running after the first bad request was answered (240 tokens:
+    ~40 ms even on the GPU engine, against ~1 ms per bad request), so the two really overlap."""
     from openai import OpenAI
     client = OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=120)
-    kw = dict(model="m", prompt="steady", max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(model="m", prompt="steady", max_tokens=240, temperature=0, extra_body={"ignore_eos": True})
     got = {}
+    started = threading.Event()
 
     def stream():
-        got["text"] = "".join(ch.choices[0].text for ch in client.completions.create(stream=True, **kw)
-                              if ch.choices)
+        text = ""
+        for ch in client.completions.create(stream=True, **kw):
+            if ch.choices:
+                text += ch.choices[0].text
+                got["last_chunk"] = time.time()
+                started.set()
+        got["text"] = text
 
     t = threading.Thread(target=stream)
     t.start()
+    assert started.wait(timeout=60)
+    first_answered = None
     for body, status, param in BAD_COMPLETIONS[:20]:
         s, b = server.request("POST", "/v1/completions", body)
+        first_answered = first_answered or time.time()
         check_error(s, b, status, param=param)
     for body, status, param in BAD_CHATS[:8]:
         s, b = server.request("POST", "/v1/chat/completions", body)
         check_error(s, b, status, param=param)
     t.join(timeout=120)
+    assert got["last_chunk"] > first_answered, "the stream ended before the bad requests came"
     assert got["text"] == client.completions.create(**kw).choices[0].text
     m = server.metrics()
     assert m["deltaserve_state_slots_used"] == 0
