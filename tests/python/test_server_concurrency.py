@@ -25,6 +25,7 @@ pytestmark = requires_server
 N_CLIENTS = 32
 MAX_TOKENS = 16
 LONG_TOKENS = 3000  # with --max-model-len 4096: seconds of generation even on the GPU engine
+GENERATED = "deltaserve_engine_generation_tokens_total"  # every token the engine made
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,9 @@ def test_32_streaming_clients_with_cancellations(server):
     # The clients that cancel ask for LONG_TOKENS, so their requests are still generating when they
     # leave on every engine (the server must notice and cancel them). Their alone text is longer
     # than what they can read first (a chunk holds every token made since the last write).
-    alone = [client.completions.create(model="m", prompt=prompt_of(i), max_tokens=64 if i in cancel_after else MAX_TOKENS,
-                                       temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    alone = [client.completions.create(model="m", prompt=prompt_of(i), temperature=0,
+                                       max_tokens=64 if i in cancel_after else MAX_TOKENS,
+                                       extra_body={"ignore_eos": True}).choices[0].text
              for i in range(N_CLIENTS)]
     before = server.metrics()
     results = [None] * N_CLIENTS
@@ -116,7 +118,7 @@ def test_32_streaming_clients_with_cancellations(server):
     # Every cancelling client's request was still running when it left, and the server cancelled it
     # (none ran on to LONG_TOKENS: far fewer tokens than that were generated in all).
     assert m[cancelled] - before[cancelled] == len(cancel_after), (m[cancelled], before[cancelled])
-    generated = m["deltaserve_generation_tokens_total"] - before["deltaserve_generation_tokens_total"]
+    generated = m[GENERATED] - before[GENERATED]
     assert generated < (N_CLIENTS - len(cancel_after)) * MAX_TOKENS + len(cancel_after) * LONG_TOKENS // 2, generated
     assert m['deltaserve_request_finished_total{finish_reason="error"}'] == 0
     assert m["deltaserve_state_slots_total"] == 8
@@ -143,7 +145,7 @@ def test_dropped_nonstreaming_request_frees_its_slot(server):
     m = wait_drained(server, timeout=5)
     assert time.time() - t0 < 5
     assert m[cancelled] - before[cancelled] == 1
-    generated = m["deltaserve_generation_tokens_total"] - before["deltaserve_generation_tokens_total"]
+    generated = m[GENERATED] - before[GENERATED]
     assert generated < LONG_TOKENS // 2, generated
     assert server.healthy()
 
