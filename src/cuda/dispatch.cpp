@@ -158,21 +158,29 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // 512 (its 8-token conv blocks under-fill the GPU), scan_mma wins at 512 and 4096, both lose to
   // the generic kernels at 64 tokens.
   // slice_scan (gdn_prefill_slice.cu): the state pass alone on the sequential path, split over
-  // 64-column slices of each head's state; the output + gated norm parallel over chunks. H200
-  // (cuda_gdn_test Timing, one sequence, carried state), ms: 64 tokens 0.061 vs generic 0.073,
-  // 512 0.115 vs scan_mma 0.151, 2048 0.352 vs wymma_scan_x2 0.489, 4096 0.600 vs 0.897, 8192
-  // 1.124 vs 1.746. slice_scan_v32 (32-column slices) is slower at every size (0.625 at 4096):
-  // after it, so never picked; kept for the A/B in the tests and timings.
+  // 64-column slices of each head's state; the output + gated norm parallel over chunks (8-warp
+  // CTAs). H200 (cuda_gdn_test Timing, one sequence, carried state), ms per layer: 64 tokens
+  // 0.052 vs generic 0.072, 512 0.108 vs scan_mma 0.151, 2048 0.314 vs wymma_scan_x2 0.491, 4096
+  // 0.565 vs 0.897, 8192 1.071 vs 1.743. slice_scan_o4 (4-warp output CTAs: 0.592 at 4096) and
+  // slice_scan_v32 (32-column slices: 0.615) are slower at every size: after it, never picked,
+  // kept for the A/B in the tests and timings. Rejected (slower, removed): the state pass with
+  // each warp pair splitting k (274 vs 177 us at 4096 tokens).
   r.add({F::kGdnPrefill, "slice_scan",
          "d_k = d_v = 128, >= 64 tokens: WY on register mma.sync (tf32 off-diagonal inverse), state "
          "pass split over 64-column slices (snapshots + V_new), output + gated norm parallel over "
-         "chunks (gdn_prefill_slice.cu)",
+         "chunks in 8-warp CTAs (gdn_prefill_slice.cu)",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 64;
+         }});
+  r.add({F::kGdnPrefill, "slice_scan_o4",
+         "slice_scan with 4-warp output CTAs (16 rows x 128 columns per warp; slower on the H200, "
+         "never picked while slice_scan is on)",
          [](const ShapeKey& k) {
            return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 64;
          }});
   r.add({F::kGdnPrefill, "slice_scan_v32",
-         "slice_scan with 32-column state slices (twice the CTAs and K / W reads; slower on the "
-         "H200, never picked while slice_scan is on)",
+         "slice_scan_o4 with 32-column state slices (twice the CTAs and K / W reads; slower on "
+         "the H200, never picked while slice_scan is on)",
          [](const ShapeKey& k) {
            return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 64;
          }});

@@ -1019,29 +1019,37 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   // register-resident scan per (sequence, head); "wymma_scan_x2" = 8-token conv blocks, the WY
   // stage on register mma.sync, and the scan split over a 2-CTA cluster per head; "wymma_scan" =
   // the generic conv, the register WY stage and scan_mma's scan.
-  // "slice_scan" / "slice_scan_v32" (gdn_prefill_slice.cu): the register WY stage, then the state
-  // pass split over 64- / 32-column slices of each head's state and the output + gated norm
-  // parallel over chunks; the 8-token conv blocks from 2048 tokens on (they under-fill the GPU on
-  // shorter chunks).
+  // "slice_scan*" (gdn_prefill_slice.cu): the register WY stage (tf32 off-diagonal inverse), then
+  // the state pass split over 64-column slices of each head's state (v32: 32) and the output +
+  // gated norm parallel over chunks (slice_scan: 8-warp output CTAs; _o4, _v32: 4 warps).
   int scan_split = 0;  // 0: the generic state pass + output kernels
-  int slice = 0;       // > 0: gdn_prefill_slice.cu's state pass with this many columns per CTA
-  bool wy_mma = false, conv_multi = false;
+  bool slice = false;  // gdn_prefill_slice.cu's state pass and output
+  GdnSliceState slice_state = GdnSliceState::kV64;
+  int slice_out_warps = 4;
+  bool wy_mma = false, conv_multi = false, conv_wide = false;
   if (d128 && dispatch != nullptr && gdn_scan_supported(s, w, pool, proj, out)) {
     const std::string& v =
         dispatch->select(KernelFamily::kGdnPrefill, dispatch->key(s.d_k, s.d_v, n_tokens, n_seqs))
             .name;
-    if ((v == "slice_scan" || v == "slice_scan_v32") &&
-        gdn_slice_supported(s, w, pool, proj, out)) {
-      slice = v == "slice_scan" ? 64 : 32;
-      wy_mma = true;
+    if (v.rfind("slice_scan", 0) == 0 && gdn_slice_supported(s, w, pool, proj, out)) {
+      slice = true;
+      // Conv: 8-token blocks from 2048 tokens on (H200, 4096 tokens: 104 us vs 114 for the wide
+      // grid), the wide grid below (the 8-token blocks under-fill the GPU on short chunks).
       conv_multi = n_tokens >= 2048 && gdn_conv_prep_multi_supported(s, w, pool, proj);
+      conv_wide = !conv_multi && gdn_conv_prep_multi_supported(s, w, pool, proj);
+      slice_state = v == "slice_scan_v32" ? GdnSliceState::kV32 : GdnSliceState::kV64;
+      slice_out_warps = v == "slice_scan" ? 8 : 4;
+      wy_mma = true;
     } else {
       wy_mma = v == "wymma_scan_x2" || v == "wymma_scan";
       scan_split = v == "wymma_scan_x2" ? 2 : v == "scan_mma" || v == "wymma_scan" ? 1 : 0;
       conv_multi = scan_split == 2 && gdn_conv_prep_multi_supported(s, w, pool, proj);
     }
   }
-  if (conv_multi) {
+  if (conv_wide) {
+    launch_gdn_conv_prep_wide(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens,
+                              ws.qkv, ws.g, ws.beta, stream);
+  } else if (conv_multi) {
     launch_gdn_conv_prep_multi(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens,
                                ws.qkv, ws.g, ws.beta, stream);
   } else {
@@ -1077,15 +1085,16 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   };
   if (wy_mma)
     launch_gdn_wy_mma(s, reinterpret_cast<const int4*>(ws.chunks), max_chunks, ws.qkv, ws.g,
-                      ws.beta, ws.w, ws.u, stream, /*tf32_offdiag=*/slice > 0);
+                      ws.beta, ws.w, ws.u, stream, /*tf32_offdiag=*/slice);
   else if (d128)
     run_wy(gdn_wy_kernel<128, 128>);
   else
     run_wy(gdn_wy_kernel<0, 0>);
-  if (slice > 0) {
+  if (slice) {
     launch_gdn_slice_scan(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs,
                           reinterpret_cast<const int4*>(ws.chunks), ws.seq_chunk0, max_chunks,
-                          ws.qkv, ws.g, ws.w, ws.u, ws.h, out, slice, stream);
+                          ws.qkv, ws.g, ws.w, ws.u, ws.h, out, slice_state, slice_out_warps,
+                          stream);
     return;
   }
   if (scan_split > 0) {

@@ -1,6 +1,7 @@
-// GDN prompt path, Hopper kernels for d_k = d_v = 128: the kGdnPrefill variants "slice_scan" and
-// "slice_scan_v32" of dispatch.cpp (gdn_prefill.cu runs them after the 8-token conv and the
-// register WY kernel of gdn_prefill_sm90.cu). The FLA / FlashInfer split of the chunked delta rule:
+// GDN prompt path, Hopper kernels for d_k = d_v = 128: the kGdnPrefill variants "slice_scan",
+// "slice_scan_o4" and "slice_scan_v32" of dispatch.cpp (gdn_prefill.cu runs them after the conv
+// kernel and the register WY kernel of gdn_prefill_sm90.cu). The FLA / FlashInfer split of the
+// chunked delta rule:
 //  - gdn_state_slice_kernel: the only sequential stage, the inter-chunk state pass, split over
 //    slices of NW * 16 value columns of each head's state (the rows of h^T are independent given
 //    W, U and K), so 48 heads x 128 / (16 NW) CTAs share the SMs (96 for NW = 4, 192 for NW = 2,
@@ -10,25 +11,28 @@
 //    V_new (bf16) overwrites U in place (each warp its own columns). K, W, this slice's U columns
 //    and gamma of the next chunk stream in with cp.async (double buffer). Nothing else is on the
 //    sequential path: no P, no output, no norm (gdn_scan_kernel did all of it per warp, ~3300
-//    instructions per chunk with one warp per scheduler; this one does ~450).
-//  - gdn_chunk_out_kernel: the output, fully parallel over chunks x heads (one CTA of 4 warps, warp
-//    w = rows [16 w, 16 w + 16) of the chunk, all 128 value columns): P = causal(Q K^T) *
-//    e^(gamma_i - gamma_j), O = e^gamma (Q h_c) + P V_new, then the gated RMSNorm (row sums by quad
-//    shuffles) with z staged in shared memory, y written as bf16.
+//    instructions per chunk with one warp per scheduler; this one does ~700).
+//  - gdn_chunk_out_kernel<VS>: the output, fully parallel over chunks x heads, one CTA of 4 VS
+//    warps per (chunk, head): warp w = rows [16 (w % 4), + 16) of the chunk and 128 / VS value
+//    columns; P = causal(Q K^T) * e^(gamma_i - gamma_j) (formed while h_c, V_new and z are still
+//    landing: two cp.async groups), O = e^gamma (Q h_c) + P V_new, then the gated RMSNorm (row sums
+//    by quad shuffles, VS = 2: plus the partner warp's through shared memory), y written as bf16.
 // Precision as FLA and the other variants: bf16 operands (h_c, V_new, P, Q, K, W, U), fp32
 // accumulators, state and gamma. Workspace: gdn_prefill.cu's h snapshot region ([chunk, head, v,
 // k] bf16, the generic layout) and U (V_new after the pass).
-// Shared memory: state pass 88.6 KB (NW 4) / 80.4 KB (NW 2); output 104.7 KB (2 CTAs per SM).
+// Shared memory: state pass 88.6 KB (NW 4) / 80.4 KB (NW 2); output 105 KB (2 CTAs per SM).
 //
 // Measured on the H200 (2026-11-29, cuda_gdn_test PrefillStageTiming / Timing: CUDA-event
-// medians, 27B shapes, one sequence with carried state), at 4096 tokens in us: conv_prep_multi
-// 104, wy_mma with tf32 off-diagonal blocks 144 (183 with the SIMT rounds), state pass 177 (64-
-// column slices; 202 with 32), output 182: 0.600 ms per layer vs 0.897 for wymma_scan_x2 (whose
-// fused scan alone takes 611). 512 tokens 0.115 ms, 8192 1.124. The state pass is still
-// latency-bound (~2.8 us per chunk step for ~700 instructions per warp, one warp per scheduler);
-// the output kernel moves ~300 MB (the bf16 snapshots are 100 MB of it) at ~1.7 TB/s.
-// Test: tests/cuda/cuda_gdn_test.cpp (every prefill case runs each variant, forced for all
-// lengths); bench: `deltaserve bench kernels --only gdn_prefill`.
+// medians, 27B shapes, one sequence with carried state), per stage at 4096 tokens in us:
+//   conv_prep_multi 104 (generic 107, the wide grid 114), wy_mma tf32 path 126 (SIMT 180),
+//   state pass 177 (32-column slices 200; a warp pair splitting k, tried: 274), output 156 with
+//   8 warps per CTA (180 with 4; ncu: 59% of memory throughput),
+// vs wymma_scan_x2's fused scan alone 610. Whole layer (ms): 64 tokens 0.052, 512 0.108, 2048
+// 0.314, 4096 0.565, 8192 1.071 (wymma_scan_x2: 0.093, 0.187, 0.491, 0.897, 1.743). The state pass
+// is latency-bound (~2.8 us per chunk step, one warp per scheduler); the output moves ~300 MB per
+// 4096 tokens, 100 MB of it the bf16 snapshots. Test: tests/cuda/cuda_gdn_test.cpp (every prefill
+// case runs each variant, forced for all lengths); bench: `deltaserve bench kernels --only
+// gdn_prefill`.
 #include "cuda/cuda_common.h"
 #include "cuda/gdn_chunk.cuh"
 #include "cuda/gdn_prefill_sm90.h"
@@ -45,6 +49,11 @@ using gdn_tile::kD;
 using gdn_tile::kLd;
 
 constexpr size_t kTileBytes = sizeof(bf16) * kC * kLd;  // one [64][kLd] bf16 tile
+
+// bar.sync on barrier `id` (1..15; 0 is __syncthreads) for `n_threads` threads (whole warps).
+__device__ __forceinline__ void named_barrier_sync(int id, int n_threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n_threads) : "memory");
+}
 
 // ---- state pass ---------------------------------------------------------------------------------
 template <int NW>
@@ -216,15 +225,18 @@ __global__ void __launch_bounds__(SliceCfg<NW>::kThreads)
 }
 
 // ---- output -------------------------------------------------------------------------------------
+template <int VS>
 struct OutCfg {
-  static constexpr int kThreads = 128;
+  static constexpr int kThreads = 128 * VS;
   static constexpr size_t kQ = 0, kK = kTileBytes, kV = 2 * kTileBytes, kZ = 3 * kTileBytes;
   static constexpr size_t kH = 4 * kTileBytes;                  // [128 v][kLd] bf16
   static constexpr size_t kGam = kH + sizeof(bf16) * kD * kLd;  // [64] fp32
-  static constexpr size_t kTotal = kGam + sizeof(float) * kC;
+  static constexpr size_t kSs = kGam + sizeof(float) * kC;  // [8 warps][16 rows] row sums (VS 2)
+  static constexpr size_t kTotal = kSs + sizeof(float) * 8 * 16;
 };
 
-__global__ void __launch_bounds__(OutCfg::kThreads)
+template <int VS>
+__global__ void __launch_bounds__(OutCfg<VS>::kThreads)
     gdn_chunk_out_kernel(GdnShape s, GdnLayerWeights wts,
                          const int4* __restrict__ chunks,  // [max_chunks] {seq, t0, n, index}
                          const bf16* __restrict__ proj,    // [n_tokens, in_dim] (z)
@@ -234,6 +246,8 @@ __global__ void __launch_bounds__(OutCfg::kThreads)
                          const bf16* __restrict__ h_snap,  // [max_chunks, n_v, 128 v, 128 k]
                          bf16* __restrict__ out)           // [n_tokens, n_v * 128]
 {
+  using L = OutCfg<VS>;
+  constexpr int kNj = 16 / VS;  // 8-column tiles of O per warp
   const int4 ci = chunks[blockIdx.x];
   if (ci.x < 0) return;
   const int hv = blockIdx.y;
@@ -243,118 +257,160 @@ __global__ void __launch_bounds__(OutCfg::kThreads)
   const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim(), out_dim = s.out_dim();
   const bool norm = wts.norm_w != nullptr;
   extern __shared__ __align__(128) unsigned char smem[];
-  bf16* q_s = reinterpret_cast<bf16*>(smem + OutCfg::kQ);
-  bf16* k_s = reinterpret_cast<bf16*>(smem + OutCfg::kK);
-  bf16* v_s = reinterpret_cast<bf16*>(smem + OutCfg::kV);
-  bf16* z_s = reinterpret_cast<bf16*>(smem + OutCfg::kZ);
-  bf16* h_s = reinterpret_cast<bf16*>(smem + OutCfg::kH);
-  float* gam = reinterpret_cast<float*>(smem + OutCfg::kGam);
+  bf16* q_s = reinterpret_cast<bf16*>(smem + L::kQ);
+  bf16* k_s = reinterpret_cast<bf16*>(smem + L::kK);
+  bf16* v_s = reinterpret_cast<bf16*>(smem + L::kV);
+  bf16* z_s = reinterpret_cast<bf16*>(smem + L::kZ);
+  bf16* h_s = reinterpret_cast<bf16*>(smem + L::kH);
+  float* gam = reinterpret_cast<float*>(smem + L::kGam);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
+  const int rb = warp & 3;                        // row block: rows [16 rb, 16 rb + 16)
+  const int vo = VS == 2 ? 64 * (warp >> 2) : 0;  // first of this warp's 128 / VS columns
+  float* ssb = reinterpret_cast<float*>(smem + L::kSs);
 
-  for (int e = tid; e < kC * (kD / 8); e += OutCfg::kThreads) {
+  // Two cp.async groups: Q, K (for P), then V_new, z and the snapshot h_c, which land while the
+  // warps form P.
+  for (int e = tid; e < kC * (kD / 8); e += L::kThreads) {
+    const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
+    const bool ok = r < n;
+    const bf16* qkv_row = qkv + (row0 + (ok ? r : 0)) * qkv_dim;
+    cp_async16(q_s + r * kLd + col, qkv_row + hk * kD + col, ok);
+    cp_async16(k_s + r * kLd + col, qkv_row + (s.n_k_heads + hk) * kD + col, ok);
+  }
+  cp_async_commit();
+  for (int e = tid; e < kC * (kD / 8); e += L::kThreads) {
     const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
     const bool ok = r < n;
     const int64_t row = row0 + (ok ? r : 0);
-    const bf16* qkv_row = qkv + row * qkv_dim;
-    cp_async16(q_s + r * kLd + col, qkv_row + hk * kD + col, ok);
-    cp_async16(k_s + r * kLd + col, qkv_row + (s.n_k_heads + hk) * kD + col, ok);
     cp_async16(v_s + r * kLd + col, vn_mat + (row * n_v + hv) * kD + col, ok);
     if (norm) cp_async16(z_s + r * kLd + col, proj + row * in_dim + qkv_dim + hv * kD + col, ok);
   }
   const bf16* hsrc = h_snap + (static_cast<int64_t>(blockIdx.x) * n_v + hv) * (kD * kD);
-  for (int e = tid; e < kD * (kD / 8); e += OutCfg::kThreads) {
+  for (int e = tid; e < kD * (kD / 8); e += L::kThreads) {
     const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
     cp_async16(h_s + r * kLd + col, hsrc + r * kD + col, true);
   }
   cp_async_commit();
   if (tid < kC) gam[tid] = gamma[(row0 + min(tid, n - 1)) * n_v + hv];  // held past the end
-  cp_async_wait_all();
-  __syncthreads();
-  if (16 * warp >= n) return;  // no valid row in this warp's 16 (no barrier follows)
+  cp_async_wait<1>();
+  __syncthreads();                  // Q, K and gamma are in
+  const bool active = 16 * rb < n;  // a valid row among this warp's 16
 
   // Q rows [16 w, 16 w + 16) as A fragments (k-steps of 16).
   uint32_t qa[8][4];
+  uint32_t pa[4][4];  // P as A fragments (k-steps of 16 columns t')
+  float grow[2];      // gamma of this thread's two rows
+  if (active) {
 #pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks)
-    ldsm_x4(qa[ks], q_s + (16 * warp + (lane & 15)) * kLd + 16 * ks + (lane >> 4) * 8);
+    for (int ks = 0; ks < kD / 16; ++ks)
+      ldsm_x4(qa[ks], q_s + (16 * rb + (lane & 15)) * kLd + 16 * ks + (lane >> 4) * 8);
 
-  // ---- P [16 t, 64 t'] = causal(Q K^T) e^(gamma_t - gamma_t'): column tiles jt <= 2 w + 1.
-  float pacc[8][4];
+    // ---- P [16 t, 64 t'] = causal(Q K^T) e^(gamma_t - gamma_t'): column tiles jt <= 2 w + 1.
+    float pacc[8][4];
 #pragma unroll
-  for (int jt = 0; jt < 8; ++jt) pacc[jt][0] = pacc[jt][1] = pacc[jt][2] = pacc[jt][3] = 0.f;
+    for (int jt = 0; jt < 8; ++jt) pacc[jt][0] = pacc[jt][1] = pacc[jt][2] = pacc[jt][3] = 0.f;
 #pragma unroll
-  for (int ks = 0; ks < kD / 16; ++ks) {
+    for (int ks = 0; ks < kD / 16; ++ks) {
+#pragma unroll
+      for (int jt = 0; jt < 8; ++jt) {
+        if (jt <= 2 * rb + 1) {
+          uint32_t bb[2];
+          ldsm_x2(bb, k_s + (8 * jt + (lane & 7)) * kLd + 16 * ks + ((lane >> 3) & 1) * 8);
+          mma_bf16(pacc[jt], qa[ks], bb[0], bb[1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) grow[half] = gam[16 * rb + g + 8 * half];
 #pragma unroll
     for (int jt = 0; jt < 8; ++jt) {
-      if (jt <= 2 * warp + 1) {
-        uint32_t bb[2];
-        ldsm_x2(bb, k_s + (8 * jt + (lane & 7)) * kLd + 16 * ks + ((lane >> 3) & 1) * 8);
-        mma_bf16(pacc[jt], qa[ks], bb[0], bb[1]);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = 16 * rb + g + 8 * half;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = 8 * jt + 2 * c + e;
+          float& p = pacc[jt][2 * half + e];
+          p = j <= i ? p * __expf(grow[half] - gam[j]) : 0.f;
+        }
       }
     }
+    acc_to_a<8>(pacc, pa);
   }
-  float grow[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) grow[half] = gam[16 * warp + g + 8 * half];
-#pragma unroll
-  for (int jt = 0; jt < 8; ++jt) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = 16 * warp + g + 8 * half;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int j = 8 * jt + 2 * c + e;
-        float& p = pacc[jt][2 * half + e];
-        p = j <= i ? p * __expf(grow[half] - gam[j]) : 0.f;
-      }
-    }
-  }
-  uint32_t pa[4][4];
-  acc_to_a<8>(pacc, pa);
+  cp_async_wait_all();
+  __syncthreads();  // V_new, z and h_c are in
+  if (!active) return;
 
-  // ---- O [16 t, 128 v] = e^gamma (Q h_c) + P V_new; B(k, v) = h^T[v][k] (h_s rows v).
-  float o[16][4];
+  // ---- O [16 t, 128 / VS v] = e^gamma (Q h_c) + P V_new; B(k, v) = h^T[v][k] (h_s rows v).
+  float o[kNj][4];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  for (int j = 0; j < kNj; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < kD / 32; ++kk) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j = 0; j < kNj; ++j) {
       uint32_t bh[4];
-      ldsm_x4(bh, h_s + (8 * j + (lane & 7)) * kLd + 32 * kk + (lane >> 3) * 8);
+      ldsm_x4(bh, h_s + (vo + 8 * j + (lane & 7)) * kLd + 32 * kk + (lane >> 3) * 8);
       mma_bf16(o[j], qa[2 * kk], bh[0], bh[1]);
       mma_bf16(o[j], qa[2 * kk + 1], bh[2], bh[3]);
     }
   }
   const float eg0 = __expf(grow[0]), eg1 = __expf(grow[1]);
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
+  for (int j = 0; j < kNj; ++j) {
     o[j][0] *= eg0;
     o[j][1] *= eg0;
     o[j][2] *= eg1;
     o[j][3] *= eg1;
   }
-  acc_a_times_tile(pa, v_s, lane, warp, o);  // P is lower triangular: k-steps <= warp
+  // P V_new; B(t', v) = V_new[t'][v] (ldmatrix.trans); P is lower triangular: k-steps <= rb.
+#pragma unroll
+  for (int ks = 0; ks < kC / 16; ++ks) {
+    if (ks <= rb) {
+#pragma unroll
+      for (int jp = 0; jp < kNj / 2; ++jp) {
+        uint32_t bv[4];
+        ldsm_x4_t(bv, v_s + (16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + vo + 16 * jp +
+                          (lane >> 4) * 8);
+        mma_bf16(o[2 * jp], pa[ks], bv[0], bv[1]);
+        mma_bf16(o[2 * jp + 1], pa[ks], bv[2], bv[3]);
+      }
+    }
+  }
 
-  // ---- Gated RMSNorm per row (the 4 lanes of a quad hold one row's 128 columns), bf16 out.
+  // ---- Gated RMSNorm per row (the 4 lanes of a quad hold one row's 128 / VS columns; VS 2: the
+  // two warps of a row block add their sums through shared memory), bf16 out.
+  float ss[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int i = 16 * warp + g + 8 * half;
-    float ss = 0.f;
+    float x = 0.f;
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
-      ss += o[j][2 * half] * o[j][2 * half] + o[j][2 * half + 1] * o[j][2 * half + 1];
-    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-    const float scale = norm ? rsqrtf(ss / kD + s.norm_eps) : 1.f;
+    for (int j = 0; j < kNj; ++j)
+      x += o[j][2 * half] * o[j][2 * half] + o[j][2 * half + 1] * o[j][2 * half + 1];
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    ss[half] = x + __shfl_xor_sync(0xffffffffu, x, 2);
+  }
+  if constexpr (VS == 2) {
+    if (c == 0) {
+      ssb[warp * 16 + g] = ss[0];
+      ssb[warp * 16 + g + 8] = ss[1];
+    }
+    named_barrier_sync(1 + rb, 64);
+    ss[0] += ssb[(warp ^ 4) * 16 + g];
+    ss[1] += ssb[(warp ^ 4) * 16 + g + 8];
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = 16 * rb + g + 8 * half;
+    const float scale = norm ? rsqrtf(ss[half] / kD + s.norm_eps) : 1.f;
     if (i < n) {
-      bf16* y = out + (row0 + i) * out_dim + hv * kD + 2 * c;
+      bf16* y = out + (row0 + i) * out_dim + hv * kD + vo + 2 * c;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
+      for (int j = 0; j < kNj; ++j) {
         float y0 = o[j][2 * half], y1 = o[j][2 * half + 1];
         if (norm) {
-          const int v = 8 * j + 2 * c;
+          const int v = vo + 8 * j + 2 * c;
           const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(z_s + i * kLd + v);
           const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(wts.norm_w + v);
           y0 = __low2float(w2) * y0 * scale * silu(__low2float(z2));
@@ -368,18 +424,16 @@ __global__ void __launch_bounds__(OutCfg::kThreads)
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
-template <int NW>
-void launch_state(const GdnShape& s, const GdnStatePool& pool, const int32_t* cu_seqlens,
-                  const int32_t* seq_pos, const int32_t* slot_ids, const int* seq_chunk0,
-                  int n_seqs, const bf16* qkv, const float* gamma, const bf16* w_mat, bf16* u_mat,
-                  bf16* h_snap, cudaStream_t stream) {
-  using L = SliceCfg<NW>;
-  DS_CUDA_CHECK(cudaFuncSetAttribute(gdn_state_slice_kernel<NW>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(L::kTotal)));
-  gdn_state_slice_kernel<NW>
-      <<<dim3(n_seqs, s.n_v_heads, kD / L::kVs), L::kThreads, L::kTotal, stream>>>(
-          s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, qkv, gamma, w_mat, u_mat, h_snap);
+template <typename K>
+void launch_state(K kernel, size_t smem, int threads, int n_slices, const GdnShape& s,
+                  const GdnStatePool& pool, const int32_t* cu_seqlens, const int32_t* seq_pos,
+                  const int32_t* slot_ids, const int* seq_chunk0, int n_seqs, const bf16* qkv,
+                  const float* gamma, const bf16* w_mat, bf16* u_mat, bf16* h_snap,
+                  cudaStream_t stream) {
+  DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(smem)));
+  kernel<<<dim3(n_seqs, s.n_v_heads, n_slices), threads, smem, stream>>>(
+      s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, qkv, gamma, w_mat, u_mat, h_snap);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -397,25 +451,41 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                            const int32_t* slot_ids, int n_seqs, const int4* chunks,
                            const int* seq_chunk0, int max_chunks, const bf16* qkv,
                            const float* gamma, const bf16* w_mat, bf16* u_mat, bf16* h_snap,
-                           bf16* out, int slice, cudaStream_t stream, int stages) {
-  DS_CHECK(slice == 32 || slice == 64, "gdn slice scan: slice must be 32 or 64, got ", slice);
+                           bf16* out, GdnSliceState state, int out_warps, cudaStream_t stream,
+                           int stages) {
+  DS_CHECK(out_warps == 4 || out_warps == 8, "gdn slice scan: out_warps must be 4 or 8, got ",
+           out_warps);
   DS_CHECK(gdn_slice_supported(s, w, pool, proj, out),
            "gdn slice scan: shape / alignment not supported (d_k = d_v = 128 only)");
   DS_CHECK(aligned(qkv, 16) && aligned(w_mat, 16) && aligned(u_mat, 16) && aligned(h_snap, 16),
            "gdn slice scan: workspace tiles must be 16-byte aligned");
   if (n_seqs <= 0 || max_chunks <= 0) return;
   if (stages & 1) {
-    auto state = slice == 64 ? launch_state<4> : launch_state<2>;
-    state(s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, n_seqs, qkv, gamma, w_mat, u_mat,
-          h_snap, stream);
+    auto run = [&](auto kernel, size_t smem, int threads, int n_slices) {
+      launch_state(kernel, smem, threads, n_slices, s, pool, cu_seqlens, seq_pos, slot_ids,
+                   seq_chunk0, n_seqs, qkv, gamma, w_mat, u_mat, h_snap, stream);
+    };
+    switch (state) {
+      case GdnSliceState::kV64:
+        run(gdn_state_slice_kernel<4>, SliceCfg<4>::kTotal, SliceCfg<4>::kThreads, kD / 64);
+        break;
+      case GdnSliceState::kV32:
+        run(gdn_state_slice_kernel<2>, SliceCfg<2>::kTotal, SliceCfg<2>::kThreads, kD / 32);
+        break;
+    }
   }
   if ((stages & 2) == 0) return;
-  DS_CUDA_CHECK(cudaFuncSetAttribute(gdn_chunk_out_kernel,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(OutCfg::kTotal)));
-  gdn_chunk_out_kernel<<<dim3(max_chunks, s.n_v_heads), OutCfg::kThreads, OutCfg::kTotal, stream>>>(
-      s, w, chunks, proj, qkv, gamma, u_mat, h_snap, out);
-  DS_CUDA_LAUNCH_CHECK();
+  auto out_kernel = [&](auto kernel, size_t smem, int threads) {
+    DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+    kernel<<<dim3(max_chunks, s.n_v_heads), threads, smem, stream>>>(s, w, chunks, proj, qkv, gamma,
+                                                                     u_mat, h_snap, out);
+    DS_CUDA_LAUNCH_CHECK();
+  };
+  if (out_warps == 8)
+    out_kernel(gdn_chunk_out_kernel<2>, OutCfg<2>::kTotal, OutCfg<2>::kThreads);
+  else
+    out_kernel(gdn_chunk_out_kernel<1>, OutCfg<1>::kTotal, OutCfg<1>::kThreads);
 }
 
 }  // namespace ds::cuda

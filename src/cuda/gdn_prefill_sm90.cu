@@ -7,8 +7,12 @@
 //    registers; SPLIT = 2 splits each head's state over a cluster of two CTAs (96 CTAs, not 48,
 //    for one 27B sequence), the gated norm's row sums exchanged through distributed shared memory.
 //  - gdn_wy_mma_kernel: the WY stage (A, T = (I + A)^-1, W, U) with register-resident mma.sync
-//    products instead of the generic kernel's shared-memory WMMA round trips.
-//  - gdn_conv_prep_multi_kernel: conv + SiLU + l2norm + gates, 8 tokens per block.
+//    products instead of the generic kernel's shared-memory WMMA round trips; <true> (the
+//    slice_scan variants, gdn_prefill_slice.cu) forms T's off-diagonal blocks on tf32 mma.sync and
+//    scales T's columns instead of K's and V's rows (H200, 4096 tokens: 126 vs 180 us).
+//  - gdn_conv_prep_multi_kernel: conv + SiLU + l2norm + gates, 8 tokens per block;
+//    gdn_conv_prep_wide_kernel: the same with one warp per (head, 8 tokens) (slice_scan below 2048
+//    tokens; 114 vs 104 us at 4096).
 //
 // Scan layout: warp w owns 16 rows v of the head's state, kept as the fp32 accumulator fragments
 // of h^T [v, k] (16 mma.sync m16n8 tiles, 64 registers per thread). Working transposed (M = v) lets
@@ -481,6 +485,98 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// The same conv + SiLU + l2norm + gates with one warp per (head, 8 tokens): grid (token groups,
+// head groups of 8), so a 4096-token chunk runs 5120 blocks instead of 512, and each warp issues
+// all 32 tap loads of its 8 tokens at once (one memory round trip) instead of walking 10 heads x 8
+// tokens two at a time (gdn_conv_prep_multi_kernel is latency-bound that way: ~104 us at 4096
+// tokens for ~170 MB). Same arithmetic in the same order.
+__global__ void __launch_bounds__(256)
+    gdn_conv_prep_wide_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
+                              const bf16* __restrict__ proj,           // [n_tokens, in_dim]
+                              const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
+                              const int32_t* __restrict__ seq_pos,     // [n_seqs]
+                              const int32_t* __restrict__ slot_ids,    // [n_seqs]
+                              int n_seqs, int n_tokens,
+                              bf16* __restrict__ qkv,    // [n_tokens, qkv_dim]
+                              float* __restrict__ g,     // [n_tokens, n_v_heads]
+                              float* __restrict__ beta)  // [n_tokens, n_v_heads]
+{
+  __shared__ const bf16* taps[kConvTokens][4];  // per token: the rows of its 4 taps (null: zero)
+  const int t_first = blockIdx.x * kConvTokens;
+  const int n_here = min(kConvTokens, n_tokens - t_first);
+  const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim();
+  if (threadIdx.x < n_here) {
+    const int t = t_first + threadIdx.x;
+    const int seq = seq_of_token(cu_seqlens, n_seqs, t);
+    const int start = cu_seqlens[seq], pos0 = seq_pos[seq], p = pos0 + (t - start);
+    const bf16* ring =
+        pool.conv_state + static_cast<int64_t>(slot_ids[seq]) * pool.conv_slot_stride;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int pp = p - 3 + j;
+      taps[threadIdx.x][j] = pp >= pos0 ? proj + static_cast<int64_t>(t - 3 + j) * in_dim
+                                        : (pp >= 0 ? ring + (pp & 3) * qkv_dim : nullptr);
+    }
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n_heads = 2 * s.n_k_heads + s.n_v_heads;
+  const int hh = blockIdx.y * 8 + warp;
+  if (hh < n_heads) {
+    const bool is_v = hh >= 2 * s.n_k_heads;
+    const int ch = hh * kD + 4 * lane;  // q, k and v heads are all 128 channels wide here
+    uint2 raw[kConvTokens][4];          // the 4 taps' inputs of each token (zero: no tap)
+#pragma unroll
+    for (int tt = 0; tt < kConvTokens; ++tt) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const bf16* row = tt < n_here ? taps[tt][j] : nullptr;
+        raw[tt][j] = row != nullptr ? *reinterpret_cast<const uint2*>(row + ch) : make_uint2(0, 0);
+      }
+    }
+    float wt[16];  // [4 channels][4 taps]
+    load16_bf16(w.conv_w + ch * 4, wt);
+    const float head_scale = hh < s.n_k_heads ? rsqrtf(static_cast<float>(kD)) : 1.f;
+#pragma unroll
+    for (int tt = 0; tt < kConvTokens; ++tt) {
+      float vals[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float xv[4];
+        load4_bf16(reinterpret_cast<const bf16*>(&raw[tt][j]), xv);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) vals[i] += wt[i * 4 + j] * xv[i];
+      }
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        vals[i] = vals[i] / (1.f + __expf(-vals[i]));
+        ss += vals[i] * vals[i];
+      }
+      float scale = 1.f;
+      if (!is_v) scale = rsqrtf(warp_sum(ss) + 1e-6f) * head_scale;
+      if (tt < n_here) {
+        uint2 u;
+        u.x = pack_bf16(vals[0] * scale, vals[1] * scale);
+        u.y = pack_bf16(vals[2] * scale, vals[3] * scale);
+        *reinterpret_cast<uint2*>(qkv + static_cast<int64_t>(t_first + tt) * qkv_dim + ch) = u;
+      }
+    }
+  }
+  if (blockIdx.y != 0) return;
+  // Gates (the first head group's blocks): beta = sigmoid(b), g = -exp(A_log) softplus(a +
+  // dt_bias) (threshold 20).
+  for (int e = threadIdx.x; e < n_here * s.n_v_heads; e += blockDim.x) {
+    const int tt = e / s.n_v_heads, h = e % s.n_v_heads;
+    const int64_t t = t_first + tt;
+    const bf16* b_in = proj + t * in_dim + qkv_dim + s.z_dim();
+    const float b = __bfloat162float(b_in[h]);
+    const float a = __bfloat162float(b_in[s.n_v_heads + h]) + w.dt_bias[h];
+    beta[t * s.n_v_heads + h] = 1.f / (1.f + expf(-b));
+    g[t * s.n_v_heads + h] = -expf(w.A_log[h]) * (a > 20.f ? a : log1pf(expf(a)));
+  }
+}
+
 // ---- WY representation per (chunk, value head), register-resident products ----------------------
 // Same maths and precision as gdn_prefill.cu's gdn_wy_kernel (FLA's): gamma = cumsum(g);
 // A = strictly-lower(beta_i e^(gamma_i - gamma_j) k_i.k_j) (fp32); T = (I + A)^-1 (fp32: 16x16
@@ -530,8 +626,9 @@ __device__ __forceinline__ void load_a_tf32(uint32_t (&a)[4], const float* p, in
 }
 
 // TF32_OFFDIAG: the off-diagonal blocks of T per column block on tf32 mma.sync, warp j owning
-// column block j (no block barriers between the distances; used by the slice_scan variants);
-// else the three SIMT rounds (the shipped wymma variants, unchanged).
+// column block j (no block barriers between the distances), and the beta e^gamma / beta scales
+// applied to T's columns instead of K's and V's rows (used by the slice_scan variants); else the
+// three SIMT rounds and the in-place scaling (the shipped wymma variants, unchanged).
 template <bool TF32_OFFDIAG>
 __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     GdnShape s,
@@ -624,14 +721,18 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     for (int i = 0; i < 16; ++i) tf[(b0 + i) * L::kLdt + b0 + j] = col[i];
   }
   __syncthreads();  // A and the diagonal of T complete; nobody reads raw K or V any more
-  // beta e^gamma K and beta V, in place (bf16).
-  for (int e = tid; e < kC * kD / 2; e += L::kThreads) {
-    const int i = e / (kD / 2), col = (e % (kD / 2)) * 2;
-    __nv_bfloat162* k2 = reinterpret_cast<__nv_bfloat162*>(ks + i * kLd + col);
-    __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(vs + i * kLd + col);
-    const float ek = eg[i], bv = bet[i];
-    *k2 = __floats2bfloat162_rn(__low2float(*k2) * ek, __high2float(*k2) * ek);
-    *v2 = __floats2bfloat162_rn(__low2float(*v2) * bv, __high2float(*v2) * bv);
+  // beta e^gamma K and beta V, in place (bf16). TF32_OFFDIAG scales T's columns instead when it
+  // forms the A fragments below (W = (T diag(beta e^gamma)) K, U = (T diag(beta)) V): no pass
+  // over the 32 KB of K and V.
+  if constexpr (!TF32_OFFDIAG) {
+    for (int e = tid; e < kC * kD / 2; e += L::kThreads) {
+      const int i = e / (kD / 2), col = (e % (kD / 2)) * 2;
+      __nv_bfloat162* k2 = reinterpret_cast<__nv_bfloat162*>(ks + i * kLd + col);
+      __nv_bfloat162* v2 = reinterpret_cast<__nv_bfloat162*>(vs + i * kLd + col);
+      const float ek = eg[i], bv = bet[i];
+      *k2 = __floats2bfloat162_rn(__low2float(*k2) * ek, __high2float(*k2) * ek);
+      *v2 = __floats2bfloat162_rn(__low2float(*v2) * bv, __high2float(*v2) * bv);
+    }
   }
   if constexpr (TF32_OFFDIAG) {
     // ---- Column block jb = warp, rows ib = jb + 1 .. 3 in order: X = sum_{k=jb}^{ib-1} A_ik T_kj
@@ -707,23 +808,33 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     }
   }
   // ---- W = T Kb, U = T Vb for rows [16 w, 16 w + 16): k-steps ks <= w (T lower triangular).
-  uint32_t ta[4][4];
+  // T's rows as bf16 A fragments, columns j times col_scale[j] (TF32_OFFDIAG) or not.
+  auto t_fragments = [&](const float* col_scale, uint32_t(&ta)[4][4]) {
 #pragma unroll
-  for (int kstep = 0; kstep < 4; ++kstep) {
-    const float* t0 = tf + (16 * warp + gq) * L::kLdt + 16 * kstep + 2 * c;
-    const float2 x0 = *reinterpret_cast<const float2*>(t0);
-    const float2 x1 = *reinterpret_cast<const float2*>(t0 + 8 * L::kLdt);
-    const float2 x2 = *reinterpret_cast<const float2*>(t0 + 8);
-    const float2 x3 = *reinterpret_cast<const float2*>(t0 + 8 * L::kLdt + 8);
-    ta[kstep][0] = pack_bf16(x0.x, x0.y);
-    ta[kstep][1] = pack_bf16(x1.x, x1.y);
-    ta[kstep][2] = pack_bf16(x2.x, x2.y);
-    ta[kstep][3] = pack_bf16(x3.x, x3.y);
-  }
+    for (int kstep = 0; kstep < 4; ++kstep) {
+      const int j0 = 16 * kstep + 2 * c;
+      const float* t0 = tf + (16 * warp + gq) * L::kLdt + j0;
+      const float2 x0 = *reinterpret_cast<const float2*>(t0);
+      const float2 x1 = *reinterpret_cast<const float2*>(t0 + 8 * L::kLdt);
+      const float2 x2 = *reinterpret_cast<const float2*>(t0 + 8);
+      const float2 x3 = *reinterpret_cast<const float2*>(t0 + 8 * L::kLdt + 8);
+      float s0 = 1.f, s1 = 1.f, s8 = 1.f, s9 = 1.f;
+      if (col_scale != nullptr) {
+        s0 = col_scale[j0], s1 = col_scale[j0 + 1], s8 = col_scale[j0 + 8];
+        s9 = col_scale[j0 + 9];
+      }
+      ta[kstep][0] = pack_bf16(x0.x * s0, x0.y * s1);
+      ta[kstep][1] = pack_bf16(x1.x * s0, x1.y * s1);
+      ta[kstep][2] = pack_bf16(x2.x * s8, x2.y * s9);
+      ta[kstep][3] = pack_bf16(x3.x * s8, x3.y * s9);
+    }
+  };
 #pragma unroll
   for (int which = 0; which < 2; ++which) {
     const bf16* src = which == 0 ? ks : vs;
     bf16* dst = which == 0 ? w_out : u_out;
+    uint32_t ta[4][4];
+    t_fragments(TF32_OFFDIAG ? (which == 0 ? eg : bet) : nullptr, ta);
     float acc[16][4];
 #pragma unroll
     for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -812,6 +923,21 @@ void launch_gdn_conv_prep_multi(const GdnShape& s, const GdnLayerWeights& w,
   if (n_tokens <= 0 || n_seqs <= 0) return;
   gdn_conv_prep_multi_kernel<<<(n_tokens + kConvTokens - 1) / kConvTokens, 256, 0, stream>>>(
       s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, qkv, g, beta);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_gdn_conv_prep_wide(const GdnShape& s, const GdnLayerWeights& w,
+                               const GdnStatePool& pool, const bf16* proj,
+                               const int32_t* cu_seqlens, const int32_t* seq_pos,
+                               const int32_t* slot_ids, int n_seqs, int n_tokens, bf16* qkv,
+                               float* g, float* beta, cudaStream_t stream) {
+  DS_CHECK(gdn_conv_prep_multi_supported(s, w, pool, proj),
+           "gdn conv prep: shape / alignment not supported (d_k = d_v = 128 only)");
+  if (n_tokens <= 0 || n_seqs <= 0) return;
+  const int n_heads = 2 * s.n_k_heads + s.n_v_heads;
+  const dim3 grid((n_tokens + kConvTokens - 1) / kConvTokens, (n_heads + 7) / 8);
+  gdn_conv_prep_wide_kernel<<<grid, 256, 0, stream>>>(s, w, pool, proj, cu_seqlens, seq_pos,
+                                                      slot_ids, n_seqs, n_tokens, qkv, g, beta);
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -52,6 +52,18 @@ void launch_gdn_conv_prep_multi(const GdnShape& s, const GdnLayerWeights& w,
                                 float* beta,  // [n_tokens, n_v_heads]
                                 cudaStream_t stream);
 
+// The same with one warp per (head, 8 tokens) (5120 blocks at 4096 tokens, every tap load of a
+// warp in flight at once); launch_gdn_conv_prep_multi's arithmetic and requirements.
+void launch_gdn_conv_prep_wide(const GdnShape& s, const GdnLayerWeights& w,
+                               const GdnStatePool& pool,
+                               const bf16* proj,  // [n_tokens, in_dim]
+                               const int32_t* cu_seqlens, const int32_t* seq_pos,
+                               const int32_t* slot_ids, int n_seqs, int n_tokens,
+                               bf16* qkv,    // [n_tokens, qkv_dim]
+                               float* g,     // [n_tokens, n_v_heads]
+                               float* beta,  // [n_tokens, n_v_heads]
+                               cudaStream_t stream);
+
 // The WY stage (gamma = in-chunk cumsum of g written back into g, W = T (beta e^gamma K),
 // U = T (beta V)) for d_k = d_v = 128 with register-resident mma.sync products; the same maths as
 // the generic gdn_wy_kernel (tf32_offdiag: T's off-diagonal 16x16 blocks on tf32 mma.sync per
@@ -67,12 +79,14 @@ void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks,
                        cudaStream_t stream,
                        bool tf32_offdiag = false);  // T's off-diagonal blocks on tf32 mma.sync
 
-// gdn_prefill_slice.cu: the state pass split over slices of `slice` (32 or 64) value columns per
-// CTA (sequential over chunks; writes the bf16 snapshot h_c of every chunk into h_snap, V_new over
+// gdn_prefill_slice.cu: the state pass split over slices of value columns per CTA (sequential
+// over chunks; writes the bf16 snapshot h_c of every chunk into h_snap, V_new over
 // U, the final state into the slot, read first when seq_pos > 0), then the output O = e^gamma
 // (Q h_c) + causal(Q K^T e^(gamma_i - gamma_j)) V_new and the gated RMSNorm, one CTA per (chunk,
 // head). Inputs as launch_gdn_scan's plus the chunk map of gdn_prefill.cu. Needs 16-byte aligned
 // proj rows (z is staged with cp.async) besides launch_gdn_scan's alignment.
+// The state-pass kernel: 64-column slices (4 warps x 16 rows) or 32-column slices (2 warps).
+enum class GdnSliceState { kV64, kV32 };
 bool gdn_slice_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                          const bf16* proj, const bf16* out);
 void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
@@ -90,7 +104,10 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                            bf16* u_mat,         // [n_tokens, n_v_heads, 128] in U, out V_new
                            bf16* h_snap,        // [max_chunks, n_v_heads, 128 v, 128 k]
                            bf16* out,           // [n_tokens, n_v_heads * 128]
-                           int slice, cudaStream_t stream,
+                           GdnSliceState state,
+                           int out_warps,  // output CTA: 4 warps (16 rows x 128 columns each) or
+                                           // 8 (16 rows x 64 columns, row sums shared per pair)
+                           cudaStream_t stream,
                            int stages = 3);  // 1: the state pass only, 2: the output only (timing)
 
 }  // namespace ds::cuda

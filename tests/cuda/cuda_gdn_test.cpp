@@ -787,6 +787,10 @@ TEST(CudaGdn, PrefillStageTiming) {
     launch_gdn_conv_prep_multi(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
                                beta.p, nullptr);
   });
+  stage("conv_prep_wide (warp per head x 8 tokens)", [&] {
+    launch_gdn_conv_prep_wide(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
+                              beta.p, nullptr);
+  });
   // The WY kernels turn g into gamma in place: each timed run first restores g (timed alone too).
   CK(cudaMemcpy(g0.p, g.p, g.n * 4, cudaMemcpyDeviceToDevice));
   auto restore_g = [&] {
@@ -795,7 +799,7 @@ TEST(CudaGdn, PrefillStageTiming) {
   const double t_restore = stage("(g restore copy, included below)", restore_g);
   for (bool tf32 : {false, true}) {
     const char* name =
-        tf32 ? "wy_mma tf32 off-diagonal (+ restore)" : "wy_mma SIMT off-diagonal (+ restore)";
+        tf32 ? "wy_mma tf32 path (+ restore)" : "wy_mma SIMT off-diagonal (+ restore)";
     const double ms = stage(name, [&] {
       restore_g();
       launch_gdn_wy_mma(s, ch4, max_chunks, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, tf32);
@@ -814,19 +818,24 @@ TEST(CudaGdn, PrefillStageTiming) {
                             um.p, d_out.p, split, nullptr);
           });
   }
-  for (int slice : {64, 32}) {
-    stage(slice == 64 ? "slice state pass, 64-column slices" : "slice state pass, 32-column slices",
+  const std::pair<GdnSliceState, const char*> states[] = {
+      {GdnSliceState::kV64, "slice state pass, 64-column slices"},
+      {GdnSliceState::kV32, "slice state pass, 32-column slices"}};
+  for (const auto& [st, name] : states) {
+    stage(name, [&] {
+      launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
+                            max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, st, 4, nullptr,
+                            /*stages=*/1);
+    });
+  }
+  for (int warps : {4, 8}) {
+    stage(warps == 4 ? "slice output + gated norm, 4 warps" : "slice output + gated norm, 8 warps",
           [&] {
             launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
-                                  max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, slice, nullptr,
-                                  /*stages=*/1);
+                                  max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p,
+                                  GdnSliceState::kV64, warps, nullptr, /*stages=*/2);
           });
   }
-  stage("slice output + gated norm", [&] {
-    launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
-                          max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, 64, nullptr,
-                          /*stages=*/2);
-  });
   CK(cudaDeviceSynchronize());
 }
 
