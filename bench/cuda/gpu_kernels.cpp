@@ -234,13 +234,26 @@ const KernelResult& KernelBench::gemm(const std::string& name, int m) {
   };
   if (r.variant != "cublaslt") {  // a specialised kernel, or a tuned cuBLASLt algorithm
     fallback.prepare(m, o.n, o.k, out);
+    // A specialised decode kernel is compared with cuBLASLt tuned as the engine would tune it
+    // (the engine's fallback for these shapes), not with the heuristic's first algorithm.
+    bool fallback_tuned = false;
+    if (!tuned && r.variant != "cublaslt_tuned" && m <= 16 &&
+        cuda::GemmEngine::tuning_enabled()) {
+      std::vector<const bf16*> ws;
+      for (int i = 0; i < rot; ++i) ws.push_back(w + int64_t(i) * o.n * o.k);
+      DevBuf xt(size_t(2) * m * o.k, "gemm x (tuning)");
+      fallback.tune(m, o.n, o.k, out, ws, xt.as<bf16>(), y.as<void>(), s_, false, {});
+      fallback_tuned = !fallback.uses_heuristic_algo(m, o.n, o.k, out);
+    }
     DevBuf y2(size_t(out_elem) * m * o.n, "gemm y (fallback)");
     g.run(x.as<bf16>(), w, y.as<void>(), m, o.n, o.k, out, s_);
     fallback.run(x.as<bf16>(), w, y2.as<void>(), m, o.n, o.k, out, s_);
     const int64_t cnt = int64_t(m) * o.n;
     r.match = o.f32_out ? gpu::compare_f32(y.as<float>(), y2.as<float>(), cnt, s_).text()
                         : gpu::compare_bf16(y.as<bf16>(), y2.as<bf16>(), cnt, s_).text();
-    r.fallback = tuned ? "cublaslt (heuristic)" : "cublaslt";
+    r.fallback = tuned            ? "cublaslt (heuristic)"
+                 : fallback_tuned ? "cublaslt_tuned"
+                                  : "cublaslt";
     r.fallback_time_s =
         gpu::time_launches([&](int i) { launch(fallback, i); }, s_, timer(rot)).p50;
   }

@@ -1074,8 +1074,12 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
     }
     // h += mixer output; xn = post_attention_layernorm(h); MLP
     cuda::launch_add_rmsnorm(h_, delta_, L.post_norm, T, dm, eps, 1.f, xn_, stream_);
-    gemm(xn_, L.gate_up, proj_, 2 * c.d_ff, dm);
-    cuda::launch_silu_mul(proj_, T, c.d_ff, act_, stream_);
+    // gate_up with SiLU-and-mul in its epilogue where the registry picks gemm.gemv_bulk_silu
+    // (decode, bit-identical to the two launches below), else GEMM then silu_mul.
+    if (!gemm_->run_gate_up_silu(xn_, L.gate_up, act_, T, c.d_ff, dm, stream_)) {
+      gemm(xn_, L.gate_up, proj_, 2 * c.d_ff, dm);
+      cuda::launch_silu_mul(proj_, T, c.d_ff, act_, stream_);
+    }
     gemm(act_, L.down, delta_, dm, c.d_ff);
   }
   cuda::launch_add_rmsnorm(h_, delta_, w_.final_norm, T, dm, eps, 1.f, xn_, stream_);

@@ -52,6 +52,8 @@ GemmEngine::GemmEngine(size_t workspace_bytes) : workspace_bytes_(workspace_byte
   int dev = 0;
   DS_CUDA_CHECK(cudaGetDevice(&dev));
   DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, dev));
+  const char* pdl = std::getenv("DS_GEMV_PDL");
+  bulk_pdl_ = pdl != nullptr && std::string(pdl) == "1";
 }
 
 GemmEngine::~GemmEngine() {
@@ -105,7 +107,14 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   if (m <= 0) return;
   const bool aligned =
       ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
-  if (aligned && variant(m, n, k) == "skinny_mma") {
+  const std::string& v = variant(m, n, k);
+  if (aligned && v == "gemv_bulk") {
+    GemvBulkConfig c = gemv_bulk_config(m, n, k);
+    c.pdl = bulk_pdl_;
+    launch_gemv_bulk(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
+    return;
+  }
+  if (aligned && v == "skinny_mma") {
     launch_skinny_gemm(x, w, y, m, n, k, out, accumulate, skinny_gemm_config(m, n, k, n_sms_),
                        stream);
     return;
@@ -115,6 +124,22 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   DS_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.desc, &alpha, w, p.a, x,
                                  p.b, &beta, y, p.c, y, p.c, &p.algo, workspace_, workspace_bytes_,
                                  stream));
+}
+
+bool GemmEngine::run_gate_up_silu(const __nv_bfloat16* x, const __nv_bfloat16* w_gate_up,
+                                  __nv_bfloat16* act, int m, int d_ff, int k,
+                                  cudaStream_t stream) {
+  if (!dispatch_ || m <= 0) return false;
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w_gate_up)) & 15) == 0;
+  if (!aligned ||
+      dispatch_->select(KernelFamily::kGemm, dispatch_->key(m, 2 * int64_t(d_ff), k, 1)).name !=
+          "gemv_bulk_silu")
+    return false;
+  GemvBulkConfig c = gemv_bulk_silu_config(m, d_ff, k);
+  c.pdl = bulk_pdl_;
+  launch_gemv_bulk_silu(x, w_gate_up, act, m, d_ff, k, c, n_sms_, stream);
+  return true;
 }
 
 const std::string& GemmEngine::variant(int m, int n, int k) const {

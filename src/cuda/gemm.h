@@ -5,9 +5,10 @@
 // algorithm once (prepare(), at start-up or at plan time) and reuses them on every call; the
 // workspace is allocated once. run() on a shape never prepared prepares it on the spot and
 // counts it in late_plans() (host work only, no device synchronisation, so still graph-safe).
-// With a dispatch registry set, run() sends the shapes that the registry's "gemm.skinny_mma" guard
-// accepts (decode: m <= 16, see gemv.h) to the skinny tensor-core kernel when x and w are 16-byte
-// aligned; everything else goes to cuBLASLt.
+// With a dispatch registry set, run() sends the shapes that the registry's "gemm.gemv_bulk" guard
+// accepts (decode m <= 4, k <= 8192) to the bulk-copy GEMV and those its "gemm.skinny_mma" guard
+// accepts (decode: m <= 16, k >= 12288, see gemv.h) to the skinny tensor-core kernel when x and w
+// are 16-byte aligned; everything else goes to cuBLASLt.
 // tune() replaces a plan's heuristic algorithm by the fastest of cuBLASLt's top candidates, timed
 // on the caller's real buffers (CUDA events, median per call over batches that rotate over several
 // distinct weight matrices, so L2 does not flatter small matrices). $DS_GEMM_TUNE=0, a failure or
@@ -98,12 +99,21 @@ class GemmEngine {
            void* y,                 // [m, n] bf16 or fp32
            int m, int n, int k, GemmOut out, cudaStream_t stream, bool accumulate = false);
 
+  // act[m, d_ff] = bf16(silu(g) * u) for the fused [gate | up] weight [2 d_ff, k] in one launch
+  // (gemv.h launch_gemv_bulk_silu) when the registry picks "gemm.gemv_bulk_silu" for the key
+  // (m, 2 d_ff, k, 1) and x / w are 16-byte aligned; returns false without launching anything
+  // otherwise (the caller then runs run() on [gate | up] and launch_silu_mul: the same bits).
+  bool run_gate_up_silu(const __nv_bfloat16* x,          // [m, k]
+                        const __nv_bfloat16* w_gate_up,  // [2 d_ff, k]
+                        __nv_bfloat16* act,              // [m, d_ff]
+                        int m, int d_ff, int k, cudaStream_t stream);
+
   // Specialised kernels (e.g. decode GEMVs) are picked through this registry when set; null or
   // unset: cuBLASLt for every shape. The registry must outlive the engine.
   void set_dispatch(const DispatchRegistry* dispatch) { dispatch_ = dispatch; }
 
-  // The variant run() takes for this shape with 16-byte aligned x and w: "skinny_mma" or
-  // "cublaslt" (a name owned by the registry: no copy per call on the launch path).
+  // The variant run() takes for this shape with 16-byte aligned x and w: "gemv_bulk",
+  // "skinny_mma" or "cublaslt" (a name owned by the registry: no copy per call on the launch path).
   const std::string& variant(int m, int n, int k) const;
 
   int n_plans() const { return static_cast<int>(plans_.size()); }
@@ -123,6 +133,11 @@ class GemmEngine {
   int late_plans_ = 0;
   const DispatchRegistry* dispatch_ = nullptr;
   int n_sms_ = 0;  // of the current device at construction (skinny kernel config)
+  // $DS_GEMV_PDL=1: the bulk GEMVs launch with programmatic dependent launch (weight copies start
+  // while the previous kernel finishes; x is read after griddepcontrol.wait). Off by default: in
+  // the 27B decode graph it measured 13.793 vs 13.746 ms per token without (batch 1 at 4K; 14.266
+  // vs 14.225 at 32K), though it helps back-to-back launches (gate_up 82.1 vs 85.8 us).
+  bool bulk_pdl_ = false;
 };
 
 }  // namespace ds::cuda

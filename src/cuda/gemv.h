@@ -15,6 +15,9 @@
 // tokens: results are batch-invariant for a fixed config, and the config's warps / unroll are
 // chosen from (n, k) only.
 //
+// The bulk-copy GEMV below (gemv_bulk.cu, "gemm.gemv_bulk") takes the k <= 8192 decode shapes at
+// m <= 4 ahead of cuBLASLt.
+//
 // Tests: tests/cuda/cuda_gemv_test.cpp (vs cuBLASLt and an fp64 CPU loop; DS_GEMV_SWEEP=1 also
 // times every config). Bench: `deltaserve bench kernels --only gemm` (rows gemm.skinny_mma with
 // cuBLASLt as the fallback column).
@@ -72,5 +75,59 @@ void launch_skinny_gemm(const __nv_bfloat16* x,  // [m, k]
                         void* y,                 // [m, n] bf16 or fp32 (out)
                         int m, int n, int k, GemmOut out, bool accumulate, const SkinnyConfig& cfg,
                         cudaStream_t stream);
+
+// ---- bulk-copy GEMV (gemv_bulk.cu), variant "gemm.gemv_bulk" ---------------------------------
+// y = x w^T (+ y) for m = 1..8 tokens, k up to ~12K: one persistent block per SM streams its
+// contiguous share of the weight rows through a shared-memory ring with 1-D bulk copies
+// (cp.async.bulk + mbarriers, one producer warp, up to ~160 KB in flight per SM) and eight
+// consumer warps dot each row with x (bf16 in shared memory, fp32 FMAs, warp-shuffle reduction).
+// Summation order depends on k only: results are bit-identical for every m and config.
+constexpr int kGemvBulkMaxM = 8;
+
+struct GemvBulkConfig {
+  int rows_per_stage = 1;  // weight rows per bulk copy / ring stage: 1 or 2
+  int slots = 16;          // ring stages: a multiple of 8 (the consumer warps), at most 32
+  // Programmatic dependent launch: the first `slots` weight copies are issued before the kernel
+  // waits for the previous one (griddepcontrol.wait), x is read after.
+  bool pdl = false;
+  int blocks_per_sm = 1;  // 1, or 2 (each then within half of the SM's shared memory)
+  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl"
+};
+
+// Whether x [m, k] plus `slots` stages of `rows_per_stage` rows fit the shared memory (m <= 8,
+// k % 8 == 0, k >= 8, slots a multiple of 8 in 8..32; with 2 blocks per SM, half of it).
+bool gemv_bulk_fits(int64_t m, int64_t k, const GemvBulkConfig& c);
+// The shape part of the guard: some config fits and 1 <= n <= kSkinnyMaxN.
+bool gemv_bulk_supports(int64_t m, int64_t n, int64_t k);
+// The registry guard's shape test: supported and measured faster than cuBLASLt (gemv_bulk.cu).
+bool gemv_bulk_preferred(int64_t m, int64_t n, int64_t k);
+// The config for a shape (fits whenever gemv_bulk_supports).
+GemvBulkConfig gemv_bulk_config(int m, int n, int k);
+// Every config that fits (m, k) (for tests and sweeps).
+std::vector<GemvBulkConfig> gemv_bulk_configs(int m, int k);
+
+// Launches min(n_sms * blocks_per_sm, n) blocks. Throws ds::Error for an unsupported shape, a
+// config that does not fit, unaligned x / w (16 bytes) or a null y. Asynchronous, graph-safe,
+// never allocates.
+void launch_gemv_bulk(const __nv_bfloat16* x,  // [m, k]
+                      const __nv_bfloat16* w,  // [n, k]
+                      void* y,                 // [m, n] bf16 or fp32 (out)
+                      int m, int n, int k, GemmOut out, bool accumulate, const GemvBulkConfig& cfg,
+                      int n_sms, cudaStream_t stream);
+
+// SwiGLU fused into the epilogue: act[m, d_ff] = bf16(silu(g) * u), g = bf16(x w[j]^T) and
+// u = bf16(x w[d_ff + j]^T) from the fused [gate | up] weight [2 d_ff, k]: bit-identical to
+// launch_gemv_bulk on [gate | up] followed by launch_silu_mul, without the [m, 2 d_ff]
+// intermediate or the second launch. Registry variant "gemm.gemv_bulk_silu", selected with the
+// key (m, 2 d_ff, k, 1) (dims[3] = 1 marks a gate_up projection followed by SiLU-and-mul).
+constexpr int kGemvBulkSiluMaxM = 4;
+bool gemv_bulk_silu_supports(int64_t m, int64_t d_ff, int64_t k);
+bool gemv_bulk_silu_preferred(int64_t m, int64_t d_ff, int64_t k);
+GemvBulkConfig gemv_bulk_silu_config(int m, int d_ff, int k);  // two rows (gate, up) per stage
+void launch_gemv_bulk_silu(const __nv_bfloat16* x,          // [m, k]
+                           const __nv_bfloat16* w_gate_up,  // [2 d_ff, k]
+                           __nv_bfloat16* act,              // [m, d_ff] (out)
+                           int m, int d_ff, int k, const GemvBulkConfig& cfg, int n_sms,
+                           cudaStream_t stream);
 
 }  // namespace ds::cuda

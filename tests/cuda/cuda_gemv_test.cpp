@@ -14,6 +14,10 @@
 //  - programmatic dependent launch: a dependent pair of launches reads finished data, on a stream
 //    and from a CUDA graph;
 //  - the guard (dispatch) and the launch errors (unaligned pointers, bad shapes).
+// The bulk-copy GEMV (gemv_bulk.cu, variant gemm.gemv_bulk; tests CudaGemvBulk.*): odd shapes with
+// every config vs fp64, the 27B k <= 8192 shapes at m 1, 2, 3, 4, 8 vs cuBLASLt and vs fp64 on
+// sampled rows (tolerances at each test), every config and the engine path bit-identical, batch
+// invariance m 1..8, dependent launches, guard and errors.
 // DS_GEMV_SWEEP=1 also times every config on every decode shape (rotating weights past L2) next to
 // cuBLASLt and prints a table (used to pick skinny_gemm_config).
 #include <gtest/gtest.h>
@@ -28,6 +32,7 @@
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
 #include "cuda/gemv.h"
+#include "cuda/kernels.h"
 #include "cuda_test_util.h"
 
 namespace ds {
@@ -73,10 +78,12 @@ std::vector<float> download_out(const DevBuf<char>& y, size_t count, bool f32) {
   return v;
 }
 
-// One shape, one config: poisoned (or accumulated-into) output vs the fp64
-// loop.
-void check_vs_cpu(int m, int n, int k, GemmOut out, bool acc, const SkinnyConfig& cfg,
-                  std::mt19937& rng) {
+using LaunchFn = std::function<void(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y,
+                                    int m, int n, int k, GemmOut out, bool acc)>;
+
+// One shape, one kernel launch: poisoned (or accumulated-into) output vs the fp64 loop.
+void check_launch_vs_cpu(int m, int n, int k, GemmOut out, bool acc, const LaunchFn& launch,
+                         const std::string& label, std::mt19937& rng) {
   const bool f32 = out == GemmOut::kF32;
   auto x = test::random_bf16(size_t(m) * k, rng), w = test::random_bf16(size_t(n) * k, rng, 0.05f);
   DevBuf<bf> dx(x), dw(w);
@@ -99,13 +106,22 @@ void check_vs_cpu(int m, int n, int k, GemmOut out, bool acc, const SkinnyConfig
   } else {
     y.poison();
   }
-  cuda::launch_skinny_gemm(B(dx), B(dw), y.ptr, m, n, k, out, acc, cfg, 0);
+  launch(B(dx), B(dw), y.ptr, m, n, k, out, acc);
   DS_CUDA_CHECK(cudaDeviceSynchronize());
   const auto got = download_out(y, size_t(m) * n, f32);
   const auto ref = reference(x, w, init, m, n, k);
   const double e = test::norm_err(got, ref);
-  EXPECT_LT(e, f32 ? 1e-4 : 4e-3) << "m " << m << " n " << n << " k " << k << " cfg " << cfg.name()
+  EXPECT_LT(e, f32 ? 1e-4 : 4e-3) << "m " << m << " n " << n << " k " << k << " cfg " << label
                                   << (f32 ? " f32" : " bf16") << (acc ? " +=" : "");
+}
+
+void check_vs_cpu(int m, int n, int k, GemmOut out, bool acc, const SkinnyConfig& cfg,
+                  std::mt19937& rng) {
+  check_launch_vs_cpu(
+      m, n, k, out, acc,
+      [&](const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m_, int n_, int k_,
+          GemmOut o, bool a) { cuda::launch_skinny_gemm(x, w, y, m_, n_, k_, o, a, cfg, 0); },
+      cfg.name(), rng);
 }
 
 TEST(CudaGemv, OddShapesEveryConfig) {
@@ -310,7 +326,7 @@ TEST(CudaGemv, GuardAndErrors) {
   EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17408)).name, "skinny_mma");  // down
   EXPECT_EQ(reg.select(F::kGemm, reg.key(16, 5120, 17408)).name, "skinny_mma");
   EXPECT_EQ(reg.select(F::kGemm, reg.key(17, 5120, 17408)).name, "cublaslt");  // m > 16
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 248320, 5120)).name, "cublaslt");  // ties cuBLASLt
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 248320, 5120)).name, "cublaslt");  // ties cuBLASLt
   EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17412)).name, "cublaslt");   // k % 8
   EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 65536)).name, "cublaslt");   // k too large
   EXPECT_TRUE(cuda::skinny_gemm_supports(1, 248320, 5120));
@@ -346,6 +362,393 @@ TEST(CudaGemv, GuardAndErrors) {
   EXPECT_EQ(g.late_plans(), 0);
   g.run(B(dx), B(dw), y1.ptr, 17, 8, 1, GemmOut::kBF16, 0);  // k = 1: cuBLASLt
   EXPECT_EQ(g.late_plans(), 1);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+
+// ---- bulk-copy GEMV (gemv_bulk.cu, variant gemm.gemv_bulk) ----------------------------------
+
+int device_sms() {
+  int dev = 0, n_sms = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
+  return n_sms;
+}
+
+bool is_sm90() {
+  int dev = 0, major = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  DS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  return major == 9;
+}
+
+LaunchFn bulk_launch(const cuda::GemvBulkConfig& c, int n_sms) {
+  return [c, n_sms](const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n, int k,
+                    GemmOut o, bool a) {
+    cuda::launch_gemv_bulk(x, w, y, m, n, k, o, a, c, n_sms, 0);
+  };
+}
+
+// Odd shapes with every config that fits: n below the SM count (fewer blocks than SMs), one or
+// two rows per block, many rows per block (the ring wraps many times: mbarrier phases), odd row
+// counts with two-row stages (a partial last stage), k = 8 (one 16-byte vector), k not a multiple
+// of 256 (lanes with fewer vectors), the largest k that fits; bf16 / fp32 out, +=. Normalised
+// error vs fp64 < 4e-3 (bf16 out: one rounding) / 1e-5 (fp32 out: fp32 sums of <= 12288 terms).
+TEST(CudaGemvBulk, OddShapesEveryConfig) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(31);
+  struct NK {
+    int n, k;
+  };
+  const NK shapes[] = {{1, 8}, {37, 24}, {203, 40}, {77, 5128}, {5000, 256}, {20001, 64},
+                       {263, 1032}};
+  for (int m : {1, 2, 3, 5, 8})
+    for (const NK& s : shapes)
+      for (const cuda::GemvBulkConfig& c : cuda::gemv_bulk_configs(m, s.k)) {
+        check_launch_vs_cpu(m, s.n, s.k, GemmOut::kBF16, false, bulk_launch(c, n_sms), c.name(),
+                            rng);
+        if (s.n * s.k <= 400000) {
+          check_launch_vs_cpu(m, s.n, s.k, GemmOut::kF32, false, bulk_launch(c, n_sms), c.name(),
+                              rng);
+          check_launch_vs_cpu(m, s.n, s.k, GemmOut::kBF16, true, bulk_launch(c, n_sms), c.name(),
+                              rng);
+          check_launch_vs_cpu(m, s.n, s.k, GemmOut::kF32, true, bulk_launch(c, n_sms), c.name(),
+                              rng);
+        }
+      }
+  // The largest k that fits m = 1 (12288 x 2 bytes x (1 + 8 stages)); a grid of 5 blocks.
+  check_launch_vs_cpu(1, 50, 12288, GemmOut::kBF16, false, bulk_launch({1, 8, false}, n_sms),
+                      "r1s8", rng);
+  check_launch_vs_cpu(2, 300, 1024, GemmOut::kF32, false, bulk_launch({2, 16, false}, 5), "r2s16",
+                      rng);
+  EXPECT_TRUE(cuda::gemv_bulk_supports(1, 50, 12880));
+  EXPECT_FALSE(cuda::gemv_bulk_supports(1, 50, 12888));
+}
+
+// Every Qwen3.5-27B decode shape with k <= 8192 at m = 1, 2, 3, 4, 8: the shipped config
+//  - vs fp64 on 384 sampled rows (the first and last 128 rows and 128 spread ones, i.e. across
+//    block boundaries): |y - ref| <= 1 bf16 ulp of max(|y|, |ref|) + 1e-4 * sum_i |x_i w_i|
+//    (bf16 out: one rounding of an fp32 sum) / 1e-4 * sum_i |x_i w_i| (fp32 out);
+//  - vs cuBLASLt on every output: within 1 bf16 ulp of the larger magnitude, or 1e-3 of the
+//    output's max where both are near zero (fp32 out: relative L2 < 1e-5);
+//  - every other config that fits gives the same bits (the order depends on k only), and so does
+//    the engine's path through the registry where the guard picks the kernel.
+TEST(CudaGemvBulk, Shapes27bMatchCublasLtAndFp64) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(41);
+  Pool wpool(size_t(248320) * 5120, rng, 0.02f);
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  cuda::GemmEngine fast, ref;
+  fast.set_dispatch(&reg);
+  for (const Op& o : kOps27b) {
+    if (o.k > 8192) {
+      EXPECT_FALSE(cuda::gemv_bulk_preferred(1, o.n, o.k)) << o.name;
+      continue;
+    }
+    // Sampled rows, downloaded once per op.
+    std::vector<int> rows;
+    for (int i = 0; i < 128; ++i) rows.push_back(i), rows.push_back(o.n - 128 + i);
+    for (int i = 0; i < 128; ++i)
+      rows.push_back(int((int64_t(o.n) * i / 128 + (i * 37) % 97) % o.n));
+    std::vector<bf> wrows(rows.size() * size_t(o.k));
+    for (size_t r = 0; r < rows.size(); ++r)
+      DS_CUDA_CHECK(cudaMemcpy(wrows.data() + r * o.k, wpool.buf.ptr + size_t(rows[r]) * o.k,
+                               size_t(o.k) * 2, cudaMemcpyDeviceToHost));
+    for (int m : {1, 2, 3, 4, 8, 16}) {
+      if (m > cuda::kGemvBulkMaxM) {
+        EXPECT_FALSE(cuda::gemv_bulk_supports(m, o.n, o.k));
+        continue;
+      }
+      const bool guarded = fast.variant(m, o.n, o.k) == "gemv_bulk";
+      EXPECT_EQ(guarded, cuda::gemv_bulk_preferred(m, o.n, o.k)) << o.name << " m " << m;
+      auto x = test::random_bf16(size_t(m) * o.k, rng);
+      DevBuf<bf> dx(x);
+      const size_t es = o.f32 ? 4 : 2, cnt = size_t(m) * o.n;
+      DevBuf<char> y1(cnt * es), y2(cnt * es), y3(cnt * es);
+      y1.poison();
+      y2.poison();
+      const GemmOut out = o.f32 ? GemmOut::kF32 : GemmOut::kBF16;
+      const cuda::GemvBulkConfig shipped = cuda::gemv_bulk_config(m, o.n, o.k);
+      cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, out, false, shipped, n_sms,
+                             0);
+      ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, out, 0);
+      const auto bits = y1.download();
+      for (const cuda::GemvBulkConfig& c : cuda::gemv_bulk_configs(m, o.k)) {
+        y3.poison();
+        cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, out, false, c, n_sms, 0);
+        EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " config " << c.name();
+      }
+      if (guarded) {
+        y3.poison();
+        fast.run(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, out, 0);
+        EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " engine path";
+      }
+      DS_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto a = download_out(y1, cnt, o.f32), b = download_out(y2, cnt, o.f32);
+      // fp64 on the sampled rows.
+      size_t bad64 = 0;
+      double worst64 = 0;
+      for (int t = 0; t < m; ++t)
+        for (size_t r = 0; r < rows.size(); ++r) {
+          double sum = 0, mag = 0;
+          for (int c = 0; c < o.k; ++c) {
+            const double p = double(bf16_to_f32(x[size_t(t) * o.k + c])) *
+                             bf16_to_f32(wrows[r * o.k + c]);
+            sum += p;
+            mag += std::fabs(p);
+          }
+          const double got = a[size_t(t) * o.n + rows[r]];
+          const double tol =
+              (o.f32 ? 0.0 : bf16_ulp(std::max(std::fabs(got), std::fabs(sum)))) + 1e-4 * mag;
+          const double d = std::fabs(got - sum);
+          if (!(d <= tol)) ++bad64;
+          worst64 = std::max(worst64, d / std::max(tol, 1e-30));
+        }
+      EXPECT_EQ(bad64, 0u) << o.name << " m " << m << " vs fp64";
+      if (o.f32) {
+        const double e = test::norm_err(a, b);
+        EXPECT_LT(e, 1e-5) << o.name << " m " << m;
+        std::printf(
+            "  bulk %-8s m=%d f32 out: relative L2 vs cuBLASLt %.2e, fp64 worst %.2f of tol\n",
+            o.name, m, e, worst64);
+      } else {
+        double ymax = 0;
+        for (float v : b) ymax = std::max(ymax, double(std::fabs(v)));
+        size_t bad = 0, first_bad = 0, differ = 0;
+        double worst = 0;
+        for (size_t i = 0; i < cnt; ++i) {
+          const double d = std::fabs(double(a[i]) - b[i]);
+          const double tol =
+              std::max(bf16_ulp(std::max(std::fabs(a[i]), std::fabs(b[i]))), 1e-3 * ymax);
+          if (!(d <= tol)) {
+            if (!bad) first_bad = i;
+            ++bad;
+          }
+          if (d > 0) ++differ;
+          worst = std::max(worst, d / std::max(tol, 1e-30));
+        }
+        EXPECT_EQ(bad, 0u) << o.name << " m " << m << ": first at " << first_bad << " ("
+                           << a[first_bad] << " vs " << b[first_bad] << ")";
+        std::printf(
+            "  bulk %-8s m=%d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of tol), "
+            "fp64 worst %.2f of tol\n",
+            o.name, m, differ, cnt, worst, worst64);
+      }
+    }
+  }
+}
+
+// Token i's outputs are bit-identical for m = 1..8 (the summation order depends on k only).
+TEST(CudaGemvBulk, BatchInvariant) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(19);
+  for (auto [n, k] : {std::pair{5120, 6144}, std::pair{16480, 5120}, std::pair{300, 5128}}) {
+    auto x = test::random_bf16(size_t(8) * k, rng), w = test::random_bf16(size_t(n) * k, rng);
+    DevBuf<bf> dx(x), dw(w);
+    DevBuf<char> y8(size_t(8) * n * 2), ys(size_t(8) * n * 2);
+    cuda::launch_gemv_bulk(B(dx), B(dw), y8.ptr, 8, n, k, GemmOut::kBF16, false,
+                           cuda::gemv_bulk_config(8, n, k), n_sms, 0);
+    const auto a = y8.download();
+    for (auto [t0, m] : {std::pair{0, 1}, std::pair{7, 1}, std::pair{2, 2}, std::pair{4, 3},
+                         std::pair{4, 4}}) {
+      ys.poison();
+      cuda::launch_gemv_bulk(B(dx, size_t(t0) * k), B(dw), ys.ptr, m, n, k, GemmOut::kBF16, false,
+                             cuda::gemv_bulk_config(m, n, k), n_sms, 0);
+      const auto b = ys.download();
+      EXPECT_EQ(std::memcmp(a.data() + size_t(t0) * n * 2, b.data(), size_t(m) * n * 2), 0)
+          << "tokens " << t0 << ".." << t0 + m - 1 << " n " << n << " k " << k;
+    }
+  }
+}
+
+// Programmatic dependent launch: y2 = y1 w2^T right behind y1 = x w1^T (both with the attribute:
+// the second issues its weight copies early, reads y1 only after griddepcontrol.wait) reads the
+// finished y1 (poisoned before), on a stream and from a CUDA graph; bit-identical to no PDL.
+TEST(CudaGemvBulk, DependentLaunchesChain) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(23);
+  const int m = 4, n1 = 6144, k1 = 5120, n2 = 5120;  // the first launch reads 63 MB
+  auto x = test::random_bf16(size_t(m) * k1, rng),
+       w1 = test::random_bf16(size_t(n1) * k1, rng, 0.02f),
+       w2 = test::random_bf16(size_t(n2) * n1, rng, 0.02f);
+  DevBuf<bf> dx(x), dw1(w1), dw2(w2), y1(size_t(m) * n1), y2(size_t(m) * n2);
+  cudaStream_t s;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto chain = [&](bool pdl) {
+    cuda::GemvBulkConfig c1 = cuda::gemv_bulk_config(m, n1, k1),
+                         c2 = cuda::gemv_bulk_config(m, n2, n1);
+    c1.pdl = c2.pdl = pdl;
+    cuda::launch_gemv_bulk(B(dx), B(dw1), y1.ptr, m, n1, k1, GemmOut::kBF16, false, c1, n_sms, s);
+    cuda::launch_gemv_bulk(B(y1), B(dw2), y2.ptr, m, n2, n1, GemmOut::kBF16, false, c2, n_sms, s);
+  };
+  y1.poison();
+  y2.poison();
+  chain(false);
+  DS_CUDA_CHECK(cudaStreamSynchronize(s));
+  const auto ref1 = y1.download(), ref2 = y2.download();
+  EXPECT_LT(test::norm_err(test::to_f32(ref2), reference(ref1, w2, {}, m, n2, n1)), 4e-3);
+  for (int rep = 0; rep < 3; ++rep) {
+    y1.poison();
+    y2.poison();
+    chain(true);
+    DS_CUDA_CHECK(cudaStreamSynchronize(s));
+    EXPECT_TRUE(y1.download() == ref1) << "rep " << rep;
+    EXPECT_TRUE(y2.download() == ref2) << "rep " << rep;
+  }
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  chain(true);
+  DS_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  DS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int rep = 0; rep < 3; ++rep) {
+    y1.poison();
+    y2.poison();
+    DS_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    DS_CUDA_CHECK(cudaStreamSynchronize(s));
+    EXPECT_TRUE(y1.download() == ref1) << "graph rep " << rep;
+    EXPECT_TRUE(y2.download() == ref2) << "graph rep " << rep;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+// SwiGLU fused into the bulk GEMV: act = bf16(silu(g) * u) bit-identical to launch_gemv_bulk on
+// [gate | up] followed by launch_silu_mul, on the 27B MLP (d_ff 17408, k 5120) and odd shapes,
+// m 1..4 (poisoned outputs); vs fp64 (g, u, silu in double): normalised error < 8e-3 (g, u and
+// the product each rounded to bf16 once); the engine's run_gate_up_silu takes it where the guard
+// says so and returns false (launching nothing) for m > 4 or with the variant switched off.
+TEST(CudaGemvBulk, SiluFusedMatchesUnfused) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(43);
+  for (auto [d_ff, k] : {std::pair{17408, 5120}, std::pair{37, 24}, std::pair{1000, 5128},
+                         std::pair{203, 40}, std::pair{5000, 256}}) {
+    auto w = test::random_bf16(size_t(2) * d_ff * k, rng, 0.05f);
+    DevBuf<bf> dw(w);
+    for (int m = 1; m <= cuda::kGemvBulkSiluMaxM; ++m) {
+      auto x = test::random_bf16(size_t(m) * k, rng);
+      DevBuf<bf> dx(x), gu(size_t(m) * 2 * d_ff), a1(size_t(m) * d_ff), a2(size_t(m) * d_ff);
+      a1.poison();
+      a2.poison();
+      gu.poison();
+      auto* gup = reinterpret_cast<__nv_bfloat16*>(gu.ptr);
+      cuda::launch_gemv_bulk_silu(B(dx), B(dw), reinterpret_cast<__nv_bfloat16*>(a1.ptr), m, d_ff,
+                                  k, cuda::gemv_bulk_silu_config(m, d_ff, k), n_sms, 0);
+      cuda::launch_gemv_bulk(B(dx), B(dw), gup, m, 2 * d_ff, k, GemmOut::kBF16, false,
+                             cuda::gemv_bulk_config(m, 2 * d_ff, k), n_sms, 0);
+      cuda::launch_silu_mul(gup, m, d_ff, reinterpret_cast<__nv_bfloat16*>(a2.ptr), 0);
+      DS_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto got = a1.download();
+      EXPECT_TRUE(got == a2.download()) << "m " << m << " d_ff " << d_ff << " k " << k;
+      if (size_t(m) * d_ff * k <= size_t(4) * 17408 * 5120 / 8 || m == 1) {
+        std::vector<float> ref(size_t(m) * d_ff);
+        for (int t = 0; t < m; ++t)
+          for (int j = 0; j < d_ff; ++j) {
+            double g = 0, u = 0;
+            for (int c = 0; c < k; ++c) {
+              const double xv = bf16_to_f32(x[size_t(t) * k + c]);
+              g += xv * bf16_to_f32(w[size_t(j) * k + c]);
+              u += xv * bf16_to_f32(w[size_t(d_ff + j) * k + c]);
+            }
+            ref[size_t(t) * d_ff + j] = float(g / (1.0 + std::exp(-g)) * u);
+          }
+        EXPECT_LT(test::norm_err(test::to_f32(got), ref), 8e-3) << "m " << m << " d_ff " << d_ff;
+      }
+    }
+  }
+  // Through the engine and the registry.
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_bulk_silu");
+  cuda::GemmEngine g, g_off;
+  g.set_dispatch(&reg);
+  g_off.set_dispatch(&off);
+  const int d_ff = 17408, k = 5120;
+  auto w = test::random_bf16(size_t(2) * d_ff * k, rng, 0.02f), x = test::random_bf16(8 * k, rng);
+  DevBuf<bf> dw(w), dx(x), a1(size_t(8) * d_ff), a2(size_t(8) * d_ff);
+  for (int m : {1, 4, 5, 16}) {
+    a1.poison();
+    a2.poison();
+    auto* p1 = reinterpret_cast<__nv_bfloat16*>(a1.ptr);
+    const bool fused = g.run_gate_up_silu(B(dx), B(dw), p1, m, d_ff, k, 0);
+    EXPECT_EQ(fused, m <= 4) << "m " << m;
+    EXPECT_FALSE(g_off.run_gate_up_silu(B(dx), B(dw), p1, m, d_ff, k, 0));
+    if (fused) {
+      cuda::launch_gemv_bulk_silu(B(dx), B(dw), reinterpret_cast<__nv_bfloat16*>(a2.ptr), m, d_ff,
+                                  k, cuda::gemv_bulk_silu_config(m, d_ff, k), n_sms, 0);
+      EXPECT_TRUE(a1.download() == a2.download()) << "m " << m;
+    } else {
+      const auto untouched = a1.download();  // nothing launched: still the poison
+      EXPECT_TRUE(std::all_of(untouched.begin(), untouched.end(),
+                              [](bf v) { return v == 0xFFFF; }))
+          << "m " << m;
+    }
+  }
+  EXPECT_THROW(cuda::launch_gemv_bulk_silu(B(dx), B(dw), reinterpret_cast<__nv_bfloat16*>(a1.ptr),
+                                           5, d_ff, k, {2, 8, false}, n_sms, 0),
+               Error);  // m > 4
+  EXPECT_THROW(cuda::launch_gemv_bulk_silu(B(dx), B(dw), reinterpret_cast<__nv_bfloat16*>(a1.ptr),
+                                           1, d_ff, k, {1, 16, false}, n_sms, 0),
+               Error);  // one row per stage
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+TEST(CudaGemvBulk, GuardAndErrors) {
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  using F = cuda::KernelFamily;
+  auto pick = [&](const cuda::DispatchRegistry& r, int m, int n, int k, int glu = 0) {
+    return r.select(F::kGemm, r.key(m, n, k, glu)).name;
+  };
+  EXPECT_EQ(pick(reg, 1, 34816, 5120), "gemv_bulk");   // gate_up
+  EXPECT_EQ(pick(reg, 2, 34816, 5120), "gemv_bulk");
+  EXPECT_EQ(pick(reg, 1, 16480, 5120), "gemv_bulk");   // gdn_in
+  EXPECT_EQ(pick(reg, 1, 14336, 5120), "gemv_bulk");   // attn_qkv
+  EXPECT_EQ(pick(reg, 1, 248320, 5120), "gemv_bulk");  // lm_head
+  EXPECT_EQ(pick(reg, 2, 16480, 5120), "cublaslt");    // lost from m 2
+  EXPECT_EQ(pick(reg, 1, 5120, 6144), "cublaslt");     // gdn_out / attn_o: lost
+  EXPECT_EQ(pick(reg, 3, 34816, 5120), "cublaslt");
+  EXPECT_EQ(pick(reg, 4, 34816, 5120, 1), "gemv_bulk_silu");  // the MLP's fused key
+  EXPECT_EQ(pick(reg, 5, 34816, 5120, 1), "cublaslt");
+  EXPECT_EQ(pick(reg, 1, 34815, 5120, 1), "gemv_bulk");  // odd n: no [gate | up] split
+  EXPECT_EQ(pick(reg, 1, 5120, 17408), "skinny_mma");  // down: k > 8192
+  EXPECT_EQ(pick(reg, 1, 5120, 5124), "cublaslt");     // k % 8
+  auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
+  EXPECT_EQ(pick(r80, 1, 34816, 5120), "cublaslt");
+  auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_bulk");
+  EXPECT_EQ(pick(off, 1, 34816, 5120), "cublaslt");
+  EXPECT_TRUE(cuda::gemv_bulk_fits(4, 6144, {1, 8, false}));
+  EXPECT_FALSE(cuda::gemv_bulk_fits(4, 6144, {1, 16, false}));  // 242 KB > 227 KB
+  EXPECT_FALSE(cuda::gemv_bulk_fits(1, 5120, {1, 12, false}));  // not a multiple of 8 warps
+  EXPECT_FALSE(cuda::gemv_bulk_fits(9, 64, {1, 8, false}));     // m > 8
+  for (int m = 1; m <= cuda::kGemvBulkMaxM; ++m)
+    for (int k : {8, 5120, 6144, 8192})
+      if (cuda::gemv_bulk_supports(m, 100, k)) {
+        EXPECT_TRUE(cuda::gemv_bulk_fits(m, k, cuda::gemv_bulk_config(m, 100, k))) << m << " " << k;
+      }
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  DevBuf<bf> x(64), w(64 * 64);
+  DevBuf<char> y(64 * 64 * 4);
+  const cuda::GemvBulkConfig c{1, 8, false};
+  auto launch = [&](int xo, int m, int n, int k, cuda::GemvBulkConfig cc, int sms) {
+    cuda::launch_gemv_bulk(B(x, xo), B(w), y.ptr, m, n, k, GemmOut::kBF16, false, cc, sms, 0);
+  };
+  EXPECT_THROW(launch(1, 1, 8, 16, c, 132), Error);   // x not 16-byte aligned
+  EXPECT_THROW(launch(0, 9, 8, 16, c, 132), Error);   // m > 8
+  EXPECT_THROW(launch(0, 1, 8, 12, c, 132), Error);   // k % 8
+  EXPECT_THROW(launch(0, 1, 8, 16, {3, 8, false}, 132), Error);  // rows per stage
+  EXPECT_THROW(launch(0, 1, 8, 16, {1, 40, false}, 132), Error);  // slots
+  EXPECT_THROW(launch(0, 1, 8, 16, c, 0), Error);     // n_sms
   DS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -449,6 +852,126 @@ TEST(CudaGemv, Sweep) {
         "best %.3f ms\n",
         mi == 0 ? 1 : (mi == 1 ? 4 : 16), sum_ref[mi] * 1e-3, sum_pick[mi] * 1e-3,
         sum_pdl[mi] * 1e-3, sum_best[mi] * 1e-3);
+  cudaStreamDestroy(st);
+}
+
+
+// DS_GEMV_SWEEP=1: the bulk GEMV's configs on the k <= 8192 decode shapes at m = 1, 2, 3, 4, 8
+// next to cuBLASLt tuned as the engine tunes it (top 12 algorithms timed on rotating weights) and
+// the skinny kernel's shipped config; rotating weights past L2; per-step sums with the 27B counts.
+TEST(CudaGemvBulk, Sweep) {
+  const char* e = std::getenv("DS_GEMV_SWEEP");
+  if (!e || std::string(e) != "1") GTEST_SKIP() << "set DS_GEMV_SWEEP=1 to time every config";
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(27);
+  const size_t pool_elems = size_t(248320) * 5120;
+  Pool wpool(pool_elems, rng, 0.02f);
+  auto xs = test::random_bf16(size_t(8) * 6144, rng);
+  DevBuf<bf> dx(xs), xt(size_t(8) * 6144);
+  DevBuf<char> y(size_t(8) * 248320 * 4);
+  cudaStream_t st;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const int ms[] = {1, 2, 3, 4, 8};
+  double sum_lt[5] = {}, sum_sk[5] = {}, sum_pick[5] = {}, sum_best[5] = {}, sum_pdl[5] = {};
+  std::printf(
+      "BULK shape m | cublaslt_tuned us TB/s | skinny us | bulk picked us TB/s (pdl) | best | "
+      "all\n");
+  for (const Op& o : kOps27b) {
+    if (o.k > 8192) continue;
+    const int count = std::string(o.name) == "gate_up"     ? 64
+                      : std::string(o.name) == "gdn_in"    ? 48
+                      : std::string(o.name) == "gdn_out"   ? 48
+                      : std::string(o.name) == "lm_head"   ? 1
+                                                           : 16;
+    const size_t welems = size_t(o.n) * o.k;
+    const int rot = int(std::max<size_t>(1, std::min<size_t>(pool_elems / welems, 16)));
+    const GemmOut out = o.f32 ? GemmOut::kF32 : GemmOut::kBF16;
+    for (int mi = 0; mi < 5; ++mi) {
+      const int m = ms[mi];
+      const double bytes = 2.0 * welems + 2.0 * m * o.k + (o.f32 ? 4.0 : 2.0) * m * o.n;
+      cuda::GemmEngine lt;
+      std::vector<const __nv_bfloat16*> ws;
+      for (int i = 0; i < std::min(rot, 4); ++i) ws.push_back(B(wpool.buf, i * welems));
+      const auto tr = lt.tune(m, o.n, o.k, out, ws, reinterpret_cast<__nv_bfloat16*>(xt.ptr),
+                              y.ptr, st);
+      auto time_lt = [&](int i) {
+        lt.run(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, out, st);
+      };
+      const double t_lt = time_us(time_lt, rot, st);
+      const SkinnyConfig sk = cuda::skinny_gemm_config(m, o.n, o.k, n_sms);
+      const double t_sk = time_us(
+          [&](int i) {
+            cuda::launch_skinny_gemm(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, out,
+                                     false, sk, st);
+          },
+          rot, st);
+      auto time_bulk = [&](const cuda::GemvBulkConfig& c) {
+        return time_us(
+            [&](int i) {
+              cuda::launch_gemv_bulk(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, out,
+                                     false, c, n_sms, st);
+            },
+            rot, st);
+      };
+      const cuda::GemvBulkConfig pick = cuda::gemv_bulk_config(m, o.n, o.k);
+      double t_pick = 0, t_best = 1e30;
+      std::string best, all;
+      for (const cuda::GemvBulkConfig& c : cuda::gemv_bulk_configs(m, o.k)) {
+        const double t = time_bulk(c);
+        if (c.name() == pick.name()) t_pick = t;
+        if (t < t_best) t_best = t, best = c.name();
+        char buf[64];
+        std::snprintf(buf, sizeof buf, " %s:%.2f", c.name().c_str(), t);
+        all += buf;
+      }
+      cuda::GemvBulkConfig pdl = pick;
+      pdl.pdl = true;
+      const double t_pdl = time_bulk(pdl);
+      std::printf(
+          "BULK %-8s m=%d | %7.2f %4.2f (%s) | %7.2f | %s %7.2f %4.2f (%.2f) | %s %7.2f %4.2f "
+          "|%s\n",
+          o.name, m, t_lt, bytes / t_lt * 1e-6, tr.timed ? "tuned" : "heuristic", t_sk,
+          pick.name().c_str(), t_pick, bytes / t_pick * 1e-6, t_pdl, best.c_str(), t_best,
+          bytes / t_best * 1e-6, all.c_str());
+      if (std::string(o.name) == "gate_up" && m <= cuda::kGemvBulkSiluMaxM) {
+        const int d_ff = o.n / 2;
+        DevBuf<bf> actb(size_t(m) * d_ff);
+        auto* act = reinterpret_cast<__nv_bfloat16*>(actb.ptr);
+        const double t_silu = time_us(
+            [&](int) {
+              cuda::launch_silu_mul(reinterpret_cast<const __nv_bfloat16*>(y.ptr), m, d_ff, act,
+                                    st);
+            },
+            1, st);
+        const double t_fused = time_us(
+            [&](int i) {
+              cuda::launch_gemv_bulk_silu(B(dx), B(wpool.buf, i * welems), act, m, d_ff, o.k,
+                                          cuda::gemv_bulk_silu_config(m, d_ff, o.k), n_sms, st);
+            },
+            rot, st);
+        std::printf(
+            "BULK gate_up+silu m=%d | cublaslt_tuned + silu_mul %.2f | bulk picked + silu_mul "
+            "%.2f | fused %.2f us %4.2f TB/s | per step (64): %.3f / %.3f / %.3f ms\n",
+            m, t_lt + t_silu, t_pick + t_silu, t_fused, bytes / t_fused * 1e-6,
+            64 * (t_lt + t_silu) * 1e-3, 64 * (t_pick + t_silu) * 1e-3, 64 * t_fused * 1e-3);
+      }
+      std::fflush(stdout);
+      sum_lt[mi] += count * t_lt;
+      sum_sk[mi] += count * t_sk;
+      sum_pick[mi] += count * t_pick;
+      sum_best[mi] += count * t_best;
+      sum_pdl[mi] += count * t_pdl;
+    }
+  }
+  for (int mi = 0; mi < 5; ++mi)
+    std::printf(
+        "BULK 27B decode step, k <= 8192 GEMMs (64 gate_up, 48 gdn_in, 48 gdn_out, 16 qkv, 16 o, "
+        "1 lm_head) m=%d: cublaslt_tuned %.3f ms, skinny %.3f ms, bulk picked %.3f ms (pdl "
+        "%.3f), bulk best %.3f ms\n",
+        ms[mi], sum_lt[mi] * 1e-3, sum_sk[mi] * 1e-3, sum_pick[mi] * 1e-3, sum_pdl[mi] * 1e-3,
+        sum_best[mi] * 1e-3);
   cudaStreamDestroy(st);
 }
 
