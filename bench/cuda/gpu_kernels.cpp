@@ -835,11 +835,14 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
     for (int q : chunks)
       for (int kv : cached_lens)
         guarded("attn_prefill", "q/cached " + S(q, kv), [&] { kb.attn_prefill(q, kv); });
-    // One unchunked 16K causal prompt (issue 7's kernel target, the peers' shape) and a short
-    // chunk against a long cache (speculative / small-chunk regime).
+    // One unchunked 16K causal prompt (issue 7's kernel target, the peers' shape) and short
+    // chunks against a cache (speculative / small-chunk regime: at group 6, up to 10 tokens fill
+    // one 64-row tile, up to 21 one 128-row tile).
     if (!opt.quick) {
       guarded("attn_prefill", "q/cached " + S(16384, 0), [&] { kb.attn_prefill(16384, 0); });
-      guarded("attn_prefill", "q/cached " + S(16, 8192), [&] { kb.attn_prefill(16, 8192); });
+      for (auto [q, kv] : {std::pair{16, 8192}, std::pair{4, 8192}, std::pair{10, 2048},
+                           std::pair{21, 32768}, std::pair{64, 8192}})
+        guarded("attn_prefill", "q/cached " + S(q, kv), [&] { kb.attn_prefill(q, kv); });
     }
   }
   if (c.n_full_layers() > 0 && wanted(opt, "attn_decode"))

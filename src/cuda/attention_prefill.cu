@@ -250,6 +250,9 @@ void launch_attention_prefill(const AttnShape& s, const AttnBatch& b, const bf16
         KernelFamily::kAttnPrefill,
         dispatch->key(s.head_dim, s.n_heads / s.n_kv_heads, b.max_q_len, b.max_kv_len));
     static constexpr std::pair<std::string_view, AttnMmaKernel> kMmaVariants[] = {
+        {"wgmma_ws", AttnMmaKernel::kWgmmaWs},
+        {"wgmma_ws3", AttnMmaKernel::kWgmmaWs3},
+        {"wgmma_ws_tilemajor", AttnMmaKernel::kWgmmaWsTileMajor},
         {"wgmma_m128", AttnMmaKernel::kWgmmaM128},
         {"wgmma_pipe", AttnMmaKernel::kWgmmaPipe},
         {"mma_m128", AttnMmaKernel::kMmaM128},

@@ -13,25 +13,45 @@
 // 16 keys, row max / sum over the 4 lanes of a quad; the causal mask is applied only on tiles that
 // reach past the tile's first query. P (bf16) is the S accumulators re-packed as the A operand of
 // P V (no shared-memory round trip); O [rows, 256] stays in fp32 registers (128 per thread).
-// K/V tiles stream through a 2-stage cp.async pipeline; rows past the last needed key are
-// zero-filled, never read. The epilogue stages O / l in fp32 through shared memory and writes
-// 16-byte rows with the gate applied. The heaviest (last) tiles of the causal triangle start first.
+// K/V tiles stream through a 2-stage cp.async pipeline (wgmma_ws: TMA, below); rows past the last
+// needed key are zero-filled, never read (wgmma_ws copies whole tiles: K rows there are masked, V
+// rows there zeroed in shared memory before the last P V). The epilogue stages O / l in fp32
+// through shared memory and writes 16-byte rows with the gate applied (wgmma_ws: straight from
+// the accumulators, bf16 pairs). The heaviest (last) tiles of the causal triangle start first.
 //
 // Variants (H200, bench kernels, 27B shapes; generic kernel 21-34 TFLOP/s):
-//   wgmma_m128  (default from 22 tokens) 2 warpgroups x 64 rows; S = Q K^T by wgmma m64n64k16 with
-//               Q and K in shared memory, O += P V by wgmma m64n256k16 with P in registers and V
-//               MN-major in shared memory; tiles in the 128-byte-swizzled wgmma layout. 310-443
-//               TFLOP/s for 3072/4096-token chunks (435 at 16K causal), 300-326 for 512-token
-//               chunks against 8K-32K cached tokens: 8.5-15x the generic kernel.
+//   wgmma_ws / wgmma_ws3  (the defaults; wgmma_ws3 from 512-token chunks against >= 8K keys)
+//               warp-specialised: 3 warpgroups; a producer thread copies whole K / V tiles with
+//               TMA (cp.async.bulk.tensor, 128-byte swizzle = the wgmma layout) into 2 (ws) or 3
+//               (ws3) K stages and 2 V stages guarded by full / empty mbarriers and gives its
+//               registers away (setmaxnreg 24 / 240); two consumer warpgroups of 64 rows never
+//               meet at a block barrier, and each issues S(j) = Q K(j)^T before P(j-1) V(j-1) and
+//               runs the softmax of tile j while P V is on the tensor cores. Bit-identical to
+//               wgmma_m128 (same instructions in the same order). Grid (n_kv, tiles, seqs): the
+//               heaviest row tiles of every kv head start first (wgmma_ws_tilemajor: the old
+//               grid order, kept for A/B). Two runs: 4096-token chunks 451 TFLOP/s with nothing
+//               cached, 600-672 against 8K-32K cached; 3072: 376-383 / 578-610; 512: 91 /
+//               460-542; 16K causal 558-631; 4-21-token chunks against 2K-32K cached 1.3-1.5x
+//               faster than mma_m64 (e.g. 16 after 8192: 209 vs 310 us). 1.2-1.7x wgmma_m128.
+//   wgmma_m128  2 warpgroups x 64 rows; S = Q K^T by wgmma m64n64k16 with Q and K in shared
+//               memory, O += P V by wgmma m64n256k16 with P in registers and V MN-major in shared
+//               memory; tiles in the 128-byte-swizzled wgmma layout, loaded by every thread with
+//               cp.async. 310-443 TFLOP/s for 3072/4096-token chunks (425-435 at 16K causal),
+//               300-326 for 512-token chunks against 8K-32K cached tokens: 8.5-15x the generic
+//               kernel. The default before wgmma_ws; kept as the reference of its bit-exact test.
 //   wgmma_pipe  the same with the next tile's Q K^T issued before this tile's softmax (separate K
 //               and V stages); correct but 6-14% slower than wgmma_m128 (lockstep barriers and
 //               253 registers): kept for A/B runs, never picked by default.
 //   mma_m128 / mma_m64  8 / 4 warps x 16 rows, mma.sync m16n8k16 with ldmatrix (.trans for V),
-//               XOR-swizzled rows (chunk ^ (row & 7)); 170-300 TFLOP/s. mma_m64 is the default
-//               for <= 128 packed rows (short chunks), where twice the blocks beat larger tiles.
+//               XOR-swizzled rows (chunk ^ (row & 7)); 170-300 TFLOP/s. mma_m64 was the default
+//               for <= 128 packed rows (short chunks), where twice the blocks beat wgmma_m128.
 // Tests: tests/cuda/cuda_attention_test.cpp (vs the fp32 CPU reference and the generic kernel);
 // bench: `deltaserve bench kernels --only attn_prefill` (every variant's time, fallback, match).
 #include "cuda/attention_prefill_mma.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include "cuda/cuda_common.h"
 #include "cuda/mma_util.cuh"
 
@@ -139,12 +159,13 @@ struct RowTile {
   const int32_t* btab;  // this sequence's block table
 };
 
-// Fills rt; false when the tile lies past the sequence's rows (the block has nothing to do).
+// Fills rt for row tile `tile` of kv head `kvh` of sequence blockIdx.z; false when the tile lies
+// past the sequence's rows (the block has nothing to do).
 template <int kBm>
-__device__ __forceinline__ bool row_tile(const AttnShape& s, const AttnBatch& b, RowTile& rt) {
+__device__ __forceinline__ bool row_tile_at(const AttnShape& s, const AttnBatch& b, int tile,
+                                            int kvh, RowTile& rt) {
   const int seq = blockIdx.z;
-  rt.kvh = blockIdx.y;
-  const int tile = gridDim.x - 1 - blockIdx.x;  // the longest rows of the triangle start first
+  rt.kvh = kvh;
   rt.group = s.n_heads / s.n_kv_heads;
   rt.q_len = b.q_len[seq];
   rt.row0 = tile * kBm;
@@ -161,6 +182,13 @@ __device__ __forceinline__ bool row_tile(const AttnShape& s, const AttnBatch& b,
   rt.n_kv = s.n_kv_heads;
   rt.btab = b.block_table + int64_t(seq) * b.block_table_stride;
   return true;
+}
+
+// The same for the block's place in the grid (tiles, n_kv, seqs): the longest rows of the
+// triangle start first within each kv head.
+template <int kBm>
+__device__ __forceinline__ bool row_tile(const AttnShape& s, const AttnBatch& b, RowTile& rt) {
+  return row_tile_at<kBm>(s, b, gridDim.x - 1 - blockIdx.x, blockIdx.y, rt);
 }
 
 // Starts the cp.async copies of the Q tile (rows past the chunk zero-filled: their scores are 0,
@@ -442,9 +470,10 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
-// d[64 x 64] += A[64 x 16] B[16 x 64]; A and B from shared memory, both K-major.
+// d[64 x 64] += A[64 x 16] B[16 x 64] (scale_d 0: d = A B, d is not read); A and B from shared
+// memory, both K-major.
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a,
-                                                   uint64_t desc_b) {
+                                                   uint64_t desc_b, int scale_d = 1) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
@@ -456,7 +485,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
         "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
         "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
 // d[64 x 256] += A[64 x 16] B[16 x 256]; A from registers (the mma.m16n8k16 A fragment of each
@@ -717,6 +746,411 @@ void launch_wgmma(const AttnShape& s, const AttnBatch& b, const bf16* q, const b
   DS_CUDA_LAUNCH_CHECK();
 }
 
+
+// ---- wgmma_ws: warp-specialised, TMA-fed form -------------------------------------------------
+// 3 warpgroups: warpgroup 0 is the producer (one thread issues the TMA tensor copies of whole K / V
+// tiles into a ring of shared-memory stages, each completing on an mbarrier; its registers are
+// handed to the consumers with setmaxnreg), warpgroups 1 and 2 are the consumers (64 rows each,
+// the same rows and fragments as wgmma_m128). The consumers never meet at a block barrier: each
+// waits on the stage's "full" mbarrier and gives the stage back through its "empty" mbarrier, so
+// the two drift apart and one's softmax runs while the other's GEMMs use the tensor cores. Inside
+// a warpgroup, S(j) = Q K(j)^T is issued before P(j-1) V(j-1) and the softmax of tile j runs while
+// P V is on the tensor cores (FlashAttention-3's intra-warpgroup overlap). The arithmetic is the
+// same as wgmma_m128 in the same order (same instructions, same softmax, O rescaled before the
+// P V that follows), so the outputs are bit-identical to it.
+// K / V tile j = 64 keys of one kv head = one contiguous [64, 256] run of a page; the TMA map sees
+// the cache as a [rows, 256] bf16 matrix (row = (block * n_kv + head) * page + slot) and copies it
+// as 4 boxes of [64 rows, 64 columns] with the 128-byte swizzle: exactly the wgmma tile layout
+// (gswz). Rows past the last needed key are copied too (the page is allocated): K rows there are
+// masked (their scores are replaced by -inf), V rows there are zeroed by the consumers before the
+// last P V (P is 0 there, but 0 * NaN would not be).
+
+constexpr int kWsThreads = 384;
+constexpr uint32_t kWsTileBytes = kBn * kRowBytes;  // one K or V tile: 32 KiB
+// Shared memory of the kernel with KS K stages and VS V stages (+ 1024 for the alignment).
+template <int KS, int VS>
+constexpr size_t ws_smem_bytes() {
+  return 1024 + size_t(kWgRows) * kRowBytes + size_t(KS + VS) * kWsTileBytes +
+         2 * (KS + VS) * sizeof(uint64_t);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of `bar` with parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// One [64 rows, 64 columns] box of the [rows, 256] cache matrix at (column c0, row r0) into dst
+// (1024-byte aligned), completing on bar.
+__device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, int c0, int r0,
+                                             uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(r0), "r"(bar)
+      : "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Named barrier of the 128 threads of one consumer warpgroup (ids 1, 2; 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_bar(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+
+// Shared-memory map of the warp-specialised kernel: Q [128, 256], the K and V rings, then the
+// mbarriers (full / empty of each K stage, then of each V stage).
+template <int KS, int VS>
+struct WsSmem {
+  uint32_t q, k, v, bars;
+  __device__ uint32_t full_k(int st) const { return bars + 8u * st; }
+  __device__ uint32_t empty_k(int st) const { return bars + 8u * (KS + st); }
+  __device__ uint32_t full_v(int st) const { return bars + 8u * (2 * KS + st); }
+  __device__ uint32_t empty_v(int st) const {
+    return bars + 8u * (2 * KS + VS + st);
+  }
+};
+
+// Producer (one thread): K(0), then K(j), V(j - 1) for j >= 1 (the order the consumers use them),
+// then V(last). Each fill of a stage first waits until the consumers gave its previous fill back.
+template <int KS, int VS>
+__device__ __forceinline__ void ws_produce(const RowTile& rt, const CUtensorMap* k_map,
+                                           const CUtensorMap* v_map, const WsSmem<KS, VS>& sm) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(k_map)) : "memory");
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(v_map)) : "memory");
+  auto load = [&](bool is_v, int j) {
+    const int n_stages = is_v ? VS : KS;
+    const int st = j % n_stages, fill = j / n_stages;
+    const uint32_t full = is_v ? sm.full_v(st) : sm.full_k(st);
+    mbar_wait(is_v ? sm.empty_v(st) : sm.empty_k(st), (fill & 1) ^ 1);
+    mbar_arrive_expect_tx(full, kWsTileBytes);
+    const int row = int(key_tile_offset(rt, j) / kHd);
+    const uint32_t dst = (is_v ? sm.v : sm.k) + uint32_t(st) * kWsTileBytes;
+    const CUtensorMap* map = is_v ? v_map : k_map;
+#pragma unroll
+    for (int cb = 0; cb < kHd / 64; ++cb)
+      tma_load_box(dst + uint32_t(cb) * kBn * 128, map, cb * 64, row, full);
+  };
+  load(false, 0);
+  for (int j = 1; j < rt.n_tiles; ++j) {
+    load(false, j);
+    load(true, j - 1);
+  }
+  load(true, rt.n_tiles - 1);
+}
+
+// Keeps the A fragments of an in-flight P V alive (and in place) until its wgmma group is waited.
+__device__ __forceinline__ void fence_frags(uint32_t (&p)[kBn / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kBn / 16; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(p[kk][e])::"memory");
+}
+
+// S = Q K^T like issue_qk, the first k step with scale_d 0 (no zeroing of the accumulators).
+// The Q descriptors are rebuilt from one base per call (a descriptor of address a + off is the
+// descriptor of a plus off / 16 while addresses stay below 256 KiB): the base goes through an
+// opaque move so that the compiler cannot hoist 16 64-bit descriptors out of the tile loop and
+// hold them in registers.
+__device__ __forceinline__ void issue_qk_ws(float (&sc)[kBn / 2], uint32_t q_smem, uint32_t ks,
+                                            int wg) {
+  uint32_t qa;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(qa) : "r"(q_smem + uint32_t(wg) * 64 * 128));
+  const uint64_t qd = gmma_desc(qa, 16, 1024), kd = gmma_desc(ks, 16, 1024);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kHd / 16; ++kk) {
+    const uint64_t da = qd + (((kk >> 2) * kWgRows * 128 + (kk & 3) * 32) >> 4);
+    const uint64_t db = kd + (((kk >> 2) * kBn * 128 + (kk & 3) * 32) >> 4);
+    wgmma_m64n64k16_ss(sc, da, db, kk == 0 ? 0 : 1);
+  }
+}
+
+// O += P V(tile in stage vs) on the tensor cores, committed as one group. O and P are not
+// touched between the caller's register fences and this (a fence on O while the S group runs
+// would serialise the two groups).
+__device__ __forceinline__ void issue_pv(float (&o)[kHd / 2], const uint32_t (&p)[kBn / 16][4],
+                                         uint32_t vs) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBn / 16; ++kk)
+    wgmma_m64n256k16_rs(o, p[kk], gmma_desc(vs + kk * 16 * 128, kBn * 128, 1024));
+  wgmma_commit();
+}
+
+// Consumer warpgroup wg (0, 1): rows wg * 64 .. + 63 of the tile.
+template <int KS, int VS>
+__device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt,
+                                           const bf16* __restrict__ q, const AttnGate& gate,
+                                           bf16* __restrict__ out, int wg,
+                                           const WsSmem<KS, VS>& sm) {
+  const int ct = threadIdx.x - 128 * (wg + 1);  // 0..127 within the warpgroup
+  const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;  // warp 0..7 of the rows
+  const int t = lane & 3;
+
+  // This warpgroup's 64 Q rows (cp.async; pad rows zero-filled).
+  for (int i = ct; i < 64 * 32; i += 128) {
+    const int r = wg * 64 + (i >> 5), c = i & 31, pr = rt.row0 + r, tok = pr / rt.group;
+    const bool ok = tok < rt.q_len;
+    const bf16* src =
+        ok ? q + (int64_t(rt.q0 + tok) * s.n_heads + rt.kvh * rt.group + pr % rt.group) * kHd +
+                 c * 8
+           : q;
+    cp_async16(sm.q + gswz(kWgRows, r, c), src, ok);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  warpgroup_bar(1 + wg);
+
+  const QueryRows qr = query_rows(rt, warp * 16 + (lane >> 2));
+  auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
+  auto need_mask = [&](int j) { return j * kBn + kBn - 1 > rt.first_pos; };
+
+  float o[kHd / 2];
+#pragma unroll
+  for (int i = 0; i < kHd / 2; ++i) o[i] = 0.f;
+  SoftmaxRows st;
+  // P of the tile whose P V is next, in two register sets used in turn (the softmax of tile j
+  // writes one while P V of tile j - 1 reads the other: no copies, no register moves).
+  uint32_t pa[kBn / 16][4], pb[kBn / 16][4];
+  {
+    float sc[kBn / 2];
+    mbar_wait(sm.full_k(0), 0);
+    issue_qk_ws(sc, sm.q, sm.k, wg);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(sc);
+    release(sm.empty_k(0));
+    float alpha_a, alpha_b;  // O is still 0: nothing to rescale
+    softmax_tile(sc, pa, 0, need_mask(0), qr.pos_a, qr.pos_b, t, st, alpha_a, alpha_b);
+  }
+  // Tile j >= 1: S(j) = Q K(j)^T, then O += P(j-1) V(j-1) from pin, the softmax of S(j) into pout
+  // while that runs, then O rescaled.
+  auto step = [&](int j, uint32_t(&pin)[kBn / 16][4], uint32_t(&pout)[kBn / 16][4]) {
+    const int sk = j % KS, sv = (j - 1) % VS;
+    float sc[kBn / 2];
+    mbar_wait(sm.full_k(sk), (j / KS) & 1);
+    fence_regs(o);
+    fence_frags(pin);
+    issue_qk_ws(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
+    wgmma_commit();
+    mbar_wait(sm.full_v(sv), ((j - 1) / VS) & 1);
+    issue_pv(o, pin, sm.v + uint32_t(sv) * kWsTileBytes);
+    wgmma_wait<1>();  // S(j) done; P V may still run
+    fence_regs(sc);
+    release(sm.empty_k(sk));
+    float alpha_a, alpha_b;
+    softmax_tile(sc, pout, j * kBn, need_mask(j), qr.pos_a, qr.pos_b, t, st, alpha_a, alpha_b);
+    wgmma_wait<0>();
+    fence_regs(o);
+    fence_frags(pin);
+    release(sm.empty_v(sv));
+    rescale_o(o, alpha_a, alpha_b);
+  };
+  // The last tile's P V; its V rows past the last key hold whatever the page holds: zeroed
+  // first (both warpgroups write the same zeros; each reads them only after its own writes and
+  // its barrier).
+  auto last_pv = [&](uint32_t(&pin)[kBn / 16][4]) {
+    const int j = rt.n_tiles - 1, sv = j % VS;
+    mbar_wait(sm.full_v(sv), (j / VS) & 1);
+    const uint32_t vs = sm.v + uint32_t(sv) * kWsTileBytes;
+    const int valid = rt.n_keys - j * kBn;  // keys of the last tile (1..64)
+    if (valid < kBn) {
+      for (int i = ct; i < (kBn - valid) * 32; i += 128) {
+        const int r = valid + (i >> 5), c = i & 31;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vs + gswz(kBn, r, c)),
+                     "r"(0u)
+                     : "memory");
+      }
+      fence_proxy_async();
+      warpgroup_bar(1 + wg);
+    }
+    fence_regs(o);
+    fence_frags(pin);
+    issue_pv(o, pin, vs);
+    wgmma_wait<0>();
+    fence_regs(o);
+    fence_frags(pin);
+  };
+  int j = 1;
+  for (; j + 1 < rt.n_tiles; j += 2) {
+    step(j, pa, pb);
+    step(j + 1, pb, pa);
+  }
+  if (j < rt.n_tiles) {
+    step(j, pa, pb);
+    last_pv(pb);
+  } else {
+    last_pv(pa);
+  }
+
+  // Epilogue straight from the accumulators: O / l times sigmoid(gate), bf16 pairs (the same
+  // fp32 operations as stage_o + store_rows).
+  float l_a = st.l_a, l_b = st.l_b;
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+  const bool gate_pairs = (reinterpret_cast<uintptr_t>(gate.ptr) & 3) == 0 &&
+                          gate.token_stride % 2 == 0 && gate.head_stride % 2 == 0;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = half ? qr.rb : qr.ra, pr = rt.row0 + r, tok = pr / rt.group;
+    if (tok >= rt.q_len) continue;
+    const int h = rt.kvh * rt.group + pr % rt.group;
+    const float inv = half ? inv_b : inv_a;
+    bf16* orow = out + (int64_t(rt.q0 + tok) * s.n_heads + h) * kHd + 2 * t;
+    const bf16* grow = gate.ptr ? gate.ptr + int64_t(rt.q0 + tok) * gate.token_stride +
+                                      int64_t(h) * gate.head_stride + 2 * t
+                                : nullptr;
+#pragma unroll
+    for (int d = 0; d < kHd / 8; ++d) {
+      float v0 = o[4 * d + 2 * half] * inv, v1 = o[4 * d + 2 * half + 1] * inv;
+      if (grow) {
+        float g0, g1;
+        if (gate_pairs) {
+          const __nv_bfloat162 g = *reinterpret_cast<const __nv_bfloat162*>(grow + d * 8);
+          g0 = __low2float(g);
+          g1 = __high2float(g);
+        } else {
+          g0 = __bfloat162float(grow[d * 8]);
+          g1 = __bfloat162float(grow[d * 8 + 1]);
+        }
+        v0 *= sigmoid(g0);
+        v1 *= sigmoid(g1);
+      }
+      *reinterpret_cast<uint32_t*>(orow + d * 8) = pack_bf16(v0, v1);
+    }
+  }
+}
+
+template <int KS, int VS>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    attention_prefill_ws_kernel(AttnShape s, AttnBatch b,
+                                const bf16* __restrict__ q,  // [n_rows, n_heads, 256]
+                                const __grid_constant__ CUtensorMap k_map,  // K cache [rows, 256]
+                                const __grid_constant__ CUtensorMap v_map,  // V cache [rows, 256]
+                                AttnGate gate,
+                                bf16* __restrict__ out,  // [n_rows, n_heads, 256]
+                                bool heads_fastest) {
+  extern __shared__ unsigned char smem_raw[];
+  WsSmem<KS, VS> sm;
+  sm.q = smem_u32(align_1024(smem_raw));
+  sm.k = sm.q + kWgRows * kRowBytes;
+  sm.v = sm.k + KS * kWsTileBytes;
+  sm.bars = sm.v + VS * kWsTileBytes;
+
+  // Grid (n_kv, tiles, seqs) when heads_fastest: the heaviest row tiles of every kv head first;
+  // else (tiles, n_kv, seqs): heaviest first within each kv head, one head after the other.
+  RowTile rt;
+  const bool has_rows =
+      heads_fastest ? row_tile_at<kWgRows>(s, b, gridDim.y - 1 - blockIdx.y, blockIdx.x, rt)
+                    : row_tile<kWgRows>(s, b, rt);
+  if (!has_rows) return;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < KS; ++st) {
+      mbar_init(sm.full_k(st), 1);
+      mbar_init(sm.empty_k(st), 8);  // lane 0 of each consumer warp
+    }
+    for (int st = 0; st < VS; ++st) {
+      mbar_init(sm.full_v(st), 1);
+      mbar_init(sm.empty_v(st), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  // One if / else over the warpgroup roles (the form in which setmaxnreg takes effect).
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (threadIdx.x == 0) ws_produce(rt, &k_map, &v_map, sm);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    ws_consume(s, rt, q, gate, out, (threadIdx.x >> 7) - 1, sm);
+  }
+}
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult qr{};
+    DS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                   cudaEnableDefault, &qr));
+    DS_CHECK(qr == cudaDriverEntryPointSuccess && p != nullptr,
+             "attention prefill (wgmma_ws): the driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// The TMA map of one paged cache seen as a [rows, 256] bf16 matrix with 64 x 64 boxes, 128-byte
+// swizzle. The launch does not know how many blocks the cache has: the row extent is the largest
+// a 32-bit coordinate reaches (rows are only ever read inside pages of the block table).
+CUtensorMap cache_tensor_map(const bf16* cache, const char* what) {
+  DS_CHECK((reinterpret_cast<uintptr_t>(cache) & 15) == 0, "attention prefill (wgmma_ws): the ",
+           what, " cache must be 16-byte aligned");
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(kHd), cuuint64_t(0x7fffffff)};
+  const cuuint64_t strides[1] = {cuuint64_t(kRowBytes)};
+  const cuuint32_t box[2] = {64, cuuint32_t(kBn)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(cache), dims, strides, box,
+      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  DS_CHECK(r == CUDA_SUCCESS, "attention prefill (wgmma_ws): cuTensorMapEncodeTiled failed for ",
+           "the ", what, " cache (CUresult ", int(r), ")");
+  return map;
+}
+
+template <int KS, int VS>
+void launch_ws(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
+               const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream,
+               bool heads_fastest) {
+  constexpr size_t smem = ws_smem_bytes<KS, VS>();
+  static_assert(smem <= 227 * 1024, "shared memory of one block");
+  static const bool attr_set = [] {
+    DS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_ws_kernel<KS, VS>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    return true;
+  }();
+  (void)attr_set;
+  const CUtensorMap k_map = cache_tensor_map(k_cache, "K");
+  const CUtensorMap v_map = cache_tensor_map(v_cache, "V");
+  const int group = s.n_heads / s.n_kv_heads;
+  const int64_t tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
+  DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
+  heads_fastest = heads_fastest && tiles <= 65535;  // grid y limit (over 1.4M tokens at group 6)
+  const dim3 grid = heads_fastest ? dim3(s.n_kv_heads, unsigned(tiles), b.n_seqs)
+                                  : dim3(unsigned(tiles), s.n_kv_heads, b.n_seqs);
+  attention_prefill_ws_kernel<KS, VS>
+      <<<grid, kWsThreads, smem, stream>>>(s, b, q, k_map, v_map, gate, out, heads_fastest);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 bool attention_prefill_mma_supported(const AttnShape& s) {
@@ -740,6 +1174,12 @@ void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, cons
       return launch_wgmma<false>(s, b, q, k_cache, v_cache, gate, out, stream);
     case AttnMmaKernel::kWgmmaPipe:
       return launch_wgmma<true>(s, b, q, k_cache, v_cache, gate, out, stream);
+    case AttnMmaKernel::kWgmmaWs:
+      return launch_ws<2, 2>(s, b, q, k_cache, v_cache, gate, out, stream, true);
+    case AttnMmaKernel::kWgmmaWs3:
+      return launch_ws<3, 2>(s, b, q, k_cache, v_cache, gate, out, stream, true);
+    case AttnMmaKernel::kWgmmaWsTileMajor:
+      return launch_ws<2, 2>(s, b, q, k_cache, v_cache, gate, out, stream, false);
   }
   ds::throw_error("attention prefill (mma): unknown kernel ", static_cast<int>(kernel));
 }

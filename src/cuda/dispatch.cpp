@@ -128,9 +128,29 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          {}});
   // attn_prefill dims: {head_dim, group, max_q_len, max_kv_len}; the hd-256 kernels also need
   // page_size % 64 == 0, checked in launch_attention_prefill (else the generic kernel runs).
-  // Order measured on the H200 (issue 7): wgmma_m128 wins from 22 tokens (x6 heads) up; below,
-  // the 64-row mma tiles give twice the blocks. wgmma_pipe (6-14% slower) and mma_m128 are kept
-  // for A/B runs (DS_DISABLE_KERNELS=attn_prefill.wgmma_m128 picks wgmma_pipe).
+  // Order measured on the H200 (issue 7, two runs of bench kernels, every variant timed on the
+  // same inputs): the warp-specialised TMA kernels win on every shape measured, against
+  // wgmma_m128 by 1.2x (512 / 3072 tokens, nothing cached) to 1.7x (512-4096-token chunks against
+  // 8K-32K cached tokens) and against mma_m64 by 1.3-1.5x on 4-21-token chunks; wgmma_ws3 (3 K
+  // stages) is 0-13% faster than wgmma_ws from 512-token chunks against >= 8K keys (16K causal:
+  // 558-631 vs 535-603 TFLOP/s), 1-2% slower on chunks without a cache. wgmma_ws_tilemajor (the
+  // old grid order), mma_m64, wgmma_m128, wgmma_pipe and mma_m128 are kept for A/B runs
+  // (DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws picks the next one).
+  r.add({F::kAttnPrefill, "wgmma_ws3",
+         "hd 256, >= 512-token chunks against >= 8K keys: wgmma_ws with 3 K stages (227 KiB of "
+         "shared memory)",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1 && k.dims[2] >= 512 &&
+                  k.dims[3] >= 8192;
+         }});
+  r.add({F::kAttnPrefill, "wgmma_ws",
+         "hd 256, 128 rows x 64 keys per block, warp-specialised: a TMA producer warp fills "
+         "2-stage K and V rings (mbarriers), two wgmma consumer warpgroups (setmaxnreg 240) "
+         "overlap S(j) with P(j-1) V(j-1) and the softmax; bit-identical to wgmma_m128",
+         [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
+  r.add({F::kAttnPrefill, "wgmma_ws_tilemajor",
+         "as wgmma_ws with the row tiles of one kv head after the other (grid tiles x heads)",
+         [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
   r.add({F::kAttnPrefill, "mma_m64",
          "hd 256, <= 128 packed rows (short chunks): 64 (token, head) rows x 64 keys per block, "
          "mma.sync + ldmatrix, O in registers, 2-stage cp.async K/V",

@@ -1,16 +1,18 @@
-// GPU attention kernels (prefill: the generic WMMA flash tiles and the head_dim-256
-// specialisations wgmma_pipe / wgmma_m128 / mma_m128 / mma_m64 picked through the dispatch
-// registry; decode: split-KV) against an fp32 CPU reference over a paged cache with shuffled
-// blocks: the 27B shape (24 q / 4 kv heads, head_dim 256, sigmoid output gate) at sequence lengths
-// 1, 63, 64, 65, 4095, 4097 with 0 / some / many cached tokens, several sequences of different
-// lengths in one launch, query chunks against a longer cache (chunked prefill), other GQA groups
-// and page sizes at head_dim 256, and the small head dims of the test configs. Outputs are
-// poisoned (NaN) first and every row must be finite; cache rows past each sequence are NaN, so a
-// kernel that reads them fails; long sequences compare a sample of rows (the first, the last,
-// every tile edge and random ones). Tolerance: normalised L2 error ||out - ref|| / ||ref|| < 1e-2
-// against the fp32 reference (bf16 inputs, P rounded to bf16, bf16 output; measured 1.8e-3 to
-// 2.2e-3 on the H200), and the same bound between the specialised and the generic kernel
-// (measured <= 3.5e-5).
+// GPU attention kernels (prefill: the generic WMMA flash tiles and the head_dim-256 specialisations
+// wgmma_ws(3) / wgmma_pipe / wgmma_m128 / mma_m128 / mma_m64 picked through the dispatch registry;
+// decode: split-KV) against an fp32 CPU reference over a paged cache with shuffled blocks: the 27B
+// shape (24 q / 4 kv heads, head_dim 256, sigmoid output gate) at sequence lengths 1, 63, 64, 65,
+// 4095, 4097 with 0 / some / many cached tokens, several sequences of different lengths in one
+// launch, query chunks against a longer cache (chunked prefill), other GQA groups and page sizes at
+// head_dim 256, and the small head dims of the test configs. Outputs are poisoned (NaN) first and
+// every row must be finite; cache rows past each sequence are NaN, so a kernel that reads them
+// fails; long sequences compare a sample of rows (the first, the last, every tile edge and random
+// ones). Tolerance: normalised L2 error ||out - ref|| / ||ref|| < 1e-2 against the fp32 reference
+// (bf16 inputs, P rounded to bf16, bf16 output; measured 1.8e-3 to 2.2e-3 on the H200), and the
+// same bound between the specialised and the generic kernel (measured <= 3.5e-5). wgmma_ws,
+// wgmma_ws3 and wgmma_ws_tilemajor (TMA-fed, warp-specialised) must equal wgmma_m128 bit for bit on
+// every fixture (it copies whole 64-key tiles, so the NaN rows past a sequence's last key inside
+// its last page do reach shared memory there: masked for K, zeroed for V).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -290,14 +292,29 @@ cuda::DispatchRegistry registry_for(const std::string& variant) {
   return r;
 }
 
-// The specialised variants against the reference and the generic kernel on the same fixture.
+// The specialised variants against the reference and the generic kernel on the same fixture;
+// wgmma_ws must be bit-identical to wgmma_m128 (same instructions in the same order, only the
+// loads and the scheduling differ).
 void check_mma_variants(const Fixture& f, const std::string& what, bool with_generic = true) {
   std::vector<bf> generic;
   if (with_generic) generic = run_prefill(f, (what + " [generic]").c_str());
-  for (const char* v : {"wgmma_pipe", "wgmma_m128", "mma_m128", "mma_m64"}) {
+  std::vector<bf> wgmma_m128;
+  for (const char* v : {"wgmma_pipe", "wgmma_m128", "wgmma_ws", "wgmma_ws3", "wgmma_ws_tilemajor",
+                        "mma_m128", "mma_m64"}) {
     if (std::string(v).rfind("wgmma", 0) == 0 && device_sm() != 90) continue;  // sm_90a only
     const cuda::DispatchRegistry reg = registry_for(v);
     const auto got = run_prefill(f, (what + " [" + v + "]").c_str(), &reg);
+    if (std::string(v) == "wgmma_m128") wgmma_m128 = got;
+    if (std::string(v).rfind("wgmma_ws", 0) == 0) {
+      ASSERT_EQ(got.size(), wgmma_m128.size());
+      size_t diff = 0, first = got.size();
+      for (size_t i = 0; i < got.size(); ++i)
+        if (got[i] != wgmma_m128[i] && diff++ == 0) first = i;
+      EXPECT_EQ(diff, 0u) << what << ": " << v << " differs from wgmma_m128 in " << diff
+                          << " elements, the first at " << first;
+      std::printf("  %s: %s vs wgmma_m128: %zu of %zu elements differ\n", what.c_str(), v, diff,
+                  got.size());
+    }
     if (!with_generic) continue;
     const double e = test::norm_err(test::to_f32(got), test::to_f32(generic));
     EXPECT_LT(e, 1e-2) << what << ": " << v << " vs generic";
@@ -345,18 +362,32 @@ TEST(CudaAttentionMma, OtherGroupsAndPageSizes) {
 }
 
 TEST(CudaAttentionMma, DefaultDispatch) {
-  // Measured on the H200 (bench kernels): wgmma_m128 is fastest from 512-token chunks up
-  // (300-440 TFLOP/s against 210-300 for mma_m128); with at most 128 packed rows (<= 21 tokens
-  // at group 6) the 64-row mma tiles win by giving more blocks.
+  // Measured on the H200 (bench kernels, dispatch.cpp): the warp-specialised TMA kernels win on
+  // every shape, wgmma_ws3 (3 K stages) from 512-token chunks against >= 8K keys, wgmma_ws
+  // elsewhere (chunks without a cache, and 4-21-token chunks, where it beats mma_m64 by 1.3-1.5x).
   const auto r = cuda::DispatchRegistry::with_defaults(90);
   const auto pick = [&](int q, int kv) {
     return r.select(cuda::KernelFamily::kAttnPrefill, r.key(256, 6, q, kv)).name;
   };
-  EXPECT_EQ(pick(4096, 4096), "wgmma_m128");
-  EXPECT_EQ(pick(512, 33280), "wgmma_m128");
-  EXPECT_EQ(pick(22, 8192), "wgmma_m128");
-  EXPECT_EQ(pick(21, 8192), "mma_m64");
-  EXPECT_EQ(pick(1, 100), "mma_m64");
+  EXPECT_EQ(pick(4096, 4096), "wgmma_ws");
+  EXPECT_EQ(pick(3072, 3072), "wgmma_ws");
+  EXPECT_EQ(pick(4096, 4096 + 8192), "wgmma_ws3");
+  EXPECT_EQ(pick(512, 33280), "wgmma_ws3");
+  EXPECT_EQ(pick(16384, 16384), "wgmma_ws3");
+  EXPECT_EQ(pick(511, 33279), "wgmma_ws");
+  EXPECT_EQ(pick(4096, 8191), "wgmma_ws");
+  EXPECT_EQ(pick(22, 8192), "wgmma_ws");
+  EXPECT_EQ(pick(21, 8192), "wgmma_ws");
+  EXPECT_EQ(pick(1, 100), "wgmma_ws");
+  // Without the TMA kernels (DS_DISABLE_KERNELS), the earlier order: mma_m64 up to 128 packed
+  // rows, wgmma_m128 above.
+  const auto old = cuda::DispatchRegistry::with_defaults(
+      90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws_tilemajor");
+  const auto pick_old = [&](int q, int kv) {
+    return old.select(cuda::KernelFamily::kAttnPrefill, old.key(256, 6, q, kv)).name;
+  };
+  EXPECT_EQ(pick_old(4096, 4096), "wgmma_m128");
+  EXPECT_EQ(pick_old(21, 8192), "mma_m64");
   EXPECT_EQ(r.select(cuda::KernelFamily::kAttnPrefill, r.key(128, 6, 4096, 4096)).name,
             "wmma_flash");
   const auto r80 = cuda::DispatchRegistry::with_defaults(80);  // no sm_90a code: generic
