@@ -132,8 +132,8 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // same inputs): the warp-specialised TMA kernels win on every shape measured, against
   // wgmma_m128 by 1.2x (512 / 3072 tokens, nothing cached) to 1.7x (512-4096-token chunks against
   // 8K-32K cached tokens) and against mma_m64 by 1.3-1.5x on 4-21-token chunks; wgmma_ws3 (3 K
-  // stages) is 0-13% faster than wgmma_ws from 512-token chunks against >= 8K keys (16K causal:
-  // 558-631 vs 535-603 TFLOP/s), 1-2% slower on chunks without a cache. wgmma_ws_tilemajor (the
+  // stages) is -3% to +13% against wgmma_ws from 512-token chunks against >= 8K keys (16K causal:
+  // 558-631 vs 535-603 TFLOP/s), 1-7% slower on chunks without a cache. wgmma_ws_tilemajor (the
   // old grid order), mma_m64, wgmma_m128, wgmma_pipe and mma_m128 are kept for A/B runs
   // (DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws picks the next one).
   r.add({F::kAttnPrefill, "wgmma_ws3",
