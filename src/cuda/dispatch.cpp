@@ -101,15 +101,16 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   using F = KernelFamily;
   // gemv_bulk_silu: only for the key (m, 2 d_ff, k, 1) that GemmEngine::run_gate_up_silu asks.
   r.add({F::kGemm, "gemv_bulk_silu",
-         "decode gate_up GEMV with SiLU-and-mul in the epilogue (gemv.h): m 1..4, k <= 8192, "
-         "bit-identical to gemv_bulk + silu_mul; sm 90, asked by the MLP only (dims[3] = 1)",
+         "decode gate_up GEMV with SiLU-and-mul in the epilogue (gemv.h): m 1..4, k 4096..8192, "
+         "d_ff >= 8192, bit-identical to gemv_bulk + silu_mul; sm 90, asked by the MLP only "
+         "(dims[3] = 1)",
          [](const ShapeKey& k) {
            return k.sm == 90 && k.dtype == 0 && k.dims[3] == 1 && k.dims[1] % 2 == 0 &&
                   gemv_bulk_silu_preferred(k.dims[0], k.dims[1] / 2, k.dims[2]);
          }});
   r.add({F::kGemm, "gemv_bulk",
          "decode GEMV (gemv.h): persistent block per SM, bulk-copy ring of weight rows; sm 90, "
-         "k % 8 == 0, k <= 8192, where it beats cuBLASLt: m 1 with n >= 12288, m 2 with "
+         "k % 8 == 0, k 4096..8192, where it beats cuBLASLt: m 1 with n >= 12288, m 2 with "
          "n >= 32768",
          [](const ShapeKey& k) {
            return k.sm == 90 && k.dtype == 0 &&

@@ -15,8 +15,9 @@
 // tokens: results are batch-invariant for a fixed config, and the config's warps / unroll are
 // chosen from (n, k) only.
 //
-// The bulk-copy GEMV below (gemv_bulk.cu, "gemm.gemv_bulk") takes the k <= 8192 decode shapes at
-// m <= 4 ahead of cuBLASLt.
+// The bulk-copy GEMV below (gemv_bulk.cu, "gemm.gemv_bulk", and the SwiGLU-fused
+// "gemm.gemv_bulk_silu") takes the k = 4096..8192 decode shapes where it measured faster than
+// cuBLASLt (m 1 with n >= 12288, m 2 with n >= 32768; the MLP's gate_up at m 1..4).
 //
 // Tests: tests/cuda/cuda_gemv_test.cpp (vs cuBLASLt and an fp64 CPU loop; DS_GEMV_SWEEP=1 also
 // times every config). Bench: `deltaserve bench kernels --only gemm` (rows gemm.skinny_mma with

@@ -311,7 +311,8 @@ bool gemv_bulk_preferred(int64_t m, int64_t n, int64_t k) {
   // gdn_in 43.2 vs 44.8, attn_qkv 38.5 vs 39.2, lm_head 566.7 vs 578.6; m = 2: gate_up 87.0 vs
   // 90.3, lm_head 572.1 vs 575.0. It lost on the narrow gdn_out / attn_o (5120 x 6144: 19.9 vs
   // 19.4 at m = 1), on gdn_in / attn_qkv from m = 2 (44.7 vs 43.7) and on every shape from m = 4.
-  if (!gemv_bulk_supports(m, n, k) || k > 8192) return false;
+  // k 4096..8192: the measured k (5120, 6144) and around; smaller models keep cuBLASLt.
+  if (!gemv_bulk_supports(m, n, k) || k < 4096 || k > 8192) return false;
   return (m == 1 && n >= 12288) || (m == 2 && n >= 32768);
 }
 
@@ -323,7 +324,7 @@ bool gemv_bulk_silu_supports(int64_t m, int64_t d_ff, int64_t k) {
 bool gemv_bulk_silu_preferred(int64_t m, int64_t d_ff, int64_t k) {
   // H200 sweep, 27B MLP (d_ff 17408, k 5120), us, fused vs cuBLASLt tuned + silu_mul: m 1 85.2 vs
   // 94.2, m 2 87.6 vs 94.2, m 3 91.1 vs 96.5, m 4 92.2 vs 94.4.
-  return gemv_bulk_silu_supports(m, d_ff, k) && k <= 8192;
+  return gemv_bulk_silu_supports(m, d_ff, k) && k >= 4096 && k <= 8192 && d_ff >= 8192;
 }
 
 GemvBulkConfig gemv_bulk_silu_config(int m, int d_ff, int k) {

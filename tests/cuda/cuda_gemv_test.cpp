@@ -720,6 +720,9 @@ TEST(CudaGemvBulk, GuardAndErrors) {
   EXPECT_EQ(pick(reg, 4, 34816, 5120, 1), "gemv_bulk_silu");  // the MLP's fused key
   EXPECT_EQ(pick(reg, 5, 34816, 5120, 1), "cublaslt");
   EXPECT_EQ(pick(reg, 1, 34815, 5120, 1), "gemv_bulk");  // odd n: no [gate | up] split
+  EXPECT_EQ(pick(reg, 1, 248320, 64), "cublaslt");     // k below the measured range (tiny models)
+  EXPECT_EQ(pick(reg, 1, 512, 64, 1), "cublaslt");
+  EXPECT_EQ(pick(reg, 1, 2048, 4096, 1), "cublaslt");  // d_ff 1024 < 8192
   EXPECT_EQ(pick(reg, 1, 5120, 17408), "skinny_mma");  // down: k > 8192
   EXPECT_EQ(pick(reg, 1, 5120, 5124), "cublaslt");     // k % 8
   auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
