@@ -572,9 +572,13 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
                             a.proj.as<bf16>() + int64_t(k) * batch * gdn_.in_dim(),
                             pos.as<int32_t>(), slot_ids[k].as<int32_t>(), batch, o, s_, which);
   };
-  auto run_fused = [&](int k, bf16* o) { run_fused_with(k, o, cuda::GdnDecodeKernel::kAuto); };
-  // Both block splits of the fused kernel (kAuto picks one by batch size).
-  if (cuda::gdn_decode_cluster8_supported(gdn_)) {
+  // The kernel the engine runs for this variant (kAuto when it is not a fused one).
+  cuda::GdnDecodeKernel engine_kernel = cuda::GdnDecodeKernel::kAuto;
+  const bool fused_variant = cuda::gdn_decode_kernel_for_variant(r.variant, &engine_kernel);
+  auto run_fused = [&](int k, bf16* o) { run_fused_with(k, o, engine_kernel); };
+  // Every fused kernel at this batch (new vs old in one run): the cluster splits and the streaming
+  // kernel (4-chunk ring, and its whole-head-in-flight variant).
+  {
     const auto t_of = [&](cuda::GdnDecodeKernel which) {
       return gpu::time_launches(
                  [&](int i) {
@@ -584,10 +588,20 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
                  s_, timer(rot))
           .p50;
     };
-    const double t8 = t_of(cuda::GdnDecodeKernel::kCluster8),
-                 t4 = t_of(cuda::GdnDecodeKernel::kCluster4);
-    r.note = str("fused cluster8 %.2f us, cluster4 %.2f us (kAuto takes cluster8 up to batch 4)",
-                 t8 * 1e6, t4 * 1e6);
+    const double bytes = 2.0 * state * batch;
+    std::string note = "fused us (state TB/s):";
+    const auto add = [&](const char* name, cuda::GdnDecodeKernel which) {
+      const double t = t_of(which);
+      note += str(" %s %.2f (%.2f)", name, t * 1e6, bytes / t * 1e-12);
+    };
+    if (cuda::gdn_decode_cluster8_supported(gdn_))
+      add("cluster8", cuda::GdnDecodeKernel::kCluster8);
+    add("cluster4", cuda::GdnDecodeKernel::kCluster4);
+    if (cuda::gdn_decode_stream_supported(gdn_, a.pool)) {
+      add("stream", cuda::GdnDecodeKernel::kStream);
+      add("stream_whole", cuda::GdnDecodeKernel::kStreamWhole);
+    }
+    r.note = note;
   }
   // The generic path: the prompt kernels with one token per sequence.
   std::vector<int32_t> cu_h(batch + 1);
@@ -600,7 +614,7 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
         gdn_, a.w, pool, a.proj.as<bf16>() + int64_t(k) * batch * gdn_.in_dim(), cu.as<int32_t>(),
         pos.as<int32_t>(), slot_ids[k].as<int32_t>(), batch, batch, ws.as<void>(), ws_bytes, o, s_);
   };
-  if (r.variant == "fused" || r.variant == "fused_cluster8") {
+  if (fused_variant) {
     // Same inputs and initial states through both paths; compare outputs and new states.
     DevBuf conv2(a.conv_state.bytes(), "gdn conv state copy"),
         rec2(a.rec_state.bytes(), "gdn state copy");

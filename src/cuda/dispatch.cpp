@@ -241,7 +241,14 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
          }});
   r.add({F::kGdnPrefill, "chunked", "GDN chunked WY/UT prefill (gdn.h)", {}});
-  // gdn_decode dims: {d_k, d_v, n_seqs}.
+  // gdn_decode dims: {d_k, d_v, n_seqs}. The engine maps a variant to its kernel with
+  // gdn_decode_kernel_for_variant (gdn.h); state alignment (16-byte rows) is checked at launch.
+  // Batch ranges from the H200 timings in tests/cuda/cuda_gdn_decode_test.cpp (Timing).
+  r.add({F::kGdnDecode, "fused_stream",
+         "fused GDN decode step, one block per (sequence, value head), state streamed through a "
+         "4-chunk shared-memory ring by bulk copies, no cluster barrier; sm 90, batch >= 3 (H200: "
+         "11.2 vs 15.5 us at 4, 32.3 vs 45.8 at 16; 9.4 vs 9.1 at 2)",
+         [](const ShapeKey& k) { return k.sm >= 90 && k.dims[2] >= 3; }});
   r.add({F::kGdnDecode, "fused_cluster8",
          "fused GDN decode step, each value head split over an 8-block cluster; d_v % 32 == 0, "
          "batch <= 4 (faster there on the H200, slower at 16)",

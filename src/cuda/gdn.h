@@ -32,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace ds::cuda {
 
@@ -108,11 +109,24 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
                        int n_seqs,
                        __nv_bfloat16* out,  // [n_seqs, n_v_heads * d_v]
                        cudaStream_t stream);
-// The same step with an explicit block split (gdn_decode.cu): kAuto = 8-block clusters per value
-// head at batch <= 4 when d_v % 32 == 0, else 4-block clusters (1 block when d_v % 16 != 0);
-// kCluster4 / kCluster8 force one (kCluster8 throws when unsupported). Same results.
-enum class GdnDecodeKernel { kAuto, kCluster4, kCluster8 };
+// The same step with an explicit kernel (gdn_decode.cu), all with the same results (states
+// bit-equal: the same per-row arithmetic; outputs up to the order of the norm's sum of squares):
+//  - kCluster4 / kCluster8: each value head split over a cluster of 4 / 8 blocks, the gated norm's
+//    sum through distributed shared memory (4: 1 block when d_v % 16 != 0; 8 needs d_v % 32 == 0);
+//  - kStream: one 256-thread block per (sequence, value head), the head's state streamed into
+//    shared memory by bulk copies in 8 KiB chunks through a ring of 4 chunk buffers and written
+//    back from registers as each chunk is updated; no cluster barrier. kStreamWhole: the same
+//    with the whole head in flight at once (64 KiB of shared memory; A/B variant, slower on the
+//    H200). Both need gdn_decode_stream_supported.
+//  - kAuto: the choice by batch size measured on the H200 (gdn_decode.cu).
+// Every kernel needs a 16-byte aligned rec_state and rec_slot_stride % 4 == 0 (ds::Error
+// otherwise); forcing an unsupported kernel throws ds::Error.
+enum class GdnDecodeKernel { kAuto, kCluster4, kCluster8, kStream, kStreamWhole };
 bool gdn_decode_cluster8_supported(const GdnShape& s);
+bool gdn_decode_stream_supported(const GdnShape& s, const GdnStatePool& pool);
+// The kernel that runs a gdn_decode dispatch variant (dispatch.cpp: "fused_stream",
+// "fused_cluster8", "fused"); false for a variant that is not the fused step ("prefill_path").
+bool gdn_decode_kernel_for_variant(const std::string& variant, GdnDecodeKernel* which);
 void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                        const __nv_bfloat16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
                        int n_seqs, __nv_bfloat16* out, cudaStream_t stream, GdnDecodeKernel which);

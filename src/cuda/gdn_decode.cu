@@ -18,18 +18,33 @@
 //     y = w * o * rsqrt(mean(o^2) + eps) * silu(z) as bf16 (the out_proj input).
 // Specialised on d_k (16/32/64/128, template) and on 8-byte aligned rows (VEC; scalar loads
 // otherwise); d_v is any of 16..128 at run time.
-// Block split: 4-block clusters (above) or 8-block clusters (d_v / 8 rows per block), picked by
-// batch size (kCluster8MaxSeqs; gdn.h GdnDecodeKernel forces one). Same per-row arithmetic, so the
-// two give bit-equal states.
+// Block split: 4-block clusters (above) or 8-block clusters (d_v / 8 rows per block).
+// The streaming kernel (kStream, gdn_decode_stream_kernel) does the same steps with one 256-thread
+// block per (sequence, value head): thread 0 starts the head's state (d_v rows, 64 KiB at 27B) as
+// bulk copies (cp.async.bulk, 8 KiB chunks, one mbarrier each) into a ring of 4 shared-memory
+// chunk buffers before anything else; the warps update each chunk's rows as soon as it lands and
+// store them straight from registers, so a head's reads and writes overlap; the block holds the
+// whole head, so the gated norm needs no cluster barrier. 5 blocks per SM (48 registers; a cap at
+// 40 for 6 per SM measured 4-5% slower at batch 4, 8, 32). kStreamWhole keeps the whole head in
+// flight (64 KiB, 3 blocks per SM; slower) for A/B runs.
+// Every kernel runs the same per-row code (update_row) and conv / gates code, so all give bit-equal
+// states; outputs differ only in the order of the norm's sum of squares.
+// kAuto (and the dispatch registry, dispatch.cpp) picks by batch size: kCluster8MaxSeqs,
+// kStreamMinSeqs below.
 // Bytes per layer: 2 * n_seqs * n_v_heads * d_v * d_k * 4 (state) + small; 27B batch 1: 6.3 MB.
 // Measured on the H200 (tests/cuda/cuda_gdn_decode_test.cpp Timing: 64 launches in a CUDA graph,
-// states rotated past L2), cluster8 / cluster4 us per layer: batch 1 6.27 / 7.25 (1.00 / 0.87
-// TB/s), batch 2 8.82 / 9.88, batch 4 14.9 / 16.4, batch 16 47.6 / 45.7 (2.1 / 2.2 TB/s).
+// states rotated past L2), session 2, cluster8 / cluster4 us per layer: batch 1 6.27 / 7.25 (1.00 /
+// 0.87 TB/s), batch 2 8.82 / 9.88, batch 4 14.9 / 16.4, batch 16 47.6 / 45.7 (2.1 / 2.2 TB/s).
+// Streaming kernel: see docs/perf/decode_kernels.md.
 // PERF.md: flash-linear-attention 5.9 us at batch 1; target 2 us (not reached: the kernel is
 // latency-bound at small batch, one load round trip + the row updates + a cluster barrier).
 // Tests: tests/cuda/cuda_gdn_test.cpp (Decode* vs the fp32 CPU recurrence, kAuto) and
-// tests/cuda/cuda_gdn_decode_test.cpp (cluster8 vs cluster4: states bit-equal, outputs equal).
+// tests/cuda/cuda_gdn_decode_test.cpp (every kernel vs an fp64 CPU step and vs cluster4 over
+// carried steps: states bit-equal, outputs within 1e-3; timing of every kernel at batch 1-32).
 #include <cooperative_groups.h>
+
+#include <mutex>
+#include <string>
 
 #include "cuda/cuda_common.h"
 #include "cuda/gdn.h"
@@ -46,11 +61,111 @@ constexpr int kDecodeThreads = 128;
 constexpr int kSplitFast = 4;
 // The 8-block cluster (d_v / 8 rows per block, 4 per thread at d_v 128) for small batches, where
 // 4 blocks per head leave most SMs idle (48 heads x 4 = 192 blocks at batch 1); needs d_v % 32 ==
-// 0 (each block's v channels are whole 4-channel conv groups). Picked by kAuto up to this batch
-// (measured faster at batch 1, 2 and 4; slower at 16).
-constexpr int kCluster8MaxSeqs = 4;
+// 0 (each block's v channels are whole 4-channel conv groups).
 constexpr int kMaxD = 128;
+// kAuto's choice by batch size: cluster8 up to kCluster8MaxSeqs sequences, the streaming kernel
+// from kStreamMinSeqs (when its alignment holds), else cluster4.
+// H200 (cuda_gdn_decode_test Timing, us per layer, cluster8 / cluster4 / stream): batch 1 6.5 /
+// 7.2 / 8.4, batch 2 9.1 / 9.4 / 9.4, batch 3 13.3 / 11.2 / ~11.0, batch 4 15.5 / 16.4 / 11.2,
+// batch 16 50.4 / 45.8 / 32.3 (docs/perf/decode_kernels.md).
+constexpr int kCluster8MaxSeqs = 2;
+constexpr int kStreamMinSeqs = 3;
 
+// ---- Per-element steps shared by every kernel (same code, so the same rounding) ---------------
+
+// Conv + SiLU of the 4 consecutive channels [ch, ch + 4): taps from the ring rows of positions
+// p-3..p-1 (zero before position 0) and the new input, which is returned in xin (the caller writes
+// it to ring row p % 4 at the end).
+template <bool VEC>
+__device__ __forceinline__ void conv4_silu(const bf16* __restrict__ x,       // [in_dim] this token
+                                           const bf16* ring,                 // [4, qkv_dim]
+                                           const bf16* __restrict__ conv_w,  // [qkv_dim, 4]
+                                           int qkv_dim, int ch, int p, float (&xin)[4],
+                                           float (&y)[4]) {
+  float tap[3][4], wt[16];
+  if (VEC) {
+    load4_bf16(x + ch, xin);
+#pragma unroll
+    for (int j = 0; j < 3; ++j) {
+      const int pp = p - 3 + j;
+      if (pp >= 0)
+        load4_bf16(ring + (pp & 3) * qkv_dim + ch, tap[j]);
+      else
+        tap[j][0] = tap[j][1] = tap[j][2] = tap[j][3] = 0.f;
+    }
+    load16_bf16(conv_w + ch * 4, wt);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      xin[i] = __bfloat162float(x[ch + i]);
+#pragma unroll
+      for (int j = 0; j < 3; ++j) {
+        const int pp = p - 3 + j;
+        tap[j][i] = pp >= 0 ? __bfloat162float(ring[(pp & 3) * qkv_dim + ch + i]) : 0.f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 16; ++i) wt[i] = __bfloat162float(conv_w[ch * 4 + i]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float acc = wt[4 * i] * tap[0][i] + wt[4 * i + 1] * tap[1][i] +
+                      wt[4 * i + 2] * tap[2][i] + wt[4 * i + 3] * xin[i];
+    y[i] = acc / (1.f + __expf(-acc));
+  }
+}
+
+// The l2norm factor of a q or k channel group (thread element e = 4 * tid; q on e < DK, k on
+// DK <= e < 2 * DK; q also times d_k^-0.5), 1 for v channels. Shuffles within DK / 4 lanes: every
+// lane of the warp must call it.
+template <int DK>
+__device__ __forceinline__ float qk_norm_scale(const float (&y)[4], int e) {
+  float ss = y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3];
+#pragma unroll
+  for (int o = DK / 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  float scale = 1.f;
+  if (e < 2 * DK) scale = rsqrtf(ss + 1e-6f) * (e < DK ? rsqrtf(static_cast<float>(DK)) : 1.f);
+  return scale;
+}
+
+// beta = sigmoid(b), decay = e^g with g = -exp(A_log) * softplus(a + dt_bias) (threshold 20).
+__device__ __forceinline__ void gdn_gates(float b_raw, float a_raw, float A_log, float dt_bias,
+                                          float& beta, float& decay) {
+  beta = 1.f / (1.f + expf(-b_raw));
+  const float a_dt = a_raw + dt_bias;
+  decay = expf(-expf(A_log) * (a_dt > 20.f ? a_dt : log1pf(expf(a_dt))));
+}
+
+// One state row (4 of its d_k values per lane, DK / 4 lanes per row): decay, u = S k,
+// S += k beta (v - u), o = S q. Returns the new values; o_v is the row's output on every lane.
+template <int DK>
+__device__ __forceinline__ float4 update_row(float4 t, const float4& kk, const float4& qq,
+                                             float decay, float beta, float v_in, float& o_v) {
+  constexpr int kLanesPerRow = DK / 4;
+  t.x *= decay;
+  t.y *= decay;
+  t.z *= decay;
+  t.w *= decay;
+  float u = t.x * kk.x + t.y * kk.y + t.z * kk.z + t.w * kk.w;
+#pragma unroll
+  for (int o = kLanesPerRow / 2; o > 0; o >>= 1) u += __shfl_xor_sync(0xffffffffu, u, o);
+  const float delta = beta * (v_in - u);
+  t.x += kk.x * delta;
+  t.y += kk.y * delta;
+  t.z += kk.z * delta;
+  t.w += kk.w * delta;
+  o_v = t.x * qq.x + t.y * qq.y + t.z * qq.z + t.w * qq.w;
+#pragma unroll
+  for (int o = kLanesPerRow / 2; o > 0; o >>= 1) o_v += __shfl_xor_sync(0xffffffffu, o_v, o);
+  return t;
+}
+
+// y = w * o * rinv * silu(z) (gated RMSNorm with the head's 1 / rms), or o without a norm.
+__device__ __forceinline__ float gated_output(float o, float rinv, float z, float w, bool norm) {
+  return norm ? w * o * rinv * (z / (1.f + __expf(-z))) : o;
+}
+
+// ---- Cluster kernels (cluster4 / cluster8) -----------------------------------------------------
 template <int DK, bool VEC, int SPLIT>
 __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
     gdn_decode_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
@@ -120,53 +235,17 @@ __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
       ch = s.n_k_heads * DK + hk * DK + (e - DK);
     else
       ch = 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
-    float tap[3][4], wt[16];
-    if (VEC) {
-      load4_bf16(x + ch, xin);
-#pragma unroll
-      for (int j = 0; j < 3; ++j) {
-        const int pp = p - 3 + j;
-        if (pp >= 0)
-          load4_bf16(ring + (pp & 3) * qkv_dim + ch, tap[j]);
-        else
-          tap[j][0] = tap[j][1] = tap[j][2] = tap[j][3] = 0.f;
-      }
-      load16_bf16(w.conv_w + ch * 4, wt);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        xin[i] = __bfloat162float(x[ch + i]);
-#pragma unroll
-        for (int j = 0; j < 3; ++j) {
-          const int pp = p - 3 + j;
-          tap[j][i] = pp >= 0 ? __bfloat162float(ring[(pp & 3) * qkv_dim + ch + i]) : 0.f;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < 16; ++i) wt[i] = __bfloat162float(w.conv_w[ch * 4 + i]);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float acc = wt[4 * i] * tap[0][i] + wt[4 * i + 1] * tap[1][i] +
-                        wt[4 * i + 2] * tap[2][i] + wt[4 * i + 3] * xin[i];
-      y[i] = acc / (1.f + __expf(-acc));
-    }
+    conv4_silu<VEC>(x, ring, w.conv_w, qkv_dim, ch, p, xin, y);
   }
   // 2. l2norm of q and k (every lane takes part in the shuffles; only q/k lanes use the result).
-  float ss = y[0] * y[0] + y[1] * y[1] + y[2] * y[2] + y[3] * y[3];
-#pragma unroll
-  for (int o = kLanesPerRow / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float scale = qk_norm_scale<DK>(y, e);
   if (active) {
-    float scale = 1.f;
-    if (e < 2 * DK) scale = rsqrtf(ss + 1e-6f) * (e < DK ? rsqrtf(static_cast<float>(DK)) : 1.f);
     float* dst = e < DK ? qs + e : (e < 2 * DK ? ks + (e - DK) : vs + (e - 2 * DK));
 #pragma unroll
     for (int i = 0; i < 4; ++i) dst[i] = y[i] * scale;
   }
-  // Gates (every thread, from registers): beta = sigmoid(b), decay = e^g.
-  const float beta = 1.f / (1.f + expf(-b_raw));
-  const float a_dt = a_raw + dt_bias;
-  const float decay = expf(-expf(A_log) * (a_dt > 20.f ? a_dt : log1pf(expf(a_dt))));
+  float beta, decay;
+  gdn_gates(b_raw, a_raw, A_log, dt_bias, beta, decay);
   __syncthreads();
 
   // 3. Per row: decay, u = S k, S += k beta (v - u), o = S q (rows stay in registers).
@@ -175,23 +254,8 @@ __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
 #pragma unroll
   for (int r = 0; r < kMaxRowsPerGroup; ++r) {
     const int v = grp + r * kGroups;
-    float4 t = st[r];
-    t.x *= decay;
-    t.y *= decay;
-    t.z *= decay;
-    t.w *= decay;
-    float u = t.x * kk.x + t.y * kk.y + t.z * kk.z + t.w * kk.w;
-#pragma unroll
-    for (int o = kLanesPerRow / 2; o > 0; o >>= 1) u += __shfl_xor_sync(0xffffffffu, u, o);
-    const float delta = beta * ((v < rows ? vs[v] : 0.f) - u);
-    t.x += kk.x * delta;
-    t.y += kk.y * delta;
-    t.z += kk.z * delta;
-    t.w += kk.w * delta;
-    float o_v = t.x * qq.x + t.y * qq.y + t.z * qq.z + t.w * qq.w;
-#pragma unroll
-    for (int o = kLanesPerRow / 2; o > 0; o >>= 1) o_v += __shfl_xor_sync(0xffffffffu, o_v, o);
-    st[r] = t;
+    float o_v;
+    st[r] = update_row<DK>(st[r], kk, qq, decay, beta, v < rows ? vs[v] : 0.f, o_v);
     if (v < rows && k4 == 0) os[v] = o_v;
   }
   __syncthreads();
@@ -231,10 +295,241 @@ __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
   }
   if (tid < rows) {  // rows <= 32 <= threads
     bf16* yo = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v + v0;
-    yo[tid] =
-        __float2bfloat16(norm ? w_c * os[tid] * rinv * (z_c / (1.f + __expf(-z_c))) : os[tid]);
+    yo[tid] = __float2bfloat16(gated_output(os[tid], rinv, z_c, w_c, norm));
   }
   if (norm) asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
+// ---- Streaming kernel: one block per (sequence, value head) -----------------------------------
+// mbarrier + bulk-copy helpers (sm_90). A CTA launched without a cluster is its own cluster of
+// one, so its shared::cta addresses are valid shared::cluster destinations.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Arrives once and adds `bytes` to the transaction count the phase waits for.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@!P1 bra WAIT;\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared,
+// completing on `bar`.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
+                                              uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+constexpr int kStreamThreads = 256;
+constexpr int kStreamChunkBytes = 8192;  // state rows per bulk copy: 16 rows at d_k 128
+
+template <int DK>
+struct StreamCfg {
+  static constexpr int kLanesPerRow = DK / 4;
+  static constexpr int kRowsPerWarp = 32 / kLanesPerRow;
+  static constexpr int kRowsPerPass = (kStreamThreads / 32) * kRowsPerWarp;
+  static constexpr int kChunkRows = kStreamChunkBytes / (DK * 4);
+  static constexpr int kPasses = kChunkRows / kRowsPerPass;  // rows per lane group per chunk
+  static constexpr int kMaxChunks = (kMaxD + kChunkRows - 1) / kChunkRows;
+  static_assert(kPasses * kRowsPerPass == kChunkRows, "chunk = whole passes");
+  static_assert(2 * DK + kMaxD <= 4 * kStreamThreads && kMaxD <= kStreamThreads,
+                "one pass must cover the conv channels and the outputs");
+};
+
+// Dynamic shared memory of the streaming kernel: STAGES chunk buffers (or fewer chunks, if the
+// head has fewer).
+template <int DK, int STAGES>
+constexpr int stream_smem_bytes() {
+  return (STAGES < StreamCfg<DK>::kMaxChunks ? STAGES : StreamCfg<DK>::kMaxChunks) *
+         kStreamChunkBytes;
+}
+
+// The whole head's d_v state rows pass through a ring of STAGES shared-memory chunk buffers, each
+// filled by one bulk copy (issued by thread 0 at the start, all at once when the head fits); the
+// warps update a chunk's rows as soon as it lands and store them straight from registers, so the
+// head's reads and writes overlap and no block ever waits on another: the gated norm's sum of
+// o^2 is the block's own. With STAGES < chunks the buffer of chunk c is refilled with chunk
+// c + STAGES once every warp holds chunk c in registers (one block barrier per refill).
+template <int DK, bool VEC, int STAGES>
+__global__ void __launch_bounds__(kStreamThreads)
+    gdn_decode_stream_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
+                             const bf16* __restrict__ proj,         // [n_seqs, in_dim]
+                             const int32_t* __restrict__ seq_pos,   // [n_seqs]
+                             const int32_t* __restrict__ slot_ids,  // [n_seqs]
+                             bf16* __restrict__ out)                // [n_seqs, n_v_heads * d_v]
+{
+  using C = StreamCfg<DK>;
+  extern __shared__ __align__(128) float chunk_buf[];  // [STAGES][kChunkRows][DK] state rows
+  __shared__ __align__(16) float qs[DK], ks[DK], vs[kMaxD], os[kMaxD];
+  __shared__ __align__(8) uint64_t full[STAGES];
+  __shared__ float warp_sq[kStreamThreads / 32];
+
+  const int seq = blockIdx.x, hv = blockIdx.y;
+  const int ratio = s.n_v_heads / s.n_k_heads, hk = hv / ratio;
+  const int d_v = s.d_v, qkv_dim = s.qkv_dim(), in_dim = s.in_dim();
+  const int p = seq_pos[seq];
+  const int64_t slot = slot_ids[seq];
+  bf16* ring = pool.conv_state + slot * pool.conv_slot_stride;
+  const bf16* x = proj + static_cast<int64_t>(seq) * in_dim;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float* state = pool.rec_state + slot * pool.rec_slot_stride + static_cast<int64_t>(hv) * d_v * DK;
+  const bool has_state = p > 0;  // uniform over the block
+  const int n_chunks = (d_v + C::kChunkRows - 1) / C::kChunkRows;
+
+  // Thread 0: chunk c -> buffer c % STAGES, completing on full[c % STAGES].
+  const auto issue_chunk = [&](int c) {
+    const int rows_c = min(C::kChunkRows, d_v - c * C::kChunkRows);
+    const uint32_t bytes = static_cast<uint32_t>(rows_c) * DK * 4;
+    uint64_t* bar = &full[c % STAGES];
+    mbar_arrive_expect_tx(bar, bytes);
+    bulk_copy_g2s(chunk_buf + (c % STAGES) * C::kChunkRows * DK,
+                  state + static_cast<int64_t>(c) * C::kChunkRows * DK, bytes, bar);
+  };
+  // 0. The state stream starts first; the small loads below overlap it.
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) mbar_init(&full[i], 1);
+    mbar_init_fence();
+    if (has_state)
+      for (int c = 0; c < n_chunks && c < STAGES; ++c) issue_chunk(c);
+  }
+  const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
+  const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
+  const float A_log = w.A_log[hv], dt_bias = w.dt_bias[hv];
+  const bool norm = w.norm_w != nullptr;
+  float z_c = 0.f, w_c = 0.f;  // thread c < d_v: the gate z and norm weight of its output
+  if (tid < d_v && norm) {
+    z_c = __bfloat162float(x[qkv_dim + hv * d_v + tid]);
+    w_c = __bfloat162float(w.norm_w[tid]);
+  }
+
+  // 1. conv + SiLU over q, k and the head's v channels, 4 per thread (2 * 128 + 128 channels =
+  // 96 threads at 27B: q on warp 0, k on warp 1, v on warp 2).
+  const bool write_qk = hv % ratio == 0;
+  const int e = 4 * tid;
+  const bool active = e < 2 * DK + d_v;
+  int ch = 0;
+  float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
+  if (active) {
+    if (e < DK)
+      ch = hk * DK + e;
+    else if (e < 2 * DK)
+      ch = s.n_k_heads * DK + hk * DK + (e - DK);
+    else
+      ch = 2 * s.n_k_heads * DK + hv * d_v + (e - 2 * DK);
+    conv4_silu<VEC>(x, ring, w.conv_w, qkv_dim, ch, p, xin, y);
+  }
+  // 2. l2norm of q and k, gates.
+  const float scale = qk_norm_scale<DK>(y, e);
+  if (active) {
+    float* dst = e < DK ? qs + e : (e < 2 * DK ? ks + (e - DK) : vs + (e - 2 * DK));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = y[i] * scale;
+  }
+  float beta, decay;
+  gdn_gates(b_raw, a_raw, A_log, dt_bias, beta, decay);
+  __syncthreads();  // q, k, v in shared memory; the barriers' init visible to every thread
+
+  // 3. Rows, chunk by chunk as they land: lane group grp owns local rows grp + j * kRowsPerPass.
+  const int grp = warp * C::kRowsPerWarp + lane / C::kLanesPerRow;
+  const int k4 = lane % C::kLanesPerRow;
+  const float4 kk = *reinterpret_cast<const float4*>(ks + 4 * k4);
+  const float4 qq = *reinterpret_cast<const float4*>(qs + 4 * k4);
+  for (int c = 0; c < n_chunks; ++c) {
+    const float* buf = chunk_buf + (c % STAGES) * C::kChunkRows * DK;
+    if (has_state) mbar_wait(&full[c % STAGES], (c / STAGES) & 1);
+    float4 t[C::kPasses];
+#pragma unroll
+    for (int j = 0; j < C::kPasses; ++j) {
+      const int v = c * C::kChunkRows + j * C::kRowsPerPass + grp;
+      t[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (has_state && v < d_v)
+        t[j] = *reinterpret_cast<const float4*>(buf + (j * C::kRowsPerPass + grp) * DK + 4 * k4);
+    }
+    if (STAGES < C::kMaxChunks && has_state && c + STAGES < n_chunks) {
+      __syncthreads();  // every warp holds chunk c: its buffer may be refilled
+      if (tid == 0) issue_chunk(c + STAGES);
+    }
+#pragma unroll
+    for (int j = 0; j < C::kPasses; ++j) {
+      const int v = c * C::kChunkRows + j * C::kRowsPerPass + grp;
+      float o_v;
+      t[j] = update_row<DK>(t[j], kk, qq, decay, beta, v < d_v ? vs[v] : 0.f, o_v);
+      if (v < d_v) {
+        __stcg(reinterpret_cast<float4*>(state + v * DK + 4 * k4), t[j]);
+        if (k4 == 0) os[v] = o_v;
+      }
+    }
+  }
+  __syncthreads();
+
+  // 4. The head's 1 / rms (the block holds the whole head).
+  float rinv = 1.f;
+  if (norm) {
+    float sq = tid < d_v ? os[tid] * os[tid] : 0.f;
+    sq = warp_sum(sq);
+    if (lane == 0) warp_sq[warp] = sq;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxD / 32; ++i) total += warp_sq[i];  // warps past d_v hold 0
+    rinv = rsqrtf(total / d_v + s.norm_eps);
+  }
+
+  // 5. The ring (row p % 4, which no block reads in this step) and the gated-norm output.
+  if (active && (e >= 2 * DK || write_qk)) {
+    bf16* rw = ring + (p & 3) * qkv_dim + ch;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) rw[i] = __float2bfloat16(xin[i]);  // exact: xin came from bf16
+  }
+  if (tid < d_v) {
+    bf16* yo = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v;
+    yo[tid] = __float2bfloat16(gated_output(os[tid], rinv, z_c, w_c, norm));
+  }
+}
+
+template <int DK, bool VEC, int STAGES>
+void launch_stream(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                   const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids, int n_seqs,
+                   bf16* out, cudaStream_t stream) {
+  constexpr int kSmem = stream_smem_bytes<DK, STAGES>();
+  static std::once_flag once;  // raise the dynamic shared memory limit once per instantiation
+  std::call_once(once, [] {
+    DS_CUDA_CHECK(cudaFuncSetAttribute(gdn_decode_stream_kernel<DK, VEC, STAGES>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  });
+  gdn_decode_stream_kernel<DK, VEC, STAGES>
+      <<<dim3(n_seqs, s.n_v_heads), kStreamThreads, kSmem, stream>>>(s, w, pool, proj, seq_pos,
+                                                                     slot_ids, out);
+}
+
+template <int DK, bool VEC>
+void launch_stream_stages(GdnDecodeKernel which, const GdnShape& s, const GdnLayerWeights& w,
+                          const GdnStatePool& pool, const bf16* proj, const int32_t* seq_pos,
+                          const int32_t* slot_ids, int n_seqs, bf16* out, cudaStream_t stream) {
+  if (which == GdnDecodeKernel::kStreamWhole)
+    launch_stream<DK, VEC, StreamCfg<DK>::kMaxChunks>(s, w, pool, proj, seq_pos, slot_ids, n_seqs,
+                                                      out, stream);
+  else
+    launch_stream<DK, VEC, 4>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream);
 }
 
 }  // namespace
@@ -256,20 +551,60 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
   DS_CHECK(pool.rec_slot_stride >= static_cast<int64_t>(s.n_v_heads) * s.d_v * s.d_k,
            "gdn decode: rec_slot_stride too small");
   DS_CHECK(n_seqs >= 0, "gdn decode: n_seqs must be >= 0, got ", n_seqs);
-  if (n_seqs == 0) return;
   const bool can8 = gdn_decode_cluster8_supported(s);
   DS_CHECK(which != GdnDecodeKernel::kCluster8 || can8,
            "gdn decode: the 8-block cluster kernel needs d_v % 32 == 0, got d_v ", s.d_v);
-  int split = s.d_v % 16 == 0 ? kSplitFast : 1;
-  if (can8 && (which == GdnDecodeKernel::kCluster8 ||
-               (which == GdnDecodeKernel::kAuto && n_seqs <= kCluster8MaxSeqs)))
-    split = 8;
-  const dim3 grid(n_seqs, s.n_v_heads, split);
+  // Every kernel moves state rows as 16-byte vectors (the streaming one by bulk copies).
+  DS_CHECK(reinterpret_cast<uintptr_t>(pool.rec_state) % 16 == 0 && pool.rec_slot_stride % 4 == 0,
+           "gdn decode: rec_state must be 16-byte aligned and rec_slot_stride a multiple of 4, got "
+           "rec_state ",
+           static_cast<const void*>(pool.rec_state), ", rec_slot_stride ", pool.rec_slot_stride);
+  const bool can_stream = gdn_decode_stream_supported(s, pool);
+  const bool stream_asked =
+      which == GdnDecodeKernel::kStream || which == GdnDecodeKernel::kStreamWhole;
+  DS_CHECK(!stream_asked || can_stream, "gdn decode: the streaming kernel does not take d_v ",
+           s.d_v);
+  if (n_seqs == 0) return;
   // 8-byte loads need 8-byte aligned rows of proj and of the ring.
   const bool vec = s.in_dim() % 4 == 0 && pool.conv_slot_stride % 4 == 0 &&
                    reinterpret_cast<uintptr_t>(proj) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(pool.conv_state) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(w.conv_w) % 16 == 0;
+  if (which == GdnDecodeKernel::kAuto && can_stream && n_seqs >= kStreamMinSeqs)
+    which = GdnDecodeKernel::kStream;
+  if (which == GdnDecodeKernel::kStream || which == GdnDecodeKernel::kStreamWhole) {
+#define DS_GDN_STREAM(DK)                                                                    \
+  if (vec)                                                                                   \
+    launch_stream_stages<DK, true>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out,  \
+                                   stream);                                                  \
+  else                                                                                       \
+    launch_stream_stages<DK, false>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, \
+                                    stream);
+    switch (s.d_k) {
+      case 16:
+        DS_GDN_STREAM(16);
+        break;
+      case 32:
+        DS_GDN_STREAM(32);
+        break;
+      case 64:
+        DS_GDN_STREAM(64);
+        break;
+      case 128:
+        DS_GDN_STREAM(128);
+        break;
+      default:
+        DS_ASSERT(false);
+    }
+#undef DS_GDN_STREAM
+    DS_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  int split = s.d_v % 16 == 0 ? kSplitFast : 1;
+  if (can8 && (which == GdnDecodeKernel::kCluster8 ||
+               (which == GdnDecodeKernel::kAuto && n_seqs <= kCluster8MaxSeqs)))
+    split = 8;
+  const dim3 grid(n_seqs, s.n_v_heads, split);
 #define DS_GDN_DECODE_1(DK, VEC, SPLIT) \
   gdn_decode_kernel<DK, VEC, SPLIT>     \
       <<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out)
@@ -309,5 +644,24 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 }
 
 bool gdn_decode_cluster8_supported(const GdnShape& s) { return s.d_v % 32 == 0; }
+
+bool gdn_decode_stream_supported(const GdnShape& s, const GdnStatePool& pool) {
+  // Bulk copies need 16-byte aligned sources: the pool base and every slot / head / chunk offset
+  // (head and chunk offsets are multiples of d_k floats, d_k >= 16).
+  return s.d_v <= kMaxD && reinterpret_cast<uintptr_t>(pool.rec_state) % 16 == 0 &&
+         pool.rec_slot_stride % 4 == 0;
+}
+
+bool gdn_decode_kernel_for_variant(const std::string& variant, GdnDecodeKernel* which) {
+  if (variant == "fused_stream")
+    *which = GdnDecodeKernel::kStream;
+  else if (variant == "fused_cluster8")
+    *which = GdnDecodeKernel::kCluster8;
+  else if (variant == "fused")
+    *which = GdnDecodeKernel::kCluster4;
+  else
+    return false;
+  return true;
+}
 
 }  // namespace ds::cuda

@@ -1,14 +1,21 @@
-// GPU tests of the GDN decode kernel's two block splits (src/cuda/gdn_decode.cu): 8-block clusters
-// per value head (kCluster8, what kAuto takes at small batch) against 4-block clusters
-// (kCluster4, checked against the fp32 CPU recurrence in cuda_gdn_test.cpp, which also runs
-// kAuto at batch 1) on identical inputs and initial states. A row's state update is computed
-// identically by both, so the new states must be bit-equal and the conv rings equal; the output
-// differs only in the order of the gated RMSNorm's sum of squares (tolerance 1e-3). Shapes: 27B
-// (16 k / 48 v heads, d 128) at batch 1 / 2 / 3 / 16, positions 0 (fresh state) and later, and
-// small heads (d 32, 64). Timing (prints): both at batch 1 / 2 / 4 / 16 in CUDA graphs, states
-// rotated past L2, state bandwidth.
+// GPU tests of the GDN decode kernels (src/cuda/gdn_decode.cu): the cluster kernels (4 or 8 blocks
+// per value head, kCluster4 / kCluster8) and the streaming kernel (one block per head, state
+// through shared memory by bulk copies; kStream through a ring of 4 chunk buffers, kStreamWhole
+// with the whole head in flight), each run for several carried steps from identical inputs and
+// initial states:
+//  - against an fp64 CPU step written here (conv ring + conv + SiLU, l2norm, gates, delta rule,
+//    gated RMSNorm): state error < 1e-5, output (bf16) < 1e-2, conv ring exact;
+//  - against kCluster4: a row's state update is the same code in every kernel (update_row), so the
+//    states must be bit-equal and the rings equal; the output differs only in the order of the
+//    gated RMSNorm's sum of squares (< 1e-3).
+// Outputs are poisoned (NaN) before each step; the unused slot 0 must stay untouched. Shapes: 27B
+// (16 k / 48 v heads, d 128) at batch 1, 2, 3, 4, 8, 16, 32 with fresh (position 0), young
+// (positions 1-3: zero conv taps) and old sequences; small and odd heads (d_k 16-128, d_v 16-128
+// incl. 40 and 100: partial chunks, the 1-block cluster fallback). Timing (prints): every kernel
+// at batch 1-32 in CUDA graphs, states rotated past L2, state bandwidth.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -27,6 +34,15 @@ using cuda::GdnDecodeKernel;
 using test::DevBuf;
 
 cuda::GdnShape shape_27b() { return cuda::GdnShape{16, 48, 128, 128, 4, 1e-6f}; }
+
+struct KernelName {
+  GdnDecodeKernel k;
+  const char* name;
+};
+const KernelName kKernels[] = {{GdnDecodeKernel::kCluster4, "cluster4"},
+                               {GdnDecodeKernel::kCluster8, "cluster8"},
+                               {GdnDecodeKernel::kStream, "stream"},
+                               {GdnDecodeKernel::kStreamWhole, "stream_whole"}};
 
 std::vector<float> random_f32(size_t n, std::mt19937& rng, float lo, float hi) {
   std::uniform_real_distribution<float> u(lo, hi);
@@ -64,59 +80,199 @@ struct GdnSetup {
   }
 };
 
-// Runs one step with each kernel from the same initial state; compares.
-void compare_splits(const cuda::GdnShape& s, const std::vector<int>& pos, uint32_t seed) {
+// The fp64 CPU step for one sequence: updates its ring (bf16 [4, qkv_dim]) and state (fp32
+// [n_v_heads, d_v, d_k]) in place and writes y [n_v_heads * d_v].
+void ref_step(const cuda::GdnShape& s, const std::vector<bf>& conv_w,
+              const std::vector<float>& a_log, const std::vector<float>& dt_bias,
+              const std::vector<bf>& norm_w, const bf* x, int p, bf* ring, float* S,
+              std::vector<double>& y) {
+  const int qkv = s.qkv_dim(), dk = s.d_k, dv = s.d_v, ratio = s.n_v_heads / s.n_k_heads;
+  std::vector<double> c(qkv);
+  for (int ch = 0; ch < qkv; ++ch) {
+    double acc = 0;
+    for (int j = 0; j < 3; ++j) {
+      const int pp = p - 3 + j;
+      if (pp >= 0)
+        acc += double(bf16_to_f32(conv_w[ch * 4 + j])) * bf16_to_f32(ring[(pp & 3) * qkv + ch]);
+    }
+    acc += double(bf16_to_f32(conv_w[ch * 4 + 3])) * bf16_to_f32(x[ch]);
+    c[ch] = acc / (1 + std::exp(-acc));
+  }
+  y.assign(size_t(s.out_dim()), 0.0);
+  for (int hv = 0; hv < s.n_v_heads; ++hv) {
+    const int hk = hv / ratio;
+    std::vector<double> q(c.begin() + hk * dk, c.begin() + (hk + 1) * dk);
+    std::vector<double> k(c.begin() + (s.n_k_heads + hk) * dk,
+                          c.begin() + (s.n_k_heads + hk + 1) * dk);
+    const double* v = &c[size_t(2) * s.n_k_heads * dk + size_t(hv) * dv];
+    double sq = 0, sk = 0;
+    for (int i = 0; i < dk; ++i) sq += q[i] * q[i], sk += k[i] * k[i];
+    for (int i = 0; i < dk; ++i) {
+      q[i] *= 1 / std::sqrt(sq + 1e-6) / std::sqrt(double(dk));
+      k[i] *= 1 / std::sqrt(sk + 1e-6);
+    }
+    const double b = bf16_to_f32(x[qkv + s.z_dim() + hv]);
+    const double a = double(bf16_to_f32(x[qkv + s.z_dim() + s.n_v_heads + hv])) + dt_bias[hv];
+    const double beta = 1 / (1 + std::exp(-b));
+    const double decay =
+        std::exp(-std::exp(double(a_log[hv])) * (a > 20 ? a : std::log1p(std::exp(a))));
+    std::vector<double> o(dv);
+    for (int r = 0; r < dv; ++r) {
+      float* row = S + (size_t(hv) * dv + r) * dk;
+      double u = 0;
+      for (int i = 0; i < dk; ++i) u += decay * row[i] * k[i];
+      const double delta = beta * (v[r] - u);
+      double acc = 0;
+      for (int i = 0; i < dk; ++i) {
+        const double t = decay * row[i] + k[i] * delta;
+        row[i] = float(t);
+        acc += t * q[i];
+      }
+      o[r] = acc;
+    }
+    double ms = 0;
+    for (double e : o) ms += e * e;
+    const double rinv = 1 / std::sqrt(ms / dv + s.norm_eps);
+    for (int r = 0; r < dv; ++r) {
+      const double z = bf16_to_f32(x[qkv + hv * dv + r]);
+      y[size_t(hv) * dv + r] = bf16_to_f32(norm_w[r]) * o[r] * rinv * (z / (1 + std::exp(-z)));
+    }
+  }
+  for (int ch = 0; ch < qkv; ++ch) ring[(p & 3) * qkv + ch] = x[ch];
+}
+
+size_t count_diff(const std::vector<bf>& a, const std::vector<bf>& b) {
+  size_t n = a.size() == b.size() ? 0 : std::max(a.size(), b.size());
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) n += a[i] != b[i];
+  return n;
+}
+
+struct Step {
+  std::vector<bf> out, conv;
+  std::vector<float> rec;
+};
+
+bool supported(GdnDecodeKernel k, const cuda::GdnShape& s, const cuda::GdnStatePool& pool) {
+  if (k == GdnDecodeKernel::kCluster8) return cuda::gdn_decode_cluster8_supported(s);
+  if (k == GdnDecodeKernel::kStream || k == GdnDecodeKernel::kStreamWhole)
+    return cuda::gdn_decode_stream_supported(s, pool);
+  return true;
+}
+
+// n_steps carried steps (positions pos[i] + step) with every kernel from the same initial state;
+// each kernel is checked against the fp64 CPU steps and against kCluster4.
+void check_kernels(const cuda::GdnShape& s, const std::vector<int>& pos, int n_steps,
+                   uint32_t seed) {
   std::mt19937 rng(seed);
   const int n = int(pos.size());
-  ASSERT_TRUE(cuda::gdn_decode_cluster8_supported(s));
   GdnSetup a(s, n + 1, rng);
   const auto conv0 = a.conv.download();
   const auto rec0 = a.rec.download();
-  std::vector<int32_t> slots(n);
+  std::vector<int32_t> slots(n), all_pos(size_t(n) * n_steps);
   for (int i = 0; i < n; ++i) slots[i] = n - i;  // slot 0 unused
-  DevBuf<bf> proj(test::random_bf16(size_t(n) * s.in_dim(), rng));
-  DevBuf<int32_t> d_pos(std::vector<int32_t>(pos.begin(), pos.end())), d_slots(slots);
-  std::vector<bf> outs[2], convs[2];
-  std::vector<float> recs[2];
-  int k = 0;
-  for (auto which : {GdnDecodeKernel::kCluster8, GdnDecodeKernel::kCluster4}) {
+  for (int t = 0; t < n_steps; ++t)
+    for (int i = 0; i < n; ++i) all_pos[size_t(t) * n + i] = pos[i] + t;
+  const auto proj_h = test::random_bf16(size_t(n_steps) * n * s.in_dim(), rng);
+  DevBuf<bf> proj(proj_h);
+  DevBuf<int32_t> d_pos(all_pos), d_slots(slots);
+
+  // The CPU reference, step by step.
+  const auto conv_w = a.conv_w.download(), norm_w = a.norm_w.download();
+  const auto a_log = a.a_log.download(), dt_bias = a.dt_bias.download();
+  std::vector<bf> ref_conv = conv0;
+  std::vector<float> ref_rec = rec0;
+  const size_t conv_per = size_t(4) * s.qkv_dim(), rec_per = size_t(s.n_v_heads) * s.d_v * s.d_k;
+  std::vector<std::vector<float>> ref_y(n_steps), ref_states(n_steps);
+  std::vector<std::vector<bf>> ref_rings(n_steps);
+  for (int t = 0; t < n_steps; ++t) {
+    ref_y[t].resize(size_t(n) * s.out_dim());
+    for (int i = 0; i < n; ++i) {
+      float* S = &ref_rec[slots[i] * rec_per];
+      if (pos[i] + t == 0) std::fill(S, S + rec_per, 0.f);  // position 0 starts from zero state
+      std::vector<double> y;
+      ref_step(s, conv_w, a_log, dt_bias, norm_w, &proj_h[(size_t(t) * n + i) * s.in_dim()],
+               pos[i] + t, &ref_conv[slots[i] * conv_per], S, y);
+      for (size_t j = 0; j < y.size(); ++j) ref_y[t][size_t(i) * s.out_dim() + j] = float(y[j]);
+    }
+    ref_states[t] = ref_rec;
+    ref_rings[t] = ref_conv;
+  }
+
+  std::vector<Step> base;  // kCluster4's steps
+  for (const KernelName& kn : kKernels) {
+    if (!supported(kn.k, s, a.pool())) continue;
     a.conv.upload(conv0);
     a.rec.upload(rec0);
     DevBuf<bf> out(size_t(n) * s.out_dim());
-    out.poison();
-    cuda::launch_gdn_decode(s, a.w(), a.pool(), proj.as<__nv_bfloat16>(), d_pos.ptr, d_slots.ptr, n,
-                            out.as<__nv_bfloat16>(), 0, which);
-    DS_CUDA_CHECK(cudaGetLastError());
-    outs[k] = out.download();
-    convs[k] = a.conv.download();
-    recs[k] = a.rec.download();
-    for (bf x : outs[k]) ASSERT_TRUE(std::isfinite(bf16_to_f32(x))) << "output not written";
-    ++k;
+    std::vector<Step> steps;
+    for (int t = 0; t < n_steps; ++t) {
+      out.poison();
+      cuda::launch_gdn_decode(s, a.w(), a.pool(),
+                              proj.as<__nv_bfloat16>() + size_t(t) * n * s.in_dim(),
+                              d_pos.ptr + t * n, d_slots.ptr, n, out.as<__nv_bfloat16>(), 0, kn.k);
+      DS_CUDA_CHECK(cudaGetLastError());
+      steps.push_back({out.download(), a.conv.download(), a.rec.download()});
+    }
+    for (int t = 0; t < n_steps; ++t) {
+      const Step& st = steps[t];
+      const std::string what = std::string(kn.name) + " d_k " + std::to_string(s.d_k) + " d_v " +
+                               std::to_string(s.d_v) + " batch " + std::to_string(n) + " step " +
+                               std::to_string(t);
+      for (bf x : st.out)
+        ASSERT_TRUE(std::isfinite(bf16_to_f32(x))) << what << ": output not written";
+      EXPECT_LT(test::norm_err(test::to_f32(st.out), ref_y[t]), 1e-2) << what << ": y vs CPU";
+      EXPECT_LT(test::norm_err(st.rec, ref_states[t]), 1e-5) << what << ": state vs CPU";
+      EXPECT_EQ(0u, count_diff(st.conv, ref_rings[t])) << what << ": conv ring elements vs CPU";
+      EXPECT_EQ(0, std::memcmp(st.rec.data(), rec0.data(), rec_per * 4))
+          << what << ": slot 0 written";
+      if (!base.empty()) {
+        EXPECT_EQ(0, std::memcmp(st.rec.data(), base[t].rec.data(), st.rec.size() * 4))
+            << what << ": state not bit-equal to cluster4";
+        EXPECT_LT(test::norm_err(test::to_f32(st.out), test::to_f32(base[t].out)), 1e-3)
+            << what << ": y vs cluster4";
+      }
+    }
+    const Step& last = steps.back();
+    std::printf("  %-11s d_k %3d d_v %3d batch %2d, %d steps: y vs CPU %.2e, state vs CPU %.2e%s\n",
+                kn.name, s.d_k, s.d_v, n, n_steps,
+                test::norm_err(test::to_f32(last.out), ref_y.back()),
+                test::norm_err(last.rec, ref_states.back()),
+                base.empty() ? ""
+                : std::memcmp(last.rec.data(), base.back().rec.data(), last.rec.size() * 4) == 0
+                    ? ", state bit-equal to cluster4"
+                    : ", state DIFFERS from cluster4");
+    if (base.empty()) base = std::move(steps);
   }
-  EXPECT_EQ(0, std::memcmp(recs[0].data(), recs[1].data(), recs[0].size() * 4)) << "states differ";
-  EXPECT_EQ(convs[0], convs[1]) << "conv rings differ";
-  // Slot 0 is untouched by both.
-  const size_t per = size_t(s.n_v_heads) * s.d_v * s.d_k;
-  EXPECT_EQ(0, std::memcmp(recs[0].data(), rec0.data(), per * 4)) << "slot 0 written";
-  const double e = test::norm_err(test::to_f32(outs[0]), test::to_f32(outs[1]));
-  EXPECT_LT(e, 1e-3);
-  std::printf("  d %d batch %d: output cluster8 vs cluster4 %.2e, states bit-equal\n", s.d_v, n, e);
 }
 
-TEST(CudaGdnDecode, Cluster8MatchesCluster4) {
+std::vector<int> mixed_positions(int n) {  // fresh, young (zero conv taps) and old sequences
+  const int pick[] = {0, 1, 2, 3, 77, 4097, 5000, 131};
+  std::vector<int> p;
+  for (int i = 0; i < n; ++i) p.push_back(pick[i % 8] + 37 * (i / 8));
+  return p;
+}
+
+TEST(CudaGdnDecode, Kernels27B) {
   DS_REQUIRE_GPU();
-  compare_splits(shape_27b(), {0}, 1);
-  compare_splits(shape_27b(), {5000}, 2);
-  compare_splits(shape_27b(), {3, 1}, 3);
-  compare_splits(shape_27b(), {0, 77, 4097}, 4);
-  std::vector<int> p16;
-  for (int i = 0; i < 16; ++i) p16.push_back(i * 131);
-  compare_splits(shape_27b(), p16, 5);
-  compare_splits(cuda::GdnShape{2, 4, 64, 64, 4, 1e-6f}, {0, 3, 9}, 6);
-  compare_splits(cuda::GdnShape{2, 6, 32, 32, 4, 1e-6f}, {2, 1000}, 7);
+  uint32_t seed = 1;
+  for (int b : {1, 2, 3, 4, 8, 16, 32}) check_kernels(shape_27b(), mixed_positions(b), 3, seed++);
+  check_kernels(shape_27b(), {5000}, 2, seed++);
 }
 
-TEST(CudaGdnDecode, Cluster8Unsupported) {
+TEST(CudaGdnDecode, KernelsSmallAndOddHeads) {
+  DS_REQUIRE_GPU();
+  check_kernels(cuda::GdnShape{2, 4, 64, 64, 4, 1e-6f}, {0, 3, 9}, 3, 20);
+  check_kernels(cuda::GdnShape{2, 6, 32, 32, 4, 1e-6f}, {2, 1000}, 3, 21);
+  check_kernels(cuda::GdnShape{2, 4, 16, 16, 4, 1e-6f}, {0, 5}, 3, 22);
+  check_kernels(cuda::GdnShape{2, 6, 32, 64, 4, 1e-6f}, {0, 3, 9, 12}, 3, 23);
+  check_kernels(cuda::GdnShape{3, 3, 128, 16, 4, 1e-6f}, {1, 7}, 3, 24);
+  // d_v not a multiple of 16 (the 1-block cluster fallback) and partial last chunks.
+  check_kernels(cuda::GdnShape{2, 4, 128, 40, 4, 1e-6f}, {0, 2, 50}, 3, 25);
+  check_kernels(cuda::GdnShape{1, 3, 32, 100, 4, 1e-6f}, {4, 0}, 3, 26);
+  check_kernels(cuda::GdnShape{2, 4, 16, 24, 4, 1e-6f}, {0, 3, 9}, 3, 27);
+}
+
+TEST(CudaGdnDecode, UnsupportedKernelsThrow) {
   DS_REQUIRE_GPU();
   const cuda::GdnShape s{2, 4, 16, 16, 4, 1e-6f};
   EXPECT_FALSE(cuda::gdn_decode_cluster8_supported(s));
@@ -128,37 +284,64 @@ TEST(CudaGdnDecode, Cluster8Unsupported) {
       cuda::launch_gdn_decode(s, a.w(), a.pool(), proj.as<__nv_bfloat16>(), pos.ptr, slot.ptr, 1,
                               out.as<__nv_bfloat16>(), 0, GdnDecodeKernel::kCluster8),
       Error);
+  // Every kernel moves state rows as 16-byte vectors: a misaligned pool is an error, not a
+  // misaligned-address fault (the first version of this test ran kAuto on it and faulted).
+  for (int shift : {1, 0}) {
+    cuda::GdnStatePool odd = a.pool();
+    odd.rec_state += shift;
+    odd.rec_slot_stride += 1 - shift;  // 4-byte offset of the base, or an odd slot stride
+    EXPECT_FALSE(cuda::gdn_decode_stream_supported(s, odd));
+    for (auto k : {GdnDecodeKernel::kAuto, GdnDecodeKernel::kCluster4, GdnDecodeKernel::kStream,
+                   GdnDecodeKernel::kStreamWhole})
+      EXPECT_THROW(cuda::launch_gdn_decode(s, a.w(), odd, proj.as<__nv_bfloat16>(), pos.ptr,
+                                           slot.ptr, 1, out.as<__nv_bfloat16>(), 0, k),
+                   Error);
+  }
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+TEST(CudaGdnDecode, VariantNames) {
+  GdnDecodeKernel k = GdnDecodeKernel::kAuto;
+  EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused_stream", &k));
+  EXPECT_EQ(k, GdnDecodeKernel::kStream);
+  EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused_cluster8", &k));
+  EXPECT_EQ(k, GdnDecodeKernel::kCluster8);
+  EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused", &k));
+  EXPECT_EQ(k, GdnDecodeKernel::kCluster4);
+  EXPECT_FALSE(cuda::gdn_decode_kernel_for_variant("prefill_path", &k));
 }
 
 TEST(CudaGdnDecode, Timing) {
   DS_REQUIRE_GPU();
   const cuda::GdnShape s = shape_27b();
   std::mt19937 rng(9);
-  for (int B : {1, 2, 4, 16}) {
-    const int rot = std::max(4, 64 / B);  // 64 x 3 MiB of state at batch 1: past L2
-    GdnSetup a(s, B * rot, rng);
-    DevBuf<bf> proj(test::random_bf16(size_t(B) * s.in_dim() * rot, rng)),
-        out(size_t(B) * s.out_dim() * rot);
-    DevBuf<int32_t> pos(std::vector<int32_t>(size_t(B), 100));
-    std::vector<int32_t> slots(size_t(B) * rot);
-    for (size_t i = 0; i < slots.size(); ++i) slots[i] = int32_t(i);
-    DevBuf<int32_t> d_slots(slots);
-    double us[2];
-    int k = 0;
-    for (auto which : {GdnDecodeKernel::kCluster8, GdnDecodeKernel::kCluster4})
-      us[k++] = test::graph_time_us(
-          [&](int i, cudaStream_t st) {
-            const int r = i % rot;
-            cuda::launch_gdn_decode(
-                s, a.w(), a.pool(), proj.as<__nv_bfloat16>() + size_t(r) * B * s.in_dim(), pos.ptr,
-                d_slots.ptr + r * B, B, out.as<__nv_bfloat16>() + size_t(r) * B * s.out_dim(), st,
-                which);
-          },
-          64);
-    const double bytes = 2.0 * B * s.n_v_heads * s.d_v * s.d_k * 4;
-    std::printf(
-        "  gdn decode batch %2d: cluster8 %.2f us (%.2f TB/s), cluster4 %.2f us (%.2f TB/s)\n", B,
-        us[0], bytes / us[0] * 1e-6, us[1], bytes / us[1] * 1e-6);
+  for (int round = 0; round < 2; ++round) {
+    std::printf("  round %d (us per launch, TB/s of state read + written)\n", round);
+    for (int B : {1, 2, 3, 4, 8, 16, 32}) {
+      const int rot = std::max(4, 64 / B);  // 64 x 3 MiB of state at batch 1: past L2
+      GdnSetup a(s, B * rot, rng);
+      DevBuf<bf> proj(test::random_bf16(size_t(B) * s.in_dim() * rot, rng)),
+          out(size_t(B) * s.out_dim() * rot);
+      DevBuf<int32_t> pos(std::vector<int32_t>(size_t(B), 100));
+      std::vector<int32_t> slots(size_t(B) * rot);
+      for (size_t i = 0; i < slots.size(); ++i) slots[i] = int32_t(i);
+      DevBuf<int32_t> d_slots(slots);
+      const double bytes = 2.0 * B * s.n_v_heads * s.d_v * s.d_k * 4;
+      std::printf("  gdn decode batch %2d:", B);
+      for (const KernelName& kn : kKernels) {
+        const double us = test::graph_time_us(
+            [&](int i, cudaStream_t st) {
+              const int r = i % rot;
+              cuda::launch_gdn_decode(
+                  s, a.w(), a.pool(), proj.as<__nv_bfloat16>() + size_t(r) * B * s.in_dim(),
+                  pos.ptr, d_slots.ptr + r * B, B,
+                  out.as<__nv_bfloat16>() + size_t(r) * B * s.out_dim(), st, kn.k);
+            },
+            64);
+        std::printf("  %s %.2f (%.2f)", kn.name, us, bytes / us * 1e-6);
+      }
+      std::printf("\n");
+    }
   }
 }
 
