@@ -950,9 +950,8 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
         attn_v == "split_kv_mma" ? cuda::AttnDecodeKernel::kAuto : cuda::AttnDecodeKernel::kSimt;
     const std::string& gdn_v =
         dispatch_.select(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, f.S_d)).name;
-    f.gdn_fused_decode = gdn_v == "fused_cluster8" || gdn_v == "fused";
-    f.gdn_decode_kernel = gdn_v == "fused_cluster8" ? cuda::GdnDecodeKernel::kCluster8
-                                                    : cuda::GdnDecodeKernel::kCluster4;
+    // fused_stream / fused_cluster8 / fused: the fused kernel; prefill_path: the prompt kernels.
+    f.gdn_fused_decode = cuda::gdn_decode_kernel_for_variant(gdn_v, &f.gdn_decode_kernel);
   }
 
   // A decode-only forward replays its graph (or captures it); everything else runs eagerly.
