@@ -202,6 +202,18 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // slice_scan_v32 (32-column slices: 0.615) are slower at every size: after it, never picked,
   // kept for the A/B in the tests and timings. Rejected (slower, removed): the state pass with
   // each warp pair splitting k (274 vs 177 us at 4096 tokens).
+  // slice_scan_cs (issue 7 round 2): slice_scan with the streaming conv of gdn_prefill_conv.cu
+  // (each input row read once, 16-byte loads). H200, same run (cuda_gdn_test Timing, one
+  // sequence, carried state), ms per layer: 512 tokens 0.104 vs slice_scan 0.104, 2048 0.289 vs
+  // 0.325, 4096 0.524 vs 0.550, 8192 0.981 vs 1.034; 64 tokens 0.050 vs 0.047 (the conv stages
+  // tie there, 11.4 vs 11.3 us: launch noise, but not a win), hence >= 512 tokens. Rejected
+  // (removed): the state pass with 3 / 4 cp.async stages (177 / 185 vs 174 us at 4096 tokens).
+  r.add({F::kGdnPrefill, "slice_scan_cs",
+         "d_k = d_v = 128, >= 512 tokens: slice_scan with the streaming conv (one warp per two "
+         "heads down a strip of tokens, each input row read once; gdn_prefill_conv.cu)",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
+         }});
   r.add({F::kGdnPrefill, "slice_scan",
          "d_k = d_v = 128, >= 64 tokens: WY on register mma.sync (tf32 off-diagonal inverse), state "
          "pass split over 64-column slices (snapshots + V_new), output + gated norm parallel over "

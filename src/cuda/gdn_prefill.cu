@@ -1021,24 +1021,30 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   // the generic conv, the register WY stage and scan_mma's scan.
   // "slice_scan*" (gdn_prefill_slice.cu): the register WY stage (tf32 off-diagonal inverse), then
   // the state pass split over 64-column slices of each head's state (v32: 32) and the output +
-  // gated norm parallel over chunks (slice_scan: 8-warp output CTAs; _o4, _v32: 4 warps).
+  // gated norm parallel over chunks (slice_scan: 8-warp output CTAs; _o4, _v32: 4 warps);
+  // slice_scan_cs: slice_scan with the streaming conv of gdn_prefill_conv.cu.
   int scan_split = 0;  // 0: the generic state pass + output kernels
   bool slice = false;  // gdn_prefill_slice.cu's state pass and output
   GdnSliceState slice_state = GdnSliceState::kV64;
   int slice_out_warps = 4;
-  bool wy_mma = false, conv_multi = false, conv_wide = false;
+  bool wy_mma = false, conv_multi = false, conv_wide = false, conv_stream = false;
   if (d128 && dispatch != nullptr && gdn_scan_supported(s, w, pool, proj, out)) {
     const std::string& v =
         dispatch->select(KernelFamily::kGdnPrefill, dispatch->key(s.d_k, s.d_v, n_tokens, n_seqs))
             .name;
     if (v.rfind("slice_scan", 0) == 0 && gdn_slice_supported(s, w, pool, proj, out)) {
       slice = true;
-      // Conv: 8-token blocks from 2048 tokens on (H200, 4096 tokens: 104 us vs 114 for the wide
-      // grid), the wide grid below (the 8-token blocks under-fill the GPU on short chunks).
-      conv_multi = n_tokens >= 2048 && gdn_conv_prep_multi_supported(s, w, pool, proj);
-      conv_wide = !conv_multi && gdn_conv_prep_multi_supported(s, w, pool, proj);
+      // Conv: slice_scan_cs*: the streaming kernel (gdn_prefill_conv.cu) where its 16-byte
+      // alignment holds; else 8-token blocks from 2048 tokens on (H200, 4096 tokens: 104 us vs
+      // 114 for the wide grid), the wide grid below (the 8-token blocks under-fill the GPU on
+      // short chunks).
+      const bool cs = v == "slice_scan_cs";
+      conv_stream = cs && gdn_conv_prep_stream_supported(s, w, pool, proj);
+      conv_multi =
+          !conv_stream && n_tokens >= 2048 && gdn_conv_prep_multi_supported(s, w, pool, proj);
+      conv_wide = !conv_stream && !conv_multi && gdn_conv_prep_multi_supported(s, w, pool, proj);
       slice_state = v == "slice_scan_v32" ? GdnSliceState::kV32 : GdnSliceState::kV64;
-      slice_out_warps = v == "slice_scan" ? 8 : 4;
+      slice_out_warps = v == "slice_scan" || cs ? 8 : 4;
       wy_mma = true;
     } else {
       wy_mma = v == "wymma_scan_x2" || v == "wymma_scan";
@@ -1046,7 +1052,10 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
       conv_multi = scan_split == 2 && gdn_conv_prep_multi_supported(s, w, pool, proj);
     }
   }
-  if (conv_wide) {
+  if (conv_stream) {
+    launch_gdn_conv_prep_stream(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens,
+                                ws.qkv, ws.g, ws.beta, stream);
+  } else if (conv_wide) {
     launch_gdn_conv_prep_wide(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens,
                               ws.qkv, ws.g, ws.beta, stream);
   } else if (conv_multi) {

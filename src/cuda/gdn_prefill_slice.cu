@@ -25,7 +25,9 @@
 // Measured on the H200 (2026-11-29, cuda_gdn_test PrefillStageTiming / Timing: CUDA-event
 // medians, 27B shapes, one sequence with carried state), per stage at 4096 tokens in us:
 //   conv_prep_multi 104 (generic 107, the wide grid 114), wy_mma tf32 path 126 (SIMT 180),
-//   state pass 177 (32-column slices 200; a warp pair splitting k, tried: 274), output 156 with
+//   state pass 177 (32-column slices 200; a warp pair splitting k, tried: 274; 3 / 4 cp.async
+//   stages instead of 2 (STAGES), tried: 177 / 185 vs 174, so it is not waiting on its loads;
+//   ncu: 6% achieved occupancy, 3.5 cycles per issued instruction, L1 63%), output 156 with
 //   8 warps per CTA (180 with 4; ncu: 59% of memory throughput),
 // vs wymma_scan_x2's fused scan alone 610. Whole layer (ms): 64 tokens 0.052, 512 0.108, 2048
 // 0.314, 4096 0.565, 8192 1.071 (wymma_scan_x2: 0.093, 0.187, 0.491, 0.897, 1.743). The state pass
@@ -56,7 +58,7 @@ __device__ __forceinline__ void named_barrier_sync(int id, int n_threads) {
 }
 
 // ---- state pass ---------------------------------------------------------------------------------
-template <int NW>
+template <int NW, int STAGES = 2>
 struct SliceCfg {
   static constexpr int kThreads = 32 * NW;
   static constexpr int kVs = 16 * NW;   // state rows (value columns) per CTA
@@ -64,12 +66,12 @@ struct SliceCfg {
   static constexpr size_t kK = 0, kW = kTileBytes, kU = 2 * kTileBytes;
   static constexpr size_t kGam = kU + sizeof(bf16) * kC * kLdu;
   static constexpr size_t kBuf = (kGam + sizeof(float) * kC + 127) / 128 * 128;  // one stage
-  static constexpr size_t kTotal = 2 * kBuf;
-  static_assert(kThreads >= kC && (kLdu * sizeof(bf16)) % 16 == 0);
+  static constexpr size_t kTotal = STAGES * kBuf;
+  static_assert(kThreads >= kC && (kLdu * sizeof(bf16)) % 16 == 0 && STAGES >= 2);
 };
 
-template <int NW>
-__global__ void __launch_bounds__(SliceCfg<NW>::kThreads)
+template <int NW, int STAGES>
+__global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
     gdn_state_slice_kernel(GdnShape s, GdnStatePool pool,
                            const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
                            const int32_t* __restrict__ seq_pos,     // [n_seqs]
@@ -81,7 +83,7 @@ __global__ void __launch_bounds__(SliceCfg<NW>::kThreads)
                            bf16* __restrict__ u_mat,   // [n_tokens, n_v, 128] in U, out V_new
                            bf16* __restrict__ h_snap)  // [max_chunks, n_v, 128 v, 128 k]
 {
-  using L = SliceCfg<NW>;
+  using L = SliceCfg<NW, STAGES>;
   constexpr int kVs = L::kVs, kLdu = L::kLdu, kThreads = L::kThreads;
   const int seq = blockIdx.x, hv = blockIdx.y;
   const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
@@ -123,8 +125,13 @@ __global__ void __launch_bounds__(SliceCfg<NW>::kThreads)
       cp_async4(gam_buf(b) + tid, gamma + (row0 + (ok ? tid : 0)) * n_v + hv, ok);
     }
   };
-  fetch(0, 0);
-  cp_async_commit();
+  // Chunks 0 .. STAGES - 2 in flight before the loop (one commit group per chunk, empty past the
+  // end, so cp_async_wait<STAGES - 2> always means "chunk ch landed").
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < n_chunks) fetch(st, st);
+    cp_async_commit();
+  }
 
   // The state: h[j][i] = h^T(v, k), v = v_base + g + 8 (i / 2), k = 8 j + 2 c + (i % 2).
   float* state = pool.rec_state + static_cast<int64_t>(slot_ids[seq]) * pool.rec_slot_stride +
@@ -144,12 +151,12 @@ __global__ void __launch_bounds__(SliceCfg<NW>::kThreads)
   }
 
   for (int ch = 0; ch < n_chunks; ++ch) {
-    const int b = ch & 1;
+    const int b = ch % STAGES;
     const int64_t row0 = start + static_cast<int64_t>(ch) * kC;
     const int n = min(kC, len - ch * kC);
-    cp_async_wait_all();
+    cp_async_wait<STAGES - 2>();
     __syncthreads();  // chunk ch landed; every warp is done with chunk ch - 1's stage
-    if (ch + 1 < n_chunks) fetch(ch + 1, b ^ 1);
+    if (ch + STAGES - 1 < n_chunks) fetch(ch + STAGES - 1, (ch + STAGES - 1) % STAGES);
     cp_async_commit();
     const bf16* k_s = tile(b, L::kK);
     const bf16* w_s = tile(b, L::kW);
@@ -467,10 +474,12 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
     };
     switch (state) {
       case GdnSliceState::kV64:
-        run(gdn_state_slice_kernel<4>, SliceCfg<4>::kTotal, SliceCfg<4>::kThreads, kD / 64);
+        run(gdn_state_slice_kernel<4, 2>, SliceCfg<4, 2>::kTotal, SliceCfg<4, 2>::kThreads,
+            kD / 64);
         break;
       case GdnSliceState::kV32:
-        run(gdn_state_slice_kernel<2>, SliceCfg<2>::kTotal, SliceCfg<2>::kThreads, kD / 32);
+        run(gdn_state_slice_kernel<2, 2>, SliceCfg<2, 2>::kTotal, SliceCfg<2, 2>::kThreads,
+            kD / 32);
         break;
     }
   }

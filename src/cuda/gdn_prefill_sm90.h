@@ -64,6 +64,23 @@ void launch_gdn_conv_prep_wide(const GdnShape& s, const GdnLayerWeights& w,
                                float* beta,  // [n_tokens, n_v_heads]
                                cudaStream_t stream);
 
+// gdn_prefill_conv.cu: the same maths again (up to the last bf16 bit: approximate SiLU divide,
+// another l2norm summation order), one warp per two heads sliding the conv window down a strip of
+// tokens (16-byte loads, each input row read once). Needs 16-byte aligned proj / ring rows and
+// qkv. strip: tokens per warp, a multiple of 8; <= 0: gdn_conv_prep_stream_strip(n_tokens).
+bool gdn_conv_prep_stream_supported(const GdnShape& s, const GdnLayerWeights& w,
+                                    const GdnStatePool& pool, const bf16* proj);
+int gdn_conv_prep_stream_strip(int n_tokens);
+void launch_gdn_conv_prep_stream(const GdnShape& s, const GdnLayerWeights& w,
+                                 const GdnStatePool& pool,
+                                 const bf16* proj,  // [n_tokens, in_dim]
+                                 const int32_t* cu_seqlens, const int32_t* seq_pos,
+                                 const int32_t* slot_ids, int n_seqs, int n_tokens,
+                                 bf16* qkv,    // [n_tokens, qkv_dim]
+                                 float* g,     // [n_tokens, n_v_heads]
+                                 float* beta,  // [n_tokens, n_v_heads]
+                                 cudaStream_t stream, int strip = 0);
+
 // The WY stage (gamma = in-chunk cumsum of g written back into g, W = T (beta e^gamma K),
 // U = T (beta V)) for d_k = d_v = 128 with register-resident mma.sync products; the same maths as
 // the generic gdn_wy_kernel (tf32_offdiag: T's off-diagonal 16x16 blocks on tf32 mma.sync per

@@ -570,6 +570,131 @@ void check_decode(const GdnShape& s, const std::vector<int>& pos, int n_steps, u
   })) << "slot 0 (unused) was written";
 }
 
+// The host conv stage of the oracle (conv + SiLU + q/k l2norm, q times d_k^-0.5) for `len` rows
+// of proj ([len, in_dim]) of sequence q: [len, qkv_dim].
+std::vector<float> ref_conv(const GdnShape& s, const HostLayer& l, const float* proj, int len,
+                            const HostSeq& q) {
+  const int qd = s.qkv_dim(), in = s.in_dim(), dk = s.d_k;
+  std::vector<float> c(static_cast<size_t>(len) * qd);
+  auto input = [&](int i, int ch) -> float {
+    if (i >= 0) return proj[static_cast<size_t>(i) * in + ch];
+    if (q.pos + i < 0) return 0.f;
+    return q.hist[(3 + i) * qd + ch];
+  };
+  for (int t = 0; t < len; ++t) {
+    for (int ch = 0; ch < qd; ++ch) {
+      float acc = 0.f;
+      for (int j = 0; j < 4; ++j) acc += l.conv_w[ch * 4 + j] * input(t - 3 + j, ch);
+      c[static_cast<size_t>(t) * qd + ch] = silu_h(acc);
+    }
+    for (int h = 0; h < 2 * s.n_k_heads; ++h) {
+      float* v = &c[static_cast<size_t>(t) * qd + h * dk];
+      double ss = 0;
+      for (int i = 0; i < dk; ++i) ss += double(v[i]) * v[i];
+      const float sc =
+          1.f / std::sqrt(float(ss) + 1e-6f) * (h < s.n_k_heads ? 1.f / std::sqrt(float(dk)) : 1.f);
+      for (int i = 0; i < dk; ++i) v[i] *= sc;
+    }
+  }
+  return c;
+}
+
+// gdn_prefill_conv.cu's streaming conv (the slice_scan variants' conv stage) against the host
+// oracle and against gdn_conv_prep_multi_kernel: a batch of sequences of lengths 1..1029 (one
+// empty) with and without carried conv rings, so sequence starts fall inside and at the edges of
+// the strips, for every strip length. qkv within one bf16 step of the multi kernel everywhere
+// (approximate SiLU divide, another l2norm order) and within bf16 rounding of the oracle; g and
+// beta bit-identical to the multi kernel; every output written (outputs poisoned with NaN).
+TEST(CudaGdn, ConvStreamMatchesMulti) {
+  REQUIRE_GPU();
+  const GdnShape shapes[] = {shape_27b(), GdnShape{4, 4, 128, 128, 4, 1e-6f},
+                             GdnShape{2, 8, 128, 128, 4, 1e-6f}};
+  std::mt19937 rng(77);
+  for (const GdnShape& s : shapes) {
+    const HostLayer hl = make_layer(s, rng);
+    const DevLayer dl = upload_layer(s, hl);
+    const std::vector<int> lens = {1, 2, 3, 5, 37, 0, 64, 300, 1029};
+    const std::vector<int> pos = {0, 1, 2, 0, 7, 0, 3, 100, 5};
+    const int n_seqs = static_cast<int>(lens.size());
+    std::vector<int> cu(n_seqs + 1, 0), slots(n_seqs);
+    for (int i = 0; i < n_seqs; ++i) {
+      cu[i + 1] = cu[i] + lens[i];
+      slots[i] = n_seqs - 1 - i;  // slots in another order than the sequences
+    }
+    const int T = cu[n_seqs], qd = s.qkv_dim(), nv = s.n_v_heads;
+    const auto proj = random_proj(s, T, rng);
+    DevPool pool(s, n_seqs);
+    std::vector<HostSeq> seqs;
+    std::vector<float> ref(static_cast<size_t>(T) * qd);
+    for (int i = 0; i < n_seqs; ++i) {
+      seqs.push_back(make_seq(s, pos[i], rng));
+      pool.put(s, slots[i], seqs[i]);
+      const auto c =
+          ref_conv(s, hl, proj.data() + static_cast<size_t>(cu[i]) * s.in_dim(), lens[i], seqs[i]);
+      std::copy(c.begin(), c.end(), ref.begin() + static_cast<size_t>(cu[i]) * qd);
+    }
+    DevBuf<bf16> d_proj(proj.size()), qkv_m(size_t(T) * qd), qkv_s(size_t(T) * qd);
+    upload(d_proj, to_bf16(proj));
+    DevBuf<int32_t> d_cu(n_seqs + 1), d_pos(n_seqs), d_slot(n_seqs);
+    upload(d_cu, cu);
+    upload(d_pos, pos);
+    upload(d_slot, slots);
+    DevBuf<float> g_m(size_t(T) * nv), b_m(size_t(T) * nv), g_s(size_t(T) * nv),
+        b_s(size_t(T) * nv);
+    const GdnLayerWeights w = dl.w();
+    const GdnStatePool pp = pool.pool();
+    ASSERT_TRUE(gdn_conv_prep_multi_supported(s, w, pp, d_proj.p));
+    ASSERT_TRUE(gdn_conv_prep_stream_supported(s, w, pp, d_proj.p));
+    qkv_m.poison();
+    g_m.poison();
+    b_m.poison();
+    launch_gdn_conv_prep_multi(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, n_seqs, T, qkv_m.p,
+                               g_m.p, b_m.p, nullptr);
+    CK(cudaDeviceSynchronize());
+    const auto ym = download_bf16(qkv_m.p, qkv_m.n);
+    const auto gm = download_f32(g_m.p, g_m.n), bm = download_f32(b_m.p, b_m.n);
+    for (int strip : {8, 16, 32, 64, 0}) {
+      const std::string what = "shape n_k " + std::to_string(s.n_k_heads) + " n_v " +
+                               std::to_string(nv) + ", strip " + std::to_string(strip);
+      qkv_s.poison();
+      g_s.poison();
+      b_s.poison();
+      launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, n_seqs, T, qkv_s.p,
+                                  g_s.p, b_s.p, nullptr, strip);
+      CK(cudaDeviceSynchronize());
+      const auto ys = download_bf16(qkv_s.p, qkv_s.n);
+      size_t off_step = 0, unwritten = 0;
+      for (size_t i = 0; i < ys.size(); ++i) {
+        if (!std::isfinite(ys[i])) {
+          ++unwritten;
+          continue;
+        }
+        const double bound = std::ldexp(std::max(std::abs(ym[i]), std::abs(ys[i])), -7);
+        off_step += std::abs(double(ys[i]) - ym[i]) > bound;
+      }
+      EXPECT_EQ(unwritten, 0u) << what << ": qkv elements not written (or NaN)";
+      EXPECT_EQ(off_step, 0u) << what << ": qkv elements more than one bf16 step from the multi "
+                              << "kernel's";
+      EXPECT_ERR(compare(ys, ref), 4e-3, what + " qkv vs the oracle");
+      EXPECT_TRUE(download_f32(g_s.p, g_s.n) == gm) << what << ": g differs from the multi kernel";
+      EXPECT_TRUE(download_f32(b_s.p, b_s.n) == bm) << what << ": beta differs";
+    }
+    std::printf("  conv stream n_k %d n_v %d: %d tokens in %d sequences, vs oracle %.2e\n",
+                s.n_k_heads, nv, T, n_seqs, compare(ym, ref).norm);
+  }
+  // A strip that is not a multiple of 8 is a clear error.
+  const GdnShape s = shape_27b();
+  std::mt19937 rng2(3);
+  const DevLayer dl = upload_layer(s, make_layer(s, rng2));
+  DevPool pool(s, 1);
+  DevBuf<bf16> d_proj(size_t(8) * s.in_dim()), qkv(size_t(8) * s.qkv_dim());
+  DevBuf<int32_t> d_cu(2), d_pos(1), d_slot(1);
+  DevBuf<float> g(8 * size_t(s.n_v_heads)), b(8 * size_t(s.n_v_heads));
+  EXPECT_THROW(launch_gdn_conv_prep_stream(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p,
+                                           d_slot.p, 1, 8, qkv.p, g.p, b.p, nullptr, 12),
+               ds::Error);
+}
+
 TEST(CudaGdn, Decode27BBatch1) {
   REQUIRE_GPU();
   check_decode(shape_27b(), {0}, 6, 41);
@@ -740,6 +865,58 @@ TEST(CudaGdn, Timing) {
 // conv kernels, the WY kernels (SIMT vs tf32 off-diagonal blocks of T), the fused scans of
 // wymma_scan_x2 / scan_mma, and slice_scan's state pass (64- and 32-column slices) and output.
 // Inputs come from a real conv + WY run, so every stage sees the data it would see in the layer.
+// Conv stage kernels alone at each prompt length (one sequence, carried state; CUDA-event
+// medians): the generic one-token blocks, the 8-token blocks, the wide grid and the streaming
+// kernel at its default strip (and 16 / 32 / 64 at 4096 tokens). Prints; asserts nothing.
+TEST(CudaGdn, ConvTiming) {
+  REQUIRE_GPU();
+  const GdnShape s = shape_27b();
+  std::mt19937 rng(12);
+  const DevLayer dl = upload_layer(s, make_layer(s, rng));
+  const int t_max = 8192, nv = s.n_v_heads;
+  DevBuf<bf16> d_proj(size_t(t_max) * s.in_dim()), qkv(size_t(t_max) * s.qkv_dim());
+  upload(d_proj, to_bf16(random_proj(s, t_max, rng)));
+  DevBuf<float> g(size_t(t_max) * nv), beta(size_t(t_max) * nv);
+  DevPool pool(s, 1);
+  CK(cudaMemset(pool.conv.p, 0, pool.conv.n * 2));
+  const GdnLayerWeights w = dl.w();
+  const GdnStatePool pp = pool.pool();
+  DevBuf<int32_t> d_cu(2), d_pos(1), d_slot(1);
+  upload(d_pos, std::vector<int>{100});
+  upload(d_slot, std::vector<int>{0});
+  for (int T : {64, 512, 2048, 4096, 8192}) {
+    upload(d_cu, std::vector<int>{0, T});
+    const double mb = 2.0 * T * s.qkv_dim() * 2 / 1e6;  // qkv in + out
+    auto row = [&](const char* name, auto&& f) {
+      const double ms = median_ms([&](int) { f(); }, 20);
+      std::printf("CONV gdn conv_prep %5d tokens %-28s %8.1f us  %6.2f TB/s\n", T, name, ms * 1e3,
+                  mb / ms / 1e3);
+    };
+    row("generic (1 token/block)", [&] {
+      launch_gdn_conv_prep(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p, beta.p,
+                           nullptr);
+    });
+    row("multi (8 tokens/block)", [&] {
+      launch_gdn_conv_prep_multi(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
+                                 beta.p, nullptr);
+    });
+    row("wide (warp x 8 tokens)", [&] {
+      launch_gdn_conv_prep_wide(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
+                                beta.p, nullptr);
+    });
+    for (int strip : {0, 8, 16, 32, 64}) {
+      if (strip != 0 && T != 4096) continue;
+      const std::string name =
+          "stream strip " + std::to_string(strip ? strip : gdn_conv_prep_stream_strip(T));
+      row(name.c_str(), [&] {
+        launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
+                                    beta.p, nullptr, strip);
+      });
+    }
+  }
+  CK(cudaDeviceSynchronize());
+}
+
 TEST(CudaGdn, PrefillStageTiming) {
   REQUIRE_GPU();
   if (device_sm() < 90) GTEST_SKIP() << "the staged kernels are sm 90 only";
@@ -790,6 +967,10 @@ TEST(CudaGdn, PrefillStageTiming) {
   stage("conv_prep_wide (warp per head x 8 tokens)", [&] {
     launch_gdn_conv_prep_wide(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
                               beta.p, nullptr);
+  });
+  stage("conv_prep_stream (gdn_prefill_conv.cu)", [&] {
+    launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
+                                beta.p, nullptr);
   });
   // The WY kernels turn g into gamma in place: each timed run first restores g (timed alone too).
   CK(cudaMemcpy(g0.p, g.p, g.n * 4, cudaMemcpyDeviceToDevice));
