@@ -27,7 +27,8 @@
 //   conv_prep_multi 104 (generic 107, the wide grid 114), wy_mma tf32 path 126 (SIMT 180),
 //   state pass 177 (32-column slices 200; a warp pair splitting k, tried: 274; 3 / 4 cp.async
 //   stages instead of 2 (STAGES), tried: 177 / 185 vs 174, so it is not waiting on its loads;
-//   ncu: 6% achieved occupancy, 3.5 cycles per issued instruction, L1 63%), output 156 with
+//   ncu of the 4-stage build: 6% achieved occupancy, 3.5 cycles per issued instruction, L1
+//   63%; docs/perf/2026-11-29-gdnp4-ncu.log), output 156 with
 //   8 warps per CTA (180 with 4; ncu: 59% of memory throughput),
 // vs wymma_scan_x2's fused scan alone 610. Whole layer (ms): 64 tokens 0.052, 512 0.108, 2048
 // 0.314, 4096 0.565, 8192 1.071 (wymma_scan_x2: 0.093, 0.187, 0.491, 0.897, 1.743). The state pass
