@@ -11,6 +11,10 @@ namespace {
 __global__ void silu_mul_vec_kernel(const bf16* __restrict__ gu,  // [n_tokens, 2*d_ff]
                                     int64_t n8, int d8,           // n8 = n_tokens * d_ff / 8
                                     bf16* __restrict__ out) {     // [n_tokens, d_ff]
+  // PDL: a dependent launched with programmatic stream serialization (the down GEMV) may
+  // start now; it reads this kernel's output only after griddepcontrol.wait, which waits for
+  // this whole grid to finish and flush. No effect on a dependent launched without PDL.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t t = i / d8, c = i % d8;
@@ -29,6 +33,7 @@ __global__ void silu_mul_vec_kernel(const bf16* __restrict__ gu,  // [n_tokens, 
 
 __global__ void silu_mul_kernel(const bf16* __restrict__ gu, int64_t n, int d_ff,
                                 bf16* __restrict__ out) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // PDL: as above
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t t = i / d_ff, c = i % d_ff;

@@ -162,6 +162,10 @@ __global__ void __launch_bounds__(HD)
                                          const float2* __restrict__ part_ml,
                                          const float* __restrict__ part_o, AttnGate gate,
                                          bf16* __restrict__ out) {  // [n_rows, n_heads, HD]
+  // PDL: a dependent launched with programmatic stream serialization (the attn_o GEMV) may
+  // start now; it reads this kernel's output only after griddepcontrol.wait, which waits for
+  // this whole grid to finish and flush. No effect on a dependent launched without PDL.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int h = blockIdx.x, seq = blockIdx.y, d = threadIdx.x;
   const int64_t base = ((int64_t)seq * s.n_heads + h) * n_splits;
   float mx = -INFINITY;
@@ -455,6 +459,7 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(
     bf16* __restrict__ out) {  // [n_rows, n_heads, HD]
   constexpr int kCols = HD / 4;
   constexpr int kGroups = kMergeThreads / kCols;
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // PDL: as in the serial merge
   extern __shared__ float w_split[];  // [n_splits]
   __shared__ float scratch[32];
   __shared__ float4 red[kGroups][kCols];

@@ -116,6 +116,14 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm == 90 && k.dtype == 0 &&
                   gemv_bulk_preferred(k.dims[0], k.dims[1], k.dims[2]);
          }});
+  r.add({F::kGemm, "gemv_bulk_pdl",
+         "decode GEMV (gemv.h) on the narrow projections (m 1, n 4096..12287, k 4096..8192: "
+         "gdn_out / attn_o), launched with PDL after a kernel that triggers early; sm 90, off "
+         "with DS_GEMV_PDL=0",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dtype == 0 &&
+                  gemv_bulk_pdl_preferred(k.dims[0], k.dims[1], k.dims[2]);
+         }});
   r.add({F::kGemm, "skinny_mma",
          "decode skinny GEMM (gemv.h): m 1..16, mma.sync with tokens as M, weight read once, "
          "batch-invariant; sm 90, k % 8 == 0, shapes where it beats cuBLASLt (k >= 12288)",

@@ -184,6 +184,10 @@ __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
 
   __shared__ __align__(16) float qs[DK], ks[DK], vs[kMaxRows], os[kMaxRows];
   __shared__ float part;  // this block's sum of o^2 (read by the whole cluster)
+  // PDL: a dependent launched with programmatic stream serialization (the gdn_out GEMV) may
+  // start now; it reads this kernel's output only after griddepcontrol.wait, which waits for
+  // this whole grid to finish and flush. No effect on a dependent launched without PDL.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   const int seq = blockIdx.x, hv = blockIdx.y, split = blockIdx.z;
   const int ratio = s.n_v_heads / s.n_k_heads, hk = hv / ratio;
@@ -381,6 +385,7 @@ __global__ void __launch_bounds__(kStreamThreads)
   __shared__ __align__(16) float qs[DK], ks[DK], vs[kMaxD], os[kMaxD];
   __shared__ __align__(8) uint64_t full[STAGES];
   __shared__ float warp_sq[kStreamThreads / 32];
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // PDL: as in gdn_decode_kernel
 
   const int seq = blockIdx.x, hv = blockIdx.y;
   const int ratio = s.n_v_heads / s.n_k_heads, hk = hv / ratio;

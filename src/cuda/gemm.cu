@@ -52,8 +52,9 @@ GemmEngine::GemmEngine(size_t workspace_bytes) : workspace_bytes_(workspace_byte
   int dev = 0;
   DS_CUDA_CHECK(cudaGetDevice(&dev));
   DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, dev));
-  const char* pdl = std::getenv("DS_GEMV_PDL");
-  bulk_pdl_ = pdl != nullptr && std::string(pdl) == "1";
+  const GemvPdl pdl = gemv_pdl_mode();
+  bulk_pdl_ = pdl != GemvPdl::kOff;
+  skinny_pdl_ = pdl == GemvPdl::kAll;
 }
 
 GemmEngine::~GemmEngine() {
@@ -108,15 +109,16 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   const bool aligned =
       ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
   const std::string& v = variant(m, n, k);
-  if (aligned && v == "gemv_bulk") {
+  if (aligned && (v == "gemv_bulk" || v == "gemv_bulk_pdl")) {
     GemvBulkConfig c = gemv_bulk_config(m, n, k);
     c.pdl = bulk_pdl_;
     launch_gemv_bulk(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
     return;
   }
   if (aligned && v == "skinny_mma") {
-    launch_skinny_gemm(x, w, y, m, n, k, out, accumulate, skinny_gemm_config(m, n, k, n_sms_),
-                       stream);
+    SkinnyConfig c = skinny_gemm_config(m, n, k, n_sms_);
+    c.pdl = skinny_pdl_;
+    launch_skinny_gemm(x, w, y, m, n, k, out, accumulate, c, stream);
     return;
   }
   Plan& p = get(m, n, k, out, accumulate, true);

@@ -133,11 +133,13 @@ class GemmEngine {
   int late_plans_ = 0;
   const DispatchRegistry* dispatch_ = nullptr;
   int n_sms_ = 0;  // of the current device at construction (skinny kernel config)
-  // $DS_GEMV_PDL=1: the bulk GEMVs launch with programmatic dependent launch (weight copies start
-  // while the previous kernel finishes; x is read after griddepcontrol.wait). Off by default: in
-  // the 27B decode graph it measured 13.793 vs 13.746 ms per token without (batch 1 at 4K; 14.266
-  // vs 14.225 at 32K), though it helps back-to-back launches (gate_up 82.1 vs 85.8 us).
+  // gemv_pdl_mode() ($DS_GEMV_PDL, gemv.h): kBulk / kAll: the bulk GEMVs (gemv_bulk,
+  // gemv_bulk_pdl, gemv_bulk_silu) launch with programmatic dependent launch (weight copies start
+  // while the previous kernel runs; x is read after griddepcontrol.wait); kAll: skinny_mma (the
+  // MLP down projection) too. Default kBulk: with the early triggers before the GEMVs and the PDL
+  // add_rmsnorm, 13.572 vs 13.698 ms per token (27B decode graph, batch 1 at 4K; kAll 17.645).
   bool bulk_pdl_ = false;
+  bool skinny_pdl_ = false;
 };
 
 }  // namespace ds::cuda

@@ -104,6 +104,20 @@ bool gemv_bulk_supports(int64_t m, int64_t n, int64_t k);
 bool gemv_bulk_preferred(int64_t m, int64_t n, int64_t k);
 // The config for a shape (fits whenever gemv_bulk_supports).
 GemvBulkConfig gemv_bulk_config(int m, int n, int k);
+
+// Programmatic dependent launch of the decode GEMVs in GemmEngine, from $DS_GEMV_PDL (read once
+// per process): "0" off; "1", "bulk" or unset (the default) the bulk GEMVs (gemv_bulk,
+// gemv_bulk_pdl, gemv_bulk_silu); "all" skinny_mma (the MLP down projection) too, which measured
+// much slower in the 27B decode graph (17.65 vs 13.57 ms per token, docs/perf/decode_gemv.md).
+// The kernels before the GEMVs in the decode step (add_rmsnorm, gdn_decode, the attention decode
+// merge, silu_mul) trigger their dependents at their start, so a PDL-launched GEMV streams its
+// weights while that kernel runs and reads x after griddepcontrol.wait.
+enum class GemvPdl { kOff, kBulk, kAll };
+GemvPdl gemv_pdl_mode();
+// Registry variant "gemm.gemv_bulk_pdl": the narrow decode projections (m 1, n 4096..12287,
+// k 4096..8192: gdn_out / attn_o 5120 x 6144) where the bulk GEMV ties cuBLASLt when launched
+// alone but gains from PDL; false whenever gemv_pdl_mode() is kOff.
+bool gemv_bulk_pdl_preferred(int64_t m, int64_t n, int64_t k);
 // Every config that fits (m, k) (for tests and sweeps).
 std::vector<GemvBulkConfig> gemv_bulk_configs(int m, int k);
 

@@ -20,8 +20,10 @@
 // on m, R or the slot count (bit-identical across batch sizes and configs).
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <sstream>
+#include <string>
 
 #include "cuda/cuda_common.h"
 #include "cuda/gemv.h"
@@ -314,6 +316,28 @@ bool gemv_bulk_preferred(int64_t m, int64_t n, int64_t k) {
   // k 4096..8192: the measured k (5120, 6144) and around; smaller models keep cuBLASLt.
   if (!gemv_bulk_supports(m, n, k) || k < 4096 || k > 8192) return false;
   return (m == 1 && n >= 12288) || (m == 2 && n >= 32768);
+}
+
+GemvPdl gemv_pdl_mode() {
+  static const GemvPdl mode = [] {
+    const char* e = std::getenv("DS_GEMV_PDL");
+    const std::string v = e ? e : "";
+    if (v == "0") return GemvPdl::kOff;
+    if (v == "all") return GemvPdl::kAll;
+    DS_CHECK(v.empty() || v == "1" || v == "bulk",
+             "DS_GEMV_PDL must be 0, 1 (= bulk) or all, got '", v, "'");
+    return GemvPdl::kBulk;
+  }();
+  return mode;
+}
+
+bool gemv_bulk_pdl_preferred(int64_t m, int64_t n, int64_t k) {
+  // Launched alone the bulk kernel ties cuBLASLt on gdn_out / attn_o (5120 x 6144: 20.2 vs 20.2
+  // us); back to back with PDL it took 17.7 us (gemv2 sweep, docs/perf/decode_gemv.md). Here the
+  // kernel before it (gdn_decode, the attention decode merge) triggers its dependents early.
+  if (gemv_pdl_mode() == GemvPdl::kOff) return false;
+  if (!gemv_bulk_supports(m, n, k) || k < 4096 || k > 8192) return false;
+  return m == 1 && n >= 4096 && n < 12288;
 }
 
 bool gemv_bulk_silu_supports(int64_t m, int64_t d_ff, int64_t k) {

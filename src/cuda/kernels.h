@@ -45,6 +45,10 @@ void launch_add_rmsnorm(__nv_bfloat16* residual,     // [n_rows, d] (read; writt
                         int n_rows, int d, float eps, float weight_offset,
                         __nv_bfloat16* out,  // [n_rows, d]
                         cudaStream_t stream);
+// Whether launch_add_rmsnorm launches with programmatic dependent launch (it then overlaps its
+// launch with the kernel before it and waits for it in-kernel): $DS_NORM_PDL, "0" off, "1" or
+// unset on; read once per process.
+bool rmsnorm_pdl_enabled();
 
 // ---- rope_kv.cu ------------------------------------------------------------------------------
 struct AttnShape {

@@ -6,6 +6,12 @@
 // loads when d % 8 == 0, all issued before the reduction (one memory round trip per call).
 // Shapes: any d up to 16384 (5120 for 27B). Tested in tests/cuda/cuda_kernels_test.cpp against a
 // CPU loop (normalised L2 error < 4e-3; the bf16 residual bit-exact).
+// Programmatic dependent launch (see pdl_enter): launched with PDL unless $DS_NORM_PDL=0, and it
+// lets its dependent (a PDL-launched decode GEMV) start at once; 27B decode graph, batch 1 at 4K,
+// with the bulk GEMVs' PDL: 13.572 vs 13.698 ms per token (docs/perf/decode_gemv.md).
+#include <cstdlib>
+#include <string>
+
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
 
@@ -15,12 +21,26 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxVec = 8;  // 16-byte vectors per thread: d <= 256 * 8 * 8 = 16384
 
+// Programmatic dependent launch, both sides, first thing in the kernel:
+// - trigger: a dependent launched with programmatic stream serialization (the decode GEMVs) may
+//   start now; it reads this kernel's output only after its griddepcontrol.wait, which waits for
+//   this whole grid to finish and flush. No effect on a dependent launched without PDL.
+// - wait: when this kernel itself was launched with PDL (rmsnorm_pdl_enabled()), nothing before
+//   it is guaranteed finished until here, so every load and store comes after. A no-op otherwise.
+// Triggering before waiting is safe: the dependent's wait needs this grid complete, which needs
+// this grid's wait to have returned, i.e. the kernel before this one complete too.
+__device__ __forceinline__ void pdl_enter() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 __global__ void __launch_bounds__(kThreads)
     add_rmsnorm_vec_kernel(bf16* __restrict__ residual,     // [n_rows, d]
                            const bf16* __restrict__ delta,  // [n_rows, d] or null
                            const bf16* __restrict__ w,      // [d]
                            int d, float eps, float w_off,
                            bf16* __restrict__ out) {  // [n_rows, d]
+  pdl_enter();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const int d8 = d / 8;
@@ -79,6 +99,7 @@ __global__ void __launch_bounds__(kThreads)
     add_rmsnorm_kernel(bf16* __restrict__ residual, const bf16* __restrict__ delta,
                        const bf16* __restrict__ w, int d, float eps, float w_off,
                        bf16* __restrict__ out) {
+  pdl_enter();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   bf16* r = residual + row * d;
@@ -108,13 +129,28 @@ void launch_add_rmsnorm(bf16* residual, const bf16* delta, const bf16* w, int n_
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vec = d % 8 == 0 && d / 8 <= kThreads * kMaxVec && aligned(residual) &&
                    (!delta || aligned(delta)) && aligned(w) && aligned(out);
-  if (vec)
-    add_rmsnorm_vec_kernel<<<n_rows, kThreads, 0, stream>>>(residual, delta, w, d, eps,
-                                                            weight_offset, out);
-  else
-    add_rmsnorm_kernel<<<n_rows, kThreads, 0, stream>>>(residual, delta, w, d, eps, weight_offset,
-                                                        out);
-  DS_CUDA_LAUNCH_CHECK();
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = dim3(n_rows);
+  lc.blockDim = dim3(kThreads);
+  lc.dynamicSmemBytes = 0;
+  lc.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  lc.attrs = attr;
+  lc.numAttrs = rmsnorm_pdl_enabled() ? 1 : 0;
+  DS_CUDA_CHECK(cudaLaunchKernelEx(&lc, vec ? add_rmsnorm_vec_kernel : add_rmsnorm_kernel,
+                                   residual, delta, w, d, eps, weight_offset, out));
+}
+
+bool rmsnorm_pdl_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("DS_NORM_PDL");
+    const std::string v = e ? e : "";
+    DS_CHECK(v.empty() || v == "0" || v == "1", "DS_NORM_PDL must be 0 or 1, got '", v, "'");
+    return v != "0";
+  }();
+  return on;
 }
 
 }  // namespace ds::cuda

@@ -463,8 +463,11 @@ TEST(CudaGemvBulk, Shapes27bMatchCublasLtAndFp64) {
         EXPECT_FALSE(cuda::gemv_bulk_supports(m, o.n, o.k));
         continue;
       }
-      const bool guarded = fast.variant(m, o.n, o.k) == "gemv_bulk";
-      EXPECT_EQ(guarded, cuda::gemv_bulk_preferred(m, o.n, o.k)) << o.name << " m " << m;
+      const std::string& v = fast.variant(m, o.n, o.k);
+      const bool guarded = v == "gemv_bulk" || v == "gemv_bulk_pdl";
+      EXPECT_EQ(guarded, cuda::gemv_bulk_preferred(m, o.n, o.k) ||
+                             cuda::gemv_bulk_pdl_preferred(m, o.n, o.k))
+          << o.name << " m " << m;
       auto x = test::random_bf16(size_t(m) * o.k, rng);
       DevBuf<bf> dx(x);
       const size_t es = o.f32 ? 4 : 2, cnt = size_t(m) * o.n;
@@ -715,7 +718,10 @@ TEST(CudaGemvBulk, GuardAndErrors) {
   EXPECT_EQ(pick(reg, 1, 14336, 5120), "gemv_bulk");   // attn_qkv
   EXPECT_EQ(pick(reg, 1, 248320, 5120), "gemv_bulk");  // lm_head
   EXPECT_EQ(pick(reg, 2, 16480, 5120), "cublaslt");    // lost from m 2
-  EXPECT_EQ(pick(reg, 1, 5120, 6144), "cublaslt");     // gdn_out / attn_o: lost
+  // gdn_out / attn_o: lost alone, the PDL variant unless DS_GEMV_PDL=0
+  EXPECT_EQ(pick(reg, 1, 5120, 6144),
+            cuda::gemv_pdl_mode() == cuda::GemvPdl::kOff ? "cublaslt" : "gemv_bulk_pdl");
+  EXPECT_EQ(pick(reg, 2, 5120, 6144), "cublaslt");
   EXPECT_EQ(pick(reg, 3, 34816, 5120), "cublaslt");
   EXPECT_EQ(pick(reg, 4, 34816, 5120, 1), "gemv_bulk_silu");  // the MLP's fused key
   EXPECT_EQ(pick(reg, 5, 34816, 5120, 1), "cublaslt");
