@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "core/error.h"
 
@@ -71,6 +72,25 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + __expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// Launches `kernel` on `stream`, with programmatic dependent launch when `pdl` (the kernel may
+// then start while the previous kernel of the stream still runs: it must read that kernel's
+// outputs and write anything only after `griddepcontrol.wait`).
+template <typename... KArgs, typename... Args>
+void launch_maybe_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem_bytes,
+                      cudaStream_t stream, bool pdl, Args&&... args) {
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = grid;
+  lc.blockDim = block;
+  lc.dynamicSmemBytes = smem_bytes;
+  lc.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  lc.attrs = attr;
+  lc.numAttrs = pdl ? 1 : 0;
+  DS_CUDA_CHECK(cudaLaunchKernelEx(&lc, kernel, std::forward<Args>(args)...));
+}
 
 }  // namespace ds::cuda
 #endif

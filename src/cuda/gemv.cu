@@ -170,22 +170,8 @@ template <int NT, int WARPS, int U, bool HI, typename OutT>
 void launch_cfg(const bf16* x, const bf16* w, void* y, int m, int n, int k, bool accumulate,
                 bool pdl, cudaStream_t stream) {
   const int blocks = (n + 8 * NT - 1) / (8 * NT);
-  auto* kern = skinny_gemm_kernel<NT, WARPS, U, HI, OutT>;
-  if (!pdl) {
-    kern<<<blocks, WARPS * 32, 0, stream>>>(x, w, static_cast<OutT*>(y), m, n, k, accumulate);
-    return;
-  }
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(blocks);
-  lc.blockDim = dim3(WARPS * 32);
-  lc.dynamicSmemBytes = 0;
-  lc.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  lc.attrs = attr;
-  lc.numAttrs = 1;
-  DS_CUDA_CHECK(cudaLaunchKernelEx(&lc, kern, x, w, static_cast<OutT*>(y), m, n, k, accumulate));
+  launch_maybe_pdl(skinny_gemm_kernel<NT, WARPS, U, HI, OutT>, dim3(blocks), dim3(WARPS * 32), 0,
+                   stream, pdl, x, w, static_cast<OutT*>(y), m, n, k, accumulate);
 }
 
 template <int NT, int WARPS, int U>

@@ -229,18 +229,8 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
                                        kMaxSmem));
   });
   const int blocks = std::max(1, std::min(n_sms * c.blocks_per_sm, n));
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(blocks);
-  lc.blockDim = dim3(kThreads);
-  lc.dynamicSmemBytes = smem_bytes(M, k, R, c.slots);
-  lc.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  lc.attrs = attr;
-  lc.numAttrs = c.pdl ? 1 : 0;
-  DS_CUDA_CHECK(
-      cudaLaunchKernelEx(&lc, kern, x, w, static_cast<OutT*>(y), n, k, c.slots, accumulate));
+  launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem_bytes(M, k, R, c.slots), stream, c.pdl,
+                   x, w, static_cast<OutT*>(y), n, k, c.slots, accumulate);
 }
 
 template <int M, int R>

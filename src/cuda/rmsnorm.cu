@@ -129,18 +129,8 @@ void launch_add_rmsnorm(bf16* residual, const bf16* delta, const bf16* w, int n_
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vec = d % 8 == 0 && d / 8 <= kThreads * kMaxVec && aligned(residual) &&
                    (!delta || aligned(delta)) && aligned(w) && aligned(out);
-  cudaLaunchConfig_t lc = {};
-  lc.gridDim = dim3(n_rows);
-  lc.blockDim = dim3(kThreads);
-  lc.dynamicSmemBytes = 0;
-  lc.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  lc.attrs = attr;
-  lc.numAttrs = rmsnorm_pdl_enabled() ? 1 : 0;
-  DS_CUDA_CHECK(cudaLaunchKernelEx(&lc, vec ? add_rmsnorm_vec_kernel : add_rmsnorm_kernel,
-                                   residual, delta, w, d, eps, weight_offset, out));
+  launch_maybe_pdl(vec ? add_rmsnorm_vec_kernel : add_rmsnorm_kernel, dim3(n_rows), dim3(kThreads),
+                   0, stream, rmsnorm_pdl_enabled(), residual, delta, w, d, eps, weight_offset, out);
 }
 
 bool rmsnorm_pdl_enabled() {

@@ -15,9 +15,17 @@
 //    agree within the bf16 tolerance of cuda_backend_test's 27B chunking test (normalised L2 < 3e-2,
 //    max |err| / max |ref| < 5e-2; that test measured decode vs one chunk 1.9e-2 / 2.2e-2), and every
 //    token each run chose is within kTie of the other engine's greedy choice at that position.
-// Golden fixtures (HF fp32 logits, tests/data/golden): the generic engine reproduces HF's 16-token
-// greedy continuation exactly, as the specialised engine does in cuda_backend_test, and its
-// teacher-forced logits are within that test's tolerance of the specialised engine's.
+// Golden fixtures (HF fp32 logits of the prompt + HF's 16-token greedy continuation,
+// tests/data/golden), for both engines: the prompt logits within cuda_backend_test's tolerance of
+// HF and of each other; scoring prompt + HF's continuation in one pass, every HF token is within
+// max(kTie, 2.5 x the prompt rows' largest error vs HF) of the engine's greedy choice; the
+// engine's own greedy continuation (decode kernels: the fused GDN / split-KV ones when
+// specialised, the prompt kernels one token at a time when generic) equals HF's up to a first
+// difference, where the engine's top-2 margin is below that tolerance. The H200's first run: the
+// generic engine left HF's continuation at token 6 of 16 on qwen35_27b_ratios while its prompt
+// logits were bit-identical to the specialised engine's (the two decode paths round differently
+// and this 64-wide random model has near-ties); cuda_backend_test keeps the exact check for the
+// specialised engine.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -231,12 +239,13 @@ TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {
   std::vector<int64_t> shape;
   const std::vector<float> hf = read_npy_f32(dir + "/logits.npy", &shape);
   const HostWeights w = load_host_weights(dir + "/text");
+  const int V = int(shape.at(1));
   std::vector<float> lon, loff;
-  std::vector<int32_t> gon, goff;
   for (bool spec : {true, false}) {
+    const Mode mode{spec};
     std::unique_ptr<Backend> b;
     try {
-      b = make_engine({spec}, nullptr, &w, 16);
+      b = make_engine(mode, nullptr, &w, 16);
     } catch (const Error& e) {
       GTEST_SKIP() << GetParam() << ": the engine does not support this config: " << e.what();
     }
@@ -244,15 +253,36 @@ TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {
     SeqWork s{0, tokens, true};
     b->step(std::span<const SeqWork>(&s, 1), l);
     (spec ? lon : loff) = l;
-    (spec ? gon : goff) = greedy(*b, 1, tokens, int(hf_greedy.size())).ids;
+    // If this engine's logits are within e of HF's everywhere, HF's argmax token is at most 2e
+    // below this engine's best, and a row where the two choose differently has a top-2 margin of
+    // at most 2e: e is taken from the prompt rows (2.5e for the continuation rows' own error).
+    const float tol = std::max(kTie, float(2.5 * compare(l, hf).max_abs));
+    const float gap = max_gap(teacher_forced(*b, 1, tokens, hf_greedy), hf_greedy, V);
+    const Greedy g = greedy(*b, 1, tokens, int(hf_greedy.size()));
+    size_t k = 0;
+    while (k < hf_greedy.size() && g.ids[k] == hf_greedy[k]) ++k;
+    std::printf("  %s, %s engine: greedy continuation = HF's for %zu/%zu tokens%s; HF's tokens "
+                "scored by this engine: largest gap %.4f nats (tolerance %.4f)\n",
+                GetParam().c_str(), mode.name(), k, hf_greedy.size(),
+                k < hf_greedy.size()
+                    ? (" (then a top-2 margin of " + std::to_string(g.margin[k]) + " nats)").c_str()
+                    : "",
+                gap, tol);
+    EXPECT_LE(gap, tol) << mode.name() << ": HF's continuation is not near this engine's choice";
+    if (k < hf_greedy.size())
+      EXPECT_LT(g.margin[k], tol) << mode.name() << ": leaves HF's continuation at token " << k
+                                   << " at a clear margin";
   }
-  const Err vs_spec = compare(loff, lon), vs_hf = compare(loff, hf);
-  std::printf("  %s: generic vs specialised: max rel %.3e, L2 %.3e; generic vs HF: max rel %.3e, L2 %.3e\n",
-              GetParam().c_str(), vs_spec.max_rel, vs_spec.l2, vs_hf.max_rel, vs_hf.l2);
-  EXPECT_EQ(goff, hf_greedy) << "generic engine's greedy continuation differs from HF";
-  EXPECT_EQ(gon, hf_greedy) << "specialised engine's greedy continuation differs from HF";
-  EXPECT_LT(vs_hf.max_rel, 0.12);  // cuda_backend_test's one-chunk tolerance vs HF fp32
-  EXPECT_LT(vs_hf.l2, 6e-2);
+  const Err vs_spec = compare(loff, lon), vs_hf = compare(loff, hf), on_hf = compare(lon, hf);
+  std::printf(
+      "  %s: prompt logits, generic vs specialised: max rel %.3e, L2 %.3e; vs HF: generic %.3e / "
+      "%.3e, specialised %.3e / %.3e\n",
+      GetParam().c_str(), vs_spec.max_rel, vs_spec.l2, vs_hf.max_rel, vs_hf.l2, on_hf.max_rel,
+      on_hf.l2);
+  for (const Err& e : {vs_hf, on_hf}) {  // cuda_backend_test's one-chunk tolerance vs HF fp32
+    EXPECT_LT(e.max_rel, 0.12);
+    EXPECT_LT(e.l2, 6e-2);
+  }
   EXPECT_LT(vs_spec.l2, 6e-2);
 }
 
