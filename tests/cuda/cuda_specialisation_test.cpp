@@ -273,9 +273,10 @@ TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {
                     : "",
                 gap, tol);
     EXPECT_LE(gap, tol) << mode.name() << ": HF's continuation is not near this engine's choice";
-    if (k < hf_greedy.size())
+    if (k < hf_greedy.size()) {
       EXPECT_LT(g.margin[k], tol) << mode.name() << ": leaves HF's continuation at token " << k
-                                   << " at a clear margin";
+                                  << " at a clear margin";
+    }
   }
   const Err vs_spec = compare(loff, lon), vs_hf = compare(loff, hf), on_hf = compare(lon, hf);
   std::printf(
