@@ -114,6 +114,7 @@ struct DecodeResult {
   int64_t context = 0;      // nominal (the bucket)
   double context_mean = 0;  // tokens each sequence held, mean over the timed steps
   int warmup = 0;
+  bool logits = false;  // step() with the logits rows to the host (else step_greedy)
   Summary tpot_s;       // per step (one token for every sequence)
   DecodeBytes bytes;    // at context_mean
   double floor_s = -1;  // bytes / streaming-read ceiling (-1 without ceilings)
@@ -144,6 +145,10 @@ struct EngineBenchOptions {
   std::vector<std::pair<int, int64_t>> decode_cases;
   int decode_steps = 128;
   int decode_warmup = 8;
+  // Decode steps through step_greedy (every row greedy: device argmax, 4 bytes per row to the
+  // host: what the server pays for greedy requests) or, when true, through step() with every
+  // row's logits copied to the host (what logprobs requests and host-side sampling pay).
+  bool decode_logits = false;
   int serve_requests = 5;  // per bucket
   int serve_output = 128;
   uint64_t seed = 0;

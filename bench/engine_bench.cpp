@@ -207,6 +207,7 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
       const int batch = cases[i].first;
       std::vector<std::vector<int32_t>> tok(batch, std::vector<int32_t>(1));
       std::vector<SeqWork> work(batch);
+      StepOutput greedy_out;
       for (int s = 0; s < batch; ++s) {
         DS_CHECK(be.can_grow(s, opt.decode_warmup + opt.decode_steps),
                  "decode: the KV pool cannot hold the decode steps of slot ", s);
@@ -217,7 +218,14 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
           tok[s][0] = static_cast<int32_t>(rng() % static_cast<uint64_t>(c.vocab_size));
           work[s].tokens = tok[s];
         }
-        be.step(work, logits);
+        if (opt.decode_logits) {
+          be.step(work, logits);
+        } else {
+          for (SeqWork& w : work) w.greedy = true;
+          be.step_greedy(work, greedy_out);
+          for (int32_t id : greedy_out.tokens)
+            DS_CHECK(id >= 0, "decode: the greedy token of a row is invalid (NaN or inf logits)");
+        }
       };
       for (int w = 0; w < opt.decode_warmup; ++w) one_step();
       std::vector<double> t;
@@ -233,6 +241,7 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
       r.context = ctx;
       r.context_mean = ctx_sum / (double(batch) * opt.decode_steps);
       r.warmup = opt.decode_warmup;
+      r.logits = opt.decode_logits;
       r.tpot_s = summarize(t);
       r.bytes = decode_step_bytes(c, static_cast<int64_t>(r.context_mean + 0.5), batch);
       if (ceil.valid) r.floor_s = r.bytes.total() / ceil.read_bps;

@@ -230,6 +230,7 @@ void Report::add_decode(const std::vector<DecodeResult>& r, const Ceilings& c) {
                        {"context", d.context},
                        {"context_mean", d.context_mean},
                        {"warmup", d.warmup},
+                       {"logits_to_host", d.logits},
                        {"tpot_s", to_json(d.tpot_s)},
                        {"tok_per_s", d.batch / d.tpot_s.p50},
                        {"bytes", Json{{"weights", d.bytes.weights},
@@ -243,8 +244,11 @@ void Report::add_decode(const std::vector<DecodeResult>& r, const Ceilings& c) {
                        {"fill_s", d.fill_s},
                        {"fill_tokens", d.fill_tokens}});
   }
-  t.print(std::string("decode (TPOT = one step() of one token per sequence, host clock, incl. the "
-                      "logits copy; floor = bytes / ") +
+  const bool logits = !r.empty() && r.front().logits;
+  t.print(std::string("decode (TPOT = one step of one token per sequence, host clock, ") +
+          (logits ? "step() with every row's logits copied to the host"
+                  : "step_greedy: argmax where the logits are, on a GPU 4 bytes per row to the host") +
+          "; floor = bytes / " +
           (c.valid ? tbs(c.read_bps) + " TB/s read ceiling)" : "no ceiling)"));
   doc_["decode"] = arr;
 }

@@ -116,6 +116,11 @@ def main():
         w(f"| bf16 GEMM 8192^3 (cuBLASLt) | {c['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s |\n")
     if d.get("decode"):
         w("## Decode (TPOT per step; floor = bytes moved / read ceiling)\n")
+        logits = d["decode"][0].get("logits_to_host")
+        if logits is not None:
+            w("Each step: " + ("`step()` with every row's fp32 logits copied to the host (`--decode-logits`)."
+                               if logits else "`step_greedy`: argmax on the device, 4 bytes per row to the host "
+                               "(what greedy serving pays; `--decode-logits` times the full logits copy).") + "\n")
         w(f"![TPOT]({a.png_prefix}tpot.png)\n")
         w("| batch | context | actual ctx | TPOT p50 ms | p99 ms | tok/s | floor ms | p50 / floor | p99 / floor |")
         w("|---|---|---|---|---|---|---|---|---|")

@@ -32,6 +32,7 @@ struct BenchOpts {
   std::string contexts = "4096,8192,16384,32768", batches = "1,4,16", cases;
   std::string prompts = "4096,8192,16384,32768", repeats;
   int steps = 128, warmup = 8, requests = 5, output_tokens = 128;
+  bool decode_logits = false;
   int samples = 30;
   std::string only;
   double max_seconds = 0;
@@ -142,6 +143,7 @@ int run_bench(BenchOpts o) {
                         : bench::parse_decode_cases(o.cases);
   eo.decode_steps = o.steps;
   eo.decode_warmup = o.warmup;
+  eo.decode_logits = o.decode_logits;
   eo.serve_requests = o.requests;
   eo.serve_output = o.output_tokens;
   eo.max_seconds = o.max_seconds;
@@ -272,6 +274,9 @@ void add_decode_opts(CLI::App* sub, BenchOpts& o) {
   sub->add_option("--cases", o.cases, "Explicit BATCH@CONTEXT list instead of --batch x --context");
   sub->add_option("--steps", o.steps, "Timed decode steps per case")->capture_default_str();
   sub->add_option("--warmup", o.warmup, "Untimed decode steps first")->capture_default_str();
+  sub->add_flag("--decode-logits", o.decode_logits,
+                "Time decode steps with every row's logits copied to the host (step()) instead "
+                "of device greedy (step_greedy: 4 bytes per row, what greedy serving pays)");
 }
 void add_serve_opts(CLI::App* sub, BenchOpts& o) {
   sub->add_option("--requests", o.requests, "Requests per bucket")->capture_default_str();

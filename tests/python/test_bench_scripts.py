@@ -42,6 +42,13 @@ def test_engine_benches_on_cpu_write_json(tmp_path):
     md = subprocess.run([sys.executable, str(REPO / "bench" / "results_md.py"), str(dec)], capture_output=True,
                         text=True, check=True).stdout
     assert "## Decode" in md and "| 2 | 48 |" in md
+    assert all(x["logits_to_host"] is False for x in d["decode"]) and "`step_greedy`" in md
+    # --decode-logits times step() with the logits rows copied out instead, and says so.
+    r = subprocess.run([str(BIN), "bench", "decode", "--cases", "1@32", "--steps", "2", "--warmup", "0",
+                        "--decode-logits", *common, "--json", str(dec)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "logits copied to the host" in r.stdout
+    assert [x["logits_to_host"] for x in json.loads(dec.read_text())["decode"]] == [True]
 
 
 def test_gpu_benches_refuse_without_a_gpu(tmp_path):
