@@ -112,6 +112,10 @@ GemvBulkConfig gemv_bulk_config(int m, int n, int k);
 // The kernels before the GEMVs in the decode step (add_rmsnorm, gdn_decode, the attention decode
 // merge, silu_mul) trigger their dependents at their start, so a PDL-launched GEMV streams its
 // weights while that kernel runs and reads x after griddepcontrol.wait.
+// Invariant this relies on: the weights are constant while GEMVs run. A kernel that writes weights
+// (loading, the device synthetic generator, a future LoRA merge or hot swap) must be followed by a
+// stream synchronisation or a normal (non-PDL) launch before the next PDL-launched GEMV, which
+// would otherwise read the weights before that kernel finished.
 enum class GemvPdl { kOff, kBulk, kAll };
 GemvPdl gemv_pdl_mode();
 // Registry variant "gemm.gemv_bulk_pdl": the narrow decode projections (m 1, n 4096..12287,
