@@ -45,6 +45,8 @@ struct GemmEngine::Plan {
 };
 
 GemmEngine::GemmEngine(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
+  // $DS_GEMV_PDL first: a bad value throws before anything is allocated (no handle to leak).
+  const GemvPdl pdl = gemv_pdl_mode();
   cublasLtHandle_t h = nullptr;
   DS_CUBLAS_CHECK(cublasLtCreate(&h));
   handle_ = h;
@@ -52,7 +54,6 @@ GemmEngine::GemmEngine(size_t workspace_bytes) : workspace_bytes_(workspace_byte
   int dev = 0;
   DS_CUDA_CHECK(cudaGetDevice(&dev));
   DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, dev));
-  const GemvPdl pdl = gemv_pdl_mode();
   bulk_pdl_ = pdl != GemvPdl::kOff;
   skinny_pdl_ = pdl == GemvPdl::kAll;
 }

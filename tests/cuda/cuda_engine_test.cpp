@@ -36,6 +36,13 @@
 // loaded runs' largest gap / (2 x envelope) is 0.21 and 0.36 (largest gaps 0.98 and 1.74 nats), the
 // chunk-7 control's 0.50 and 0.88, all under kNoiseFactor = 2; the planted bug is caught in 8/8
 // and 22/22 requests at up to 28x and 51x the envelope.
+// What this test does NOT catch (review, 2026-11-29): the envelope includes the batch-1 device
+// paths (one-pass and chunked prefill, prompt + decode), so a numerical bug inside those kernels
+// widens its own tolerance. This test is about the scheduler (batching, preemption, recompute,
+// cancellation, block and slot accounting); the kernels are held to the CPU oracle by their own
+// tests (cuda_gdn_test, cuda_gdn_decode_test, cuda_attention*_test, cuda_gemv_test) and the whole
+// model by CudaEngineNumerics below (every path within 2.5x of the bf16-weight yardstick) and
+// cuda_backend_test's golden HF fixtures.
 //
 // DS_ENGINE_TEST_DEVICE=cpu runs the same tests on the CPU reference backend behind a host-side
 // paged-pool accounting (same page size and block count), to check the test itself on a machine
@@ -353,7 +360,18 @@ TeacherRows teacher_rows(RefBackends& ref, const GenerationRequest& r,
       device_rows(*ref.chunk32, seq, 0), device_rows(*ref.chunk16, seq, 0),
       device_rows(*ref.chunk32, seq, static_cast<int>(r.prompt.size())),
       oracle_rows(seq, /*bf16_residual=*/true)};
-  for (const auto& p : paths) EXPECT_EQ(p.size(), seq.size() * V);
+  for (const auto& p : paths) {
+    EXPECT_EQ(p.size(), seq.size() * V);
+    if (p.size() != seq.size() * V) {  // (the failure above; no reads past the end)
+      t.n_gen = 0;
+      return t;
+    }
+  }
+  if (o.size() != seq.size() * V) {
+    ADD_FAILURE() << "oracle rows: " << o.size() << " values for " << seq.size() << " tokens";
+    t.n_gen = 0;
+    return t;
+  }
   t.oracle.assign(o.begin() + first * V, o.end());
   for (int k = 0; k < t.n_gen; ++k) {
     const size_t at = (first + k) * V;
@@ -421,6 +439,7 @@ void run_controls(RefBackends& ref, const GenerationRequest& r,
   const size_t V = static_cast<size_t>(ref.chunk7->config().vocab_size);
   const size_t first = r.prompt.size() - 1;
   const std::vector<float> c7 = device_rows(*ref.chunk7, seq, 0);
+  ASSERT_EQ(c7.size(), seq.size() * V);
   for (int k = 0; k < t.n_gen; ++k) {
     const int32_t id = static_cast<int32_t>(argmax_of(c7.data() + (first + k) * V, V));
     const float gap = gap_at(t, k, id);
@@ -437,6 +456,7 @@ void run_controls(RefBackends& ref, const GenerationRequest& r,
   std::vector<int32_t> bad = seq;
   for (size_t j = 0; j < p; ++j) bad[j] = static_cast<int32_t>((bad[j] * 7919 + 104729) % V);
   const std::vector<float> b = device_rows(*ref.chunk7, bad, 0);
+  ASSERT_EQ(b.size(), bad.size() * V);
   int caught = 0;
   for (int k = g0 + 1; k < t.n_gen; ++k) {  // row first + k: the query token at p - 1 + k - g0
     const int32_t id = static_cast<int32_t>(argmax_of(b.data() + (first + k) * V, V));
@@ -870,13 +890,10 @@ TEST(CudaEngineNumerics, EveryPathVsCpuOracle) {
     } else {
       std::printf("  one attention layer alone:\n");
     }
-    try {
-      const std::vector<PathErr> e = run_paths(w, 11, seqs, few, false);
-      for (size_t i = 2; i < e.size(); ++i)
-        EXPECT_LT(e[i].l2(), kPathFactor * e[0].l2()) << e[i].name << ", cut " << cut;
-    } catch (const Error& err) {
-      std::printf("    (not run: %s)\n", err.what());
-    }
+    // Every cut runs on the H200 (log of ce33b2d): an error here is a failure, not a skip.
+    const std::vector<PathErr> e = run_paths(w, 11, seqs, few, false);
+    for (size_t i = 2; i < e.size(); ++i)
+      EXPECT_LT(e[i].l2(), kPathFactor * e[0].l2()) << e[i].name << ", cut " << cut;
   }
 }
 
