@@ -1,6 +1,8 @@
 // The engine-level benches (see bench.h): prefill TTFT, decode TPOT and the concurrency-1 serving
 // workload, all through the Backend interface (the code path the server uses), timed with the
-// host clock around step(), which returns only once the logits are on the host.
+// host clock around step() (prefill: returns once the last row's logits are on the host) or, for
+// decode, step_greedy() (returns once each row's greedy token id is on the host; --decode-logits:
+// step() with every row's logits).
 //
 // Token ids are random (fixed seed): the engine's speed does not depend on which ids they are.
 // Decode fills the KV cache by real prefill of random tokens (the Backend interface has no way to
