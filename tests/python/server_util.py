@@ -114,6 +114,18 @@ class ServerProc:
         return status == 200
 
 
+def wait_counter_delta(server: ServerProc, name: str, before: dict, delta: float, timeout: float = 10) -> dict:
+    """Polls /metrics until counter `name` rose by at least `delta` since `before` (some counters,
+    like the cancelled finish reason, are counted in the HTTP handler's cleanup, after the engine
+    already let the request go); returns the last metrics. The caller asserts the exact delta."""
+    deadline = time.time() + timeout
+    m = server.metrics()
+    while m[name] - before[name] < delta and time.time() < deadline:
+        time.sleep(0.05)
+        m = server.metrics()
+    return m
+
+
 def run_concurrently(n: int, fn, timeout: float = 300) -> list:
     """Runs fn(i) for i in range(n) on n threads (fn may wait on a threading.Barrier(n) to start
     them together); returns [(i, repr(exception)), ...] for the calls that raised."""

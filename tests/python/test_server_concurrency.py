@@ -9,16 +9,18 @@ Nothing here may depend on how fast the engine generates (the tiny model makes 2
 ~30 ms on an H200 and in seconds on a loaded CI core): a request that must still be running when
 something happens (a client leaves, SIGTERM arrives, the queue fills) asks for LONG_TOKENS, far
 more than any engine makes before the test acts, and the test checks that it really was running
-(finish reason cancelled, chunks after the signal) instead of passing vacuously."""
+(no finish reason before the client left and the server's cancelled counter, requests running
+after the signal) instead of passing vacuously."""
 import json
 import random
+import signal
 import socket
 import threading
 import time
 
 import pytest
 
-from server_util import DEVICE, ServerProc, make_tiny_model, requires_server, run_concurrently
+from server_util import DEVICE, ServerProc, make_tiny_model, requires_server, run_concurrently, wait_counter_delta
 
 pytestmark = requires_server
 
@@ -26,6 +28,8 @@ N_CLIENTS = 32
 MAX_TOKENS = 16
 LONG_TOKENS = 3000  # with --max-model-len 4096: seconds of generation even on the GPU engine
 GENERATED = "deltaserve_engine_generation_tokens_total"  # every token the engine made
+CANCELLED = 'deltaserve_request_finished_total{finish_reason="cancelled"}'
+RUNNING = "deltaserve_num_requests_running"
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +88,17 @@ def test_32_streaming_clients_with_cancellations(server):
         stream = c.completions.create(model="m", prompt=prompt_of(i), temperature=0, stream=True,
                                       max_tokens=LONG_TOKENS if i in cancel_after else MAX_TOKENS,
                                       extra_body={"ignore_eos": True})
-        text, finish, n = "", None, 0
+        text, finish, n, left = "", None, 0, False
         for ch in stream:
             if ch.choices:
                 text += ch.choices[0].text
-                finish = ch.choices[0].finish_reason or finish
+                finish = ch.choices[0].finish_reason or finish  # as the server reported it
             n += 1
             if i in cancel_after and n >= cancel_after[i]:
                 stream.close()  # the client goes away mid-stream
-                finish = "cancelled"
+                left = True
                 break
-        results[i] = (text, finish)
+        results[i] = (text, finish, left)
 
     errors = run_concurrently(N_CLIENTS, run)
     assert not errors, errors
@@ -103,9 +107,11 @@ def test_32_streaming_clients_with_cancellations(server):
     # shape of the results is checked and the agreement is printed.
     exact = DEVICE == "cpu"
     same = 0
-    for i, (text, finish) in enumerate(results):
+    for i, (text, finish, left) in enumerate(results):
         if i in cancel_after:
-            assert finish == "cancelled", (i, finish)  # LONG_TOKENS cannot all come before the close
+            # LONG_TOKENS cannot all come before the close: the stream had not ended when the client
+            # left (the server's cancelled counter below shows it then cancelled the request).
+            assert left and finish is None, (i, left, finish)
             shorter, longer = sorted((text, alone[i]), key=len)
             assert not exact or longer.startswith(shorter), (i, text, alone[i])
         else:
@@ -113,11 +119,11 @@ def test_32_streaming_clients_with_cancellations(server):
             assert not exact or text == alone[i], (i, text, alone[i])
             same += text == alone[i]
     print(f"{same} completed requests identical to their alone run ({DEVICE})")
-    m = wait_drained(server)
-    cancelled = 'deltaserve_request_finished_total{finish_reason="cancelled"}'
+    wait_drained(server)
+    m = wait_counter_delta(server, CANCELLED, before, len(cancel_after))
     # Every cancelling client's request was still running when it left, and the server cancelled it
     # (none ran on to LONG_TOKENS: far fewer tokens than that were generated in all).
-    assert m[cancelled] - before[cancelled] == len(cancel_after), (m[cancelled], before[cancelled])
+    assert m[CANCELLED] - before[CANCELLED] == len(cancel_after), (m[CANCELLED], before[CANCELLED])
     generated = m[GENERATED] - before[GENERATED]
     assert generated < (N_CLIENTS - len(cancel_after)) * MAX_TOKENS + len(cancel_after) * LONG_TOKENS // 2, generated
     assert m['deltaserve_request_finished_total{finish_reason="error"}'] == 0
@@ -129,7 +135,6 @@ def test_dropped_nonstreaming_request_frees_its_slot(server):
     """A non-streamed answer is written only at the end, so no write fails when the client leaves:
     the server must notice the closed connection while the tokens keep coming (on a fast engine
     they never pause for long) and cancel the request long before its LONG_TOKENS."""
-    cancelled = 'deltaserve_request_finished_total{finish_reason="cancelled"}'
     before = server.metrics()
     body = json.dumps({"prompt": "a long one", "max_tokens": LONG_TOKENS, "temperature": 0,
                        "ignore_eos": True}).encode()
@@ -142,9 +147,10 @@ def test_dropped_nonstreaming_request_frees_its_slot(server):
     assert server.metrics()["deltaserve_num_requests_running"] == 1
     s.close()  # gone before the answer
     t0 = time.time()
-    m = wait_drained(server, timeout=5)
+    wait_drained(server, timeout=5)
     assert time.time() - t0 < 5
-    assert m[cancelled] - before[cancelled] == 1
+    m = wait_counter_delta(server, CANCELLED, before, 1)
+    assert m[CANCELLED] - before[CANCELLED] == 1, (m[CANCELLED], before[CANCELLED])
     generated = m[GENERATED] - before[GENERATED]
     assert generated < LONG_TOKENS // 2, generated
     assert server.healthy()
@@ -189,48 +195,60 @@ def test_queue_bound_answers_429_and_running_requests_finish(model, tmp_path):
 
 
 def test_sigterm_drains_running_streams(model, tmp_path):
-    """SIGTERM while streams run: new work gets 503, the running streams go on (chunks arrive after
-    the signal), a short one finishes with "length", a LONG_TOKENS one finishes or is cancelled
-    ("abort") at --shutdown-timeout, and the server exits 0."""
+    """SIGTERM while streams run: new work gets 503, the running streams go on (the server still
+    runs a request after it began draining), a short one finishes with "length", a LONG_TOKENS one
+    finishes or is cancelled ("abort") at --shutdown-timeout, and the server exits 0."""
     srv = ServerProc(model, "--max-batch", 2, "--max-model-len", 4096, "--shutdown-timeout", 5,
                      log_path=tmp_path / "server.log")
-    client = client_for(srv)
-    got = {}
-    first_chunk = threading.Event()
-
-    def stream(name, max_tokens):
-        text, finish, times = "", None, []
-        for ch in client.completions.create(model="m", prompt="drain me", max_tokens=max_tokens, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True}):
-            if ch.choices:
-                text += ch.choices[0].text
-                finish = ch.choices[0].finish_reason or finish
-                times.append(time.time())
-                if name == "long":
-                    first_chunk.set()
-        got[name] = (text, finish, times)
-
-    threads = [threading.Thread(target=stream, args=("long", LONG_TOKENS)),
-               threading.Thread(target=stream, args=("short", 24))]
-    for t in threads:
-        t.start()
-    assert first_chunk.wait(timeout=60)
-    t_signal = time.time()
-    srv.proc.send_signal(__import__("signal").SIGTERM)
-    time.sleep(0.1)
-    # New work is refused while draining (or the listener is already gone).
     try:
+        client = client_for(srv)
+        got, errors = {}, []
+        first_chunk = {"long": threading.Event(), "short": threading.Event()}
+
+        def stream(name, max_tokens):
+            try:
+                text, finish = "", None
+                for ch in client.completions.create(model="m", prompt="drain me", max_tokens=max_tokens,
+                                                    temperature=0, stream=True, extra_body={"ignore_eos": True}):
+                    first_chunk[name].set()
+                    if ch.choices:
+                        text += ch.choices[0].text
+                        finish = ch.choices[0].finish_reason or finish
+                got[name] = (text, finish)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append((name, repr(e)))
+                first_chunk[name].set()
+
+        threads = [threading.Thread(target=stream, args=("long", LONG_TOKENS)),
+                   threading.Thread(target=stream, args=("short", 24))]
+        for t in threads:
+            t.start()
+        # Both requests were accepted before the signal (a request after it would get 503). The
+        # short one may already be done on a fast engine; the long one cannot be (LONG_TOKENS).
+        for name, ev in first_chunk.items():
+            assert ev.wait(timeout=60), f"no chunk of the {name} stream within 60 s"
+        assert not errors, errors
+        srv.proc.send_signal(signal.SIGTERM)
+        # Server-side evidence of the drain: /health says it is shutting down, new work gets 503,
+        # and then a request is still running in the engine (the listener stays up until then).
+        deadline = time.time() + 10
+        while srv.healthy() and time.time() < deadline:
+            time.sleep(0.01)
+        assert not srv.healthy(), "the server did not start draining within 10 s of SIGTERM"
         status, body = srv.request("POST", "/v1/completions", {"prompt": "late", "max_tokens": 2}, timeout=5)
         assert status == 503, body
-    except OSError:
-        pass
-    for t in threads:
-        t.join(timeout=120)
-    text, finish, times = got["long"]
-    assert times and times[-1] > t_signal, "the long stream was not running when SIGTERM came"
-    assert finish in ("length", "abort"), finish
-    if finish == "abort":
-        assert "shutdown timeout" in srv.log_text()
-    assert got["short"][1] == "length"
-    assert srv.proc.wait(timeout=60) == 0
-    assert "shutting down" in srv.log_text()
+        m = srv.metrics()
+        assert m[RUNNING] >= 1, f"no request was running after the server began draining: {m}"
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert set(got) == {"long", "short"}, got.keys()
+        text, finish = got["long"]
+        assert finish in ("length", "abort"), finish
+        if finish == "abort":
+            assert "shutdown timeout" in srv.log_text()
+        assert got["short"][1] == "length", got["short"]
+        assert srv.proc.wait(timeout=60) == 0
+        assert "shutting down" in srv.log_text()
+    finally:
+        srv.stop()
