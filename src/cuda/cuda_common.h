@@ -36,6 +36,16 @@ using bf16 = __nv_bfloat16;
 #ifdef __CUDACC__
 namespace ds::cuda {
 
+// y[i] = v (+ y[i] when accumulate), rounded to y's type: the GEMV / GEMM epilogue store.
+__device__ __forceinline__ void store_out(bf16* y, size_t i, float v, bool accumulate) {
+  if (accumulate) v += __bfloat162float(y[i]);
+  y[i] = __float2bfloat16(v);
+}
+__device__ __forceinline__ void store_out(float* y, size_t i, float v, bool accumulate) {
+  if (accumulate) v += y[i];
+  y[i] = v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

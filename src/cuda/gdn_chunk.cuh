@@ -126,6 +126,35 @@ __device__ __forceinline__ void acc_a_times_tile(const uint32_t (&a)[4][4], cons
   }
 }
 
+// A warp's 16 rows of one head's fp32 state [d_v, d_k] (row stride kD) in the register layout
+// h[j][i] = state(v, k), v = v_base + g + 8 (i / 2), k = 8 j + 2 c + (i % 2) (g = lane / 4,
+// c = lane % 4): loaded (zeros when !has_state: a sequence at position 0) and stored back.
+__device__ __forceinline__ void load_state_rows(float (&h)[16][4], const float* state,
+                                                bool has_state, int v_base, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float2 x = make_float2(0.f, 0.f);
+      if (has_state)
+        x = *reinterpret_cast<const float2*>(state + (v_base + g + 8 * half) * kD + 8 * j + 2 * c);
+      h[j][2 * half] = x.x;
+      h[j][2 * half + 1] = x.y;
+    }
+  }
+}
+__device__ __forceinline__ void store_state_rows(const float (&h)[16][4], float* state, int v_base,
+                                                 int g, int c) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      *reinterpret_cast<float2*>(state + (v_base + g + 8 * half) * kD + 8 * j + 2 * c) =
+          make_float2(h[j][2 * half], h[j][2 * half + 1]);
+    }
+  }
+}
+
 }  // namespace gdn_tile
 
 }  // namespace ds::cuda

@@ -139,17 +139,7 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
                  static_cast<int64_t>(hv) * kD * kD;
   const bool has_state = seq_pos[seq] > 0;
   float h[16][4];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float2 x = make_float2(0.f, 0.f);
-      if (has_state)
-        x = *reinterpret_cast<const float2*>(state + (v_base + g + 8 * half) * kD + 8 * j + 2 * c);
-      h[j][2 * half] = x.x;
-      h[j][2 * half + 1] = x.y;
-    }
-  }
+  gdn_tile::load_state_rows(h, state, has_state, v_base, g, c);
 
   for (int ch = 0; ch < n_chunks; ++ch) {
     const int b = ch % STAGES;
@@ -222,14 +212,7 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
   }
   cp_async_wait_all();  // nothing in flight at exit (the last commit is empty)
 
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      *reinterpret_cast<float2*>(state + (v_base + g + 8 * half) * kD + 8 * j + 2 * c) =
-          make_float2(h[j][2 * half], h[j][2 * half + 1]);
-    }
-  }
+  gdn_tile::store_state_rows(h, state, v_base, g, c);
 }
 
 // ---- output -------------------------------------------------------------------------------------

@@ -164,17 +164,7 @@ __global__ void __launch_bounds__(ScanCfg<SPLIT>::kThreads, 1)
                  static_cast<int64_t>(hv) * kD * kD;
   const bool has_state = seq_pos[seq] > 0;
   float h[16][4];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float2 x = make_float2(0.f, 0.f);
-      if (has_state)
-        x = *reinterpret_cast<const float2*>(state + (v_base + g + 8 * half) * kD + 8 * j + 2 * c);
-      h[j][2 * half] = x.x;
-      h[j][2 * half + 1] = x.y;
-    }
-  }
+  gdn_tile::load_state_rows(h, state, has_state, v_base, g, c);
   const bool norm = wts.norm_w != nullptr;
   float nw[kPerLane];
 #pragma unroll
@@ -391,14 +381,7 @@ __global__ void __launch_bounds__(ScanCfg<SPLIT>::kThreads, 1)
   }
   cp_async_wait_all();  // nothing in flight at exit (the last commit is empty)
 
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      *reinterpret_cast<float2*>(state + (v_base + g + 8 * half) * kD + 8 * j + 2 * c) =
-          make_float2(h[j][2 * half], h[j][2 * half + 1]);
-    }
-  }
+  gdn_tile::store_state_rows(h, state, v_base, g, c);
 }
 
 // ---- conv + SiLU + l2norm + gates, several tokens per block
@@ -409,6 +392,27 @@ __global__ void __launch_bounds__(ScanCfg<SPLIT>::kThreads, 1)
 // as the generic kernel (fp32 conv, SiLU, rsqrt(sum x^2 + 1e-6) for q / k, q also times d_k^-0.5).
 // d_k = d_v = 128 (lane = 4 channels), 8-byte aligned proj / ring rows, 16-byte aligned conv_w.
 constexpr int kConvTokens = 8;
+
+// Threads [0, n_here) of the block: token t_first + thread's 4 conv taps (positions p - 3 .. p of
+// its sequence) as row pointers: this chunk's proj rows, the slot's conv ring rows (p % 4) for
+// positions before the chunk, null (zero) before position 0.
+__device__ __forceinline__ void fill_conv_taps(const bf16* (&taps)[kConvTokens][4],
+                                               const GdnStatePool& pool, const bf16* proj,
+                                               const int32_t* cu_seqlens, const int32_t* seq_pos,
+                                               const int32_t* slot_ids, int n_seqs, int t_first,
+                                               int n_here, int qkv_dim, int in_dim) {
+  if (threadIdx.x >= n_here) return;
+  const int t = t_first + threadIdx.x;
+  const int seq = seq_of_token(cu_seqlens, n_seqs, t);
+  const int start = cu_seqlens[seq], pos0 = seq_pos[seq], p = pos0 + (t - start);
+  const bf16* ring = pool.conv_state + static_cast<int64_t>(slot_ids[seq]) * pool.conv_slot_stride;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int pp = p - 3 + j;
+    taps[threadIdx.x][j] = pp >= pos0 ? proj + static_cast<int64_t>(t - 3 + j) * in_dim
+                                      : (pp >= 0 ? ring + (pp & 3) * qkv_dim : nullptr);
+  }
+}
 
 __global__ void __launch_bounds__(256)
     gdn_conv_prep_multi_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
@@ -425,19 +429,8 @@ __global__ void __launch_bounds__(256)
   const int t_first = blockIdx.x * kConvTokens;
   const int n_here = min(kConvTokens, n_tokens - t_first);
   const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim();
-  if (threadIdx.x < n_here) {
-    const int t = t_first + threadIdx.x;
-    const int seq = seq_of_token(cu_seqlens, n_seqs, t);
-    const int start = cu_seqlens[seq], pos0 = seq_pos[seq], p = pos0 + (t - start);
-    const bf16* ring =
-        pool.conv_state + static_cast<int64_t>(slot_ids[seq]) * pool.conv_slot_stride;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int pp = p - 3 + j;
-      taps[threadIdx.x][j] = pp >= pos0 ? proj + static_cast<int64_t>(t - 3 + j) * in_dim
-                                        : (pp >= 0 ? ring + (pp & 3) * qkv_dim : nullptr);
-    }
-  }
+  fill_conv_taps(taps, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, t_first, n_here, qkv_dim,
+                 in_dim);
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   const int n_heads = 2 * s.n_k_heads + s.n_v_heads;
@@ -505,19 +498,8 @@ __global__ void __launch_bounds__(256)
   const int t_first = blockIdx.x * kConvTokens;
   const int n_here = min(kConvTokens, n_tokens - t_first);
   const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim();
-  if (threadIdx.x < n_here) {
-    const int t = t_first + threadIdx.x;
-    const int seq = seq_of_token(cu_seqlens, n_seqs, t);
-    const int start = cu_seqlens[seq], pos0 = seq_pos[seq], p = pos0 + (t - start);
-    const bf16* ring =
-        pool.conv_state + static_cast<int64_t>(slot_ids[seq]) * pool.conv_slot_stride;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int pp = p - 3 + j;
-      taps[threadIdx.x][j] = pp >= pos0 ? proj + static_cast<int64_t>(t - 3 + j) * in_dim
-                                        : (pp >= 0 ? ring + (pp & 3) * qkv_dim : nullptr);
-    }
-  }
+  fill_conv_taps(taps, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, t_first, n_here, qkv_dim,
+                 in_dim);
   __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n_heads = 2 * s.n_k_heads + s.n_v_heads;

@@ -57,15 +57,6 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void store_out(bf16* y, size_t i, float v, bool accumulate) {
-  if (accumulate) v += __bfloat162float(y[i]);
-  y[i] = __float2bfloat16(v);
-}
-__device__ __forceinline__ void store_out(float* y, size_t i, float v, bool accumulate) {
-  if (accumulate) v += y[i];
-  y[i] = v;
-}
-
 // One block: weight rows [blockIdx.x * 8 * NT, + 8 * NT), all m tokens. Warp
 // `warp` takes the k-steps (32 wide) s = warp * U + i * WARPS * U + u, u < U: U
 // consecutive steps, so each warp iteration reads U * 64 contiguous bytes of

@@ -79,15 +79,6 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   f[6] = __uint_as_float(v.w << 16), f[7] = __uint_as_float(v.w & 0xffff0000u);
 }
 
-__device__ __forceinline__ void store_out(bf16* y, size_t i, float v, bool accumulate) {
-  if (accumulate) v += __bfloat162float(y[i]);
-  y[i] = __float2bfloat16(v);
-}
-__device__ __forceinline__ void store_out(float* y, size_t i, float v, bool accumulate) {
-  if (accumulate) v += y[i];
-  y[i] = v;
-}
-
 // Shared memory: [full mbarriers | empty mbarriers] (kBarBytes), x [M, k] bf16, ring
 // [slots, R, k] bf16.
 // GLU (R == 2): w is the fused [gate | up] matrix [2 n, k]; stage s holds gate row j and up row
