@@ -128,6 +128,35 @@ __device__ __forceinline__ float qk_norm_scale(const float (&y)[4], int e) {
   return scale;
 }
 
+// Steps 1-2 of both fused kernels for the thread's channel group e = 4 * tid (active: e < 2 DK +
+// the block's v channels): conv + SiLU of 4 channels (q on e < DK, k on e < 2 DK, else the head's
+// v channels from v0) into y, the new input in xin (both zeros from the caller where inactive) and
+// its channel in ch (for the ring write at the end), then the l2norm of q / k (every lane takes
+// part in the shuffles) and the results in qs / ks / vs.
+template <int DK, bool VEC>
+__device__ __forceinline__ void conv_norm_to_shared(const GdnShape& s, const GdnLayerWeights& w,
+                                                    const bf16* __restrict__ x, const bf16* ring,
+                                                    int qkv_dim, int p, int hk, int hv, int d_v,
+                                                    int v0, bool active, int e, int& ch,
+                                                    float (&xin)[4], float (&y)[4], float* qs,
+                                                    float* ks, float* vs) {
+  if (active) {
+    if (e < DK)
+      ch = hk * DK + e;
+    else if (e < 2 * DK)
+      ch = s.n_k_heads * DK + hk * DK + (e - DK);
+    else
+      ch = 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
+    conv4_silu<VEC>(x, ring, w.conv_w, qkv_dim, ch, p, xin, y);
+  }
+  const float scale = qk_norm_scale<DK>(y, e);
+  if (active) {
+    float* dst = e < DK ? qs + e : (e < 2 * DK ? ks + (e - DK) : vs + (e - 2 * DK));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = y[i] * scale;
+  }
+}
+
 // beta = sigmoid(b), decay = e^g with g = -exp(A_log) * softplus(a + dt_bias) (threshold 20).
 __device__ __forceinline__ void gdn_gates(float b_raw, float a_raw, float A_log, float dt_bias,
                                           float& beta, float& decay) {
@@ -232,22 +261,9 @@ __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
   const bool active = e < 2 * DK + rows;
   int ch = 0;
   float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
-  if (active) {
-    if (e < DK)
-      ch = hk * DK + e;
-    else if (e < 2 * DK)
-      ch = s.n_k_heads * DK + hk * DK + (e - DK);
-    else
-      ch = 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
-    conv4_silu<VEC>(x, ring, w.conv_w, qkv_dim, ch, p, xin, y);
-  }
-  // 2. l2norm of q and k (every lane takes part in the shuffles; only q/k lanes use the result).
-  const float scale = qk_norm_scale<DK>(y, e);
-  if (active) {
-    float* dst = e < DK ? qs + e : (e < 2 * DK ? ks + (e - DK) : vs + (e - 2 * DK));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dst[i] = y[i] * scale;
-  }
+  conv_norm_to_shared<DK, VEC>(s, w, x, ring, qkv_dim, p, hk, hv, d_v, v0, active, e, ch, xin, y,
+                               qs, ks, vs);
+  // 2. gates.
   float beta, decay;
   gdn_gates(b_raw, a_raw, A_log, dt_bias, beta, decay);
   __syncthreads();
@@ -433,22 +449,9 @@ __global__ void __launch_bounds__(kStreamThreads)
   const bool active = e < 2 * DK + d_v;
   int ch = 0;
   float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
-  if (active) {
-    if (e < DK)
-      ch = hk * DK + e;
-    else if (e < 2 * DK)
-      ch = s.n_k_heads * DK + hk * DK + (e - DK);
-    else
-      ch = 2 * s.n_k_heads * DK + hv * d_v + (e - 2 * DK);
-    conv4_silu<VEC>(x, ring, w.conv_w, qkv_dim, ch, p, xin, y);
-  }
-  // 2. l2norm of q and k, gates.
-  const float scale = qk_norm_scale<DK>(y, e);
-  if (active) {
-    float* dst = e < DK ? qs + e : (e < 2 * DK ? ks + (e - DK) : vs + (e - 2 * DK));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dst[i] = y[i] * scale;
-  }
+  conv_norm_to_shared<DK, VEC>(s, w, x, ring, qkv_dim, p, hk, hv, d_v, 0, active, e, ch, xin, y,
+                               qs, ks, vs);
+  // 2. gates.
   float beta, decay;
   gdn_gates(b_raw, a_raw, A_log, dt_bias, beta, decay);
   __syncthreads();  // q, k, v in shared memory; the barriers' init visible to every thread
