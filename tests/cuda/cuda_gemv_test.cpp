@@ -263,36 +263,20 @@ TEST(CudaGemv, BatchInvariant) {
   }
 }
 
-// Programmatic dependent launch: y2 = y1 w2^T launched right behind y1 = x w1^T (both with the
-// PDL attribute) must read the finished y1 (poisoned before: a missing wait gives NaN), on a stream
-// and replayed from a CUDA graph; bit-identical to the same launches without PDL.
-TEST(CudaGemv, DependentLaunchesChain) {
-  DS_REQUIRE_GPU();
-  std::mt19937 rng(13);
-  const int m = 4, n1 = 16384, k1 = 5120, n2 = 1000;  // the first launch is long (168 MB)
-  auto x = test::random_bf16(size_t(m) * k1, rng),
-       w1 = test::random_bf16(size_t(n1) * k1, rng, 0.02f),
-       w2 = test::random_bf16(size_t(n2) * n1, rng, 0.02f);
-  DevBuf<bf> dx(x), dw1(w1), dw2(w2), y1(size_t(m) * n1), y2(size_t(m) * n2);
-  cudaStream_t s;
-  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  auto chain = [&](bool pdl) {
-    SkinnyConfig c1 = cuda::skinny_gemm_config(m, n1, k1, 132),
-                 c2 = cuda::skinny_gemm_config(m, n2, n1, 132);
-    c1.pdl = c2.pdl = pdl;
-    cuda::launch_skinny_gemm(B(dx), B(dw1), reinterpret_cast<void*>(y1.ptr), m, n1, k1,
-                             GemmOut::kBF16, false, c1, s);
-    cuda::launch_skinny_gemm(B(y1), B(dw2), reinterpret_cast<void*>(y2.ptr), m, n2, n1,
-                             GemmOut::kBF16, false, c2, s);
-  };
+// The two-GEMM chain y1 = x w1^T, y2 = y1 w2^T of the DependentLaunchesChain tests: run without
+// PDL (chain(false)) it gives the reference (y2 vs the fp64 loop on y1's bf16 values); with PDL
+// (chain(true)) on the stream and replayed from a CUDA graph, 3 times each with y1 and y2 poisoned
+// first, it must give the same bits.
+template <typename Chain>
+void expect_pdl_chain_matches_serial(Chain& chain, DevBuf<bf>& y1, DevBuf<bf>& y2,
+                                     const std::vector<bf>& w2, int m, int n1, int n2,
+                                     cudaStream_t s) {
   y1.poison();
   y2.poison();
   chain(false);
   DS_CUDA_CHECK(cudaStreamSynchronize(s));
   const auto ref1 = y1.download(), ref2 = y2.download();
-  // The serial result against the fp64 loop (second GEMM from the first's bf16 output).
-  const auto cpu2 = reference(ref1, w2, {}, m, n2, n1);
-  EXPECT_LT(test::norm_err(test::to_f32(ref2), cpu2), 4e-3);
+  EXPECT_LT(test::norm_err(test::to_f32(ref2), reference(ref1, w2, {}, m, n2, n1)), 4e-3);
   for (int rep = 0; rep < 3; ++rep) {
     y1.poison();
     y2.poison();
@@ -317,6 +301,31 @@ TEST(CudaGemv, DependentLaunchesChain) {
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+// Programmatic dependent launch: y2 = y1 w2^T launched right behind y1 = x w1^T (both with the
+// PDL attribute) must read the finished y1 (poisoned before: a missing wait gives NaN), on a stream
+// and replayed from a CUDA graph; bit-identical to the same launches without PDL.
+TEST(CudaGemv, DependentLaunchesChain) {
+  DS_REQUIRE_GPU();
+  std::mt19937 rng(13);
+  const int m = 4, n1 = 16384, k1 = 5120, n2 = 1000;  // the first launch is long (168 MB)
+  auto x = test::random_bf16(size_t(m) * k1, rng),
+       w1 = test::random_bf16(size_t(n1) * k1, rng, 0.02f),
+       w2 = test::random_bf16(size_t(n2) * n1, rng, 0.02f);
+  DevBuf<bf> dx(x), dw1(w1), dw2(w2), y1(size_t(m) * n1), y2(size_t(m) * n2);
+  cudaStream_t s;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto chain = [&](bool pdl) {
+    SkinnyConfig c1 = cuda::skinny_gemm_config(m, n1, k1, 132),
+                 c2 = cuda::skinny_gemm_config(m, n2, n1, 132);
+    c1.pdl = c2.pdl = pdl;
+    cuda::launch_skinny_gemm(B(dx), B(dw1), reinterpret_cast<void*>(y1.ptr), m, n1, k1,
+                             GemmOut::kBF16, false, c1, s);
+    cuda::launch_skinny_gemm(B(y1), B(dw2), reinterpret_cast<void*>(y2.ptr), m, n2, n1,
+                             GemmOut::kBF16, false, c2, s);
+  };
+  expect_pdl_chain_matches_serial(chain, y1, y2, w2, m, n1, n2, s);
   cudaStreamDestroy(s);
 }
 
@@ -592,36 +601,7 @@ TEST(CudaGemvBulk, DependentLaunchesChain) {
     cuda::launch_gemv_bulk(B(dx), B(dw1), y1.ptr, m, n1, k1, GemmOut::kBF16, false, c1, n_sms, s);
     cuda::launch_gemv_bulk(B(y1), B(dw2), y2.ptr, m, n2, n1, GemmOut::kBF16, false, c2, n_sms, s);
   };
-  y1.poison();
-  y2.poison();
-  chain(false);
-  DS_CUDA_CHECK(cudaStreamSynchronize(s));
-  const auto ref1 = y1.download(), ref2 = y2.download();
-  EXPECT_LT(test::norm_err(test::to_f32(ref2), reference(ref1, w2, {}, m, n2, n1)), 4e-3);
-  for (int rep = 0; rep < 3; ++rep) {
-    y1.poison();
-    y2.poison();
-    chain(true);
-    DS_CUDA_CHECK(cudaStreamSynchronize(s));
-    EXPECT_TRUE(y1.download() == ref1) << "rep " << rep;
-    EXPECT_TRUE(y2.download() == ref2) << "rep " << rep;
-  }
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  DS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  chain(true);
-  DS_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
-  DS_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int rep = 0; rep < 3; ++rep) {
-    y1.poison();
-    y2.poison();
-    DS_CUDA_CHECK(cudaGraphLaunch(exec, s));
-    DS_CUDA_CHECK(cudaStreamSynchronize(s));
-    EXPECT_TRUE(y1.download() == ref1) << "graph rep " << rep;
-    EXPECT_TRUE(y2.download() == ref2) << "graph rep " << rep;
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  expect_pdl_chain_matches_serial(chain, y1, y2, w2, m, n1, n2, s);
   cudaStreamDestroy(s);
 }
 
