@@ -101,18 +101,15 @@ std::vector<float> random_proj(const GdnShape& s, int n_tokens, std::mt19937& rn
 
 float silu_h(float x) { return x / (1.f + std::exp(-x)); }
 
-// The oracle: runs `len` tokens (rows of proj, [len, in_dim]) through sequence `q`, token by
-// token, in fp32. y: [len, out_dim] (raw o when norm is false).
-void ref_gdn(const GdnShape& s, const HostLayer& l, const float* proj, int len, HostSeq& q,
-             std::vector<float>& y, bool norm = true) {
-  const int qd = s.qkv_dim(), in = s.in_dim(), nv = s.n_v_heads, dk = s.d_k, dv = s.d_v;
-  const int ratio = s.n_v_heads / s.n_k_heads;
-  // Conv + SiLU + l2norm for all tokens.
+// The host conv stage of the oracle (conv + SiLU + q/k l2norm, q times d_k^-0.5) for `len` rows
+// of proj ([len, in_dim]) of sequence q: [len, qkv_dim].
+std::vector<float> ref_conv(const GdnShape& s, const HostLayer& l, const float* proj, int len,
+                            const HostSeq& q) {
+  const int qd = s.qkv_dim(), in = s.in_dim(), dk = s.d_k;
   std::vector<float> c(static_cast<size_t>(len) * qd);
-  auto input = [&](int i, int ch) -> float {  // pre-conv input at token index i (< 0: history)
+  auto input = [&](int i, int ch) -> float {
     if (i >= 0) return proj[static_cast<size_t>(i) * in + ch];
-    const int pos = q.pos + i;
-    if (pos < 0) return 0.f;
+    if (q.pos + i < 0) return 0.f;
     return q.hist[(3 + i) * qd + ch];
   };
   for (int t = 0; t < len; ++t) {
@@ -130,6 +127,23 @@ void ref_gdn(const GdnShape& s, const HostLayer& l, const float* proj, int len, 
       for (int i = 0; i < dk; ++i) v[i] *= sc;
     }
   }
+  return c;
+}
+
+// The oracle: runs `len` tokens (rows of proj, [len, in_dim]) through sequence `q`, token by
+// token, in fp32. y: [len, out_dim] (raw o when norm is false).
+void ref_gdn(const GdnShape& s, const HostLayer& l, const float* proj, int len, HostSeq& q,
+             std::vector<float>& y, bool norm = true) {
+  const int qd = s.qkv_dim(), in = s.in_dim(), nv = s.n_v_heads, dk = s.d_k, dv = s.d_v;
+  const int ratio = s.n_v_heads / s.n_k_heads;
+  // Conv + SiLU + l2norm for all tokens.
+  const std::vector<float> c = ref_conv(s, l, proj, len, q);
+  auto input = [&](int i, int ch) -> float {  // pre-conv input at token index i (< 0: history)
+    if (i >= 0) return proj[static_cast<size_t>(i) * in + ch];
+    const int pos = q.pos + i;
+    if (pos < 0) return 0.f;
+    return q.hist[(3 + i) * qd + ch];
+  };
   // Recurrence, parallel over value heads.
   std::vector<float> o(static_cast<size_t>(len) * nv * dv);
   auto run_head = [&](int hv) {
@@ -570,34 +584,6 @@ void check_decode(const GdnShape& s, const std::vector<int>& pos, int n_steps, u
   })) << "slot 0 (unused) was written";
 }
 
-// The host conv stage of the oracle (conv + SiLU + q/k l2norm, q times d_k^-0.5) for `len` rows
-// of proj ([len, in_dim]) of sequence q: [len, qkv_dim].
-std::vector<float> ref_conv(const GdnShape& s, const HostLayer& l, const float* proj, int len,
-                            const HostSeq& q) {
-  const int qd = s.qkv_dim(), in = s.in_dim(), dk = s.d_k;
-  std::vector<float> c(static_cast<size_t>(len) * qd);
-  auto input = [&](int i, int ch) -> float {
-    if (i >= 0) return proj[static_cast<size_t>(i) * in + ch];
-    if (q.pos + i < 0) return 0.f;
-    return q.hist[(3 + i) * qd + ch];
-  };
-  for (int t = 0; t < len; ++t) {
-    for (int ch = 0; ch < qd; ++ch) {
-      float acc = 0.f;
-      for (int j = 0; j < 4; ++j) acc += l.conv_w[ch * 4 + j] * input(t - 3 + j, ch);
-      c[static_cast<size_t>(t) * qd + ch] = silu_h(acc);
-    }
-    for (int h = 0; h < 2 * s.n_k_heads; ++h) {
-      float* v = &c[static_cast<size_t>(t) * qd + h * dk];
-      double ss = 0;
-      for (int i = 0; i < dk; ++i) ss += double(v[i]) * v[i];
-      const float sc =
-          1.f / std::sqrt(float(ss) + 1e-6f) * (h < s.n_k_heads ? 1.f / std::sqrt(float(dk)) : 1.f);
-      for (int i = 0; i < dk; ++i) v[i] *= sc;
-    }
-  }
-  return c;
-}
 
 // gdn_prefill_conv.cu's streaming conv (the slice_scan variants' conv stage) against the host
 // oracle and against gdn_conv_prep_multi_kernel: a batch of sequences of lengths 1..1029 (one
