@@ -584,7 +584,6 @@ void check_decode(const GdnShape& s, const std::vector<int>& pos, int n_steps, u
   })) << "slot 0 (unused) was written";
 }
 
-
 // gdn_prefill_conv.cu's streaming conv (the slice_scan variants' conv stage) against the host
 // oracle and against gdn_conv_prep_multi_kernel: a batch of sequences of lengths 1..1029 (one
 // empty) with and without carried conv rings, so sequence starts fall inside and at the edges of
