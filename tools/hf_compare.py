@@ -43,6 +43,8 @@ import time
 import numpy as np
 import torch
 
+from hf_gdn import hf_gdn_impl  # tools/, this script's folder (on sys.path when run)
+
 M64 = (1 << 64) - 1
 
 
@@ -132,15 +134,6 @@ def build_hf_model(cfg_json, specs, device="cuda"):
         sys.exit(f"hf_compare: rebuilt weights differ from the host generator at {len(bad)} samples, "
                  f"e.g. {bad[:4]}")
     return model
-
-
-def hf_gdn_impl(model):
-    """Which function HF's GDN layers call for prompts (FLA's kernel or HF's torch code)."""
-    gdn = model.model.layers[0].linear_attn
-    f = getattr(gdn, "chunk_gated_delta_rule", None)
-    if f is None:
-        f = getattr(sys.modules.get(type(gdn).__module__), "chunk_gated_delta_rule", None)
-    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__name__', '?')}" if f is not None else "?"
 
 
 def set_dtype(model, dtype):

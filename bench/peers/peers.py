@@ -301,15 +301,6 @@ def gemv_peers(a, torch, budget):
         torch.cuda.empty_cache()
 
 
-def hf_gdn_impl(model):
-    """Which function HF's GDN layers call for prompts (FLA's kernel or HF's torch code)."""
-    gdn = model.model.layers[0].linear_attn
-    f = getattr(gdn, "chunk_gated_delta_rule", None)
-    if f is None:
-        f = getattr(sys.modules.get(type(gdn).__module__), "chunk_gated_delta_rule", None)
-    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__name__', '?')}" if f is not None else "?"
-
-
 def model_peer(a, torch, budget):
     try:
         import transformers
@@ -319,6 +310,8 @@ def model_peer(a, torch, budget):
         return
     RESULT["meta"]["transformers"] = transformers.__version__
     here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "..", "tools"))
+    from hf_gdn import hf_gdn_impl  # tools/hf_gdn.py (shared with tools/hf_compare.py)
     with open(os.path.join(here, "..", "..", "configs", "qwen3.5-27b.json")) as f:
         base = json.load(f)
     fields = dict(base.get("text_config", base))
