@@ -850,8 +850,8 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
       for (int kv : cached_lens)
         guarded("attn_prefill", "q/cached " + S(q, kv), [&] { kb.attn_prefill(q, kv); });
     // One unchunked 16K causal prompt (issue 7's kernel target, the peers' shape) and short
-    // chunks against a cache (speculative / small-chunk regime: at group 6, up to 10 tokens fill
-    // one 64-row tile, up to 21 one 128-row tile).
+    // chunks against a cache (speculative / small-chunk regime: at group 6, up to 21 tokens fill
+    // one 128-row tile).
     if (!opt.quick) {
       guarded("attn_prefill", "q/cached " + S(16384, 0), [&] { kb.attn_prefill(16384, 0); });
       for (auto [q, kv] : {std::pair{16, 8192}, std::pair{4, 8192}, std::pair{10, 2048},

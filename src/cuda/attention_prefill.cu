@@ -221,12 +221,7 @@ template <int HD>
 void launch_prefill_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
                        const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
   constexpr size_t smem = PrefillSmem<HD>::bytes;
-  static const bool attr_set = [] {
-    DS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<HD>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    return true;
-  }();
-  (void)attr_set;
+  ensure_smem_optin(reinterpret_cast<const void*>(attention_prefill_kernel<HD>), smem);
   const int group = s.n_heads / s.n_kv_heads;
   const int tiles = (b.max_q_len * group + kBM - 1) / kBM;
   dim3 grid(tiles, s.n_kv_heads, b.n_seqs);
@@ -252,11 +247,7 @@ void launch_attention_prefill(const AttnShape& s, const AttnBatch& b, const bf16
     static constexpr std::pair<std::string_view, AttnMmaKernel> kMmaVariants[] = {
         {"wgmma_ws", AttnMmaKernel::kWgmmaWs},
         {"wgmma_ws3", AttnMmaKernel::kWgmmaWs3},
-        {"wgmma_ws_tilemajor", AttnMmaKernel::kWgmmaWsTileMajor},
-        {"wgmma_m128", AttnMmaKernel::kWgmmaM128},
-        {"wgmma_pipe", AttnMmaKernel::kWgmmaPipe},
-        {"mma_m128", AttnMmaKernel::kMmaM128},
-        {"mma_m64", AttnMmaKernel::kMmaM64}};
+        {"wgmma_m128", AttnMmaKernel::kWgmmaM128}};
     for (const auto& [name, kernel] : kMmaVariants) {
       if (v.name == name)
         return launch_attention_prefill_mma(kernel, s, b, q, k_cache, v_cache, gate, out, stream);

@@ -5,19 +5,18 @@
 // (query j of a q_len chunk sits at kv_len - q_len + j), GQA, output times sigmoid(gate), several
 // sequences of different lengths per launch (AttnBatch).
 //
-// Work layout (all variants): one block per (row tile, kv head, sequence); the rows of a tile are
-// (query token, query head of the GQA group) pairs, row = token * group + head, so one K/V tile in
-// shared memory serves every query head that reads it (6 for Qwen3.5-27B). 64 keys per step =
-// exactly one page of one kv head when page_size % 64 == 0 (a contiguous [64, 256] bf16 block,
-// the only paging requirement). Online softmax in fp32 (exp2 domain): each thread owns 2 rows x
-// 16 keys, row max / sum over the 4 lanes of a quad; the causal mask is applied only on tiles that
-// reach past the tile's first query. P (bf16) is the S accumulators re-packed as the A operand of
-// P V (no shared-memory round trip); O [rows, 256] stays in fp32 registers (128 per thread).
-// K/V tiles stream through a 2-stage cp.async pipeline (wgmma_ws: TMA, below); rows past the last
-// needed key are zero-filled, never read (wgmma_ws copies whole tiles: K rows there are masked, V
-// rows there zeroed in shared memory before the last P V). The epilogue stages O / l in fp32
-// through shared memory and writes 16-byte rows with the gate applied (wgmma_ws: straight from
-// the accumulators, bf16 pairs). The heaviest (last) tiles of the causal triangle start first.
+// Work layout (all variants): one block per (row tile of 128 rows, kv head, sequence); the rows of
+// a tile are (query token, query head of the GQA group) pairs, row = token * group + head, so one
+// K/V tile in shared memory serves every query head that reads it (6 for Qwen3.5-27B). 64 keys
+// per step = exactly one page run of one kv head when page_size % 64 == 0 (a contiguous [64, 256]
+// bf16 block, the only paging requirement). 2 consumer warpgroups x 64 rows; S = Q K^T by wgmma
+// m64n64k16 (Q and K in shared memory), O += P V by wgmma m64n256k16 (P in registers, V MN-major in
+// shared memory); tiles in the 128-byte-swizzled wgmma layout. Online softmax in fp32 (exp2
+// domain): each thread owns 2 rows x 16 keys, row max / sum over the 4 lanes of a quad; the causal
+// mask is applied only on tiles that reach past the tile's first query. P (bf16) is the S
+// accumulators re-packed as the A operand of P V (no shared-memory round trip); O [rows, 256]
+// stays in fp32 registers (128 per thread). The heaviest (last) tiles of the causal triangle start
+// first.
 //
 // Variants (H200, bench kernels, 27B shapes; generic kernel 21-34 TFLOP/s):
 //   wgmma_ws / wgmma_ws3  (the defaults; wgmma_ws3 from 512-token chunks against >= 8K keys)
@@ -26,25 +25,23 @@
 //               (ws3) K stages and 2 V stages guarded by full / empty mbarriers and gives its
 //               registers away (setmaxnreg 24 / 240); two consumer warpgroups of 64 rows never
 //               meet at a block barrier, and each issues S(j) = Q K(j)^T before P(j-1) V(j-1) and
-//               runs the softmax of tile j while P V is on the tensor cores. Bit-identical to
-//               wgmma_m128 (same instructions in the same order). Grid (n_kv, tiles, seqs): the
-//               heaviest row tiles of every kv head start first (wgmma_ws_tilemajor: the old
-//               grid order, kept for A/B). Two runs: 4096-token chunks 451 TFLOP/s with nothing
-//               cached, 600-672 against 8K-32K cached; 3072: 376-383 / 578-610; 512: 91 /
-//               460-542; 16K causal 558-631; 4-21-token chunks against 2K-32K cached 1.3-1.5x
-//               faster than mma_m64 (e.g. 16 after 8192: 209 vs 310 us). 1.2-1.7x wgmma_m128.
-//   wgmma_m128  2 warpgroups x 64 rows; S = Q K^T by wgmma m64n64k16 with Q and K in shared
-//               memory, O += P V by wgmma m64n256k16 with P in registers and V MN-major in shared
-//               memory; tiles in the 128-byte-swizzled wgmma layout, loaded by every thread with
-//               cp.async. 310-443 TFLOP/s for 3072/4096-token chunks (425-435 at 16K causal),
-//               300-326 for 512-token chunks against 8K-32K cached tokens: 8.5-15x the generic
-//               kernel. The default before wgmma_ws; kept as the reference of its bit-exact test.
-//   wgmma_pipe  the same with the next tile's Q K^T issued before this tile's softmax (separate K
-//               and V stages); correct but 6-14% slower than wgmma_m128 (lockstep barriers and
-//               253 registers): kept for A/B runs, never picked by default.
-//   mma_m128 / mma_m64  8 / 4 warps x 16 rows, mma.sync m16n8k16 with ldmatrix (.trans for V),
-//               XOR-swizzled rows (chunk ^ (row & 7)); 170-300 TFLOP/s. mma_m64 was the default
-//               for <= 128 packed rows (short chunks), where twice the blocks beat wgmma_m128.
+//               runs the softmax of tile j while P V is on the tensor cores. Whole tiles are
+//               copied: K rows past the last needed key are masked, V rows there are zeroed in
+//               shared memory before the last P V. The epilogue writes bf16 pairs straight from the
+//               accumulators. Bit-identical to wgmma_m128 (same instructions in the same order).
+//               Grid (n_kv, tiles, seqs): the heaviest row tiles of every kv head start first.
+//               Two runs: 4096-token chunks 451 TFLOP/s with nothing cached, 600-672 against
+//               8K-32K cached; 3072: 376-383 / 578-610; 512: 91 / 460-542; 16K causal 558-631;
+//               4-21-token chunks against 2K-32K cached 1.3-1.5x faster than the mma.sync kernel
+//               that used to run them (e.g. 16 after 8192: 209 vs 310 us). 1.2-1.7x wgmma_m128.
+//   wgmma_m128  the same tiles with every thread loading K/V through a 2-stage cp.async pipeline
+//               (rows past the last needed key zero-filled, never read), block barriers per
+//               tile, an epilogue staged in fp32 through shared memory (16-byte rows). 310-443
+//               TFLOP/s for 3072/4096-token chunks (425-435 at 16K causal), 300-326 for
+//               512-token chunks against 8K-32K cached tokens: 8.5-15x the generic kernel. Runs
+//               when the TMA kernels are switched off; the reference of their bit-exact test.
+// Removed in session 5 (never picked on sm_90; docs/perf/attn_prefill_ws.md): wgmma_pipe,
+// wgmma_ws_tilemajor, mma_m128 and mma_m64.
 // Tests: tests/cuda/cuda_attention_test.cpp (vs the fp32 CPU reference and the generic kernel);
 // bench: `deltaserve bench kernels --only attn_prefill` (every variant's time, fallback, match).
 #include "cuda/attention_prefill_mma.h"
@@ -63,16 +60,6 @@ constexpr int kBn = kAttnMmaKeyTile;  // 64 keys per step
 constexpr int kRowBytes = kHd * 2;    // one bf16 row of Q / K / V: 512 bytes = 32 chunks of 16
 constexpr int kStages = 2;
 constexpr int kLdO = kHd + 8;  // fp32 row stride of the epilogue staging buffer
-
-template <int kWarps>
-constexpr size_t mma_smem_bytes() {
-  return size_t(kWarps * 16) * kRowBytes + size_t(kStages) * 2 * kBn * kRowBytes;
-}
-
-// Byte offset of 16-byte chunk `c` (0..31) of row `r` in a swizzled [rows, 256] bf16 tile.
-__device__ __forceinline__ uint32_t swz(int r, int c) {
-  return uint32_t(r) * kRowBytes + (uint32_t(c ^ (r & 7)) << 4);
-}
 
 __device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
   float y;
@@ -137,17 +124,6 @@ __device__ __forceinline__ uint32_t gswz(int rows, int r, int c) {
          (uint32_t((c & 7) ^ (r & 7)) << 4);
 }
 
-// Byte offset of chunk c of row r in a [kRows, 256] tile: the wgmma layout (kWgmma) or the
-// XOR-swizzled row layout of the mma.sync kernels.
-template <int kRows, bool kWgmma>
-__device__ __forceinline__ uint32_t tile_off(int r, int c) {
-  if constexpr (kWgmma) {
-    return gswz(kRows, r, c);
-  } else {
-    return swz(r, c);
-  }
-}
-
 // A block's place in the work layout (one block per row tile, kv head, sequence; the heaviest
 // tiles of the causal triangle first) and the keys its rows need.
 struct RowTile {
@@ -193,7 +169,7 @@ __device__ __forceinline__ bool row_tile(const AttnShape& s, const AttnBatch& b,
 
 // Starts the cp.async copies of the Q tile (rows past the chunk zero-filled: their scores are 0,
 // finite, and never stored).
-template <int kBm, int kThreads, bool kWgmma>
+template <int kBm, int kThreads>
 __device__ __forceinline__ void load_q_tile(uint32_t q_smem, const bf16* __restrict__ q,
                                             const AttnShape& s, const RowTile& rt) {
   for (int i = threadIdx.x; i < kBm * 32; i += kThreads) {
@@ -203,7 +179,7 @@ __device__ __forceinline__ void load_q_tile(uint32_t q_smem, const bf16* __restr
         ok ? q + (int64_t(rt.q0 + tok) * s.n_heads + rt.kvh * rt.group + pr % rt.group) * kHd +
                  c * 8
            : q;
-    cp_async16(q_smem + tile_off<kBm, kWgmma>(r, c), src, ok);
+    cp_async16(q_smem + gswz(kBm, r, c), src, ok);
   }
 }
 
@@ -216,7 +192,7 @@ __device__ __forceinline__ int64_t key_tile_offset(const RowTile& rt, int j) {
 
 // Starts the cp.async copies of key tile j of K into kd and of V into vd; rows past the last
 // needed key are zero-filled, not read.
-template <int kThreads, bool kWgmma>
+template <int kThreads>
 __device__ __forceinline__ void load_kv_tile(const RowTile& rt, const bf16* __restrict__ k_cache,
                                              const bf16* __restrict__ v_cache, int j, uint32_t kd,
                                              uint32_t vd) {
@@ -227,8 +203,8 @@ __device__ __forceinline__ void load_kv_tile(const RowTile& rt, const bf16* __re
   for (int i = threadIdx.x; i < kBn * 32; i += kThreads) {
     const int r = i >> 5, c = i & 31;
     const bool ok = kt + r < rt.n_keys;
-    cp_async16(kd + tile_off<kBn, kWgmma>(r, c), kp + r * kHd + c * 8, ok);
-    cp_async16(vd + tile_off<kBn, kWgmma>(r, c), vp + r * kHd + c * 8, ok);
+    cp_async16(kd + gswz(kBn, r, c), kp + r * kHd + c * 8, ok);
+    cp_async16(vd + gswz(kBn, r, c), vp + r * kHd + c * 8, ok);
   }
 }
 
@@ -309,123 +285,6 @@ __device__ __forceinline__ void store_rows(const float* os, const AttnShape& s, 
     ov.w = pack_bf16(v[6], v[7]);
     *reinterpret_cast<uint4*>(out + (int64_t(q0 + tok) * s.n_heads + h) * kHd + c * 8) = ov;
   }
-}
-
-template <int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, 1)
-    attention_prefill_mma_kernel(AttnShape s, AttnBatch b,
-                                 const bf16* __restrict__ q,        // [n_rows, n_heads, 256]
-                                 const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, 256]
-                                 const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, 256]
-                                 AttnGate gate,
-                                 bf16* __restrict__ out) {  // [n_rows, n_heads, 256]
-  constexpr int kBm = kWarps * 16;
-  constexpr int kThreads = kWarps * 32;
-  extern __shared__ __align__(128) unsigned char smem[];
-  const uint32_t q_smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t kv_smem = q_smem + kBm * kRowBytes;  // stage st: K, then V, kBn rows each
-  auto k_stage = [&](int st) { return kv_smem + uint32_t(st) * 2 * kBn * kRowBytes; };
-  auto v_stage = [&](int st) { return k_stage(st) + kBn * kRowBytes; };
-
-  RowTile rt;
-  if (!row_tile<kBm>(s, b, rt)) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
-
-  load_q_tile<kBm, kThreads, false>(q_smem, q, s, rt);
-  auto load_kv = [&](int j, int st) {
-    load_kv_tile<kThreads, false>(rt, k_cache, v_cache, j, k_stage(st), v_stage(st));
-  };
-  load_kv(0, 0);
-  cp_async_commit();
-
-  const QueryRows qr = query_rows(rt, warp * 16 + g);
-
-  float o[kHd / 8][4];
-#pragma unroll
-  for (int d = 0; d < kHd / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  SoftmaxRows st;  // running max and this thread's partial sums of its two rows
-
-  // ldmatrix lane addressing (see the fragment layouts of mma.m16n8k16).
-  const int q_row = warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-  const int q_chunk = lane >> 4;
-  const int k_row = (lane & 7) + (lane >> 4) * 8;
-  const int k_chunk = (lane >> 3) & 1;
-  const int v_row = (lane & 7) + ((lane >> 3) & 1) * 8;
-  const int v_chunk = lane >> 4;
-
-  for (int j = 0; j < rt.n_tiles; ++j) {
-    if (j + 1 < rt.n_tiles) load_kv(j + 1, (j + 1) & 1);
-    cp_async_commit();  // possibly empty group: keeps the wait count uniform
-    cp_async_wait<1>();
-    __syncthreads();
-    const uint32_t ks = k_stage(j & 1), vs = v_stage(j & 1);
-    const int kt = j * kBn;
-
-    // S = Q K^T for this warp's 16 rows and 64 keys.
-    float sc[kBn / 8][4];
-#pragma unroll
-    for (int n = 0; n < kBn / 8; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kHd / 16; ++kk) {
-      uint32_t a[4];
-      ldmatrix_x4(a, q_smem + swz(q_row, 2 * kk + q_chunk));
-#pragma unroll
-      for (int np = 0; np < kBn / 16; ++np) {
-        uint32_t bk[4];
-        ldmatrix_x4(bk, ks + swz(np * 16 + k_row, 2 * kk + k_chunk));
-        mma_bf16(sc[2 * np], a, bk[0], bk[1]);
-        mma_bf16(sc[2 * np + 1], a, bk[2], bk[3]);
-      }
-    }
-
-    // Online softmax; O rescaled by alpha.
-    uint32_t p[kBn / 16][4];  // P as the A operand of P V, per 16-key step
-    float alpha_a, alpha_b;
-    softmax_tile(reinterpret_cast<float(&)[kBn / 2]>(sc), p, kt, kt + kBn - 1 > rt.first_pos,
-                 qr.pos_a, qr.pos_b, t, st, alpha_a, alpha_b);
-    rescale_o(reinterpret_cast<float(&)[kHd / 2]>(o), alpha_a, alpha_b);
-
-    // O += P V.
-#pragma unroll
-    for (int kk = 0; kk < kBn / 16; ++kk) {
-#pragma unroll
-      for (int dp = 0; dp < kHd / 16; ++dp) {
-        uint32_t bv[4];
-        ldmatrix_x4_trans(bv, vs + swz(kk * 16 + v_row, 2 * dp + v_chunk));
-        mma_bf16(o[2 * dp], p[kk], bv[0], bv[1]);
-        mma_bf16(o[2 * dp + 1], p[kk], bv[2], bv[3]);
-      }
-    }
-    __syncthreads();  // stage j & 1 is refilled by the next iteration's prefetch
-  }
-  cp_async_wait<0>();
-
-  // Epilogue: O / l in fp32 through shared memory, then 16-byte rows with the gate applied.
-  float* os = reinterpret_cast<float*>(smem);  // [kBm, kLdO], fits in the Q + K/V space
-  stage_o(reinterpret_cast<const float(&)[kHd / 2]>(o), st, qr, t, os);
-  __syncthreads();
-  store_rows<kBm, kThreads>(os, s, gate, rt, out);
-}
-
-template <int kWarps>
-void launch_mma(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
-                const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
-  constexpr size_t smem = mma_smem_bytes<kWarps>();
-  static_assert(size_t(kWarps * 16) * kLdO * 4 <= smem, "epilogue staging must fit");
-  static const bool attr_set = [] {
-    DS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_mma_kernel<kWarps>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    return true;
-  }();
-  (void)attr_set;
-  const int group = s.n_heads / s.n_kv_heads;
-  const int64_t tiles = (int64_t(b.max_q_len) * group + kWarps * 16 - 1) / (kWarps * 16);
-  DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
-  dim3 grid(unsigned(tiles), s.n_kv_heads, b.n_seqs);
-  attention_prefill_mma_kernel<kWarps>
-      <<<grid, kWarps * 32, smem, stream>>>(s, b, q, k_cache, v_cache, gate, out);
-  DS_CUDA_LAUNCH_CHECK();
 }
 
 // ---- wgmma variant: the same tiles with Hopper warpgroup MMAs ---------------------------------
@@ -564,9 +423,9 @@ __global__ void __launch_bounds__(256, 1)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
   const int t = lane & 3;
 
-  load_q_tile<kBm, kThreads, true>(q_smem, q, s, rt);
+  load_q_tile<kBm, kThreads>(q_smem, q, s, rt);
   auto load_kv = [&](int j, int st) {
-    load_kv_tile<kThreads, true>(rt, k_cache, v_cache, j, k_stage(st), v_stage(st));
+    load_kv_tile<kThreads>(rt, k_cache, v_cache, j, k_stage(st), v_stage(st));
   };
   load_kv(0, 0);
   cp_async_commit();
@@ -617,135 +476,18 @@ __global__ void __launch_bounds__(256, 1)
   store_rows<kBm, kThreads>(os, s, gate, rt, out);
 }
 
-// The pipelined form (variant wgmma_pipe): each warpgroup issues S(j+1) = Q K(j+1)^T on the tensor
-// cores before the softmax of tile j, so the exponentials overlap the next tile's MMAs; K and V
-// stream through separate 2-stage buffers (K(j+2) is loaded once S(j) is done, V(j+1) once P
-// V(j-1) is done), each with a full iteration to arrive. Commit order per iteration: K(j+2),
-// V(j+1); the waits below count on it.
-__global__ void __launch_bounds__(256, 1) attention_prefill_wgmma_pipe_kernel(
-    AttnShape s, AttnBatch b,
-    const bf16* __restrict__ q,        // [n_rows, n_heads, 256]
-    const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, 256]
-    const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, 256]
-    AttnGate gate,
-    bf16* __restrict__ out) {  // [n_rows, n_heads, 256]
-  constexpr int kBm = kWgRows;
-  constexpr int kThreads = 256;
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = align_1024(smem_raw);  // swizzle atoms
-  const uint32_t q_smem = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t kv_smem = q_smem + kBm * kRowBytes;
-  auto k_buf = [&](int st) { return kv_smem + uint32_t(st) * kBn * kRowBytes; };
-  auto v_buf = [&](int st) { return kv_smem + uint32_t(2 + st) * kBn * kRowBytes; };
-
-  RowTile rt;
-  if (!row_tile<kBm>(s, b, rt)) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, wg = warp >> 2;
-  const int t = lane & 3;
-
-  load_q_tile<kBm, kThreads, true>(q_smem, q, s, rt);
-  // One 64-key tile of K or V (cache = k_cache or v_cache) into buffer dst; nothing past n_tiles.
-  auto load_tile = [&](const bf16* cache, int j, uint32_t dst) {
-    if (j >= rt.n_tiles) return;
-    const int kt = j * kBn;
-    const bf16* src = cache + key_tile_offset(rt, j);
-    for (int i = threadIdx.x; i < kBn * 32; i += kThreads) {
-      const int r = i >> 5, c = i & 31;
-      cp_async16(dst + gswz(kBn, r, c), src + r * kHd + c * 8, kt + r < rt.n_keys);
-    }
-  };
-  load_tile(k_cache, 0, k_buf(0));
-  cp_async_commit();  // Q, K(0)
-  load_tile(k_cache, 1, k_buf(1));
-  cp_async_commit();  // K(1)
-  load_tile(v_cache, 0, v_buf(0));
-  cp_async_commit();  // V(0)
-
-  const QueryRows qr = query_rows(rt, warp * 16 + (lane >> 2));
-
-  float o[kHd / 2];
-#pragma unroll
-  for (int i = 0; i < kHd / 2; ++i) o[i] = 0.f;
-  SoftmaxRows st;
-
-  float sc[kBn / 2], sn[kBn / 2];  // S of tile j, S of tile j + 1
-  cp_async_wait<2>();              // Q, K(0)
-  fence_proxy_async();
-  __syncthreads();
-  issue_qk(sc, q_smem, k_buf(0), wg);
-  wgmma_commit();
-  wgmma_wait_all();
-  fence_regs(sc);
-
-  for (int j = 0; j < rt.n_tiles; ++j) {
-    const bool next = j + 1 < rt.n_tiles;
-    cp_async_wait<1>();  // K(j+1) (V(j) may still be in flight)
-    fence_proxy_async();
-    __syncthreads();  // also: every warpgroup finished S(j) and P V(j-1)
-    if (next) {
-      issue_qk(sn, q_smem, k_buf((j + 1) & 1), wg);
-      wgmma_commit();
-    }
-    load_tile(k_cache, j + 2, k_buf(j & 1));
-    cp_async_commit();
-    load_tile(v_cache, j + 1, v_buf((j + 1) & 1));
-    cp_async_commit();
-
-    uint32_t p[kBn / 16][4];
-    float alpha_a, alpha_b;
-    const int kt = j * kBn;
-    softmax_tile(sc, p, kt, kt + kBn - 1 > rt.first_pos, qr.pos_a, qr.pos_b, t, st, alpha_a,
-                 alpha_b);
-    fence_regs(o);
-    rescale_o(o, alpha_a, alpha_b);
-
-    cp_async_wait<2>();  // V(j)
-    fence_proxy_async();
-    __syncthreads();
-    fence_regs(o);
-    wgmma_fence();
-    const uint32_t vs = v_buf(j & 1);
-#pragma unroll
-    for (int kk = 0; kk < kBn / 16; ++kk)
-      wgmma_m64n256k16_rs(o, p[kk], gmma_desc(vs + kk * 16 * 128, kBn * 128, 1024));
-    wgmma_commit();
-    wgmma_wait_all();  // S(j+1) and P V(j)
-    fence_regs(o);
-    if (next) {
-      fence_regs(sn);
-#pragma unroll
-      for (int i = 0; i < kBn / 2; ++i) sc[i] = sn[i];
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // all warpgroups done with the K/V buffers before the staging overwrite
-
-  float* os = reinterpret_cast<float*>(smem);
-  stage_o(o, st, qr, t, os);
-  __syncthreads();
-  store_rows<kBm, kThreads>(os, s, gate, rt, out);
-}
-
-template <bool kPipelined>
 void launch_wgmma(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
                   const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
   static_assert(size_t(kWgRows) * kLdO * 4 + 1024 <= kWgSmemBytes, "epilogue staging must fit");
-  constexpr auto kernel =
-      kPipelined ? attention_prefill_wgmma_pipe_kernel : attention_prefill_wgmma_kernel;
-  static const bool attr_set = [] {
-    DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(kWgSmemBytes)));
-    return true;
-  }();
-  (void)attr_set;
+  ensure_smem_optin(reinterpret_cast<const void*>(attention_prefill_wgmma_kernel), kWgSmemBytes);
   const int group = s.n_heads / s.n_kv_heads;
   const int64_t tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
   DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
   dim3 grid(unsigned(tiles), s.n_kv_heads, b.n_seqs);
-  kernel<<<grid, 256, kWgSmemBytes, stream>>>(s, b, q, k_cache, v_cache, gate, out);
+  attention_prefill_wgmma_kernel<<<grid, 256, kWgSmemBytes, stream>>>(s, b, q, k_cache, v_cache,
+                                                                       gate, out);
   DS_CUDA_LAUNCH_CHECK();
 }
-
 
 // ---- wgmma_ws: warp-specialised, TMA-fed form -------------------------------------------------
 // 3 warpgroups: warpgroup 0 is the producer (one thread issues the TMA tensor copies of whole K / V
@@ -1128,22 +870,18 @@ CUtensorMap cache_tensor_map(const bf16* cache, const char* what) {
 
 template <int KS, int VS>
 void launch_ws(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
-               const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream,
-               bool heads_fastest) {
+               const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
   constexpr size_t smem = ws_smem_bytes<KS, VS>();
   static_assert(smem <= 227 * 1024, "shared memory of one block");
-  static const bool attr_set = [] {
-    DS_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_ws_kernel<KS, VS>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-    return true;
-  }();
-  (void)attr_set;
+  ensure_smem_optin(reinterpret_cast<const void*>(attention_prefill_ws_kernel<KS, VS>), smem);
   const CUtensorMap k_map = cache_tensor_map(k_cache, "K");
   const CUtensorMap v_map = cache_tensor_map(v_cache, "V");
   const int group = s.n_heads / s.n_kv_heads;
   const int64_t tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
   DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
-  heads_fastest = heads_fastest && tiles <= 65535;  // grid y limit (over 1.4M tokens at group 6)
+  // Heads first (the heaviest row tiles of every kv head start first) while the tiles fit grid y
+  // (up to 1.4M tokens at group 6), else one kv head after the other.
+  const bool heads_fastest = tiles <= 65535;
   const dim3 grid = heads_fastest ? dim3(s.n_kv_heads, unsigned(tiles), b.n_seqs)
                                   : dim3(unsigned(tiles), s.n_kv_heads, b.n_seqs);
   attention_prefill_ws_kernel<KS, VS>
@@ -1166,20 +904,12 @@ void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, cons
            ")");
   if (b.n_seqs <= 0 || b.max_q_len <= 0) return;
   switch (kernel) {
-    case AttnMmaKernel::kMmaM64:
-      return launch_mma<4>(s, b, q, k_cache, v_cache, gate, out, stream);
-    case AttnMmaKernel::kMmaM128:
-      return launch_mma<8>(s, b, q, k_cache, v_cache, gate, out, stream);
     case AttnMmaKernel::kWgmmaM128:
-      return launch_wgmma<false>(s, b, q, k_cache, v_cache, gate, out, stream);
-    case AttnMmaKernel::kWgmmaPipe:
-      return launch_wgmma<true>(s, b, q, k_cache, v_cache, gate, out, stream);
+      return launch_wgmma(s, b, q, k_cache, v_cache, gate, out, stream);
     case AttnMmaKernel::kWgmmaWs:
-      return launch_ws<2, 2>(s, b, q, k_cache, v_cache, gate, out, stream, true);
+      return launch_ws<2, 2>(s, b, q, k_cache, v_cache, gate, out, stream);
     case AttnMmaKernel::kWgmmaWs3:
-      return launch_ws<3, 2>(s, b, q, k_cache, v_cache, gate, out, stream, true);
-    case AttnMmaKernel::kWgmmaWsTileMajor:
-      return launch_ws<2, 2>(s, b, q, k_cache, v_cache, gate, out, stream, false);
+      return launch_ws<3, 2>(s, b, q, k_cache, v_cache, gate, out, stream);
   }
   ds::throw_error("attention prefill (mma): unknown kernel ", static_cast<int>(kernel));
 }

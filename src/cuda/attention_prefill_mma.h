@@ -1,9 +1,8 @@
 // The register-resident flash prefill kernels for head_dim 256 (attention_prefill_mma.cu): the
 // specialised variants behind launch_attention_prefill (attention_prefill.cu), which selects
-// them through the dispatch registry (family attn_prefill, variants "wgmma_ws" / "wgmma_ws3" /
-// "wgmma_ws_tilemajor" (TMA producer + warp-specialised wgmma consumers), "wgmma_m128" (Hopper
-// warpgroup MMA), "wgmma_pipe" (the same with the next Q K^T overlapping the softmax),
-// "mma_m128" / "mma_m64" (mma.sync)).
+// them through the dispatch registry (family attn_prefill, variants "wgmma_ws" / "wgmma_ws3"
+// (TMA producer + warp-specialised wgmma consumers) and "wgmma_m128" (Hopper warpgroup MMA,
+// cp.async loads)).
 #pragma once
 
 #include "cuda/kernels.h"
@@ -18,21 +17,11 @@ constexpr int kAttnMmaKeyTile = 64;
 // the registry guard decides on top of this whether it should.
 bool attention_prefill_mma_supported(const AttnShape& s);
 
-// The kernels of this file, one per attn_prefill variant of dispatch.cpp: mma.sync with 64 (4
-// warps) or 128 (8 warps) packed (token, head) rows per block, and Hopper wgmma (sm_90a, 2
-// warpgroups x 64 rows), plain or pipelined (the next tile's Q K^T overlaps this tile's softmax),
-// and warp-specialised (a TMA producer warp feeding two wgmma consumer warpgroups through 2 K and
-// 2 V stages, kWgmmaWs, or 3 K and 2 V stages, kWgmmaWs3; both start the heaviest row tiles of
-// every kv head first; kWgmmaWsTileMajor is kWgmmaWs with one kv head after the other).
-enum class AttnMmaKernel {
-  kMmaM64,
-  kMmaM128,
-  kWgmmaM128,
-  kWgmmaPipe,
-  kWgmmaWs,
-  kWgmmaWs3,
-  kWgmmaWsTileMajor
-};
+// The kernels of this file, one per attn_prefill variant of dispatch.cpp: Hopper wgmma (sm_90a, 2
+// warpgroups x 64 rows) fed by cp.async (kWgmmaM128), and warp-specialised (a TMA producer warp
+// feeding two wgmma consumer warpgroups through 2 K and 2 V stages, kWgmmaWs, or 3 K and 2 V
+// stages, kWgmmaWs3; both start the heaviest row tiles of every kv head first).
+enum class AttnMmaKernel { kWgmmaM128, kWgmmaWs, kWgmmaWs3 };
 
 // Same contract as launch_attention_prefill, run by `kernel`.
 void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, const AttnBatch& b,

@@ -1,5 +1,6 @@
 // Shared CUDA helpers for every kernel file and the engine: the bf16 type, error checks that throw
-// ds::Error (naming the call and the place), launch checks, and small device math helpers.
+// ds::Error (naming the call and the place), launch checks, the per-device shared-memory opt-in
+// (ensure_smem_optin), and small device math helpers.
 // Host code (g++) may include this header: the device-only parts are guarded by __CUDACC__.
 #pragma once
 
@@ -7,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <utility>
 
 #include "core/error.h"
@@ -32,6 +35,29 @@ using bf16 = __nv_bfloat16;
 
 // After a kernel launch: catches bad launch configurations at once (no synchronisation).
 #define DS_CUDA_LAUNCH_CHECK() DS_CUDA_CHECK(cudaGetLastError())
+
+namespace ds::cuda {
+
+// Lets kernel `func` use `bytes` of dynamic shared memory (the > 48 KiB opt-in,
+// cudaFuncAttributeMaxDynamicSharedMemorySize) on the current device, set once per (kernel,
+// device): the attribute belongs to the device's context, so a process-wide std::call_once would
+// leave the launch on a second device failing. Thread-safe; keeps the largest size asked for. Call
+// it before every launch of such a kernel (after the first call: a map lookup under a mutex).
+inline void ensure_smem_optin(const void* func, size_t bytes) {
+  int device = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, size_t> set_bytes;  // (kernel, device) -> bytes
+  const std::lock_guard<std::mutex> lock(mu);
+  size_t& done = set_bytes[{func, device}];
+  if (done >= bytes) return;
+  DS_CHECK(bytes <= size_t(INT32_MAX), "ensure_smem_optin: ", bytes, " bytes of shared memory");
+  DS_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(bytes)));
+  done = bytes;
+}
+
+}  // namespace ds::cuda
 
 #ifdef __CUDACC__
 namespace ds::cuda {

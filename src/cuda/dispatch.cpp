@@ -140,11 +140,11 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // Order measured on the H200 (issue 7, two runs of bench kernels, every variant timed on the
   // same inputs): the warp-specialised TMA kernels win on every shape measured, against
   // wgmma_m128 by 1.2x (512 / 3072 tokens, nothing cached) to 1.7x (512-4096-token chunks against
-  // 8K-32K cached tokens) and against mma_m64 by 1.3-1.5x on 4-21-token chunks; wgmma_ws3 (3 K
-  // stages) is -3% to +13% against wgmma_ws from 512-token chunks against >= 8K keys (16K causal:
-  // 558-631 vs 535-603 TFLOP/s), 1-7% slower on chunks without a cache. wgmma_ws_tilemajor (the
-  // old grid order), mma_m64, wgmma_m128, wgmma_pipe and mma_m128 are kept for A/B runs
-  // (DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws picks the next one).
+  // 8K-32K cached tokens) and against the mma.sync kernel by 1.3-1.5x on 4-21-token chunks;
+  // wgmma_ws3 (3 K stages) is -3% to +13% against wgmma_ws from 512-token chunks against >= 8K
+  // keys (16K causal: 558-631 vs 535-603 TFLOP/s), 1-7% slower on chunks without a cache.
+  // wgmma_m128 runs when the TMA kernels are switched off
+  // (DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws).
   r.add({F::kAttnPrefill, "wgmma_ws3",
          "hd 256, >= 512-token chunks against >= 8K keys: wgmma_ws with 3 K stages (227 KiB of "
          "shared memory)",
@@ -157,24 +157,9 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          "2-stage K and V rings (mbarriers), two wgmma consumer warpgroups (setmaxnreg 240) "
          "overlap S(j) with P(j-1) V(j-1) and the softmax; bit-identical to wgmma_m128",
          [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
-  r.add({F::kAttnPrefill, "wgmma_ws_tilemajor",
-         "as wgmma_ws with the row tiles of one kv head after the other (grid tiles x heads)",
-         [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
-  r.add({F::kAttnPrefill, "mma_m64",
-         "hd 256, <= 128 packed rows (short chunks): 64 (token, head) rows x 64 keys per block, "
-         "mma.sync + ldmatrix, O in registers, 2-stage cp.async K/V",
-         [](const ShapeKey& k) {
-           return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1 && k.dims[1] * k.dims[2] <= 128;
-         }});
   r.add({F::kAttnPrefill, "wgmma_m128",
          "hd 256, 128 rows x 64 keys per block, Hopper wgmma (Q K^T smem x smem, P V regs x smem), "
          "O in registers, 2-stage cp.async K/V",
-         [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
-  r.add({F::kAttnPrefill, "wgmma_pipe",
-         "as wgmma_m128 with the next tile's Q K^T issued before this tile's softmax (overlap), "
-         "separate 2-stage K and V buffers",
-         [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
-  r.add({F::kAttnPrefill, "mma_m128", "as mma_m64 with 128-row tiles (8 warps), any length",
          [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
   r.add({F::kAttnPrefill,
          "wmma_flash",

@@ -1,18 +1,18 @@
 // GPU attention kernels (prefill: the generic WMMA flash tiles and the head_dim-256 specialisations
-// wgmma_ws(3) / wgmma_pipe / wgmma_m128 / mma_m128 / mma_m64 picked through the dispatch registry;
-// decode: split-KV) against an fp32 CPU reference over a paged cache with shuffled blocks: the 27B
-// shape (24 q / 4 kv heads, head_dim 256, sigmoid output gate) at sequence lengths 1, 63, 64, 65,
-// 4095, 4097 with 0 / some / many cached tokens, several sequences of different lengths in one
-// launch, query chunks against a longer cache (chunked prefill), other GQA groups and page sizes at
-// head_dim 256, and the small head dims of the test configs. Outputs are poisoned (NaN) first and
-// every row must be finite; cache rows past each sequence are NaN, so a kernel that reads them
-// fails; long sequences compare a sample of rows (the first, the last, every tile edge and random
-// ones). Tolerance: normalised L2 error ||out - ref|| / ||ref|| < 1e-2 against the fp32 reference
-// (bf16 inputs, P rounded to bf16, bf16 output; measured 1.8e-3 to 2.2e-3 on the H200), and the
-// same bound between the specialised and the generic kernel (measured <= 3.5e-5). wgmma_ws,
-// wgmma_ws3 and wgmma_ws_tilemajor (TMA-fed, warp-specialised) must equal wgmma_m128 bit for bit on
-// every fixture (it copies whole 64-key tiles, so the NaN rows past a sequence's last key inside
-// its last page do reach shared memory there: masked for K, zeroed for V).
+// wgmma_ws / wgmma_ws3 / wgmma_m128 picked through the dispatch registry; decode: split-KV) against
+// an fp32 CPU reference over a paged cache with shuffled blocks: the 27B shape (24 q / 4 kv heads,
+// head_dim 256, sigmoid output gate) at sequence lengths 1, 63, 64, 65, 4095, 4097 with 0 / some /
+// many cached tokens, several sequences of different lengths in one launch, query chunks against a
+// longer cache (chunked prefill), other GQA groups and page sizes at head_dim 256, and the small
+// head dims of the test configs. Outputs are poisoned (NaN) first and every row must be finite;
+// cache rows past each sequence are NaN, so a kernel that reads them fails; long sequences compare
+// a sample of rows (the first, the last, every tile edge and random ones). Tolerance: normalised L2
+// error ||out - ref|| / ||ref|| < 1e-2 against the fp32 reference (bf16 inputs, P rounded to bf16,
+// bf16 output; measured 1.8e-3 to 2.2e-3 on the H200), and the same bound between the specialised
+// and the generic kernel (measured <= 3.5e-5). wgmma_ws and wgmma_ws3 (TMA-fed, warp-specialised)
+// must equal wgmma_m128 bit for bit on every fixture (they copy whole 64-key tiles, so the NaN rows
+// past a sequence's last key inside its last page do reach shared memory there: masked for K,
+// zeroed for V).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -272,7 +272,7 @@ TEST(CudaAttention, DecodeOtherShapes) {
   }
 }
 
-// ---- the head_dim-256 mma.sync specialisations ----------------------------------------------
+// ---- the head_dim-256 wgmma specialisations -------------------------------------------------
 
 int device_sm() {
   int dev = 0;
@@ -299,9 +299,8 @@ void check_mma_variants(const Fixture& f, const std::string& what, bool with_gen
   std::vector<bf> generic;
   if (with_generic) generic = run_prefill(f, (what + " [generic]").c_str());
   std::vector<bf> wgmma_m128;
-  for (const char* v : {"wgmma_pipe", "wgmma_m128", "wgmma_ws", "wgmma_ws3", "wgmma_ws_tilemajor",
-                        "mma_m128", "mma_m64"}) {
-    if (std::string(v).rfind("wgmma", 0) == 0 && device_sm() != 90) continue;  // sm_90a only
+  for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3"}) {
+    if (device_sm() != 90) continue;  // sm_90a only
     const cuda::DispatchRegistry reg = registry_for(v);
     const auto got = run_prefill(f, (what + " [" + v + "]").c_str(), &reg);
     if (std::string(v) == "wgmma_m128") wgmma_m128 = got;
@@ -364,7 +363,8 @@ TEST(CudaAttentionMma, OtherGroupsAndPageSizes) {
 TEST(CudaAttentionMma, DefaultDispatch) {
   // Measured on the H200 (bench kernels, dispatch.cpp): the warp-specialised TMA kernels win on
   // every shape, wgmma_ws3 (3 K stages) from 512-token chunks against >= 8K keys, wgmma_ws
-  // elsewhere (chunks without a cache, and 4-21-token chunks, where it beats mma_m64 by 1.3-1.5x).
+  // elsewhere (chunks without a cache, and 4-21-token chunks, where it beat the mma.sync kernel
+  // that ran them before by 1.3-1.5x).
   const auto r = cuda::DispatchRegistry::with_defaults(90);
   const auto pick = [&](int q, int kv) {
     return r.select(cuda::KernelFamily::kAttnPrefill, r.key(256, 6, q, kv)).name;
@@ -379,15 +379,19 @@ TEST(CudaAttentionMma, DefaultDispatch) {
   EXPECT_EQ(pick(22, 8192), "wgmma_ws");
   EXPECT_EQ(pick(21, 8192), "wgmma_ws");
   EXPECT_EQ(pick(1, 100), "wgmma_ws");
-  // Without the TMA kernels (DS_DISABLE_KERNELS), the earlier order: mma_m64 up to 128 packed
-  // rows, wgmma_m128 above.
+  // Without the TMA kernels (DS_DISABLE_KERNELS): wgmma_m128 for every hd-256 shape.
   const auto old = cuda::DispatchRegistry::with_defaults(
-      90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws_tilemajor");
+      90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws");
   const auto pick_old = [&](int q, int kv) {
     return old.select(cuda::KernelFamily::kAttnPrefill, old.key(256, 6, q, kv)).name;
   };
   EXPECT_EQ(pick_old(4096, 4096), "wgmma_m128");
-  EXPECT_EQ(pick_old(21, 8192), "mma_m64");
+  EXPECT_EQ(pick_old(21, 8192), "wgmma_m128");
+  EXPECT_EQ(pick_old(1, 1), "wgmma_m128");
+  // The variants removed in session 5 (never picked) are unknown names now.
+  for (const char* gone : {"attn_prefill.wgmma_pipe", "attn_prefill.wgmma_ws_tilemajor",
+                           "attn_prefill.mma_m128", "attn_prefill.mma_m64"})
+    EXPECT_THROW(cuda::DispatchRegistry::with_defaults(90, gone), ds::Error) << gone;
   EXPECT_EQ(r.select(cuda::KernelFamily::kAttnPrefill, r.key(128, 6, 4096, 4096)).name,
             "wmma_flash");
   const auto r80 = cuda::DispatchRegistry::with_defaults(80);  // no sm_90a code: generic
