@@ -39,7 +39,8 @@
 //               tile, an epilogue staged in fp32 through shared memory (16-byte rows). 310-443
 //               TFLOP/s for 3072/4096-token chunks (425-435 at 16K causal), 300-326 for
 //               512-token chunks against 8K-32K cached tokens: 8.5-15x the generic kernel. Runs
-//               when the TMA kernels are switched off; the reference of their bit-exact test.
+//               where the TMA kernels cannot, or are switched off; the reference of their
+//               bit-exact test.
 // Removed in session 5 (never picked on sm_90; docs/perf/attn_prefill_ws.md): wgmma_pipe,
 // wgmma_ws_tilemajor, mma_m128 and mma_m64.
 // Tests: tests/cuda/cuda_attention_test.cpp (vs the fp32 CPU reference and the generic kernel);
@@ -501,11 +502,14 @@ void launch_wgmma(const AttnShape& s, const AttnBatch& b, const bf16* q, const b
 // same as wgmma_m128 in the same order (same instructions, same softmax, O rescaled before the
 // P V that follows), so the outputs are bit-identical to it.
 // K / V tile j = 64 keys of one kv head = one contiguous [64, 256] run of a page; the TMA map sees
-// the cache as a [rows, 256] bf16 matrix (row = (block * n_kv + head) * page + slot) and copies it
-// as 4 boxes of [64 rows, 64 columns] with the 128-byte swizzle: exactly the wgmma tile layout
-// (gswz). Rows past the last needed key are copied too (the page is allocated): K rows there are
-// masked (their scores are replaced by -inf), V rows there are zeroed by the consumers before the
-// last P V (P is 0 there, but 0 * NaN would not be).
+// the cache as a 3-D tensor {256 columns, n_kv * page rows (row = head * page + slot), blocks}
+// (attention_prefill_tma_view: every coordinate stays a small 32-bit number, however large the
+// cache) and copies a tile as 4 boxes of [64 rows, 64 columns] with the 128-byte swizzle: exactly
+// the wgmma tile layout (gswz). Rows past the last needed key are copied too (the page is
+// allocated): K rows there are masked (their scores are replaced by -inf), V rows there are zeroed
+// before the last P V (P is 0 there, but 0 * NaN would not be) by a second producer warp alone,
+// once the TMA copy has landed; the consumers wait for that on one more mbarrier (a tile with
+// every key needed skips both).
 
 constexpr int kWsThreads = 384;
 constexpr uint32_t kWsTileBytes = kBn * kRowBytes;  // one K or V tile: 32 KiB
@@ -513,7 +517,7 @@ constexpr uint32_t kWsTileBytes = kBn * kRowBytes;  // one K or V tile: 32 KiB
 template <int KS, int VS>
 constexpr size_t ws_smem_bytes() {
   return 1024 + size_t(kWgRows) * kRowBytes + size_t(KS + VS) * kWsTileBytes +
-         2 * (KS + VS) * sizeof(uint64_t);
+         (2 * (KS + VS) + 2) * sizeof(uint64_t);
 }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -538,14 +542,14 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
-// One [64 rows, 64 columns] box of the [rows, 256] cache matrix at (column c0, row r0) into dst
-// (1024-byte aligned), completing on bar.
+// One [64 rows, 64 columns] box of the cache (TMA view {256 columns, n_kv * page rows, blocks})
+// at column c0, row r0 of block blk into dst (1024-byte aligned), completing on bar.
 __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, int c0, int r0,
-                                             uint32_t bar) {
+                                             int blk, uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(r0), "r"(bar)
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(r0), "r"(blk), "r"(bar)
       : "memory");
 }
 template <int N>
@@ -558,7 +562,8 @@ __device__ __forceinline__ void warpgroup_bar(int id) {
 }
 
 // Shared-memory map of the warp-specialised kernel: Q [128, 256], the K and V rings, then the
-// mbarriers (full / empty of each K stage, then of each V stage).
+// mbarriers (full / empty of each K stage, then of each V stage, then "every fill is issued" and
+// "the last V tile's rows past the last key are zeroed").
 template <int KS, int VS>
 struct WsSmem {
   uint32_t q, k, v, bars;
@@ -568,13 +573,16 @@ struct WsSmem {
   __device__ uint32_t empty_v(int st) const {
     return bars + 8u * (2 * KS + VS + st);
   }
+  __device__ uint32_t last_issued() const { return bars + 8u * (2 * KS + 2 * VS); }
+  __device__ uint32_t v_zeroed() const { return bars + 8u * (2 * KS + 2 * VS + 1); }
 };
 
 // Producer (one thread): K(0), then K(j), V(j - 1) for j >= 1 (the order the consumers use them),
-// then V(last). Each fill of a stage first waits until the consumers gave its previous fill back.
+// then V(last), then an arrival on last_issued (for ws_zero_v_tail). Each fill of a stage first
+// waits until the consumers gave its previous fill back.
 template <int KS, int VS>
-__device__ __forceinline__ void ws_produce(const RowTile& rt, const CUtensorMap* k_map,
-                                           const CUtensorMap* v_map, const WsSmem<KS, VS>& sm) {
+__device__ __forceinline__ void ws_load_tiles(const RowTile& rt, const CUtensorMap* k_map,
+                                              const CUtensorMap* v_map, const WsSmem<KS, VS>& sm) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(k_map)) : "memory");
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(v_map)) : "memory");
   auto load = [&](bool is_v, int j) {
@@ -583,12 +591,15 @@ __device__ __forceinline__ void ws_produce(const RowTile& rt, const CUtensorMap*
     const uint32_t full = is_v ? sm.full_v(st) : sm.full_k(st);
     mbar_wait(is_v ? sm.empty_v(st) : sm.empty_k(st), (fill & 1) ^ 1);
     mbar_arrive_expect_tx(full, kWsTileBytes);
-    const int row = int(key_tile_offset(rt, j) / kHd);
+    // Block and row inside the block of key tile j: both small 32-bit coordinates (the block is
+    // the int32 table entry), whatever the size of the cache.
+    const int kt = j * kBn;
+    const int blk = rt.btab[kt / rt.ps], row = rt.kvh * rt.ps + kt % rt.ps;
     const uint32_t dst = (is_v ? sm.v : sm.k) + uint32_t(st) * kWsTileBytes;
     const CUtensorMap* map = is_v ? v_map : k_map;
 #pragma unroll
     for (int cb = 0; cb < kHd / 64; ++cb)
-      tma_load_box(dst + uint32_t(cb) * kBn * 128, map, cb * 64, row, full);
+      tma_load_box(dst + uint32_t(cb) * kBn * 128, map, cb * 64, row, blk, full);
   };
   load(false, 0);
   for (int j = 1; j < rt.n_tiles; ++j) {
@@ -596,6 +607,30 @@ __device__ __forceinline__ void ws_produce(const RowTile& rt, const CUtensorMap*
     load(true, j - 1);
   }
   load(true, rt.n_tiles - 1);
+  mbar_arrive(sm.last_issued());
+}
+
+// Second producer warp, when the last key tile is partial: zeroes that V tile's rows past the last
+// key once its TMA copy has landed (the only writer of those bytes) and arrives on v_zeroed (32
+// arrivals), which the consumers wait for before the last P V. It first waits until the loading
+// thread has issued every fill (last_issued): the full barrier of that stage is then in the last
+// fill's phase or past it, so the parity wait cannot match an older phase. (A warp of its own
+// keeps the loading thread's registers free: it runs under setmaxnreg 24.)
+template <int KS, int VS>
+__device__ __forceinline__ void ws_zero_v_tail(const RowTile& rt, const WsSmem<KS, VS>& sm) {
+  const int j = rt.n_tiles - 1, valid = rt.n_keys - j * kBn;  // keys of the last tile (1..64)
+  if (valid == kBn) return;
+  const int lane = threadIdx.x & 31, sv = j % VS;
+  mbar_wait(sm.last_issued(), 0);
+  mbar_wait(sm.full_v(sv), (j / VS) & 1);
+  const uint32_t vs = sm.v + uint32_t(sv) * kWsTileBytes;
+  for (int i = lane; i < (kBn - valid) * 32; i += 32) {
+    const int r = valid + (i >> 5), c = i & 31;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vs + gswz(kBn, r, c)), "r"(0u)
+                 : "memory");
+  }
+  fence_proxy_async();  // the zeros (generic proxy) before the consumers' wgmma reads (async)
+  mbar_arrive(sm.v_zeroed());
 }
 
 // Keeps the A fragments of an in-flight P V alive (and in place) until its wgmma group is waited.
@@ -710,24 +745,13 @@ __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt
     release(sm.empty_v(sv));
     rescale_o(o, alpha_a, alpha_b);
   };
-  // The last tile's P V; its V rows past the last key hold whatever the page holds: zeroed
-  // first (both warpgroups write the same zeros; each reads them only after its own writes and
-  // its barrier).
+  // The last tile's P V; when the tile is partial, its V rows past the last key (whatever the
+  // page holds there) are zeroed by the second producer warp first (ws_zero_v_tail).
   auto last_pv = [&](uint32_t(&pin)[kBn / 16][4]) {
     const int j = rt.n_tiles - 1, sv = j % VS;
     mbar_wait(sm.full_v(sv), (j / VS) & 1);
     const uint32_t vs = sm.v + uint32_t(sv) * kWsTileBytes;
-    const int valid = rt.n_keys - j * kBn;  // keys of the last tile (1..64)
-    if (valid < kBn) {
-      for (int i = ct; i < (kBn - valid) * 32; i += 128) {
-        const int r = valid + (i >> 5), c = i & 31;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vs + gswz(kBn, r, c)),
-                     "r"(0u)
-                     : "memory");
-      }
-      fence_proxy_async();
-      warpgroup_bar(1 + wg);
-    }
+    if (rt.n_keys - j * kBn < kBn) mbar_wait(sm.v_zeroed(), 0);
     fence_regs(o);
     fence_frags(pin);
     issue_pv(o, pin, vs);
@@ -792,8 +816,8 @@ template <int KS, int VS>
 __global__ void __launch_bounds__(kWsThreads, 1)
     attention_prefill_ws_kernel(AttnShape s, AttnBatch b,
                                 const bf16* __restrict__ q,  // [n_rows, n_heads, 256]
-                                const __grid_constant__ CUtensorMap k_map,  // K cache [rows, 256]
-                                const __grid_constant__ CUtensorMap v_map,  // V cache [rows, 256]
+                                const __grid_constant__ CUtensorMap k_map,  // K cache, 3-D view
+                                const __grid_constant__ CUtensorMap v_map,  // V cache, 3-D view
                                 AttnGate gate,
                                 bf16* __restrict__ out,  // [n_rows, n_heads, 256]
                                 bool heads_fastest) {
@@ -820,6 +844,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       mbar_init(sm.full_v(st), 1);
       mbar_init(sm.empty_v(st), 8);
     }
+    mbar_init(sm.last_issued(), 1);  // one phase each
+    mbar_init(sm.v_zeroed(), 32);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -827,7 +853,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   // One if / else over the warpgroup roles (the form in which setmaxnreg takes effect).
   if (threadIdx.x < 128) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
-    if (threadIdx.x == 0) ws_produce(rt, &k_map, &v_map, sm);
+    if (threadIdx.x == 0) ws_load_tiles(rt, &k_map, &v_map, sm);
+    if (threadIdx.x >= 32 && threadIdx.x < 64) ws_zero_v_tail(rt, sm);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
     ws_consume(s, rt, q, gate, out, (threadIdx.x >> 7) - 1, sm);
@@ -848,19 +875,18 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// The TMA map of one paged cache seen as a [rows, 256] bf16 matrix with 64 x 64 boxes, 128-byte
-// swizzle. The launch does not know how many blocks the cache has: the row extent is the largest
-// a 32-bit coordinate reaches (rows are only ever read inside pages of the block table).
-CUtensorMap cache_tensor_map(const bf16* cache, const char* what) {
+// The TMA map of one paged cache (attention_prefill_tma_view, which the caller has checked), 64 x
+// 64 x 1 boxes, 128-byte swizzle.
+CUtensorMap cache_tensor_map(const AttnCacheTmaView& view, const bf16* cache, const char* what) {
   DS_CHECK((reinterpret_cast<uintptr_t>(cache) & 15) == 0, "attention prefill (wgmma_ws): the ",
            what, " cache must be 16-byte aligned");
   CUtensorMap map;
-  const cuuint64_t dims[2] = {cuuint64_t(kHd), cuuint64_t(0x7fffffff)};
-  const cuuint64_t strides[1] = {cuuint64_t(kRowBytes)};
-  const cuuint32_t box[2] = {64, cuuint32_t(kBn)};
-  const cuuint32_t elem_strides[2] = {1, 1};
+  const cuuint64_t dims[3] = {view.dims[0], view.dims[1], view.dims[2]};
+  const cuuint64_t strides[2] = {view.strides[0], view.strides[1]};
+  const cuuint32_t box[3] = {64, cuuint32_t(kBn), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(cache), dims, strides, box,
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(cache), dims, strides, box,
       elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   DS_CHECK(r == CUDA_SUCCESS, "attention prefill (wgmma_ws): cuTensorMapEncodeTiled failed for ",
@@ -874,8 +900,11 @@ void launch_ws(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16
   constexpr size_t smem = ws_smem_bytes<KS, VS>();
   static_assert(smem <= 227 * 1024, "shared memory of one block");
   ensure_smem_optin(reinterpret_cast<const void*>(attention_prefill_ws_kernel<KS, VS>), smem);
-  const CUtensorMap k_map = cache_tensor_map(k_cache, "K");
-  const CUtensorMap v_map = cache_tensor_map(v_cache, "V");
+  const AttnCacheTmaView view = attention_prefill_tma_view(s);
+  DS_CHECK(view.ok, "attention prefill (wgmma_ws): no TMA view of a cache with ", s.n_kv_heads,
+           " kv heads x ", s.page_size, "-token pages");
+  const CUtensorMap k_map = cache_tensor_map(view, k_cache, "K");
+  const CUtensorMap v_map = cache_tensor_map(view, v_cache, "V");
   const int group = s.n_heads / s.n_kv_heads;
   const int64_t tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
   DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
@@ -896,6 +925,21 @@ bool attention_prefill_mma_supported(const AttnShape& s) {
          s.n_heads % s.n_kv_heads == 0;
 }
 
+AttnCacheTmaView attention_prefill_tma_view(const AttnShape& s) {
+  AttnCacheTmaView v;
+  if (!attention_prefill_mma_supported(s)) return v;
+  const uint64_t block_rows = uint64_t(s.n_kv_heads) * uint64_t(s.page_size);
+  v.dims[0] = kHd;
+  v.dims[1] = block_rows;
+  v.dims[2] = uint64_t(INT32_MAX) + 1;  // every block id an int32 table entry can hold
+  v.strides[0] = kRowBytes;
+  v.strides[1] = block_rows * kRowBytes;
+  // Encoder limits: dims <= 2^32, strides < 2^40 and multiples of 16; a tile's row coordinate
+  // (head * page + slot, up to block_rows - 64) is a signed 32-bit number.
+  v.ok = block_rows <= uint64_t(INT32_MAX) && v.strides[1] < (uint64_t(1) << 40);
+  return v;
+}
+
 void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, const AttnBatch& b,
                                   const bf16* q, const bf16* k_cache, const bf16* v_cache,
                                   AttnGate gate, bf16* out, cudaStream_t stream) {
@@ -907,8 +951,13 @@ void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, cons
     case AttnMmaKernel::kWgmmaM128:
       return launch_wgmma(s, b, q, k_cache, v_cache, gate, out, stream);
     case AttnMmaKernel::kWgmmaWs:
-      return launch_ws<2, 2>(s, b, q, k_cache, v_cache, gate, out, stream);
     case AttnMmaKernel::kWgmmaWs3:
+      // A cache the TMA map cannot describe (attention_prefill_tma_view) runs wgmma_m128: the
+      // same outputs bit for bit.
+      if (!attention_prefill_tma_view(s).ok)
+        return launch_wgmma(s, b, q, k_cache, v_cache, gate, out, stream);
+      if (kernel == AttnMmaKernel::kWgmmaWs)
+        return launch_ws<2, 2>(s, b, q, k_cache, v_cache, gate, out, stream);
       return launch_ws<3, 2>(s, b, q, k_cache, v_cache, gate, out, stream);
   }
   ds::throw_error("attention prefill (mma): unknown kernel ", static_cast<int>(kernel));

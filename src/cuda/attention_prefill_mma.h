@@ -17,6 +17,20 @@ constexpr int kAttnMmaKeyTile = 64;
 // the registry guard decides on top of this whether it should.
 bool attention_prefill_mma_supported(const AttnShape& s);
 
+// The TMA view of one paged cache [blocks, n_kv, page, 256] (bf16) that wgmma_ws / wgmma_ws3 load
+// tiles through: a 3-D tensor {256 columns, n_kv * page rows of one block, blocks} (innermost
+// first) with byte strides {512, n_kv * page * 512} for dims 1 and 2, and room for every block id
+// of the int32 block table. A tile's coordinates are (column, head * page + slot, block): small
+// 32-bit numbers whatever the size of the cache, so nothing can wrap. `ok` is false when the shape
+// is not an mma shape or breaks the encoder's limits (dims <= 2^32, strides < 2^40, signed 32-bit
+// row coordinates); the TMA variants then run as wgmma_m128 (bit-identical outputs).
+struct AttnCacheTmaView {
+  uint64_t dims[3] = {0, 0, 0};
+  uint64_t strides[2] = {0, 0};
+  bool ok = false;
+};
+AttnCacheTmaView attention_prefill_tma_view(const AttnShape& s);
+
 // The kernels of this file, one per attn_prefill variant of dispatch.cpp: Hopper wgmma (sm_90a, 2
 // warpgroups x 64 rows) fed by cp.async (kWgmmaM128), and warp-specialised (a TMA producer warp
 // feeding two wgmma consumer warpgroups through 2 K and 2 V stages, kWgmmaWs, or 3 K and 2 V

@@ -136,7 +136,8 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          "cuBLASLt bf16 GEMM, fp32 accumulate, algorithm per shape at plan time",
          {}});
   // attn_prefill dims: {head_dim, group, max_q_len, max_kv_len}; the hd-256 kernels also need
-  // page_size % 64 == 0, checked in launch_attention_prefill (else the generic kernel runs).
+  // page_size % 64 == 0, checked in launch_attention_prefill (else the generic kernel runs), and
+  // the TMA kernels a cache their tensor map can describe (else wgmma_m128 runs).
   // Order measured on the H200 (issue 7, two runs of bench kernels, every variant timed on the
   // same inputs): the warp-specialised TMA kernels win on every shape measured, against
   // wgmma_m128 by 1.2x (512 / 3072 tokens, nothing cached) to 1.7x (512-4096-token chunks against

@@ -12,7 +12,9 @@
 // and the generic kernel (measured <= 3.5e-5). wgmma_ws and wgmma_ws3 (TMA-fed, warp-specialised)
 // must equal wgmma_m128 bit for bit on every fixture (they copy whole 64-key tiles, so the NaN rows
 // past a sequence's last key inside its last page do reach shared memory there: masked for K,
-// zeroed for V).
+// zeroed for V by a producer warp); CudaAttentionMma.PartialLastKeyTile pins that case down with
+// both consumer warpgroups holding rows. CudaAttentionMma.TmaCacheView checks the TMA view of the
+// cache against the encoder's documented limits on the host (no GPU needed).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -358,6 +360,80 @@ TEST(CudaAttentionMma, OtherGroupsAndPageSizes) {
     check_mma_variants(
         f, "mma hd 256 group " + std::to_string(nh / nkv) + " page " + std::to_string(ps));
   }
+}
+
+TEST(CudaAttentionMma, PartialLastKeyTile) {
+  DS_REQUIRE_GPU();
+  if (device_sm() < 90) GTEST_SKIP() << "the mma variants are registered for sm >= 90";
+  // One row tile per sequence (11-21 tokens x group 6 = 66-126 rows: both consumer warpgroups of
+  // wgmma_ws hold rows) whose last 64-key tile is partial (1, 11, 22, 63 valid keys) or full (the
+  // contrast): the TMA kernels copy that whole tile, the cache rows past kv_len are NaN, and the
+  // producer warp must zero the V rows past the last key before either consumer's last P V.
+  const std::vector<SeqSpec> seqs = {{11, 65}, {12, 75}, {21, 8214}, {16, 127}, {21, 128}};
+  int partial = 0;
+  for (const SeqSpec& sp : seqs) {
+    const int rows = sp.q_len * 6, valid = (sp.kv_len - 1) % 64 + 1;
+    ASSERT_TRUE(rows > 64 && rows <= 128) << "one row tile with both consumers active";
+    partial += valid < 64;
+  }
+  ASSERT_EQ(partial, 4);
+  Fixture f(test::attn_shape_27b(), seqs, 4242);
+  check_mma_variants(f, "mma 27b partial last key tile");
+  for (const SeqSpec& sp : seqs) {  // each alone too (one block per kv head, nothing else running)
+    Fixture one(test::attn_shape_27b(), {sp}, 4300 + sp.kv_len);
+    check_mma_variants(one, "mma 27b q " + std::to_string(sp.q_len) + " kv " +
+                                std::to_string(sp.kv_len) + " (last tile " +
+                                std::to_string((sp.kv_len - 1) % 64 + 1) + " keys)",
+                       false);
+  }
+}
+
+TEST(CudaAttentionMma, TmaCacheView) {
+  // Host only (no GPU): the TMA view of the cache that wgmma_ws / wgmma_ws3 encode, against the
+  // limits cuTensorMapEncodeTiled documents (dims <= 2^32; strides multiples of 16, < 2^40, each
+  // covering the dimension below; signed 32-bit coordinates).
+  auto check_limits = [](const cuda::AttnCacheTmaView& v, const char* what) {
+    for (uint64_t d : v.dims) EXPECT_TRUE(d >= 1 && d <= (uint64_t(1) << 32)) << what;
+    for (uint64_t st : v.strides) EXPECT_TRUE(st % 16 == 0 && st < (uint64_t(1) << 40)) << what;
+    EXPECT_EQ(v.strides[0], v.dims[0] * 2) << what;  // bf16 rows, no padding
+    EXPECT_EQ(v.strides[1], v.strides[0] * v.dims[1]) << what;
+    EXPECT_LE(v.dims[1], uint64_t(INT32_MAX)) << what;      // row coordinates
+    EXPECT_GE(v.dims[2], uint64_t(INT32_MAX) + 1) << what;  // every int32 block id
+  };
+  cuda::AttnShape s = test::attn_shape_27b();  // 4 kv heads, page 64
+  cuda::AttnCacheTmaView v = cuda::attention_prefill_tma_view(s);
+  ASSERT_TRUE(v.ok);
+  EXPECT_EQ(v.dims[0], 256u);
+  EXPECT_EQ(v.dims[1], 4u * 64u);
+  EXPECT_EQ(v.strides[1], 4u * 64u * 512u);
+  // At 27B a block id >= 2^23 (a cache over 1 TiB) made the row (block * n_kv + head) * page +
+  // slot of the old 2-D view overflow 32 bits; here the block is a coordinate of its own.
+  check_limits(v, "27b");
+  s.page_size = 4096;
+  s.n_kv_heads = 64;
+  s.n_heads = 64;
+  v = cuda::attention_prefill_tma_view(s);
+  ASSERT_TRUE(v.ok);
+  check_limits(v, "64 kv heads x 4096-token pages");
+  // The largest block the encoder can describe: n_kv * page = 2^31 - 64 rows.
+  s.n_kv_heads = 1;
+  s.n_heads = 1;
+  s.page_size = INT32_MAX - 63;
+  v = cuda::attention_prefill_tma_view(s);
+  ASSERT_TRUE(v.ok);
+  check_limits(v, "2^31 - 64 rows per block");
+  // 2^31 rows per block: the row coordinate and the block stride no longer fit; the TMA variants
+  // then run as wgmma_m128 (launch_attention_prefill_mma).
+  s.n_kv_heads = 2;
+  s.n_heads = 2;
+  s.page_size = 1 << 30;
+  EXPECT_FALSE(cuda::attention_prefill_tma_view(s).ok);
+  s.n_kv_heads = 4;
+  s.n_heads = 24;
+  s.page_size = 1 << 29;  // 2^31 rows
+  EXPECT_FALSE(cuda::attention_prefill_tma_view(s).ok);
+  s.page_size = 16;  // not an mma shape at all
+  EXPECT_FALSE(cuda::attention_prefill_tma_view(s).ok);
 }
 
 TEST(CudaAttentionMma, DefaultDispatch) {
