@@ -124,6 +124,14 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm == 90 && k.dtype == 0 &&
                   gemv_bulk_pdl_preferred(k.dims[0], k.dims[1], k.dims[2]);
          }});
+  r.add({F::kGemm, "gemv_narrow",
+         "decode GEMV for narrow outputs / long rows (gemv.h, gemv_narrow.cu): persistent block "
+         "per SM, bulk-copy ring of (row, k-slice) stages, split-K over 8 warps in a fixed order; "
+         "sm 90, m 1..2, n 1024..8192, k 12288..32768 (the MLP down projection)",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dtype == 0 &&
+                  gemv_narrow_preferred(k.dims[0], k.dims[1], k.dims[2]);
+         }});
   r.add({F::kGemm, "skinny_mma",
          "decode skinny GEMM (gemv.h): m 1..16, mma.sync with tokens as M, weight read once, "
          "batch-invariant; sm 90, k % 8 == 0, shapes where it beats cuBLASLt (k >= 12288)",
@@ -202,6 +210,17 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // 0.325, 4096 0.524 vs 0.550, 8192 0.981 vs 1.034; 64 tokens 0.050 vs 0.047 (the conv stages
   // tie there, 11.4 vs 11.3 us: launch noise, but not a win), hence >= 512 tokens. Rejected
   // (removed): the state pass with 3 / 4 cp.async stages (177 / 185 vs 174 us at 4096 tokens).
+  // slice_scan_ov (issue 7 round 3): slice_scan_cs with the output kernel launched as a
+  // programmatic dependent of the state pass (it fills the SMs the 96 state CTAs leave idle and
+  // takes each chunk once the state pass has stored it: per-chunk ready flags); bit-identical to
+  // slice_scan_cs. H200 (bench kernels, one run, carried state), us per layer: 512 tokens 82.7 vs
+  // slice_scan_cs 113.6, 4096 486.7 vs 522.4, 8192 931.8 vs 981.7 (docs/perf/gdn_prefill.md).
+  r.add({F::kGdnPrefill, "slice_scan_ov",
+         "d_k = d_v = 128, >= 512 tokens: slice_scan_cs with the output kernel running beside the "
+         "state pass (programmatic dependent launch, per-chunk ready flags; gdn_prefill_slice.cu)",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
+         }});
   r.add({F::kGdnPrefill, "slice_scan_cs",
          "d_k = d_v = 128, >= 512 tokens: slice_scan with the streaming conv (one warp per two "
          "heads down a strip of tokens, each input row read once; gdn_prefill_conv.cu)",

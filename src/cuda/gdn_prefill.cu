@@ -79,6 +79,7 @@ struct PrefillWorkspace {
   bf16* h;            // [max_chunks, n_v_heads, d_v, d_k] state snapshot before each chunk
   ChunkInfo* chunks;  // [max_chunks]
   int* seq_chunk0;    // [n_seqs + 1] first global chunk of each sequence
+  int* ready;  // [max_chunks, n_v_heads] slice_scan_ov's chunk-ready flags (zeroed by stage 0)
   size_t bytes;
 };
 
@@ -105,6 +106,7 @@ PrefillWorkspace carve_workspace(const GdnShape& s, int n_tokens, int n_seqs, vo
   ws.h = reinterpret_cast<bf16*>(take(mc * s.n_v_heads * s.d_v * s.d_k * sizeof(bf16)));
   ws.chunks = reinterpret_cast<ChunkInfo*>(take(mc * sizeof(ChunkInfo)));
   ws.seq_chunk0 = reinterpret_cast<int*>(take((static_cast<size_t>(n_seqs) + 1) * sizeof(int)));
+  ws.ready = reinterpret_cast<int*>(take(mc * s.n_v_heads * sizeof(int)));
   ws.bytes = off;
   return ws;
 }
@@ -162,8 +164,11 @@ __device__ __forceinline__ float softplus_thresh(float x) { return x > 20.f ? x 
 __global__ void gdn_chunk_map_kernel(const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
                                      int n_seqs, int max_chunks,
                                      ChunkInfo* __restrict__ chunks,  // [max_chunks]
-                                     int* __restrict__ seq_chunk0) {  // [n_seqs + 1]
+                                     int* __restrict__ seq_chunk0,    // [n_seqs + 1]
+                                     int* __restrict__ ready,  // [n_ready] flags, cleared here
+                                     int n_ready) {
   __shared__ int total;
+  for (int i = threadIdx.x; i < n_ready; i += blockDim.x) ready[i] = 0;
   if (threadIdx.x == 0) {
     int c = 0;
     for (int s = 0; s < n_seqs; ++s) {
@@ -1010,7 +1015,7 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   const int max_chunks = max_chunks_for(n_tokens, n_seqs);
 
   gdn_chunk_map_kernel<<<1, 256, 0, stream>>>(cu_seqlens, n_seqs, max_chunks, ws.chunks,
-                                              ws.seq_chunk0);
+                                              ws.seq_chunk0, ws.ready, max_chunks * s.n_v_heads);
   DS_CUDA_LAUNCH_CHECK();
   // Compile-time head sizes for d_k == d_v == 128 (the shipped models); run-time otherwise.
   const bool d128 = s.d_k == 128 && s.d_v == 128;
@@ -1022,9 +1027,11 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   // "slice_scan*" (gdn_prefill_slice.cu): the register WY stage (tf32 off-diagonal inverse), then
   // the state pass split over 64-column slices of each head's state (v32: 32) and the output +
   // gated norm parallel over chunks (slice_scan: 8-warp output CTAs; _o4, _v32: 4 warps);
-  // slice_scan_cs: slice_scan with the streaming conv of gdn_prefill_conv.cu.
+  // slice_scan_cs: slice_scan with the streaming conv of gdn_prefill_conv.cu; slice_scan_ov:
+  // slice_scan_cs with the output kernel running beside the state pass (ready flags per chunk).
   int scan_split = 0;  // 0: the generic state pass + output kernels
   bool slice = false;  // gdn_prefill_slice.cu's state pass and output
+  bool slice_overlap = false;
   GdnSliceState slice_state = GdnSliceState::kV64;
   int slice_out_warps = 4;
   bool wy_mma = false, conv_multi = false, conv_wide = false, conv_stream = false;
@@ -1038,7 +1045,8 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
       // alignment holds; else 8-token blocks from 2048 tokens on (H200, 4096 tokens: 104 us vs
       // 114 for the wide grid), the wide grid below (the 8-token blocks under-fill the GPU on
       // short chunks).
-      const bool cs = v == "slice_scan_cs";
+      slice_overlap = v == "slice_scan_ov" && max_chunks <= 65535;
+      const bool cs = v == "slice_scan_cs" || v == "slice_scan_ov";
       conv_stream = cs && gdn_conv_prep_stream_supported(s, w, pool, proj);
       conv_multi =
           !conv_stream && n_tokens >= 2048 && gdn_conv_prep_multi_supported(s, w, pool, proj);
@@ -1102,8 +1110,8 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   if (slice) {
     launch_gdn_slice_scan(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs,
                           reinterpret_cast<const int4*>(ws.chunks), ws.seq_chunk0, max_chunks,
-                          ws.qkv, ws.g, ws.w, ws.u, ws.h, out, slice_state, slice_out_warps,
-                          stream);
+                          ws.qkv, ws.g, ws.w, ws.u, ws.h, out, slice_state, slice_out_warps, stream,
+                          /*stages=*/3, slice_overlap ? ws.ready : nullptr);
     return;
   }
   if (scan_split > 0) {

@@ -1,7 +1,6 @@
-// GDN prompt path, Hopper kernels for d_k = d_v = 128: the kGdnPrefill variants "slice_scan",
-// "slice_scan_o4" and "slice_scan_v32" of dispatch.cpp (gdn_prefill.cu runs them after the conv
-// kernel and the register WY kernel of gdn_prefill_sm90.cu). The FLA / FlashInfer split of the
-// chunked delta rule:
+// GDN prompt path, Hopper kernels for d_k = d_v = 128: the kGdnPrefill variants "slice_scan*"
+// of dispatch.cpp (gdn_prefill.cu runs them after the conv kernel and the register WY kernel of
+// gdn_prefill_sm90.cu). The FLA / FlashInfer split of the chunked delta rule:
 //  - gdn_state_slice_kernel: the only sequential stage, the inter-chunk state pass, split over
 //    slices of NW * 16 value columns of each head's state (the rows of h^T are independent given
 //    W, U and K), so 48 heads x 128 / (16 NW) CTAs share the SMs (96 for NW = 4, 192 for NW = 2,
@@ -17,6 +16,15 @@
 //    columns; P = causal(Q K^T) * e^(gamma_i - gamma_j) (formed while h_c, V_new and z are still
 //    landing: two cp.async groups), O = e^gamma (Q h_c) + P V_new, then the gated RMSNorm (row sums
 //    by quad shuffles, VS = 2: plus the partner warp's through shared memory), y written as bf16.
+//  - slice_scan_ov: the same two kernels, the output launched as a programmatic dependent of the
+//    state pass (griddepcontrol.launch_dependents once every state CTA is resident) with a
+//    head-major grid, so that its CTAs fill the SMs and registers the 96 state CTAs leave idle;
+//    each output CTA stages Q, K, z, then waits until ready[chunk][head] counts both slices
+//    (red.release.gpu after a block barrier in the state pass / ld.acquire.gpu + block barrier in
+//    the output) before it reads h_c and V_new. Bit-identical to slice_scan_cs. H200
+//    (2026-11-29, docs/perf/gdn_prefill.md), 4096 tokens: state + output 292 us vs 323 one after
+//    the other; whole layer 0.487 vs 0.522 ms (bench kernels, same run); 512 tokens 0.083 vs
+//    0.114, 8192 0.932 vs 0.982.
 // Precision as FLA and the other variants: bf16 operands (h_c, V_new, P, Q, K, W, U), fp32
 // accumulators, state and gamma. Workspace: gdn_prefill.cu's h snapshot region ([chunk, head, v,
 // k] bf16, the generic layout) and U (V_new after the pass).
@@ -71,7 +79,21 @@ struct SliceCfg {
   static_assert(kThreads >= kC && (kLdu * sizeof(bf16)) % 16 == 0 && STAGES >= 2);
 };
 
-template <int NW, int STAGES>
+// kSignal (slice_scan_ov): the output kernel runs beside this one (programmatic dependent launch)
+// and takes chunk c of head hv once ready[c][hv] counts every slice of the head: each CTA adds 1
+// (release, gpu scope) after its snapshot h_c and V_new rows of chunk c are stored; for a
+// sequence's last chunk only after the final state is stored too, so that the output kernel
+// cannot finish before this one has written everything.
+__device__ __forceinline__ void signal_ready(int* flag) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(flag) : "memory");
+}
+__device__ __forceinline__ int load_acquire(const int* flag) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+
+template <int NW, int STAGES, bool kSignal>
 __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
     gdn_state_slice_kernel(GdnShape s, GdnStatePool pool,
                            const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
@@ -82,8 +104,14 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
                            const float* __restrict__ gamma,         // [n_tokens, n_v]
                            const bf16* __restrict__ w_mat,          // [n_tokens, n_v, 128]
                            bf16* __restrict__ u_mat,   // [n_tokens, n_v, 128] in U, out V_new
-                           bf16* __restrict__ h_snap)  // [max_chunks, n_v, 128 v, 128 k]
+                           bf16* __restrict__ h_snap,  // [max_chunks, n_v, 128 v, 128 k]
+                           int* __restrict__ ready)    // [max_chunks, n_v] (kSignal only)
 {
+  if constexpr (kSignal) {
+    // Every CTA of this grid is resident once all have passed here: only then may the output
+    // grid start (its CTAs wait on `ready`, so it must never hold SMs that a state CTA needs).
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  }
   using L = SliceCfg<NW, STAGES>;
   constexpr int kVs = L::kVs, kLdu = L::kLdu, kThreads = L::kThreads;
   const int seq = blockIdx.x, hv = blockIdx.y;
@@ -147,6 +175,8 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
     const int n = min(kC, len - ch * kC);
     cp_async_wait<STAGES - 2>();
     __syncthreads();  // chunk ch landed; every warp is done with chunk ch - 1's stage
+    // (and has stored chunk ch - 1's snapshot and V_new rows: publish them)
+    if (kSignal && ch > 0 && tid == 0) signal_ready(ready + (chunk0 + ch - 1) * n_v + hv);
     if (ch + STAGES - 1 < n_chunks) fetch(ch + STAGES - 1, (ch + STAGES - 1) % STAGES);
     cp_async_commit();
     const bf16* k_s = tile(b, L::kK);
@@ -213,6 +243,10 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
   cp_async_wait_all();  // nothing in flight at exit (the last commit is empty)
 
   gdn_tile::store_state_rows(h, state, v_base, g, c);
+  if constexpr (kSignal) {
+    __syncthreads();  // the last chunk's V_new rows and the final state are stored
+    if (tid == 0) signal_ready(ready + (chunk0 + n_chunks - 1) * n_v + hv);
+  }
 }
 
 // ---- output -------------------------------------------------------------------------------------
@@ -226,7 +260,11 @@ struct OutCfg {
   static constexpr size_t kTotal = kSs + sizeof(float) * 8 * 16;
 };
 
-template <int VS>
+// kWait (slice_scan_ov): launched beside the state pass (programmatic dependent launch, grid
+// head-major so that CTAs start in the order the state pass finishes chunks); it stages Q, K and z,
+// then waits until ready[chunk][head] == n_slices before it reads h_c and V_new. The arithmetic is
+// the same as without kWait (bit-identical outputs).
+template <int VS, bool kWait>
 __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
     gdn_chunk_out_kernel(GdnShape s, GdnLayerWeights wts,
                          const int4* __restrict__ chunks,  // [max_chunks] {seq, t0, n, index}
@@ -235,13 +273,16 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
                          const float* __restrict__ gamma,  // [n_tokens, n_v]
                          const bf16* __restrict__ vn_mat,  // [n_tokens, n_v, 128] V_new
                          const bf16* __restrict__ h_snap,  // [max_chunks, n_v, 128 v, 128 k]
-                         bf16* __restrict__ out)           // [n_tokens, n_v * 128]
+                         bf16* __restrict__ out,           // [n_tokens, n_v * 128]
+                         const int* __restrict__ ready,    // [max_chunks, n_v] (kWait only)
+                         int n_slices)                     // state CTAs per head (kWait only)
 {
   using L = OutCfg<VS>;
   constexpr int kNj = 16 / VS;  // 8-column tiles of O per warp
-  const int4 ci = chunks[blockIdx.x];
+  const int chunk = kWait ? blockIdx.y : blockIdx.x;
+  const int hv = kWait ? blockIdx.x : blockIdx.y;
+  const int4 ci = chunks[chunk];
   if (ci.x < 0) return;
-  const int hv = blockIdx.y;
   const int64_t row0 = ci.y;
   const int n = ci.z;
   const int n_v = s.n_v_heads, hk = hv / (n_v / s.n_k_heads);
@@ -261,23 +302,34 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
   float* ssb = reinterpret_cast<float*>(smem + L::kSs);
 
   // Two cp.async groups: Q, K (for P), then V_new, z and the snapshot h_c, which land while the
-  // warps form P.
+  // warps form P (kWait: z joins the first group, the second waits for the state pass).
   for (int e = tid; e < kC * (kD / 8); e += L::kThreads) {
     const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
     const bool ok = r < n;
-    const bf16* qkv_row = qkv + (row0 + (ok ? r : 0)) * qkv_dim;
+    const int64_t row = row0 + (ok ? r : 0);
+    const bf16* qkv_row = qkv + row * qkv_dim;
     cp_async16(q_s + r * kLd + col, qkv_row + hk * kD + col, ok);
     cp_async16(k_s + r * kLd + col, qkv_row + (s.n_k_heads + hk) * kD + col, ok);
+    if (kWait && norm)
+      cp_async16(z_s + r * kLd + col, proj + row * in_dim + qkv_dim + hv * kD + col, ok);
   }
   cp_async_commit();
+  if constexpr (kWait) {
+    if (tid == 0) {
+      const int* flag = ready + static_cast<int64_t>(chunk) * n_v + hv;
+      while (load_acquire(flag) < n_slices) __nanosleep(128);
+    }
+    __syncthreads();  // h_c and V_new of this chunk are stored and visible (acquired above)
+  }
   for (int e = tid; e < kC * (kD / 8); e += L::kThreads) {
     const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
     const bool ok = r < n;
     const int64_t row = row0 + (ok ? r : 0);
     cp_async16(v_s + r * kLd + col, vn_mat + (row * n_v + hv) * kD + col, ok);
-    if (norm) cp_async16(z_s + r * kLd + col, proj + row * in_dim + qkv_dim + hv * kD + col, ok);
+    if (!kWait && norm)
+      cp_async16(z_s + r * kLd + col, proj + row * in_dim + qkv_dim + hv * kD + col, ok);
   }
-  const bf16* hsrc = h_snap + (static_cast<int64_t>(blockIdx.x) * n_v + hv) * (kD * kD);
+  const bf16* hsrc = h_snap + (static_cast<int64_t>(chunk) * n_v + hv) * (kD * kD);
   for (int e = tid; e < kD * (kD / 8); e += L::kThreads) {
     const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
     cp_async16(h_s + r * kLd + col, hsrc + r * kD + col, true);
@@ -419,12 +471,12 @@ template <typename K>
 void launch_state(K kernel, size_t smem, int threads, int n_slices, const GdnShape& s,
                   const GdnStatePool& pool, const int32_t* cu_seqlens, const int32_t* seq_pos,
                   const int32_t* slot_ids, const int* seq_chunk0, int n_seqs, const bf16* qkv,
-                  const float* gamma, const bf16* w_mat, bf16* u_mat, bf16* h_snap,
+                  const float* gamma, const bf16* w_mat, bf16* u_mat, bf16* h_snap, int* ready,
                   cudaStream_t stream) {
   DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(smem)));
   kernel<<<dim3(n_seqs, s.n_v_heads, n_slices), threads, smem, stream>>>(
-      s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, qkv, gamma, w_mat, u_mat, h_snap);
+      s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, qkv, gamma, w_mat, u_mat, h_snap, ready);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -443,27 +495,36 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                            const int* seq_chunk0, int max_chunks, const bf16* qkv,
                            const float* gamma, const bf16* w_mat, bf16* u_mat, bf16* h_snap,
                            bf16* out, GdnSliceState state, int out_warps, cudaStream_t stream,
-                           int stages) {
+                           int stages, int* ready) {
   DS_CHECK(out_warps == 4 || out_warps == 8, "gdn slice scan: out_warps must be 4 or 8, got ",
            out_warps);
+  DS_CHECK(ready == nullptr || (stages == 3 && max_chunks <= 65535 && out_warps == 8 &&
+                                state == GdnSliceState::kV64),
+           "gdn slice scan: the overlapped launch (ready flags) runs both stages with 64-column "
+           "slices and 8-warp output CTAs, at most 65535 chunks (got stages ",
+           stages, ", ", max_chunks, " chunks)");
   DS_CHECK(gdn_slice_supported(s, w, pool, proj, out),
            "gdn slice scan: shape / alignment not supported (d_k = d_v = 128 only)");
   DS_CHECK(aligned(qkv, 16) && aligned(w_mat, 16) && aligned(u_mat, 16) && aligned(h_snap, 16),
            "gdn slice scan: workspace tiles must be 16-byte aligned");
   if (n_seqs <= 0 || max_chunks <= 0) return;
+  const bool overlap = ready != nullptr;
+  const int n_slices = state == GdnSliceState::kV64 ? kD / 64 : kD / 32;
   if (stages & 1) {
-    auto run = [&](auto kernel, size_t smem, int threads, int n_slices) {
+    auto run = [&](auto kernel, size_t smem, int threads) {
       launch_state(kernel, smem, threads, n_slices, s, pool, cu_seqlens, seq_pos, slot_ids,
-                   seq_chunk0, n_seqs, qkv, gamma, w_mat, u_mat, h_snap, stream);
+                   seq_chunk0, n_seqs, qkv, gamma, w_mat, u_mat, h_snap, ready, stream);
     };
     switch (state) {
       case GdnSliceState::kV64:
-        run(gdn_state_slice_kernel<4, 2>, SliceCfg<4, 2>::kTotal, SliceCfg<4, 2>::kThreads,
-            kD / 64);
+        if (overlap)
+          run(gdn_state_slice_kernel<4, 2, true>, SliceCfg<4, 2>::kTotal, SliceCfg<4, 2>::kThreads);
+        else
+          run(gdn_state_slice_kernel<4, 2, false>, SliceCfg<4, 2>::kTotal,
+              SliceCfg<4, 2>::kThreads);
         break;
       case GdnSliceState::kV32:
-        run(gdn_state_slice_kernel<2, 2>, SliceCfg<2, 2>::kTotal, SliceCfg<2, 2>::kThreads,
-            kD / 32);
+        run(gdn_state_slice_kernel<2, 2, false>, SliceCfg<2, 2>::kTotal, SliceCfg<2, 2>::kThreads);
         break;
     }
   }
@@ -471,14 +532,23 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
   auto out_kernel = [&](auto kernel, size_t smem, int threads) {
     DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
-    kernel<<<dim3(max_chunks, s.n_v_heads), threads, smem, stream>>>(s, w, chunks, proj, qkv, gamma,
-                                                                     u_mat, h_snap, out);
+    // Overlapped: head-major grid (CTAs start in the order the state pass finishes chunks),
+    // launched as a programmatic dependent of the state pass, so that it may start as soon as
+    // every state CTA is resident; the ready flags order each CTA after its chunk.
+    const dim3 grid = overlap ? dim3(s.n_v_heads, max_chunks) : dim3(max_chunks, s.n_v_heads);
+    launch_maybe_pdl(kernel, grid, dim3(threads), smem, stream, overlap, s, w, chunks, proj, qkv,
+                     gamma, static_cast<const bf16*>(u_mat), static_cast<const bf16*>(h_snap), out,
+                     static_cast<const int*>(ready), n_slices);
     DS_CUDA_LAUNCH_CHECK();
   };
-  if (out_warps == 8)
-    out_kernel(gdn_chunk_out_kernel<2>, OutCfg<2>::kTotal, OutCfg<2>::kThreads);
-  else
-    out_kernel(gdn_chunk_out_kernel<1>, OutCfg<1>::kTotal, OutCfg<1>::kThreads);
+  if (out_warps == 8) {
+    if (overlap)
+      out_kernel(gdn_chunk_out_kernel<2, true>, OutCfg<2>::kTotal, OutCfg<2>::kThreads);
+    else
+      out_kernel(gdn_chunk_out_kernel<2, false>, OutCfg<2>::kTotal, OutCfg<2>::kThreads);
+  } else {
+    out_kernel(gdn_chunk_out_kernel<1, false>, OutCfg<1>::kTotal, OutCfg<1>::kThreads);
+  }
 }
 
 }  // namespace ds::cuda

@@ -125,6 +125,12 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                            int out_warps,  // output CTA: 4 warps (16 rows x 128 columns each) or
                                            // 8 (16 rows x 64 columns, row sums shared per pair)
                            cudaStream_t stream,
-                           int stages = 3);  // 1: the state pass only, 2: the output only (timing)
+                           int stages = 3,  // 1: the state pass only, 2: the output only (timing)
+                           // slice_scan_ov: non-null = the output kernel runs beside the state
+                           // pass (programmatic dependent launch), each CTA waiting until its
+                           // chunk's flag counts every slice; [max_chunks, n_v_heads] ints, zero
+                           // on entry (the caller clears them; left at the slice count). Needs
+                           // kV64, out_warps 8, stages 3. Outputs bit-identical to null.
+                           int* ready = nullptr);
 
 }  // namespace ds::cuda

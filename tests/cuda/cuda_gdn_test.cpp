@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -456,6 +457,105 @@ void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, doub
     EXPECT_TRUE(
         std::all_of(untouched.begin(), untouched.end(), [](float x) { return std::isnan(x); }))
         << "[" << var.name << "] slot 0 (unused) was written";
+  }
+}
+
+// slice_scan_ov runs slice_scan_cs's kernels with the output beside the state pass (programmatic
+// dependent launch, per-chunk ready flags): its y and final states must be bit-identical to
+// slice_scan_cs's, from a poisoned workspace, on repeated launches over the same workspace (the
+// flags are cleared each launch) and replayed from a CUDA graph (PDL edges in a graph).
+TEST(CudaGdn, PrefillOverlapBitExact) {
+  REQUIRE_GPU();
+  if (device_sm() < 90) GTEST_SKIP() << "slice_scan_ov is sm 90 only";
+  auto forced = [](const char* name) {
+    auto* reg = new DispatchRegistry();
+    reg->add({KernelFamily::kGdnPrefill, name, name,
+              [](const ShapeKey& k) { return k.dims[0] == 128 && k.dims[1] == 128; }});
+    reg->add({KernelFamily::kGdnPrefill, "chunked", "generic", {}});
+    return std::unique_ptr<DispatchRegistry>(reg);
+  };
+  const auto reg_cs = forced("slice_scan_cs"), reg_ov = forced("slice_scan_ov");
+  const GdnShape s = shape_27b();
+  const PrefillCase cases[] = {{{4097}, {0}},
+                               {{4096}, {8192}},
+                               {{65, 1, 4097, 64, 0, 63, 200}, {0, 5, 0, 4096, 3, 0, 70}},
+                               {{700, 1300, 513}, {64, 0, 1}}};
+  uint32_t seed = 40;
+  for (const PrefillCase& pc : cases) {
+    std::mt19937 rng(seed++);
+    const HostLayer hl = make_layer(s, rng);
+    const DevLayer dl = upload_layer(s, hl);
+    const int n_seqs = static_cast<int>(pc.lens.size());
+    std::vector<int> cu(n_seqs + 1, 0), slots(n_seqs);
+    for (int i = 0; i < n_seqs; ++i) {
+      cu[i + 1] = cu[i] + pc.lens[i];
+      slots[i] = i;
+    }
+    const int n_tokens = cu[n_seqs];
+    std::printf("case: %d sequences, %d tokens\n", n_seqs, n_tokens);
+    const auto proj = random_proj(s, n_tokens, rng);
+    DevBuf<bf16> d_proj(proj.size()), d_out(size_t(n_tokens) * s.out_dim());
+    upload(d_proj, to_bf16(proj));
+    DevBuf<int32_t> d_cu(n_seqs + 1), d_pos(n_seqs), d_slots(n_seqs);
+    upload(d_cu, cu);
+    upload(d_pos, pc.pos);
+    upload(d_slots, slots);
+    const size_t ws_bytes = gdn_prefill_workspace_bytes(s, n_tokens, n_seqs);
+    DevBuf<unsigned char> d_ws(ws_bytes);
+    DevPool pool(s, n_seqs);
+    for (int i = 0; i < n_seqs; ++i) pool.put(s, slots[i], make_seq(s, pc.pos[i], rng));
+    DevBuf<float> rec0(pool.rec.n);  // the initial slots, restored before every launch
+    DevBuf<bf16> conv0(pool.conv.n);
+    CK(cudaMemcpy(rec0.p, pool.rec.p, rec0.n * 4, cudaMemcpyDeviceToDevice));
+    CK(cudaMemcpy(conv0.p, pool.conv.p, conv0.n * 2, cudaMemcpyDeviceToDevice));
+    auto restore = [&] {
+      CK(cudaMemcpy(pool.rec.p, rec0.p, rec0.n * 4, cudaMemcpyDeviceToDevice));
+      CK(cudaMemcpy(pool.conv.p, conv0.p, conv0.n * 2, cudaMemcpyDeviceToDevice));
+    };
+    // y and every slot's state after one launch of `reg` from the initial slots.
+    auto run = [&](const DispatchRegistry* reg, cudaStream_t st, bool poison_ws) {
+      restore();
+      if (poison_ws) d_ws.poison();
+      d_out.poison();
+      launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slots.p, n_seqs,
+                         n_tokens, d_ws.p, ws_bytes, d_out.p, st, reg);
+      CK(cudaDeviceSynchronize());
+      return std::make_pair(download_bf16(d_out.p, d_out.n), download_f32(pool.rec.p, pool.rec.n));
+    };
+    auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    };
+    const auto ref = run(reg_cs.get(), nullptr, true);
+    size_t nan_y = 0;
+    for (float x : ref.first) nan_y += std::isnan(x);
+    EXPECT_EQ(nan_y, 0u) << "slice_scan_cs left output rows unwritten";
+    for (int rep = 0; rep < 3; ++rep) {  // poisoned workspace, then the flags of the last launch
+      const auto got = run(reg_ov.get(), nullptr, rep == 0);
+      EXPECT_TRUE(same(got.first, ref.first)) << "launch " << rep << ": y differs";
+      EXPECT_TRUE(same(got.second, ref.second)) << "launch " << rep << ": states differ";
+    }
+    // Captured in a graph on a non-blocking stream, replayed twice.
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slots.p, n_seqs,
+                       n_tokens, d_ws.p, ws_bytes, d_out.p, st, reg_ov.get());
+    CK(cudaStreamEndCapture(st, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 2; ++rep) {
+      restore();
+      d_out.poison();
+      CK(cudaGraphLaunch(exec, st));
+      CK(cudaStreamSynchronize(st));
+      EXPECT_TRUE(same(download_bf16(d_out.p, d_out.n), ref.first)) << "graph " << rep << ": y";
+      EXPECT_TRUE(same(download_f32(pool.rec.p, pool.rec.n), ref.second))
+          << "graph " << rep << ": states";
+    }
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    CK(cudaStreamDestroy(st));
   }
 }
 
@@ -1002,6 +1102,39 @@ TEST(CudaGdn, PrefillStageTiming) {
                                   GdnSliceState::kV64, warps, nullptr, /*stages=*/2);
           });
   }
+  // State pass + output one after the other (slice_scan_cs) and overlapped (slice_scan_ov: the
+  // output as a programmatic dependent of the state pass, per-chunk ready flags cleared first),
+  // on a created stream (as the engine launches) and on the legacy default stream.
+  DevBuf<int> ready(size_t(max_chunks) * n_v);
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  auto stage_on = [&](cudaStream_t sm, const char* name, auto&& f) {
+    for (int i = 0; i < 3; ++i) f(sm);
+    const double ms = test::median_event_ms(sm, 20, [&] { f(sm); });
+    std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", name, ms * 1e3);
+    return ms;
+  };
+  auto clear = [&](cudaStream_t sm) { CK(cudaMemsetAsync(ready.p, 0, ready.n * sizeof(int), sm)); };
+  auto serial = [&](cudaStream_t sm) {
+    launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
+                          max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, GdnSliceState::kV64, 8,
+                          sm, /*stages=*/3);
+  };
+  auto overlapped = [&](cudaStream_t sm) {
+    clear(sm);
+    launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
+                          max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, GdnSliceState::kV64, 8,
+                          sm, /*stages=*/3, ready.p);
+  };
+  stage_on(nullptr, "slice state + output, serial (null stream)", serial);
+  stage_on(nullptr, "slice state + output, overlapped (null st.)", overlapped);
+  const double t_clear = stage_on(st, "(ready flags clear, included below)", clear);
+  stage_on(st, "slice state pass + output, serial", serial);
+  const double t_ov = stage_on(st, "slice state pass + output, overlapped", overlapped);
+  CK(cudaStreamSynchronize(st));
+  CK(cudaStreamDestroy(st));
+  std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = overlapped",
+              (t_ov - t_clear) * 1e3);
   CK(cudaDeviceSynchronize());
 }
 
