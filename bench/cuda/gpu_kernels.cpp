@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <numeric>
 #include <random>
@@ -30,6 +31,7 @@
 #include "core/error.h"
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
+#include "cuda/gemv.h"
 #include "cuda/kernels.h"
 #include "cuda/model_shapes.h"
 
@@ -116,6 +118,10 @@ class KernelBench {
 
   // ---- cases ----
   const KernelResult& gemm(const std::string& name, int m);
+  // The narrow-output decode GEMMs (n = d_model: gdn_out, attn_o, down): every decode kernel that
+  // takes the shape, launched directly without PDL, on the same rotated inputs, against cuBLASLt
+  // tuned (the fallback column); one row per kernel, shape suffixed " A/B".
+  void gemm_narrow_ab(const std::string& name, int m);
   const KernelResult& attn_prefill(int q, int cached);
   const KernelResult& attn_decode(int batch, int ctx);
   const KernelResult& gdn_prefill(int n_tokens, int seq_pos);
@@ -262,6 +268,79 @@ const KernelResult& KernelBench::gemm(const std::string& name, int m) {
   r.flops = 2.0 * m * o.n * o.k;
   if (rot > 1) r.note += (r.note.empty() ? "" : "; ") + str("%d rotated weight copies", rot);
   return finish(r);
+}
+
+void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
+  const GemmOp& o = op(name);
+  if (o.f32_out) return;
+  const std::string shape = str("m=%d n=%d k=%d A/B", m, o.n, o.k);
+  const double wbytes = 2.0 * o.n * o.k;
+  const double set_bytes = wbytes + 2.0 * m * o.k + 2.0 * m * o.n;
+  const int rot = rotations(set_bytes);
+  if (weight_rot_[name] < rot) {
+    weights_.erase(name);
+    DevBuf w(size_t(wbytes) * rot, "gemm weights");
+    gpu::fill_normal_bf16(w.as<bf16>(), int64_t(o.n) * o.k * rot, seed_++, 0.f, 0.02f, s_);
+    weights_.emplace(name, std::move(w));
+    weight_rot_[name] = rot;
+  }
+  const bf16* w = weights_.at(name).as<bf16>();
+  DevBuf x(size_t(2) * m * o.k * rot, "gemm x"), y(size_t(2) * m * o.n * rot, "gemm y"),
+      yref(size_t(2) * m * o.n, "gemm y (cuBLASLt)");
+  gpu::fill_normal_bf16(x.as<bf16>(), int64_t(m) * o.k * rot, seed_++, 0.f, 1.f, s_);
+  auto xi = [&](int i) { return x.as<bf16>() + int64_t(i % rot) * m * o.k; };
+  auto wi = [&](int i) { return w + int64_t(i % rot) * o.n * o.k; };
+  auto yi = [&](int i) { return y.as<bf16>() + int64_t(i % rot) * m * o.n; };
+  // cuBLASLt tuned as the engine tunes it: the fallback of every row.
+  cuda::GemmEngine lt;
+  const cuda::GemmOut out = cuda::GemmOut::kBF16;
+  lt.prepare(m, o.n, o.k, out);
+  if (cuda::GemmEngine::tuning_enabled()) {
+    std::vector<const bf16*> ws;
+    for (int i = 0; i < rot; ++i) ws.push_back(wi(i));
+    DevBuf xt(size_t(2) * m * o.k, "gemm x (tuning)");
+    lt.tune(m, o.n, o.k, out, ws, xt.as<bf16>(), y.as<void>(), s_, false, {});
+  }
+  const bool lt_tuned = !lt.uses_heuristic_algo(m, o.n, o.k, out);
+  lt.run(xi(0), wi(0), yref.as<void>(), m, o.n, o.k, out, s_);
+  const double t_lt =
+      gpu::time_launches([&](int i) { lt.run(xi(i), wi(i), yi(i), m, o.n, o.k, out, s_); }, s_,
+                         timer(rot))
+          .p50;
+  auto row = [&](const std::string& variant, const std::function<void(int)>& launch) {
+    KernelResult r;
+    r.family = "gemm";
+    r.variant = variant;
+    r.op = name;
+    r.shape = shape;
+    launch(0);
+    r.match = gpu::compare_bf16(yi(0), yref.as<bf16>(), int64_t(m) * o.n, s_).text();
+    r.fallback = lt_tuned ? "cublaslt_tuned" : "cublaslt";
+    r.fallback_time_s = t_lt;
+    r.samples = gpu::time_launches(launch, s_, timer(rot));
+    r.bytes = set_bytes;
+    r.flops = 2.0 * m * o.n * o.k;
+    r.note = str("launched directly, no PDL; %d rotated weight copies", rot);
+    finish(r);
+  };
+  if (cuda::gemv_narrow_supports(m, o.n, o.k, n_sms_)) {
+    const cuda::GemvNarrowConfig c = cuda::gemv_narrow_config(m, o.n, o.k, n_sms_);
+    row("gemv_narrow_" + c.name(), [&](int i) {
+      cuda::launch_gemv_narrow(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, n_sms_, s_);
+    });
+  }
+  if (cuda::skinny_gemm_supports(m, o.n, o.k)) {
+    const cuda::SkinnyConfig c = cuda::skinny_gemm_config(m, o.n, o.k, n_sms_);
+    row("skinny_mma_" + c.name(), [&](int i) {
+      cuda::launch_skinny_gemm(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, s_);
+    });
+  }
+  if (cuda::gemv_bulk_supports(m, o.n, o.k)) {
+    const cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, o.n, o.k);
+    row("gemv_bulk_" + c.name(), [&](int i) {
+      cuda::launch_gemv_bulk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, n_sms_, s_);
+    });
+  }
 }
 
 const KernelResult& KernelBench::attn_prefill(int q, int cached_tokens) {
@@ -842,6 +921,14 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
       if (!o.f32_out)
         for (int m : chunks)
           guarded("gemm", o.name + " m=" + std::to_string(m), [&] { kb.gemm(o.name, m); });
+    // A/B of the decode kernels on the narrow outputs (gdn_out, attn_o, down: n = d_model; one
+    // row set per distinct shape), at batch 1, 4 and 16 also in the quick set.
+    std::set<std::pair<int, int>> ab_done;
+    for (const auto& o : kb.ops())
+      if (o.n == c.d_model && o.k > c.d_model && ab_done.insert({o.n, o.k}).second)
+        for (int m : {1, 4, 16})
+          guarded("gemm", o.name + " m=" + std::to_string(m) + " A/B",
+                  [&] { kb.gemm_narrow_ab(o.name, m); });
   }
   if (c.n_full_layers() > 0 && wanted(opt, "attn_prefill")) {
     for (int q : chunks)

@@ -124,6 +124,14 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm == 90 && k.dtype == 0 &&
                   gemv_bulk_pdl_preferred(k.dims[0], k.dims[1], k.dims[2]);
          }});
+  r.add({F::kGemm, "gemv_narrow",
+         "decode GEMV for narrow outputs / long rows (gemv.h, gemv_narrow.cu): persistent block "
+         "per SM, bulk-copy ring of (row, k-slice) stages, split-K over 8 warps in a fixed order; "
+         "sm 90, m 1..2, n 1024..8192, k 12288..32768 (the MLP down projection)",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dtype == 0 &&
+                  gemv_narrow_preferred(k.dims[0], k.dims[1], k.dims[2]);
+         }});
   r.add({F::kGemm, "skinny_mma",
          "decode skinny GEMM (gemv.h): m 1..16, mma.sync with tokens as M, weight read once, "
          "batch-invariant; sm 90, k % 8 == 0, shapes where it beats cuBLASLt (k >= 12288)",

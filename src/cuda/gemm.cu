@@ -116,6 +116,12 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
     launch_gemv_bulk(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
     return;
   }
+  if (aligned && v == "gemv_narrow" && gemv_narrow_supports(m, n, k, n_sms_)) {
+    GemvNarrowConfig c = gemv_narrow_config(m, n, k, n_sms_);
+    c.pdl = bulk_pdl_;
+    launch_gemv_narrow(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
+    return;
+  }
   if (aligned && v == "skinny_mma") {
     SkinnyConfig c = skinny_gemm_config(m, n, k, n_sms_);
     c.pdl = skinny_pdl_;

@@ -7,8 +7,9 @@
 // counts it in late_plans() (host work only, no device synchronisation, so still graph-safe).
 // With a dispatch registry set, run() sends the shapes that the registry's "gemm.gemv_bulk" guard
 // accepts (decode m <= 4, k <= 8192) to the bulk-copy GEMV and those its "gemm.skinny_mma" guard
-// accepts (decode: m <= 16, k >= 12288, see gemv.h) to the skinny tensor-core kernel when x and w
-// are 16-byte aligned; everything else goes to cuBLASLt.
+// accepts (decode: m <= 16, k >= 12288, see gemv.h) to the skinny tensor-core kernel, and those
+// its "gemm.gemv_narrow" guard accepts (the MLP down projection at m 1..2) to the narrow-output
+// bulk-copy GEMV, when x and w are 16-byte aligned; everything else goes to cuBLASLt.
 // tune() replaces a plan's heuristic algorithm by the fastest of cuBLASLt's top candidates, timed
 // on the caller's real buffers (CUDA events, median per call over batches that rotate over several
 // distinct weight matrices, so L2 does not flatter small matrices). $DS_GEMM_TUNE=0, a failure or
@@ -113,7 +114,8 @@ class GemmEngine {
   void set_dispatch(const DispatchRegistry* dispatch) { dispatch_ = dispatch; }
 
   // The variant run() takes for this shape with 16-byte aligned x and w: "gemv_bulk",
-  // "skinny_mma" or "cublaslt" (a name owned by the registry: no copy per call on the launch path).
+  // "gemv_narrow", "skinny_mma" or "cublaslt" (a name owned by the registry: no copy per call on
+  // the launch path).
   const std::string& variant(int m, int n, int k) const;
 
   int n_plans() const { return static_cast<int>(plans_.size()); }

@@ -107,7 +107,7 @@ GemvBulkConfig gemv_bulk_config(int m, int n, int k);
 
 // Programmatic dependent launch of the decode GEMVs in GemmEngine, from $DS_GEMV_PDL (read once
 // per process): "0" off; "1", "bulk" or unset (the default) the bulk GEMVs (gemv_bulk,
-// gemv_bulk_pdl, gemv_bulk_silu); "all" skinny_mma (the MLP down projection) too, which measured
+// gemv_bulk_pdl, gemv_bulk_silu, gemv_narrow); "all" skinny_mma too, which measured
 // much slower in the 27B decode graph (17.65 vs 13.57 ms per token, docs/perf/decode_gemv.md).
 // The kernels before the GEMVs in the decode step (add_rmsnorm, gdn_decode, the attention decode
 // merge, silu_mul) trigger their dependents at their start, so a PDL-launched GEMV streams its
@@ -148,5 +148,45 @@ void launch_gemv_bulk_silu(const __nv_bfloat16* x,          // [m, k]
                            __nv_bfloat16* act,              // [m, d_ff] (out)
                            int m, int d_ff, int k, const GemvBulkConfig& cfg, int n_sms,
                            cudaStream_t stream);
+
+// ---- narrow-output GEMV (gemv_narrow.cu), variant "gemm.gemv_narrow" --------------------------
+// y = x w^T (+ y) for m = 1..8 tokens (as many as x [m, k] fits in shared memory next to the ring)
+// and k up to kSkinnyMaxK: one persistent block per SM streams its contiguous rows through a
+// shared-memory ring of (row, k-slice) stages with 1-D bulk copies; eight consumer warps each dot
+// a slice with x and park the partial sum, the block sums a row's slices in slice order at the
+// end. Built for the MLP down projection (5120 x 17408: a row is 34.8 KB, longer than gemv_bulk's
+// whole-row stages allow). Slices: C = gemv_narrow_slices(k) of gemv_narrow_slice_len(k) elements
+// (functions of k only), so results are bit-identical for every m, slot count and grid size.
+constexpr int kGemvNarrowMaxM = 8;
+
+struct GemvNarrowConfig {
+  int slots = 16;  // ring stages: a multiple of 8 (the consumer warps), at most 32
+  // Programmatic dependent launch: the first `slots` weight copies are issued before
+  // griddepcontrol.wait; x is copied after it.
+  bool pdl = false;
+  std::string name() const;  // "s16", "s8-pdl"
+};
+
+int gemv_narrow_slices(int64_t k);     // slices per row: 1, 2, 4 or 8 (17408 -> 4)
+int gemv_narrow_slice_len(int64_t k);  // elements per slice, a multiple of 8 (17408 -> 4352)
+// Whether the shape and config fit on a device of n_sms SMs (one block each): m <= 8, k % 8 == 0,
+// 8 <= k <= kSkinnyMaxK, n <= kSkinnyMaxN, slots a multiple of 8 in 8..32, and x, the ring and
+// the partial sums (ceil(n / min(n_sms, n)) rows x slices x m) within the shared memory.
+bool gemv_narrow_fits(int64_t m, int64_t n, int64_t k, const GemvNarrowConfig& c, int n_sms);
+bool gemv_narrow_supports(int64_t m, int64_t n, int64_t k, int n_sms);  // some config fits
+// The registry guard's shape test (sm 90 / bf16 are the registry's), where measured faster: the
+// down projection at m 1..2 (n 1024..8192, k 12288..kSkinnyMaxK), in front of skinny_mma. Tests
+// the fit for >= 64 SMs; GemmEngine::run re-checks with the device's count (else cuBLASLt).
+bool gemv_narrow_preferred(int64_t m, int64_t n, int64_t k);
+GemvNarrowConfig gemv_narrow_config(int m, int n, int k, int n_sms);
+std::vector<GemvNarrowConfig> gemv_narrow_configs(int m, int n, int k, int n_sms);
+
+// Launches min(n_sms, n) blocks. Throws ds::Error for an unsupported shape, a config that does
+// not fit, unaligned x / w (16 bytes) or a null y. Asynchronous, graph-safe, never allocates.
+void launch_gemv_narrow(const __nv_bfloat16* x,  // [m, k]
+                        const __nv_bfloat16* w,  // [n, k]
+                        void* y,                 // [m, n] bf16 or fp32 (out)
+                        int m, int n, int k, GemmOut out, bool accumulate,
+                        const GemvNarrowConfig& cfg, int n_sms, cudaStream_t stream);
 
 }  // namespace ds::cuda

@@ -18,8 +18,14 @@
 // every config vs fp64, the 27B k <= 8192 shapes at m 1, 2, 3, 4, 8 vs cuBLASLt and vs fp64 on
 // sampled rows (tolerances at each test), every config and the engine path bit-identical, batch
 // invariance m 1..8, dependent launches, guard and errors.
+// The narrow-output GEMV (gemv_narrow.cu, variant gemm.gemv_narrow; tests CudaGemvNarrow.*): odd
+// shapes (1..8 tokens, 1 to 8 slices per row with a shorter last slice, grids of 1, 7 and all
+// SMs) with every config vs fp64; down / gdn_out / attn_o at m 1, 2, 3, 4, 8 vs cuBLASLt and vs
+// fp64 on sampled rows, every config and the engine path bit-identical; batch and grid invariance;
+// PDL chains (bulk -> narrow as in the MLP, narrow -> narrow); guard and errors.
 // DS_GEMV_SWEEP=1 also times every config on every decode shape (rotating weights past L2) next to
-// cuBLASLt and prints a table (used to pick skinny_gemm_config).
+// cuBLASLt and prints a table (used to pick skinny_gemm_config, gemv_bulk_config,
+// gemv_narrow_config and the guards).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -27,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <tuple>
 
 #include "core/error.h"
 #include "cuda/dispatch.h"
@@ -190,7 +197,9 @@ TEST(CudaGemv, Shapes27bMatchCublasLt) {
   for (const Op& o : kOps27b) {
     for (int m : {1, 4, 16}) {
       const bool guarded = fast.variant(m, o.n, o.k) == "skinny_mma";
-      EXPECT_EQ(guarded, o.k >= 12288) << o.name << " m " << m;  // the shapes where it wins
+      // the shapes where it wins, unless the narrow GEMV (gemv_narrow.cu) is in front of it
+      EXPECT_EQ(guarded, o.k >= 12288 && !cuda::gemv_narrow_preferred(m, o.n, o.k))
+          << o.name << " m " << m;
       auto x = test::random_bf16(size_t(m) * o.k, rng);
       DevBuf<bf> dx(x);
       const size_t es = o.f32 ? 4 : 2, cnt = size_t(m) * o.n;
@@ -332,7 +341,8 @@ TEST(CudaGemv, DependentLaunchesChain) {
 TEST(CudaGemv, GuardAndErrors) {
   auto reg = cuda::DispatchRegistry::with_defaults(90, "");
   using F = cuda::KernelFamily;
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17408)).name, "skinny_mma");  // down
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17408)).name, "gemv_narrow");  // down, m <= 2
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(3, 5120, 17408)).name, "skinny_mma");
   EXPECT_EQ(reg.select(F::kGemm, reg.key(16, 5120, 17408)).name, "skinny_mma");
   EXPECT_EQ(reg.select(F::kGemm, reg.key(17, 5120, 17408)).name, "cublaslt");  // m > 16
   EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 248320, 5120)).name, "cublaslt");  // ties cuBLASLt
@@ -342,7 +352,9 @@ TEST(CudaGemv, GuardAndErrors) {
   EXPECT_FALSE(cuda::skinny_gemm_supports(1, 5120, 65536));
   auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
   EXPECT_EQ(r80.select(F::kGemm, r80.key(1, 5120, 17408)).name, "cublaslt");
-  auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.skinny_mma");
+  auto no_narrow = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_narrow");
+  EXPECT_EQ(no_narrow.select(F::kGemm, no_narrow.key(1, 5120, 17408)).name, "skinny_mma");
+  auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_narrow,gemm.skinny_mma");
   EXPECT_EQ(off.select(F::kGemm, off.key(1, 5120, 17408)).name, "cublaslt");
   DS_REQUIRE_GPU();
   DevBuf<bf> x(64), w(64 * 64);
@@ -709,7 +721,7 @@ TEST(CudaGemvBulk, GuardAndErrors) {
   EXPECT_EQ(pick(reg, 1, 248320, 64), "cublaslt");     // k below the measured range (tiny models)
   EXPECT_EQ(pick(reg, 1, 512, 64, 1), "cublaslt");
   EXPECT_EQ(pick(reg, 1, 2048, 4096, 1), "cublaslt");  // d_ff 1024 < 8192
-  EXPECT_EQ(pick(reg, 1, 5120, 17408), "skinny_mma");  // down: k > 8192
+  EXPECT_EQ(pick(reg, 1, 5120, 17408), "gemv_narrow");  // down: k > 8192
   EXPECT_EQ(pick(reg, 1, 5120, 5124), "cublaslt");     // k % 8
   auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
   EXPECT_EQ(pick(r80, 1, 34816, 5120), "cublaslt");
@@ -738,6 +750,289 @@ TEST(CudaGemvBulk, GuardAndErrors) {
   EXPECT_THROW(launch(0, 1, 8, 16, {3, 8, false}, 132), Error);  // rows per stage
   EXPECT_THROW(launch(0, 1, 8, 16, {1, 40, false}, 132), Error);  // slots
   EXPECT_THROW(launch(0, 1, 8, 16, c, 0), Error);     // n_sms
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// ---- narrow-output GEMV (gemv_narrow.cu, variant gemm.gemv_narrow) ------------------------------
+
+LaunchFn narrow_launch(const cuda::GemvNarrowConfig& c, int n_sms) {
+  return [c, n_sms](const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n, int k,
+                    GemmOut o,
+                    bool a) { cuda::launch_gemv_narrow(x, w, y, m, n, k, o, a, c, n_sms, 0); };
+}
+
+// Odd shapes with every config that fits, vs fp64 (poisoned outputs, or accumulated into): n below
+// the SM count (fewer blocks than SMs), many rows per block (the ring wraps many times: mbarrier
+// phases), one slice per row (k <= 6144), 2 and 4 slices with a shorter last slice (6152 -> 3080
+// + 3072, 12296 -> 3 x 3080 + 3056, 17416 -> 3 x 4360 + 4336), k = 8 (one vector) and k not a
+// multiple of 256 (lanes with fewer vectors); bf16 / fp32 out, +=; a grid smaller than the device
+// (1 and 7 blocks). Normalised error < 4e-3 (bf16 out: one rounding) / 1e-4 (fp32 out).
+TEST(CudaGemvNarrow, OddShapesEveryConfig) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(51);
+  struct NK {
+    int n, k;
+  };
+  const NK shapes[] = {{1, 8},      {37, 24},   {203, 40},    {77, 5128},  {5000, 256},
+                       {20001, 64}, {33, 6152}, {263, 12296}, {100, 17416}};
+  EXPECT_EQ(cuda::gemv_narrow_slices(6152), 2);
+  EXPECT_EQ(cuda::gemv_narrow_slices(12296), 4);
+  EXPECT_EQ(cuda::gemv_narrow_slice_len(17416), 4360);
+  int launched = 0;
+  for (int m : {1, 2, 3, 5, 8})
+    for (const NK& s : shapes)
+      for (const cuda::GemvNarrowConfig& c : cuda::gemv_narrow_configs(m, s.n, s.k, n_sms)) {
+        check_launch_vs_cpu(m, s.n, s.k, GemmOut::kBF16, false, narrow_launch(c, n_sms), c.name(),
+                            rng);
+        ++launched;
+      }
+  EXPECT_GT(launched, 60);
+  const cuda::GemvNarrowConfig c8{8, false};
+  check_launch_vs_cpu(3, 133, 12296, GemmOut::kF32, false, narrow_launch(c8, n_sms), "s8", rng);
+  check_launch_vs_cpu(4, 150, 17408, GemmOut::kBF16, true, narrow_launch(c8, n_sms), "s8", rng);
+  check_launch_vs_cpu(5, 70, 264, GemmOut::kF32, true, narrow_launch(c8, n_sms), "s8", rng);
+  // One SM (every row in one block), and a grid of 7 (blocks of unequal row counts).
+  check_launch_vs_cpu(2, 300, 1032, GemmOut::kBF16, false, narrow_launch(c8, 1), "s8 1 SM", rng);
+  check_launch_vs_cpu(1, 40, 17408, GemmOut::kBF16, false, narrow_launch(c8, 7), "s8 7 SMs", rng);
+}
+
+// The 27B narrow decode shapes (down 5120 x 17408, gdn_out / attn_o 5120 x 6144) at m 1, 2, 3, 4
+// and 8 (where x fits), shipped config:
+//  - vs fp64 on 384 sampled rows (first / last 128 and 128 spread ones, i.e. across block
+//    boundaries): |y - ref| <= 1 bf16 ulp of max(|y|, |ref|) + 1e-4 * sum_i |x_i w_i|;
+//  - vs cuBLASLt on every output: within 1 bf16 ulp of the larger magnitude, or 1e-3 of the
+//    output's max where both are near zero (the two sum in different orders, each rounds once);
+//  - every other config that fits gives the same bits (the order depends on k only), and so does
+//    the engine's path through the registry where a guard picks the kernel.
+TEST(CudaGemvNarrow, Shapes27bMatchCublasLtAndFp64) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(53);
+  Pool wpool(size_t(5120) * 17408, rng, 0.02f);
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  cuda::GemmEngine fast, ref;
+  fast.set_dispatch(&reg);
+  for (const Op& o : kOps27b) {
+    if (o.n != 5120) continue;  // the narrow outputs: gdn_out, attn_o, down
+    std::vector<int> rows;
+    for (int i = 0; i < 128; ++i) rows.push_back(i), rows.push_back(o.n - 128 + i);
+    for (int i = 0; i < 128; ++i)
+      rows.push_back(int((int64_t(o.n) * i / 128 + (i * 37) % 97) % o.n));
+    std::vector<bf> wrows(rows.size() * size_t(o.k));
+    for (size_t r = 0; r < rows.size(); ++r)
+      DS_CUDA_CHECK(cudaMemcpy(wrows.data() + r * o.k, wpool.buf.ptr + size_t(rows[r]) * o.k,
+                               size_t(o.k) * 2, cudaMemcpyDeviceToHost));
+    for (int m : {1, 2, 3, 4, 8}) {
+      if (o.k == 17408 && m == 8) {  // x (278 KB) does not fit the shared memory
+        EXPECT_FALSE(cuda::gemv_narrow_supports(m, o.n, o.k, n_sms));
+        continue;
+      }
+      ASSERT_TRUE(cuda::gemv_narrow_supports(m, o.n, o.k, n_sms)) << o.name << " m " << m;
+      const std::string& v = fast.variant(m, o.n, o.k);
+      const bool guarded = v == "gemv_narrow";
+      EXPECT_EQ(guarded, cuda::gemv_narrow_preferred(m, o.n, o.k)) << o.name << " m " << m;
+      EXPECT_EQ(guarded, o.k == 17408 && m <= 2) << o.name << " m " << m;
+      auto x = test::random_bf16(size_t(m) * o.k, rng);
+      DevBuf<bf> dx(x);
+      const size_t cnt = size_t(m) * o.n;
+      DevBuf<char> y1(cnt * 2), y2(cnt * 2), y3(cnt * 2);
+      y1.poison();
+      y2.poison();
+      cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kBF16, false,
+                               cuda::gemv_narrow_config(m, o.n, o.k, n_sms), n_sms, 0);
+      ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
+      const auto bits = y1.download();
+      for (const cuda::GemvNarrowConfig& c : cuda::gemv_narrow_configs(m, o.n, o.k, n_sms)) {
+        y3.poison();
+        cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, false, c,
+                                 n_sms, 0);
+        EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " config " << c.name();
+      }
+      if (guarded) {
+        y3.poison();
+        fast.run(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
+        EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " engine path";
+      }
+      DS_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
+      size_t bad64 = 0;
+      double worst64 = 0;
+      for (int t = 0; t < m; ++t)
+        for (size_t r = 0; r < rows.size(); ++r) {
+          double sum = 0, mag = 0;
+          for (int c = 0; c < o.k; ++c) {
+            const double p =
+                double(bf16_to_f32(x[size_t(t) * o.k + c])) * bf16_to_f32(wrows[r * o.k + c]);
+            sum += p;
+            mag += std::fabs(p);
+          }
+          const double got = a[size_t(t) * o.n + rows[r]];
+          const double tol = bf16_ulp(std::max(std::fabs(got), std::fabs(sum))) + 1e-4 * mag;
+          const double d = std::fabs(got - sum);
+          if (!(d <= tol)) ++bad64;
+          worst64 = std::max(worst64, d / std::max(tol, 1e-30));
+        }
+      EXPECT_EQ(bad64, 0u) << o.name << " m " << m << " vs fp64";
+      double ymax = 0;
+      for (float v : b) ymax = std::max(ymax, double(std::fabs(v)));
+      size_t bad = 0, first_bad = 0, differ = 0;
+      double worst = 0;
+      for (size_t i = 0; i < cnt; ++i) {
+        const double d = std::fabs(double(a[i]) - b[i]);
+        const double tol =
+            std::max(bf16_ulp(std::max(std::fabs(a[i]), std::fabs(b[i]))), 1e-3 * ymax);
+        if (!(d <= tol)) {
+          if (!bad) first_bad = i;
+          ++bad;
+        }
+        if (d > 0) ++differ;
+        worst = std::max(worst, d / std::max(tol, 1e-30));
+      }
+      EXPECT_EQ(bad, 0u) << o.name << " m " << m << ": first at " << first_bad << " ("
+                         << a[first_bad] << " vs " << b[first_bad] << ")";
+      std::printf(
+          "  narrow %-8s m=%d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of tol), "
+          "fp64 worst %.2f of tol\n",
+          o.name, m, differ, cnt, worst, worst64);
+    }
+  }
+}
+
+// Token i's outputs are bit-identical for m = 1..4 and 8 (the summation order depends on k only),
+// and for any grid size.
+TEST(CudaGemvNarrow, BatchAndGridInvariant) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(57);
+  for (auto [n, k, mmax] :
+       {std::tuple{5120, 17408, 4}, std::tuple{5120, 6144, 8}, std::tuple{300, 12296, 4}}) {
+    auto x = test::random_bf16(size_t(mmax) * k, rng), w = test::random_bf16(size_t(n) * k, rng);
+    DevBuf<bf> dx(x), dw(w);
+    DevBuf<char> ya(size_t(mmax) * n * 2), ys(size_t(mmax) * n * 2);
+    cuda::launch_gemv_narrow(B(dx), B(dw), ya.ptr, mmax, n, k, GemmOut::kBF16, false,
+                             cuda::gemv_narrow_config(mmax, n, k, n_sms), n_sms, 0);
+    const auto a = ya.download();
+    for (auto [t0, m] :
+         {std::pair{0, 1}, std::pair{mmax - 1, 1}, std::pair{1, 2}, std::pair{1, 3}}) {
+      ys.poison();
+      cuda::launch_gemv_narrow(B(dx, size_t(t0) * k), B(dw), ys.ptr, m, n, k, GemmOut::kBF16, false,
+                               cuda::gemv_narrow_config(m, n, k, n_sms), n_sms, 0);
+      const auto b = ys.download();
+      EXPECT_EQ(std::memcmp(a.data() + size_t(t0) * n * 2, b.data(), size_t(m) * n * 2), 0)
+          << "tokens " << t0 << ".." << t0 + m - 1 << " n " << n << " k " << k;
+    }
+    for (int grid : {n_sms / 2, 100}) {
+      if (!cuda::gemv_narrow_supports(mmax, n, k, grid)) continue;
+      ys.poison();
+      cuda::launch_gemv_narrow(B(dx), B(dw), ys.ptr, mmax, n, k, GemmOut::kBF16, false,
+                               cuda::gemv_narrow_config(mmax, n, k, grid), grid, 0);
+      EXPECT_TRUE(ys.download() == a) << "grid " << grid << " n " << n << " k " << k;
+    }
+  }
+}
+
+// Programmatic dependent launch, as in the MLP: act = x w_up^T (the bulk GEMV, [4, 17408]) then
+// y = act w_down^T (the narrow GEMV, k 17408), both with the attribute: the second streams its
+// weights early and reads act only after griddepcontrol.wait (act poisoned before: a missing wait
+// gives NaN), on a stream and from a CUDA graph; bit-identical to no PDL.
+TEST(CudaGemvNarrow, DependentLaunchesChain) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(59);
+  const int m = 4, n1 = 17408, k1 = 1024, n2 = 1024;
+  auto x = test::random_bf16(size_t(m) * k1, rng),
+       w1 = test::random_bf16(size_t(n1) * k1, rng, 0.05f),
+       w2 = test::random_bf16(size_t(n2) * n1, rng, 0.02f);
+  DevBuf<bf> dx(x), dw1(w1), dw2(w2), y1(size_t(m) * n1), y2(size_t(m) * n2);
+  cudaStream_t s;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto chain = [&](bool pdl) {
+    cuda::GemvBulkConfig c1 = cuda::gemv_bulk_config(m, n1, k1);
+    cuda::GemvNarrowConfig c2 = cuda::gemv_narrow_config(m, n2, n1, n_sms);
+    c1.pdl = c2.pdl = pdl;
+    cuda::launch_gemv_bulk(B(dx), B(dw1), y1.ptr, m, n1, k1, GemmOut::kBF16, false, c1, n_sms, s);
+    cuda::launch_gemv_narrow(B(y1), B(dw2), y2.ptr, m, n2, n1, GemmOut::kBF16, false, c2, n_sms, s);
+  };
+  expect_pdl_chain_matches_serial(chain, y1, y2, w2, m, n1, n2, s);
+  // narrow -> narrow (the next layer's down projection right behind this one's)
+  DevBuf<bf> y3(size_t(m) * n2);
+  auto w3 = test::random_bf16(size_t(n2) * n2, rng, 0.05f);
+  DevBuf<bf> dw3(w3);
+  auto chain2 = [&](bool pdl) {
+    cuda::GemvNarrowConfig c = cuda::gemv_narrow_config(m, n2, n1, n_sms);
+    c.pdl = pdl;
+    cuda::launch_gemv_narrow(B(y1), B(dw2), y2.ptr, m, n2, n1, GemmOut::kBF16, false, c, n_sms, s);
+    cuda::GemvNarrowConfig c3 = cuda::gemv_narrow_config(m, n2, n2, n_sms);
+    c3.pdl = pdl;
+    cuda::launch_gemv_narrow(B(y2), B(dw3), y3.ptr, m, n2, n2, GemmOut::kBF16, false, c3, n_sms, s);
+  };
+  expect_pdl_chain_matches_serial(chain2, y2, y3, w3, m, n2, n2, s);
+  cudaStreamDestroy(s);
+}
+
+TEST(CudaGemvNarrow, GuardAndErrors) {
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  using F = cuda::KernelFamily;
+  auto pick = [&](const cuda::DispatchRegistry& r, int m, int n, int k) {
+    return r.select(F::kGemm, r.key(m, n, k)).name;
+  };
+  for (int m = 1; m <= 2; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "gemv_narrow") << m;
+  for (int m = 3; m <= 16; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "skinny_mma") << m;
+  EXPECT_EQ(pick(reg, 1, 5120, 17412), "cublaslt");     // k % 8
+  EXPECT_EQ(pick(reg, 1, 17408, 17408), "skinny_mma");  // n > 8192: not measured
+  EXPECT_EQ(pick(reg, 1, 512, 17408), "skinny_mma");    // n < 1024
+  // gdn_out / attn_o stay with gemv_bulk_pdl (ties in the decode step) / cuBLASLt
+  EXPECT_EQ(pick(reg, 1, 5120, 6144),
+            cuda::gemv_pdl_mode() == cuda::GemvPdl::kOff ? "cublaslt" : "gemv_bulk_pdl");
+  EXPECT_EQ(pick(reg, 2, 5120, 6144), "cublaslt");
+  auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
+  EXPECT_EQ(pick(r80, 1, 5120, 17408), "cublaslt");
+  auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_narrow");
+  EXPECT_EQ(pick(off, 1, 5120, 17408), "skinny_mma");
+  EXPECT_TRUE(cuda::gemv_narrow_supports(4, 5120, 17408, 132));
+  EXPECT_FALSE(cuda::gemv_narrow_supports(5, 5120, 17408, 132));           // x: 174 KB + 8 stages
+  EXPECT_FALSE(cuda::gemv_narrow_supports(9, 100, 64, 132));               // m > 8
+  EXPECT_FALSE(cuda::gemv_narrow_supports(1, 100, 12, 132));               // k % 8
+  EXPECT_FALSE(cuda::gemv_narrow_fits(1, 5120, 17408, {12, false}, 132));  // not a multiple of 8
+  EXPECT_FALSE(cuda::gemv_narrow_fits(1, 5120, 17408, {40, false}, 132));  // > 32 slots
+  EXPECT_EQ(cuda::gemv_narrow_slices(17408), 4);
+  EXPECT_EQ(cuda::gemv_narrow_slice_len(17408), 4352);
+  EXPECT_EQ(cuda::gemv_narrow_slices(6144), 1);
+  for (int m = 1; m <= 4; ++m)
+    for (int k : {6144, 17408})
+      EXPECT_TRUE(
+          cuda::gemv_narrow_fits(m, 5120, k, cuda::gemv_narrow_config(m, 5120, k, 132), 132))
+          << m << " " << k;
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  DevBuf<bf> x(64), w(64 * 64);
+  DevBuf<char> y(64 * 64 * 4);
+  const cuda::GemvNarrowConfig c{8, false};
+  auto launch = [&](int xo, int m, int n, int k, cuda::GemvNarrowConfig cc, int sms, void* yp) {
+    cuda::launch_gemv_narrow(B(x, xo), B(w), yp, m, n, k, GemmOut::kBF16, false, cc, sms, 0);
+  };
+  EXPECT_THROW(launch(1, 1, 8, 16, c, 132, y.ptr), Error);            // x not 16-byte aligned
+  EXPECT_THROW(launch(0, 9, 8, 16, c, 132, y.ptr), Error);            // m > 8
+  EXPECT_THROW(launch(0, 1, 8, 12, c, 132, y.ptr), Error);            // k % 8
+  EXPECT_THROW(launch(0, 1, 8, 16, {12, false}, 132, y.ptr), Error);  // slots
+  EXPECT_THROW(launch(0, 1, 8, 16, c, 0, y.ptr), Error);              // n_sms
+  EXPECT_THROW(launch(0, 1, 8, 16, c, 132, nullptr), Error);          // null y
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  // Through GemmEngine: the narrow path makes no cuBLASLt plan.
+  cuda::GemmEngine g;
+  g.set_dispatch(&reg);
+  std::mt19937 rng(61);
+  auto hx = test::random_bf16(17408, rng), hw = test::random_bf16(size_t(1024) * 17408, rng);
+  DevBuf<bf> dx(hx), dw(hw);
+  DevBuf<char> y1(1024 * 2);
+  EXPECT_EQ(g.variant(1, 1024, 17408), "gemv_narrow");
+  g.run(B(dx), B(dw), y1.ptr, 1, 1024, 17408, GemmOut::kBF16, 0);
+  EXPECT_EQ(g.late_plans(), 0);
   DS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -961,6 +1256,124 @@ TEST(CudaGemvBulk, Sweep) {
         "%.3f), bulk best %.3f ms\n",
         ms[mi], sum_lt[mi] * 1e-3, sum_sk[mi] * 1e-3, sum_pick[mi] * 1e-3, sum_pdl[mi] * 1e-3,
         sum_best[mi] * 1e-3);
+  cudaStreamDestroy(st);
+}
+
+// DS_GEMV_SWEEP=1: the narrow GEMV's configs on the narrow decode shapes (down 5120 x 17408 at m
+// 1..4, gdn_out / attn_o 5120 x 6144 at m 1..4 and 8) next to cuBLASLt tuned as the engine tunes
+// it, skinny_mma's shipped config and (k 6144) gemv_bulk's; each alone (back-to-back launches
+// without PDL) and with PDL (back-to-back, each launch's weight copies start under the previous
+// one's tail); rotating weights past L2. Per-step sums with the 27B counts (64 down, 48 gdn_out,
+// 16 attn_o).
+TEST(CudaGemvNarrow, Sweep) {
+  const char* e = std::getenv("DS_GEMV_SWEEP");
+  if (!e || std::string(e) != "1") GTEST_SKIP() << "set DS_GEMV_SWEEP=1 to time every config";
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(63);
+  const size_t pool_elems = size_t(12) * 5120 * 17408;  // 2.1 GB: 12 copies of down
+  Pool wpool(pool_elems, rng, 0.02f);
+  auto xs = test::random_bf16(size_t(8) * 17408, rng);
+  DevBuf<bf> dx(xs), xt(size_t(8) * 17408);
+  DevBuf<char> y(size_t(8) * 5120 * 4);
+  cudaStream_t st;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  std::printf(
+      "NARROW shape m | cublaslt_tuned us | skinny us (pdl) | bulk us (pdl) | narrow picked us "
+      "TB/s (pdl us TB/s) | all configs\n");
+  struct Shape {
+    const char* name;
+    int n, k, count;
+  };
+  const Shape shapes[] = {{"down", 5120, 17408, 64}, {"gdn_out/attn_o", 5120, 6144, 64}};
+  double step_lt[9] = {}, step_best_old[9] = {}, step_narrow[9] = {}, step_narrow_pdl[9] = {};
+  for (const Shape& o : shapes) {
+    const size_t welems = size_t(o.n) * o.k;
+    const int rot = int(std::min<size_t>(pool_elems / welems, 16));
+    for (int m : {1, 2, 3, 4, 8}) {
+      if (!cuda::gemv_narrow_supports(m, o.n, o.k, n_sms)) continue;
+      const double bytes = 2.0 * welems + 2.0 * m * o.k + 2.0 * m * o.n;
+      cuda::GemmEngine lt;
+      std::vector<const __nv_bfloat16*> ws;
+      for (int i = 0; i < std::min(rot, 4); ++i) ws.push_back(B(wpool.buf, i * welems));
+      lt.tune(m, o.n, o.k, GemmOut::kBF16, ws, reinterpret_cast<__nv_bfloat16*>(xt.ptr), y.ptr, st);
+      const double t_lt = time_us(
+          [&](int i) {
+            lt.run(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k, GemmOut::kBF16, st);
+          },
+          rot, st);
+      auto time_sk = [&](bool pdl) {
+        SkinnyConfig c = cuda::skinny_gemm_config(m, o.n, o.k, n_sms);
+        c.pdl = pdl;
+        return time_us(
+            [&](int i) {
+              cuda::launch_skinny_gemm(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k,
+                                       GemmOut::kBF16, false, c, st);
+            },
+            rot, st);
+      };
+      const double t_sk = time_sk(false), t_sk_pdl = time_sk(true);
+      double t_bulk = 0, t_bulk_pdl = 0;
+      if (cuda::gemv_bulk_supports(m, o.n, o.k)) {
+        auto time_bulk = [&](bool pdl) {
+          cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, o.n, o.k);
+          c.pdl = pdl;
+          return time_us(
+              [&](int i) {
+                cuda::launch_gemv_bulk(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k,
+                                       GemmOut::kBF16, false, c, n_sms, st);
+              },
+              rot, st);
+        };
+        t_bulk = time_bulk(false), t_bulk_pdl = time_bulk(true);
+      }
+      auto time_narrow = [&](cuda::GemvNarrowConfig c) {
+        return time_us(
+            [&](int i) {
+              cuda::launch_gemv_narrow(B(dx), B(wpool.buf, i * welems), y.ptr, m, o.n, o.k,
+                                       GemmOut::kBF16, false, c, n_sms, st);
+            },
+            rot, st);
+      };
+      const cuda::GemvNarrowConfig pick = cuda::gemv_narrow_config(m, o.n, o.k, n_sms);
+      double t_pick = 0;
+      std::string all;
+      for (cuda::GemvNarrowConfig c : cuda::gemv_narrow_configs(m, o.n, o.k, n_sms)) {
+        const double t = time_narrow(c);
+        c.pdl = true;
+        const double tp = time_narrow(c);
+        if (c.slots == pick.slots) t_pick = t;
+        char buf[64];
+        std::snprintf(buf, sizeof buf, " s%d:%.2f/%.2f", c.slots, t, tp);
+        all += buf;
+      }
+      cuda::GemvNarrowConfig pp = pick;
+      pp.pdl = true;
+      const double t_pick_pdl = time_narrow(pp);
+      std::printf(
+          "NARROW %-14s m=%d | %7.2f | %7.2f (%7.2f) | %7.2f (%7.2f) | %s %7.2f %4.2f (%7.2f "
+          "%4.2f) "
+          "|%s\n",
+          o.name, m, t_lt, t_sk, t_sk_pdl, t_bulk, t_bulk_pdl, pick.name().c_str(), t_pick,
+          bytes / t_pick * 1e-6, t_pick_pdl, bytes / t_pick_pdl * 1e-6, all.c_str());
+      std::fflush(stdout);
+      // per step: down x 64; gdn_out x 48 + attn_o x 16 (same shape)
+      const int cnt = o.count;
+      step_lt[m] += cnt * t_lt;
+      const double old = o.k == 17408 ? t_sk : (m == 1 ? t_bulk_pdl : t_lt);
+      step_best_old[m] += cnt * old;
+      step_narrow[m] += cnt * t_pick;
+      step_narrow_pdl[m] += cnt * t_pick_pdl;
+    }
+  }
+  for (int m : {1, 2, 3, 4})
+    std::printf(
+        "NARROW 27B step, down + gdn_out + attn_o (64 + 48 + 16) m=%d: cublaslt_tuned %.3f ms, "
+        "shipped before (skinny_mma / gemv_bulk_pdl at m 1 / cublaslt) %.3f ms, narrow %.3f ms, "
+        "narrow with pdl %.3f ms\n",
+        m, step_lt[m] * 1e-3, step_best_old[m] * 1e-3, step_narrow[m] * 1e-3,
+        step_narrow_pdl[m] * 1e-3);
   cudaStreamDestroy(st);
 }
 
