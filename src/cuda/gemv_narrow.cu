@@ -289,9 +289,9 @@ bool gemv_narrow_preferred(int64_t m, int64_t n, int64_t k) {
   // rotating weights, us, narrow / with PDL back to back vs skinny_mma vs cuBLASLt tuned): m 1
   // 44.55 / 41.54 vs 47.87 vs 46.95, m 2 46.25 / 43.10 vs 48.20 vs 47.07; it loses from m 3
   // (51.32 / 48.24 vs 47.94; m 4 57.49 vs 47.73: the SIMT consumers re-read and unpack x per
-  // weight vector, and only 8 stages fit next to x). 27B decode step (bench decode, b1 @ 4K):
-  // 13.100 vs 13.477 ms with skinny_mma. n <= 8192 and k 12288..32768 bound it to what was
-  // measured.
+  // weight vector, and only 8 stages fit next to x). 27B decode step (bench decode @ 4K, same
+  // call): b1 13.261 vs 13.678 ms with skinny_mma, b2 13.717 vs 14.037; with m 3..4 too, b4 lost
+  // 0.46 ms. n <= 8192 and k 12288..32768 bound it to what was measured.
   return m >= 1 && m <= 2 && n >= 1024 && n <= 8192 && k >= 12288 && k <= kSkinnyMaxK &&
          k % 8 == 0 && gemv_narrow_supports(m, n, k, kGuardMinSms);
 }
