@@ -486,7 +486,7 @@ void launch_wgmma(const AttnShape& s, const AttnBatch& b, const bf16* q, const b
   DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
   dim3 grid(unsigned(tiles), s.n_kv_heads, b.n_seqs);
   attention_prefill_wgmma_kernel<<<grid, 256, kWgSmemBytes, stream>>>(s, b, q, k_cache, v_cache,
-                                                                       gate, out);
+                                                                      gate, out);
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -14,7 +14,8 @@
 // past a sequence's last key inside its last page do reach shared memory there: masked for K,
 // zeroed for V by a producer warp); CudaAttentionMma.PartialLastKeyTile pins that case down with
 // both consumer warpgroups holding rows. CudaAttentionMma.TmaCacheView checks the TMA view of the
-// cache against the encoder's documented limits on the host (no GPU needed).
+// cache against the encoder's documented limits on the host (no GPU needed);
+// CudaAttentionMma.SecondDevice (2 GPUs, else skipped) runs every kernel on device 1 after 0.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -381,11 +382,40 @@ TEST(CudaAttentionMma, PartialLastKeyTile) {
   check_mma_variants(f, "mma 27b partial last key tile");
   for (const SeqSpec& sp : seqs) {  // each alone too (one block per kv head, nothing else running)
     Fixture one(test::attn_shape_27b(), {sp}, 4300 + sp.kv_len);
-    check_mma_variants(one, "mma 27b q " + std::to_string(sp.q_len) + " kv " +
-                                std::to_string(sp.kv_len) + " (last tile " +
-                                std::to_string((sp.kv_len - 1) % 64 + 1) + " keys)",
+    check_mma_variants(one,
+                       "mma 27b q " + std::to_string(sp.q_len) + " kv " +
+                           std::to_string(sp.kv_len) + " (last tile " +
+                           std::to_string((sp.kv_len - 1) % 64 + 1) + " keys)",
                        false);
   }
+}
+
+TEST(CudaAttentionMma, SecondDevice) {
+  DS_REQUIRE_GPU();
+  // The > 48 KiB shared-memory opt-in belongs to each device's context (ensure_smem_optin): after
+  // the kernels ran on device 0, their first launches on device 1 must work too (a per-process
+  // std::call_once left them failing there) and give the same outputs bit for bit.
+  int n_devices = 0;
+  DS_CUDA_CHECK(cudaGetDeviceCount(&n_devices));
+  if (n_devices < 2) GTEST_SKIP() << "needs 2 GPUs (" << n_devices << " here)";
+  struct RestoreDevice {
+    ~RestoreDevice() { cudaSetDevice(0); }
+  } restore;
+  Fixture f(test::attn_shape_27b(), {{65, 300}, {21, 8214}}, 99);
+  std::vector<std::vector<bf>> outs[2];
+  for (int dev : {0, 1}) {
+    DS_CUDA_CHECK(cudaSetDevice(dev));
+    const std::string on = " on device " + std::to_string(dev);
+    outs[dev].push_back(run_prefill(f, ("generic" + on).c_str()));
+    if (device_sm() != 90) continue;
+    for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3"}) {
+      const cuda::DispatchRegistry reg = registry_for(v);
+      outs[dev].push_back(run_prefill(f, (v + on).c_str(), &reg));
+    }
+  }
+  ASSERT_EQ(outs[0].size(), outs[1].size());
+  for (size_t i = 0; i < outs[0].size(); ++i)
+    EXPECT_TRUE(outs[0][i] == outs[1][i]) << "kernel " << i << " differs between the devices";
 }
 
 TEST(CudaAttentionMma, TmaCacheView) {
@@ -456,8 +486,8 @@ TEST(CudaAttentionMma, DefaultDispatch) {
   EXPECT_EQ(pick(21, 8192), "wgmma_ws");
   EXPECT_EQ(pick(1, 100), "wgmma_ws");
   // Without the TMA kernels (DS_DISABLE_KERNELS): wgmma_m128 for every hd-256 shape.
-  const auto old = cuda::DispatchRegistry::with_defaults(
-      90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws");
+  const auto old =
+      cuda::DispatchRegistry::with_defaults(90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws");
   const auto pick_old = [&](int q, int kv) {
     return old.select(cuda::KernelFamily::kAttnPrefill, old.key(256, 6, q, kv)).name;
   };
