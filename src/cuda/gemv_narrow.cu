@@ -21,7 +21,6 @@
 // the slot count or the grid: bit-identical across batch sizes and configs.
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 #include <sstream>
 #include <string>
 
@@ -212,11 +211,9 @@ template <int M, typename OutT>
 void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumulate,
               const GemvNarrowConfig& c, int n_sms, cudaStream_t stream) {
   auto* kern = gemv_narrow_kernel<M, OutT>;
-  static std::once_flag once;  // per instantiation: allow the opt-in shared memory size
-  std::call_once(once, [&] {
-    DS_CUDA_CHECK(
-        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
-  });
+  // The opt-in shared memory size belongs to the device's context: once per (kernel, device), not
+  // per process (a std::call_once left the first launch on a second device failing).
+  ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   launch_maybe_pdl(kern, dim3(grid_blocks(n, n_sms)), dim3(kThreads),
                    smem_bytes(M, n, k, c.slots, n_sms), stream, c.pdl, x, w, static_cast<OutT*>(y),
                    n, k, gemv_narrow_slice_len(k), gemv_narrow_slices(k), c.slots, accumulate);

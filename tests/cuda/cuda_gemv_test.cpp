@@ -22,7 +22,8 @@
 // shapes (1..8 tokens, 1 to 8 slices per row with a shorter last slice, grids of 1, 7 and all
 // SMs) with every config vs fp64; down / gdn_out / attn_o at m 1, 2, 3, 4, 8 vs cuBLASLt and vs
 // fp64 on sampled rows, every config and the engine path bit-identical; batch and grid invariance;
-// PDL chains (bulk -> narrow as in the MLP, narrow -> narrow); guard and errors.
+// PDL chains (bulk -> narrow as in the MLP, narrow -> narrow); guard and errors; a second device
+// (the per-device shared-memory opt-in; 2 GPUs, else skipped).
 // DS_GEMV_SWEEP=1 also times every config on every decode shape (rotating weights past L2) next to
 // cuBLASLt and prints a table (used to pick skinny_gemm_config, gemv_bulk_config,
 // gemv_narrow_config and the guards).
@@ -1034,6 +1035,43 @@ TEST(CudaGemvNarrow, GuardAndErrors) {
   g.run(B(dx), B(dw), y1.ptr, 1, 1024, 17408, GemmOut::kBF16, 0);
   EXPECT_EQ(g.late_plans(), 0);
   DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// The > 48 KiB shared-memory opt-in belongs to each device's context (ensure_smem_optin): after
+// the kernel ran on device 0, its first launches on device 1 must work too (a per-process
+// std::call_once left them failing there) and give the same bits (2 GPUs, else skipped).
+TEST(CudaGemvNarrow, SecondDevice) {
+  DS_REQUIRE_GPU();
+  int n_devices = 0;
+  DS_CUDA_CHECK(cudaGetDeviceCount(&n_devices));
+  if (n_devices < 2) GTEST_SKIP() << "needs 2 GPUs (" << n_devices << " here)";
+  struct RestoreDevice {
+    ~RestoreDevice() { cudaSetDevice(0); }
+  } restore;
+  std::mt19937 rng(67);
+  const int n = 5120, k = 17408;  // the down projection, m 1..2 (what the guard ships)
+  auto x = test::random_bf16(size_t(2) * k, rng), w = test::random_bf16(size_t(n) * k, rng, 0.02f);
+  std::vector<char> outs[2][2];
+  for (int dev : {0, 1}) {
+    DS_CUDA_CHECK(cudaSetDevice(dev));
+    if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90 (device " << dev << ")";
+    const int n_sms = device_sms();
+    {
+      DevBuf<bf> dx(x), dw(w);
+      for (int m : {1, 2}) {
+        DevBuf<char> y(size_t(m) * n * 2);
+        y.poison();
+        cuda::launch_gemv_narrow(B(dx), B(dw), y.ptr, m, n, k, GemmOut::kBF16, false,
+                                 cuda::gemv_narrow_config(m, n, k, n_sms), n_sms, 0);
+        DS_CUDA_CHECK(cudaDeviceSynchronize());
+        outs[dev][m - 1] = y.download();
+      }
+    }
+    const cuda::GemvNarrowConfig c8{8, false};
+    check_launch_vs_cpu(2, 150, k, GemmOut::kF32, true, narrow_launch(c8, n_sms),
+                        "s8 device " + std::to_string(dev), rng);
+  }
+  for (int m : {1, 2}) EXPECT_TRUE(outs[0][m - 1] == outs[1][m - 1]) << "m " << m;
 }
 
 // ---- optional sweep (DS_GEMV_SWEEP=1): every config on every decode shape,
