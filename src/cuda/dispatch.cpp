@@ -210,14 +210,17 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // 0.325, 4096 0.524 vs 0.550, 8192 0.981 vs 1.034; 64 tokens 0.050 vs 0.047 (the conv stages
   // tie there, 11.4 vs 11.3 us: launch noise, but not a win), hence >= 512 tokens. Rejected
   // (removed): the state pass with 3 / 4 cp.async stages (177 / 185 vs 174 us at 4096 tokens).
-  // slice_scan_ov (issue 7 round 3): slice_scan_cs with the output kernel launched as a
-  // programmatic dependent of the state pass (it fills the SMs the 96 state CTAs leave idle and
-  // takes each chunk once the state pass has stored it: per-chunk ready flags); bit-identical to
-  // slice_scan_cs. H200 (bench kernels, one run, carried state), us per layer: 512 tokens 82.7 vs
-  // slice_scan_cs 113.6, 4096 486.7 vs 522.4, 8192 931.8 vs 981.7 (docs/perf/gdn_prefill.md).
+  // slice_scan_ov (issue 7 round 3): slice_scan_cs with a leaner state pass (ldmatrix /
+  // stmatrix fragments, staged snapshot stores) and the output kernel launched as a programmatic
+  // dependent of it (it fills the SMs the 96 state CTAs leave idle and takes each chunk once the
+  // state pass has stored it: per-chunk ready flags); bit-identical to slice_scan_cs. H200 (bench
+  // kernels, same run, carried state), us per layer: 512 tokens 80.4 vs slice_scan_cs 96.9, 4096
+  // 439.8 vs 539.1, 8192 837.3 vs 980.8; bench prefill 32K 3010.6 vs 3039.6 ms
+  // (docs/perf/gdn_prefill.md). 64 tokens stay on slice_scan (one chunk: nothing to overlap).
   r.add({F::kGdnPrefill, "slice_scan_ov",
-         "d_k = d_v = 128, >= 512 tokens: slice_scan_cs with the output kernel running beside the "
-         "state pass (programmatic dependent launch, per-chunk ready flags; gdn_prefill_slice.cu)",
+         "d_k = d_v = 128, >= 512 tokens: slice_scan_cs with a leaner state pass and the output "
+         "kernel running beside it (programmatic dependent launch, per-chunk ready flags; "
+         "gdn_prefill_slice.cu)",
          [](const ShapeKey& k) {
            return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
          }});

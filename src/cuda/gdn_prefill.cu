@@ -1051,7 +1051,9 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
       conv_multi =
           !conv_stream && n_tokens >= 2048 && gdn_conv_prep_multi_supported(s, w, pool, proj);
       conv_wide = !conv_stream && !conv_multi && gdn_conv_prep_multi_supported(s, w, pool, proj);
-      slice_state = v == "slice_scan_v32" ? GdnSliceState::kV32 : GdnSliceState::kV64;
+      slice_state = v == "slice_scan_v32"  ? GdnSliceState::kV32
+                    : v == "slice_scan_ov" ? GdnSliceState::kV64Lean
+                                           : GdnSliceState::kV64;
       slice_out_warps = v == "slice_scan" || cs ? 8 : 4;
       wy_mma = true;
     } else {

@@ -16,15 +16,19 @@
 //    columns; P = causal(Q K^T) * e^(gamma_i - gamma_j) (formed while h_c, V_new and z are still
 //    landing: two cp.async groups), O = e^gamma (Q h_c) + P V_new, then the gated RMSNorm (row sums
 //    by quad shuffles, VS = 2: plus the partner warp's through shared memory), y written as bf16.
-//  - slice_scan_ov: the same two kernels, the output launched as a programmatic dependent of the
-//    state pass (griddepcontrol.launch_dependents once every state CTA is resident) with a
-//    head-major grid, so that its CTAs fill the SMs and registers the 96 state CTAs leave idle;
-//    each output CTA stages Q, K, z, then waits until ready[chunk][head] counts both slices
-//    (red.release.gpu after a block barrier in the state pass / ld.acquire.gpu + block barrier in
-//    the output) before it reads h_c and V_new. Bit-identical to slice_scan_cs. H200
-//    (2026-11-29, docs/perf/gdn_prefill.md), 4096 tokens: state + output 292 us vs 323 one after
-//    the other; whole layer 0.487 vs 0.522 ms (bench kernels, same run); 512 tokens 0.083 vs
-//    0.114, 8192 0.932 vs 0.982.
+//  - slice_scan_ov: the state pass in its lean form (kLean below: U / V_new through ldmatrix /
+//    stmatrix .trans fragments, the snapshot staged for 16-byte stores after the state update is
+//    issued), and the output launched as a programmatic dependent of it
+//    (griddepcontrol.launch_dependents once every state CTA is resident) with a head-major grid,
+//    so that its CTAs fill the SMs and registers the 96 state CTAs leave idle; each output CTA
+//    stages Q, K, z, then waits until ready[chunk][head] counts both slices (red.release.gpu
+//    after a block barrier in the state pass / ld.acquire.gpu + block barrier in the output)
+//    before it reads h_c and V_new. Bit-identical to slice_scan_cs. H200 (2026-11-29,
+//    docs/perf/gdn_prefill.md), 4096 tokens: state pass alone 151.6 us (lean) vs 175.1; state +
+//    output 243.5 us overlapped (lean), 293.2 overlapped (not lean), 326.3 one after the other;
+//    whole layer 0.440 vs 0.539 ms (bench kernels, same run, carried state), 512 tokens 0.080 vs
+//    0.097, 8192 0.837 vs 0.981. The lean state pass under ncu: one warp per scheduler, 0.32
+//    issued instructions per cycle, 3.1 cycles per issued instruction (latency-bound).
 // Precision as FLA and the other variants: bf16 operands (h_c, V_new, P, Q, K, W, U), fp32
 // accumulators, state and gamma. Workspace: gdn_prefill.cu's h snapshot region ([chunk, head, v,
 // k] bf16, the generic layout) and U (V_new after the pass).
@@ -79,6 +83,21 @@ struct SliceCfg {
   static_assert(kThreads >= kC && (kLdu * sizeof(bf16)) % 16 == 0 && STAGES >= 2);
 };
 
+// stmatrix (sm 90): four 8x8 bf16 matrices from the fragments of mma_util.cuh's layout (row
+// addresses from lanes 8m .. 8m + 7 for matrix m), plain and transposed.
+__device__ __forceinline__ void stsm_x4(bf16* p, const uint32_t (&r)[4]) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_u32(p)),
+      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+      : "memory");
+}
+__device__ __forceinline__ void stsm_x4_t(bf16* p, const uint32_t (&r)[4]) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_u32(p)),
+      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+      : "memory");
+}
+
 // kSignal (slice_scan_ov): the output kernel runs beside this one (programmatic dependent launch)
 // and takes chunk c of head hv once ready[c][hv] counts every slice of the head: each CTA adds 1
 // (release, gpu scope) after its snapshot h_c and V_new rows of chunk c are stored; for a
@@ -93,7 +112,12 @@ __device__ __forceinline__ int load_acquire(const int* flag) {
   return v;
 }
 
-template <int NW, int STAGES, bool kSignal>
+// kLean (GdnSliceState::kV64Lean): the same arithmetic with fewer instructions per chunk step: U
+// read and V_new written back as ldmatrix / stmatrix .trans fragments (4 + 4 per warp instead of
+// 32 + 32 scalar 2-byte shared accesses), and the snapshot h_c staged by stmatrix in shared memory
+// and stored as 16-byte rows after the state update is issued (8 instead of 32 global stores per
+// thread, off the V_new -> h dependency chain). Bit-identical states, snapshots and V_new.
+template <int NW, int STAGES, bool kSignal, bool kLean>
 __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
     gdn_state_slice_kernel(GdnShape s, GdnStatePool pool,
                            const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
@@ -188,7 +212,7 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
     // ---- h^T as bf16 A fragments; they are also the snapshot h_c the output kernel reads.
     uint32_t ha[8][4];
     acc_to_a<16>(h, ha);
-    {
+    if constexpr (!kLean) {
       bf16* hs = h_snap + ((chunk0 + ch) * n_v + hv) * static_cast<int64_t>(kD * kD) +
                  (v_base + g) * kD + 2 * c;
 #pragma unroll
@@ -204,7 +228,39 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
     float vn[8][4];
     ha_times_tile_t(ha, w_s, lane, vn);
     uint32_t vsa[4][4];  // (V_new^T e^(gamma_last - gamma_t)) as A fragments
-    {
+    if constexpr (kLean) {
+      float vs[8][4], gc[8][2];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) gc[j][e] = __expf(g_last - gam[min(8 * j + 2 * c + e, n - 1)]);
+      }
+      const int m = lane >> 3, r = lane & 7;
+#pragma unroll
+      for (int jp = 0; jp < 4; ++jp) {
+        // Matrix m: rows t = 16 jp + 8 (m / 2) + r, columns v_loc + 8 (m % 2): thread (g, c) gets
+        // U[t = 2c, 2c + 1][v = g] of it, i.e. the pairs i = 0 / 1 (m even) or 2 / 3 (m odd) of
+        // accumulator tile j = 2 jp + m / 2.
+        bf16* up = u_s + (16 * jp + 8 * (m >> 1) + r) * kLdu + v_loc + 8 * (m & 1);
+        uint32_t ur[4];
+        ldsm_x4_t(ur, up);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int j = 2 * jp + (q >> 1), i0 = 2 * (q & 1);
+          const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(&ur[q]);
+          const bf16 x0 = __float2bfloat16(__low2float(u2) - vn[j][i0]);
+          const bf16 x1 = __float2bfloat16(__high2float(u2) - vn[j][i0 + 1]);
+          vs[j][i0] = __bfloat162float(x0) * gc[j][0];
+          vs[j][i0 + 1] = __bfloat162float(x1) * gc[j][1];
+          __nv_bfloat162 x2;
+          x2.x = x0;
+          x2.y = x1;
+          ur[q] = *reinterpret_cast<const uint32_t*>(&x2);
+        }
+        stsm_x4_t(up, ur);  // V_new in place of U (this warp's columns only)
+      }
+      acc_to_a<8>(vs, vsa);
+    } else {
       float vs[8][4];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -239,6 +295,25 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
       for (int i = 0; i < 4; ++i) h[j][i] *= decay;
     }
     acc_a_times_tile(vsa, k_s, lane, kC / 16 - 1, h);
+
+    if constexpr (kLean) {
+      // The snapshot h_c (ha): stmatrix into this warp's staging rows, then 16-byte stores of its
+      // 16 contiguous [128]-rows of h_snap. (The previous chunk's reads of the staging rows are
+      // done: they fed that chunk's stores, before the block barrier.)
+      bf16* sw = reinterpret_cast<bf16*>(smem + L::kTotal) + warp * 16 * kLd;
+#pragma unroll
+      for (int sk = 0; sk < 8; ++sk)
+        stsm_x4(sw + ((lane & 7) + 8 * ((lane >> 3) & 1)) * kLd + 16 * sk + 8 * (lane >> 4),
+                ha[sk]);
+      __syncwarp();
+      bf16* hs = h_snap + ((chunk0 + ch) * n_v + hv) * static_cast<int64_t>(kD * kD) + v_base * kD;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int idx = 32 * e + lane, row = idx >> 4, col = 8 * (idx & 15);
+        *reinterpret_cast<uint4*>(hs + row * kD + col) =
+            *reinterpret_cast<const uint4*>(sw + row * kLd + col);
+      }
+    }
   }
   cp_async_wait_all();  // nothing in flight at exit (the last commit is empty)
 
@@ -499,7 +574,7 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
   DS_CHECK(out_warps == 4 || out_warps == 8, "gdn slice scan: out_warps must be 4 or 8, got ",
            out_warps);
   DS_CHECK(ready == nullptr || (stages == 3 && max_chunks <= 65535 && out_warps == 8 &&
-                                state == GdnSliceState::kV64),
+                                (state == GdnSliceState::kV64 || state == GdnSliceState::kV64Lean)),
            "gdn slice scan: the overlapped launch (ready flags) runs both stages with 64-column "
            "slices and 8-warp output CTAs, at most 65535 chunks (got stages ",
            stages, ", ", max_chunks, " chunks)");
@@ -509,22 +584,31 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
            "gdn slice scan: workspace tiles must be 16-byte aligned");
   if (n_seqs <= 0 || max_chunks <= 0) return;
   const bool overlap = ready != nullptr;
-  const int n_slices = state == GdnSliceState::kV64 ? kD / 64 : kD / 32;
+  const int n_slices = state == GdnSliceState::kV32 ? kD / 32 : kD / 64;
   if (stages & 1) {
     auto run = [&](auto kernel, size_t smem, int threads) {
       launch_state(kernel, smem, threads, n_slices, s, pool, cu_seqlens, seq_pos, slot_ids,
                    seq_chunk0, n_seqs, qkv, gamma, w_mat, u_mat, h_snap, ready, stream);
     };
+    using L64 = SliceCfg<4, 2>;
+    // kLean: after the stages, each warp's bf16 snapshot rows [16][kLd], staged for 16-byte stores.
+    const size_t lean_smem = L64::kTotal + sizeof(bf16) * 4 * 16 * kLd;
     switch (state) {
       case GdnSliceState::kV64:
         if (overlap)
-          run(gdn_state_slice_kernel<4, 2, true>, SliceCfg<4, 2>::kTotal, SliceCfg<4, 2>::kThreads);
+          run(gdn_state_slice_kernel<4, 2, true, false>, L64::kTotal, L64::kThreads);
         else
-          run(gdn_state_slice_kernel<4, 2, false>, SliceCfg<4, 2>::kTotal,
-              SliceCfg<4, 2>::kThreads);
+          run(gdn_state_slice_kernel<4, 2, false, false>, L64::kTotal, L64::kThreads);
+        break;
+      case GdnSliceState::kV64Lean:
+        if (overlap)
+          run(gdn_state_slice_kernel<4, 2, true, true>, lean_smem, L64::kThreads);
+        else
+          run(gdn_state_slice_kernel<4, 2, false, true>, lean_smem, L64::kThreads);
         break;
       case GdnSliceState::kV32:
-        run(gdn_state_slice_kernel<2, 2, false>, SliceCfg<2, 2>::kTotal, SliceCfg<2, 2>::kThreads);
+        run(gdn_state_slice_kernel<2, 2, false, false>, SliceCfg<2, 2>::kTotal,
+            SliceCfg<2, 2>::kThreads);
         break;
     }
   }

@@ -102,8 +102,10 @@ void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks,
 // (Q h_c) + causal(Q K^T e^(gamma_i - gamma_j)) V_new and the gated RMSNorm, one CTA per (chunk,
 // head). Inputs as launch_gdn_scan's plus the chunk map of gdn_prefill.cu. Needs 16-byte aligned
 // proj rows (z is staged with cp.async) besides launch_gdn_scan's alignment.
-// The state-pass kernel: 64-column slices (4 warps x 16 rows) or 32-column slices (2 warps).
-enum class GdnSliceState { kV64, kV32 };
+// The state-pass kernel: 64-column slices (4 warps x 16 rows) or 32-column slices (2 warps);
+// kV64Lean: kV64 with U / V_new as ldmatrix / stmatrix .trans fragments and the snapshot staged
+// for 16-byte stores (bit-identical results, fewer instructions per chunk step).
+enum class GdnSliceState { kV64, kV32, kV64Lean };
 bool gdn_slice_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                          const bf16* proj, const bf16* out);
 void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
@@ -130,7 +132,8 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                            // pass (programmatic dependent launch), each CTA waiting until its
                            // chunk's flag counts every slice; [max_chunks, n_v_heads] ints, zero
                            // on entry (the caller clears them; left at the slice count). Needs
-                           // kV64, out_warps 8, stages 3. Outputs bit-identical to null.
+                           // kV64 / kV64Lean, out_warps 8, stages 3. Outputs bit-identical to
+                           // null.
                            int* ready = nullptr);
 
 }  // namespace ds::cuda
