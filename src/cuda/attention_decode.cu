@@ -35,7 +35,6 @@
 //   batch 4:  4K 26.9 (2.50) vs 101;    16K 73.4 (3.66) vs 370;   32K 136 (3.96) vs 727
 //   batch 16: 4K 72.8 (3.69) vs 369;    16K 254 (4.23) vs 1439;   32K 490 (4.38) vs 2865
 // (first session's simt numbers, with its ceil'd split count: 39 us at batch 1 x 4K, 199 at 32K).
-#include <mutex>
 
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
@@ -522,11 +521,7 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
   constexpr int kSmem = mma_smem_bytes<HD>();
   static_assert(kSmem >= (2 * kMmaWarps * kMaxGroup + kMmaWarps * kMaxGroup * HD) * 4,
                 "the block merge reuses the rings");
-  static std::once_flag once;  // raise the dynamic shared memory limit once per instantiation
-  std::call_once(once, [] {
-    DS_CUDA_CHECK(cudaFuncSetAttribute(attention_decode_mma_kernel<HD>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  });
+  ensure_smem_optin(reinterpret_cast<const void*>(attention_decode_mma_kernel<HD>), kSmem);
   // Workspace: o partials first (16-byte aligned for the merge's float4 loads), then (m, l).
   float* o = static_cast<float*>(partials);
   float2* ml = reinterpret_cast<float2*>(o + (size_t)b.n_seqs * s.n_heads * n_splits * HD);

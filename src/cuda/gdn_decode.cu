@@ -43,7 +43,6 @@
 // carried steps: states bit-equal, outputs within 1e-3; timing of every kernel at batch 1-32).
 #include <cooperative_groups.h>
 
-#include <mutex>
 #include <string>
 
 #include "cuda/cuda_common.h"
@@ -519,11 +518,7 @@ void launch_stream(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePo
                    const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids, int n_seqs,
                    bf16* out, cudaStream_t stream) {
   constexpr int kSmem = stream_smem_bytes<DK, STAGES>();
-  static std::once_flag once;  // raise the dynamic shared memory limit once per instantiation
-  std::call_once(once, [] {
-    DS_CUDA_CHECK(cudaFuncSetAttribute(gdn_decode_stream_kernel<DK, VEC, STAGES>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-  });
+  ensure_smem_optin(reinterpret_cast<const void*>(gdn_decode_stream_kernel<DK, VEC, STAGES>), kSmem);
   gdn_decode_stream_kernel<DK, VEC, STAGES>
       <<<dim3(n_seqs, s.n_v_heads), kStreamThreads, kSmem, stream>>>(s, w, pool, proj, seq_pos,
                                                                      slot_ids, out);
