@@ -518,7 +518,8 @@ void launch_stream(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePo
                    const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids, int n_seqs,
                    bf16* out, cudaStream_t stream) {
   constexpr int kSmem = stream_smem_bytes<DK, STAGES>();
-  ensure_smem_optin(reinterpret_cast<const void*>(gdn_decode_stream_kernel<DK, VEC, STAGES>), kSmem);
+  ensure_smem_optin(reinterpret_cast<const void*>(gdn_decode_stream_kernel<DK, VEC, STAGES>),
+                    kSmem);
   gdn_decode_stream_kernel<DK, VEC, STAGES>
       <<<dim3(n_seqs, s.n_v_heads), kStreamThreads, kSmem, stream>>>(s, w, pool, proj, seq_pos,
                                                                      slot_ids, out);
