@@ -192,18 +192,17 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          }});
   r.add({F::kAttnDecode, "prefill_kernel", "the prefill kernel with one query per sequence", {}});
   // gdn_prefill dims: {d_k, d_v, n_tokens, n_seqs}; pointer alignment is checked in
-  // launch_gdn_prefill (else the generic kernels run). Token thresholds from the H200 timings
-  // (one sequence; gdn_prefill_sm90.cu): wymma_scan_x2 wins at 4096 / 8192 tokens but loses at
-  // 512 (its 8-token conv blocks under-fill the GPU), scan_mma wins at 512 and 4096, both lose to
-  // the generic kernels at 64 tokens.
+  // launch_gdn_prefill (else the generic kernels run). Removed in issue 7 round 3, never picked
+  // on sm_90 (slice_scan* came first for every shape; numbers in git history / docs/perf): the
+  // register-resident fused scans scan_mma, wymma_scan, wymma_scan_x2 (0.97 / ~0.84 / 0.89 ms per
+  // 4096-token layer) and slice_scan_o4 / slice_scan_v32 (4-warp output CTAs / 32-column slices).
   // slice_scan (gdn_prefill_slice.cu): the state pass alone on the sequential path, split over
   // 64-column slices of each head's state; the output + gated norm parallel over chunks (8-warp
   // CTAs). H200 (cuda_gdn_test Timing, one sequence, carried state), ms per layer: 64 tokens
   // 0.052 vs generic 0.072, 512 0.108 vs scan_mma 0.151, 2048 0.314 vs wymma_scan_x2 0.491, 4096
-  // 0.565 vs 0.897, 8192 1.071 vs 1.743. slice_scan_o4 (4-warp output CTAs: 0.592 at 4096) and
-  // slice_scan_v32 (32-column slices: 0.615) are slower at every size: after it, never picked,
-  // kept for the A/B in the tests and timings. Rejected (slower, removed): the state pass with
-  // each warp pair splitting k (274 vs 177 us at 4096 tokens).
+  // 0.565 vs 0.897, 8192 1.071 vs 1.743; slice_scan_o4 (4-warp output CTAs: 0.592 at 4096) and
+  // slice_scan_v32 (32-column slices: 0.615) were slower at every size. Rejected (slower,
+  // removed): the state pass with each warp pair splitting k (274 vs 177 us at 4096 tokens).
   // slice_scan_cs (issue 7 round 2): slice_scan with the streaming conv of gdn_prefill_conv.cu
   // (each input row read once, 16-byte loads). H200, same run (cuda_gdn_test Timing, one
   // sequence, carried state), ms per layer: 512 tokens 0.104 vs slice_scan 0.104, 2048 0.289 vs
@@ -236,37 +235,6 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          "chunks in 8-warp CTAs (gdn_prefill_slice.cu)",
          [](const ShapeKey& k) {
            return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 64;
-         }});
-  r.add({F::kGdnPrefill, "slice_scan_o4",
-         "slice_scan with 4-warp output CTAs (16 rows x 128 columns per warp; slower on the H200, "
-         "never picked while slice_scan is on)",
-         [](const ShapeKey& k) {
-           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 64;
-         }});
-  r.add({F::kGdnPrefill, "slice_scan_v32",
-         "slice_scan_o4 with 32-column state slices (twice the CTAs and K / W reads; slower on "
-         "the H200, never picked while slice_scan is on)",
-         [](const ShapeKey& k) {
-           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 64;
-         }});
-  r.add({F::kGdnPrefill, "wymma_scan_x2",
-         "d_k = d_v = 128, >= 2048 tokens: 8-token conv blocks, WY on register mma.sync, then state "
-         "pass + output + gated norm in one scan per head over a 2-CTA cluster (gdn_prefill_sm90.cu)",
-         [](const ShapeKey& k) {
-           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 2048;
-         }});
-  r.add({F::kGdnPrefill, "scan_mma",
-         "d_k = d_v = 128, >= 512 tokens: generic conv + WY, then state pass + output + gated norm "
-         "in one kernel per (sequence, head), state in registers (mma.sync)",
-         [](const ShapeKey& k) {
-           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
-         }});
-  // Not yet timed on its own (its parts are: est. ~0.84 ms at 4096 tokens); after scan_mma, so the
-  // engine never picks it until a run shows it winning (the GDN tests and Timing force it).
-  r.add({F::kGdnPrefill, "wymma_scan",
-         "d_k = d_v = 128, >= 512 tokens: generic conv, WY on register mma.sync, scan_mma's scan",
-         [](const ShapeKey& k) {
-           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
          }});
   r.add({F::kGdnPrefill, "chunked", "GDN chunked WY/UT prefill (gdn.h)", {}});
   // gdn_decode dims: {d_k, d_v, n_seqs}. The engine maps a variant to its kernel with

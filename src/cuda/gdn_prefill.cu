@@ -33,12 +33,11 @@
 // FlashInfer keeps the state in registers across warpgroups), the WY kernel's inverse is SIMT,
 // and W, U, V_new and the snapshots make ~0.6 GB of extra traffic per 4096 tokens that a fused
 // kernel would not.
-// Specialised variants (dispatch.cpp kGdnPrefill, sm 90, d_k = d_v = 128; gdn_prefill_sm90.cu):
-// stages 3 + 4 replaced by one register-resident scan per (sequence, head) ("scan_mma"), and
-// with 8-token conv blocks, the WY stage on register mma.sync and the scan over a 2-CTA cluster
-// ("wymma_scan_x2"); the FLA split with the state pass alone on the sequential path, sliced over
-// value columns, and the output + gated norm parallel over chunks ("slice_scan", "slice_scan_v32":
-// gdn_prefill_slice.cu; they reuse this file's snapshot region h and write V_new over U). Stage
+// Specialised variants (dispatch.cpp kGdnPrefill, sm 90, d_k = d_v = 128): the FLA split with the
+// state pass alone on the sequential path, sliced over value columns, and the output + gated norm
+// parallel over chunks ("slice_scan", "slice_scan_cs", "slice_scan_ov": gdn_prefill_slice.cu, with
+// the conv / WY kernels of gdn_prefill_sm90.cu and gdn_prefill_conv.cu; they reuse this file's
+// snapshot region h and write V_new over U; slice_scan_ov's ready flags live here too). Stage
 // profile of these generic kernels under ncu on the H200 (4096 tokens,
 // carried state, 2026-11-29): chunk map 2.8 us, conv_prep 103, conv ring 4.4, wy 294, state pass
 // 384, output 223 (1.01 ms in all).
@@ -1019,21 +1018,15 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   DS_CUDA_LAUNCH_CHECK();
   // Compile-time head sizes for d_k == d_v == 128 (the shipped models); run-time otherwise.
   const bool d128 = s.d_k == 128 && s.d_v == 128;
-  // The specialised variants (dispatch.cpp kGdnPrefill; gdn_prefill_sm90.cu): "scan_mma" = the
-  // generic conv and WY kernels, then the state pass, output and gated norm in one
-  // register-resident scan per (sequence, head); "wymma_scan_x2" = 8-token conv blocks, the WY
-  // stage on register mma.sync, and the scan split over a 2-CTA cluster per head; "wymma_scan" =
-  // the generic conv, the register WY stage and scan_mma's scan.
-  // "slice_scan*" (gdn_prefill_slice.cu): the register WY stage (tf32 off-diagonal inverse), then
-  // the state pass split over 64-column slices of each head's state (v32: 32) and the output +
-  // gated norm parallel over chunks (slice_scan: 8-warp output CTAs; _o4, _v32: 4 warps);
-  // slice_scan_cs: slice_scan with the streaming conv of gdn_prefill_conv.cu; slice_scan_ov:
-  // slice_scan_cs with the output kernel running beside the state pass (ready flags per chunk).
-  int scan_split = 0;  // 0: the generic state pass + output kernels
+  // The specialised variants (dispatch.cpp kGdnPrefill), "slice_scan*" (gdn_prefill_slice.cu):
+  // the register WY stage of gdn_prefill_sm90.cu (tf32 off-diagonal inverse), then the state pass
+  // split over 64-column slices of each head's state and the output + gated norm parallel over
+  // chunks (8-warp CTAs); slice_scan_cs: slice_scan with the streaming conv of
+  // gdn_prefill_conv.cu; slice_scan_ov: slice_scan_cs with the lean state pass and the output
+  // kernel running beside it (ready flags per chunk).
   bool slice = false;  // gdn_prefill_slice.cu's state pass and output
   bool slice_overlap = false;
   GdnSliceState slice_state = GdnSliceState::kV64;
-  int slice_out_warps = 4;
   bool wy_mma = false, conv_multi = false, conv_wide = false, conv_stream = false;
   if (d128 && dispatch != nullptr && gdn_scan_supported(s, w, pool, proj, out)) {
     const std::string& v =
@@ -1051,15 +1044,8 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
       conv_multi =
           !conv_stream && n_tokens >= 2048 && gdn_conv_prep_multi_supported(s, w, pool, proj);
       conv_wide = !conv_stream && !conv_multi && gdn_conv_prep_multi_supported(s, w, pool, proj);
-      slice_state = v == "slice_scan_v32"  ? GdnSliceState::kV32
-                    : v == "slice_scan_ov" ? GdnSliceState::kV64Lean
-                                           : GdnSliceState::kV64;
-      slice_out_warps = v == "slice_scan" || cs ? 8 : 4;
+      slice_state = v == "slice_scan_ov" ? GdnSliceState::kV64Lean : GdnSliceState::kV64;
       wy_mma = true;
-    } else {
-      wy_mma = v == "wymma_scan_x2" || v == "wymma_scan";
-      scan_split = v == "wymma_scan_x2" ? 2 : v == "scan_mma" || v == "wymma_scan" ? 1 : 0;
-      conv_multi = scan_split == 2 && gdn_conv_prep_multi_supported(s, w, pool, proj);
     }
   }
   if (conv_stream) {
@@ -1112,13 +1098,8 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   if (slice) {
     launch_gdn_slice_scan(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs,
                           reinterpret_cast<const int4*>(ws.chunks), ws.seq_chunk0, max_chunks,
-                          ws.qkv, ws.g, ws.w, ws.u, ws.h, out, slice_state, slice_out_warps, stream,
+                          ws.qkv, ws.g, ws.w, ws.u, ws.h, out, slice_state, /*out_warps=*/8, stream,
                           /*stages=*/3, slice_overlap ? ws.ready : nullptr);
-    return;
-  }
-  if (scan_split > 0) {
-    launch_gdn_scan(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, ws.qkv, ws.g, ws.w,
-                    ws.u, out, scan_split, stream);
     return;
   }
 

@@ -3,14 +3,15 @@
 // gdn_prefill_sm90.cu). The FLA / FlashInfer split of the chunked delta rule:
 //  - gdn_state_slice_kernel: the only sequential stage, the inter-chunk state pass, split over
 //    slices of NW * 16 value columns of each head's state (the rows of h^T are independent given
-//    W, U and K), so 48 heads x 128 / (16 NW) CTAs share the SMs (96 for NW = 4, 192 for NW = 2,
-//    one 27B sequence). Warp w keeps 16 rows of h^T [v, k] in registers (fp32 mma.sync accumulator
-//    fragments); per chunk of 64 tokens it stores the bf16 snapshot h_c (what the output needs),
-//    V_new^T = U^T - h^T W^T, and h^T <- e^(gamma_last) h^T + (V_new^T e^(gamma_last - gamma_t)) K.
-//    V_new (bf16) overwrites U in place (each warp its own columns). K, W, this slice's U columns
-//    and gamma of the next chunk stream in with cp.async (double buffer). Nothing else is on the
-//    sequential path: no P, no output, no norm (gdn_scan_kernel did all of it per warp, ~3300
-//    instructions per chunk with one warp per scheduler; this one does ~700).
+//    W, U and K), so 48 heads x 128 / (16 NW) CTAs share the SMs (NW = 4 is built: 96 CTAs for
+//    one 27B sequence; NW = 2, 192 CTAs, was slower and is removed). Warp w keeps 16 rows of h^T
+//    [v, k] in registers (fp32 mma.sync accumulator fragments); per chunk of 64 tokens it stores
+//    the bf16 snapshot h_c (what the output needs), V_new^T = U^T - h^T W^T, and h^T <-
+//    e^(gamma_last) h^T + (V_new^T e^(gamma_last - gamma_t)) K. V_new (bf16) overwrites U in place
+//    (each warp its own columns). K, W, this slice's U columns and gamma of the next chunk stream
+//    in with cp.async (double buffer). Nothing else is on the sequential path: no P, no output, no
+//    norm (the removed gdn_scan_kernel did all of it per warp, ~3300 instructions per chunk with
+//    one warp per scheduler; this one does ~700).
 //  - gdn_chunk_out_kernel<VS>: the output, fully parallel over chunks x heads, one CTA of 4 VS
 //    warps per (chunk, head): warp w = rows [16 (w % 4), + 16) of the chunk and 128 / VS value
 //    columns; P = causal(Q K^T) * e^(gamma_i - gamma_j) (formed while h_c, V_new and z are still
@@ -32,7 +33,7 @@
 // Precision as FLA and the other variants: bf16 operands (h_c, V_new, P, Q, K, W, U), fp32
 // accumulators, state and gamma. Workspace: gdn_prefill.cu's h snapshot region ([chunk, head, v,
 // k] bf16, the generic layout) and U (V_new after the pass).
-// Shared memory: state pass 88.6 KB (NW 4) / 80.4 KB (NW 2); output 105 KB (2 CTAs per SM).
+// Shared memory: state pass 88.6 KB (lean: 106 KB); output 105 KB (2 CTAs per SM).
 //
 // Measured on the H200 (2026-11-29, cuda_gdn_test PrefillStageTiming / Timing: CUDA-event
 // medians, 27B shapes, one sequence with carried state), per stage at 4096 tokens in us:
@@ -42,12 +43,12 @@
 //   ncu of the 4-stage build: 6% achieved occupancy, 3.5 cycles per issued instruction, L1
 //   63%; docs/perf/2026-11-29-gdnp4-ncu.log), output 156 with
 //   8 warps per CTA (180 with 4; ncu: 59% of memory throughput),
-// vs wymma_scan_x2's fused scan alone 610. Whole layer (ms): 64 tokens 0.052, 512 0.108, 2048
-// 0.314, 4096 0.565, 8192 1.071 (wymma_scan_x2: 0.093, 0.187, 0.491, 0.897, 1.743). The state pass
-// is latency-bound (~2.8 us per chunk step, one warp per scheduler); the output moves ~300 MB per
-// 4096 tokens, 100 MB of it the bf16 snapshots. Test: tests/cuda/cuda_gdn_test.cpp (every prefill
-// case runs each variant, forced for all lengths); bench: `deltaserve bench kernels --only
-// gdn_prefill`.
+// vs the removed wymma_scan_x2's fused scan alone 610. Whole layer (ms): 64 tokens 0.052, 512
+// 0.108, 2048 0.314, 4096 0.565, 8192 1.071 (wymma_scan_x2: 0.093, 0.187, 0.491, 0.897, 1.743). The
+// state pass is latency-bound (~2.8 us per chunk step, one warp per scheduler); the output moves
+// ~300 MB per 4096 tokens, 100 MB of it the bf16 snapshots. Test: tests/cuda/cuda_gdn_test.cpp
+// (every prefill case runs each variant, forced for all lengths); bench: `deltaserve bench kernels
+// --only gdn_prefill`.
 #include "cuda/cuda_common.h"
 #include "cuda/gdn_chunk.cuh"
 #include "cuda/gdn_prefill_sm90.h"
@@ -573,18 +574,17 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                            int stages, int* ready) {
   DS_CHECK(out_warps == 4 || out_warps == 8, "gdn slice scan: out_warps must be 4 or 8, got ",
            out_warps);
-  DS_CHECK(ready == nullptr || (stages == 3 && max_chunks <= 65535 && out_warps == 8 &&
-                                (state == GdnSliceState::kV64 || state == GdnSliceState::kV64Lean)),
-           "gdn slice scan: the overlapped launch (ready flags) runs both stages with 64-column "
-           "slices and 8-warp output CTAs, at most 65535 chunks (got stages ",
-           stages, ", ", max_chunks, " chunks)");
+  DS_CHECK(ready == nullptr || (stages == 3 && max_chunks <= 65535 && out_warps == 8),
+           "gdn slice scan: the overlapped launch (ready flags) runs both stages with 8-warp "
+           "output CTAs, at most 65535 chunks (got stages ",
+           stages, ", out_warps ", out_warps, ", ", max_chunks, " chunks)");
   DS_CHECK(gdn_slice_supported(s, w, pool, proj, out),
            "gdn slice scan: shape / alignment not supported (d_k = d_v = 128 only)");
   DS_CHECK(aligned(qkv, 16) && aligned(w_mat, 16) && aligned(u_mat, 16) && aligned(h_snap, 16),
            "gdn slice scan: workspace tiles must be 16-byte aligned");
   if (n_seqs <= 0 || max_chunks <= 0) return;
   const bool overlap = ready != nullptr;
-  const int n_slices = state == GdnSliceState::kV32 ? kD / 32 : kD / 64;
+  const int n_slices = kD / 64;
   if (stages & 1) {
     auto run = [&](auto kernel, size_t smem, int threads) {
       launch_state(kernel, smem, threads, n_slices, s, pool, cu_seqlens, seq_pos, slot_ids,
@@ -605,10 +605,6 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
           run(gdn_state_slice_kernel<4, 2, true, true>, lean_smem, L64::kThreads);
         else
           run(gdn_state_slice_kernel<4, 2, false, true>, lean_smem, L64::kThreads);
-        break;
-      case GdnSliceState::kV32:
-        run(gdn_state_slice_kernel<2, 2, false, false>, SliceCfg<2, 2>::kTotal,
-            SliceCfg<2, 2>::kThreads);
         break;
     }
   }

@@ -1,7 +1,7 @@
-// Internal to the GDN prompt path (gdn_prefill.cu): the register-resident chunk scan, conv and WY
-// kernels of gdn_prefill_sm90.cu (kGdnPrefill variants "scan_mma", "wymma_scan_x2", "wymma_scan")
-// and the sliced state pass + parallel output of gdn_prefill_slice.cu ("slice_scan",
-// "slice_scan_v32"). Not part of the kernels' public interface (gdn.h).
+// Internal to the GDN prompt path (gdn_prefill.cu): the conv and WY kernels of
+// gdn_prefill_sm90.cu and the sliced state pass + parallel output of gdn_prefill_slice.cu (the
+// kGdnPrefill variants "slice_scan", "slice_scan_cs", "slice_scan_ov"). Not part of the kernels'
+// public interface (gdn.h).
 #pragma once
 
 #include <cstdint>
@@ -11,32 +11,11 @@
 
 namespace ds::cuda {
 
-// Shapes and pointers the scan kernel takes: d_k = d_v = 128, 16-byte aligned rows of proj,
-// qkv, W and U, 8-byte aligned state slots and output rows. False: use the generic kernels.
+// Shapes and pointers the specialised prompt kernels take at all: d_k = d_v = 128, 8-byte aligned
+// proj rows, state slots and output rows (gdn_slice_supported adds its own). False: the generic
+// kernels.
 bool gdn_scan_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                         const bf16* proj, const bf16* out);
-
-// The sequential half of the prompt path in one kernel per (sequence, value head) (split 1: one CTA
-// of 8 warps; split 2: a cluster of two CTAs of 4 warps, each owning half of the state), each
-// warp owning 16 rows (value columns) of the fp32 state in registers across the chunks: per chunk
-// of 64 tokens, P = causal(Q K^T) e^(gamma_i - gamma_j), V_new = U - W h,
-// O = e^gamma (Q h) + P V_new, h <- e^(gamma_last) h + K^T (e^(gamma_last - gamma) V_new), then the
-// gated RMSNorm of O written to out. Reads the outputs of conv_prep (qkv) and of the WY kernel
-// (gamma = in-chunk cumsum of g, W = T (beta e^gamma K), U = T (beta V)); writes each sequence's
-// final state into its slot (read first when seq_pos > 0). No workspace of its own.
-void launch_gdn_scan(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
-                     const bf16* proj,           // [n_tokens, in_dim] (z)
-                     const int32_t* cu_seqlens,  // [n_seqs + 1]
-                     const int32_t* seq_pos,     // [n_seqs]
-                     const int32_t* slot_ids,    // [n_seqs]
-                     int n_seqs,
-                     const bf16* qkv,     // [n_tokens, qkv_dim] conv + SiLU, q/k normed
-                     const float* gamma,  // [n_tokens, n_v_heads] in-chunk cumsum of g
-                     const bf16* w_mat,   // [n_tokens, n_v_heads, 128]
-                     const bf16* u_mat,   // [n_tokens, n_v_heads, 128]
-                     bf16* out,           // [n_tokens, n_v_heads * 128]
-                     int split,           // CTAs per (sequence, head): 1 or 2
-                     cudaStream_t stream);
 
 // conv + SiLU + l2norm + gates (launch_gdn_conv_prep's maths) for d_k = d_v = 128 with
 // 8 tokens per block (the conv weights read once per 8 tokens instead of per token).
@@ -100,12 +79,14 @@ void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks,
 // over chunks; writes the bf16 snapshot h_c of every chunk into h_snap, V_new over
 // U, the final state into the slot, read first when seq_pos > 0), then the output O = e^gamma
 // (Q h_c) + causal(Q K^T e^(gamma_i - gamma_j)) V_new and the gated RMSNorm, one CTA per (chunk,
-// head). Inputs as launch_gdn_scan's plus the chunk map of gdn_prefill.cu. Needs 16-byte aligned
-// proj rows (z is staged with cp.async) besides launch_gdn_scan's alignment.
-// The state-pass kernel: 64-column slices (4 warps x 16 rows) or 32-column slices (2 warps);
-// kV64Lean: kV64 with U / V_new as ldmatrix / stmatrix .trans fragments and the snapshot staged
-// for 16-byte stores (bit-identical results, fewer instructions per chunk step).
-enum class GdnSliceState { kV64, kV32, kV64Lean };
+// head). Reads the outputs of conv_prep (qkv) and of the WY kernel (gamma = in-chunk cumsum of g,
+// W = T (beta e^gamma K), U = T (beta V)) and the chunk map of gdn_prefill.cu. Needs d_k = d_v =
+// 128 and 16-byte aligned proj rows (z is staged with cp.async), qkv, W, U and h_snap.
+// The state-pass kernel: 64-column slices (4 warps x 16 rows); kV64Lean: the same with U / V_new
+// as ldmatrix / stmatrix .trans fragments and the snapshot staged for 16-byte stores
+// (bit-identical results, fewer instructions per chunk step). (32-column slices, slower at every
+// size, were removed in issue 7 round 3.)
+enum class GdnSliceState { kV64, kV64Lean };
 bool gdn_slice_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                          const bf16* proj, const bf16* out);
 void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,

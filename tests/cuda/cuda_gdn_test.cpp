@@ -947,8 +947,9 @@ TEST(CudaGdn, Timing) {
 }
 
 // Each stage of the d 128 prompt path alone at 4096 tokens (one sequence, carried state): the
-// conv kernels, the WY kernels (SIMT vs tf32 off-diagonal blocks of T), the fused scans of
-// wymma_scan_x2 / scan_mma, and slice_scan's state pass (64- and 32-column slices) and output.
+// conv kernels, the WY kernels (SIMT vs tf32 off-diagonal blocks of T), slice_scan's state pass
+// (plain and lean) and output (4- and 8-warp CTAs), and the state pass + output one after the
+// other and overlapped (slice_scan_ov).
 // Inputs come from a real conv + WY run, so every stage sees the data it would see in the layer.
 // Conv stage kernels alone at each prompt length (one sequence, carried state; CUDA-event
 // medians): the generic one-token blocks, the 8-token blocks, the wide grid and the streaming
@@ -1076,18 +1077,9 @@ TEST(CudaGdn, PrefillStageTiming) {
   restore_g();
   launch_gdn_wy_mma(s, ch4, max_chunks, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, true);
   // (The slice state pass writes V_new over U: it runs last; timings do not depend on values.)
-  for (int split : {1, 2}) {
-    stage(split == 1 ? "scan<1> (scan_mma: state + output + norm)"
-                     : "scan<2> (wymma_scan_x2, 2-CTA cluster)",
-          [&] {
-            launch_gdn_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, qkv.p, g.p, wm.p,
-                            um.p, d_out.p, split, nullptr);
-          });
-  }
   const std::pair<GdnSliceState, const char*> states[] = {
       {GdnSliceState::kV64, "slice state pass, 64-column slices"},
-      {GdnSliceState::kV64Lean, "slice state pass, 64 columns, lean"},
-      {GdnSliceState::kV32, "slice state pass, 32-column slices"}};
+      {GdnSliceState::kV64Lean, "slice state pass, 64 columns, lean"}};
   for (const auto& [st, name] : states) {
     stage(name, [&] {
       launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
