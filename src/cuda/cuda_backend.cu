@@ -18,6 +18,7 @@
 #include "cuda/cuda_common.h"
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
+#include "cuda/gemv_bulk_norm.h"
 #include "cuda/kernels.h"
 #include "cuda/model_shapes.h"
 #include "model/memory_plan.h"
@@ -182,6 +183,13 @@ class CudaBackend final : public Backend {
     if (!on) clear_graphs();
     graphs_on_ = on;
   }
+  int fused_norm_rows() const { return fused_norm_rows_; }
+  void set_fused_norm_rows(int rows) {
+    DS_CHECK(rows >= 0 && rows <= cuda::kGemvNormMaxM, "fused norm rows must be in 0..",
+             cuda::kGemvNormMaxM, ", got ", rows);
+    if (rows != fused_norm_rows_) clear_graphs();  // captured graphs hold the other launches
+    fused_norm_rows_ = rows;
+  }
 
  private:
   struct Piece {
@@ -240,6 +248,9 @@ class CudaBackend final : public Backend {
   StepMeta meta_layout(int32_t* base, int T, int S) const;
   void enqueue_layers(const FwdPlan& f);
   void enqueue_head(const FwdPlan& f, int r0, int r);
+  bool gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y, int m, int n, int k);
+  bool gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* act, int m, int d_ff,
+                         int k);
   bool run_graph(const FwdPlan& f);
   void graph_failed(const char* what, const std::string& why);
   void destroy_graph(std::map<GraphKey, GraphEntry>::iterator it);
@@ -277,6 +288,7 @@ class CudaBackend final : public Backend {
   bf16* conv_state_ = nullptr;  // [n_linear, n_slots, 4, gdn_qkv_dim]
   float* rec_state_ = nullptr;  // [n_linear, n_slots, n_v_heads, d_v, d_k]
   bf16 *h_ = nullptr, *xn_ = nullptr, *delta_ = nullptr;  // [T, d_model]
+  bf16* h2_ = nullptr;  // [min(T, kGemvNormMaxM), d_model]: the fused norms' other residual buffer
   bf16* proj_ = nullptr;                                  // [T, max(gdn_in_dim, attn qkv, 2*d_ff)]
   bf16* mix_ = nullptr;                                   // [T, max(n_v*d_v, n_heads*head_dim)]
   bf16* q_ = nullptr;                                     // [T, n_heads*head_dim]
@@ -292,6 +304,9 @@ class CudaBackend final : public Backend {
   int32_t* dtok_ = nullptr;  // [logits_rows] argmax of the lm_head rows
   int32_t* htok_ = nullptr;  // [logits_rows] pinned mirror
 
+  // Residual add + RMSNorm in the prologue of the bulk decode GEMVs (gemv_bulk_norm.h) for
+  // forwards of at most this many tokens.
+  int fused_norm_rows_ = 2;
   // Decode graphs.
   bool graphs_on_ = true;
   std::map<GraphKey, GraphEntry> graphs_;
@@ -366,6 +381,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   layout_.kv_block_bytes = int64_t(n_full) * 2 * cfg_.n_kv_heads * page_size_ * cfg_.head_dim * 2;
   auto measure_acts = [&](Bump& b) {
     h_ = b.take<bf16>(T * d);
+    h2_ = b.take<bf16>(std::min<int64_t>(T, cuda::kGemvNormMaxM) * d);
     xn_ = b.take<bf16>(T * d);
     delta_ = b.take<bf16>(T * d);
     proj_ = b.take<bf16>(T * proj_w);
@@ -394,6 +410,13 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   if (const char* env = std::getenv("DS_CUDA_GRAPHS")) {
     const std::string v = env;
     if (v == "0" || v == "off" || v == "false") graphs_on_ = false;
+  }
+  set_fused_norm_rows(eopt_.fused_norm_rows);
+  if (const char* env = std::getenv("DS_FUSED_NORM")) {
+    const std::string v = env;
+    DS_CHECK(v.size() == 1 && v[0] >= '0' && v[0] <= '0' + cuda::kGemvNormMaxM,
+             "DS_FUSED_NORM must be a row count 0..", cuda::kGemvNormMaxM, ", got '", v, "'");
+    set_fused_norm_rows(v[0] - '0');
   }
   // Kept whether graphs are on or not, so that both modes get the same KV pool.
   layout_.graph_bytes = std::max(0, eopt_.max_cuda_graphs) * kGraphBytesEstimate;
@@ -1030,15 +1053,40 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
   auto gemm = [&](const bf16* x, const bf16* wt, bf16* y, int n, int k) {
     gemm_->run(x, wt, y, T, n, k, cuda::GemmOut::kBF16, stream_);
   };
+  // The residual stream h lives in `res`. Where a bulk GEMV takes the norm into its prologue
+  // (decode batches, gemv_bulk_norm.h) the GEMV writes h + delta to the other buffer of the h_ /
+  // h2_ pair (its blocks still read `res`) and `res` flips; elsewhere add_rmsnorm updates `res` in
+  // place and writes xn_.
+  bf16* res = h_;
+  const bool fuse = T <= fused_norm_rows_;  // h2_ holds kGemvNormMaxM >= fused_norm_rows_ rows
+  auto norm_in = [&](const bf16* delta, const bf16* w) {
+    cuda::GemvNormIn nin;
+    nin.residual = res;
+    nin.delta = delta;
+    nin.weight = w;
+    nin.eps = eps;
+    nin.weight_offset = 1.f;
+    nin.residual_out = delta ? (res == h_ ? h2_ : h_) : nullptr;
+    return nin;
+  };
+  auto flip = [&](const cuda::GemvNormIn& nin) {
+    if (nin.delta) res = nin.residual_out;
+  };
+  // y = norm(h + delta) wt^T (h += delta).
+  auto norm_gemm = [&](const bf16* delta, const bf16* nw, const bf16* wt, bf16* y, int n) {
+    const cuda::GemvNormIn nin = norm_in(delta, nw);
+    if (fuse && gemv_norm(nin, wt, y, T, n, dm)) return flip(nin);
+    cuda::launch_add_rmsnorm(res, delta, nw, T, dm, eps, 1.f, xn_, stream_);
+    gemm(xn_, wt, y, n, dm);
+  };
 
   cuda::launch_gather_rows(w_.embed, d.tokens, T, dm, h_, stream_);
   for (int il = 0; il < c.n_layers; ++il) {
     const DevLayer& L = w_.layers[il];
-    // h += previous layer's MLP output; xn = input_layernorm(h)
-    cuda::launch_add_rmsnorm(h_, il == 0 ? nullptr : delta_, L.input_norm, T, dm, eps, 1.f, xn_,
-                             stream_);
+    // h += previous layer's MLP output; input_layernorm(h) -> the mixer's in-projection
+    const bf16* mlp_delta = il == 0 ? nullptr : delta_;
     if (L.type == LayerType::kLinear) {
-      gemm(xn_, L.gdn_in, proj_, c.gdn_in_dim(), dm);  // [qkv | z | b | a]
+      norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim());  // [qkv | z | b | a]
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
       if (f.gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
         cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d.seq_pos, d.slot_ids, S_d, mix_,
@@ -1054,7 +1102,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       }
       gemm(mix_, L.gdn_out, delta_, dm, c.gdn_z_dim());
     } else {
-      gemm(xn_, L.attn_qkv, proj_, attn_.qkv_dim(), dm);  // [q+gate | k | v]
+      norm_gemm(mlp_delta, L.input_norm, L.attn_qkv, proj_, attn_.qkv_dim());  // [q+gate | k | v]
       const int64_t layer_elems =
           layout_.n_kv_blocks * c.n_kv_heads * page_size_ * int64_t(c.head_dim);
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
@@ -1071,17 +1119,51 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       }
       gemm(mix_, L.attn_o, delta_, dm, c.attn_out_dim());
     }
-    // h += mixer output; xn = post_attention_layernorm(h); MLP
-    cuda::launch_add_rmsnorm(h_, delta_, L.post_norm, T, dm, eps, 1.f, xn_, stream_);
-    // gate_up with SiLU-and-mul in its epilogue where the registry picks gemm.gemv_bulk_silu
-    // (decode, bit-identical to the two launches below), else GEMM then silu_mul.
-    if (!gemm_->run_gate_up_silu(xn_, L.gate_up, act_, T, c.d_ff, dm, stream_)) {
-      gemm(xn_, L.gate_up, proj_, 2 * c.d_ff, dm);
-      cuda::launch_silu_mul(proj_, T, c.d_ff, act_, stream_);
+    // h += mixer output; post_attention_layernorm(h); MLP. gate_up with SiLU-and-mul in its
+    // epilogue where the registry picks gemm.gemv_bulk_silu (decode, bit-identical to the two
+    // launches below; with the norm in its prologue when fused), else GEMM then silu_mul.
+    const cuda::GemvNormIn post = norm_in(delta_, L.post_norm);
+    if (fuse && gate_up_silu_norm(post, L.gate_up, act_, T, c.d_ff, dm)) {
+      flip(post);
+    } else {
+      cuda::launch_add_rmsnorm(res, delta_, L.post_norm, T, dm, eps, 1.f, xn_, stream_);
+      if (!gemm_->run_gate_up_silu(xn_, L.gate_up, act_, T, c.d_ff, dm, stream_)) {
+        gemm(xn_, L.gate_up, proj_, 2 * c.d_ff, dm);
+        cuda::launch_silu_mul(proj_, T, c.d_ff, act_, stream_);
+      }
     }
     gemm(act_, L.down, delta_, dm, c.d_ff);
   }
-  cuda::launch_add_rmsnorm(h_, delta_, w_.final_norm, T, dm, eps, 1.f, xn_, stream_);
+  cuda::launch_add_rmsnorm(res, delta_, w_.final_norm, T, dm, eps, 1.f, xn_, stream_);
+}
+
+// The bulk GEMV with the add + RMSNorm in its prologue when the registry picks the bulk GEMV for
+// (m, n, k) (what GemmEngine::run would launch, with the same config and PDL mode); false:
+// nothing launched (the caller runs add_rmsnorm, then the GEMM).
+bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y, int m, int n,
+                            int k) {
+  const std::string& v = gemm_->variant(m, n, k);
+  if ((v != "gemv_bulk" && v != "gemv_bulk_pdl") || m > cuda::kGemvNormMaxM ||
+      k > cuda::kGemvNormMaxK || reinterpret_cast<uintptr_t>(w) % 16 != 0)
+    return false;
+  cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
+  cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
+  cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, cuda::GemmOut::kBF16, cfg, n_sms_, stream_);
+  return true;
+}
+
+// The same for gate_up + SiLU-and-mul (GemmEngine::run_gate_up_silu's guard and config).
+bool CudaBackend::gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* act, int m,
+                                    int d_ff, int k) {
+  if (dispatch_.select(KernelFamily::kGemm, dispatch_.key(m, 2 * int64_t(d_ff), k, 1)).name !=
+          "gemv_bulk_silu" ||
+      m > cuda::kGemvNormMaxM || k > cuda::kGemvNormMaxK ||
+      reinterpret_cast<uintptr_t>(w) % 16 != 0)
+    return false;
+  cuda::GemvBulkConfig cfg = cuda::gemv_bulk_silu_config(m, d_ff, k);
+  cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
+  cuda::launch_gemv_bulk_silu_norm(nin, w, act, m, d_ff, k, cfg, n_sms_, stream_);
+  return true;
 }
 
 // lm_head on gathered rows [r0, r0 + r) into dlogits_ (fp32), and their argmax into dtok_ when
@@ -1245,6 +1327,18 @@ void set_cuda_graphs(Backend& b, bool on) {
   auto* cb = dynamic_cast<CudaBackend*>(&b);
   DS_CHECK(cb != nullptr, "set_cuda_graphs: backend ", b.name(), " is not the CUDA engine");
   cb->set_graphs(on);
+}
+
+void set_cuda_fused_norm(Backend& b, int rows) {
+  auto* cb = dynamic_cast<CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "set_cuda_fused_norm: backend ", b.name(), " is not the CUDA engine");
+  cb->set_fused_norm_rows(rows);
+}
+
+int cuda_fused_norm(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_fused_norm: backend ", b.name(), " is not the CUDA engine");
+  return cb->fused_norm_rows();
 }
 
 ModelConfig synthetic_model_config(const std::string& spec) {

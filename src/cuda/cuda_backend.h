@@ -39,6 +39,12 @@ struct CudaEngineOptions {
   bool verbose = true;            // print the memory plan, load time and dispatch table to stderr
   bool cuda_graphs = true;        // decode steps as CUDA graphs ($DS_CUDA_GRAPHS=0 turns them off)
   int max_cuda_graphs = 64;       // captured graphs kept at most (each counted in the reserve)
+  // Residual add + RMSNorm computed in the prologue of the bulk decode GEMVs (gdn_in / attn_qkv /
+  // gate_up where the registry picks them; cuda/gemv_bulk_norm.h) instead of a separate
+  // add_rmsnorm launch, for forwards of at most this many tokens (0: never; at most 4):
+  // bit-identical outputs. $DS_FUSED_NORM=N overrides. Default 2: measured faster at batch 1 and
+  // 2, slower at batch 4 (H200, docs/perf/decode_kernels.md).
+  int fused_norm_rows = 2;
 };
 
 // Uploads `w` (bf16 / f16 / f32 tensors; f16 / f32 are converted to bf16 on the host).
@@ -87,5 +93,10 @@ CudaGraphStats cuda_graph_stats(const Backend& b);
 // Turns decode graphs on or off at run time (off destroys the cached ones). Throws ds::Error when
 // `b` is not a CUDA backend.
 void set_cuda_graphs(Backend& b, bool on);
+// Sets the fused decode norms' row limit (CudaEngineOptions::fused_norm_rows, 0 = off) at run
+// time (the cached graphs are dropped when it changes), and reads it. Throw ds::Error when `b` is
+// not a CUDA backend or rows is outside 0..4.
+void set_cuda_fused_norm(Backend& b, int rows);
+int cuda_fused_norm(const Backend& b);
 
 }  // namespace ds

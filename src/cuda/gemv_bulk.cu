@@ -18,6 +18,8 @@
 // launch_silu_mul (activation.cu). Lane l sums k-elements [8v, 8v + 8) for v = l, l + 32, ... in
 // that order, then a fixed butterfly: the summation order of an output depends on k only, never
 // on m, R or the slot count (bit-identical across batch sizes and configs).
+// With a GemvNormIn (gemv_bulk_norm.h) the block computes x = rmsnorm(residual + delta) itself
+// after griddepcontrol.wait instead of loading x (norm_to_shared), bit-identical to rmsnorm.cu.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -27,6 +29,7 @@
 
 #include "cuda/cuda_common.h"
 #include "cuda/gemv.h"
+#include "cuda/gemv_bulk_norm.h"
 #include "cuda/mma_util.cuh"
 
 namespace ds::cuda {
@@ -36,6 +39,9 @@ constexpr int kConsumerWarps = 8;
 constexpr int kThreads = (kConsumerWarps + 1) * 32;  // + one producer warp
 constexpr int kMaxSlots = 32;
 constexpr int kBarBytes = 2 * kMaxSlots * 8;  // full[] and empty[] mbarriers
+constexpr int kRedBytes = kGemvBulkMaxM * kConsumerWarps * 4;  // the fused norm's warp sums
+constexpr int kNormThreads = 256;  // threads of the fused norm: rmsnorm.cu's block, same sums
+constexpr int kNormVec = kGemvNormMaxK / 8 / kNormThreads;  // 16-byte vectors per thread
 constexpr int kMaxSmem = 232448;              // sm 90 opt-in dynamic shared memory per block
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
@@ -79,23 +85,131 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   f[6] = __uint_as_float(v.w << 16), f[7] = __uint_as_float(v.w & 0xffff0000u);
 }
 
+// The fused prologue (gemv_bulk_norm.h): x[t] = rmsnorm(residual[t] + delta[t]) into xs, block 0
+// also writes residual_out. Bit-identical to rmsnorm.cu's add_rmsnorm_vec_kernel: threads 0..255
+// take the 16-byte vectors i = thread + 256 v in the same order, sum the squares of the bf16
+// residual in the same order, reduce by warp_sum, then the 8 warp sums by warp_sum again (lanes
+// >= 8 add zeros, as block_sum does for a 256-thread block), and evaluate the same fp32
+// expressions. The new residual is parked in xs as bf16 (exactly the values rmsnorm.cu keeps as
+// floats) and normalised in place after the reduction. The loads of all M rows are issued
+// together (G = M rows per group; one L2 round trip instead of one per row: the fused gate_up at
+// m 4 advanced the decode step by 100.1 instead of 102.2 us, H200). All threads must call it
+// (barrier inside); the caller synchronises before xs is read by other threads.
+template <int M>
+__device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16* xs, float* red) {
+  constexpr int G = M;  // M <= kGemvNormMaxM = 4
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int k8 = k / 8;
+  uint4 wv[kNormVec];
+  if (t < kNormThreads) {
+    const uint4* w4 = reinterpret_cast<const uint4*>(p.weight);
+#pragma unroll
+    for (int v = 0; v < kNormVec; ++v) {
+      const int i = t + v * kNormThreads;
+      if (i < k8) wv[v] = w4[i];
+    }
+#pragma unroll
+    for (int r0 = 0; r0 < M; r0 += G) {
+      uint4 ra[G][kNormVec], da[G][kNormVec];
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        if (r0 + g >= M) break;
+        const uint4* res4 = reinterpret_cast<const uint4*>(p.residual + size_t(r0 + g) * k);
+        const uint4* del4 =
+            p.delta ? reinterpret_cast<const uint4*>(p.delta + size_t(r0 + g) * k) : nullptr;
+#pragma unroll
+        for (int v = 0; v < kNormVec; ++v) {
+          const int i = t + v * kNormThreads;
+          if (i < k8) {
+            ra[g][v] = res4[i];
+            if (del4) da[g][v] = del4[i];
+          }
+        }
+      }
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const int r = r0 + g;
+        if (r >= M) break;
+        uint4* xs4 = reinterpret_cast<uint4*>(xs + size_t(r) * k);
+        float ss = 0.f;
+#pragma unroll
+        for (int v = 0; v < kNormVec; ++v) {
+          const int i = t + v * kNormThreads;
+          if (i < k8) {
+            uint4 a = ra[g][v];
+            if (p.delta) {
+              const bf16* rb = reinterpret_cast<const bf16*>(&ra[g][v]);
+              const bf16* db = reinterpret_cast<const bf16*>(&da[g][v]);
+              bf16* nb = reinterpret_cast<bf16*>(&a);
+#pragma unroll
+              for (int j = 0; j < 8; ++j)
+                nb[j] = __float2bfloat16_rn(__bfloat162float(rb[j]) + __bfloat162float(db[j]));
+              if (blockIdx.x == 0) reinterpret_cast<uint4*>(p.residual_out + size_t(r) * k)[i] = a;
+            }
+            xs4[i] = a;
+            const bf16* xb = reinterpret_cast<const bf16*>(&a);
+            float x[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) x[j] = __bfloat162float(xb[j]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) ss += x[j] * x[j];
+          }
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) red[r * kConsumerWarps + warp] = ss;
+      }
+    }
+  }
+  __syncthreads();
+  if (t < kNormThreads) {
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      float ss = lane < kNormThreads / 32 ? red[r * kConsumerWarps + lane] : 0.f;
+      ss = warp_sum(ss);
+      const float inv = rsqrtf(ss / k + p.eps);
+      uint4* xs4 = reinterpret_cast<uint4*>(xs + size_t(r) * k);
+#pragma unroll
+      for (int v = 0; v < kNormVec; ++v) {
+        const int i = t + v * kNormThreads;
+        if (i < k8) {
+          const uint4 a = xs4[i];  // this thread's own vector: no barrier needed
+          const bf16* xb = reinterpret_cast<const bf16*>(&a);
+          const bf16* wb = reinterpret_cast<const bf16*>(&wv[v]);
+          uint4 o;
+          bf16* ob = reinterpret_cast<bf16*>(&o);
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            ob[j] = __float2bfloat16_rn(__bfloat162float(xb[j]) * inv *
+                                        (p.weight_offset + __bfloat162float(wb[j])));
+          xs4[i] = o;
+        }
+      }
+    }
+  }
+}
+
 // Shared memory: [full mbarriers | empty mbarriers] (kBarBytes), x [M, k] bf16, ring
-// [slots, R, k] bf16.
+// [slots, R, k] bf16, and with the fused norm its warp sums (kRedBytes) after the ring.
 // GLU (R == 2): w is the fused [gate | up] matrix [2 n, k]; stage s holds gate row j and up row
 // n + j (two bulk copies on one mbarrier) and the output is y[t, j] = bf16(silu(g) * u) with g, u
 // the two dot products rounded to bf16 first, exactly as the unfused GEMM + launch_silu_mul.
-template <int M, int R, bool GLU, typename OutT>
+// NORM: the fused norm prologue computes x from `norm` (x unused); a separate instantiation, so
+// the plain kernels keep their registers (the prologue's loads of 4 rows take ~160).
+template <int M, int R, bool GLU, typename OutT, bool NORM>
 __global__ void __launch_bounds__(kThreads, 1)
-    gemv_bulk_kernel(const bf16* __restrict__ x,  // [M, k]
+    gemv_bulk_kernel(const bf16* __restrict__ x,  // [M, k] (unused with NORM)
                      const bf16* __restrict__ w,  // [n, k] ([2 n, k] when GLU)
                      OutT* __restrict__ y,        // [M, n]
-                     int n, int k, int slots, bool accumulate) {
+                     int n, int k, int slots, bool accumulate,
+                     const GemvNormIn norm) {  // NORM only
+
   static_assert(!GLU || R == 2, "GLU stages hold one gate row and one up row");
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxSlots;
   bf16* xs = reinterpret_cast<bf16*>(smem + kBarBytes);
   bf16* ring = xs + size_t(M) * k;
+  float* red = reinterpret_cast<float*>(ring + size_t(slots) * R * k);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row_begin = int(int64_t(n) * blockIdx.x / gridDim.x);
@@ -137,7 +251,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 
-  {  // x -> shared memory (k % 8 == 0: whole 16-byte vectors)
+  if constexpr (NORM) {
+    norm_to_shared<M>(norm, k, xs, red);
+  } else {  // x -> shared memory (k % 8 == 0: whole 16-byte vectors)
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     uint4* xd = reinterpret_cast<uint4*>(xs);
     const int nv = M * k / 8;
@@ -212,34 +328,115 @@ size_t smem_bytes(int m, int k, int rows, int slots) {
 
 template <int M, int R, typename OutT, bool GLU = false>
 void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumulate,
-              const GemvBulkConfig& c, int n_sms, cudaStream_t stream) {
-  auto* kern = gemv_bulk_kernel<M, R, GLU, OutT>;
-  static std::once_flag once;  // per instantiation: allow the opt-in shared memory size
-  std::call_once(once, [&] {
-    DS_CUDA_CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       kMaxSmem));
+              const GemvBulkConfig& c, int n_sms, cudaStream_t stream, const GemvNormIn& norm) {
+  auto* kern = gemv_bulk_kernel<M, R, GLU, OutT, false>;
+  if constexpr (M <= kGemvNormMaxM) {
+    if (norm.weight) kern = gemv_bulk_kernel<M, R, GLU, OutT, true>;
+  }
+  static std::once_flag once[2];  // per instantiation: allow the opt-in shared memory size
+  std::call_once(once[norm.weight ? 1 : 0], [&] {
+    DS_CUDA_CHECK(
+        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
   });
   const int blocks = std::max(1, std::min(n_sms * c.blocks_per_sm, n));
-  launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem_bytes(M, k, R, c.slots), stream, c.pdl,
-                   x, w, static_cast<OutT*>(y), n, k, c.slots, accumulate);
+  const size_t smem = smem_bytes(M, k, R, c.slots) + (norm.weight ? kRedBytes : 0);
+  launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem, stream, c.pdl, x, w,
+                   static_cast<OutT*>(y), n, k, c.slots, accumulate, norm);
 }
 
 template <int M, int R>
 void launch_mr(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, bool acc,
-               const GemvBulkConfig& c, int n_sms, cudaStream_t s) {
+               const GemvBulkConfig& c, int n_sms, cudaStream_t s, const GemvNormIn& nin) {
   if (out == GemmOut::kBF16)
-    launch_t<M, R, bf16>(x, w, y, n, k, acc, c, n_sms, s);
+    launch_t<M, R, bf16>(x, w, y, n, k, acc, c, n_sms, s, nin);
   else
-    launch_t<M, R, float>(x, w, y, n, k, acc, c, n_sms, s);
+    launch_t<M, R, float>(x, w, y, n, k, acc, c, n_sms, s, nin);
 }
 
 template <int M>
 void launch_m(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, bool acc,
-              const GemvBulkConfig& c, int n_sms, cudaStream_t s) {
+              const GemvBulkConfig& c, int n_sms, cudaStream_t s, const GemvNormIn& nin) {
   if (c.rows_per_stage == 1)
-    launch_mr<M, 1>(x, w, y, n, k, out, acc, c, n_sms, s);
+    launch_mr<M, 1>(x, w, y, n, k, out, acc, c, n_sms, s, nin);
   else
-    launch_mr<M, 2>(x, w, y, n, k, out, acc, c, n_sms, s);
+    launch_mr<M, 2>(x, w, y, n, k, out, acc, c, n_sms, s, nin);
+}
+
+// The fused norm's inputs: present, aligned, k in range, residual_out distinct from its inputs;
+// the config's shared memory plus the norm's warp sums within the limit.
+void check_norm(const GemvNormIn& p, int m, int k, const GemvBulkConfig& c, const char* what) {
+  const size_t limit = c.blocks_per_sm == 1 ? size_t(kMaxSmem) : size_t(233472 / 2 - 1024);
+  DS_CHECK(smem_bytes(m, k, c.rows_per_stage, c.slots) + kRedBytes <= limit, what,
+           ": fused norm: config ", c.name(), " leaves no room for the norm's ", kRedBytes,
+           " bytes of warp sums at m=", m, " k=", k);
+  auto misaligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) != 0; };
+  DS_CHECK(p.residual != nullptr && p.weight != nullptr, what,
+           ": fused norm needs the residual and the norm weight");
+  DS_CHECK(k <= kGemvNormMaxK, what, ": fused norm supports k <= ", kGemvNormMaxK, ", got ", k);
+  DS_CHECK(m >= 1 && m <= kGemvNormMaxM, what, ": fused norm supports m 1..", kGemvNormMaxM,
+           ", got ", m);
+  DS_CHECK(
+      !p.delta || (p.residual_out && p.residual_out != p.residual && p.residual_out != p.delta),
+      what, ": fused norm with a delta needs a residual_out distinct from residual and delta");
+  DS_CHECK(!misaligned(p.residual) && !misaligned(p.delta) && !misaligned(p.weight) &&
+               !misaligned(p.residual_out),
+           what, ": fused norm pointers must be 16-byte aligned");
+}
+
+// launch_gemv_bulk_silu / launch_gemv_bulk_silu_norm (norm.weight null: x is the input).
+void silu_impl(const bf16* x, const bf16* w, bf16* act, int m, int d_ff, int k,
+               const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream, const GemvNormIn& nin) {
+  DS_CHECK(gemv_bulk_silu_supports(m, d_ff, k), "bulk gemv + silu: unsupported shape m=", m,
+           " d_ff=", d_ff, " k=", k, " (needs m 1..", kGemvBulkSiluMaxM,
+           ", k % 8 == 0, x and 8 two-row stages in shared memory)");
+  DS_CHECK(cfg.rows_per_stage == 2 && gemv_bulk_fits(m, k, cfg), "bulk gemv + silu: config ",
+           cfg.name(), " does not fit m=", m, " k=", k, " (needs 2 rows per stage)");
+  DS_CHECK(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0,
+           "bulk gemv + silu: x and w must be 16-byte aligned");
+  DS_CHECK(act != nullptr, "bulk gemv + silu: null output");
+  DS_CHECK(n_sms >= 1, "bulk gemv + silu: n_sms must be positive");
+  switch (m) {
+    case 1:
+      launch_t<1, 2, bf16, true>(x, w, act, d_ff, k, false, cfg, n_sms, stream, nin);
+      break;
+    case 2:
+      launch_t<2, 2, bf16, true>(x, w, act, d_ff, k, false, cfg, n_sms, stream, nin);
+      break;
+    case 3:
+      launch_t<3, 2, bf16, true>(x, w, act, d_ff, k, false, cfg, n_sms, stream, nin);
+      break;
+    default:
+      launch_t<4, 2, bf16, true>(x, w, act, d_ff, k, false, cfg, n_sms, stream, nin);
+  }
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+// launch_gemv_bulk / launch_gemv_bulk_norm.
+void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmOut out,
+               bool accumulate, const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream,
+               const GemvNormIn& nin) {
+  DS_CHECK(gemv_bulk_supports(m, n, k), "bulk gemv: unsupported shape m=", m, " n=", n, " k=", k,
+           " (needs m 1..", kGemvBulkMaxM,
+           ", k % 8 == 0, x and 8 one-row stages in shared memory)");
+  DS_CHECK(gemv_bulk_fits(m, k, cfg), "bulk gemv: config ", cfg.name(), " does not fit m=", m,
+           " k=", k, " (rows 1 or 2, slots a multiple of 8 up to ", kMaxSlots,
+           ", shared memory <= ", kMaxSmem, " bytes)");
+  DS_CHECK(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0,
+           "bulk gemv: x and w must be 16-byte aligned");
+  DS_CHECK(y != nullptr, "bulk gemv: null output");
+  DS_CHECK(n_sms >= 1, "bulk gemv: n_sms must be positive");
+  const bool a = accumulate;
+  switch (m) {
+    case 1: launch_m<1>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
+    case 2: launch_m<2>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
+    case 3: launch_m<3>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
+    case 4: launch_m<4>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
+    case 5: launch_m<5>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
+    case 6: launch_m<6>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
+    case 7: launch_m<7>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
+    default: launch_m<8>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
+  }
+  DS_CUDA_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -275,6 +472,20 @@ std::vector<GemvBulkConfig> gemv_bulk_configs(int m, int k) {
   return v;
 }
 
+// $DS_GEMV_BULK_SLOTS (an experiment switch, read once per process): 8, 16 or 24 one-row stages
+// for the m = 1 shapes instead of the tuned 16; 8 takes ~90 KB of shared memory at k 5120 (~110 KB
+// at 6144), so two consecutive GEMVs' blocks can share an SM. 0 or unset: the tuned default.
+static int bulk_slots_override() {
+  static const int slots = [] {
+    const char* e = std::getenv("DS_GEMV_BULK_SLOTS");
+    const std::string v = e ? e : "";
+    DS_CHECK(v.empty() || v == "0" || v == "8" || v == "16" || v == "24",
+             "DS_GEMV_BULK_SLOTS must be 0, 8, 16 or 24, got '", v, "'");
+    return v.empty() ? 0 : std::stoi(v);
+  }();
+  return slots;
+}
+
 GemvBulkConfig gemv_bulk_config(int m, int n, int k) {
   (void)n;
   // ~160 KB of weights in flight per SM. From the H200 sweep (cuda_gemv_test DS_GEMV_SWEEP=1,
@@ -284,6 +495,9 @@ GemvBulkConfig gemv_bulk_config(int m, int n, int k) {
   // 596.7 vs 731.5); else 16 or 8 one-row stages. Two blocks per SM never won (+0.2-1.5%).
   GemvBulkConfig c{1, 16, false};
   if (m >= 2 && gemv_bulk_fits(m, k, {2, 8, false})) c = {2, 8, false};
+  if (m == 1 && bulk_slots_override() > 0 &&
+      gemv_bulk_fits(m, k, {1, bulk_slots_override(), false}))
+    c = {1, bulk_slots_override(), false};
   if (!gemv_bulk_fits(m, k, c)) c = {1, 8, false};
   return c;
 }
@@ -340,49 +554,27 @@ GemvBulkConfig gemv_bulk_silu_config(int m, int d_ff, int k) {
 void launch_gemv_bulk_silu(const __nv_bfloat16* x, const __nv_bfloat16* w_gate_up,
                            __nv_bfloat16* act, int m, int d_ff, int k, const GemvBulkConfig& cfg,
                            int n_sms, cudaStream_t stream) {
-  DS_CHECK(gemv_bulk_silu_supports(m, d_ff, k), "bulk gemv + silu: unsupported shape m=", m,
-           " d_ff=", d_ff, " k=", k, " (needs m 1..", kGemvBulkSiluMaxM,
-           ", k % 8 == 0, x and 8 two-row stages in shared memory)");
-  DS_CHECK(cfg.rows_per_stage == 2 && gemv_bulk_fits(m, k, cfg), "bulk gemv + silu: config ",
-           cfg.name(), " does not fit m=", m, " k=", k, " (needs 2 rows per stage)");
-  DS_CHECK(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w_gate_up)) & 15) == 0,
-           "bulk gemv + silu: x and w must be 16-byte aligned");
-  DS_CHECK(act != nullptr, "bulk gemv + silu: null output");
-  DS_CHECK(n_sms >= 1, "bulk gemv + silu: n_sms must be positive");
-  const bf16* w = w_gate_up;
-  switch (m) {
-    case 1: launch_t<1, 2, bf16, true>(x, w, act, d_ff, k, false, cfg, n_sms, stream); break;
-    case 2: launch_t<2, 2, bf16, true>(x, w, act, d_ff, k, false, cfg, n_sms, stream); break;
-    case 3: launch_t<3, 2, bf16, true>(x, w, act, d_ff, k, false, cfg, n_sms, stream); break;
-    default: launch_t<4, 2, bf16, true>(x, w, act, d_ff, k, false, cfg, n_sms, stream);
-  }
-  DS_CUDA_LAUNCH_CHECK();
+  silu_impl(x, w_gate_up, act, m, d_ff, k, cfg, n_sms, stream, GemvNormIn{});
 }
 
-void launch_gemv_bulk(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n,
-                      int k, GemmOut out, bool accumulate, const GemvBulkConfig& cfg, int n_sms,
+void launch_gemv_bulk_silu_norm(const GemvNormIn& norm, const __nv_bfloat16* w_gate_up,
+                                __nv_bfloat16* act, int m, int d_ff, int k,
+                                const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream) {
+  check_norm(norm, m, k, cfg, "bulk gemv + silu");
+  silu_impl(nullptr, w_gate_up, act, m, d_ff, k, cfg, n_sms, stream, norm);
+}
+
+void launch_gemv_bulk(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n, int k,
+                      GemmOut out, bool accumulate, const GemvBulkConfig& cfg, int n_sms,
                       cudaStream_t stream) {
-  DS_CHECK(gemv_bulk_supports(m, n, k), "bulk gemv: unsupported shape m=", m, " n=", n, " k=", k,
-           " (needs m 1..", kGemvBulkMaxM,
-           ", k % 8 == 0, x and 8 one-row stages in shared memory)");
-  DS_CHECK(gemv_bulk_fits(m, k, cfg), "bulk gemv: config ", cfg.name(), " does not fit m=", m,
-           " k=", k, " (rows 1 or 2, slots a multiple of 8 up to ", kMaxSlots,
-           ", shared memory <= ", kMaxSmem, " bytes)");
-  DS_CHECK(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0,
-           "bulk gemv: x and w must be 16-byte aligned");
-  DS_CHECK(y != nullptr, "bulk gemv: null output");
-  DS_CHECK(n_sms >= 1, "bulk gemv: n_sms must be positive");
-  switch (m) {
-    case 1: launch_m<1>(x, w, y, n, k, out, accumulate, cfg, n_sms, stream); break;
-    case 2: launch_m<2>(x, w, y, n, k, out, accumulate, cfg, n_sms, stream); break;
-    case 3: launch_m<3>(x, w, y, n, k, out, accumulate, cfg, n_sms, stream); break;
-    case 4: launch_m<4>(x, w, y, n, k, out, accumulate, cfg, n_sms, stream); break;
-    case 5: launch_m<5>(x, w, y, n, k, out, accumulate, cfg, n_sms, stream); break;
-    case 6: launch_m<6>(x, w, y, n, k, out, accumulate, cfg, n_sms, stream); break;
-    case 7: launch_m<7>(x, w, y, n, k, out, accumulate, cfg, n_sms, stream); break;
-    default: launch_m<8>(x, w, y, n, k, out, accumulate, cfg, n_sms, stream); break;
-  }
-  DS_CUDA_LAUNCH_CHECK();
+  bulk_impl(x, w, y, m, n, k, out, accumulate, cfg, n_sms, stream, GemvNormIn{});
+}
+
+void launch_gemv_bulk_norm(const GemvNormIn& norm, const __nv_bfloat16* w, void* y, int m, int n,
+                           int k, GemmOut out, const GemvBulkConfig& cfg, int n_sms,
+                           cudaStream_t stream) {
+  check_norm(norm, m, k, cfg, "bulk gemv");
+  bulk_impl(nullptr, w, y, m, n, k, out, false, cfg, n_sms, stream, norm);
 }
 
 }  // namespace ds::cuda

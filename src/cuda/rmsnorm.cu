@@ -9,6 +9,9 @@
 // Programmatic dependent launch (see pdl_enter): launched with PDL unless $DS_NORM_PDL=0, and it
 // lets its dependent (a PDL-launched decode GEMV) start at once; 27B decode graph, batch 1 at 4K,
 // with the bulk GEMVs' PDL: 13.572 vs 13.698 ms per token (docs/perf/decode_gemv.md).
+// The decode step mostly runs this norm inside the bulk GEMVs' prologue instead (gemv_bulk.cu
+// norm_to_shared, cuda/gemv_bulk_norm.h), which reproduces add_rmsnorm_vec_kernel's sums and
+// expressions bit for bit: change the two together (tests/cuda/cuda_gemv_norm_test.cpp).
 #include <cstdlib>
 #include <string>
 

@@ -2,7 +2,8 @@
 // dispatch, tuned GEMM algorithms, decode CUDA graphs) against every specialisation OFF
 // (disable_kernels = "all": each family's generic fallback; $DS_GEMM_TUNE=0: cuBLASLt's heuristic
 // algorithm; graphs off), at the 27B shapes (first 4 layers: 3 GDN + 1 attention, device synthetic
-// weights) and on the HF golden fixtures.
+// weights) and on the HF golden fixtures. FusedNormOnVsOffBitExactAt27bShapes: the fused decode
+// norms (CudaEngineOptions::fused_norm_rows) on vs off on one engine, logits bit-identical.
 //
 // 27B shapes: two prompts (700 and 2500 random tokens, one sequence each, then 256 tokens decoded
 // greedily one per step). Checks:
@@ -31,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -228,6 +230,67 @@ TEST(Specialisations, GreedyOnVsOffAt27bShapes) {
     EXPECT_LE(gap_on, tol) << what;
     EXPECT_LE(gap_off, tol) << what;
   }
+}
+
+// The fused decode norms (CudaEngineOptions::fused_norm_rows, cuda/gemv_bulk_norm.h: residual add
+// + RMSNorm in the bulk GEMVs' prologue) at every batch size (rows 4) against the separate
+// add_rmsnorm launches (rows 0), on one specialised engine (graphs on): bit-identical logits and
+// greedy tokens at batch 1 (every norm before gdn_in / attn_qkv / gate_up fused) and batch 2 (only
+// the post-attention norms fused, so the residual buffers alternate between fused and in-place
+// updates).
+TEST(Specialisations, FusedNormOnVsOffBitExactAt27bShapes) {
+  DS_REQUIRE_GPU();
+  ModelConfig c = synthetic_model_config("27b");
+  c.n_layers = 4;
+  c.layer_types.resize(4);
+  const int V = c.vocab_size;
+  std::mt19937 rng(29);
+  std::vector<std::vector<int32_t>> prompts;
+  for (int n : {700, 300}) {
+    prompts.emplace_back(n);
+    for (auto& t : prompts.back()) t = int32_t(rng() % V);
+  }
+  auto b = make_engine({true}, &c, nullptr, 64);
+  auto argmax = [&](const float* r) { return int32_t(std::max_element(r, r + V) - r); };
+  auto run = [&](bool fused, std::vector<int32_t>& ids) {
+    const int max_rows = fused ? 4 : 0;  // fused at every batch size the kernels support
+    set_cuda_fused_norm(*b, max_rows);
+    EXPECT_EQ(cuda_fused_norm(*b), max_rows);
+    Greedy g = greedy(*b, 0, prompts[0], 64);  // batch 1
+    std::vector<float> rows = g.rows;
+    ids = g.ids;
+    std::vector<float> l;
+    std::vector<int32_t> next(2);
+    for (int s = 0; s < 2; ++s) {  // batch 2: both slots prefilled, then decoded together
+      b->reset_slot(s);
+      SeqWork w{s, prompts[s], false};
+      b->step(std::span<const SeqWork>(&w, 1), l);
+      next[s] = argmax(l.data());
+    }
+    for (int st = 0; st < 32; ++st) {
+      std::vector<int32_t> t0{next[0]}, t1{next[1]};
+      std::vector<SeqWork> work{{0, t0, false}, {1, t1, false}};
+      b->step(work, l);
+      EXPECT_EQ(l.size(), 2 * size_t(V));
+      rows.insert(rows.end(), l.begin(), l.end());
+      for (int s = 0; s < 2; ++s) ids.push_back(next[s] = argmax(l.data() + size_t(s) * V));
+    }
+    b->reset_slot(0);
+    b->reset_slot(1);
+    return rows;
+  };
+  std::vector<int32_t> ids_off, ids_on;
+  const std::vector<float> off = run(false, ids_off);
+  const std::vector<float> on = run(true, ids_on);
+  ASSERT_EQ(on.size(), off.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < on.size(); ++i) differ += std::memcmp(&on[i], &off[i], sizeof(float)) != 0;
+  std::printf("  fused norms on vs off: %zu of %zu logits differ; %zu greedy tokens compared\n",
+              differ, on.size(), ids_on.size());
+  EXPECT_EQ(differ, 0u);
+  EXPECT_EQ(ids_on, ids_off);
+  EXPECT_EQ(cuda_graph_stats(*b).failures, 0);
+  EXPECT_GT(cuda_graph_stats(*b).replays, 0);
 }
 
 class GoldenOnOff : public ::testing::TestWithParam<std::string> {};

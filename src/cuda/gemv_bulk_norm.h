@@ -1,0 +1,58 @@
+// Residual add + RMSNorm fused into the prologue of the bulk-copy decode GEMVs (gemv_bulk.cu):
+//   residual_out = bf16(residual + delta)                       (when delta is given)
+//   x = bf16(r * rsqrt(mean(r^2) + eps) * (weight_offset + w))  r = that residual, fp32 math
+//   y = x W^T  (launch_gemv_bulk_norm)  or  act = bf16(silu(bf16(x G^T)) * bf16(x U^T))
+//   (launch_gemv_bulk_silu_norm, the fused [gate | up] weight)
+// in ONE launch instead of launch_add_rmsnorm (rmsnorm.cu) followed by the GEMV: every block
+// computes the normalised rows itself after griddepcontrol.wait, straight into the shared-memory
+// copy of x the GEMV reads (its weight stream starts before, as in the plain kernel), and block 0
+// writes the updated residual. The normalised x is bit-identical to launch_add_rmsnorm's (the same
+// per-thread partial sums over 256 threads, the same warp / block reduction order, the same fp32
+// expressions), so the output is bit-identical to the two launches
+// (tests/cuda/cuda_gemv_norm_test.cpp). The decode step (cuda_backend.cu) uses it for the input
+// norm before gdn_in / attn_qkv and the post-attention norm before gate_up(+SiLU) where the
+// dispatch registry picks the bulk GEMV, in forwards of at most CudaEngineOptions::fused_norm_rows
+// tokens ($DS_FUSED_NORM=N; default 2: H200 numbers in docs/perf/decode_kernels.md).
+// residual_out must not alias residual or delta: other blocks may still read the residual while
+// block 0 writes (the engine ping-pongs two residual buffers).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "cuda/gemv.h"
+
+namespace ds::cuda {
+
+struct GemvNormIn {
+  const __nv_bfloat16* residual = nullptr;  // [m, k] residual stream before the add
+  const __nv_bfloat16* delta = nullptr;     // [m, k] or null (no add, residual_out unused)
+  const __nv_bfloat16* weight = nullptr;    // [k] norm weight
+  float eps = 1e-6f;
+  float weight_offset = 1.f;              // 1: Qwen3.5's zero-centred norms
+  __nv_bfloat16* residual_out = nullptr;  // [m, k] residual + delta (out, with delta)
+};
+
+// The largest k the prologue handles (256 threads x 4 vectors of 8), and m (rows are loaded
+// together: registers; the decode step uses m 1 for gdn_in / attn_qkv, m 1..4 for gate_up).
+constexpr int kGemvNormMaxK = 8192;
+constexpr int kGemvNormMaxM = 4;
+
+// y = rmsnorm(residual + delta) w^T. The same shapes, configs and guarantees as launch_gemv_bulk
+// (gemv.h) plus m <= kGemvNormMaxM, k <= kGemvNormMaxK; every pointer of `norm` 16-byte aligned.
+// Throws ds::Error otherwise. Asynchronous, graph-safe, never allocates.
+void launch_gemv_bulk_norm(const GemvNormIn& norm,
+                           const __nv_bfloat16* w,  // [n, k]
+                           void* y,                 // [m, n] bf16 or fp32 (out)
+                           int m, int n, int k, GemmOut out, const GemvBulkConfig& cfg, int n_sms,
+                           cudaStream_t stream);
+
+// act = bf16(silu(g) * u) of x = rmsnorm(residual + delta): launch_gemv_bulk_silu with the norm in
+// its prologue.
+void launch_gemv_bulk_silu_norm(const GemvNormIn& norm,
+                                const __nv_bfloat16* w_gate_up,  // [2 d_ff, k]
+                                __nv_bfloat16* act,              // [m, d_ff] (out)
+                                int m, int d_ff, int k, const GemvBulkConfig& cfg, int n_sms,
+                                cudaStream_t stream);
+
+}  // namespace ds::cuda

@@ -1,0 +1,181 @@
+// The residual add + RMSNorm fused into the bulk GEMVs' prologue (src/cuda/gemv_bulk_norm.h)
+// against the two launches it replaces, launch_add_rmsnorm (rmsnorm.cu) then launch_gemv_bulk /
+// launch_gemv_bulk_silu on its output:
+//  - bit-identical GEMV outputs and an updated residual bit-identical to add_rmsnorm's in-place
+//    update, with and without a delta (the first layer's input norm has none), at the 27B decode
+//    shapes (gdn_in, attn_qkv, gdn_out's k = 6144, gate_up + SiLU at m 1..4), the largest k (8192)
+//    and a small k (640: most of the 256 norm threads hold no vector), plain and PDL launches;
+//  - the input residual left untouched (residual_out is a separate buffer), every output written
+//    (poisoned before);
+//  - errors for misaligned pointers, residual_out aliasing an input, k above kGemvNormMaxK, m
+//    above kGemvNormMaxM.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "core/error.h"
+#include "cuda/gemv.h"
+#include "cuda/gemv_bulk_norm.h"
+#include "cuda/kernels.h"
+#include "cuda_test_util.h"
+
+namespace ds {
+namespace {
+
+using test::DevBuf;
+using bf = uint16_t;
+
+__nv_bfloat16* P(const DevBuf<bf>& b, size_t off = 0) {
+  return reinterpret_cast<__nv_bfloat16*>(b.ptr + off);
+}
+
+int n_sms() {
+  int dev = 0, n = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  DS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  return n;
+}
+
+struct Case {
+  const char* name;
+  int m, n, k;  // n = d_ff for silu
+  bool silu;
+};
+
+TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
+  DS_REQUIRE_GPU();
+  const Case cases[] = {
+      {"gdn_in", 1, 16480, 5120, false},    {"attn_qkv", 1, 14336, 5120, false},
+      {"gdn_out k", 1, 5120, 6144, false},  {"m3 n4100", 3, 4100, 5120, false},
+      {"k8192", 1, 3000, 8192, false},      {"k640 m2", 2, 777, 640, false},
+      {"gate_up m1", 1, 17408, 5120, true}, {"gate_up m2", 2, 17408, 5120, true},
+      {"gate_up m4", 4, 17408, 5120, true}, {"silu k640", 3, 1000, 640, true},
+  };
+  std::mt19937 rng(41);
+  const int sms = n_sms();
+  cudaStream_t st = nullptr;
+  DS_CUDA_CHECK(cudaStreamCreate(&st));
+  for (const Case& c : cases) {
+    const int rows_w = c.silu ? 2 * c.n : c.n;
+    const size_t xk = size_t(c.m) * c.k;
+    const size_t out_n = size_t(c.m) * c.n;
+    DevBuf<bf> w(test::random_bf16(size_t(rows_w) * c.k, rng, 0.05f));
+    DevBuf<bf> nw(test::random_bf16(c.k, rng, 0.2f));  // zero-centred norm weight (offset 1)
+    const std::vector<bf> h_res = test::random_bf16(xk, rng, 2.f);
+    const std::vector<bf> h_delta = test::random_bf16(xk, rng, 1.f);
+    for (bool with_delta : {true, false}) {
+      for (bool pdl : {false, true}) {
+        const std::string what =
+            std::string(c.name) + (with_delta ? " +delta" : " no delta") + (pdl ? " pdl" : "");
+        // Reference: add_rmsnorm in place, then the GEMV on its output.
+        DevBuf<bf> res_ref(h_res), delta(h_delta), xn(xk), y_ref(out_n);
+        xn.poison();
+        y_ref.poison();
+        cuda::launch_add_rmsnorm(P(res_ref), with_delta ? P(delta) : nullptr, P(nw), c.m, c.k,
+                                 1e-6f, 1.f, P(xn), st);
+        cuda::GemvBulkConfig cfg = c.silu ? cuda::gemv_bulk_silu_config(c.m, c.n, c.k)
+                                          : cuda::gemv_bulk_config(c.m, c.n, c.k);
+        cfg.pdl = pdl;
+        if (c.silu)
+          cuda::launch_gemv_bulk_silu(P(xn), P(w), P(y_ref), c.m, c.n, c.k, cfg, sms, st);
+        else
+          cuda::launch_gemv_bulk(P(xn), P(w), y_ref.ptr, c.m, c.n, c.k, cuda::GemmOut::kBF16, false,
+                                 cfg, sms, st);
+        // Fused.
+        DevBuf<bf> res_in(h_res), res_out(xk), y(out_n);
+        res_out.poison();
+        y.poison();
+        cuda::GemvNormIn nin;
+        nin.residual = P(res_in);
+        nin.delta = with_delta ? P(delta) : nullptr;
+        nin.weight = P(nw);
+        nin.eps = 1e-6f;
+        nin.weight_offset = 1.f;
+        nin.residual_out = with_delta ? P(res_out) : nullptr;
+        if (c.silu)
+          cuda::launch_gemv_bulk_silu_norm(nin, P(w), P(y), c.m, c.n, c.k, cfg, sms, st);
+        else
+          cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, c.m, c.n, c.k, cuda::GemmOut::kBF16, cfg,
+                                      sms, st);
+        DS_CUDA_CHECK(cudaStreamSynchronize(st));
+        const auto a = y.download(), b = y_ref.download();
+        size_t differ = 0;
+        for (size_t i = 0; i < out_n; ++i) differ += a[i] != b[i];
+        EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << out_n << " outputs differ";
+        size_t nan = 0;
+        for (bf v : a) nan += (v & 0x7f80) == 0x7f80 && (v & 0x7f);
+        EXPECT_EQ(nan, 0u) << what << ": outputs not written (NaN poison left)";
+        EXPECT_EQ(res_in.download(), h_res) << what << ": the input residual was modified";
+        if (with_delta) {
+          EXPECT_EQ(res_out.download(), res_ref.download())
+              << what << ": residual_out differs from add_rmsnorm's updated residual";
+        } else {
+          EXPECT_EQ(res_out.download(), std::vector<bf>(xk, 0xFFFF))
+              << what << ": residual_out written without a delta";
+        }
+        std::printf("  %-26s m=%d n=%d k=%d: %zu outputs bit-identical\n", what.c_str(), c.m, c.n,
+                    c.k, out_n);
+      }
+    }
+  }
+  cudaStreamDestroy(st);
+}
+
+TEST(CudaGemvBulkNorm, Errors) {
+  DS_REQUIRE_GPU();
+  const int m = 1, n = 512, k = 1024;
+  DevBuf<bf> w(size_t(2 * n) * k), nw(k + 8), res(k + 8), delta(k), out(k + 8), y(2 * n);
+  const int sms = n_sms();
+  const cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
+  const cuda::GemvBulkConfig scfg = cuda::gemv_bulk_silu_config(m, n, k);
+  cuda::GemvNormIn ok;
+  ok.residual = P(res);
+  ok.delta = P(delta);
+  ok.weight = P(nw);
+  ok.residual_out = P(out);
+  auto run_k = [&](const cuda::GemvNormIn& nin, int kk) {
+    cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, m, n, kk, cuda::GemmOut::kBF16, cfg, sms,
+                                nullptr);
+  };
+  auto run = [&](const cuda::GemvNormIn& nin) { run_k(nin, k); };
+  auto run_silu = [&](const cuda::GemvNormIn& nin) {
+    cuda::launch_gemv_bulk_silu_norm(nin, P(w), P(y), m, n, k, scfg, sms, nullptr);
+  };
+  EXPECT_NO_THROW(run(ok));
+  EXPECT_NO_THROW(run_silu(ok));
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  cuda::GemvNormIn bad = ok;
+  bad.residual = P(res, 1);  // 2-byte offset
+  EXPECT_THROW(run(bad), ds::Error);
+  EXPECT_THROW(run_silu(bad), ds::Error);
+  bad = ok;
+  bad.weight = P(nw, 4);
+  EXPECT_THROW(run(bad), ds::Error);
+  bad = ok;
+  bad.residual_out = P(out, 1);
+  EXPECT_THROW(run(bad), ds::Error);
+  bad = ok;
+  bad.residual_out = P(res);  // aliases the residual it reads
+  EXPECT_THROW(run(bad), ds::Error);
+  bad.residual_out = P(delta);
+  EXPECT_THROW(run_silu(bad), ds::Error);
+  bad = ok;
+  bad.residual_out = nullptr;  // a delta needs somewhere to put residual + delta
+  EXPECT_THROW(run(bad), ds::Error);
+  bad = ok;
+  bad.weight = nullptr;
+  EXPECT_THROW(run(bad), ds::Error);
+  bad = ok;
+  bad.residual = nullptr;
+  EXPECT_THROW(run(bad), ds::Error);
+  EXPECT_THROW(run_k(ok, cuda::kGemvNormMaxK + 8), ds::Error);
+  // m above kGemvNormMaxM (checked before any launch: the buffers here hold one row)
+  EXPECT_THROW(cuda::launch_gemv_bulk_norm(ok, P(w), y.ptr, cuda::kGemvNormMaxM + 1, n, k,
+                                           cuda::GemmOut::kBF16, cfg, sms, nullptr),
+               ds::Error);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+}  // namespace
+}  // namespace ds
