@@ -29,6 +29,7 @@
 #include "bench/bench.h"
 #include "bench/cuda/device_util.h"
 #include "core/error.h"
+#include "cuda/attention_decode.h"
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
 #include "cuda/gemv.h"
@@ -452,6 +453,7 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
       cuda::attention_decode_kv_chunk(batch, c_.n_kv_heads, ctx, n_sms_, kMaxSplits);
   const int n_splits = (ctx + kv_chunk - 1) / kv_chunk;
   DevBuf ws(cuda::attention_decode_workspace_bytes(attn_, batch, kMaxSplits), "decode partials");
+  cuda::attention_decode_workspace_init(ws.as<void>(), s_);
   auto batch_for = [&](int k) {
     cuda::AttnBatch b;
     b.n_seqs = batch;
@@ -508,6 +510,28 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
       const double t_simt = gpu::time_launches(run_simt, s_, timer(rot)).p50;
       r.note += str("; split kernel mma (simt: %.1f us, %.0f GB/s)", t_simt * 1e6,
                     kv_bytes / t_simt * 1e-9);
+      // The mma kernel's merge: folded into the split kernel (the row's time with
+      // DS_ATTN_FOLD_MERGE=1) vs the separate merge kernel (the default); outputs compared bitwise.
+      auto run_merge = [&](int i, bf16* o, cuda::AttnDecodeMerge m) {
+        const int k = i % rot;
+        cuda::launch_attention_decode(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(),
+                                      vc.as<bf16>(), gate_for(k), kv_chunk, n_splits,
+                                      ws.as<void>(), o, s_, cuda::AttnDecodeKernel::kMma, m);
+      };
+      run_merge(0, out.as<bf16>(), cuda::AttnDecodeMerge::kFold);
+      run_merge(0, out2.as<bf16>(), cuda::AttnDecodeMerge::kSplitMerge);
+      const std::string fold_match =
+          gpu::compare_bf16(out.as<bf16>(), out2.as<bf16>(), qe, s_).text();
+      double t_m[2];
+      int mi = 0;
+      for (auto m : {cuda::AttnDecodeMerge::kFold, cuda::AttnDecodeMerge::kSplitMerge})
+        t_m[mi++] = gpu::time_launches(
+                        [&](int i) { run_merge(i, out.as<bf16>() + (i % rot) * qe, m); }, s_,
+                        timer(rot))
+                        .p50;
+      r.note += str("; merge folded %.1f us vs two kernels %.1f us (%s)%s", t_m[0] * 1e6,
+                    t_m[1] * 1e6, fold_match.c_str(),
+                    cuda::attention_decode_fold_enabled() ? " [DS_ATTN_FOLD_MERGE=1]" : "");
     }
   } else {
     r.samples = gpu::time_launches(
@@ -515,6 +539,7 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
   }
   r.flops = 4.0 * c_.n_heads * c_.head_dim * double(batch) * ctx;
   r.bytes = kv_bytes + 3.0 * qe * 2;
+  if (!r.note.empty()) std::printf("    attn_decode %s: %s\n", shape.c_str(), r.note.c_str());
   return finish(r);
 }
 

@@ -1,9 +1,15 @@
 // Decode attention (one query token per sequence) over the paged KV cache, split-KV
 // (flash-decoding): the keys of a sequence are cut into n_splits ranges of kv_chunk tokens; one
 // block per (split, kv head, sequence) computes an unnormalised partial softmax for all query heads
-// of the GQA group at once (each K/V byte is read once, not once per query head), and a second
-// kernel merges the partials by log-sum-exp, divides, applies sigmoid(gate) and writes bf16.
-// Partials (the workspace): float2 (m, l) [n_seqs, n_heads, n_splits] and float o [n_seqs,
+// of the GQA group at once (each K/V byte is read once, not once per query head); the partials
+// are merged by log-sum-exp, divided, multiplied by sigmoid(gate) and written as bf16, either by
+// the last split block of each (sequence, kv head) (the mma kernel's folded merge: an atomic
+// counter per (sequence, kv head) at the start of the workspace; bit-identical to the separate
+// merge, whose arithmetic order it replays; on with DS_ATTN_FOLD_MERGE=1 or AttnDecodeMerge::kFold)
+// or by a second kernel (simt; mma by default).
+// Workspace: 16 KiB of counters (zeroed once by attention_decode_workspace_init), then the
+// partials.
+// Partials: float2 (m, l) [n_seqs, n_heads, n_splits] and float o [n_seqs,
 // n_heads, n_splits, hd] (the simt kernel stores (m, l) first, the mma kernel o first for aligned
 // float4 reads); m is in the log2 domain of the scaled scores. Splits past a sequence's length
 // write an empty partial (m = -inf, l = 0, o = 0) that the merge skips, so the grid may be sized
@@ -36,6 +42,10 @@
 //   batch 16: 4K 72.8 (3.69) vs 369;    16K 254 (4.23) vs 1439;   32K 490 (4.38) vs 2865
 // (first session's simt numbers, with its ceil'd split count: 39 us at batch 1 x 4K, 199 at 32K).
 
+#include <cstdlib>
+#include <string>
+
+#include "cuda/attention_decode.h"
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
 
@@ -246,6 +256,28 @@ constexpr int mma_smem_bytes() {
 // Shared memory swizzle (16-byte chunk c of key row r): K at c ^ ((r & 1) << 2), V at
 // c ^ (((r >> 1) & 3) << 1): each quarter-warp's 16-byte reads then cover all 32 banks.
 template <int HD>
+__device__ __forceinline__ void fold_merge(const AttnShape& s, const AttnBatch& b, int seq,
+                                           int kvh, int group, int n_splits,
+                                           const float2* part_ml, const float* part_o,
+                                           const AttnGate& gate, bf16* out, float* w_sm,
+                                           float* lsum_sm);
+
+// The block merge's floats at the start of the shared memory: m, l [warps][8], o [warps][8][HD].
+template <int HD>
+constexpr int block_merge_floats() {
+  return 2 * kMmaWarps * kMaxGroup + kMmaWarps * kMaxGroup * HD;
+}
+// The folded merge's flags at the end of the dynamic shared memory (the rings are free by then):
+// the last-block flag and lsum [8]. No static __shared__ in the mma kernel: its footprint stays
+// the two-kernel variant's (2 x 96 KiB + reserve sits exactly at the 196 KiB carveout; the first
+// fold measured on the H200 had 48 bytes of static shared memory and ran 25-30% slower at large
+// batch x context, as if at one block per SM).
+constexpr int kFoldTailFloats = 16;
+
+// kFold: the merge is folded in (fold_merge, by the last block of each (sequence, kv head), found
+// by the counter in `counters` [n_seqs, n_kv_heads], which every launch leaves at 0); else the
+// partials are merged by attention_decode_merge_kernel (gate, out and counters unused).
+template <int HD, bool kFold>
 __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     attention_decode_mma_kernel(AttnShape s, AttnBatch b,
                                 const bf16* __restrict__ q,        // [n_rows, n_heads, HD]
@@ -253,8 +285,17 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
                                 const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, HD]
                                 int kv_chunk, int n_splits,
                                 float2* __restrict__ part_ml,  // [n_seqs, n_heads, n_splits]
-                                float* __restrict__ part_o) {  // [n_seqs, n_heads, n_splits, HD]
+                                float* __restrict__ part_o,    // [n_seqs, n_heads, n_splits, HD]
+                                AttnGate gate,
+                                bf16* __restrict__ out,           // [n_rows, n_heads, HD]
+                                unsigned* __restrict__ counters,  // [n_seqs, n_kv_heads]
+                                bool pdl_early) {
   static_assert(HD == 128 || HD == 256, "mma decode: head_dim 128 or 256");
+  // PDL (fold only): a dependent launched with programmatic serialization (the attn_o GEMV) reads
+  // `out` only after griddepcontrol.wait (this whole grid done and flushed), so it may become
+  // resident early: pdl_early = once every block has started (its weight stream then overlaps
+  // the split kernel), else once the merging blocks start (as with the separate merge kernel).
+  if (kFold && pdl_early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   constexpr int kRowBytes = HD * 2;
   constexpr int kTileBytes = kTile * kRowBytes;  // K (or V) of one tile
   constexpr int kStageBytes = 2 * kTileBytes;
@@ -440,6 +481,24 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     part_o[idx * HD + d] = o;
     if (d == 0) part_ml[idx] = make_float2(mx, lsum);
   }
+  if constexpr (kFold) {
+    // Publish this block's partials (every thread fences its own stores), then count the block
+    // in; atomicInc wraps the counter back to 0 at the last block, ready for the next launch.
+    unsigned* sm_last = reinterpret_cast<unsigned*>(smem + mma_smem_bytes<HD>()) - kFoldTailFloats;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const unsigned last = static_cast<unsigned>(n_splits - 1);
+      *sm_last = atomicInc(counters + (int64_t)seq * s.n_kv_heads + kvh, last) == last;
+    }
+    __syncthreads();  // also: the block merge's shared memory is free from here
+    if (!*sm_last) return;
+    if (!pdl_early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    __threadfence();  // acquire side: the other blocks' partials are read after their count
+    fold_merge<HD>(s, b, seq, kvh, group, n_splits, part_ml, part_o, gate, out,
+                   reinterpret_cast<float*>(smem) + block_merge_floats<HD>(),
+                   reinterpret_cast<float*>(sm_last) + 4);
+  }
 }
 
 // Merge: one block of 256 threads per (query head, sequence). The split weights 2^(m_i - max) are
@@ -448,6 +507,36 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
 // independent 16-byte loads (every partial is written by the split kernel, empty ones as zeros,
 // so none is skipped), and the G group sums are added in shared memory.
 constexpr int kMergeThreads = 256;
+
+// The weight of a split's partial: 2^(m_i - max), 0 for an empty split (or when all are empty).
+__device__ __forceinline__ float merge_weight(float m_i, float mx) {
+  return (mx == -INFINITY || m_i == -INFINITY) ? 0.f : exp2f(m_i - mx);
+}
+
+__device__ __forceinline__ void fma4(float4& acc, float w, const float4 v) {
+  acc.x = __fmaf_rn(w, v.x, acc.x);
+  acc.y = __fmaf_rn(w, v.y, acc.y);
+  acc.z = __fmaf_rn(w, v.z, acc.z);
+  acc.w = __fmaf_rn(w, v.w, acc.w);
+}
+
+// out[row, h, 4c .. 4c+3] = bf16(o / lsum * sigmoid(gate)) (0 where lsum is 0: no keys).
+template <int HD>
+__device__ __forceinline__ void merge_store(const AttnShape& s, const float4 acc, float lsum,
+                                            const AttnGate& gate, int64_t row, int h, int c,
+                                            bf16* out) {  // [n_rows, n_heads, HD]
+  const float o[4] = {acc.x, acc.y, acc.z, acc.w};
+  bf16* dst = out + (row * s.n_heads + h) * HD + 4 * c;
+  const bf16* gp = gate.ptr
+                       ? gate.ptr + row * gate.token_stride + (int64_t)h * gate.head_stride + 4 * c
+                       : nullptr;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float y = lsum > 0.f ? o[e] / lsum : 0.f;
+    if (gp) y *= sigmoid(__bfloat162float(gp[e]));
+    dst[e] = __float2bfloat16_rn(y);
+  }
+}
 
 template <int HD>
 __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(
@@ -472,21 +561,16 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(
   float lsum = 0.f;
   for (int i = tid; i < n_splits; i += kMergeThreads) {
     const float2 ml = part_ml[base + i];
-    const float w = (mx == -INFINITY || ml.x == -INFINITY) ? 0.f : exp2f(ml.x - mx);
+    const float w = merge_weight(ml.x, mx);
     w_split[i] = w;
-    lsum += ml.y * w;
+    lsum = __fmaf_rn(ml.y, w, lsum);
   }
   lsum = block_sum(lsum, scratch);  // its barriers also publish w_split
   const float4* po = reinterpret_cast<const float4*>(part_o + base * HD) + c;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
   for (int i = grp; i < n_splits; i += kGroups) {
-    const float w = w_split[i];
-    const float4 v = po[(int64_t)i * kCols];
-    acc.x += w * v.x;
-    acc.y += w * v.y;
-    acc.z += w * v.z;
-    acc.w += w * v.w;
+    fma4(acc, w_split[i], po[(int64_t)i * kCols]);
   }
   red[grp][c] = acc;
   __syncthreads();
@@ -499,35 +583,128 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(
     acc.z += r.z;
     acc.w += r.w;
   }
-  const float o[4] = {acc.x, acc.y, acc.z, acc.w};
-  bf16* dst = out + (row * s.n_heads + h) * HD + 4 * c;
-  const bf16* gp = gate.ptr
-                       ? gate.ptr + row * gate.token_stride + (int64_t)h * gate.head_stride + 4 * c
-                       : nullptr;
+  merge_store<HD>(s, acc, lsum, gate, row, h, c, out);
+}
+
+// ---- the merge folded into the mma split kernel ------------------------------------------------
+// The last block to finish a (sequence, kv head) merges the partials of the group's query heads
+// with exactly the arithmetic of attention_decode_merge_kernel (same weights, the lsum summed in
+// the order of its 256-thread block_sum, the o columns in its kGroups interleaved fma chains added
+// in the same order), so its output is bit-identical to the two-kernel path. The partials of the
+// other blocks are read through L2 (__ldcg: they were written by other SMs during this grid).
+// w_sm: [group, n_splits], lsum_sm: [group] floats of shared memory.
+template <int HD>
+__device__ __forceinline__ void fold_merge(const AttnShape& s, const AttnBatch& b, int seq,
+                                           int kvh, int group, int n_splits,
+                                           const float2* part_ml,  // [n_seqs, n_heads, n_splits]
+                                           const float* part_o,    // [.., n_splits, HD]
+                                           const AttnGate& gate, bf16* out, float* w_sm,
+                                           float* lsum_sm) {
+  constexpr int kCols = HD / 4;
+  constexpr int kGroups = kMergeThreads / kCols;
+  constexpr int kVirtWarps = kMergeThreads / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // Weights and lsum: one warp per query head; the merge kernel's thread tid = 32 vw + lane is
+  // emulated by lane `lane` in round vw, then its two-level warp_sum tree is replayed.
+  for (int hh = warp; hh < group; hh += kMmaWarps) {
+    const int64_t base = ((int64_t)seq * s.n_heads + kvh * group + hh) * n_splits;
+    float mx = -INFINITY;
+    for (int i = lane; i < n_splits; i += 32) mx = fmaxf(mx, __ldcg(&part_ml[base + i]).x);
+    mx = warp_max(mx);
+    float* w = w_sm + hh * n_splits;
+    float tot = 0.f;
+    for (int vw = 0; vw < kVirtWarps; ++vw) {
+      float p = 0.f;
+      for (int i = vw * 32 + lane; i < n_splits; i += kMergeThreads) {
+        const float2 ml = __ldcg(&part_ml[base + i]);
+        const float wi = merge_weight(ml.x, mx);
+        w[i] = wi;
+        p = __fmaf_rn(ml.y, wi, p);
+      }
+      p = warp_sum(p);
+      if (lane == vw) tot = p;
+    }
+    tot = warp_sum(tot);  // lanes >= kVirtWarps hold 0, as block_sum's second level
+    if (lane == 0) lsum_sm[hh] = tot;
+  }
+  __syncthreads();
+  const int64_t row = b.q_start[seq];
+  for (int item = threadIdx.x; item < group * kCols; item += kMmaWarps * 32) {
+    const int hh = item / kCols, c = item % kCols;
+    const int h = kvh * group + hh;
+    const int64_t base = ((int64_t)seq * s.n_heads + h) * n_splits;
+    const float* w = w_sm + hh * n_splits;
+    const float4* po = reinterpret_cast<const float4*>(part_o + base * HD) + c;
+    float4 acc[kGroups];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    float y = lsum > 0.f ? o[e] / lsum : 0.f;
-    if (gp) y *= sigmoid(__bfloat162float(gp[e]));
-    dst[e] = __float2bfloat16_rn(y);
+    for (int gi = 0; gi < kGroups; ++gi) acc[gi] = make_float4(0.f, 0.f, 0.f, 0.f);
+    // 32 independent 16-byte loads in flight per thread (the partials come from L2).
+#pragma unroll(32 / kGroups)
+    for (int i0 = 0; i0 < n_splits; i0 += kGroups) {
+#pragma unroll
+      for (int gi = 0; gi < kGroups; ++gi)
+        if (i0 + gi < n_splits) fma4(acc[gi], w[i0 + gi], __ldcg(po + (int64_t)(i0 + gi) * kCols));
+    }
+#pragma unroll
+    for (int gi = 1; gi < kGroups; ++gi) {
+      acc[0].x += acc[gi].x;
+      acc[0].y += acc[gi].y;
+      acc[0].z += acc[gi].z;
+      acc[0].w += acc[gi].w;
+    }
+    merge_store<HD>(s, acc[0], lsum_sm[hh], gate, row, h, c, out);
   }
 }
 
 constexpr int kMaxMergeSplits = 8192;  // the merge's shared weights: 32 KB (+ static scratch)
 
+// The workspace starts with the fold's counters (zeroed once by attention_decode_workspace_init,
+// left at 0 by every launch); the partials of every path follow, so no path overwrites them.
+constexpr size_t kCounterBytes = 16384;
+constexpr int kMaxCounters = kCounterBytes / sizeof(unsigned);  // n_seqs * n_kv_heads
+
+// Whether the folded merge can run this launch: counters for every (sequence, kv head) and the
+// weights [group, n_splits] fit in the shared memory after the block merge's area.
+template <int HD>
+bool fold_fits(const AttnShape& s, const AttnBatch& b, int n_splits) {
+  const int group = s.n_heads / s.n_kv_heads;
+  return (int64_t)b.n_seqs * s.n_kv_heads <= kMaxCounters &&
+         (int64_t)(block_merge_floats<HD>() + group * n_splits + kFoldTailFloats) * 4 <=
+             mma_smem_bytes<HD>();
+}
+
+// DS_ATTN_FOLD_PDL=early: the folded kernel lets its PDL dependent start once all its blocks
+// have started; unset / anything else: once the merging blocks start (read once).
+bool fold_pdl_early() {
+  static const bool early = [] {
+    const char* env = std::getenv("DS_ATTN_FOLD_PDL");
+    return env && std::string(env) == "early";
+  }();
+  return early;
+}
+
 template <int HD>
 void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
                    const bf16* v_cache, AttnGate gate, int kv_chunk, int n_splits, void* partials,
-                   bf16* out, cudaStream_t stream) {
+                   bf16* out, cudaStream_t stream, bool fold) {
   constexpr int kSmem = mma_smem_bytes<HD>();
-  static_assert(kSmem >= (2 * kMmaWarps * kMaxGroup + kMmaWarps * kMaxGroup * HD) * 4,
-                "the block merge reuses the rings");
-  ensure_smem_optin(reinterpret_cast<const void*>(attention_decode_mma_kernel<HD>), kSmem);
-  // Workspace: o partials first (16-byte aligned for the merge's float4 loads), then (m, l).
-  float* o = static_cast<float*>(partials);
+  static_assert(kSmem >= block_merge_floats<HD>() * 4, "the block merge reuses the rings");
+  // Workspace: counters, then o partials (16-byte aligned for the merge's float4 loads), (m, l).
+  unsigned* counters = static_cast<unsigned*>(partials);
+  float* o = reinterpret_cast<float*>(static_cast<char*>(partials) + kCounterBytes);
   float2* ml = reinterpret_cast<float2*>(o + (size_t)b.n_seqs * s.n_heads * n_splits * HD);
   dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
-  attention_decode_mma_kernel<HD><<<grid, kMmaWarps * 32, kSmem, stream>>>(
-      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o);
+  if (fold) {
+    ensure_smem_optin(reinterpret_cast<const void*>(attention_decode_mma_kernel<HD, true>), kSmem);
+    attention_decode_mma_kernel<HD, true><<<grid, kMmaWarps * 32, kSmem, stream>>>(
+        s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o, gate, out, counters,
+        fold_pdl_early());
+    DS_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  ensure_smem_optin(reinterpret_cast<const void*>(attention_decode_mma_kernel<HD, false>), kSmem);
+  attention_decode_mma_kernel<HD, false><<<grid, kMmaWarps * 32, kSmem, stream>>>(
+      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o, gate, out, counters, false);
   DS_CUDA_LAUNCH_CHECK();
   attention_decode_merge_kernel<HD>
       <<<dim3(s.n_heads, b.n_seqs), kMergeThreads, n_splits * sizeof(float), stream>>>(
@@ -539,7 +716,7 @@ template <int HD>
 void launch_simt_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
                     const bf16* v_cache, AttnGate gate, int kv_chunk, int n_splits, void* partials,
                     bf16* out, cudaStream_t stream) {
-  float2* ml = static_cast<float2*>(partials);
+  float2* ml = reinterpret_cast<float2*>(static_cast<char*>(partials) + kCounterBytes);
   float* o = reinterpret_cast<float*>(ml + (size_t)b.n_seqs * s.n_heads * n_splits);
   dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
   attention_decode_simt_kernel<HD>
@@ -555,7 +732,20 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }  // namespace
 
 size_t attention_decode_workspace_bytes(const AttnShape& s, int n_seqs, int n_splits) {
-  return (size_t)n_seqs * s.n_heads * n_splits * (sizeof(float2) + sizeof(float) * s.head_dim);
+  return kCounterBytes +
+         (size_t)n_seqs * s.n_heads * n_splits * (sizeof(float2) + sizeof(float) * s.head_dim);
+}
+
+void attention_decode_workspace_init(void* partials, cudaStream_t stream) {
+  DS_CUDA_CHECK(cudaMemsetAsync(partials, 0, kCounterBytes, stream));
+}
+
+bool attention_decode_fold_enabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("DS_ATTN_FOLD_MERGE");
+    return env && std::string(env) == "1";
+  }();
+  return on;
 }
 
 int attention_decode_kv_chunk(int n_seqs, int n_kv_heads, int max_kv_len, int n_sms,
@@ -597,6 +787,14 @@ void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16*
                              const bf16* k_cache, const bf16* v_cache, AttnGate gate, int kv_chunk,
                              int n_splits, void* partials, bf16* out, cudaStream_t stream,
                              AttnDecodeKernel which) {
+  launch_attention_decode(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
+                          stream, which, AttnDecodeMerge::kDefault);
+}
+
+void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16* q,
+                             const bf16* k_cache, const bf16* v_cache, AttnGate gate, int kv_chunk,
+                             int n_splits, void* partials, bf16* out, cudaStream_t stream,
+                             AttnDecodeKernel which, AttnDecodeMerge merge) {
   if (b.n_seqs <= 0) return;
   check_attn_shape(s);
   DS_CHECK(attention_decode_supported(s), "attention decode: head_dim ", s.head_dim, " / group ",
@@ -612,11 +810,15 @@ void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16*
            "), group <= 8, 16-byte aligned q / caches / workspace and at most ", kMaxMergeSplits,
            " splits");
   if (which != AttnDecodeKernel::kSimt && mma_ok) {
+    // The folded merge when asked for (kFold, or DS_ATTN_FOLD_MERGE=1 for kAuto / kMma).
+    const bool fold_wanted =
+        merge == AttnDecodeMerge::kFold ||
+        (merge == AttnDecodeMerge::kDefault && attention_decode_fold_enabled());
     if (s.head_dim == 256)
       return launch_mma_hd<256>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
-                                stream);
+                                stream, fold_wanted && fold_fits<256>(s, b, n_splits));
     return launch_mma_hd<128>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
-                              stream);
+                              stream, fold_wanted && fold_fits<128>(s, b, n_splits));
   }
   switch (s.head_dim) {
     case 32:

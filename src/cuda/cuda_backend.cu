@@ -14,6 +14,7 @@
 
 #include "core/bf16.h"
 #include "cuda/argmax.h"
+#include "cuda/attention_decode.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_common.h"
 #include "cuda/dispatch.h"
@@ -470,6 +471,10 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   DS_CUDA_CHECK(cudaMalloc(&act_mem_, ab.off + 256));
   ab = Bump{static_cast<char*>(act_mem_)};
   measure_acts(ab);
+  if (attn_ws > 0) {  // the decode attention's merge counters start at 0 (then stay there)
+    cuda::attention_decode_workspace_init(attn_ws_, nullptr);
+    DS_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
   meta_ints_ =
       4 * size_t(T) + 8 * size_t(n_slots_) + 2 + size_t(n_slots_) * layout_.max_blocks_per_seq;
   DS_CUDA_CHECK(cudaMalloc(&dmeta_, meta_ints_ * sizeof(int32_t)));

@@ -10,18 +10,25 @@
 // 128 with GQA groups 1, 5 and 8. Tolerance: normalised L2 error < 1e-2 vs the reference (bf16
 // inputs and output, P rounded to bf16 in the mma kernel; errors printed, typically 3e-3), and
 // < 1e-2 between the two kernels.
-// Timing (prints, asserts nothing): both kernels at batch 1 / 4 / 16 x context 4K / 16K / 32K,
-// KV rotated past L2, CUDA-graph replays (cuda_graph_timer.h), GB/s of KV read.
+// The mma kernel's folded merge (the last split block of each (sequence, kv head) merges) against
+// its two-kernel path: bit-identical outputs on every case above and on the 27B shapes at batch
+// 1 / 4 / 16 x 4K..32K (uniform and ragged), and again on a second launch over the same workspace
+// (the counters must be back at 0, as CUDA-graph replays need).
+// Timing (prints, asserts nothing): mma folded, mma two-kernel and simt at batch 1 / 4 / 16 x
+// context 4K / 16K / 32K, KV rotated past L2, CUDA-graph replays (cuda_graph_timer.h), GB/s of KV
+// read.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "cuda/attention_decode.h"
 #include "cuda/kernels.h"
 #include "cuda_graph_timer.h"
 #include "cuda_test_util.h"
@@ -31,6 +38,7 @@ namespace {
 
 using bf = uint16_t;
 using cuda::AttnDecodeKernel;
+using cuda::AttnDecodeMerge;
 using test::DevBuf;
 
 // One decode batch: sequence i has kv_len[i] cached tokens and one query row (row i).
@@ -119,10 +127,12 @@ struct DecodeFixture {
   }
 
   // Runs one kernel; kv_chunk / n_splits 0: the engine's plan (132 SMs, at most 64 splits).
-  std::vector<float> run(AttnDecodeKernel which, int kv_chunk = 0, int n_splits = 0) const {
+  // repeats > 1: launches again on the same workspace (output poisoned before each launch).
+  std::vector<float> run(AttnDecodeKernel which, int kv_chunk = 0, int n_splits = 0,
+                         AttnDecodeMerge merge = AttnDecodeMerge::kDefault,
+                         int repeats = 1) const {
     DevBuf<bf> dq(q), dk(kc), dv(vc), dg(gate), out(q.size());
     DevBuf<int32_t> qs(q_start), ql(q_len), kl(kv_len), bt(btab);
-    out.poison();
     cuda::AttnBatch b;
     b.n_seqs = int(kv_len.size());
     b.q_start = qs.ptr;
@@ -138,13 +148,17 @@ struct DecodeFixture {
     }
     DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, b.n_seqs, n_splits));
     ws.poison();
+    cuda::attention_decode_workspace_init(ws.ptr, 0);
     cuda::AttnGate g;
     g.ptr = dg.as<__nv_bfloat16>() + s.head_dim;
     g.token_stride = int64_t(s.n_heads) * 2 * s.head_dim;
     g.head_stride = 2 * s.head_dim;
-    cuda::launch_attention_decode(s, b, dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(),
-                                  dv.as<__nv_bfloat16>(), g, kv_chunk, n_splits, ws.ptr,
-                                  out.as<__nv_bfloat16>(), 0, which);
+    for (int r = 0; r < repeats; ++r) {
+      out.poison();
+      cuda::launch_attention_decode(s, b, dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(),
+                                    dv.as<__nv_bfloat16>(), g, kv_chunk, n_splits, ws.ptr,
+                                    out.as<__nv_bfloat16>(), 0, which, merge);
+    }
     DS_CUDA_CHECK(cudaGetLastError());
     return test::to_f32(out.download());
   }
@@ -152,9 +166,30 @@ struct DecodeFixture {
 
 const char* name_of(AttnDecodeKernel k) { return k == AttnDecodeKernel::kMma ? "mma" : "simt"; }
 
-// Both kernels vs the reference and vs each other.
+// Elements of a and b that differ bitwise (outputs are bf16, widened exactly to float).
+size_t n_differ(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return std::max(a.size(), b.size());
+  size_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i) n += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+  return n;
+}
+
+// The mma kernel with its merge folded (launched twice on one workspace) vs its two-kernel path.
+void check_fold_exact(const DecodeFixture& f, const std::string& what, int kv_chunk = 0,
+                      int n_splits = 0) {
+  const auto two = f.run(AttnDecodeKernel::kMma, kv_chunk, n_splits, AttnDecodeMerge::kSplitMerge);
+  const auto fold = f.run(AttnDecodeKernel::kMma, kv_chunk, n_splits, AttnDecodeMerge::kFold, 2);
+  for (size_t j = 0; j < fold.size(); ++j)
+    ASSERT_TRUE(std::isfinite(fold[j])) << what << " [fold]: element " << j << " not written";
+  EXPECT_EQ(n_differ(fold, two), 0u) << what << ": folded merge vs two kernels";
+  std::printf("  %s: fold vs two-kernel merge: %zu of %zu elements differ\n", what.c_str(),
+              n_differ(fold, two), fold.size());
+}
+
+// Both kernels vs the reference and vs each other; the mma kernel's fold vs its two kernels.
 void check_both(const DecodeFixture& f, const std::string& what, int kv_chunk = 0,
                 int n_splits = 0) {
+  check_fold_exact(f, what, kv_chunk, n_splits);
   const auto ref = f.ref_all();
   std::vector<float> outs[2];
   int i = 0;
@@ -226,6 +261,29 @@ TEST(CudaAttentionDecode, HeadDim128Groups) {
   }
 }
 
+// The 27B shapes of the engine's decode plan: batch 1 / 4 / 16 at 4K..32K, uniform and ragged.
+TEST(CudaAttentionDecode, FoldBitExact27b) {
+  DS_REQUIRE_GPU();
+  std::mt19937 rng(77);
+  for (int batch : {1, 4, 16})
+    for (int ctx : {4096, 16384, 32768}) {
+      if (batch == 16 && ctx == 32768) continue;  // host reference data: keep the test quick
+      std::vector<int32_t> uni(batch, ctx), rag(batch);
+      for (int i = 0; i < batch; ++i) rag[i] = 1 + int(rng() % ctx);
+      rag[0] = ctx;
+      DecodeFixture fu(test::attn_shape_27b(), uni, 80 + batch);
+      check_fold_exact(fu, "27b batch " + std::to_string(batch) + " x " + std::to_string(ctx));
+      if (batch > 1) {
+        DecodeFixture fr(test::attn_shape_27b(), rag, 90 + batch);
+        check_fold_exact(fr, "27b ragged batch " + std::to_string(batch) + " up to " +
+                                 std::to_string(ctx));
+      }
+    }
+  // The engine's graph buckets: up to 128 splits (the workspace plan), most of them empty.
+  DecodeFixture f(test::attn_shape_27b(), {4096, 100}, 99);
+  check_fold_exact(f, "27b 128 splits of 64 over kv 4096 / 100", 64, 128);
+}
+
 TEST(CudaAttentionDecode, UnsupportedShapes) {
   DS_REQUIRE_GPU();
   cuda::AttnShape s = test::attn_shape_27b();
@@ -291,7 +349,9 @@ TEST(CudaAttentionDecode, Timing) {
       const int chunk = cuda::attention_decode_kv_chunk(batch, nkv, ctx, n_sms, 64);
       const int splits = (ctx + chunk - 1) / chunk;
       DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, batch, splits));
-      auto launch = [&](AttnDecodeKernel k, int i, cudaStream_t st) {
+      cuda::attention_decode_workspace_init(ws.ptr, 0);
+      DS_CUDA_CHECK(cudaDeviceSynchronize());
+      auto launch = [&](AttnDecodeKernel k, AttnDecodeMerge m, int i, cudaStream_t st) {
         cuda::AttnBatch b;
         b.n_seqs = batch;
         b.q_start = d_qs.ptr;
@@ -303,15 +363,21 @@ TEST(CudaAttentionDecode, Timing) {
         b.max_kv_len = ctx;
         cuda::launch_attention_decode(s, b, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(),
                                       vc.as<__nv_bfloat16>(), cuda::AttnGate{}, chunk, splits,
-                                      ws.ptr, out.as<__nv_bfloat16>(), st, k);
+                                      ws.ptr, out.as<__nv_bfloat16>(), st, k, m);
       };
+      const double fold_us = test::graph_time_us([&](int i, cudaStream_t st) {
+        launch(AttnDecodeKernel::kMma, AttnDecodeMerge::kFold, i, st);
+      });
       double us[2];
       int ki = 0;
       for (auto k : {AttnDecodeKernel::kMma, AttnDecodeKernel::kSimt})
-        us[ki++] = test::graph_time_us([&](int i, cudaStream_t st) { launch(k, i, st); });
-      std::printf("  %-8d %-7d %10.1f %9.0f %10.1f %9.0f %7.2fx   (chunk %d, %d splits)\n", batch,
-                  ctx, us[0], kv_bytes / us[0] * 1e-3, us[1], kv_bytes / us[1] * 1e-3,
-                  us[1] / us[0], chunk, splits);
+        us[ki++] = test::graph_time_us(
+            [&](int i, cudaStream_t st) { launch(k, AttnDecodeMerge::kSplitMerge, i, st); });
+      std::printf(
+          "  %-8d %-7d %10.1f %9.0f %10.1f %9.0f %7.2fx   (chunk %d, %d splits; mma folded merge "
+          "%.1f us, %.0f GB/s)\n",
+          batch, ctx, us[0], kv_bytes / us[0] * 1e-3, us[1], kv_bytes / us[1] * 1e-3,
+          us[1] / us[0], chunk, splits, fold_us, kv_bytes / fold_us * 1e-3);
     }
 }
 
