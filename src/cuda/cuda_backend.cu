@@ -1094,8 +1094,9 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim());  // [qkv | z | b | a]
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
       if (f.gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
+        // PDL: the state / conv taps load while the gdn_in GEMV runs ($DS_GDN_DECODE_PDL)
         cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d.seq_pos, d.slot_ids, S_d, mix_,
-                                stream_, f.gdn_decode_kernel);
+                                stream_, f.gdn_decode_kernel, cuda::gdn_decode_pdl_for(S_d));
         if (S_p > 0)
           cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_ + size_t(S_d) * c.gdn_in_dim(),
                                    d.cu_p, d.seq_pos + S_d, d.slot_ids + S_d, S_p, T - S_d, gdn_ws_,

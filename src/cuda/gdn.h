@@ -130,6 +130,21 @@ bool gdn_decode_kernel_for_variant(const std::string& variant, GdnDecodeKernel* 
 void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                        const __nv_bfloat16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
                        int n_seqs, __nv_bfloat16* out, cudaStream_t stream, GdnDecodeKernel which);
+// With pdl, the kernel is a programmatic dependent of the previous kernel of the stream (the
+// in-projection GEMV that writes proj): its blocks load the recurrent state, the conv taps and
+// the weights while that kernel runs, and read proj / write anything only after
+// griddepcontrol.wait (gdn_decode.cu says why the bytes read before it are final). Same results
+// as without, bit for bit (the same kernel; only the launch attribute differs).
+void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                       const __nv_bfloat16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
+                       int n_seqs, __nv_bfloat16* out, cudaStream_t stream, GdnDecodeKernel which,
+                       bool pdl);
+// The engine's PDL choice, from $DS_GDN_DECODE_PDL (read at each call): "0" never, "1" at
+// every batch size, unset: by batch size as measured on the H200 (gdn_decode.cu). Any other value
+// throws ds::Error.
+enum class GdnDecodePdl { kDefault, kOff, kOn };
+GdnDecodePdl gdn_decode_pdl_mode();
+bool gdn_decode_pdl_for(int n_seqs);
 
 // ---- Prompt-path stages (launch_gdn_prefill runs these; exposed for tests and later fusions) ---
 // Conv + SiLU over the qkv channels, l2norm of q and k (q also times d_k^-0.5), and the gates.

@@ -27,6 +27,10 @@
 // whole head, so the gated norm needs no cluster barrier. 5 blocks per SM (48 registers; a cap at
 // 40 for 6 per SM measured 4-5% slower at batch 4, 8, 32). kStreamWhole keeps the whole head in
 // flight (64 KiB, 3 blocks per SM; slower) for A/B runs.
+// PDL (launch_gdn_decode's pdl, the engine's $DS_GDN_DECODE_PDL): every kernel can be launched as
+// a programmatic dependent of the in-projection GEMV; the state loads (or bulk copies), the conv
+// taps and the weights are issued before griddepcontrol.wait, proj is read after it (pdl_wait
+// below says why that is safe). The kernels are the same with or without: only the launch differs.
 // Every kernel runs the same per-row code (update_row) and conv / gates code, so all give bit-equal
 // states; outputs differ only in the order of the norm's sum of squares.
 // kAuto (and the dispatch registry, dispatch.cpp) picks by batch size: kCluster8MaxSeqs,
@@ -43,6 +47,7 @@
 // carried steps: states bit-equal, outputs within 1e-3; timing of every kernel at batch 1-32).
 #include <cooperative_groups.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "cuda/cuda_common.h"
@@ -69,47 +74,67 @@ constexpr int kMaxD = 128;
 // batch 16 50.4 / 45.8 / 32.3 (docs/perf/decode_kernels.md).
 constexpr int kCluster8MaxSeqs = 2;
 constexpr int kStreamMinSeqs = 3;
+// gdn_decode_pdl_for's default: PDL up to this batch size. H200, bench decode with
+// DS_GDN_DECODE_PDL=0 vs 1 in one call (docs/perf/decode_kernels.md), ms per step: batch 1 4K
+// 13.486 -> 13.366, 1 32K 13.983 -> 13.884; batch 2 13.838 -> 13.847 and 4 14.962 -> 14.961 (the
+// engine's gdn_in there is cuBLASLt, which does not trigger its dependents early: nothing to
+// overlap), 16 17.853 -> 17.945 (slower). So batch 1 only.
+constexpr int kPdlDefaultMaxSeqs = 1;
 
 // ---- Per-element steps shared by every kernel (same code, so the same rounding) ---------------
 
-// Conv + SiLU of the 4 consecutive channels [ch, ch + 4): taps from the ring rows of positions
-// p-3..p-1 (zero before position 0) and the new input, which is returned in xin (the caller writes
-// it to ring row p % 4 at the end).
+// Conv + SiLU of the 4 consecutive channels [ch, ch + 4), in two halves so the PDL kernels can
+// issue the first before griddepcontrol.wait: conv4_load_taps reads what an earlier forward wrote
+// (the ring rows of positions p-3..p-1, zero before position 0) and the conv weights;
+// conv4_silu_x reads the new input (the in-projection's output, returned in xin: the caller writes
+// it to ring row p % 4 at the end) and applies the taps.
+struct ConvTaps {
+  float tap[3][4];  // [tap j][channel i]: ring row of position p - 3 + j
+  float wt[16];     // [channel i][tap], conv_w rows ch .. ch + 3
+};
+
 template <bool VEC>
-__device__ __forceinline__ void conv4_silu(const bf16* __restrict__ x,       // [in_dim] this token
-                                           const bf16* ring,                 // [4, qkv_dim]
-                                           const bf16* __restrict__ conv_w,  // [qkv_dim, 4]
-                                           int qkv_dim, int ch, int p, float (&xin)[4],
-                                           float (&y)[4]) {
-  float tap[3][4], wt[16];
+__device__ __forceinline__ void conv4_load_taps(const bf16* ring,                 // [4, qkv_dim]
+                                                const bf16* __restrict__ conv_w,  // [qkv_dim, 4]
+                                                int qkv_dim, int ch, int p, ConvTaps& c) {
   if (VEC) {
-    load4_bf16(x + ch, xin);
 #pragma unroll
     for (int j = 0; j < 3; ++j) {
       const int pp = p - 3 + j;
       if (pp >= 0)
-        load4_bf16(ring + (pp & 3) * qkv_dim + ch, tap[j]);
+        load4_bf16(ring + (pp & 3) * qkv_dim + ch, c.tap[j]);
       else
-        tap[j][0] = tap[j][1] = tap[j][2] = tap[j][3] = 0.f;
+        c.tap[j][0] = c.tap[j][1] = c.tap[j][2] = c.tap[j][3] = 0.f;
     }
-    load16_bf16(conv_w + ch * 4, wt);
+    load16_bf16(conv_w + ch * 4, c.wt);
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      xin[i] = __bfloat162float(x[ch + i]);
 #pragma unroll
       for (int j = 0; j < 3; ++j) {
         const int pp = p - 3 + j;
-        tap[j][i] = pp >= 0 ? __bfloat162float(ring[(pp & 3) * qkv_dim + ch + i]) : 0.f;
+        c.tap[j][i] = pp >= 0 ? __bfloat162float(ring[(pp & 3) * qkv_dim + ch + i]) : 0.f;
       }
     }
 #pragma unroll
-    for (int i = 0; i < 16; ++i) wt[i] = __bfloat162float(conv_w[ch * 4 + i]);
+    for (int i = 0; i < 16; ++i) c.wt[i] = __bfloat162float(conv_w[ch * 4 + i]);
+  }
+}
+
+template <bool VEC>
+__device__ __forceinline__ void conv4_silu_x(const bf16* x,  // [in_dim] this token (not restrict)
+                                             int ch, const ConvTaps& c, float (&xin)[4],
+                                             float (&y)[4]) {
+  if (VEC) {
+    load4_bf16(x + ch, xin);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) xin[i] = __bfloat162float(x[ch + i]);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float acc = wt[4 * i] * tap[0][i] + wt[4 * i + 1] * tap[1][i] +
-                      wt[4 * i + 2] * tap[2][i] + wt[4 * i + 3] * xin[i];
+    const float acc = c.wt[4 * i] * c.tap[0][i] + c.wt[4 * i + 1] * c.tap[1][i] +
+                      c.wt[4 * i + 2] * c.tap[2][i] + c.wt[4 * i + 3] * xin[i];
     y[i] = acc / (1.f + __expf(-acc));
   }
 }
@@ -127,27 +152,26 @@ __device__ __forceinline__ float qk_norm_scale(const float (&y)[4], int e) {
   return scale;
 }
 
+// The conv channel of the thread's channel group e = 4 * tid: q on e < DK, k on e < 2 DK, else
+// the head's v channels from v0 (meaningful only where the caller's `active` holds).
+template <int DK>
+__device__ __forceinline__ int conv_channel(const GdnShape& s, int hk, int hv, int d_v, int v0,
+                                            int e) {
+  if (e < DK) return hk * DK + e;
+  if (e < 2 * DK) return s.n_k_heads * DK + hk * DK + (e - DK);
+  return 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
+}
+
 // Steps 1-2 of both fused kernels for the thread's channel group e = 4 * tid (active: e < 2 DK +
-// the block's v channels): conv + SiLU of 4 channels (q on e < DK, k on e < 2 DK, else the head's
-// v channels from v0) into y, the new input in xin (both zeros from the caller where inactive) and
-// its channel in ch (for the ring write at the end), then the l2norm of q / k (every lane takes
-// part in the shuffles) and the results in qs / ks / vs.
+// the block's v channels), once its taps are loaded: conv + SiLU of 4 channels into y, the new
+// input in xin (both zeros from the caller where inactive), then the l2norm of q / k (every lane
+// takes part in the shuffles) and the results in qs / ks / vs.
 template <int DK, bool VEC>
-__device__ __forceinline__ void conv_norm_to_shared(const GdnShape& s, const GdnLayerWeights& w,
-                                                    const bf16* __restrict__ x, const bf16* ring,
-                                                    int qkv_dim, int p, int hk, int hv, int d_v,
-                                                    int v0, bool active, int e, int& ch,
-                                                    float (&xin)[4], float (&y)[4], float* qs,
-                                                    float* ks, float* vs) {
-  if (active) {
-    if (e < DK)
-      ch = hk * DK + e;
-    else if (e < 2 * DK)
-      ch = s.n_k_heads * DK + hk * DK + (e - DK);
-    else
-      ch = 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
-    conv4_silu<VEC>(x, ring, w.conv_w, qkv_dim, ch, p, xin, y);
-  }
+__device__ __forceinline__ void conv_norm_to_shared(const bf16* x, const ConvTaps& c,
+                                                    bool active, int e, int ch, float (&xin)[4],
+                                                    float (&y)[4], float* qs, float* ks,
+                                                    float* vs) {
+  if (active) conv4_silu_x<VEC>(x, ch, c, xin, y);
   const float scale = qk_norm_scale<DK>(y, e);
   if (active) {
     float* dst = e < DK ? qs + e : (e < 2 * DK ? ks + (e - DK) : vs + (e - 2 * DK));
@@ -155,6 +179,32 @@ __device__ __forceinline__ void conv_norm_to_shared(const GdnShape& s, const Gdn
     for (int i = 0; i < 4; ++i) dst[i] = y[i] * scale;
   }
 }
+
+// Programmatic dependent launch (launch_gdn_decode with pdl): every kernel below may start while
+// the in-projection GEMV that writes `proj` still runs (the bulk GEMVs trigger their dependents
+// early). Before this wait a kernel reads only bytes that are final when the forward starts:
+//  - seq_pos / slot_ids: the step's metadata, copied host -> device by a cudaMemcpyAsync that is
+//    ordered before the forward's first kernel (a copy is never a programmatic dependency, so it
+//    has completed before any kernel of the forward, or of its CUDA graph, begins);
+//  - the slot's recurrent state and the conv ring rows of positions p-3..p-1 of this layer: only
+//    this layer's GDN kernels write them (decode or prefill), each in an EARLIER forward, and an
+//    earlier forward's kernels all precede that metadata copy in the stream, so they have
+//    completed (and the engine synchronises its stream at the end of every forward); in this
+//    forward a slot is in one piece only (run_step rejects a slot twice), and this layer's other
+//    GDN kernel (the prefill of the prompt rows, launched after this one) touches other slots;
+//  - the layer weights (conv_w, A_log, dt_bias, norm_w): constant while a forward runs.
+// After the wait: proj (the GEMV's output) and every global write (the state, the ring row p % 4,
+// out): the wait returns once the previous kernel has completed and flushed, and that kernel
+// completes only after its own wait, so every earlier kernel of the stream (which may still read
+// `out`, e.g. the previous layer's out-projection) has completed too. Without the PDL attribute
+// the wait is a no-op.
+// proj is NOT declared __restrict__: through a const __restrict__ pointer nvcc reads it on the
+// non-coherent path (ld.global.nc: data assumed read-only for the kernel's whole life), which
+// griddepcontrol.wait need not order. The first H200 run of PdlAfterGemv27B
+// (tests/cuda/cuda_gdn_decode_test.cpp: proj poisoned with NaN before the GEMV) read NaN with
+// cluster4 at batch 1 while proj was __restrict__ (the PTX issued those .nc loads after the wait);
+// plain ld.global loads are ordered by it.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // beta = sigmoid(b), decay = e^g with g = -exp(A_log) * softplus(a + dt_bias) (threshold 20).
 __device__ __forceinline__ void gdn_gates(float b_raw, float a_raw, float A_log, float dt_bias,
@@ -197,7 +247,7 @@ __device__ __forceinline__ float gated_output(float o, float rinv, float z, floa
 template <int DK, bool VEC, int SPLIT>
 __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
     gdn_decode_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
-                      const bf16* __restrict__ proj,         // [n_seqs, in_dim]
+                      const bf16* proj,  // [n_seqs, in_dim] (no __restrict__: see pdl_wait)
                       const int32_t* __restrict__ seq_pos,   // [n_seqs]
                       const int32_t* __restrict__ slot_ids,  // [n_seqs]
                       bf16* __restrict__ out)                // [n_seqs, n_v_heads * d_v]
@@ -242,26 +292,27 @@ __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
     if (has_state && v < rows)
       st[r] = __ldcg(reinterpret_cast<const float4*>(state + v * DK + 4 * k4));
   }
-  const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
-  const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
   const float A_log = w.A_log[hv], dt_bias = w.dt_bias[hv];
   const bool norm = w.norm_w != nullptr;
   float z_c = 0.f, w_c = 0.f;  // thread c < rows: the gate z and norm weight of its output
-  if (tid < rows && norm) {
-    z_c = __bfloat162float(x[qkv_dim + hv * d_v + v0 + tid]);
-    w_c = __bfloat162float(w.norm_w[v0 + tid]);
-  }
-
+  if (tid < rows && norm) w_c = __bfloat162float(w.norm_w[v0 + tid]);
   // 1. conv + SiLU over q (DK), k (DK) and this block's v channels, 4 channels per thread, one
   // pass (2 * 128 + 32 channels = 72 threads at 27B): q on threads [0, DK/4), k on
-  // [DK/4, DK/2), so their l2norms are shuffle reductions within aligned lane groups.
+  // [DK/4, DK/2), so their l2norms are shuffle reductions within aligned lane groups. The taps
+  // (earlier tokens) and weights are loaded before the wait, the new input after it.
   const bool write_qk = hv % ratio == 0 && split == 0;
   const int e = 4 * tid;
   const bool active = e < 2 * DK + rows;
-  int ch = 0;
+  const int ch = conv_channel<DK>(s, hk, hv, d_v, v0, e);
+  ConvTaps taps;
+  if (active) conv4_load_taps<VEC>(ring, w.conv_w, qkv_dim, ch, p, taps);
+
+  pdl_wait();  // proj is the previous kernel's output (see pdl_wait)
+  const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
+  const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
+  if (tid < rows && norm) z_c = __bfloat162float(x[qkv_dim + hv * d_v + v0 + tid]);
   float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
-  conv_norm_to_shared<DK, VEC>(s, w, x, ring, qkv_dim, p, hk, hv, d_v, v0, active, e, ch, xin, y,
-                               qs, ks, vs);
+  conv_norm_to_shared<DK, VEC>(x, taps, active, e, ch, xin, y, qs, ks, vs);
   // 2. gates.
   float beta, decay;
   gdn_gates(b_raw, a_raw, A_log, dt_bias, beta, decay);
@@ -390,7 +441,7 @@ constexpr int stream_smem_bytes() {
 template <int DK, bool VEC, int STAGES>
 __global__ void __launch_bounds__(kStreamThreads)
     gdn_decode_stream_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
-                             const bf16* __restrict__ proj,         // [n_seqs, in_dim]
+                             const bf16* proj,  // [n_seqs, in_dim] (no __restrict__: pdl_wait)
                              const int32_t* __restrict__ seq_pos,   // [n_seqs]
                              const int32_t* __restrict__ slot_ids,  // [n_seqs]
                              bf16* __restrict__ out)                // [n_seqs, n_v_heads * d_v]
@@ -431,25 +482,25 @@ __global__ void __launch_bounds__(kStreamThreads)
     if (has_state)
       for (int c = 0; c < n_chunks && c < STAGES; ++c) issue_chunk(c);
   }
-  const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
-  const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
   const float A_log = w.A_log[hv], dt_bias = w.dt_bias[hv];
   const bool norm = w.norm_w != nullptr;
   float z_c = 0.f, w_c = 0.f;  // thread c < d_v: the gate z and norm weight of its output
-  if (tid < d_v && norm) {
-    z_c = __bfloat162float(x[qkv_dim + hv * d_v + tid]);
-    w_c = __bfloat162float(w.norm_w[tid]);
-  }
-
+  if (tid < d_v && norm) w_c = __bfloat162float(w.norm_w[tid]);
   // 1. conv + SiLU over q, k and the head's v channels, 4 per thread (2 * 128 + 128 channels =
-  // 96 threads at 27B: q on warp 0, k on warp 1, v on warp 2).
+  // 96 threads at 27B: q on warp 0, k on warp 1, v on warp 2); taps before the wait.
   const bool write_qk = hv % ratio == 0;
   const int e = 4 * tid;
   const bool active = e < 2 * DK + d_v;
-  int ch = 0;
+  const int ch = conv_channel<DK>(s, hk, hv, d_v, 0, e);
+  ConvTaps taps;
+  if (active) conv4_load_taps<VEC>(ring, w.conv_w, qkv_dim, ch, p, taps);
+
+  pdl_wait();  // proj is the previous kernel's output (see pdl_wait)
+  const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
+  const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
+  if (tid < d_v && norm) z_c = __bfloat162float(x[qkv_dim + hv * d_v + tid]);
   float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
-  conv_norm_to_shared<DK, VEC>(s, w, x, ring, qkv_dim, p, hk, hv, d_v, 0, active, e, ch, xin, y,
-                               qs, ks, vs);
+  conv_norm_to_shared<DK, VEC>(x, taps, active, e, ch, xin, y, qs, ks, vs);
   // 2. gates.
   float beta, decay;
   gdn_gates(b_raw, a_raw, A_log, dt_bias, beta, decay);
@@ -516,24 +567,37 @@ __global__ void __launch_bounds__(kStreamThreads)
 template <int DK, bool VEC, int STAGES>
 void launch_stream(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                    const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids, int n_seqs,
-                   bf16* out, cudaStream_t stream) {
+                   bf16* out, cudaStream_t stream, bool pdl) {
   constexpr int kSmem = stream_smem_bytes<DK, STAGES>();
   ensure_smem_optin(reinterpret_cast<const void*>(gdn_decode_stream_kernel<DK, VEC, STAGES>),
                     kSmem);
-  gdn_decode_stream_kernel<DK, VEC, STAGES>
-      <<<dim3(n_seqs, s.n_v_heads), kStreamThreads, kSmem, stream>>>(s, w, pool, proj, seq_pos,
-                                                                     slot_ids, out);
+  launch_maybe_pdl(gdn_decode_stream_kernel<DK, VEC, STAGES>, dim3(n_seqs, s.n_v_heads),
+                   dim3(kStreamThreads), kSmem, stream, pdl, s, w, pool, proj, seq_pos, slot_ids,
+                   out);
 }
 
 template <int DK, bool VEC>
 void launch_stream_stages(GdnDecodeKernel which, const GdnShape& s, const GdnLayerWeights& w,
                           const GdnStatePool& pool, const bf16* proj, const int32_t* seq_pos,
-                          const int32_t* slot_ids, int n_seqs, bf16* out, cudaStream_t stream) {
+                          const int32_t* slot_ids, int n_seqs, bf16* out, cudaStream_t stream,
+                          bool pdl) {
   if (which == GdnDecodeKernel::kStreamWhole)
     launch_stream<DK, VEC, StreamCfg<DK>::kMaxChunks>(s, w, pool, proj, seq_pos, slot_ids, n_seqs,
-                                                      out, stream);
+                                                      out, stream, pdl);
   else
-    launch_stream<DK, VEC, 4>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream);
+    launch_stream<DK, VEC, 4>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+}
+
+// $DS_GDN_DECODE_PDL, read at each call: the engine asks once per layer while it enqueues a forward
+// (for a decode graph only at its capture), so the cost is nil and a test can switch it between
+// engines.
+GdnDecodePdl read_pdl_mode() {
+  const char* v = std::getenv("DS_GDN_DECODE_PDL");
+  if (v == nullptr || *v == '\0') return GdnDecodePdl::kDefault;
+  const std::string m(v);
+  if (m == "0") return GdnDecodePdl::kOff;
+  if (m == "1") return GdnDecodePdl::kOn;
+  ds::throw_error("DS_GDN_DECODE_PDL must be 0 or 1 (or unset for the default), got '", m, "'");
 }
 
 }  // namespace
@@ -548,6 +612,26 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                        const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
                        int n_seqs, bf16* out, cudaStream_t stream, GdnDecodeKernel which) {
+  launch_gdn_decode(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, which, false);
+}
+
+GdnDecodePdl gdn_decode_pdl_mode() { return read_pdl_mode(); }
+
+bool gdn_decode_pdl_for(int n_seqs) {
+  switch (gdn_decode_pdl_mode()) {
+    case GdnDecodePdl::kOff:
+      return false;
+    case GdnDecodePdl::kOn:
+      return true;
+    default:
+      return n_seqs <= kPdlDefaultMaxSeqs;
+  }
+}
+
+void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                       const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
+                       int n_seqs, bf16* out, cudaStream_t stream, GdnDecodeKernel which,
+                       bool pdl) {
   check_gdn_shape(s);
   DS_CHECK(w.conv_w && w.A_log && w.dt_bias, "gdn decode: layer weight pointers are null");
   DS_CHECK(pool.conv_state && pool.rec_state, "gdn decode: state pool pointers are null");
@@ -580,10 +664,10 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 #define DS_GDN_STREAM(DK)                                                                    \
   if (vec)                                                                                   \
     launch_stream_stages<DK, true>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out,  \
-                                   stream);                                                  \
+                                   stream, pdl);                                             \
   else                                                                                       \
     launch_stream_stages<DK, false>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, \
-                                    stream);
+                                    stream, pdl);
     switch (s.d_k) {
       case 16:
         DS_GDN_STREAM(16);
@@ -609,9 +693,10 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
                (which == GdnDecodeKernel::kAuto && n_seqs <= kCluster8MaxSeqs)))
     split = 8;
   const dim3 grid(n_seqs, s.n_v_heads, split);
-#define DS_GDN_DECODE_1(DK, VEC, SPLIT) \
-  gdn_decode_kernel<DK, VEC, SPLIT>     \
-      <<<grid, kDecodeThreads, 0, stream>>>(s, w, pool, proj, seq_pos, slot_ids, out)
+// The cluster dimension comes from the kernel's __cluster_dims__ (also under cudaLaunchKernelEx).
+#define DS_GDN_DECODE_1(DK, VEC, SPLIT)                                                      \
+  launch_maybe_pdl(gdn_decode_kernel<DK, VEC, SPLIT>, grid, dim3(kDecodeThreads), 0, stream, \
+                   pdl, s, w, pool, proj, seq_pos, slot_ids, out)
 #define DS_GDN_DECODE_S(DK, SPLIT)    \
   if (vec)                            \
     DS_GDN_DECODE_1(DK, true, SPLIT); \

@@ -13,6 +13,11 @@
 // (positions 1-3: zero conv taps) and old sequences; small and odd heads (d_k 16-128, d_v 16-128
 // incl. 40 and 100: partial chunks, the 1-block cluster fallback). Timing (prints): every kernel
 // at batch 1-32 in CUDA graphs, states rotated past L2, state bandwidth.
+// Programmatic dependent launch (PdlAfterGemv27B): each kernel launched with PDL right after the
+// bulk GEMV that writes its input proj (which triggers its dependents early; proj poisoned
+// before the GEMV, so a read before griddepcontrol.wait would see NaN), eagerly and in one CUDA
+// graph, several carried steps: every output, state and ring bit-identical to the same steps
+// launched without PDL. PdlTiming (prints): PDL GEMV + decode per layer, decode PDL off / on.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -23,6 +28,7 @@
 #include <vector>
 
 #include "cuda/gdn.h"
+#include "cuda/gemv.h"
 #include "cuda_graph_timer.h"
 #include "cuda_test_util.h"
 
@@ -309,6 +315,153 @@ TEST(CudaGdnDecode, VariantNames) {
   EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused", &k));
   EXPECT_EQ(k, GdnDecodeKernel::kCluster4);
   EXPECT_FALSE(cuda::gdn_decode_kernel_for_variant("prefill_path", &k));
+}
+
+// The gdn_in projection of one step as the engine runs it at batch <= 8: the PDL bulk GEMV.
+struct InProj {
+  int k = 5120;  // d_model at 27B
+  DevBuf<bf> w;  // [in_dim, k]
+  int n_sms = 0;
+  InProj(const cuda::GdnShape& s, std::mt19937& rng)
+      : w(test::random_bf16(size_t(s.in_dim()) * 5120, rng, 0.02f)) {
+    DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, 0));
+  }
+  // pdl: the GEMV itself a programmatic dependent of the kernel before it (it triggers its own
+  // dependents early either way).
+  void launch(const cuda::GdnShape& s, const bf* x, bf* proj, int m, cudaStream_t st,
+              bool pdl) const {
+    cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, s.in_dim(), k);
+    cfg.pdl = pdl;
+    cuda::launch_gemv_bulk(reinterpret_cast<const __nv_bfloat16*>(x), w.as<__nv_bfloat16>(), proj,
+                           m, s.in_dim(), k, cuda::GemmOut::kBF16, false, cfg, n_sms, st);
+  }
+};
+
+TEST(CudaGdnDecode, PdlAfterGemv27B) {
+  DS_REQUIRE_GPU();
+  const cuda::GdnShape s = shape_27b();
+  std::mt19937 rng(31);
+  InProj gemv(s, rng);
+  const int n_steps = 3;
+  cudaStream_t st;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const KernelName kernels[] = {{GdnDecodeKernel::kCluster4, "cluster4"},
+                                {GdnDecodeKernel::kCluster8, "cluster8"},
+                                {GdnDecodeKernel::kStream, "stream"},
+                                {GdnDecodeKernel::kAuto, "auto"}};
+  for (int B : {1, 2, 3, 4, 8}) {
+    const std::vector<int> pos = mixed_positions(B);
+    GdnSetup a(s, B + 1, rng);
+    const auto conv0 = a.conv.download();
+    const auto rec0 = a.rec.download();
+    std::vector<int32_t> slots(B), all_pos(size_t(B) * n_steps);
+    for (int i = 0; i < B; ++i) slots[i] = B - i;
+    for (int t = 0; t < n_steps; ++t)
+      for (int i = 0; i < B; ++i) all_pos[size_t(t) * B + i] = pos[i] + t;
+    DevBuf<int32_t> d_pos(all_pos), d_slots(slots);
+    DevBuf<bf> x(test::random_bf16(size_t(n_steps) * B * gemv.k, rng));
+    // One proj region per step, poisoned before the run. Each step's GEMV is launched without
+    // PDL, so it starts once the previous step's decode has completed, as in the engine, where a
+    // forward's decode kernels follow the previous forward's end (the metadata copy, a stream
+    // synchronisation); with a PDL GEMV, step t + 1's decode could load the states before step
+    // t's had stored them.
+    DevBuf<bf> proj(size_t(n_steps) * B * s.in_dim()), out(size_t(n_steps) * B * s.out_dim());
+    const auto steps = [&](cudaStream_t stream, GdnDecodeKernel k, bool pdl) {
+      for (int t = 0; t < n_steps; ++t) {
+        bf* pr = proj.ptr + size_t(t) * B * s.in_dim();
+        gemv.launch(s, x.ptr + size_t(t) * B * gemv.k, pr, B, stream, false);
+        cuda::launch_gdn_decode(s, a.w(), a.pool(), reinterpret_cast<__nv_bfloat16*>(pr),
+                                d_pos.ptr + t * B, d_slots.ptr, B,
+                                out.as<__nv_bfloat16>() + size_t(t) * B * s.out_dim(), stream, k,
+                                pdl);
+      }
+    };
+    for (const KernelName& kn : kernels) {
+      if (!supported(kn.k, s, a.pool())) continue;
+      Step ref;
+      for (int graph = 0; graph < 2; ++graph) {
+        for (int pdl = 0; pdl < 2; ++pdl) {
+          a.conv.upload(conv0);
+          a.rec.upload(rec0);
+          out.poison();
+          proj.poison();
+          DS_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets are not ordered with `st`
+          if (graph) {
+            cudaGraph_t g;
+            cudaGraphExec_t exec;
+            DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+            steps(st, kn.k, pdl);
+            DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+            DS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+            DS_CUDA_CHECK(cudaGraphLaunch(exec, st));
+            DS_CUDA_CHECK(cudaStreamSynchronize(st));
+            DS_CUDA_CHECK(cudaGraphExecDestroy(exec));
+            DS_CUDA_CHECK(cudaGraphDestroy(g));
+          } else {
+            steps(st, kn.k, pdl);
+            DS_CUDA_CHECK(cudaStreamSynchronize(st));
+          }
+          Step run{out.download(), a.conv.download(), a.rec.download()};
+          const std::string what = std::string(kn.name) + " batch " + std::to_string(B) +
+                                   (graph ? " graph" : " eager") + (pdl ? " pdl" : " plain");
+          for (bf v : run.out)
+            ASSERT_TRUE(std::isfinite(bf16_to_f32(v))) << what << ": output NaN or unwritten";
+          if (!graph && !pdl) {
+            EXPECT_NE(0, std::memcmp(run.rec.data(), rec0.data(), rec0.size() * 4)) << what;
+            ref = std::move(run);
+            continue;
+          }
+          EXPECT_EQ(0u, count_diff(run.out, ref.out)) << what << ": outputs vs eager plain";
+          EXPECT_EQ(0u, count_diff(run.conv, ref.conv)) << what << ": rings vs eager plain";
+          EXPECT_EQ(0, std::memcmp(run.rec.data(), ref.rec.data(), ref.rec.size() * 4))
+              << what << ": states vs eager plain";
+        }
+      }
+      std::printf("  %-8s batch %d, %d steps after the PDL GEMV: eager / graph x plain / pdl "
+                  "bit-identical\n",
+                  kn.name, B, n_steps);
+    }
+  }
+  DS_CUDA_CHECK(cudaStreamDestroy(st));
+}
+
+// us per layer of the gdn_in GEMV + GDN decode pair in a CUDA graph (states and inputs rotated
+// past L2), the decode launched plain or with PDL, and the GEMV alone.
+TEST(CudaGdnDecode, PdlTiming) {
+  DS_REQUIRE_GPU();
+  const cuda::GdnShape s = shape_27b();
+  std::mt19937 rng(32);
+  InProj gemv(s, rng);
+  for (int round = 0; round < 2; ++round) {
+    std::printf("  round %d: us per layer (gdn_in GEMV + GDN decode), kernel as kAuto\n", round);
+    for (int B : {1, 2, 3, 4, 8}) {
+      const int rot = std::max(4, 64 / B);
+      GdnSetup a(s, B * rot, rng);
+      DevBuf<bf> x(test::random_bf16(size_t(B) * gemv.k * rot, rng));
+      DevBuf<bf> proj(size_t(B) * s.in_dim() * rot), out(size_t(B) * s.out_dim() * rot);
+      DevBuf<int32_t> pos(std::vector<int32_t>(size_t(B), 100));
+      std::vector<int32_t> slots(size_t(B) * rot);
+      for (size_t i = 0; i < slots.size(); ++i) slots[i] = int32_t(i);
+      DevBuf<int32_t> d_slots(slots);
+      double us[3];
+      for (int mode = 0; mode < 3; ++mode) {  // 0: GEMV alone, 1: + plain decode, 2: + PDL
+        us[mode] = test::graph_time_us(
+            [&](int i, cudaStream_t st) {
+              const int r = i % rot;
+              bf* pr = proj.ptr + size_t(r) * B * s.in_dim();
+              gemv.launch(s, x.ptr + size_t(r) * B * gemv.k, pr, B, st, true);
+              if (mode > 0)
+                cuda::launch_gdn_decode(s, a.w(), a.pool(), reinterpret_cast<__nv_bfloat16*>(pr),
+                                        pos.ptr, d_slots.ptr + r * B, B,
+                                        out.as<__nv_bfloat16>() + size_t(r) * B * s.out_dim(), st,
+                                        GdnDecodeKernel::kAuto, mode == 2);
+            },
+            64);
+      }
+      std::printf("  batch %d: gemv %.2f, + decode plain %.2f (+%.2f), + decode pdl %.2f (+%.2f)\n",
+                  B, us[0], us[1], us[1] - us[0], us[2], us[2] - us[0]);
+    }
+  }
 }
 
 TEST(CudaGdnDecode, Timing) {
