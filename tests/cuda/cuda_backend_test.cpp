@@ -28,6 +28,7 @@
 
 #include "core/error.h"
 #include "core/npy.h"
+#include "cuda/attention_decode.h"
 #include "cuda/kernels.h"
 #include "cuda_test_util.h"
 #include "model/weights.h"
@@ -406,6 +407,7 @@ TEST(CudaGraphs, DecodeSplitsPastKvLenChangeNothing) {
   cuda::AttnGate gate{g.as<const cuda::bf16>(), int64_t(s.n_heads) * hd, hd};
   auto run = [&](int n_splits) {
     test::DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, S, n_splits));
+    cuda::attention_decode_workspace_init(ws.ptr, nullptr);  // the folded merge's counters
     test::DevBuf<uint16_t> out(size_t(S) * s.n_heads * hd);
     out.poison();
     cuda::launch_attention_decode(s, b, q.as<const cuda::bf16>(), kc.as<const cuda::bf16>(),
