@@ -43,7 +43,11 @@ def check_error(status, body, expect_status, type_="invalid_request_error", para
 
 OK_COMPLETION = {"prompt": "hello", "max_tokens": 2}
 RUNNING = "deltaserve_num_requests_running"
-LONG_TOKENS = 3000  # with --max-model-len 4096: seconds of generation even on the GPU engine
+# A stream that must outlast the bad-input suite on any engine. The tiny model on the H200 makes
+# 3000 tokens in 0.43 s (measured, b3a8664), less than the suite takes: 30000 tokens, in a server
+# with a 32768-token context (the tiny model's max_position_embeddings), are seconds there too.
+LONG_TOKENS = 30000
+LONG_CONTEXT = 32768
 OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 BAD_COMPLETIONS = [
@@ -230,7 +234,7 @@ def test_other_requests_unaffected(model, tmp_path):
     asks for LONG_TOKENS (a server of its own: the module's has a 256-token context) and the client
     leaves after the suite, keeping the ids it read (return_token_ids)."""
     from openai import OpenAI
-    srv = ServerProc(model, "--max-batch", 4, "--max-model-len", 4096, "--read-timeout", 2,
+    srv = ServerProc(model, "--max-batch", 4, "--max-model-len", LONG_CONTEXT, "--read-timeout", 2,
                      log_path=tmp_path / "server.log")
     try:
         client = OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=120)
