@@ -133,8 +133,9 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
                   gemv_narrow_preferred(k.dims[0], k.dims[1], k.dims[2]);
          }});
   r.add({F::kGemm, "skinny_mma",
-         "decode skinny GEMM (gemv.h): m 1..16, mma.sync with tokens as M, weight read once, "
-         "batch-invariant; sm 90, k % 8 == 0, shapes where it beats cuBLASLt (k >= 12288)",
+         "decode skinny GEMM (gemv.h): mma.sync with tokens as M, weight read once, "
+         "batch-invariant; sm 90, k % 8 == 0, where it beats cuBLASLt in the step (k >= 12288, "
+         "m <= 4: the down projection at batch 3-4)",
          [](const ShapeKey& k) {
            return k.sm == 90 && k.dtype == 0 &&
                   skinny_gemm_preferred(k.dims[0], k.dims[1], k.dims[2]);

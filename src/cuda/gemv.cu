@@ -253,7 +253,11 @@ bool skinny_gemm_preferred(int64_t m, int64_t n, int64_t k) {
   // Measured faster than cuBLASLt only on the long-row shapes: down 5120 x 17408 at 47.0-47.9 us
   // vs 50.5-51.7 us (m 1 and 4), 51.1-51.5 vs 52.8 (m 16), in both sweeps. On the 5120-k shapes
   // it ties or loses by 1-10% (cuBLASLt 3.7-4.1 TB/s there), so those stay with cuBLASLt.
-  return skinny_gemm_supports(m, n, k) && k >= 12288;
+  // m <= 4: the whole decode step decides (H200, b3a8664, same call, bench decode with and without
+  // gemm.skinny_mma, i.e. cuBLASLt tuned for the down projection): batch 16 at 4K 17.145 vs
+  // 17.520 ms with skinny_mma, batch 4 14.724 vs 14.736 (a tie); bench kernels down m 16: cuBLASLt
+  // tuned 47.4 vs 49.9 us. m 5..15 follow m 16 (not measured one by one); m 1..2 run gemv_narrow.
+  return skinny_gemm_supports(m, n, k) && k >= 12288 && m <= 4;
 }
 
 void launch_skinny_gemm(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n,

@@ -344,8 +344,9 @@ TEST(CudaGemv, GuardAndErrors) {
   using F = cuda::KernelFamily;
   EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17408)).name, "gemv_narrow");  // down, m <= 2
   EXPECT_EQ(reg.select(F::kGemm, reg.key(3, 5120, 17408)).name, "skinny_mma");
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(16, 5120, 17408)).name, "skinny_mma");
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(17, 5120, 17408)).name, "cublaslt");  // m > 16
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 5120, 17408)).name, "skinny_mma");
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(5, 5120, 17408)).name, "cublaslt");   // m > 4: the step
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(16, 5120, 17408)).name, "cublaslt");
   EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 248320, 5120)).name, "cublaslt");  // ties cuBLASLt
   EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17412)).name, "cublaslt");   // k % 8
   EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 65536)).name, "cublaslt");   // k too large
@@ -983,7 +984,8 @@ TEST(CudaGemvNarrow, GuardAndErrors) {
     return r.select(F::kGemm, r.key(m, n, k)).name;
   };
   for (int m = 1; m <= 2; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "gemv_narrow") << m;
-  for (int m = 3; m <= 16; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "skinny_mma") << m;
+  for (int m = 3; m <= 4; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "skinny_mma") << m;
+  for (int m = 5; m <= 16; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "cublaslt") << m;
   EXPECT_EQ(pick(reg, 1, 5120, 17412), "cublaslt");     // k % 8
   EXPECT_EQ(pick(reg, 1, 17408, 17408), "skinny_mma");  // n > 8192: not measured
   EXPECT_EQ(pick(reg, 1, 512, 17408), "skinny_mma");    // n < 1024
