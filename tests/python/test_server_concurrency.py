@@ -7,7 +7,7 @@ without disturbing running requests, and SIGTERM drains running streams before e
 
 Nothing here may depend on how fast the engine generates (the tiny model makes 200 tokens in
 ~30 ms on an H200 and in seconds on a loaded CI core): a request that must still be running when
-something happens (a client leaves, SIGTERM arrives, the queue fills) asks for LONG_TOKENS, far
+something happens (a client leaves, SIGTERM arrives, the queue fills) asks for LONG_(RUN_)TOKENS, far
 more than any engine makes before the test acts, and the test checks that it really was running
 (no finish reason before the client left and the server's cancelled counter, requests running
 after the signal) instead of passing vacuously."""
@@ -26,7 +26,13 @@ pytestmark = requires_server
 
 N_CLIENTS = 32
 MAX_TOKENS = 16
-LONG_TOKENS = 3000  # with --max-model-len 4096: seconds of generation even on the GPU engine
+# A request cancelled by its client asks for LONG_TOKENS (the tests bound the tokens generated in
+# all by a fraction of it); one that must still be running when the queue fills or SIGTERM arrives
+# asks for LONG_RUN_TOKENS in a server with a LONG_CONTEXT context (the tiny model's
+# max_position_embeddings): on the H200 the tiny model made 3000 tokens in 0.43 s (b3a8664's run).
+LONG_TOKENS = 3000
+LONG_RUN_TOKENS = 30000
+LONG_CONTEXT = 32768
 GENERATED = "deltaserve_engine_generation_tokens_total"  # every token the engine made
 CANCELLED = 'deltaserve_request_finished_total{finish_reason="cancelled"}'
 RUNNING = "deltaserve_num_requests_running"
@@ -157,14 +163,14 @@ def test_dropped_nonstreaming_request_frees_its_slot(server):
 
 
 def test_queue_bound_answers_429_and_running_requests_finish(model, tmp_path):
-    """One slot, a queue of one: a running LONG_TOKENS stream (A) and a waiting request (B) fill
+    """One slot, a queue of one: a running LONG_RUN_TOKENS stream (A) and a waiting request (B) fill
     them, so every further request gets 429 at once, whatever the engine's speed; A keeps
     streaming through the 429s; once A's client leaves, B runs and answers in full."""
-    srv = ServerProc(model, "--max-batch", 1, "--max-waiting", 1, "--max-model-len", 4096,
+    srv = ServerProc(model, "--max-batch", 1, "--max-waiting", 1, "--max-model-len", LONG_CONTEXT,
                      log_path=tmp_path / "server.log")
     try:
         client = client_for(srv)
-        a = client.completions.create(model="m", prompt="long runner", max_tokens=LONG_TOKENS, temperature=0,
+        a = client.completions.create(model="m", prompt="long runner", max_tokens=LONG_RUN_TOKENS, temperature=0,
                                       stream=True, extra_body={"ignore_eos": True})
         a_iter = iter(a)
         next(a_iter)  # A is running
@@ -196,9 +202,9 @@ def test_queue_bound_answers_429_and_running_requests_finish(model, tmp_path):
 
 def test_sigterm_drains_running_streams(model, tmp_path):
     """SIGTERM while streams run: new work gets 503, the running streams go on (the server still
-    runs a request after it began draining), a short one finishes with "length", a LONG_TOKENS one
+    runs a request after it began draining), a short one finishes with "length", a LONG_RUN_TOKENS one
     finishes or is cancelled ("abort") at --shutdown-timeout, and the server exits 0."""
-    srv = ServerProc(model, "--max-batch", 2, "--max-model-len", 4096, "--shutdown-timeout", 5,
+    srv = ServerProc(model, "--max-batch", 2, "--max-model-len", LONG_CONTEXT, "--shutdown-timeout", 5,
                      log_path=tmp_path / "server.log")
     try:
         client = client_for(srv)
@@ -219,12 +225,12 @@ def test_sigterm_drains_running_streams(model, tmp_path):
                 errors.append((name, repr(e)))
                 first_chunk[name].set()
 
-        threads = [threading.Thread(target=stream, args=("long", LONG_TOKENS)),
+        threads = [threading.Thread(target=stream, args=("long", LONG_RUN_TOKENS)),
                    threading.Thread(target=stream, args=("short", 24))]
         for t in threads:
             t.start()
         # Both requests were accepted before the signal (a request after it would get 503). The
-        # short one may already be done on a fast engine; the long one cannot be (LONG_TOKENS).
+        # short one may already be done on a fast engine; the long one cannot be (LONG_RUN_TOKENS).
         for name, ev in first_chunk.items():
             assert ev.wait(timeout=60), f"no chunk of the {name} stream within 60 s"
         assert not errors, errors
