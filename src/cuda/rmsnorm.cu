@@ -32,15 +32,18 @@ constexpr int kMaxVec = 8;  // 16-byte vectors per thread: d <= 256 * 8 * 8 = 16
 //   it is guaranteed finished until here, so every load and store comes after. A no-op otherwise.
 // Triggering before waiting is safe: the dependent's wait needs this grid complete, which needs
 // this grid's wait to have returned, i.e. the kernel before this one complete too.
+// What the kernel before writes (delta, residual) is read through plain pointers, never
+// `const __restrict__`: those compile to ld.global.nc, which ptxas may schedule above the wait
+// (it did so in the GDN decode kernels: stale reads on the H200; docs/perf/decode_kernels.md).
 __device__ __forceinline__ void pdl_enter() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
 __global__ void __launch_bounds__(kThreads)
-    add_rmsnorm_vec_kernel(bf16* __restrict__ residual,     // [n_rows, d]
-                           const bf16* __restrict__ delta,  // [n_rows, d] or null
-                           const bf16* __restrict__ w,      // [d]
+    add_rmsnorm_vec_kernel(bf16* __restrict__ residual,  // [n_rows, d]
+                           const bf16* delta,            // [n_rows, d] or null
+                           const bf16* __restrict__ w,   // [d]
                            int d, float eps, float w_off,
                            bf16* __restrict__ out) {  // [n_rows, d]
   pdl_enter();
@@ -99,7 +102,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // Any d: two passes over the row (re-read from L1/L2).
 __global__ void __launch_bounds__(kThreads)
-    add_rmsnorm_kernel(bf16* __restrict__ residual, const bf16* __restrict__ delta,
+    add_rmsnorm_kernel(bf16* __restrict__ residual, const bf16* delta,
                        const bf16* __restrict__ w, int d, float eps, float w_off,
                        bf16* __restrict__ out) {
   pdl_enter();
