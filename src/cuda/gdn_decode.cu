@@ -202,8 +202,10 @@ __device__ __forceinline__ void conv_norm_to_shared(const bf16* x, const ConvTap
 // non-coherent path (ld.global.nc: data assumed read-only for the kernel's whole life), which
 // griddepcontrol.wait need not order. The first H200 run of PdlAfterGemv27B
 // (tests/cuda/cuda_gdn_decode_test.cpp: proj poisoned with NaN before the GEMV) read NaN with
-// cluster4 at batch 1 while proj was __restrict__ (the PTX issued those .nc loads after the wait);
-// plain ld.global loads are ordered by it.
+// cluster4 at batch 1 while proj was __restrict__: the PTX issued those .nc loads after the wait,
+// but ptxas moved three of them (b, a, z) above it in the SASS (LDG.E.U16.CONSTANT before ACQBULK,
+// in 9 of the 38 instantiations; the session-4 PDL audit, cuobjdump of the pre-fix source). Plain
+// ld.global loads are never moved across it.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 // beta = sigmoid(b), decay = e^g with g = -exp(A_log) * softplus(a + dt_bias) (threshold 20).
