@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <mutex>
 #include <sstream>
 #include <string>
 
@@ -292,11 +291,9 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
   if constexpr (M <= kGemvNormMaxM) {
     if (norm.weight) kern = gemv_bulk_kernel<M, R, GLU, OutT, true>;
   }
-  static std::once_flag once[2];  // per instantiation: allow the opt-in shared memory size
-  std::call_once(once[norm.weight ? 1 : 0], [&] {
-    DS_CUDA_CHECK(
-        cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
-  });
+  // The opt-in shared memory size belongs to the device's context: once per (kernel, device), not
+  // per process (a std::call_once left the first launch on a second device failing).
+  ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   const int blocks = std::max(1, std::min(n_sms * c.blocks_per_sm, n));
   const size_t smem = smem_bytes(M, k, R, c.slots) + (norm.weight ? kRedBytes : 0);
   launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem, stream, c.pdl, x, w,
