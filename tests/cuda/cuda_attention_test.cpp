@@ -397,12 +397,8 @@ TEST(CudaAttentionMma, SecondDevice) {
   // The > 48 KiB shared-memory opt-in belongs to each device's context (ensure_smem_optin): after
   // the kernels ran on device 0, their first launches on device 1 must work too (a per-process
   // std::call_once left them failing there) and give the same outputs bit for bit.
-  int n_devices = 0;
-  DS_CUDA_CHECK(cudaGetDeviceCount(&n_devices));
-  if (n_devices < 2) GTEST_SKIP() << "needs 2 GPUs (" << n_devices << " here)";
-  struct RestoreDevice {
-    ~RestoreDevice() { cudaSetDevice(0); }
-  } restore;
+  DS_REQUIRE_GPUS(2);
+  test::RestoreDevice restore;
   Fixture f(test::attn_shape_27b(), {{65, 300}, {21, 8214}}, 99);
   std::vector<std::vector<bf>> outs[2];
   for (int dev : {0, 1}) {

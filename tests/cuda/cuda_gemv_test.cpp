@@ -182,6 +182,80 @@ struct Pool {
   }
 };
 
+// bf16 outputs a vs cuBLASLt's b (same size, [m, o.n]): each within 1 bf16 ulp of the larger
+// magnitude, or 1e-3 of b's max where both are near zero (the two sum in different orders; each
+// rounds an fp32 sum once). Expects no output out of tolerance; returns what the callers print.
+struct CublasLtDiff {
+  size_t differ = 0;  // outputs not bit-identical to cuBLASLt's
+  double worst = 0;   // the largest |a - b| / tol
+  double ymax = 0;    // max |b|
+};
+CublasLtDiff expect_bf16_close_to_cublaslt(const std::vector<float>& a, const std::vector<float>& b,
+                                           const Op& o, int m) {
+  CublasLtDiff r;
+  for (float v : b) r.ymax = std::max(r.ymax, double(std::fabs(v)));
+  size_t bad = 0, first_bad = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = std::fabs(double(a[i]) - b[i]);
+    const double tol =
+        std::max(bf16_ulp(std::max(std::fabs(a[i]), std::fabs(b[i]))), 1e-3 * r.ymax);
+    if (!(d <= tol)) {
+      if (!bad) first_bad = i;
+      ++bad;
+    }
+    if (d > 0) ++r.differ;
+    r.worst = std::max(r.worst, d / std::max(tol, 1e-30));
+  }
+  EXPECT_EQ(bad, 0u) << o.name << " m " << m << ": first at " << first_bad << " (" << a[first_bad]
+                     << " vs " << b[first_bad] << ")";
+  return r;
+}
+
+// The rows of op o checked against fp64: the first and last 128 and 128 spread ones (i.e. across
+// block boundaries), with their weights (w [rows.size(), o.k]) downloaded once per op.
+struct SampledRows {
+  std::vector<int> rows;
+  std::vector<bf> w;
+};
+SampledRows sample_rows(const Op& o, const Pool& wpool) {
+  SampledRows s;
+  for (int i = 0; i < 128; ++i) s.rows.push_back(i), s.rows.push_back(o.n - 128 + i);
+  for (int i = 0; i < 128; ++i)
+    s.rows.push_back(int((int64_t(o.n) * i / 128 + (i * 37) % 97) % o.n));
+  s.w.resize(s.rows.size() * size_t(o.k));
+  for (size_t r = 0; r < s.rows.size(); ++r)
+    DS_CUDA_CHECK(cudaMemcpy(s.w.data() + r * o.k, wpool.buf.ptr + size_t(s.rows[r]) * o.k,
+                             size_t(o.k) * 2, cudaMemcpyDeviceToHost));
+  return s;
+}
+
+// Outputs a [m, o.n] of y = x w^T vs fp64 on the sampled rows: |y - ref| <= 1 bf16 ulp of
+// max(|y|, |ref|) (bf16 out) + 1e-4 * sum_i |x_i w_i|. Expects none out of tolerance; returns the
+// worst |y - ref| / tol.
+double expect_sampled_rows_match_fp64(const std::vector<bf>& x, const SampledRows& s,
+                                      const std::vector<float>& a, const Op& o, int m) {
+  size_t bad64 = 0;
+  double worst64 = 0;
+  for (int t = 0; t < m; ++t)
+    for (size_t r = 0; r < s.rows.size(); ++r) {
+      double sum = 0, mag = 0;
+      for (int c = 0; c < o.k; ++c) {
+        const double p =
+            double(bf16_to_f32(x[size_t(t) * o.k + c])) * bf16_to_f32(s.w[r * o.k + c]);
+        sum += p;
+        mag += std::fabs(p);
+      }
+      const double got = a[size_t(t) * o.n + s.rows[r]];
+      const double tol =
+          (o.f32 ? 0.0 : bf16_ulp(std::max(std::fabs(got), std::fabs(sum)))) + 1e-4 * mag;
+      const double d = std::fabs(got - sum);
+      if (!(d <= tol)) ++bad64;
+      worst64 = std::max(worst64, d / std::max(tol, 1e-30));
+    }
+  EXPECT_EQ(bad64, 0u) << o.name << " m " << m << " vs fp64";
+  return worst64;
+}
+
 TEST(CudaGemv, Shapes27bMatchCublasLt) {
   DS_REQUIRE_GPU();
   int dev = 0, major = 0;
@@ -227,28 +301,12 @@ TEST(CudaGemv, Shapes27bMatchCublasLt) {
         EXPECT_LT(e, 1e-4) << o.name << " m " << m;
         std::printf("  %-8s m=%-2d f32 out: relative L2 vs cuBLASLt %.2e\n", o.name, m, e);
       } else {
-        double ymax = 0;
-        for (float v : b) ymax = std::max(ymax, double(std::fabs(v)));
-        size_t bad = 0, first_bad = 0, over_half = 0;
-        double worst = 0;
-        for (size_t i = 0; i < cnt; ++i) {
-          const double d = std::fabs(double(a[i]) - b[i]);
-          const double tol =
-              std::max(bf16_ulp(std::max(std::fabs(a[i]), std::fabs(b[i]))), 1e-3 * ymax);
-          if (!(d <= tol)) {
-            if (!bad) first_bad = i;
-            ++bad;
-          }
-          if (d > 0) ++over_half;
-          worst = std::max(worst, d / std::max(tol, 1e-30));
-        }
-        EXPECT_EQ(bad, 0u) << o.name << " m " << m << ": first at " << first_bad << " ("
-                           << a[first_bad] << " vs " << b[first_bad] << ")";
+        const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
         std::printf(
             "  %-8s m=%-2d bf16 out: %zu of %zu differ from cuBLASLt "
             "(all within %.2f of "
             "the tolerance), max |y| %.3g\n",
-            o.name, m, over_half, cnt, worst, ymax);
+            o.name, m, r.differ, cnt, r.worst, r.ymax);
       }
     }
   }
@@ -473,15 +531,7 @@ TEST(CudaGemvBulk, Shapes27bMatchCublasLtAndFp64) {
       EXPECT_FALSE(cuda::gemv_bulk_preferred(1, o.n, o.k)) << o.name;
       continue;
     }
-    // Sampled rows, downloaded once per op.
-    std::vector<int> rows;
-    for (int i = 0; i < 128; ++i) rows.push_back(i), rows.push_back(o.n - 128 + i);
-    for (int i = 0; i < 128; ++i)
-      rows.push_back(int((int64_t(o.n) * i / 128 + (i * 37) % 97) % o.n));
-    std::vector<bf> wrows(rows.size() * size_t(o.k));
-    for (size_t r = 0; r < rows.size(); ++r)
-      DS_CUDA_CHECK(cudaMemcpy(wrows.data() + r * o.k, wpool.buf.ptr + size_t(rows[r]) * o.k,
-                               size_t(o.k) * 2, cudaMemcpyDeviceToHost));
+    const SampledRows sampled = sample_rows(o, wpool);
     for (int m : {1, 2, 3, 4, 8, 16}) {
       if (m > cuda::kGemvBulkMaxM) {
         EXPECT_FALSE(cuda::gemv_bulk_supports(m, o.n, o.k));
@@ -516,26 +566,7 @@ TEST(CudaGemvBulk, Shapes27bMatchCublasLtAndFp64) {
       }
       DS_CUDA_CHECK(cudaDeviceSynchronize());
       const auto a = download_out(y1, cnt, o.f32), b = download_out(y2, cnt, o.f32);
-      // fp64 on the sampled rows.
-      size_t bad64 = 0;
-      double worst64 = 0;
-      for (int t = 0; t < m; ++t)
-        for (size_t r = 0; r < rows.size(); ++r) {
-          double sum = 0, mag = 0;
-          for (int c = 0; c < o.k; ++c) {
-            const double p = double(bf16_to_f32(x[size_t(t) * o.k + c])) *
-                             bf16_to_f32(wrows[r * o.k + c]);
-            sum += p;
-            mag += std::fabs(p);
-          }
-          const double got = a[size_t(t) * o.n + rows[r]];
-          const double tol =
-              (o.f32 ? 0.0 : bf16_ulp(std::max(std::fabs(got), std::fabs(sum)))) + 1e-4 * mag;
-          const double d = std::fabs(got - sum);
-          if (!(d <= tol)) ++bad64;
-          worst64 = std::max(worst64, d / std::max(tol, 1e-30));
-        }
-      EXPECT_EQ(bad64, 0u) << o.name << " m " << m << " vs fp64";
+      const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
       if (o.f32) {
         const double e = test::norm_err(a, b);
         EXPECT_LT(e, 1e-5) << o.name << " m " << m;
@@ -543,27 +574,11 @@ TEST(CudaGemvBulk, Shapes27bMatchCublasLtAndFp64) {
             "  bulk %-8s m=%d f32 out: relative L2 vs cuBLASLt %.2e, fp64 worst %.2f of tol\n",
             o.name, m, e, worst64);
       } else {
-        double ymax = 0;
-        for (float v : b) ymax = std::max(ymax, double(std::fabs(v)));
-        size_t bad = 0, first_bad = 0, differ = 0;
-        double worst = 0;
-        for (size_t i = 0; i < cnt; ++i) {
-          const double d = std::fabs(double(a[i]) - b[i]);
-          const double tol =
-              std::max(bf16_ulp(std::max(std::fabs(a[i]), std::fabs(b[i]))), 1e-3 * ymax);
-          if (!(d <= tol)) {
-            if (!bad) first_bad = i;
-            ++bad;
-          }
-          if (d > 0) ++differ;
-          worst = std::max(worst, d / std::max(tol, 1e-30));
-        }
-        EXPECT_EQ(bad, 0u) << o.name << " m " << m << ": first at " << first_bad << " ("
-                           << a[first_bad] << " vs " << b[first_bad] << ")";
+        const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
         std::printf(
             "  bulk %-8s m=%d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of tol), "
             "fp64 worst %.2f of tol\n",
-            o.name, m, differ, cnt, worst, worst64);
+            o.name, m, r.differ, cnt, r.worst, worst64);
       }
     }
   }
@@ -820,14 +835,7 @@ TEST(CudaGemvNarrow, Shapes27bMatchCublasLtAndFp64) {
   fast.set_dispatch(&reg);
   for (const Op& o : kOps27b) {
     if (o.n != 5120) continue;  // the narrow outputs: gdn_out, attn_o, down
-    std::vector<int> rows;
-    for (int i = 0; i < 128; ++i) rows.push_back(i), rows.push_back(o.n - 128 + i);
-    for (int i = 0; i < 128; ++i)
-      rows.push_back(int((int64_t(o.n) * i / 128 + (i * 37) % 97) % o.n));
-    std::vector<bf> wrows(rows.size() * size_t(o.k));
-    for (size_t r = 0; r < rows.size(); ++r)
-      DS_CUDA_CHECK(cudaMemcpy(wrows.data() + r * o.k, wpool.buf.ptr + size_t(rows[r]) * o.k,
-                               size_t(o.k) * 2, cudaMemcpyDeviceToHost));
+    const SampledRows sampled = sample_rows(o, wpool);
     for (int m : {1, 2, 3, 4, 8}) {
       if (o.k == 17408 && m == 8) {  // x (278 KB) does not fit the shared memory
         EXPECT_FALSE(cuda::gemv_narrow_supports(m, o.n, o.k, n_sms));
@@ -861,45 +869,12 @@ TEST(CudaGemvNarrow, Shapes27bMatchCublasLtAndFp64) {
       }
       DS_CUDA_CHECK(cudaDeviceSynchronize());
       const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
-      size_t bad64 = 0;
-      double worst64 = 0;
-      for (int t = 0; t < m; ++t)
-        for (size_t r = 0; r < rows.size(); ++r) {
-          double sum = 0, mag = 0;
-          for (int c = 0; c < o.k; ++c) {
-            const double p =
-                double(bf16_to_f32(x[size_t(t) * o.k + c])) * bf16_to_f32(wrows[r * o.k + c]);
-            sum += p;
-            mag += std::fabs(p);
-          }
-          const double got = a[size_t(t) * o.n + rows[r]];
-          const double tol = bf16_ulp(std::max(std::fabs(got), std::fabs(sum))) + 1e-4 * mag;
-          const double d = std::fabs(got - sum);
-          if (!(d <= tol)) ++bad64;
-          worst64 = std::max(worst64, d / std::max(tol, 1e-30));
-        }
-      EXPECT_EQ(bad64, 0u) << o.name << " m " << m << " vs fp64";
-      double ymax = 0;
-      for (float v : b) ymax = std::max(ymax, double(std::fabs(v)));
-      size_t bad = 0, first_bad = 0, differ = 0;
-      double worst = 0;
-      for (size_t i = 0; i < cnt; ++i) {
-        const double d = std::fabs(double(a[i]) - b[i]);
-        const double tol =
-            std::max(bf16_ulp(std::max(std::fabs(a[i]), std::fabs(b[i]))), 1e-3 * ymax);
-        if (!(d <= tol)) {
-          if (!bad) first_bad = i;
-          ++bad;
-        }
-        if (d > 0) ++differ;
-        worst = std::max(worst, d / std::max(tol, 1e-30));
-      }
-      EXPECT_EQ(bad, 0u) << o.name << " m " << m << ": first at " << first_bad << " ("
-                         << a[first_bad] << " vs " << b[first_bad] << ")";
+      const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
+      const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
       std::printf(
           "  narrow %-8s m=%d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of tol), "
           "fp64 worst %.2f of tol\n",
-          o.name, m, differ, cnt, worst, worst64);
+          o.name, m, r.differ, cnt, r.worst, worst64);
     }
   }
 }
@@ -1045,12 +1020,8 @@ TEST(CudaGemvNarrow, GuardAndErrors) {
 // std::call_once left them failing there) and give the same bits (2 GPUs, else skipped).
 TEST(CudaGemvNarrow, SecondDevice) {
   DS_REQUIRE_GPU();
-  int n_devices = 0;
-  DS_CUDA_CHECK(cudaGetDeviceCount(&n_devices));
-  if (n_devices < 2) GTEST_SKIP() << "needs 2 GPUs (" << n_devices << " here)";
-  struct RestoreDevice {
-    ~RestoreDevice() { cudaSetDevice(0); }
-  } restore;
+  DS_REQUIRE_GPUS(2);
+  test::RestoreDevice restore;
   std::mt19937 rng(67);
   const int n = 5120, k = 17408;  // the down projection, m 1..2 (what the guard ships)
   auto x = test::random_bf16(size_t(2) * k, rng), w = test::random_bf16(size_t(n) * k, rng, 0.02f);

@@ -133,4 +133,20 @@ inline bool cuda_available() {
 #define DS_REQUIRE_GPU() \
   if (!::ds::test::cuda_available()) GTEST_SKIP() << "no CUDA device"
 
+inline int device_count() {
+  int n = 0;
+  DS_CUDA_CHECK(cudaGetDeviceCount(&n));
+  return n;
+}
+
+// The multi-device tests: skip unless there are n GPUs, and make device 0 current again when the
+// test leaves (RestoreDevice restore;), whichever device it switched to.
+#define DS_REQUIRE_GPUS(n)                                                       \
+  if (const int ds_n_devices_ = ::ds::test::device_count(); ds_n_devices_ < (n)) \
+  GTEST_SKIP() << "needs " << (n) << " GPUs (" << ds_n_devices_ << " here)"
+
+struct RestoreDevice {
+  ~RestoreDevice() { cudaSetDevice(0); }
+};
+
 }  // namespace ds::test
