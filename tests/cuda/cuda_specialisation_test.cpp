@@ -35,6 +35,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -162,18 +163,69 @@ float max_gap(const std::vector<float>& rows, const std::vector<int32_t>& ids, i
   return g;
 }
 
-TEST(Specialisations, GreedyOnVsOffAt27bShapes) {
-  DS_REQUIRE_GPU();
+// The 27B shapes, first 4 layers (3 GDN + 1 attention), for the synthetic-weight engines.
+ModelConfig config_27b_4_layers() {
   ModelConfig c = synthetic_model_config("27b");
   c.n_layers = 4;
   c.layer_types.resize(4);
-  const int V = c.vocab_size;
-  std::mt19937 rng(23);
+  return c;
+}
+
+// One prompt of random tokens (< V) per length, in order.
+std::vector<std::vector<int32_t>> random_prompts(std::initializer_list<int> lengths, int V,
+                                                 std::mt19937& rng) {
   std::vector<std::vector<int32_t>> prompts;
-  for (int n : {700, 2500}) {
+  for (int n : lengths) {
     prompts.emplace_back(n);
     for (auto& t : prompts.back()) t = int32_t(rng() % V);
   }
+  return prompts;
+}
+
+// The logits rows of batch 1 then batch 2 on one engine: n1 greedy tokens of prompts[0] in slot 0
+// (greedy()), then both slots prefilled with prompts[0] and prompts[1] and decoded together for n2
+// steps, each slot taking its argmax. Returns every decode row in order; ids gets their tokens.
+// Leaves both slots in use.
+std::vector<float> decode_batch1_then_batch2(Backend& b,
+                                             const std::vector<std::vector<int32_t>>& prompts,
+                                             int n1, int n2, std::vector<int32_t>& ids) {
+  const int V = b.config().vocab_size;
+  auto argmax = [&](const float* r) { return int32_t(std::max_element(r, r + V) - r); };
+  Greedy g = greedy(b, 0, prompts[0], n1);  // batch 1
+  std::vector<float> rows = g.rows;
+  ids = g.ids;
+  std::vector<float> l;
+  std::vector<int32_t> next(2);
+  for (int s = 0; s < 2; ++s) {  // batch 2: both slots prefilled, then decoded together
+    b.reset_slot(s);
+    SeqWork w{s, prompts[s], false};
+    b.step(std::span<const SeqWork>(&w, 1), l);
+    next[s] = argmax(l.data());
+  }
+  for (int st = 0; st < n2; ++st) {
+    std::vector<int32_t> t0{next[0]}, t1{next[1]};
+    std::vector<SeqWork> work{{0, t0, false}, {1, t1, false}};
+    b.step(work, l);
+    EXPECT_EQ(l.size(), 2 * size_t(V));
+    rows.insert(rows.end(), l.begin(), l.end());
+    for (int s = 0; s < 2; ++s) ids.push_back(next[s] = argmax(l.data() + size_t(s) * V));
+  }
+  return rows;
+}
+
+// How many of the (equally many) floats of a and b differ bit for bit.
+size_t bits_differ(const std::vector<float>& a, const std::vector<float>& b) {
+  size_t differ = 0;
+  for (size_t i = 0; i < a.size(); ++i) differ += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+  return differ;
+}
+
+TEST(Specialisations, GreedyOnVsOffAt27bShapes) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = config_27b_4_layers();
+  const int V = c.vocab_size;
+  std::mt19937 rng(23);
+  const std::vector<std::vector<int32_t>> prompts = random_prompts({700, 2500}, V, rng);
   // One engine at a time (each holds the 4-layer weights and its pools).
   std::vector<Greedy> on, off;
   std::vector<std::vector<float>> tf_on, tf_off;  // rows scoring the OTHER run's continuation
@@ -240,41 +292,15 @@ TEST(Specialisations, GreedyOnVsOffAt27bShapes) {
 // updates).
 TEST(Specialisations, FusedNormOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
-  ModelConfig c = synthetic_model_config("27b");
-  c.n_layers = 4;
-  c.layer_types.resize(4);
-  const int V = c.vocab_size;
+  const ModelConfig c = config_27b_4_layers();
   std::mt19937 rng(29);
-  std::vector<std::vector<int32_t>> prompts;
-  for (int n : {700, 300}) {
-    prompts.emplace_back(n);
-    for (auto& t : prompts.back()) t = int32_t(rng() % V);
-  }
+  const std::vector<std::vector<int32_t>> prompts = random_prompts({700, 300}, c.vocab_size, rng);
   auto b = make_engine({true}, &c, nullptr, 64);
-  auto argmax = [&](const float* r) { return int32_t(std::max_element(r, r + V) - r); };
   auto run = [&](bool fused, std::vector<int32_t>& ids) {
     const int max_rows = fused ? 4 : 0;  // fused at every batch size the kernels support
     set_cuda_fused_norm(*b, max_rows);
     EXPECT_EQ(cuda_fused_norm(*b), max_rows);
-    Greedy g = greedy(*b, 0, prompts[0], 64);  // batch 1
-    std::vector<float> rows = g.rows;
-    ids = g.ids;
-    std::vector<float> l;
-    std::vector<int32_t> next(2);
-    for (int s = 0; s < 2; ++s) {  // batch 2: both slots prefilled, then decoded together
-      b->reset_slot(s);
-      SeqWork w{s, prompts[s], false};
-      b->step(std::span<const SeqWork>(&w, 1), l);
-      next[s] = argmax(l.data());
-    }
-    for (int st = 0; st < 32; ++st) {
-      std::vector<int32_t> t0{next[0]}, t1{next[1]};
-      std::vector<SeqWork> work{{0, t0, false}, {1, t1, false}};
-      b->step(work, l);
-      EXPECT_EQ(l.size(), 2 * size_t(V));
-      rows.insert(rows.end(), l.begin(), l.end());
-      for (int s = 0; s < 2; ++s) ids.push_back(next[s] = argmax(l.data() + size_t(s) * V));
-    }
+    std::vector<float> rows = decode_batch1_then_batch2(*b, prompts, 64, 32, ids);
     b->reset_slot(0);
     b->reset_slot(1);
     return rows;
@@ -283,8 +309,7 @@ TEST(Specialisations, FusedNormOnVsOffBitExactAt27bShapes) {
   const std::vector<float> off = run(false, ids_off);
   const std::vector<float> on = run(true, ids_on);
   ASSERT_EQ(on.size(), off.size());
-  size_t differ = 0;
-  for (size_t i = 0; i < on.size(); ++i) differ += std::memcmp(&on[i], &off[i], sizeof(float)) != 0;
+  const size_t differ = bits_differ(on, off);
   std::printf("  fused norms on vs off: %zu of %zu logits differ; %zu greedy tokens compared\n",
               differ, on.size(), ids_on.size());
   EXPECT_EQ(differ, 0u);
@@ -299,39 +324,13 @@ TEST(Specialisations, FusedNormOnVsOffBitExactAt27bShapes) {
 // bit-identical at batch 1 (cluster8 after the fused-norm bulk GEMV) and batch 2.
 TEST(Specialisations, GdnDecodePdlOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
-  ModelConfig c = synthetic_model_config("27b");
-  c.n_layers = 4;
-  c.layer_types.resize(4);
-  const int V = c.vocab_size;
+  const ModelConfig c = config_27b_4_layers();
   std::mt19937 rng(37);
-  std::vector<std::vector<int32_t>> prompts;
-  for (int n : {900, 200}) {
-    prompts.emplace_back(n);
-    for (auto& t : prompts.back()) t = int32_t(rng() % V);
-  }
-  auto argmax = [&](const float* r) { return int32_t(std::max_element(r, r + V) - r); };
+  const std::vector<std::vector<int32_t>> prompts = random_prompts({900, 200}, c.vocab_size, rng);
   auto run = [&](const char* pdl, std::vector<int32_t>& ids, int64_t& replays) {
     setenv("DS_GDN_DECODE_PDL", pdl, 1);
     auto b = make_engine({true}, &c, nullptr, 64);
-    Greedy g = greedy(*b, 0, prompts[0], 48);  // batch 1
-    std::vector<float> rows = g.rows;
-    ids = g.ids;
-    std::vector<float> l;
-    std::vector<int32_t> next(2);
-    for (int s = 0; s < 2; ++s) {
-      b->reset_slot(s);
-      SeqWork w{s, prompts[s], false};
-      b->step(std::span<const SeqWork>(&w, 1), l);
-      next[s] = argmax(l.data());
-    }
-    for (int st = 0; st < 24; ++st) {  // batch 2
-      std::vector<int32_t> t0{next[0]}, t1{next[1]};
-      std::vector<SeqWork> work{{0, t0, false}, {1, t1, false}};
-      b->step(work, l);
-      EXPECT_EQ(l.size(), 2 * size_t(V));
-      rows.insert(rows.end(), l.begin(), l.end());
-      for (int s = 0; s < 2; ++s) ids.push_back(next[s] = argmax(l.data() + size_t(s) * V));
-    }
+    std::vector<float> rows = decode_batch1_then_batch2(*b, prompts, 48, 24, ids);
     EXPECT_EQ(cuda_graph_stats(*b).failures, 0) << "DS_GDN_DECODE_PDL=" << pdl;
     replays = cuda_graph_stats(*b).replays;
     unsetenv("DS_GDN_DECODE_PDL");
@@ -342,8 +341,7 @@ TEST(Specialisations, GdnDecodePdlOnVsOffBitExactAt27bShapes) {
   const std::vector<float> off = run("0", ids_off, rep_off);
   const std::vector<float> on = run("1", ids_on, rep_on);
   ASSERT_EQ(on.size(), off.size());
-  size_t differ = 0;
-  for (size_t i = 0; i < on.size(); ++i) differ += std::memcmp(&on[i], &off[i], sizeof(float)) != 0;
+  const size_t differ = bits_differ(on, off);
   std::printf("  gdn decode pdl on vs off: %zu of %zu logits differ; %zu greedy tokens compared; "
               "graph replays %lld / %lld\n",
               differ, on.size(), ids_on.size(), static_cast<long long>(rep_on),
