@@ -391,6 +391,45 @@ const std::vector<PrefillVariant>& prefill_variants() {
   return vars;
 }
 
+// Token offsets of the sequences of lengths lens: [0, lens[0], lens[0] + lens[1], ...].
+std::vector<int> cu_seqlens(const std::vector<int>& lens) {
+  std::vector<int> cu(lens.size() + 1, 0);
+  for (size_t i = 0; i < lens.size(); ++i) cu[i + 1] = cu[i] + lens[i];
+  return cu;
+}
+
+// A prompt batch on the device: proj [n_tokens, in_dim] (bf16), cu_seqlens [n_seqs + 1], positions
+// and slots [n_seqs], the output [n_tokens, out_dim] and the prefill workspace; launch() runs
+// launch_gdn_prefill on them.
+struct DevPrefillBatch {
+  int n_seqs, n_tokens;
+  DevBuf<bf16> proj, out;
+  DevBuf<int32_t> cu, pos, slots;
+  size_t ws_bytes;
+  DevBuf<unsigned char> ws;
+  DevPrefillBatch(const GdnShape& s, const std::vector<float>& h_proj, const std::vector<int>& h_cu,
+                  const std::vector<int>& h_pos, const std::vector<int>& h_slots)
+      : n_seqs(static_cast<int>(h_slots.size())),
+        n_tokens(h_cu.back()),
+        proj(h_proj.size()),
+        out(size_t(n_tokens) * s.out_dim()),
+        cu(n_seqs + 1),
+        pos(n_seqs),
+        slots(n_seqs),
+        ws_bytes(gdn_prefill_workspace_bytes(s, n_tokens, n_seqs)),
+        ws(ws_bytes) {
+    upload(proj, to_bf16(h_proj));
+    upload(cu, h_cu);
+    upload(pos, h_pos);
+    upload(slots, h_slots);
+  }
+  void launch(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+              cudaStream_t st, const DispatchRegistry* reg) const {
+    launch_gdn_prefill(s, w, pool, proj.p, cu.p, pos.p, slots.p, n_seqs, n_tokens, ws.p, ws_bytes,
+                       out.p, st, reg);
+  }
+};
+
 // Runs one prefill launch of several sequences against the oracle, once per variant (the same
 // inputs and initial state); checks y, state and ring.
 void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, double tol_y = 2e-2,
@@ -399,11 +438,9 @@ void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, doub
   const HostLayer hl = make_layer(s, rng);
   const DevLayer dl = upload_layer(s, hl);
   const int n_seqs = static_cast<int>(pc.lens.size());
-  std::vector<int> cu(n_seqs + 1, 0), slots(n_seqs);
-  for (int i = 0; i < n_seqs; ++i) {
-    cu[i + 1] = cu[i] + pc.lens[i];
-    slots[i] = 2 * (n_seqs - 1 - i) + 1;  // a scattered slot order
-  }
+  const std::vector<int> cu = cu_seqlens(pc.lens);
+  std::vector<int> slots(n_seqs);
+  for (int i = 0; i < n_seqs; ++i) slots[i] = 2 * (n_seqs - 1 - i) + 1;  // a scattered slot order
   const int n_tokens = cu[n_seqs];
   const auto proj = random_proj(s, n_tokens, rng);
   std::vector<HostSeq> init;
@@ -414,24 +451,16 @@ void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, doub
   for (int i = 0; i < n_seqs; ++i)
     ref_gdn(s, hl, &proj[size_t(cu[i]) * s.in_dim()], pc.lens[i], seqs[i], ys[i], norm);
 
-  DevBuf<bf16> d_proj(proj.size()), d_out(size_t(n_tokens) * s.out_dim());
-  upload(d_proj, to_bf16(proj));
-  DevBuf<int32_t> d_cu(n_seqs + 1), d_pos(n_seqs), d_slots(n_seqs);
-  upload(d_cu, cu);
-  upload(d_pos, pc.pos);
-  upload(d_slots, slots);
-  const size_t ws_bytes = gdn_prefill_workspace_bytes(s, n_tokens, n_seqs);
-  DevBuf<unsigned char> d_ws(ws_bytes);
+  DevPrefillBatch d(s, proj, cu, pc.pos, slots);
   for (const PrefillVariant& var : prefill_variants()) {
     std::printf(" variant %s\n", var.name.c_str());
     DevPool pool(s, 2 * n_seqs + 1);
     for (int i = 0; i < n_seqs; ++i) pool.put(s, slots[i], init[i]);
-    d_ws.poison();
-    d_out.poison();
-    launch_gdn_prefill(s, dl.w(norm), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slots.p, n_seqs,
-                       n_tokens, d_ws.p, ws_bytes, d_out.p, nullptr, var.dispatch);
+    d.ws.poison();
+    d.out.poison();
+    d.launch(s, dl.w(norm), pool.pool(), nullptr, var.dispatch);
     CK(cudaDeviceSynchronize());
-    const auto out = download_bf16(d_out.p, d_out.n);
+    const auto out = download_bf16(d.out.p, d.out.n);
     for (int i = 0; i < n_seqs; ++i) {
       std::vector<float> got(out.begin() + size_t(cu[i]) * s.out_dim(),
                              out.begin() + size_t(cu[i + 1]) * s.out_dim());
@@ -486,22 +515,13 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
     const HostLayer hl = make_layer(s, rng);
     const DevLayer dl = upload_layer(s, hl);
     const int n_seqs = static_cast<int>(pc.lens.size());
-    std::vector<int> cu(n_seqs + 1, 0), slots(n_seqs);
-    for (int i = 0; i < n_seqs; ++i) {
-      cu[i + 1] = cu[i] + pc.lens[i];
-      slots[i] = i;
-    }
+    const std::vector<int> cu = cu_seqlens(pc.lens);
+    std::vector<int> slots(n_seqs);
+    for (int i = 0; i < n_seqs; ++i) slots[i] = i;
     const int n_tokens = cu[n_seqs];
     std::printf("case: %d sequences, %d tokens\n", n_seqs, n_tokens);
     const auto proj = random_proj(s, n_tokens, rng);
-    DevBuf<bf16> d_proj(proj.size()), d_out(size_t(n_tokens) * s.out_dim());
-    upload(d_proj, to_bf16(proj));
-    DevBuf<int32_t> d_cu(n_seqs + 1), d_pos(n_seqs), d_slots(n_seqs);
-    upload(d_cu, cu);
-    upload(d_pos, pc.pos);
-    upload(d_slots, slots);
-    const size_t ws_bytes = gdn_prefill_workspace_bytes(s, n_tokens, n_seqs);
-    DevBuf<unsigned char> d_ws(ws_bytes);
+    DevPrefillBatch d(s, proj, cu, pc.pos, slots);
     DevPool pool(s, n_seqs);
     for (int i = 0; i < n_seqs; ++i) pool.put(s, slots[i], make_seq(s, pc.pos[i], rng));
     DevBuf<float> rec0(pool.rec.n);  // the initial slots, restored before every launch
@@ -515,12 +535,11 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
     // y and every slot's state after one launch of `reg` from the initial slots.
     auto run = [&](const DispatchRegistry* reg, cudaStream_t st, bool poison_ws) {
       restore();
-      if (poison_ws) d_ws.poison();
-      d_out.poison();
-      launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slots.p, n_seqs,
-                         n_tokens, d_ws.p, ws_bytes, d_out.p, st, reg);
+      if (poison_ws) d.ws.poison();
+      d.out.poison();
+      d.launch(s, dl.w(), pool.pool(), st, reg);
       CK(cudaDeviceSynchronize());
-      return std::make_pair(download_bf16(d_out.p, d_out.n), download_f32(pool.rec.p, pool.rec.n));
+      return std::make_pair(download_bf16(d.out.p, d.out.n), download_f32(pool.rec.p, pool.rec.n));
     };
     auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
       return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
@@ -540,16 +559,15 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    launch_gdn_prefill(s, dl.w(), pool.pool(), d_proj.p, d_cu.p, d_pos.p, d_slots.p, n_seqs,
-                       n_tokens, d_ws.p, ws_bytes, d_out.p, st, reg_ov.get());
+    d.launch(s, dl.w(), pool.pool(), st, reg_ov.get());
     CK(cudaStreamEndCapture(st, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
     for (int rep = 0; rep < 2; ++rep) {
       restore();
-      d_out.poison();
+      d.out.poison();
       CK(cudaGraphLaunch(exec, st));
       CK(cudaStreamSynchronize(st));
-      EXPECT_TRUE(same(download_bf16(d_out.p, d_out.n), ref.first)) << "graph " << rep << ": y";
+      EXPECT_TRUE(same(download_bf16(d.out.p, d.out.n), ref.first)) << "graph " << rep << ": y";
       EXPECT_TRUE(same(download_f32(pool.rec.p, pool.rec.n), ref.second))
           << "graph " << rep << ": states";
     }
