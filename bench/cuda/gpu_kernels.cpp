@@ -146,6 +146,9 @@ class KernelBench {
     return static_cast<int>(std::clamp(std::ceil(3.0 * l2_ / std::max(1.0, bytes_per_set)), 1.0,
                                        double(kMaxRotations)));
   }
+  // The weights of GEMM op `name` as `rot` rotated copies ([rot, n, k] bf16): filled once per op
+  // (again when a larger rotation than so far is asked for) and kept across m.
+  const bf16* gemm_weights(const std::string& name, int rot);
   gpu::TimerOptions timer(int rot) const {
     gpu::TimerOptions t = to_;
     t.min_per_replay = rot;
@@ -189,6 +192,18 @@ class KernelBench {
   uint64_t seed_ = 1000;
 };
 
+const bf16* KernelBench::gemm_weights(const std::string& name, int rot) {
+  const GemmOp& o = op(name);
+  if (weight_rot_[name] < rot) {
+    weights_.erase(name);
+    DevBuf w(size_t(2.0 * o.n * o.k) * rot, "gemm weights");
+    gpu::fill_normal_bf16(w.as<bf16>(), int64_t(o.n) * o.k * rot, seed_++, 0.f, 0.02f, s_);
+    weights_.emplace(name, std::move(w));
+    weight_rot_[name] = rot;
+  }
+  return weights_.at(name).as<bf16>();
+}
+
 const KernelResult& KernelBench::gemm(const std::string& name, int m) {
   const GemmOp& o = op(name);
   const std::string shape = str("m=%d n=%d k=%d%s", m, o.n, o.k, o.f32_out ? " f32 out" : "");
@@ -197,15 +212,7 @@ const KernelResult& KernelBench::gemm(const std::string& name, int m) {
   const double out_elem = o.f32_out ? 4.0 : 2.0;
   const double set_bytes = wbytes + 2.0 * m * o.k + out_elem * m * o.n;
   const int rot = rotations(set_bytes);
-  // Weights: rotated copies, made once per op (the largest rotation asked so far).
-  if (weight_rot_[name] < rot) {
-    weights_.erase(name);
-    DevBuf w(size_t(wbytes) * rot, "gemm weights");
-    gpu::fill_normal_bf16(w.as<bf16>(), int64_t(o.n) * o.k * rot, seed_++, 0.f, 0.02f, s_);
-    weights_.emplace(name, std::move(w));
-    weight_rot_[name] = rot;
-  }
-  const bf16* w = weights_.at(name).as<bf16>();
+  const bf16* w = gemm_weights(name, rot);
   DevBuf x(size_t(2) * m * o.k * rot, "gemm x"), y(size_t(out_elem) * m * o.n * rot, "gemm y");
   gpu::fill_normal_bf16(x.as<bf16>(), int64_t(m) * o.k * rot, seed_++, 0.f, 1.f, s_);
   // The engine's path (registry set: gemm.skinny_mma for decode shapes) and, when that is a
@@ -278,14 +285,7 @@ void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
   const double wbytes = 2.0 * o.n * o.k;
   const double set_bytes = wbytes + 2.0 * m * o.k + 2.0 * m * o.n;
   const int rot = rotations(set_bytes);
-  if (weight_rot_[name] < rot) {
-    weights_.erase(name);
-    DevBuf w(size_t(wbytes) * rot, "gemm weights");
-    gpu::fill_normal_bf16(w.as<bf16>(), int64_t(o.n) * o.k * rot, seed_++, 0.f, 0.02f, s_);
-    weights_.emplace(name, std::move(w));
-    weight_rot_[name] = rot;
-  }
-  const bf16* w = weights_.at(name).as<bf16>();
+  const bf16* w = gemm_weights(name, rot);
   DevBuf x(size_t(2) * m * o.k * rot, "gemm x"), y(size_t(2) * m * o.n * rot, "gemm y"),
       yref(size_t(2) * m * o.n, "gemm y (cuBLASLt)");
   gpu::fill_normal_bf16(x.as<bf16>(), int64_t(m) * o.k * rot, seed_++, 0.f, 1.f, s_);
