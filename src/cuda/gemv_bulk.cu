@@ -155,7 +155,7 @@ __device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16*
 // the plain kernels keep their registers (the prologue's loads of 4 rows take ~160).
 template <int M, int R, bool GLU, typename OutT, bool NORM>
 __global__ void __launch_bounds__(kThreads, 1)
-    gemv_bulk_kernel(const bf16* __restrict__ x,  // [M, k] (unused with NORM)
+    gemv_bulk_kernel(const bf16* x,  // [M, k] (unused with NORM); no __restrict__: see the wait
                      const bf16* __restrict__ w,  // [n, k] ([2 n, k] when GLU)
                      OutT* __restrict__ y,        // [M, n]
                      int n, int k, int slots, bool accumulate,
@@ -207,6 +207,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < min(slots, n_stages); ++s) issue(s);
   }
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // x (and y when accumulating) come from the kernel before: read only after this wait, through
+  // plain pointers (a const __restrict__ x compiles to ld.global.nc, which ptxas may schedule above
+  // the wait: it did so in the GDN decode kernels, docs/perf/decode_kernels.md).
   asm volatile("griddepcontrol.wait;" ::: "memory");
 
   if constexpr (NORM) {
