@@ -108,7 +108,10 @@ GemvBulkConfig gemv_bulk_config(int m, int n, int k);
 // Programmatic dependent launch of the decode GEMVs in GemmEngine, from $DS_GEMV_PDL (read once
 // per process): "0" off; "1", "bulk" or unset (the default) the bulk GEMVs (gemv_bulk,
 // gemv_bulk_pdl, gemv_bulk_silu, gemv_narrow); "all" skinny_mma too, which measured
-// much slower in the 27B decode graph (17.65 vs 13.57 ms per token, docs/perf/decode_gemv.md).
+// much slower in the 27B decode graph (17.65 vs 13.57 ms per token, docs/perf/decode_gemv.md)
+// and is an experiment only: skinny_mma reads x through ld.global.nc (gemv.cu, DS_GEMV_LD16),
+// which ptxas may schedule above griddepcontrol.wait (the session-4 PDL audit; in nvcc 13.0's
+// SASS they come after it); make that load plain before ever making "all" a default.
 // The kernels before the GEMVs in the decode step (add_rmsnorm, gdn_decode, the attention decode
 // merge, silu_mul) trigger their dependents at their start, so a PDL-launched GEMV streams its
 // weights while that kernel runs and reads x after griddepcontrol.wait.
