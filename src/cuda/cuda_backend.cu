@@ -419,6 +419,9 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
              "DS_FUSED_NORM must be a row count 0..", cuda::kGemvNormMaxM, ", got '", v, "'");
     set_fused_norm_rows(v[0] - '0');
   }
+  // $DS_GDN_DECODE_PDL is read at every GDN decode launch (tests switch it between engines); a bad
+  // value fails here, at start-up, with its ds::Error, not in every decode forward.
+  (void)cuda::gdn_decode_pdl_mode();
   // Kept whether graphs are on or not, so that both modes get the same KV pool.
   layout_.graph_bytes = std::max(0, eopt_.max_cuda_graphs) * kGraphBytesEstimate;
   layout_.reserve_bytes =
