@@ -1156,6 +1156,7 @@ bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y,
       k > cuda::kGemvNormMaxK || reinterpret_cast<uintptr_t>(w) % 16 != 0)
     return false;
   cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
+  if (!cuda::gemv_bulk_norm_fits(m, k, cfg)) return false;  // no room for the norm's warp sums
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
   cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, cuda::GemmOut::kBF16, cfg, n_sms_, stream_);
   return true;
@@ -1170,6 +1171,7 @@ bool CudaBackend::gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, 
       reinterpret_cast<uintptr_t>(w) % 16 != 0)
     return false;
   cuda::GemvBulkConfig cfg = cuda::gemv_bulk_silu_config(m, d_ff, k);
+  if (!cuda::gemv_bulk_norm_fits(m, k, cfg)) return false;
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
   cuda::launch_gemv_bulk_silu_norm(nin, w, act, m, d_ff, k, cfg, n_sms_, stream_);
   return true;

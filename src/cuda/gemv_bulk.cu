@@ -323,9 +323,13 @@ void launch_m(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, 
 
 // The fused norm's inputs: present, aligned, k in range, residual_out distinct from its inputs;
 // the config's shared memory plus the norm's warp sums within the limit.
-void check_norm(const GemvNormIn& p, int m, int k, const GemvBulkConfig& c, const char* what) {
+bool norm_smem_fits(int m, int k, const GemvBulkConfig& c) {
   const size_t limit = c.blocks_per_sm == 1 ? size_t(kMaxSmem) : size_t(233472 / 2 - 1024);
-  DS_CHECK(smem_bytes(m, k, c.rows_per_stage, c.slots) + kRedBytes <= limit, what,
+  return smem_bytes(m, k, c.rows_per_stage, c.slots) + kRedBytes <= limit;
+}
+
+void check_norm(const GemvNormIn& p, int m, int k, const GemvBulkConfig& c, const char* what) {
+  DS_CHECK(norm_smem_fits(m, k, c), what,
            ": fused norm: config ", c.name(), " leaves no room for the norm's ", kRedBytes,
            " bytes of warp sums at m=", m, " k=", k);
   auto misaligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15) != 0; };
@@ -415,6 +419,11 @@ bool gemv_bulk_fits(int64_t m, int64_t k, const GemvBulkConfig& c) {
          // 228 KB per SM, 1 KB of it reserved per block
          smem_bytes(int(m), int(k), c.rows_per_stage, c.slots) <=
              (c.blocks_per_sm == 1 ? size_t(kMaxSmem) : size_t(233472 / 2 - 1024));
+}
+
+bool gemv_bulk_norm_fits(int m, int k, const GemvBulkConfig& c) {
+  return m >= 1 && m <= kGemvNormMaxM && k <= kGemvNormMaxK && gemv_bulk_fits(m, k, c) &&
+         norm_smem_fits(m, k, c);
 }
 
 bool gemv_bulk_supports(int64_t m, int64_t n, int64_t k) {

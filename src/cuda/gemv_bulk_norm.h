@@ -38,6 +38,10 @@ struct GemvNormIn {
 constexpr int kGemvNormMaxK = 8192;
 constexpr int kGemvNormMaxM = 4;
 
+// Whether config c leaves room in shared memory for the prologue's warp sums at (m, k), and m, k
+// are in range: the engine asks before choosing the fused path (else add_rmsnorm + the GEMV).
+bool gemv_bulk_norm_fits(int m, int k, const GemvBulkConfig& c);
+
 // y = rmsnorm(residual + delta) w^T. The same shapes, configs and guarantees as launch_gemv_bulk
 // (gemv.h) plus m <= kGemvNormMaxM, k <= kGemvNormMaxK; every pointer of `norm` 16-byte aligned.
 // Throws ds::Error otherwise. Asynchronous, graph-safe, never allocates.

@@ -177,5 +177,21 @@ TEST(CudaGemvBulkNorm, Errors) {
   DS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+// The engine's question before it fuses (host only): the 27B shapes fit; a config whose GEMV
+// shared memory leaves less than the norm's warp sums (d_model 6816 at m 1: 232256 of 232448
+// bytes) does not, nor m / k out of range. The engine then runs add_rmsnorm + the GEMV instead
+// of throwing from the launch.
+TEST(CudaGemvBulkNorm, FitsGuard) {
+  const cuda::GemvBulkConfig c27 = cuda::gemv_bulk_config(1, 16480, 5120);
+  EXPECT_TRUE(cuda::gemv_bulk_norm_fits(1, 5120, c27));
+  EXPECT_TRUE(cuda::gemv_bulk_norm_fits(1, 5120, cuda::gemv_bulk_silu_config(1, 17408, 5120)));
+  EXPECT_TRUE(cuda::gemv_bulk_norm_fits(4, 5120, cuda::gemv_bulk_silu_config(4, 17408, 5120)));
+  const cuda::GemvBulkConfig full = cuda::gemv_bulk_config(1, 16384, 6816);
+  EXPECT_TRUE(cuda::gemv_bulk_fits(1, 6816, full));
+  EXPECT_FALSE(cuda::gemv_bulk_norm_fits(1, 6816, full));
+  EXPECT_FALSE(cuda::gemv_bulk_norm_fits(cuda::kGemvNormMaxM + 1, 512, {1, 8, false}));
+  EXPECT_FALSE(cuda::gemv_bulk_norm_fits(1, cuda::kGemvNormMaxK + 8, {1, 8, false}));
+}
+
 }  // namespace
 }  // namespace ds
