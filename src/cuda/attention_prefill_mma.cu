@@ -236,15 +236,22 @@ __device__ __forceinline__ void rescale_o(float (&o)[kHd / 2], float alpha_a, fl
   }
 }
 
-// Epilogue, first half: the rows' sums over the quad, then O / l in fp32 into os ([kBm, kLdO]).
-__device__ __forceinline__ void stage_o(const float (&o)[kHd / 2], const SoftmaxRows& st,
-                                        const QueryRows& qr, int t, float* os) {
+// The rows' softmax denominators summed over the quad, inverted (0 for a row with no key).
+__device__ __forceinline__ void row_inverses(const SoftmaxRows& st, float& inv_a, float& inv_b) {
   float l_a = st.l_a, l_b = st.l_b;
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
   l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
   l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+  inv_a = l_a > 0.f ? 1.f / l_a : 0.f;
+  inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+}
+
+// Epilogue, first half: the rows' sums over the quad, then O / l in fp32 into os ([kBm, kLdO]).
+__device__ __forceinline__ void stage_o(const float (&o)[kHd / 2], const SoftmaxRows& st,
+                                        const QueryRows& qr, int t, float* os) {
+  float inv_a, inv_b;
+  row_inverses(st, inv_a, inv_b);
 #pragma unroll
   for (int d = 0; d < kHd / 8; ++d) {
     *reinterpret_cast<float2*>(os + qr.ra * kLdO + d * 8 + 2 * t) =
@@ -773,12 +780,8 @@ __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt
 
   // Epilogue straight from the accumulators: O / l times sigmoid(gate), bf16 pairs (the same
   // fp32 operations as stage_o + store_rows).
-  float l_a = st.l_a, l_b = st.l_b;
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
-  l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
-  l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
-  const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+  float inv_a, inv_b;
+  row_inverses(st, inv_a, inv_b);
   const bool gate_pairs = (reinterpret_cast<uintptr_t>(gate.ptr) & 3) == 0 &&
                           gate.token_stride % 2 == 0 && gate.head_stride % 2 == 0;
 #pragma unroll
