@@ -110,10 +110,20 @@ def main():
     c = d.get("ceilings")
     if c:
         w("## Ceilings (measured in this run)\n")
-        w("| what | measured |\n|---|---|")
-        w(f"| streaming read (2 GiB bf16 sum) | {c['read_bytes_per_s'] / 1e12:.2f} TB/s |")
-        w(f"| device-to-device copy (read + write) | {c['copy_bytes_per_s'] / 1e12:.2f} TB/s |")
-        w(f"| bf16 GEMM 8192^3 (cuBLASLt) | {c['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s |\n")
+        # The ratios below use the median repetition; the spread says how far the ceiling moves
+        # between repetitions (the GEMM's is wide on an H200 under sustained load: clocks).
+        def spread(amount, key, scale, digits, unit):
+            t = c.get(key) or {}
+            if not amount or not t.get("p10") or not t.get("p90"):
+                return "-"
+            return f"{amount / t['p90'] / scale:.{digits}f}-{amount / t['p10'] / scale:.{digits}f} {unit}"
+        w("| what | measured (median repetition) | slowest-fastest decile (p90-p10 repetition) |\n|---|---|---|")
+        w(f"| streaming read (2 GiB bf16 sum) | {c['read_bytes_per_s'] / 1e12:.2f} TB/s | "
+          f"{spread(c.get('read_bytes', 0), 'read_s', 1e12, 2, 'TB/s')} |")
+        w(f"| device-to-device copy (read + write) | {c['copy_bytes_per_s'] / 1e12:.2f} TB/s | "
+          f"{spread(c.get('copy_bytes', 0), 'copy_s', 1e12, 2, 'TB/s')} |")
+        w(f"| bf16 GEMM 8192^3 (cuBLASLt) | {c['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s | "
+          f"{spread(c.get('gemm_flop', 0), 'gemm_s', 1e12, 0, 'TFLOP/s')} |\n")
     if d.get("decode"):
         w("## Decode (TPOT per step; floor = bytes moved / read ceiling)\n")
         logits = d["decode"][0].get("logits_to_host")

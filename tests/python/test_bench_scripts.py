@@ -51,6 +51,23 @@ def test_engine_benches_on_cpu_write_json(tmp_path):
     assert [x["logits_to_host"] for x in json.loads(dec.read_text())["decode"]] == [True]
 
 
+def test_results_md_ceilings_table_shows_the_spread(tmp_path):
+    # A GPU run's ceilings (made-up numbers): the median repetition is the ceiling the ratios use,
+    # the p90-p10 repetitions give the spread (the GEMM's moves ~15% with the clock on an H200).
+    ceil = {"device": "test GPU", "read_bytes_per_s": 4.5e12, "copy_bytes_per_s": 4.2e12, "gemm_flops_per_s": 7e14,
+            "read_bytes": 2 * 2**30, "copy_bytes": 2**31, "gemm_flop": 2 * 8192**3,
+            "read_s": {"p10": 2 * 2**30 / 4.6e12, "p50": 2 * 2**30 / 4.5e12, "p90": 2 * 2**30 / 4.4e12},
+            "copy_s": {"p10": 0, "p50": 2**31 / 4.2e12, "p90": 0},
+            "gemm_s": {"p10": 2 * 8192**3 / 7.9e14, "p50": 2 * 8192**3 / 7e14, "p90": 2 * 8192**3 / 6.8e14}}
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps({"meta": {"commit": "x"}, "ceilings": ceil}))
+    md = subprocess.run([sys.executable, str(REPO / "bench" / "results_md.py"), str(j)], capture_output=True,
+                        text=True, check=True).stdout
+    assert "| streaming read (2 GiB bf16 sum) | 4.50 TB/s | 4.40-4.60 TB/s |" in md
+    assert "| device-to-device copy (read + write) | 4.20 TB/s | - |" in md  # no spread recorded
+    assert "| bf16 GEMM 8192^3 (cuBLASLt) | 700 TFLOP/s | 680-790 TFLOP/s |" in md
+
+
 def test_gpu_benches_refuse_without_a_gpu(tmp_path):
     if has_gpu():
         pytest.skip("a GPU is present")
