@@ -453,7 +453,7 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
       cuda::attention_decode_kv_chunk(batch, c_.n_kv_heads, ctx, n_sms_, kMaxSplits);
   const int n_splits = (ctx + kv_chunk - 1) / kv_chunk;
   DevBuf ws(cuda::attention_decode_workspace_bytes(attn_, batch, kMaxSplits), "decode partials");
-  cuda::attention_decode_workspace_init(ws.as<void>(), s_);
+  const int a_splits = cuda::attention_decode_adaptive_splits(batch, c_.n_kv_heads, n_sms_, 64);
   auto batch_for = [&](int k) {
     cuda::AttnBatch b;
     b.n_seqs = batch;
@@ -510,28 +510,28 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
       const double t_simt = gpu::time_launches(run_simt, s_, timer(rot)).p50;
       r.note += str("; split kernel mma (simt: %.1f us, %.0f GB/s)", t_simt * 1e6,
                     kv_bytes / t_simt * 1e-9);
-      // The mma kernel's merge: folded into the split kernel (the row's time with
-      // DS_ATTN_FOLD_MERGE=1) vs the separate merge kernel (the default); outputs compared bitwise.
-      auto run_merge = [&](int i, bf16* o, cuda::AttnDecodeMerge m) {
+      // The engine's default ($DS_ATTN_DECODE unset): adaptive splits (at most a_splits of >= 64
+      // keys per sequence, sized on the device), launched plainly here (its PDL gain needs the
+      // kernel before it: cuda_attention_decode_test Timing, bench decode).
+      cuda::AttnDecodeLaunch how;
+      how.which = cuda::AttnDecodeKernel::kMma;
+      how.split = cuda::AttnDecodeSplit::kAdaptive;
+      auto run_adaptive = [&](int i, bf16* o) {
         const int k = i % rot;
         cuda::launch_attention_decode(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(),
-                                      vc.as<bf16>(), gate_for(k), kv_chunk, n_splits,
-                                      ws.as<void>(), o, s_, cuda::AttnDecodeKernel::kMma, m);
+                                      vc.as<bf16>(), gate_for(k), 64, a_splits, ws.as<void>(), o,
+                                      s_, how);
       };
-      run_merge(0, out.as<bf16>(), cuda::AttnDecodeMerge::kFold);
-      run_merge(0, out2.as<bf16>(), cuda::AttnDecodeMerge::kSplitMerge);
-      const std::string fold_match =
-          gpu::compare_bf16(out.as<bf16>(), out2.as<bf16>(), qe, s_).text();
-      double t_m[2];
-      int mi = 0;
-      for (auto m : {cuda::AttnDecodeMerge::kFold, cuda::AttnDecodeMerge::kSplitMerge})
-        t_m[mi++] = gpu::time_launches(
-                        [&](int i) { run_merge(i, out.as<bf16>() + (i % rot) * qe, m); }, s_,
-                        timer(rot))
-                        .p50;
-      r.note += str("; merge folded %.1f us vs two kernels %.1f us (%s)%s", t_m[0] * 1e6,
-                    t_m[1] * 1e6, fold_match.c_str(),
-                    cuda::attention_decode_fold_enabled() ? " [DS_ATTN_FOLD_MERGE=1]" : "");
+      run_adaptive(0, out2.as<bf16>());
+      run_split(0, out.as<bf16>());
+      const std::string a_match =
+          gpu::compare_bf16(out2.as<bf16>(), out.as<bf16>(), qe, s_).text();
+      const double t_a =
+          gpu::time_launches([&](int i) { run_adaptive(i, out.as<bf16>() + (i % rot) * qe); }, s_,
+                             timer(rot))
+              .p50;
+      r.note += str("; adaptive (%d splits) %.1f us, %.0f GB/s (vs planned: %s)", a_splits,
+                    t_a * 1e6, kv_bytes / t_a * 1e-9, a_match.c_str());
     }
   } else {
     r.samples = gpu::time_launches(

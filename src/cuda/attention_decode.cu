@@ -1,19 +1,25 @@
 // Decode attention (one query token per sequence) over the paged KV cache, split-KV
-// (flash-decoding): the keys of a sequence are cut into n_splits ranges of kv_chunk tokens; one
-// block per (split, kv head, sequence) computes an unnormalised partial softmax for all query heads
-// of the GQA group at once (each K/V byte is read once, not once per query head); the partials
-// are merged by log-sum-exp, divided, multiplied by sigmoid(gate) and written as bf16, either by
-// the last split block of each (sequence, kv head) (the mma kernel's folded merge: an atomic
-// counter per (sequence, kv head) at the start of the workspace; bit-identical to the separate
-// merge, whose arithmetic order it replays; on with DS_ATTN_FOLD_MERGE=1 or AttnDecodeMerge::kFold)
-// or by a second kernel (simt; mma by default).
-// Workspace: 16 KiB of counters (zeroed once by attention_decode_workspace_init), then the
-// partials.
-// Partials: float2 (m, l) [n_seqs, n_heads, n_splits] and float o [n_seqs,
-// n_heads, n_splits, hd] (the simt kernel stores (m, l) first, the mma kernel o first for aligned
-// float4 reads); m is in the log2 domain of the scaled scores. Splits past a sequence's length
-// write an empty partial (m = -inf, l = 0, o = 0) that the merge skips, so the grid may be sized
-// for the longest sequence (or larger: CUDA graphs capture one grid per batch bucket).
+// (flash-decoding): the keys of a sequence are cut into splits; one block per (split, kv head,
+// sequence) computes an unnormalised partial softmax for all query heads of the GQA group at once
+// (each K/V byte is read once, not once per query head); a second kernel merges the partials by
+// log-sum-exp, divides, multiplies by sigmoid(gate) and writes bf16.
+// How the splits are cut (attention_decode.h AttnDecodeSplit):
+//  - kPlanned: n_splits splits of kv_chunk keys (the host's plan for the batch's context bucket);
+//    splits past a sequence's length write an empty partial (m = -inf, l = 0, o = 0) that the
+//    merge skips, so the grid may be sized for the longest sequence (or larger: CUDA graphs
+//    capture one grid per batch bucket). The merge: one block per (query head, sequence).
+//  - kAdaptive (mma kernel): each block derives its sequence's split size from kv_len on the
+//    device (adaptive_split: at most n_splits splits of at least kv_chunk keys, a multiple of the
+//    8-key tile); unused splits exit without writing and the merge reads only the used ones. Its
+//    merge kernel cuts the head_dim columns into slices (one block per (query head, slice,
+//    sequence)) at small batch and keeps every load of a thread in flight at once.
+//    Optionally launched under PDL (attention_decode.h AttnDecodeLaunch::pdl): the split kernel's
+//    blocks fetch the cached K/V of positions < kv_len - 1 before griddepcontrol.wait, i.e. while
+//    rope_kv (the kernel before it in the engine) still runs, and read q and the newest K/V row
+//    after it; the merge kernel is a programmatic dependent of the split kernel.
+// Workspace (attention_decode_workspace_bytes): o partials float [n_seqs, n_heads, n_splits, hd]
+// then (m, l) float2 [n_seqs, n_heads, n_splits] for the mma kernel (o first for aligned float4
+// reads); the simt kernel stores (m, l) first. m is in the log2 domain of the scaled scores.
 //
 // Two split kernels (kernels.h AttnDecodeKernel; kAuto takes the first that supports the shape):
 //  - mma (head_dim 128 / 256, group <= 8, 16-byte aligned q and caches): tensor cores. 4 warps per
@@ -28,20 +34,18 @@
 //    V rows are XOR-swizzled in shared memory so that the fragment loads hit distinct banks. The
 //    4 warps' partials are merged in shared memory at the end. P is rounded to bf16 for the PV
 //    product (as FlashAttention does); l and m stay fp32.
-//    Its merge kernel weights the splits in parallel (block reductions) and then streams the o
-//    partials with independent loads.
-//  - simt (head_dim 32/64/128/256, group <= 8): the first version, kept as the fallback: 4 warps
-//    take keys round-robin, a lane holds head_dim/32 dims, dot products by warp shuffles; its
-//    merge walks the splits serially.
+//  - simt (head_dim 32/64/128/256, group <= 8, kPlanned only): the first version, kept as the
+//    fallback: 4 warps take keys round-robin, a lane holds head_dim/32 dims, dot products by warp
+//    shuffles; its merge walks the splits serially.
 // Other shapes go to the prefill kernel through the dispatch registry (attention_decode_supported).
 // Measured on the H200 (27B: 24 q / 4 kv heads, hd 256, page 64; tests/cuda/
 // cuda_attention_decode_test.cpp Timing: split + merge per launch in a CUDA graph, KV rotated past
-// L2, TB/s of KV read; the engine's split plan, at most 64 splits), mma vs simt us:
+// L2, TB/s of KV read; session 2, kPlanned at most 64 splits), mma vs simt us:
 //   batch 1:  4K 14.5 (1.15 TB/s) vs 37.1;  16K 27.7 (2.42) vs 106;   32K 43.4 (3.09) vs 196
 //   batch 4:  4K 26.9 (2.50) vs 101;    16K 73.4 (3.66) vs 370;   32K 136 (3.96) vs 727
 //   batch 16: 4K 72.8 (3.69) vs 369;    16K 254 (4.23) vs 1439;   32K 490 (4.38) vs 2865
-// (first session's simt numbers, with its ceil'd split count: 39 us at batch 1 x 4K, 199 at 32K).
-
+// kAdaptive / PDL vs kPlanned: docs/perf/decode_kernels.md (session 5, attnd7).
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -254,48 +258,51 @@ constexpr int mma_smem_bytes() {
 //    128I + 8r + j (r < 8) or 128I + 64 + 8(r-8) + j, so a lane's A pairs come from 16-byte
 //    chunks 16I + g and 16I + 8 + g of keys 2t and 2t+1 (two bf16 of one dim packed by prmt).
 // Shared memory swizzle (16-byte chunk c of key row r): K at c ^ ((r & 1) << 2), V at
-// c ^ (((r >> 1) & 3) << 1): each quarter-warp's 16-byte reads then cover all 32 banks.
-template <int HD>
-__device__ __forceinline__ void fold_merge(const AttnShape& s, const AttnBatch& b, int seq,
-                                           int kvh, int group, int n_splits,
-                                           const float2* part_ml, const float* part_o,
-                                           const AttnGate& gate, bf16* out, float* w_sm,
-                                           float* lsum_sm);
 
 // The block merge's floats at the start of the shared memory: m, l [warps][8], o [warps][8][HD].
 template <int HD>
 constexpr int block_merge_floats() {
   return 2 * kMmaWarps * kMaxGroup + kMmaWarps * kMaxGroup * HD;
 }
-// The folded merge's flags at the end of the dynamic shared memory (the rings are free by then):
-// the last-block flag and lsum [8]. No static __shared__ in the mma kernel: its footprint stays
-// the two-kernel variant's (2 x 96 KiB + reserve sits exactly at the 196 KiB carveout; the first
-// fold measured on the H200 had 48 bytes of static shared memory and ran 25-30% slower at large
-// batch x context, as if at one block per SM).
-constexpr int kFoldTailFloats = 16;
 
-// kFold: the merge is folded in (fold_merge, by the last block of each (sequence, kv head), found
-// by the counter in `counters` [n_seqs, n_kv_heads], which every launch leaves at 0); else the
-// partials are merged by attention_decode_merge_kernel (gate, out and counters unused).
-template <int HD, bool kFold>
+// kAdaptive's split of one sequence: n_used splits of `chunk` keys (a multiple of the tile).
+struct SplitPlan {
+  int chunk, n_used;
+};
+__device__ __forceinline__ SplitPlan adaptive_split(int kv_len, int min_chunk, int max_splits) {
+  if (kv_len <= 0) return {kTile, 0};
+  const int n = min(max_splits, (kv_len + min_chunk - 1) / min_chunk);  // >= 1
+  const int chunk = ((kv_len + n - 1) / n + kTile - 1) / kTile * kTile;
+  return {chunk, (kv_len + chunk - 1) / chunk};
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+// Waits until the previous kernel of the stream has completed and its writes are visible (a
+// no-op when the kernel was not launched as a programmatic dependent).
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// kAdaptive = false: split `split` covers keys [split * kv_chunk, +kv_chunk), every split writes a
+// partial. kAdaptive = true: the split comes from adaptive_split(kv_len, kv_chunk, n_splits);
+// unused splits write nothing; the kernel may run as a programmatic dependent (see the PDL
+// comment in the body).
+// q, part_ml and part_o are plain pointers (no const __restrict__): under PDL q is written by the
+// previous kernel, and ptxas may move ld.global.nc loads above griddepcontrol.wait
+// (docs/perf/decode_kernels.md, "PDL and const __restrict__").
+template <int HD, bool kAdaptive>
 __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     attention_decode_mma_kernel(AttnShape s, AttnBatch b,
-                                const bf16* __restrict__ q,        // [n_rows, n_heads, HD]
+                                const bf16* q,                     // [n_rows, n_heads, HD]
                                 const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, HD]
                                 const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, HD]
                                 int kv_chunk, int n_splits,
-                                float2* __restrict__ part_ml,  // [n_seqs, n_heads, n_splits]
-                                float* __restrict__ part_o,    // [n_seqs, n_heads, n_splits, HD]
-                                AttnGate gate,
-                                bf16* __restrict__ out,           // [n_rows, n_heads, HD]
-                                unsigned* __restrict__ counters,  // [n_seqs, n_kv_heads]
-                                bool pdl_early) {
+                                float2* part_ml,  // [n_seqs, n_heads, n_splits]
+                                float* part_o) {  // [n_seqs, n_heads, n_splits, HD]
   static_assert(HD == 128 || HD == 256, "mma decode: head_dim 128 or 256");
-  // PDL (fold only): a dependent launched with programmatic serialization (the attn_o GEMV) reads
-  // `out` only after griddepcontrol.wait (this whole grid done and flushed), so it may become
-  // resident early: pdl_early = once every block has started (its weight stream then overlaps
-  // the split kernel), else once the merging blocks start (as with the separate merge kernel).
-  if (kFold && pdl_early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // PDL: the merge kernel (a programmatic dependent in kAdaptive) reads the partials only after
+  // its griddepcontrol.wait, which waits for this whole grid; its blocks may become resident now.
+  if constexpr (kAdaptive) pdl_trigger();
   constexpr int kRowBytes = HD * 2;
   constexpr int kTileBytes = kTile * kRowBytes;  // K (or V) of one tile
   constexpr int kStageBytes = 2 * kTileBytes;
@@ -310,9 +317,26 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int group = s.n_heads / s.n_kv_heads;
+  // PDL: everything read before pdl_wait() below is final before the previous kernel (rope_kv)
+  // started: the step metadata (kv_len, q_start, block table) is copied from the host before the
+  // forward's first kernel, and the cached K/V rows of positions < kv_len - 1 were written by
+  // earlier forwards (the engine synchronises its stream after each forward; a decode step
+  // writes only each sequence's newest row, position kv_len - 1). q and that row are read after
+  // the wait.
   const int kv_len = b.kv_len[seq];
-  const int k_begin = split * kv_chunk;
-  const int k_end = min(kv_len, k_begin + kv_chunk);
+  int chunk = kv_chunk;
+  if constexpr (kAdaptive) {
+    const SplitPlan p = adaptive_split(kv_len, kv_chunk, n_splits);
+    if (split >= p.n_used) {
+      // Unused split: nothing to write. Wait anyway, so that this grid's completion (which the
+      // merge and every later kernel wait for) always implies the previous kernel's.
+      pdl_wait();
+      return;
+    }
+    chunk = p.chunk;
+  }
+  const int k_begin = split * chunk;
+  const int k_end = min(kv_len, k_begin + chunk);
   const int n_tiles = k_end > k_begin ? (k_end - k_begin + kTile - 1) / kTile : 0;
   const int n_my = n_tiles > warp ? (n_tiles - warp + kMmaWarps - 1) / kMmaWarps : 0;
   const int32_t* btab = b.block_table + (int64_t)seq * b.block_table_stride;
@@ -321,7 +345,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
   const bf16* kbase = k_cache + kvh * head_elems;
   const bf16* vbase = v_cache + kvh * head_elems;
   // One page lookup per tile when no tile crosses a page.
-  const bool tile_in_page = s.page_size % kTile == 0 && kv_chunk % kTile == 0;
+  const bool tile_in_page = s.page_size % kTile == 0 && chunk % kTile == 0;
   unsigned char* ring = smem + warp * kStages * kStageBytes;
   const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
 
@@ -354,17 +378,29 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     cp_async_commit();
   };
 
-#pragma unroll
-  for (int j = 0; j < kStages - 1; ++j) issue(j);
+  // The ring's first tiles. kAdaptive: before the wait only the leading tiles whose keys are all
+  // < kv_len - 1 (in order, so the commit groups stay in tile order); the rest after it.
+  int n_pre = kStages - 1;
+  if constexpr (kAdaptive) {
+    n_pre = 0;
+    while (n_pre < kStages - 1 &&
+           (n_pre >= n_my || k_begin + (warp + n_pre * kMmaWarps) * kTile + kTile <= kv_len - 1))
+      ++n_pre;
+  }
+  for (int j = 0; j < n_pre; ++j) issue(j);
+  if constexpr (kAdaptive) pdl_wait();
+  for (int j = n_pre; j < kStages - 1; ++j) issue(j);
 
-  // Q fragments (zeros for the padding heads), scores scaled in fp32 after the product.
+  // Q fragments (zeros for the padding heads), scores scaled in fp32 after the product. Read
+  // through L2 (ld.global.cg, coherent): under PDL the previous kernel wrote q.
   uint4 qa[kU];
   {
     const int64_t qrow = b.q_start[seq];
     const bf16* qh = q + (qrow * s.n_heads + kvh * group + g) * HD + 8 * t;
 #pragma unroll
     for (int u = 0; u < kU; ++u)
-      qa[u] = g < group ? *reinterpret_cast<const uint4*>(qh + 32 * u) : make_uint4(0, 0, 0, 0);
+      qa[u] = g < group ? __ldcg(reinterpret_cast<const uint4*>(qh + 32 * u))
+                        : make_uint4(0, 0, 0, 0);
   }
   const float scale_log2 = rsqrtf((float)HD) * 1.4426950408889634f;
 
@@ -481,24 +517,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     part_o[idx * HD + d] = o;
     if (d == 0) part_ml[idx] = make_float2(mx, lsum);
   }
-  if constexpr (kFold) {
-    // Publish this block's partials (every thread fences its own stores), then count the block
-    // in; atomicInc wraps the counter back to 0 at the last block, ready for the next launch.
-    unsigned* sm_last = reinterpret_cast<unsigned*>(smem + mma_smem_bytes<HD>()) - kFoldTailFloats;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const unsigned last = static_cast<unsigned>(n_splits - 1);
-      *sm_last = atomicInc(counters + (int64_t)seq * s.n_kv_heads + kvh, last) == last;
-    }
-    __syncthreads();  // also: the block merge's shared memory is free from here
-    if (!*sm_last) return;
-    if (!pdl_early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-    __threadfence();  // acquire side: the other blocks' partials are read after their count
-    fold_merge<HD>(s, b, seq, kvh, group, n_splits, part_ml, part_o, gate, out,
-                   reinterpret_cast<float*>(smem) + block_merge_floats<HD>(),
-                   reinterpret_cast<float*>(sm_last) + 4);
-  }
 }
 
 // Merge: one block of 256 threads per (query head, sequence). The split weights 2^(m_i - max) are
@@ -586,129 +604,109 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(
   merge_store<HD>(s, acc, lsum, gate, row, h, c, out);
 }
 
-// ---- the merge folded into the mma split kernel ------------------------------------------------
-// The last block to finish a (sequence, kv head) merges the partials of the group's query heads
-// with exactly the arithmetic of attention_decode_merge_kernel (same weights, the lsum summed in
-// the order of its 256-thread block_sum, the o columns in its kGroups interleaved fma chains added
-// in the same order), so its output is bit-identical to the two-kernel path. The partials of the
-// other blocks are read through L2 (__ldcg: they were written by other SMs during this grid).
-// w_sm: [group, n_splits], lsum_sm: [group] floats of shared memory.
-template <int HD>
-__device__ __forceinline__ void fold_merge(const AttnShape& s, const AttnBatch& b, int seq,
-                                           int kvh, int group, int n_splits,
-                                           const float2* part_ml,  // [n_seqs, n_heads, n_splits]
-                                           const float* part_o,    // [.., n_splits, HD]
-                                           const AttnGate& gate, bf16* out, float* w_sm,
-                                           float* lsum_sm) {
-  constexpr int kCols = HD / 4;
-  constexpr int kGroups = kMergeThreads / kCols;
-  constexpr int kVirtWarps = kMergeThreads / 32;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // Weights and lsum: one warp per query head; the merge kernel's thread tid = 32 vw + lane is
-  // emulated by lane `lane` in round vw, then its two-level warp_sum tree is replayed.
-  for (int hh = warp; hh < group; hh += kMmaWarps) {
-    const int64_t base = ((int64_t)seq * s.n_heads + kvh * group + hh) * n_splits;
-    float mx = -INFINITY;
-    for (int i = lane; i < n_splits; i += 32) mx = fmaxf(mx, __ldcg(&part_ml[base + i]).x);
-    mx = warp_max(mx);
-    float* w = w_sm + hh * n_splits;
-    float tot = 0.f;
-    for (int vw = 0; vw < kVirtWarps; ++vw) {
-      float p = 0.f;
-      for (int i = vw * 32 + lane; i < n_splits; i += kMergeThreads) {
-        const float2 ml = __ldcg(&part_ml[base + i]);
-        const float wi = merge_weight(ml.x, mx);
-        w[i] = wi;
-        p = __fmaf_rn(ml.y, wi, p);
-      }
-      p = warp_sum(p);
-      if (lane == vw) tot = p;
-    }
-    tot = warp_sum(tot);  // lanes >= kVirtWarps hold 0, as block_sum's second level
-    if (lane == 0) lsum_sm[hh] = tot;
-  }
-  __syncthreads();
+
+// kAdaptive's merge: one block of 256 threads per (query head, column slice, sequence): kSlices
+// slices of HD / kSlices columns (kSlices > 1 at small batch, so that more SMs share the
+// partials' bytes: 96 blocks instead of 24 at batch 1 of the 27B shape). Every block redoes the
+// split weights of its head (a few dozen (m, l) pairs), then thread (group, c) sums float4 column
+// c over the splits group, group + G, ... (G = 256 / columns) with all its loads in flight, and
+// the G group sums are added in shared memory. Reads only the n_used splits of its sequence.
+// Under PDL (a programmatic dependent of the split kernel) the partials are read after
+// griddepcontrol.wait, through L2 (ld.global.cg), from plain pointers.
+template <int HD, int kSlices>
+__global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_adaptive_kernel(
+    AttnShape s, AttnBatch b, int min_chunk, int n_splits,
+    const float2* part_ml,  // [n_seqs, n_heads, n_splits]
+    const float* part_o,    // [.., n_splits, HD], 16B-aligned
+    AttnGate gate,
+    bf16* __restrict__ out) {  // [n_rows, n_heads, HD]
+  constexpr int kCols = HD / 4 / kSlices;         // float4 columns of this block
+  constexpr int kGroups = kMergeThreads / kCols;  // split groups
+  static_assert(kCols * kGroups == kMergeThreads, "merge: columns must divide the block");
+  extern __shared__ float w_split[];  // [n_splits]
+  __shared__ float scratch[32];
+  __shared__ float4 red[kGroups][kCols];
+  const int h = blockIdx.x / kSlices, slice = blockIdx.x % kSlices, seq = blockIdx.y;
+  const int tid = threadIdx.x, c = tid % kCols, grp = tid / kCols;
+  // Step metadata: final before the split kernel started (see its PDL comment).
+  const int n_used = adaptive_split(b.kv_len[seq], min_chunk, n_splits).n_used;
   const int64_t row = b.q_start[seq];
-  for (int item = threadIdx.x; item < group * kCols; item += kMmaWarps * 32) {
-    const int hh = item / kCols, c = item % kCols;
-    const int h = kvh * group + hh;
-    const int64_t base = ((int64_t)seq * s.n_heads + h) * n_splits;
-    const float* w = w_sm + hh * n_splits;
-    const float4* po = reinterpret_cast<const float4*>(part_o + base * HD) + c;
-    float4 acc[kGroups];
-#pragma unroll
-    for (int gi = 0; gi < kGroups; ++gi) acc[gi] = make_float4(0.f, 0.f, 0.f, 0.f);
-    // 32 independent 16-byte loads in flight per thread (the partials come from L2).
-#pragma unroll(32 / kGroups)
-    for (int i0 = 0; i0 < n_splits; i0 += kGroups) {
-#pragma unroll
-      for (int gi = 0; gi < kGroups; ++gi)
-        if (i0 + gi < n_splits) fma4(acc[gi], w[i0 + gi], __ldcg(po + (int64_t)(i0 + gi) * kCols));
-    }
-#pragma unroll
-    for (int gi = 1; gi < kGroups; ++gi) {
-      acc[0].x += acc[gi].x;
-      acc[0].y += acc[gi].y;
-      acc[0].z += acc[gi].z;
-      acc[0].w += acc[gi].w;
-    }
-    merge_store<HD>(s, acc[0], lsum_sm[hh], gate, row, h, c, out);
+  const int64_t base = ((int64_t)seq * s.n_heads + h) * n_splits;
+  pdl_wait();  // the split kernel's partials
+  // PDL: the attn_o GEMV (a programmatic dependent) reads `out` only after its own wait.
+  pdl_trigger();
+  float mx = -INFINITY;
+  for (int i = tid; i < n_used; i += kMergeThreads) mx = fmaxf(mx, __ldcg(&part_ml[base + i]).x);
+  mx = block_max(mx, scratch);
+  float lsum = 0.f;
+  for (int i = tid; i < n_used; i += kMergeThreads) {
+    const float2 ml = __ldcg(&part_ml[base + i]);
+    const float w = merge_weight(ml.x, mx);
+    w_split[i] = w;
+    lsum = __fmaf_rn(ml.y, w, lsum);
   }
+  lsum = block_sum(lsum, scratch);  // its barriers also publish w_split
+  const float4* po = reinterpret_cast<const float4*>(part_o + base * HD) + slice * kCols + c;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+  for (int i = grp; i < n_used; i += kGroups) fma4(acc, w_split[i], __ldcg(po + (int64_t)i * (HD / 4)));
+  red[grp][c] = acc;
+  __syncthreads();
+  if (grp != 0) return;
+#pragma unroll
+  for (int gi = 1; gi < kGroups; ++gi) {
+    const float4 r = red[gi][c];
+    acc.x += r.x;
+    acc.y += r.y;
+    acc.z += r.z;
+    acc.w += r.w;
+  }
+  merge_store<HD>(s, acc, lsum, gate, row, h, slice * kCols + c, out);
 }
 
 constexpr int kMaxMergeSplits = 8192;  // the merge's shared weights: 32 KB (+ static scratch)
 
-// The workspace starts with the fold's counters (zeroed once by attention_decode_workspace_init,
-// left at 0 by every launch); the partials of every path follow, so no path overwrites them.
-constexpr size_t kCounterBytes = 16384;
-constexpr int kMaxCounters = kCounterBytes / sizeof(unsigned);  // n_seqs * n_kv_heads
-
-// Whether the folded merge can run this launch: counters for every (sequence, kv head) and the
-// weights [group, n_splits] fit in the shared memory after the block merge's area.
-template <int HD>
-bool fold_fits(const AttnShape& s, const AttnBatch& b, int n_splits) {
-  const int group = s.n_heads / s.n_kv_heads;
-  return (int64_t)b.n_seqs * s.n_kv_heads <= kMaxCounters &&
-         (int64_t)(block_merge_floats<HD>() + group * n_splits + kFoldTailFloats) * 4 <=
-             mma_smem_bytes<HD>();
-}
-
-// DS_ATTN_FOLD_PDL=early: the folded kernel lets its PDL dependent start once all its blocks
-// have started; unset / anything else: once the merging blocks start (read once).
-bool fold_pdl_early() {
-  static const bool early = [] {
-    const char* env = std::getenv("DS_ATTN_FOLD_PDL");
-    return env && std::string(env) == "early";
-  }();
-  return early;
-}
-
+// The mma split kernel + its merge. Workspace: o partials (16-byte aligned for the merge's float4
+// loads), then (m, l).
 template <int HD>
 void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
                    const bf16* v_cache, AttnGate gate, int kv_chunk, int n_splits, void* partials,
-                   bf16* out, cudaStream_t stream, bool fold) {
+                   bf16* out, cudaStream_t stream, const AttnDecodeLaunch& how) {
   constexpr int kSmem = mma_smem_bytes<HD>();
   static_assert(kSmem >= block_merge_floats<HD>() * 4, "the block merge reuses the rings");
-  // Workspace: counters, then o partials (16-byte aligned for the merge's float4 loads), (m, l).
-  unsigned* counters = static_cast<unsigned*>(partials);
-  float* o = reinterpret_cast<float*>(static_cast<char*>(partials) + kCounterBytes);
+  float* o = static_cast<float*>(partials);
   float2* ml = reinterpret_cast<float2*>(o + (size_t)b.n_seqs * s.n_heads * n_splits * HD);
-  dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
-  if (fold) {
-    ensure_smem_optin(reinterpret_cast<const void*>(attention_decode_mma_kernel<HD, true>), kSmem);
-    attention_decode_mma_kernel<HD, true><<<grid, kMmaWarps * 32, kSmem, stream>>>(
-        s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o, gate, out, counters,
-        fold_pdl_early());
+  const dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
+  const size_t merge_smem = n_splits * sizeof(float);
+  if (how.split == AttnDecodeSplit::kAdaptive) {
+    auto* split_k = attention_decode_mma_kernel<HD, true>;
+    ensure_smem_optin(reinterpret_cast<const void*>(split_k), kSmem);
+    launch_maybe_pdl(split_k, grid, dim3(kMmaWarps * 32), kSmem, stream, how.pdl, s, b, q,
+                     k_cache, v_cache, kv_chunk, n_splits, ml, o);
+    DS_CUDA_LAUNCH_CHECK();
+    // Column slices while the (query head, sequence) blocks alone would leave most SMs idle.
+    int dev = 0, n_sms = 0;
+    DS_CUDA_CHECK(cudaGetDevice(&dev));
+    DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
+    constexpr int kSlices = HD / 64;
+    if ((int64_t)b.n_seqs * s.n_heads < n_sms)
+      launch_maybe_pdl(attention_decode_merge_adaptive_kernel<HD, kSlices>,
+                       dim3(s.n_heads * kSlices, b.n_seqs), dim3(kMergeThreads), merge_smem,
+                       stream, how.pdl, s, b, kv_chunk, n_splits, ml, o, gate, out);
+    else
+      launch_maybe_pdl(attention_decode_merge_adaptive_kernel<HD, 1>,
+                       dim3(s.n_heads, b.n_seqs), dim3(kMergeThreads), merge_smem, stream,
+                       how.pdl, s, b, kv_chunk, n_splits, ml, o, gate, out);
     DS_CUDA_LAUNCH_CHECK();
     return;
   }
   ensure_smem_optin(reinterpret_cast<const void*>(attention_decode_mma_kernel<HD, false>), kSmem);
   attention_decode_mma_kernel<HD, false><<<grid, kMmaWarps * 32, kSmem, stream>>>(
-      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o, gate, out, counters, false);
+      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o);
   DS_CUDA_LAUNCH_CHECK();
   attention_decode_merge_kernel<HD>
-      <<<dim3(s.n_heads, b.n_seqs), kMergeThreads, n_splits * sizeof(float), stream>>>(
-          s, b, n_splits, ml, o, gate, out);
+      <<<dim3(s.n_heads, b.n_seqs), kMergeThreads, merge_smem, stream>>>(s, b, n_splits, ml, o,
+                                                                          gate, out);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -716,7 +714,7 @@ template <int HD>
 void launch_simt_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
                     const bf16* v_cache, AttnGate gate, int kv_chunk, int n_splits, void* partials,
                     bf16* out, cudaStream_t stream) {
-  float2* ml = reinterpret_cast<float2*>(static_cast<char*>(partials) + kCounterBytes);
+  float2* ml = static_cast<float2*>(partials);
   float* o = reinterpret_cast<float*>(ml + (size_t)b.n_seqs * s.n_heads * n_splits);
   dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
   attention_decode_simt_kernel<HD>
@@ -732,20 +730,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }  // namespace
 
 size_t attention_decode_workspace_bytes(const AttnShape& s, int n_seqs, int n_splits) {
-  return kCounterBytes +
-         (size_t)n_seqs * s.n_heads * n_splits * (sizeof(float2) + sizeof(float) * s.head_dim);
-}
-
-void attention_decode_workspace_init(void* partials, cudaStream_t stream) {
-  DS_CUDA_CHECK(cudaMemsetAsync(partials, 0, kCounterBytes, stream));
-}
-
-bool attention_decode_fold_enabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("DS_ATTN_FOLD_MERGE");
-    return env && std::string(env) == "1";
-  }();
-  return on;
+  return (size_t)n_seqs * s.n_heads * n_splits * (sizeof(float2) + sizeof(float) * s.head_dim);
 }
 
 int attention_decode_kv_chunk(int n_seqs, int n_kv_heads, int max_kv_len, int n_sms,
@@ -766,6 +751,12 @@ int attention_decode_kv_chunk(int n_seqs, int n_kv_heads, int max_kv_len, int n_
   return chunk;
 }
 
+int attention_decode_adaptive_splits(int n_seqs, int n_kv_heads, int n_sms, int max_splits) {
+  const int64_t per_split_blocks = std::max<int64_t>(1, (int64_t)n_seqs * n_kv_heads);
+  const int64_t splits = std::min<int64_t>(2 * (int64_t)n_sms / per_split_blocks, max_splits);
+  return static_cast<int>(std::max<int64_t>(1, splits));
+}
+
 bool attention_decode_supported(const AttnShape& s) {
   const int hd = s.head_dim;
   return (hd == 32 || hd == 64 || hd == 128 || hd == 256) && s.n_kv_heads > 0 &&
@@ -776,49 +767,68 @@ bool attention_decode_mma_supported(const AttnShape& s) {
   return attention_decode_supported(s) && (s.head_dim == 128 || s.head_dim == 256);
 }
 
+AttnDecodeMode attention_decode_mode() {
+  static const AttnDecodeMode mode = [] {
+    const char* env = std::getenv("DS_ATTN_DECODE");
+    const std::string v = env ? env : "";
+    if (v.empty()) return kDefaultAttnDecodeMode;
+    if (v == "pdl_rope") return AttnDecodeMode::kPdlRope;
+    if (v == "pdl") return AttnDecodeMode::kPdl;
+    if (v == "adaptive") return AttnDecodeMode::kAdaptive;
+    if (v == "planned") return AttnDecodeMode::kPlanned;
+    ds::throw_error("DS_ATTN_DECODE must be pdl_rope, pdl, adaptive or planned, got '", v, "'");
+  }();
+  return mode;
+}
+
 void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16* q,
                              const bf16* k_cache, const bf16* v_cache, AttnGate gate, int kv_chunk,
                              int n_splits, void* partials, bf16* out, cudaStream_t stream) {
   launch_attention_decode(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
-                          stream, AttnDecodeKernel::kAuto);
+                          stream, AttnDecodeLaunch{});
 }
 
 void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16* q,
                              const bf16* k_cache, const bf16* v_cache, AttnGate gate, int kv_chunk,
                              int n_splits, void* partials, bf16* out, cudaStream_t stream,
                              AttnDecodeKernel which) {
+  AttnDecodeLaunch how;
+  how.which = which;
   launch_attention_decode(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
-                          stream, which, AttnDecodeMerge::kDefault);
+                          stream, how);
 }
 
 void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16* q,
                              const bf16* k_cache, const bf16* v_cache, AttnGate gate, int kv_chunk,
                              int n_splits, void* partials, bf16* out, cudaStream_t stream,
-                             AttnDecodeKernel which, AttnDecodeMerge merge) {
+                             const AttnDecodeLaunch& how) {
   if (b.n_seqs <= 0) return;
   check_attn_shape(s);
   DS_CHECK(attention_decode_supported(s), "attention decode: head_dim ", s.head_dim, " / group ",
            s.n_heads / s.n_kv_heads, " not supported by the split-KV kernel");
-  DS_CHECK(n_splits >= 1 && kv_chunk >= 1 && (int64_t)n_splits * kv_chunk >= b.max_kv_len,
-           "attention decode: ", n_splits, " splits of ", kv_chunk, " tokens cannot cover ",
-           b.max_kv_len, " tokens");
+  const bool adaptive = how.split == AttnDecodeSplit::kAdaptive;
+  DS_CHECK(n_splits >= 1 && kv_chunk >= 1, "attention decode: ", n_splits, " splits of ",
+           kv_chunk, " tokens");
+  DS_CHECK(adaptive || (int64_t)n_splits * kv_chunk >= b.max_kv_len, "attention decode: ",
+           n_splits, " splits of ", kv_chunk, " tokens cannot cover ", b.max_kv_len, " tokens");
+  DS_CHECK(adaptive || !how.pdl,
+           "attention decode: PDL needs the adaptive split (AttnDecodeSplit::kAdaptive)");
   const bool mma_ok = attention_decode_mma_supported(s) && n_splits <= kMaxMergeSplits &&
                       aligned16(q) && aligned16(k_cache) && aligned16(v_cache) &&
                       aligned16(partials);
-  DS_CHECK(which != AttnDecodeKernel::kMma || mma_ok,
-           "attention decode: the mma kernel needs head_dim 128 or 256 (got ", s.head_dim,
+  DS_CHECK((how.which != AttnDecodeKernel::kMma && !adaptive) || mma_ok,
+           "attention decode: the mma kernel", adaptive ? " (needed by the adaptive split)" : "",
+           " needs head_dim 128 or 256 (got ", s.head_dim,
            "), group <= 8, 16-byte aligned q / caches / workspace and at most ", kMaxMergeSplits,
            " splits");
-  if (which != AttnDecodeKernel::kSimt && mma_ok) {
-    // The folded merge when asked for (kFold, or DS_ATTN_FOLD_MERGE=1 for kAuto / kMma).
-    const bool fold_wanted =
-        merge == AttnDecodeMerge::kFold ||
-        (merge == AttnDecodeMerge::kDefault && attention_decode_fold_enabled());
+  DS_CHECK(!adaptive || how.which != AttnDecodeKernel::kSimt,
+           "attention decode: the simt kernel has no adaptive split");
+  if (how.which != AttnDecodeKernel::kSimt && mma_ok) {
     if (s.head_dim == 256)
       return launch_mma_hd<256>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
-                                stream, fold_wanted && fold_fits<256>(s, b, n_splits));
+                                stream, how);
     return launch_mma_hd<128>(s, b, q, k_cache, v_cache, gate, kv_chunk, n_splits, partials, out,
-                              stream, fold_wanted && fold_fits<128>(s, b, n_splits));
+                              stream, how);
   }
   switch (s.head_dim) {
     case 32:

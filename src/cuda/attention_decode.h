@@ -1,10 +1,7 @@
-// Decode attention (attention_decode.cu), beyond kernels.h: the workspace initialisation that the
-// folded merge needs, and the choice of merge for A/B tests and benches.
-// The mma split kernel can merge the partials in its last block per (sequence, kv head) (found by
-// an atomic counter per (sequence, kv head) at the start of the workspace), bit-identical to its
-// separate merge kernel. Off by default (the first version measured slower on the H200, see
-// docs/perf/decode_kernels.md); DS_ATTN_FOLD_MERGE=1 in the environment (read once) turns it on
-// for kAuto / kMma launches (the engine's).
+// Decode attention (attention_decode.cu), beyond kernels.h: how the mma split kernel cuts a
+// sequence into splits (planned on the host, or adapted to each sequence's length on the device),
+// whether it is launched as a programmatic dependent (PDL) of the kernel before it (rope_kv in the
+// engine), and the engine's switch between the two ways ($DS_ATTN_DECODE).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,25 +11,57 @@
 
 namespace ds::cuda {
 
-// Zeroes the merge counters at the start of a decode workspace (attention_decode_workspace_bytes):
-// call it ONCE after allocating the workspace, before its first launch. Every launch leaves the
-// counters at 0 again (the last block of each (sequence, kv head) wraps its counter), so CUDA-graph
-// replays need nothing. A workspace that was not initialised gives unwritten outputs.
-void attention_decode_workspace_init(void* partials, cudaStream_t stream);
+// How the keys of a sequence are cut into splits:
+//  kPlanned: n_splits splits of kv_chunk keys for every sequence (the host's plan,
+//    attention_decode_kv_chunk; n_splits * kv_chunk >= every kv_len). Splits past a sequence's
+//    length write empty partials; the merge kernel reads all n_splits.
+//  kAdaptive (mma kernel only): per sequence, on the device, n = min(n_splits,
+//    ceil(kv_len / kv_chunk)) splits of ceil(kv_len / n) keys rounded up to the 8-key tile, i.e.
+//    kv_chunk is the smallest split and n_splits the most splits per sequence (the grid's; use
+//    attention_decode_adaptive_splits for one wave of the split kernel). Unused splits exit at
+//    once and write nothing; the merge (one block per (query head, column slice) at small batch)
+//    reads only the used ones. Any kv_len works with one grid, so a CUDA graph captured at one
+//    context length fills the GPU at every other.
+enum class AttnDecodeSplit { kPlanned, kAdaptive };
 
-// true when the environment has DS_ATTN_FOLD_MERGE=1.
-bool attention_decode_fold_enabled();
+struct AttnDecodeLaunch {
+  AttnDecodeKernel which = AttnDecodeKernel::kAuto;
+  AttnDecodeSplit split = AttnDecodeSplit::kPlanned;
+  // kAdaptive only: the split kernel is launched as a programmatic dependent of the previous
+  // kernel of the stream, the merge kernel as one of the split kernel. Before
+  // griddepcontrol.wait the split blocks read only the step metadata (kv_len, q_start, block
+  // table) and the cached K/V rows of positions < kv_len - 1 (written by earlier forwards); q and
+  // the newest row (kv_len - 1: written by the previous kernel, rope_kv) are read after it.
+  // The previous kernel may therefore write only q and the newest K/V row of each sequence.
+  bool pdl = false;
+};
 
-// How the mma kernel merges: kDefault = folded when DS_ATTN_FOLD_MERGE=1; kFold = folded;
-// kSplitMerge = the separate merge kernel. The fold also needs n_seqs * n_kv_heads <= 4096 and
-// group * n_splits weights in the kernel's shared memory (else the separate kernel merges). The
-// simt kernel always merges in a second kernel.
-enum class AttnDecodeMerge { kDefault, kFold, kSplitMerge };
+// Splits per sequence for kAdaptive: one wave of the split kernel (2 blocks per SM) over n_seqs x
+// n_kv_heads, at most max_splits, at least 1.
+int attention_decode_adaptive_splits(int n_seqs, int n_kv_heads, int n_sms, int max_splits);
 
+// Runs the split kernel chosen by `how` and its merge. Throws ds::Error when kAdaptive is asked
+// for a shape or alignment the mma kernel cannot run, or pdl without kAdaptive.
 void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const __nv_bfloat16* q,
                              const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
                              AttnGate gate, int kv_chunk, int n_splits, void* partials,
-                             __nv_bfloat16* out, cudaStream_t stream, AttnDecodeKernel which,
-                             AttnDecodeMerge merge);
+                             __nv_bfloat16* out, cudaStream_t stream, const AttnDecodeLaunch& how);
+
+// rope_kv (rope_kv.cu, kernels.h) launched as a programmatic dependent of the previous kernel
+// when pdl (the engine's decode step: after the attn_qkv GEMV, which triggers early): its blocks
+// become resident early and read nothing before griddepcontrol.wait. Same results either way.
+void launch_qk_norm_rope_kv(const AttnShape& s, const __nv_bfloat16* qkv,
+                            const __nv_bfloat16* q_norm_w, const __nv_bfloat16* k_norm_w,
+                            const int32_t* positions, const int32_t* slot_mapping, int n_tokens,
+                            __nv_bfloat16* q_out, __nv_bfloat16* k_cache, __nv_bfloat16* v_cache,
+                            cudaStream_t stream, RopeKvKernel which, bool pdl);
+
+// The engine's decode path, from $DS_ATTN_DECODE (read once per process): "pdl" = kAdaptive under
+// PDL after rope_kv; "pdl_rope" = the same with rope_kv itself under PDL after the attn_qkv
+// projection; "adaptive" = kAdaptive without PDL; "planned" = the session-4 path (kPlanned, no
+// PDL). Unset: kDefaultAttnDecodeMode. Any other value throws ds::Error naming the variable.
+enum class AttnDecodeMode { kPdlRope, kPdl, kAdaptive, kPlanned };
+constexpr AttnDecodeMode kDefaultAttnDecodeMode = AttnDecodeMode::kPdl;
+AttnDecodeMode attention_decode_mode();
 
 }  // namespace ds::cuda

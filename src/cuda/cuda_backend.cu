@@ -224,6 +224,7 @@ class CudaBackend final : public Backend {
     bool argmax = false;  // some gathered rows want only their argmax
     bool attn_split_kv = false, gdn_fused_decode = false;
     cuda::AttnDecodeKernel attn_decode_kernel = cuda::AttnDecodeKernel::kSimt;
+    cuda::AttnDecodeMode attn_decode_mode = cuda::AttnDecodeMode::kPlanned;  // mma kernel only
     cuda::GdnDecodeKernel gdn_decode_kernel = cuda::GdnDecodeKernel::kCluster4;
     cuda::RopeKvKernel rope_kernel = cuda::RopeKvKernel::kBlockPerToken;  // kAuto: warp per head
     DecodeKvPlan kv;
@@ -422,6 +423,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   // $DS_GDN_DECODE_PDL is read at every GDN decode launch (tests switch it between engines); a bad
   // value fails here, at start-up, with its ds::Error, not in every decode forward.
   (void)cuda::gdn_decode_pdl_mode();
+  (void)cuda::attention_decode_mode();  // the same for $DS_ATTN_DECODE
   // Kept whether graphs are on or not, so that both modes get the same KV pool.
   layout_.graph_bytes = std::max(0, eopt_.max_cuda_graphs) * kGraphBytesEstimate;
   layout_.reserve_bytes =
@@ -474,10 +476,6 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   DS_CUDA_CHECK(cudaMalloc(&act_mem_, ab.off + 256));
   ab = Bump{static_cast<char*>(act_mem_)};
   measure_acts(ab);
-  if (attn_ws > 0) {  // the decode attention's merge counters start at 0 (then stay there)
-    cuda::attention_decode_workspace_init(attn_ws_, nullptr);
-    DS_CUDA_CHECK(cudaStreamSynchronize(nullptr));
-  }
   meta_ints_ =
       4 * size_t(T) + 8 * size_t(n_slots_) + 2 + size_t(n_slots_) * layout_.max_blocks_per_seq;
   DS_CUDA_CHECK(cudaMalloc(&dmeta_, meta_ints_ * sizeof(int32_t)));
@@ -979,6 +977,8 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     // kAuto: the tensor-core kernel when the launch's alignment checks pass, else SIMT.
     f.attn_decode_kernel =
         attn_v == "split_kv_mma" ? cuda::AttnDecodeKernel::kAuto : cuda::AttnDecodeKernel::kSimt;
+    // $DS_ATTN_DECODE (attention_decode.h): pdl (default), pdl_rope, adaptive or planned.
+    if (attn_v == "split_kv_mma") f.attn_decode_mode = cuda::attention_decode_mode();
     const std::string& gdn_v =
         dispatch_.select(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, f.S_d)).name;
     // fused_stream / fused_cluster8 / fused: the fused kernel; prefill_path: the prompt kernels.
@@ -1117,10 +1117,26 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
       bf16* vc = kc + layer_elems;
       cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d.positions, d.slot_map, T, q_,
-                                   kc, vc, stream_, f.rope_kernel);
+                                   kc, vc, stream_, f.rope_kernel,
+                                   f.attn_decode_mode == cuda::AttnDecodeMode::kPdlRope);
       if (f.attn_split_kv) {  // rows are absolute (q_start), so the two batches share q_ / mix_
-        cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, f.kv.kv_chunk, f.kv.n_splits,
-                                      attn_ws_, mix_, stream_, f.attn_decode_kernel);
+        if (f.attn_decode_mode != cuda::AttnDecodeMode::kPlanned) {
+          // Splits of >= 64 keys sized on the device per sequence, one wave of split blocks; with
+          // PDL their cached K/V loads overlap rope_kv (rope_kv writes only q and the new rows).
+          cuda::AttnDecodeLaunch how;
+          how.which = cuda::AttnDecodeKernel::kMma;
+          how.split = cuda::AttnDecodeSplit::kAdaptive;
+          how.pdl = f.attn_decode_mode == cuda::AttnDecodeMode::kPdl ||
+                    f.attn_decode_mode == cuda::AttnDecodeMode::kPdlRope;
+          cuda::launch_attention_decode(
+              attn_, ab_d, q_, kc, vc, gate, 64,
+              cuda::attention_decode_adaptive_splits(S_d, c.n_kv_heads, n_sms_, kMaxDecodeSplits),
+              attn_ws_, mix_, stream_, how);
+        } else {
+          cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, f.kv.kv_chunk,
+                                        f.kv.n_splits, attn_ws_, mix_, stream_,
+                                        f.attn_decode_kernel);
+        }
         if (S_p > 0)
           cuda::launch_attention_prefill(attn_, ab_p, q_, kc, vc, gate, mix_, stream_, &dispatch_);
       } else {

@@ -14,6 +14,7 @@
 // Same formulas, so the outputs agree up to the order of the fp32 sum of squares.
 // Tested in tests/cuda/cuda_kernels_test.cpp against a CPU loop (normalised L2 < 8e-3, v
 // bit-exact), both kernels.
+#include "cuda/attention_decode.h"
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
 
@@ -38,7 +39,7 @@ __device__ __forceinline__ bf16* cache_row(const AttnShape& s, bf16* cache, int 
 }
 
 __global__ void __launch_bounds__(kWarps * 32)
-    qk_norm_rope_kv_kernel(AttnShape s, const bf16* __restrict__ qkv,  // [n_tokens, qkv_dim]
+    qk_norm_rope_kv_kernel(AttnShape s, const bf16* qkv,  // [n_tokens, qkv_dim]
                            const bf16* __restrict__ q_norm_w,          // [head_dim]
                            const bf16* __restrict__ k_norm_w,          // [head_dim]
                            const int32_t* __restrict__ positions,      // [n_tokens]
@@ -46,6 +47,13 @@ __global__ void __launch_bounds__(kWarps * 32)
                            bf16* __restrict__ q_out,                   // [n_tokens, n_heads, hd]
                            bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
   extern __shared__ float smem[];  // [kWarps, head_dim]
+  // PDL: the decode attention (a programmatic dependent) reads q and the rows written here only
+  // after its griddepcontrol.wait (this whole grid done); no effect on a plain launch after us.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // Launched as a programmatic dependent itself (attention_decode.h launch_qk_norm_rope_kv with
+  // pdl): nothing is read before the previous kernel (the qkv projection) is done; qkv is a
+  // plain pointer (no ld.global.nc, which ptxas may hoist above the wait). A no-op otherwise.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int hd = s.head_dim, half = s.rotary_dim / 2;
   float* buf = smem + warp * hd;
@@ -130,7 +138,7 @@ __device__ __forceinline__ void store_bf(bf16* p, const float (&f)[E]) {
 
 template <int HD>
 __global__ void __launch_bounds__(kHeadWarps * 32)
-    qk_norm_rope_kv_warp_kernel(AttnShape s, const bf16* __restrict__ qkv,  // [n_tokens, qkv_dim]
+    qk_norm_rope_kv_warp_kernel(AttnShape s, const bf16* qkv,  // [n_tokens, qkv_dim]
                                 const bf16* __restrict__ q_norm_w,          // [HD]
                                 const bf16* __restrict__ k_norm_w,          // [HD]
                                 const int32_t* __restrict__ positions,      // [n_tokens]
@@ -139,6 +147,9 @@ __global__ void __launch_bounds__(kHeadWarps * 32)
                                 bf16* __restrict__ q_out,  // [n_tokens, n_heads, HD]
                                 bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
   constexpr int E = HD / 32;
+  // PDL: as in qk_norm_rope_kv_kernel (dependents may start; nothing read before the wait).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   const int lane = threadIdx.x & 31;
   const int n_work = s.n_heads + 2 * s.n_kv_heads;
   const int64_t item = (int64_t)blockIdx.x * kHeadWarps + (threadIdx.x >> 5);
@@ -234,6 +245,14 @@ void launch_qk_norm_rope_kv(const AttnShape& s, const bf16* qkv, const bf16* q_n
                             const bf16* k_norm_w, const int32_t* positions,
                             const int32_t* slot_mapping, int n_tokens, bf16* q_out, bf16* k_cache,
                             bf16* v_cache, cudaStream_t stream, RopeKvKernel which) {
+  launch_qk_norm_rope_kv(s, qkv, q_norm_w, k_norm_w, positions, slot_mapping, n_tokens, q_out,
+                         k_cache, v_cache, stream, which, false);
+}
+
+void launch_qk_norm_rope_kv(const AttnShape& s, const bf16* qkv, const bf16* q_norm_w,
+                            const bf16* k_norm_w, const int32_t* positions,
+                            const int32_t* slot_mapping, int n_tokens, bf16* q_out, bf16* k_cache,
+                            bf16* v_cache, cudaStream_t stream, RopeKvKernel which, bool pdl) {
   if (n_tokens <= 0) return;
   check_attn_shape(s);
   const int vb = 2 * s.head_dim / 32;  // bytes per lane access of the warp kernel
@@ -248,9 +267,10 @@ void launch_qk_norm_rope_kv(const AttnShape& s, const bf16* qkv, const bf16* q_n
     const int64_t items = (int64_t)n_tokens * (s.n_heads + 2 * s.n_kv_heads);
     const int64_t blocks = (items + kHeadWarps - 1) / kHeadWarps;
     DS_CHECK(blocks < (1ll << 31), "rope_kv: ", n_tokens, " tokens is too many for one launch");
-#define DS_ROPE_WARP(HD)                                                                          \
-  qk_norm_rope_kv_warp_kernel<HD><<<static_cast<unsigned>(blocks), kHeadWarps * 32, 0, stream>>>( \
-      s, qkv, q_norm_w, k_norm_w, positions, slot_mapping, n_tokens, q_out, k_cache, v_cache)
+#define DS_ROPE_WARP(HD)                                                                      \
+  launch_maybe_pdl(qk_norm_rope_kv_warp_kernel<HD>, dim3(static_cast<unsigned>(blocks)),      \
+                   dim3(kHeadWarps * 32), 0, stream, pdl, s, qkv, q_norm_w, k_norm_w, positions, \
+                   slot_mapping, n_tokens, q_out, k_cache, v_cache)
     if (s.head_dim == 256)
       DS_ROPE_WARP(256);
     else if (s.head_dim == 128)
@@ -262,8 +282,8 @@ void launch_qk_norm_rope_kv(const AttnShape& s, const bf16* qkv, const bf16* q_n
     return;
   }
   const size_t smem = sizeof(float) * kWarps * s.head_dim;
-  qk_norm_rope_kv_kernel<<<n_tokens, kWarps * 32, smem, stream>>>(
-      s, qkv, q_norm_w, k_norm_w, positions, slot_mapping, q_out, k_cache, v_cache);
+  launch_maybe_pdl(qk_norm_rope_kv_kernel, dim3(n_tokens), dim3(kWarps * 32), smem, stream, pdl, s,
+                   qkv, q_norm_w, k_norm_w, positions, slot_mapping, q_out, k_cache, v_cache);
   DS_CUDA_LAUNCH_CHECK();
 }
 

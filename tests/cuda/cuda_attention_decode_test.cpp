@@ -1,5 +1,6 @@
 // GPU tests of decode attention (src/cuda/attention_decode.cu): the tensor-core split kernel (mma)
-// and the first SIMT kernel (simt) against a double-precision CPU reference over a paged cache with
+// with the host's planned splits and with the adaptive per-sequence splits (AttnDecodeSplit), and
+// the first SIMT kernel (simt), against a double-precision CPU reference over a paged cache with
 // shuffled blocks, and against each other. Cache rows past each sequence (and unused blocks) are
 // NaN, outputs and the split workspace are poisoned (NaN) before each run, so a kernel that reads
 // past a sequence, leaves an output unwritten or merges a partial nobody wrote fails.
@@ -9,14 +10,13 @@
 // and page sizes that are not multiples of the 8-key tile (the per-key page lookup path); head_dim
 // 128 with GQA groups 1, 5 and 8. Tolerance: normalised L2 error < 1e-2 vs the reference (bf16
 // inputs and output, P rounded to bf16 in the mma kernel; errors printed, typically 3e-3), and
-// < 1e-2 between the two kernels.
-// The mma kernel's folded merge (the last split block of each (sequence, kv head) merges) against
-// its two-kernel path: bit-identical outputs on every case above and on the 27B shapes at batch
-// 1 / 4 / 16 x 4K..32K (uniform and ragged), and again on a second launch over the same workspace
-// (the counters must be back at 0, as CUDA-graph replays need).
-// Timing (prints, asserts nothing): mma folded, mma two-kernel and simt at batch 1 / 4 / 16 x
-// context 4K / 16K / 32K, KV rotated past L2, CUDA-graph replays (cuda_graph_timer.h), GB/s of KV
-// read.
+// < 1e-2 between the kernels.
+// PDL (PdlAfterRope27b): rope_kv writes q and each sequence's newest K/V row (both poisoned before)
+// and the adaptive kernel runs as its programmatic dependent, eagerly and captured in a CUDA graph,
+// at batch 1 / 4 / 16 x 4K..32K (uniform and ragged): bit-identical to the same kernels launched
+// without PDL, and within 1e-2 of the planned path.
+// Timing (prints, asserts nothing): rope_kv + attention decode per launch in a CUDA graph (KV
+// rotated past L2), planned vs adaptive vs adaptive under PDL, at batch 1 / 4 / 16 x 4K / 16K / 32K.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -38,7 +38,6 @@ namespace {
 
 using bf = uint16_t;
 using cuda::AttnDecodeKernel;
-using cuda::AttnDecodeMerge;
 using test::DevBuf;
 
 // One decode batch: sequence i has kv_len[i] cached tokens and one query row (row i).
@@ -126,13 +125,8 @@ struct DecodeFixture {
     return r;
   }
 
-  // Runs one kernel; kv_chunk / n_splits 0: the engine's plan (132 SMs, at most 64 splits).
-  // repeats > 1: launches again on the same workspace (output poisoned before each launch).
-  std::vector<float> run(AttnDecodeKernel which, int kv_chunk = 0, int n_splits = 0,
-                         AttnDecodeMerge merge = AttnDecodeMerge::kDefault,
-                         int repeats = 1) const {
-    DevBuf<bf> dq(q), dk(kc), dv(vc), dg(gate), out(q.size());
-    DevBuf<int32_t> qs(q_start), ql(q_len), kl(kv_len), bt(btab);
+  cuda::AttnBatch batch(const DevBuf<int32_t>& qs, const DevBuf<int32_t>& ql,
+                        const DevBuf<int32_t>& kl, const DevBuf<int32_t>& bt) const {
     cuda::AttnBatch b;
     b.n_seqs = int(kv_len.size());
     b.q_start = qs.ptr;
@@ -142,29 +136,59 @@ struct DecodeFixture {
     b.block_table_stride = std::max(1, max_blocks);
     b.max_q_len = 1;
     b.max_kv_len = max_kv;
-    if (kv_chunk == 0) {
-      kv_chunk = cuda::attention_decode_kv_chunk(b.n_seqs, s.n_kv_heads, max_kv, 132, 64);
-      n_splits = std::max(1, (max_kv + kv_chunk - 1) / kv_chunk);
-    }
-    DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, b.n_seqs, n_splits));
-    ws.poison();
-    cuda::attention_decode_workspace_init(ws.ptr, 0);
+    return b;
+  }
+
+  cuda::AttnGate gate_of(const DevBuf<bf>& dg) const {
     cuda::AttnGate g;
     g.ptr = dg.as<__nv_bfloat16>() + s.head_dim;
     g.token_stride = int64_t(s.n_heads) * 2 * s.head_dim;
     g.head_stride = 2 * s.head_dim;
+    return g;
+  }
+
+  // Runs one configuration; kv_chunk / n_splits 0: the engine's plan (132 SMs, at most 64
+  // splits; for kAdaptive: splits of >= 64 keys, one wave). repeats > 1: launches again on the
+  // same workspace (output poisoned before each launch).
+  std::vector<float> run(cuda::AttnDecodeLaunch how, int kv_chunk = 0, int n_splits = 0,
+                         int repeats = 1) const {
+    DevBuf<bf> dq(q), dk(kc), dv(vc), dg(gate), out(q.size());
+    DevBuf<int32_t> qs(q_start), ql(q_len), kl(kv_len), bt(btab);
+    const cuda::AttnBatch b = batch(qs, ql, kl, bt);
+    if (kv_chunk == 0) plan(how.split, &kv_chunk, &n_splits);
+    DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, b.n_seqs, n_splits));
+    ws.poison();
     for (int r = 0; r < repeats; ++r) {
       out.poison();
       cuda::launch_attention_decode(s, b, dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(),
-                                    dv.as<__nv_bfloat16>(), g, kv_chunk, n_splits, ws.ptr,
-                                    out.as<__nv_bfloat16>(), 0, which, merge);
+                                    dv.as<__nv_bfloat16>(), gate_of(dg), kv_chunk, n_splits,
+                                    ws.ptr, out.as<__nv_bfloat16>(), 0, how);
     }
     DS_CUDA_CHECK(cudaGetLastError());
     return test::to_f32(out.download());
   }
+
+  void plan(cuda::AttnDecodeSplit split, int* kv_chunk, int* n_splits) const {
+    const int n = int(kv_len.size());
+    if (split == cuda::AttnDecodeSplit::kAdaptive) {
+      *kv_chunk = 64;
+      *n_splits = cuda::attention_decode_adaptive_splits(n, s.n_kv_heads, 132, 64);
+      return;
+    }
+    *kv_chunk = cuda::attention_decode_kv_chunk(n, s.n_kv_heads, max_kv, 132, 64);
+    *n_splits = std::max(1, (max_kv + *kv_chunk - 1) / *kv_chunk);
+  }
 };
 
-const char* name_of(AttnDecodeKernel k) { return k == AttnDecodeKernel::kMma ? "mma" : "simt"; }
+cuda::AttnDecodeLaunch launch_of(AttnDecodeKernel k,
+                                 cuda::AttnDecodeSplit sp = cuda::AttnDecodeSplit::kPlanned,
+                                 bool pdl = false) {
+  cuda::AttnDecodeLaunch how;
+  how.which = k;
+  how.split = sp;
+  how.pdl = pdl;
+  return how;
+}
 
 // Elements of a and b that differ bitwise (outputs are bf16, widened exactly to float).
 size_t n_differ(const std::vector<float>& a, const std::vector<float>& b) {
@@ -174,76 +198,75 @@ size_t n_differ(const std::vector<float>& a, const std::vector<float>& b) {
   return n;
 }
 
-// The mma kernel with its merge folded (launched twice on one workspace) vs its two-kernel path.
-void check_fold_exact(const DecodeFixture& f, const std::string& what, int kv_chunk = 0,
-                      int n_splits = 0) {
-  const auto two = f.run(AttnDecodeKernel::kMma, kv_chunk, n_splits, AttnDecodeMerge::kSplitMerge);
-  const auto fold = f.run(AttnDecodeKernel::kMma, kv_chunk, n_splits, AttnDecodeMerge::kFold, 2);
-  for (size_t j = 0; j < fold.size(); ++j)
-    ASSERT_TRUE(std::isfinite(fold[j])) << what << " [fold]: element " << j << " not written";
-  EXPECT_EQ(n_differ(fold, two), 0u) << what << ": folded merge vs two kernels";
-  std::printf("  %s: fold vs two-kernel merge: %zu of %zu elements differ\n", what.c_str(),
-              n_differ(fold, two), fold.size());
-}
-
-// Both kernels vs the reference and vs each other; the mma kernel's fold vs its two kernels.
-void check_both(const DecodeFixture& f, const std::string& what, int kv_chunk = 0,
-                int n_splits = 0) {
-  check_fold_exact(f, what, kv_chunk, n_splits);
+// mma planned, mma adaptive (engine plan, or kv_chunk as its smallest split and n_splits as its
+// most splits), simt planned: each vs the reference, each vs mma planned.
+void check_all(const DecodeFixture& f, const std::string& what, int kv_chunk = 0,
+               int n_splits = 0) {
   const auto ref = f.ref_all();
-  std::vector<float> outs[2];
-  int i = 0;
-  for (auto k : {AttnDecodeKernel::kMma, AttnDecodeKernel::kSimt}) {
-    auto& got = outs[i++];
-    got = f.run(k, kv_chunk, n_splits);
+  struct Cfg {
+    const char* name;
+    cuda::AttnDecodeLaunch how;
+  };
+  const Cfg cfgs[] = {
+      {"mma planned", launch_of(AttnDecodeKernel::kMma)},
+      {"mma adaptive", launch_of(AttnDecodeKernel::kMma, cuda::AttnDecodeSplit::kAdaptive)},
+      {"simt planned", launch_of(AttnDecodeKernel::kSimt)},
+  };
+  std::vector<float> first;
+  for (const Cfg& c : cfgs) {
+    const auto got = f.run(c.how, kv_chunk, n_splits, 2);
     for (size_t j = 0; j < got.size(); ++j)
       ASSERT_TRUE(std::isfinite(got[j]))
-          << what << " [" << name_of(k) << "]: element " << j << " not written / not finite";
+          << what << " [" << c.name << "]: element " << j << " not written / not finite";
     const double e = test::norm_err(got, ref);
-    EXPECT_LT(e, 1e-2) << what << " [" << name_of(k) << "]";
-    std::printf("  %s [%s]: normalised error %.2e\n", what.c_str(), name_of(k), e);
+    EXPECT_LT(e, 1e-2) << what << " [" << c.name << "]";
+    double vs = 0;
+    if (first.empty())
+      first = got;
+    else
+      vs = test::norm_err(got, first);
+    EXPECT_LT(vs, 1e-2) << what << ": " << c.name << " vs mma planned";
+    std::printf("  %s [%s]: normalised error %.2e, vs mma planned %.2e\n", what.c_str(), c.name,
+                e, vs);
   }
-  const double e = test::norm_err(outs[0], outs[1]);
-  EXPECT_LT(e, 1e-2) << what << ": mma vs simt";
-  std::printf("  %s: mma vs simt %.2e\n", what.c_str(), e);
 }
 
 TEST(CudaAttentionDecode, Contexts27b) {
   DS_REQUIRE_GPU();
   DecodeFixture f(test::attn_shape_27b(), {1, 63, 64, 65, 4095, 4097, 20000}, 21);
-  check_both(f, "27b batch 7, kv 1..20000");
+  check_all(f, "27b batch 7, kv 1..20000");
   DecodeFixture one(test::attn_shape_27b(), {32768}, 22);
-  check_both(one, "27b batch 1, kv 32768");
+  check_all(one, "27b batch 1, kv 32768");
 }
 
 TEST(CudaAttentionDecode, Batches27b) {
   DS_REQUIRE_GPU();
   DecodeFixture b1(test::attn_shape_27b(), {4097}, 31);
-  check_both(b1, "27b batch 1, kv 4097");
+  check_all(b1, "27b batch 1, kv 4097");
   DecodeFixture b3(test::attn_shape_27b(), {65, 1, 4097}, 32);
-  check_both(b3, "27b batch 3, kv 65/1/4097");
+  check_all(b3, "27b batch 3, kv 65/1/4097");
   std::vector<int32_t> lens;
   std::mt19937 rng(5);
   for (int i = 0; i < 16; ++i)
     lens.push_back(i < 4 ? std::vector<int>{1, 63, 64, 65}[i] : 1 + int(rng() % 3000));
   DecodeFixture b16(test::attn_shape_27b(), lens, 33);
-  check_both(b16, "27b batch 16, kv 1..3000");
+  check_all(b16, "27b batch 16, kv 1..3000");
 }
 
 TEST(CudaAttentionDecode, OversizedAndOddGrids) {
   DS_REQUIRE_GPU();
   // 64 splits of 512 keys for sequences of at most 300: most splits (and whole blocks) are empty.
   DecodeFixture f(test::attn_shape_27b(), {1, 65, 300}, 41);
-  check_both(f, "27b 64 x 512-key splits over kv <= 300", 512, 64);
+  check_all(f, "27b 64 x 512-key splits over kv <= 300", 512, 64);
   // One split covering everything, and a chunk that is not a multiple of the 8-key tile.
-  check_both(f, "27b one split of 4096", 4096, 1);
-  check_both(f, "27b chunk 20 (tiles cross splits' ends)", 20, 15);
+  check_all(f, "27b one split of 4096", 4096, 1);
+  check_all(f, "27b chunk 20 (tiles cross splits' ends)", 20, 15);
   // Page sizes that are not multiples of 8 (a tile crosses pages) and a small one.
   for (int ps : {24, 16, 8}) {
     cuda::AttnShape s = test::attn_shape_27b();
     s.page_size = ps;
     DecodeFixture g(s, {1, 63, 64, 65, 777}, 50 + ps);
-    check_both(g, "27b page " + std::to_string(ps));
+    check_all(g, "27b page " + std::to_string(ps));
   }
 }
 
@@ -257,31 +280,120 @@ TEST(CudaAttentionDecode, HeadDim128Groups) {
     s.rotary_dim = 32;
     s.page_size = 16;
     DecodeFixture f(s, {1, 100, 1000, 4097}, 60 + nh);
-    check_both(f, "hd 128 group " + std::to_string(nh / nkv));
+    check_all(f, "hd 128 group " + std::to_string(nh / nkv));
   }
 }
 
-// The 27B shapes of the engine's decode plan: batch 1 / 4 / 16 at 4K..32K, uniform and ragged.
-TEST(CudaAttentionDecode, FoldBitExact27b) {
+// rope_kv (writing q and each sequence's newest K/V row from a projection row, as the engine
+// does) followed by the decode attention on one stream, eagerly or captured in a CUDA graph. q and
+// the newest rows are poisoned first, so an attention kernel that reads them before rope_kv has
+// written them gives NaN.
+std::vector<float> run_after_rope(const DecodeFixture& f, cuda::AttnDecodeLaunch how, bool graph) {
+  const cuda::AttnShape& s = f.s;
+  const int n = int(f.kv_len.size()), hd = s.head_dim, ps = s.page_size, nkv = s.n_kv_heads;
+  std::mt19937 rng(1234);
+  const auto qkv = test::random_bf16(size_t(n) * s.qkv_dim(), rng, 2.f);
+  const auto qnw = test::random_bf16(size_t(hd), rng, 0.5f);
+  const auto knw = test::random_bf16(size_t(hd), rng, 0.5f);
+  std::vector<int32_t> pos(n), slot(n);
+  std::vector<bf> kc = f.kc, vc = f.vc;
+  for (int i = 0; i < n; ++i) {
+    pos[i] = f.kv_len[i] - 1;
+    slot[i] = f.btab[size_t(i) * f.max_blocks + pos[i] / ps] * ps + pos[i] % ps;
+    for (int h = 0; h < nkv; ++h) {  // the newest row: rope_kv must write it
+      const size_t row = (size_t(slot[i] / ps) * nkv + h) * ps * hd + size_t(slot[i] % ps) * hd;
+      std::fill_n(kc.begin() + row, hd, f32_to_bf16(NAN));
+      std::fill_n(vc.begin() + row, hd, f32_to_bf16(NAN));
+    }
+  }
+  DevBuf<bf> d_qkv(qkv), d_qn(qnw), d_kn(knw), dk(kc), dv(vc), dg(f.gate), dq(f.q.size()),
+      out(f.q.size());
+  DevBuf<int32_t> d_pos(pos), d_slot(slot), qs(f.q_start), ql(f.q_len), kl(f.kv_len), bt(f.btab);
+  dq.poison();
+  out.poison();
+  int kv_chunk = 0, n_splits = 0;
+  f.plan(how.split, &kv_chunk, &n_splits);
+  DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, n, n_splits));
+  ws.poison();
+  const cuda::AttnBatch b = f.batch(qs, ql, kl, bt);
+  cudaStream_t st;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  auto body = [&] {
+    cuda::launch_qk_norm_rope_kv(s, d_qkv.as<__nv_bfloat16>(), d_qn.as<__nv_bfloat16>(),
+                                 d_kn.as<__nv_bfloat16>(), d_pos.ptr, d_slot.ptr, n,
+                                 dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(),
+                                 dv.as<__nv_bfloat16>(), st);
+    cuda::launch_attention_decode(s, b, dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(),
+                                  dv.as<__nv_bfloat16>(), f.gate_of(dg), kv_chunk, n_splits,
+                                  ws.ptr, out.as<__nv_bfloat16>(), st, how);
+  };
+  if (graph) {
+    cudaGraph_t g;
+    cudaGraphExec_t exec;
+    DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    body();
+    DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+    DS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+    DS_CUDA_CHECK(cudaGraphLaunch(exec, st));
+    DS_CUDA_CHECK(cudaStreamSynchronize(st));
+    DS_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    DS_CUDA_CHECK(cudaGraphDestroy(g));
+  } else {
+    body();
+    DS_CUDA_CHECK(cudaStreamSynchronize(st));
+  }
+  DS_CUDA_CHECK(cudaStreamDestroy(st));
+  return test::to_f32(out.download());
+}
+
+// The engine's decode sequence: the adaptive kernel as a programmatic dependent of rope_kv,
+// eager and in a graph, vs the same kernels launched plainly (bit-identical) and vs the planned
+// path (tolerance). 27B shapes at batch 1 / 4 / 16, 4K..32K, uniform and ragged.
+TEST(CudaAttentionDecode, PdlAfterRope27b) {
   DS_REQUIRE_GPU();
   std::mt19937 rng(77);
-  for (int batch : {1, 4, 16})
-    for (int ctx : {4096, 16384, 32768}) {
-      if (batch == 16 && ctx == 32768) continue;  // host reference data: keep the test quick
-      std::vector<int32_t> uni(batch, ctx), rag(batch);
-      for (int i = 0; i < batch; ++i) rag[i] = 1 + int(rng() % ctx);
-      rag[0] = ctx;
-      DecodeFixture fu(test::attn_shape_27b(), uni, 80 + batch);
-      check_fold_exact(fu, "27b batch " + std::to_string(batch) + " x " + std::to_string(ctx));
-      if (batch > 1) {
-        DecodeFixture fr(test::attn_shape_27b(), rag, 90 + batch);
-        check_fold_exact(fr, "27b ragged batch " + std::to_string(batch) + " up to " +
-                                 std::to_string(ctx));
-      }
+  struct Case {
+    int batch, ctx;
+    bool ragged;
+  };
+  const Case cases[] = {{1, 4096, false}, {1, 4097, false}, {1, 16384, false}, {1, 32768, false},
+                        {4, 4096, false}, {4, 32768, true}, {16, 4096, false}, {16, 8192, true}};
+  const auto adaptive = cuda::AttnDecodeSplit::kAdaptive;
+  for (const Case& c : cases) {
+    std::vector<int32_t> lens(c.batch, c.ctx);
+    if (c.ragged)
+      for (int i = 1; i < c.batch; ++i) lens[i] = 1 + int(rng() % c.ctx);
+    const DecodeFixture f(test::attn_shape_27b(), lens, 90 + c.batch);
+    const std::string what = std::string("27b ") + (c.ragged ? "ragged " : "") + "batch " +
+                             std::to_string(c.batch) + " x " + std::to_string(c.ctx);
+    const auto plain = run_after_rope(f, launch_of(AttnDecodeKernel::kMma, adaptive), false);
+    const auto pdl = run_after_rope(f, launch_of(AttnDecodeKernel::kMma, adaptive, true), false);
+    const auto pdl_graph =
+        run_after_rope(f, launch_of(AttnDecodeKernel::kMma, adaptive, true), true);
+    const auto planned = run_after_rope(f, launch_of(AttnDecodeKernel::kMma), false);
+    for (size_t j = 0; j < pdl.size(); ++j) {
+      ASSERT_TRUE(std::isfinite(pdl[j])) << what << " [pdl]: element " << j << " not finite";
+      ASSERT_TRUE(std::isfinite(pdl_graph[j])) << what << " [pdl graph]: element " << j;
+      ASSERT_TRUE(std::isfinite(planned[j])) << what << " [planned]: element " << j;
     }
-  // The engine's graph buckets: up to 128 splits (the workspace plan), most of them empty.
-  DecodeFixture f(test::attn_shape_27b(), {4096, 100}, 99);
-  check_fold_exact(f, "27b 128 splits of 64 over kv 4096 / 100", 64, 128);
+    EXPECT_EQ(n_differ(pdl, plain), 0u) << what << ": pdl vs plain launch";
+    EXPECT_EQ(n_differ(pdl_graph, plain), 0u) << what << ": pdl in a graph vs plain launch";
+    const double e = test::norm_err(pdl, planned);
+    EXPECT_LT(e, 1e-2) << what << ": adaptive vs planned";
+    std::printf("  %s: pdl vs plain %zu, pdl graph vs plain %zu of %zu differ; adaptive vs "
+                "planned %.2e\n",
+                what.c_str(), n_differ(pdl, plain), n_differ(pdl_graph, plain), pdl.size(), e);
+  }
+  // The engine's workspace bound: more splits than one wave, most empty, smallest split 8 keys.
+  DecodeFixture f(test::attn_shape_27b(), {4096, 100, 1}, 99);
+  const auto ref = f.ref_all();
+  const auto got = f.run(launch_of(AttnDecodeKernel::kMma, adaptive), 8, 128);
+  EXPECT_LT(test::norm_err(got, ref), 1e-2) << "adaptive, up to 128 splits of >= 8 keys";
+  std::printf("  adaptive, up to 128 splits of >= 8 keys: %.2e\n", test::norm_err(got, ref));
+  // PDL without the adaptive split, and adaptive on the simt kernel, are refused.
+  EXPECT_THROW(f.run(launch_of(AttnDecodeKernel::kMma, cuda::AttnDecodeSplit::kPlanned, true)),
+               Error);
+  EXPECT_THROW(f.run(launch_of(AttnDecodeKernel::kSimt, adaptive)), Error);
 }
 
 TEST(CudaAttentionDecode, UnsupportedShapes) {
@@ -295,14 +407,16 @@ TEST(CudaAttentionDecode, UnsupportedShapes) {
   EXPECT_FALSE(cuda::attention_decode_mma_supported(s));
   EXPECT_TRUE(cuda::attention_decode_mma_supported(test::attn_shape_27b()));
   DecodeFixture f(s, {5, 40}, 70);
-  EXPECT_THROW(f.run(AttnDecodeKernel::kMma), Error);
+  EXPECT_THROW(f.run(launch_of(AttnDecodeKernel::kMma)), Error);
+  EXPECT_THROW(f.run(launch_of(AttnDecodeKernel::kAuto, cuda::AttnDecodeSplit::kAdaptive)), Error);
   // kAuto falls back to the simt kernel.
-  const auto got = f.run(AttnDecodeKernel::kAuto);
+  const auto got = f.run(launch_of(AttnDecodeKernel::kAuto));
   EXPECT_LT(test::norm_err(got, f.ref_all()), 1e-2);
 }
 
-// Per-launch time in a CUDA graph of 20 launches (median of replays), KV rotated over up to 8
-// block tables (more than 3x L2 at every size).
+// Per-launch time of rope_kv + decode attention in a CUDA graph of 20 launches (median of
+// replays), KV rotated over up to 8 block tables (more than 3x L2 at every size): rope_kv alone,
+// then with the planned path, the adaptive path and the adaptive path under PDL.
 TEST(CudaAttentionDecode, Timing) {
   DS_REQUIRE_GPU();
   const cuda::AttnShape s = test::attn_shape_27b();
@@ -328,8 +442,10 @@ TEST(CudaAttentionDecode, Timing) {
     }
   }
   std::mt19937 rng(2);
-  std::printf("  %-8s %-7s %10s %9s %10s %9s %8s\n", "batch", "context", "mma us", "mma GB/s",
-              "simt us", "simt GB/s", "speedup");
+  const auto qnw = test::random_bf16(size_t(hd), rng, 0.5f);
+  DevBuf<bf> d_nw(qnw);
+  std::printf("  %-6s %-7s %9s %12s %12s %12s %9s   (rope + attention us; attention GB/s)\n",
+              "batch", "context", "rope", "planned", "adaptive", "pdl", "pdl GB/s");
   for (int batch : {1, 4, 16})
     for (int ctx : {4096, 16384, 32768}) {
       const int bps = (ctx + ps - 1) / ps;
@@ -341,43 +457,53 @@ TEST(CudaAttentionDecode, Timing) {
       std::iota(all.begin(), all.end(), 0);
       std::shuffle(all.begin(), all.end(), rng);
       for (size_t i = 0; i < table.size(); ++i) table[i] = all[i % pool_blocks];
-      std::vector<int32_t> qs(batch), ql(batch, 1), kl(batch, ctx);
+      std::vector<int32_t> qs(batch), ql(batch, 1), kl(batch, ctx), pos(batch, ctx - 1),
+          slots(size_t(rot) * batch);
       std::iota(qs.begin(), qs.end(), 0);
-      DevBuf<int32_t> d_t(table), d_qs(qs), d_ql(ql), d_kl(kl);
-      auto qh = test::random_bf16(size_t(batch) * s.n_heads * hd, rng);
-      DevBuf<bf> q(qh), out(qh.size());
+      for (int r = 0; r < rot; ++r)
+        for (int i = 0; i < batch; ++i)
+          slots[size_t(r) * batch + i] =
+              table[(size_t(r) * batch + i) * bps + (ctx - 1) / ps] * ps + (ctx - 1) % ps;
+      DevBuf<int32_t> d_t(table), d_qs(qs), d_ql(ql), d_kl(kl), d_pos(pos), d_slots(slots);
+      DevBuf<bf> qkv(test::random_bf16(size_t(batch) * s.qkv_dim(), rng)),
+          q(size_t(batch) * s.n_heads * hd), out(size_t(batch) * s.n_heads * hd);
       const int chunk = cuda::attention_decode_kv_chunk(batch, nkv, ctx, n_sms, 64);
       const int splits = (ctx + chunk - 1) / chunk;
-      DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, batch, splits));
-      cuda::attention_decode_workspace_init(ws.ptr, 0);
+      const int a_splits = cuda::attention_decode_adaptive_splits(batch, nkv, n_sms, 64);
+      DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, batch, std::max(splits, a_splits)));
       DS_CUDA_CHECK(cudaDeviceSynchronize());
-      auto launch = [&](AttnDecodeKernel k, AttnDecodeMerge m, int i, cudaStream_t st) {
+      // mode: 0 rope only, 1 planned, 2 adaptive, 3 adaptive under PDL
+      auto launch = [&](int mode, int i, cudaStream_t st) {
+        const int r = i % rot;
+        cuda::launch_qk_norm_rope_kv(s, qkv.as<__nv_bfloat16>(), d_nw.as<__nv_bfloat16>(),
+                                     d_nw.as<__nv_bfloat16>(), d_pos.ptr,
+                                     d_slots.ptr + int64_t(r) * batch, batch, q.as<__nv_bfloat16>(),
+                                     kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>(), st);
+        if (mode == 0) return;
         cuda::AttnBatch b;
         b.n_seqs = batch;
         b.q_start = d_qs.ptr;
         b.q_len = d_ql.ptr;
         b.kv_len = d_kl.ptr;
-        b.block_table = d_t.ptr + int64_t(i % rot) * batch * bps;
+        b.block_table = d_t.ptr + int64_t(r) * batch * bps;
         b.block_table_stride = bps;
         b.max_q_len = 1;
         b.max_kv_len = ctx;
+        const auto how = mode == 1 ? launch_of(AttnDecodeKernel::kMma)
+                                   : launch_of(AttnDecodeKernel::kMma,
+                                               cuda::AttnDecodeSplit::kAdaptive, mode == 3);
         cuda::launch_attention_decode(s, b, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(),
-                                      vc.as<__nv_bfloat16>(), cuda::AttnGate{}, chunk, splits,
-                                      ws.ptr, out.as<__nv_bfloat16>(), st, k, m);
+                                      vc.as<__nv_bfloat16>(), cuda::AttnGate{},
+                                      mode == 1 ? chunk : 64, mode == 1 ? splits : a_splits,
+                                      ws.ptr, out.as<__nv_bfloat16>(), st, how);
       };
-      const double fold_us = test::graph_time_us([&](int i, cudaStream_t st) {
-        launch(AttnDecodeKernel::kMma, AttnDecodeMerge::kFold, i, st);
-      });
-      double us[2];
-      int ki = 0;
-      for (auto k : {AttnDecodeKernel::kMma, AttnDecodeKernel::kSimt})
-        us[ki++] = test::graph_time_us(
-            [&](int i, cudaStream_t st) { launch(k, AttnDecodeMerge::kSplitMerge, i, st); });
-      std::printf(
-          "  %-8d %-7d %10.1f %9.0f %10.1f %9.0f %7.2fx   (chunk %d, %d splits; mma folded merge "
-          "%.1f us, %.0f GB/s)\n",
-          batch, ctx, us[0], kv_bytes / us[0] * 1e-3, us[1], kv_bytes / us[1] * 1e-3,
-          us[1] / us[0], chunk, splits, fold_us, kv_bytes / fold_us * 1e-3);
+      double us[4];
+      for (int m : {0, 1, 2, 3, 1, 3})  // planned and pdl twice, interleaved; the last counts
+        us[m] = test::graph_time_us([&](int i, cudaStream_t st) { launch(m, i, st); });
+      std::printf("  %-6d %-7d %9.1f %12.1f %12.1f %12.1f %9.0f   (planned: chunk %d, %d splits; "
+                  "adaptive: %d splits)\n",
+                  batch, ctx, us[0], us[1], us[2], us[3], kv_bytes / (us[3] - us[0]) * 1e-3,
+                  chunk, splits, a_splits);
     }
 }
 

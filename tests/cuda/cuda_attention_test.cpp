@@ -215,7 +215,6 @@ void run_decode(const Fixture& f, const char* what) {
       cuda::attention_decode_kv_chunk(b.n_seqs, f.s.n_kv_heads, b.max_kv_len, 132, 64);
   const int splits = (b.max_kv_len + chunk - 1) / chunk;
   DevBuf<char> ws(cuda::attention_decode_workspace_bytes(f.s, b.n_seqs, splits));
-  cuda::attention_decode_workspace_init(ws.ptr, 0);
   cuda::launch_attention_decode(f.s, b, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(),
                                 vc.as<__nv_bfloat16>(), f.gate(g), chunk, splits, ws.ptr,
                                 out.as<__nv_bfloat16>(), 0);

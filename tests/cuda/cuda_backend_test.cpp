@@ -407,7 +407,6 @@ TEST(CudaGraphs, DecodeSplitsPastKvLenChangeNothing) {
   cuda::AttnGate gate{g.as<const cuda::bf16>(), int64_t(s.n_heads) * hd, hd};
   auto run = [&](int n_splits) {
     test::DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, S, n_splits));
-    cuda::attention_decode_workspace_init(ws.ptr, nullptr);  // the folded merge's counters
     test::DevBuf<uint16_t> out(size_t(S) * s.n_heads * hd);
     out.poison();
     cuda::launch_attention_decode(s, b, q.as<const cuda::bf16>(), kc.as<const cuda::bf16>(),
