@@ -45,6 +45,16 @@ void launch_add_rmsnorm(__nv_bfloat16* residual,     // [n_rows, d] (read; writt
                         int n_rows, int d, float eps, float weight_offset,
                         __nv_bfloat16* out,  // [n_rows, d]
                         cudaStream_t stream);
+// The same with an explicit kernel build (rmsnorm.cu; every choice gives the same bits): kAuto =
+// kFit for n_rows >= kRmsNormFitMinRows unless $DS_NORM_FIT=0 (read at each launch), else kMax8;
+// kFit = the kernel compiled for the 16-byte vectors per thread that d needs (fewer registers,
+// more blocks per SM: prompt chunks); kMax8 = the build for any d <= 16384 (8 vectors per thread).
+enum class RmsNormKernel { kAuto, kFit, kMax8 };
+constexpr int kRmsNormFitMinRows = 64;  // decode batches keep their launches unchanged
+bool rmsnorm_fit_enabled();             // $DS_NORM_FIT: unset or "1" on, "0" off
+void launch_add_rmsnorm(__nv_bfloat16* residual, const __nv_bfloat16* delta,
+                        const __nv_bfloat16* w, int n_rows, int d, float eps, float weight_offset,
+                        __nv_bfloat16* out, cudaStream_t stream, RmsNormKernel which);
 // Whether launch_add_rmsnorm launches with programmatic dependent launch (it then overlaps its
 // launch with the kernel before it and waits for it in-kernel): $DS_NORM_PDL, "0" off, "1" or
 // unset on; read once per process.

@@ -12,6 +12,9 @@
 // The decode step mostly runs this norm inside the bulk GEMVs' prologue instead (gemv_bulk.cu
 // norm_to_shared, cuda/gemv_bulk_norm.h), which reproduces add_rmsnorm_vec_kernel's sums and
 // expressions bit for bit: change the two together (tests/cuda/cuda_gemv_norm_test.cpp).
+// Prompt chunks (>= kRmsNormFitMinRows rows) run the same kernel compiled for the vectors per
+// thread that d needs (VEC 3 at d 5120 instead of 8): the same bits, far fewer registers
+// (issue 7, docs/perf/prefill_gaps.md); $DS_NORM_FIT=0 keeps the 8-vector build everywhere.
 #include <cstdlib>
 #include <string>
 
@@ -40,6 +43,12 @@ __device__ __forceinline__ void pdl_enter() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
+// VEC = the 16-byte vectors per thread the kernel holds in registers (d / 8 <= kThreads * VEC).
+// The loops run over VEC slots with the same guard, so every VEC >= ceil(d / 8 / kThreads) sums a
+// row in the same order and gives the same bits: kMaxVec is the first version (any d, but 125
+// registers, 2 blocks per SM), add_rmsnorm_vec_kernel<vec_fit(d)> the prompt-chunk one (issue 7:
+// d 5120 -> VEC 3, a fraction of the registers, several blocks per SM, more bytes in flight).
+template <int VEC>
 __global__ void __launch_bounds__(kThreads)
     add_rmsnorm_vec_kernel(bf16* __restrict__ residual,  // [n_rows, d]
                            const bf16* delta,            // [n_rows, d] or null
@@ -53,11 +62,11 @@ __global__ void __launch_bounds__(kThreads)
   uint4* res4 = reinterpret_cast<uint4*>(residual + row * d);
   const uint4* del4 = delta ? reinterpret_cast<const uint4*>(delta + row * d) : nullptr;
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  float x[kMaxVec][8];
-  uint4 wv[kMaxVec];  // the weights are loaded with the row: one memory round trip, not two
+  float x[VEC][8];
+  uint4 wv[VEC];  // the weights are loaded with the row: one memory round trip, not two
   float ss = 0.f;
 #pragma unroll
-  for (int v = 0; v < kMaxVec; ++v) {
+  for (int v = 0; v < VEC; ++v) {
     const int i = threadIdx.x + v * kThreads;
     if (i < d8) {
       wv[v] = w4[i];
@@ -86,7 +95,7 @@ __global__ void __launch_bounds__(kThreads)
   const float inv = rsqrtf(ss / d + eps);
   uint4* out4 = reinterpret_cast<uint4*>(out + row * d);
 #pragma unroll
-  for (int v = 0; v < kMaxVec; ++v) {
+  for (int v = 0; v < VEC; ++v) {
     const int i = threadIdx.x + v * kThreads;
     if (i < d8) {
       const bf16* wb = reinterpret_cast<const bf16*>(&wv[v]);
@@ -130,13 +139,43 @@ __global__ void __launch_bounds__(kThreads)
 
 void launch_add_rmsnorm(bf16* residual, const bf16* delta, const bf16* w, int n_rows, int d,
                         float eps, float weight_offset, bf16* out, cudaStream_t stream) {
+  launch_add_rmsnorm(residual, delta, w, n_rows, d, eps, weight_offset, out, stream,
+                     RmsNormKernel::kAuto);
+}
+
+void launch_add_rmsnorm(bf16* residual, const bf16* delta, const bf16* w, int n_rows, int d,
+                        float eps, float weight_offset, bf16* out, cudaStream_t stream,
+                        RmsNormKernel which) {
   if (n_rows <= 0) return;
   DS_CHECK(d > 0, "rmsnorm: width must be positive, got ", d);
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const bool vec = d % 8 == 0 && d / 8 <= kThreads * kMaxVec && aligned(residual) &&
                    (!delta || aligned(delta)) && aligned(w) && aligned(out);
-  launch_maybe_pdl(vec ? add_rmsnorm_vec_kernel : add_rmsnorm_kernel, dim3(n_rows), dim3(kThreads),
-                   0, stream, rmsnorm_pdl_enabled(), residual, delta, w, d, eps, weight_offset, out);
+  void (*kernel)(bf16*, const bf16*, const bf16*, int, float, float, bf16*) = add_rmsnorm_kernel;
+  if (vec) {
+    kernel = add_rmsnorm_vec_kernel<kMaxVec>;
+    const bool fit = which == RmsNormKernel::kFit ||
+                     (which == RmsNormKernel::kAuto && n_rows >= kRmsNormFitMinRows &&
+                      rmsnorm_fit_enabled());
+    if (fit) {
+      const int need = (d / 8 + kThreads - 1) / kThreads;  // 16-byte vectors per thread
+      kernel = need <= 1   ? add_rmsnorm_vec_kernel<1>
+               : need <= 2 ? add_rmsnorm_vec_kernel<2>
+               : need <= 3 ? add_rmsnorm_vec_kernel<3>
+               : need <= 4 ? add_rmsnorm_vec_kernel<4>
+                           : add_rmsnorm_vec_kernel<kMaxVec>;
+    }
+  }
+  launch_maybe_pdl(kernel, dim3(n_rows), dim3(kThreads), 0, stream, rmsnorm_pdl_enabled(),
+                   residual, delta, w, d, eps, weight_offset, out);
+}
+
+bool rmsnorm_fit_enabled() {
+  const char* e = std::getenv("DS_NORM_FIT");
+  if (!e) return true;
+  const std::string v = e;
+  DS_CHECK(v == "0" || v == "1", "DS_NORM_FIT must be 0 or 1, got '", v, "'");
+  return v == "1";
 }
 
 bool rmsnorm_pdl_enabled() {

@@ -4,7 +4,8 @@
 // write (both kernels, 1 and 65 tokens: < 8e-3, v exact, nothing else written), bf16 <-> f32
 // (exact), device synthetic weights (bit-identical to the host generator), sampling (greedy
 // exact; top-k / top-p / temperature by frequencies; replay).
-// DecodeSmallKernelTiming prints the decode-sized launches (rope_kv, add_rmsnorm, silu_mul).
+// DecodeSmallKernelTiming prints the decode-sized launches (rope_kv, add_rmsnorm, silu_mul);
+// AddRmsNormFitBitExact checks the prompt-chunk norm build against the first one bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -78,6 +79,59 @@ TEST(CudaKernels, AddRmsNorm) {
         EXPECT_LT(test::norm_err(got, ref), 4e-3) << "d " << d << " rows " << rows;
       }
     }
+  }
+}
+
+// The prompt-chunk build of add_rmsnorm (RmsNormKernel::kFit: vectors per thread sized to d) is
+// bit-identical to the 8-vector build (kMax8) it replaces at >= kRmsNormFitMinRows rows, output
+// and updated residual, with and without delta, at widths that need 1, 2, 3, 4 and 8 vectors per
+// thread; then both are timed at the 27B prompt chunk (4096 x 5120, inputs rotated past L2).
+TEST(CudaKernels, AddRmsNormFitBitExact) {
+  DS_REQUIRE_GPU();
+  std::mt19937 rng(12);
+  for (int d : {5120, 6144, 2048, 4096, 1000, 8192, 16384}) {
+    for (int rows : {64, 129}) {
+      for (int with_delta : {0, 1}) {
+        auto res = test::random_bf16(size_t(rows) * d, rng, 3.f);
+        auto del = test::random_bf16(size_t(rows) * d, rng);
+        auto w = test::random_bf16(d, rng, 0.1f);
+        std::vector<bf> outs[2], resids[2];
+        int k = 0;
+        for (auto which : {cuda::RmsNormKernel::kMax8, cuda::RmsNormKernel::kFit}) {
+          DevBuf<bf> dres(res), ddel(del), dw(w), out(size_t(rows) * d);
+          out.poison();
+          cuda::launch_add_rmsnorm(dres.as<__nv_bfloat16>(),
+                                   with_delta ? ddel.as<__nv_bfloat16>() : nullptr,
+                                   dw.as<__nv_bfloat16>(), rows, d, 1e-6f, 1.f,
+                                   out.as<__nv_bfloat16>(), 0, which);
+          outs[k] = out.download();
+          resids[k++] = dres.download();
+        }
+        EXPECT_EQ(outs[0], outs[1]) << "d " << d << " rows " << rows << " delta " << with_delta;
+        EXPECT_EQ(resids[0], resids[1]) << "d " << d << " rows " << rows;
+      }
+    }
+  }
+  const int T = 4096, d = 5120, rot = 3;  // 3 x 84 MB of rows: past the 60 MB L2
+  DevBuf<bf> h(test::random_bf16(size_t(T) * d * rot, rng)),
+      dl(test::random_bf16(size_t(T) * d * rot, rng)), w(test::random_bf16(d, rng, 0.1f)),
+      o(size_t(T) * d * rot);
+  for (int with_delta : {1, 0}) {
+    double us[2];
+    int k = 0;
+    for (auto which : {cuda::RmsNormKernel::kMax8, cuda::RmsNormKernel::kFit})
+      us[k++] = test::graph_time_us([&](int i, cudaStream_t st) {
+        const size_t off = size_t(i % rot) * T * d;
+        cuda::launch_add_rmsnorm(h.as<__nv_bfloat16>() + off,
+                                 with_delta ? dl.as<__nv_bfloat16>() + off : nullptr,
+                                 w.as<__nv_bfloat16>(), T, d, 1e-6f, 1.f,
+                                 o.as<__nv_bfloat16>() + off, st, which);
+      });
+    const double mb = (with_delta ? 4.0 : 2.0) * T * d * 2 / 1e6;  // bytes read + written
+    std::printf(
+        "TIMING add_rmsnorm %d x %d %s: max8 %.2f us (%.0f GB/s), fit %.2f us (%.0f GB/s)\n", T,
+        d, with_delta ? "with delta" : "no delta (residual folded into the GEMM)", us[0],
+        mb / us[0] * 1e3, us[1], mb / us[1] * 1e3);
   }
 }
 
