@@ -619,7 +619,8 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_adaptive
     const float2* part_ml,  // [n_seqs, n_heads, n_splits]
     const float* part_o,    // [.., n_splits, HD], 16B-aligned
     AttnGate gate,
-    bf16* __restrict__ out) {  // [n_rows, n_heads, HD]
+    bf16* __restrict__ out,  // [n_rows, n_heads, HD]
+    bool early_dependents) {
   constexpr int kCols = HD / 4 / kSlices;         // float4 columns of this block
   constexpr int kGroups = kMergeThreads / kCols;  // split groups
   static_assert(kCols * kGroups == kMergeThreads, "merge: columns must divide the block");
@@ -632,9 +633,11 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_adaptive
   const int n_used = adaptive_split(b.kv_len[seq], min_chunk, n_splits).n_used;
   const int64_t row = b.q_start[seq];
   const int64_t base = ((int64_t)seq * s.n_heads + h) * n_splits;
+  // PDL: the attn_o GEMV (a programmatic dependent) reads `out` only after its own wait, which
+  // waits for this whole grid: it may launch before or after this block's wait.
+  if (early_dependents) pdl_trigger();
   pdl_wait();  // the split kernel's partials
-  // PDL: the attn_o GEMV (a programmatic dependent) reads `out` only after its own wait.
-  pdl_trigger();
+  if (!early_dependents) pdl_trigger();
   float mx = -INFINITY;
   for (int i = tid; i < n_used; i += kMergeThreads) mx = fmaxf(mx, __ldcg(&part_ml[base + i]).x);
   mx = block_max(mx, scratch);
@@ -692,11 +695,13 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
     if ((int64_t)b.n_seqs * s.n_heads < n_sms)
       launch_maybe_pdl(attention_decode_merge_adaptive_kernel<HD, kSlices>,
                        dim3(s.n_heads * kSlices, b.n_seqs), dim3(kMergeThreads), merge_smem,
-                       stream, how.pdl, s, b, kv_chunk, n_splits, ml, o, gate, out);
+                       stream, how.pdl, s, b, kv_chunk, n_splits, ml, o, gate, out,
+                       how.pdl && how.early_dependents);
     else
       launch_maybe_pdl(attention_decode_merge_adaptive_kernel<HD, 1>,
                        dim3(s.n_heads, b.n_seqs), dim3(kMergeThreads), merge_smem, stream,
-                       how.pdl, s, b, kv_chunk, n_splits, ml, o, gate, out);
+                       how.pdl, s, b, kv_chunk, n_splits, ml, o, gate, out,
+                       how.pdl && how.early_dependents);
     DS_CUDA_LAUNCH_CHECK();
     return;
   }
@@ -774,9 +779,11 @@ AttnDecodeMode attention_decode_mode() {
     if (v.empty()) return kDefaultAttnDecodeMode;
     if (v == "pdl_rope") return AttnDecodeMode::kPdlRope;
     if (v == "pdl") return AttnDecodeMode::kPdl;
+    if (v == "pdl_early") return AttnDecodeMode::kPdlEarly;
     if (v == "adaptive") return AttnDecodeMode::kAdaptive;
     if (v == "planned") return AttnDecodeMode::kPlanned;
-    ds::throw_error("DS_ATTN_DECODE must be pdl_rope, pdl, adaptive or planned, got '", v, "'");
+    ds::throw_error("DS_ATTN_DECODE must be pdl, pdl_early, pdl_rope, adaptive or planned, got '",
+                    v, "'");
   }();
   return mode;
 }

@@ -34,6 +34,11 @@ struct AttnDecodeLaunch {
   // the newest row (kv_len - 1: written by the previous kernel, rope_kv) are read after it.
   // The previous kernel may therefore write only q and the newest K/V row of each sequence.
   bool pdl = false;
+  // pdl only: the merge kernel lets its own programmatic dependent (the attn_o GEMV) launch as soon
+  // as all merge blocks are resident (under PDL: while the split kernel still runs), instead of
+  // once they have passed their wait; the dependent's weight prefetch then overlaps the split
+  // kernel. Same results.
+  bool early_dependents = false;
 };
 
 // Splits per sequence for kAdaptive: one wave of the split kernel (2 blocks per SM) over n_seqs x
@@ -58,9 +63,10 @@ void launch_qk_norm_rope_kv(const AttnShape& s, const __nv_bfloat16* qkv,
 
 // The engine's decode path, from $DS_ATTN_DECODE (read once per process): "pdl" = kAdaptive under
 // PDL after rope_kv; "pdl_rope" = the same with rope_kv itself under PDL after the attn_qkv
-// projection; "adaptive" = kAdaptive without PDL; "planned" = the session-4 path (kPlanned, no
-// PDL). Unset: kDefaultAttnDecodeMode. Any other value throws ds::Error naming the variable.
-enum class AttnDecodeMode { kPdlRope, kPdl, kAdaptive, kPlanned };
+// projection; "pdl_early" = "pdl" with AttnDecodeLaunch::early_dependents; "adaptive" = kAdaptive
+// without PDL; "planned" = the session-4 path (kPlanned, no PDL). Unset: kDefaultAttnDecodeMode.
+// Any other value throws ds::Error naming the variable.
+enum class AttnDecodeMode { kPdlRope, kPdlEarly, kPdl, kAdaptive, kPlanned };
 constexpr AttnDecodeMode kDefaultAttnDecodeMode = AttnDecodeMode::kPdl;
 AttnDecodeMode attention_decode_mode();
 

@@ -977,7 +977,7 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     // kAuto: the tensor-core kernel when the launch's alignment checks pass, else SIMT.
     f.attn_decode_kernel =
         attn_v == "split_kv_mma" ? cuda::AttnDecodeKernel::kAuto : cuda::AttnDecodeKernel::kSimt;
-    // $DS_ATTN_DECODE (attention_decode.h): pdl (default), pdl_rope, adaptive or planned.
+    // $DS_ATTN_DECODE (attention_decode.h): pdl (default), pdl_early, pdl_rope, adaptive, planned.
     if (attn_v == "split_kv_mma") f.attn_decode_mode = cuda::attention_decode_mode();
     const std::string& gdn_v =
         dispatch_.select(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, f.S_d)).name;
@@ -1126,8 +1126,8 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
           cuda::AttnDecodeLaunch how;
           how.which = cuda::AttnDecodeKernel::kMma;
           how.split = cuda::AttnDecodeSplit::kAdaptive;
-          how.pdl = f.attn_decode_mode == cuda::AttnDecodeMode::kPdl ||
-                    f.attn_decode_mode == cuda::AttnDecodeMode::kPdlRope;
+          how.pdl = f.attn_decode_mode != cuda::AttnDecodeMode::kAdaptive;
+          how.early_dependents = f.attn_decode_mode == cuda::AttnDecodeMode::kPdlEarly;
           cuda::launch_attention_decode(
               attn_, ab_d, q_, kc, vc, gate, 64,
               cuda::attention_decode_adaptive_splits(S_d, c.n_kv_heads, n_sms_, kMaxDecodeSplits),

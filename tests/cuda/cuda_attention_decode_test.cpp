@@ -347,8 +347,9 @@ std::vector<float> run_after_rope(const DecodeFixture& f, cuda::AttnDecodeLaunch
 }
 
 // The engine's decode sequence: the adaptive kernel as a programmatic dependent of rope_kv,
-// eager and in a graph, vs the same kernels launched plainly (bit-identical) and vs the planned
-// path (tolerance). 27B shapes at batch 1 / 4 / 16, 4K..32K, uniform and ragged.
+// eager and in a graph (and with the merge's early dependents), vs the same kernels launched
+// plainly (bit-identical) and vs the planned path (tolerance). 27B shapes at batch 1 / 4 / 16,
+// 4K..32K, uniform and ragged.
 TEST(CudaAttentionDecode, PdlAfterRope27b) {
   DS_REQUIRE_GPU();
   std::mt19937 rng(77);
@@ -370,19 +371,25 @@ TEST(CudaAttentionDecode, PdlAfterRope27b) {
     const auto pdl = run_after_rope(f, launch_of(AttnDecodeKernel::kMma, adaptive, true), false);
     const auto pdl_graph =
         run_after_rope(f, launch_of(AttnDecodeKernel::kMma, adaptive, true), true);
+    auto early = launch_of(AttnDecodeKernel::kMma, adaptive, true);
+    early.early_dependents = true;
+    const auto pdl_early = run_after_rope(f, early, true);
     const auto planned = run_after_rope(f, launch_of(AttnDecodeKernel::kMma), false);
     for (size_t j = 0; j < pdl.size(); ++j) {
       ASSERT_TRUE(std::isfinite(pdl[j])) << what << " [pdl]: element " << j << " not finite";
       ASSERT_TRUE(std::isfinite(pdl_graph[j])) << what << " [pdl graph]: element " << j;
+      ASSERT_TRUE(std::isfinite(pdl_early[j])) << what << " [pdl early graph]: element " << j;
       ASSERT_TRUE(std::isfinite(planned[j])) << what << " [planned]: element " << j;
     }
     EXPECT_EQ(n_differ(pdl, plain), 0u) << what << ": pdl vs plain launch";
     EXPECT_EQ(n_differ(pdl_graph, plain), 0u) << what << ": pdl in a graph vs plain launch";
+    EXPECT_EQ(n_differ(pdl_early, plain), 0u) << what << ": pdl (early dependents) vs plain";
     const double e = test::norm_err(pdl, planned);
     EXPECT_LT(e, 1e-2) << what << ": adaptive vs planned";
-    std::printf("  %s: pdl vs plain %zu, pdl graph vs plain %zu of %zu differ; adaptive vs "
-                "planned %.2e\n",
-                what.c_str(), n_differ(pdl, plain), n_differ(pdl_graph, plain), pdl.size(), e);
+    std::printf("  %s: pdl vs plain %zu, pdl graph vs plain %zu, pdl early graph vs plain %zu of "
+                "%zu differ; adaptive vs planned %.2e\n",
+                what.c_str(), n_differ(pdl, plain), n_differ(pdl_graph, plain),
+                n_differ(pdl_early, plain), pdl.size(), e);
   }
   // The engine's workspace bound: more splits than one wave, most empty, smallest split 8 keys.
   DecodeFixture f(test::attn_shape_27b(), {4096, 100, 1}, 99);
@@ -416,7 +423,8 @@ TEST(CudaAttentionDecode, UnsupportedShapes) {
 
 // Per-launch time of rope_kv + decode attention in a CUDA graph of 20 launches (median of
 // replays), KV rotated over up to 8 block tables (more than 3x L2 at every size): rope_kv alone,
-// then with the planned path, the adaptive path and the adaptive path under PDL.
+// then with the planned path (the engine's plan for the context's bucket), the adaptive path and
+// the adaptive path under PDL.
 TEST(CudaAttentionDecode, Timing) {
   DS_REQUIRE_GPU();
   const cuda::AttnShape s = test::attn_shape_27b();
@@ -447,7 +455,11 @@ TEST(CudaAttentionDecode, Timing) {
   std::printf("  %-6s %-7s %9s %12s %12s %12s %9s   (rope + attention us; attention GB/s)\n",
               "batch", "context", "rope", "planned", "adaptive", "pdl", "pdl GB/s");
   for (int batch : {1, 4, 16})
-    for (int ctx : {4096, 16384, 32768}) {
+    for (int ctx : {4096, 4160, 16384, 32768, 32832}) {
+      // The planned path sizes its grid for the context's power-of-two bucket (as the engine's
+      // graphs do: 4160 runs 128 splits of 64, half of them empty); the adaptive one for kv_len.
+      int bucket = 64;
+      while (bucket < ctx) bucket *= 2;
       const int bps = (ctx + ps - 1) / ps;
       const double kv_bytes = 2.0 * batch * ctx * nkv * hd * 2;
       const int rot =
@@ -467,8 +479,9 @@ TEST(CudaAttentionDecode, Timing) {
       DevBuf<int32_t> d_t(table), d_qs(qs), d_ql(ql), d_kl(kl), d_pos(pos), d_slots(slots);
       DevBuf<bf> qkv(test::random_bf16(size_t(batch) * s.qkv_dim(), rng)),
           q(size_t(batch) * s.n_heads * hd), out(size_t(batch) * s.n_heads * hd);
-      const int chunk = cuda::attention_decode_kv_chunk(batch, nkv, ctx, n_sms, 64);
-      const int splits = (ctx + chunk - 1) / chunk;
+      const int chunk =
+          cuda::attention_decode_kv_chunk(batch, nkv, std::max(64, bucket / 2), n_sms, 64);
+      const int splits = (bucket + chunk - 1) / chunk;
       const int a_splits = cuda::attention_decode_adaptive_splits(batch, nkv, n_sms, 64);
       DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, batch, std::max(splits, a_splits)));
       DS_CUDA_CHECK(cudaDeviceSynchronize());
