@@ -652,7 +652,8 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_adaptive
   const float4* po = reinterpret_cast<const float4*>(part_o + base * HD) + slice * kCols + c;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
-  for (int i = grp; i < n_used; i += kGroups) fma4(acc, w_split[i], __ldcg(po + (int64_t)i * (HD / 4)));
+  for (int i = grp; i < n_used; i += kGroups)
+    fma4(acc, w_split[i], __ldcg(po + (int64_t)i * (HD / 4)));
   red[grp][c] = acc;
   __syncthreads();
   if (grp != 0) return;

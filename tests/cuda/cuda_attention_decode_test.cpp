@@ -16,7 +16,8 @@
 // at batch 1 / 4 / 16 x 4K..32K (uniform and ragged): bit-identical to the same kernels launched
 // without PDL, and within 1e-2 of the planned path.
 // Timing (prints, asserts nothing): rope_kv + attention decode per launch in a CUDA graph (KV
-// rotated past L2), planned vs adaptive vs adaptive under PDL, at batch 1 / 4 / 16 x 4K / 16K / 32K.
+// rotated past L2), planned vs adaptive vs adaptive under PDL, at batch 1 / 4 / 16 x 4096, 4160,
+// 16384, 32768, 32832 (4160 and 32832: just past a bucket, the engine's usual case).
 #include <gtest/gtest.h>
 
 #include <algorithm>
