@@ -43,6 +43,9 @@ constexpr int kMaxGraphSplits = 2 * kMaxDecodeSplits;  // splits at the bucket t
 constexpr int64_t kGraphBytesEstimate = int64_t(4) << 20;
 constexpr size_t kGemmWorkspace = size_t(64) << 20;
 constexpr size_t kStagingBytes = size_t(64) << 20;  // per pinned staging buffer (2 of them)
+// Forwards of at least this many tokens fold the residual add into the out-projection GEMMs
+// (CudaEngineOptions::prefill_residual_fold); decode batches stay below it.
+constexpr int kFoldMinRows = 64;
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -191,6 +194,9 @@ class CudaBackend final : public Backend {
     if (rows != fused_norm_rows_) clear_graphs();  // captured graphs hold the other launches
     fused_norm_rows_ = rows;
   }
+  using PrefillFold = CudaEngineOptions::PrefillFold;
+  PrefillFold prefill_fold() const { return fold_; }
+  void set_prefill_fold(PrefillFold mode) { fold_ = mode; }  // prompt forwards: no graph has it
 
  private:
   struct Piece {
@@ -309,6 +315,9 @@ class CudaBackend final : public Backend {
   // Residual add + RMSNorm in the prologue of the bulk decode GEMVs (gemv_bulk_norm.h) for
   // forwards of at most this many tokens.
   int fused_norm_rows_ = 2;
+  // The residual add folded into the out-projection GEMMs of prompt forwards of >= kFoldMinRows
+  // tokens (CudaEngineOptions::prefill_residual_fold).
+  CudaEngineOptions::PrefillFold fold_ = CudaEngineOptions::PrefillFold::kAll;
   // Decode graphs.
   bool graphs_on_ = true;
   std::map<GraphKey, GraphEntry> graphs_;
@@ -419,6 +428,15 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
     DS_CHECK(v.size() == 1 && v[0] >= '0' && v[0] <= '0' + cuda::kGemvNormMaxM,
              "DS_FUSED_NORM must be a row count 0..", cuda::kGemvNormMaxM, ", got '", v, "'");
     set_fused_norm_rows(v[0] - '0');
+  }
+  fold_ = eopt_.prefill_residual_fold;
+  if (const char* env = std::getenv("DS_PREFILL_FOLD")) {
+    const std::string v = env;
+    DS_CHECK(v == "0" || v == "1" || v == "mixer" || v == "all",
+             "DS_PREFILL_FOLD must be 0, mixer, all or 1 (= all), got '", v, "'");
+    fold_ = v == "0"       ? PrefillFold::kOff
+            : v == "mixer" ? PrefillFold::kMixer
+                           : PrefillFold::kAll;
   }
   // $DS_GDN_DECODE_PDL is read at every GDN decode launch (tests switch it between engines); a bad
   // value fails here, at start-up, with its ds::Error, not in every decode forward.
@@ -706,10 +724,10 @@ void CudaBackend::tune_gemms() {
 
   int n_tuned = 0, n_timed = 0, n_cached = 0, n_changed = 0;
   double saved_us = 0;  // per call, summed over the tuned shapes
-  auto tune = [&](const Shape& s, int m, const cuda::GemmTuneOptions& o) {
+  auto tune = [&](const Shape& s, int m, const cuda::GemmTuneOptions& o, bool acc = false) {
     if (s.w.empty() || gemm_->variant(m, s.n, s.k) != "cublaslt") return;
     const cuda::GemmTuneResult r =
-        gemm_->tune(m, s.n, s.k, s.out, s.w, s.x, s.y, stream_, false, o);
+        gemm_->tune(m, s.n, s.k, s.out, s.w, s.x, s.y, stream_, acc, o);
     ++n_tuned;
     n_timed += r.timed && !r.cached;
     n_cached += r.cached;
@@ -749,6 +767,11 @@ void CudaBackend::tune_gemms() {
     prompt.max_weights = 1;
     prompt.batches = 3;
     for (const Shape& s : shapes) tune(s, chunk_size_, prompt);
+    // The out-projections with the residual folded in (beta = 1), planned whether the fold is on
+    // or not, so that set_cuda_prefill_fold can switch it at run time.
+    if (chunk_size_ >= kFoldMinRows)
+      for (const Shape& s : shapes)
+        if (s.n == dm) tune(s, chunk_size_, prompt, true);
   }
   DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (eopt_.verbose)
@@ -1067,6 +1090,20 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
   // place and writes xn_.
   bf16* res = h_;
   const bool fuse = T <= fused_norm_rows_;  // h2_ holds kGemvNormMaxM >= fused_norm_rows_ rows
+  // Prompt forwards: gdn_out / attn_o (and down with kAll) add their product into `res`
+  // (cuBLASLt beta = 1) and the norm after each reads `res` alone (delta null): see
+  // CudaEngineOptions::prefill_residual_fold. Decode-only forwards (the graphs) never fold.
+  const bool fold_ok = !fuse && T >= kFoldMinRows && S_p > 0;
+  const bool fold_mixer = fold_ok && fold_ != PrefillFold::kOff;
+  const bool fold_down = fold_ok && fold_ == PrefillFold::kAll;
+  bf16* const mixer_out = fold_mixer ? nullptr : delta_;  // the delta the post norm adds
+  bf16* const mlp_out = fold_down ? nullptr : delta_;     // the delta the next input norm adds
+  auto gemm_out = [&](const bf16* x, const bf16* wt, int k, bool fold) {
+    if (fold)
+      gemm_->run(x, wt, res, T, dm, k, cuda::GemmOut::kBF16, stream_, true);
+    else
+      gemm(x, wt, delta_, dm, k);
+  };
   auto norm_in = [&](const bf16* delta, const bf16* w) {
     cuda::GemvNormIn nin;
     nin.residual = res;
@@ -1092,7 +1129,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
   for (int il = 0; il < c.n_layers; ++il) {
     const DevLayer& L = w_.layers[il];
     // h += previous layer's MLP output; input_layernorm(h) -> the mixer's in-projection
-    const bf16* mlp_delta = il == 0 ? nullptr : delta_;
+    const bf16* mlp_delta = il == 0 ? nullptr : mlp_out;
     if (L.type == LayerType::kLinear) {
       norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim());  // [qkv | z | b | a]
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
@@ -1109,7 +1146,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
         cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_, d.cu, d.seq_pos, d.slot_ids, S, T,
                                  gdn_ws_, gdn_ws_bytes_, mix_, stream_, &dispatch_);
       }
-      gemm(mix_, L.gdn_out, delta_, dm, c.gdn_z_dim());
+      gemm_out(mix_, L.gdn_out, c.gdn_z_dim(), fold_mixer);
     } else {
       norm_gemm(mlp_delta, L.input_norm, L.attn_qkv, proj_, attn_.qkv_dim());  // [q+gate | k | v]
       const int64_t layer_elems =
@@ -1142,24 +1179,24 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       } else {
         cuda::launch_attention_prefill(attn_, ab, q_, kc, vc, gate, mix_, stream_, &dispatch_);
       }
-      gemm(mix_, L.attn_o, delta_, dm, c.attn_out_dim());
+      gemm_out(mix_, L.attn_o, c.attn_out_dim(), fold_mixer);
     }
     // h += mixer output; post_attention_layernorm(h); MLP. gate_up with SiLU-and-mul in its
     // epilogue where the registry picks gemm.gemv_bulk_silu (decode, bit-identical to the two
     // launches below; with the norm in its prologue when fused), else GEMM then silu_mul.
-    const cuda::GemvNormIn post = norm_in(delta_, L.post_norm);
+    const cuda::GemvNormIn post = norm_in(mixer_out, L.post_norm);
     if (fuse && gate_up_silu_norm(post, L.gate_up, act_, T, c.d_ff, dm)) {
       flip(post);
     } else {
-      cuda::launch_add_rmsnorm(res, delta_, L.post_norm, T, dm, eps, 1.f, xn_, stream_);
+      cuda::launch_add_rmsnorm(res, mixer_out, L.post_norm, T, dm, eps, 1.f, xn_, stream_);
       if (!gemm_->run_gate_up_silu(xn_, L.gate_up, act_, T, c.d_ff, dm, stream_)) {
         gemm(xn_, L.gate_up, proj_, 2 * c.d_ff, dm);
         cuda::launch_silu_mul(proj_, T, c.d_ff, act_, stream_);
       }
     }
-    gemm(act_, L.down, delta_, dm, c.d_ff);
+    gemm_out(act_, L.down, c.d_ff, fold_down);
   }
-  cuda::launch_add_rmsnorm(res, delta_, w_.final_norm, T, dm, eps, 1.f, xn_, stream_);
+  cuda::launch_add_rmsnorm(res, mlp_out, w_.final_norm, T, dm, eps, 1.f, xn_, stream_);
 }
 
 // The bulk GEMV with the add + RMSNorm in its prologue when the registry picks the bulk GEMV for
@@ -1360,6 +1397,18 @@ void set_cuda_fused_norm(Backend& b, int rows) {
   auto* cb = dynamic_cast<CudaBackend*>(&b);
   DS_CHECK(cb != nullptr, "set_cuda_fused_norm: backend ", b.name(), " is not the CUDA engine");
   cb->set_fused_norm_rows(rows);
+}
+
+void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode) {
+  auto* cb = dynamic_cast<CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "set_cuda_prefill_fold: backend ", b.name(), " is not the CUDA engine");
+  cb->set_prefill_fold(mode);
+}
+
+CudaEngineOptions::PrefillFold cuda_prefill_fold(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_prefill_fold: backend ", b.name(), " is not the CUDA engine");
+  return cb->prefill_fold();
 }
 
 int cuda_fused_norm(const Backend& b) {

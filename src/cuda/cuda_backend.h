@@ -45,6 +45,15 @@ struct CudaEngineOptions {
   // bit-identical outputs. $DS_FUSED_NORM=N overrides. Default 2: measured faster at batch 1 and
   // 2, slower at batch 4 (H200, docs/perf/decode_kernels.md).
   int fused_norm_rows = 2;
+  // Prompt forwards (>= 64 tokens with a prompt piece): the residual add folded into the
+  // out-projection GEMMs, which write h + x W^T into the residual stream (cuBLASLt beta = 1), so
+  // the add_rmsnorm after each reads one tensor instead of two and writes one less. kMixer: the
+  // mixer out-projections (gdn_out / attn_o) only; kAll: the MLP down projection too. Decode-only
+  // forwards never fold. Measured on the H200 (docs/perf/prefill_gaps.md): the logits stayed
+  // bit-identical (cuBLASLt rounds x W^T to bf16 before adding C, as the separate add does).
+  // $DS_PREFILL_FOLD = 0 / mixer / all (1 = all) overrides.
+  enum class PrefillFold { kOff, kMixer, kAll };
+  PrefillFold prefill_residual_fold = PrefillFold::kAll;
 };
 
 // Uploads `w` (bf16 / f16 / f32 tensors; f16 / f32 are converted to bf16 on the host).
@@ -98,5 +107,9 @@ void set_cuda_graphs(Backend& b, bool on);
 // not a CUDA backend or rows is outside 0..4.
 void set_cuda_fused_norm(Backend& b, int rows);
 int cuda_fused_norm(const Backend& b);
+// Sets the prompt forwards' residual fold (CudaEngineOptions::prefill_residual_fold) at run
+// time, and reads it. Throw ds::Error when `b` is not a CUDA backend.
+void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode);
+CudaEngineOptions::PrefillFold cuda_prefill_fold(const Backend& b);
 
 }  // namespace ds
