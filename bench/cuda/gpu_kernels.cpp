@@ -477,11 +477,25 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
   r.variant = variant(cuda::KernelFamily::kAttnDecode, key);
   r.shape = shape;
   const bool split = r.variant == "split_kv_mma" || r.variant == "split_kv";
-  auto run_split = [&](int k, bf16* o) {
+  // The row times what the engine runs: split_kv_mma with the adaptive splits unless
+  // $DS_ATTN_DECODE=planned (launched plainly here: its PDL gain needs the kernel before it, see
+  // cuda_attention_decode_test Timing and bench decode); the note gives the other split.
+  const bool adaptive = r.variant == "split_kv_mma" &&
+                        cuda::attention_decode_mode() != cuda::AttnDecodeMode::kPlanned;
+  cuda::AttnDecodeLaunch how_adaptive;
+  how_adaptive.which = cuda::AttnDecodeKernel::kMma;
+  how_adaptive.split = cuda::AttnDecodeSplit::kAdaptive;
+  auto run_planned = [&](int k, bf16* o) {
     cuda::launch_attention_decode(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(),
                                   vc.as<bf16>(), gate_for(k), kv_chunk, n_splits, ws.as<void>(), o,
                                   s_);
   };
+  auto run_adaptive = [&](int k, bf16* o) {
+    cuda::launch_attention_decode(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(),
+                                  vc.as<bf16>(), gate_for(k), 64, a_splits, ws.as<void>(), o, s_,
+                                  how_adaptive);
+  };
+  auto run_split = [&](int k, bf16* o) { adaptive ? run_adaptive(k, o) : run_planned(k, o); };
   auto run_generic = [&](int k, bf16* o) {
     cuda::launch_attention_prefill(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(),
                                    vc.as<bf16>(), gate_for(k), o, s_);
@@ -497,7 +511,8 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
             .p50;
     r.samples = gpu::time_launches(
         [&](int i) { run_split(i % rot, out.as<bf16>() + (i % rot) * qe); }, s_, timer(rot));
-    r.note = str("kv_chunk %d, %d splits", kv_chunk, n_splits);
+    r.note = adaptive ? str("adaptive: at most %d splits of >= 64 keys", a_splits)
+                      : str("planned: kv_chunk %d, %d splits", kv_chunk, n_splits);
     // The first (SIMT) split kernel on the same inputs, for the speed-up of the mma kernel.
     if (cuda::attention_decode_mma_supported(attn_)) {
       auto run_simt = [&](int i) {
@@ -510,28 +525,20 @@ const KernelResult& KernelBench::attn_decode(int batch, int ctx) {
       const double t_simt = gpu::time_launches(run_simt, s_, timer(rot)).p50;
       r.note += str("; split kernel mma (simt: %.1f us, %.0f GB/s)", t_simt * 1e6,
                     kv_bytes / t_simt * 1e-9);
-      // The engine's default ($DS_ATTN_DECODE unset): adaptive splits (at most a_splits of >= 64
-      // keys per sequence, sized on the device), launched plainly here (its PDL gain needs the
-      // kernel before it: cuda_attention_decode_test Timing, bench decode).
-      cuda::AttnDecodeLaunch how;
-      how.which = cuda::AttnDecodeKernel::kMma;
-      how.split = cuda::AttnDecodeSplit::kAdaptive;
-      auto run_adaptive = [&](int i, bf16* o) {
-        const int k = i % rot;
-        cuda::launch_attention_decode(attn_, batch_for(k), qb.as<bf16>() + k * qe, kc.as<bf16>(),
-                                      vc.as<bf16>(), gate_for(k), 64, a_splits, ws.as<void>(), o,
-                                      s_, how);
-      };
-      run_adaptive(0, out2.as<bf16>());
+      // The other split on the same inputs (the row's is the engine's), outputs compared.
+      auto run_other = [&](int k, bf16* o) { adaptive ? run_planned(k, o) : run_adaptive(k, o); };
+      run_other(0, out2.as<bf16>());
       run_split(0, out.as<bf16>());
-      const std::string a_match =
+      const std::string o_match =
           gpu::compare_bf16(out2.as<bf16>(), out.as<bf16>(), qe, s_).text();
-      const double t_a =
-          gpu::time_launches([&](int i) { run_adaptive(i, out.as<bf16>() + (i % rot) * qe); }, s_,
-                             timer(rot))
+      const double t_o =
+          gpu::time_launches([&](int i) { run_other(i % rot, out.as<bf16>() + (i % rot) * qe); },
+                             s_, timer(rot))
               .p50;
-      r.note += str("; adaptive (%d splits) %.1f us, %.0f GB/s (vs planned: %s)", a_splits,
-                    t_a * 1e6, kv_bytes / t_a * 1e-9, a_match.c_str());
+      r.note += str("; %s %.1f us, %.0f GB/s (vs the row: %s)",
+                    adaptive ? str("planned (kv_chunk %d, %d splits)", kv_chunk, n_splits).c_str()
+                             : str("adaptive (<= %d splits)", a_splits).c_str(),
+                    t_o * 1e6, kv_bytes / t_o * 1e-9, o_match.c_str());
     }
   } else {
     r.samples = gpu::time_launches(
