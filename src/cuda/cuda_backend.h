@@ -49,8 +49,9 @@ struct CudaEngineOptions {
   // out-projection GEMMs, which write h + x W^T into the residual stream (cuBLASLt beta = 1), so
   // the add_rmsnorm after each reads one tensor instead of two and writes one less. kMixer: the
   // mixer out-projections (gdn_out / attn_o) only; kAll: the MLP down projection too. Decode-only
-  // forwards never fold. Measured on the H200 (docs/perf/prefill_gaps.md): the logits stayed
-  // bit-identical (cuBLASLt rounds x W^T to bf16 before adding C, as the separate add does).
+  // forwards never fold. Measured on the H200 at the 27B shapes (docs/perf/prefill_gaps.md): the
+  // logits stayed bit-identical (as if cuBLASLt rounds x W^T to bf16 before adding C, like the
+  // separate add; not documented, so not assumed elsewhere).
   // $DS_PREFILL_FOLD = 0 / mixer / all (1 = all) overrides.
   enum class PrefillFold { kOff, kMixer, kAll };
   PrefillFold prefill_residual_fold = PrefillFold::kAll;
