@@ -685,8 +685,9 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
   cuda::GdnDecodeKernel engine_kernel = cuda::GdnDecodeKernel::kAuto;
   const bool fused_variant = cuda::gdn_decode_kernel_for_variant(r.variant, &engine_kernel);
   auto run_fused = [&](int k, bf16* o) { run_fused_with(k, o, engine_kernel); };
-  // Every fused kernel at this batch (new vs old in one run): the cluster splits and the streaming
-  // kernel (4-chunk ring, and its whole-head-in-flight variant).
+  // Every fused kernel at this batch (new vs old in one run): the cluster splits, the streaming
+  // kernel (4-chunk ring, and its whole-head-in-flight variant) and the split streaming kernels
+  // (a head's rows over 2 / 4 blocks).
   {
     const auto t_of = [&](cuda::GdnDecodeKernel which) {
       return gpu::time_launches(
@@ -710,6 +711,10 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
       add("stream", cuda::GdnDecodeKernel::kStream);
       add("stream_whole", cuda::GdnDecodeKernel::kStreamWhole);
     }
+    if (cuda::gdn_decode_split_supported(gdn_, a.pool, 2))
+      add("split2", cuda::GdnDecodeKernel::kSplit2);
+    if (cuda::gdn_decode_split_supported(gdn_, a.pool, 4))
+      add("split4", cuda::GdnDecodeKernel::kSplit4);
     r.note = note;
   }
   // The generic path: the prompt kernels with one token per sequence.
@@ -981,7 +986,7 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
       for (int ctx : contexts)
         guarded("attn_decode", "batch/ctx " + S(b, ctx), [&] { kb.attn_decode(b, ctx); });
   if (c.n_linear_layers() > 0 && wanted(opt, "gdn_decode"))
-    for (int b : dec_batches)
+    for (int b : opt.quick ? std::vector<int>{1} : std::vector<int>{1, 4, 8, 16})
       guarded("gdn_decode", "batch " + std::to_string(b), [&] { kb.gdn_decode(b); });
   if (c.n_linear_layers() > 0 && wanted(opt, "gdn_prefill")) {
     for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{64, 512, 4096, 8192})

@@ -241,6 +241,25 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // gdn_decode dims: {d_k, d_v, n_seqs}. The engine maps a variant to its kernel with
   // gdn_decode_kernel_for_variant (gdn.h); state alignment (16-byte rows) is checked at launch.
   // Batch ranges from the H200 timings in tests/cuda/cuda_gdn_decode_test.cpp (Timing).
+  // The split kernels only at the batch sizes where the whole step was measured faster (H200,
+  // bench decode at 4K, same call, docs/perf/decode_kernels.md "session 5"): batch 1 12.822 ->
+  // 12.739 ms (split4 over cluster8), batch 16 17.120 -> 16.972 (split2 over fused_stream); at 4
+  // and 8 both were slower or equal. Their kernel times jump wherever a grid spills past one
+  // wave of 5 blocks per SM, hence no wider ranges (nor other head sizes, which the kernels
+  // take: gdn_decode_split_supported) without a measurement.
+  r.add({F::kGdnDecode, "fused_split4",
+         "fused GDN decode step, the streaming kernel with each head's rows over a 4-block "
+         "cluster (o rows exchanged by st.async); bit-equal to fused_stream; sm 90, "
+         "d_k = d_v = 128, batch 1 (H200 step 12.822 -> 12.739 ms at 4K)",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] == 1;
+         }});
+  r.add({F::kGdnDecode, "fused_split2",
+         "fused GDN decode step, as fused_split4 over a 2-block cluster; sm 90, d_k = d_v = 128, "
+         "batch 16 (H200 step 17.120 -> 16.972 ms at 4K)",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] == 16;
+         }});
   r.add({F::kGdnDecode, "fused_stream",
          "fused GDN decode step, one block per (sequence, value head), state streamed through a "
          "4-chunk shared-memory ring by bulk copies, no cluster barrier; sm 90, batch >= 3 (H200: "

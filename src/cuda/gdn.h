@@ -118,14 +118,21 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 //    back from registers as each chunk is updated; no cluster barrier. kStreamWhole: the same
 //    with the whole head in flight at once (64 KiB of shared memory; A/B variant, slower on the
 //    H200). Both need gdn_decode_stream_supported.
+//  - kSplit2 / kSplit4: the streaming kernel's code with each head's rows split over a cluster of
+//    2 / 4 blocks (d_v / 2 or d_v / 4 contiguous rows each, all in flight at once); every block
+//    sends its rows' o to its peers (st.async into their shared memory) and reduces the whole
+//    head as kStream does, so states AND outputs are bit-equal to kStream's. Need
+//    gdn_decode_split_supported (d_v % 8 / % 16 == 0 and the streaming kernel's alignment).
 //  - kAuto: the choice by batch size measured on the H200 (gdn_decode.cu).
 // Every kernel needs a 16-byte aligned rec_state and rec_slot_stride % 4 == 0 (ds::Error
 // otherwise); forcing an unsupported kernel throws ds::Error.
-enum class GdnDecodeKernel { kAuto, kCluster4, kCluster8, kStream, kStreamWhole };
+enum class GdnDecodeKernel { kAuto, kCluster4, kCluster8, kStream, kStreamWhole, kSplit2, kSplit4 };
 bool gdn_decode_cluster8_supported(const GdnShape& s);
 bool gdn_decode_stream_supported(const GdnShape& s, const GdnStatePool& pool);
-// The kernel that runs a gdn_decode dispatch variant (dispatch.cpp: "fused_stream",
-// "fused_cluster8", "fused"); false for a variant that is not the fused step ("prefill_path").
+bool gdn_decode_split_supported(const GdnShape& s, const GdnStatePool& pool, int n_split);
+// The kernel that runs a gdn_decode dispatch variant (dispatch.cpp: "fused_split2",
+// "fused_split4", "fused_stream", "fused_cluster8", "fused"); false for a variant that is not the
+// fused step ("prefill_path").
 bool gdn_decode_kernel_for_variant(const std::string& variant, GdnDecodeKernel* which);
 void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                        const __nv_bfloat16* proj, const int32_t* seq_pos, const int32_t* slot_ids,

@@ -27,6 +27,14 @@
 // whole head, so the gated norm needs no cluster barrier. 5 blocks per SM (48 registers; a cap at
 // 40 for 6 per SM measured 4-5% slower at batch 4, 8, 32). kStreamWhole keeps the whole head in
 // flight (64 KiB, 3 blocks per SM; slower) for A/B runs.
+// The split streaming kernels (kSplit2 / kSplit4, gdn_decode_split_kernel) run the streaming
+// kernel's code with each head's rows split over a cluster of 2 / 4 blocks (d_v / 2 or d_v / 4
+// contiguous rows, 32 / 16 KiB at 27B, all in flight at once: no ring refill); every block sends
+// its rows' o to its peers' shared memory by st.async (completing on the peer's mbarrier, so no
+// cluster barrier waits behind the state stores) and reduces the whole head's o^2 in kStream's
+// order: states AND outputs bit-equal to kStream's. More, shorter blocks: they win where the grid
+// still fits one wave (batch 1) or where kStream's spills just past one (batch 16: 768 heads on
+// 660 slots).
 // PDL (launch_gdn_decode's pdl, the engine's $DS_GDN_DECODE_PDL): every kernel can be launched as
 // a programmatic dependent of the in-projection GEMV; the state loads (or bulk copies), the conv
 // taps and the weights are issued before griddepcontrol.wait, proj is read after it (pdl_wait
@@ -34,7 +42,7 @@
 // Every kernel runs the same per-row code (update_row) and conv / gates code, so all give bit-equal
 // states; outputs differ only in the order of the norm's sum of squares.
 // kAuto (and the dispatch registry, dispatch.cpp) picks by batch size: kCluster8MaxSeqs,
-// kStreamMinSeqs below.
+// kStreamMinSeqs, kSplit4Seqs, kSplit2Seqs below.
 // Bytes per layer: 2 * n_seqs * n_v_heads * d_v * d_k * 4 (state) + small; 27B batch 1: 6.3 MB.
 // Measured on the H200 (tests/cuda/cuda_gdn_decode_test.cpp Timing: 64 launches in a CUDA graph,
 // states rotated past L2), session 2, cluster8 / cluster4 us per layer: batch 1 6.27 / 7.25 (1.00 /
@@ -44,7 +52,8 @@
 // latency-bound at small batch, one load round trip + the row updates + a cluster barrier).
 // Tests: tests/cuda/cuda_gdn_test.cpp (Decode* vs the fp32 CPU recurrence, kAuto) and
 // tests/cuda/cuda_gdn_decode_test.cpp (every kernel vs an fp64 CPU step and vs cluster4 over
-// carried steps: states bit-equal, outputs within 1e-3; timing of every kernel at batch 1-32).
+// carried steps: states bit-equal, outputs within 1e-3; the split kernels bit-equal to kStream in
+// both; timing of every kernel at batch 1-32 next to a copy of the same bytes).
 #include <cooperative_groups.h>
 
 #include <cstdlib>
@@ -74,6 +83,16 @@ constexpr int kMaxD = 128;
 // batch 16 50.4 / 45.8 / 32.3 (docs/perf/decode_kernels.md).
 constexpr int kCluster8MaxSeqs = 2;
 constexpr int kStreamMinSeqs = 3;
+// kAuto (as the registry) takes the split streaming kernels only where the whole decode step was
+// measured faster on the H200 (bench decode at 4K, one call): the 4-block split at batch 1
+// (12.822 -> 12.739 ms per step; kernel 6.84 vs cluster8 6.81-7.15 us, the gain is under PDL),
+// the 2-block split at batch 16 (17.120 -> 16.972 ms; kernel 35.2 vs stream 37.0 us). Kernel
+// times per batch 1 / 2 / 3 / 4 / 8 / 16 / 32, us (cuda_gdn_decode_test Timing): split4 6.84 /
+// 8.37 / 9.72 / 14.4 / 22.9 / 39.5 / 74.0, split2 7.31 / 8.95 / 10.3 / 11.3 / 21.3 / 35.2 / 61.3,
+// stream 9.02 / 10.0 / 11.1 / 11.8 / 17.3 / 37.0 / 60.2: each jumps where its grid spills past
+// one wave of 5 blocks per SM (660 on 132 SMs), so ranges are not extrapolated.
+constexpr int kSplit4Seqs = 1;
+constexpr int kSplit2Seqs = 16;
 // gdn_decode_pdl_for's default: PDL up to this batch size. H200, bench decode with
 // DS_GDN_DECODE_PDL=0 vs 1 in one call (docs/perf/decode_kernels.md), ms per step: batch 1 4K
 // 13.486 -> 13.366, 1 32K 13.983 -> 13.884; batch 2 13.838 -> 13.847 and 4 14.962 -> 14.961 (the
@@ -590,6 +609,219 @@ void launch_stream_stages(GdnDecodeKernel which, const GdnShape& s, const GdnLay
     launch_stream<DK, VEC, 4>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
 }
 
+// ---- Split streaming kernel: a cluster of NSPLIT blocks per (sequence, value head) -----------
+// Each block streams d_v / NSPLIT contiguous state rows (16 KiB or 32 KiB at 27B), all of them in
+// flight at once (no ring refill, no block barrier per chunk), with the streaming kernel's
+// per-chunk code; the gated norm needs the whole head's o, so every block sends its rows' o to
+// its peers' os[] by st.async (remote shared-memory stores that complete on the receiver's
+// mbarrier: no cluster barrier after the state stores, which a release barrier would make wait
+// for them), then each block reduces the whole head's o^2 exactly as the streaming kernel does
+// (same warps, same order), so outputs AND states are bit-equal to kStream's.
+// Why: at batch 16 the streaming kernel's 768 blocks are 1.16 waves of 660 slots (the last 108
+// heads run on an idle GPU) and each block walks 16 rows per warp in sequence; at batch 4 its
+// 192 blocks leave most warps idle. Twice / four times the blocks, each with half / a quarter of
+// the rows, shorten every block's chain and the tail.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t smem_addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_addr), "r"(rank));
+  return r;
+}
+// Stores v into the peer's shared memory at `addr` (a shared::cluster address from cluster_map)
+// and adds 4 bytes to the transaction count of the peer's mbarrier at `bar`.
+__device__ __forceinline__ void st_async_f32(uint32_t addr, float v, uint32_t bar) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr),
+      "r"(__float_as_uint(v)), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// 5 blocks per SM, as the streaming kernel (48 registers; 54 uncapped, i.e. 4 per SM).
+constexpr int kSplitMinBlocks = 5;
+
+template <int DK, int NSPLIT>
+struct SplitCfg {
+  using C = StreamCfg<DK>;
+  static constexpr int kMaxRows = kMaxD / NSPLIT;  // state rows per block at most
+  static constexpr int kMaxChunks = (kMaxRows + C::kChunkRows - 1) / C::kChunkRows;
+  static constexpr int kSmemBytes = kMaxRows * DK * 4;  // the block's rows, all in flight
+  static_assert(kMaxChunks <= 4, "at most 4 chunk barriers");
+};
+
+template <int DK, bool VEC, int NSPLIT>
+__global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads, kSplitMinBlocks)
+    gdn_decode_split_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
+                            const bf16* proj,  // [n_seqs, in_dim] (no __restrict__: pdl_wait)
+                            const int32_t* __restrict__ seq_pos,   // [n_seqs]
+                            const int32_t* __restrict__ slot_ids,  // [n_seqs]
+                            bf16* __restrict__ out)                // [n_seqs, n_v_heads * d_v]
+{
+  using C = StreamCfg<DK>;
+  using SC = SplitCfg<DK, NSPLIT>;
+  extern __shared__ __align__(128) float chunk_buf[];  // [rows][DK]: the block's state rows
+  __shared__ __align__(16) float qs[DK], ks[DK], vs[SC::kMaxRows], os[kMaxD];
+  __shared__ __align__(8) uint64_t full[SC::kMaxChunks];
+  __shared__ __align__(8) uint64_t peers_done;  // the peers' o rows have landed in os[]
+  __shared__ float warp_sq[kStreamThreads / 32];
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // PDL: as in gdn_decode_kernel
+
+  const uint32_t rank = cluster_rank();  // == blockIdx.x (grid.x == NSPLIT)
+  const int hv = blockIdx.y, seq = blockIdx.z;
+  const int ratio = s.n_v_heads / s.n_k_heads, hk = hv / ratio;
+  const int d_v = s.d_v, qkv_dim = s.qkv_dim(), in_dim = s.in_dim();
+  const int rows = d_v / NSPLIT, v0 = static_cast<int>(rank) * rows;  // rows [v0, v0 + rows)
+  const int p = seq_pos[seq];
+  const int64_t slot = slot_ids[seq];
+  bf16* ring = pool.conv_state + slot * pool.conv_slot_stride;
+  const bf16* x = proj + static_cast<int64_t>(seq) * in_dim;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float* state =
+      pool.rec_state + slot * pool.rec_slot_stride + (static_cast<int64_t>(hv) * d_v + v0) * DK;
+  const bool has_state = p > 0;  // uniform over the block
+  const int n_chunks = (rows + C::kChunkRows - 1) / C::kChunkRows;
+
+  // 0. Thread 0 starts every chunk of the block's rows (chunk c -> rows [c * kChunkRows, ...),
+  // completing on full[c]) before anything else; peers_done completes once the peers' o rows
+  // (st.async, step 4) have landed.
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < SC::kMaxChunks; ++i) mbar_init(&full[i], 1);
+    mbar_init(&peers_done, 1);
+    // Armed now, so its transaction count never goes below zero: the peers' o rows.
+    if (w.norm_w != nullptr)
+      mbar_arrive_expect_tx(&peers_done, static_cast<uint32_t>(d_v - rows) * 4);
+    mbar_init_fence();
+    if (has_state)
+      for (int c = 0; c < n_chunks; ++c) {
+        const int rows_c = min(C::kChunkRows, rows - c * C::kChunkRows);
+        const uint32_t bytes = static_cast<uint32_t>(rows_c) * DK * 4;
+        mbar_arrive_expect_tx(&full[c], bytes);
+        bulk_copy_g2s(chunk_buf + c * C::kChunkRows * DK,
+                      state + static_cast<int64_t>(c) * C::kChunkRows * DK, bytes, &full[c]);
+      }
+  }
+  // The peers may store into this block's os[] once they have passed the matching wait (after
+  // their rows): peers_done's init is ordered before it by the fence above.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  const float A_log = w.A_log[hv], dt_bias = w.dt_bias[hv];
+  const bool norm = w.norm_w != nullptr;  // uniform over the cluster
+  // 1. conv + SiLU over q, k and the block's v channels, 4 per thread; taps before the wait.
+  // The q / k ring rows are written by rank 0 of the first value head of the key group.
+  const bool write_qk = hv % ratio == 0 && rank == 0;
+  const int e = 4 * tid;
+  const bool active = e < 2 * DK + rows;
+  const int ch = conv_channel<DK>(s, hk, hv, d_v, v0, e);
+  ConvTaps taps;
+  if (active) conv4_load_taps<VEC>(ring, w.conv_w, qkv_dim, ch, p, taps);
+
+  pdl_wait();  // proj is the previous kernel's output (see pdl_wait)
+  const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
+  const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
+  float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
+  conv_norm_to_shared<DK, VEC>(x, taps, active, e, ch, xin, y, qs, ks, vs);
+  // 2. gates.
+  float beta, decay;
+  gdn_gates(b_raw, a_raw, A_log, dt_bias, beta, decay);
+  __syncthreads();  // q, k, v in shared memory; the barriers' init visible to every thread
+
+  // 3. Rows, chunk by chunk as they land (the streaming kernel's loop without refills).
+  const int grp = warp * C::kRowsPerWarp + lane / C::kLanesPerRow;
+  const int k4 = lane % C::kLanesPerRow;
+  const float4 kk = *reinterpret_cast<const float4*>(ks + 4 * k4);
+  const float4 qq = *reinterpret_cast<const float4*>(qs + 4 * k4);
+  for (int c = 0; c < n_chunks; ++c) {
+    const float* buf = chunk_buf + c * C::kChunkRows * DK;
+    if (has_state) mbar_wait(&full[c], 0);
+    float4 t[C::kPasses];
+#pragma unroll
+    for (int j = 0; j < C::kPasses; ++j) {
+      const int v = c * C::kChunkRows + j * C::kRowsPerPass + grp;  // local row
+      t[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (has_state && v < rows)
+        t[j] = *reinterpret_cast<const float4*>(buf + (j * C::kRowsPerPass + grp) * DK + 4 * k4);
+    }
+#pragma unroll
+    for (int j = 0; j < C::kPasses; ++j) {
+      const int v = c * C::kChunkRows + j * C::kRowsPerPass + grp;
+      float o_v;
+      t[j] = update_row<DK>(t[j], kk, qq, decay, beta, v < rows ? vs[v] : 0.f, o_v);
+      if (v < rows) {
+        __stcg(reinterpret_cast<float4*>(state + v * DK + 4 * k4), t[j]);
+        if (k4 == 0) os[v0 + v] = o_v;
+      }
+    }
+  }
+  __syncthreads();  // the block's o rows are in os[]
+  // Thread c < rows: the gate z and norm weight of row v0 + c (loaded only now, so they hold no
+  // registers over the rows; the exchange below hides their latency).
+  float z_c = 0.f, w_c = 0.f;
+  if (tid < rows && norm) {
+    w_c = __bfloat162float(w.norm_w[v0 + tid]);
+    z_c = __bfloat162float(x[qkv_dim + hv * d_v + v0 + tid]);
+  }
+
+  // 4. Every block sends its o rows to its peers, then reduces the whole head as kStream does.
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");  // peers' peers_done initialised
+  float rinv = 1.f;
+  if (norm) {
+    if (tid < rows) {
+      const float o = os[v0 + tid];
+      const uint32_t addr = smem_u32(&os[v0 + tid]), bar = smem_u32(&peers_done);
+#pragma unroll
+      for (int r = 1; r < NSPLIT; ++r) {
+        const uint32_t peer = (rank + r) % NSPLIT;
+        st_async_f32(cluster_map(addr, peer), o, cluster_map(bar, peer));
+      }
+    }
+    mbar_wait(&peers_done, 0);
+    float sq = tid < d_v ? os[tid] * os[tid] : 0.f;
+    sq = warp_sum(sq);
+    if (lane == 0) warp_sq[warp] = sq;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < kMaxD / 32; ++i) total += warp_sq[i];  // warps past d_v hold 0
+    rinv = rsqrtf(total / d_v + s.norm_eps);
+  }
+
+  // 5. The ring (row p % 4, which no block reads in this step) and the block's outputs.
+  if (active && (e >= 2 * DK || write_qk)) {
+    bf16* rw = ring + (p & 3) * qkv_dim + ch;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) rw[i] = __float2bfloat16(xin[i]);  // exact: xin came from bf16
+  }
+  if (tid < rows) {
+    bf16* yo = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v + v0;
+    yo[tid] = __float2bfloat16(gated_output(os[v0 + tid], rinv, z_c, w_c, norm));
+  }
+}
+
+template <int DK, bool VEC, int NSPLIT>
+void launch_split(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                  const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids, int n_seqs,
+                  bf16* out, cudaStream_t stream, bool pdl) {
+  constexpr int kSmem = SplitCfg<DK, NSPLIT>::kSmemBytes;
+  ensure_smem_optin(reinterpret_cast<const void*>(gdn_decode_split_kernel<DK, VEC, NSPLIT>), kSmem);
+  // The cluster dimension comes from the kernel's __cluster_dims__ (also under cudaLaunchKernelEx).
+  launch_maybe_pdl(gdn_decode_split_kernel<DK, VEC, NSPLIT>, dim3(NSPLIT, s.n_v_heads, n_seqs),
+                   dim3(kStreamThreads), kSmem, stream, pdl, s, w, pool, proj, seq_pos, slot_ids,
+                   out);
+}
+
+template <int DK, bool VEC>
+void launch_split_n(GdnDecodeKernel which, const GdnShape& s, const GdnLayerWeights& w,
+                    const GdnStatePool& pool, const bf16* proj, const int32_t* seq_pos,
+                    const int32_t* slot_ids, int n_seqs, bf16* out, cudaStream_t stream, bool pdl) {
+  if (which == GdnDecodeKernel::kSplit4)
+    launch_split<DK, VEC, 4>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+  else
+    launch_split<DK, VEC, 2>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+}
+
 // $DS_GDN_DECODE_PDL, read at each call: the engine asks once per layer while it enqueues a forward
 // (for a decode graph only at its capture), so the cost is nil and a test can switch it between
 // engines.
@@ -654,14 +886,54 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
       which == GdnDecodeKernel::kStream || which == GdnDecodeKernel::kStreamWhole;
   DS_CHECK(!stream_asked || can_stream, "gdn decode: the streaming kernel does not take d_v ",
            s.d_v);
+  const bool split_asked = which == GdnDecodeKernel::kSplit2 || which == GdnDecodeKernel::kSplit4;
+  DS_CHECK(!split_asked ||
+               gdn_decode_split_supported(s, pool, which == GdnDecodeKernel::kSplit4 ? 4 : 2),
+           "gdn decode: the split streaming kernel over ",
+           which == GdnDecodeKernel::kSplit4 ? 4 : 2, " blocks needs d_v % ",
+           which == GdnDecodeKernel::kSplit4 ? 16 : 8, " == 0, got d_v ", s.d_v);
   if (n_seqs == 0) return;
   // 8-byte loads need 8-byte aligned rows of proj and of the ring.
   const bool vec = s.in_dim() % 4 == 0 && pool.conv_slot_stride % 4 == 0 &&
                    reinterpret_cast<uintptr_t>(proj) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(pool.conv_state) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(w.conv_w) % 16 == 0;
-  if (which == GdnDecodeKernel::kAuto && can_stream && n_seqs >= kStreamMinSeqs)
-    which = GdnDecodeKernel::kStream;
+  if (which == GdnDecodeKernel::kAuto) {
+    const bool measured = s.d_k == 128 && s.d_v == 128;  // the split kernels' timed shape
+    if (measured && n_seqs == kSplit4Seqs && gdn_decode_split_supported(s, pool, 4))
+      which = GdnDecodeKernel::kSplit4;
+    else if (measured && n_seqs == kSplit2Seqs && gdn_decode_split_supported(s, pool, 2))
+      which = GdnDecodeKernel::kSplit2;
+    else if (n_seqs >= kStreamMinSeqs && can_stream)
+      which = GdnDecodeKernel::kStream;
+  }
+  if (which == GdnDecodeKernel::kSplit2 || which == GdnDecodeKernel::kSplit4) {
+#define DS_GDN_SPLIT(DK)                                                                      \
+  if (vec)                                                                                    \
+    launch_split_n<DK, true>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, \
+                             pdl);                                                            \
+  else                                                                                        \
+    launch_split_n<DK, false>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+    switch (s.d_k) {
+      case 16:
+        DS_GDN_SPLIT(16);
+        break;
+      case 32:
+        DS_GDN_SPLIT(32);
+        break;
+      case 64:
+        DS_GDN_SPLIT(64);
+        break;
+      case 128:
+        DS_GDN_SPLIT(128);
+        break;
+      default:
+        DS_ASSERT(false);
+    }
+#undef DS_GDN_SPLIT
+    DS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   if (which == GdnDecodeKernel::kStream || which == GdnDecodeKernel::kStreamWhole) {
 #define DS_GDN_STREAM(DK)                                                                    \
   if (vec)                                                                                   \
@@ -743,8 +1015,18 @@ bool gdn_decode_stream_supported(const GdnShape& s, const GdnStatePool& pool) {
          pool.rec_slot_stride % 4 == 0;
 }
 
+bool gdn_decode_split_supported(const GdnShape& s, const GdnStatePool& pool, int n_split) {
+  // Each block's rows are whole 4-channel conv groups; bulk copies as for the streaming kernel.
+  return (n_split == 2 || n_split == 4) && s.d_v % (4 * n_split) == 0 &&
+         gdn_decode_stream_supported(s, pool);
+}
+
 bool gdn_decode_kernel_for_variant(const std::string& variant, GdnDecodeKernel* which) {
-  if (variant == "fused_stream")
+  if (variant == "fused_split2")
+    *which = GdnDecodeKernel::kSplit2;
+  else if (variant == "fused_split4")
+    *which = GdnDecodeKernel::kSplit4;
+  else if (variant == "fused_stream")
     *which = GdnDecodeKernel::kStream;
   else if (variant == "fused_cluster8")
     *which = GdnDecodeKernel::kCluster8;

@@ -1,18 +1,23 @@
 // GPU tests of the GDN decode kernels (src/cuda/gdn_decode.cu): the cluster kernels (4 or 8 blocks
-// per value head, kCluster4 / kCluster8) and the streaming kernel (one block per head, state
+// per value head, kCluster4 / kCluster8), the streaming kernel (one block per head, state
 // through shared memory by bulk copies; kStream through a ring of 4 chunk buffers, kStreamWhole
-// with the whole head in flight), each run for several carried steps from identical inputs and
-// initial states:
+// with the whole head in flight) and the split streaming kernels (kSplit2 / kSplit4: a head's
+// rows over a 2- / 4-block cluster), each run for several carried steps from identical inputs
+// and initial states:
 //  - against an fp64 CPU step written here (conv ring + conv + SiLU, l2norm, gates, delta rule,
 //    gated RMSNorm): state error < 1e-5, output (bf16) < 1e-2, conv ring exact;
 //  - against kCluster4: a row's state update is the same code in every kernel (update_row), so the
 //    states must be bit-equal and the rings equal; the output differs only in the order of the
-//    gated RMSNorm's sum of squares (< 1e-3).
+//    gated RMSNorm's sum of squares (< 1e-3);
+//  - the split kernels against kStream: states AND outputs bit-equal (same per-row code, the
+//    norm's sum of squares in kStream's order over the o rows gathered from the cluster).
 // Outputs are poisoned (NaN) before each step; the unused slot 0 must stay untouched. Shapes: 27B
-// (16 k / 48 v heads, d 128) at batch 1, 2, 3, 4, 8, 16, 32 with fresh (position 0), young
+// (16 k / 48 v heads, d 128) at batch 1, 2, 3, 4, 5, 8, 16, 32 with fresh (position 0), young
 // (positions 1-3: zero conv taps) and old sequences; small and odd heads (d_k 16-128, d_v 16-128
-// incl. 40 and 100: partial chunks, the 1-block cluster fallback). Timing (prints): every kernel
-// at batch 1-32 in CUDA graphs, states rotated past L2, state bandwidth.
+// incl. 40, 100 and 112: partial chunks, the 1-block cluster fallback; kernels that do not take a
+// shape are skipped, and forcing one throws). Timing (prints): every kernel at batch 1-32 in CUDA
+// graphs, states rotated past L2, state bandwidth, next to a device-to-device copy of the same
+// bytes.
 // Programmatic dependent launch (PdlAfterGemv27B): each kernel launched with PDL right after the
 // bulk GEMV that writes its input proj (which triggers its dependents early; proj poisoned
 // before the GEMV, so a read before griddepcontrol.wait would see NaN), eagerly and in one CUDA
@@ -48,7 +53,9 @@ struct KernelName {
 const KernelName kKernels[] = {{GdnDecodeKernel::kCluster4, "cluster4"},
                                {GdnDecodeKernel::kCluster8, "cluster8"},
                                {GdnDecodeKernel::kStream, "stream"},
-                               {GdnDecodeKernel::kStreamWhole, "stream_whole"}};
+                               {GdnDecodeKernel::kStreamWhole, "stream_whole"},
+                               {GdnDecodeKernel::kSplit2, "split2"},
+                               {GdnDecodeKernel::kSplit4, "split4"}};
 
 std::vector<float> random_f32(size_t n, std::mt19937& rng, float lo, float hi) {
   std::uniform_real_distribution<float> u(lo, hi);
@@ -162,6 +169,8 @@ bool supported(GdnDecodeKernel k, const cuda::GdnShape& s, const cuda::GdnStateP
   if (k == GdnDecodeKernel::kCluster8) return cuda::gdn_decode_cluster8_supported(s);
   if (k == GdnDecodeKernel::kStream || k == GdnDecodeKernel::kStreamWhole)
     return cuda::gdn_decode_stream_supported(s, pool);
+  if (k == GdnDecodeKernel::kSplit2) return cuda::gdn_decode_split_supported(s, pool, 2);
+  if (k == GdnDecodeKernel::kSplit4) return cuda::gdn_decode_split_supported(s, pool, 4);
   return true;
 }
 
@@ -204,7 +213,8 @@ void check_kernels(const cuda::GdnShape& s, const std::vector<int>& pos, int n_s
     ref_rings[t] = ref_conv;
   }
 
-  std::vector<Step> base;  // kCluster4's steps
+  std::vector<Step> base;    // kCluster4's steps
+  std::vector<Step> stream;  // kStream's steps (the split kernels must match them bit for bit)
   for (const KernelName& kn : kKernels) {
     if (!supported(kn.k, s, a.pool())) continue;
     a.conv.upload(conv0);
@@ -237,6 +247,12 @@ void check_kernels(const cuda::GdnShape& s, const std::vector<int>& pos, int n_s
         EXPECT_LT(test::norm_err(test::to_f32(st.out), test::to_f32(base[t].out)), 1e-3)
             << what << ": y vs cluster4";
       }
+      const bool split = kn.k == GdnDecodeKernel::kSplit2 || kn.k == GdnDecodeKernel::kSplit4;
+      if (split && !stream.empty()) {
+        EXPECT_EQ(0u, count_diff(st.out, stream[t].out)) << what << ": y not bit-equal to stream";
+        EXPECT_EQ(0, std::memcmp(st.rec.data(), stream[t].rec.data(), st.rec.size() * 4))
+            << what << ": state not bit-equal to stream";
+      }
     }
     const Step& last = steps.back();
     std::printf("  %-11s d_k %3d d_v %3d batch %2d, %d steps: y vs CPU %.2e, state vs CPU %.2e%s\n",
@@ -247,6 +263,7 @@ void check_kernels(const cuda::GdnShape& s, const std::vector<int>& pos, int n_s
                 : std::memcmp(last.rec.data(), base.back().rec.data(), last.rec.size() * 4) == 0
                     ? ", state bit-equal to cluster4"
                     : ", state DIFFERS from cluster4");
+    if (kn.k == GdnDecodeKernel::kStream) stream = steps;
     if (base.empty()) base = std::move(steps);
   }
 }
@@ -261,7 +278,8 @@ std::vector<int> mixed_positions(int n) {  // fresh, young (zero conv taps) and 
 TEST(CudaGdnDecode, Kernels27B) {
   DS_REQUIRE_GPU();
   uint32_t seed = 1;
-  for (int b : {1, 2, 3, 4, 8, 16, 32}) check_kernels(shape_27b(), mixed_positions(b), 3, seed++);
+  for (int b : {1, 2, 3, 4, 5, 8, 16, 32})
+    check_kernels(shape_27b(), mixed_positions(b), 3, seed++);
   check_kernels(shape_27b(), {5000}, 2, seed++);
 }
 
@@ -276,6 +294,10 @@ TEST(CudaGdnDecode, KernelsSmallAndOddHeads) {
   check_kernels(cuda::GdnShape{2, 4, 128, 40, 4, 1e-6f}, {0, 2, 50}, 3, 25);
   check_kernels(cuda::GdnShape{1, 3, 32, 100, 4, 1e-6f}, {4, 0}, 3, 26);
   check_kernels(cuda::GdnShape{2, 4, 16, 24, 4, 1e-6f}, {0, 3, 9}, 3, 27);
+  // The split kernels' partial chunks: d_v 112 (56 / 28 rows per block of 16-row chunks), d_k 64
+  // with 64 rows per block (two 32-row chunks).
+  check_kernels(cuda::GdnShape{4, 8, 128, 112, 4, 1e-6f}, {0, 1, 6, 300, 9}, 3, 28);
+  check_kernels(cuda::GdnShape{2, 4, 64, 128, 4, 1e-6f}, {5, 0, 2}, 3, 29);
 }
 
 TEST(CudaGdnDecode, UnsupportedKernelsThrow) {
@@ -290,6 +312,19 @@ TEST(CudaGdnDecode, UnsupportedKernelsThrow) {
       cuda::launch_gdn_decode(s, a.w(), a.pool(), proj.as<__nv_bfloat16>(), pos.ptr, slot.ptr, 1,
                               out.as<__nv_bfloat16>(), 0, GdnDecodeKernel::kCluster8),
       Error);
+  // The split kernels need whole 4-channel groups per block: d_v % 8 (2 blocks), % 16 (4).
+  {
+    const cuda::GdnShape s40{2, 4, 128, 40, 4, 1e-6f};
+    GdnSetup b(s40, 2, rng);
+    DevBuf<bf> proj40(test::random_bf16(size_t(s40.in_dim()), rng)), out40(size_t(s40.out_dim()));
+    EXPECT_TRUE(cuda::gdn_decode_split_supported(s40, b.pool(), 2));
+    EXPECT_FALSE(cuda::gdn_decode_split_supported(s40, b.pool(), 4));
+    EXPECT_FALSE(cuda::gdn_decode_split_supported(s40, b.pool(), 3));
+    EXPECT_THROW(
+        cuda::launch_gdn_decode(s40, b.w(), b.pool(), proj40.as<__nv_bfloat16>(), pos.ptr, slot.ptr,
+                                1, out40.as<__nv_bfloat16>(), 0, GdnDecodeKernel::kSplit4),
+        Error);
+  }
   // Every kernel moves state rows as 16-byte vectors: a misaligned pool is an error, not a
   // misaligned-address fault (the first version of this test ran kAuto on it and faulted).
   for (int shift : {1, 0}) {
@@ -297,8 +332,10 @@ TEST(CudaGdnDecode, UnsupportedKernelsThrow) {
     odd.rec_state += shift;
     odd.rec_slot_stride += 1 - shift;  // 4-byte offset of the base, or an odd slot stride
     EXPECT_FALSE(cuda::gdn_decode_stream_supported(s, odd));
-    for (auto k : {GdnDecodeKernel::kAuto, GdnDecodeKernel::kCluster4, GdnDecodeKernel::kStream,
-                   GdnDecodeKernel::kStreamWhole})
+    EXPECT_FALSE(cuda::gdn_decode_split_supported(s, odd, 2));
+    for (auto k :
+         {GdnDecodeKernel::kAuto, GdnDecodeKernel::kCluster4, GdnDecodeKernel::kStream,
+          GdnDecodeKernel::kStreamWhole, GdnDecodeKernel::kSplit2, GdnDecodeKernel::kSplit4})
       EXPECT_THROW(cuda::launch_gdn_decode(s, a.w(), odd, proj.as<__nv_bfloat16>(), pos.ptr,
                                            slot.ptr, 1, out.as<__nv_bfloat16>(), 0, k),
                    Error);
@@ -308,6 +345,10 @@ TEST(CudaGdnDecode, UnsupportedKernelsThrow) {
 
 TEST(CudaGdnDecode, VariantNames) {
   GdnDecodeKernel k = GdnDecodeKernel::kAuto;
+  EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused_split2", &k));
+  EXPECT_EQ(k, GdnDecodeKernel::kSplit2);
+  EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused_split4", &k));
+  EXPECT_EQ(k, GdnDecodeKernel::kSplit4);
   EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused_stream", &k));
   EXPECT_EQ(k, GdnDecodeKernel::kStream);
   EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused_cluster8", &k));
@@ -348,6 +389,8 @@ TEST(CudaGdnDecode, PdlAfterGemv27B) {
   const KernelName kernels[] = {{GdnDecodeKernel::kCluster4, "cluster4"},
                                 {GdnDecodeKernel::kCluster8, "cluster8"},
                                 {GdnDecodeKernel::kStream, "stream"},
+                                {GdnDecodeKernel::kSplit2, "split2"},
+                                {GdnDecodeKernel::kSplit4, "split4"},
                                 {GdnDecodeKernel::kAuto, "auto"}};
   for (int B : {1, 2, 3, 4, 8}) {
     const std::vector<int> pos = mixed_positions(B);
@@ -470,7 +513,7 @@ TEST(CudaGdnDecode, Timing) {
   std::mt19937 rng(9);
   for (int round = 0; round < 2; ++round) {
     std::printf("  round %d (us per launch, TB/s of state read + written)\n", round);
-    for (int B : {1, 2, 3, 4, 8, 16, 32}) {
+    for (int B : {1, 2, 3, 4, 6, 8, 12, 16, 32}) {
       const int rot = std::max(4, 64 / B);  // 64 x 3 MiB of state at batch 1: past L2
       GdnSetup a(s, B * rot, rng);
       DevBuf<bf> proj(test::random_bf16(size_t(B) * s.in_dim() * rot, rng)),
@@ -492,6 +535,18 @@ TEST(CudaGdnDecode, Timing) {
             },
             64);
         std::printf("  %s %.2f (%.2f)", kn.name, us, bytes / us * 1e-6);
+      }
+      {  // The ceiling at this size: a device-to-device copy of the same state bytes.
+        const size_t per = size_t(B) * s.n_v_heads * s.d_v * s.d_k;
+        DevBuf<float> dst(per * rot);
+        const double us = test::graph_time_us(
+            [&](int i, cudaStream_t st) {
+              const int r = i % rot;
+              DS_CUDA_CHECK(cudaMemcpyAsync(dst.ptr + r * per, a.rec.ptr + r * per, per * 4,
+                                            cudaMemcpyDeviceToDevice, st));
+            },
+            64);
+        std::printf("  copy %.2f (%.2f)", us, bytes / us * 1e-6);
       }
       std::printf("\n");
     }
