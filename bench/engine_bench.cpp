@@ -3,6 +3,13 @@
 // host clock around step() (prefill: returns once the last row's logits are on the host) or, for
 // decode, step_greedy() (returns once each row's greedy token id is on the host; --decode-logits:
 // step() with every row's logits).
+// $DS_DECODE_PIPELINE=1: device-greedy decode on a backend that pipelines
+// (Backend::pipelines_decode, the CUDA engine) runs as the engine's pipelined loop does: step t+1
+// is launched, its tokens fed from step t's argmax on the device, before step t's tokens are
+// collected; a step's time is then the interval between two collects (what a client sees between
+// two tokens). =ab alternates the synchronous and the pipelined loop within each case (4 runs of
+// a quarter of the steps, sync first) and prints both, for a same-process A/B; the case's result
+// is the pipelined one. Unset / 0: the synchronous step_greedy loop (the engine's default).
 //
 // Token ids are random (fixed seed): the engine's speed does not depend on which ids they are.
 // Decode fills the KV cache by real prefill of random tokens (the Backend interface has no way to
@@ -12,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <random>
 #include <set>
@@ -36,6 +44,17 @@ std::vector<int32_t> random_tokens(std::mt19937_64& rng, int64_t n, int vocab) {
 }
 
 int default_repeats(int64_t prompt) { return prompt <= 8192 ? 3 : prompt <= 16384 ? 2 : 1; }
+
+// $DS_DECODE_PIPELINE: "1" (pipelined where the backend pipelines), "0" / unset (sync), "ab".
+enum class PipeMode { kOn, kOff, kAb };
+PipeMode decode_pipe_mode() {
+  const char* e = std::getenv("DS_DECODE_PIPELINE");
+  const std::string v = e ? e : "0";
+  if (v == "1" || v == "on") return PipeMode::kOn;
+  if (v == "0" || v == "off") return PipeMode::kOff;
+  DS_CHECK(v == "ab", "DS_DECODE_PIPELINE must be 1, 0 or ab, got '", v, "'");
+  return PipeMode::kAb;
+}
 
 }  // namespace
 
@@ -211,7 +230,7 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
       std::vector<SeqWork> work(batch);
       StepOutput greedy_out;
       for (int s = 0; s < batch; ++s) {
-        DS_CHECK(be.can_grow(s, opt.decode_warmup + opt.decode_steps),
+        DS_CHECK(be.can_grow(s, opt.decode_warmup + opt.decode_steps + 4),
                  "decode: the KV pool cannot hold the decode steps of slot ", s);
         work[s].slot = s;
       }
@@ -229,19 +248,71 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
             DS_CHECK(id >= 0, "decode: the greedy token of a row is invalid (NaN or inf logits)");
         }
       };
-      for (int w = 0; w < opt.decode_warmup; ++w) one_step();
-      std::vector<double> t;
+      // Pipelined greedy decode: n + 1 steps launched (the first from host tokens, the rest fed
+      // on the device), n intervals between consecutive collects timed.
+      std::vector<DecodeItem> items(batch);
+      std::vector<int32_t> got;
       double ctx_sum = 0;
-      for (int st = 0; st < opt.decode_steps; ++st) {
-        for (int s = 0; s < batch; ++s) ctx_sum += be.slot_len(s);
-        const auto t0 = clock_type::now();
-        one_step();
-        t.push_back(seconds_since(t0));
+      auto pipelined = [&](int n, std::vector<double>* t) {
+        for (int s = 0; s < batch; ++s)
+          items[s] = {s, static_cast<int32_t>(rng() % static_cast<uint64_t>(c.vocab_size)), -1};
+        be.launch_greedy_decode(items);
+        for (int s = 0; s < batch; ++s) items[s].feed_row = s;
+        auto t_prev = clock_type::now();
+        for (int st = 0; st <= n; ++st) {
+          if (st < n) {
+            if (t)
+              for (int s = 0; s < batch; ++s) ctx_sum += be.slot_len(s);
+            be.launch_greedy_decode(items);
+          }
+          be.collect_greedy_decode(got);
+          for (int32_t id : got)
+            DS_CHECK(id >= 0, "decode: the greedy token of a row is invalid (NaN or inf logits)");
+          const auto now = clock_type::now();
+          if (t && st > 0) t->push_back(std::chrono::duration<double>(now - t_prev).count());
+          t_prev = now;
+        }
+      };
+      auto synchronous = [&](int n, std::vector<double>* t) {
+        for (int st = 0; st < n; ++st) {
+          if (t)
+            for (int s = 0; s < batch; ++s) ctx_sum += be.slot_len(s);
+          const auto t0 = clock_type::now();
+          one_step();
+          if (t) t->push_back(seconds_since(t0));
+        }
+      };
+      const PipeMode mode =
+          opt.decode_logits || !be.pipelines_decode() ? PipeMode::kOff : decode_pipe_mode();
+      if (mode == PipeMode::kOn) {
+        pipelined(opt.decode_warmup, nullptr);
+      } else {
+        synchronous(opt.decode_warmup, nullptr);
+      }
+      std::vector<double> t, t_sync;
+      if (mode == PipeMode::kAb) {
+        pipelined(2, nullptr);  // warm: the pipelined path's feed kernel
+        const int q = std::max(1, opt.decode_steps / 4);
+        for (int round = 0; round < 2; ++round) {
+          synchronous(q, &t_sync);
+          pipelined(q, &t);
+        }
+        const Summary a = summarize(t_sync), b = summarize(t);
+        std::printf(
+            "decode batch %2d context %6lld A/B: sync TPOT p50 %.3f ms p99 %.3f | pipelined p50 "
+            "%.3f ms p99 %.3f (%d + %d steps, alternating) -> %.3f ms saved per step (%.2f%%)\n",
+            batch, static_cast<long long>(ctx), a.p50 * 1e3, a.p99 * 1e3, b.p50 * 1e3, b.p99 * 1e3,
+            a.n, b.n, (a.p50 - b.p50) * 1e3, 100 * (a.p50 - b.p50) / a.p50);
+        std::fflush(stdout);
+      } else if (mode == PipeMode::kOn) {
+        pipelined(opt.decode_steps, &t);
+      } else {
+        synchronous(opt.decode_steps, &t);
       }
       DecodeResult r;
       r.batch = batch;
       r.context = ctx;
-      r.context_mean = ctx_sum / (double(batch) * opt.decode_steps);
+      r.context_mean = ctx_sum / (double(batch) * (t.size() + t_sync.size()));
       r.warmup = opt.decode_warmup;
       r.logits = opt.decode_logits;
       r.tpot_s = summarize(t);
@@ -252,9 +323,9 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
         r.fill_tokens = fill_tokens;
         first = false;
       }
-      std::printf("decode batch %2d context %6lld: TPOT p50 %.3f ms p99 %.3f ms (%d steps)\n",
+      std::printf("decode batch %2d context %6lld: TPOT p50 %.3f ms p99 %.3f ms (%d steps%s)\n",
                   batch, static_cast<long long>(ctx), r.tpot_s.p50 * 1e3, r.tpot_s.p99 * 1e3,
-                  r.tpot_s.n);
+                  r.tpot_s.n, mode == PipeMode::kOff ? "" : ", pipelined");
       std::fflush(stdout);
       out.push_back(r);
     }

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <set>
 #include <sstream>
@@ -154,6 +155,22 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+double us_between(std::chrono::steady_clock::time_point a,
+                  std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::micro>(b - a).count();
+}
+
+// Pipelined decode (launch_greedy_decode): row i's input token becomes the previous step's greedy
+// token of row feed[i] (its argmax output, still on the device) where feed[i] >= 0; an invalid
+// one (-1: NaN / inf logits) becomes id 0, so the embedding gather stays in bounds.
+__global__ void feed_tokens_kernel(const int32_t* feed,      // [n] row of prev_tok, or -1
+                                   const int32_t* prev_tok,  // [rows of the previous step]
+                                   int32_t* tokens,          // [n] the step's input tokens
+                                   int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n && feed[i] >= 0) tokens[i] = max(0, prev_tok[feed[i]]);
+}
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend(const BackendOptions& opt, const ModelConfig& cfg, const CudaEngineOptions& eopt);
@@ -176,6 +193,13 @@ class CudaBackend final : public Backend {
   MemoryUsage memory() const override;
   void step(std::span<const SeqWork> work, std::vector<float>& logits) override;
   void step_greedy(std::span<const SeqWork> work, StepOutput& out) override;
+  void launch_greedy_decode(std::span<const DecodeItem> items) override;
+  void collect_greedy_decode(std::vector<int32_t>& tokens) override;
+  bool pipelines_decode() const override { return true; }
+  int max_decode_in_flight() const override { return 2; }  // the pinned buffers below
+  int decode_in_flight() const override { return static_cast<int>(pipe_q_.size()); }
+  CudaStepTiming last_step_timing() const { return timing_; }
+  double replay_last_graph(int n);
 
   CudaGraphStats graph_stats() const {
     CudaGraphStats s = gstats_;
@@ -247,11 +271,16 @@ class CudaBackend final : public Backend {
     int64_t bytes = 0;
   };
 
+  // A pipelined decode step in forward(): pinned buffer pair `buf`, the launch's feed rows.
+  struct PipeStep {
+    int buf = 0;
+    std::span<const DecodeItem> items;
+  };
   void run_step(std::span<const SeqWork> work, std::vector<float>& logits,
-                std::vector<int32_t>* tokens);
+                std::vector<int32_t>* tokens, const PipeStep* pipe = nullptr);
   void forward(std::span<const SeqWork> work, const std::vector<Piece>& pieces,
                const std::vector<int64_t>& row_base, std::vector<float>& logits,
-               std::vector<int32_t>* tokens);
+               std::vector<int32_t>* tokens, const PipeStep* pipe);
   DecodeKvPlan decode_kv_plan(int n_seqs, int max_kv_len) const;
   StepMeta meta_layout(int32_t* base, int T, int S) const;
   void enqueue_layers(const FwdPlan& f);
@@ -311,6 +340,20 @@ class CudaBackend final : public Backend {
   size_t meta_ints_ = 0;
   int32_t* dtok_ = nullptr;  // [logits_rows] argmax of the lm_head rows
   int32_t* htok_ = nullptr;  // [logits_rows] pinned mirror
+  // Pipelined decode: two pinned metadata / token mirrors used in turn (at most 2 steps in flight,
+  // so a buffer is rewritten only after the step that used it was collected), an event per
+  // buffer recorded after its step's token copy, and the launched steps (oldest first).
+  int32_t* pipe_hmeta_[2] = {nullptr, nullptr};  // [meta_ints_] each
+  int32_t* pipe_htok_[2] = {nullptr, nullptr};   // [logits_rows] each
+  cudaEvent_t pipe_ev_[2] = {nullptr, nullptr};
+  struct PipeLaunch {
+    int buf = 0, rows = 0;
+  };
+  std::deque<PipeLaunch> pipe_q_;
+  int pipe_next_ = 0;
+  int last_launch_rows_ = -1;  // rows of the last call when it was a launch, else -1 (no feed)
+  CudaStepTiming timing_;      // host clock split of the last step (test / profile hooks)
+  cudaGraphExec_t last_exec_ = nullptr;  // the graph the last decode step replayed
 
   // Residual add + RMSNorm in the prologue of the bulk decode GEMVs (gemv_bulk_norm.h) for
   // forwards of at most this many tokens.
@@ -499,6 +542,11 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   DS_CUDA_CHECK(cudaMalloc(&dmeta_, meta_ints_ * sizeof(int32_t)));
   DS_CUDA_CHECK(cudaMallocHost(&hmeta_, meta_ints_ * sizeof(int32_t)));
   DS_CUDA_CHECK(cudaMallocHost(&htok_, size_t(logit_rows) * sizeof(int32_t)));
+  for (int i = 0; i < 2; ++i) {
+    DS_CUDA_CHECK(cudaMallocHost(&pipe_hmeta_[i], meta_ints_ * sizeof(int32_t)));
+    DS_CUDA_CHECK(cudaMallocHost(&pipe_htok_[i], size_t(logit_rows) * sizeof(int32_t)));
+    DS_CUDA_CHECK(cudaEventCreateWithFlags(&pipe_ev_[i], cudaEventDisableTiming));
+  }
 
   // Block manager: every block free; lowest ids handed out first.
   free_blocks_.resize(n_blocks);
@@ -543,6 +591,11 @@ CudaBackend::~CudaBackend() {
   cudaFree(dmeta_);
   cudaFreeHost(hmeta_);
   cudaFreeHost(htok_);
+  for (int i = 0; i < 2; ++i) {
+    cudaFreeHost(pipe_hmeta_[i]);
+    cudaFreeHost(pipe_htok_[i]);
+    if (pipe_ev_[i]) cudaEventDestroy(pipe_ev_[i]);
+  }
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -819,8 +872,79 @@ void CudaBackend::step_greedy(std::span<const SeqWork> work, StepOutput& out) {
   run_step(work, out.logits, &out.tokens);
 }
 
+// One greedy decode step enqueued without waiting (see Backend::launch_greedy_decode): the same
+// validation, metadata and graph as step_greedy, from the other pinned buffer; fed rows take the
+// previous step's argmax on the device (feed_tokens_kernel after the metadata copy); the tokens
+// come back into that buffer's pinned mirror, the event marks them there.
+void CudaBackend::launch_greedy_decode(std::span<const DecodeItem> items) {
+  check_decode_launch(items, last_launch_rows_);
+  const int n = static_cast<int>(items.size());
+  DS_CHECK(n <= eopt_.logits_rows && n <= chunk_size_, "launch_greedy_decode: ", n,
+           " rows exceed the engine's step (logits_rows ", eopt_.logits_rows, ", chunk_size ",
+           chunk_size_, ")");
+  std::vector<int32_t> toks(n);
+  std::vector<SeqWork> work(n);
+  for (int i = 0; i < n; ++i) {
+    const DecodeItem& it = items[i];
+    check_slot(it.slot);
+    DS_CHECK(slot_len_[it.slot] > 0, "launch_greedy_decode: slot ", it.slot,
+             " holds no tokens (run its prompt with step() first)");
+    toks[i] = it.feed_row >= 0 ? 0 : it.token;  // fed rows: overwritten on the device
+    work[i].slot = it.slot;
+    work[i].tokens = std::span<const int32_t>(&toks[i], 1);
+    work[i].greedy = true;
+  }
+  PipeStep pipe;
+  pipe.buf = pipe_next_;
+  pipe.items = items;
+  std::vector<float> no_logits;
+  std::vector<int32_t> no_tokens;
+  run_step(work, no_logits, &no_tokens, &pipe);  // validates the rest; throws before any change
+  pipe_q_.push_back({pipe.buf, n});
+  pipe_next_ ^= 1;
+  last_launch_rows_ = n;
+}
+
+void CudaBackend::collect_greedy_decode(std::vector<int32_t>& tokens) {
+  DS_CHECK(!pipe_q_.empty(), "collect_greedy_decode: no launched step to collect");
+  const PipeLaunch p = pipe_q_.front();
+  pipe_q_.pop_front();
+  const auto t0 = std::chrono::steady_clock::now();
+  DS_CUDA_CHECK(cudaEventSynchronize(pipe_ev_[p.buf]));  // also surfaces asynchronous errors
+  timing_.collect_wait_us = us_between(t0, std::chrono::steady_clock::now());
+  tokens.assign(pipe_htok_[p.buf], pipe_htok_[p.buf] + p.rows);
+}
+
+// Replays the graph of the last decode step n times back to back between two events (no host
+// work in between) and returns the mean ms per replay: the step's pure device time. It re-runs
+// the same step on the slots' state (their GDN state advances n more times): a measuring tool.
+double CudaBackend::replay_last_graph(int n) {
+  DS_CHECK(last_exec_ != nullptr, "replay_last_graph: no decode graph ran yet");
+  DS_CHECK(n >= 1, "replay_last_graph: n must be >= 1");
+  DS_CHECK(pipe_q_.empty(), "replay_last_graph: launched decode steps not collected");
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  DS_CUDA_CHECK(cudaEventCreate(&e0));
+  DS_CUDA_CHECK(cudaEventCreate(&e1));
+  DS_CUDA_CHECK(cudaEventRecord(e0, stream_));
+  for (int i = 0; i < n; ++i) DS_CUDA_CHECK(cudaGraphLaunch(last_exec_, stream_));
+  DS_CUDA_CHECK(cudaEventRecord(e1, stream_));
+  DS_CUDA_CHECK(cudaEventSynchronize(e1));
+  float ms = 0;
+  DS_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return ms / n;
+}
+
 void CudaBackend::run_step(std::span<const SeqWork> work, std::vector<float>& logits,
-                           std::vector<int32_t>* tokens) {
+                           std::vector<int32_t>* tokens, const PipeStep* pipe) {
+  timing_ = CudaStepTiming{};
+  const auto t_enter = std::chrono::steady_clock::now();
+  if (!pipe) {
+    DS_CHECK(pipe_q_.empty(), "step: ", pipe_q_.size(),
+             " launched decode step(s) not collected (collect_greedy_decode first)");
+    last_launch_rows_ = -1;  // the argmax buffer is this step's now: nothing to feed from
+  }
   // Validate everything before touching any state.
   std::vector<char> seen(n_slots_, 0);
   int64_t need_blocks = 0, total_rows = 0;
@@ -867,7 +991,9 @@ void CudaBackend::run_step(std::span<const SeqWork> work, std::vector<float>& lo
       budget -= n;
     }
     if (pieces.empty()) break;
-    forward(work, pieces, row_base, logits, tokens);
+    if (pipe) DS_ASSERT(pieces.size() == work.size());  // n <= chunk_size: one forward
+    timing_.validate_us = us_between(t_enter, std::chrono::steady_clock::now());
+    forward(work, pieces, row_base, logits, tokens, pipe);
     for (const Piece& p : pieces) done[p.item] += p.n;
   }
 }
@@ -908,7 +1034,8 @@ CudaBackend::StepMeta CudaBackend::meta_layout(int32_t* base, int T, int S) cons
 
 void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece>& pieces_in,
                           const std::vector<int64_t>& row_base, std::vector<float>& logits,
-                          std::vector<int32_t>* tokens) {
+                          std::vector<int32_t>* tokens, const PipeStep* pipe) {
+  const auto t_fwd = std::chrono::steady_clock::now();
   const ModelConfig& c = cfg_;
   // Decode pieces (one token of a running sequence) first: they take the decode kernels, the
   // rest (prompt chunks) the prompt kernels, in the same forward.
@@ -945,7 +1072,7 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   // Step metadata, one host->device copy. The layout depends on (T, S) only, so a graph captured
   // for a decode batch of S finds its arrays at the same device addresses on every replay.
   const int MB = layout_.max_blocks_per_seq;
-  const StepMeta h = meta_layout(hmeta_, T, S);
+  const StepMeta h = meta_layout(pipe ? pipe_hmeta_[pipe->buf] : hmeta_, T, S);
   f.d = meta_layout(dmeta_, T, S);
   std::vector<int64_t> out_row;  // per gathered hidden row: its logits row, or -1 - item (token)
   int t = 0;
@@ -981,8 +1108,27 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   }
   h.cu[S] = T;
   for (int i = 0; i <= f.S_p; ++i) h.cu_p[i] = h.cu[f.S_d + i] - f.S_d;  // decode pieces: 1 token
+  // Pipelined: the feed rows ride behind the metadata (the buffers hold a prompt chunk's layout,
+  // far more than S more ints) and a tiny kernel copies the fed argmax ids into the tokens.
+  size_t n_copy = h.n_ints;
+  bool feed = false;
+  if (pipe) {
+    DS_ASSERT(f.S_d == S && T == S && h.n_ints + S <= meta_ints_);
+    for (int i = 0; i < S; ++i) {
+      const int fr = pipe->items[pieces[i].item].feed_row;
+      pipe_hmeta_[pipe->buf][h.n_ints + i] = fr;
+      feed |= fr >= 0;
+    }
+    if (feed) n_copy += S;
+  }
+  const auto t_meta = std::chrono::steady_clock::now();
   DS_CUDA_CHECK(
-      cudaMemcpyAsync(dmeta_, hmeta_, h.n_ints * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+      cudaMemcpyAsync(dmeta_, h.tokens, n_copy * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  if (feed) {
+    feed_tokens_kernel<<<1, 32 * ((S + 31) / 32), 0, stream_>>>(dmeta_ + h.n_ints, dtok_,
+                                                                f.d.tokens, S);
+    DS_CUDA_CHECK(cudaGetLastError());
+  }
 
   // Host decisions for the kernels (all before any launch, so a graph can replay them).
   const int group = c.n_heads / std::max(1, c.n_kv_heads);
@@ -1009,10 +1155,26 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   }
 
   // A decode-only forward replays its graph (or captures it); everything else runs eagerly.
+  const auto t_plan = std::chrono::steady_clock::now();
   const bool graphed = f.S_d == S && f.n_gather == S && S <= eopt_.logits_rows &&
                        (f.attn_split_kv || c.n_full_layers() == 0) &&
                        (f.gdn_fused_decode || c.n_linear_layers() == 0) && run_graph(f);
   if (!graphed) enqueue_layers(f);
+  const auto t_launched = std::chrono::steady_clock::now();
+  timing_.graphed = graphed;
+  timing_.meta_us = us_between(t_fwd, t_meta);
+  timing_.copy_plan_us = us_between(t_meta, t_plan);
+  timing_.launch_us = us_between(t_plan, t_launched);
+
+  if (pipe) {  // tokens to the buffer's pinned mirror; collect_greedy_decode waits for them
+    if (!graphed) enqueue_head(f, 0, f.n_gather);
+    DS_CUDA_CHECK(cudaMemcpyAsync(pipe_htok_[pipe->buf], dtok_, size_t(S) * sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, stream_));
+    DS_CUDA_CHECK(cudaEventRecord(pipe_ev_[pipe->buf], stream_));
+    for (const Piece& p : pieces) slot_len_[p.slot] = p.pos0 + p.n;
+    timing_.tail_us = us_between(t_launched, std::chrono::steady_clock::now());
+    return;
+  }
 
   // ---- Outputs: logits rows to the host, greedy rows as token ids ----
   const int V = c.vocab_size;
@@ -1036,13 +1198,16 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     if (f.argmax)
       DS_CUDA_CHECK(cudaMemcpyAsync(htok_, dtok_, size_t(r) * sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, stream_));
+    const auto t_sync = std::chrono::steady_clock::now();
     DS_CUDA_CHECK(cudaStreamSynchronize(stream_));  // also surfaces asynchronous kernel errors
+    timing_.sync_us += us_between(t_sync, std::chrono::steady_clock::now());
     if (f.argmax)
       for (int i = 0; i < r; ++i)
         if (out_row[r0 + i] < 0) (*tokens)[-1 - out_row[r0 + i]] = htok_[i];
   }
   DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (const Piece& p : pieces) slot_len_[p.slot] = p.pos0 + p.n;
+  timing_.tail_us = us_between(t_launched, std::chrono::steady_clock::now()) - timing_.sync_us;
 }
 
 // The layers of a forward, from the embedding to the final norm: every launch reads only `f`
@@ -1302,6 +1467,7 @@ bool CudaBackend::run_graph(const FwdPlan& f) {
     it = graphs_.emplace(key, entry).first;
   }
   it->second.last_used = ++graph_clock_;
+  last_exec_ = it->second.exec;
   const cudaError_t err = cudaGraphLaunch(it->second.exec, stream_);
   if (err != cudaSuccess) {
     cudaGetLastError();
@@ -1325,6 +1491,7 @@ void CudaBackend::graph_failed(const char* what, const std::string& why) {
 }
 
 void CudaBackend::destroy_graph(std::map<GraphKey, GraphEntry>::iterator it) {
+  if (it->second.exec == last_exec_) last_exec_ = nullptr;
   cudaGraphExecDestroy(it->second.exec);  // freed when it completes, if still in flight
   gstats_.graph_bytes -= it->second.bytes;
   graphs_.erase(it);
@@ -1397,6 +1564,18 @@ void set_cuda_fused_norm(Backend& b, int rows) {
   auto* cb = dynamic_cast<CudaBackend*>(&b);
   DS_CHECK(cb != nullptr, "set_cuda_fused_norm: backend ", b.name(), " is not the CUDA engine");
   cb->set_fused_norm_rows(rows);
+}
+
+CudaStepTiming cuda_last_step_timing(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_last_step_timing: backend ", b.name(), " is not the CUDA engine");
+  return cb->last_step_timing();
+}
+
+double cuda_replay_last_graph(Backend& b, int n) {
+  auto* cb = dynamic_cast<CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_replay_last_graph: backend ", b.name(), " is not the CUDA engine");
+  return cb->replay_last_graph(n);
 }
 
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode) {

@@ -103,6 +103,21 @@ CudaGraphStats cuda_graph_stats(const Backend& b);
 // Turns decode graphs on or off at run time (off destroys the cached ones). Throws ds::Error when
 // `b` is not a CUDA backend.
 void set_cuda_graphs(Backend& b, bool on);
+// The host clock split of the last step() / step_greedy() / launch_greedy_decode() of a CUDA
+// backend (microseconds; issue 6's time outside the graph): validation, the step metadata on the
+// host, the metadata copy + kernel plan, the graph launch (or eager enqueue), the wait in the
+// stream sync (sync steps), what came after; collect_wait_us: the last collect_greedy_decode()'s
+// wait for its step. Throws ds::Error when `b` is not a CUDA backend.
+struct CudaStepTiming {
+  double validate_us = 0, meta_us = 0, copy_plan_us = 0, launch_us = 0, sync_us = 0, tail_us = 0;
+  double collect_wait_us = 0;
+  bool graphed = false;  // the step replayed a CUDA graph
+};
+CudaStepTiming cuda_last_step_timing(const Backend& b);
+// Replays the graph of the last decode step `n` times back to back (events around, no host work
+// in between) and returns the mean milliseconds per replay: the step's pure device time. It
+// re-runs the step on the slots' state (measuring only: the GDN state advances n more times).
+double cuda_replay_last_graph(Backend& b, int n);
 // Sets the fused decode norms' row limit (CudaEngineOptions::fused_norm_rows, 0 = off) at run
 // time (the cached graphs are dropped when it changes), and reads it. Throw ds::Error when `b` is
 // not a CUDA backend or rows is outside 0..4.

@@ -6,8 +6,10 @@
 // the CUDA engine: 4 bytes copied instead of a vocab-sized fp32 row).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <span>
 #include <string>
@@ -19,9 +21,9 @@
 namespace ds {
 
 struct SeqWork {
-  int slot = 0;                       // which sequence
-  std::span<const int32_t> tokens;    // appended after what the slot already holds
-  bool all_logits = false;            // logits for every token (scoring) or only the last
+  int slot = 0;                     // which sequence
+  std::span<const int32_t> tokens;  // appended after what the slot already holds
+  bool all_logits = false;          // logits for every token (scoring) or only the last
   // Only the greedy token of the last row is wanted (step_greedy): argmax, lowest id on ties.
   // step() ignores it; step_greedy() ignores it on items with all_logits.
   bool greedy = false;
@@ -37,10 +39,20 @@ struct StepOutput {
   std::vector<int32_t> tokens;
 };
 
+// One row of a pipelined greedy decode step (Backend::launch_greedy_decode).
+struct DecodeItem {
+  int slot = 0;
+  int32_t token = 0;  // the token appended to the slot (when feed_row < 0)
+  // >= 0: the token appended is instead the greedy token of row `feed_row` of the step launched
+  // just before this one (the CUDA engine copies it on the device: the host need not know it yet;
+  // an invalid one, -1, goes in as id 0).
+  int feed_row = -1;
+};
+
 struct MemoryUsage {
   int64_t kv_blocks_total = 0, kv_blocks_used = 0;  // paged KV pool (attention layers)
   int state_slots_total = 0, state_slots_used = 0;  // GDN state slots (linear layers)
-  int page_size = 0;                                 // tokens per KV block
+  int page_size = 0;                                // tokens per KV block
 };
 
 class Backend {
@@ -53,7 +65,7 @@ class Backend {
   virtual int slot_len(int slot) const = 0;  // tokens the slot holds now
   // True when `n_new` more tokens for `slot` fit in the KV pool now.
   virtual bool can_grow(int slot, int n_new) const = 0;
-  virtual void reset_slot(int slot) = 0;     // frees the slot's KV blocks and clears its state
+  virtual void reset_slot(int slot) = 0;  // frees the slot's KV blocks and clears its state
   virtual MemoryUsage memory() const = 0;
   // Runs the work items (distinct slots) as one step. logits: rows in work order, `vocab` floats
   // each; one row per item, or one per token where all_logits.
@@ -62,6 +74,41 @@ class Backend {
   // out.tokens and no logits row. This default runs step() and takes the argmax on the host
   // (CpuBackend uses it); the CUDA engine computes it on the device.
   virtual void step_greedy(std::span<const SeqWork> work, StepOutput& out);
+
+  // Pipelined greedy decode (the "overlap scheduler"): launch_greedy_decode() enqueues one decode
+  // step (one token per item, distinct slots that already hold tokens, greedy rows only) and
+  // collect_greedy_decode() returns the tokens of the oldest step launched and not yet collected
+  // (tokens[i]: item i's greedy token, -1 for NaN / +inf logits, as step_greedy). A caller keeps
+  // the device busy by launching step t+1 (its tokens fed from step t with feed_row) before it
+  // collects step t, so the host's work between two steps (stop checks, the next step's metadata,
+  // the graph launch) overlaps the GPU. At most max_decode_in_flight() steps may be launched and
+  // not collected; slot_len() / can_grow() / memory() count the launched steps. reset_slot() may
+  // be called while a launched step still holds the slot (its token is then collected and
+  // ignored): the backend runs its steps in launch order, so the queued step's writes to the
+  // slot's KV pages and GDN state land before any later step reuses them. step() / step_greedy()
+  // need every launched step collected first, and feed_row refers to the last launch only when
+  // no step() / step_greedy() ran after it (the CUDA engine enforces both). Validation errors
+  // throw at launch (nothing changes); asynchronous (device) errors throw at collect.
+  // This default runs each step synchronously inside launch (through step_greedy: the same
+  // validation and tokens), so it behaves exactly like the plain loop; the CUDA engine overrides
+  // it (pipelines_decode() true).
+  virtual void launch_greedy_decode(std::span<const DecodeItem> items);
+  virtual void collect_greedy_decode(std::vector<int32_t>& tokens);
+  virtual bool pipelines_decode() const { return false; }
+  virtual int max_decode_in_flight() const { return 2; }
+  virtual int decode_in_flight() const { return static_cast<int>(launched_.size()); }
+
+ protected:
+  // The checks every implementation makes at launch: items, the in-flight bound, and feed rows
+  // against the previous launched step's row count (prev_rows < 0: feeding is not possible now).
+  void check_decode_launch(std::span<const DecodeItem> items, int prev_rows) const;
+
+ private:
+  // The default pipeline's results: tokens of the steps launched and not collected (oldest first)
+  // and of the last step launched (what feed_row refers to).
+  std::deque<std::vector<int32_t>> launched_;
+  std::vector<int32_t> last_launched_;
+  bool launched_any_ = false;
 };
 
 // The greedy token of a logits row as step_greedy() defines it: argmax, lowest id on ties, -1 if
@@ -94,8 +141,8 @@ inline void Backend::step_greedy(std::span<const SeqWork> work, StepOutput& out)
   for (size_t i = 0; i < work.size(); ++i) {
     const SeqWork& w = work[i];
     const size_t n_rows = w.all_logits ? w.tokens.size() : 1;
-    DS_CHECK((row + n_rows) * V <= all.size(), "step_greedy: the backend returned ",
-             all.size() / V, " logits rows, fewer than the work needs");
+    DS_CHECK((row + n_rows) * V <= all.size(), "step_greedy: the backend returned ", all.size() / V,
+             " logits rows, fewer than the work needs");
     if (w.greedy && !w.all_logits) {
       out.tokens[i] = greedy_token(std::span<const float>(all.data() + row * V, V));
     } else {
@@ -105,11 +152,57 @@ inline void Backend::step_greedy(std::span<const SeqWork> work, StepOutput& out)
   }
 }
 
+inline void Backend::check_decode_launch(std::span<const DecodeItem> items, int prev_rows) const {
+  DS_CHECK(!items.empty(), "launch_greedy_decode: no items");
+  DS_CHECK(decode_in_flight() < max_decode_in_flight(),
+           "launch_greedy_decode: ", max_decode_in_flight(),
+           " steps already launched and not collected");
+  for (const DecodeItem& it : items) {
+    if (it.feed_row >= 0) {
+      DS_CHECK(prev_rows >= 0, "launch_greedy_decode: slot ", it.slot,
+               " takes its token from the previous step (feed_row ", it.feed_row,
+               "), but the backend's last call was not a launch");
+      DS_CHECK(it.feed_row < prev_rows, "launch_greedy_decode: feed_row ", it.feed_row, " of slot ",
+               it.slot, " is past the previous step's ", prev_rows, " rows");
+    }
+  }
+}
+
+inline void Backend::launch_greedy_decode(std::span<const DecodeItem> items) {
+  check_decode_launch(items, launched_any_ ? static_cast<int>(last_launched_.size()) : -1);
+  std::vector<int32_t> toks(items.size());
+  std::vector<SeqWork> work(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const DecodeItem& it = items[i];
+    // An invalid fed token (-1: NaN / inf logits) goes in as id 0, as on the device; the caller
+    // saw the -1 in the earlier step's tokens and drops what follows.
+    toks[i] = it.feed_row >= 0 ? std::max(0, last_launched_[it.feed_row]) : it.token;
+    DS_CHECK(slot_len(it.slot) > 0, "launch_greedy_decode: slot ", it.slot,
+             " holds no tokens (run its prompt with step() first)");
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    work[i].slot = items[i].slot;
+    work[i].tokens = std::span<const int32_t>(&toks[i], 1);
+    work[i].greedy = true;
+  }
+  StepOutput out;
+  step_greedy(work, out);
+  last_launched_ = out.tokens;
+  launched_any_ = true;
+  launched_.push_back(std::move(out.tokens));
+}
+
+inline void Backend::collect_greedy_decode(std::vector<int32_t>& tokens) {
+  DS_CHECK(!launched_.empty(), "collect_greedy_decode: no launched step to collect");
+  tokens = std::move(launched_.front());
+  launched_.pop_front();
+}
+
 struct BackendOptions {
   std::string device = "cpu";  // "cpu" or "cuda" / "cuda:N"
   int n_slots = 8;
-  int max_seq_len = 0;         // 0: the model's max_position_embeddings, capped by memory
-  int chunk_size = 4096;       // prompt chunk (tokens per step per sequence)
+  int max_seq_len = 0;    // 0: the model's max_position_embeddings, capped by memory
+  int chunk_size = 4096;  // prompt chunk (tokens per step per sequence)
 };
 
 }  // namespace ds

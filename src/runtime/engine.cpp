@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 
 namespace ds {
 
@@ -135,6 +136,18 @@ Engine::Engine(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer
     pool_tokens_ = mem.kv_blocks_total * mem.page_size;
   ctl_->stats.memory = mem;
   max_waiting_ = options.scheduler.max_waiting;
+  using P = EngineOptions::Pipeline;
+  P mode = options.decode_pipeline;
+  if (const char* env = std::getenv("DS_DECODE_PIPELINE")) {
+    const std::string v = env;
+    if (v == "0" || v == "off")
+      mode = P::kOff;
+    else if (v == "1" || v == "on")
+      mode = P::kAuto;
+    else if (v != "ab")  // the bench's A/B mode: the engine keeps its option
+      ds::throw_error("DS_DECODE_PIPELINE must be 0 or 1, got '", v, "'");
+  }
+  pipeline_ = mode == P::kOn || (mode == P::kAuto && backend_->pipelines_decode());
   for (int id : config_.eos_token_ids) eos_ids_.push_back(id);
   if (tokenizer_) {
     tok_vocab_ = tokenizer_->vocab_size();
@@ -426,6 +439,139 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
   scheduler_.append_token(r.id, token);
 }
 
+namespace {
+int64_t blocks_for(int64_t tokens, int page) { return (tokens + page - 1) / page; }
+}  // namespace
+
+void Engine::pipeline_round() {
+  DS_ASSERT(in_flight_.size() == 1);
+  const InFlight cur = in_flight_.front();
+  // 1. The next step (rows fed from this one's, feed_row = the row here), if nothing can make it
+  // differ from the scheduler's plan once this step's tokens are in.
+  std::vector<DecodeItem> items;
+  std::vector<uint64_t> ids;
+  std::vector<int> slots;
+  bool next = scheduler_.n_waiting() == 0;
+  {
+    std::lock_guard<std::mutex> lk(ctl_->mu);
+    next =
+        next && ctl_->incoming.empty() && ctl_->cancels.empty() && !ctl_->cancel_all && !ctl_->stop;
+  }
+  int n_alive = 0;
+  const MemoryUsage mem = backend_->memory();
+  const bool paged = mem.page_size > 0 && mem.kv_blocks_total > 0;
+  int64_t free_blocks = mem.kv_blocks_total - mem.kv_blocks_used;
+  for (size_t row = 0; row < cur.ids.size() && next; ++row) {
+    auto found = active_.find(cur.ids[row]);
+    const SchedSeq* s = scheduler_.find(cur.ids[row]);
+    if (found == active_.end() || !s || s->status != SeqStatus::kRunning ||
+        s->slot != cur.slots[row])
+      continue;  // stopped or cancelled since its launch: the row is dropped
+    ++n_alive;
+    const Request& r = *found->second;
+    const int64_t gen = static_cast<int64_t>(r.generated.size()) + 1;  // with this step's token
+    const int64_t total = static_cast<int64_t>(r.req.prompt.size()) + gen;
+    const int slot = cur.slots[row];
+    const int64_t len = backend_->slot_len(slot);  // counts the step in flight
+    const int64_t need =
+        paged ? blocks_for(len + 1, mem.page_size) - blocks_for(len, mem.page_size) : 0;
+    if (gen >= r.req.max_tokens || total >= max_model_len_ || !device_greedy_ ||
+        !wants_only_argmax(r.req) || !backend_->can_grow(slot, 1) || need > free_blocks) {
+      next = false;
+      break;
+    }
+    free_blocks -= need;
+    items.push_back({slot, 0, static_cast<int>(row)});
+    ids.push_back(cur.ids[row]);
+    slots.push_back(slot);
+  }
+  // Every running sequence decodes in it (none prefilling), within the token budget.
+  next = next && n_alive > 0 && n_alive == scheduler_.n_running() &&
+         n_alive <= scheduler_.options().max_num_batched_tokens;
+  if (next) {
+    try {
+      backend_->launch_greedy_decode(items);
+      in_flight_.push_back({std::move(ids), std::move(slots)});
+      std::lock_guard<std::mutex> lk(ctl_->mu);
+      ctl_->stats.n_pipelined_steps++;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "deltaserve: pipelined decode launch refused: %s\n", e.what());
+    }
+  }
+
+  // 2. Collect the oldest step.
+  std::vector<int32_t> tokens;
+  try {
+    backend_->collect_greedy_decode(tokens);
+    DS_CHECK(tokens.size() == cur.ids.size(), "engine: a decode step returned ", tokens.size(),
+             " tokens for ", cur.ids.size(), " rows");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "deltaserve: engine step failed: %s\n", e.what());
+    in_flight_.pop_front();
+    drain_pipeline();  // the step after it (if launched) is lost too
+    for (uint64_t id : cur.ids) {
+      auto found = active_.find(id);
+      if (found != active_.end()) finish(*found->second, FinishReason::kError, e.what());
+    }
+    return;
+  }
+  in_flight_.pop_front();
+
+  // 3. Its rows as a completed scheduler step, then each token through the stop checks.
+  StepPlan done;
+  std::vector<size_t> rows;
+  int64_t wasted = 0;
+  for (size_t row = 0; row < cur.ids.size(); ++row) {
+    const SchedSeq* s = scheduler_.find(cur.ids[row]);
+    if (!active_.count(cur.ids[row]) || !s || s->status != SeqStatus::kRunning ||
+        s->slot != cur.slots[row]) {
+      ++wasted;
+      continue;
+    }
+    ScheduledItem it;
+    it.seq_id = cur.ids[row];
+    it.slot = cur.slots[row];
+    it.begin = s->n_cached;
+    it.end = s->n_cached + 1;
+    it.sample = true;
+    done.items.push_back(it);
+    rows.push_back(row);
+  }
+  scheduler_.complete(done);
+  {
+    std::lock_guard<std::mutex> lk(ctl_->mu);
+    ctl_->stats.n_steps++;
+    ctl_->stats.n_wasted_rows += wasted;
+  }
+  for (size_t k = 0; k < done.items.size(); ++k) {
+    const uint64_t id = done.items[k].seq_id;
+    auto found = active_.find(id);
+    if (found == active_.end()) continue;
+    try {
+      const int32_t token = tokens[rows[k]];
+      DS_CHECK(token >= 0, "sampling: the logits contain NaN or +inf");
+      on_token(*found->second, token, nullptr);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "deltaserve: request %llu failed: %s\n",
+                   static_cast<unsigned long long>(id), e.what());
+      auto again = active_.find(id);
+      if (again != active_.end()) finish(*again->second, FinishReason::kError, e.what());
+    }
+  }
+}
+
+void Engine::drain_pipeline() {
+  std::vector<int32_t> tokens;
+  while (!in_flight_.empty()) {
+    try {
+      backend_->collect_greedy_decode(tokens);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "deltaserve: dropped decode step failed: %s\n", e.what());
+    }
+    in_flight_.pop_front();
+  }
+}
+
 void Engine::loop() {
   StepOutput out;
   for (;;) {
@@ -436,7 +582,7 @@ void Engine::loop() {
       std::unique_lock<std::mutex> lk(ctl_->mu);
       ctl_->cv.wait(lk, [&] {
         return ctl_->stop || ctl_->cancel_all || !ctl_->incoming.empty() ||
-               !ctl_->cancels.empty() || !scheduler_.idle();
+               !ctl_->cancels.empty() || !scheduler_.idle() || !in_flight_.empty();
       });
       incoming.swap(ctl_->incoming);
       cancels.swap(ctl_->cancels);
@@ -461,8 +607,14 @@ void Engine::loop() {
       for (uint64_t id : ids) finish(*active_.at(id), FinishReason::kCancelled);
     }
     if (stopping) {
+      drain_pipeline();
       update_stats();
       return;
+    }
+    if (!in_flight_.empty()) {  // a pipelined decode step runs: collect it (launching the next)
+      pipeline_round();
+      update_stats();
+      continue;
     }
     if (scheduler_.idle()) {
       update_stats();
@@ -500,6 +652,34 @@ void Engine::loop() {
         greedy = found != active_.end() && wants_only_argmax(found->second->req);
       }
       plan.work[i].greedy = greedy;
+    }
+    // A pure greedy decode of running sequences: launched, collected by pipeline_round (which
+    // launches the step after it first when it can).
+    bool pure_decode = pipeline_ && !plan.items.empty();
+    for (size_t i = 0; i < plan.items.size() && pure_decode; ++i) {
+      const ScheduledItem& it = plan.items[i];
+      pure_decode = it.sample && it.begin > 0 && it.end == it.begin + 1 && plan.work[i].greedy &&
+                    !plan.work[i].all_logits;
+    }
+    if (pure_decode) {
+      std::vector<uint64_t> ids;
+      std::vector<int> slots;
+      std::vector<DecodeItem> items;
+      for (size_t i = 0; i < plan.items.size(); ++i) {
+        ids.push_back(plan.items[i].seq_id);
+        slots.push_back(plan.items[i].slot);
+        items.push_back({plan.items[i].slot, plan.work[i].tokens[0], -1});
+      }
+      try {
+        backend_->launch_greedy_decode(items);
+        in_flight_.push_back({std::move(ids), std::move(slots)});
+        update_stats();
+        continue;
+      } catch (const std::exception& e) {
+        // Refused at launch (nothing changed): run it as a plain step below, which reports it.
+        std::fprintf(stderr, "deltaserve: pipelined decode launch refused (%s); stepping\n",
+                     e.what());
+      }
     }
     try {
       backend_->step_greedy(plan.work, out);

@@ -4,6 +4,17 @@
 // takes new text and tokens as they come. Cancellation (RequestStream::cancel, e.g. a client that
 // disconnected) frees the sequence's slot and KV blocks before the next step.
 //
+// Pipelined decode (EngineOptions::decode_pipeline, off by default): when a step is a pure greedy
+// decode of the running sequences (device argmax, no logprobs / penalties), the loop launches it
+// (Backend::launch_greedy_decode) and, while it runs, launches the next one with every row's
+// token fed on the device from the step before, whenever that next step is exactly what the
+// scheduler would plan once the tokens are in (nothing waiting or cancelled, nobody reaching
+// max_tokens / max_model_len with this token, the KV pool holds one more token each); only then
+// does it collect the first step's tokens and run the stop checks. A request that stops on EOS /
+// a stop id / a stop string wastes the one step already queued for it (its row is dropped; its
+// slot is reset at once: the backend runs its steps in order, so the queued step's writes land
+// before anyone reuses the slot's KV pages or GDN state). Tokens are identical either way.
+//
 // Stops: EOS ids (unless ignore_eos), stop token ids, stop strings (never emitted, text held back
 // while it could still become one; cuts happen between whole UTF-8 characters because matching
 // is done on decoded text), max_tokens, max_model_len, and the KV pool's capacity (all "length").
@@ -126,6 +137,14 @@ struct EngineOptions {
   // from the backend as token ids (Backend::step_greedy: argmax on the GPU, no logits copy).
   // Off: every row's logits go to the host sampler (same tokens, slower).
   bool device_greedy = true;
+  // Pipelined greedy decode (see the header comment). kAuto: where the backend pipelines
+  // (Backend::pipelines_decode: the CUDA engine); kOn: always (on a synchronous backend the same
+  // loop runs each step at launch: tests); kOff: the synchronous loop. $DS_DECODE_PIPELINE=1 / 0
+  // overrides (kAuto / kOff). Off by default: on the H200 it did not make bench decode faster
+  // (same-call A/B, docs/perf/decode_kernels.md, "Time outside the decode graph"); tokens are
+  // identical either way.
+  enum class Pipeline : uint8_t { kAuto, kOn, kOff };
+  Pipeline decode_pipeline = Pipeline::kOff;
 };
 
 // Counters and gauges for /metrics, a consistent snapshot.
@@ -134,6 +153,8 @@ struct EngineStats {
   MemoryUsage memory;
   int64_t n_preemptions = 0;
   int64_t n_steps = 0;
+  int64_t n_pipelined_steps = 0;  // of n_steps: launched while the step before ran
+  int64_t n_wasted_rows = 0;      // pipelined rows whose request had stopped (EOS / stop / cancel)
   int64_t prompt_tokens = 0, generation_tokens = 0;  // totals computed / sampled
   int64_t n_finished[5] = {0, 0, 0, 0, 0};           // by FinishReason
 };
@@ -171,6 +192,11 @@ class Engine {
   // logits_row: the row the token was sampled from; null when the backend gave only the token
   // (then the request asked for no logprobs).
   void on_token(Request& r, int32_t token, const float* logits_row);
+  // Pipelined decode, with one step in flight: launches the next step when it is certain to be
+  // the scheduler's plan, then collects the one in flight and runs its tokens through the stop
+  // checks. drain_pipeline collects what is in flight and drops it (stop / errors).
+  void pipeline_round();
+  void drain_pipeline();
   void publish(Request& r);
   void update_stats();
 
@@ -191,6 +217,14 @@ class Engine {
 
   // Owned by the loop thread.
   std::unordered_map<uint64_t, std::unique_ptr<Request>> active_;  // by request id
+  bool pipeline_ = false;  // decode_pipeline resolved against the backend and the environment
+  // The pipelined decode steps launched and not collected, oldest first: each row's sequence id
+  // and slot, in row order.
+  struct InFlight {
+    std::vector<uint64_t> ids;
+    std::vector<int> slots;
+  };
+  std::deque<InFlight> in_flight_;
   std::thread thread_;
 };
 
