@@ -18,6 +18,10 @@
 // every kernel and GEMM plan); at most max_cuda_graphs are kept (least recently used evicted).
 // A capture or launch failure prints a warning and turns graphs off (eager from then on).
 // step_greedy(): greedy rows get their argmax on the device; 4 bytes per row are copied back.
+// launch_greedy_decode() / collect_greedy_decode() (Backend's pipelined decode): the same decode
+// step and graph enqueued without waiting, through a second pair of pinned buffers; fed rows take
+// the previous step's argmax on the device (a 1-block kernel before the graph), so the tokens are
+// bit-identical to step_greedy's (cuda_decode_pipeline_test).
 #pragma once
 
 #include <cstdint>
