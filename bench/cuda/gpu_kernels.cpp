@@ -686,8 +686,9 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
   const bool fused_variant = cuda::gdn_decode_kernel_for_variant(r.variant, &engine_kernel);
   auto run_fused = [&](int k, bf16* o) { run_fused_with(k, o, engine_kernel); };
   // Every fused kernel at this batch (new vs old in one run): the cluster splits, the streaming
-  // kernel (4-chunk ring, and its whole-head-in-flight variant) and the split streaming kernels
-  // (a head's rows over 2 / 4 blocks).
+  // kernel (4-chunk ring, and its whole-head-in-flight variant), its persistent one-wave grids
+  // (4- / 8-chunk ring across units) and the split streaming kernels (a head's rows over 2 / 4
+  // blocks).
   {
     const auto t_of = [&](cuda::GdnDecodeKernel which) {
       return gpu::time_launches(
@@ -710,6 +711,8 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
     if (cuda::gdn_decode_stream_supported(gdn_, a.pool)) {
       add("stream", cuda::GdnDecodeKernel::kStream);
       add("stream_whole", cuda::GdnDecodeKernel::kStreamWhole);
+      add("persist", cuda::GdnDecodeKernel::kPersist);
+      add("persist_deep", cuda::GdnDecodeKernel::kPersistDeep);
     }
     if (cuda::gdn_decode_split_supported(gdn_, a.pool, 2))
       add("split2", cuda::GdnDecodeKernel::kSplit2);

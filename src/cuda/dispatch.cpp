@@ -247,6 +247,22 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // and 8 both were slower or equal. Their kernel times jump wherever a grid spills past one
   // wave of 5 blocks per SM, hence no wider ranges (nor other head sizes, which the kernels
   // take: gdn_decode_split_supported) without a measurement.
+  // The persistent kernels (one wave walking (sequence, head) units, no partial wave): batch >= 2
+  // for the session-5 gdnd8 A/B (bench decode with and without them, one call); the guards
+  // are narrowed to the batch sizes where the whole step was measured faster.
+  r.add({F::kGdnDecode, "fused_persist",
+         "fused GDN decode step, the streaming kernel in a persistent grid of at most one wave "
+         "(occupancy x SMs blocks walking (sequence, head) units, 4-chunk ring across units); "
+         "bit-equal to fused_stream; sm 90, d_k = d_v = 128, batch >= 2",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 2;
+         }});
+  r.add({F::kGdnDecode, "fused_persist_deep",
+         "fused GDN decode step, as fused_persist with an 8-chunk (64 KiB) ring, 3 blocks per SM; "
+         "sm 90, d_k = d_v = 128, batch >= 2",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 2;
+         }});
   r.add({F::kGdnDecode, "fused_split4",
          "fused GDN decode step, the streaming kernel with each head's rows over a 4-block "
          "cluster (o rows exchanged by st.async); bit-equal to fused_stream; sm 90, "

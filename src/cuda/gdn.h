@@ -123,14 +123,32 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 //    sends its rows' o to its peers (st.async into their shared memory) and reduces the whole
 //    head as kStream does, so states AND outputs are bit-equal to kStream's. Need
 //    gdn_decode_split_supported (d_v % 8 / % 16 == 0 and the streaming kernel's alignment).
+//  - kPersist / kPersistDeep: the streaming kernel's code in a persistent grid of at most one
+//    wave (occupancy x SMs blocks, each walking the same number of (sequence, value head) units
+//    with a static stride), the block's state chunks one stream through a ring of 4 / 8 chunk
+//    buffers (32 / 64 KiB), so the next unit's copies are in flight while the current one
+//    finishes; no partial wave at any batch size. States AND outputs bit-equal to kStream's.
+//    Need gdn_decode_stream_supported. $DS_GDN_DECODE_PERSIST_BLOCKS (a positive count, read at
+//    each launch) caps the grid below one wave, for tests and A/B runs.
 //  - kAuto: the choice by batch size measured on the H200 (gdn_decode.cu).
 // Every kernel needs a 16-byte aligned rec_state and rec_slot_stride % 4 == 0 (ds::Error
 // otherwise); forcing an unsupported kernel throws ds::Error.
-enum class GdnDecodeKernel { kAuto, kCluster4, kCluster8, kStream, kStreamWhole, kSplit2, kSplit4 };
+enum class GdnDecodeKernel {
+  kAuto,
+  kCluster4,
+  kCluster8,
+  kStream,
+  kStreamWhole,
+  kSplit2,
+  kSplit4,
+  kPersist,
+  kPersistDeep
+};
 bool gdn_decode_cluster8_supported(const GdnShape& s);
 bool gdn_decode_stream_supported(const GdnShape& s, const GdnStatePool& pool);
 bool gdn_decode_split_supported(const GdnShape& s, const GdnStatePool& pool, int n_split);
-// The kernel that runs a gdn_decode dispatch variant (dispatch.cpp: "fused_split2",
+// The kernel that runs a gdn_decode dispatch variant (dispatch.cpp: "fused_persist",
+// "fused_persist_deep", "fused_split2",
 // "fused_split4", "fused_stream", "fused_cluster8", "fused"); false for a variant that is not the
 // fused step ("prefill_path").
 bool gdn_decode_kernel_for_variant(const std::string& variant, GdnDecodeKernel* which);

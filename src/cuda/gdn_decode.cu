@@ -56,8 +56,12 @@
 // both; timing of every kernel at batch 1-32 next to a copy of the same bytes).
 #include <cooperative_groups.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "cuda/cuda_common.h"
 #include "cuda/gdn.h"
@@ -822,6 +826,242 @@ void launch_split_n(GdnDecodeKernel which, const GdnShape& s, const GdnLayerWeig
     launch_split<DK, VEC, 2>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
 }
 
+// ---- Persistent streaming kernel: at most one wave of blocks walking (sequence, head) units ----
+// The streaming kernel's per-unit code (conv / gates / update_row / the block's own gated norm, so
+// states AND outputs are bit-equal to kStream's) in a grid of at most one wave: grid = units /
+// ceil(units / resident), where resident = blocks per SM (occupancy) x SMs, so every block walks
+// the same number of units (+-1) with a static stride (block b: units b, b + grid, ...; nothing to
+// reset between CUDA-graph replays). The block's state chunks form one stream across its units: a
+// ring of STAGES 8 KiB chunk buffers, chunk g (unit g / n_chunks, chunk g % n_chunks) in buffer
+// g % STAGES, and chunk g + STAGES is issued as soon as every warp holds chunk g, so the NEXT
+// unit's first chunks are in flight while the current unit's last rows are updated, its norm
+// reduced and its outputs stored. Why (docs/perf/decode_kernels.md, gdnd7): every per-head grid
+// jumps where it crosses one wave of 660 blocks (5 per SM x 132): at batch 16 kStream's 768 blocks
+// are 1.16 waves and the last 108 heads run on an idle GPU for a whole block lifetime.
+// Chunks are copied for every unit, also of a sequence at position 0 (the slot's bytes are valid
+// memory; the rows then start from zero as in kStream): every unit has the same chunk count, so
+// the ring's phases stay in step.
+template <int STAGES>
+struct PersistCfg {
+  // Blocks per SM the launch bounds ask for: 4 with the 32 KiB ring (64 registers; at 5 per SM,
+  // 48 registers, the unit loop spilled 64 bytes, and the grids of batch 16 / 32 (768 / 1536
+  // units: 384 / 512 blocks) are the same at 4 or 5 per SM), 3 with the 64 KiB ring (80
+  // registers; 3 x 64 KiB of 227).
+  static constexpr int kMinBlocks = STAGES <= 4 ? 4 : 3;
+  static constexpr int kSmemBytes = STAGES * kStreamChunkBytes;
+};
+
+template <int DK, bool VEC, int STAGES>
+__global__ void __launch_bounds__(kStreamThreads, PersistCfg<STAGES>::kMinBlocks)
+    gdn_decode_persist_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
+                              const bf16* proj,  // [n_seqs, in_dim] (no __restrict__: pdl_wait)
+                              const int32_t* __restrict__ seq_pos,   // [n_seqs]
+                              const int32_t* __restrict__ slot_ids,  // [n_seqs]
+                              int n_units,                           // n_seqs * n_v_heads
+                              bf16* __restrict__ out)                // [n_seqs, n_v_heads * d_v]
+{
+  using C = StreamCfg<DK>;
+  extern __shared__ __align__(128) float chunk_buf[];  // [STAGES][kChunkRows][DK] state rows
+  __shared__ __align__(16) float qs[DK], ks[DK], vs[kMaxD], os[kMaxD];
+  __shared__ __align__(8) uint64_t full[STAGES];
+  __shared__ float warp_sq[kStreamThreads / 32];
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // PDL: as in gdn_decode_kernel
+
+  const int ratio = s.n_v_heads / s.n_k_heads;
+  const int d_v = s.d_v, qkv_dim = s.qkv_dim(), in_dim = s.in_dim();
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n_chunks = (d_v + C::kChunkRows - 1) / C::kChunkRows;  // per unit
+  const int b = blockIdx.x, grid = gridDim.x;
+  const int n_mine = b < n_units ? (n_units - b + grid - 1) / grid : 0;  // units b, b + grid, ...
+  const int n_g = n_mine * n_chunks;                                     // the block's chunks
+
+  // Thread 0: chunk g of the block's stream -> buffer g % STAGES, completing on full[g % STAGES].
+  // Reads only the step's metadata (slot_ids), final before the wait (pdl_wait).
+  const auto issue_chunk = [&](int g) {
+    const int unit = b + (g / n_chunks) * grid, c = g % n_chunks;
+    const int seq = unit / s.n_v_heads, hv = unit - seq * s.n_v_heads;
+    const float* src = pool.rec_state + static_cast<int64_t>(slot_ids[seq]) * pool.rec_slot_stride +
+                       (static_cast<int64_t>(hv) * d_v + c * C::kChunkRows) * DK;
+    const int rows_c = min(C::kChunkRows, d_v - c * C::kChunkRows);
+    const uint32_t bytes = static_cast<uint32_t>(rows_c) * DK * 4;
+    uint64_t* bar = &full[g % STAGES];
+    mbar_arrive_expect_tx(bar, bytes);
+    bulk_copy_g2s(chunk_buf + (g % STAGES) * C::kChunkRows * DK, src, bytes, bar);
+  };
+  // 0. The state stream starts first.
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < STAGES; ++i) mbar_init(&full[i], 1);
+    mbar_init_fence();
+    for (int g = 0; g < n_g && g < STAGES; ++g) issue_chunk(g);
+  }
+  const bool norm = w.norm_w != nullptr;  // uniform over the grid
+  const int grp = warp * C::kRowsPerWarp + lane / C::kLanesPerRow;
+  const int k4 = lane % C::kLanesPerRow;
+  const int e = 4 * tid;
+  const bool active = e < 2 * DK + d_v;
+
+  int g = 0;  // the block's next chunk
+  for (int j = 0; j < n_mine; ++j) {
+    const int unit = b + j * grid;
+    const int seq = unit / s.n_v_heads, hv = unit - seq * s.n_v_heads, hk = hv / ratio;
+    const int p = seq_pos[seq];
+    const int64_t slot = slot_ids[seq];
+    bf16* ring = pool.conv_state + slot * pool.conv_slot_stride;
+    const bf16* x = proj + static_cast<int64_t>(seq) * in_dim;
+    float* state =
+        pool.rec_state + slot * pool.rec_slot_stride + static_cast<int64_t>(hv) * d_v * DK;
+    const bool has_state = p > 0;  // uniform over the block
+    // The previous unit's readers of qs / ks / vs / os / warp_sq are done.
+    if (j > 0) __syncthreads();
+    const float A_log = w.A_log[hv], dt_bias = w.dt_bias[hv];
+    // 1. conv + SiLU over q, k and the head's v channels (kStream's step 1).
+    const bool write_qk = hv % ratio == 0;
+    const int ch = conv_channel<DK>(s, hk, hv, d_v, 0, e);
+    ConvTaps taps;
+    if (active) conv4_load_taps<VEC>(ring, w.conv_w, qkv_dim, ch, p, taps);
+    if (j == 0) pdl_wait();  // proj is the previous kernel's output (see pdl_wait)
+    const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
+    const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
+    float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
+    conv_norm_to_shared<DK, VEC>(x, taps, active, e, ch, xin, y, qs, ks, vs);
+    // The ring row p % 4 (which no unit reads in this step) now, not after the rows as kStream
+    // does: the same bytes, and xin holds no registers over the rows (48 per thread for 5 blocks
+    // per SM).
+    if (active && (e >= 2 * DK || write_qk)) {
+      bf16* rw = ring + (p & 3) * qkv_dim + ch;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) rw[i] = __float2bfloat16(xin[i]);  // exact: xin came from bf16
+    }
+    // 2. gates.
+    float beta, decay;
+    gdn_gates(b_raw, a_raw, A_log, dt_bias, beta, decay);
+    __syncthreads();  // q, k, v in shared memory; the barriers' init visible to every thread
+
+    // 3. The unit's rows, chunk by chunk as they land; each buffer refilled with the chunk
+    // STAGES further on in the block's stream (the next unit's, near the end of this one).
+    const float4 kk = *reinterpret_cast<const float4*>(ks + 4 * k4);
+    const float4 qq = *reinterpret_cast<const float4*>(qs + 4 * k4);
+    for (int c = 0; c < n_chunks; ++c, ++g) {
+      const float* buf = chunk_buf + (g % STAGES) * C::kChunkRows * DK;
+      mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
+      float4 t[C::kPasses];
+#pragma unroll
+      for (int i = 0; i < C::kPasses; ++i) {
+        const int v = c * C::kChunkRows + i * C::kRowsPerPass + grp;
+        t[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (has_state && v < d_v)
+          t[i] = *reinterpret_cast<const float4*>(buf + (i * C::kRowsPerPass + grp) * DK + 4 * k4);
+      }
+      if (g + STAGES < n_g) {
+        __syncthreads();  // every warp holds chunk g: its buffer may be refilled
+        if (tid == 0) issue_chunk(g + STAGES);
+      }
+#pragma unroll
+      for (int i = 0; i < C::kPasses; ++i) {
+        const int v = c * C::kChunkRows + i * C::kRowsPerPass + grp;
+        float o_v;
+        t[i] = update_row<DK>(t[i], kk, qq, decay, beta, v < d_v ? vs[v] : 0.f, o_v);
+        if (v < d_v) {
+          __stcg(reinterpret_cast<float4*>(state + v * DK + 4 * k4), t[i]);
+          if (k4 == 0) os[v] = o_v;
+        }
+      }
+    }
+    __syncthreads();
+    // Thread c < d_v: the gate z and norm weight of its output, loaded only now (as the split
+    // kernel does) so they hold no registers over the rows.
+    float z_c = 0.f, w_c = 0.f;
+    if (tid < d_v && norm) {
+      w_c = __bfloat162float(w.norm_w[tid]);
+      z_c = __bfloat162float(x[qkv_dim + hv * d_v + tid]);
+    }
+
+    // 4. The head's 1 / rms, in kStream's order.
+    float rinv = 1.f;
+    if (norm) {
+      float sq = tid < d_v ? os[tid] * os[tid] : 0.f;
+      sq = warp_sum(sq);
+      if (lane == 0) warp_sq[warp] = sq;
+      __syncthreads();
+      float total = 0.f;
+#pragma unroll
+      for (int i = 0; i < kMaxD / 32; ++i) total += warp_sq[i];  // warps past d_v hold 0
+      rinv = rsqrtf(total / d_v + s.norm_eps);
+    }
+
+    // 5. The gated-norm output.
+    if (tid < d_v) {
+      bf16* yo = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v;
+      yo[tid] = __float2bfloat16(gated_output(os[tid], rinv, z_c, w_c, norm));
+    }
+  }
+}
+
+// Resident blocks of `func` on the current device (occupancy at this block size and dynamic
+// shared memory x SMs), computed once per (kernel, device).
+int resident_blocks(const void* func, int threads, int smem_bytes) {
+  int device = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;  // (kernel, device) -> blocks
+  const std::lock_guard<std::mutex> lock(mu);
+  int& n = cache[{func, device}];
+  if (n > 0) return n;
+  int per_sm = 0, n_sms = 0;
+  DS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, func, threads, smem_bytes));
+  DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  DS_CHECK(per_sm > 0, "gdn decode: the persistent kernel does not fit on an SM (", smem_bytes,
+           " bytes of shared memory)");
+  n = per_sm * n_sms;
+  return n;
+}
+
+// $DS_GDN_DECODE_PERSIST_BLOCKS (read at each launch, like $DS_GDN_DECODE_PDL): a cap on the
+// persistent grid below one wave, for tests (many units per block, rings across units) and grid
+// A/B runs; unset or empty: no cap.
+int persist_block_cap() {
+  const char* v = std::getenv("DS_GDN_DECODE_PERSIST_BLOCKS");
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  DS_CHECK(*end == '\0' && n > 0 && n <= (1 << 20),
+           "DS_GDN_DECODE_PERSIST_BLOCKS must be a positive block count, got '", v, "'");
+  return static_cast<int>(n);
+}
+
+// At most one wave, every block the same number of units (+-1).
+int persist_grid(int n_units, int resident) {
+  const int per_block = (n_units + resident - 1) / resident;
+  return (n_units + per_block - 1) / per_block;
+}
+
+template <int DK, bool VEC, int STAGES>
+void launch_persist(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                    const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids, int n_seqs,
+                    bf16* out, cudaStream_t stream, bool pdl) {
+  constexpr int kSmem = PersistCfg<STAGES>::kSmemBytes;
+  const void* func = reinterpret_cast<const void*>(gdn_decode_persist_kernel<DK, VEC, STAGES>);
+  ensure_smem_optin(func, kSmem);
+  const int n_units = n_seqs * s.n_v_heads;
+  int resident = resident_blocks(func, kStreamThreads, kSmem);
+  if (const int cap = persist_block_cap(); cap > 0) resident = std::min(resident, cap);
+  const int grid = persist_grid(n_units, resident);
+  launch_maybe_pdl(gdn_decode_persist_kernel<DK, VEC, STAGES>, dim3(grid), dim3(kStreamThreads),
+                   kSmem, stream, pdl, s, w, pool, proj, seq_pos, slot_ids, n_units, out);
+}
+
+template <int DK, bool VEC>
+void launch_persist_n(GdnDecodeKernel which, const GdnShape& s, const GdnLayerWeights& w,
+                      const GdnStatePool& pool, const bf16* proj, const int32_t* seq_pos,
+                      const int32_t* slot_ids, int n_seqs, bf16* out, cudaStream_t stream,
+                      bool pdl) {
+  if (which == GdnDecodeKernel::kPersistDeep)
+    launch_persist<DK, VEC, 8>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+  else
+    launch_persist<DK, VEC, 4>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+}
+
 // $DS_GDN_DECODE_PDL, read at each call: the engine asks once per layer while it enqueues a forward
 // (for a decode graph only at its capture), so the cost is nil and a test can switch it between
 // engines.
@@ -882,9 +1122,12 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
            "rec_state ",
            static_cast<const void*>(pool.rec_state), ", rec_slot_stride ", pool.rec_slot_stride);
   const bool can_stream = gdn_decode_stream_supported(s, pool);
+  const bool persist_asked =
+      which == GdnDecodeKernel::kPersist || which == GdnDecodeKernel::kPersistDeep;
   const bool stream_asked =
-      which == GdnDecodeKernel::kStream || which == GdnDecodeKernel::kStreamWhole;
-  DS_CHECK(!stream_asked || can_stream, "gdn decode: the streaming kernel does not take d_v ",
+      which == GdnDecodeKernel::kStream || which == GdnDecodeKernel::kStreamWhole || persist_asked;
+  DS_CHECK(!stream_asked || can_stream, "gdn decode: the ",
+           persist_asked ? "persistent streaming" : "streaming", " kernel does not take d_v ",
            s.d_v);
   const bool split_asked = which == GdnDecodeKernel::kSplit2 || which == GdnDecodeKernel::kSplit4;
   DS_CHECK(!split_asked ||
@@ -906,6 +1149,34 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
       which = GdnDecodeKernel::kSplit2;
     else if (n_seqs >= kStreamMinSeqs && can_stream)
       which = GdnDecodeKernel::kStream;
+  }
+  if (persist_asked) {
+#define DS_GDN_PERSIST(DK)                                                                      \
+  if (vec)                                                                                      \
+    launch_persist_n<DK, true>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, \
+                               pdl);                                                            \
+  else                                                                                          \
+    launch_persist_n<DK, false>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, \
+                                pdl);
+    switch (s.d_k) {
+      case 16:
+        DS_GDN_PERSIST(16);
+        break;
+      case 32:
+        DS_GDN_PERSIST(32);
+        break;
+      case 64:
+        DS_GDN_PERSIST(64);
+        break;
+      case 128:
+        DS_GDN_PERSIST(128);
+        break;
+      default:
+        DS_ASSERT(false);
+    }
+#undef DS_GDN_PERSIST
+    DS_CUDA_LAUNCH_CHECK();
+    return;
   }
   if (which == GdnDecodeKernel::kSplit2 || which == GdnDecodeKernel::kSplit4) {
 #define DS_GDN_SPLIT(DK)                                                                      \
@@ -1022,7 +1293,11 @@ bool gdn_decode_split_supported(const GdnShape& s, const GdnStatePool& pool, int
 }
 
 bool gdn_decode_kernel_for_variant(const std::string& variant, GdnDecodeKernel* which) {
-  if (variant == "fused_split2")
+  if (variant == "fused_persist")
+    *which = GdnDecodeKernel::kPersist;
+  else if (variant == "fused_persist_deep")
+    *which = GdnDecodeKernel::kPersistDeep;
+  else if (variant == "fused_split2")
     *which = GdnDecodeKernel::kSplit2;
   else if (variant == "fused_split4")
     *which = GdnDecodeKernel::kSplit4;

@@ -2,15 +2,17 @@
 // per value head, kCluster4 / kCluster8), the streaming kernel (one block per head, state
 // through shared memory by bulk copies; kStream through a ring of 4 chunk buffers, kStreamWhole
 // with the whole head in flight) and the split streaming kernels (kSplit2 / kSplit4: a head's
-// rows over a 2- / 4-block cluster), each run for several carried steps from identical inputs
-// and initial states:
+// rows over a 2- / 4-block cluster) and the persistent streaming kernels (kPersist /
+// kPersistDeep: at most one wave of blocks walking (sequence, head) units, a 4- / 8-chunk ring
+// across units), each run for several carried steps from identical inputs and initial states:
 //  - against an fp64 CPU step written here (conv ring + conv + SiLU, l2norm, gates, delta rule,
 //    gated RMSNorm): state error < 1e-5, output (bf16) < 1e-2, conv ring exact;
 //  - against kCluster4: a row's state update is the same code in every kernel (update_row), so the
 //    states must be bit-equal and the rings equal; the output differs only in the order of the
 //    gated RMSNorm's sum of squares (< 1e-3);
-//  - the split kernels against kStream: states AND outputs bit-equal (same per-row code, the
-//    norm's sum of squares in kStream's order over the o rows gathered from the cluster).
+//  - the split and persistent kernels against kStream: states AND outputs bit-equal (same
+//    per-row code, the norm's sum of squares in kStream's order), the persistent ones also with
+//    their grid capped to 1-7 blocks (PersistCappedGrid: rings across many units per block).
 // Outputs are poisoned (NaN) before each step; the unused slot 0 must stay untouched. Shapes: 27B
 // (16 k / 48 v heads, d 128) at batch 1, 2, 3, 4, 5, 8, 16, 32 with fresh (position 0), young
 // (positions 1-3: zero conv taps) and old sequences; small and odd heads (d_k 16-128, d_v 16-128
@@ -28,8 +30,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda/gdn.h"
@@ -55,7 +59,24 @@ const KernelName kKernels[] = {{GdnDecodeKernel::kCluster4, "cluster4"},
                                {GdnDecodeKernel::kStream, "stream"},
                                {GdnDecodeKernel::kStreamWhole, "stream_whole"},
                                {GdnDecodeKernel::kSplit2, "split2"},
-                               {GdnDecodeKernel::kSplit4, "split4"}};
+                               {GdnDecodeKernel::kSplit4, "split4"},
+                               {GdnDecodeKernel::kPersist, "persist"},
+                               {GdnDecodeKernel::kPersistDeep, "persist_deep"}};
+
+bool is_persist(GdnDecodeKernel k) {
+  return k == GdnDecodeKernel::kPersist || k == GdnDecodeKernel::kPersistDeep;
+}
+
+// Sets $DS_GDN_DECODE_PERSIST_BLOCKS (the persistent grid's cap) for its lifetime.
+struct PersistCap {
+  explicit PersistCap(int n) {
+    if (n > 0)
+      setenv("DS_GDN_DECODE_PERSIST_BLOCKS", std::to_string(n).c_str(), 1);
+    else
+      unsetenv("DS_GDN_DECODE_PERSIST_BLOCKS");
+  }
+  ~PersistCap() { unsetenv("DS_GDN_DECODE_PERSIST_BLOCKS"); }
+};
 
 std::vector<float> random_f32(size_t n, std::mt19937& rng, float lo, float hi) {
   std::uniform_real_distribution<float> u(lo, hi);
@@ -167,7 +188,7 @@ struct Step {
 
 bool supported(GdnDecodeKernel k, const cuda::GdnShape& s, const cuda::GdnStatePool& pool) {
   if (k == GdnDecodeKernel::kCluster8) return cuda::gdn_decode_cluster8_supported(s);
-  if (k == GdnDecodeKernel::kStream || k == GdnDecodeKernel::kStreamWhole)
+  if (k == GdnDecodeKernel::kStream || k == GdnDecodeKernel::kStreamWhole || is_persist(k))
     return cuda::gdn_decode_stream_supported(s, pool);
   if (k == GdnDecodeKernel::kSplit2) return cuda::gdn_decode_split_supported(s, pool, 2);
   if (k == GdnDecodeKernel::kSplit4) return cuda::gdn_decode_split_supported(s, pool, 4);
@@ -247,7 +268,8 @@ void check_kernels(const cuda::GdnShape& s, const std::vector<int>& pos, int n_s
         EXPECT_LT(test::norm_err(test::to_f32(st.out), test::to_f32(base[t].out)), 1e-3)
             << what << ": y vs cluster4";
       }
-      const bool split = kn.k == GdnDecodeKernel::kSplit2 || kn.k == GdnDecodeKernel::kSplit4;
+      const bool split = kn.k == GdnDecodeKernel::kSplit2 || kn.k == GdnDecodeKernel::kSplit4 ||
+                         is_persist(kn.k);
       if (split && !stream.empty()) {
         EXPECT_EQ(0u, count_diff(st.out, stream[t].out)) << what << ": y not bit-equal to stream";
         EXPECT_EQ(0, std::memcmp(st.rec.data(), stream[t].rec.data(), st.rec.size() * 4))
@@ -300,6 +322,32 @@ TEST(CudaGdnDecode, KernelsSmallAndOddHeads) {
   check_kernels(cuda::GdnShape{2, 4, 64, 128, 4, 1e-6f}, {5, 0, 2}, 3, 29);
 }
 
+// The persistent kernels with their grid capped far below one wave: every block walks many
+// units (an uneven count: units % blocks != 0), its chunk ring crossing unit boundaries (d_v 16:
+// one chunk per unit, 4 / 8 units in flight; d_v 112: a partial last chunk; fresh sequences
+// between old ones: chunks copied but unused). States and outputs bit-equal to kStream's.
+TEST(CudaGdnDecode, PersistCappedGrid) {
+  DS_REQUIRE_GPU();
+  {
+    PersistCap cap(7);
+    check_kernels(shape_27b(), mixed_positions(5), 3, 40);
+  }
+  {
+    PersistCap cap(1);
+    check_kernels(cuda::GdnShape{2, 4, 16, 16, 4, 1e-6f}, {0, 5, 9, 1, 0}, 3, 41);
+  }
+  {
+    PersistCap cap(3);
+    check_kernels(cuda::GdnShape{4, 8, 128, 112, 4, 1e-6f}, {0, 1, 6, 300, 9}, 3, 42);
+    check_kernels(cuda::GdnShape{2, 6, 32, 64, 4, 1e-6f}, {0, 3, 9, 12}, 3, 43);
+    check_kernels(cuda::GdnShape{2, 4, 128, 40, 4, 1e-6f}, {0, 2, 50}, 3, 44);
+  }
+  {
+    PersistCap cap(2);
+    check_kernels(cuda::GdnShape{2, 4, 64, 128, 4, 1e-6f}, {5, 0, 2}, 3, 45);
+  }
+}
+
 TEST(CudaGdnDecode, UnsupportedKernelsThrow) {
   DS_REQUIRE_GPU();
   const cuda::GdnShape s{2, 4, 16, 16, 4, 1e-6f};
@@ -325,6 +373,19 @@ TEST(CudaGdnDecode, UnsupportedKernelsThrow) {
                                 1, out40.as<__nv_bfloat16>(), 0, GdnDecodeKernel::kSplit4),
         Error);
   }
+  // A bad grid cap for the persistent kernels names the variable.
+  for (const char* bad : {"0", "-3", "12x", "many"}) {
+    setenv("DS_GDN_DECODE_PERSIST_BLOCKS", bad, 1);
+    try {
+      cuda::launch_gdn_decode(s, a.w(), a.pool(), proj.as<__nv_bfloat16>(), pos.ptr, slot.ptr, 1,
+                              out.as<__nv_bfloat16>(), 0, GdnDecodeKernel::kPersist);
+      ADD_FAILURE() << "DS_GDN_DECODE_PERSIST_BLOCKS=" << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("DS_GDN_DECODE_PERSIST_BLOCKS"), std::string::npos)
+          << e.what();
+    }
+  }
+  unsetenv("DS_GDN_DECODE_PERSIST_BLOCKS");
   // Every kernel moves state rows as 16-byte vectors: a misaligned pool is an error, not a
   // misaligned-address fault (the first version of this test ran kAuto on it and faulted).
   for (int shift : {1, 0}) {
@@ -335,7 +396,8 @@ TEST(CudaGdnDecode, UnsupportedKernelsThrow) {
     EXPECT_FALSE(cuda::gdn_decode_split_supported(s, odd, 2));
     for (auto k :
          {GdnDecodeKernel::kAuto, GdnDecodeKernel::kCluster4, GdnDecodeKernel::kStream,
-          GdnDecodeKernel::kStreamWhole, GdnDecodeKernel::kSplit2, GdnDecodeKernel::kSplit4})
+          GdnDecodeKernel::kStreamWhole, GdnDecodeKernel::kSplit2, GdnDecodeKernel::kSplit4,
+          GdnDecodeKernel::kPersist, GdnDecodeKernel::kPersistDeep})
       EXPECT_THROW(cuda::launch_gdn_decode(s, a.w(), odd, proj.as<__nv_bfloat16>(), pos.ptr,
                                            slot.ptr, 1, out.as<__nv_bfloat16>(), 0, k),
                    Error);
@@ -355,6 +417,10 @@ TEST(CudaGdnDecode, VariantNames) {
   EXPECT_EQ(k, GdnDecodeKernel::kCluster8);
   EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused", &k));
   EXPECT_EQ(k, GdnDecodeKernel::kCluster4);
+  EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused_persist", &k));
+  EXPECT_EQ(k, GdnDecodeKernel::kPersist);
+  EXPECT_TRUE(cuda::gdn_decode_kernel_for_variant("fused_persist_deep", &k));
+  EXPECT_EQ(k, GdnDecodeKernel::kPersistDeep);
   EXPECT_FALSE(cuda::gdn_decode_kernel_for_variant("prefill_path", &k));
 }
 
@@ -391,6 +457,8 @@ TEST(CudaGdnDecode, PdlAfterGemv27B) {
                                 {GdnDecodeKernel::kStream, "stream"},
                                 {GdnDecodeKernel::kSplit2, "split2"},
                                 {GdnDecodeKernel::kSplit4, "split4"},
+                                {GdnDecodeKernel::kPersist, "persist"},
+                                {GdnDecodeKernel::kPersistDeep, "persist_deep"},
                                 {GdnDecodeKernel::kAuto, "auto"}};
   for (int B : {1, 2, 3, 4, 8}) {
     const std::vector<int> pos = mixed_positions(B);
