@@ -230,7 +230,9 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
       std::vector<SeqWork> work(batch);
       StepOutput greedy_out;
       for (int s = 0; s < batch; ++s) {
-        DS_CHECK(be.can_grow(s, opt.decode_warmup + opt.decode_steps + 4),
+        // + 9: the most any mode adds (ab: 3 warm-up launches + 2 rounds of q + 1 pipelined
+        // steps, 4q <= max(steps, 4); the KV pool keeps 64 tokens of slack per slot).
+        DS_CHECK(be.can_grow(s, opt.decode_warmup + opt.decode_steps + 9),
                  "decode: the KV pool cannot hold the decode steps of slot ", s);
         work[s].slot = s;
       }

@@ -82,6 +82,11 @@ class HashBackend : public Backend {
   void launch_greedy_decode(std::span<const DecodeItem> items) override {
     ++launches_;
     if (decode_in_flight() >= 2) misuse_ = true;
+    if (launches_ == fail_at_launch_) {
+      // A device error after part of the step was enqueued: the slots' state has changed.
+      for (const DecodeItem& it : items) hist_.at(it.slot).push_back(0);
+      throw Error("hash: device error in the middle of a launch");
+    }
     in_launch_ = true;
     try {
       Backend::launch_greedy_decode(items);
@@ -93,6 +98,7 @@ class HashBackend : public Backend {
   }
   bool misuse() const { return misuse_; }
   int64_t launches() const { return launches_; }
+  void fail_at_launch(int64_t n) { fail_at_launch_ = n; }
 
  private:
   ModelConfig cfg_;
@@ -101,7 +107,7 @@ class HashBackend : public Backend {
   bool pipelines_;
   std::vector<std::vector<int32_t>> hist_;
   bool misuse_ = false, in_launch_ = false;
-  int64_t launches_ = 0, plain_steps_ = 0;
+  int64_t launches_ = 0, plain_steps_ = 0, fail_at_launch_ = -1;
 };
 
 TEST(BackendPipelineDefault, MatchesStepGreedyAndRefusesMisuse) {
@@ -318,6 +324,37 @@ TEST(EnginePipeline, StopWastesOneQueuedRow) {
   EXPECT_EQ(len.tokens, free_run.tokens);
   EXPECT_EQ(s_len.n_wasted_rows, 0);
   EXPECT_EQ(s_len.n_steps, st.n_steps);
+}
+
+// A launch that throws after changing state (a device error part-way) ends its requests with the
+// error; the step is never run again (which would apply it twice), and the engine goes on serving.
+// Launch 1 is the loop's first launch of a plan, launch 3 a launch ahead inside pipeline_round.
+TEST(EnginePipeline, FailedLaunchEndsItsRequestsAndIsNotRetried) {
+  for (int64_t fail_at : {int64_t(1), int64_t(3)}) {
+    auto backend = std::make_unique<HashBackend>(2, 16, 1000, 257, true);
+    HashBackend* hb = backend.get();
+    hb->fail_at_launch(fail_at);
+    EngineOptions o;
+    o.decode_pipeline = EngineOptions::Pipeline::kOn;
+    Engine eng(std::move(backend), nullptr, o);
+    GenerationRequest r;
+    r.prompt = {5, 6, 7, 8};
+    r.max_tokens = 20;
+    r.sampling.temperature = 0;
+    const Result failed = drain(*eng.submit(r));
+    EXPECT_EQ(failed.finish, FinishReason::kError) << "fail at launch " << fail_at;
+    EXPECT_LE(failed.tokens.size(), static_cast<size_t>(fail_at) + 1) << "fail at launch " << fail_at;
+    EXPECT_EQ(hb->launches(), fail_at) << "the failed launch was retried (fail at " << fail_at << ")";
+    // The same engine serves the next request in full, equal to a fresh engine's tokens.
+    const Result next = drain(*eng.submit(r));
+    EXPECT_EQ(next.finish, FinishReason::kLength);
+    auto fresh_backend = std::make_unique<HashBackend>(2, 16, 1000, 257, true);
+    Engine fresh(std::move(fresh_backend), nullptr, o);
+    const Result ref = drain(*fresh.submit(r));
+    EXPECT_EQ(next.tokens, ref.tokens) << "fail at launch " << fail_at;
+    EXPECT_FALSE(hb->misuse());
+    EXPECT_TRUE(eng.wait_idle(std::chrono::milliseconds(5000)));
+  }
 }
 
 TEST(EnginePipeline, AutoFollowsTheBackendAndDefaultIsOff) {

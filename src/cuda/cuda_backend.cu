@@ -485,6 +485,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   // value fails here, at start-up, with its ds::Error, not in every decode forward.
   (void)cuda::gdn_decode_pdl_mode();
   (void)cuda::attention_decode_mode();  // the same for $DS_ATTN_DECODE
+  (void)cuda::rmsnorm_fit_enabled();     // and $DS_NORM_FIT (read by every prompt-chunk norm)
   // Kept whether graphs are on or not, so that both modes get the same KV pool.
   layout_.graph_bytes = std::max(0, eopt_.max_cuda_graphs) * kGraphBytesEstimate;
   layout_.reserve_bytes =
@@ -922,6 +923,7 @@ double CudaBackend::replay_last_graph(int n) {
   DS_CHECK(last_exec_ != nullptr, "replay_last_graph: no decode graph ran yet");
   DS_CHECK(n >= 1, "replay_last_graph: n must be >= 1");
   DS_CHECK(pipe_q_.empty(), "replay_last_graph: launched decode steps not collected");
+  last_launch_rows_ = -1;  // the replays overwrite the argmax buffer: nothing to feed from
   cudaEvent_t e0 = nullptr, e1 = nullptr;
   DS_CUDA_CHECK(cudaEventCreate(&e0));
   DS_CUDA_CHECK(cudaEventCreate(&e1));
@@ -1125,8 +1127,8 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   DS_CUDA_CHECK(
       cudaMemcpyAsync(dmeta_, h.tokens, n_copy * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   if (feed) {
-    feed_tokens_kernel<<<1, 32 * ((S + 31) / 32), 0, stream_>>>(dmeta_ + h.n_ints, dtok_,
-                                                                f.d.tokens, S);
+    feed_tokens_kernel<<<(S + 255) / 256, 256, 0, stream_>>>(dmeta_ + h.n_ints, dtok_, f.d.tokens,
+                                                             S);
     DS_CUDA_CHECK(cudaGetLastError());
   }
 

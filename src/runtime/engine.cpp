@@ -488,14 +488,21 @@ void Engine::pipeline_round() {
   // Every running sequence decodes in it (none prefilling), within the token budget.
   next = next && n_alive > 0 && n_alive == scheduler_.n_running() &&
          n_alive <= scheduler_.options().max_num_batched_tokens;
+  // A launch that throws may have enqueued part of its step (a device error after the metadata
+  // copy): its rows' slots can no longer be trusted, so their requests end with the error once
+  // this step's tokens are out (never re-stepped, which could apply a step twice).
+  std::string launch_error;
+  std::vector<uint64_t> failed_ids;
   if (next) {
     try {
       backend_->launch_greedy_decode(items);
-      in_flight_.push_back({std::move(ids), std::move(slots)});
+      in_flight_.push_back({ids, std::move(slots)});
       std::lock_guard<std::mutex> lk(ctl_->mu);
       ctl_->stats.n_pipelined_steps++;
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "deltaserve: pipelined decode launch refused: %s\n", e.what());
+      std::fprintf(stderr, "deltaserve: pipelined decode launch failed: %s\n", e.what());
+      launch_error = e.what();
+      failed_ids = ids;
     }
   }
 
@@ -557,6 +564,10 @@ void Engine::pipeline_round() {
       auto again = active_.find(id);
       if (again != active_.end()) finish(*again->second, FinishReason::kError, e.what());
     }
+  }
+  for (uint64_t id : failed_ids) {
+    auto found = active_.find(id);
+    if (found != active_.end()) finish(*found->second, FinishReason::kError, launch_error);
   }
 }
 
@@ -673,13 +684,19 @@ void Engine::loop() {
       try {
         backend_->launch_greedy_decode(items);
         in_flight_.push_back({std::move(ids), std::move(slots)});
-        update_stats();
-        continue;
+        std::lock_guard<std::mutex> lk(ctl_->mu);
+        ctl_->stats.prompt_tokens += n_prompt_tokens;  // one-token prompt tails can come this way
       } catch (const std::exception& e) {
-        // Refused at launch (nothing changed): run it as a plain step below, which reports it.
-        std::fprintf(stderr, "deltaserve: pipelined decode launch refused (%s); stepping\n",
-                     e.what());
+        // As a failed step below: the launch may have enqueued part of the step before it threw
+        // (a device error), so the plan is never run again (that could apply a step twice).
+        std::fprintf(stderr, "deltaserve: engine step failed: %s\n", e.what());
+        for (const ScheduledItem& it : plan.items) {
+          auto found = active_.find(it.seq_id);
+          if (found != active_.end()) finish(*found->second, FinishReason::kError, e.what());
+        }
       }
+      update_stats();
+      continue;
     }
     try {
       backend_->step_greedy(plan.work, out);
