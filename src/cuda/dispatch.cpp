@@ -247,21 +247,18 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // and 8 both were slower or equal. Their kernel times jump wherever a grid spills past one
   // wave of 5 blocks per SM, hence no wider ranges (nor other head sizes, which the kernels
   // take: gdn_decode_split_supported) without a measurement.
-  // The persistent kernels (one wave walking (sequence, head) units, no partial wave): batch >= 2
-  // for the session-5 gdnd8 A/B (bench decode with and without them, one call); the guards
-  // are narrowed to the batch sizes where the whole step was measured faster.
-  r.add({F::kGdnDecode, "fused_persist",
-         "fused GDN decode step, the streaming kernel in a persistent grid of at most one wave "
-         "(occupancy x SMs blocks walking (sequence, head) units, 4-chunk ring across units); "
-         "bit-equal to fused_stream; sm 90, d_k = d_v = 128, batch >= 2",
-         [](const ShapeKey& k) {
-           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 2;
-         }});
+  // The persistent kernel with the 8-chunk ring (at most one wave walking (sequence, head) units:
+  // no partial wave) only at batch 16, the one size where the whole step was measured faster
+  // (H200, bench decode at 4K, one call, docs/perf/decode_kernels.md "gdnd8"): 16.556 / 16.599 ms
+  // (fused_split2, two rounds) -> 16.465; kernel 33.0 vs split2 35.3 us. At batch 4, 8 and 32
+  // it (and the 4-chunk kPersist) was slower or equal in the step and slower in the kernel.
   r.add({F::kGdnDecode, "fused_persist_deep",
-         "fused GDN decode step, as fused_persist with an 8-chunk (64 KiB) ring, 3 blocks per SM; "
-         "sm 90, d_k = d_v = 128, batch >= 2",
+         "fused GDN decode step, the streaming kernel in a persistent grid of at most one wave "
+         "(3 blocks per SM walking (sequence, head) units, an 8-chunk 64 KiB ring across units); "
+         "bit-equal to fused_stream; sm 90, d_k = d_v = 128, batch 16 (H200 step 16.58 -> 16.47 "
+         "ms at 4K)",
          [](const ShapeKey& k) {
-           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 2;
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] == 16;
          }});
   r.add({F::kGdnDecode, "fused_split4",
          "fused GDN decode step, the streaming kernel with each head's rows over a 4-block "

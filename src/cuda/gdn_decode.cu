@@ -35,6 +35,14 @@
 // order: states AND outputs bit-equal to kStream's. More, shorter blocks: they win where the grid
 // still fits one wave (batch 1) or where kStream's spills just past one (batch 16: 768 heads on
 // 660 slots).
+// The persistent streaming kernels (kPersist / kPersistDeep, gdn_decode_persist_kernel) run the
+// streaming kernel's per-head code in a grid of at most one wave (occupancy x SMs blocks: 4 / 3
+// per SM, a 4- / 8-chunk ring of 32 / 64 KiB), each block walking the same number of (sequence,
+// value head) units with a static stride, its chunks one bulk-copy stream across its units (the
+// next unit's copies in flight while the current one finishes): no partial wave at any batch.
+// States AND outputs bit-equal to kStream's. H200: kPersistDeep at batch 16 33.0 us vs kSplit2
+// 35.3, kStream 37.2 (the one-wave grid: 384 blocks x 2 heads); at batch <= 12 and 32 slower
+// than kStream (the unit loop's fixed costs with one or three heads per block).
 // PDL (launch_gdn_decode's pdl, the engine's $DS_GDN_DECODE_PDL): every kernel can be launched as
 // a programmatic dependent of the in-projection GEMV; the state loads (or bulk copies), the conv
 // taps and the weights are issued before griddepcontrol.wait, proj is read after it (pdl_wait
@@ -42,7 +50,7 @@
 // Every kernel runs the same per-row code (update_row) and conv / gates code, so all give bit-equal
 // states; outputs differ only in the order of the norm's sum of squares.
 // kAuto (and the dispatch registry, dispatch.cpp) picks by batch size: kCluster8MaxSeqs,
-// kStreamMinSeqs, kSplit4Seqs, kSplit2Seqs below.
+// kStreamMinSeqs, kSplit4Seqs, kPersistDeepSeqs below.
 // Bytes per layer: 2 * n_seqs * n_v_heads * d_v * d_k * 4 (state) + small; 27B batch 1: 6.3 MB.
 // Measured on the H200 (tests/cuda/cuda_gdn_decode_test.cpp Timing: 64 launches in a CUDA graph,
 // states rotated past L2), session 2, cluster8 / cluster4 us per layer: batch 1 6.27 / 7.25 (1.00 /
@@ -52,8 +60,9 @@
 // latency-bound at small batch, one load round trip + the row updates + a cluster barrier).
 // Tests: tests/cuda/cuda_gdn_test.cpp (Decode* vs the fp32 CPU recurrence, kAuto) and
 // tests/cuda/cuda_gdn_decode_test.cpp (every kernel vs an fp64 CPU step and vs cluster4 over
-// carried steps: states bit-equal, outputs within 1e-3; the split kernels bit-equal to kStream in
-// both; timing of every kernel at batch 1-32 next to a copy of the same bytes).
+// carried steps: states bit-equal, outputs within 1e-3; the split and persistent kernels
+// bit-equal to kStream in both, the persistent ones also with their grid capped to 1-7 blocks;
+// timing of every kernel at batch 1-32 next to a copy of the same bytes).
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -95,8 +104,11 @@ constexpr int kStreamMinSeqs = 3;
 // 8.37 / 9.72 / 14.4 / 22.9 / 39.5 / 74.0, split2 7.31 / 8.95 / 10.3 / 11.3 / 21.3 / 35.2 / 61.3,
 // stream 9.02 / 10.0 / 11.1 / 11.8 / 17.3 / 37.0 / 60.2: each jumps where its grid spills past
 // one wave of 5 blocks per SM (660 on 132 SMs), so ranges are not extrapolated.
+// At batch 16 the persistent 8-chunk kernel replaced the 2-block split (session 5, gdnd8: bench
+// decode at 4K 16.556 / 16.599 -> 16.465 ms per step; kernel 35.3 -> 33.0 us); kSplit2 stays
+// the registry's fused_split2 behind it.
 constexpr int kSplit4Seqs = 1;
-constexpr int kSplit2Seqs = 16;
+constexpr int kPersistDeepSeqs = 16;
 // gdn_decode_pdl_for's default: PDL up to this batch size. H200, bench decode with
 // DS_GDN_DECODE_PDL=0 vs 1 in one call (docs/perf/decode_kernels.md), ms per step: batch 1 4K
 // 13.486 -> 13.366, 1 32K 13.983 -> 13.884; batch 2 13.838 -> 13.847 and 4 14.962 -> 14.961 (the
@@ -1145,12 +1157,12 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
     const bool measured = s.d_k == 128 && s.d_v == 128;  // the split kernels' timed shape
     if (measured && n_seqs == kSplit4Seqs && gdn_decode_split_supported(s, pool, 4))
       which = GdnDecodeKernel::kSplit4;
-    else if (measured && n_seqs == kSplit2Seqs && gdn_decode_split_supported(s, pool, 2))
-      which = GdnDecodeKernel::kSplit2;
+    else if (measured && n_seqs == kPersistDeepSeqs && can_stream)
+      which = GdnDecodeKernel::kPersistDeep;
     else if (n_seqs >= kStreamMinSeqs && can_stream)
       which = GdnDecodeKernel::kStream;
   }
-  if (persist_asked) {
+  if (which == GdnDecodeKernel::kPersist || which == GdnDecodeKernel::kPersistDeep) {
 #define DS_GDN_PERSIST(DK)                                                                      \
   if (vec)                                                                                      \
     launch_persist_n<DK, true>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, \

@@ -22,9 +22,14 @@ TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
             "prefill_kernel");  // hd 16
   EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(128, 12, 1, 100)).name,
             "prefill_kernel");  // group 12
-  for (int b : {2, 3, 8, 15, 16, 17, 32})
-    EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, b)).name, "fused_persist") << b;
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 16)).name, "fused_persist_deep");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 15)).name, "fused_stream");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused_stream");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 3)).name, "fused_stream");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 2)).name, "fused_cluster8");
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 1)).name, "fused_split4");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 17)).name, "fused_stream");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 32)).name, "fused_stream");
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 64, 16)).name, "fused_stream");
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(64, 128, 1)).name, "fused_cluster8");
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 48, 1)).name, "fused");  // d_v % 32
@@ -50,13 +55,10 @@ TEST(CudaDispatch, SwitchOff) {
   EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(256, 6, 1, 4096)).name, "split_kv");
   r.disable("attn_decode.split_kv");
   EXPECT_EQ(r.select(KernelFamily::kAttnDecode, r.key(256, 6, 1, 4096)).name, "prefill_kernel");
-  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused_persist");
-  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 1)).name, "fused_split4");
-  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(64, 128, 8)).name, "fused_stream");
-  r.disable("gdn_decode.fused_persist");
-  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused_persist_deep");
-  r.disable("gdn_decode.fused_persist_deep");
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 8)).name, "fused_stream");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(64, 128, 16)).name, "fused_stream");
+  EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 16)).name, "fused_persist_deep");
+  r.disable("gdn_decode.fused_persist_deep");  // the session-5 gdnd8 A/B's "off" arm
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 16)).name, "fused_split2");
   r.disable("gdn_decode.fused_split2");
   EXPECT_EQ(r.select(KernelFamily::kGdnDecode, r.key(128, 128, 16)).name, "fused_stream");
@@ -76,7 +78,7 @@ TEST(CudaDispatch, SwitchOff) {
     EXPECT_NE(std::string(e.what()).find("attn_decode.split_kv"), std::string::npos) << e.what();
   }
   setenv("DS_DISABLE_KERNELS",
-         "gdn_decode.fused_persist,gdn_decode.fused_persist_deep,"
+         "gdn_decode.fused_persist_deep,"
          "gdn_decode.fused_split4,gdn_decode.fused_split2,gdn_decode.fused_stream,"
          "gdn_decode.fused_cluster8,gdn_decode.fused, attn_decode.split_kv_mma, "
          "attn_decode.split_kv",

@@ -4,7 +4,8 @@
 // with the whole head in flight) and the split streaming kernels (kSplit2 / kSplit4: a head's
 // rows over a 2- / 4-block cluster) and the persistent streaming kernels (kPersist /
 // kPersistDeep: at most one wave of blocks walking (sequence, head) units, a 4- / 8-chunk ring
-// across units), each run for several carried steps from identical inputs and initial states:
+// across units), and kAuto (the default choice by batch size), each run for several carried
+// steps from identical inputs and initial states:
 //  - against an fp64 CPU step written here (conv ring + conv + SiLU, l2norm, gates, delta rule,
 //    gated RMSNorm): state error < 1e-5, output (bf16) < 1e-2, conv ring exact;
 //  - against kCluster4: a row's state update is the same code in every kernel (update_row), so the
@@ -61,7 +62,8 @@ const KernelName kKernels[] = {{GdnDecodeKernel::kCluster4, "cluster4"},
                                {GdnDecodeKernel::kSplit2, "split2"},
                                {GdnDecodeKernel::kSplit4, "split4"},
                                {GdnDecodeKernel::kPersist, "persist"},
-                               {GdnDecodeKernel::kPersistDeep, "persist_deep"}};
+                               {GdnDecodeKernel::kPersistDeep, "persist_deep"},
+                               {GdnDecodeKernel::kAuto, "auto"}};  // the default choice
 
 bool is_persist(GdnDecodeKernel k) {
   return k == GdnDecodeKernel::kPersist || k == GdnDecodeKernel::kPersistDeep;
