@@ -4,10 +4,11 @@
 // 4 where each step's input is the previous step's argmax. The pipelined run launches step t+1
 // (tokens fed on the device from step t's argmax) before it collects step t; both runs must give
 // bit-identical token sequences (same graph, same inputs), and the graph must have been replayed.
-// DropRowWhileInFlight: at batch 4 one sequence leaves mid-run (its slot reset while the step
-// after its last one is still queued, as the engine does on EOS): the others must still match a
-// synchronous run that drops the same row at the same step, and the slot must serve a new
-// sequence correctly afterwards (the same tokens as a slot reset with nothing in flight).
+// DropRowWhileInFlight: at batch 4 one sequence leaves mid-run, as the engine handles an EOS: its
+// slot is reset while the step after its last one, which still decodes it, is queued; that
+// step's token for it is discarded. The others must still match a synchronous run that drops the
+// same row at the same step, and the slot must serve a new sequence correctly afterwards (the
+// same tokens as a slot reset with nothing in flight).
 // Misuse: step() with launched steps pending, feed_row without a launch before, too many in
 // flight: ds::Error, never a wrong answer.
 #include <gtest/gtest.h>
@@ -92,7 +93,11 @@ Trace run_sync(Backend& b, std::vector<int32_t> cur, int steps, int drop_step, i
   return trace;
 }
 
-// The engine loop's shape: launch step t+1 (fed), then collect step t.
+// The engine loop's shape: launch step t+1 (fed), then collect step t. A row that leaves at
+// drop_step does so as the engine handles an EOS: step drop_step is launched with the row still
+// in it (fed; the host does not know yet), step drop_step - 1 is collected and the row's slot is
+// reset right away, while step drop_step still holds it in the queue; step drop_step + 1 is
+// launched without it, and its token from step drop_step (the wasted one) is discarded.
 Trace run_pipelined(Backend& b, const std::vector<int32_t>& first, int steps, int drop_step,
                     int drop_row) {
   std::vector<DecodeItem> items(first.size());
@@ -100,26 +105,24 @@ Trace run_pipelined(Backend& b, const std::vector<int32_t>& first, int steps, in
   b.launch_greedy_decode(items);
   Trace trace;
   std::vector<int32_t> got;
-  int pending_reset = -1;
   for (int st = 0; st < steps; ++st) {
     // Step st is in flight; launch st + 1 from it.
     if (st + 1 < steps) {
       std::vector<DecodeItem> next;
       for (size_t i = 0; i < items.size(); ++i) {
-        if (st + 1 == drop_step && static_cast<int>(i) == drop_row) {
-          pending_reset = items[i].slot;  // the row leaves: its slot is reset below, in flight
-          continue;
-        }
+        if (st == drop_step && static_cast<int>(i) == drop_row) continue;  // gone from st + 1 on
         next.push_back({items[i].slot, 0, static_cast<int>(i)});
       }
       b.launch_greedy_decode(next);
       items = next;
     }
     b.collect_greedy_decode(got);
+    if (st == drop_step) got.erase(got.begin() + drop_row);  // the wasted row
     trace.push_back(got);
-    if (pending_reset >= 0) {
-      b.reset_slot(pending_reset);  // step st + 1 (without it) is queued; st had it
-      pending_reset = -1;
+    if (st + 1 == drop_step) {
+      // The row's last token is in: its slot is reset while step drop_step, which still
+      // decodes it, is queued (launched above).
+      b.reset_slot(drop_row);
     }
   }
   return trace;
