@@ -516,10 +516,7 @@ void Engine::pipeline_round() {
     std::fprintf(stderr, "deltaserve: engine step failed: %s\n", e.what());
     in_flight_.pop_front();
     drain_pipeline();  // the step after it (if launched) is lost too
-    for (uint64_t id : cur.ids) {
-      auto found = active_.find(id);
-      if (found != active_.end()) finish(*found->second, FinishReason::kError, e.what());
-    }
+    fail_requests(cur.ids, e.what());
     return;
   }
   in_flight_.pop_front();
@@ -565,9 +562,13 @@ void Engine::pipeline_round() {
       if (again != active_.end()) finish(*again->second, FinishReason::kError, e.what());
     }
   }
-  for (uint64_t id : failed_ids) {
+  fail_requests(failed_ids, launch_error);
+}
+
+void Engine::fail_requests(std::span<const uint64_t> ids, const std::string& error) {
+  for (uint64_t id : ids) {
     auto found = active_.find(id);
-    if (found != active_.end()) finish(*found->second, FinishReason::kError, launch_error);
+    if (found != active_.end()) finish(*found->second, FinishReason::kError, error);
   }
 }
 
@@ -650,9 +651,11 @@ void Engine::loop() {
       continue;
     }
     int64_t n_prompt_tokens = 0;
+    std::vector<uint64_t> plan_ids;
     for (const ScheduledItem& it : plan.items) {
       const SchedSeq* s = scheduler_.find(it.seq_id);
       n_prompt_tokens += std::max(0, std::min(it.end, s->n_prompt) - it.begin);
+      plan_ids.push_back(it.seq_id);
     }
     // Rows that are not sampled, or sampled by plain argmax, come back as token ids only.
     for (size_t i = 0; i < plan.items.size(); ++i) {
@@ -690,10 +693,7 @@ void Engine::loop() {
         // As a failed step below: the launch may have enqueued part of the step before it threw
         // (a device error), so the plan is never run again (that could apply a step twice).
         std::fprintf(stderr, "deltaserve: engine step failed: %s\n", e.what());
-        for (const ScheduledItem& it : plan.items) {
-          auto found = active_.find(it.seq_id);
-          if (found != active_.end()) finish(*found->second, FinishReason::kError, e.what());
-        }
+        fail_requests(plan_ids, e.what());
       }
       update_stats();
       continue;
@@ -702,10 +702,7 @@ void Engine::loop() {
       backend_->step_greedy(plan.work, out);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "deltaserve: engine step failed: %s\n", e.what());
-      for (const ScheduledItem& it : plan.items) {
-        auto found = active_.find(it.seq_id);
-        if (found != active_.end()) finish(*found->second, FinishReason::kError, e.what());
-      }
+      fail_requests(plan_ids, e.what());
       update_stats();
       continue;
     }

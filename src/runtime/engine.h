@@ -29,6 +29,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -189,6 +190,8 @@ class Engine {
   struct Request;
   void loop();
   void finish(Request& r, FinishReason reason, const std::string& error = {});
+  // Ends every request of `ids` that is still active with FinishReason::kError and `error`.
+  void fail_requests(std::span<const uint64_t> ids, const std::string& error);
   // logits_row: the row the token was sampled from; null when the backend gave only the token
   // (then the request asked for no logprobs).
   void on_token(Request& r, int32_t token, const float* logits_row);
