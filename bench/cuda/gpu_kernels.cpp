@@ -19,7 +19,6 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <map>
 #include <numeric>
@@ -714,17 +713,6 @@ const KernelResult& KernelBench::gdn_decode(int batch) {
       add("stream_whole", cuda::GdnDecodeKernel::kStreamWhole);
       add("persist", cuda::GdnDecodeKernel::kPersist);
       add("persist_deep", cuda::GdnDecodeKernel::kPersistDeep);
-      // The persistent kernels with the next-unit prefetch (its A/B switch, off by default;
-      // restored after).
-      const char* pf = std::getenv("DS_GDN_PERSIST_PREFETCH");
-      const std::string pf_saved = pf ? pf : "";
-      setenv("DS_GDN_PERSIST_PREFETCH", "1", 1);
-      add("persist_pf", cuda::GdnDecodeKernel::kPersist);
-      add("persist_deep_pf", cuda::GdnDecodeKernel::kPersistDeep);
-      if (pf)
-        setenv("DS_GDN_PERSIST_PREFETCH", pf_saved.c_str(), 1);
-      else
-        unsetenv("DS_GDN_PERSIST_PREFETCH");
     }
     if (cuda::gdn_decode_split_supported(gdn_, a.pool, 2))
       add("split2", cuda::GdnDecodeKernel::kSplit2);
@@ -1001,7 +989,7 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
       for (int ctx : contexts)
         guarded("attn_decode", "batch/ctx " + S(b, ctx), [&] { kb.attn_decode(b, ctx); });
   if (c.n_linear_layers() > 0 && wanted(opt, "gdn_decode"))
-    for (int b : opt.quick ? std::vector<int>{1} : std::vector<int>{1, 4, 8, 16, 32})
+    for (int b : opt.quick ? std::vector<int>{1} : std::vector<int>{1, 4, 8, 16})
       guarded("gdn_decode", "batch " + std::to_string(b), [&] { kb.gdn_decode(b); });
   if (c.n_linear_layers() > 0 && wanted(opt, "gdn_prefill")) {
     for (int t : opt.quick ? std::vector<int>{4096} : std::vector<int>{64, 512, 4096, 8192})

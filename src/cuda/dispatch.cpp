@@ -252,9 +252,6 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // (H200, bench decode at 4K, one call, docs/perf/decode_kernels.md "gdnd8"): 16.556 / 16.599 ms
   // (fused_split2, two rounds) -> 16.465; kernel 33.0 vs split2 35.3 us. At batch 4, 8 and 32
   // it (and the 4-chunk kPersist) was slower or equal in the step and slower in the kernel.
-  // It runs without the next-unit prefetch ($DS_GDN_PERSIST_PREFETCH, off by default): gdnd9's
-  // A/B measured that slower (batch 16 kernel 33.0 -> 34.2 us, step 16.69 -> 16.77 ms) and the
-  // deep kernel slower than fused_stream at batch 32 (step 19.39 / 19.44 -> 19.55 ms).
   r.add({F::kGdnDecode, "fused_persist_deep",
          "fused GDN decode step, the streaming kernel in a persistent grid of at most one wave "
          "(3 blocks per SM walking (sequence, head) units, an 8-chunk 64 KiB ring across units); "

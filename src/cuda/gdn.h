@@ -170,12 +170,6 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 enum class GdnDecodePdl { kDefault, kOff, kOn };
 GdnDecodePdl gdn_decode_pdl_mode();
 bool gdn_decode_pdl_for(int n_seqs);
-// The persistent kernels' (kPersist / kPersistDeep) prefetch of the next unit's small inputs
-// (gdn_decode.cu, PersistInputs), from $DS_GDN_PERSIST_PREFETCH (read at each launch): "1" on,
-// "0" or unset off (the session-5 gdnd8 kernel: the first prefetch version measured slower on the
-// H200, docs/perf/decode_kernels.md "gdnd9"). Bit-identical results either way; any other value
-// throws ds::Error.
-bool gdn_decode_persist_prefetch();
 
 // ---- Prompt-path stages (launch_gdn_prefill runs these; exposed for tests and later fusions) ---
 // Conv + SiLU over the qkv channels, l2norm of q and k (q also times d_k^-0.5), and the gates.

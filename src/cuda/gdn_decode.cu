@@ -43,10 +43,6 @@
 // States AND outputs bit-equal to kStream's. H200: kPersistDeep at batch 16 33.0 us vs kSplit2
 // 35.3, kStream 37.2 (the one-wave grid: 384 blocks x 2 heads); at batch <= 12 and 32 slower
 // than kStream (the unit loop's fixed costs with one or three heads per block).
-// Their optional next-unit prefetch (PersistInputs below; $DS_GDN_PERSIST_PREFETCH=1, off by
-// default) takes the small per-head inputs off each unit's latency chain; bit-equal as well. Its
-// first version measured slower on the H200 (batch 16 kernel 33.0 -> 34.2 us, step +0.08 ms;
-// session 5, gdnd9), the cause found after the run is fixed in the tree but not yet measured.
 // PDL (launch_gdn_decode's pdl, the engine's $DS_GDN_DECODE_PDL): every kernel can be launched as
 // a programmatic dependent of the in-projection GEMV; the state loads (or bulk copies), the conv
 // taps and the weights are issued before griddepcontrol.wait, proj is read after it (pdl_wait
@@ -160,17 +156,6 @@ __device__ __forceinline__ void conv4_load_taps(const bf16* ring,               
   }
 }
 
-// The conv + SiLU of the 4 channels once the taps and the new input xin are in registers.
-__device__ __forceinline__ void conv4_silu(const ConvTaps& c, const float (&xin)[4],
-                                           float (&y)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float acc = c.wt[4 * i] * c.tap[0][i] + c.wt[4 * i + 1] * c.tap[1][i] +
-                      c.wt[4 * i + 2] * c.tap[2][i] + c.wt[4 * i + 3] * xin[i];
-    y[i] = acc / (1.f + __expf(-acc));
-  }
-}
-
 template <bool VEC>
 __device__ __forceinline__ void conv4_silu_x(const bf16* x,  // [in_dim] this token (not restrict)
                                              int ch, const ConvTaps& c, float (&xin)[4],
@@ -181,7 +166,12 @@ __device__ __forceinline__ void conv4_silu_x(const bf16* x,  // [in_dim] this to
 #pragma unroll
     for (int i = 0; i < 4; ++i) xin[i] = __bfloat162float(x[ch + i]);
   }
-  conv4_silu(c, xin, y);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float acc = c.wt[4 * i] * c.tap[0][i] + c.wt[4 * i + 1] * c.tap[1][i] +
+                      c.wt[4 * i + 2] * c.tap[2][i] + c.wt[4 * i + 3] * xin[i];
+    y[i] = acc / (1.f + __expf(-acc));
+  }
 }
 
 // The l2norm factor of a q or k channel group (thread element e = 4 * tid; q on e < DK, k on
@@ -207,19 +197,6 @@ __device__ __forceinline__ int conv_channel(const GdnShape& s, int hk, int hv, i
   return 2 * s.n_k_heads * DK + hv * d_v + v0 + (e - 2 * DK);
 }
 
-// The l2norm of q / k (every lane takes part in the shuffles) applied to the thread's 4 conv
-// outputs y, stored to qs / ks / vs where active.
-template <int DK>
-__device__ __forceinline__ void qk_norm_to_shared(const float (&y)[4], bool active, int e,
-                                                  float* qs, float* ks, float* vs) {
-  const float scale = qk_norm_scale<DK>(y, e);
-  if (active) {
-    float* dst = e < DK ? qs + e : (e < 2 * DK ? ks + (e - DK) : vs + (e - 2 * DK));
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dst[i] = y[i] * scale;
-  }
-}
-
 // Steps 1-2 of both fused kernels for the thread's channel group e = 4 * tid (active: e < 2 DK +
 // the block's v channels), once its taps are loaded: conv + SiLU of 4 channels into y, the new
 // input in xin (both zeros from the caller where inactive), then the l2norm of q / k (every lane
@@ -230,16 +207,12 @@ __device__ __forceinline__ void conv_norm_to_shared(const bf16* x, const ConvTap
                                                     float (&y)[4], float* qs, float* ks,
                                                     float* vs) {
   if (active) conv4_silu_x<VEC>(x, ch, c, xin, y);
-  qk_norm_to_shared<DK>(y, active, e, qs, ks, vs);
-}
-
-// conv_norm_to_shared with the new input already in xin (the persistent kernel's prefetch).
-template <int DK>
-__device__ __forceinline__ void conv_norm_from_xin(const ConvTaps& c, bool active, int e,
-                                                   const float (&xin)[4], float (&y)[4], float* qs,
-                                                   float* ks, float* vs) {
-  if (active) conv4_silu(c, xin, y);
-  qk_norm_to_shared<DK>(y, active, e, qs, ks, vs);
+  const float scale = qk_norm_scale<DK>(y, e);
+  if (active) {
+    float* dst = e < DK ? qs + e : (e < 2 * DK ? ks + (e - DK) : vs + (e - 2 * DK));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = y[i] * scale;
+  }
 }
 
 // Programmatic dependent launch (launch_gdn_decode with pdl): every kernel below may start while
@@ -880,74 +853,18 @@ void launch_split_n(GdnDecodeKernel which, const GdnShape& s, const GdnLayerWeig
 // Chunks are copied for every unit, also of a sequence at position 0 (the slot's bytes are valid
 // memory; the rows then start from zero as in kStream): every unit has the same chunk count, so
 // the ring's phases stay in step.
-// Prefetch (PF; $DS_GDN_PERSIST_PREFETCH=1 switches it on, off by default; VEC only):
-// the per-unit latency chain is taken off the rows. Without it every unit after the first pays
-// three dependent memory round trips on its block's critical path: the conv taps and weights,
-// then (behind the unit's barrier) the new input, b / a and the gate inputs, and after the rows
-// the gate z and norm weight. With it the block's threads start the NEXT unit's small inputs
-// (PersistInputs: its conv taps and weights, new input, z, b, a, A_log, dt_bias, position and
-// slot; ~6.4 KiB at d_k 128) as cp.async copies into shared memory right after the current
-// unit's conv phase, so they land while the current unit's rows stream; the norm weight is read
-// once per block and z with the conv inputs, both into shared memory (no registers held over the
-// rows). Only the timing of loads moves: every arithmetic expression and reduction order is
-// kStream's, so states AND outputs stay bit-equal. The next unit's proj bytes are copied only
-// after the block's griddepcontrol.wait (in unit 0's conv phase), as PDL requires.
-// H200 (session 5, gdnd9, one call; docs/perf/decode_kernels.md): the first version was slower
-// everywhere: batch 16 kPersistDeep 34.2 vs 33.0 us without, the decode step 16.77 vs 16.69 ms;
-// at batch 1-4 (one unit per block: nothing prefetched) +0.6 us. Cause: it stored z (and, at
-// kernel start, the norm weight) to shared memory right after loading them, inside a branch; a
-// warp issues in order, so it waited a whole round trip there before the conv's (and the first
-// taps') loads were issued. Now the loads are predicated and stored after the conv (built, not
-// yet run on a GPU: cuda_gdn_decode_test's *_pf kernels check it; hence still off).
-template <int DK>
-struct PersistInputs {
-  static constexpr int kConvThreads = (2 * DK + kMaxD) / 4;  // threads with 4 conv channels
-  uint4 wt[2][kConvThreads];    // bf16 x 16: conv_w rows ch .. ch + 3 (two 16-byte halves)
-  uint2 taps[3][kConvThreads];  // bf16 x 4: ring rows of positions p-3..p-1 (unset where < 0)
-  uint2 x[kConvThreads];        // bf16 x 4: the new input of the thread's channels
-  uint2 z[kMaxD / 4];           // bf16 x 4: the head's gate z
-  uint32_t b_word, a_word;      // the 4-byte aligned bf16 pairs holding b and a
-  float A_log, dt_bias;
-  int p, slot;  // seq_pos and slot_ids of the unit's sequence
-};
-
-// The persistent kernel's dynamic shared memory: the chunk ring, then (PF) the next unit's
-// inputs and the head's z and the norm weight as floats.
-template <int DK, int STAGES, bool PF>
+template <int STAGES>
 struct PersistCfg {
   // Blocks per SM the launch bounds ask for: 4 with the 32 KiB ring (64 registers; at 5 per SM,
   // 48 registers, the unit loop spilled 64 bytes, and the grids of batch 16 / 32 (768 / 1536
   // units: 384 / 512 blocks) are the same at 4 or 5 per SM), 3 with the 64 KiB ring (80
-  // registers; 3 x (64 + 7.3 + static 2.1 + 1 reserved) KiB of 228 with PF).
+  // registers; 3 x 64 KiB of 227).
   static constexpr int kMinBlocks = STAGES <= 4 ? 4 : 3;
-  static constexpr int kRingBytes = STAGES * kStreamChunkBytes;
-  static constexpr int kInputsBytes = PF ? static_cast<int>(sizeof(PersistInputs<DK>)) : 0;
-  static constexpr int kSmemBytes = kRingBytes + kInputsBytes + (PF ? 2 * kMaxD * 4 : 0);
-  static_assert(kRingBytes % 16 == 0 && sizeof(PersistInputs<DK>) % 16 == 0, "16-byte aligned");
+  static constexpr int kSmemBytes = STAGES * kStreamChunkBytes;
 };
 
-// 8-byte async copy global -> shared (cp.async.ca: 4, 8 or 16 bytes; mma_util has 4 and 16).
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(dst)), "l"(src)
-               : "memory");
-}
-// The 4 bf16 of u as floats (exact; the same values load4_bf16 gives).
-__device__ __forceinline__ void unpack4_bf16(const uint2& u, float* f) {
-  const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&u.x);
-  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&u.y);
-  f[0] = __low2float(a);
-  f[1] = __high2float(a);
-  f[2] = __low2float(b);
-  f[3] = __high2float(b);
-}
-// The bf16 at element index i of a 4-byte aligned pair (i & 1: the high half) as a float.
-__device__ __forceinline__ float bf16_of_word(uint32_t word, int i) {
-  const auto bits = static_cast<unsigned short>(word >> (16 * (i & 1)));
-  return __bfloat162float(__ushort_as_bfloat16(bits));
-}
-
-template <int DK, bool VEC, int STAGES, bool PF>
-__global__ void __launch_bounds__(kStreamThreads, PersistCfg<DK, STAGES, PF>::kMinBlocks)
+template <int DK, bool VEC, int STAGES>
+__global__ void __launch_bounds__(kStreamThreads, PersistCfg<STAGES>::kMinBlocks)
     gdn_decode_persist_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
                               const bf16* proj,  // [n_seqs, in_dim] (no __restrict__: pdl_wait)
                               const int32_t* __restrict__ seq_pos,   // [n_seqs]
@@ -955,16 +872,8 @@ __global__ void __launch_bounds__(kStreamThreads, PersistCfg<DK, STAGES, PF>::kM
                               int n_units,                           // n_seqs * n_v_heads
                               bf16* __restrict__ out)                // [n_seqs, n_v_heads * d_v]
 {
-  static_assert(!PF || VEC, "the prefetch copies need the vector path's alignment");
   using C = StreamCfg<DK>;
-  using PC = PersistCfg<DK, STAGES, PF>;
   extern __shared__ __align__(128) float chunk_buf[];  // [STAGES][kChunkRows][DK] state rows
-  // PF: the next unit's inputs, the head's z, the norm weight (after the ring).
-  PersistInputs<DK>& in =
-      *reinterpret_cast<PersistInputs<DK>*>(reinterpret_cast<char*>(chunk_buf) + PC::kRingBytes);
-  float* zs = reinterpret_cast<float*>(reinterpret_cast<char*>(chunk_buf) + PC::kRingBytes +
-                                       PC::kInputsBytes);  // [kMaxD]
-  float* ws = zs + kMaxD;                                  // [kMaxD]
   __shared__ __align__(16) float qs[DK], ks[DK], vs[kMaxD], os[kMaxD];
   __shared__ __align__(8) uint64_t full[STAGES];
   __shared__ float warp_sq[kStreamThreads / 32];
@@ -1003,89 +912,31 @@ __global__ void __launch_bounds__(kStreamThreads, PersistCfg<DK, STAGES, PF>::kM
   const int k4 = lane % C::kLanesPerRow;
   const int e = 4 * tid;
   const bool active = e < 2 * DK + d_v;
-  // PF: thread c < d_v keeps its output's z and norm weight in shared memory (zs / ws), written
-  // by the same thread in the conv phase and read after the rows.
-  const bool zw_thread = PF && norm && tid < d_v;
 
   int g = 0;  // the block's next chunk
   for (int j = 0; j < n_mine; ++j) {
     const int unit = b + j * grid;
     const int seq = unit / s.n_v_heads, hv = unit - seq * s.n_v_heads, hk = hv / ratio;
-    // PF, units after the first: the inputs prefetched during the previous unit have landed
-    // (each thread waits for its own copies, the barrier publishes them).
-    const bool pre = PF && j > 0;
-    if (pre) cp_async_wait_all();
-    // The previous unit's readers of qs / ks / vs / os / warp_sq (and PersistInputs) are done.
-    if (j > 0) __syncthreads();
-    const int p = pre ? in.p : seq_pos[seq];
-    const int64_t slot = pre ? in.slot : slot_ids[seq];
+    const int p = seq_pos[seq];
+    const int64_t slot = slot_ids[seq];
     bf16* ring = pool.conv_state + slot * pool.conv_slot_stride;
     const bf16* x = proj + static_cast<int64_t>(seq) * in_dim;
     float* state =
         pool.rec_state + slot * pool.rec_slot_stride + static_cast<int64_t>(hv) * d_v * DK;
     const bool has_state = p > 0;  // uniform over the block
-    // PF: the next unit's position and slot, loaded now (used after the conv barrier).
-    int next_p = 0, next_slot = 0;
-    if (PF && j + 1 < n_mine) {
-      const int next_seq = (unit + grid) / s.n_v_heads;
-      next_p = seq_pos[next_seq];
-      next_slot = slot_ids[next_seq];
-    }
+    // The previous unit's readers of qs / ks / vs / os / warp_sq are done.
+    if (j > 0) __syncthreads();
+    const float A_log = w.A_log[hv], dt_bias = w.dt_bias[hv];
     // 1. conv + SiLU over q, k and the head's v channels (kStream's step 1).
     const bool write_qk = hv % ratio == 0;
     const int ch = conv_channel<DK>(s, hk, hv, d_v, 0, e);
-    float A_log, dt_bias, b_raw, a_raw;
+    ConvTaps taps;
+    if (active) conv4_load_taps<VEC>(ring, w.conv_w, qkv_dim, ch, p, taps);
+    if (j == 0) pdl_wait();  // proj is the previous kernel's output (see pdl_wait)
+    const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
+    const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
     float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
-    if (!pre) {
-      A_log = w.A_log[hv];
-      dt_bias = w.dt_bias[hv];
-      ConvTaps taps;
-      if (active) conv4_load_taps<VEC>(ring, w.conv_w, qkv_dim, ch, p, taps);
-      if (j == 0) pdl_wait();  // proj is the previous kernel's output (see pdl_wait)
-      b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
-      a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
-      // PF: z (and, in unit 0, the norm weight) issued with the conv inputs as predicated loads
-      // and stored to shared memory only after the conv, which waits for the new input anyway:
-      // a store right after its load would stall the warp a whole round trip before the conv's
-      // loads are even issued (the first version did so, and was slower than no prefetch).
-      const float z_r = zw_thread ? __bfloat162float(x[qkv_dim + hv * d_v + tid]) : 0.f;
-      const float w_r = zw_thread && j == 0 ? __bfloat162float(w.norm_w[tid]) : 0.f;
-      conv_norm_to_shared<DK, VEC>(x, taps, active, e, ch, xin, y, qs, ks, vs);
-      if (zw_thread) {
-        zs[tid] = z_r;
-        if (j == 0) ws[tid] = w_r;
-      }
-    } else {
-      A_log = in.A_log;
-      dt_bias = in.dt_bias;
-      b_raw = bf16_of_word(in.b_word, qkv_dim + s.z_dim() + hv);
-      a_raw = bf16_of_word(in.a_word, qkv_dim + s.z_dim() + s.n_v_heads + hv);
-      if (zw_thread) {
-        float z4[4];
-        unpack4_bf16(in.z[tid >> 2], z4);
-        zs[tid] = z4[tid & 3];
-      }
-      ConvTaps taps;
-      if (active) {
-#pragma unroll
-        for (int t = 0; t < 3; ++t) {
-          if (p - 3 + t >= 0)
-            unpack4_bf16(in.taps[t][tid], taps.tap[t]);
-          else
-            taps.tap[t][0] = taps.tap[t][1] = taps.tap[t][2] = taps.tap[t][3] = 0.f;
-        }
-        const uint2 w01 = make_uint2(in.wt[0][tid].x, in.wt[0][tid].y);
-        const uint2 w23 = make_uint2(in.wt[0][tid].z, in.wt[0][tid].w);
-        const uint2 w45 = make_uint2(in.wt[1][tid].x, in.wt[1][tid].y);
-        const uint2 w67 = make_uint2(in.wt[1][tid].z, in.wt[1][tid].w);
-        unpack4_bf16(w01, taps.wt);
-        unpack4_bf16(w23, taps.wt + 4);
-        unpack4_bf16(w45, taps.wt + 8);
-        unpack4_bf16(w67, taps.wt + 12);
-        unpack4_bf16(in.x[tid], xin);
-      }
-      conv_norm_from_xin<DK>(taps, active, e, xin, y, qs, ks, vs);
-    }
+    conv_norm_to_shared<DK, VEC>(x, taps, active, e, ch, xin, y, qs, ks, vs);
     // The ring row p % 4 (which no unit reads in this step) now, not after the rows as kStream
     // does: the same bytes, and xin holds no registers over the rows (48 per thread for 5 blocks
     // per SM).
@@ -1098,42 +949,6 @@ __global__ void __launch_bounds__(kStreamThreads, PersistCfg<DK, STAGES, PF>::kM
     float beta, decay;
     gdn_gates(b_raw, a_raw, A_log, dt_bias, beta, decay);
     __syncthreads();  // q, k, v in shared memory; the barriers' init visible to every thread
-
-    // PF: start the next unit's inputs (PersistInputs is free: every thread read it above). After
-    // the block's griddepcontrol.wait (unit 0's conv phase), so proj is final.
-    if (PF && j + 1 < n_mine) {
-      const int next_unit = unit + grid;
-      const int next_seq = next_unit / s.n_v_heads;
-      const int next_hv = next_unit - next_seq * s.n_v_heads, next_hk = next_hv / ratio;
-      const bf16* nx = proj + static_cast<int64_t>(next_seq) * in_dim;
-      if (active) {
-        const bf16* nring =
-            pool.conv_state + static_cast<int64_t>(next_slot) * pool.conv_slot_stride;
-        const int nch = conv_channel<DK>(s, next_hk, next_hv, d_v, 0, e);
-#pragma unroll
-        for (int t = 0; t < 3; ++t) {
-          const int pp = next_p - 3 + t;
-          if (pp >= 0) cp_async8(&in.taps[t][tid], nring + (pp & 3) * qkv_dim + nch);
-        }
-        cp_async16(&in.wt[0][tid], w.conv_w + nch * 4, true);
-        cp_async16(&in.wt[1][tid], w.conv_w + nch * 4 + 8, true);
-        cp_async8(&in.x[tid], nx + nch);
-      }
-      const int zt = tid - (kStreamThreads - 32);  // the last warp copies z
-      if (norm && zt >= 0 && 4 * zt < d_v)
-        cp_async8(&in.z[zt], nx + qkv_dim + next_hv * d_v + 4 * zt);
-      if (tid == kStreamThreads - 33) {  // one lane of the warp before
-        const int ib = qkv_dim + s.z_dim() + next_hv, ia = ib + s.n_v_heads;
-        // The aligned pairs lie inside the row's b / a block (it starts at an even index and has
-        // an even length; x rows are 8-byte aligned on the vector path).
-        cp_async4(&in.b_word, nx + (ib & ~1), true);
-        cp_async4(&in.a_word, nx + (ia & ~1), true);
-        cp_async4(&in.A_log, w.A_log + next_hv, true);
-        cp_async4(&in.dt_bias, w.dt_bias + next_hv, true);
-        in.p = next_p;
-        in.slot = next_slot;
-      }
-    }
 
     // 3. The unit's rows, chunk by chunk as they land; each buffer refilled with the chunk
     // STAGES further on in the block's stream (the next unit's, near the end of this one).
@@ -1166,18 +981,12 @@ __global__ void __launch_bounds__(kStreamThreads, PersistCfg<DK, STAGES, PF>::kM
       }
     }
     __syncthreads();
-    // Thread c < d_v: the gate z and norm weight of its output: from shared memory (PF, written
-    // by this thread in the conv phase), else loaded only now (as the split kernel does) so they
-    // hold no registers over the rows.
+    // Thread c < d_v: the gate z and norm weight of its output, loaded only now (as the split
+    // kernel does) so they hold no registers over the rows.
     float z_c = 0.f, w_c = 0.f;
     if (tid < d_v && norm) {
-      if (PF) {
-        w_c = ws[tid];
-        z_c = zs[tid];
-      } else {
-        w_c = __bfloat162float(w.norm_w[tid]);
-        z_c = __bfloat162float(x[qkv_dim + hv * d_v + tid]);
-      }
+      w_c = __bfloat162float(w.norm_w[tid]);
+      z_c = __bfloat162float(x[qkv_dim + hv * d_v + tid]);
     }
 
     // 4. The head's 1 / rms, in kStream's order.
@@ -1239,36 +1048,19 @@ int persist_grid(int n_units, int resident) {
   return (n_units + per_block - 1) / per_block;
 }
 
-template <int DK, bool VEC, int STAGES, bool PF>
+template <int DK, bool VEC, int STAGES>
 void launch_persist(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                     const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids, int n_seqs,
                     bf16* out, cudaStream_t stream, bool pdl) {
-  constexpr int kSmem = PersistCfg<DK, STAGES, PF>::kSmemBytes;
-  const auto kernel = gdn_decode_persist_kernel<DK, VEC, STAGES, PF>;
-  const void* func = reinterpret_cast<const void*>(kernel);
+  constexpr int kSmem = PersistCfg<STAGES>::kSmemBytes;
+  const void* func = reinterpret_cast<const void*>(gdn_decode_persist_kernel<DK, VEC, STAGES>);
   ensure_smem_optin(func, kSmem);
   const int n_units = n_seqs * s.n_v_heads;
   int resident = resident_blocks(func, kStreamThreads, kSmem);
   if (const int cap = persist_block_cap(); cap > 0) resident = std::min(resident, cap);
   const int grid = persist_grid(n_units, resident);
-  launch_maybe_pdl(kernel, dim3(grid), dim3(kStreamThreads), kSmem, stream, pdl, s, w, pool, proj,
-                   seq_pos, slot_ids, n_units, out);
-}
-
-template <int DK, bool VEC, int STAGES>
-void launch_persist_pf(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
-                       const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
-                       int n_seqs, bf16* out, cudaStream_t stream, bool pdl) {
-  // The prefetch copies need the vector path's alignment; the scalar path runs without.
-  if constexpr (VEC) {
-    if (gdn_decode_persist_prefetch()) {
-      launch_persist<DK, VEC, STAGES, true>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out,
-                                            stream, pdl);
-      return;
-    }
-  }
-  launch_persist<DK, VEC, STAGES, false>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream,
-                                         pdl);
+  launch_maybe_pdl(gdn_decode_persist_kernel<DK, VEC, STAGES>, dim3(grid), dim3(kStreamThreads),
+                   kSmem, stream, pdl, s, w, pool, proj, seq_pos, slot_ids, n_units, out);
 }
 
 template <int DK, bool VEC>
@@ -1277,9 +1069,9 @@ void launch_persist_n(GdnDecodeKernel which, const GdnShape& s, const GdnLayerWe
                       const int32_t* slot_ids, int n_seqs, bf16* out, cudaStream_t stream,
                       bool pdl) {
   if (which == GdnDecodeKernel::kPersistDeep)
-    launch_persist_pf<DK, VEC, 8>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+    launch_persist<DK, VEC, 8>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
   else
-    launch_persist_pf<DK, VEC, 4>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+    launch_persist<DK, VEC, 4>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
 }
 
 // $DS_GDN_DECODE_PDL, read at each call: the engine asks once per layer while it enqueues a forward
@@ -1320,16 +1112,6 @@ bool gdn_decode_pdl_for(int n_seqs) {
     default:
       return n_seqs <= kPdlDefaultMaxSeqs;
   }
-}
-
-bool gdn_decode_persist_prefetch() {
-  const char* v = std::getenv("DS_GDN_PERSIST_PREFETCH");
-  if (v == nullptr || *v == '\0') return false;  // off: measured slower (see PersistInputs)
-  const std::string m(v);
-  if (m == "0") return false;
-  if (m == "1") return true;
-  ds::throw_error("DS_GDN_PERSIST_PREFETCH must be 0 or 1 (or unset for the default, 0), got '", m,
-                  "'");
 }
 
 void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,

@@ -13,9 +13,7 @@
 //    gated RMSNorm's sum of squares (< 1e-3);
 //  - the split and persistent kernels against kStream: states AND outputs bit-equal (same
 //    per-row code, the norm's sum of squares in kStream's order), the persistent ones also with
-//    their grid capped to 1-7 blocks (PersistCappedGrid: rings across many units per block), and
-//    each also with the next-unit prefetch ($DS_GDN_PERSIST_PREFETCH=1: persist_pf / deep_pf;
-//    under PDL with capped grids, so the prefetched proj is read after griddepcontrol.wait).
+//    their grid capped to 1-7 blocks (PersistCappedGrid: rings across many units per block).
 // Outputs are poisoned (NaN) before each step; the unused slot 0 must stay untouched. Shapes: 27B
 // (16 k / 48 v heads, d 128) at batch 1, 2, 3, 4, 5, 8, 16, 32 with fresh (position 0), young
 // (positions 1-3: zero conv taps) and old sequences; small and odd heads (d_k 16-128, d_v 16-128
@@ -56,8 +54,6 @@ cuda::GdnShape shape_27b() { return cuda::GdnShape{16, 48, 128, 128, 4, 1e-6f}; 
 struct KernelName {
   GdnDecodeKernel k;
   const char* name;
-  bool prefetch = false;  // the persistent kernels with $DS_GDN_PERSIST_PREFETCH=1
-  int cap = 0;               // the persistent grid capped to this many blocks ($..._BLOCKS)
 };
 const KernelName kKernels[] = {{GdnDecodeKernel::kCluster4, "cluster4"},
                                {GdnDecodeKernel::kCluster8, "cluster8"},
@@ -67,8 +63,6 @@ const KernelName kKernels[] = {{GdnDecodeKernel::kCluster4, "cluster4"},
                                {GdnDecodeKernel::kSplit4, "split4"},
                                {GdnDecodeKernel::kPersist, "persist"},
                                {GdnDecodeKernel::kPersistDeep, "persist_deep"},
-                               {GdnDecodeKernel::kPersist, "persist_pf", true},
-                               {GdnDecodeKernel::kPersistDeep, "deep_pf", true},
                                {GdnDecodeKernel::kAuto, "auto"}};  // the default choice
 
 bool is_persist(GdnDecodeKernel k) {
@@ -84,18 +78,6 @@ struct PersistCap {
       unsetenv("DS_GDN_DECODE_PERSIST_BLOCKS");
   }
   ~PersistCap() { unsetenv("DS_GDN_DECODE_PERSIST_BLOCKS"); }
-};
-
-// Sets $DS_GDN_PERSIST_PREFETCH to "1" (the persistent kernels' next-unit prefetch) for its
-// lifetime when `on`; unset (off) otherwise.
-struct PrefetchOn {
-  explicit PrefetchOn(bool on) {
-    if (on)
-      setenv("DS_GDN_PERSIST_PREFETCH", "1", 1);
-    else
-      unsetenv("DS_GDN_PERSIST_PREFETCH");
-  }
-  ~PrefetchOn() { unsetenv("DS_GDN_PERSIST_PREFETCH"); }
 };
 
 std::vector<float> random_f32(size_t n, std::mt19937& rng, float lo, float hi) {
@@ -262,7 +244,6 @@ void check_kernels(const cuda::GdnShape& s, const std::vector<int>& pos, int n_s
     a.rec.upload(rec0);
     DevBuf<bf> out(size_t(n) * s.out_dim());
     std::vector<Step> steps;
-    const PrefetchOn pf(kn.prefetch);
     for (int t = 0; t < n_steps; ++t) {
       out.poison();
       cuda::launch_gdn_decode(s, a.w(), a.pool(),
@@ -407,19 +388,6 @@ TEST(CudaGdnDecode, UnsupportedKernelsThrow) {
     }
   }
   unsetenv("DS_GDN_DECODE_PERSIST_BLOCKS");
-  // So does a bad prefetch switch.
-  for (const char* bad : {"2", "on", "-1"}) {
-    setenv("DS_GDN_PERSIST_PREFETCH", bad, 1);
-    try {
-      cuda::launch_gdn_decode(s, a.w(), a.pool(), proj.as<__nv_bfloat16>(), pos.ptr, slot.ptr, 1,
-                              out.as<__nv_bfloat16>(), 0, GdnDecodeKernel::kPersistDeep);
-      ADD_FAILURE() << "DS_GDN_PERSIST_PREFETCH=" << bad << " accepted";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("DS_GDN_PERSIST_PREFETCH"), std::string::npos)
-          << e.what();
-    }
-  }
-  unsetenv("DS_GDN_PERSIST_PREFETCH");
   // Every kernel moves state rows as 16-byte vectors: a misaligned pool is an error, not a
   // misaligned-address fault (the first version of this test ran kAuto on it and faulted).
   for (int shift : {1, 0}) {
@@ -493,10 +461,6 @@ TEST(CudaGdnDecode, PdlAfterGemv27B) {
                                 {GdnDecodeKernel::kSplit4, "split4"},
                                 {GdnDecodeKernel::kPersist, "persist"},
                                 {GdnDecodeKernel::kPersistDeep, "persist_deep"},
-                                // Several units per block, so the next units' inputs (proj
-                                // included) are prefetched, after the wait, under PDL.
-                                {GdnDecodeKernel::kPersistDeep, "deep_pf_cap5", true, 5},
-                                {GdnDecodeKernel::kPersist, "persist_pf_cap3", true, 3},
                                 {GdnDecodeKernel::kAuto, "auto"}};
   for (int B : {1, 2, 3, 4, 8}) {
     const std::vector<int> pos = mixed_positions(B);
@@ -527,8 +491,6 @@ TEST(CudaGdnDecode, PdlAfterGemv27B) {
     };
     for (const KernelName& kn : kernels) {
       if (!supported(kn.k, s, a.pool())) continue;
-      const PersistCap cap(kn.cap);
-      const PrefetchOn pf(kn.prefetch);
       Step ref;
       for (int graph = 0; graph < 2; ++graph) {
         for (int pdl = 0; pdl < 2; ++pdl) {
@@ -568,7 +530,7 @@ TEST(CudaGdnDecode, PdlAfterGemv27B) {
               << what << ": states vs eager plain";
         }
       }
-      std::printf("  %-15s batch %d, %d steps after the PDL GEMV: eager / graph x plain / pdl "
+      std::printf("  %-8s batch %d, %d steps after the PDL GEMV: eager / graph x plain / pdl "
                   "bit-identical\n",
                   kn.name, B, n_steps);
     }
@@ -621,7 +583,7 @@ TEST(CudaGdnDecode, Timing) {
   std::mt19937 rng(9);
   for (int round = 0; round < 2; ++round) {
     std::printf("  round %d (us per launch, TB/s of state read + written)\n", round);
-    for (int B : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32}) {
+    for (int B : {1, 2, 3, 4, 6, 8, 12, 16, 32}) {
       const int rot = std::max(4, 64 / B);  // 64 x 3 MiB of state at batch 1: past L2
       GdnSetup a(s, B * rot, rng);
       DevBuf<bf> proj(test::random_bf16(size_t(B) * s.in_dim() * rot, rng)),
@@ -633,7 +595,6 @@ TEST(CudaGdnDecode, Timing) {
       const double bytes = 2.0 * B * s.n_v_heads * s.d_v * s.d_k * 4;
       std::printf("  gdn decode batch %2d:", B);
       for (const KernelName& kn : kKernels) {
-        const PrefetchOn pf(kn.prefetch);  // read at capture
         const double us = test::graph_time_us(
             [&](int i, cudaStream_t st) {
               const int r = i % rot;
