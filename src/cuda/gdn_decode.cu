@@ -280,6 +280,31 @@ __device__ __forceinline__ float gated_output(float o, float rinv, float z, floa
   return norm ? w * o * rinv * (z / (1.f + __expf(-z))) : o;
 }
 
+// Ring row p % 4 of a slot's conv ring (which no block reads in this step) gets the new input's 4
+// channels [ch, ch + 4) (exact: xin came from bf16).
+__device__ __forceinline__ void write_ring_row(bf16* ring, int p, int qkv_dim, int ch,
+                                               const float (&xin)[4]) {
+  bf16* rw = ring + (p & 3) * qkv_dim + ch;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) rw[i] = __float2bfloat16(xin[i]);
+}
+
+// The 1 / rms of a head whose d_v outputs o sit in shared memory os[], reduced by one 256-thread
+// block in a fixed order (warp sums, then the warps' partials in order): the streaming, split and
+// persistent kernels all reduce this way, so their outputs are bit-equal. warp_sq: [kMaxD / 32]
+// shared floats; every thread of the block must call it (one __syncthreads inside).
+__device__ __forceinline__ float block_head_rinv(const float* os, float* warp_sq, int d_v,
+                                                 float eps, int tid, int lane, int warp) {
+  float sq = tid < d_v ? os[tid] * os[tid] : 0.f;
+  sq = warp_sum(sq);
+  if (lane == 0) warp_sq[warp] = sq;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxD / 32; ++i) total += warp_sq[i];  // warps past d_v hold 0
+  return rsqrtf(total / d_v + eps);
+}
+
 // ---- Cluster kernels (cluster4 / cluster8) -----------------------------------------------------
 template <int DK, bool VEC, int SPLIT>
 __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
@@ -396,9 +421,7 @@ __global__ void __cluster_dims__(1, 1, SPLIT) __launch_bounds__(kDecodeThreads)
     if (v < rows) __stcg(reinterpret_cast<float4*>(state + v * DK + 4 * k4), st[r]);
   }
   if (active && (e >= 2 * DK || write_qk)) {
-    bf16* rw = ring + (p & 3) * qkv_dim + ch;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) rw[i] = __float2bfloat16(xin[i]);  // exact: xin came from bf16
+    write_ring_row(ring, p, qkv_dim, ch, xin);
   }
   if (tid < rows) {  // rows <= 32 <= threads
     bf16* yo = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v + v0;
@@ -579,21 +602,12 @@ __global__ void __launch_bounds__(kStreamThreads)
   // 4. The head's 1 / rms (the block holds the whole head).
   float rinv = 1.f;
   if (norm) {
-    float sq = tid < d_v ? os[tid] * os[tid] : 0.f;
-    sq = warp_sum(sq);
-    if (lane == 0) warp_sq[warp] = sq;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int i = 0; i < kMaxD / 32; ++i) total += warp_sq[i];  // warps past d_v hold 0
-    rinv = rsqrtf(total / d_v + s.norm_eps);
+    rinv = block_head_rinv(os, warp_sq, d_v, s.norm_eps, tid, lane, warp);
   }
 
   // 5. The ring (row p % 4, which no block reads in this step) and the gated-norm output.
   if (active && (e >= 2 * DK || write_qk)) {
-    bf16* rw = ring + (p & 3) * qkv_dim + ch;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) rw[i] = __float2bfloat16(xin[i]);  // exact: xin came from bf16
+    write_ring_row(ring, p, qkv_dim, ch, xin);
   }
   if (tid < d_v) {
     bf16* yo = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v;
@@ -794,21 +808,12 @@ __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads,
       }
     }
     mbar_wait(&peers_done, 0);
-    float sq = tid < d_v ? os[tid] * os[tid] : 0.f;
-    sq = warp_sum(sq);
-    if (lane == 0) warp_sq[warp] = sq;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int i = 0; i < kMaxD / 32; ++i) total += warp_sq[i];  // warps past d_v hold 0
-    rinv = rsqrtf(total / d_v + s.norm_eps);
+    rinv = block_head_rinv(os, warp_sq, d_v, s.norm_eps, tid, lane, warp);
   }
 
   // 5. The ring (row p % 4, which no block reads in this step) and the block's outputs.
   if (active && (e >= 2 * DK || write_qk)) {
-    bf16* rw = ring + (p & 3) * qkv_dim + ch;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) rw[i] = __float2bfloat16(xin[i]);  // exact: xin came from bf16
+    write_ring_row(ring, p, qkv_dim, ch, xin);
   }
   if (tid < rows) {
     bf16* yo = out + static_cast<int64_t>(seq) * s.out_dim() + hv * d_v + v0;
@@ -941,9 +946,7 @@ __global__ void __launch_bounds__(kStreamThreads, PersistCfg<STAGES>::kMinBlocks
     // does: the same bytes, and xin holds no registers over the rows (48 per thread for 5 blocks
     // per SM).
     if (active && (e >= 2 * DK || write_qk)) {
-      bf16* rw = ring + (p & 3) * qkv_dim + ch;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) rw[i] = __float2bfloat16(xin[i]);  // exact: xin came from bf16
+      write_ring_row(ring, p, qkv_dim, ch, xin);
     }
     // 2. gates.
     float beta, decay;
@@ -992,14 +995,7 @@ __global__ void __launch_bounds__(kStreamThreads, PersistCfg<STAGES>::kMinBlocks
     // 4. The head's 1 / rms, in kStream's order.
     float rinv = 1.f;
     if (norm) {
-      float sq = tid < d_v ? os[tid] * os[tid] : 0.f;
-      sq = warp_sum(sq);
-      if (lane == 0) warp_sq[warp] = sq;
-      __syncthreads();
-      float total = 0.f;
-#pragma unroll
-      for (int i = 0; i < kMaxD / 32; ++i) total += warp_sq[i];  // warps past d_v hold 0
-      rinv = rsqrtf(total / d_v + s.norm_eps);
+      rinv = block_head_rinv(os, warp_sq, d_v, s.norm_eps, tid, lane, warp);
     }
 
     // 5. The gated-norm output.
