@@ -484,6 +484,43 @@ struct StreamCfg {
                 "one pass must cover the conv channels and the outputs");
 };
 
+// The streaming kernels' per-chunk row code (stream, split, persistent: the same expressions, so
+// their states are bit-equal): lane group grp owns the chunk's local rows grp + j * kRowsPerPass;
+// row v = c * kChunkRows + j * kRowsPerPass + grp of the block's n_rows. chunk_rows_load takes them
+// from the chunk buffer (zero where the sequence starts fresh, or past n_rows); chunk_rows_update
+// decays / updates them (update_row), stores them to the state and each row's o to os[v].
+template <int DK>
+__device__ __forceinline__ void chunk_rows_load(float4 (&t)[StreamCfg<DK>::kPasses],
+                                                const float* buf, int c, int grp, int k4,
+                                                int n_rows, bool has_state) {
+  using C = StreamCfg<DK>;
+#pragma unroll
+  for (int j = 0; j < C::kPasses; ++j) {
+    const int v = c * C::kChunkRows + j * C::kRowsPerPass + grp;
+    t[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (has_state && v < n_rows)
+      t[j] = *reinterpret_cast<const float4*>(buf + (j * C::kRowsPerPass + grp) * DK + 4 * k4);
+  }
+}
+
+template <int DK>
+__device__ __forceinline__ void chunk_rows_update(float4 (&t)[StreamCfg<DK>::kPasses], int c,
+                                                  int grp, int k4, int n_rows, float4 kk,
+                                                  float4 qq, float decay, float beta,
+                                                  const float* vs, float* state, float* os) {
+  using C = StreamCfg<DK>;
+#pragma unroll
+  for (int j = 0; j < C::kPasses; ++j) {
+    const int v = c * C::kChunkRows + j * C::kRowsPerPass + grp;
+    float o_v;
+    t[j] = update_row<DK>(t[j], kk, qq, decay, beta, v < n_rows ? vs[v] : 0.f, o_v);
+    if (v < n_rows) {
+      __stcg(reinterpret_cast<float4*>(state + v * DK + 4 * k4), t[j]);
+      if (k4 == 0) os[v] = o_v;
+    }
+  }
+}
+
 // Dynamic shared memory of the streaming kernel: STAGES chunk buffers (or fewer chunks, if the
 // head has fewer).
 template <int DK, int STAGES>
@@ -575,27 +612,12 @@ __global__ void __launch_bounds__(kStreamThreads)
     const float* buf = chunk_buf + (c % STAGES) * C::kChunkRows * DK;
     if (has_state) mbar_wait(&full[c % STAGES], (c / STAGES) & 1);
     float4 t[C::kPasses];
-#pragma unroll
-    for (int j = 0; j < C::kPasses; ++j) {
-      const int v = c * C::kChunkRows + j * C::kRowsPerPass + grp;
-      t[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (has_state && v < d_v)
-        t[j] = *reinterpret_cast<const float4*>(buf + (j * C::kRowsPerPass + grp) * DK + 4 * k4);
-    }
+    chunk_rows_load<DK>(t, buf, c, grp, k4, d_v, has_state);
     if (STAGES < C::kMaxChunks && has_state && c + STAGES < n_chunks) {
       __syncthreads();  // every warp holds chunk c: its buffer may be refilled
       if (tid == 0) issue_chunk(c + STAGES);
     }
-#pragma unroll
-    for (int j = 0; j < C::kPasses; ++j) {
-      const int v = c * C::kChunkRows + j * C::kRowsPerPass + grp;
-      float o_v;
-      t[j] = update_row<DK>(t[j], kk, qq, decay, beta, v < d_v ? vs[v] : 0.f, o_v);
-      if (v < d_v) {
-        __stcg(reinterpret_cast<float4*>(state + v * DK + 4 * k4), t[j]);
-        if (k4 == 0) os[v] = o_v;
-      }
-    }
+    chunk_rows_update<DK>(t, c, grp, k4, d_v, kk, qq, decay, beta, vs, state, os);
   }
   __syncthreads();
 
@@ -767,23 +789,8 @@ __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads,
     const float* buf = chunk_buf + c * C::kChunkRows * DK;
     if (has_state) mbar_wait(&full[c], 0);
     float4 t[C::kPasses];
-#pragma unroll
-    for (int j = 0; j < C::kPasses; ++j) {
-      const int v = c * C::kChunkRows + j * C::kRowsPerPass + grp;  // local row
-      t[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (has_state && v < rows)
-        t[j] = *reinterpret_cast<const float4*>(buf + (j * C::kRowsPerPass + grp) * DK + 4 * k4);
-    }
-#pragma unroll
-    for (int j = 0; j < C::kPasses; ++j) {
-      const int v = c * C::kChunkRows + j * C::kRowsPerPass + grp;
-      float o_v;
-      t[j] = update_row<DK>(t[j], kk, qq, decay, beta, v < rows ? vs[v] : 0.f, o_v);
-      if (v < rows) {
-        __stcg(reinterpret_cast<float4*>(state + v * DK + 4 * k4), t[j]);
-        if (k4 == 0) os[v0 + v] = o_v;
-      }
-    }
+    chunk_rows_load<DK>(t, buf, c, grp, k4, rows, has_state);  // local rows
+    chunk_rows_update<DK>(t, c, grp, k4, rows, kk, qq, decay, beta, vs, state, os + v0);
   }
   __syncthreads();  // the block's o rows are in os[]
   // Thread c < rows: the gate z and norm weight of row v0 + c (loaded only now, so they hold no
@@ -961,27 +968,12 @@ __global__ void __launch_bounds__(kStreamThreads, PersistCfg<STAGES>::kMinBlocks
       const float* buf = chunk_buf + (g % STAGES) * C::kChunkRows * DK;
       mbar_wait(&full[g % STAGES], (g / STAGES) & 1);
       float4 t[C::kPasses];
-#pragma unroll
-      for (int i = 0; i < C::kPasses; ++i) {
-        const int v = c * C::kChunkRows + i * C::kRowsPerPass + grp;
-        t[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (has_state && v < d_v)
-          t[i] = *reinterpret_cast<const float4*>(buf + (i * C::kRowsPerPass + grp) * DK + 4 * k4);
-      }
+      chunk_rows_load<DK>(t, buf, c, grp, k4, d_v, has_state);
       if (g + STAGES < n_g) {
         __syncthreads();  // every warp holds chunk g: its buffer may be refilled
         if (tid == 0) issue_chunk(g + STAGES);
       }
-#pragma unroll
-      for (int i = 0; i < C::kPasses; ++i) {
-        const int v = c * C::kChunkRows + i * C::kRowsPerPass + grp;
-        float o_v;
-        t[i] = update_row<DK>(t[i], kk, qq, decay, beta, v < d_v ? vs[v] : 0.f, o_v);
-        if (v < d_v) {
-          __stcg(reinterpret_cast<float4*>(state + v * DK + 4 * k4), t[i]);
-          if (k4 == 0) os[v] = o_v;
-        }
-      }
+      chunk_rows_update<DK>(t, c, grp, k4, d_v, kk, qq, decay, beta, vs, state, os);
     }
     __syncthreads();
     // Thread c < d_v: the gate z and norm weight of its output, loaded only now (as the split
