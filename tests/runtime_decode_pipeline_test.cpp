@@ -21,62 +21,23 @@
 #include <vector>
 
 #include "runtime/engine.h"
+#include "runtime_test_backend.h"
 
 namespace ds {
 namespace {
 
 // A paged backend whose next token is a fixed function of the slot's history (the last token and
-// the length): deterministic and batch-invariant. Logits rows are one-hot plus structure.
-class HashBackend : public Backend {
+// the length): deterministic and batch-invariant.
+class HashBackend : public test::HistoryBackend {
  public:
   HashBackend(int n_slots, int page, int64_t blocks, int vocab, bool pipelines)
-      : page_(page), blocks_(blocks), pipelines_(pipelines), hist_(n_slots) {
-    cfg_.vocab_size = vocab;
-  }
-  const ModelConfig& config() const override { return cfg_; }
-  std::string name() const override { return "hash"; }
-  int n_slots() const override { return static_cast<int>(hist_.size()); }
-  int max_seq_len() const override { return 4096; }
-  int slot_len(int s) const override { return static_cast<int>(hist_.at(s).size()); }
-  int64_t blocks(int64_t n) const { return (n + page_ - 1) / page_; }
-  int64_t used() const {
-    int64_t b = 0;
-    for (const auto& h : hist_) b += blocks(static_cast<int64_t>(h.size()));
-    return b;
-  }
-  bool can_grow(int s, int n) const override {
-    return used() - blocks(slot_len(s)) + blocks(slot_len(s) + n) <= blocks_;
-  }
-  void reset_slot(int s) override { hist_.at(s).clear(); }
-  MemoryUsage memory() const override {
-    MemoryUsage m;
-    m.kv_blocks_total = blocks_;
-    m.kv_blocks_used = used();
-    m.page_size = page_;
-    m.state_slots_total = n_slots();
-    for (const auto& h : hist_) m.state_slots_used += h.empty() ? 0 : 1;
-    return m;
-  }
-  static int32_t next_token(const std::vector<int32_t>& h, int vocab) {
-    const uint64_t x = uint64_t(h.back()) * 2654435761u + h.size() * 40503u;
-    return static_cast<int32_t>((x >> 7) % uint64_t(vocab));
-  }
+      : HistoryBackend("hash", n_slots, page, blocks, vocab), pipelines_(pipelines) {}
   void step(std::span<const SeqWork> work, std::vector<float>& logits) override {
     // The engine must collect every launched step before a plain step (the default launch runs
     // its own step through here: not a misuse).
     if (!in_launch_ && decode_in_flight() != 0) misuse_ = true;
     ++plain_steps_;
-    logits.assign(work.size() * static_cast<size_t>(cfg_.vocab_size), -10.0f);
-    for (size_t i = 0; i < work.size(); ++i) {
-      auto& h = hist_.at(work[i].slot);
-      if (!can_grow(work[i].slot, static_cast<int>(work[i].tokens.size())))
-        throw Error("hash: pool overflow");
-      h.insert(h.end(), work[i].tokens.begin(), work[i].tokens.end());
-      const int32_t next = next_token(h, cfg_.vocab_size);
-      float* row = logits.data() + i * cfg_.vocab_size;
-      row[next] = 5.0f;
-      row[(next + 1) % cfg_.vocab_size] = 1.0f;
-    }
+    HistoryBackend::step(work, logits);
   }
   bool pipelines_decode() const override { return pipelines_; }
   void launch_greedy_decode(std::span<const DecodeItem> items) override {
@@ -84,7 +45,7 @@ class HashBackend : public Backend {
     if (decode_in_flight() >= 2) misuse_ = true;
     if (launches_ == fail_at_launch_) {
       // A device error after part of the step was enqueued: the slots' state has changed.
-      for (const DecodeItem& it : items) hist_.at(it.slot).push_back(0);
+      for (const DecodeItem& it : items) history(it.slot).push_back(0);
       throw Error("hash: device error in the middle of a launch");
     }
     in_launch_ = true;
@@ -100,12 +61,14 @@ class HashBackend : public Backend {
   int64_t launches() const { return launches_; }
   void fail_at_launch(int64_t n) { fail_at_launch_ = n; }
 
+ protected:
+  int32_t next_token(const std::vector<int32_t>& h) const override {
+    const uint64_t x = uint64_t(h.back()) * 2654435761u + h.size() * 40503u;
+    return static_cast<int32_t>((x >> 7) % uint64_t(vocab()));
+  }
+
  private:
-  ModelConfig cfg_;
-  int page_;
-  int64_t blocks_;
   bool pipelines_;
-  std::vector<std::vector<int32_t>> hist_;
   bool misuse_ = false, in_launch_ = false;
   int64_t launches_ = 0, plain_steps_ = 0, fail_at_launch_ = -1;
 };

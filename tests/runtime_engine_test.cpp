@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "runtime/engine.h"
+#include "runtime_test_backend.h"
 
 namespace ds {
 namespace {
@@ -19,61 +20,22 @@ namespace {
 constexpr int32_t kMarker = 151643;  // <|endoftext|> in Qwen3: marks where the script starts
 
 // A paged backend that continues each sequence with a fixed script: the token after the last
-// kMarker in the slot's history at distance d is script[d] (script exhausted: token 0). The logits
-// rows are one-hot plus a little structure so logprobs are finite and ordered.
-class ScriptBackend : public Backend {
+// kMarker in the slot's history at distance d is script[d] (script exhausted: token 0).
+class ScriptBackend : public test::HistoryBackend {
  public:
   ScriptBackend(std::vector<int32_t> script, int n_slots, int page, int64_t blocks, int vocab)
-      : script_(std::move(script)), page_(page), blocks_(blocks), hist_(n_slots) {
-    cfg_.vocab_size = vocab;
-  }
-  const ModelConfig& config() const override { return cfg_; }
-  std::string name() const override { return "script"; }
-  int n_slots() const override { return static_cast<int>(hist_.size()); }
-  int max_seq_len() const override { return 4096; }
-  int slot_len(int s) const override { return static_cast<int>(hist_.at(s).size()); }
-  int64_t blocks(int64_t n) const { return (n + page_ - 1) / page_; }
-  int64_t used() const {
-    int64_t b = 0;
-    for (const auto& h : hist_) b += blocks(static_cast<int64_t>(h.size()));
-    return b;
-  }
-  bool can_grow(int s, int n) const override {
-    return used() - blocks(slot_len(s)) + blocks(slot_len(s) + n) <= blocks_;
-  }
-  void reset_slot(int s) override { hist_.at(s).clear(); }
-  MemoryUsage memory() const override {
-    MemoryUsage m;
-    m.kv_blocks_total = blocks_;
-    m.kv_blocks_used = used();
-    m.page_size = page_;
-    m.state_slots_total = n_slots();
-    for (const auto& h : hist_) m.state_slots_used += h.empty() ? 0 : 1;
-    return m;
-  }
-  void step(std::span<const SeqWork> work, std::vector<float>& logits) override {
-    logits.assign(work.size() * static_cast<size_t>(cfg_.vocab_size), -10.0f);
-    for (size_t i = 0; i < work.size(); ++i) {
-      auto& h = hist_.at(work[i].slot);
-      if (!can_grow(work[i].slot, static_cast<int>(work[i].tokens.size())))
-        throw Error("script: pool overflow");
-      h.insert(h.end(), work[i].tokens.begin(), work[i].tokens.end());
-      size_t m = h.size();
-      while (m > 0 && h[m - 1] != kMarker) --m;
-      const size_t d = h.size() - m;
-      const int32_t next = d < script_.size() ? script_[d] : 0;
-      float* row = logits.data() + i * cfg_.vocab_size;
-      row[next] = 5.0f;
-      row[(next + 1) % cfg_.vocab_size] = 1.0f;
-    }
+      : HistoryBackend("script", n_slots, page, blocks, vocab), script_(std::move(script)) {}
+
+ protected:
+  int32_t next_token(const std::vector<int32_t>& h) const override {
+    size_t m = h.size();
+    while (m > 0 && h[m - 1] != kMarker) --m;
+    const size_t d = h.size() - m;
+    return d < script_.size() ? script_[d] : 0;
   }
 
  private:
-  ModelConfig cfg_;
   std::vector<int32_t> script_;
-  int page_;
-  int64_t blocks_;
-  std::vector<std::vector<int32_t>> hist_;
 };
 
 std::shared_ptr<const Tokenizer> qwen3() {

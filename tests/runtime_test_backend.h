@@ -1,0 +1,77 @@
+// A host-only Backend for the engine tests (runtime_engine_test, runtime_decode_pipeline_test):
+// each slot's history of tokens stands for its KV cache and state, in a paged pool of `blocks`
+// blocks of `page` tokens. step() appends each item's tokens (a pool overflow throws, as the CUDA
+// engine's validation does) and makes the logits row of each item one-hot at next_token(history)
+// (plus a smaller second entry, so logprobs are finite and ordered); subclasses choose next_token.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "runtime/backend.h"
+
+namespace ds::test {
+
+class HistoryBackend : public Backend {
+ public:
+  HistoryBackend(std::string name, int n_slots, int page, int64_t blocks, int vocab)
+      : name_(std::move(name)), page_(page), blocks_(blocks), hist_(n_slots) {
+    cfg_.vocab_size = vocab;
+  }
+  const ModelConfig& config() const override { return cfg_; }
+  std::string name() const override { return name_; }
+  int n_slots() const override { return static_cast<int>(hist_.size()); }
+  int max_seq_len() const override { return 4096; }
+  int slot_len(int s) const override { return static_cast<int>(hist_.at(s).size()); }
+  int64_t blocks(int64_t n) const { return (n + page_ - 1) / page_; }
+  int64_t used() const {
+    int64_t b = 0;
+    for (const auto& h : hist_) b += blocks(static_cast<int64_t>(h.size()));
+    return b;
+  }
+  bool can_grow(int s, int n) const override {
+    return used() - blocks(slot_len(s)) + blocks(slot_len(s) + n) <= blocks_;
+  }
+  void reset_slot(int s) override { hist_.at(s).clear(); }
+  MemoryUsage memory() const override {
+    MemoryUsage m;
+    m.kv_blocks_total = blocks_;
+    m.kv_blocks_used = used();
+    m.page_size = page_;
+    m.state_slots_total = n_slots();
+    for (const auto& h : hist_) m.state_slots_used += h.empty() ? 0 : 1;
+    return m;
+  }
+  void step(std::span<const SeqWork> work, std::vector<float>& logits) override {
+    logits.assign(work.size() * static_cast<size_t>(cfg_.vocab_size), -10.0f);
+    for (size_t i = 0; i < work.size(); ++i) {
+      auto& h = hist_.at(work[i].slot);
+      if (!can_grow(work[i].slot, static_cast<int>(work[i].tokens.size())))
+        throw Error(name_ + ": pool overflow");
+      h.insert(h.end(), work[i].tokens.begin(), work[i].tokens.end());
+      const int32_t next = next_token(h);
+      float* row = logits.data() + i * cfg_.vocab_size;
+      row[next] = 5.0f;
+      row[(next + 1) % cfg_.vocab_size] = 1.0f;
+    }
+  }
+
+ protected:
+  // The greedy token after `history` (the slot's tokens including this step's), in [0, vocab).
+  virtual int32_t next_token(const std::vector<int32_t>& history) const = 0;
+  int vocab() const { return cfg_.vocab_size; }
+  std::vector<int32_t>& history(int slot) { return hist_.at(slot); }
+
+ private:
+  ModelConfig cfg_;
+  std::string name_;
+  int page_;
+  int64_t blocks_;
+  std::vector<std::vector<int32_t>> hist_;
+};
+
+}  // namespace ds::test
