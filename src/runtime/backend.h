@@ -88,7 +88,9 @@ class Backend {
   // slot's KV pages and GDN state land before any later step reuses them. step() / step_greedy()
   // need every launched step collected first, and feed_row refers to the last launch only when
   // no step() / step_greedy() ran after it (the CUDA engine enforces both). Validation errors
-  // throw at launch (nothing changes); asynchronous (device) errors throw at collect.
+  // throw at launch before anything changes; a device error can also throw from launch after part
+  // of the step was enqueued (the slots' state is then unknown: the engine ends those requests and
+  // never re-runs the step); asynchronous (device) errors throw at collect.
   // This default runs each step synchronously inside launch (through step_greedy: the same
   // validation and tokens), so it behaves exactly like the plain loop; the CUDA engine overrides
   // it (pipelines_decode() true).
