@@ -89,7 +89,7 @@ TEST(CudaKernels, AddRmsNorm) {
 TEST(CudaKernels, AddRmsNormFitBitExact) {
   DS_REQUIRE_GPU();
   std::mt19937 rng(12);
-  for (int d : {5120, 6144, 2048, 4096, 1000, 8192, 16384}) {
+  for (int d : {5120, 6144, 2048, 4096, 1000, 8192, 10240, 12288, 16384}) {
     for (int rows : {64, 129}) {
       for (int with_delta : {0, 1}) {
         auto res = test::random_bf16(size_t(rows) * d, rng, 3.f);
