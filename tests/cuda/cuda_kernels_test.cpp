@@ -84,8 +84,9 @@ TEST(CudaKernels, AddRmsNorm) {
 
 // The prompt-chunk build of add_rmsnorm (RmsNormKernel::kFit: vectors per thread sized to d) is
 // bit-identical to the 8-vector build (kMax8) it replaces at >= kRmsNormFitMinRows rows, output
-// and updated residual, with and without delta, at widths that need 1, 2, 3, 4, 5, 6 and 8 vectors per
-// thread; then both are timed at the 27B prompt chunk (4096 x 5120, inputs rotated past L2).
+// and updated residual, with and without delta, at widths that need 1, 2, 3, 4, 5, 6 and 8
+// vectors per thread (5 and 6: the fit build falls back to the 8-vector one); then both are timed
+// at the 27B prompt chunk (4096 x 5120, inputs rotated past L2).
 TEST(CudaKernels, AddRmsNormFitBitExact) {
   DS_REQUIRE_GPU();
   std::mt19937 rng(12);
