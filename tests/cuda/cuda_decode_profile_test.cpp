@@ -45,6 +45,7 @@
 
 #include "cuda/cuda_backend.h"
 #include "cuda_test_util.h"
+#include "cupti_loader.h"
 
 namespace ds {
 namespace {
@@ -69,29 +70,14 @@ struct TimelineRec {
 std::vector<TimelineRec> g_timeline;
 bool g_keep_timeline = false;
 
-using GetNextRecordFn = CUptiResult (*)(uint8_t*, size_t, CUpti_Activity**);
-GetNextRecordFn g_next = nullptr;
-
-std::string demangle(const char* s) {
-  if (!s) return "?";
-  int st = 0;
-  char* d = abi::__cxa_demangle(s, nullptr, nullptr, &st);
-  std::string r = st == 0 && d ? d : s;
-  std::free(d);
-  return r;
-}
-
-void CUPTIAPI buffer_requested(uint8_t** buf, size_t* size, size_t* max_records) {
-  *size = size_t(8) << 20;
-  *buf = static_cast<uint8_t*>(std::aligned_alloc(8, *size));
-  *max_records = 0;
-}
+using test::demangle;
 
 void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buf, size_t, size_t valid) {
   CUpti_Activity* rec = nullptr;
   std::vector<KernelRec> got;
   std::vector<TimelineRec> tl;
-  while (g_next && g_next(buf, valid, &rec) == CUPTI_SUCCESS) {
+  while (test::cupti_next_record &&
+         test::cupti_next_record(buf, valid, &rec) == CUPTI_SUCCESS) {
     if (rec->kind == CUPTI_ACTIVITY_KIND_MEMCPY) {
       const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
       TimelineRec t;
@@ -144,51 +130,6 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buf, size_t, size_t
   g_recs.insert(g_recs.end(), got.begin(), got.end());
   if (g_keep_timeline) g_timeline.insert(g_timeline.end(), tl.begin(), tl.end());
 }
-
-// The few CUPTI entry points the test uses, from a dlopen'd libcupti.
-struct Cupti {
-  CUptiResult (*enable)(CUpti_ActivityKind) = nullptr;
-  CUptiResult (*disable)(CUpti_ActivityKind) = nullptr;
-  CUptiResult (*register_callbacks)(CUpti_BuffersCallbackRequestFunc,
-                                    CUpti_BuffersCallbackCompleteFunc) = nullptr;
-  CUptiResult (*flush_all)(uint32_t) = nullptr;
-  bool ok = false;
-  std::string why;
-
-  Cupti() {
-    std::vector<std::string> names;
-    if (const char* e = std::getenv("DS_CUPTI_LIB")) {
-      if (std::string(e) == "none") {  // the step times in a process without CUPTI
-        why = "DS_CUPTI_LIB=none";
-        return;
-      }
-      names.push_back(e);
-    }
-    names.push_back("libcupti.so.13");
-    names.push_back("libcupti.so");
-    void* lib = nullptr;
-    for (const auto& n : names) {
-      lib = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (lib) break;
-      why += n + ": " + dlerror() + "; ";
-    }
-    if (!lib) return;
-    auto sym = [&](const char* s) {
-      void* p = dlsym(lib, s);
-      if (!p) why += std::string("missing ") + s + "; ";
-      return p;
-    };
-    enable = reinterpret_cast<decltype(enable)>(sym("cuptiActivityEnable"));
-    disable = reinterpret_cast<decltype(disable)>(sym("cuptiActivityDisable"));
-    register_callbacks =
-        reinterpret_cast<decltype(register_callbacks)>(sym("cuptiActivityRegisterCallbacks"));
-    flush_all = reinterpret_cast<decltype(flush_all)>(sym("cuptiActivityFlushAll"));
-    g_next = reinterpret_cast<GetNextRecordFn>(sym("cuptiActivityGetNextRecord"));
-    ok = enable && disable && register_callbacks && flush_all && g_next &&
-         register_callbacks(buffer_requested, buffer_completed) == CUPTI_SUCCESS;
-    if (!ok) why += "cuptiActivityRegisterCallbacks failed; ";
-  }
-};
 
 // A short name per kernel family.
 std::string short_name(const KernelRec& r) {
@@ -329,7 +270,7 @@ TEST(DecodeProfile, Synthetic27bInGraph) {
   DS_REQUIRE_GPU();
   const char* env = std::getenv("DS_PROFILE");
   if (!env || std::string(env) != "1") GTEST_SKIP() << "set DS_PROFILE=1 to profile the 27B step";
-  Cupti cupti;
+  test::CuptiLib cupti(buffer_completed);
   if (!cupti.ok) std::printf("  CUPTI not available (%s): step times only\n", cupti.why.c_str());
   const ModelConfig c = synthetic_model_config("27b");
   BackendOptions o;
@@ -534,7 +475,7 @@ TEST(DecodeProfile, HostGap) {
   DS_REQUIRE_GPU();
   const char* env = std::getenv("DS_PROFILE");
   if (!env || std::string(env) != "1") GTEST_SKIP() << "set DS_PROFILE=1 to profile the 27B step";
-  Cupti cupti;
+  test::CuptiLib cupti(buffer_completed);
   if (!cupti.ok) std::printf("  CUPTI not available (%s): no timeline\n", cupti.why.c_str());
   const ModelConfig c = synthetic_model_config("27b");
   BackendOptions o;

@@ -20,8 +20,9 @@
 // loader's search path), as in cuda_decode_profile_test; without it only the host times print.
 // Then the same kernels alone in the same process (ALONE lines: each GEMM shape of the chunk with
 // the engine's algorithm, add_rmsnorm both builds, silu_mul), to tell "slower in situ" from
-// "another machine state than RESULTS.md's run". Off by default (heavy): DS_PROFILE=1 runs it. PHASE lines carry the wall clock (UTC seconds) so
-// that an nvidia-smi log of the same run (SM clock, power) can be lined up with the chunks.
+// "another machine state than RESULTS.md's run". Off by default (heavy): DS_PROFILE=1 runs it.
+// PHASE lines carry the wall clock (UTC seconds) so that an nvidia-smi log of the same run (SM
+// clock, power) can be lined up with the chunks.
 #include <cuda_runtime.h>
 #include <cupti.h>
 #include <cxxabi.h>
@@ -44,6 +45,7 @@
 #include "cuda/gemm.h"
 #include "cuda/kernels.h"
 #include "cuda_test_util.h"
+#include "cupti_loader.h"
 
 namespace ds {
 namespace {
@@ -69,30 +71,15 @@ std::vector<KernelRec> g_kernels;
 std::vector<ApiRec> g_api;
 std::vector<CopyRec> g_copies;
 
-using GetNextRecordFn = CUptiResult (*)(uint8_t*, size_t, CUpti_Activity**);
-GetNextRecordFn g_next = nullptr;
-
-std::string demangle(const char* s) {
-  if (!s) return "?";
-  int st = 0;
-  char* d = abi::__cxa_demangle(s, nullptr, nullptr, &st);
-  std::string r = st == 0 && d ? d : s;
-  std::free(d);
-  return r;
-}
-
-void CUPTIAPI buffer_requested(uint8_t** buf, size_t* size, size_t* max_records) {
-  *size = size_t(16) << 20;
-  *buf = static_cast<uint8_t*>(std::aligned_alloc(8, *size));
-  *max_records = 0;
-}
+using test::demangle;
 
 void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buf, size_t, size_t valid) {
   CUpti_Activity* rec = nullptr;
   std::vector<KernelRec> ks;
   std::vector<ApiRec> as;
   std::vector<CopyRec> cs;
-  while (g_next && g_next(buf, valid, &rec) == CUPTI_SUCCESS) {
+  while (test::cupti_next_record &&
+         test::cupti_next_record(buf, valid, &rec) == CUPTI_SUCCESS) {
     if (rec->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL ||
         rec->kind == CUPTI_ACTIVITY_KIND_KERNEL) {
       const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
@@ -121,56 +108,6 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buf, size_t, size_t
   g_api.insert(g_api.end(), as.begin(), as.end());
   g_copies.insert(g_copies.end(), cs.begin(), cs.end());
 }
-
-// The CUPTI entry points the test uses, from a dlopen'd libcupti.
-struct Cupti {
-  CUptiResult (*enable)(CUpti_ActivityKind) = nullptr;
-  CUptiResult (*disable)(CUpti_ActivityKind) = nullptr;
-  CUptiResult (*register_callbacks)(CUpti_BuffersCallbackRequestFunc,
-                                    CUpti_BuffersCallbackCompleteFunc) = nullptr;
-  CUptiResult (*flush_all)(uint32_t) = nullptr;
-  CUptiResult (*timestamp)(uint64_t*) = nullptr;
-  CUptiResult (*callback_name)(CUpti_CallbackDomain, uint32_t, const char**) = nullptr;
-  bool ok = false;
-  std::string why;
-
-  Cupti() {
-    std::vector<std::string> names;
-    if (const char* e = std::getenv("DS_CUPTI_LIB")) names.push_back(e);
-    names.push_back("libcupti.so.13");
-    names.push_back("libcupti.so");
-    void* lib = nullptr;
-    for (const auto& n : names) {
-      lib = dlopen(n.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (lib) break;
-      why += n + ": " + dlerror() + "; ";
-    }
-    if (!lib) return;
-    auto sym = [&](const char* s) {
-      void* p = dlsym(lib, s);
-      if (!p) why += std::string("missing ") + s + "; ";
-      return p;
-    };
-    enable = reinterpret_cast<decltype(enable)>(sym("cuptiActivityEnable"));
-    disable = reinterpret_cast<decltype(disable)>(sym("cuptiActivityDisable"));
-    register_callbacks =
-        reinterpret_cast<decltype(register_callbacks)>(sym("cuptiActivityRegisterCallbacks"));
-    flush_all = reinterpret_cast<decltype(flush_all)>(sym("cuptiActivityFlushAll"));
-    timestamp = reinterpret_cast<decltype(timestamp)>(sym("cuptiGetTimestamp"));
-    callback_name = reinterpret_cast<decltype(callback_name)>(sym("cuptiGetCallbackName"));
-    g_next = reinterpret_cast<GetNextRecordFn>(sym("cuptiActivityGetNextRecord"));
-    ok = enable && disable && register_callbacks && flush_all && timestamp && g_next &&
-         register_callbacks(buffer_requested, buffer_completed) == CUPTI_SUCCESS;
-    if (!ok) why += "cuptiActivityRegisterCallbacks failed; ";
-  }
-  std::string api_name(const ApiRec& a) const {
-    const char* n = nullptr;
-    if (callback_name)
-      callback_name(a.runtime ? CUPTI_CB_DOMAIN_RUNTIME_API : CUPTI_CB_DOMAIN_DRIVER_API, a.cbid,
-                    &n);
-    return n ? std::string(n) : (a.runtime ? "runtime#" : "driver#") + std::to_string(a.cbid);
-  }
-};
 
 // The kernel family of a record; "" for a cuBLASLt GEMM kernel (named by its neighbours).
 std::string family(const KernelRec& r) {
@@ -294,8 +231,8 @@ struct RoleRow {
   double dur = 0, adv = 0, gap = 0, host_gap = 0, max_gap = 0, min_dur = 1e30, max_dur = 0;
 };
 
-void report(const std::string& title, const std::vector<Chunk>& chunks, const Cupti& cupti,
-            double untraced_ms, bool fresh) {
+void report(const std::string& title, const std::vector<Chunk>& chunks,
+            const test::CuptiLib& cupti, double untraced_ms, bool fresh) {
   std::map<std::string, RoleRow> rows;
   std::map<std::string, double> cls, cls_adv;  // class -> in-situ ms per chunk (dur, advance)
   std::vector<double> pre_ms;
@@ -312,7 +249,7 @@ void report(const std::string& title, const std::vector<Chunk>& chunks, const Cu
     for (const ApiRec& a : c.api) {
       auto it = launch_end.find(a.correlation);
       if (it == launch_end.end() || a.end > it->second) launch_end[a.correlation] = a.end;
-      auto& e = api_calls[cupti.api_name(a)];
+      auto& e = api_calls[cupti.api_name(a.runtime, a.cbid)];
       e.first++;
       e.second += (a.end - a.start) * 1e-3;
     }
@@ -552,7 +489,7 @@ TEST(PrefillProfile, Synthetic27bChunk) {
   const char* env = std::getenv("DS_PROFILE");
   if (!env || std::string(env) != "1")
     GTEST_SKIP() << "set DS_PROFILE=1 to profile the 27B prefill chunk";
-  Cupti cupti;
+  test::CuptiLib cupti(buffer_completed);
   if (!cupti.ok) std::printf("  CUPTI not available (%s): host times only\n", cupti.why.c_str());
   const ModelConfig c = synthetic_model_config("27b");
   BackendOptions o;
