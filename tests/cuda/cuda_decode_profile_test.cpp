@@ -266,6 +266,28 @@ double report(const std::string& title, const std::vector<std::vector<KernelRec>
   return span / ns;
 }
 
+// The synthetic engine of both tests: 4 slots, each holding a 4096-token random prompt (drawn from
+// rng, which the caller goes on using for the decode tokens).
+std::unique_ptr<Backend> engine_with_4k_prompts(const ModelConfig& c, int64_t max_kv_tokens,
+                                                std::mt19937& rng) {
+  BackendOptions o;
+  o.device = "cuda";
+  o.n_slots = 4;
+  o.chunk_size = 4096;
+  CudaEngineOptions e;
+  e.verbose = false;
+  e.max_kv_tokens = max_kv_tokens;
+  auto b = make_cuda_backend_synthetic(o, c, 1, e);
+  std::vector<float> logits;
+  for (int s = 0; s < 4; ++s) {
+    std::vector<int32_t> p(4096);
+    for (auto& x : p) x = int32_t(rng() % c.vocab_size);
+    SeqWork w{s, p, false};
+    b->step(std::span<const SeqWork>(&w, 1), logits);
+  }
+  return b;
+}
+
 TEST(DecodeProfile, Synthetic27bInGraph) {
   DS_REQUIRE_GPU();
   const char* env = std::getenv("DS_PROFILE");
@@ -273,23 +295,10 @@ TEST(DecodeProfile, Synthetic27bInGraph) {
   test::CuptiLib cupti(buffer_completed);
   if (!cupti.ok) std::printf("  CUPTI not available (%s): step times only\n", cupti.why.c_str());
   const ModelConfig c = synthetic_model_config("27b");
-  BackendOptions o;
-  o.device = "cuda";
-  o.n_slots = 4;
-  o.chunk_size = 4096;
-  CudaEngineOptions e;
-  e.verbose = false;
-  e.max_kv_tokens = 4 * 4600;
-  auto b = make_cuda_backend_synthetic(o, c, 1, e);
   std::mt19937 rng(5);
+  auto b = engine_with_4k_prompts(c, 4 * 4600, rng);
   const int V = c.vocab_size;
   std::vector<float> logits;
-  for (int s = 0; s < 4; ++s) {
-    std::vector<int32_t> p(4096);
-    for (auto& x : p) x = int32_t(rng() % V);
-    SeqWork w{s, p, false};
-    b->step(std::span<const SeqWork>(&w, 1), logits);
-  }
   StepOutput out;
   auto run = [&](int batch, int n, std::vector<double>* ms) {
     std::vector<std::vector<int32_t>> toks(batch, std::vector<int32_t>(1));
@@ -478,23 +487,10 @@ TEST(DecodeProfile, HostGap) {
   test::CuptiLib cupti(buffer_completed);
   if (!cupti.ok) std::printf("  CUPTI not available (%s): no timeline\n", cupti.why.c_str());
   const ModelConfig c = synthetic_model_config("27b");
-  BackendOptions o;
-  o.device = "cuda";
-  o.n_slots = 4;
-  o.chunk_size = 4096;
-  CudaEngineOptions e;
-  e.verbose = false;
-  e.max_kv_tokens = 4 * 4800;
-  auto b = make_cuda_backend_synthetic(o, c, 1, e);
   std::mt19937 rng(5);
+  auto b = engine_with_4k_prompts(c, 4 * 4800, rng);
   const int V = c.vocab_size;
   std::vector<float> logits;
-  for (int s = 0; s < 4; ++s) {
-    std::vector<int32_t> p(4096);
-    for (auto& x : p) x = int32_t(rng() % V);
-    SeqWork w{s, p, false};
-    b->step(std::span<const SeqWork>(&w, 1), logits);
-  }
   StepOutput out;
   for (int batch : {1, 4}) {
     const std::string title = "batch " + std::to_string(batch) + " ctx 4K";
