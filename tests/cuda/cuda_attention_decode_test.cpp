@@ -328,21 +328,7 @@ std::vector<float> run_after_rope(const DecodeFixture& f, cuda::AttnDecodeLaunch
                                   dv.as<__nv_bfloat16>(), f.gate_of(dg), kv_chunk, n_splits,
                                   ws.ptr, out.as<__nv_bfloat16>(), st, how);
   };
-  if (graph) {
-    cudaGraph_t g;
-    cudaGraphExec_t exec;
-    DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    body();
-    DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
-    DS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-    DS_CUDA_CHECK(cudaGraphLaunch(exec, st));
-    DS_CUDA_CHECK(cudaStreamSynchronize(st));
-    DS_CUDA_CHECK(cudaGraphExecDestroy(exec));
-    DS_CUDA_CHECK(cudaGraphDestroy(g));
-  } else {
-    body();
-    DS_CUDA_CHECK(cudaStreamSynchronize(st));
-  }
+  test::run_once_on(st, graph, body);
   DS_CUDA_CHECK(cudaStreamDestroy(st));
   return test::to_f32(out.download());
 }

@@ -499,21 +499,7 @@ TEST(CudaGdnDecode, PdlAfterGemv27B) {
           out.poison();
           proj.poison();
           DS_CUDA_CHECK(cudaDeviceSynchronize());  // the memsets are not ordered with `st`
-          if (graph) {
-            cudaGraph_t g;
-            cudaGraphExec_t exec;
-            DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-            steps(st, kn.k, pdl);
-            DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
-            DS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-            DS_CUDA_CHECK(cudaGraphLaunch(exec, st));
-            DS_CUDA_CHECK(cudaStreamSynchronize(st));
-            DS_CUDA_CHECK(cudaGraphExecDestroy(exec));
-            DS_CUDA_CHECK(cudaGraphDestroy(g));
-          } else {
-            steps(st, kn.k, pdl);
-            DS_CUDA_CHECK(cudaStreamSynchronize(st));
-          }
+          test::run_once_on(st, graph, [&] { steps(st, kn.k, pdl); });
           Step run{out.download(), a.conv.download(), a.rec.download()};
           const std::string what = std::string(kn.name) + " batch " + std::to_string(B) +
                                    (graph ? " graph" : " eager") + (pdl ? " pdl" : " plain");

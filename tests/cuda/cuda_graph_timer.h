@@ -1,4 +1,5 @@
-// Timing helpers for the GPU tests: median_event_ms times single launches with CUDA events;
+// Launch helpers for the GPU tests: run_once_on runs a launch body once, eagerly or captured in a
+// CUDA graph; median_event_ms times single launches with CUDA events;
 // graph_time_us captures `reps` calls of a launch body in one CUDA graph and
 // returns the median time per call over several replays (warm, launch gaps removed as in the
 // engine's captured decode step). The body gets the call index (to rotate inputs past L2) and
@@ -35,6 +36,27 @@ float median_event_ms(cudaStream_t st, int runs, Launch&& launch) {
   DS_CUDA_CHECK(cudaEventDestroy(e1));
   std::sort(ts.begin(), ts.end());
   return ts[ts.size() / 2];
+}
+
+// Runs body() (launches on stream st) once: eagerly, or captured into a CUDA graph that is
+// launched once (graph = true); returns after st has finished.
+template <typename Body>
+void run_once_on(cudaStream_t st, bool graph, Body&& body) {
+  if (!graph) {
+    body();
+    DS_CUDA_CHECK(cudaStreamSynchronize(st));
+    return;
+  }
+  cudaGraph_t g;
+  cudaGraphExec_t exec;
+  DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  body();
+  DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+  DS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
+  DS_CUDA_CHECK(cudaGraphLaunch(exec, st));
+  DS_CUDA_CHECK(cudaStreamSynchronize(st));
+  DS_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  DS_CUDA_CHECK(cudaGraphDestroy(g));
 }
 
 template <typename Body>
