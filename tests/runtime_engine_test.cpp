@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <random>
 #include <set>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "runtime/engine.h"
@@ -269,6 +271,80 @@ TEST(Engine, RejectsInvalidRequestsAndFullQueue) {
   eng->cancel_all();
   EXPECT_TRUE(eng->wait_idle(std::chrono::milliseconds(5000)));
   for (auto& s : streams) EXPECT_TRUE(s->finished());
+}
+
+// A ScriptBackend whose steps wait at a gate: the test lets them through one at a time, so it
+// can act while the engine thread is inside a given step.
+class GatedBackend : public ScriptBackend {
+ public:
+  using ScriptBackend::ScriptBackend;
+  void step(std::span<const SeqWork> work, std::vector<float>& logits) override {
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      ++entered_;
+      cv_.notify_all();
+      cv_.wait(lk, [&] { return open_ || allowed_ >= entered_; });
+    }
+    ScriptBackend::step(work, logits);
+  }
+  // Waits until the engine thread is blocked inside step number n (1-based).
+  bool wait_entered(int n) {
+    std::unique_lock<std::mutex> lk(mu_);
+    return cv_.wait_for(lk, std::chrono::seconds(10), [&] { return entered_ >= n; });
+  }
+  void allow(int n) {
+    std::lock_guard<std::mutex> lk(mu_);
+    allowed_ = n;
+    cv_.notify_all();
+  }
+  void open() {
+    std::lock_guard<std::mutex> lk(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int entered_ = 0, allowed_ = 0;
+  bool open_ = false;
+};
+
+// The queue bound holds in the window where the engine thread has taken a request from the
+// submit queue into its scheduler but has not yet refreshed its stats (it ran the next step
+// first): a request submitted then was counted as neither and admitted past the bound (seen in
+// CI as a server test's 429 request accepted and stuck behind a 30000-token stream).
+TEST(Engine, QueueBoundHoldsWhileTheEngineAdmitsAndSteps) {
+  NEED_TOKENIZER();
+  std::vector<int32_t> script = tok->encode("x y z");
+  auto owned = std::make_unique<GatedBackend>(script, 1, 16, 10000, tok->vocab_size());
+  GatedBackend* backend = owned.get();
+  EngineOptions o;
+  o.scheduler.max_batch = 1;
+  o.scheduler.chunk_size = 64;
+  o.scheduler.max_num_batched_tokens = 64;
+  o.scheduler.max_waiting = 1;
+  Engine eng(std::move(owned), tok, o);
+  GenerationRequest slow = greedy(*tok, 3000);
+  auto a = eng.submit(slow);        // A: takes the one slot
+  ASSERT_TRUE(backend->wait_entered(1));  // the engine is inside A's first step
+  auto b = eng.submit(slow);        // B: the one waiting place (in the submit queue now)
+  backend->allow(1);                // step 1 ends; the engine takes B in, then runs A's step 2
+  ASSERT_TRUE(backend->wait_entered(2));
+  EXPECT_EQ(eng.stats().n_waiting, 1);
+  EXPECT_EQ(eng.stats().n_running, 1);
+  try {
+    auto c = eng.submit(slow);
+    ADD_FAILURE() << "a request past the queue bound (1 waiting of 1) was admitted";
+    c->cancel();
+  } catch (const RejectedError& e) {
+    EXPECT_EQ(e.kind, RejectedError::Kind::kQueueFull);
+  }
+  backend->open();
+  eng.cancel_all();
+  EXPECT_TRUE(eng.wait_idle(std::chrono::milliseconds(5000)));
+  EXPECT_TRUE(a->finished());
+  EXPECT_TRUE(b->finished());
 }
 
 TEST(Engine, BatchInvariance32ConcurrentWithPreemption) {

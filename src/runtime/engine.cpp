@@ -597,6 +597,10 @@ void Engine::loop() {
                !ctl_->cancels.empty() || !scheduler_.idle() || !in_flight_.empty();
       });
       incoming.swap(ctl_->incoming);
+      // They wait until the scheduler says otherwise: counted as waiting in the same critical
+      // section that takes them off the submit queue, or submit() would see neither count until
+      // update_stats() after the next step and admit past max_waiting.
+      ctl_->stats.n_waiting += static_cast<int>(incoming.size());
       cancels.swap(ctl_->cancels);
       cancel_everything = ctl_->cancel_all || ctl_->stop;
       ctl_->cancel_all = false;
@@ -608,6 +612,10 @@ void Engine::loop() {
       Request& ref = *r;
       active_.emplace(id, std::move(r));
       if (!scheduler_.add(id, std::move(prompt))) finish(ref, FinishReason::kError, "queue full");
+    }
+    if (!incoming.empty()) {  // the exact count again (finish() above may have set it already)
+      std::lock_guard<std::mutex> lk(ctl_->mu);
+      ctl_->stats.n_waiting = scheduler_.n_waiting();
     }
     for (uint64_t id : cancels) {
       auto it = active_.find(id);
@@ -634,6 +642,11 @@ void Engine::loop() {
     }
 
     StepPlan plan = scheduler_.schedule();
+    {  // who runs now and who waits (preempted, admitted), before the step rather than after it
+      std::lock_guard<std::mutex> lk(ctl_->mu);
+      ctl_->stats.n_running = scheduler_.n_running();
+      ctl_->stats.n_waiting = scheduler_.n_waiting();
+    }
     for (uint64_t id : plan.preempted) {
       auto it = active_.find(id);
       if (it != active_.end()) it->second->n_preemptions++;

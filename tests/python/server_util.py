@@ -70,7 +70,8 @@ class ServerProc:
         raise RuntimeError(f"server did not become healthy:\n{self.log_text()}")
 
     def log_text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:  # stop() closes it; the file stays readable
+            self.log.flush()
         return self.log_path.read_text(errors="replace")
 
     def alive(self) -> bool:
