@@ -55,6 +55,12 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
+// Bulk prefetch of `bytes` (a multiple of 16, 16-byte aligned) global -> L2 (cp.async.bulk
+// .prefetch.L2, sm 90): no data reaches the issuing block, nothing to wait for.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+
 // 8 bf16 (one 16-byte vector, element 0 in the low half of v.x) -> 8 floats, exactly.
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   f[0] = __uint_as_float(v.x << 16), f[1] = __uint_as_float(v.x & 0xffff0000u);

@@ -285,7 +285,11 @@ class CudaBackend final : public Backend {
   StepMeta meta_layout(int32_t* base, int T, int S) const;
   void enqueue_layers(const FwdPlan& f);
   void enqueue_head(const FwdPlan& f, int r0, int r);
-  bool gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y, int m, int n, int k);
+  bool gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y, int m, int n, int k,
+                 const cuda::GemvL2Next& next = {});
+  // The L2 prefetch of a later GEMV (m rows, weight [n, k]) for the GEMV before it ($DS_GEMV_L2_NEXT;
+  // rows 0 when off): its grid as GemmEngine would launch it.
+  cuda::GemvL2Next l2_next(const bf16* w, int m, int n, int k);
   bool gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* act, int m, int d_ff,
                          int k);
   bool run_graph(const FwdPlan& f);
@@ -1284,10 +1288,12 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
   auto flip = [&](const cuda::GemvNormIn& nin) {
     if (nin.delta) res = nin.residual_out;
   };
-  // y = norm(h + delta) wt^T (h += delta).
-  auto norm_gemm = [&](const bf16* delta, const bf16* nw, const bf16* wt, bf16* y, int n) {
+  // y = norm(h + delta) wt^T (h += delta); `next`: the weights of the GEMV after the mixer
+  // kernels, prefetched into L2 as this one ends (fused decode GEMVs only).
+  auto norm_gemm = [&](const bf16* delta, const bf16* nw, const bf16* wt, bf16* y, int n,
+                       const cuda::GemvL2Next& next) {
     const cuda::GemvNormIn nin = norm_in(delta, nw);
-    if (fuse && gemv_norm(nin, wt, y, T, n, dm)) return flip(nin);
+    if (fuse && gemv_norm(nin, wt, y, T, n, dm, next)) return flip(nin);
     cuda::launch_add_rmsnorm(res, delta, nw, T, dm, eps, 1.f, xn_, stream_);
     gemm(xn_, wt, y, n, dm);
   };
@@ -1298,7 +1304,8 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
     // h += previous layer's MLP output; input_layernorm(h) -> the mixer's in-projection
     const bf16* mlp_delta = il == 0 ? nullptr : mlp_out;
     if (L.type == LayerType::kLinear) {
-      norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim());  // [qkv | z | b | a]
+      norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim(),  // [qkv | z | b | a]
+                fuse ? l2_next(L.gdn_out, T, dm, c.gdn_z_dim()) : cuda::GemvL2Next{});
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
       if (f.gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
         // PDL: the state / conv taps load while the gdn_in GEMV runs ($DS_GDN_DECODE_PDL)
@@ -1315,7 +1322,8 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       }
       gemm_out(mix_, L.gdn_out, c.gdn_z_dim(), fold_mixer);
     } else {
-      norm_gemm(mlp_delta, L.input_norm, L.attn_qkv, proj_, attn_.qkv_dim());  // [q+gate | k | v]
+      norm_gemm(mlp_delta, L.input_norm, L.attn_qkv, proj_, attn_.qkv_dim(),  // [q+gate | k | v]
+                fuse ? l2_next(L.attn_o, T, dm, c.attn_out_dim()) : cuda::GemvL2Next{});
       const int64_t layer_elems =
           layout_.n_kv_blocks * c.n_kv_heads * page_size_ * int64_t(c.head_dim);
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
@@ -1369,8 +1377,26 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
 // The bulk GEMV with the add + RMSNorm in its prologue when the registry picks the bulk GEMV for
 // (m, n, k) (what GemmEngine::run would launch, with the same config and PDL mode); false:
 // nothing launched (the caller runs add_rmsnorm, then the GEMM).
+cuda::GemvL2Next CudaBackend::l2_next(const bf16* w, int m, int n, int k) {
+  cuda::GemvL2Next nx;
+  if (cuda::gemv_l2_next_mib() == 0) return nx;
+  const std::string& v = gemm_->variant(m, n, k);
+  int grid = n_sms_;  // cuBLASLt: any order; the bulk GEMVs: their grid
+  if (v == "gemv_bulk" || v == "gemv_bulk_pdl") {
+    const cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
+    grid = std::max(1, std::min(n_sms_ * cfg.blocks_per_sm, n));
+  }
+  grid = std::min(grid, n);
+  nx.w = w;
+  nx.n = n;
+  nx.k = k;
+  nx.grid = grid;
+  nx.rows = cuda::gemv_l2_next_rows(n, k, grid);
+  return nx;
+}
+
 bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y, int m, int n,
-                            int k) {
+                            int k, const cuda::GemvL2Next& next) {
   const std::string& v = gemm_->variant(m, n, k);
   if ((v != "gemv_bulk" && v != "gemv_bulk_pdl") || m > cuda::kGemvNormMaxM ||
       k > cuda::kGemvNormMaxK || reinterpret_cast<uintptr_t>(w) % 16 != 0)
@@ -1378,7 +1404,8 @@ bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y,
   cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
   if (!cuda::gemv_bulk_norm_fits(m, k, cfg)) return false;  // no room for the norm's warp sums
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
-  cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, cuda::GemmOut::kBF16, cfg, n_sms_, stream_);
+  cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, cuda::GemmOut::kBF16, cfg, n_sms_, stream_,
+                              next);
   return true;
 }
 

@@ -95,6 +95,23 @@ struct GemvBulkConfig {
   std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl"
 };
 
+// The leading rows of a LATER GEMV's blocks, prefetched into L2 by this GEMV's blocks as each
+// issues its last own copy (cp.async.bulk.prefetch.L2), so that HBM keeps streaming weights while
+// the small kernels between the two run (the decode step's gdn_in -> gdn_decode -> gdn_out and
+// attn_qkv -> rope_kv + attention -> attn_o), and the later GEMV finds those rows in L2. A
+// prefetch changes no value anywhere: the outputs are bit-identical with or without it. rows 0 or
+// w null: off.
+struct GemvL2Next {
+  const void* w = nullptr;  // the later GEMV's bf16 weight [n, k]
+  int n = 0, k = 0;
+  int grid = 0;  // its blocks: block j reads rows [n j / grid, n (j + 1) / grid), in order
+  int rows = 0;  // leading rows of each of those ranges to prefetch
+};
+// $DS_GEMV_L2_NEXT: MiB of a later GEMV's weights to prefetch that way (0..256, read once per
+// process; 0 or unset: off). gemv_l2_next_rows turns it into rows per block of that GEMV.
+int gemv_l2_next_mib();
+int gemv_l2_next_rows(int n, int k, int grid);
+
 // Whether x [m, k] plus `slots` stages of `rows_per_stage` rows fit the shared memory (m <= 8,
 // k % 8 == 0, k >= 8, slots a multiple of 8 in 8..32; with 2 blocks per SM, half of it).
 bool gemv_bulk_fits(int64_t m, int64_t k, const GemvBulkConfig& c);
@@ -135,7 +152,7 @@ void launch_gemv_bulk(const __nv_bfloat16* x,  // [m, k]
                       const __nv_bfloat16* w,  // [n, k]
                       void* y,                 // [m, n] bf16 or fp32 (out)
                       int m, int n, int k, GemmOut out, bool accumulate, const GemvBulkConfig& cfg,
-                      int n_sms, cudaStream_t stream);
+                      int n_sms, cudaStream_t stream, const GemvL2Next& next = {});
 
 // SwiGLU fused into the epilogue: act[m, d_ff] = bf16(silu(g) * u), g = bf16(x w[j]^T) and
 // u = bf16(x w[d_ff + j]^T) from the fused [gate | up] weight [2 d_ff, k]: bit-identical to

@@ -159,7 +159,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                      const bf16* __restrict__ w,  // [n, k] ([2 n, k] when GLU)
                      OutT* __restrict__ y,        // [M, n]
                      int n, int k, int slots, bool accumulate,
-                     const GemvNormIn norm) {  // NORM only
+                     const GemvNormIn norm,    // NORM only
+                     const GemvL2Next next) {  // rows of a later GEMV into L2 (rows 0: none)
 
   static_assert(!GLU || R == 2, "GLU stages hold one gate row and one up row");
   extern __shared__ __align__(128) unsigned char smem[];
@@ -223,12 +224,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (producer) {
-    if (lane == 0)
+    if (lane == 0) {
       for (int s = slots; s < n_stages; ++s) {
         const int slot = s % slots;
         mbar_wait(&empty[slot], uint32_t((s / slots) - 1) & 1u);
         issue(s);
       }
+      // Every own copy is in flight: queue the later GEMV's leading rows behind them.
+      if (next.rows > 0)
+        for (int j = blockIdx.x; j < next.grid; j += gridDim.x) {
+          const int rb = int(int64_t(next.n) * j / next.grid);
+          const int re = min(int(int64_t(next.n) * (j + 1) / next.grid), rb + next.rows);
+          const char* p = static_cast<const char*>(next.w) + size_t(rb) * next.k * 2;
+          const size_t bytes = size_t(max(re - rb, 0)) * next.k * 2;
+          for (size_t off = 0; off < bytes; off += 32768)
+            bulk_prefetch_l2(p + off, uint32_t(min(size_t(32768), bytes - off)));
+        }
+    }
     return;
   }
 
@@ -289,7 +301,8 @@ size_t smem_bytes(int m, int k, int rows, int slots) {
 
 template <int M, int R, typename OutT, bool GLU = false>
 void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumulate,
-              const GemvBulkConfig& c, int n_sms, cudaStream_t stream, const GemvNormIn& norm) {
+              const GemvBulkConfig& c, int n_sms, cudaStream_t stream, const GemvNormIn& norm,
+              const GemvL2Next& next = {}) {
   auto* kern = gemv_bulk_kernel<M, R, GLU, OutT, false>;
   if constexpr (M <= kGemvNormMaxM) {
     if (norm.weight) kern = gemv_bulk_kernel<M, R, GLU, OutT, true>;
@@ -300,25 +313,41 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
   const int blocks = std::max(1, std::min(n_sms * c.blocks_per_sm, n));
   const size_t smem = smem_bytes(M, k, R, c.slots) + (norm.weight ? kRedBytes : 0);
   launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem, stream, c.pdl, x, w,
-                   static_cast<OutT*>(y), n, k, c.slots, accumulate, norm);
+                   static_cast<OutT*>(y), n, k, c.slots, accumulate, norm, next);
 }
 
 template <int M, int R>
 void launch_mr(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, bool acc,
-               const GemvBulkConfig& c, int n_sms, cudaStream_t s, const GemvNormIn& nin) {
+               const GemvBulkConfig& c, int n_sms, cudaStream_t s, const GemvNormIn& nin,
+               const GemvL2Next& next) {
   if (out == GemmOut::kBF16)
-    launch_t<M, R, bf16>(x, w, y, n, k, acc, c, n_sms, s, nin);
+    launch_t<M, R, bf16>(x, w, y, n, k, acc, c, n_sms, s, nin, next);
   else
-    launch_t<M, R, float>(x, w, y, n, k, acc, c, n_sms, s, nin);
+    launch_t<M, R, float>(x, w, y, n, k, acc, c, n_sms, s, nin, next);
 }
 
 template <int M>
 void launch_m(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, bool acc,
-              const GemvBulkConfig& c, int n_sms, cudaStream_t s, const GemvNormIn& nin) {
+              const GemvBulkConfig& c, int n_sms, cudaStream_t s, const GemvNormIn& nin,
+              const GemvL2Next& next) {
   if (c.rows_per_stage == 1)
-    launch_mr<M, 1>(x, w, y, n, k, out, acc, c, n_sms, s, nin);
+    launch_mr<M, 1>(x, w, y, n, k, out, acc, c, n_sms, s, nin, next);
   else
-    launch_mr<M, 2>(x, w, y, n, k, out, acc, c, n_sms, s, nin);
+    launch_mr<M, 2>(x, w, y, n, k, out, acc, c, n_sms, s, nin, next);
+}
+
+// The later GEMV's rows must lie inside its weight, 16-byte aligned rows; no weight or no rows:
+// off (rows 0 in what the kernel gets).
+GemvL2Next checked_next(GemvL2Next p) {
+  if (p.rows <= 0 || p.w == nullptr) {
+    p.rows = 0;
+    return p;
+  }
+  DS_CHECK(p.n >= 1 && p.k >= 8 && p.k % 8 == 0 && p.grid >= 1 && p.grid <= p.n &&
+               (reinterpret_cast<uintptr_t>(p.w) & 15) == 0,
+           "bulk gemv: L2 prefetch of a later GEMV needs n >= grid >= 1, k % 8 == 0 and a "
+           "16-byte aligned weight (n=", p.n, " k=", p.k, " grid=", p.grid, ")");
+  return p;
 }
 
 // The fused norm's inputs: present, aligned, k in range, residual_out distinct from its inputs;
@@ -377,7 +406,7 @@ void silu_impl(const bf16* x, const bf16* w, bf16* act, int m, int d_ff, int k,
 // launch_gemv_bulk / launch_gemv_bulk_norm.
 void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmOut out,
                bool accumulate, const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream,
-               const GemvNormIn& nin) {
+               const GemvNormIn& nin, const GemvL2Next& next) {
   DS_CHECK(gemv_bulk_supports(m, n, k), "bulk gemv: unsupported shape m=", m, " n=", n, " k=", k,
            " (needs m 1..", kGemvBulkMaxM,
            ", k % 8 == 0, x and 8 one-row stages in shared memory)");
@@ -388,16 +417,17 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
            "bulk gemv: x and w must be 16-byte aligned");
   DS_CHECK(y != nullptr, "bulk gemv: null output");
   DS_CHECK(n_sms >= 1, "bulk gemv: n_sms must be positive");
+  const GemvL2Next nx = checked_next(next);
   const bool a = accumulate;
   switch (m) {
-    case 1: launch_m<1>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
-    case 2: launch_m<2>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
-    case 3: launch_m<3>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
-    case 4: launch_m<4>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
-    case 5: launch_m<5>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
-    case 6: launch_m<6>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
-    case 7: launch_m<7>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
-    default: launch_m<8>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin); break;
+    case 1: launch_m<1>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
+    case 2: launch_m<2>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
+    case 3: launch_m<3>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
+    case 4: launch_m<4>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
+    case 5: launch_m<5>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
+    case 6: launch_m<6>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
+    case 7: launch_m<7>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
+    default: launch_m<8>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
   }
   DS_CUDA_LAUNCH_CHECK();
 }
@@ -534,15 +564,41 @@ void launch_gemv_bulk_silu_norm(const GemvNormIn& norm, const __nv_bfloat16* w_g
 
 void launch_gemv_bulk(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n, int k,
                       GemmOut out, bool accumulate, const GemvBulkConfig& cfg, int n_sms,
-                      cudaStream_t stream) {
-  bulk_impl(x, w, y, m, n, k, out, accumulate, cfg, n_sms, stream, GemvNormIn{});
+                      cudaStream_t stream, const GemvL2Next& next) {
+  bulk_impl(x, w, y, m, n, k, out, accumulate, cfg, n_sms, stream, GemvNormIn{}, next);
 }
 
 void launch_gemv_bulk_norm(const GemvNormIn& norm, const __nv_bfloat16* w, void* y, int m, int n,
                            int k, GemmOut out, const GemvBulkConfig& cfg, int n_sms,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, const GemvL2Next& next) {
   check_norm(norm, m, k, cfg, "bulk gemv");
-  bulk_impl(nullptr, w, y, m, n, k, out, false, cfg, n_sms, stream, norm);
+  bulk_impl(nullptr, w, y, m, n, k, out, false, cfg, n_sms, stream, norm, next);
+}
+
+int gemv_l2_next_mib() {
+  static const int mib = [] {
+    const char* e = std::getenv("DS_GEMV_L2_NEXT");
+    const std::string v = e ? e : "";
+    if (v.empty()) return 0;
+    size_t used = 0;
+    int x = -1;
+    try {
+      x = std::stoi(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    DS_CHECK(used == v.size() && x >= 0 && x <= 256,
+             "DS_GEMV_L2_NEXT must be MiB in 0..256, got '", v, "'");
+    return x;
+  }();
+  return mib;
+}
+
+int gemv_l2_next_rows(int n, int k, int grid) {
+  const int64_t mib = gemv_l2_next_mib();
+  if (mib == 0 || n < 1 || k < 1 || grid < 1) return 0;
+  const int64_t per_block = (mib << 20) / (int64_t(grid) * k * 2);
+  return int(std::min<int64_t>(per_block, (int64_t(n) + grid - 1) / grid));
 }
 
 }  // namespace ds::cuda

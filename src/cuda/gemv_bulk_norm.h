@@ -49,7 +49,7 @@ void launch_gemv_bulk_norm(const GemvNormIn& norm,
                            const __nv_bfloat16* w,  // [n, k]
                            void* y,                 // [m, n] bf16 or fp32 (out)
                            int m, int n, int k, GemmOut out, const GemvBulkConfig& cfg, int n_sms,
-                           cudaStream_t stream);
+                           cudaStream_t stream, const GemvL2Next& next = {});
 
 // act = bf16(silu(g) * u) of x = rmsnorm(residual + delta): launch_gemv_bulk_silu with the norm in
 // its prologue.

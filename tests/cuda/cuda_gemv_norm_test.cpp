@@ -122,6 +122,86 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
   cudaStreamDestroy(st);
 }
 
+// The L2 prefetch of a later GEMV's rows (GemvL2Next, what the decode step asks of gdn_in and
+// attn_qkv for gdn_out / attn_o): the outputs are bit-identical with and without it, for the
+// 27B pairs, a prefetch grid larger than this GEMV's (several ranges per block), more rows than a
+// range holds (clamped), plain and PDL launches; the prefetched weight is left untouched; and the
+// guard throws for a misaligned weight or a grid above n.
+TEST(CudaGemvBulkNorm, L2PrefetchOfALaterGemvChangesNoBit) {
+  DS_REQUIRE_GPU();
+  struct Pair {
+    const char* name;
+    int m, n, k;                    // this GEMV
+    int next_n, next_k, grid, rows;  // the later one
+  };
+  const int sms = n_sms();
+  const Pair pairs[] = {
+      {"gdn_in -> gdn_out", 1, 16480, 5120, 5120, 6144, sms, 24},
+      {"attn_qkv -> attn_o", 1, 14336, 5120, 5120, 6144, sms, 39},
+      {"m2, grid 3x, rows clamped", 2, 4100, 5120, 5000, 6144, 3 * sms, 1000},
+  };
+  std::mt19937 rng(43);
+  cudaStream_t st = nullptr;
+  DS_CUDA_CHECK(cudaStreamCreate(&st));
+  for (const Pair& c : pairs) {
+    const size_t xk = size_t(c.m) * c.k, out_n = size_t(c.m) * c.n;
+    DevBuf<bf> w(test::random_bf16(size_t(c.n) * c.k, rng, 0.05f));
+    const std::vector<bf> h_next = test::random_bf16(size_t(c.next_n) * c.next_k, rng, 0.05f);
+    DevBuf<bf> wnext(h_next);
+    DevBuf<bf> nw(test::random_bf16(c.k, rng, 0.2f));
+    const std::vector<bf> h_res = test::random_bf16(xk, rng, 2.f);
+    DevBuf<bf> delta(test::random_bf16(xk, rng, 1.f));
+    for (bool pdl : {false, true}) {
+      cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(c.m, c.n, c.k);
+      cfg.pdl = pdl;
+      std::vector<bf> outs[2], resids[2];
+      for (int with = 0; with < 2; ++with) {
+        DevBuf<bf> res(h_res), res_out(xk), y(out_n);
+        res_out.poison();
+        y.poison();
+        cuda::GemvNormIn nin;
+        nin.residual = P(res);
+        nin.delta = P(delta);
+        nin.weight = P(nw);
+        nin.residual_out = P(res_out);
+        cuda::GemvL2Next nx;
+        if (with) nx = {P(wnext), c.next_n, c.next_k, c.grid, c.rows};
+        cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, c.m, c.n, c.k, cuda::GemmOut::kBF16, cfg,
+                                    sms, st, nx);
+        DS_CUDA_CHECK(cudaStreamSynchronize(st));
+        outs[with] = y.download();
+        resids[with] = res_out.download();
+      }
+      size_t differ = 0, nan = 0;
+      for (size_t i = 0; i < out_n; ++i) differ += outs[0][i] != outs[1][i];
+      for (bf v : outs[1]) nan += (v & 0x7f80) == 0x7f80 && (v & 0x7f);
+      EXPECT_EQ(differ, 0u) << c.name << (pdl ? " pdl" : "") << ": outputs differ";
+      EXPECT_EQ(nan, 0u) << c.name << ": outputs not written";
+      EXPECT_EQ(resids[0], resids[1]) << c.name << ": residual_out differs";
+      EXPECT_EQ(wnext.download(), h_next) << c.name << ": the prefetched weight changed";
+      std::printf("  %-28s%s m=%d n=%d k=%d, next %dx%d grid %d rows %d: bit-identical\n", c.name,
+                  pdl ? " pdl" : "", c.m, c.n, c.k, c.next_n, c.next_k, c.grid, c.rows);
+    }
+  }
+  // Guard.
+  DevBuf<bf> w(size_t(512) * 1024), wnext(size_t(512) * 1024 + 8), nw(1024), res(1024), y(512);
+  cuda::GemvNormIn nin;
+  nin.residual = P(res);
+  nin.weight = P(nw);
+  const cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(1, 512, 1024);
+  auto run = [&](const cuda::GemvL2Next& nx) {
+    cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, 1, 512, 1024, cuda::GemmOut::kBF16, cfg, sms,
+                                st, nx);
+  };
+  EXPECT_NO_THROW(run({P(wnext), 512, 1024, 132, 4}));
+  EXPECT_THROW(run({P(wnext, 1), 512, 1024, 132, 4}), ds::Error);  // misaligned
+  EXPECT_THROW(run({P(wnext), 512, 1024, 513, 4}), ds::Error);     // grid above n
+  EXPECT_THROW(run({P(wnext), 512, 1020, 132, 4}), ds::Error);     // k % 8
+  EXPECT_NO_THROW(run({nullptr, 0, 0, 0, 4}));                     // no weight: off
+  DS_CUDA_CHECK(cudaStreamSynchronize(st));
+  cudaStreamDestroy(st);
+}
+
 TEST(CudaGemvBulkNorm, Errors) {
   DS_REQUIRE_GPU();
   const int m = 1, n = 512, k = 1024;

@@ -159,3 +159,29 @@ def test_results_md_http_and_hf_compare_sections(tmp_path):
     assert "| weighted | | | | 0.975 |" in out
     assert "## Against HF transformers" in out and "| 4 | 10 | 90.00% | 100.00% (6) |" in out
     assert "peers file unreadable" in md.stderr
+
+
+def test_gpu_decode_ab_script_interleaves_arms_and_tabulates(tmp_path):
+    """scripts/gpu_decode_ab.sh as a dry run on the CPU: every arm runs as its own bench process in
+    every round (the env it was given reaches it), the table has one value per round and the median;
+    a setting that is not VAR=value is refused before anything runs."""
+    script = REPO / "scripts" / "gpu_decode_ab.sh"
+    env = {"PATH": "/usr/bin:/bin", "BIN": str(BIN), "OUT": str(tmp_path)}
+    r = subprocess.run(["bash", str(script), "--cases", "1@32,2@32", "--steps", "3", "--rounds", "2",
+                        "--bench-args", "--device cpu --synthetic tiny", "-", "DS_GEMV_L2_NEXT=16 DS_X=1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    full = (tmp_path / "decode_ab.full.log").read_text()
+    assert full.count("== round") == 4 and full.count("bench decode done") == 4
+    assert "round 2 arm 1: DS_GEMV_L2_NEXT=16 DS_X=1" in full
+    table = [ln for ln in r.stdout.splitlines() if ln.startswith("arm ")]
+    assert len(table) == 2 and table[1].startswith("arm 1 [DS_GEMV_L2_NEXT=16 DS_X=1]:")
+    for ln in table:
+        for case in ("1@32", "2@32"):
+            vals = ln.split(f"{case}: ")[1].split(" (median ")
+            rounds = [float(v) for v in vals[0].split()]
+            med = float(vals[1].split(")")[0])
+            assert len(rounds) == 2 and min(rounds) <= med <= max(rounds)
+    bad = subprocess.run(["bash", str(script), "--bench-args", "--device cpu", "DS_OK=1 notasetting"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "is not VAR=value" in bad.stderr

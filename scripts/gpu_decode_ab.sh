@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Same-call A/B of decode switches: each ARM is a space-separated list of VAR=value settings (or
+# "-" for none) run as its own `deltaserve bench decode` process, the arms interleaved for
+# --rounds rounds (so drift over the call hits every arm alike); ends with one table of TPOT p50
+# per (arm, case) with every round's value and the median over rounds. Device time is scarce: one
+# call, a few minutes (each process ~15-25 s at 3 cases x 64 steps on the synthetic 27B).
+#
+#   BIN=path/to/deltaserve bash scripts/gpu_decode_ab.sh [--cases 1@4096,2@4096,1@32768]
+#       [--steps 64] [--rounds 2] [--bench-args "..."] ARM [ARM ...]
+#   e.g.  ... -  DS_GEMV_L2_NEXT=16  DS_GEMV_L2_NEXT=32  "DS_GEMV_L2_NEXT=32 DS_ATTN_DECODE=pdl_early"
+#
+# --bench-args: more `bench decode` flags for every arm (e.g. "--device cpu --synthetic tiny" for
+# a dry run without a GPU, as tests/python/test_bench_scripts.py does).
+# Output: $OUT/decode_ab.log (the table and each process's decode table), $OUT/decode_ab.full.log
+# (everything the processes printed). Exit status 1 if any process failed (its arm shows FAIL).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-build-bench/bin/deltaserve}
+OUT=${OUT:-ab-out}
+mkdir -p "$OUT"
+cases=1@4096,2@4096,1@32768
+steps=64
+rounds=2
+extra=""
+arms=()
+while (($#)); do
+  case "$1" in
+    --cases) cases=$2; shift ;;
+    --steps) steps=$2; shift ;;
+    --rounds) rounds=$2; shift ;;
+    --bench-args) extra=$2; shift ;;
+    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
+    *) arms+=("$1") ;;
+  esac
+  shift
+done
+((${#arms[@]})) || { echo "gpu_decode_ab: give at least one ARM (\"-\" = no settings)" >&2; exit 2; }
+[ -x "$BIN" ] || { echo "gpu_decode_ab: $BIN not found" >&2; exit 2; }
+for a in "${arms[@]}"; do
+  [ "$a" = "-" ] && continue
+  for kv in $a; do
+    [[ $kv =~ ^[A-Z_][A-Z0-9_]*=[^\ ]*$ ]] ||
+      { echo "gpu_decode_ab: arm '$a': '$kv' is not VAR=value" >&2; exit 2; }
+  done
+done
+LOG=$OUT/decode_ab.log
+FULL=$OUT/decode_ab.full.log
+: >"$LOG"
+: >"$FULL"
+declare -A tpot  # "arm|case" -> space-separated p50 per round
+failed=0
+for ((r = 1; r <= rounds; ++r)); do
+  for i in "${!arms[@]}"; do
+    a=${arms[$i]}
+    settings=()
+    [ "$a" != "-" ] && read -r -a settings <<<"$a"
+    echo "== round $r arm $i: ${a} ($(date -u +%H:%M:%S))" | tee -a "$LOG" >>"$FULL"
+    # shellcheck disable=SC2086  # extra: flags split on spaces on purpose
+    out=$(env "${settings[@]}" "$BIN" bench decode --cases "$cases" --steps "$steps" $extra 2>&1)
+    rc=$?
+    echo "$out" >>"$FULL"
+    # decode table rows: batch context actual steps p50 p99 ...
+    rows=$(echo "$out" | grep -E '^[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+ +[0-9.]+ ')
+    [ -n "$rows" ] && echo "$rows" >>"$LOG"
+    if [ $rc -ne 0 ] || [ -z "$rows" ]; then
+      failed=1
+      echo "   FAILED (rc $rc): $(echo "$out" | tail -3)" | tee -a "$LOG"
+    fi
+    while read -r b ctx _ _ p50 _; do
+      [ -n "${b:-}" ] || continue
+      tpot["$i|$b@$ctx"]+="$p50 "
+    done <<<"$rows"
+  done
+done
+{
+  echo
+  echo "TPOT p50 ms per round, median of rounds (cases $cases, $steps steps, $rounds rounds)"
+  for i in "${!arms[@]}"; do
+    line="arm $i [${arms[$i]}]:"
+    for c in ${cases//,/ }; do
+      v=${tpot["$i|$c"]:-}
+      if [ -z "$v" ]; then
+        line+="  $c FAIL"
+        continue
+      fi
+      med=$(printf '%s\n' $v | sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}')
+      line+="  $c: ${v% } (median $med)"
+    done
+    echo "$line"
+  done
+} | tee -a "$LOG"
+exit $failed
