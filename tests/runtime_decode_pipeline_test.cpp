@@ -248,13 +248,19 @@ TEST(EnginePipeline, StopWastesOneQueuedRow) {
     r.prompt = {5, 6, 7, 8};
     r.max_tokens = 40;
     r.sampling.temperature = 0;
+    // Pipelined, a stop id wastes the step queued after it; without one nothing is queued past
+    // the request's last token.
+    const bool wastes = mode == EngineOptions::Pipeline::kOn && !stop_ids.empty();
     r.stop_token_ids = std::move(stop_ids);
     const Result res = drain(*eng.submit(r));
     EXPECT_TRUE(eng.wait_idle(std::chrono::milliseconds(5000)));
-    // The wasted step is collected after the request finished (idle already): let it land.
+    // The wasted step is collected after the request finished (idle already): wait until it is
+    // counted, however slow the machine (a fixed 500 ms could pass first on a loaded CI core).
+    // Where none is expected, the same short grace as before lets a wrongly queued step show up.
+    const auto limit = wastes ? std::chrono::milliseconds(60000) : std::chrono::milliseconds(500);
     const auto t0 = std::chrono::steady_clock::now();
     while (mode == EngineOptions::Pipeline::kOn && eng.stats().n_wasted_rows == 0 &&
-           std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(500))
+           std::chrono::steady_clock::now() - t0 < limit)
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     *st = eng.stats();
     return res;
