@@ -17,6 +17,8 @@
 #               installing flash-linear-attention so that HF uses its fp32 torch GDN path.
 #   --hf-fp32-control  with --hf-compare: also run HF in fp32 (108 GB of GPU memory at 64 layers)
 #               and report ours and HF bf16 against it (how much of the gap is bf16 itself)
+#   --pack FILE  also write every log of this run into one FILE.tar.gz (a device call returns at
+#               most 8 files: run with OUT=/tmp/gt and --pack "$OUT/gpu_test_logs.tar.gz")
 #   --server    also the server pytest suite on the CUDA engine (scripts/gpu_server_test.sh: needs
 #               $BUILD_DIR/bin/deltaserve and the carried .whl-serve/ wheels of pytest + openai),
 #               counted as one more entry of the summary line
@@ -29,6 +31,7 @@ FILTER="*"
 ONLY=""
 HF_ARGS=""
 SERVER=0
+PACK=""
 while (($#)); do
   case "$1" in
     --perf) export DS_PERF=1 ;;
@@ -37,6 +40,7 @@ while (($#)); do
     --only) ONLY="$2"; shift ;;
     --hf-fp32-control) HF_ARGS="--fp32-control" ;;
     --server) SERVER=1 ;;
+    --pack) PACK="$2"; shift ;;
     *) echo "gpu_test: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -96,5 +100,10 @@ if [ "$SERVER" = 1 ]; then
     fail=$((fail + 1)); failed="$failed gpu_server_test"
   fi
 fi
-echo "GPU TESTS: $pass binaries passed, $fail failed${failed:+ (}${failed# }${failed:+)} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+summary="GPU TESTS: $pass binaries passed, $fail failed${failed:+ (}${failed# }${failed:+)} on $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+echo "$summary" | tee "$LOG_DIR/summary.txt"
+if [ -n "$PACK" ]; then
+  mkdir -p "$(dirname "$PACK")"
+  tar -C "$LOG_DIR" -czf "$PACK" . && echo "gpu_test: logs packed into $PACK"
+fi
 [ $fail -eq 0 ]
