@@ -464,7 +464,14 @@ int Server::bind() {
   return port_;
 }
 
-void Server::serve() { http_->listen_after_bind(); }
+void Server::serve() {
+  // A shutdown() before the listener runs (a signal during start-up) must still end serve():
+  // httplib's stop() does nothing to a server that is not listening yet. Either the drain thread
+  // sees serve() entered and waits for the listener (below), or serve() sees the shutdown here.
+  serve_entered_ = true;
+  if (!shutdown_started_.load()) http_->listen_after_bind();
+  serve_returned_ = true;
+}
 
 void Server::shutdown() {
   if (shutdown_started_.exchange(true)) return;
@@ -478,6 +485,10 @@ void Server::shutdown() {
     }
     // Let the handlers write their last bytes.
     for (int i = 0; i < 500 && in_flight_.load() > 0; ++i) std::this_thread::sleep_for(Ms(10));
+    // stop() is a no-op until listen_after_bind() has started: if serve() is on its way there,
+    // wait for the listener (if it is not, serve() sees shutdown_started_ and never listens).
+    while (serve_entered_.load() && !serve_returned_.load() && !http_->is_running())
+      std::this_thread::sleep_for(Ms(1));
     http_->stop();
   });
 }

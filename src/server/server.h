@@ -61,7 +61,7 @@ class Server {
   // Binds the listening socket; throws ds::Error when it cannot. Returns the port.
   int bind();
   int port() const { return port_; }
-  // Serves until shutdown() has drained; call bind() first.
+  // Serves until shutdown() has drained (also when shutdown() came first); call bind() first.
   void serve();
   // Graceful stop (thread-safe, returns at once; serve() returns when done).
   void shutdown();
@@ -84,6 +84,7 @@ class Server {
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};  // generation responses being written
   std::atomic<bool> shutdown_started_{false};
+  std::atomic<bool> serve_entered_{false}, serve_returned_{false};  // serve() (see shutdown())
   std::thread drain_thread_;  // runs the graceful shutdown
 };
 
