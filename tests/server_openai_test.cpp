@@ -31,6 +31,23 @@ TEST(ServerOpenAI, ParseBody) {
   EXPECT_EQ(parse_body("{\"a\": 1}")["a"], 1);
 }
 
+// 200000 '[' parse (nlohmann's parser is iterative) but then crashed the server: copying and
+// dumping a value recurse, and the HTTP thread's stack overflowed. Deep bodies are refused.
+TEST(ServerOpenAI, ParseBodyRefusesDeepNesting) {
+  auto nested = [](int depth, char open, char close) {
+    return std::string(depth, open) + std::string(depth, close);
+  };
+  EXPECT_EQ(status_of([&] { parse_body("{\"prompt\": " + nested(200000, '[', ']') + "}"); }), 400);
+  std::string deep_objects;
+  for (int i = 0; i < 1000; ++i) deep_objects += "{\"a\":";
+  deep_objects += "1" + std::string(1000, '}');
+  EXPECT_EQ(status_of([&] { parse_body(deep_objects); }), 400);
+  // 500 levels are fine, and brackets inside strings (escaped quotes too) are text.
+  const json ok = parse_body("{\"p\": " + nested(500, '[', ']') + ", \"s\": \"\\\"" +
+                             std::string(5000, '[') + "\"}");
+  EXPECT_EQ(ok["s"].get<std::string>().size(), 5001u);
+}
+
 TEST(ServerOpenAI, SamplingFields) {
   ApiLimits lim;
   SamplingRequest r = parse_sampling_request(

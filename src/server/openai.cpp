@@ -30,6 +30,8 @@ nlohmann::ordered_json error_body(int status, const std::string& message,
 
 namespace {
 
+constexpr int kMaxBodyDepth = 512;  // JSON nesting of a request body (see parse_body)
+
 const char* type_name(const json& v) {
   switch (v.type()) {
     case json::value_t::null:
@@ -118,6 +120,29 @@ std::optional<bool> get_bool(const json& obj, const char* key) {
 
 nlohmann::ordered_json parse_body(const std::string& body) {
   if (body.empty()) throw ApiError(400, "the request body is empty (a JSON object is expected)");
+  // nlohmann parses any depth, but copying, comparing and dumping a value recurse: a body of
+  // 200000 '[' would overflow the HTTP thread's stack later on. Refuse deep nesting up front
+  // (strings skipped; a malformed body is refused by the parser below anyway).
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < body.size(); ++i) {
+    const char c = body[i];
+    if (in_string) {
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxBodyDepth) {
+        throw ApiError(400, "the request body is nested deeper than " +
+                                std::to_string(kMaxBodyDepth) + " levels");
+      }
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
   json j;
   try {
     j = json::parse(body);

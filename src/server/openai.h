@@ -66,7 +66,8 @@ std::vector<PromptInput> parse_completion_prompts(const nlohmann::ordered_json& 
 // add_generation_prompt. Returns the object ChatTemplate::render takes.
 nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& body);
 
-// Reads the body as a JSON object (ApiError 400 with the parser's message otherwise).
+// Reads the body as a JSON object (ApiError 400 with the parser's message otherwise; also for
+// nesting deeper than 512 levels, which later copies and dumps could not recurse through).
 nlohmann::ordered_json parse_body(const std::string& body);
 
 // Checks "model" when present: it must be one of `served` (404 otherwise).

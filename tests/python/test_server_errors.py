@@ -146,6 +146,21 @@ def test_invalid_utf8(server):
     check_error(s, b, 400)
 
 
+def test_deeply_nested_json(server):
+    """200000 '[' once crashed the server (stack overflow: copying / dumping the parsed value
+    recurses); they get a 400 wherever they are."""
+    deep = b"[" * 200000 + b"]" * 200000
+    for path, body in [
+            ("/v1/completions", b'{"prompt": [' + deep + b"]}"),
+            ("/v1/completions", b'{"prompt": "x", "stop": ' + deep + b"}"),
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi", "x": ' + deep + b"}]}"),
+            ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
+             b'"function", "function": {"name": "f", "parameters": {"x": ' + deep + b"}}}]}")]:
+        s, b = server.request("POST", path, body)
+        assert "nested deeper" in check_error(s, b, 400)
+        assert server.healthy()
+
+
 def test_unknown_model_and_path(server):
     s, b = server.request("POST", "/v1/completions", {"model": "gpt-17", **OK_COMPLETION})
     check_error(s, b, 404, type_="not_found_error", param="model")
