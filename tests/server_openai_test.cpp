@@ -95,6 +95,8 @@ TEST(ServerOpenAI, SamplingFields) {
       {R"({"temperature": "x"})", "temperature"},
       {R"({"temperature": -0.1})", "temperature"},
       {R"({"top_p": 0})", "top_p"},
+      {R"({"top_p": 1e-300})", "top_p"},  // > 0 as a double, 0 as the engine's float
+      {R"({"repetition_penalty": 1e-300})", "repetition_penalty"},
       {R"({"top_k": -2})", "top_k"},
       {R"({"n": 17})", "n"},
       {R"({"best_of": 3})", "best_of"},

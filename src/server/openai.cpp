@@ -178,9 +178,11 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
 
   SamplingParams& s = g.sampling;
   if (auto t = get_number(b, "temperature", 0.0, 100.0)) s.temperature = static_cast<float>(*t);
+  // top_p and repetition_penalty must stay > 0 as floats: 1e-300 passes a check in double but is
+  // 0 in the engine's float (which refused it with the wrong field named).
   if (auto p = get_number(b, "top_p", 0.0, 1.0)) {
-    if (*p <= 0.0) bad("top_p", "must be in (0, 1], got 0");
     s.top_p = static_cast<float>(*p);
+    if (s.top_p <= 0.0f) bad("top_p", "must be in (0, 1], got " + b["top_p"].dump());
   }
   if (auto k = get_int(b, "top_k", -1, std::numeric_limits<int32_t>::max()))
     s.top_k = static_cast<int>(*k);
@@ -190,8 +192,9 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
   if (auto p = get_number(b, "frequency_penalty", -2.0, 2.0))
     s.frequency_penalty = static_cast<float>(*p);
   if (auto p = get_number(b, "repetition_penalty", 0.0, 100.0)) {
-    if (*p <= 0.0) bad("repetition_penalty", "must be > 0");
     s.repetition_penalty = static_cast<float>(*p);
+    if (s.repetition_penalty <= 0.0f)
+      bad("repetition_penalty", "must be > 0, got " + b["repetition_penalty"].dump());
   }
   if (auto seed = get_int(b, "seed", std::numeric_limits<int64_t>::min(),
                           std::numeric_limits<int64_t>::max())) {

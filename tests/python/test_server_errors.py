@@ -97,6 +97,8 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "suffix": "end"}, 400, "suffix"),
     ({"prompt": "x", "stop_token_ids": [-3]}, 400, "stop_token_ids"),
     ({"prompt": "x" * 5000}, 400, None),                    # prompt longer than the context
+    ({"prompt": "x", "top_p": 1e-300}, 400, "top_p"),       # 0 as a float: was refused as "max_tokens"
+    ({"prompt": "x", "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
 ]
 
 
