@@ -28,6 +28,9 @@ TEST(ServerOpenAI, ParseBody) {
   EXPECT_EQ(status_of([] { parse_body(""); }), 400);
   EXPECT_EQ(status_of([] { parse_body("[1]"); }), 400);
   EXPECT_EQ(status_of([] { parse_body("{\"p\": \"\xff\"}"); }), 400);  // invalid UTF-8
+  // A number beyond double is nlohmann's out_of_range, not a parse_error: it was a 500.
+  EXPECT_EQ(status_of([] { parse_body("{\"max_tokens\": 1e999}"); }), 400);
+  EXPECT_EQ(status_of([] { parse_body("{\"a\": [-1e400]}"); }), 400);
   EXPECT_EQ(parse_body("{\"a\": 1}")["a"], 1);
 }
 
@@ -183,6 +186,17 @@ TEST(ServerOpenAI, ChatInput) {
     EXPECT_EQ(status_of([&] { chat_template_input(json::parse(body)); }, &param), 400) << body;
     EXPECT_EQ(param, field) << body;
   }
+  // Tool-call arguments are JSON text parsed here: a number beyond double was a 500 (nlohmann's
+  // out_of_range).
+  std::string param;
+  EXPECT_EQ(status_of(
+                [&] {
+                  chat_template_input(json::parse(R"({"messages": [{"role": "assistant",
+                      "tool_calls": [{"function": {"name": "f", "arguments": "{\"a\": 1e999}"}}]}]})"));
+                },
+                &param),
+            400);
+  EXPECT_EQ(param, "messages[0].tool_calls[0].function.arguments");
 }
 
 TEST(ServerOpenAI, ModelCheckAndErrorBody) {

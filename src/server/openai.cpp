@@ -146,7 +146,7 @@ nlohmann::ordered_json parse_body(const std::string& body) {
   json j;
   try {
     j = json::parse(body);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
     throw ApiError(400, std::string("invalid JSON in the request body: ") + e.what());
   }
   if (!j.is_object())
@@ -380,7 +380,7 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
           // Templates iterate the arguments as a mapping (vLLM / transformers do the same).
           try {
             call["function"]["arguments"] = json::parse(fn["arguments"].get<std::string>());
-          } catch (const json::parse_error&) {
+          } catch (const json::exception&) {  // parse_error, or out_of_range for 1e999
             bad(cw + ".function.arguments", "is not valid JSON");
           }
           if (!call["function"]["arguments"].is_object())

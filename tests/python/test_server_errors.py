@@ -71,6 +71,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
     ({"prompt": "x", "max_tokens": 1e300}, 400, "max_tokens"),
     (b'{"prompt": "x", "max_tokens": 99999999999999999999999999}', 400, "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 1e999}', 400, None),    # beyond double: was a 500
     ({"prompt": "x", "max_tokens": 2**31 - 1}, 400, None),  # beyond the context
     ({"prompt": "x", "max_tokens": 300}, 400, None),        # 1 + 300 > 256
     ({"prompt": "x", "temperature": "hot"}, 400, "temperature"),
