@@ -187,16 +187,22 @@ TEST(ServerOpenAI, ChatInput) {
     EXPECT_EQ(param, field) << body;
   }
   // Tool-call arguments are JSON text parsed here: a number beyond double was a 500 (nlohmann's
-  // out_of_range).
-  std::string param;
-  EXPECT_EQ(status_of(
-                [&] {
-                  chat_template_input(json::parse(R"({"messages": [{"role": "assistant",
-                      "tool_calls": [{"function": {"name": "f", "arguments": "{\"a\": 1e999}"}}]}]})"));
-                },
-                &param),
-            400);
-  EXPECT_EQ(param, "messages[0].tool_calls[0].function.arguments");
+  // out_of_range), and 200000 '[' in the string crashed the server (copying the parsed value
+  // recursed through the HTTP thread's stack; the body's own depth check skips strings).
+  auto with_args = [](const std::string& args) {
+    json b = {{"messages", json::array({{{"role", "assistant"},
+                                         {"tool_calls", json::array({{{"function",
+                                                                       {{"name", "f"},
+                                                                        {"arguments", args}}}}})}}})}};
+    return b;
+  };
+  for (const std::string& args :
+       {std::string(R"({"a": 1e999})"),
+        R"({"a": )" + std::string(200000, '[') + std::string(200000, ']') + "}"}) {
+    std::string param;
+    EXPECT_EQ(status_of([&] { chat_template_input(with_args(args)); }, &param), 400);
+    EXPECT_EQ(param, "messages[0].tool_calls[0].function.arguments");
+  }
 }
 
 TEST(ServerOpenAI, ModelCheckAndErrorBody) {

@@ -32,6 +32,30 @@ namespace {
 
 constexpr int kMaxBodyDepth = 512;  // JSON nesting of a request body (see parse_body)
 
+// JSON text nested deeper than kMaxBodyDepth. nlohmann parses any depth, but copying, comparing
+// and dumping a value recurse: 200000 '[' overflow an HTTP thread's stack later on, so such text
+// is refused before it is parsed (strings skipped; malformed text is left to the parser).
+bool nested_too_deep(const std::string& text) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxBodyDepth) return true;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return false;
+}
+
 const char* type_name(const json& v) {
   switch (v.type()) {
     case json::value_t::null:
@@ -120,28 +144,9 @@ std::optional<bool> get_bool(const json& obj, const char* key) {
 
 nlohmann::ordered_json parse_body(const std::string& body) {
   if (body.empty()) throw ApiError(400, "the request body is empty (a JSON object is expected)");
-  // nlohmann parses any depth, but copying, comparing and dumping a value recurse: a body of
-  // 200000 '[' would overflow the HTTP thread's stack later on. Refuse deep nesting up front
-  // (strings skipped; a malformed body is refused by the parser below anyway).
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < body.size(); ++i) {
-    const char c = body[i];
-    if (in_string) {
-      if (c == '\\')
-        ++i;
-      else if (c == '"')
-        in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxBodyDepth) {
-        throw ApiError(400, "the request body is nested deeper than " +
-                                std::to_string(kMaxBodyDepth) + " levels");
-      }
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
+  if (nested_too_deep(body)) {
+    throw ApiError(400, "the request body is nested deeper than " + std::to_string(kMaxBodyDepth) +
+                            " levels");
   }
   json j;
   try {
@@ -378,8 +383,13 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
           bad(cw + ".function.name", "is required and must be a string");
         if (fn.contains("arguments") && fn["arguments"].is_string()) {
           // Templates iterate the arguments as a mapping (vLLM / transformers do the same).
+          const std::string& text = fn["arguments"].get_ref<const std::string&>();
+          if (nested_too_deep(text)) {
+            bad(cw + ".function.arguments",
+                "is nested deeper than " + std::to_string(kMaxBodyDepth) + " levels");
+          }
           try {
-            call["function"]["arguments"] = json::parse(fn["arguments"].get<std::string>());
+            call["function"]["arguments"] = json::parse(text);
           } catch (const json::exception&) {  // parse_error, or out_of_range for 1e999
             bad(cw + ".function.arguments", "is not valid JSON");
           }

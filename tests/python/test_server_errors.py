@@ -162,6 +162,12 @@ def test_deeply_nested_json(server):
         s, b = server.request("POST", path, body)
         assert "nested deeper" in check_error(s, b, 400)
         assert server.healthy()
+    # The same inside a tool call's arguments, JSON text that the server parses for the template.
+    call = {"function": {"name": "f", "arguments": '{"a": ' + deep.decode() + "}"}}
+    s, b = server.request("POST", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]})
+    assert "nested deeper" in check_error(s, b, 400, param="messages[1].tool_calls[0].function.arguments")
+    assert server.healthy()
 
 
 def test_unknown_model_and_path(server):
