@@ -132,6 +132,18 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm == 90 && k.dtype == 0 &&
                   gemv_narrow_preferred(k.dims[0], k.dims[1], k.dims[2]);
          }});
+  // gemv_bulk_mma: OFF unless $DS_GEMV_MMA=1 (built, not yet measured on a GPU): the batch 3..16
+  // decode projections with k 4096..8192 (gdn_in, gdn_out, attn_qkv, attn_o, gate_up at m 5..16;
+  // gate_up at m 3..4 stays with gemv_bulk_silu above, which is asked first with dims[3] = 1).
+  r.add({F::kGemm, "gemv_bulk_mma",
+         "decode GEMV on tensor cores (gemv.h, gemv_bulk_mma.cu): persistent block per SM, "
+         "bulk-copy ring of (k-chunk, 16-row) stages, mma.sync with the accumulators in registers "
+         "across k, batch-invariant; sm 90, m 3..16, k % 64 == 0, k 4096..8192, n >= 4096; off "
+         "unless DS_GEMV_MMA=1",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dtype == 0 &&
+                  gemv_bulk_mma_preferred(k.dims[0], k.dims[1], k.dims[2]);
+         }});
   r.add({F::kGemm, "skinny_mma",
          "decode skinny GEMM (gemv.h): mma.sync with tokens as M, weight read once, "
          "batch-invariant; sm 90, k % 8 == 0, where it beats cuBLASLt in the step (k >= 12288, "

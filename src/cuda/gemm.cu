@@ -122,6 +122,14 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
     launch_gemv_narrow(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
     return;
   }
+  // gemv_bulk_mma ($DS_GEMV_MMA=1 only): no accumulate (cuBLASLt takes y +=), and the grid the
+  // guard assumed may be larger than this device's (re-checked here).
+  if (aligned && !accumulate && v == "gemv_bulk_mma" && gemv_bulk_mma_supports(m, n, k, n_sms_)) {
+    GemvBulkMmaConfig c = gemv_bulk_mma_config(m, n, k);
+    c.pdl = bulk_pdl_;
+    launch_gemv_bulk_mma(x, w, y, m, n, k, out, false, c, n_sms_, stream);
+    return;
+  }
   if (aligned && v == "skinny_mma") {
     SkinnyConfig c = skinny_gemm_config(m, n, k, n_sms_);
     c.pdl = skinny_pdl_;

@@ -209,4 +209,50 @@ void launch_gemv_narrow(const __nv_bfloat16* x,  // [m, k]
                         int m, int n, int k, GemmOut out, bool accumulate,
                         const GemvNarrowConfig& cfg, int n_sms, cudaStream_t stream);
 
+
+// ---- tensor-core bulk-copy GEMV (gemv_bulk_mma.cu), variant "gemm.gemv_bulk_mma" --------------
+// y = x w^T for m = 1..16 tokens (no accumulate), k % 64 == 0: one persistent block per SM streams
+// its contiguous rows through a shared-memory ring of (k-chunk, 16-row group) stages with 1-D
+// bulk copies (one per row, mbarriers, per-slot tags), x arrives chunk by chunk into two padded
+// [16, kc] buffers (rows >= m zero), and eight consumer warps each own a fixed set of 16-row
+// groups whose fp32 accumulators stay in registers across the chunks (ldmatrix + mma.sync
+// m16n8k16, tokens as M padded to 16). Summation order: the k-steps of 16 in order, one MMA each:
+// bit-identical for every m, config and grid. OFF by default: picked only with $DS_GEMV_MMA=1
+// (m 3..16, k 4096..8192, n >= 4096); built, not yet measured on a GPU.
+constexpr int kGemvBulkMmaMaxM = 16;
+
+struct GemvBulkMmaConfig {
+  int kc = 512;     // k elements per chunk (stage = 16 rows x kc): 512 or 1024
+  int slots = 11;   // ring stages, 2..16, within the shared memory with the two x buffers
+  bool pdl = false; // the first `slots` stages are issued before griddepcontrol.wait
+  std::string name() const;  // "k512s11", "k1024s5-pdl"
+};
+
+// $DS_GEMV_MMA: "1" on, "0" or unset off; anything else throws ds::Error (read once per process;
+// the engine validates it at start-up).
+bool gemv_bulk_mma_enabled();
+// Whether the shape and config fit on a device of n_sms SMs (one block each, min(n_sms, n)
+// blocks): 1 <= m <= 16, k % 64 == 0, 64 <= k <= kSkinnyMaxK, 1 <= n <= kSkinnyMaxN, kc 512 or
+// 1024, slots 2..16 within the shared memory, and at most gemv_bulk_mma_max_groups() groups of 16
+// rows per block.
+bool gemv_bulk_mma_fits(int64_t m, int64_t n, int64_t k, const GemvBulkMmaConfig& c, int n_sms);
+bool gemv_bulk_mma_supports(int64_t m, int64_t n, int64_t k, int n_sms);  // the default fits
+// The registry guard's shape test (sm 90 / bf16 are the registry's): $DS_GEMV_MMA=1, m 3..16,
+// k 4096..8192, n >= 4096, not where gemv_bulk is preferred, and supported on >= 64 SMs
+// (GemmEngine::run re-checks with the device's count, and runs cuBLASLt for accumulate).
+bool gemv_bulk_mma_preferred(int64_t m, int64_t n, int64_t k);
+GemvBulkMmaConfig gemv_bulk_mma_config(int m, int n, int k);
+std::vector<GemvBulkMmaConfig> gemv_bulk_mma_configs(int m, int n, int k, int n_sms);
+int gemv_bulk_mma_max_groups();                               // 48 (768 rows per block)
+size_t gemv_bulk_mma_smem_bytes(const GemvBulkMmaConfig& c);  // dynamic shared memory per block
+
+// Launches min(n_sms, n) blocks of 320 threads. Throws ds::Error for accumulate, an unsupported
+// shape or config, unaligned x / w (16 bytes) or a null y. Asynchronous, graph-safe, never
+// allocates.
+void launch_gemv_bulk_mma(const __nv_bfloat16* x,  // [m, k]
+                          const __nv_bfloat16* w,  // [n, k]
+                          void* y,                 // [m, n] bf16 or fp32 (out)
+                          int m, int n, int k, GemmOut out, bool accumulate,
+                          const GemvBulkMmaConfig& cfg, int n_sms, cudaStream_t stream);
+
 }  // namespace ds::cuda
