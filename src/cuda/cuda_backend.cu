@@ -1376,9 +1376,8 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
   cuda::launch_add_rmsnorm(res, mlp_out, w_.final_norm, T, dm, eps, 1.f, xn_, stream_);
 }
 
-// The bulk GEMV with the add + RMSNorm in its prologue when the registry picks the bulk GEMV for
-// (m, n, k) (what GemmEngine::run would launch, with the same config and PDL mode); false:
-// nothing launched (the caller runs add_rmsnorm, then the GEMM).
+// The later GEMV (m rows, weight [n, k]) as GemmEngine would launch it: its grid, and the rows
+// of each of its blocks that $DS_GEMV_L2_NEXT's budget allows (rows 0: off).
 cuda::GemvL2Next CudaBackend::l2_next(const bf16* w, int m, int n, int k) {
   cuda::GemvL2Next nx;
   if (cuda::gemv_l2_next_mib() == 0) return nx;
@@ -1397,6 +1396,9 @@ cuda::GemvL2Next CudaBackend::l2_next(const bf16* w, int m, int n, int k) {
   return nx;
 }
 
+// The bulk GEMV with the add + RMSNorm in its prologue when the registry picks the bulk GEMV for
+// (m, n, k) (what GemmEngine::run would launch, with the same config and PDL mode); false:
+// nothing launched (the caller runs add_rmsnorm, then the GEMM).
 bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y, int m, int n,
                             int k, const cuda::GemvL2Next& next) {
   const std::string& v = gemm_->variant(m, n, k);

@@ -110,6 +110,7 @@ struct GemvL2Next {
 // $DS_GEMV_L2_NEXT: MiB of a later GEMV's weights to prefetch that way (0..256, read once per
 // process; 0 or unset: off). gemv_l2_next_rows turns it into rows per block of that GEMV.
 int gemv_l2_next_mib();
+constexpr int kGemvL2NextMaxM = 2;  // the m compiled with the prefetch (the engine uses m 1)
 int gemv_l2_next_rows(int n, int k, int grid);
 
 // Whether x [m, k] plus `slots` stages of `rows_per_stage` rows fit the shared memory (m <= 8,

@@ -153,7 +153,9 @@ __device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16*
 // the two dot products rounded to bf16 first, exactly as the unfused GEMM + launch_silu_mul.
 // NORM: the fused norm prologue computes x from `norm` (x unused); a separate instantiation, so
 // the plain kernels keep their registers (the prologue's loads of 4 rows take ~160).
-template <int M, int R, bool GLU, typename OutT, bool NORM>
+// PF: the producer prefetches `next` into L2 at its end (GemvL2Next), also a separate
+// instantiation (m <= 2, not GLU), so the kernels without it compile exactly as before.
+template <int M, int R, bool GLU, typename OutT, bool NORM, bool PF = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_bulk_kernel(const bf16* x,  // [M, k] (unused with NORM); no __restrict__: see the wait
                      const bf16* __restrict__ w,  // [n, k] ([2 n, k] when GLU)
@@ -231,7 +233,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         issue(s);
       }
       // Every own copy is in flight: queue the later GEMV's leading rows behind them.
-      if (next.rows > 0)
+      if constexpr (PF)
         for (int j = blockIdx.x; j < next.grid; j += gridDim.x) {
           const int rb = int(int64_t(next.n) * j / next.grid);
           const int re = min(int(int64_t(next.n) * (j + 1) / next.grid), rb + next.rows);
@@ -306,6 +308,11 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
   auto* kern = gemv_bulk_kernel<M, R, GLU, OutT, false>;
   if constexpr (M <= kGemvNormMaxM) {
     if (norm.weight) kern = gemv_bulk_kernel<M, R, GLU, OutT, true>;
+  }
+  if constexpr (M <= kGemvL2NextMaxM && !GLU) {
+    if (next.rows > 0)
+      kern = norm.weight ? gemv_bulk_kernel<M, R, GLU, OutT, true, true>
+                         : gemv_bulk_kernel<M, R, GLU, OutT, false, true>;
   }
   // The opt-in shared memory size belongs to the device's context: once per (kernel, device), not
   // per process (a std::call_once left the first launch on a second device failing).
@@ -418,6 +425,8 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
   DS_CHECK(y != nullptr, "bulk gemv: null output");
   DS_CHECK(n_sms >= 1, "bulk gemv: n_sms must be positive");
   const GemvL2Next nx = checked_next(next);
+  DS_CHECK(nx.rows == 0 || m <= kGemvL2NextMaxM, "bulk gemv: the L2 prefetch of a later GEMV is "
+           "compiled for m <= ", kGemvL2NextMaxM, ", got m=", m);
   const bool a = accumulate;
   switch (m) {
     case 1: launch_m<1>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;

@@ -126,7 +126,7 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
 // attn_qkv for gdn_out / attn_o): the outputs are bit-identical with and without it, for the
 // 27B pairs, a prefetch grid larger than this GEMV's (several ranges per block), more rows than a
 // range holds (clamped), plain and PDL launches; the prefetched weight is left untouched; and the
-// guard throws for a misaligned weight or a grid above n.
+// guard throws for a misaligned weight, a grid above n, k % 8 != 0 and m above kGemvL2NextMaxM.
 TEST(CudaGemvBulkNorm, L2PrefetchOfALaterGemvChangesNoBit) {
   DS_REQUIRE_GPU();
   struct Pair {
@@ -198,6 +198,14 @@ TEST(CudaGemvBulkNorm, L2PrefetchOfALaterGemvChangesNoBit) {
   EXPECT_THROW(run({P(wnext), 512, 1024, 513, 4}), ds::Error);     // grid above n
   EXPECT_THROW(run({P(wnext), 512, 1020, 132, 4}), ds::Error);     // k % 8
   EXPECT_NO_THROW(run({nullptr, 0, 0, 0, 4}));                     // no weight: off
+  // compiled for m <= kGemvL2NextMaxM only: m 3 with a prefetch is refused, without one it runs
+  DevBuf<bf> x3(size_t(3) * 1024), y3(size_t(3) * 512);
+  const cuda::GemvBulkConfig cfg3 = cuda::gemv_bulk_config(3, 512, 1024);
+  EXPECT_THROW(cuda::launch_gemv_bulk(P(x3), P(w), y3.ptr, 3, 512, 1024, cuda::GemmOut::kBF16,
+                                      false, cfg3, sms, st, {P(wnext), 512, 1024, 132, 4}),
+               ds::Error);
+  EXPECT_NO_THROW(cuda::launch_gemv_bulk(P(x3), P(w), y3.ptr, 3, 512, 1024, cuda::GemmOut::kBF16,
+                                         false, cfg3, sms, st));
   DS_CUDA_CHECK(cudaStreamSynchronize(st));
   cudaStreamDestroy(st);
 }
