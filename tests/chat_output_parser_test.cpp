@@ -223,6 +223,31 @@ TEST(OutputParser, MalformedToolCallsBecomeContent) {
   EXPECT_EQ(r.content, "x<tool_call>\n<func");
 }
 
+// Model output is not bounded like request JSON: arguments nested deeper than a template value
+// may be (256) or holding an integer above INT64_MAX made jinja::Value::from_json throw inside
+// push(), on the HTTP thread writing the response, which killed the server. Such a JSON call stays
+// content; such an XML parameter value stays a string.
+TEST(OutputParser, ArgumentsAJinjaValueCannotHoldDoNotThrow) {
+  const std::string deep = std::string(300, '[') + std::string(300, ']');
+  const std::string big = "18446744073709551615";
+  for (const std::string& args : {"{\"a\": " + deep + "}", "{\"a\": " + big + "}",
+                                  ojson("{\"a\": " + deep + "}").dump()}) {
+    const std::string text =
+        "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": " + args + "}\n</tool_call>";
+    Result r = run_chunks({text}, false, kTools);
+    EXPECT_TRUE(r.calls.empty()) << args;
+    EXPECT_EQ(r.content, text);
+  }
+  for (const auto& [param, value] : {std::pair<std::string, std::string>{"filters", "{\"a\": " + deep + "}"},
+                                     {"tags", deep}, {"days", big}}) {
+    const std::string text = "<tool_call>\n<function=get_weather>\n<parameter=" + param + ">\n" +
+                             value + "\n</parameter>\n</function>\n</tool_call>";
+    Result r = run_chunks({text}, false, kTools);
+    ASSERT_EQ(r.calls.size(), 1u) << param;
+    EXPECT_EQ(r.calls[0].second, "{\"" + param + "\": " + ojson(value).dump() + "}");
+  }
+}
+
 TEST(OutputParser, TruncatedCallIsClosed) {
   Result r = parse_all_ways(
       "<tool_call>\n<function=get_weather>\n<parameter=location>\nParis\n</"

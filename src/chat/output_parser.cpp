@@ -2,8 +2,10 @@
 #include "chat/output_parser.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "chat/jinja_value.h"
+#include "core/error.h"
 
 namespace ds {
 namespace {
@@ -58,6 +60,17 @@ std::string trim_ws(std::string_view s) {
 // json.dumps(v, ensure_ascii=False): the argument text OpenAI clients get (as vLLM produces it).
 std::string dumps(const ojson& v) {
   return jinja::Value::from_json(v).to_json(jinja::JsonOptions{});
+}
+
+// dumps of a value parsed from model output, which may be one a template value cannot hold
+// (nested deeper than 256 levels, an integer above INT64_MAX): nullopt then, never a throw
+// (push() runs while the response is written).
+std::optional<std::string> try_dumps(const ojson& v) {
+  try {
+    return dumps(v);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
 }
 
 void append_args(OutputDelta& d, int index, const std::string& piece) {
@@ -173,8 +186,9 @@ void OutputParser::add_argument(OutputDelta& d, const std::string& key,
   std::string_view v(raw_value);
   if (starts_with(v, "\n")) v.remove_prefix(1);  // the template writes ">\n" VALUE "\n</parameter>"
   if (!v.empty() && v.back() == '\n') v.remove_suffix(1);
-  std::string piece = (n_args_ == 0 ? "{" : ", ") + dumps(ojson(key)) + ": " +
-                      dumps(convert_value(key, std::string(v)));
+  std::optional<std::string> value = try_dumps(convert_value(key, std::string(v)));
+  if (!value) value = dumps(ojson(std::string(v)));  // the raw text, as a string
+  std::string piece = (n_args_ == 0 ? "{" : ", ") + dumps(ojson(key)) + ": " + *value;
   ++n_args_;
   calls_.back().arguments += piece;
   append_args(d, static_cast<int>(calls_.size()) - 1, piece);
@@ -363,17 +377,17 @@ bool OutputParser::step(OutputDelta& d, bool final) {
       std::string args = "{}";
       if (ok && j.contains("arguments")) {
         const ojson& a = j["arguments"];
+        std::optional<std::string> dumped;
         if (a.is_object()) {
-          args = dumps(a);
+          dumped = try_dumps(a);
         } else if (a.is_string()) {
           ojson inner = ojson::parse(a.get<std::string>(), nullptr, false);
-          if (inner.is_object())
-            args = dumps(inner);
-          else
-            ok = false;
-        } else {
-          ok = false;
+          if (inner.is_object()) dumped = try_dumps(inner);
         }
+        if (dumped)
+          args = std::move(*dumped);
+        else
+          ok = false;
       }
       if (ok) {
         open_call(d, j["name"].get<std::string>());
