@@ -24,12 +24,20 @@
 // fp64 on sampled rows, every config and the engine path bit-identical; batch and grid invariance;
 // PDL chains (bulk -> narrow as in the MLP, narrow -> narrow); guard and errors; a second device
 // (the per-device shared-memory opt-in; 2 GPUs, else skipped).
+// The tensor-core bulk-copy GEMV (gemv_bulk_mma.cu, variant gemm.gemv_bulk_mma, off unless
+// DS_GEMV_MMA=1; tests CudaGemvBulkMma.*, launched directly, so they run with the switch either
+// way): odd shapes (m 1..16, n 1 .. 48 groups per block, k 64..8192 with a 64-element last chunk,
+// grids of 1 and 7) with every config vs fp64 on every element (poisoned outputs); gdn_in /
+// gdn_out / attn_qkv / attn_o / gate_up at m 3, 4, 8, 13, 16 vs cuBLASLt and fp64 on sampled rows,
+// every config, PDL and the engine path bit-identical; batch invariance (m 16 vs m 1, 3, 8, 13);
+// PDL chains (mma -> mma, bulk -> mma) on a stream and from a graph; guard and errors.
 // DS_GEMV_SWEEP=1 also times every config on every decode shape (rotating weights past L2) next to
 // cuBLASLt and prints a table (used to pick skinny_gemm_config, gemv_bulk_config,
 // gemv_narrow_config and the guards).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -732,9 +740,11 @@ TEST(CudaGemvBulk, GuardAndErrors) {
   EXPECT_EQ(pick(reg, 1, 5120, 6144),
             cuda::gemv_pdl_mode() == cuda::GemvPdl::kOff ? "cublaslt" : "gemv_bulk_pdl");
   EXPECT_EQ(pick(reg, 2, 5120, 6144), "cublaslt");
-  EXPECT_EQ(pick(reg, 3, 34816, 5120), "cublaslt");
+  // m 3.. : gemv_bulk_mma with $DS_GEMV_MMA=1 (CudaGemvBulkMma.GuardAndErrors), else cuBLASLt
+  const std::string m3 = cuda::gemv_bulk_mma_enabled() ? "gemv_bulk_mma" : "cublaslt";
+  EXPECT_EQ(pick(reg, 3, 34816, 5120), m3);
   EXPECT_EQ(pick(reg, 4, 34816, 5120, 1), "gemv_bulk_silu");  // the MLP's fused key
-  EXPECT_EQ(pick(reg, 5, 34816, 5120, 1), "cublaslt");
+  EXPECT_EQ(pick(reg, 5, 34816, 5120, 1), m3);
   EXPECT_EQ(pick(reg, 1, 34815, 5120, 1), "gemv_bulk");  // odd n: no [gate | up] split
   EXPECT_EQ(pick(reg, 1, 248320, 64), "cublaslt");     // k below the measured range (tiny models)
   EXPECT_EQ(pick(reg, 1, 512, 64, 1), "cublaslt");
@@ -1046,6 +1056,355 @@ TEST(CudaGemvNarrow, SecondDevice) {
                         "s8 device " + std::to_string(dev), rng);
   }
   for (int m : {1, 2}) EXPECT_TRUE(outs[0][m - 1] == outs[1][m - 1]) << "m " << m;
+}
+
+// ---- tensor-core bulk-copy GEMV (gemv_bulk_mma.cu, variant gemm.gemv_bulk_mma) ------------------
+// Launched directly, so these run (and must pass) with $DS_GEMV_MMA either way; only the registry
+// expectations follow the switch.
+
+// fp64 y[t, j] = sum_c x[t, c] w[j, c] and sum_c |x[t, c] w[j, c]| for t < m.
+void reference64(const std::vector<bf>& x, const std::vector<bf>& w, int m, int n, int k,
+                 std::vector<double>& ref, std::vector<double>& mag) {
+  const std::vector<float> xf = test::to_f32(x), wf = test::to_f32(w);
+  ref.assign(size_t(m) * n, 0.0);
+  mag.assign(size_t(m) * n, 0.0);
+  for (int t = 0; t < m; ++t)
+    for (int j = 0; j < n; ++j) {
+      double s = 0, a = 0;
+      const float* xr = &xf[size_t(t) * k];
+      const float* wr = &wf[size_t(j) * k];
+      for (int c = 0; c < k; ++c) {
+        const double p = double(xr[c]) * wr[c];
+        s += p;
+        a += std::fabs(p);
+      }
+      ref[size_t(t) * n + j] = s, mag[size_t(t) * n + j] = a;
+    }
+}
+
+// Every output of got [m, n] vs fp64: |y - ref| <= (bf16 out: 1 bf16 ulp of max(|y|, |ref|)) +
+// 1e-4 * sum |x w|. An element left unwritten keeps the poison (NaN) and fails. Returns the number
+// out of tolerance.
+size_t count_bad_vs_fp64(const std::vector<float>& got, const std::vector<double>& ref,
+                         const std::vector<double>& mag, bool f32, double* worst = nullptr) {
+  size_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double d = std::fabs(double(got[i]) - ref[i]);
+    const double tol =
+        (f32 ? 0.0 : bf16_ulp(std::max(std::fabs(double(got[i])), std::fabs(ref[i])))) +
+        1e-4 * mag[i];
+    if (!(d <= tol)) ++bad;
+    if (worst) *worst = std::max(*worst, d / std::max(tol, 1e-30));
+  }
+  return bad;
+}
+
+size_t count_nonfinite(const std::vector<float>& v) {
+  return size_t(std::count_if(v.begin(), v.end(), [](float f) { return !std::isfinite(f); }));
+}
+
+// Odd shapes, every config that fits, m 1, 3, 8, 13, 16, bf16 and fp32 out, poisoned outputs,
+// every element vs fp64 (tolerance at count_bad_vs_fp64), every config bit-identical to the
+// first: n below 16 x the SM count (blocks of 1..8 rows: one partial group), n = 1, k = 64 (one
+// 64-wide step), k 4160 (a 64-element last chunk for kc 512 and 1024), k 4096 and 8192 (the guard's
+// range), many rows per block (20001: 10 groups, the ring wraps many times, warps with two groups),
+// the most groups a block takes (n = 768 x SMs: 48 groups, all six accumulator sets of every
+// warp), and grids of 1 and 7 blocks.
+TEST(CudaGemvBulkMma, OddShapesEveryConfig) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(71);
+  struct Case {
+    int n, k, sms;
+  };
+  const int n_max = n_sms * 16 * cuda::gemv_bulk_mma_max_groups();
+  const Case cases[] = {{1, 64, n_sms},     {37, 128, n_sms},   {203, 576, n_sms},
+                        {1000, 4096, n_sms}, {133, 4160, n_sms}, {2111, 8192, n_sms},
+                        {20001, 256, n_sms}, {n_max, 64, n_sms}, {700, 576, 1},
+                        {5000, 1088, 7}};
+  int launched = 0;
+  for (const Case& cs : cases) {
+    auto x = test::random_bf16(size_t(16) * cs.k, rng),
+         w = test::random_bf16(size_t(cs.n) * cs.k, rng, 0.05f);
+    DevBuf<bf> dx(x), dw(w);
+    std::vector<double> ref, mag;
+    reference64(x, w, 16, cs.n, cs.k, ref, mag);  // rows t < m are the m-token references
+    for (int m : {1, 3, 8, 13, 16}) {
+      const std::vector<double> rm(ref.begin(), ref.begin() + size_t(m) * cs.n),
+          mm(mag.begin(), mag.begin() + size_t(m) * cs.n);
+      for (bool f32 : {false, true}) {
+        const GemmOut out = f32 ? GemmOut::kF32 : GemmOut::kBF16;
+        DevBuf<char> y(size_t(m) * cs.n * (f32 ? 4 : 2));
+        std::vector<char> first;
+        const auto cfgs = cuda::gemv_bulk_mma_configs(m, cs.n, cs.k, cs.sms);
+        ASSERT_FALSE(cfgs.empty()) << "n " << cs.n << " k " << cs.k << " sms " << cs.sms;
+        for (const cuda::GemvBulkMmaConfig& c : cfgs) {
+          y.poison();
+          cuda::launch_gemv_bulk_mma(B(dx), B(dw), y.ptr, m, cs.n, cs.k, out, false, c, cs.sms, 0);
+          DS_CUDA_CHECK(cudaDeviceSynchronize());
+          ++launched;
+          const auto raw = y.download();
+          const auto got = download_out(y, size_t(m) * cs.n, f32);
+          EXPECT_EQ(count_nonfinite(got), 0u) << "unwritten outputs: m " << m << " n " << cs.n
+                                              << " k " << cs.k << " " << c.name();
+          EXPECT_EQ(count_bad_vs_fp64(got, rm, mm, f32), 0u)
+              << "m " << m << " n " << cs.n << " k " << cs.k << " sms " << cs.sms << " "
+              << c.name() << (f32 ? " f32" : " bf16");
+          if (first.empty())
+            first = raw;
+          else
+            EXPECT_TRUE(raw == first) << "config " << c.name() << " m " << m << " n " << cs.n;
+        }
+      }
+    }
+  }
+  EXPECT_GT(launched, 300);
+  EXPECT_TRUE(cuda::gemv_bulk_mma_supports(16, n_max, 64, n_sms));
+  EXPECT_FALSE(cuda::gemv_bulk_mma_supports(16, n_max + 1, 64, n_sms));  // 49 groups
+}
+
+// The five Qwen3.5-27B decode projections with k <= 8192 (gdn_in, gdn_out, attn_qkv, attn_o,
+// gate_up) at m 3, 4, 8, 13, 16, poisoned outputs:
+//  - vs cuBLASLt on every output (expect_bf16_close_to_cublaslt: 1 bf16 ulp of the larger
+//    magnitude, or 1e-3 of the output's max near zero);
+//  - vs fp64 on 384 sampled rows (expect_sampled_rows_match_fp64);
+//  - every config, a PDL launch, and (with $DS_GEMV_MMA=1, where the guard picks the kernel) the
+//    engine's path bit-identical to the shipped config; fp32 out (attn_o) vs cuBLASLt.
+TEST(CudaGemvBulkMma, Shapes27bMatchCublasLtAndFp64) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(73);
+  Pool wpool(size_t(34816) * 5120, rng, 0.02f);
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  cuda::GemmEngine fast, ref;
+  fast.set_dispatch(&reg);
+  const bool on = cuda::gemv_bulk_mma_enabled();
+  std::printf("  DS_GEMV_MMA %s\n", on ? "on" : "off");
+  for (const Op& o : kOps27b) {
+    if (o.k > 8192 || o.f32) continue;  // down (k 17408), lm_head (n 248320)
+    const SampledRows sampled = sample_rows(o, wpool);
+    for (int m : {3, 4, 8, 13, 16}) {
+      ASSERT_TRUE(cuda::gemv_bulk_mma_supports(m, o.n, o.k, n_sms)) << o.name << " m " << m;
+      EXPECT_EQ(cuda::gemv_bulk_mma_preferred(m, o.n, o.k), on) << o.name << " m " << m;
+      const bool guarded = fast.variant(m, o.n, o.k) == "gemv_bulk_mma";
+      EXPECT_EQ(guarded, on) << o.name << " m " << m;
+      auto x = test::random_bf16(size_t(m) * o.k, rng);
+      DevBuf<bf> dx(x);
+      const size_t cnt = size_t(m) * o.n;
+      DevBuf<char> y1(cnt * 2), y2(cnt * 2), y3(cnt * 2);
+      y1.poison();
+      y2.poison();
+      const cuda::GemvBulkMmaConfig shipped = cuda::gemv_bulk_mma_config(m, o.n, o.k);
+      cuda::launch_gemv_bulk_mma(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kBF16, false,
+                                 shipped, n_sms, 0);
+      ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
+      const auto bits = y1.download();
+      for (cuda::GemvBulkMmaConfig c : cuda::gemv_bulk_mma_configs(m, o.n, o.k, n_sms)) {
+        for (bool pdl : {false, true}) {
+          c.pdl = pdl;
+          y3.poison();
+          cuda::launch_gemv_bulk_mma(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16,
+                                     false, c, n_sms, 0);
+          EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " config " << c.name();
+        }
+      }
+      if (guarded) {
+        y3.poison();
+        fast.run(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
+        EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " engine path";
+      }
+      DS_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
+      EXPECT_EQ(count_nonfinite(a), 0u) << o.name << " m " << m << ": unwritten outputs";
+      const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
+      const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
+      std::printf(
+          "  bulk_mma %-8s m=%-2d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of tol), "
+          "fp64 worst %.2f of tol\n",
+          o.name, m, r.differ, cnt, r.worst, worst64);
+    }
+  }
+  // fp32 out (the kernel's other epilogue) on attn_o at m 16: relative L2 vs cuBLASLt < 1e-5.
+  const int m = 16, n = 5120, k = 6144;
+  auto x = test::random_bf16(size_t(m) * k, rng);
+  DevBuf<bf> dx(x);
+  DevBuf<char> y1(size_t(m) * n * 4), y2(size_t(m) * n * 4);
+  y1.poison();
+  cuda::launch_gemv_bulk_mma(B(dx), B(wpool.buf), y1.ptr, m, n, k, GemmOut::kF32, false,
+                             cuda::gemv_bulk_mma_config(m, n, k), n_sms, 0);
+  ref.run(B(dx), B(wpool.buf), y2.ptr, m, n, k, GemmOut::kF32, 0);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto a = download_out(y1, size_t(m) * n, true), b = download_out(y2, size_t(m) * n, true);
+  EXPECT_EQ(count_nonfinite(a), 0u);
+  const double e = test::norm_err(a, b);
+  EXPECT_LT(e, 1e-5);
+  std::printf("  bulk_mma attn_o   m=16 f32 out: relative L2 vs cuBLASLt %.2e\n", e);
+}
+
+// Batch invariance: token t's outputs in an m = 16 call are bit-identical to the same x row in
+// calls of m = 3 (and 1, 8, 13) starting at that row (the padding rows are zeros and an MMA's
+// output row depends on its own A row only), for bf16 and fp32 out.
+TEST(CudaGemvBulkMma, BatchInvariant) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(79);
+  for (auto [n, k] : {std::pair{5120, 6144}, std::pair{16480, 5120}, std::pair{300, 4160}}) {
+    auto x = test::random_bf16(size_t(16) * k, rng), w = test::random_bf16(size_t(n) * k, rng);
+    DevBuf<bf> dx(x), dw(w);
+    for (bool f32 : {false, true}) {
+      const GemmOut out = f32 ? GemmOut::kF32 : GemmOut::kBF16;
+      const size_t es = f32 ? 4 : 2;
+      DevBuf<char> y16(size_t(16) * n * es), ys(size_t(16) * n * es);
+      y16.poison();
+      cuda::launch_gemv_bulk_mma(B(dx), B(dw), y16.ptr, 16, n, k, out, false,
+                                 cuda::gemv_bulk_mma_config(16, n, k), n_sms, 0);
+      const auto a = y16.download();
+      for (auto [t0, m] : {std::pair{0, 3}, std::pair{5, 3}, std::pair{13, 3}, std::pair{15, 1},
+                           std::pair{8, 8}, std::pair{2, 13}}) {
+        ys.poison();
+        cuda::launch_gemv_bulk_mma(B(dx, size_t(t0) * k), B(dw), ys.ptr, m, n, k, out, false,
+                                   cuda::gemv_bulk_mma_config(m, n, k), n_sms, 0);
+        const auto b = ys.download();
+        EXPECT_EQ(std::memcmp(a.data() + size_t(t0) * n * es, b.data(), size_t(m) * n * es), 0)
+            << "tokens " << t0 << ".." << t0 + m - 1 << " n " << n << " k " << k
+            << (f32 ? " f32" : " bf16");
+      }
+    }
+  }
+}
+
+// Programmatic dependent launch: y2 = y1 w2^T right behind y1 = x w1^T, both with the attribute
+// (the second issues its first weight stages early and copies y1 only after griddepcontrol.wait;
+// y1 poisoned before), on a stream and from a CUDA graph: bit-identical to plain launches. The
+// shapes of attn_qkv-like -> attn_o-like at m 16.
+TEST(CudaGemvBulkMma, DependentLaunchesChain) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(83);
+  const int m = 16, n1 = 6144, k1 = 5120, n2 = 5120;
+  auto x = test::random_bf16(size_t(m) * k1, rng),
+       w1 = test::random_bf16(size_t(n1) * k1, rng, 0.02f),
+       w2 = test::random_bf16(size_t(n2) * n1, rng, 0.02f);
+  DevBuf<bf> dx(x), dw1(w1), dw2(w2), y1(size_t(m) * n1), y2(size_t(m) * n2);
+  cudaStream_t s;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto chain = [&](bool pdl) {
+    cuda::GemvBulkMmaConfig c1 = cuda::gemv_bulk_mma_config(m, n1, k1),
+                            c2 = cuda::gemv_bulk_mma_config(m, n2, n1);
+    c1.pdl = c2.pdl = pdl;
+    cuda::launch_gemv_bulk_mma(B(dx), B(dw1), y1.ptr, m, n1, k1, GemmOut::kBF16, false, c1,
+                               n_sms, s);
+    cuda::launch_gemv_bulk_mma(B(y1), B(dw2), y2.ptr, m, n2, n1, GemmOut::kBF16, false, c2,
+                               n_sms, s);
+  };
+  expect_pdl_chain_matches_serial(chain, y1, y2, w2, m, n1, n2, s);
+  // A bulk GEMV (m 8) feeding the mma GEMV, as gdn_in -> ... -> gdn_out would at batch 8.
+  DevBuf<bf> z1(size_t(8) * n1), z2(size_t(8) * n2);
+  auto chain2 = [&](bool pdl) {
+    cuda::GemvBulkConfig c1 = cuda::gemv_bulk_config(8, n1, k1);
+    cuda::GemvBulkMmaConfig c2 = cuda::gemv_bulk_mma_config(8, n2, n1);
+    c1.pdl = c2.pdl = pdl;
+    cuda::launch_gemv_bulk(B(dx), B(dw1), z1.ptr, 8, n1, k1, GemmOut::kBF16, false, c1, n_sms, s);
+    cuda::launch_gemv_bulk_mma(B(z1), B(dw2), z2.ptr, 8, n2, n1, GemmOut::kBF16, false, c2, n_sms,
+                               s);
+  };
+  expect_pdl_chain_matches_serial(chain2, z1, z2, w2, 8, n1, n2, s);
+  cudaStreamDestroy(s);
+}
+
+TEST(CudaGemvBulkMma, GuardAndErrors) {
+  const bool on = cuda::gemv_bulk_mma_enabled();
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  using F = cuda::KernelFamily;
+  auto pick = [&](const cuda::DispatchRegistry& r, int m, int n, int k, int glu = 0) {
+    return r.select(F::kGemm, r.key(m, n, k, glu)).name;
+  };
+  const std::string mma = on ? "gemv_bulk_mma" : "cublaslt";
+  for (int m = 3; m <= 16; ++m) {
+    EXPECT_EQ(pick(reg, m, 16480, 5120), mma) << m;  // gdn_in
+    EXPECT_EQ(pick(reg, m, 5120, 6144), mma) << m;   // gdn_out / attn_o
+    EXPECT_EQ(pick(reg, m, 14336, 5120), mma) << m;  // attn_qkv
+    EXPECT_EQ(pick(reg, m, 34816, 5120), mma) << m;  // gate_up (plain key)
+    // the MLP's fused key: gemv_bulk_silu keeps m 3..4 (asked first); from m 5 the plain GEMM
+    EXPECT_EQ(pick(reg, m, 34816, 5120, 1), m <= 4 ? std::string("gemv_bulk_silu") : mma) << m;
+    EXPECT_NE(pick(reg, m, 5120, 17408), "gemv_bulk_mma") << m;  // down: k > 8192
+  }
+  EXPECT_EQ(pick(reg, 1, 34816, 5120), "gemv_bulk");  // m 1..2 unchanged
+  EXPECT_EQ(pick(reg, 2, 34816, 5120), "gemv_bulk");
+  EXPECT_EQ(pick(reg, 2, 16480, 5120), "cublaslt");
+  EXPECT_EQ(pick(reg, 17, 16480, 5120), "cublaslt");   // m > 16
+  EXPECT_EQ(pick(reg, 8, 4096, 4096), mma);            // the range's corners
+  EXPECT_EQ(pick(reg, 8, 4096, 8192), mma);
+  EXPECT_EQ(pick(reg, 8, 4096, 4160), mma);            // k % 64 == 0, not % 512
+  EXPECT_EQ(pick(reg, 8, 4096, 8256), "cublaslt");     // k > 8192
+  EXPECT_EQ(pick(reg, 8, 4096, 4032), "cublaslt");     // k < 4096
+  EXPECT_EQ(pick(reg, 8, 4096, 5128), "cublaslt");     // k % 64
+  EXPECT_EQ(pick(reg, 8, 4095, 5120), "cublaslt");     // n < 4096
+  EXPECT_EQ(pick(reg, 8, 248320, 5120), "cublaslt");   // lm_head: > 48 groups per block
+  auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
+  EXPECT_EQ(pick(r80, 8, 16480, 5120), "cublaslt");
+  auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_bulk_mma");
+  EXPECT_EQ(pick(off, 8, 16480, 5120), "cublaslt");
+  // fits
+  const cuda::GemvBulkMmaConfig d;
+  EXPECT_EQ(d.kc, 512);
+  EXPECT_EQ(d.slots, 11);
+  EXPECT_TRUE(cuda::gemv_bulk_mma_fits(16, 34816, 5120, d, 132));
+  EXPECT_TRUE(cuda::gemv_bulk_mma_fits(1, 1, 64, d, 132));
+  EXPECT_TRUE(cuda::gemv_bulk_mma_fits(16, 34816, 5120, {1024, 5, false}, 132));
+  EXPECT_FALSE(cuda::gemv_bulk_mma_fits(16, 34816, 5120, {1024, 6, false}, 132));  // smem
+  EXPECT_FALSE(cuda::gemv_bulk_mma_fits(16, 34816, 5120, {512, 12, false}, 132));  // smem
+  EXPECT_FALSE(cuda::gemv_bulk_mma_fits(16, 34816, 5120, {256, 8, false}, 132));   // kc
+  EXPECT_FALSE(cuda::gemv_bulk_mma_fits(16, 34816, 5120, {512, 1, false}, 132));   // slots
+  EXPECT_FALSE(cuda::gemv_bulk_mma_fits(17, 34816, 5120, d, 132));                 // m
+  EXPECT_FALSE(cuda::gemv_bulk_mma_fits(0, 34816, 5120, d, 132));
+  EXPECT_FALSE(cuda::gemv_bulk_mma_fits(16, 34816, 5100, d, 132));                 // k % 64
+  EXPECT_FALSE(cuda::gemv_bulk_mma_fits(16, 34816, 32832, d, 132));                // k
+  EXPECT_TRUE(cuda::gemv_bulk_mma_fits(16, 132 * 768, 64, d, 132));
+  EXPECT_FALSE(cuda::gemv_bulk_mma_fits(16, 132 * 768 + 1, 64, d, 132));  // 49 groups
+  EXPECT_FALSE(cuda::gemv_bulk_mma_fits(16, 34816, 5120, d, 0));
+  EXPECT_LE(cuda::gemv_bulk_mma_smem_bytes({1024, 5, false}), size_t(232448));
+  for (const auto& c : cuda::gemv_bulk_mma_configs(16, 34816, 5120, 132))
+    EXPECT_LE(cuda::gemv_bulk_mma_smem_bytes(c), size_t(232448)) << c.name();
+  EXPECT_EQ(cuda::gemv_bulk_mma_configs(16, 34816, 5120, 132).size(), 4u);
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  DevBuf<bf> x(16 * 128), w(64 * 128);
+  DevBuf<char> y(16 * 64 * 4);
+  auto launch = [&](int xo, int wo, int m, int n, int k, cuda::GemvBulkMmaConfig c, int sms,
+                    bool acc, void* yp) {
+    cuda::launch_gemv_bulk_mma(B(x, xo), B(w, wo), yp, m, n, k, GemmOut::kBF16, acc, c, sms, 0);
+  };
+  EXPECT_NO_THROW(launch(0, 0, 3, 64, 128, d, 132, false, y.ptr));
+  EXPECT_THROW(launch(0, 0, 3, 64, 128, d, 132, true, y.ptr), Error);           // accumulate
+  EXPECT_THROW(launch(1, 0, 3, 64, 128, d, 132, false, y.ptr), Error);          // x unaligned
+  EXPECT_THROW(launch(0, 4, 3, 64, 128, d, 132, false, y.ptr), Error);          // w unaligned
+  EXPECT_THROW(launch(0, 0, 17, 64, 128, d, 132, false, y.ptr), Error);         // m > 16
+  EXPECT_THROW(launch(0, 0, 0, 64, 128, d, 132, false, y.ptr), Error);          // m 0
+  EXPECT_THROW(launch(0, 0, 3, 64, 120, d, 132, false, y.ptr), Error);          // k % 64
+  EXPECT_THROW(launch(0, 0, 3, 64, 128, {256, 8, false}, 132, false, y.ptr), Error);  // kc
+  EXPECT_THROW(launch(0, 0, 3, 64, 128, {512, 12, false}, 132, false, y.ptr), Error);  // smem
+  EXPECT_THROW(launch(0, 0, 3, 64, 128, d, 0, false, y.ptr), Error);            // n_sms
+  EXPECT_THROW(launch(0, 0, 3, 64, 128, d, 132, false, nullptr), Error);        // null y
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  // Through GemmEngine: with the switch on the kernel runs without a cuBLASLt plan; accumulate
+  // (y +=) always goes to cuBLASLt.
+  cuda::GemmEngine g;
+  g.set_dispatch(&reg);
+  std::mt19937 rng(89);
+  auto hx = test::random_bf16(size_t(8) * 4096, rng), hw = test::random_bf16(size_t(4096) * 4096, rng);
+  DevBuf<bf> dx(hx), dw(hw);
+  DevBuf<char> y1(size_t(8) * 4096 * 2);
+  EXPECT_EQ(g.variant(8, 4096, 4096), mma);
+  g.run(B(dx), B(dw), y1.ptr, 8, 4096, 4096, GemmOut::kBF16, 0);
+  EXPECT_EQ(g.late_plans(), on ? 0 : 1);
+  g.run(B(dx), B(dw), y1.ptr, 8, 4096, 4096, GemmOut::kBF16, 0, true);  // +=: cuBLASLt
+  EXPECT_EQ(g.late_plans(), on ? 1 : 2);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 // ---- optional sweep (DS_GEMV_SWEEP=1): every config on every decode shape,
