@@ -123,6 +123,11 @@ class KernelBench {
   // takes the shape, launched directly without PDL, on the same rotated inputs, against cuBLASLt
   // tuned (the fallback column); one row per kernel, shape suffixed " A/B".
   void gemm_narrow_ab(const std::string& name, int m);
+  // The tensor-core bulk GEMV (gemv_bulk_mma.cu, off in the engine unless $DS_GEMV_MMA=1) on the
+  // k <= 8192 decode projections at batch 4 / 8 / 16: its shipped config alone and with PDL, the
+  // k1024s5 config, and gemv_bulk (m <= 8) / skinny_mma beside it, launched directly on the same
+  // rotated inputs against cuBLASLt tuned (the fallback column); shape suffixed " A/B mma".
+  void gemm_mma_ab(const std::string& name, int m);
   const KernelResult& attn_prefill(int q, int cached);
   const KernelResult& attn_decode(int batch, int ctx);
   const KernelResult& gdn_prefill(int n_tokens, int seq_pos);
@@ -340,6 +345,80 @@ void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
     const cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, o.n, o.k);
     row("gemv_bulk_" + c.name(), [&](int i) {
       cuda::launch_gemv_bulk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, n_sms_, s_);
+    });
+  }
+}
+
+void KernelBench::gemm_mma_ab(const std::string& name, int m) {
+  const GemmOp& o = op(name);
+  if (o.f32_out) return;
+  const std::string shape = str("m=%d n=%d k=%d A/B mma", m, o.n, o.k);
+  const double wbytes = 2.0 * o.n * o.k;
+  const double set_bytes = wbytes + 2.0 * m * o.k + 2.0 * m * o.n;
+  const int rot = rotations(set_bytes);
+  const bf16* w = gemm_weights(name, rot);
+  DevBuf x(size_t(2) * m * o.k * rot, "gemm x"), y(size_t(2) * m * o.n * rot, "gemm y"),
+      yref(size_t(2) * m * o.n, "gemm y (cuBLASLt)");
+  gpu::fill_normal_bf16(x.as<bf16>(), int64_t(m) * o.k * rot, seed_++, 0.f, 1.f, s_);
+  auto xi = [&](int i) { return x.as<bf16>() + int64_t(i % rot) * m * o.k; };
+  auto wi = [&](int i) { return w + int64_t(i % rot) * o.n * o.k; };
+  auto yi = [&](int i) { return y.as<bf16>() + int64_t(i % rot) * m * o.n; };
+  cuda::GemmEngine lt;  // cuBLASLt tuned as the engine tunes it: the fallback of every row
+  const cuda::GemmOut out = cuda::GemmOut::kBF16;
+  lt.prepare(m, o.n, o.k, out);
+  if (cuda::GemmEngine::tuning_enabled()) {
+    std::vector<const bf16*> ws;
+    for (int i = 0; i < rot; ++i) ws.push_back(wi(i));
+    DevBuf xt(size_t(2) * m * o.k, "gemm x (tuning)");
+    lt.tune(m, o.n, o.k, out, ws, xt.as<bf16>(), y.as<void>(), s_, false, {});
+  }
+  const bool lt_tuned = !lt.uses_heuristic_algo(m, o.n, o.k, out);
+  lt.run(xi(0), wi(0), yref.as<void>(), m, o.n, o.k, out, s_);
+  const double t_lt =
+      gpu::time_launches([&](int i) { lt.run(xi(i), wi(i), yi(i), m, o.n, o.k, out, s_); }, s_,
+                         timer(rot))
+          .p50;
+  auto row = [&](const std::string& variant, const std::string& how,
+                 const std::function<void(int)>& launch) {
+    KernelResult r;
+    r.family = "gemm";
+    r.variant = variant;
+    r.op = name;
+    r.shape = shape;
+    gpu::check(cudaMemsetAsync(yi(0), 0xFF, size_t(2) * m * o.n, s_), "poison y");  // NaN
+    launch(0);
+    r.match = gpu::compare_bf16(yi(0), yref.as<bf16>(), int64_t(m) * o.n, s_).text();
+    r.fallback = lt_tuned ? "cublaslt_tuned" : "cublaslt";
+    r.fallback_time_s = t_lt;
+    r.samples = gpu::time_launches(launch, s_, timer(rot));
+    r.bytes = set_bytes;
+    r.flops = 2.0 * m * o.n * o.k;
+    r.note = str("launched directly, %s; %d rotated weight copies", how.c_str(), rot);
+    finish(r);
+  };
+  if (cuda::gemv_bulk_mma_supports(m, o.n, o.k, n_sms_)) {
+    const cuda::GemvBulkMmaConfig shipped = cuda::gemv_bulk_mma_config(m, o.n, o.k);
+    for (cuda::GemvBulkMmaConfig c : {shipped, cuda::GemvBulkMmaConfig{1024, 5, false}}) {
+      if (!cuda::gemv_bulk_mma_fits(m, o.n, o.k, c, n_sms_)) continue;
+      for (bool pdl : {false, true}) {
+        if (pdl && (c.kc != shipped.kc || c.slots != shipped.slots)) continue;
+        c.pdl = pdl;
+        row("gemv_bulk_mma_" + c.name(), pdl ? "with PDL (back to back)" : "no PDL", [&](int i) {
+          cuda::launch_gemv_bulk_mma(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, n_sms_, s_);
+        });
+      }
+    }
+  }
+  if (cuda::gemv_bulk_supports(m, o.n, o.k)) {
+    const cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, o.n, o.k);
+    row("gemv_bulk_" + c.name(), "no PDL", [&](int i) {
+      cuda::launch_gemv_bulk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, n_sms_, s_);
+    });
+  }
+  if (cuda::skinny_gemm_supports(m, o.n, o.k)) {
+    const cuda::SkinnyConfig c = cuda::skinny_gemm_config(m, o.n, o.k, n_sms_);
+    row("skinny_mma_" + c.name(), "no PDL", [&](int i) {
+      cuda::launch_skinny_gemm(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, s_);
     });
   }
 }
@@ -969,6 +1048,15 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
         for (int m : {1, 4, 16})
           guarded("gemm", o.name + " m=" + std::to_string(m) + " A/B",
                   [&] { kb.gemm_narrow_ab(o.name, m); });
+    // A/B of the tensor-core bulk GEMV on every k <= 8192 decode projection (gdn_in, gdn_out,
+    // attn_qkv, attn_o, gate_up on the 27B; one row set per distinct shape), batch 4, 8 and 16.
+    std::set<std::pair<int, int>> mma_done;
+    for (const auto& o : kb.ops())
+      if (!o.f32_out && o.k >= 4096 && o.k <= 8192 && o.k % 64 == 0 &&
+          mma_done.insert({o.n, o.k}).second)
+        for (int m : {4, 8, 16})
+          guarded("gemm", o.name + " m=" + std::to_string(m) + " A/B mma",
+                  [&] { kb.gemm_mma_ab(o.name, m); });
   }
   if (c.n_full_layers() > 0 && wanted(opt, "attn_prefill")) {
     for (int q : chunks)
