@@ -349,6 +349,10 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
   http_->set_tcp_nodelay(true);
 
   http_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    // Range has no meaning here (RFC 9110 lets a server ignore it): httplib would answer a POST
+    // with a Range header 206, cut an error body to the range ('{"') or label a generation
+    // multipart/byteranges. The Request is httplib's own non-const object.
+    const_cast<httplib::Request&>(req).ranges.clear();
     const bool api = req.path.rfind("/v1/", 0) == 0;
     if (api && !opt_.api_key.empty()) {
       const std::string auth = req.get_header_value("Authorization");

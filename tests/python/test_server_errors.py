@@ -215,6 +215,39 @@ def test_malformed_http(server):
     assert server.healthy()
 
 
+def test_range_header_is_ignored(server):
+    """A Range header once made httplib answer 206, cut a 400's JSON body to '{"' and label a
+    generation multipart/byteranges; the server now ignores Range (RFC 9110 allows it)."""
+    def post(body: bytes, rng: bytes) -> bytes:
+        return raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nRange: " + rng +
+                   b"\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+                   % len(body) + body, timeout=30)
+
+    def json_body(out: bytes) -> dict:
+        head, _, body = out.partition(b"\r\n\r\n")
+        assert b"multipart" not in head and b"Content-Range" not in head, head
+        if b"Transfer-Encoding: chunked" in head:  # de-chunk
+            data = b""
+            while True:
+                size, _, body = body.partition(b"\r\n")
+                n = int(size, 16)
+                if n == 0:
+                    break
+                data, body = data + body[:n], body[n + 2:]
+            body = data
+        return json.loads(body)
+
+    for rng in (b"bytes=0-1", b"bytes=0-1,4-5"):
+        out = post(b"{}", rng)
+        assert out.startswith(b"HTTP/1.1 400 "), out[:200]
+        assert json_body(out)["error"]["param"] == "prompt"
+        out = post(json.dumps(OK_COMPLETION).encode(), rng)
+        assert out.startswith(b"HTTP/1.1 200 "), out[:200]
+        assert json_body(out)["object"] == "text_completion"
+    out = raw(server, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nRange: bytes=0-3\r\nConnection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200 ") and json_body(out)["data"], out[:200]
+
+
 def test_slow_loris_clients_are_dropped_and_others_served(server):
     socks = []
     for _ in range(20):
