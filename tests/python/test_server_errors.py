@@ -62,7 +62,8 @@ BAD_COMPLETIONS = [
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": [1, "a"]}, 400, "prompt"),
     ({"prompt": [-1]}, 400, "prompt"),
-    ({"prompt": [999999999]}, 400, None),           # outside the vocabulary
+    ({"prompt": [999999999]}, 400, "prompt"),       # outside the vocabulary (was param max_tokens)
+    ({"prompt": ["ok", [151669]]}, 400, "prompt"),  # the first id past the vocabulary, in a batch
     ({"prompt": {"a": 1}}, 400, "prompt"),
     ({}, 400, "prompt"),
     ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
