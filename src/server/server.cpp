@@ -628,7 +628,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
 void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
   ++in_flight_;
   const bool stream = job->stream;
-  auto provider = [job](size_t /*offset*/, httplib::DataSink& sink) -> bool {
+  auto write_all = [job](httplib::DataSink& sink) -> bool {
     // The engine thread never waits on this one: it publishes into the streams and bumps the
     // job's notifier; here we take everything new from every choice, write it in one chunk,
     // and sleep on the notifier until the next output (no polling interval).
@@ -676,6 +676,19 @@ void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
     if (!sink.write(out_buf.data(), out_buf.size())) return false;
     sink.done();
     return true;
+  };
+  // The writer runs outside httplib's handler try/catch: an exception there (rendering a model
+  // output, say) would end the process. Instead it ends this response (the connection closes,
+  // the releaser cancels what still runs) and the server goes on.
+  auto provider = [job, write_all](size_t /*offset*/, httplib::DataSink& sink) -> bool {
+    try {
+      return write_all(sink);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "deltaserve: writing response %s failed: %s\n", job->id.c_str(),
+                   e.what());
+      job->cancel_all();
+      return false;
+    }
   };
   auto releaser = [this, job](bool /*success*/) {
     for (Job::Choice& c : job->choices) {
