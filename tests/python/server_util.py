@@ -4,9 +4,9 @@ time, never committed), and a server process on a free port (started, health-che
 SIGTERM; its log is printed when a test fails)."""
 import json
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -40,25 +40,32 @@ def make_tiny_model(dest: Path, seed: int = 1) -> Path:
     return dest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SERVING_RE = re.compile(r"deltaserve: serving '.*' on http://[^:\s]+:(\d+) ")
 
 
 class ServerProc:
+    """`deltaserve serve --port 0`: the server binds a free port itself and names it in its log
+    (picking one here and passing it would leave a window for another process to take it)."""
+
     def __init__(self, model: Path, *extra, log_path: Path):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.port = None
+        self.base = None
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        self.args = [str(BIN), "serve", "--model", str(model), "--port", str(self.port), "--device", DEVICE,
+        self.args = [str(BIN), "serve", "--model", str(model), "--port", "0", "--device", DEVICE,
                      *map(str, extra)]
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited {self.proc.returncode}:\n{self.log_text()}")
+            if self.port is None:
+                m = SERVING_RE.search(self.log_text())
+                if not m:
+                    time.sleep(0.05)
+                    continue
+                self.port = int(m.group(1))
+                self.base = f"http://127.0.0.1:{self.port}"
             try:
                 with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
                     if r.status == 200:
