@@ -171,17 +171,19 @@ Engine::~Engine() {
 std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
   using K = RejectedError::Kind;
   const int n_prompt = static_cast<int>(request.prompt.size());
-  if (n_prompt == 0) throw RejectedError(K::kInvalid, "the prompt is empty");
+  if (n_prompt == 0) throw RejectedError(K::kInvalid, "the prompt is empty", "prompt");
   for (int32_t t : request.prompt) {
     if (t < 0 || t >= config_.vocab_size) {
       throw RejectedError(K::kInvalid, "prompt token id " + std::to_string(t) +
                                            " is outside the vocabulary [0, " +
-                                           std::to_string(config_.vocab_size) + ")");
+                                           std::to_string(config_.vocab_size) + ")",
+                          "prompt");
     }
   }
   if (request.max_tokens < 1) {
     throw RejectedError(K::kInvalid,
-                        "max_tokens must be at least 1, got " + std::to_string(request.max_tokens));
+                        "max_tokens must be at least 1, got " + std::to_string(request.max_tokens),
+                        "max_tokens");
   }
   if (static_cast<int64_t>(n_prompt) + request.max_tokens > max_model_len_) {
     throw RejectedError(K::kInvalid,
@@ -190,15 +192,17 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
                             std::to_string(static_cast<int64_t>(n_prompt) + request.max_tokens) +
                             " tokens (" + std::to_string(n_prompt) + " in the prompt, " +
                             std::to_string(request.max_tokens) +
-                            " in the completion). Please reduce the prompt or max_tokens.");
+                            " in the completion). Please reduce the prompt or max_tokens.",
+                        "max_tokens");
   }
   if (pool_tokens_ > 0 && n_prompt + 1 > pool_tokens_) {
     throw RejectedError(K::kInvalid, "the prompt (" + std::to_string(n_prompt) +
                                          " tokens) does not fit the KV cache (" +
-                                         std::to_string(pool_tokens_) + " tokens)");
+                                         std::to_string(pool_tokens_) + " tokens)",
+                        "prompt");
   }
   if (request.top_logprobs > config_.vocab_size) {
-    throw RejectedError(K::kInvalid, "top_logprobs is larger than the vocabulary");
+    throw RejectedError(K::kInvalid, "top_logprobs is larger than the vocabulary", "top_logprobs");
   }
   try {
     request.sampling.validate();
@@ -207,10 +211,11 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
   }
   if (!tokenizer_ && !request.stop.empty()) {
     throw RejectedError(K::kInvalid,
-                        "stop strings need a tokenizer (this model has none); use stop_token_ids");
+                        "stop strings need a tokenizer (this model has none); use stop_token_ids",
+                        "stop");
   }
   for (const std::string& s : request.stop) {
-    if (s.empty()) throw RejectedError(K::kInvalid, "stop strings must not be empty");
+    if (s.empty()) throw RejectedError(K::kInvalid, "stop strings must not be empty", "stop");
   }
 
   auto r = std::make_unique<Request>(request.sampling);
@@ -612,10 +617,6 @@ void Engine::loop() {
       Request& ref = *r;
       active_.emplace(id, std::move(r));
       if (!scheduler_.add(id, std::move(prompt))) finish(ref, FinishReason::kError, "queue full");
-    }
-    if (!incoming.empty()) {  // the exact count again (finish() above may have set it already)
-      std::lock_guard<std::mutex> lk(ctl_->mu);
-      ctl_->stats.n_waiting = scheduler_.n_waiting();
     }
     for (uint64_t id : cancels) {
       auto it = active_.find(id);

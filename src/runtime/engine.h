@@ -31,6 +31,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -82,8 +83,10 @@ struct StreamOutput {
 class RejectedError : public Error {
  public:
   enum class Kind : uint8_t { kInvalid, kQueueFull, kShuttingDown };
-  RejectedError(Kind kind, const std::string& msg) : Error(msg), kind(kind) {}
+  RejectedError(Kind kind, const std::string& msg, std::string param = "")
+      : Error(msg), kind(kind), param(std::move(param)) {}
   Kind kind;
+  std::string param;  // the request field at fault ("prompt", "max_tokens", ...), "" if none
 };
 
 // Wakes a consumer that waits on several streams at once (e.g. an HTTP request with n > 1

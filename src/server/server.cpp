@@ -558,16 +558,6 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
             throw ApiError(400, "'prompt' encodes to no tokens", "prompt");
           echoes.push_back(echo ? *in.text : std::string());
         } else {
-          // The engine refuses these too, but its refusals are all reported as 'max_tokens'.
-          const int32_t vocab = engine_.config().vocab_size;
-          for (int32_t id : in.ids) {
-            if (id >= vocab) {
-              throw ApiError(400,
-                             "'prompt' token id " + std::to_string(id) +
-                                 " is outside the vocabulary [0, " + std::to_string(vocab) + ")",
-                             "prompt");
-            }
-          }
           prompts.push_back(std::move(in.ids));
           echoes.push_back(echo && tok ? sanitize_utf8(tok->decode(prompts.back()))
                                        : std::string());
@@ -605,8 +595,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         try {
           c.stream = engine_.submit(std::move(g));
         } catch (const RejectedError& e) {
-          throw ApiError(status_of(e.kind), e.what(),
-                         e.kind == RejectedError::Kind::kInvalid ? "max_tokens" : "");
+          throw ApiError(status_of(e.kind), e.what(), e.param);
         }
         c.stream->set_notifier(job->notifier);
         submitted.push_back(c.stream);
