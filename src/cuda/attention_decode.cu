@@ -556,6 +556,21 @@ __device__ __forceinline__ void merge_store(const AttnShape& s, const float4 acc
   }
 }
 
+// merge_store with the gate's 4 values already loaded (gv; used when gated).
+template <int HD>
+__device__ __forceinline__ void merge_store_gated(const AttnShape& s, const float4 acc, float lsum,
+                                                  bool gated, const float (&gv)[4], int64_t row,
+                                                  int h, int c, bf16* out) {
+  const float o[4] = {acc.x, acc.y, acc.z, acc.w};
+  bf16* dst = out + (row * s.n_heads + h) * HD + 4 * c;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    float y = lsum > 0.f ? o[e] / lsum : 0.f;
+    if (gated) y *= sigmoid(gv[e]);
+    dst[e] = __float2bfloat16_rn(y);
+  }
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_kernel(
     AttnShape s, AttnBatch b, int n_splits,
@@ -620,9 +635,10 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_adaptive
     const float* part_o,    // [.., n_splits, HD], 16B-aligned
     AttnGate gate,
     bf16* __restrict__ out,  // [n_rows, n_heads, HD]
-    bool early_dependents) {
+    bool early_dependents, bool one_trip) {
   constexpr int kCols = HD / 4 / kSlices;         // float4 columns of this block
   constexpr int kGroups = kMergeThreads / kCols;  // split groups
+  constexpr int kPre = 8;                         // partial columns loaded with the (m, l)
   static_assert(kCols * kGroups == kMergeThreads, "merge: columns must divide the block");
   extern __shared__ float w_split[];  // [n_splits]
   __shared__ float scratch[32];
@@ -638,22 +654,49 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_adaptive
   if (early_dependents) pdl_trigger();
   pdl_wait();  // the split kernel's partials
   if (!early_dependents) pdl_trigger();
+  const float4* po = reinterpret_cast<const float4*>(part_o + base * HD) + slice * kCols + c;
+  // Every load that does not need another's result goes out now, in one round trip: this
+  // thread's first (m, l), its first kPre partial columns and (group 0) its gate values. The sums
+  // below use them in exactly the order of the loops they replace (bit-identical output).
+  // $DS_ATTN_MERGE=serial keeps the previous form (each phase's loads after the last barrier).
+  float2 ml0 = make_float2(-INFINITY, 0.f);
+  float4 pre[kPre];
+  float gv[4] = {1.f, 1.f, 1.f, 1.f};
+  if (one_trip) {
+    if (tid < n_used) ml0 = __ldcg(&part_ml[base + tid]);
+#pragma unroll
+    for (int j = 0; j < kPre; ++j) {
+      const int i = grp + j * kGroups;
+      if (i < n_used) pre[j] = __ldcg(po + (int64_t)i * (HD / 4));
+    }
+    if (grp == 0 && gate.ptr) {
+      const bf16* gp = gate.ptr + row * gate.token_stride + (int64_t)h * gate.head_stride +
+                       4 * (slice * kCols + c);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) gv[e] = __bfloat162float(gp[e]);
+    }
+  }
+  auto ml_at = [&](int i) { return one_trip && i == tid ? ml0 : __ldcg(&part_ml[base + i]); };
   float mx = -INFINITY;
-  for (int i = tid; i < n_used; i += kMergeThreads) mx = fmaxf(mx, __ldcg(&part_ml[base + i]).x);
+  for (int i = tid; i < n_used; i += kMergeThreads) mx = fmaxf(mx, ml_at(i).x);
   mx = block_max(mx, scratch);
   float lsum = 0.f;
   for (int i = tid; i < n_used; i += kMergeThreads) {
-    const float2 ml = __ldcg(&part_ml[base + i]);
+    const float2 ml = ml_at(i);
     const float w = merge_weight(ml.x, mx);
     w_split[i] = w;
     lsum = __fmaf_rn(ml.y, w, lsum);
   }
   lsum = block_sum(lsum, scratch);  // its barriers also publish w_split
-  const float4* po = reinterpret_cast<const float4*>(part_o + base * HD) + slice * kCols + c;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  int i = grp;
+  if (one_trip) {
+#pragma unroll
+    for (int j = 0; j < kPre; ++j, i += kGroups)
+      if (i < n_used) fma4(acc, w_split[i], pre[j]);
+  }
 #pragma unroll 8
-  for (int i = grp; i < n_used; i += kGroups)
-    fma4(acc, w_split[i], __ldcg(po + (int64_t)i * (HD / 4)));
+  for (; i < n_used; i += kGroups) fma4(acc, w_split[i], __ldcg(po + (int64_t)i * (HD / 4)));
   red[grp][c] = acc;
   __syncthreads();
   if (grp != 0) return;
@@ -664,6 +707,10 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_adaptive
     acc.y += r.y;
     acc.z += r.z;
     acc.w += r.w;
+  }
+  if (one_trip) {
+    merge_store_gated<HD>(s, acc, lsum, gate.ptr != nullptr, gv, row, h, slice * kCols + c, out);
+    return;
   }
   merge_store<HD>(s, acc, lsum, gate, row, h, slice * kCols + c, out);
 }
@@ -697,12 +744,14 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
       launch_maybe_pdl(attention_decode_merge_adaptive_kernel<HD, kSlices>,
                        dim3(s.n_heads * kSlices, b.n_seqs), dim3(kMergeThreads), merge_smem,
                        stream, how.pdl, s, b, kv_chunk, n_splits, ml, o, gate, out,
-                       how.pdl && how.early_dependents);
+                       how.pdl && how.early_dependents,
+                       !how.serial_merge && attention_merge_one_trip());
     else
       launch_maybe_pdl(attention_decode_merge_adaptive_kernel<HD, 1>,
                        dim3(s.n_heads, b.n_seqs), dim3(kMergeThreads), merge_smem, stream,
                        how.pdl, s, b, kv_chunk, n_splits, ml, o, gate, out,
-                       how.pdl && how.early_dependents);
+                       how.pdl && how.early_dependents,
+                       !how.serial_merge && attention_merge_one_trip());
     DS_CUDA_LAUNCH_CHECK();
     return;
   }
@@ -787,6 +836,17 @@ AttnDecodeMode attention_decode_mode() {
                     v, "'");
   }();
   return mode;
+}
+
+bool attention_merge_one_trip() {
+  static const bool one = [] {
+    const char* env = std::getenv("DS_ATTN_MERGE");
+    const std::string v = env ? env : "";
+    if (v.empty() || v == "one_trip") return true;
+    if (v == "serial") return false;
+    ds::throw_error("DS_ATTN_MERGE must be one_trip or serial, got '", v, "'");
+  }();
+  return one;
 }
 
 void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16* q,

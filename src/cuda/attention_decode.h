@@ -39,6 +39,10 @@ struct AttnDecodeLaunch {
   // once they have passed their wait; the dependent's weight prefetch then overlaps the split
   // kernel. Same results.
   bool early_dependents = false;
+  // kAdaptive only: the merge loads each phase's inputs after the barrier before it (the form of
+  // sessions 4-6) instead of in one round trip (attention_merge_one_trip). Same results, bit for
+  // bit; for the tests' comparison.
+  bool serial_merge = false;
 };
 
 // Splits per sequence for kAdaptive: one wave of the split kernel (2 blocks per SM) over n_seqs x
@@ -69,5 +73,11 @@ void launch_qk_norm_rope_kv(const AttnShape& s, const __nv_bfloat16* qkv,
 enum class AttnDecodeMode { kPdlRope, kPdlEarly, kPdl, kAdaptive, kPlanned };
 constexpr AttnDecodeMode kDefaultAttnDecodeMode = AttnDecodeMode::kPdl;
 AttnDecodeMode attention_decode_mode();
+
+// The adaptive merge's loads, from $DS_ATTN_MERGE (read once per process): "one_trip" (default)
+// issues its (m, l), its first partial columns and the gate together right after the wait; "serial"
+// loads each phase after the barrier before it (sessions 4-6). Bit-identical outputs (same sums in
+// the same order). Any other value throws ds::Error naming the variable.
+bool attention_merge_one_trip();
 
 }  // namespace ds::cuda

@@ -361,6 +361,9 @@ TEST(CudaAttentionDecode, PdlAfterRope27b) {
     auto early = launch_of(AttnDecodeKernel::kMma, adaptive, true);
     early.early_dependents = true;
     const auto pdl_early = run_after_rope(f, early, true);
+    auto serial = launch_of(AttnDecodeKernel::kMma, adaptive, true);
+    serial.serial_merge = true;
+    const auto pdl_serial = run_after_rope(f, serial, true);
     const auto planned = run_after_rope(f, launch_of(AttnDecodeKernel::kMma), false);
     for (size_t j = 0; j < pdl.size(); ++j) {
       ASSERT_TRUE(std::isfinite(pdl[j])) << what << " [pdl]: element " << j << " not finite";
@@ -371,12 +374,13 @@ TEST(CudaAttentionDecode, PdlAfterRope27b) {
     EXPECT_EQ(n_differ(pdl, plain), 0u) << what << ": pdl vs plain launch";
     EXPECT_EQ(n_differ(pdl_graph, plain), 0u) << what << ": pdl in a graph vs plain launch";
     EXPECT_EQ(n_differ(pdl_early, plain), 0u) << what << ": pdl (early dependents) vs plain";
+    EXPECT_EQ(n_differ(pdl_serial, pdl_graph), 0u) << what << ": serial merge vs one-trip merge";
     const double e = test::norm_err(pdl, planned);
     EXPECT_LT(e, 1e-2) << what << ": adaptive vs planned";
     std::printf("  %s: pdl vs plain %zu, pdl graph vs plain %zu, pdl early graph vs plain %zu of "
-                "%zu differ; adaptive vs planned %.2e\n",
+                "%zu differ, serial merge vs one-trip %zu; adaptive vs planned %.2e\n",
                 what.c_str(), n_differ(pdl, plain), n_differ(pdl_graph, plain),
-                n_differ(pdl_early, plain), pdl.size(), e);
+                n_differ(pdl_early, plain), pdl.size(), n_differ(pdl_serial, pdl_graph), e);
   }
   // The engine's workspace bound: more splits than one wave, most empty, smallest split 8 keys.
   DecodeFixture f(test::attn_shape_27b(), {4096, 100, 1}, 99);
@@ -384,6 +388,18 @@ TEST(CudaAttentionDecode, PdlAfterRope27b) {
   const auto got = f.run(launch_of(AttnDecodeKernel::kMma, adaptive), 8, 128);
   EXPECT_LT(test::norm_err(got, ref), 1e-2) << "adaptive, up to 128 splits of >= 8 keys";
   std::printf("  adaptive, up to 128 splits of >= 8 keys: %.2e\n", test::norm_err(got, ref));
+  // More used splits than the merge block has threads (512 of >= 8 keys for 4096): the one-trip
+  // merge's loops past its preloaded values, bit for bit the serial merge's sums.
+  {
+    auto one = launch_of(AttnDecodeKernel::kMma, adaptive);
+    auto ser = one;
+    ser.serial_merge = true;
+    const auto a = f.run(one, 8, 512), b = f.run(ser, 8, 512);
+    EXPECT_LT(test::norm_err(a, ref), 1e-2) << "adaptive, up to 512 splits of >= 8 keys";
+    EXPECT_EQ(n_differ(a, b), 0u) << "512 splits: one-trip vs serial merge";
+    std::printf("  adaptive, up to 512 splits of >= 8 keys: %.2e, one-trip vs serial %zu differ\n",
+                test::norm_err(a, ref), n_differ(a, b));
+  }
   // PDL without the adaptive split, and adaptive on the simt kernel, are refused.
   EXPECT_THROW(f.run(launch_of(AttnDecodeKernel::kMma, cuda::AttnDecodeSplit::kPlanned, true)),
                Error);
