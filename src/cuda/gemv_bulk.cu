@@ -479,17 +479,17 @@ std::vector<GemvBulkConfig> gemv_bulk_configs(int m, int k) {
   return v;
 }
 
-// $DS_GEMV_BULK_SLOTS (an experiment switch, read once per process): 8, 12, 16, 20 or 24 one-row
-// stages for the m = 1 shapes instead of the tuned 16, where they fit (20 at k 5120 with the fused
-// norm: 216 KB; 24 fits no 27B shape); 8 takes ~90 KB of shared memory at k 5120 (~110 KB at
-// 6144), so two consecutive GEMVs' blocks can share an SM. 0 or unset: the tuned default.
+// $DS_GEMV_BULK_SLOTS (an experiment switch, read once per process): 8, 16 or 24 one-row stages
+// for the m = 1 shapes instead of the tuned 16; 8 takes ~90 KB of shared memory at k 5120 (~110 KB
+// at 6144), so two consecutive GEMVs' blocks can share an SM. 0 or unset: the tuned default.
+// Slots are a multiple of the 8 consumer warps (gemv_bulk_fits); 24 fits no 27B shape at m = 1
+// (245 KB at k 5120), so only 8 changes anything there.
 static int bulk_slots_override() {
   static const int slots = [] {
     const char* e = std::getenv("DS_GEMV_BULK_SLOTS");
     const std::string v = e ? e : "";
-    DS_CHECK(v.empty() || v == "0" || v == "8" || v == "12" || v == "16" || v == "20" ||
-                 v == "24",
-             "DS_GEMV_BULK_SLOTS must be 0, 8, 12, 16, 20 or 24, got '", v, "'");
+    DS_CHECK(v.empty() || v == "0" || v == "8" || v == "16" || v == "24",
+             "DS_GEMV_BULK_SLOTS must be 0, 8, 16 or 24, got '", v, "'");
     return v.empty() ? 0 : std::stoi(v);
   }();
   return slots;
