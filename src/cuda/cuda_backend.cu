@@ -362,9 +362,6 @@ class CudaBackend final : public Backend {
   // Residual add + RMSNorm in the prologue of the bulk decode GEMVs (gemv_bulk_norm.h) for
   // forwards of at most this many tokens.
   int fused_norm_rows_ = 2;
-  // Which fused decode norms run in a GEMV prologue ($DS_FUSED_NORM_ROLES, A/B only): bit 0 the
-  // mixer's input norm (gdn_in / attn_qkv), bit 1 the post-mixer norm (gate_up + SiLU).
-  int fused_norm_roles_ = 3;
   // The residual add folded into the out-projection GEMMs of prompt forwards of >= kFoldMinRows
   // tokens (CudaEngineOptions::prefill_residual_fold).
   CudaEngineOptions::PrefillFold fold_ = CudaEngineOptions::PrefillFold::kAll;
@@ -478,12 +475,6 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
     DS_CHECK(v.size() == 1 && v[0] >= '0' && v[0] <= '0' + cuda::kGemvNormMaxM,
              "DS_FUSED_NORM must be a row count 0..", cuda::kGemvNormMaxM, ", got '", v, "'");
     set_fused_norm_rows(v[0] - '0');
-  }
-  if (const char* env = std::getenv("DS_FUSED_NORM_ROLES")) {
-    const std::string v = env;
-    DS_CHECK(v == "all" || v == "mixer" || v == "mlp", "DS_FUSED_NORM_ROLES must be all, mixer or ",
-             "mlp, got '", v, "'");
-    fused_norm_roles_ = v == "all" ? 3 : v == "mixer" ? 1 : 2;
   }
   fold_ = eopt_.prefill_residual_fold;
   if (const char* env = std::getenv("DS_PREFILL_FOLD")) {
@@ -1273,8 +1264,6 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
   // place and writes xn_.
   bf16* res = h_;
   const bool fuse = T <= fused_norm_rows_;  // h2_ holds kGemvNormMaxM >= fused_norm_rows_ rows
-  const bool fuse_mixer = fuse && (fused_norm_roles_ & 1);
-  const bool fuse_mlp = fuse && (fused_norm_roles_ & 2);
   // Prompt forwards: gdn_out / attn_o (and down with kAll) add their product into `res`
   // (cuBLASLt beta = 1) and the norm after each reads `res` alone (delta null): see
   // CudaEngineOptions::prefill_residual_fold. Decode-only forwards (the graphs) never fold.
@@ -1307,7 +1296,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
   auto norm_gemm = [&](const bf16* delta, const bf16* nw, const bf16* wt, bf16* y, int n,
                        const cuda::GemvL2Next& next) {
     const cuda::GemvNormIn nin = norm_in(delta, nw);
-    if (fuse_mixer && gemv_norm(nin, wt, y, T, n, dm, next)) return flip(nin);
+    if (fuse && gemv_norm(nin, wt, y, T, n, dm, next)) return flip(nin);
     cuda::launch_add_rmsnorm(res, delta, nw, T, dm, eps, 1.f, xn_, stream_);
     gemm(xn_, wt, y, n, dm);
   };
@@ -1319,7 +1308,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
     const bf16* mlp_delta = il == 0 ? nullptr : mlp_out;
     if (L.type == LayerType::kLinear) {
       norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim(),  // [qkv | z | b | a]
-                fuse_mixer ? l2_next(L.gdn_out, T, dm, c.gdn_z_dim()) : cuda::GemvL2Next{});
+                fuse ? l2_next(L.gdn_out, T, dm, c.gdn_z_dim()) : cuda::GemvL2Next{});
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
       if (f.gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
         // PDL: the state / conv taps load while the gdn_in GEMV runs ($DS_GDN_DECODE_PDL)
@@ -1337,7 +1326,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       gemm_out(mix_, L.gdn_out, c.gdn_z_dim(), fold_mixer);
     } else {
       norm_gemm(mlp_delta, L.input_norm, L.attn_qkv, proj_, attn_.qkv_dim(),  // [q+gate | k | v]
-                fuse_mixer ? l2_next(L.attn_o, T, dm, c.attn_out_dim()) : cuda::GemvL2Next{});
+                fuse ? l2_next(L.attn_o, T, dm, c.attn_out_dim()) : cuda::GemvL2Next{});
       const int64_t layer_elems =
           layout_.n_kv_blocks * c.n_kv_heads * page_size_ * int64_t(c.head_dim);
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
@@ -1374,7 +1363,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
     // epilogue where the registry picks gemm.gemv_bulk_silu (decode, bit-identical to the two
     // launches below; with the norm in its prologue when fused), else GEMM then silu_mul.
     const cuda::GemvNormIn post = norm_in(mixer_out, L.post_norm);
-    if (fuse_mlp && gate_up_silu_norm(post, L.gate_up, act_, T, c.d_ff, dm)) {
+    if (fuse && gate_up_silu_norm(post, L.gate_up, act_, T, c.d_ff, dm)) {
       flip(post);
     } else {
       cuda::launch_add_rmsnorm(res, mixer_out, L.post_norm, T, dm, eps, 1.f, xn_, stream_);
