@@ -237,11 +237,7 @@ const KernelResult& KernelBench::gemm(const std::string& name, int m) {
     std::vector<const bf16*> ws;
     for (int i = 0; i < rot; ++i) ws.push_back(w + int64_t(i) * o.n * o.k);
     cuda::GemmTuneOptions to;
-    if (m > 16) {  // as the engine
-      to.max_candidates = 8, to.max_weights = 1, to.batches = 3;
-    } else {
-      to.max_candidates = cuda::GemmEngine::decode_tune_top();
-    }
+    if (m > 16) to.max_candidates = 8, to.max_weights = 1, to.batches = 3;  // as the engine
     const cuda::GemmTuneResult tr =
         g.tune(m, o.n, o.k, out, ws, x.as<bf16>(), y.as<void>(), s_, false, to);
     tuned = !g.uses_heuristic_algo(m, o.n, o.k, out);

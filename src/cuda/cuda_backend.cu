@@ -493,7 +493,6 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   (void)cuda::rmsnorm_fit_enabled();     // and $DS_NORM_FIT (read by every prompt-chunk norm)
   (void)cuda::gemv_l2_next_mib();        // and $DS_GEMV_L2_NEXT (read by every fused decode GEMV)
   (void)cuda::gemv_bulk_mma_enabled();   // and $DS_GEMV_MMA (read by the gemm registry guard)
-  (void)cuda::GemmEngine::decode_tune_top();  // and $DS_GEMM_TUNE_TOP (the decode shapes' tuning)
   // Kept whether graphs are on or not, so that both modes get the same KV pool.
   layout_.graph_bytes = std::max(0, eopt_.max_cuda_graphs) * kGraphBytesEstimate;
   layout_.reserve_bytes =
@@ -808,7 +807,6 @@ void CudaBackend::tune_gemms() {
   for (int m = 1; m < m_max; m *= 2) exact.push_back(m);
   exact.push_back(m_max);
   cuda::GemmTuneOptions full;
-  full.max_candidates = cuda::GemmEngine::decode_tune_top();
   for (int m : exact) {
     for (const Shape& s : shapes) tune(s, m, full);
     if (m <= eopt_.logits_rows) tune(lm_head, m, full);

@@ -234,19 +234,6 @@ bool GemmEngine::tuning_enabled() {
   return env == nullptr || std::string(env) != "0";
 }
 
-int GemmEngine::decode_tune_top() {
-  static const int top = [] {
-    const char* env = std::getenv("DS_GEMM_TUNE_TOP");
-    if (env == nullptr || *env == '\0') return GemmTuneOptions{}.max_candidates;
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    DS_CHECK(*end == '\0' && v >= 1 && v <= 64, "DS_GEMM_TUNE_TOP must be an integer 1..64, got '",
-             env, "'");
-    return static_cast<int>(v);
-  }();
-  return top;
-}
-
 bool GemmEngine::uses_heuristic_algo(int m, int n, int k, GemmOut out, bool accumulate) const {
   auto it = plans_.find(Key{m, n, k, static_cast<int>(out), accumulate});
   DS_CHECK(it != plans_.end(), "gemm: no plan for m=", m, " n=", n, " k=", k, " ", out_name(out));

@@ -91,10 +91,6 @@ class GemmEngine {
                       const GemmTuneOptions& opt = {});
   // False when $DS_GEMM_TUNE is "0" (tune() then keeps the heuristic's first choice).
   static bool tuning_enabled();
-  // Heuristic candidates timed for the decode shapes (m <= 16 in the engine and `bench kernels`):
-  // $DS_GEMM_TUNE_TOP (1..64, read once per process; unset: GemmTuneOptions' 12). An A/B switch;
-  // any other value throws ds::Error naming the variable.
-  static int decode_tune_top();
   // Whether the planned shape runs the heuristic's first algorithm (false: tuned to another).
   // Throws ds::Error when the shape has no plan.
   bool uses_heuristic_algo(int m, int n, int k, GemmOut out, bool accumulate = false) const;
