@@ -9,11 +9,15 @@
 // Each: warm-up, then the median over CUDA-event-timed replays.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "bench/bench.h"
+#include "bench/cuda/bulk_ring_probe.h"
 #include "bench/cuda/ceiling_copy.h"
 #include "bench/cuda/device_util.h"
 #include "core/error.h"
@@ -31,6 +35,36 @@ std::string cuda_device_status() {
   if (n == 0) return "no CUDA device: cudaGetDeviceCount found none";
   return "";
 }
+
+namespace {
+
+// $DS_BENCH_BULK_PROBE=1: the bulk-copy ring patterns of the decode GEMVs against the read
+// ceiling just measured (bulk_ring_probe.h), one block per SM streaming 1.25 MiB (a 27B decode
+// GEMV's share per SM), launches rotated through the 2 GiB buffer.
+void bulk_ring_probe(const gpu::DevBuf& buf, int n_sms, const Ceilings& c, cudaStream_t s) {
+  constexpr size_t kBlockBytes = size_t(1280) << 10;
+  gpu::DevBuf sink(size_t(n_sms) * sizeof(float), "bulk ring probe sink");
+  gpu::TimerOptions to;
+  std::printf("bulk ring probe: one block per SM (%d), %.2f MiB each, consumers without "
+              "arithmetic; read ceiling %.2f TB/s\n",
+              n_sms, kBlockBytes / 1048576.0, c.read_bps / 1e12);
+  for (const gpu::BulkRingShape& r : gpu::bulk_ring_probe_shapes()) {
+    const size_t per_launch = gpu::bulk_ring_launch_bytes(r, kBlockBytes, n_sms);
+    const size_t sets = std::max<size_t>(1, buf.bytes() / per_launch);
+    auto launch = [&](int i) {
+      const auto* src = buf.as<const unsigned char>() + size_t(i % int(sets)) * per_launch;
+      gpu::launch_bulk_ring(r, src, kBlockBytes, n_sms, sink.as<float>(), s);
+    };
+    launch(0);  // the shared-memory opt-in and module load, outside any capture
+    gpu::check(cudaStreamSynchronize(s), "bulk ring probe");
+    const Summary t = gpu::time_launches(launch, s, to);
+    const double bps = double(per_launch) / t.p50;
+    std::printf("  %-52s %7.2f us  %5.2f TB/s  %5.1f%% of read\n", r.name().c_str(),
+                t.p50 * 1e6, bps / 1e12, 100.0 * bps / c.read_bps);
+  }
+}
+
+}  // namespace
 
 Ceilings measure_ceilings(int device, int repeats) {
   const std::string why = cuda_device_status();
@@ -64,6 +98,8 @@ Ceilings measure_ceilings(int device, int repeats) {
         [&](int) { gpu::launch_stream_read(a.as<void>(), bytes, partial.as<float>(), s); }, s, to);
     c.read_bytes = double(bytes);
     c.read_bps = c.read_bytes / c.read_s.p50;
+    const char* probe = std::getenv("DS_BENCH_BULK_PROBE");
+    if (probe && std::string(probe) == "1") bulk_ring_probe(a, prop.multiProcessorCount, c, s);
   }
   {  // device-to-device copy
     const size_t bytes = size_t(1) << 30;
