@@ -347,6 +347,15 @@ void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
       cuda::launch_gemv_bulk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, n_sms_, s_);
     });
   }
+  // The split-K tensor-core GEMV (gemv_splitk_mma.cu; in the engine only with $DS_GEMV_SPLITK=1).
+  if (cuda::gemv_splitk_supports(m, o.n, o.k)) {
+    DevBuf ws(cuda::gemv_splitk_workspace_bytes(), "split-k workspace");
+    gpu::check(cudaMemsetAsync(ws.as<void>(), 0, cuda::gemv_splitk_workspace_bytes(), s_),
+               "split-k workspace");
+    row("gemv_splitk_mma", [&](int i) {
+      cuda::launch_gemv_splitk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, ws.as<void>(), s_);
+    });
+  }
 }
 
 void KernelBench::gemm_mma_ab(const std::string& name, int m) {

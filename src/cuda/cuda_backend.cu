@@ -493,6 +493,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   (void)cuda::rmsnorm_fit_enabled();     // and $DS_NORM_FIT (read by every prompt-chunk norm)
   (void)cuda::gemv_l2_next_mib();        // and $DS_GEMV_L2_NEXT (read by every fused decode GEMV)
   (void)cuda::gemv_bulk_mma_enabled();   // and $DS_GEMV_MMA (read by the gemm registry guard)
+  (void)cuda::gemv_splitk_enabled();     // and $DS_GEMV_SPLITK (likewise)
   // Kept whether graphs are on or not, so that both modes get the same KV pool.
   layout_.graph_bytes = std::max(0, eopt_.max_cuda_graphs) * kGraphBytesEstimate;
   layout_.reserve_bytes =

@@ -144,6 +144,17 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm == 90 && k.dtype == 0 &&
                   gemv_bulk_mma_preferred(k.dims[0], k.dims[1], k.dims[2]);
          }});
+  // gemv_splitk_mma: OFF unless $DS_GEMV_SPLITK=1 (built in session 7, not yet run on a GPU): the
+  // batch 5..16 MLP down projection (k 17408), where cuBLASLt tuned runs otherwise.
+  r.add({F::kGemm, "gemv_splitk_mma",
+         "decode GEMV on tensor cores split over k (gemv.h, gemv_splitk_mma.cu): 4 k-splits x 32 "
+         "row groups, bulk-copy ring of 8-row tiles, x fragments in registers, fp32 partials "
+         "summed in split order, batch-invariant; sm 90, m 5..16, k 17408, n % 256 == 0; off "
+         "unless DS_GEMV_SPLITK=1",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dtype == 0 &&
+                  gemv_splitk_preferred(k.dims[0], k.dims[1], k.dims[2]);
+         }});
   r.add({F::kGemm, "skinny_mma",
          "decode skinny GEMM (gemv.h): mma.sync with tokens as M, weight read once, "
          "batch-invariant; sm 90, k % 8 == 0, where it beats cuBLASLt in the step (k >= 12288, "

@@ -47,6 +47,7 @@ struct GemmEngine::Plan {
 GemmEngine::GemmEngine(size_t workspace_bytes) : workspace_bytes_(workspace_bytes) {
   // $DS_GEMV_PDL first: a bad value throws before anything is allocated (no handle to leak).
   const GemvPdl pdl = gemv_pdl_mode();
+  const bool splitk = gemv_splitk_enabled();
   cublasLtHandle_t h = nullptr;
   DS_CUBLAS_CHECK(cublasLtCreate(&h));
   handle_ = h;
@@ -56,11 +57,17 @@ GemmEngine::GemmEngine(size_t workspace_bytes) : workspace_bytes_(workspace_byte
   DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms_, cudaDevAttrMultiProcessorCount, dev));
   bulk_pdl_ = pdl != GemvPdl::kOff;
   skinny_pdl_ = pdl == GemvPdl::kAll;
+  if (splitk) {  // zero-filled once: every launch leaves its counters at zero
+    DS_CUDA_CHECK(cudaMalloc(&splitk_ws_, gemv_splitk_workspace_bytes()));
+    DS_CUDA_CHECK(cudaMemset(splitk_ws_, 0, gemv_splitk_workspace_bytes()));
+    DS_CUDA_CHECK(cudaDeviceSynchronize());
+  }
 }
 
 GemmEngine::~GemmEngine() {
   plans_.clear();
   if (workspace_) cudaFree(workspace_);
+  if (splitk_ws_) cudaFree(splitk_ws_);
   if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
 
@@ -128,6 +135,12 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
     GemvBulkMmaConfig c = gemv_bulk_mma_config(m, n, k);
     c.pdl = bulk_pdl_;
     launch_gemv_bulk_mma(x, w, y, m, n, k, out, false, c, n_sms_, stream);
+    return;
+  }
+  // gemv_splitk_mma ($DS_GEMV_SPLITK=1 only): no accumulate (cuBLASLt takes y +=).
+  if (aligned && !accumulate && v == "gemv_splitk_mma" && splitk_ws_ &&
+      gemv_splitk_supports(m, n, k)) {
+    launch_gemv_splitk(x, w, y, m, n, k, out, false, splitk_ws_, stream);
     return;
   }
   if (aligned && v == "skinny_mma") {

@@ -131,6 +131,7 @@ class GemmEngine {
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  void* splitk_ws_ = nullptr;  // gemv_splitk's partials and counters ($DS_GEMV_SPLITK=1 only)
   std::map<Key, std::unique_ptr<Plan>> plans_;
   int late_plans_ = 0;
   const DispatchRegistry* dispatch_ = nullptr;

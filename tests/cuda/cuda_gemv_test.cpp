@@ -1407,6 +1407,164 @@ TEST(CudaGemvBulkMma, GuardAndErrors) {
   DS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+// ---- split-K tensor-core GEMV (gemv_splitk_mma.cu) ----------------------------------------------
+// The 27B down projection (5120 x 17408) at m 1, 5, 8, 13, 16: vs cuBLASLt (within the bf16
+// tolerance) and fp64 on sampled rows; three launches on one workspace and two CUDA-graph replays
+// bit-identical to the first (the row groups' counters come back to zero); fp32 out vs cuBLASLt.
+TEST(CudaGemvSplitK, Down27bMatchesCublasLtAndFp64) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  std::mt19937 rng(91);
+  const Op& o = kOps27b[5];
+  ASSERT_STREQ(o.name, "down");
+  Pool wpool(size_t(o.n) * o.k, rng, 0.02f);
+  const SampledRows sampled = sample_rows(o, wpool);
+  cuda::GemmEngine ref, fast;
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  fast.set_dispatch(&reg);
+  const bool on = cuda::gemv_splitk_enabled();
+  std::printf("  DS_GEMV_SPLITK %s\n", on ? "on" : "off");
+  DevBuf<char> ws(cuda::gemv_splitk_workspace_bytes());
+  DS_CUDA_CHECK(cudaMemset(ws.ptr, 0, cuda::gemv_splitk_workspace_bytes()));
+  cudaStream_t s;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  for (int m : {1, 5, 8, 13, 16}) {
+    ASSERT_TRUE(cuda::gemv_splitk_supports(m, o.n, o.k)) << m;
+    auto x = test::random_bf16(size_t(m) * o.k, rng);
+    DevBuf<bf> dx(x);
+    const size_t cnt = size_t(m) * o.n;
+    DevBuf<char> y1(cnt * 2), y2(cnt * 2), y3(cnt * 2);
+    y1.poison();
+    cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kBF16, false,
+                             ws.ptr, s);
+    DS_CUDA_CHECK(cudaStreamSynchronize(s));
+    const auto bits = y1.download();
+    for (int rep = 0; rep < 2; ++rep) {
+      y3.poison();
+      cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, false,
+                               ws.ptr, s);
+      DS_CUDA_CHECK(cudaStreamSynchronize(s));
+      EXPECT_TRUE(y3.download() == bits) << "m " << m << " repeat " << rep;
+    }
+    {  // from a CUDA graph, replayed twice
+      cudaGraph_t g;
+      cudaGraphExec_t ge;
+      DS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+      cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, false,
+                               ws.ptr, s);
+      DS_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+      DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+      for (int rep = 0; rep < 2; ++rep) {
+        y3.poison();
+        DS_CUDA_CHECK(cudaGraphLaunch(ge, s));
+        DS_CUDA_CHECK(cudaStreamSynchronize(s));
+        EXPECT_TRUE(y3.download() == bits) << "m " << m << " graph replay " << rep;
+      }
+      cudaGraphExecDestroy(ge);
+      cudaGraphDestroy(g);
+    }
+    if (on && m >= 5) {  // the engine's path (GemmEngine::run with the registry)
+      EXPECT_EQ(fast.variant(m, o.n, o.k), "gemv_splitk_mma") << m;
+      y3.poison();
+      fast.run(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, s);
+      DS_CUDA_CHECK(cudaStreamSynchronize(s));
+      EXPECT_TRUE(y3.download() == bits) << "m " << m << " engine path";
+    }
+    ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
+    DS_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
+    EXPECT_EQ(count_nonfinite(a), 0u) << "m " << m << ": unwritten outputs";
+    const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
+    const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
+    std::printf("  splitk down m=%-2d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of "
+                "tol), fp64 worst %.2f of tol\n",
+                m, r.differ, cnt, r.worst, worst64);
+  }
+  const int m = 16;
+  auto x = test::random_bf16(size_t(m) * o.k, rng);
+  DevBuf<bf> dx(x);
+  DevBuf<char> y1(size_t(m) * o.n * 4), y2(size_t(m) * o.n * 4);
+  y1.poison();
+  cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kF32, false, ws.ptr,
+                           s);
+  DS_CUDA_CHECK(cudaStreamSynchronize(s));
+  ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kF32, 0);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto a = download_out(y1, size_t(m) * o.n, true),
+             b = download_out(y2, size_t(m) * o.n, true);
+  EXPECT_EQ(count_nonfinite(a), 0u);
+  const double e = test::norm_err(a, b);
+  EXPECT_LT(e, 1e-5);
+  std::printf("  splitk down m=16 f32 out: relative L2 vs cuBLASLt %.2e\n", e);
+  cudaStreamDestroy(s);
+}
+
+// Token t's outputs in an m = 16 call are bit-identical to the same x row in calls of fewer
+// tokens starting at that row (bf16 and fp32 out), on n 5120 and 512.
+TEST(CudaGemvSplitK, BatchInvariant) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  std::mt19937 rng(97);
+  const int k = 17408;
+  DevBuf<char> ws(cuda::gemv_splitk_workspace_bytes());
+  DS_CUDA_CHECK(cudaMemset(ws.ptr, 0, cuda::gemv_splitk_workspace_bytes()));
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  for (int n : {5120, 512}) {
+    auto x = test::random_bf16(size_t(16) * k, rng), w = test::random_bf16(size_t(n) * k, rng);
+    DevBuf<bf> dx(x), dw(w);
+    for (bool f32 : {false, true}) {
+      const GemmOut out = f32 ? GemmOut::kF32 : GemmOut::kBF16;
+      const size_t es = f32 ? 4 : 2;
+      DevBuf<char> y16(size_t(16) * n * es), ys(size_t(16) * n * es);
+      y16.poison();
+      cuda::launch_gemv_splitk(B(dx), B(dw), y16.ptr, 16, n, k, out, false, ws.ptr, 0);
+      const auto a = y16.download();
+      for (auto [t0, m] : {std::pair{0, 5}, std::pair{5, 3}, std::pair{11, 5}, std::pair{15, 1},
+                           std::pair{8, 8}, std::pair{2, 13}}) {
+        ys.poison();
+        cuda::launch_gemv_splitk(B(dx, size_t(t0) * k), B(dw), ys.ptr, m, n, k, out, false, ws.ptr,
+                                 0);
+        const auto b = ys.download();
+        EXPECT_EQ(std::memcmp(a.data() + size_t(t0) * n * es, b.data(), size_t(m) * n * es), 0)
+            << "tokens " << t0 << ".." << t0 + m - 1 << " n " << n << (f32 ? " f32" : " bf16");
+      }
+    }
+  }
+}
+
+// The guard (no GPU needed): the shapes it takes, the registry pick (only with DS_GEMV_SPLITK=1,
+// m 5..16 on the down projection), and the launch's refusals before anything reaches the device.
+TEST(CudaGemvSplitK, GuardAndErrors) {
+  EXPECT_TRUE(cuda::gemv_splitk_supports(16, 5120, 17408));
+  EXPECT_TRUE(cuda::gemv_splitk_supports(1, 256, 17408));
+  EXPECT_FALSE(cuda::gemv_splitk_supports(17, 5120, 17408));  // m
+  EXPECT_FALSE(cuda::gemv_splitk_supports(16, 5120, 17416));  // k: only 17408 is compiled
+  EXPECT_FALSE(cuda::gemv_splitk_supports(16, 5000, 17408));  // n % 256
+  EXPECT_FALSE(cuda::gemv_splitk_supports(16, 8448, 17408));  // n > 8192 (workspace)
+  const bool on = cuda::gemv_splitk_enabled();
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  using F = cuda::KernelFamily;
+  for (int m = 1; m <= 16; ++m) {
+    const std::string got = reg.select(F::kGemm, reg.key(m, 5120, 17408)).name;
+    if (m >= 5)
+      EXPECT_EQ(got, on ? "gemv_splitk_mma" : "cublaslt") << m;
+    else
+      EXPECT_NE(got, "gemv_splitk_mma") << m;
+    EXPECT_NE(reg.select(F::kGemm, reg.key(m, 5120, 6144)).name, "gemv_splitk_mma") << m;
+  }
+  auto* p = reinterpret_cast<const __nv_bfloat16*>(uintptr_t(4096));
+  void* y = reinterpret_cast<void*>(uintptr_t(8192));
+  EXPECT_THROW(cuda::launch_gemv_splitk(p, p, y, 16, 5120, 17408, GemmOut::kBF16, true, y, 0),
+               Error);  // accumulate
+  EXPECT_THROW(cuda::launch_gemv_splitk(p, p, y, 16, 5120, 12288, GemmOut::kBF16, false, y, 0),
+               Error);  // k
+  EXPECT_THROW(cuda::launch_gemv_splitk(p + 1, p, y, 16, 5120, 17408, GemmOut::kBF16, false, y, 0),
+               Error);  // unaligned x
+  EXPECT_THROW(cuda::launch_gemv_splitk(p, p, y, 16, 5120, 17408, GemmOut::kBF16, false, nullptr,
+                                        0),
+               Error);  // no workspace
+}
+
 // ---- optional sweep (DS_GEMV_SWEEP=1): every config on every decode shape,
 // and cuBLASLt ----
 double time_us(const std::function<void(int)>& launch, int rot, cudaStream_t s) {

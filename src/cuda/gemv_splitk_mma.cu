@@ -1,0 +1,227 @@
+// Decode GEMV on tensor cores with the k dimension split over blocks, for the batch 5..16 MLP
+// down projection: y[m, n] = x[m, k] w[n, k]^T, m = 1..16 tokens, bf16 in, fp32 accumulation, bf16
+// or fp32 out, no accumulate. Built for Qwen3.5-27B's down projection (n 5120, k 17408) at batch
+// 16, where cuBLASLt tuned takes 48-49 us (81-83% of the read ceiling) against 42.3 us for
+// gemv_narrow at m = 1, and x [16, 17408] (557 KB) fits no block's shared memory. Interface, guard
+// and config in gemv.h; OFF unless $DS_GEMV_SPLITK=1 (built in session 7, not yet run on a GPU:
+// docs/perf/2026-12-02-session7-AB.md, last section). Tests: tests/cuda/cuda_gemv_test.cpp
+// (CudaGemvSplitK.*); bench: `deltaserve bench kernels --only gemm` (rows gemm.gemv_splitk_mma).
+//
+// Method. 128 blocks = kSplits (4) k-splits x kGroups (32) row groups; block (split s, group g)
+// owns rows [g n / 32, (g + 1) n / 32) (n % 256 == 0: whole 8-row tiles) and k [s k / 4, (s + 1)
+// k / 4). A producer warp streams the group's 8-row tiles of that k range through a ring of
+// kSlots stages (one 1-D bulk copy per row into a padded shared-memory row, L2 evict-first, an
+// mbarrier per slot), the gemv_narrow copy size (8.5 KB per row at the 27B shape). Sixteen
+// consumer warps each own a fixed k range of 16 * STEPS inside the split and hold the MMA's A
+// fragments of x for it (16 tokens, zero rows past m) in registers for the whole kernel: x is read
+// from global memory once per block and never staged in shared memory. Per tile each warp does
+// STEPS mma.sync m16n8k16 (tokens as M, the tile's 8 rows as N; the k order inside a 16-step is
+// permuted identically for x and w so that a lane's operands are 8 contiguous bytes), then the 16
+// warps' fp32 tiles are summed in warp order through shared memory and stored as the block's fp32
+// partial [split][row][token]. The last of a group's 4 blocks to finish (a per-group counter in
+// the engine's workspace, reset by that block) sums the 4 partials in split order and writes y.
+// Every output is a fixed-order sum that depends on k only: bit-identical for every m (padding
+// tokens are zeros and touch no other token) and run to run.
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "cuda/bulk_copy.cuh"
+#include "cuda/cuda_common.h"
+#include "cuda/gemv.h"
+
+namespace ds::cuda {
+namespace {
+
+constexpr int kSplits = 4;          // k splits (blocks per row group)
+constexpr int kGroups = 32;         // row groups
+constexpr int kCw = 16;             // consumer warps
+constexpr int kThreads = (kCw + 1) * 32;
+constexpr int kSlots = 3;           // ring stages of one 8-row tile
+constexpr int kRowPad = 16;         // elements of padding per shared row (32 bytes: see below)
+constexpr int kHdrBytes = 128;      // full[3], empty[3], the counter broadcast
+constexpr int kMaxSmem = 232448;    // sm 90 opt-in dynamic shared memory per block
+constexpr int kSteps = 17;          // k16-steps per warp compiled: k = 4 * 16 * 16 * 17 = 17408
+
+// Shared memory: header | ring [kSlots][8][L + kRowPad] bf16 | red [2][kCw][128] fp32, L = k / 4.
+// Row stride (L + 16) * 2 bytes = 32 (mod 128) at L = 4352 (and any L % 64 == 0): the 8-byte
+// operand loads of a half-warp (rows g 0..3, lanes t 0..3: 32 contiguous bytes per row) fall in
+// four different bank groups.
+constexpr size_t ring_bytes(int l) { return size_t(kSlots) * 8 * size_t(l + kRowPad) * 2; }
+constexpr size_t red_bytes() { return size_t(2) * kCw * 128 * 4; }
+constexpr size_t smem_bytes(int l) { return kHdrBytes + ring_bytes(l) + red_bytes(); }
+
+template <int STEPS, typename OutT>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemv_splitk_mma_kernel(const bf16* __restrict__ x,  // [m, k]
+                           const bf16* __restrict__ w,  // [n, k]
+                           OutT* __restrict__ y,        // [m, n]
+                           int m, int n, int k,
+                           float* __restrict__ part,  // [kSplits][n][16] fp32
+                           int* __restrict__ count) { // [kGroups], zero between launches
+  constexpr int L = kCw * 16 * STEPS;  // k elements per split
+  constexpr int kStride = L + kRowPad;
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kSlots;
+  int* last_flag = reinterpret_cast<int*>(empty + kSlots);
+  bf16* ring = reinterpret_cast<bf16*>(smem + kHdrBytes);
+  float* red = reinterpret_cast<float*>(smem + kHdrBytes + ring_bytes(L));
+
+  const int split = blockIdx.x % kSplits, group = blockIdx.x / kSplits;
+  const int rows = n / kGroups, row0 = group * rows, tiles = rows / 8;
+  const int k0 = split * L;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kSlots; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], kCw);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == kCw) {  // producer: tile t of the group -> slot t % kSlots, row r by one copy
+    if (lane == 0) {
+      uint64_t policy;
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+      constexpr uint32_t kRowBytes = uint32_t(L) * 2u;
+      for (int t = 0; t < tiles; ++t) {
+        const int slot = t % kSlots;
+        if (t >= kSlots) mbar_wait(&empty[slot], uint32_t((t / kSlots) - 1) & 1u);
+        mbar_arrive_expect_tx(&full[slot], 8u * kRowBytes);
+        bf16* dst = ring + size_t(slot) * 8 * kStride;
+        const bf16* src = w + size_t(row0 + t * 8) * k + k0;
+        for (int r = 0; r < 8; ++r)
+          bulk_copy(dst + size_t(r) * kStride, src + size_t(r) * k, kRowBytes, &full[slot], policy);
+      }
+    }
+    return;
+  }
+
+  // A fragments of this warp's k range [kw, kw + 16 STEPS): lane = 4 g + t holds, per step j,
+  // x[g][kw + 16 j + 4 t .. + 3] (a0 = the first two, a2 = the next two) and the same of token
+  // g + 8 (a1, a3); B: w[row g][the same four k] (b0, b1). The MMA's logical k 2t, 2t + 1,
+  // 2t + 8, 2t + 9 are these four physical k for both operands, so the sum is over the same
+  // products (in the tensor core's own order within a step).
+  const int g = lane >> 2, tq = lane & 3;
+  const int kw = k0 + warp * 16 * STEPS;
+  uint32_t a[STEPS][4];
+  {
+    const bool v0 = g < m, v1 = g + 8 < m;
+    const bf16* x0 = x + size_t(v0 ? g : 0) * k + kw + 4 * tq;
+    const bf16* x1 = x + size_t(v1 ? g + 8 : 0) * k + kw + 4 * tq;
+#pragma unroll
+    for (int j = 0; j < STEPS; ++j) {
+      const uint2 p0 = v0 ? *reinterpret_cast<const uint2*>(x0 + 16 * j) : make_uint2(0, 0);
+      const uint2 p1 = v1 ? *reinterpret_cast<const uint2*>(x1 + 16 * j) : make_uint2(0, 0);
+      a[j][0] = p0.x, a[j][2] = p0.y, a[j][1] = p1.x, a[j][3] = p1.y;
+    }
+  }
+  const int kl = warp * 16 * STEPS + 4 * tq;  // this lane's k offset inside a shared row
+  for (int t = 0; t < tiles; ++t) {
+    const int slot = t % kSlots;
+    mbar_wait(&full[slot], uint32_t(t / kSlots) & 1u);
+    const bf16* srow = ring + size_t(slot) * 8 * kStride + size_t(g) * kStride + kl;
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < STEPS; ++j) {
+      const uint2 b = *reinterpret_cast<const uint2*>(srow + 16 * j);
+      mma_bf16(c, a[j], b.x, b.y);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);  // this warp's reads of the slot are done
+    // The 16 warps' tiles, summed in warp order: element e of lane l = (token g + 8 (e / 2), row
+    // 2 t + e % 2); thread i < 128 sums element (row i / 16, token i % 16) of the 8 x 16 tile.
+    float* rb = red + size_t(t & 1) * kCw * 128;
+    *reinterpret_cast<float4*>(rb + warp * 128 + lane * 4) = make_float4(c[0], c[1], c[2], c[3]);
+    asm volatile("bar.sync 1, %0;" ::"n"(kCw * 32) : "memory");
+    if (threadIdx.x < 128) {
+      const int row = threadIdx.x >> 4, token = threadIdx.x & 15;
+      const int src = (4 * (token & 7) + (row >> 1)) * 4 + (token >> 3) * 2 + (row & 1);
+      float s = 0.f;
+#pragma unroll
+      for (int wv = 0; wv < kCw; ++wv) s += rb[wv * 128 + src];
+      part[(size_t(split) * n + row0 + t * 8 + row) * 16 + token] = s;
+    }
+    // red[t & 1] is written again at tile t + 2, after every warp has passed the barrier of tile
+    // t + 1, which the summing threads reach only after their sums of tile t.
+  }
+
+  // The last of the group's kSplits blocks adds the partials in split order.
+  __threadfence();
+  asm volatile("bar.sync 1, %0;" ::"n"(kCw * 32) : "memory");
+  if (threadIdx.x == 0) *last_flag = atomicAdd(&count[group], 1) == kSplits - 1;
+  asm volatile("bar.sync 1, %0;" ::"n"(kCw * 32) : "memory");
+  if (!*last_flag) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < m * rows; i += kCw * 32) {
+    const int token = i / rows, row = row0 + i % rows;
+    float s = 0.f;
+#pragma unroll
+    for (int sp = 0; sp < kSplits; ++sp) s += __ldcg(&part[(size_t(sp) * n + row) * 16 + token]);
+    store_out(y, size_t(token) * n + row, s, false);
+  }
+  if (threadIdx.x == 0) count[group] = 0;  // ready for the next launch (stream-ordered)
+}
+
+template <typename OutT>
+void launch_t(const bf16* x, const bf16* w, OutT* y, int m, int n, int k, float* part, int* count,
+              cudaStream_t stream) {
+  auto* kern = gemv_splitk_mma_kernel<kSteps, OutT>;
+  const size_t smem = smem_bytes(kCw * 16 * kSteps);
+  ensure_smem_optin(reinterpret_cast<const void*>(kern), smem);
+  kern<<<kSplits * kGroups, kThreads, smem, stream>>>(x, w, y, m, n, k, part, count);
+}
+
+}  // namespace
+
+bool gemv_splitk_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("DS_GEMV_SPLITK");
+    const std::string v = e ? e : "";
+    DS_CHECK(v.empty() || v == "0" || v == "1", "DS_GEMV_SPLITK must be 0 or 1, got '", v, "'");
+    return v == "1";
+  }();
+  return on;
+}
+
+bool gemv_splitk_supports(int64_t m, int64_t n, int64_t k) {
+  return m >= 1 && m <= kGemvSplitKMaxM && k == int64_t(kSplits) * kCw * 16 * kSteps && n >= 256 &&
+         n % (kGroups * 8) == 0 && n <= kGemvSplitKMaxN &&
+         smem_bytes(kCw * 16 * kSteps) <= size_t(kMaxSmem);
+}
+
+bool gemv_splitk_preferred(int64_t m, int64_t n, int64_t k) {
+  // Not measured: the batch 5..16 down projection, where cuBLASLt tuned runs (m <= 4 has
+  // gemv_narrow / skinny_mma). Off unless $DS_GEMV_SPLITK=1.
+  return gemv_splitk_enabled() && m >= 5 && gemv_splitk_supports(m, n, k);
+}
+
+size_t gemv_splitk_workspace_bytes() {
+  return size_t(kSplits) * kGemvSplitKMaxN * 16 * sizeof(float) + kGroups * sizeof(int);
+}
+
+void launch_gemv_splitk(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n,
+                        int k, GemmOut out, bool accumulate, void* workspace, cudaStream_t stream) {
+  DS_CHECK(!accumulate, "split-k mma gemv: accumulate (y +=) is not supported");
+  DS_CHECK(gemv_splitk_supports(m, n, k), "split-k mma gemv: unsupported shape m=", m, " n=", n,
+           " k=", k, " (needs m 1..", kGemvSplitKMaxM, ", k == ", kSplits * kCw * 16 * kSteps,
+           ", n a multiple of ", kGroups * 8, " up to ", kGemvSplitKMaxN, ")");
+  DS_CHECK(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0,
+           "split-k mma gemv: x and w must be 16-byte aligned");
+  DS_CHECK(y != nullptr && workspace != nullptr, "split-k mma gemv: null output or workspace");
+  DS_CHECK((reinterpret_cast<uintptr_t>(workspace) & 15) == 0,
+           "split-k mma gemv: the workspace must be 16-byte aligned");
+  float* part = static_cast<float*>(workspace);
+  int* count = reinterpret_cast<int*>(part + size_t(kSplits) * kGemvSplitKMaxN * 16);
+  if (out == GemmOut::kBF16)
+    launch_t(x, w, static_cast<bf16*>(y), m, n, k, part, count, stream);
+  else
+    launch_t(x, w, static_cast<float*>(y), m, n, k, part, count, stream);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace ds::cuda
