@@ -44,12 +44,15 @@ constexpr int kHdrBytes = 128;      // full[3], empty[3], the counter broadcast
 constexpr int kMaxSmem = 232448;    // sm 90 opt-in dynamic shared memory per block
 constexpr int kSteps = 17;          // k16-steps per warp compiled: k = 4 * 16 * 16 * 17 = 17408
 
-// Shared memory: header | ring [kSlots][8][L + kRowPad] bf16 | red [2][kCw][128] fp32, L = k / 4.
+// Shared memory: header | ring [kSlots][8][L + kRowPad] bf16 | red [2][kCw][kRedWarp] fp32,
+// L = k / 4; a warp's 128 partial values are stored with 4 floats of padding after every 32
+// (element e at e + 4 (e / 32)), so the summing threads' reads spread over all banks.
 // Row stride (L + 16) * 2 bytes = 32 (mod 128) at L = 4352 (and any L % 64 == 0): the 8-byte
 // operand loads of a half-warp (rows g 0..3, lanes t 0..3: 32 contiguous bytes per row) fall in
 // four different bank groups.
 constexpr size_t ring_bytes(int l) { return size_t(kSlots) * 8 * size_t(l + kRowPad) * 2; }
-constexpr size_t red_bytes() { return size_t(2) * kCw * 128 * 4; }
+constexpr int kRedWarp = 144;  // 128 values + 16 floats of padding
+constexpr size_t red_bytes() { return size_t(2) * kCw * kRedWarp * 4; }
 constexpr size_t smem_bytes(int l) { return kHdrBytes + ring_bytes(l) + red_bytes(); }
 
 template <int STEPS, typename OutT>
@@ -135,28 +138,35 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbar_arrive(&empty[slot]);  // this warp's reads of the slot are done
     // The 16 warps' tiles, summed in warp order: element e of lane l = (token g + 8 (e / 2), row
     // 2 t + e % 2); thread i < 128 sums element (row i / 16, token i % 16) of the 8 x 16 tile.
-    float* rb = red + size_t(t & 1) * kCw * 128;
-    *reinterpret_cast<float4*>(rb + warp * 128 + lane * 4) = make_float4(c[0], c[1], c[2], c[3]);
+    float* rb = red + size_t(t & 1) * kCw * kRedWarp;
+    *reinterpret_cast<float4*>(rb + warp * kRedWarp + lane * 4 + 4 * (lane >> 3)) =
+        make_float4(c[0], c[1], c[2], c[3]);
     asm volatile("bar.sync 1, %0;" ::"n"(kCw * 32) : "memory");
     if (threadIdx.x < 128) {
       const int row = threadIdx.x >> 4, token = threadIdx.x & 15;
       const int src = (4 * (token & 7) + (row >> 1)) * 4 + (token >> 3) * 2 + (row & 1);
+      const int at = src + 4 * (src >> 5);
       float s = 0.f;
 #pragma unroll
-      for (int wv = 0; wv < kCw; ++wv) s += rb[wv * 128 + src];
+      for (int wv = 0; wv < kCw; ++wv) s += rb[wv * kRedWarp + at];
       part[(size_t(split) * n + row0 + t * 8 + row) * 16 + token] = s;
     }
     // red[t & 1] is written again at tile t + 2, after every warp has passed the barrier of tile
     // t + 1, which the summing threads reach only after their sums of tile t.
   }
 
-  // The last of the group's kSplits blocks adds the partials in split order.
-  __threadfence();
+  // The last of the group's kSplits blocks adds the partials in split order. Ordering as a grid
+  // barrier orders it: the block's partial stores, then the barrier, then one thread's release
+  // fence + atomic; the last block's thread 0 fences again after its atomic, and the barrier
+  // after it orders the block's reads of the other blocks' partials (through L2) after that.
   asm volatile("bar.sync 1, %0;" ::"n"(kCw * 32) : "memory");
-  if (threadIdx.x == 0) *last_flag = atomicAdd(&count[group], 1) == kSplits - 1;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    *last_flag = atomicAdd(&count[group], 1) == kSplits - 1;
+    __threadfence();
+  }
   asm volatile("bar.sync 1, %0;" ::"n"(kCw * 32) : "memory");
   if (!*last_flag) return;
-  __threadfence();
   for (int i = threadIdx.x; i < m * rows; i += kCw * 32) {
     const int token = i / rows, row = row0 + i % rows;
     float s = 0.f;

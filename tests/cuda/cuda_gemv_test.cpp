@@ -1435,12 +1435,16 @@ TEST(CudaGemvSplitK, Down27bMatchesCublasLtAndFp64) {
     const size_t cnt = size_t(m) * o.n;
     DevBuf<char> y1(cnt * 2), y2(cnt * 2), y3(cnt * 2);
     y1.poison();
+    // Uploads and poison run on the legacy stream, which the non-blocking stream s does not wait
+    // for: synchronise before every launch on s.
+    DS_CUDA_CHECK(cudaDeviceSynchronize());
     cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kBF16, false,
                              ws.ptr, s);
     DS_CUDA_CHECK(cudaStreamSynchronize(s));
     const auto bits = y1.download();
     for (int rep = 0; rep < 2; ++rep) {
       y3.poison();
+      DS_CUDA_CHECK(cudaDeviceSynchronize());
       cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, false,
                                ws.ptr, s);
       DS_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -1456,6 +1460,7 @@ TEST(CudaGemvSplitK, Down27bMatchesCublasLtAndFp64) {
       DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
       for (int rep = 0; rep < 2; ++rep) {
         y3.poison();
+        DS_CUDA_CHECK(cudaDeviceSynchronize());
         DS_CUDA_CHECK(cudaGraphLaunch(ge, s));
         DS_CUDA_CHECK(cudaStreamSynchronize(s));
         EXPECT_TRUE(y3.download() == bits) << "m " << m << " graph replay " << rep;
@@ -1466,6 +1471,7 @@ TEST(CudaGemvSplitK, Down27bMatchesCublasLtAndFp64) {
     if (on && m >= 5) {  // the engine's path (GemmEngine::run with the registry)
       EXPECT_EQ(fast.variant(m, o.n, o.k), "gemv_splitk_mma") << m;
       y3.poison();
+      DS_CUDA_CHECK(cudaDeviceSynchronize());
       fast.run(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, s);
       DS_CUDA_CHECK(cudaStreamSynchronize(s));
       EXPECT_TRUE(y3.download() == bits) << "m " << m << " engine path";
@@ -1485,6 +1491,7 @@ TEST(CudaGemvSplitK, Down27bMatchesCublasLtAndFp64) {
   DevBuf<bf> dx(x);
   DevBuf<char> y1(size_t(m) * o.n * 4), y2(size_t(m) * o.n * 4);
   y1.poison();
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
   cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kF32, false, ws.ptr,
                            s);
   DS_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -1500,7 +1507,9 @@ TEST(CudaGemvSplitK, Down27bMatchesCublasLtAndFp64) {
 }
 
 // Token t's outputs in an m = 16 call are bit-identical to the same x row in calls of fewer
-// tokens starting at that row (bf16 and fp32 out), on n 5120 and 512.
+// tokens starting at that row (bf16 and fp32 out), on n 5120, 512, 256 (one tile per block,
+// fewer than the ring's slots) and 8192 (the workspace's limit); the m = 16 and m = 7 bf16 results
+// of the other widths also against cuBLASLt.
 TEST(CudaGemvSplitK, BatchInvariant) {
   DS_REQUIRE_GPU();
   if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
@@ -1509,9 +1518,27 @@ TEST(CudaGemvSplitK, BatchInvariant) {
   DevBuf<char> ws(cuda::gemv_splitk_workspace_bytes());
   DS_CUDA_CHECK(cudaMemset(ws.ptr, 0, cuda::gemv_splitk_workspace_bytes()));
   DS_CUDA_CHECK(cudaDeviceSynchronize());
-  for (int n : {5120, 512}) {
-    auto x = test::random_bf16(size_t(16) * k, rng), w = test::random_bf16(size_t(n) * k, rng);
+  cuda::GemmEngine ref;
+  for (int n : {5120, 512, 256, 8192}) {
+    auto x = test::random_bf16(size_t(16) * k, rng),
+         w = test::random_bf16(size_t(n) * k, rng, 0.02f);
     DevBuf<bf> dx(x), dw(w);
+    if (n != 5120) {
+      const Op o{"down-like", n, k, false};
+      for (int m : {16, 7}) {
+        const size_t cnt = size_t(m) * n;
+        DevBuf<char> y1(cnt * 2), y2(cnt * 2);
+        y1.poison();
+        cuda::launch_gemv_splitk(B(dx), B(dw), y1.ptr, m, n, k, GemmOut::kBF16, false, ws.ptr, 0);
+        ref.run(B(dx), B(dw), y2.ptr, m, n, k, GemmOut::kBF16, 0);
+        DS_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
+        EXPECT_EQ(count_nonfinite(a), 0u) << "n " << n << " m " << m << ": unwritten outputs";
+        const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
+        std::printf("  splitk n=%-4d m=%-2d: %zu of %zu differ from cuBLASLt (worst %.2f of tol)\n",
+                    n, m, r.differ, cnt, r.worst);
+      }
+    }
     for (bool f32 : {false, true}) {
       const GemmOut out = f32 ? GemmOut::kF32 : GemmOut::kBF16;
       const size_t es = f32 ? 4 : 2;
