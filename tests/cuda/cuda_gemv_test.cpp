@@ -412,8 +412,10 @@ TEST(CudaGemv, GuardAndErrors) {
   EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17408)).name, "gemv_narrow");  // down, m <= 2
   EXPECT_EQ(reg.select(F::kGemm, reg.key(3, 5120, 17408)).name, "skinny_mma");
   EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 5120, 17408)).name, "skinny_mma");
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(5, 5120, 17408)).name, "cublaslt");   // m > 4: the step
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(16, 5120, 17408)).name, "cublaslt");
+  // m > 4: cuBLASLt (the step decided), or gemv_splitk_mma under its A/B switch
+  const std::string above4 = cuda::gemv_splitk_enabled() ? "gemv_splitk_mma" : "cublaslt";
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(5, 5120, 17408)).name, above4);
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(16, 5120, 17408)).name, above4);
   EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 248320, 5120)).name, "cublaslt");  // ties cuBLASLt
   EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17412)).name, "cublaslt");   // k % 8
   EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 65536)).name, "cublaslt");   // k too large
@@ -971,7 +973,8 @@ TEST(CudaGemvNarrow, GuardAndErrors) {
   };
   for (int m = 1; m <= 2; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "gemv_narrow") << m;
   for (int m = 3; m <= 4; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "skinny_mma") << m;
-  for (int m = 5; m <= 16; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "cublaslt") << m;
+  const std::string above4 = cuda::gemv_splitk_enabled() ? "gemv_splitk_mma" : "cublaslt";
+  for (int m = 5; m <= 16; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), above4) << m;
   EXPECT_EQ(pick(reg, 1, 5120, 17412), "cublaslt");     // k % 8
   EXPECT_EQ(pick(reg, 1, 17408, 17408), "skinny_mma");  // n > 8192: not measured
   EXPECT_EQ(pick(reg, 1, 512, 17408), "skinny_mma");    // n < 1024
