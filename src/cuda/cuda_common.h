@@ -8,8 +8,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "core/error.h"
@@ -55,6 +57,15 @@ inline void ensure_smem_optin(const void* func, size_t bytes) {
   DS_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(bytes)));
   done = bytes;
+}
+
+// A 0/1 switch from the environment: unset or empty -> `dflt`, "0" / "1" -> false / true, anything
+// else throws ds::Error naming the variable. Callers cache it (read once per process).
+inline bool env_switch(const char* name, bool dflt) {
+  const char* e = std::getenv(name);
+  const std::string v = e ? e : "";
+  DS_CHECK(v.empty() || v == "0" || v == "1", name, " must be 0 or 1, got '", v, "'");
+  return v.empty() ? dflt : v == "1";
 }
 
 }  // namespace ds::cuda

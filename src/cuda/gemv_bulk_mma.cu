@@ -263,12 +263,7 @@ int gemv_bulk_mma_max_groups() { return kMaxGroups; }
 size_t gemv_bulk_mma_smem_bytes(const GemvBulkMmaConfig& c) { return smem_bytes(c.kc, c.slots); }
 
 bool gemv_bulk_mma_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("DS_GEMV_MMA");
-    const std::string v = e ? e : "";
-    DS_CHECK(v.empty() || v == "0" || v == "1", "DS_GEMV_MMA must be 0 or 1, got '", v, "'");
-    return v == "1";
-  }();
+  static const bool on = env_switch("DS_GEMV_MMA", false);
   return on;
 }
 

@@ -24,7 +24,6 @@
 // tokens are zeros and touch no other token) and run to run.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "cuda/bulk_copy.cuh"
@@ -189,12 +188,7 @@ void launch_t(const bf16* x, const bf16* w, OutT* y, int m, int n, int k, float*
 }  // namespace
 
 bool gemv_splitk_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("DS_GEMV_SPLITK");
-    const std::string v = e ? e : "";
-    DS_CHECK(v.empty() || v == "0" || v == "1", "DS_GEMV_SPLITK must be 0 or 1, got '", v, "'");
-    return v == "1";
-  }();
+  static const bool on = env_switch("DS_GEMV_SPLITK", false);
   return on;
 }
 

@@ -179,12 +179,7 @@ bool rmsnorm_fit_enabled() {
 }
 
 bool rmsnorm_pdl_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("DS_NORM_PDL");
-    const std::string v = e ? e : "";
-    DS_CHECK(v.empty() || v == "0" || v == "1", "DS_NORM_PDL must be 0 or 1, got '", v, "'");
-    return v != "0";
-  }();
+  static const bool on = env_switch("DS_NORM_PDL", true);
   return on;
 }
 
