@@ -326,7 +326,9 @@ void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
     r.samples = gpu::time_launches(launch, s_, timer(rot));
     r.bytes = set_bytes;
     r.flops = 2.0 * m * o.n * o.k;
-    r.note = str("launched directly, no PDL; %d rotated weight copies", rot);
+    const bool pdl = variant.size() > 4 && variant.compare(variant.size() - 4, 4, "_pdl") == 0;
+    r.note = str("launched directly, %s; %d rotated weight copies", pdl ? "with PDL" : "no PDL",
+                 rot);
     finish(r);
   };
   if (cuda::gemv_narrow_supports(m, o.n, o.k, n_sms_)) {
@@ -347,14 +349,18 @@ void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
       cuda::launch_gemv_bulk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, n_sms_, s_);
     });
   }
-  // The split-K tensor-core GEMV (gemv_splitk_mma.cu; in the engine only with $DS_GEMV_SPLITK=1).
+  // The split-K tensor-core GEMV (gemv_splitk_mma.cu; in the engine only with $DS_GEMV_SPLITK),
+  // plain and launched with PDL (back to back, each launch's first weight stages then stream
+  // while the one before finishes, as after the engine's silu_mul / mixer kernels).
   if (cuda::gemv_splitk_supports(m, o.n, o.k)) {
     DevBuf ws(cuda::gemv_splitk_workspace_bytes(), "split-k workspace");
     gpu::check(cudaMemsetAsync(ws.as<void>(), 0, cuda::gemv_splitk_workspace_bytes(), s_),
                "split-k workspace");
-    row("gemv_splitk_mma", [&](int i) {
-      cuda::launch_gemv_splitk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, ws.as<void>(), s_);
-    });
+    for (bool pdl : {false, true})
+      row(pdl ? "gemv_splitk_mma_pdl" : "gemv_splitk_mma", [&](int i) {
+        cuda::launch_gemv_splitk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, ws.as<void>(), s_,
+                                 n_sms_, pdl);
+      });
   }
 }
 
@@ -1050,11 +1056,11 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
         for (int m : chunks)
           guarded("gemm", o.name + " m=" + std::to_string(m), [&] { kb.gemm(o.name, m); });
     // A/B of the decode kernels on the narrow outputs (gdn_out, attn_o, down: n = d_model; one
-    // row set per distinct shape), at batch 1, 4 and 16 also in the quick set.
+    // row set per distinct shape), at batch 1, 4, 8 and 16 also in the quick set.
     std::set<std::pair<int, int>> ab_done;
     for (const auto& o : kb.ops())
       if (o.n == c.d_model && o.k > c.d_model && ab_done.insert({o.n, o.k}).second)
-        for (int m : {1, 4, 16})
+        for (int m : {1, 4, 8, 16})
           guarded("gemm", o.name + " m=" + std::to_string(m) + " A/B",
                   [&] { kb.gemm_narrow_ab(o.name, m); });
     // A/B of the tensor-core bulk GEMV on every k <= 8192 decode projection (gdn_in, gdn_out,

@@ -144,13 +144,14 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm == 90 && k.dtype == 0 &&
                   gemv_bulk_mma_preferred(k.dims[0], k.dims[1], k.dims[2]);
          }});
-  // gemv_splitk_mma: OFF unless $DS_GEMV_SPLITK=1 (built in session 7, not yet run on a GPU): the
-  // batch 5..16 MLP down projection (k 17408), where cuBLASLt tuned runs otherwise.
+  // gemv_splitk_mma: OFF unless $DS_GEMV_SPLITK is 1 / down / out: the batch 5..16 MLP down
+  // projection (k 17408) and out projections (k 6144), where cuBLASLt tuned runs otherwise
+  // (measured slower than cuBLASLt in the step on the H200, session 8).
   r.add({F::kGemm, "gemv_splitk_mma",
-         "decode GEMV on tensor cores split over k (gemv.h, gemv_splitk_mma.cu): 4 k-splits x 32 "
-         "row groups, bulk-copy ring of 8-row tiles, x fragments in registers, fp32 partials "
-         "summed in split order, batch-invariant; sm 90, m 5..16, k 17408, n % 256 == 0; off "
-         "unless DS_GEMV_SPLITK=1",
+         "decode GEMV on tensor cores split over k (gemv.h, gemv_splitk_mma.cu): 4 k-splits x "
+         "SMs/4 row groups, bulk-copy ring of 8-row tiles, x fragments in registers, fp32 "
+         "partials summed in split order, batch-invariant; sm 90, m 5..16, k 17408 or 6144, "
+         "n % 8 == 0; off unless DS_GEMV_SPLITK is 1, down or out",
          [](const ShapeKey& k) {
            return k.sm == 90 && k.dtype == 0 &&
                   gemv_splitk_preferred(k.dims[0], k.dims[1], k.dims[2]);

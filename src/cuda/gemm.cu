@@ -140,7 +140,7 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   // gemv_splitk_mma ($DS_GEMV_SPLITK=1 only): no accumulate (cuBLASLt takes y +=).
   if (aligned && !accumulate && v == "gemv_splitk_mma" && splitk_ws_ &&
       gemv_splitk_supports(m, n, k)) {
-    launch_gemv_splitk(x, w, y, m, n, k, out, false, splitk_ws_, stream);
+    launch_gemv_splitk(x, w, y, m, n, k, out, false, splitk_ws_, stream, n_sms_, bulk_pdl_);
     return;
   }
   if (aligned && v == "skinny_mma") {

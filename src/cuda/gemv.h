@@ -257,29 +257,34 @@ void launch_gemv_bulk_mma(const __nv_bfloat16* x,  // [m, k]
                           const GemvBulkMmaConfig& cfg, int n_sms, cudaStream_t stream);
 
 // ---- split-K tensor-core GEMV (gemv_splitk_mma.cu), variant "gemm.gemv_splitk_mma" ------------
-// y = x w^T for m = 1..16 tokens (no accumulate) on the long-row shape k = 17408 (the 27B MLP down
-// projection), n a multiple of 256 up to kGemvSplitKMaxN: 128 blocks = 4 k-splits x 32 row groups,
-// a bulk-copy ring of 8-row tiles per block, 16 consumer warps with their x fragments in registers
-// (mma.sync m16n8k16, tokens as M), fp32 partials per split in a workspace, summed in split order
-// by the last block of each row group. Bit-identical for every m. OFF by default: picked only
-// with $DS_GEMV_SPLITK=1 at m 5..16; built in session 7, not yet run on a GPU.
+// y = x w^T for m = 1..16 tokens (no accumulate) on the narrow-output shapes k = 17408 (the 27B MLP
+// down projection) and k = 6144 (the mixers' out projections), n a multiple of 8 up to
+// kGemvSplitKMaxN: 4 k-splits x G row groups of 8-row tiles (G = min(SMs / 4, n / 8, 64)), a
+// bulk-copy ring per block (its first stages issued before griddepcontrol.wait), 16 consumer warps
+// with their x fragments in registers (mma.sync m16n8k16, tokens as M), fp32 partials per split in
+// a workspace, summed in split order by the last block of each row group. Bit-identical for every
+// m and grid. OFF by default (measured slower than cuBLASLt in the decode step, session 8):
+// picked at m 5..16 only with $DS_GEMV_SPLITK = 1 (both shapes), down or out (one of them).
 constexpr int kGemvSplitKMaxM = 16;
 constexpr int kGemvSplitKMaxN = 8192;
 
-// $DS_GEMV_SPLITK: "1" on, "0" or unset off; anything else throws ds::Error (read once).
+// $DS_GEMV_SPLITK: "1", "down" or "out" on, "0" or unset off; anything else throws (read once).
 bool gemv_splitk_enabled();
 bool gemv_splitk_supports(int64_t m, int64_t n, int64_t k);
-// The registry guard's shape test: $DS_GEMV_SPLITK=1, m 5..16, supported.
+// The registry guard's shape test: $DS_GEMV_SPLITK selects the shape, m 5..16, supported.
 bool gemv_splitk_preferred(int64_t m, int64_t n, int64_t k);
 // Device workspace the launch needs (fp32 partials, the row groups' counters): zero-filled once
 // before the first launch; every launch leaves the counters at zero again. One stream at a time.
 size_t gemv_splitk_workspace_bytes();
+// The grid of a launch on n_sms SMs (4 x the row groups).
+int gemv_splitk_blocks(int64_t n, int n_sms);
 // Throws ds::Error for accumulate, an unsupported shape, unaligned x / w / workspace or a null y.
-// Asynchronous, graph-safe, never allocates.
+// n_sms <= 0: the current device's. pdl: launched with programmatic dependent launch (x is read
+// after griddepcontrol.wait). Asynchronous, graph-safe, never allocates.
 void launch_gemv_splitk(const __nv_bfloat16* x,  // [m, k]
                         const __nv_bfloat16* w,  // [n, k]
                         void* y,                 // [m, n] bf16 or fp32 (out)
                         int m, int n, int k, GemmOut out, bool accumulate, void* workspace,
-                        cudaStream_t stream);
+                        cudaStream_t stream, int n_sms = 0, bool pdl = false);
 
 }  // namespace ds::cuda

@@ -1,29 +1,36 @@
-// Decode GEMV on tensor cores with the k dimension split over blocks, for the batch 5..16 MLP
-// down projection: y[m, n] = x[m, k] w[n, k]^T, m = 1..16 tokens, bf16 in, fp32 accumulation, bf16
-// or fp32 out, no accumulate. Built for Qwen3.5-27B's down projection (n 5120, k 17408) at batch
-// 16, where cuBLASLt tuned takes 48-49 us (81-83% of the read ceiling) against 42.3 us for
-// gemv_narrow at m = 1, and x [16, 17408] (557 KB) fits no block's shared memory. Interface, guard
-// and config in gemv.h; OFF unless $DS_GEMV_SPLITK=1 (built in session 7, not yet run on a GPU:
-// docs/perf/2026-12-02-session7-AB.md, last section). Tests: tests/cuda/cuda_gemv_test.cpp
-// (CudaGemvSplitK.*); bench: `deltaserve bench kernels --only gemm` (rows gemm.gemv_splitk_mma).
+// Decode GEMV on tensor cores with the k dimension split over blocks, for the batch 5..16
+// narrow-output projections: y[m, n] = x[m, k] w[n, k]^T, m = 1..16 tokens, bf16 in, fp32
+// accumulation, bf16 or fp32 out, no accumulate. Built for Qwen3.5-27B's MLP down projection (n
+// 5120, k 17408) and the mixers' out projections gdn_out / attn_o (n 5120, k 6144) at batch 16,
+// where cuBLASLt tuned reaches 70-83% of the read ceiling and x [16, k] fits no block's shared
+// memory next to a weight ring. Interface, guard and config in gemv.h; OFF unless
+// $DS_GEMV_SPLITK is 1 / down / out: measured on the H200 in session 8, it is correct but slower
+// than cuBLASLt alone (70-79% of the read ceiling at m 8..16) and in the decode step (+0.4 to +0.7
+// ms at batch 8 / 16; docs/perf/2026-12-02-session8-AB.md). Tests:
+// tests/cuda/cuda_gemv_test.cpp (CudaGemvSplitK.*); bench: `deltaserve bench kernels --only gemm`
+// (rows gemm.gemv_splitk_mma).
 //
-// Method. 128 blocks = kSplits (4) k-splits x kGroups (32) row groups; block (split s, group g)
-// owns rows [g n / 32, (g + 1) n / 32) (n % 256 == 0: whole 8-row tiles) and k [s k / 4, (s + 1)
-// k / 4). A producer warp streams the group's 8-row tiles of that k range through a ring of
-// kSlots stages (one 1-D bulk copy per row into a padded shared-memory row, L2 evict-first, an
-// mbarrier per slot), the gemv_narrow copy size (8.5 KB per row at the 27B shape). Sixteen
-// consumer warps each own a fixed k range of 16 * STEPS inside the split and hold the MMA's A
-// fragments of x for it (16 tokens, zero rows past m) in registers for the whole kernel: x is read
+// Method. 4 * G blocks = 4 k-splits x G row groups, G = min(SMs / 4, n / 8, 64) (33 on an H200):
+// block (split s, group g) owns the 8-row tiles [g T / G, (g + 1) T / G) of the T = n / 8 tiles and
+// k [s k / 4, (s + 1) k / 4). A producer warp streams the group's tiles of that k range through a
+// ring of `slots` stages (one 1-D bulk copy per row into a padded shared-memory row, L2
+// evict-first, an mbarrier per slot); the first `slots` tiles are issued before
+// griddepcontrol.wait (the weights do not depend on the kernel before), so under programmatic
+// dependent launch the stream starts while that kernel finishes. Sixteen consumer warps each own
+// a fixed k range of 16 * STEPS inside the split and hold the MMA's A fragments of x for it (16
+// tokens, zero rows past m) in registers for the whole kernel, loaded after the wait: x is read
 // from global memory once per block and never staged in shared memory. Per tile each warp does
 // STEPS mma.sync m16n8k16 (tokens as M, the tile's 8 rows as N; the k order inside a 16-step is
 // permuted identically for x and w so that a lane's operands are 8 contiguous bytes), then the 16
 // warps' fp32 tiles are summed in warp order through shared memory and stored as the block's fp32
 // partial [split][row][token]. The last of a group's 4 blocks to finish (a per-group counter in
-// the engine's workspace, reset by that block) sums the 4 partials in split order and writes y.
+// the engine's workspace, reset by that block) sums the 4 partials in split order (four float4
+// loads per 4 tokens, one L2 round trip for the whole group) and writes y.
 // Every output is a fixed-order sum that depends on k only: bit-identical for every m (padding
-// tokens are zeros and touch no other token) and run to run.
+// tokens are zeros and touch no other token), every grid and run to run.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/bulk_copy.cuh"
@@ -34,45 +41,64 @@ namespace ds::cuda {
 namespace {
 
 constexpr int kSplits = 4;          // k splits (blocks per row group)
-constexpr int kGroups = 32;         // row groups
+constexpr int kMaxGroups = 64;      // row groups (the workspace's counters)
 constexpr int kCw = 16;             // consumer warps
 constexpr int kThreads = (kCw + 1) * 32;
-constexpr int kSlots = 3;           // ring stages of one 8-row tile
+constexpr int kMaxSlots = 8;        // ring stages of one 8-row tile
 constexpr int kRowPad = 16;         // elements of padding per shared row (32 bytes: see below)
-constexpr int kHdrBytes = 128;      // full[3], empty[3], the counter broadcast
+constexpr int kHdrBytes = 256;      // full[8], empty[8], the counter broadcast
 constexpr int kMaxSmem = 232448;    // sm 90 opt-in dynamic shared memory per block
-constexpr int kSteps = 17;          // k16-steps per warp compiled: k = 4 * 16 * 16 * 17 = 17408
+constexpr int kStepsDown = 17;      // k16-steps per warp: k = 4 * 16 * 16 * 17 = 17408
+constexpr int kStepsOut = 6;        // k = 4 * 16 * 16 * 6 = 6144
 
-// Shared memory: header | ring [kSlots][8][L + kRowPad] bf16 | red [2][kCw][kRedWarp] fp32,
+// Shared memory: header | ring [slots][8][L + kRowPad] bf16 | red [2][kCw][kRedWarp] fp32,
 // L = k / 4; a warp's 128 partial values are stored with 4 floats of padding after every 32
 // (element e at e + 4 (e / 32)), so the summing threads' reads spread over all banks.
-// Row stride (L + 16) * 2 bytes = 32 (mod 128) at L = 4352 (and any L % 64 == 0): the 8-byte
+// Row stride (L + 16) * 2 bytes = 32 (mod 128) at L = 4352 / 1536 (any L % 64 == 0): the 8-byte
 // operand loads of a half-warp (rows g 0..3, lanes t 0..3: 32 contiguous bytes per row) fall in
 // four different bank groups.
-constexpr size_t ring_bytes(int l) { return size_t(kSlots) * 8 * size_t(l + kRowPad) * 2; }
+constexpr size_t slot_bytes(int l) { return size_t(8) * size_t(l + kRowPad) * 2; }
 constexpr int kRedWarp = 144;  // 128 values + 16 floats of padding
 constexpr size_t red_bytes() { return size_t(2) * kCw * kRedWarp * 4; }
-constexpr size_t smem_bytes(int l) { return kHdrBytes + ring_bytes(l) + red_bytes(); }
+constexpr int slots_for(int l) {
+  const size_t room = size_t(kMaxSmem) - kHdrBytes - red_bytes();
+  return int(std::min<size_t>(kMaxSlots, room / slot_bytes(l)));
+}
+constexpr size_t smem_bytes(int l) {
+  return kHdrBytes + size_t(slots_for(l)) * slot_bytes(l) + red_bytes();
+}
+static_assert(slots_for(kCw * 16 * kStepsDown) == 3, "down: 3 slots of 8 x 8.5 KiB rows");
+static_assert(slots_for(kCw * 16 * kStepsOut) == 8, "out: 8 slots of 8 x 3 KiB rows");
+
+int steps_for(int64_t k) {
+  if (k == int64_t(kSplits) * kCw * 16 * kStepsDown) return kStepsDown;
+  if (k == int64_t(kSplits) * kCw * 16 * kStepsOut) return kStepsOut;
+  return 0;
+}
 
 template <int STEPS, typename OutT>
 __global__ void __launch_bounds__(kThreads, 1)
-    gemv_splitk_mma_kernel(const bf16* __restrict__ x,  // [m, k]
+    gemv_splitk_mma_kernel(const bf16* x,  // [m, k]; no __restrict__: read after the wait
                            const bf16* __restrict__ w,  // [n, k]
                            OutT* __restrict__ y,        // [m, n]
                            int m, int n, int k,
                            float* __restrict__ part,  // [kSplits][n][16] fp32
-                           int* __restrict__ count) { // [kGroups], zero between launches
+                           int* __restrict__ count) { // [kMaxGroups], zero between launches
   constexpr int L = kCw * 16 * STEPS;  // k elements per split
   constexpr int kStride = L + kRowPad;
+  constexpr int kSlots = slots_for(L);
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* empty = full + kSlots;
-  int* last_flag = reinterpret_cast<int*>(empty + kSlots);
+  uint64_t* empty = full + kMaxSlots;
+  int* last_flag = reinterpret_cast<int*>(empty + kMaxSlots);
   bf16* ring = reinterpret_cast<bf16*>(smem + kHdrBytes);
-  float* red = reinterpret_cast<float*>(smem + kHdrBytes + ring_bytes(L));
+  float* red = reinterpret_cast<float*>(smem + kHdrBytes + kSlots * slot_bytes(L));
 
   const int split = blockIdx.x % kSplits, group = blockIdx.x / kSplits;
-  const int rows = n / kGroups, row0 = group * rows, tiles = rows / 8;
+  const int groups = gridDim.x / kSplits, n_tiles = n / 8;
+  const int tile0 = int(int64_t(n_tiles) * group / groups);
+  const int tiles = int(int64_t(n_tiles) * (group + 1) / groups) - tile0;
+  const int row0 = tile0 * 8, rows = tiles * 8;
   const int k0 = split * L;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
@@ -85,21 +111,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  if (warp == kCw) {  // producer: tile t of the group -> slot t % kSlots, row r by one copy
-    if (lane == 0) {
-      uint64_t policy;
-      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-      constexpr uint32_t kRowBytes = uint32_t(L) * 2u;
-      for (int t = 0; t < tiles; ++t) {
-        const int slot = t % kSlots;
-        if (t >= kSlots) mbar_wait(&empty[slot], uint32_t((t / kSlots) - 1) & 1u);
-        mbar_arrive_expect_tx(&full[slot], 8u * kRowBytes);
-        bf16* dst = ring + size_t(slot) * 8 * kStride;
-        const bf16* src = w + size_t(row0 + t * 8) * k + k0;
-        for (int r = 0; r < 8; ++r)
-          bulk_copy(dst + size_t(r) * kStride, src + size_t(r) * k, kRowBytes, &full[slot], policy);
+  constexpr uint32_t kRowBytes = uint32_t(L) * 2u;
+  uint64_t policy = 0;
+  auto issue = [&](int t) {  // tile t of the group -> slot t % kSlots, row r by one copy
+    const int slot = t % kSlots;
+    mbar_arrive_expect_tx(&full[slot], 8u * kRowBytes);
+    bf16* dst = ring + size_t(slot) * 8 * kStride;
+    const bf16* src = w + size_t(row0 + t * 8) * k + k0;
+    for (int r = 0; r < 8; ++r)
+      bulk_copy(dst + size_t(r) * kStride, src + size_t(r) * k, kRowBytes, &full[slot], policy);
+  };
+  const bool producer = warp == kCw;
+  // The weights do not depend on the previous kernel: start streaming them before waiting for it.
+  if (producer && lane == 0) {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    for (int t = 0; t < min(kSlots, tiles); ++t) issue(t);
+  }
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // x comes from the kernel before, and the previous launch of this kernel's partials / counters
+  // must be complete: everything below reads or writes only after this wait.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+
+  if (producer) {
+    if (lane == 0)
+      for (int t = kSlots; t < tiles; ++t) {
+        mbar_wait(&empty[t % kSlots], uint32_t((t / kSlots) - 1) & 1u);
+        issue(t);
       }
-    }
     return;
   }
 
@@ -166,65 +204,115 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   asm volatile("bar.sync 1, %0;" ::"n"(kCw * 32) : "memory");
   if (!*last_flag) return;
-  for (int i = threadIdx.x; i < m * rows; i += kCw * 32) {
-    const int token = i / rows, row = row0 + i % rows;
-    float s = 0.f;
+  // Item i = (quad q of 4 tokens, row r), rows fastest: a warp's stores of one token are 32
+  // consecutive outputs. The four splits' float4 loads of an item are independent.
+  const int quads = (m + 3) / 4;
+  for (int i = threadIdx.x; i < quads * rows; i += kCw * 32) {
+    const int q = i / rows, row = row0 + i % rows;
+    float4 p[kSplits];
 #pragma unroll
-    for (int sp = 0; sp < kSplits; ++sp) s += __ldcg(&part[(size_t(sp) * n + row) * 16 + token]);
-    store_out(y, size_t(token) * n + row, s, false);
+    for (int sp = 0; sp < kSplits; ++sp)
+      p[sp] = __ldcg(reinterpret_cast<const float4*>(part + (size_t(sp) * n + row) * 16 + 4 * q));
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma unroll
+    for (int sp = 0; sp < kSplits; ++sp) s0 += p[sp].x, s1 += p[sp].y, s2 += p[sp].z, s3 += p[sp].w;
+    const int t0 = 4 * q;
+    store_out(y, size_t(t0) * n + row, s0, false);
+    if (t0 + 1 < m) store_out(y, size_t(t0 + 1) * n + row, s1, false);
+    if (t0 + 2 < m) store_out(y, size_t(t0 + 2) * n + row, s2, false);
+    if (t0 + 3 < m) store_out(y, size_t(t0 + 3) * n + row, s3, false);
   }
   if (threadIdx.x == 0) count[group] = 0;  // ready for the next launch (stream-ordered)
 }
 
-template <typename OutT>
+template <int STEPS, typename OutT>
 void launch_t(const bf16* x, const bf16* w, OutT* y, int m, int n, int k, float* part, int* count,
-              cudaStream_t stream) {
-  auto* kern = gemv_splitk_mma_kernel<kSteps, OutT>;
-  const size_t smem = smem_bytes(kCw * 16 * kSteps);
+              int groups, bool pdl, cudaStream_t stream) {
+  auto* kern = gemv_splitk_mma_kernel<STEPS, OutT>;
+  const size_t smem = smem_bytes(kCw * 16 * STEPS);
   ensure_smem_optin(reinterpret_cast<const void*>(kern), smem);
-  kern<<<kSplits * kGroups, kThreads, smem, stream>>>(x, w, y, m, n, k, part, count);
+  launch_maybe_pdl(kern, dim3(kSplits * groups), dim3(kThreads), smem, stream, pdl, x, w, y, m, n,
+                   k, part, count);
+}
+
+// $DS_GEMV_SPLITK: which shapes the registry may give the kernel.
+enum class SplitKMode { kOff, kAll, kDown, kOut };
+SplitKMode splitk_mode() {
+  static const SplitKMode mode = [] {
+    const char* e = std::getenv("DS_GEMV_SPLITK");
+    const std::string v = e ? e : "";
+    DS_CHECK(v.empty() || v == "0" || v == "1" || v == "down" || v == "out",
+             "DS_GEMV_SPLITK must be 0, 1, down or out, got '", v, "'");
+    if (v == "1") return SplitKMode::kAll;
+    if (v == "down") return SplitKMode::kDown;
+    if (v == "out") return SplitKMode::kOut;
+    return SplitKMode::kOff;
+  }();
+  return mode;
 }
 
 }  // namespace
 
-bool gemv_splitk_enabled() {
-  static const bool on = env_switch("DS_GEMV_SPLITK", false);
-  return on;
-}
+bool gemv_splitk_enabled() { return splitk_mode() != SplitKMode::kOff; }
 
 bool gemv_splitk_supports(int64_t m, int64_t n, int64_t k) {
-  return m >= 1 && m <= kGemvSplitKMaxM && k == int64_t(kSplits) * kCw * 16 * kSteps && n >= 256 &&
-         n % (kGroups * 8) == 0 && n <= kGemvSplitKMaxN &&
-         smem_bytes(kCw * 16 * kSteps) <= size_t(kMaxSmem);
+  return m >= 1 && m <= kGemvSplitKMaxM && steps_for(k) > 0 && n >= 8 && n % 8 == 0 &&
+         n <= kGemvSplitKMaxN;
 }
 
 bool gemv_splitk_preferred(int64_t m, int64_t n, int64_t k) {
-  // Not measured: the batch 5..16 down projection, where cuBLASLt tuned runs (m <= 4 has
-  // gemv_narrow / skinny_mma). Off unless $DS_GEMV_SPLITK=1.
-  return gemv_splitk_enabled() && m >= 5 && gemv_splitk_supports(m, n, k);
+  const SplitKMode mode = splitk_mode();
+  const bool shape_on = mode == SplitKMode::kAll ||
+                        (mode == SplitKMode::kDown && steps_for(k) == kStepsDown) ||
+                        (mode == SplitKMode::kOut && steps_for(k) == kStepsOut);
+  return shape_on && m >= 5 && gemv_splitk_supports(m, n, k);
 }
 
 size_t gemv_splitk_workspace_bytes() {
-  return size_t(kSplits) * kGemvSplitKMaxN * 16 * sizeof(float) + kGroups * sizeof(int);
+  return size_t(kSplits) * kGemvSplitKMaxN * 16 * sizeof(float) + kMaxGroups * sizeof(int);
+}
+
+int gemv_splitk_blocks(int64_t n, int n_sms) {
+  const int groups = int(std::max<int64_t>(1, std::min<int64_t>({n_sms / kSplits, n / 8,
+                                                                 kMaxGroups})));
+  return kSplits * groups;
 }
 
 void launch_gemv_splitk(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n,
-                        int k, GemmOut out, bool accumulate, void* workspace, cudaStream_t stream) {
+                        int k, GemmOut out, bool accumulate, void* workspace, cudaStream_t stream,
+                        int n_sms, bool pdl) {
   DS_CHECK(!accumulate, "split-k mma gemv: accumulate (y +=) is not supported");
   DS_CHECK(gemv_splitk_supports(m, n, k), "split-k mma gemv: unsupported shape m=", m, " n=", n,
-           " k=", k, " (needs m 1..", kGemvSplitKMaxM, ", k == ", kSplits * kCw * 16 * kSteps,
-           ", n a multiple of ", kGroups * 8, " up to ", kGemvSplitKMaxN, ")");
+           " k=", k, " (needs m 1..", kGemvSplitKMaxM, ", k ", kSplits * kCw * 16 * kStepsDown,
+           " or ", kSplits * kCw * 16 * kStepsOut, ", n a multiple of 8 up to ", kGemvSplitKMaxN,
+           ")");
   DS_CHECK(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0,
            "split-k mma gemv: x and w must be 16-byte aligned");
   DS_CHECK(y != nullptr && workspace != nullptr, "split-k mma gemv: null output or workspace");
   DS_CHECK((reinterpret_cast<uintptr_t>(workspace) & 15) == 0,
            "split-k mma gemv: the workspace must be 16-byte aligned");
+  if (n_sms <= 0) {
+    int dev = 0;
+    DS_CUDA_CHECK(cudaGetDevice(&dev));
+    DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
+  }
+  const int groups = gemv_splitk_blocks(n, n_sms) / kSplits;
   float* part = static_cast<float*>(workspace);
   int* count = reinterpret_cast<int*>(part + size_t(kSplits) * kGemvSplitKMaxN * 16);
-  if (out == GemmOut::kBF16)
-    launch_t(x, w, static_cast<bf16*>(y), m, n, k, part, count, stream);
-  else
-    launch_t(x, w, static_cast<float*>(y), m, n, k, part, count, stream);
+  const bool down = steps_for(k) == kStepsDown;
+  if (out == GemmOut::kBF16) {
+    auto* yb = static_cast<bf16*>(y);
+    if (down)
+      launch_t<kStepsDown>(x, w, yb, m, n, k, part, count, groups, pdl, stream);
+    else
+      launch_t<kStepsOut>(x, w, yb, m, n, k, part, count, groups, pdl, stream);
+  } else {
+    auto* yf = static_cast<float*>(y);
+    if (down)
+      launch_t<kStepsDown>(x, w, yf, m, n, k, part, count, groups, pdl, stream);
+    else
+      launch_t<kStepsOut>(x, w, yf, m, n, k, part, count, groups, pdl, stream);
+  }
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -43,8 +43,8 @@ TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(32, 32, 1)).name, "fused");     // hd 32
   EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, "gemv_narrow");
   EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(4, 5120, 17408)).name, "skinny_mma");
-  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(16, 5120, 17408)).name,
-            cuda::gemv_splitk_enabled() ? "gemv_splitk_mma" : "cublaslt");  // its A/B switch
+  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(16, 5120, 17408)).name,  // its A/B switch
+            cuda::gemv_splitk_preferred(16, 5120, 17408) ? "gemv_splitk_mma" : "cublaslt");
   EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(4096, 5120, 17408)).name, "cublaslt");
   const std::string list = r.list();
   EXPECT_NE(list.find("attn_decode.split_kv"), std::string::npos);

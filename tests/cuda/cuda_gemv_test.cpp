@@ -413,7 +413,8 @@ TEST(CudaGemv, GuardAndErrors) {
   EXPECT_EQ(reg.select(F::kGemm, reg.key(3, 5120, 17408)).name, "skinny_mma");
   EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 5120, 17408)).name, "skinny_mma");
   // m > 4: cuBLASLt (the step decided), or gemv_splitk_mma under its A/B switch
-  const std::string above4 = cuda::gemv_splitk_enabled() ? "gemv_splitk_mma" : "cublaslt";
+  const std::string above4 =
+      cuda::gemv_splitk_preferred(16, 5120, 17408) ? "gemv_splitk_mma" : "cublaslt";
   EXPECT_EQ(reg.select(F::kGemm, reg.key(5, 5120, 17408)).name, above4);
   EXPECT_EQ(reg.select(F::kGemm, reg.key(16, 5120, 17408)).name, above4);
   EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 248320, 5120)).name, "cublaslt");  // ties cuBLASLt
@@ -973,7 +974,8 @@ TEST(CudaGemvNarrow, GuardAndErrors) {
   };
   for (int m = 1; m <= 2; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "gemv_narrow") << m;
   for (int m = 3; m <= 4; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "skinny_mma") << m;
-  const std::string above4 = cuda::gemv_splitk_enabled() ? "gemv_splitk_mma" : "cublaslt";
+  const std::string above4 =
+      cuda::gemv_splitk_preferred(16, 5120, 17408) ? "gemv_splitk_mma" : "cublaslt";
   for (int m = 5; m <= 16; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), above4) << m;
   EXPECT_EQ(pick(reg, 1, 5120, 17412), "cublaslt");     // k % 8
   EXPECT_EQ(pick(reg, 1, 17408, 17408), "skinny_mma");  // n > 8192: not measured
@@ -1411,177 +1413,204 @@ TEST(CudaGemvBulkMma, GuardAndErrors) {
 }
 
 // ---- split-K tensor-core GEMV (gemv_splitk_mma.cu) ----------------------------------------------
-// The 27B down projection (5120 x 17408) at m 1, 5, 8, 13, 16: vs cuBLASLt (within the bf16
-// tolerance) and fp64 on sampled rows; three launches on one workspace and two CUDA-graph replays
-// bit-identical to the first (the row groups' counters come back to zero); fp32 out vs cuBLASLt.
+// Which shapes $DS_GEMV_SPLITK hands the registry (the test's own reading of the variable).
+bool splitk_env_on(int k) {
+  const char* e = std::getenv("DS_GEMV_SPLITK");
+  const std::string v = e ? e : "";
+  return v == "1" || (v == "down" && k == 17408) || (v == "out" && k == 6144);
+}
+
+// The 27B down projection (5120 x 17408) and out projection (5120 x 6144) at m 1, 5, 8, 13, 16:
+// vs cuBLASLt (within the bf16 tolerance) and fp64 on sampled rows; three launches on one
+// workspace, a PDL launch, two CUDA-graph replays and grids of 2 and 9 row groups bit-identical to
+// the first (the row groups' counters come back to zero); the engine's path under the switch;
+// fp32 out vs cuBLASLt.
 TEST(CudaGemvSplitK, Down27bMatchesCublasLtAndFp64) {
   DS_REQUIRE_GPU();
   if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
   std::mt19937 rng(91);
-  const Op& o = kOps27b[5];
-  ASSERT_STREQ(o.name, "down");
-  Pool wpool(size_t(o.n) * o.k, rng, 0.02f);
-  const SampledRows sampled = sample_rows(o, wpool);
-  cuda::GemmEngine ref, fast;
-  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
-  fast.set_dispatch(&reg);
-  const bool on = cuda::gemv_splitk_enabled();
-  std::printf("  DS_GEMV_SPLITK %s\n", on ? "on" : "off");
+  std::printf("  DS_GEMV_SPLITK %s\n", std::getenv("DS_GEMV_SPLITK") ? std::getenv("DS_GEMV_SPLITK")
+                                                                      : "(unset)");
   DevBuf<char> ws(cuda::gemv_splitk_workspace_bytes());
   DS_CUDA_CHECK(cudaMemset(ws.ptr, 0, cuda::gemv_splitk_workspace_bytes()));
   cudaStream_t s;
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  for (int m : {1, 5, 8, 13, 16}) {
-    ASSERT_TRUE(cuda::gemv_splitk_supports(m, o.n, o.k)) << m;
-    auto x = test::random_bf16(size_t(m) * o.k, rng);
-    DevBuf<bf> dx(x);
-    const size_t cnt = size_t(m) * o.n;
-    DevBuf<char> y1(cnt * 2), y2(cnt * 2), y3(cnt * 2);
-    y1.poison();
-    // Uploads and poison run on the legacy stream, which the non-blocking stream s does not wait
-    // for: synchronise before every launch on s.
-    DS_CUDA_CHECK(cudaDeviceSynchronize());
-    cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kBF16, false,
-                             ws.ptr, s);
-    DS_CUDA_CHECK(cudaStreamSynchronize(s));
-    const auto bits = y1.download();
-    for (int rep = 0; rep < 2; ++rep) {
-      y3.poison();
+  for (int oi : {5, 1}) {
+    const Op& o = kOps27b[oi];
+    ASSERT_TRUE(std::string(o.name) == "down" || std::string(o.name) == "gdn_out");
+    Pool wpool(size_t(o.n) * o.k, rng, 0.02f);
+    const SampledRows sampled = sample_rows(o, wpool);
+    cuda::GemmEngine ref, fast;
+    auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+    fast.set_dispatch(&reg);
+    for (int m : {1, 5, 8, 13, 16}) {
+      ASSERT_TRUE(cuda::gemv_splitk_supports(m, o.n, o.k)) << m;
+      auto x = test::random_bf16(size_t(m) * o.k, rng);
+      DevBuf<bf> dx(x);
+      const size_t cnt = size_t(m) * o.n;
+      DevBuf<char> y1(cnt * 2), y2(cnt * 2), y3(cnt * 2);
+      y1.poison();
+      // Uploads and poison run on the legacy stream, which the non-blocking stream s does not
+      // wait for: synchronise before every launch on s.
       DS_CUDA_CHECK(cudaDeviceSynchronize());
-      cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, false,
+      cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kBF16, false,
                                ws.ptr, s);
       DS_CUDA_CHECK(cudaStreamSynchronize(s));
-      EXPECT_TRUE(y3.download() == bits) << "m " << m << " repeat " << rep;
-    }
-    {  // from a CUDA graph, replayed twice
-      cudaGraph_t g;
-      cudaGraphExec_t ge;
-      DS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, false,
-                               ws.ptr, s);
-      DS_CUDA_CHECK(cudaStreamEndCapture(s, &g));
-      DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-      for (int rep = 0; rep < 2; ++rep) {
+      const auto bits = y1.download();
+      // repeats, PDL, and grids of 2 and 9 row groups (8 and 36 SMs)
+      const std::pair<int, bool> runs[] = {{0, false}, {0, false}, {0, true}, {8, false}, {36, true}};
+      for (auto [sms, pdl] : runs) {
         y3.poison();
         DS_CUDA_CHECK(cudaDeviceSynchronize());
-        DS_CUDA_CHECK(cudaGraphLaunch(ge, s));
+        cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, false,
+                                 ws.ptr, s, sms, pdl);
         DS_CUDA_CHECK(cudaStreamSynchronize(s));
-        EXPECT_TRUE(y3.download() == bits) << "m " << m << " graph replay " << rep;
+        EXPECT_TRUE(y3.download() == bits)
+            << o.name << " m " << m << " sms " << sms << (pdl ? " pdl" : "");
       }
-      cudaGraphExecDestroy(ge);
-      cudaGraphDestroy(g);
-    }
-    if (on && m >= 5) {  // the engine's path (GemmEngine::run with the registry)
-      EXPECT_EQ(fast.variant(m, o.n, o.k), "gemv_splitk_mma") << m;
-      y3.poison();
+      {  // from a CUDA graph (PDL launch), replayed twice
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        DS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, false,
+                                 ws.ptr, s, 0, true);
+        DS_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+        DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        for (int rep = 0; rep < 2; ++rep) {
+          y3.poison();
+          DS_CUDA_CHECK(cudaDeviceSynchronize());
+          DS_CUDA_CHECK(cudaGraphLaunch(ge, s));
+          DS_CUDA_CHECK(cudaStreamSynchronize(s));
+          EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " graph replay " << rep;
+        }
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(g);
+      }
+      if (splitk_env_on(o.k) && m >= 5) {  // the engine's path (GemmEngine::run, the registry)
+        EXPECT_EQ(fast.variant(m, o.n, o.k), "gemv_splitk_mma") << o.name << " " << m;
+        y3.poison();
+        DS_CUDA_CHECK(cudaDeviceSynchronize());
+        fast.run(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, s);
+        DS_CUDA_CHECK(cudaStreamSynchronize(s));
+        EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " engine path";
+      }
+      ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
       DS_CUDA_CHECK(cudaDeviceSynchronize());
-      fast.run(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, s);
-      DS_CUDA_CHECK(cudaStreamSynchronize(s));
-      EXPECT_TRUE(y3.download() == bits) << "m " << m << " engine path";
+      const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
+      EXPECT_EQ(count_nonfinite(a), 0u) << o.name << " m " << m << ": unwritten outputs";
+      const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
+      const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
+      std::printf("  splitk %s m=%-2d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of "
+                  "tol), fp64 worst %.2f of tol\n",
+                  o.name, m, r.differ, cnt, r.worst, worst64);
     }
-    ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
+    const int m = 16;
+    auto x = test::random_bf16(size_t(m) * o.k, rng);
+    DevBuf<bf> dx(x);
+    DevBuf<char> y1(size_t(m) * o.n * 4), y2(size_t(m) * o.n * 4);
+    y1.poison();
     DS_CUDA_CHECK(cudaDeviceSynchronize());
-    const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
-    EXPECT_EQ(count_nonfinite(a), 0u) << "m " << m << ": unwritten outputs";
-    const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
-    const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
-    std::printf("  splitk down m=%-2d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of "
-                "tol), fp64 worst %.2f of tol\n",
-                m, r.differ, cnt, r.worst, worst64);
+    cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kF32, false,
+                             ws.ptr, s);
+    DS_CUDA_CHECK(cudaStreamSynchronize(s));
+    ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kF32, 0);
+    DS_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto a = download_out(y1, size_t(m) * o.n, true),
+               b = download_out(y2, size_t(m) * o.n, true);
+    EXPECT_EQ(count_nonfinite(a), 0u);
+    const double e = test::norm_err(a, b);
+    EXPECT_LT(e, 1e-5) << o.name;
+    std::printf("  splitk %s m=16 f32 out: relative L2 vs cuBLASLt %.2e\n", o.name, e);
   }
-  const int m = 16;
-  auto x = test::random_bf16(size_t(m) * o.k, rng);
-  DevBuf<bf> dx(x);
-  DevBuf<char> y1(size_t(m) * o.n * 4), y2(size_t(m) * o.n * 4);
-  y1.poison();
-  DS_CUDA_CHECK(cudaDeviceSynchronize());
-  cuda::launch_gemv_splitk(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kF32, false, ws.ptr,
-                           s);
-  DS_CUDA_CHECK(cudaStreamSynchronize(s));
-  ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kF32, 0);
-  DS_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto a = download_out(y1, size_t(m) * o.n, true),
-             b = download_out(y2, size_t(m) * o.n, true);
-  EXPECT_EQ(count_nonfinite(a), 0u);
-  const double e = test::norm_err(a, b);
-  EXPECT_LT(e, 1e-5);
-  std::printf("  splitk down m=16 f32 out: relative L2 vs cuBLASLt %.2e\n", e);
   cudaStreamDestroy(s);
 }
 
 // Token t's outputs in an m = 16 call are bit-identical to the same x row in calls of fewer
-// tokens starting at that row (bf16 and fp32 out), on n 5120, 512, 256 (one tile per block,
-// fewer than the ring's slots) and 8192 (the workspace's limit); the m = 16 and m = 7 bf16 results
-// of the other widths also against cuBLASLt.
+// tokens starting at that row (bf16 and fp32 out), for both compiled k, on n 5120, 512, 264 (33
+// tiles: one per row group on 132 SMs, groups of uneven size elsewhere), 8 (one tile: one group)
+// and 8192 (the workspace's limit); the m = 16 and m = 7 bf16 results of the other widths also
+// against cuBLASLt.
 TEST(CudaGemvSplitK, BatchInvariant) {
   DS_REQUIRE_GPU();
   if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
   std::mt19937 rng(97);
-  const int k = 17408;
   DevBuf<char> ws(cuda::gemv_splitk_workspace_bytes());
   DS_CUDA_CHECK(cudaMemset(ws.ptr, 0, cuda::gemv_splitk_workspace_bytes()));
   DS_CUDA_CHECK(cudaDeviceSynchronize());
   cuda::GemmEngine ref;
-  for (int n : {5120, 512, 256, 8192}) {
-    auto x = test::random_bf16(size_t(16) * k, rng),
-         w = test::random_bf16(size_t(n) * k, rng, 0.02f);
-    DevBuf<bf> dx(x), dw(w);
-    if (n != 5120) {
-      const Op o{"down-like", n, k, false};
-      for (int m : {16, 7}) {
-        const size_t cnt = size_t(m) * n;
-        DevBuf<char> y1(cnt * 2), y2(cnt * 2);
-        y1.poison();
-        cuda::launch_gemv_splitk(B(dx), B(dw), y1.ptr, m, n, k, GemmOut::kBF16, false, ws.ptr, 0);
-        ref.run(B(dx), B(dw), y2.ptr, m, n, k, GemmOut::kBF16, 0);
-        DS_CUDA_CHECK(cudaDeviceSynchronize());
-        const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
-        EXPECT_EQ(count_nonfinite(a), 0u) << "n " << n << " m " << m << ": unwritten outputs";
-        const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
-        std::printf("  splitk n=%-4d m=%-2d: %zu of %zu differ from cuBLASLt (worst %.2f of tol)\n",
-                    n, m, r.differ, cnt, r.worst);
+  for (int k : {17408, 6144})
+    for (int n : {5120, 512, 264, 8, 8192}) {
+      auto x = test::random_bf16(size_t(16) * k, rng),
+           w = test::random_bf16(size_t(n) * k, rng, 0.02f);
+      DevBuf<bf> dx(x), dw(w);
+      if (n != 5120) {
+        const Op o{"down-like", n, k, false};
+        for (int m : {16, 7}) {
+          const size_t cnt = size_t(m) * n;
+          DevBuf<char> y1(cnt * 2), y2(cnt * 2);
+          y1.poison();
+          cuda::launch_gemv_splitk(B(dx), B(dw), y1.ptr, m, n, k, GemmOut::kBF16, false, ws.ptr,
+                                   0);
+          ref.run(B(dx), B(dw), y2.ptr, m, n, k, GemmOut::kBF16, 0);
+          DS_CUDA_CHECK(cudaDeviceSynchronize());
+          const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
+          EXPECT_EQ(count_nonfinite(a), 0u)
+              << "k " << k << " n " << n << " m " << m << ": unwritten outputs";
+          const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
+          std::printf("  splitk k=%-5d n=%-4d m=%-2d: %zu of %zu differ from cuBLASLt (worst %.2f "
+                      "of tol)\n",
+                      k, n, m, r.differ, cnt, r.worst);
+        }
+      }
+      for (bool f32 : {false, true}) {
+        const GemmOut out = f32 ? GemmOut::kF32 : GemmOut::kBF16;
+        const size_t es = f32 ? 4 : 2;
+        DevBuf<char> y16(size_t(16) * n * es), ys(size_t(16) * n * es);
+        y16.poison();
+        cuda::launch_gemv_splitk(B(dx), B(dw), y16.ptr, 16, n, k, out, false, ws.ptr, 0);
+        const auto a = y16.download();
+        for (auto [t0, m] : {std::pair{0, 5}, std::pair{5, 3}, std::pair{11, 5}, std::pair{15, 1},
+                             std::pair{8, 8}, std::pair{2, 13}}) {
+          ys.poison();
+          cuda::launch_gemv_splitk(B(dx, size_t(t0) * k), B(dw), ys.ptr, m, n, k, out, false,
+                                   ws.ptr, 0);
+          const auto b = ys.download();
+          EXPECT_EQ(std::memcmp(a.data() + size_t(t0) * n * es, b.data(), size_t(m) * n * es), 0)
+              << "tokens " << t0 << ".." << t0 + m - 1 << " k " << k << " n " << n
+              << (f32 ? " f32" : " bf16");
+        }
       }
     }
-    for (bool f32 : {false, true}) {
-      const GemmOut out = f32 ? GemmOut::kF32 : GemmOut::kBF16;
-      const size_t es = f32 ? 4 : 2;
-      DevBuf<char> y16(size_t(16) * n * es), ys(size_t(16) * n * es);
-      y16.poison();
-      cuda::launch_gemv_splitk(B(dx), B(dw), y16.ptr, 16, n, k, out, false, ws.ptr, 0);
-      const auto a = y16.download();
-      for (auto [t0, m] : {std::pair{0, 5}, std::pair{5, 3}, std::pair{11, 5}, std::pair{15, 1},
-                           std::pair{8, 8}, std::pair{2, 13}}) {
-        ys.poison();
-        cuda::launch_gemv_splitk(B(dx, size_t(t0) * k), B(dw), ys.ptr, m, n, k, out, false, ws.ptr,
-                                 0);
-        const auto b = ys.download();
-        EXPECT_EQ(std::memcmp(a.data() + size_t(t0) * n * es, b.data(), size_t(m) * n * es), 0)
-            << "tokens " << t0 << ".." << t0 + m - 1 << " n " << n << (f32 ? " f32" : " bf16");
-      }
-    }
-  }
 }
 
-// The guard (no GPU needed): the shapes it takes, the registry pick (only with DS_GEMV_SPLITK=1,
-// m 5..16 on the down projection), and the launch's refusals before anything reaches the device.
+// The guard (no GPU needed): the shapes it takes, the registry pick (only under $DS_GEMV_SPLITK,
+// m 5..16, on the shape it names), the grid, and the launch's refusals before anything reaches
+// the device.
 TEST(CudaGemvSplitK, GuardAndErrors) {
   EXPECT_TRUE(cuda::gemv_splitk_supports(16, 5120, 17408));
-  EXPECT_TRUE(cuda::gemv_splitk_supports(1, 256, 17408));
+  EXPECT_TRUE(cuda::gemv_splitk_supports(16, 5120, 6144));
+  EXPECT_TRUE(cuda::gemv_splitk_supports(1, 8, 17408));
+  EXPECT_TRUE(cuda::gemv_splitk_supports(16, 5000, 6144));
   EXPECT_FALSE(cuda::gemv_splitk_supports(17, 5120, 17408));  // m
-  EXPECT_FALSE(cuda::gemv_splitk_supports(16, 5120, 17416));  // k: only 17408 is compiled
-  EXPECT_FALSE(cuda::gemv_splitk_supports(16, 5000, 17408));  // n % 256
+  EXPECT_FALSE(cuda::gemv_splitk_supports(16, 5120, 17416));  // k: only 17408 / 6144 compiled
+  EXPECT_FALSE(cuda::gemv_splitk_supports(16, 5120, 5120));
+  EXPECT_FALSE(cuda::gemv_splitk_supports(16, 5004, 17408));  // n % 8
   EXPECT_FALSE(cuda::gemv_splitk_supports(16, 8448, 17408));  // n > 8192 (workspace)
-  const bool on = cuda::gemv_splitk_enabled();
+  EXPECT_EQ(cuda::gemv_splitk_blocks(5120, 132), 132);          // 33 groups of 19-20 tiles
+  EXPECT_EQ(cuda::gemv_splitk_blocks(5120, 114), 112);          // H100 PCIe: 28 groups
+  EXPECT_EQ(cuda::gemv_splitk_blocks(16, 132), 8);              // 2 tiles: 2 groups
+  EXPECT_EQ(cuda::gemv_splitk_blocks(8192, 1000), 256);         // at most 64 groups
+  EXPECT_EQ(cuda::gemv_splitk_blocks(5120, 2), 4);              // at least one
   auto reg = cuda::DispatchRegistry::with_defaults(90, "");
   using F = cuda::KernelFamily;
-  for (int m = 1; m <= 16; ++m) {
-    const std::string got = reg.select(F::kGemm, reg.key(m, 5120, 17408)).name;
-    if (m >= 5)
-      EXPECT_EQ(got, on ? "gemv_splitk_mma" : "cublaslt") << m;
-    else
-      EXPECT_NE(got, "gemv_splitk_mma") << m;
-    EXPECT_NE(reg.select(F::kGemm, reg.key(m, 5120, 6144)).name, "gemv_splitk_mma") << m;
-  }
+  for (int k : {17408, 6144})
+    for (int m = 1; m <= 16; ++m) {
+      const std::string got = reg.select(F::kGemm, reg.key(m, 5120, k)).name;
+      if (m >= 5 && splitk_env_on(k))
+        EXPECT_EQ(got, "gemv_splitk_mma") << m << " k " << k;
+      else
+        EXPECT_NE(got, "gemv_splitk_mma") << m << " k " << k;
+    }
   auto* p = reinterpret_cast<const __nv_bfloat16*>(uintptr_t(4096));
   void* y = reinterpret_cast<void*>(uintptr_t(8192));
   EXPECT_THROW(cuda::launch_gemv_splitk(p, p, y, 16, 5120, 17408, GemmOut::kBF16, true, y, 0),
