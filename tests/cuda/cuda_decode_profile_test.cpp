@@ -2,7 +2,8 @@
 // end from CUPTI activity records (the device's own timestamps of each graph kernel node), so the
 // table shows what isolated kernel timings cannot: how long each kernel runs next to its
 // neighbours and the gap (or, under programmatic dependent launch, the overlap) before it.
-// Synthetic Qwen3.5-27B weights on the device, batch 1, 2 and 4 at a 4K context, device greedy
+// Synthetic Qwen3.5-27B weights on the device, batch 1, 2 and 4 ($DS_PROFILE_BATCHES, e.g. 1,16,
+// for others) at a 4K context, device greedy
 // (step_greedy, the graph of bench decode); each variant of the decode step (the fused norms on /
 // off, CudaEngineOptions::fused_norm_rows 4 / 0) is timed and profiled in the same process on the
 // same weights. Printed per kernel role (gdn_in, gate_up+silu, down, add_rmsnorm, ...): launches
@@ -266,20 +267,20 @@ double report(const std::string& title, const std::vector<std::vector<KernelRec>
   return span / ns;
 }
 
-// The synthetic engine of both tests: 4 slots, each holding a 4096-token random prompt (drawn from
-// rng, which the caller goes on using for the decode tokens).
+// The synthetic engine of both tests: `slots` slots (4 unless asked), each holding a 4096-token
+// random prompt (drawn from rng, which the caller goes on using for the decode tokens).
 std::unique_ptr<Backend> engine_with_4k_prompts(const ModelConfig& c, int64_t max_kv_tokens,
-                                                std::mt19937& rng) {
+                                                std::mt19937& rng, int slots = 4) {
   BackendOptions o;
   o.device = "cuda";
-  o.n_slots = 4;
+  o.n_slots = slots;
   o.chunk_size = 4096;
   CudaEngineOptions e;
   e.verbose = false;
   e.max_kv_tokens = max_kv_tokens;
   auto b = make_cuda_backend_synthetic(o, c, 1, e);
   std::vector<float> logits;
-  for (int s = 0; s < 4; ++s) {
+  for (int s = 0; s < slots; ++s) {
     std::vector<int32_t> p(4096);
     for (auto& x : p) x = int32_t(rng() % c.vocab_size);
     SeqWork w{s, p, false};
@@ -294,9 +295,24 @@ TEST(DecodeProfile, Synthetic27bInGraph) {
   if (!env || std::string(env) != "1") GTEST_SKIP() << "set DS_PROFILE=1 to profile the 27B step";
   test::CuptiLib cupti(buffer_completed);
   if (!cupti.ok) std::printf("  CUPTI not available (%s): step times only\n", cupti.why.c_str());
+  // $DS_PROFILE_BATCHES: the batch sizes, comma-separated, 1..32 (default 1,2,4); batches above 4
+  // run the default step only (the fused norms take at most 4 rows, so on / off are one graph).
+  std::vector<int> batches = {1, 2, 4};
+  if (const char* bl = std::getenv("DS_PROFILE_BATCHES"); bl && *bl) {
+    batches.clear();
+    std::string v = bl;
+    for (size_t at = 0; at <= v.size();) {
+      const size_t end = std::min(v.find(',', at), v.size());
+      const int x = std::atoi(v.substr(at, end - at).c_str());
+      ASSERT_TRUE(x >= 1 && x <= 32) << "DS_PROFILE_BATCHES: batch sizes 1..32, got '" << v << "'";
+      batches.push_back(x);
+      at = end + 1;
+    }
+  }
+  const int max_batch = std::max(4, *std::max_element(batches.begin(), batches.end()));
   const ModelConfig c = synthetic_model_config("27b");
   std::mt19937 rng(5);
-  auto b = engine_with_4k_prompts(c, 4 * 4600, rng);
+  auto b = engine_with_4k_prompts(c, int64_t(max_batch) * 4600, rng, max_batch);
   const int V = c.vocab_size;
   std::vector<float> logits;
   StepOutput out;
@@ -316,11 +332,13 @@ TEST(DecodeProfile, Synthetic27bInGraph) {
     }
   };
   const int default_rows = cuda_fused_norm(*b);
-  for (int batch : {1, 2, 4}) {
+  for (int batch : batches) {
     for (bool fused : {false, true}) {
+      if (batch > 4 && !fused) continue;  // one graph either way: run it once
       set_cuda_fused_norm(*b, fused ? 4 : 0);  // on: at every batch size the kernels support
       const std::string title =
-          "batch " + std::to_string(batch) + " ctx 4K, fused_norm " + (fused ? "on" : "off");
+          "batch " + std::to_string(batch) + " ctx 4K" +
+          (batch > 4 ? std::string() : std::string(", fused_norm ") + (fused ? "on" : "off"));
       run(batch, 6, nullptr);  // eager warm-up, capture, replays
       std::vector<double> ms;
       run(batch, 40, &ms);
@@ -390,7 +408,7 @@ TEST(DecodeProfile, Synthetic27bInGraph) {
       std::sort(traced.begin(), traced.end());
       std::printf("STEP %s: traced (%s) p50 %.3f ms\n", title.c_str(), how.c_str(),
                   traced[traced.size() / 2]);
-      report(title + " [" + how + "]", steps, batch == 1);
+      report(title + " [" + how + "]", steps, batch == 1 || batch >= 8);
     }
   }
   set_cuda_fused_norm(*b, default_rows);
