@@ -207,22 +207,6 @@ __global__ void fill_tune_input_kernel(__nv_bfloat16* x, int64_t n) {
 }
 
 // Events owned for one tune() call.
-// x[i] += zero for the first n elements (zero is 0 at run time): a small kernel that writes the
-// GEMM's input, standing in for the add_rmsnorm that precedes a decode GEMM in the engine's graph.
-__global__ void touch_tune_input_kernel(__nv_bfloat16* x, int64_t n, __nv_bfloat16 zero) {
-  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (i < n) x[i] = __hadd(x[i], zero);
-}
-
-// $DS_GEMM_TUNE_GRAPH (A/B switch, "1" on, "0" or unset off; read once): decode-shape candidates
-// (m <= 32) are timed as the engine's graph runs them: each call behind a 16-block kernel that
-// writes x, all captured in one CUDA graph (launch gaps, memset nodes and cluster scheduling
-// after a small kernel count), instead of back-to-back stream launches.
-bool tune_in_graph() {
-  static const bool on = env_switch("DS_GEMM_TUNE_GRAPH", false);
-  return on;
-}
-
 struct EventSet {
   std::vector<cudaEvent_t> ev;
   explicit EventSet(int n) {
@@ -379,8 +363,6 @@ GemmTuneResult GemmEngine::tune(int m, int n, int k, GemmOut out,
   const int n_batches = std::clamp(opt.batches, 1, 50);
   const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   std::vector<double> per_call(cands.size(), -1.0);
-  // In-graph timing needs a stream that may capture (not the legacy default stream).
-  const bool graph_timing = tune_in_graph() && m <= 32 && stream != nullptr;
   try {
     const int64_t nx = int64_t(m) * k;
     fill_tune_input_kernel<<<static_cast<int>(std::min<int64_t>((nx + 255) / 256, 1024)), 256, 0,
@@ -395,50 +377,6 @@ GemmTuneResult GemmEngine::tune(int m, int n, int k, GemmOut out,
         return cublasLtMatmul(h, p.desc, &alpha, weights[wi], p.a, x, p.b, &beta, y, p.c, y, p.c,
                               &c.algo, workspace_, workspace_bytes_, stream);
       };
-      if (graph_timing) {
-        // One graph of kGraphReps x n_w (touch, GEMM) pairs, launched once to warm up, then once
-        // per timed batch.
-        constexpr int kGraphReps = 4;
-        const int64_t nt = std::min<int64_t>(nx, 16 * 256);
-        cudaGraph_t g = nullptr;
-        cudaGraphExec_t ge = nullptr;
-        DS_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        bool ok = true;
-        for (int rep = 0; rep < kGraphReps && ok; ++rep)
-          for (int wi = 0; wi < n_w && ok; ++wi) {
-            touch_tune_input_kernel<<<int((nt + 255) / 256), 256, 0, stream>>>(
-                x, nt, __float2bfloat16(0.f));
-            ok = cudaGetLastError() == cudaSuccess && call(wi) == CUBLAS_STATUS_SUCCESS;
-          }
-        const cudaError_t end = cudaStreamEndCapture(stream, &g);
-        ok = ok && end == cudaSuccess && g != nullptr &&
-             cudaGraphInstantiate(&ge, g, 0) == cudaSuccess;
-        if (ok) {
-          DS_CUDA_CHECK(cudaGraphLaunch(ge, stream));  // warm-up
-          spin_kernel<<<1, 1, 0, stream>>>(50000);
-          DS_CUDA_LAUNCH_CHECK();
-          for (int b = 0; b < n_batches; ++b) {
-            DS_CUDA_CHECK(cudaEventRecord(ev.ev[b], stream));
-            DS_CUDA_CHECK(cudaGraphLaunch(ge, stream));
-          }
-          DS_CUDA_CHECK(cudaEventRecord(ev.ev[n_batches], stream));
-        }
-        DS_CUDA_CHECK(cudaStreamSynchronize(stream));
-        if (ge) cudaGraphExecDestroy(ge);
-        if (g) cudaGraphDestroy(g);
-        cudaGetLastError();
-        if (!ok) continue;
-        std::vector<double> t(n_batches);
-        for (int b = 0; b < n_batches; ++b) {
-          float ms = 0;
-          DS_CUDA_CHECK(cudaEventElapsedTime(&ms, ev.ev[b], ev.ev[b + 1]));
-          t[b] = 1e3 * ms / (kGraphReps * n_w);
-        }
-        std::nth_element(t.begin(), t.begin() + n_batches / 2, t.end());
-        per_call[ci] = t[n_batches / 2];
-        ++r.ran;
-        continue;
-      }
       spin_kernel<<<1, 1, 0, stream>>>(50000);
       DS_CUDA_LAUNCH_CHECK();
       bool ok = true;
@@ -482,7 +420,7 @@ GemmTuneResult GemmEngine::tune(int m, int n, int k, GemmOut out,
   r.borrowed = cands[best].borrowed;
   r.heuristic_us = per_call[0];
   r.chosen_us = per_call[best];
-  finish(graph_timing ? "in a graph, each behind a 16-block kernel (DS_GEMM_TUNE_GRAPH=1)" : "");
+  finish("");
   {
     std::lock_guard<std::mutex> lock(g_tune_cache_mutex);
     g_tune_cache[cache_key] = TuneCacheEntry{p.algo, p.ws, r};

@@ -59,9 +59,6 @@ void launch_add_rmsnorm(__nv_bfloat16* residual, const __nv_bfloat16* delta,
 // launch with the kernel before it and waits for it in-kernel): $DS_NORM_PDL, "0" off, "1" or
 // unset on; read once per process.
 bool rmsnorm_pdl_enabled();
-// $DS_NORM_CARVEOUT (A/B switch, "1" on, "0" or unset off; read once): launch_add_rmsnorm first
-// sets its kernels' preferred shared-memory carveout to the maximum (same results).
-bool rmsnorm_carveout_enabled();
 
 // ---- rope_kv.cu ------------------------------------------------------------------------------
 struct AttnShape {

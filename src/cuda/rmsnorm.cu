@@ -16,8 +16,6 @@
 // thread that d needs (VEC 3 at d 5120 instead of 8): the same bits, far fewer registers
 // (issue 7, docs/perf/prefill_gaps.md); $DS_NORM_FIT=0 keeps the 8-vector build everywhere.
 #include <cstdlib>
-#include <mutex>
-#include <set>
 #include <string>
 
 #include "cuda/cuda_common.h"
@@ -168,24 +166,8 @@ void launch_add_rmsnorm(bf16* residual, const bf16* delta, const bf16* w, int n_
                            : add_rmsnorm_vec_kernel<kMaxVec>;
     }
   }
-  if (rmsnorm_carveout_enabled()) {
-    // A/B switch: ask for the shared-memory-heavy carveout, so that the SMs need no L1 / shared
-    // memory reconfiguration between this kernel and a GEMM after it that uses most of it.
-    static std::mutex mu;
-    static std::set<const void*> done;
-    const std::lock_guard<std::mutex> lock(mu);
-    if (done.insert(reinterpret_cast<const void*>(kernel)).second)
-      DS_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                         cudaFuncAttributePreferredSharedMemoryCarveout,
-                                         cudaSharedmemCarveoutMaxShared));
-  }
   launch_maybe_pdl(kernel, dim3(n_rows), dim3(kThreads), 0, stream, rmsnorm_pdl_enabled(),
                    residual, delta, w, d, eps, weight_offset, out);
-}
-
-bool rmsnorm_carveout_enabled() {
-  static const bool on = env_switch("DS_NORM_CARVEOUT", false);
-  return on;
 }
 
 bool rmsnorm_fit_enabled() {
