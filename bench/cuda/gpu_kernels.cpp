@@ -313,7 +313,8 @@ void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
       gpu::time_launches([&](int i) { lt.run(xi(i), wi(i), yi(i), m, o.n, o.k, out, s_); }, s_,
                          timer(rot))
           .p50;
-  auto row = [&](const std::string& variant, const std::function<void(int)>& launch) {
+  auto row = [&](const std::string& variant, const std::function<void(int)>& launch,
+                 bool pdl = false) {
     KernelResult r;
     r.family = "gemm";
     r.variant = variant;
@@ -326,7 +327,6 @@ void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
     r.samples = gpu::time_launches(launch, s_, timer(rot));
     r.bytes = set_bytes;
     r.flops = 2.0 * m * o.n * o.k;
-    const bool pdl = variant.size() > 4 && variant.compare(variant.size() - 4, 4, "_pdl") == 0;
     r.note = str("launched directly, %s; %d rotated weight copies", pdl ? "with PDL" : "no PDL",
                  rot);
     finish(r);
@@ -357,10 +357,13 @@ void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
     gpu::check(cudaMemsetAsync(ws.as<void>(), 0, cuda::gemv_splitk_workspace_bytes(), s_),
                "split-k workspace");
     for (bool pdl : {false, true})
-      row(pdl ? "gemv_splitk_mma_pdl" : "gemv_splitk_mma", [&](int i) {
-        cuda::launch_gemv_splitk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, ws.as<void>(), s_,
-                                 n_sms_, pdl);
-      });
+      row(
+          pdl ? "gemv_splitk_mma_pdl" : "gemv_splitk_mma",
+          [&](int i) {
+            cuda::launch_gemv_splitk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, ws.as<void>(),
+                                     s_, n_sms_, pdl);
+          },
+          pdl);
   }
 }
 

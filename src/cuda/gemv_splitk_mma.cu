@@ -299,20 +299,16 @@ void launch_gemv_splitk(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y,
   const int groups = gemv_splitk_blocks(n, n_sms) / kSplits;
   float* part = static_cast<float*>(workspace);
   int* count = reinterpret_cast<int*>(part + size_t(kSplits) * kGemvSplitKMaxN * 16);
-  const bool down = steps_for(k) == kStepsDown;
-  if (out == GemmOut::kBF16) {
-    auto* yb = static_cast<bf16*>(y);
-    if (down)
-      launch_t<kStepsDown>(x, w, yb, m, n, k, part, count, groups, pdl, stream);
+  auto go = [&](auto* yt) {
+    if (steps_for(k) == kStepsDown)
+      launch_t<kStepsDown>(x, w, yt, m, n, k, part, count, groups, pdl, stream);
     else
-      launch_t<kStepsOut>(x, w, yb, m, n, k, part, count, groups, pdl, stream);
-  } else {
-    auto* yf = static_cast<float*>(y);
-    if (down)
-      launch_t<kStepsDown>(x, w, yf, m, n, k, part, count, groups, pdl, stream);
-    else
-      launch_t<kStepsOut>(x, w, yf, m, n, k, part, count, groups, pdl, stream);
-  }
+      launch_t<kStepsOut>(x, w, yt, m, n, k, part, count, groups, pdl, stream);
+  };
+  if (out == GemmOut::kBF16)
+    go(static_cast<bf16*>(y));
+  else
+    go(static_cast<float*>(y));
   DS_CUDA_LAUNCH_CHECK();
 }
 
