@@ -427,6 +427,29 @@ void KernelBench::gemm_mma_ab(const std::string& name, int m) {
       }
     }
   }
+  // The TMA tensor-core GEMV (gemv_tma.cu; in the engine only with $DS_GEMV_TMA), plain and
+  // with PDL; on gate_up also its fused SiLU kernel (its match column compares the [m, d_ff]
+  // activation with the first half of cuBLASLt's [m, 2 d_ff] output, so it is not a check).
+  if (cuda::gemv_tma_supports(m, o.n, o.k, false, n_sms_)) {
+    for (bool pdl : {false, true}) {
+      cuda::GemvTmaConfig c = cuda::gemv_tma_config(m, o.n, o.k, false);
+      c.pdl = pdl;
+      row("gemv_tma_" + c.name(), pdl ? "with PDL (back to back)" : "no PDL", [&](int i) {
+        cuda::launch_gemv_tma(xi(i), wi(i), yi(i), m, o.n, o.k, out, c, n_sms_, s_);
+      });
+    }
+    if (o.n % 2 == 0 && cuda::gemv_tma_supports(m, o.n / 2, o.k, true, n_sms_) &&
+        name == "gate_up")
+      for (bool pdl : {false, true}) {
+        cuda::GemvTmaConfig c = cuda::gemv_tma_config(m, o.n / 2, o.k, true);
+        c.pdl = pdl;
+        row("gemv_tma_silu_" + c.name(), pdl ? "with PDL (back to back); match: not comparable"
+                                             : "no PDL; match: not comparable",
+            [&](int i) {
+              cuda::launch_gemv_tma_silu(xi(i), wi(i), yi(i), m, o.n / 2, o.k, c, n_sms_, s_);
+            });
+      }
+  }
   if (cuda::gemv_bulk_supports(m, o.n, o.k)) {
     const cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, o.n, o.k);
     row("gemv_bulk_" + c.name(), "no PDL", [&](int i) {

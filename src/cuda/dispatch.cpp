@@ -108,6 +108,18 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm == 90 && k.dtype == 0 && k.dims[3] == 1 && k.dims[1] % 2 == 0 &&
                   gemv_bulk_silu_preferred(k.dims[0], k.dims[1] / 2, k.dims[2]);
          }});
+  // gemv_tma_silu / gemv_tma: OFF unless $DS_GEMV_TMA is silu / 1 (batch 5..16 decode: gate_up
+  // with SiLU-and-mul fused, and with 1 also gdn_in / attn_qkv), where cuBLASLt tuned runs
+  // otherwise.
+  r.add({F::kGemm, "gemv_tma_silu",
+         "decode gate_up GEMM on tensor cores with SiLU-and-mul in the epilogue (gemv.h, "
+         "gemv_tma.cu): persistent block per SM, 2-D TMA boxes of all its gate and up rows x 64 k, "
+         "mma.sync, bit-identical to gemv_tma + silu_mul; sm 90, m 5..16, k 4096..8192, d_ff >= "
+         "8192, asked by the MLP only (dims[3] = 1); off unless DS_GEMV_TMA is 1 or silu",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dtype == 0 && k.dims[3] == 1 && k.dims[1] % 2 == 0 &&
+                  gemv_tma_preferred(k.dims[0], k.dims[1] / 2, k.dims[2], true);
+         }});
   r.add({F::kGemm, "gemv_bulk",
          "decode GEMV (gemv.h): persistent block per SM, bulk-copy ring of weight rows; sm 90, "
          "k % 8 == 0, k 4096..8192, where it beats cuBLASLt: m 1 with n >= 12288, m 2 with "
@@ -131,6 +143,15 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          [](const ShapeKey& k) {
            return k.sm == 90 && k.dtype == 0 &&
                   gemv_narrow_preferred(k.dims[0], k.dims[1], k.dims[2]);
+         }});
+  r.add({F::kGemm, "gemv_tma",
+         "decode GEMM on tensor cores (gemv.h, gemv_tma.cu): persistent block per SM, 2-D TMA "
+         "boxes of all its rows x 64 k, mma.sync with the accumulators in registers, "
+         "batch-invariant; sm 90, m 5..16, k 4096..8192, n >= 8192 (gdn_in, attn_qkv); off unless "
+         "DS_GEMV_TMA=1",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dtype == 0 && k.dims[3] == 0 &&
+                  gemv_tma_preferred(k.dims[0], k.dims[1], k.dims[2], false);
          }});
   // gemv_bulk_mma: OFF unless $DS_GEMV_MMA=1 (built, not yet measured on a GPU): the batch 3..16
   // decode projections with k 4096..8192 (gdn_in, gdn_out, attn_qkv, attn_o, gate_up at m 5..16;

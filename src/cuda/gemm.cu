@@ -48,6 +48,7 @@ GemmEngine::GemmEngine(size_t workspace_bytes) : workspace_bytes_(workspace_byte
   // $DS_GEMV_PDL first: a bad value throws before anything is allocated (no handle to leak).
   const GemvPdl pdl = gemv_pdl_mode();
   const bool splitk = gemv_splitk_enabled();
+  (void)gemv_tma_mode();  // $DS_GEMV_TMA: a bad value throws here, not in a step
   cublasLtHandle_t h = nullptr;
   DS_CUBLAS_CHECK(cublasLtCreate(&h));
   handle_ = h;
@@ -129,6 +130,14 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
     launch_gemv_narrow(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
     return;
   }
+  // gemv_tma ($DS_GEMV_TMA=1 only): no accumulate (cuBLASLt takes y +=); the guard's grid is
+  // re-checked against this device's.
+  if (aligned && !accumulate && v == "gemv_tma" && gemv_tma_supports(m, n, k, false, n_sms_)) {
+    GemvTmaConfig c = gemv_tma_config(m, n, k, false);
+    c.pdl = bulk_pdl_;
+    launch_gemv_tma(x, w, y, m, n, k, out, c, n_sms_, stream);
+    return;
+  }
   // gemv_bulk_mma ($DS_GEMV_MMA=1 only): no accumulate (cuBLASLt takes y +=), and the grid the
   // guard assumed may be larger than this device's (re-checked here).
   if (aligned && !accumulate && v == "gemv_bulk_mma" && gemv_bulk_mma_supports(m, n, k, n_sms_)) {
@@ -162,10 +171,16 @@ bool GemmEngine::run_gate_up_silu(const __nv_bfloat16* x, const __nv_bfloat16* w
   if (!dispatch_ || m <= 0) return false;
   const bool aligned =
       ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w_gate_up)) & 15) == 0;
-  if (!aligned ||
-      dispatch_->select(KernelFamily::kGemm, dispatch_->key(m, 2 * int64_t(d_ff), k, 1)).name !=
-          "gemv_bulk_silu")
-    return false;
+  if (!aligned) return false;
+  const std::string& v =
+      dispatch_->select(KernelFamily::kGemm, dispatch_->key(m, 2 * int64_t(d_ff), k, 1)).name;
+  if (v == "gemv_tma_silu" && gemv_tma_supports(m, d_ff, k, true, n_sms_)) {
+    GemvTmaConfig c = gemv_tma_config(m, d_ff, k, true);
+    c.pdl = bulk_pdl_;
+    launch_gemv_tma_silu(x, w_gate_up, act, m, d_ff, k, c, n_sms_, stream);
+    return true;
+  }
+  if (v != "gemv_bulk_silu") return false;
   GemvBulkConfig c = gemv_bulk_silu_config(m, d_ff, k);
   c.pdl = bulk_pdl_;
   launch_gemv_bulk_silu(x, w_gate_up, act, m, d_ff, k, c, n_sms_, stream);

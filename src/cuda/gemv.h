@@ -256,6 +256,56 @@ void launch_gemv_bulk_mma(const __nv_bfloat16* x,  // [m, k]
                           int m, int n, int k, GemmOut out, bool accumulate,
                           const GemvBulkMmaConfig& cfg, int n_sms, cudaStream_t stream);
 
+// ---- TMA tensor-core GEMV (gemv_tma.cu), variants "gemm.gemv_tma" / "gemm.gemv_tma_silu" -----
+// y = x w^T for m = 1..16 tokens (no accumulate), any k % 8 == 0 up to kSkinnyMaxK, and the fused
+// gate_up + SiLU-and-mul (act = bf16(silu(bf16(g)) * bf16(u)), bit-identical to the plain kernel
+// on [gate | up] followed by launch_silu_mul): one persistent block per SM owns a contiguous
+// range of outputs; a stage is all its rows over 64 k-elements as two 2-D TMA boxes (128-byte
+// swizzle) plus a box of x; 8 consumer warps keep fp32 accumulators in registers (mma.sync
+// m16n8k16, tokens as M padded to 16 with zeros). Summation order: the k-steps of 16 in order, one
+// MMA each: bit-identical for every m, config and grid. OFF unless $DS_GEMV_TMA is 1 (gate_up +
+// SiLU, gdn_in, attn_qkv) or silu (gate_up + SiLU only), for m kGemvTmaMinM..16, k 4096..8192,
+// n (d_ff for the SiLU kernel) >= 8192.
+constexpr int kGemvTmaMaxM = 16;
+constexpr int kGemvTmaMinM = 5;  // m 1..4 stay with gemv_bulk / gemv_bulk_silu / cuBLASLt
+
+enum class GemvTmaMode { kOff, kAll, kSilu };
+// $DS_GEMV_TMA: unset / "0" off, "1" all, "silu"; anything else throws ds::Error (read once).
+GemvTmaMode gemv_tma_mode();
+
+struct GemvTmaConfig {
+  int slots = 0;     // ring stages (2..16); 0 = as many as fit in the shared memory
+  bool pdl = false;  // the first stages' weight boxes are issued before griddepcontrol.wait
+  std::string name() const;  // "smax", "s4-pdl"
+};
+
+// Stages that fit for a box of `box_rows` rows (0 for box_rows < 1).
+int gemv_tma_max_slots(int box_rows);
+// Whether the shape (glu: n = d_ff, the weight has 2 d_ff rows) and config fit on a device of
+// n_sms SMs (min(n_sms, n) blocks): 1 <= m <= 16, k % 8 == 0, 8 <= k <= kSkinnyMaxK, at most 192
+// box rows (GLU: features per block; plain: half the rows per block), 2+ stages.
+bool gemv_tma_fits(int64_t m, int64_t n, int64_t k, bool glu, const GemvTmaConfig& c, int n_sms);
+bool gemv_tma_supports(int64_t m, int64_t n, int64_t k, bool glu, int n_sms);
+// The registry guard's shape test (sm 90 / bf16 are the registry's): the mode above, m
+// kGemvTmaMinM..16, k 4096..8192, n >= 8192, supported on >= 64 SMs (GemmEngine re-checks).
+bool gemv_tma_preferred(int64_t m, int64_t n, int64_t k, bool glu);
+GemvTmaConfig gemv_tma_config(int m, int n, int k, bool glu);
+std::vector<GemvTmaConfig> gemv_tma_configs(int m, int n, int k, bool glu, int n_sms);
+
+// Launch min(n_sms, n) blocks of 288 threads. Throw ds::Error for an unsupported shape or config,
+// unaligned x / w (16 bytes) or a null output. Asynchronous, graph-safe, never allocates (the two
+// TMA descriptors are kernel parameters, encoded on the host per launch).
+void launch_gemv_tma(const __nv_bfloat16* x,  // [m, k]
+                     const __nv_bfloat16* w,  // [n, k]
+                     void* y,                 // [m, n] bf16 or fp32 (out)
+                     int m, int n, int k, GemmOut out, const GemvTmaConfig& cfg, int n_sms,
+                     cudaStream_t stream);
+void launch_gemv_tma_silu(const __nv_bfloat16* x,          // [m, k]
+                          const __nv_bfloat16* w_gate_up,  // [2 d_ff, k]
+                          __nv_bfloat16* act,              // [m, d_ff] (out)
+                          int m, int d_ff, int k, const GemvTmaConfig& cfg, int n_sms,
+                          cudaStream_t stream);
+
 // ---- split-K tensor-core GEMV (gemv_splitk_mma.cu), variant "gemm.gemv_splitk_mma" ------------
 // y = x w^T for m = 1..16 tokens (no accumulate) on the narrow-output shapes k = 17408 (the 27B MLP
 // down projection) and k = 6144 (the mixers' out projections), n a multiple of 8 up to

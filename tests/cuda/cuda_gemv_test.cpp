@@ -1965,5 +1965,260 @@ TEST(CudaGemvNarrow, Sweep) {
   cudaStreamDestroy(st);
 }
 
+// ---- The TMA tensor-core GEMV (gemv_tma.cu, variants gemm.gemv_tma / gemm.gemv_tma_silu, off
+// unless DS_GEMV_TMA is 1 / silu; launched directly here, so these run either way).
+
+// Odd shapes (m 1..16, n from 1 to 192 box rows per block, k with a partial last 64-chunk, grids
+// of 1, 7 and all SMs), every config, bf16 and fp32 out, vs fp64 on every element (poisoned
+// outputs); every config bit-identical.
+TEST(CudaGemvTma, OddShapesEveryConfig) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "TMA needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(171);
+  struct Case {
+    int n, k, sms;
+  };
+  const Case cases[] = {{1, 64, n_sms},      {37, 128, n_sms},  {203, 584, n_sms},
+                        {1000, 4096, n_sms},  {133, 4104, n_sms}, {2111, 8192, n_sms},
+                        {n_sms * 384, 136, n_sms}, {700, 576, 1},    {5000, 1096, 7},
+                        {300, 8, 3}};
+  int launched = 0;
+  for (const Case& cs : cases) {
+    auto x = test::random_bf16(size_t(16) * cs.k, rng),
+         w = test::random_bf16(size_t(cs.n) * cs.k, rng, 0.05f);
+    DevBuf<bf> dx(x), dw(w);
+    std::vector<double> ref, mag;
+    reference64(x, w, 16, cs.n, cs.k, ref, mag);
+    for (int m : {1, 3, 8, 13, 16}) {
+      const std::vector<double> rm(ref.begin(), ref.begin() + size_t(m) * cs.n),
+          mm(mag.begin(), mag.begin() + size_t(m) * cs.n);
+      for (bool f32 : {false, true}) {
+        const GemmOut out = f32 ? GemmOut::kF32 : GemmOut::kBF16;
+        DevBuf<char> y(size_t(m) * cs.n * (f32 ? 4 : 2));
+        std::vector<char> first;
+        const auto cfgs = cuda::gemv_tma_configs(m, cs.n, cs.k, false, cs.sms);
+        ASSERT_FALSE(cfgs.empty()) << "n " << cs.n << " k " << cs.k << " sms " << cs.sms;
+        for (cuda::GemvTmaConfig c : cfgs)
+          for (bool pdl : {false, true}) {
+            c.pdl = pdl;
+            y.poison();
+            cuda::launch_gemv_tma(B(dx), B(dw), y.ptr, m, cs.n, cs.k, out, c, cs.sms, 0);
+            DS_CUDA_CHECK(cudaDeviceSynchronize());
+            ++launched;
+            const auto raw = y.download();
+            const auto got = download_out(y, size_t(m) * cs.n, f32);
+            EXPECT_EQ(count_nonfinite(got), 0u)
+                << "unwritten outputs: m " << m << " n " << cs.n << " k " << cs.k << " " << c.name();
+            EXPECT_EQ(count_bad_vs_fp64(got, rm, mm, f32), 0u)
+                << "m " << m << " n " << cs.n << " k " << cs.k << " sms " << cs.sms << " "
+                << c.name() << (f32 ? " f32" : " bf16");
+            if (first.empty())
+              first = raw;
+            else
+              EXPECT_TRUE(raw == first) << "config " << c.name() << " m " << m << " n " << cs.n;
+          }
+      }
+    }
+  }
+  EXPECT_GT(launched, 300);
+  EXPECT_TRUE(cuda::gemv_tma_supports(16, n_sms * 384, 64, false, n_sms));
+  EXPECT_FALSE(cuda::gemv_tma_supports(16, n_sms * 384 + 1, 64, false, n_sms));  // 193 box rows
+}
+
+// The 27B in-projections at m 5, 8, 13, 16 vs cuBLASLt (1 bf16 ulp) and fp64 on sampled rows;
+// the fused gate_up + SiLU bit-identical to the plain kernel + launch_silu_mul and close to fp64;
+// batch invariance (token t of an m 16 call = the same row in calls of m 1 / 3 / 8); the engine
+// path (registry) bit-identical where DS_GEMV_TMA selects it.
+TEST(CudaGemvTma, Shapes27bMatchCublasLtSiluAndBatch) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "TMA needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(173);
+  Pool wpool(size_t(34816) * 5120, rng, 0.02f);
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  cuda::GemmEngine fast, ref;
+  fast.set_dispatch(&reg);
+  const cuda::GemvTmaMode mode = cuda::gemv_tma_mode();
+  std::printf("  DS_GEMV_TMA %s\n", mode == cuda::GemvTmaMode::kOff    ? "off"
+                                    : mode == cuda::GemvTmaMode::kAll ? "1"
+                                                                      : "silu");
+  for (const Op& o : kOps27b) {
+    if (o.k > 8192 || o.f32 || o.n < 8192) continue;  // gdn_in, attn_qkv, gate_up (plain)
+    const SampledRows sampled = sample_rows(o, wpool);
+    for (int m : {5, 8, 13, 16}) {
+      ASSERT_TRUE(cuda::gemv_tma_supports(m, o.n, o.k, false, n_sms)) << o.name << " m " << m;
+      auto x = test::random_bf16(size_t(16) * o.k, rng);
+      DevBuf<bf> dx(x);
+      const size_t cnt = size_t(m) * o.n;
+      DevBuf<char> y1(cnt * 2), y2(cnt * 2), y3(cnt * 2);
+      y1.poison();
+      cuda::launch_gemv_tma(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kBF16,
+                            cuda::gemv_tma_config(m, o.n, o.k, false), n_sms, 0);
+      ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
+      const auto bits = y1.download();
+      if (fast.variant(m, o.n, o.k) == "gemv_tma") {
+        y3.poison();
+        fast.run(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
+        EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " engine path";
+      }
+      for (auto [t0, mm] : {std::pair{0, 1}, std::pair{m - 1, 1}, std::pair{2, 3}}) {
+        if (t0 + mm > m) continue;
+        y3.poison();
+        cuda::launch_gemv_tma(B(dx, size_t(t0) * o.k), B(wpool.buf), y3.ptr, mm, o.n, o.k,
+                              GemmOut::kBF16, cuda::gemv_tma_config(mm, o.n, o.k, false), n_sms,
+                              0);
+        const auto b = y3.download();
+        EXPECT_EQ(std::memcmp(bits.data() + size_t(t0) * o.n * 2, b.data(), size_t(mm) * o.n * 2),
+                  0)
+            << o.name << " tokens " << t0 << ".." << t0 + mm - 1 << " of m " << m;
+      }
+      DS_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
+      EXPECT_EQ(count_nonfinite(a), 0u) << o.name << " m " << m << ": unwritten outputs";
+      const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
+      const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
+      std::printf(
+          "  tma %-8s m=%-2d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of tol), fp64 "
+          "worst %.2f of tol\n",
+          o.name, m, r.differ, cnt, r.worst, worst64);
+      if (o.n == 34816) {  // gate_up: the fused SiLU kernel
+        const int d_ff = o.n / 2;
+        DevBuf<bf> a1(size_t(m) * d_ff), a2(size_t(m) * d_ff);
+        a1.poison();
+        a2.poison();
+        auto* p1 = reinterpret_cast<__nv_bfloat16*>(a1.ptr);
+        cuda::launch_gemv_tma_silu(B(dx), B(wpool.buf), p1, m, d_ff, o.k,
+                                   cuda::gemv_tma_config(m, d_ff, o.k, true), n_sms, 0);
+        cuda::launch_silu_mul(reinterpret_cast<const __nv_bfloat16*>(y1.ptr), m, d_ff,
+                              reinterpret_cast<__nv_bfloat16*>(a2.ptr), 0);
+        DS_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto s1 = a1.download();
+        EXPECT_TRUE(s1 == a2.download()) << "silu fused vs plain + silu_mul, m " << m;
+        // through the engine: fused where DS_GEMV_TMA selects it, else nothing launched
+        a2.poison();
+        const bool fused = fast.run_gate_up_silu(B(dx), B(wpool.buf),
+                                                 reinterpret_cast<__nv_bfloat16*>(a2.ptr), m,
+                                                 d_ff, o.k, 0);
+        EXPECT_EQ(fused, mode != cuda::GemvTmaMode::kOff) << "m " << m;
+        if (fused) {
+          EXPECT_TRUE(a2.download() == s1) << "engine silu path, m " << m;
+        }
+        // fp64 on the first 64 features of each token
+        std::vector<float> got, want;
+        const auto sf = test::to_f32(s1);
+        auto rows = [&](size_t r0) {
+          std::vector<bf> h(size_t(64) * o.k);
+          DS_CUDA_CHECK(cudaMemcpy(h.data(), wpool.buf.ptr + r0 * o.k, h.size() * 2,
+                                   cudaMemcpyDeviceToHost));
+          return h;
+        };
+        const std::vector<bf> wh = rows(0), wu = rows(size_t(d_ff));
+        for (int t = 0; t < m; ++t)
+          for (int j = 0; j < 64; ++j) {
+            double g = 0, u = 0;
+            for (int c = 0; c < o.k; ++c) {
+              const double xv = bf16_to_f32(x[size_t(t) * o.k + c]);
+              g += xv * bf16_to_f32(wh[size_t(j) * o.k + c]);
+              u += xv * bf16_to_f32(wu[size_t(j) * o.k + c]);
+            }
+            want.push_back(float(g / (1.0 + std::exp(-g)) * u));
+            got.push_back(sf[size_t(t) * d_ff + j]);
+          }
+        EXPECT_LT(test::norm_err(got, want), 8e-3) << "silu vs fp64, m " << m;
+      }
+    }
+  }
+}
+
+// PDL: gdn_in-like -> attn_qkv-like chain at m 16 (the second reads the first's output after its
+// wait), on a stream and from a graph, bit-identical to plain launches; and the SiLU kernel.
+TEST(CudaGemvTma, DependentLaunchesChain) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "TMA needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(179);
+  const int m = 16, n1 = 8192, k1 = 5120, n2 = 14336;
+  auto x = test::random_bf16(size_t(m) * k1, rng),
+       w1 = test::random_bf16(size_t(n1) * k1, rng, 0.02f),
+       w2 = test::random_bf16(size_t(n2) * n1, rng, 0.02f);
+  DevBuf<bf> dx(x), dw1(w1), dw2(w2), y1(size_t(m) * n1), y2(size_t(m) * n2);
+  cudaStream_t s;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto chain = [&](bool pdl) {
+    cuda::GemvTmaConfig c1 = cuda::gemv_tma_config(m, n1, k1, false),
+                        c2 = cuda::gemv_tma_config(m, n2, n1, false);
+    c1.pdl = c2.pdl = pdl;
+    cuda::launch_gemv_tma(B(dx), B(dw1), y1.ptr, m, n1, k1, GemmOut::kBF16, c1, n_sms, s);
+    cuda::launch_gemv_tma(B(y1), B(dw2), y2.ptr, m, n2, n1, GemmOut::kBF16, c2, n_sms, s);
+  };
+  expect_pdl_chain_matches_serial(chain, y1, y2, w2, m, n1, n2, s);
+  cudaStreamDestroy(s);
+}
+
+TEST(CudaGemvTma, GuardAndErrors) {
+  const cuda::GemvTmaMode mode = cuda::gemv_tma_mode();
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  using F = cuda::KernelFamily;
+  auto pick = [&](const cuda::DispatchRegistry& r, int m, int n, int k, int glu = 0) {
+    return r.select(F::kGemm, r.key(m, n, k, glu)).name;
+  };
+  const bool all = mode == cuda::GemvTmaMode::kAll, on = mode != cuda::GemvTmaMode::kOff;
+  for (int m = 5; m <= 16; ++m) {
+    if (all) {
+      EXPECT_EQ(pick(reg, m, 16480, 5120), "gemv_tma") << m;
+      EXPECT_EQ(pick(reg, m, 14336, 5120), "gemv_tma") << m;
+    }
+    if (!on) {
+      EXPECT_NE(pick(reg, m, 16480, 5120), "gemv_tma") << m;
+    }
+    EXPECT_EQ(pick(reg, m, 34816, 5120, 1) == "gemv_tma_silu", on) << m;
+    EXPECT_NE(pick(reg, m, 5120, 6144), "gemv_tma") << m;   // n < 8192
+    EXPECT_NE(pick(reg, m, 5120, 17408), "gemv_tma") << m;  // k > 8192
+  }
+  EXPECT_EQ(pick(reg, 4, 34816, 5120, 1), "gemv_bulk_silu");  // m 1..4 unchanged
+  EXPECT_EQ(pick(reg, 1, 34816, 5120), "gemv_bulk");
+  EXPECT_NE(pick(reg, 17, 16480, 5120), "gemv_tma");
+  EXPECT_NE(pick(reg, 8, 248320, 5120), "gemv_tma");  // lm_head: > 192 box rows per block
+  auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
+  EXPECT_NE(pick(r80, 8, 34816, 5120, 1), "gemv_tma_silu");
+  // fits
+  EXPECT_TRUE(cuda::gemv_tma_supports(16, 17408, 5120, true, 132));
+  EXPECT_TRUE(cuda::gemv_tma_supports(16, 16480, 5120, false, 132));
+  EXPECT_EQ(cuda::gemv_tma_max_slots(132), 6);   // gate_up: 6 x 36 KiB
+  EXPECT_EQ(cuda::gemv_tma_max_slots(63), 12);   // gdn_in
+  EXPECT_EQ(cuda::gemv_tma_max_slots(55), 14);   // attn_qkv
+  EXPECT_EQ(cuda::gemv_tma_max_slots(0), 0);
+  EXPECT_FALSE(cuda::gemv_tma_supports(17, 16480, 5120, false, 132));
+  EXPECT_FALSE(cuda::gemv_tma_supports(0, 16480, 5120, false, 132));
+  EXPECT_FALSE(cuda::gemv_tma_supports(16, 16480, 5124, false, 132));  // k % 8
+  EXPECT_FALSE(cuda::gemv_tma_supports(16, 16480, 32776, false, 132));
+  EXPECT_FALSE(cuda::gemv_tma_supports(16, 132 * 193, 5120, true, 132));  // 193 features
+  EXPECT_FALSE(cuda::gemv_tma_fits(16, 17408, 5120, true, {7, false}, 132));  // smem
+  EXPECT_FALSE(cuda::gemv_tma_fits(16, 17408, 5120, true, {1, false}, 132));  // slots
+  EXPECT_FALSE(cuda::gemv_tma_supports(16, 17408, 5120, true, 0));
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "TMA needs sm 90";
+  DevBuf<bf> x(16 * 128), w(128 * 128);
+  DevBuf<char> y(16 * 128 * 4);
+  const cuda::GemvTmaConfig d;
+  auto launch = [&](int xo, int wo, int m, int n, int k, cuda::GemvTmaConfig c, int sms,
+                    void* yp) {
+    cuda::launch_gemv_tma(B(x, xo), B(w, wo), yp, m, n, k, GemmOut::kBF16, c, sms, 0);
+  };
+  EXPECT_NO_THROW(launch(0, 0, 3, 64, 128, d, 132, y.ptr));
+  EXPECT_THROW(launch(1, 0, 3, 64, 128, d, 132, y.ptr), Error);   // x unaligned
+  EXPECT_THROW(launch(0, 4, 3, 64, 128, d, 132, y.ptr), Error);   // w unaligned
+  EXPECT_THROW(launch(0, 0, 17, 64, 128, d, 132, y.ptr), Error);  // m > 16
+  EXPECT_THROW(launch(0, 0, 3, 64, 124, d, 132, y.ptr), Error);   // k % 8
+  EXPECT_THROW(launch(0, 0, 3, 64, 128, {17, false}, 132, y.ptr), Error);  // slots
+  EXPECT_THROW(launch(0, 0, 3, 64, 128, d, 0, y.ptr), Error);     // n_sms
+  EXPECT_THROW(launch(0, 0, 3, 64, 128, d, 132, nullptr), Error); // null y
+  EXPECT_THROW(cuda::launch_gemv_tma_silu(B(x), B(w), reinterpret_cast<__nv_bfloat16*>(y.ptr), 3,
+                                          64, 128, d, 0, 0),
+               Error);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 }  // namespace
 }  // namespace ds
