@@ -108,14 +108,14 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm == 90 && k.dtype == 0 && k.dims[3] == 1 && k.dims[1] % 2 == 0 &&
                   gemv_bulk_silu_preferred(k.dims[0], k.dims[1] / 2, k.dims[2]);
          }});
-  // gemv_tma_silu / gemv_tma: OFF unless $DS_GEMV_TMA is silu / 1 (batch 5..16 decode: gate_up
-  // with SiLU-and-mul fused, and with 1 also gdn_in / attn_qkv), where cuBLASLt tuned runs
-  // otherwise.
+  // gemv_tma_silu / gemv_tma: batch 5..16 decode, gate_up with SiLU-and-mul fused, gdn_in and
+  // attn_qkv (on by default; $DS_GEMV_TMA=0 off, =silu only the gate_up): measured faster in the
+  // step than cuBLASLt tuned + silu_mul at batch 8 and 16 (docs/perf/2026-12-02-session9-AB.md).
   r.add({F::kGemm, "gemv_tma_silu",
          "decode gate_up GEMM on tensor cores with SiLU-and-mul in the epilogue (gemv.h, "
          "gemv_tma.cu): persistent block per SM, 2-D TMA boxes of all its gate and up rows x 64 k, "
          "mma.sync, bit-identical to gemv_tma + silu_mul; sm 90, m 5..16, k 4096..8192, d_ff >= "
-         "8192, asked by the MLP only (dims[3] = 1); off unless DS_GEMV_TMA is 1 or silu",
+         "8192, asked by the MLP only (dims[3] = 1); off with DS_GEMV_TMA=0",
          [](const ShapeKey& k) {
            return k.sm == 90 && k.dtype == 0 && k.dims[3] == 1 && k.dims[1] % 2 == 0 &&
                   gemv_tma_preferred(k.dims[0], k.dims[1] / 2, k.dims[2], true);
@@ -147,8 +147,8 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   r.add({F::kGemm, "gemv_tma",
          "decode GEMM on tensor cores (gemv.h, gemv_tma.cu): persistent block per SM, 2-D TMA "
          "boxes of all its rows x 64 k, mma.sync with the accumulators in registers, "
-         "batch-invariant; sm 90, m 5..16, k 4096..8192, n >= 8192 (gdn_in, attn_qkv); off unless "
-         "DS_GEMV_TMA=1",
+         "batch-invariant; sm 90, m 5..16, k 4096..8192, n >= 8192 (gdn_in, attn_qkv); off with "
+         "DS_GEMV_TMA=0 or silu",
          [](const ShapeKey& k) {
            return k.sm == 90 && k.dtype == 0 && k.dims[3] == 0 &&
                   gemv_tma_preferred(k.dims[0], k.dims[1], k.dims[2], false);

@@ -263,14 +263,15 @@ void launch_gemv_bulk_mma(const __nv_bfloat16* x,  // [m, k]
 // range of outputs; a stage is all its rows over 64 k-elements as two 2-D TMA boxes (128-byte
 // swizzle) plus a box of x; 8 consumer warps keep fp32 accumulators in registers (mma.sync
 // m16n8k16, tokens as M padded to 16 with zeros). Summation order: the k-steps of 16 in order, one
-// MMA each: bit-identical for every m, config and grid. OFF unless $DS_GEMV_TMA is 1 (gate_up +
-// SiLU, gdn_in, attn_qkv) or silu (gate_up + SiLU only), for m kGemvTmaMinM..16, k 4096..8192,
-// n (d_ff for the SiLU kernel) >= 8192.
+// MMA each: bit-identical for every m, config and grid. On by default for gate_up + SiLU, gdn_in
+// and attn_qkv at m kGemvTmaMinM..16, k 4096..8192, n (d_ff for the SiLU kernel) >= 8192;
+// $DS_GEMV_TMA=0 off (cuBLASLt, and silu_mul after gate_up), =silu gate_up + SiLU only.
 constexpr int kGemvTmaMaxM = 16;
 constexpr int kGemvTmaMinM = 5;  // m 1..4 stay with gemv_bulk / gemv_bulk_silu / cuBLASLt
 
 enum class GemvTmaMode { kOff, kAll, kSilu };
-// $DS_GEMV_TMA: unset / "0" off, "1" all, "silu"; anything else throws ds::Error (read once).
+// $DS_GEMV_TMA: unset / "1" all (the default), "0" off, "silu"; anything else throws ds::Error
+// (read once).
 GemvTmaMode gemv_tma_mode();
 
 struct GemvTmaConfig {
@@ -287,7 +288,7 @@ int gemv_tma_max_slots(int box_rows);
 bool gemv_tma_fits(int64_t m, int64_t n, int64_t k, bool glu, const GemvTmaConfig& c, int n_sms);
 bool gemv_tma_supports(int64_t m, int64_t n, int64_t k, bool glu, int n_sms);
 // The registry guard's shape test (sm 90 / bf16 are the registry's): the mode above, m
-// kGemvTmaMinM..16, k 4096..8192, n >= 8192, supported on >= 64 SMs (GemmEngine re-checks).
+// kGemvTmaMinM..16, k 4096..8192, n >= 8192, supported on >= 100 SMs (GemmEngine re-checks).
 bool gemv_tma_preferred(int64_t m, int64_t n, int64_t k, bool glu);
 GemvTmaConfig gemv_tma_config(int m, int n, int k, bool glu);
 std::vector<GemvTmaConfig> gemv_tma_configs(int m, int n, int k, bool glu, int n_sms);

@@ -705,9 +705,15 @@ TEST(CudaGemvBulk, SiluFusedMatchesUnfused) {
     a2.poison();
     auto* p1 = reinterpret_cast<__nv_bfloat16*>(a1.ptr);
     const bool fused = g.run_gate_up_silu(B(dx), B(dw), p1, m, d_ff, k, 0);
-    EXPECT_EQ(fused, m <= 4) << "m " << m;
-    EXPECT_FALSE(g_off.run_gate_up_silu(B(dx), B(dw), p1, m, d_ff, k, 0));
-    if (fused) {
+    // m 5..16: the TMA kernel's fused SiLU unless $DS_GEMV_TMA=0 (CudaGemvTma.*)
+    const bool tma = m > 4 && cuda::gemv_tma_mode() != cuda::GemvTmaMode::kOff;
+    EXPECT_EQ(fused, m <= 4 || tma) << "m " << m;
+    EXPECT_EQ(g_off.run_gate_up_silu(B(dx), B(dw), p1, m, d_ff, k, 0), tma);
+    if (fused && tma) {
+      cuda::launch_gemv_tma_silu(B(dx), B(dw), reinterpret_cast<__nv_bfloat16*>(a2.ptr), m, d_ff,
+                                 k, cuda::gemv_tma_config(m, d_ff, k, true), n_sms, 0);
+      EXPECT_TRUE(a1.download() == a2.download()) << "m " << m;
+    } else if (fused) {
       cuda::launch_gemv_bulk_silu(B(dx), B(dw), reinterpret_cast<__nv_bfloat16*>(a2.ptr), m, d_ff,
                                   k, cuda::gemv_bulk_silu_config(m, d_ff, k), n_sms, 0);
       EXPECT_TRUE(a1.download() == a2.download()) << "m " << m;
@@ -747,7 +753,8 @@ TEST(CudaGemvBulk, GuardAndErrors) {
   const std::string m3 = cuda::gemv_bulk_mma_enabled() ? "gemv_bulk_mma" : "cublaslt";
   EXPECT_EQ(pick(reg, 3, 34816, 5120), m3);
   EXPECT_EQ(pick(reg, 4, 34816, 5120, 1), "gemv_bulk_silu");  // the MLP's fused key
-  EXPECT_EQ(pick(reg, 5, 34816, 5120, 1), m3);
+  EXPECT_EQ(pick(reg, 5, 34816, 5120, 1),  // from m 5 the TMA kernel's fused SiLU by default
+            cuda::gemv_tma_mode() != cuda::GemvTmaMode::kOff ? "gemv_tma_silu" : m3);
   EXPECT_EQ(pick(reg, 1, 34815, 5120, 1), "gemv_bulk");  // odd n: no [gate | up] split
   EXPECT_EQ(pick(reg, 1, 248320, 64), "cublaslt");     // k below the measured range (tiny models)
   EXPECT_EQ(pick(reg, 1, 512, 64, 1), "cublaslt");
@@ -1329,13 +1336,21 @@ TEST(CudaGemvBulkMma, GuardAndErrors) {
     return r.select(F::kGemm, r.key(m, n, k, glu)).name;
   };
   const std::string mma = on ? "gemv_bulk_mma" : "cublaslt";
+  // gemv_tma (on by default, asked before gemv_bulk_mma) takes gdn_in / attn_qkv / gate_up at m
+  // 5..16 unless $DS_GEMV_TMA is 0 (plain shapes) or silu (the fused key only)
+  const cuda::GemvTmaMode tm = cuda::gemv_tma_mode();
   for (int m = 3; m <= 16; ++m) {
-    EXPECT_EQ(pick(reg, m, 16480, 5120), mma) << m;  // gdn_in
+    const bool tma_plain = m >= 5 && tm == cuda::GemvTmaMode::kAll;
+    const bool tma_silu = m >= 5 && tm != cuda::GemvTmaMode::kOff;
+    EXPECT_EQ(pick(reg, m, 16480, 5120), tma_plain ? "gemv_tma" : mma) << m;  // gdn_in
     EXPECT_EQ(pick(reg, m, 5120, 6144), mma) << m;   // gdn_out / attn_o
-    EXPECT_EQ(pick(reg, m, 14336, 5120), mma) << m;  // attn_qkv
-    EXPECT_EQ(pick(reg, m, 34816, 5120), mma) << m;  // gate_up (plain key)
-    // the MLP's fused key: gemv_bulk_silu keeps m 3..4 (asked first); from m 5 the plain GEMM
-    EXPECT_EQ(pick(reg, m, 34816, 5120, 1), m <= 4 ? std::string("gemv_bulk_silu") : mma) << m;
+    EXPECT_EQ(pick(reg, m, 14336, 5120), tma_plain ? "gemv_tma" : mma) << m;  // attn_qkv
+    EXPECT_EQ(pick(reg, m, 34816, 5120), tma_plain ? "gemv_tma" : mma) << m;  // gate_up (plain)
+    // the MLP's fused key: gemv_bulk_silu keeps m 3..4 (asked first); from m 5 gemv_tma_silu, else
+    // the plain GEMM
+    EXPECT_EQ(pick(reg, m, 34816, 5120, 1),
+              m <= 4 ? std::string("gemv_bulk_silu") : tma_silu ? std::string("gemv_tma_silu") : mma)
+        << m;
     EXPECT_NE(pick(reg, m, 5120, 17408), "gemv_bulk_mma") << m;  // down: k > 8192
   }
   EXPECT_EQ(pick(reg, 1, 34816, 5120), "gemv_bulk");  // m 1..2 unchanged
@@ -1352,7 +1367,7 @@ TEST(CudaGemvBulkMma, GuardAndErrors) {
   EXPECT_EQ(pick(reg, 8, 248320, 5120), "cublaslt");   // lm_head: > 48 groups per block
   auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
   EXPECT_EQ(pick(r80, 8, 16480, 5120), "cublaslt");
-  auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_bulk_mma");
+  auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_bulk_mma,gemm.gemv_tma");
   EXPECT_EQ(pick(off, 8, 16480, 5120), "cublaslt");
   // fits
   const cuda::GemvBulkMmaConfig d;
@@ -1981,7 +1996,7 @@ TEST(CudaGemvTma, OddShapesEveryConfig) {
   };
   const Case cases[] = {{1, 64, n_sms},      {37, 128, n_sms},  {203, 584, n_sms},
                         {1000, 4096, n_sms},  {133, 4104, n_sms}, {2111, 8192, n_sms},
-                        {n_sms * 384, 136, n_sms}, {700, 576, 1},    {5000, 1096, 7},
+                        {n_sms * 384, 136, n_sms}, {300, 576, 1},    {2000, 1096, 7},
                         {300, 8, 3}};
   int launched = 0;
   for (const Case& cs : cases) {
