@@ -349,6 +349,23 @@ void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
       cuda::launch_gemv_bulk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, n_sms_, s_);
     });
   }
+  // The TMA tensor-core GEMV for narrow outputs (gemv_tma.cu; in the engine only with
+  // $DS_GEMV_TMA_NARROW): the shipped config plain and with PDL (back to back), and the other
+  // stage widths.
+  if (cuda::gemv_tma_narrow_supports(m, o.n, o.k, n_sms_)) {
+    const cuda::GemvTmaNarrowConfig shipped = cuda::gemv_tma_narrow_config(m, o.n, o.k);
+    for (cuda::GemvTmaNarrowConfig c : cuda::gemv_tma_narrow_configs(m, o.n, o.k, n_sms_))
+      for (bool pdl : {false, true}) {
+        if (pdl && (c.kbox != shipped.kbox || c.slots != shipped.slots)) continue;
+        c.pdl = pdl;
+        row(
+            "gemv_tma_narrow_" + c.name(),
+            [&](int i) {
+              cuda::launch_gemv_tma_narrow(xi(i), wi(i), yi(i), m, o.n, o.k, out, c, n_sms_, s_);
+            },
+            pdl);
+      }
+  }
   // The split-K tensor-core GEMV (gemv_splitk_mma.cu; in the engine only with $DS_GEMV_SPLITK),
   // plain and launched with PDL (back to back, each launch's first weight stages then stream
   // while the one before finishes, as after the engine's silu_mul / mixer kernels).
@@ -1086,7 +1103,7 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
     std::set<std::pair<int, int>> ab_done;
     for (const auto& o : kb.ops())
       if (o.n == c.d_model && o.k > c.d_model && ab_done.insert({o.n, o.k}).second)
-        for (int m : {1, 4, 8, 16})
+        for (int m : {1, 2, 4, 8, 16})
           guarded("gemm", o.name + " m=" + std::to_string(m) + " A/B",
                   [&] { kb.gemm_narrow_ab(o.name, m); });
     // A/B of the tensor-core bulk GEMV on every k <= 8192 decode projection (gdn_in, gdn_out,

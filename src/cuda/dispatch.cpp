@@ -120,6 +120,18 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm == 90 && k.dtype == 0 && k.dims[3] == 1 && k.dims[1] % 2 == 0 &&
                   gemv_tma_preferred(k.dims[0], k.dims[1] / 2, k.dims[2], true);
          }});
+  // gemv_tma_narrow: OFF unless $DS_GEMV_TMA_NARROW is 1 / out / down (session 10, being
+  // measured): the decode out projections and the MLP down projection at m 1..16, ahead of
+  // gemv_bulk_pdl / gemv_narrow / cuBLASLt when on.
+  r.add({F::kGemm, "gemv_tma_narrow",
+         "decode GEMM for narrow outputs on tensor cores (gemv.h, gemv_tma.cu): persistent block "
+         "per SM owning 4-8 8-row groups, stages of 4 x 64 k as 2-D TMA boxes, the 8 warps split "
+         "k and are summed in warp order, batch-invariant; sm 90, m 1..16, n 1024..8192, k "
+         "4096..32768; off unless DS_GEMV_TMA_NARROW is 1, out or down",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dtype == 0 && k.dims[3] == 0 &&
+                  gemv_tma_narrow_preferred(k.dims[0], k.dims[1], k.dims[2]);
+         }});
   r.add({F::kGemm, "gemv_bulk",
          "decode GEMV (gemv.h): persistent block per SM, bulk-copy ring of weight rows; sm 90, "
          "k % 8 == 0, k 4096..8192, where it beats cuBLASLt: m 1 with n >= 12288, m 2 with "

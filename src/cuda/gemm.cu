@@ -49,6 +49,7 @@ GemmEngine::GemmEngine(size_t workspace_bytes) : workspace_bytes_(workspace_byte
   const GemvPdl pdl = gemv_pdl_mode();
   const bool splitk = gemv_splitk_enabled();
   (void)gemv_tma_mode();  // $DS_GEMV_TMA: a bad value throws here, not in a step
+  (void)gemv_tma_narrow_mode();
   cublasLtHandle_t h = nullptr;
   DS_CUBLAS_CHECK(cublasLtCreate(&h));
   handle_ = h;
@@ -118,6 +119,13 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   const bool aligned =
       ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
   const std::string& v = variant(m, n, k);
+  if (aligned && !accumulate && v == "gemv_tma_narrow" &&
+      gemv_tma_narrow_supports(m, n, k, n_sms_)) {
+    GemvTmaNarrowConfig c = gemv_tma_narrow_config(m, n, k);
+    c.pdl = bulk_pdl_;
+    launch_gemv_tma_narrow(x, w, y, m, n, k, out, c, n_sms_, stream);
+    return;
+  }
   if (aligned && (v == "gemv_bulk" || v == "gemv_bulk_pdl")) {
     GemvBulkConfig c = gemv_bulk_config(m, n, k);
     c.pdl = bulk_pdl_;

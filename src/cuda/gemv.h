@@ -307,6 +307,49 @@ void launch_gemv_tma_silu(const __nv_bfloat16* x,          // [m, k]
                           int m, int d_ff, int k, const GemvTmaConfig& cfg, int n_sms,
                           cudaStream_t stream);
 
+// ---- TMA tensor-core GEMV for narrow outputs (gemv_tma.cu), variant "gemm.gemv_tma_narrow" ----
+// y = x w^T for m = 1..16 tokens (no accumulate) where n is small and k long (27B: gdn_out and
+// attn_o 5120 x 6144, down 5120 x 17408): one persistent block per SM owns 4-8 8-row groups; a
+// stage is those rows over kbox x 64 k-elements (kbox 2-D TMA boxes of the weights and of x,
+// 128-byte swizzle); the 8 consumer warps split each stage by k (fp32 m16n8 fragments in
+// registers) and are summed in warp order at the end. Summation order depends on k and kbox only:
+// bit-identical for every m, slot count, grid and PDL at one kbox. Off unless
+// $DS_GEMV_TMA_NARROW is 1 (m 1..16, n 1024..8192, k 4096..32768), out (k <= 8192) or down.
+constexpr int kGemvTmaNarrowMaxK = 32768;
+
+enum class GemvTmaNarrowMode { kOff, kAll, kOut, kDown };
+// $DS_GEMV_TMA_NARROW: unset / "0" off, "1", "out", "down"; anything else throws ds::Error (read
+// once).
+GemvTmaNarrowMode gemv_tma_narrow_mode();
+
+struct GemvTmaNarrowConfig {
+  int kbox = 4;      // 64-k boxes per stage: 2, 4 or 8
+  int slots = 0;     // ring stages (2..16); 0 = as many as fit in the shared memory
+  bool pdl = false;  // the first stages' weight boxes are issued before griddepcontrol.wait
+  std::string name() const;  // "kb4-smax", "kb2-s3-pdl"
+};
+
+// Stages that fit for blocks of at most `groups` 8-row groups (0 for a bad kbox or groups < 1).
+int gemv_tma_narrow_max_slots(int groups, int kbox);
+// Whether the shape and config fit on n_sms SMs (min(n_sms, ceil(n / 8)) blocks): 1 <= m <= 16,
+// k % 8 == 0, 8 <= k <= 32768, at most 64 rows per block, 2+ stages.
+bool gemv_tma_narrow_fits(int64_t m, int64_t n, int64_t k, const GemvTmaNarrowConfig& c,
+                          int n_sms);
+bool gemv_tma_narrow_supports(int64_t m, int64_t n, int64_t k, int n_sms);
+// The registry guard's shape test (sm 90 / bf16 are the registry's): the mode above, m 1..16,
+// n 1024..8192, k 4096..32768, supported on >= 100 SMs (GemmEngine re-checks).
+bool gemv_tma_narrow_preferred(int64_t m, int64_t n, int64_t k);
+GemvTmaNarrowConfig gemv_tma_narrow_config(int m, int n, int k);
+std::vector<GemvTmaNarrowConfig> gemv_tma_narrow_configs(int m, int n, int k, int n_sms);
+// Launch min(n_sms, ceil(n / 8)) blocks of 288 threads. Throw ds::Error for an unsupported shape
+// or config, unaligned x / w (16 bytes) or a null output. Asynchronous, graph-safe, never
+// allocates (three TMA descriptors as kernel parameters, encoded on the host per launch).
+void launch_gemv_tma_narrow(const __nv_bfloat16* x,  // [m, k]
+                            const __nv_bfloat16* w,  // [n, k]
+                            void* y,                 // [m, n] bf16 or fp32 (out)
+                            int m, int n, int k, GemmOut out, const GemvTmaNarrowConfig& cfg,
+                            int n_sms, cudaStream_t stream);
+
 // ---- split-K tensor-core GEMV (gemv_splitk_mma.cu), variant "gemm.gemv_splitk_mma" ------------
 // y = x w^T for m = 1..16 tokens (no accumulate) on the narrow-output shapes k = 17408 (the 27B MLP
 // down projection) and k = 6144 (the mixers' out projections), n a multiple of 8 up to

@@ -253,6 +253,182 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// ---- gemv_tma_narrow: narrow outputs (n ~ d_model), long rows ------------------------------
+// Block b owns the 8-row groups [Q b / G, Q (b + 1) / G) of the Q = ceil(n / 8) groups (4 or 5 of
+// them on the 27B's n = 5120 over 132 SMs), i.e. at most kNarrowJ x 8 = 64 rows. A stage is those
+// rows over kbox x 64 k-elements: kbox 2-D TMA boxes of the weights (one per 64-k chunk, rows x
+// 128 bytes, 128-byte swizzle; blocks with one group fewer use a second tensor map whose box is 8
+// rows shorter) and kbox boxes of x (m rows into 16-row slabs whose rows m..15 are zeroed once).
+// With the block's rows few, a stage is wide in k instead: 4 x 5 KiB of weights per stage on the
+// 27B. A last stage past k issues only the boxes that start inside k. The 8 consumer warps split a stage by k: the 2 kbox pairs of 16-k steps (one
+// B ldmatrix.x4 covers a pair for 8 rows) go to warps p % 8, so warp w keeps one fp32 m16n8
+// fragment per row group across all stages; at the end the 8 warps' fragments are summed in warp
+// order through shared memory (the ring, reused after the last stage).
+// Summation order: per warp the k-steps it owns in increasing k, then warps 0..7; it depends on k
+// and kbox only (never m, the slot count, the grid or PDL): batch-invariant for a fixed kbox.
+constexpr int kNarrowJ = 8;  // the most 8-row groups per block (64 rows)
+
+__host__ __device__ constexpr int narrow_stage_bytes(int gmax, int kbox) {
+  return kbox * (gmax * 8 * 128 + kXBoxBytes);
+}
+size_t narrow_smem_bytes(int gmax, int kbox, int slots) {
+  return size_t(kAlignSlack) + kHdrBytes + size_t(slots) * narrow_stage_bytes(gmax, kbox);
+}
+int narrow_gmax(int64_t n, int g) {
+  const int64_t q = (n + 7) / 8;
+  return int((q + g - 1) / g);
+}
+int narrow_grid(int64_t n, int n_sms) {
+  return int(std::max<int64_t>(1, std::min<int64_t>(n_sms, (n + 7) / 8)));
+}
+
+template <typename OutT>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemv_tma_narrow_kernel(const __grid_constant__ CUtensorMap wmap_hi,  // box {64, 8 gmax}
+                           const __grid_constant__ CUtensorMap wmap_lo,  // box {64, 8 (gmax - 1)}
+                           const __grid_constant__ CUtensorMap xmap,     // x [m, k], box {64, 16}
+                           OutT* __restrict__ y, int m, int n, int k, int gmax, int kbox,
+                           int slots) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + (kAlignSlack - 1)) & ~uintptr_t(kAlignSlack - 1));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kMaxSlots;
+  unsigned char* ring = smem + kHdrBytes;
+  const int wslab = gmax * 8 * 128;                  // one 64-k box of weights (the largest)
+  const int sbytes = narrow_stage_bytes(gmax, kbox);  // kbox weight slabs, then kbox x slabs
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int q_total = (n + 7) / 8;
+  const int q0 = int(int64_t(q_total) * blockIdx.x / gridDim.x);
+  const int q1 = int(int64_t(q_total) * (blockIdx.x + 1) / gridDim.x);
+  const int groups = q1 - q0;  // gmax or gmax - 1
+  const CUtensorMap* wmap = groups == gmax ? &wmap_hi : &wmap_lo;
+  const int kstage = kbox * kKc;
+  const int n_stages = (k + kstage - 1) / kstage;
+  // boxes of stage s (those that start inside k) and the bytes they bring
+  auto boxes = [&](int s) { return min(kbox, (k - s * kstage + kKc - 1) / kKc); };
+  const uint32_t tx_box = uint32_t(groups) * 8u * 128u + uint32_t(m) * 128u;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < slots; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], kW);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  {  // rows m..15 of every x slab: zeros, never written by the x boxes (m rows each)
+    const int per_slab = (16 - m) * 128 / 16;
+    for (int i = threadIdx.x; i < slots * kbox * per_slab; i += kThreads) {
+      const int sb = i / per_slab, v = i - sb * per_slab;  // sb = slot * kbox + box
+      const int slot = sb / kbox, b = sb - slot * kbox;
+      reinterpret_cast<uint4*>(ring + size_t(slot) * sbytes + size_t(kbox) * wslab +
+                               size_t(b) * kXBoxBytes + size_t(m) * 128)[v] =
+          make_uint4(0, 0, 0, 0);
+    }
+  }
+  // The zeroed rows (generic proxy) are read by ldmatrix only; the boxes (async proxy) write
+  // other bytes of the slots. Order both before any copy and any read.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+
+  const bool producer = warp == kW;
+  const int pre = min(slots, n_stages);
+  if (producer && lane == 0) {
+    uint64_t policy;
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(wmap)) : "memory");
+    asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(&xmap)) : "memory");
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    auto weights = [&](int s, int slot) {
+      const uint32_t st = smem_u32(ring + size_t(slot) * sbytes);
+      const int nb = boxes(s);
+      for (int b = 0; b < nb; ++b)
+        tma_load_2d(st + uint32_t(b * wslab), wmap, s * kstage + b * kKc, q0 * 8, &full[slot],
+                    policy);
+    };
+    auto xs = [&](int s, int slot) {
+      const uint32_t st = smem_u32(ring + size_t(slot) * sbytes) + uint32_t(kbox * wslab);
+      const int nb = boxes(s);
+      for (int b = 0; b < nb; ++b)
+        tma_load_2d(st + uint32_t(b * kXBoxBytes), &xmap, s * kstage + b * kKc, 0, &full[slot]);
+    };
+    // The weights do not depend on the previous kernel: the first stages' boxes go out now.
+    for (int s = 0; s < pre; ++s) {
+      mbar_arrive_expect_tx(&full[s], uint32_t(boxes(s)) * tx_box);
+      weights(s, s);
+    }
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    // x comes from the kernel before: only after this wait.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (int s = 0; s < pre; ++s) xs(s, s);
+    for (int s = pre; s < n_stages; ++s) {
+      const int slot = s % slots;
+      mbar_wait(&empty[slot], uint32_t((s / slots) - 1) & 1u);
+      mbar_arrive_expect_tx(&full[slot], uint32_t(boxes(s)) * tx_box);
+      weights(s, slot);
+      xs(s, slot);
+    }
+    return;
+  }
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  // y may still be read by the kernel before (and the x boxes wait for it anyway).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (producer) return;
+
+  float acc[kNarrowJ][4];
+#pragma unroll
+  for (int j = 0; j < kNarrowJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  const int xr = lane & 15, br8 = lane & 7;
+  for (int s = 0; s < n_stages; ++s) {
+    const int slot = s % slots;
+    mbar_wait(&full[slot], uint32_t(s / slots) & 1u);
+    const uint32_t st = smem_u32(ring + size_t(slot) * sbytes);
+    const int pairs = 2 * boxes(s);
+    for (int p = warp; p < pairs; p += kW) {
+      const int bx = p >> 1, kp = p & 1;
+      uint32_t a0[4], a1[4];
+      const uint32_t xrow = st + uint32_t(kbox * wslab + bx * kXBoxBytes + xr * 128);
+      const int c0 = 4 * kp + (lane >> 4), c1 = c0 + 2;
+      ldmatrix_x4(a0, xrow + uint32_t((c0 ^ (xr & 7)) << 4));
+      ldmatrix_x4(a1, xrow + uint32_t((c1 ^ (xr & 7)) << 4));
+      const uint32_t wbase =
+          st + uint32_t(bx * wslab + br8 * 128) + uint32_t(((4 * kp + (lane >> 3)) ^ br8) << 4);
+#pragma unroll
+      for (int j = 0; j < kNarrowJ; ++j) {
+        if (j < groups) {
+          uint32_t b[4];
+          ldmatrix_x4(b, wbase + uint32_t(j * 8 * 128));
+          mma_bf16(acc[j], a0, b[0], b[1]);
+          mma_bf16(acc[j], a1, b[2], b[3]);
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);  // every lane's reads of the slot are done
+  }
+
+  // Every consumer warp has read every stage and no copy is outstanding: the ring is free.
+  asm volatile("bar.sync 1, %0;" ::"r"(kW * 32) : "memory");
+  float* red = reinterpret_cast<float*>(ring);  // [warp][group < gmax][lane][4]: gmax x 4 KiB
+#pragma unroll
+  for (int j = 0; j < kNarrowJ; ++j)
+    if (j < groups)
+      reinterpret_cast<float4*>(red)[(warp * gmax + j) * 32 + lane] =
+          make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+  asm volatile("bar.sync 1, %0;" ::"r"(kW * 32) : "memory");
+  // D fragment element e of lane l: token (l / 4) + 8 (e / 2), row 2 (l % 4) + e % 2 of the group.
+  for (int i = threadIdx.x; i < groups * 128; i += kW * 32) {
+    const int j = i >> 7, l = (i >> 2) & 31, e = i & 3;
+    const int token = (l >> 2) + (e >> 1) * 8, row = 8 * (q0 + j) + 2 * (l & 3) + (e & 1);
+    float v = 0.f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) v += red[(w * gmax + j) * 128 + (i & 127)];
+    if (token < m && row < n) put(y, size_t(token) * n + row, v);
+  }
+}
+
 // cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
 PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -296,6 +472,21 @@ void launch_t(const bf16* x, const bf16* w, OutT* y, int m, int n, int k, const 
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   launch_maybe_pdl(kern, dim3(grid), dim3(kThreads), smem_bytes(br, slots), stream, c.pdl, wmap,
                    xmap, y, m, n, k, br, slots);
+}
+
+template <typename OutT>
+void launch_narrow_t(const bf16* x, const bf16* w, OutT* y, int m, int n, int k,
+                     const GemvTmaNarrowConfig& c, int n_sms, cudaStream_t stream) {
+  const int grid = narrow_grid(n, n_sms);
+  const int gmax = narrow_gmax(n, grid);
+  const int slots = c.slots > 0 ? c.slots : gemv_tma_narrow_max_slots(gmax, c.kbox);
+  const CUtensorMap hi = matrix_map(w, n, k, 8 * gmax, true);
+  const CUtensorMap lo = gmax > 1 ? matrix_map(w, n, k, 8 * (gmax - 1), true) : hi;
+  const CUtensorMap xmap = matrix_map(x, m, k, m, false);
+  auto* kern = gemv_tma_narrow_kernel<OutT>;
+  ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
+  launch_maybe_pdl(kern, dim3(grid), dim3(kThreads), narrow_smem_bytes(gmax, c.kbox, slots),
+                   stream, c.pdl, hi, lo, xmap, y, m, n, k, gmax, c.kbox, slots);
 }
 
 void check_common(const bf16* x, const bf16* w, const void* y, int n_sms, const char* what) {
@@ -393,6 +584,90 @@ void launch_gemv_tma_silu(const __nv_bfloat16* x, const __nv_bfloat16* w_gate_up
            ", k % 8 == 0, 8 <= k <= ", kSkinnyMaxK, ", at most ", kMaxBoxRows,
            " features per block and 2+ stages in shared memory)");
   launch_t<true>(x, w_gate_up, act, m, d_ff, k, cfg, n_sms, stream);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+// ---- gemv_tma_narrow -------------------------------------------------------------------------
+
+std::string GemvTmaNarrowConfig::name() const {
+  std::ostringstream os;
+  os << "kb" << kbox << "-s" << (slots > 0 ? std::to_string(slots) : std::string("max"))
+     << (pdl ? "-pdl" : "");
+  return os.str();
+}
+
+int gemv_tma_narrow_max_slots(int groups, int kbox) {
+  if (groups < 1 || (kbox != 2 && kbox != 4 && kbox != 8)) return 0;
+  const int64_t room = int64_t(kMaxSmem) - kAlignSlack - kHdrBytes;
+  return int(std::min<int64_t>(kMaxSlots, room / narrow_stage_bytes(groups, kbox)));
+}
+
+GemvTmaNarrowMode gemv_tma_narrow_mode() {
+  static const GemvTmaNarrowMode mode = [] {
+    const char* e = std::getenv("DS_GEMV_TMA_NARROW");
+    const std::string v = e ? e : "";
+    if (v.empty() || v == "0") return GemvTmaNarrowMode::kOff;  // until measured in the step
+    if (v == "1") return GemvTmaNarrowMode::kAll;
+    if (v == "out") return GemvTmaNarrowMode::kOut;
+    if (v == "down") return GemvTmaNarrowMode::kDown;
+    ds::throw_error("DS_GEMV_TMA_NARROW must be 0, 1, out or down, got '", v, "'");
+  }();
+  return mode;
+}
+
+bool gemv_tma_narrow_fits(int64_t m, int64_t n, int64_t k, const GemvTmaNarrowConfig& c,
+                          int n_sms) {
+  if (m < 1 || m > kGemvTmaMaxM || n < 1 || k < 8 || k % 8 != 0 || k > kGemvTmaNarrowMaxK ||
+      n_sms < 1 || n > kSkinnyMaxN)
+    return false;
+  const int gmax = narrow_gmax(n, narrow_grid(n, n_sms));
+  if (gmax < 1 || gmax > kNarrowJ) return false;
+  const int max_slots = gemv_tma_narrow_max_slots(gmax, c.kbox);
+  const int slots = c.slots > 0 ? c.slots : max_slots;
+  return max_slots >= 2 && slots >= 2 && slots <= max_slots;
+}
+
+bool gemv_tma_narrow_supports(int64_t m, int64_t n, int64_t k, int n_sms) {
+  return gemv_tma_narrow_fits(m, n, k, GemvTmaNarrowConfig{}, n_sms);
+}
+
+bool gemv_tma_narrow_preferred(int64_t m, int64_t n, int64_t k) {
+  const GemvTmaNarrowMode mode = gemv_tma_narrow_mode();
+  if (mode == GemvTmaNarrowMode::kOff) return false;
+  if (mode == GemvTmaNarrowMode::kOut && k > 8192) return false;
+  if (mode == GemvTmaNarrowMode::kDown && k <= 8192) return false;
+  if (m < 1 || m > kGemvTmaMaxM || n < 1024 || n > 8192 || k < 4096 || k > 32768) return false;
+  return gemv_tma_narrow_supports(m, n, k, kGuardMinSms);
+}
+
+GemvTmaNarrowConfig gemv_tma_narrow_config(int m, int n, int k) {
+  (void)m, (void)n, (void)k;
+  return {};  // 4 boxes of 64 k per stage, as many stages as fit (27B: 8 x 28 KiB)
+}
+
+std::vector<GemvTmaNarrowConfig> gemv_tma_narrow_configs(int m, int n, int k, int n_sms) {
+  std::vector<GemvTmaNarrowConfig> v;
+  for (int kb : {4, 2, 8})
+    for (int s : {0, 3}) {
+      const GemvTmaNarrowConfig c{kb, s, false};
+      if (gemv_tma_narrow_fits(m, n, k, c, n_sms)) v.push_back(c);
+    }
+  return v;
+}
+
+void launch_gemv_tma_narrow(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n,
+                            int k, GemmOut out, const GemvTmaNarrowConfig& cfg, int n_sms,
+                            cudaStream_t stream) {
+  check_common(x, w, y, n_sms, "tma narrow gemv");
+  DS_CHECK(gemv_tma_narrow_fits(m, n, k, cfg, n_sms),
+           "tma narrow gemv: unsupported shape or config m=", m, " n=", n, " k=", k, " config ",
+           cfg.name(), " on ", n_sms, " SMs (needs m 1..", kGemvTmaMaxM, ", k % 8 == 0, 8 <= k <= ",
+           kGemvTmaNarrowMaxK, ", at most ", kNarrowJ * 8,
+           " rows per block, kbox 2 / 4 / 8 and 2+ stages in shared memory)");
+  if (out == GemmOut::kBF16)
+    launch_narrow_t(x, w, static_cast<bf16*>(y), m, n, k, cfg, n_sms, stream);
+  else
+    launch_narrow_t(x, w, static_cast<float*>(y), m, n, k, cfg, n_sms, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -42,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <tuple>
 
 #include "core/error.h"
@@ -2232,6 +2233,221 @@ TEST(CudaGemvTma, GuardAndErrors) {
   EXPECT_THROW(cuda::launch_gemv_tma_silu(B(x), B(w), reinterpret_cast<__nv_bfloat16*>(y.ptr), 3,
                                           64, 128, d, 0, 0),
                Error);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// ---- The TMA tensor-core GEMV for narrow outputs (gemv_tma.cu, variant gemm.gemv_tma_narrow,
+// off unless DS_GEMV_TMA_NARROW is 1 / out / down; launched directly here, so these run either
+// way).
+
+// Odd shapes (m 1..16, n with a partial last 8-row group, 1..8 groups per block, grids of 1, 7
+// and all SMs, k with a partial last 64-chunk and a last stage of fewer boxes), every config, bf16
+// and fp32 out, vs fp64 on every element (poisoned outputs); configs of one kbox bit-identical.
+TEST(CudaGemvTmaNarrow, OddShapesEveryConfig) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "TMA needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(181);
+  struct Case {
+    int n, k, sms;
+  };
+  const Case cases[] = {{1, 64, n_sms},          {37, 200, n_sms},   {203, 584, n_sms},
+                        {1000, 4096, n_sms},      {133, 4104, n_sms},  {5120, 1096, n_sms},
+                        {n_sms * 64, 520, n_sms}, {n_sms * 20 + 4, 1096, n_sms},
+                        {60, 576, 1},             {400, 1096, 7},      {150, 8, 3},
+                        {64, 2056, 1}};
+  int launched = 0;
+  for (const Case& cs : cases) {
+    auto x = test::random_bf16(size_t(16) * cs.k, rng),
+         w = test::random_bf16(size_t(cs.n) * cs.k, rng, 0.05f);
+    DevBuf<bf> dx(x), dw(w);
+    std::vector<double> ref, mag;
+    reference64(x, w, 16, cs.n, cs.k, ref, mag);
+    for (int m : {1, 2, 5, 13, 16}) {
+      const std::vector<double> rm(ref.begin(), ref.begin() + size_t(m) * cs.n),
+          mm(mag.begin(), mag.begin() + size_t(m) * cs.n);
+      for (bool f32 : {false, true}) {
+        const GemmOut out = f32 ? GemmOut::kF32 : GemmOut::kBF16;
+        DevBuf<char> y(size_t(m) * cs.n * (f32 ? 4 : 2));
+        std::map<int, std::vector<char>> first;  // per kbox
+        const auto cfgs = cuda::gemv_tma_narrow_configs(m, cs.n, cs.k, cs.sms);
+        ASSERT_FALSE(cfgs.empty()) << "n " << cs.n << " k " << cs.k << " sms " << cs.sms;
+        for (cuda::GemvTmaNarrowConfig c : cfgs)
+          for (bool pdl : {false, true}) {
+            c.pdl = pdl;
+            y.poison();
+            cuda::launch_gemv_tma_narrow(B(dx), B(dw), y.ptr, m, cs.n, cs.k, out, c, cs.sms, 0);
+            DS_CUDA_CHECK(cudaDeviceSynchronize());
+            ++launched;
+            const auto raw = y.download();
+            const auto got = download_out(y, size_t(m) * cs.n, f32);
+            EXPECT_EQ(count_nonfinite(got), 0u)
+                << "unwritten outputs: m " << m << " n " << cs.n << " k " << cs.k << " " << c.name();
+            EXPECT_EQ(count_bad_vs_fp64(got, rm, mm, f32), 0u)
+                << "m " << m << " n " << cs.n << " k " << cs.k << " sms " << cs.sms << " "
+                << c.name() << (f32 ? " f32" : " bf16");
+            auto& f = first[c.kbox];
+            if (f.empty())
+              f = raw;
+            else
+              EXPECT_TRUE(raw == f) << "config " << c.name() << " m " << m << " n " << cs.n;
+          }
+      }
+    }
+  }
+  EXPECT_GT(launched, 400);
+  EXPECT_TRUE(cuda::gemv_tma_narrow_supports(16, n_sms * 64, 64, n_sms));
+  EXPECT_FALSE(cuda::gemv_tma_narrow_supports(16, n_sms * 64 + 1, 64, n_sms));  // 9 groups
+}
+
+// The 27B narrow shapes (gdn_out / attn_o 5120 x 6144, down 5120 x 17408) at m 1, 2, 4, 5, 8, 13,
+// 16 vs cuBLASLt (1 bf16 ulp) and fp64 on sampled rows; batch invariance (token t of an m 16 call
+// = the same row in calls of m 1 / 3); grid invariance; the engine path (registry) bit-identical
+// where DS_GEMV_TMA_NARROW selects it.
+TEST(CudaGemvTmaNarrow, Shapes27bMatchCublasLtAndBatch) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "TMA needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(191);
+  Pool wpool(size_t(5120) * 17408, rng, 0.02f);
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  cuda::GemmEngine fast, ref;
+  fast.set_dispatch(&reg);
+  for (const Op& o : kOps27b) {
+    if (o.n != 5120) continue;
+    const SampledRows sampled = sample_rows(o, wpool);
+    for (int m : {1, 2, 4, 5, 8, 13, 16}) {
+      ASSERT_TRUE(cuda::gemv_tma_narrow_supports(m, o.n, o.k, n_sms)) << o.name << " m " << m;
+      auto x = test::random_bf16(size_t(16) * o.k, rng);
+      DevBuf<bf> dx(x);
+      const size_t cnt = size_t(m) * o.n;
+      DevBuf<char> y1(cnt * 2), y2(cnt * 2), y3(cnt * 2);
+      y1.poison();
+      const cuda::GemvTmaNarrowConfig c0 = cuda::gemv_tma_narrow_config(m, o.n, o.k);
+      cuda::launch_gemv_tma_narrow(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kBF16, c0,
+                                   n_sms, 0);
+      ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
+      const auto bits = y1.download();
+      const bool guarded = fast.variant(m, o.n, o.k) == "gemv_tma_narrow";
+      EXPECT_EQ(guarded, cuda::gemv_tma_narrow_preferred(m, o.n, o.k)) << o.name << " m " << m;
+      if (guarded) {
+        y3.poison();
+        fast.run(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
+        EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " engine path";
+      }
+      for (auto [t0, mm] : {std::pair{0, 1}, std::pair{m - 1, 1}, std::pair{1, 3}}) {
+        if (t0 + mm > m || mm == m) continue;
+        y3.poison();
+        cuda::launch_gemv_tma_narrow(B(dx, size_t(t0) * o.k), B(wpool.buf), y3.ptr, mm, o.n, o.k,
+                                     GemmOut::kBF16, c0, n_sms, 0);
+        const auto b = y3.download();
+        EXPECT_EQ(std::memcmp(bits.data() + size_t(t0) * o.n * 2, b.data(), size_t(mm) * o.n * 2),
+                  0)
+            << o.name << " tokens " << t0 << ".." << t0 + mm - 1 << " of m " << m;
+      }
+      for (int grid : {n_sms / 2 + 1, 100}) {
+        if (m != 16 || !cuda::gemv_tma_narrow_supports(m, o.n, o.k, grid)) continue;
+        y3.poison();
+        cuda::launch_gemv_tma_narrow(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, c0,
+                                     grid, 0);
+        EXPECT_TRUE(y3.download() == bits) << o.name << " grid " << grid;
+      }
+      DS_CUDA_CHECK(cudaDeviceSynchronize());
+      const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
+      EXPECT_EQ(count_nonfinite(a), 0u) << o.name << " m " << m << ": unwritten outputs";
+      const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
+      const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
+      std::printf(
+          "  tma_narrow %-8s m=%-2d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of "
+          "tol), fp64 worst %.2f of tol\n",
+          o.name, m, r.differ, cnt, r.worst, worst64);
+    }
+  }
+}
+
+// PDL: gdn_out-like -> down-like chain (the second reads the first's output after its wait), on
+// a stream and from a graph, bit-identical to plain launches.
+TEST(CudaGemvTmaNarrow, DependentLaunchesChain) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "TMA needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(193);
+  for (int m : {1, 16}) {
+    const int n1 = 4096, k1 = 6144, n2 = 5120;
+    auto x = test::random_bf16(size_t(m) * k1, rng),
+         w1 = test::random_bf16(size_t(n1) * k1, rng, 0.02f),
+         w2 = test::random_bf16(size_t(n2) * n1, rng, 0.02f);
+    DevBuf<bf> dx(x), dw1(w1), dw2(w2), y1(size_t(m) * n1), y2(size_t(m) * n2);
+    cudaStream_t s;
+    DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    auto chain = [&](bool pdl) {
+      cuda::GemvTmaNarrowConfig c1 = cuda::gemv_tma_narrow_config(m, n1, k1),
+                                c2 = cuda::gemv_tma_narrow_config(m, n2, n1);
+      c1.pdl = c2.pdl = pdl;
+      cuda::launch_gemv_tma_narrow(B(dx), B(dw1), y1.ptr, m, n1, k1, GemmOut::kBF16, c1, n_sms,
+                                   s);
+      cuda::launch_gemv_tma_narrow(B(y1), B(dw2), y2.ptr, m, n2, n1, GemmOut::kBF16, c2, n_sms,
+                                   s);
+    };
+    expect_pdl_chain_matches_serial(chain, y1, y2, w2, m, n1, n2, s);
+    cudaStreamDestroy(s);
+  }
+}
+
+TEST(CudaGemvTmaNarrow, GuardAndErrors) {
+  const cuda::GemvTmaNarrowMode mode = cuda::gemv_tma_narrow_mode();
+  auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+  using F = cuda::KernelFamily;
+  auto pick = [&](const cuda::DispatchRegistry& r, int m, int n, int k, int glu = 0) {
+    return r.select(F::kGemm, r.key(m, n, k, glu)).name;
+  };
+  const bool out_on = mode == cuda::GemvTmaNarrowMode::kAll || mode == cuda::GemvTmaNarrowMode::kOut;
+  const bool down_on =
+      mode == cuda::GemvTmaNarrowMode::kAll || mode == cuda::GemvTmaNarrowMode::kDown;
+  for (int m = 1; m <= 16; ++m) {
+    EXPECT_EQ(pick(reg, m, 5120, 6144) == "gemv_tma_narrow", out_on) << m;
+    EXPECT_EQ(pick(reg, m, 5120, 17408) == "gemv_tma_narrow", down_on) << m;
+    EXPECT_NE(pick(reg, m, 16480, 5120), "gemv_tma_narrow") << m;  // n > 8192
+    EXPECT_NE(pick(reg, m, 34816, 5120, 1), "gemv_tma_narrow") << m;
+  }
+  EXPECT_NE(pick(reg, 17, 5120, 6144), "gemv_tma_narrow");
+  EXPECT_NE(pick(reg, 1, 5120, 2048), "gemv_tma_narrow");  // k < 4096
+  auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
+  EXPECT_NE(pick(r80, 8, 5120, 6144), "gemv_tma_narrow");
+  // fits
+  EXPECT_TRUE(cuda::gemv_tma_narrow_supports(16, 5120, 17408, 132));
+  EXPECT_TRUE(cuda::gemv_tma_narrow_supports(16, 5120, 6144, 100));  // 7 groups per block
+  EXPECT_EQ(cuda::gemv_tma_narrow_max_slots(5, 4), 8);  // the 27B on 132 SMs: 8 x 28 KiB
+  EXPECT_EQ(cuda::gemv_tma_narrow_max_slots(5, 8), 4);
+  EXPECT_EQ(cuda::gemv_tma_narrow_max_slots(5, 3), 0);  // kbox 2 / 4 / 8 only
+  EXPECT_EQ(cuda::gemv_tma_narrow_max_slots(0, 4), 0);
+  EXPECT_FALSE(cuda::gemv_tma_narrow_supports(17, 5120, 6144, 132));
+  EXPECT_FALSE(cuda::gemv_tma_narrow_supports(0, 5120, 6144, 132));
+  EXPECT_FALSE(cuda::gemv_tma_narrow_supports(16, 5120, 6148, 132));   // k % 8
+  EXPECT_FALSE(cuda::gemv_tma_narrow_supports(16, 5120, 32776, 132));  // k
+  EXPECT_FALSE(cuda::gemv_tma_narrow_supports(16, 132 * 64 + 8, 6144, 132));  // 9 groups
+  EXPECT_FALSE(cuda::gemv_tma_narrow_fits(16, 5120, 6144, {4, 9, false}, 132));  // smem
+  EXPECT_FALSE(cuda::gemv_tma_narrow_fits(16, 5120, 6144, {4, 1, false}, 132));  // slots
+  EXPECT_FALSE(cuda::gemv_tma_narrow_fits(16, 5120, 6144, {3, 0, false}, 132));  // kbox
+  EXPECT_FALSE(cuda::gemv_tma_narrow_supports(16, 5120, 6144, 0));
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "TMA needs sm 90";
+  DevBuf<bf> x(16 * 256), w(128 * 256);
+  DevBuf<char> y(16 * 128 * 4);
+  const cuda::GemvTmaNarrowConfig d;
+  auto launch = [&](int xo, int wo, int m, int n, int k, cuda::GemvTmaNarrowConfig c, int sms,
+                    void* yp) {
+    cuda::launch_gemv_tma_narrow(B(x, xo), B(w, wo), yp, m, n, k, GemmOut::kBF16, c, sms, 0);
+  };
+  EXPECT_NO_THROW(launch(0, 0, 3, 64, 256, d, 132, y.ptr));
+  EXPECT_THROW(launch(1, 0, 3, 64, 256, d, 132, y.ptr), Error);   // x unaligned
+  EXPECT_THROW(launch(0, 4, 3, 64, 256, d, 132, y.ptr), Error);   // w unaligned
+  EXPECT_THROW(launch(0, 0, 17, 64, 256, d, 132, y.ptr), Error);  // m > 16
+  EXPECT_THROW(launch(0, 0, 3, 64, 252, d, 132, y.ptr), Error);   // k % 8
+  EXPECT_THROW(launch(0, 0, 3, 64, 256, {4, 17, false}, 132, y.ptr), Error);  // slots
+  EXPECT_THROW(launch(0, 0, 3, 64, 256, {5, 0, false}, 132, y.ptr), Error);   // kbox
+  EXPECT_THROW(launch(0, 0, 3, 64, 256, d, 0, y.ptr), Error);     // n_sms
+  EXPECT_THROW(launch(0, 0, 3, 64, 256, d, 132, nullptr), Error); // null y
   DS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
