@@ -175,6 +175,12 @@ const Op kOps27b[] = {{"gdn_in", 16480, 5120, false},   {"gdn_out", 5120, 6144, 
                       {"gate_up", 34816, 5120, false},  {"down", 5120, 17408, false},
                       {"lm_head", 248320, 5120, true}};
 
+// The variant the registry picks for a shape the other kernels' guard tests name: gemv_tma_narrow
+// where $DS_GEMV_TMA_NARROW selects it (it is listed ahead of them), else `otherwise`.
+std::string tma_narrow_or(int m, int n, int k, const std::string& otherwise) {
+  return cuda::gemv_tma_narrow_preferred(m, n, k) ? "gemv_tma_narrow" : otherwise;
+}
+
 // A device pool of random bf16 big enough for the largest weight: 64 Mi
 // host-random values uploaded with different shifts (cheap to make; rows never
 // repeat with the row length's period).
@@ -410,12 +416,16 @@ TEST(CudaGemv, DependentLaunchesChain) {
 TEST(CudaGemv, GuardAndErrors) {
   auto reg = cuda::DispatchRegistry::with_defaults(90, "");
   using F = cuda::KernelFamily;
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17408)).name, "gemv_narrow");  // down, m <= 2
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(3, 5120, 17408)).name, "skinny_mma");
-  EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 5120, 17408)).name, "skinny_mma");
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(1, 5120, 17408)).name,
+            tma_narrow_or(1, 5120, 17408, "gemv_narrow"));  // down, m <= 2
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(3, 5120, 17408)).name,
+            tma_narrow_or(3, 5120, 17408, "skinny_mma"));
+  EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 5120, 17408)).name,
+            tma_narrow_or(4, 5120, 17408, "skinny_mma"));
   // m > 4: cuBLASLt (the step decided), or gemv_splitk_mma under its A/B switch
-  const std::string above4 =
-      cuda::gemv_splitk_preferred(16, 5120, 17408) ? "gemv_splitk_mma" : "cublaslt";
+  const std::string above4 = tma_narrow_or(
+      16, 5120, 17408,
+      cuda::gemv_splitk_preferred(16, 5120, 17408) ? "gemv_splitk_mma" : "cublaslt");
   EXPECT_EQ(reg.select(F::kGemm, reg.key(5, 5120, 17408)).name, above4);
   EXPECT_EQ(reg.select(F::kGemm, reg.key(16, 5120, 17408)).name, above4);
   EXPECT_EQ(reg.select(F::kGemm, reg.key(4, 248320, 5120)).name, "cublaslt");  // ties cuBLASLt
@@ -426,8 +436,10 @@ TEST(CudaGemv, GuardAndErrors) {
   auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
   EXPECT_EQ(r80.select(F::kGemm, r80.key(1, 5120, 17408)).name, "cublaslt");
   auto no_narrow = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_narrow");
-  EXPECT_EQ(no_narrow.select(F::kGemm, no_narrow.key(1, 5120, 17408)).name, "skinny_mma");
-  auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_narrow,gemm.skinny_mma");
+  EXPECT_EQ(no_narrow.select(F::kGemm, no_narrow.key(1, 5120, 17408)).name,
+            tma_narrow_or(1, 5120, 17408, "skinny_mma"));
+  auto off = cuda::DispatchRegistry::with_defaults(
+      90, "gemm.gemv_narrow,gemm.skinny_mma,gemm.gemv_tma_narrow");
   EXPECT_EQ(off.select(F::kGemm, off.key(1, 5120, 17408)).name, "cublaslt");
   DS_REQUIRE_GPU();
   DevBuf<bf> x(64), w(64 * 64);
@@ -551,8 +563,9 @@ TEST(CudaGemvBulk, Shapes27bMatchCublasLtAndFp64) {
       }
       const std::string& v = fast.variant(m, o.n, o.k);
       const bool guarded = v == "gemv_bulk" || v == "gemv_bulk_pdl";
-      EXPECT_EQ(guarded, cuda::gemv_bulk_preferred(m, o.n, o.k) ||
-                             cuda::gemv_bulk_pdl_preferred(m, o.n, o.k))
+      EXPECT_EQ(guarded, (cuda::gemv_bulk_preferred(m, o.n, o.k) ||
+                          cuda::gemv_bulk_pdl_preferred(m, o.n, o.k)) &&
+                             !cuda::gemv_tma_narrow_preferred(m, o.n, o.k))
           << o.name << " m " << m;
       auto x = test::random_bf16(size_t(m) * o.k, rng);
       DevBuf<bf> dx(x);
@@ -748,8 +761,10 @@ TEST(CudaGemvBulk, GuardAndErrors) {
   EXPECT_EQ(pick(reg, 2, 16480, 5120), "cublaslt");    // lost from m 2
   // gdn_out / attn_o: lost alone, the PDL variant unless DS_GEMV_PDL=0
   EXPECT_EQ(pick(reg, 1, 5120, 6144),
-            cuda::gemv_pdl_mode() == cuda::GemvPdl::kOff ? "cublaslt" : "gemv_bulk_pdl");
-  EXPECT_EQ(pick(reg, 2, 5120, 6144), "cublaslt");
+            tma_narrow_or(1, 5120, 6144,
+                          cuda::gemv_pdl_mode() == cuda::GemvPdl::kOff ? "cublaslt"
+                                                                        : "gemv_bulk_pdl"));
+  EXPECT_EQ(pick(reg, 2, 5120, 6144), tma_narrow_or(2, 5120, 6144, "cublaslt"));
   // m 3.. : gemv_bulk_mma with $DS_GEMV_MMA=1 (CudaGemvBulkMma.GuardAndErrors), else cuBLASLt
   const std::string m3 = cuda::gemv_bulk_mma_enabled() ? "gemv_bulk_mma" : "cublaslt";
   EXPECT_EQ(pick(reg, 3, 34816, 5120), m3);
@@ -760,7 +775,7 @@ TEST(CudaGemvBulk, GuardAndErrors) {
   EXPECT_EQ(pick(reg, 1, 248320, 64), "cublaslt");     // k below the measured range (tiny models)
   EXPECT_EQ(pick(reg, 1, 512, 64, 1), "cublaslt");
   EXPECT_EQ(pick(reg, 1, 2048, 4096, 1), "cublaslt");  // d_ff 1024 < 8192
-  EXPECT_EQ(pick(reg, 1, 5120, 17408), "gemv_narrow");  // down: k > 8192
+  EXPECT_EQ(pick(reg, 1, 5120, 17408), tma_narrow_or(1, 5120, 17408, "gemv_narrow"));  // k > 8192
   EXPECT_EQ(pick(reg, 1, 5120, 5124), "cublaslt");     // k % 8
   auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
   EXPECT_EQ(pick(r80, 1, 34816, 5120), "cublaslt");
@@ -866,7 +881,8 @@ TEST(CudaGemvNarrow, Shapes27bMatchCublasLtAndFp64) {
       const std::string& v = fast.variant(m, o.n, o.k);
       const bool guarded = v == "gemv_narrow";
       EXPECT_EQ(guarded, cuda::gemv_narrow_preferred(m, o.n, o.k)) << o.name << " m " << m;
-      EXPECT_EQ(guarded, o.k == 17408 && m <= 2) << o.name << " m " << m;
+      EXPECT_EQ(guarded, o.k == 17408 && m <= 2 && !cuda::gemv_tma_narrow_preferred(m, o.n, o.k))
+          << o.name << " m " << m;
       auto x = test::random_bf16(size_t(m) * o.k, rng);
       DevBuf<bf> dx(x);
       const size_t cnt = size_t(m) * o.n;
@@ -980,22 +996,28 @@ TEST(CudaGemvNarrow, GuardAndErrors) {
   auto pick = [&](const cuda::DispatchRegistry& r, int m, int n, int k) {
     return r.select(F::kGemm, r.key(m, n, k)).name;
   };
-  for (int m = 1; m <= 2; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "gemv_narrow") << m;
-  for (int m = 3; m <= 4; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), "skinny_mma") << m;
-  const std::string above4 =
-      cuda::gemv_splitk_preferred(16, 5120, 17408) ? "gemv_splitk_mma" : "cublaslt";
+  for (int m = 1; m <= 2; ++m)
+    EXPECT_EQ(pick(reg, m, 5120, 17408), tma_narrow_or(m, 5120, 17408, "gemv_narrow")) << m;
+  for (int m = 3; m <= 4; ++m)
+    EXPECT_EQ(pick(reg, m, 5120, 17408), tma_narrow_or(m, 5120, 17408, "skinny_mma")) << m;
+  const std::string above4 = tma_narrow_or(
+      16, 5120, 17408,
+      cuda::gemv_splitk_preferred(16, 5120, 17408) ? "gemv_splitk_mma" : "cublaslt");
   for (int m = 5; m <= 16; ++m) EXPECT_EQ(pick(reg, m, 5120, 17408), above4) << m;
   EXPECT_EQ(pick(reg, 1, 5120, 17412), "cublaslt");     // k % 8
   EXPECT_EQ(pick(reg, 1, 17408, 17408), "skinny_mma");  // n > 8192: not measured
   EXPECT_EQ(pick(reg, 1, 512, 17408), "skinny_mma");    // n < 1024
-  // gdn_out / attn_o stay with gemv_bulk_pdl (ties in the decode step) / cuBLASLt
+  // gdn_out / attn_o stay with gemv_bulk_pdl (ties in the decode step) / cuBLASLt, or
+  // gemv_tma_narrow under its switch
   EXPECT_EQ(pick(reg, 1, 5120, 6144),
-            cuda::gemv_pdl_mode() == cuda::GemvPdl::kOff ? "cublaslt" : "gemv_bulk_pdl");
-  EXPECT_EQ(pick(reg, 2, 5120, 6144), "cublaslt");
+            tma_narrow_or(1, 5120, 6144,
+                          cuda::gemv_pdl_mode() == cuda::GemvPdl::kOff ? "cublaslt"
+                                                                        : "gemv_bulk_pdl"));
+  EXPECT_EQ(pick(reg, 2, 5120, 6144), tma_narrow_or(2, 5120, 6144, "cublaslt"));
   auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
   EXPECT_EQ(pick(r80, 1, 5120, 17408), "cublaslt");
   auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_narrow");
-  EXPECT_EQ(pick(off, 1, 5120, 17408), "skinny_mma");
+  EXPECT_EQ(pick(off, 1, 5120, 17408), tma_narrow_or(1, 5120, 17408, "skinny_mma"));
   EXPECT_TRUE(cuda::gemv_narrow_supports(4, 5120, 17408, 132));
   EXPECT_FALSE(cuda::gemv_narrow_supports(5, 5120, 17408, 132));           // x: 174 KB + 8 stages
   EXPECT_FALSE(cuda::gemv_narrow_supports(9, 100, 64, 132));               // m > 8
@@ -1344,7 +1366,7 @@ TEST(CudaGemvBulkMma, GuardAndErrors) {
     const bool tma_plain = m >= 5 && tm == cuda::GemvTmaMode::kAll;
     const bool tma_silu = m >= 5 && tm != cuda::GemvTmaMode::kOff;
     EXPECT_EQ(pick(reg, m, 16480, 5120), tma_plain ? "gemv_tma" : mma) << m;  // gdn_in
-    EXPECT_EQ(pick(reg, m, 5120, 6144), mma) << m;   // gdn_out / attn_o
+    EXPECT_EQ(pick(reg, m, 5120, 6144), tma_narrow_or(m, 5120, 6144, mma)) << m;  // gdn_out
     EXPECT_EQ(pick(reg, m, 14336, 5120), tma_plain ? "gemv_tma" : mma) << m;  // attn_qkv
     EXPECT_EQ(pick(reg, m, 34816, 5120), tma_plain ? "gemv_tma" : mma) << m;  // gate_up (plain)
     // the MLP's fused key: gemv_bulk_silu keeps m 3..4 (asked first); from m 5 gemv_tma_silu, else
