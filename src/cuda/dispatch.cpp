@@ -125,9 +125,9 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // gemv_bulk_pdl / gemv_narrow / cuBLASLt when on.
   r.add({F::kGemm, "gemv_tma_narrow",
          "decode GEMM for narrow outputs on tensor cores (gemv.h, gemv_tma.cu): persistent block "
-         "per SM owning 4-8 8-row groups, stages of 4 x 64 k as 2-D TMA boxes, the 8 warps split "
-         "k and are summed in warp order, batch-invariant; sm 90, m 1..16, n 1024..8192, k "
-         "4096..32768; off unless DS_GEMV_TMA_NARROW is 1, out or down",
+         "per SM owning 4-8 8-row groups, stages of 8 x 64 k as 2-D TMA boxes, the 8 warps split "
+         "k and are summed in warp order, batch-invariant; sm 90, m 1..16, n 5120..8192, k "
+         "6144..32768; off unless DS_GEMV_TMA_NARROW is 1, out or down",
          [](const ShapeKey& k) {
            return k.sm == 90 && k.dtype == 0 && k.dims[3] == 0 &&
                   gemv_tma_narrow_preferred(k.dims[0], k.dims[1], k.dims[2]);

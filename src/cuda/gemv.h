@@ -314,7 +314,7 @@ void launch_gemv_tma_silu(const __nv_bfloat16* x,          // [m, k]
 // 128-byte swizzle); the 8 consumer warps split each stage by k (fp32 m16n8 fragments in
 // registers) and are summed in warp order at the end. Summation order depends on k and kbox only:
 // bit-identical for every m, slot count, grid and PDL at one kbox. Off unless
-// $DS_GEMV_TMA_NARROW is 1 (m 1..16, n 1024..8192, k 4096..32768), out (k <= 8192) or down.
+// $DS_GEMV_TMA_NARROW is 1 (m 1..16, n 5120..8192, k 6144..32768), out (k <= 8192) or down.
 constexpr int kGemvTmaNarrowMaxK = 32768;
 
 enum class GemvTmaNarrowMode { kOff, kAll, kOut, kDown };
@@ -323,10 +323,10 @@ enum class GemvTmaNarrowMode { kOff, kAll, kOut, kDown };
 GemvTmaNarrowMode gemv_tma_narrow_mode();
 
 struct GemvTmaNarrowConfig {
-  int kbox = 4;      // 64-k boxes per stage: 2, 4 or 8
+  int kbox = 8;      // 64-k boxes per stage: 2, 4, 8 or 16
   int slots = 0;     // ring stages (2..16); 0 = as many as fit in the shared memory
   bool pdl = false;  // the first stages' weight boxes are issued before griddepcontrol.wait
-  std::string name() const;  // "kb4-smax", "kb2-s3-pdl"
+  std::string name() const;  // "kb8-smax", "kb2-s3-pdl"
 };
 
 // Stages that fit for blocks of at most `groups` 8-row groups (0 for a bad kbox or groups < 1).
@@ -337,7 +337,7 @@ bool gemv_tma_narrow_fits(int64_t m, int64_t n, int64_t k, const GemvTmaNarrowCo
                           int n_sms);
 bool gemv_tma_narrow_supports(int64_t m, int64_t n, int64_t k, int n_sms);
 // The registry guard's shape test (sm 90 / bf16 are the registry's): the mode above, m 1..16,
-// n 1024..8192, k 4096..32768, supported on >= 100 SMs (GemmEngine re-checks).
+// n 5120..8192, k 6144..32768, supported on >= 100 SMs (GemmEngine re-checks).
 bool gemv_tma_narrow_preferred(int64_t m, int64_t n, int64_t k);
 GemvTmaNarrowConfig gemv_tma_narrow_config(int m, int n, int k);
 std::vector<GemvTmaNarrowConfig> gemv_tma_narrow_configs(int m, int n, int k, int n_sms);

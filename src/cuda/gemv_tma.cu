@@ -259,11 +259,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 // rows over kbox x 64 k-elements: kbox 2-D TMA boxes of the weights (one per 64-k chunk, rows x
 // 128 bytes, 128-byte swizzle; blocks with one group fewer use a second tensor map whose box is 8
 // rows shorter) and kbox boxes of x (m rows into 16-row slabs whose rows m..15 are zeroed once).
-// With the block's rows few, a stage is wide in k instead: 4 x 5 KiB of weights per stage on the
-// 27B. A last stage past k issues only the boxes that start inside k. The 8 consumer warps split a stage by k: the 2 kbox pairs of 16-k steps (one
-// B ldmatrix.x4 covers a pair for 8 rows) go to warps p % 8, so warp w keeps one fp32 m16n8
-// fragment per row group across all stages; at the end the 8 warps' fragments are summed in warp
-// order through shared memory (the ring, reused after the last stage).
+// With the block's rows few, a stage is wide in k instead: 8 x 5 KiB of weights per stage on the
+// 27B. A last stage past k issues only the boxes that start inside k. The 8 consumer warps split
+// a stage by k: its 2 kbox pairs of 16-k steps (one B ldmatrix.x4 covers a pair for 8 rows) go to
+// warps p % 8, so a warp keeps one fp32 m16n8 fragment per row group across all stages; at the
+// end the 8 warps' fragments are summed in warp order through shared memory (the ring, reused
+// after the last stage). Measured in session 10: the wider the stage the faster (27B down at m 16:
+// kbox 2 / 4 / 8 = 78 / 51 / 47 us), for reasons not isolated (bytes and boxes in flight were
+// equal across the three).
 // Summation order: per warp the k-steps it owns in increasing k, then warps 0..7; it depends on k
 // and kbox only (never m, the slot count, the grid or PDL): batch-invariant for a fixed kbox.
 constexpr int kNarrowJ = 8;  // the most 8-row groups per block (64 rows)
@@ -597,7 +600,7 @@ std::string GemvTmaNarrowConfig::name() const {
 }
 
 int gemv_tma_narrow_max_slots(int groups, int kbox) {
-  if (groups < 1 || (kbox != 2 && kbox != 4 && kbox != 8)) return 0;
+  if (groups < 1 || (kbox != 2 && kbox != 4 && kbox != 8 && kbox != 16)) return 0;
   const int64_t room = int64_t(kMaxSmem) - kAlignSlack - kHdrBytes;
   return int(std::min<int64_t>(kMaxSlots, room / narrow_stage_bytes(groups, kbox)));
 }
@@ -636,19 +639,20 @@ bool gemv_tma_narrow_preferred(int64_t m, int64_t n, int64_t k) {
   if (mode == GemvTmaNarrowMode::kOff) return false;
   if (mode == GemvTmaNarrowMode::kOut && k > 8192) return false;
   if (mode == GemvTmaNarrowMode::kDown && k <= 8192) return false;
-  if (m < 1 || m > kGemvTmaMaxM || n < 1024 || n > 8192 || k < 4096 || k > 32768) return false;
+  // the 27B's out / down projections (n 5120, k 6144 / 17408) and their neighbourhood only
+  if (m < 1 || m > kGemvTmaMaxM || n < 5120 || n > 8192 || k < 6144 || k > 32768) return false;
   return gemv_tma_narrow_supports(m, n, k, kGuardMinSms);
 }
 
 GemvTmaNarrowConfig gemv_tma_narrow_config(int m, int n, int k) {
   (void)m, (void)n, (void)k;
-  return {};  // 4 boxes of 64 k per stage, as many stages as fit (27B: 8 x 28 KiB)
+  return {};  // 8 boxes of 64 k per stage, as many stages as fit (27B: 4 x 56 KiB)
 }
 
 std::vector<GemvTmaNarrowConfig> gemv_tma_narrow_configs(int m, int n, int k, int n_sms) {
   std::vector<GemvTmaNarrowConfig> v;
-  for (int kb : {4, 2, 8})
-    for (int s : {0, 3}) {
+  for (int kb : {8, 4, 16, 2})
+    for (int s : {0, 2, 3}) {
       const GemvTmaNarrowConfig c{kb, s, false};
       if (gemv_tma_narrow_fits(m, n, k, c, n_sms)) v.push_back(c);
     }
@@ -663,7 +667,7 @@ void launch_gemv_tma_narrow(const __nv_bfloat16* x, const __nv_bfloat16* w, void
            "tma narrow gemv: unsupported shape or config m=", m, " n=", n, " k=", k, " config ",
            cfg.name(), " on ", n_sms, " SMs (needs m 1..", kGemvTmaMaxM, ", k % 8 == 0, 8 <= k <= ",
            kGemvTmaNarrowMaxK, ", at most ", kNarrowJ * 8,
-           " rows per block, kbox 2 / 4 / 8 and 2+ stages in shared memory)");
+           " rows per block, kbox 2 / 4 / 8 / 16 and 2+ stages in shared memory)");
   if (out == GemmOut::kBF16)
     launch_narrow_t(x, w, static_cast<bf16*>(y), m, n, k, cfg, n_sms, stream);
   else

@@ -880,7 +880,9 @@ TEST(CudaGemvNarrow, Shapes27bMatchCublasLtAndFp64) {
       ASSERT_TRUE(cuda::gemv_narrow_supports(m, o.n, o.k, n_sms)) << o.name << " m " << m;
       const std::string& v = fast.variant(m, o.n, o.k);
       const bool guarded = v == "gemv_narrow";
-      EXPECT_EQ(guarded, cuda::gemv_narrow_preferred(m, o.n, o.k)) << o.name << " m " << m;
+      EXPECT_EQ(guarded, cuda::gemv_narrow_preferred(m, o.n, o.k) &&
+                             !cuda::gemv_tma_narrow_preferred(m, o.n, o.k))
+          << o.name << " m " << m;
       EXPECT_EQ(guarded, o.k == 17408 && m <= 2 && !cuda::gemv_tma_narrow_preferred(m, o.n, o.k))
           << o.name << " m " << m;
       auto x = test::random_bf16(size_t(m) * o.k, rng);
@@ -2433,7 +2435,8 @@ TEST(CudaGemvTmaNarrow, GuardAndErrors) {
     EXPECT_NE(pick(reg, m, 34816, 5120, 1), "gemv_tma_narrow") << m;
   }
   EXPECT_NE(pick(reg, 17, 5120, 6144), "gemv_tma_narrow");
-  EXPECT_NE(pick(reg, 1, 5120, 2048), "gemv_tma_narrow");  // k < 4096
+  EXPECT_NE(pick(reg, 1, 5120, 2048), "gemv_tma_narrow");  // k < 6144
+  EXPECT_NE(pick(reg, 8, 4096, 8192), "gemv_tma_narrow");  // n < 5120
   auto r80 = cuda::DispatchRegistry::with_defaults(80, "");
   EXPECT_NE(pick(r80, 8, 5120, 6144), "gemv_tma_narrow");
   // fits
@@ -2441,7 +2444,8 @@ TEST(CudaGemvTmaNarrow, GuardAndErrors) {
   EXPECT_TRUE(cuda::gemv_tma_narrow_supports(16, 5120, 6144, 100));  // 7 groups per block
   EXPECT_EQ(cuda::gemv_tma_narrow_max_slots(5, 4), 8);  // the 27B on 132 SMs: 8 x 28 KiB
   EXPECT_EQ(cuda::gemv_tma_narrow_max_slots(5, 8), 4);
-  EXPECT_EQ(cuda::gemv_tma_narrow_max_slots(5, 3), 0);  // kbox 2 / 4 / 8 only
+  EXPECT_EQ(cuda::gemv_tma_narrow_max_slots(5, 3), 0);  // kbox 2 / 4 / 8 / 16 only
+  EXPECT_EQ(cuda::gemv_tma_narrow_max_slots(5, 16), 2);
   EXPECT_EQ(cuda::gemv_tma_narrow_max_slots(0, 4), 0);
   EXPECT_FALSE(cuda::gemv_tma_narrow_supports(17, 5120, 6144, 132));
   EXPECT_FALSE(cuda::gemv_tma_narrow_supports(0, 5120, 6144, 132));
