@@ -313,13 +313,16 @@ void launch_gemv_tma_silu(const __nv_bfloat16* x,          // [m, k]
 // stage is those rows over kbox x 64 k-elements (kbox 2-D TMA boxes of the weights and of x,
 // 128-byte swizzle); the 8 consumer warps split each stage by k (fp32 m16n8 fragments in
 // registers) and are summed in warp order at the end. Summation order depends on k and kbox only:
-// bit-identical for every m, slot count, grid and PDL at one kbox. Off unless
-// $DS_GEMV_TMA_NARROW is 1 (m 1..16, n 5120..8192, k 6144..32768), out (k <= 8192) or down.
+// bit-identical for every m, slot count, grid and PDL at one kbox. On by default for the MLP
+// down projection (k > 8192) at m kGemvTmaMinM..16 (measured in the step, session 10: batch 8 /
+// 16 -0.42 / -0.43 ms; at batch 1 +0.16 ms against gemv_narrow, so m 1..4 keep theirs);
+// $DS_GEMV_TMA_NARROW=0 off, =down the down projection at every m 1..16, =out the out projections
+// (k <= 8192: slower in the step), =1 both at every m (shapes: n 5120..8192, k 6144..32768).
 constexpr int kGemvTmaNarrowMaxK = 32768;
 
-enum class GemvTmaNarrowMode { kOff, kAll, kOut, kDown };
-// $DS_GEMV_TMA_NARROW: unset / "0" off, "1", "out", "down"; anything else throws ds::Error (read
-// once).
+enum class GemvTmaNarrowMode { kOff, kDownBatch, kDown, kOut, kAll };
+// $DS_GEMV_TMA_NARROW: unset kDownBatch (the default), "0" off, "down", "out", "1"; anything else
+// throws ds::Error (read once).
 GemvTmaNarrowMode gemv_tma_narrow_mode();
 
 struct GemvTmaNarrowConfig {
@@ -336,8 +339,9 @@ int gemv_tma_narrow_max_slots(int groups, int kbox);
 bool gemv_tma_narrow_fits(int64_t m, int64_t n, int64_t k, const GemvTmaNarrowConfig& c,
                           int n_sms);
 bool gemv_tma_narrow_supports(int64_t m, int64_t n, int64_t k, int n_sms);
-// The registry guard's shape test (sm 90 / bf16 are the registry's): the mode above, m 1..16,
-// n 5120..8192, k 6144..32768, supported on >= 100 SMs (GemmEngine re-checks).
+// The registry guard's shape test (sm 90 / bf16 are the registry's): the mode above, m 1..16
+// (default: kGemvTmaMinM..16), n 5120..8192, k 6144..32768, supported on >= 100 SMs (GemmEngine
+// re-checks).
 bool gemv_tma_narrow_preferred(int64_t m, int64_t n, int64_t k);
 GemvTmaNarrowConfig gemv_tma_narrow_config(int m, int n, int k);
 std::vector<GemvTmaNarrowConfig> gemv_tma_narrow_configs(int m, int n, int k, int n_sms);

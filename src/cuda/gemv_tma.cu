@@ -609,7 +609,8 @@ GemvTmaNarrowMode gemv_tma_narrow_mode() {
   static const GemvTmaNarrowMode mode = [] {
     const char* e = std::getenv("DS_GEMV_TMA_NARROW");
     const std::string v = e ? e : "";
-    if (v.empty() || v == "0") return GemvTmaNarrowMode::kOff;  // until measured in the step
+    if (v.empty()) return GemvTmaNarrowMode::kDownBatch;  // the default (session 10 A/B)
+    if (v == "0") return GemvTmaNarrowMode::kOff;
     if (v == "1") return GemvTmaNarrowMode::kAll;
     if (v == "out") return GemvTmaNarrowMode::kOut;
     if (v == "down") return GemvTmaNarrowMode::kDown;
@@ -638,7 +639,9 @@ bool gemv_tma_narrow_preferred(int64_t m, int64_t n, int64_t k) {
   const GemvTmaNarrowMode mode = gemv_tma_narrow_mode();
   if (mode == GemvTmaNarrowMode::kOff) return false;
   if (mode == GemvTmaNarrowMode::kOut && k > 8192) return false;
-  if (mode == GemvTmaNarrowMode::kDown && k <= 8192) return false;
+  if ((mode == GemvTmaNarrowMode::kDown || mode == GemvTmaNarrowMode::kDownBatch) && k <= 8192)
+    return false;
+  if (mode == GemvTmaNarrowMode::kDownBatch && m < kGemvTmaMinM) return false;
   // the 27B's out / down projections (n 5120, k 6144 / 17408) and their neighbourhood only
   if (m < 1 || m > kGemvTmaMaxM || n < 5120 || n > 8192 || k < 6144 || k > 32768) return false;
   return gemv_tma_narrow_supports(m, n, k, kGuardMinSms);

@@ -150,6 +150,8 @@ std::string short_name(const KernelRec& r) {
     return std::string(glu ? "gemv_bulk_silu" : "gemv_bulk") + (f32 ? "(f32)" : "") +
            (norm ? "+norm" : "");
   }
+  if (has("gemv_tma_narrow")) return "gemv_tma_narrow";
+  if (has("gemv_tma_kernel")) return "gemv_tma";
   if (has("gemv_narrow")) return "gemv_narrow";
   if (has("skinny_gemm")) return "skinny_mma";
   if (has("gdn_decode_stream")) return "gdn_decode_stream";

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "core/error.h"
 #include "cuda/dispatch.h"
@@ -41,10 +42,20 @@ TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64, 129)).name, "fused");  // prompt chunk
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 40, 1)).name, "fused");    // 40 % 16
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(32, 32, 1)).name, "fused");     // hd 32
-  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, "gemv_narrow");
-  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(4, 5120, 17408)).name, "skinny_mma");
-  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(16, 5120, 17408)).name,  // its A/B switch
-            cuda::gemv_splitk_preferred(16, 5120, 17408) ? "gemv_splitk_mma" : "cublaslt");
+  // the down projection: gemv_tma_narrow where $DS_GEMV_TMA_NARROW puts it (by default m 5..16)
+  auto down = [](int m, const char* otherwise) {
+    return cuda::gemv_tma_narrow_preferred(m, 5120, 17408) ? std::string("gemv_tma_narrow")
+                                                           : std::string(otherwise);
+  };
+  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, down(1, "gemv_narrow"));
+  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(4, 5120, 17408)).name, down(4, "skinny_mma"));
+  EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(16, 5120, 17408)).name,  // or the A/B switch
+            down(16, cuda::gemv_splitk_preferred(16, 5120, 17408) ? "gemv_splitk_mma"
+                                                                  : "cublaslt"));
+  if (cuda::gemv_tma_narrow_mode() == cuda::GemvTmaNarrowMode::kDownBatch) {
+    EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(16, 5120, 17408)).name, "gemv_tma_narrow");
+    EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, "gemv_narrow");
+  }
   EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(4096, 5120, 17408)).name, "cublaslt");
   const std::string list = r.list();
   EXPECT_NE(list.find("attn_decode.split_kv"), std::string::npos);

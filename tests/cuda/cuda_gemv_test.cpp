@@ -2260,9 +2260,9 @@ TEST(CudaGemvTma, GuardAndErrors) {
   DS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-// ---- The TMA tensor-core GEMV for narrow outputs (gemv_tma.cu, variant gemm.gemv_tma_narrow,
-// off unless DS_GEMV_TMA_NARROW is 1 / out / down; launched directly here, so these run either
-// way).
+// ---- The TMA tensor-core GEMV for narrow outputs (gemv_tma.cu, variant gemm.gemv_tma_narrow:
+// the down projection at m 5..16 by default, DS_GEMV_TMA_NARROW=0 / down / out / 1; launched
+// directly here, so these run in every mode).
 
 // Odd shapes (m 1..16, n with a partial last 8-row group, 1..8 groups per block, grids of 1, 7
 // and all SMs, k with a partial last 64-chunk and a last stage of fewer boxes), every config, bf16
@@ -2425,10 +2425,11 @@ TEST(CudaGemvTmaNarrow, GuardAndErrors) {
   auto pick = [&](const cuda::DispatchRegistry& r, int m, int n, int k, int glu = 0) {
     return r.select(F::kGemm, r.key(m, n, k, glu)).name;
   };
-  const bool out_on = mode == cuda::GemvTmaNarrowMode::kAll || mode == cuda::GemvTmaNarrowMode::kOut;
-  const bool down_on =
-      mode == cuda::GemvTmaNarrowMode::kAll || mode == cuda::GemvTmaNarrowMode::kDown;
+  using Mode = cuda::GemvTmaNarrowMode;
+  const bool out_on = mode == Mode::kAll || mode == Mode::kOut;
   for (int m = 1; m <= 16; ++m) {
+    const bool down_on = mode == Mode::kAll || mode == Mode::kDown ||
+                         (mode == Mode::kDownBatch && m >= cuda::kGemvTmaMinM);
     EXPECT_EQ(pick(reg, m, 5120, 6144) == "gemv_tma_narrow", out_on) << m;
     EXPECT_EQ(pick(reg, m, 5120, 17408) == "gemv_tma_narrow", down_on) << m;
     EXPECT_NE(pick(reg, m, 16480, 5120), "gemv_tma_narrow") << m;  // n > 8192
