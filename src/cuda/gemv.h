@@ -314,11 +314,13 @@ void launch_gemv_tma_silu(const __nv_bfloat16* x,          // [m, k]
 // 128-byte swizzle); the 8 consumer warps split each stage by k (fp32 m16n8 fragments in
 // registers) and are summed in warp order at the end. Summation order depends on k and kbox only:
 // bit-identical for every m, slot count, grid and PDL at one kbox. On by default for the MLP
-// down projection (k > 8192) at m kGemvTmaMinM..16 (measured in the step, session 10: batch 8 /
-// 16 -0.42 / -0.43 ms; at batch 1 +0.16 ms against gemv_narrow, so m 1..4 keep theirs);
+// down projection (k > 8192) at m kGemvTmaNarrowMinM..16 (measured in the step, session 10:
+// batch 4 / 8 / 16 -0.15 / -0.29 / -0.35 ms; batch 1 +0.16-0.27 ms against gemv_narrow, so m 1..3
+// keep gemv_narrow / skinny_mma; batch 2-3 not measured);
 // $DS_GEMV_TMA_NARROW=0 off, =down the down projection at every m 1..16, =out the out projections
 // (k <= 8192: slower in the step), =1 both at every m (shapes: n 5120..8192, k 6144..32768).
 constexpr int kGemvTmaNarrowMaxK = 32768;
+constexpr int kGemvTmaNarrowMinM = 4;  // the default's smallest m (the down projection)
 
 enum class GemvTmaNarrowMode { kOff, kDownBatch, kDown, kOut, kAll };
 // $DS_GEMV_TMA_NARROW: unset kDownBatch (the default), "0" off, "down", "out", "1"; anything else
@@ -340,7 +342,7 @@ bool gemv_tma_narrow_fits(int64_t m, int64_t n, int64_t k, const GemvTmaNarrowCo
                           int n_sms);
 bool gemv_tma_narrow_supports(int64_t m, int64_t n, int64_t k, int n_sms);
 // The registry guard's shape test (sm 90 / bf16 are the registry's): the mode above, m 1..16
-// (default: kGemvTmaMinM..16), n 5120..8192, k 6144..32768, supported on >= 100 SMs (GemmEngine
+// (default: kGemvTmaNarrowMinM..16), n 5120..8192, k 6144..32768, supported on >= 100 SMs (GemmEngine
 // re-checks).
 bool gemv_tma_narrow_preferred(int64_t m, int64_t n, int64_t k);
 GemvTmaNarrowConfig gemv_tma_narrow_config(int m, int n, int k);

@@ -2261,7 +2261,7 @@ TEST(CudaGemvTma, GuardAndErrors) {
 }
 
 // ---- The TMA tensor-core GEMV for narrow outputs (gemv_tma.cu, variant gemm.gemv_tma_narrow:
-// the down projection at m 5..16 by default, DS_GEMV_TMA_NARROW=0 / down / out / 1; launched
+// the down projection at m 4..16 by default, DS_GEMV_TMA_NARROW=0 / down / out / 1; launched
 // directly here, so these run in every mode).
 
 // Odd shapes (m 1..16, n with a partial last 8-row group, 1..8 groups per block, grids of 1, 7
@@ -2429,7 +2429,7 @@ TEST(CudaGemvTmaNarrow, GuardAndErrors) {
   const bool out_on = mode == Mode::kAll || mode == Mode::kOut;
   for (int m = 1; m <= 16; ++m) {
     const bool down_on = mode == Mode::kAll || mode == Mode::kDown ||
-                         (mode == Mode::kDownBatch && m >= cuda::kGemvTmaMinM);
+                         (mode == Mode::kDownBatch && m >= cuda::kGemvTmaNarrowMinM);
     EXPECT_EQ(pick(reg, m, 5120, 6144) == "gemv_tma_narrow", out_on) << m;
     EXPECT_EQ(pick(reg, m, 5120, 17408) == "gemv_tma_narrow", down_on) << m;
     EXPECT_NE(pick(reg, m, 16480, 5120), "gemv_tma_narrow") << m;  // n > 8192
