@@ -97,6 +97,33 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// Block prologue of both kernels (all threads call it): the slots' mbarriers (full: the
+// producer's arrival + the bytes; empty: one arrival per consumer warp), and rows m..15 of each
+// slot's nx x slabs (16 rows x 128 bytes each, from byte x_off of the slot): zeros the x boxes (m
+// rows each) never write, the MMA's padding tokens. The zeros (generic proxy) are read by
+// ldmatrix only while the boxes (async proxy) write other bytes of the slots: the proxy fence and
+// the barrier order both before any copy and any read.
+__device__ __forceinline__ void ring_prologue(uint64_t* full, uint64_t* empty, int slots,
+                                              unsigned char* ring, int sbytes, int x_off, int nx,
+                                              int m) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < slots; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], kW);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  const int per_slab = (16 - m) * 128 / 16;
+  for (int i = threadIdx.x; i < slots * nx * per_slab; i += kThreads) {
+    const int sb = i / per_slab, v = i - sb * per_slab;  // sb = slot * nx + slab
+    const int slot = sb / nx, b = sb - slot * nx;
+    reinterpret_cast<uint4*>(ring + size_t(slot) * sbytes + size_t(x_off) +
+                             size_t(b) * kXBoxBytes + size_t(m) * 128)[v] = make_uint4(0, 0, 0, 0);
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+}
+
 template <typename OutT>
 __device__ __forceinline__ void put(OutT* y, size_t i, float v) {
   if constexpr (sizeof(OutT) == 4)
@@ -126,25 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int n_stages = (k + kKc - 1) / kKc;
   const uint32_t tx_w = 2u * uint32_t(br) * 128u, tx = tx_w + uint32_t(m) * 128u;
 
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < slots; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], kW);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  {  // rows m..15 of every x slot: zeros, never written by the x boxes (m rows each)
-    const int per_slot = (16 - m) * 128 / 16;
-    for (int i = threadIdx.x; i < slots * per_slot; i += kThreads) {
-      const int s = i / per_slot, v = i - s * per_slot;
-      reinterpret_cast<uint4*>(ring + size_t(s) * sbytes + 2 * bbytes + m * 128)[v] =
-          make_uint4(0, 0, 0, 0);
-    }
-  }
-  // The zeroed rows (generic proxy) are read by ldmatrix only; the boxes (async proxy) write
-  // other bytes of the slots. Order both before any copy and any read.
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncthreads();
+  ring_prologue(full, empty, slots, ring, sbytes, 2 * bbytes, 1, m);
 
   const bool producer = warp == kW;
   uint64_t policy = 0;
@@ -289,7 +298,7 @@ template <typename OutT>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_tma_narrow_kernel(const __grid_constant__ CUtensorMap wmap_hi,  // box {64, 8 gmax}
                            const __grid_constant__ CUtensorMap wmap_lo,  // box {64, 8 (gmax - 1)}
-                           const __grid_constant__ CUtensorMap xmap,     // x [m, k], box {64, 16}
+                           const __grid_constant__ CUtensorMap xmap,     // x [m, k], box {64, m}
                            OutT* __restrict__ y, int m, int n, int k, int gmax, int kbox,
                            int slots) {
   extern __shared__ unsigned char smem_raw[];
@@ -313,27 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto boxes = [&](int s) { return min(kbox, (k - s * kstage + kKc - 1) / kKc); };
   const uint32_t tx_box = uint32_t(groups) * 8u * 128u + uint32_t(m) * 128u;
 
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < slots; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], kW);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  {  // rows m..15 of every x slab: zeros, never written by the x boxes (m rows each)
-    const int per_slab = (16 - m) * 128 / 16;
-    for (int i = threadIdx.x; i < slots * kbox * per_slab; i += kThreads) {
-      const int sb = i / per_slab, v = i - sb * per_slab;  // sb = slot * kbox + box
-      const int slot = sb / kbox, b = sb - slot * kbox;
-      reinterpret_cast<uint4*>(ring + size_t(slot) * sbytes + size_t(kbox) * wslab +
-                               size_t(b) * kXBoxBytes + size_t(m) * 128)[v] =
-          make_uint4(0, 0, 0, 0);
-    }
-  }
-  // The zeroed rows (generic proxy) are read by ldmatrix only; the boxes (async proxy) write
-  // other bytes of the slots. Order both before any copy and any read.
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  __syncthreads();
+  ring_prologue(full, empty, slots, ring, sbytes, kbox * wslab, kbox, m);
 
   const bool producer = warp == kW;
   const int pre = min(slots, n_stages);

@@ -2006,6 +2006,22 @@ TEST(CudaGemvNarrow, Sweep) {
   cudaStreamDestroy(st);
 }
 
+// The TMA kernels' 27B checks: y (the kernel, bf16 [m, o.n]) has every output written, matches
+// fp64 on the sampled rows and cuBLASLt's yref on every output; one line printed per shape.
+void expect_outputs_match(const std::vector<bf>& x, const SampledRows& sampled, DevBuf<char>& y,
+                          DevBuf<char>& yref, const Op& o, int m, const char* label) {
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  const size_t cnt = size_t(m) * o.n;
+  const auto a = download_out(y, cnt, false), b = download_out(yref, cnt, false);
+  EXPECT_EQ(count_nonfinite(a), 0u) << o.name << " m " << m << ": unwritten outputs";
+  const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
+  const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
+  std::printf(
+      "  %s %-8s m=%-2d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of tol), fp64 worst "
+      "%.2f of tol\n",
+      label, o.name, m, r.differ, cnt, r.worst, worst64);
+}
+
 // ---- The TMA tensor-core GEMV (gemv_tma.cu, variants gemm.gemv_tma / gemm.gemv_tma_silu, off
 // unless DS_GEMV_TMA is 1 / silu; launched directly here, so these run either way).
 
@@ -2114,15 +2130,7 @@ TEST(CudaGemvTma, Shapes27bMatchCublasLtSiluAndBatch) {
                   0)
             << o.name << " tokens " << t0 << ".." << t0 + mm - 1 << " of m " << m;
       }
-      DS_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
-      EXPECT_EQ(count_nonfinite(a), 0u) << o.name << " m " << m << ": unwritten outputs";
-      const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
-      const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
-      std::printf(
-          "  tma %-8s m=%-2d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of tol), fp64 "
-          "worst %.2f of tol\n",
-          o.name, m, r.differ, cnt, r.worst, worst64);
+      expect_outputs_match(x, sampled, y1, y2, o, m, "tma");
       if (o.n == 34816) {  // gate_up: the fused SiLU kernel
         const int d_ff = o.n / 2;
         DevBuf<bf> a1(size_t(m) * d_ff), a2(size_t(m) * d_ff);
@@ -2377,15 +2385,7 @@ TEST(CudaGemvTmaNarrow, Shapes27bMatchCublasLtAndBatch) {
                                      grid, 0);
         EXPECT_TRUE(y3.download() == bits) << o.name << " grid " << grid;
       }
-      DS_CUDA_CHECK(cudaDeviceSynchronize());
-      const auto a = download_out(y1, cnt, false), b = download_out(y2, cnt, false);
-      EXPECT_EQ(count_nonfinite(a), 0u) << o.name << " m " << m << ": unwritten outputs";
-      const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a, o, m);
-      const CublasLtDiff r = expect_bf16_close_to_cublaslt(a, b, o, m);
-      std::printf(
-          "  tma_narrow %-8s m=%-2d bf16 out: %zu of %zu differ from cuBLASLt (worst %.2f of "
-          "tol), fp64 worst %.2f of tol\n",
-          o.name, m, r.differ, cnt, r.worst, worst64);
+      expect_outputs_match(x, sampled, y1, y2, o, m, "tma_narrow");
     }
   }
 }
