@@ -120,16 +120,17 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return k.sm == 90 && k.dtype == 0 && k.dims[3] == 1 && k.dims[1] % 2 == 0 &&
                   gemv_tma_preferred(k.dims[0], k.dims[1] / 2, k.dims[2], true);
          }});
-  // gemv_tma_narrow: the MLP down projection at batch 4..16 by default, measured in the step
-  // against skinny_mma (batch 4) and cuBLASLt tuned (session 10: batch 4 / 8 / 16 -0.15 / -0.29 /
-  // -0.35 ms; the out projections and batch 1 slower: docs/perf/2026-12-02-session10-AB.md);
+  // gemv_tma_narrow: the MLP down projection at batch 3..16 by default, measured in the step
+  // against skinny_mma (batch 3-4) and cuBLASLt tuned (session 10: batch 3 / 4 / 8 / 16 -0.20 /
+  // -0.15 / -0.29 / -0.35 ms; the out projections and batch 1-2 slower:
+  // docs/perf/2026-12-02-session10-AB.md);
   // listed ahead of gemv_bulk_pdl / gemv_narrow so that $DS_GEMV_TMA_NARROW=down|out|1 can put
   // it on the other shapes.
   r.add({F::kGemm, "gemv_tma_narrow",
          "decode GEMM for narrow outputs on tensor cores (gemv.h, gemv_tma.cu): persistent block "
          "per SM owning 4-8 8-row groups, stages of 8 x 64 k as 2-D TMA boxes, the 8 warps split "
          "k and are summed in warp order, batch-invariant; sm 90, m 1..16, n 5120..8192, k "
-         "6144..32768; default the down projection (k > 8192) at m 4..16, DS_GEMV_TMA_NARROW=0 "
+         "6144..32768; default the down projection (k > 8192) at m 3..16, DS_GEMV_TMA_NARROW=0 "
          "off, =down every m, =out / =1 the out projections too",
          [](const ShapeKey& k) {
            return k.sm == 90 && k.dtype == 0 && k.dims[3] == 0 &&

@@ -315,12 +315,12 @@ void launch_gemv_tma_silu(const __nv_bfloat16* x,          // [m, k]
 // registers) and are summed in warp order at the end. Summation order depends on k and kbox only:
 // bit-identical for every m, slot count, grid and PDL at one kbox. On by default for the MLP
 // down projection (k > 8192) at m kGemvTmaNarrowMinM..16 (measured in the step, session 10:
-// batch 4 / 8 / 16 -0.15 / -0.29 / -0.35 ms; batch 1 +0.16-0.27 ms against gemv_narrow, so m 1..3
-// keep gemv_narrow / skinny_mma; batch 2-3 not measured);
+// batch 3 / 4 / 8 / 16 -0.20 / -0.15 / -0.29 / -0.35 ms; batch 1 / 2 +0.16-0.27 / +0.09 ms
+// against gemv_narrow, which keeps m 1..2);
 // $DS_GEMV_TMA_NARROW=0 off, =down the down projection at every m 1..16, =out the out projections
 // (k <= 8192: slower in the step), =1 both at every m (shapes: n 5120..8192, k 6144..32768).
 constexpr int kGemvTmaNarrowMaxK = 32768;
-constexpr int kGemvTmaNarrowMinM = 4;  // the default's smallest m (the down projection)
+constexpr int kGemvTmaNarrowMinM = 3;  // the default's smallest m (the down projection)
 
 enum class GemvTmaNarrowMode { kOff, kDownBatch, kDown, kOut, kAll };
 // $DS_GEMV_TMA_NARROW: unset kDownBatch (the default), "0" off, "down", "out", "1"; anything else

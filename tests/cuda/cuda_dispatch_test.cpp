@@ -42,7 +42,7 @@ TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64, 129)).name, "fused");  // prompt chunk
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 40, 1)).name, "fused");    // 40 % 16
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(32, 32, 1)).name, "fused");     // hd 32
-  // the down projection: gemv_tma_narrow where $DS_GEMV_TMA_NARROW puts it (by default m 4..16)
+  // the down projection: gemv_tma_narrow where $DS_GEMV_TMA_NARROW puts it (by default m 3..16)
   auto down = [](int m, const char* otherwise) {
     return cuda::gemv_tma_narrow_preferred(m, 5120, 17408) ? std::string("gemv_tma_narrow")
                                                            : std::string(otherwise);
@@ -55,7 +55,8 @@ TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
   if (cuda::gemv_tma_narrow_mode() == cuda::GemvTmaNarrowMode::kDownBatch) {
     EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(16, 5120, 17408)).name, "gemv_tma_narrow");
     EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(4, 5120, 17408)).name, "gemv_tma_narrow");
-    EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(3, 5120, 17408)).name, "skinny_mma");
+    EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(3, 5120, 17408)).name, "gemv_tma_narrow");
+    EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(2, 5120, 17408)).name, "gemv_narrow");
     EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(1, 5120, 17408)).name, "gemv_narrow");
   }
   EXPECT_EQ(r.select(KernelFamily::kGemm, r.key(4096, 5120, 17408)).name, "cublaslt");

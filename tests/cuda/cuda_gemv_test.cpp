@@ -288,7 +288,7 @@ TEST(CudaGemv, Shapes27bMatchCublasLt) {
     for (int m : {1, 4, 16}) {
       const bool guarded = fast.variant(m, o.n, o.k) == "skinny_mma";
       // the shapes where it wins (long rows, m <= 4), unless the narrow GEMV (gemv_narrow.cu) or
-      // the TMA one (gemv_tma.cu, the down projection from m 4 by default) is in front of it
+      // the TMA one (gemv_tma.cu, the down projection from m 3 by default) is in front of it
       EXPECT_EQ(guarded, o.k >= 12288 && m <= 4 && !cuda::gemv_narrow_preferred(m, o.n, o.k) &&
                              !cuda::gemv_tma_narrow_preferred(m, o.n, o.k))
           << o.name << " m " << m;
@@ -2270,7 +2270,7 @@ TEST(CudaGemvTma, GuardAndErrors) {
 }
 
 // ---- The TMA tensor-core GEMV for narrow outputs (gemv_tma.cu, variant gemm.gemv_tma_narrow:
-// the down projection at m 4..16 by default, DS_GEMV_TMA_NARROW=0 / down / out / 1; launched
+// the down projection at m 3..16 by default, DS_GEMV_TMA_NARROW=0 / down / out / 1; launched
 // directly here, so these run in every mode).
 
 // Odd shapes (m 1..16, n with a partial last 8-row group, 1..8 groups per block, grids of 1, 7
