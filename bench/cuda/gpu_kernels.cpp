@@ -349,9 +349,9 @@ void KernelBench::gemm_narrow_ab(const std::string& name, int m) {
       cuda::launch_gemv_bulk(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, n_sms_, s_);
     });
   }
-  // The TMA tensor-core GEMV for narrow outputs (gemv_tma.cu; in the engine only with
-  // $DS_GEMV_TMA_NARROW): the shipped config plain and with PDL (back to back), and the other
-  // stage widths.
+  // The TMA tensor-core GEMV for narrow outputs (gemv_tma.cu; in the engine on the down
+  // projection at m 3..16 unless $DS_GEMV_TMA_NARROW=0): the shipped config plain and with PDL
+  // (back to back), and the other stage widths.
   if (cuda::gemv_tma_narrow_supports(m, o.n, o.k, n_sms_)) {
     const cuda::GemvTmaNarrowConfig shipped = cuda::gemv_tma_narrow_config(m, o.n, o.k);
     for (cuda::GemvTmaNarrowConfig c : cuda::gemv_tma_narrow_configs(m, o.n, o.k, n_sms_))
@@ -444,9 +444,9 @@ void KernelBench::gemm_mma_ab(const std::string& name, int m) {
       }
     }
   }
-  // The TMA tensor-core GEMV (gemv_tma.cu; in the engine only with $DS_GEMV_TMA), plain and
-  // with PDL; on gate_up also its fused SiLU kernel (its match column compares the [m, d_ff]
-  // activation with the first half of cuBLASLt's [m, 2 d_ff] output, so it is not a check).
+  // The TMA tensor-core GEMV (gemv_tma.cu; in the engine at m 5..16 unless $DS_GEMV_TMA=0),
+  // plain and with PDL; on gate_up also its fused SiLU kernel (its match column compares the
+  // [m, d_ff] activation with the first half of cuBLASLt's [m, 2 d_ff] output: not a check).
   if (cuda::gemv_tma_supports(m, o.n, o.k, false, n_sms_)) {
     for (bool pdl : {false, true}) {
       cuda::GemvTmaConfig c = cuda::gemv_tma_config(m, o.n, o.k, false);

@@ -631,8 +631,9 @@ bool gemv_tma_narrow_preferred(int64_t m, int64_t n, int64_t k) {
   if ((mode == GemvTmaNarrowMode::kDown || mode == GemvTmaNarrowMode::kDownBatch) && k <= 8192)
     return false;
   if (mode == GemvTmaNarrowMode::kDownBatch && m < kGemvTmaNarrowMinM) return false;
-  // the 27B's out / down projections (n 5120, k 6144 / 17408) and their neighbourhood only
-  if (m < 1 || m > kGemvTmaMaxM || n < 5120 || n > 8192 || k < 6144 || k > 32768) return false;
+  // the 27B's out / down projections (n 5120, k 6144 / 17408) and their neighbourhood only; m and
+  // the largest k are supports()' limits
+  if (n < 5120 || n > 8192 || k < 6144) return false;
   return gemv_tma_narrow_supports(m, n, k, kGuardMinSms);
 }
 

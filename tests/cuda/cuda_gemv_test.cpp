@@ -2022,8 +2022,8 @@ void expect_outputs_match(const std::vector<bf>& x, const SampledRows& sampled, 
       label, o.name, m, r.differ, cnt, r.worst, worst64);
 }
 
-// ---- The TMA tensor-core GEMV (gemv_tma.cu, variants gemm.gemv_tma / gemm.gemv_tma_silu, off
-// unless DS_GEMV_TMA is 1 / silu; launched directly here, so these run either way).
+// ---- The TMA tensor-core GEMV (gemv_tma.cu, variants gemm.gemv_tma / gemm.gemv_tma_silu, on at
+// m 5..16 unless DS_GEMV_TMA is 0 / silu; launched directly here, so these run either way).
 
 // Odd shapes (m 1..16, n from 1 to 192 box rows per block, k with a partial last 64-chunk, grids
 // of 1, 7 and all SMs), every config, bf16 and fp32 out, vs fp64 on every element (poisoned
