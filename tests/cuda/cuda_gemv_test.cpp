@@ -49,6 +49,7 @@
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
 #include "cuda/gemv.h"
+#include "cuda/gemv_bulk_norm.h"
 #include "cuda/kernels.h"
 #include "cuda_test_util.h"
 
@@ -746,6 +747,145 @@ TEST(CudaGemvBulk, SiluFusedMatchesUnfused) {
                                            1, d_ff, k, {1, 16, false}, n_sms, 0),
                Error);  // one row per stage
   DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// The dynamic row schedule (GemvBulkConfig::sched): every output bit-identical to the static
+// split, for plain (bf16 and fp32 out, accumulate), SwiGLU-fused and norm-fused launches, m 1..4,
+// the 27B shapes and odd ones (n below the grid, a short last stage, chunks of 1 / 3 / the default
+// stages), grids of all SMs and of 7 blocks (each block then takes many chunks), twice in a row
+// and from a CUDA graph replayed 3 times with PDL; the counters are zero again after each launch.
+TEST(CudaGemvBulk, DynamicScheduleBitExact) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(71);
+  DevBuf<uint32_t> sched(cuda::kGemvSchedWords);
+  DS_CUDA_CHECK(cudaMemset(sched.ptr, 0, sizeof(uint32_t) * cuda::kGemvSchedWords));
+  auto counters_zero = [&](const std::string& what) {
+    DS_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto v = sched.download();
+    EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](uint32_t c) { return c == 0; }))
+        << what << ": counters " << v[0] << " " << v[1];
+  };
+  cudaStream_t s;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  struct Case {
+    int n, k;
+    bool glu, f32, acc, norm;
+  };
+  const Case cases[] = {
+      {17408, 5120, true, false, false, false},  // gate_up + SiLU (d_ff)
+      {17408, 5120, true, false, false, true},   // ... with the norm prologue
+      {16480, 5120, false, false, false, true},  // gdn_in + norm
+      {5120, 6144, false, false, false, false},  // gdn_out / attn_o
+      {14336, 5120, false, false, true, false},  // attn_qkv shape, accumulate
+      {30001, 5120, false, true, false, false},  // lm_head-like, fp32 out, odd n
+      {37, 24, true, false, false, false},       // n below the grid
+      {1000, 5128, false, false, false, true},
+      {301, 40, false, true, true, false},
+  };
+  for (const Case& c : cases) {
+    const int wrows = c.glu ? 2 * c.n : c.n;
+    auto w = test::random_bf16(size_t(wrows) * c.k, rng, 0.05f);
+    DevBuf<bf> dw(w);
+    for (int m = 1; m <= cuda::kGemvDynMaxM; ++m) {
+      if (c.norm && m > cuda::kGemvNormMaxM) continue;
+      auto x = test::random_bf16(size_t(m) * c.k, rng), d = test::random_bf16(size_t(m) * c.k, rng),
+           nw = test::random_bf16(c.k, rng, 0.1f);
+      DevBuf<bf> dx(x), dd(d), dnw(nw), rout(size_t(m) * c.k);
+      const size_t ybytes = size_t(m) * c.n * (c.f32 ? 4 : 2);
+      DevBuf<char> y(ybytes);
+      std::vector<char> init(ybytes);
+      for (size_t i = 0; i < ybytes; i += 2) init[i] = char(rng() & 0x3F);  // finite values
+      cuda::GemvNormIn nin;
+      nin.residual = B(dx);
+      nin.delta = B(dd);
+      nin.weight = B(dnw);
+      nin.residual_out = reinterpret_cast<__nv_bfloat16*>(rout.ptr);
+      auto launch = [&](cuda::GemvBulkConfig cfg, int sms, cudaStream_t st) {
+        if (c.glu) {
+          auto* act = reinterpret_cast<__nv_bfloat16*>(y.ptr);
+          if (c.norm)
+            cuda::launch_gemv_bulk_silu_norm(nin, B(dw), act, m, c.n, c.k, cfg, sms, st);
+          else
+            cuda::launch_gemv_bulk_silu(B(dx), B(dw), act, m, c.n, c.k, cfg, sms, st);
+        } else {
+          const GemmOut o = c.f32 ? GemmOut::kF32 : GemmOut::kBF16;
+          if (c.norm)
+            cuda::launch_gemv_bulk_norm(nin, B(dw), y.ptr, m, c.n, c.k, o, cfg, sms, st);
+          else
+            cuda::launch_gemv_bulk(B(dx), B(dw), y.ptr, m, c.n, c.k, o, c.acc, cfg, sms, st);
+        }
+      };
+      auto reset_y = [&]() {
+        if (c.acc)
+          y.upload(init);
+        else
+          y.poison();
+      };
+      const cuda::GemvBulkConfig base =
+          c.glu ? cuda::gemv_bulk_silu_config(m, c.n, c.k) : cuda::gemv_bulk_config(m, c.n, c.k);
+      std::string label = "n " + std::to_string(c.n) + " k " + std::to_string(c.k) + " m " +
+                          std::to_string(m) + (c.glu ? " silu" : "") + (c.norm ? " norm" : "") +
+                          (c.acc ? " +=" : "") + (c.f32 ? " f32" : "");
+      for (int sms : {n_sms, 7}) {
+        reset_y();
+        launch(base, sms, 0);
+        DS_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto ref = y.download();
+        for (int cs : {0, 1, 3}) {
+          cuda::GemvBulkConfig dyn = base;
+          dyn.sched = sched.ptr;
+          dyn.chunk_stages = cs;
+          for (int rep = 0; rep < 2; ++rep) {
+            reset_y();
+            launch(dyn, sms, 0);
+            DS_CUDA_CHECK(cudaDeviceSynchronize());
+            EXPECT_TRUE(y.download() == ref) << label << " grid " << sms << " chunk " << cs
+                                             << " rep " << rep;
+            counters_zero(label);
+          }
+        }
+        if (sms != n_sms || c.acc) continue;
+        // From a CUDA graph, with PDL behind a static launch of the same kernel.
+        cuda::GemvBulkConfig dyn = base, first = base;
+        dyn.sched = sched.ptr;
+        dyn.pdl = true;
+        cudaGraph_t g;
+        cudaGraphExec_t ge;
+        DS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        launch(first, sms, s);
+        launch(dyn, sms, s);
+        DS_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+        DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        for (int rep = 0; rep < 3; ++rep) {
+          reset_y();
+          DS_CUDA_CHECK(cudaGraphLaunch(ge, s));
+          DS_CUDA_CHECK(cudaStreamSynchronize(s));
+          EXPECT_TRUE(y.download() == ref) << label << " graph rep " << rep;
+          counters_zero(label + " graph");
+        }
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(g);
+      }
+    }
+  }
+  // A name that says so; the engine hands out distinct counters per launch only with the switch.
+  cuda::GemvBulkConfig named{1, 16, true};
+  named.sched = sched.ptr;
+  named.chunk_stages = 8;
+  EXPECT_EQ(named.name(), "r1s16-pdl-dyn8");
+  cuda::GemmEngine eng;
+  uint32_t* a = eng.sched_counters();
+  uint32_t* b = eng.sched_counters();
+  if (cuda::gemv_dyn_enabled()) {
+    EXPECT_NE(a, nullptr);
+    EXPECT_EQ(b, a + cuda::kGemvSchedWords);
+  } else {
+    EXPECT_EQ(a, nullptr);
+    EXPECT_EQ(b, nullptr);
+  }
+  cudaStreamDestroy(s);
 }
 
 TEST(CudaGemvBulk, GuardAndErrors) {
