@@ -1410,7 +1410,6 @@ bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y,
   cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
   if (!cuda::gemv_bulk_norm_fits(m, k, cfg)) return false;  // no room for the norm's warp sums
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
-  if (m <= cuda::kGemvDynMaxM && next.rows == 0) cfg.sched = gemm_->sched_counters();
   cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, cuda::GemmOut::kBF16, cfg, n_sms_, stream_,
                               next);
   return true;
@@ -1427,7 +1426,6 @@ bool CudaBackend::gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, 
   cuda::GemvBulkConfig cfg = cuda::gemv_bulk_silu_config(m, d_ff, k);
   if (!cuda::gemv_bulk_norm_fits(m, k, cfg)) return false;
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
-  if (m <= cuda::kGemvDynMaxM) cfg.sched = gemm_->sched_counters();
   cuda::launch_gemv_bulk_silu_norm(nin, w, act, m, d_ff, k, cfg, n_sms_, stream_);
   return true;
 }

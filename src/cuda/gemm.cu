@@ -64,26 +64,12 @@ GemmEngine::GemmEngine(size_t workspace_bytes) : workspace_bytes_(workspace_byte
     DS_CUDA_CHECK(cudaMemset(splitk_ws_, 0, gemv_splitk_workspace_bytes()));
     DS_CUDA_CHECK(cudaDeviceSynchronize());
   }
-  if (gemv_dyn_enabled()) {  // zero-filled once: every launch leaves its counters at zero
-    const size_t bytes = sizeof(uint32_t) * kSchedSites * kGemvSchedWords;
-    DS_CUDA_CHECK(cudaMalloc(&sched_pool_, bytes));
-    DS_CUDA_CHECK(cudaMemset(sched_pool_, 0, bytes));
-    DS_CUDA_CHECK(cudaDeviceSynchronize());
-  }
-}
-
-uint32_t* GemmEngine::sched_counters() {
-  if (!sched_pool_) return nullptr;
-  uint32_t* p = sched_pool_ + size_t(sched_next_) * kGemvSchedWords;
-  sched_next_ = (sched_next_ + 1) % kSchedSites;
-  return p;
 }
 
 GemmEngine::~GemmEngine() {
   plans_.clear();
   if (workspace_) cudaFree(workspace_);
   if (splitk_ws_) cudaFree(splitk_ws_);
-  if (sched_pool_) cudaFree(sched_pool_);
   if (handle_) cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
 
@@ -143,7 +129,6 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   if (aligned && (v == "gemv_bulk" || v == "gemv_bulk_pdl")) {
     GemvBulkConfig c = gemv_bulk_config(m, n, k);
     c.pdl = bulk_pdl_;
-    if (m <= kGemvDynMaxM) c.sched = sched_counters();
     launch_gemv_bulk(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
     return;
   }
@@ -206,7 +191,6 @@ bool GemmEngine::run_gate_up_silu(const __nv_bfloat16* x, const __nv_bfloat16* w
   if (v != "gemv_bulk_silu") return false;
   GemvBulkConfig c = gemv_bulk_silu_config(m, d_ff, k);
   c.pdl = bulk_pdl_;
-  if (m <= kGemvDynMaxM) c.sched = sched_counters();
   launch_gemv_bulk_silu(x, w_gate_up, act, m, d_ff, k, c, n_sms_, stream);
   return true;
 }

@@ -118,11 +118,6 @@ class GemmEngine {
   // the launch path).
   const std::string& variant(int m, int n, int k) const;
 
-  // Counters for the bulk GEMVs' dynamic row schedule (gemv.h GemvBulkConfig::sched) when
-  // gemv_dyn_enabled() ($DS_GEMV_DYN=1): the next of kSchedSites zeroed sets, one per launch in
-  // order, so the kernels of a step (and of a captured graph) never share one; null when off.
-  uint32_t* sched_counters();
-
   int n_plans() const { return static_cast<int>(plans_.size()); }
   int late_plans() const { return late_plans_; }
   size_t workspace_bytes() const { return workspace_bytes_; }
@@ -137,9 +132,6 @@ class GemmEngine {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   void* splitk_ws_ = nullptr;  // gemv_splitk's partials and counters ($DS_GEMV_SPLITK=1 only)
-  static constexpr int kSchedSites = 4096;
-  uint32_t* sched_pool_ = nullptr;  // kSchedSites x kGemvSchedWords ($DS_GEMV_DYN=1 only)
-  int sched_next_ = 0;
   std::map<Key, std::unique_ptr<Plan>> plans_;
   int late_plans_ = 0;
   const DispatchRegistry* dispatch_ = nullptr;

@@ -27,7 +27,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -93,26 +92,8 @@ struct GemvBulkConfig {
   // waits for the previous one (griddepcontrol.wait), x is read after.
   bool pdl = false;
   int blocks_per_sm = 1;  // 1, or 2 (each then within half of the SM's shared memory)
-  // Dynamic row schedule (m <= kGemvDynMaxM, one block per SM; null: the static even split):
-  // kGemvSchedWords zeroed uint32 counters on the device, owned by the caller and used by one
-  // launch at a time (GemmEngine::sched_counters hands out a ring of them). Each block starts on
-  // chunk blockIdx.x of chunk_stages stages, then takes the next free chunk from an atomic
-  // ticket, so blocks that start late or stream slowly take fewer rows and the grid ends
-  // together; the last block to finish zeroes the counters again (graph replays need no reset).
-  // Every output row is still one warp's dot product in the same order: bit-identical.
-  uint32_t* sched = nullptr;
-  int chunk_stages = 0;      // stages per chunk (0: gemv_dyn_chunk_stages of the stage size)
-  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl", "r1s16-pdl-dyn8"
+  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl"
 };
-
-// The dynamic schedule (GemvBulkConfig::sched): counters per launch, the largest m compiled with
-// it, and $DS_GEMV_DYN (read once per process): "0" or unset off, "1" on for the bulk GEMVs the
-// engine launches at m <= kGemvDynMaxM; $DS_GEMV_DYN_KB (default 64) the chunk size in KiB of
-// weights (rounded down to whole stages, at least one).
-constexpr int kGemvSchedWords = 2;
-constexpr int kGemvDynMaxM = 4;
-bool gemv_dyn_enabled();
-int gemv_dyn_chunk_stages(int64_t stage_bytes, int slots);
 
 // The leading rows of a LATER GEMV's blocks, prefetched into L2 by this GEMV's blocks as each
 // issues its last own copy (cp.async.bulk.prefetch.L2), so that HBM keeps streaming weights while

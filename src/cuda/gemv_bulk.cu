@@ -38,7 +38,6 @@ constexpr int kConsumerWarps = 8;
 constexpr int kThreads = (kConsumerWarps + 1) * 32;  // + one producer warp
 constexpr int kMaxSlots = 32;
 constexpr int kBarBytes = 2 * kMaxSlots * 8;  // full[] and empty[] mbarriers
-constexpr int kInfoBytes = kMaxSlots * 4;     // DYN: the first stage index of each slot's fill
 constexpr int kRedBytes = kGemvBulkMaxM * kConsumerWarps * 4;  // the fused norm's warp sums
 constexpr int kNormThreads = 256;  // threads of the fused norm: rmsnorm.cu's block, same sums
 constexpr int kNormVec = kGemvNormMaxK / 8 / kNormThreads;  // 16-byte vectors per thread
@@ -156,30 +155,20 @@ __device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16*
 // the plain kernels keep their registers (the prologue's loads of 4 rows take ~160).
 // PF: the producer prefetches `next` into L2 at its end (GemvL2Next), also a separate
 // instantiation (m <= 2, not GLU), so the kernels without it compile exactly as before.
-// DYN: the dynamic row schedule (GemvBulkConfig::sched). Stages are numbered over the whole
-// matrix (GLU: output row j; else rows [R st, R st + R)), chunk c = stages [c cs, c cs + cs).
-// The producer lane issues chunk blockIdx.x, then chunks from the ticket sched[0] (each grab is
-// in flight while the chunk before it issues), writing each slot's stage index into info[] before
-// its mbarrier arrive (release; the consumer's wait acquires), then one end marker (-1, a plain
-// arrive) per consumer warp. sched[1] counts finished producers; the last one zeroes both.
-template <int M, int R, bool GLU, typename OutT, bool NORM, bool PF = false, bool DYN = false>
+template <int M, int R, bool GLU, typename OutT, bool NORM, bool PF = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_bulk_kernel(const bf16* x,  // [M, k] (unused with NORM); no __restrict__: see the wait
                      const bf16* __restrict__ w,  // [n, k] ([2 n, k] when GLU)
                      OutT* __restrict__ y,        // [M, n]
                      int n, int k, int slots, bool accumulate,
-                     const GemvNormIn norm,   // NORM only
-                     const GemvL2Next next,   // rows of a later GEMV into L2 (rows 0: none)
-                     uint32_t* sched,         // DYN only: [ticket, finished producers]
-                     int chunk_stages) {      // DYN only
+                     const GemvNormIn norm,    // NORM only
+                     const GemvL2Next next) {  // rows of a later GEMV into L2 (rows 0: none)
 
   static_assert(!GLU || R == 2, "GLU stages hold one gate row and one up row");
-  static_assert(!(PF && DYN), "the L2 prefetch of a later GEMV assumes the static row split");
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxSlots;
-  int* info = reinterpret_cast<int*>(smem + kBarBytes);  // DYN only
-  bf16* xs = reinterpret_cast<bf16*>(smem + kBarBytes + (DYN ? kInfoBytes : 0));
+  bf16* xs = reinterpret_cast<bf16*>(smem + kBarBytes);
   bf16* ring = xs + size_t(M) * k;
   float* red = reinterpret_cast<float*>(ring + size_t(slots) * R * k);
 
@@ -215,50 +204,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       bulk_copy(ring + slot * stage_elems, w + size_t(r0) * k, bytes, &full[slot], policy);
     }
   };
-  // DYN: the producer lane's position in the schedule (chunk c, its next stage pos, the grab in
-  // flight for the chunk after it) and its fills so far (local: slot local % slots, consumer warp
-  // local % 8, the slot's fill number local / slots).
-  const int total_stages = GLU ? n : (n + R - 1) / R;
-  const int n_chunks = DYN ? (total_stages + chunk_stages - 1) / chunk_stages : 0;
-  int c = blockIdx.x, pos = 0, c_next = 0, local = 0;
-  auto grab = [&]() { return int(gridDim.x) + int(atomicAdd(sched, 1u)); };
-  auto next_stage = [&](int& st) -> bool {
-    if (c >= n_chunks) return false;
-    if (pos == chunk_stages || c * chunk_stages + pos >= total_stages) {
-      c = c_next;
-      pos = 0;
-      if (c >= n_chunks) return false;
-      c_next = grab();
-    }
-    st = c * chunk_stages + pos++;
-    return true;
-  };
-  auto issue_dyn = [&](int st) {  // fill slot local % slots with stage st
-    const int slot = local % slots;
-    info[slot] = st;
-    if constexpr (GLU) {
-      const uint32_t bytes = uint32_t(k) * 2u;
-      mbar_arrive_expect_tx(&full[slot], 2 * bytes);
-      bulk_copy(ring + slot * stage_elems, w + size_t(st) * k, bytes, &full[slot], policy);
-      bulk_copy(ring + slot * stage_elems + k, w + size_t(n + st) * k, bytes, &full[slot], policy);
-    } else {
-      const int r0 = st * R;
-      const uint32_t bytes = uint32_t(min(R, n - r0)) * uint32_t(k) * 2u;
-      mbar_arrive_expect_tx(&full[slot], bytes);
-      bulk_copy(ring + slot * stage_elems, w + size_t(r0) * k, bytes, &full[slot], policy);
-    }
-    ++local;
-  };
   // The weights do not depend on the previous kernel: start streaming them before waiting for it.
   if (producer && lane == 0) {
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    if constexpr (DYN) {
-      if (c < n_chunks) c_next = grab();  // in flight while chunk blockIdx.x issues
-      int st;
-      while (local < slots && next_stage(st)) issue_dyn(st);
-    } else {
-      for (int s = 0; s < min(slots, n_stages); ++s) issue(s);
-    }
+    for (int s = 0; s < min(slots, n_stages); ++s) issue(s);
   }
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   // x (and y when accumulating) come from the kernel before: read only after this wait, through
@@ -277,28 +226,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (producer) {
-    if constexpr (DYN) {
-      if (lane == 0) {
-        int st;
-        while (next_stage(st)) {
-          mbar_wait(&empty[local % slots], uint32_t((local / slots) - 1) & 1u);
-          issue_dyn(st);
-        }
-        for (int e = 0; e < kConsumerWarps; ++e, ++local) {  // one end marker per consumer warp
-          const int slot = local % slots;
-          if (local >= slots) mbar_wait(&empty[slot], uint32_t((local / slots) - 1) & 1u);
-          info[slot] = -1;
-          mbar_arrive(&full[slot]);
-        }
-        // This producer's last grab is done: the last one to get here zeroes the counters.
-        __threadfence();
-        if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
-          atomicExch(sched, 0u);
-          atomicExch(sched + 1, 0u);
-        }
-      }
-      return;
-    }
     if (lane == 0) {
       for (int s = slots; s < n_stages; ++s) {
         const int slot = s % slots;
@@ -320,19 +247,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   const int nv = k / 8;
-  for (int s = warp; DYN || s < n_stages; s += kConsumerWarps) {
+  for (int s = warp; s < n_stages; s += kConsumerWarps) {
     const int slot = s % slots;
+    const int r0 = row_begin + (GLU ? s : s * R);
+    const int rows = GLU ? R : min(R, row_end - r0);
     mbar_wait(&full[slot], uint32_t(s / slots) & 1u);
-    int r0, rows;
-    if constexpr (DYN) {
-      const int st = info[slot];
-      if (st < 0) break;  // end marker
-      r0 = GLU ? st : st * R;
-      rows = GLU ? R : min(R, n - r0);
-    } else {
-      r0 = row_begin + (GLU ? s : s * R);
-      rows = GLU ? R : min(R, row_end - r0);
-    }
     const bf16* ws = ring + slot * stage_elems;
     float acc[M][R];
 #pragma unroll
@@ -378,16 +297,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-size_t smem_bytes(int m, int k, int rows, int slots, bool dyn = false) {
-  return size_t(kBarBytes) + (dyn ? kInfoBytes : 0) + size_t(m) * k * 2 +
-         size_t(slots) * rows * k * 2;
-}
-
-// The dynamic schedule runs when the config carries counters, m <= kGemvDynMaxM, one block per
-// SM, no L2 prefetch of a later GEMV, and the info words still fit the shared memory.
-bool dyn_applies(int m, int k, const GemvBulkConfig& c, const GemvL2Next& next) {
-  return c.sched != nullptr && m <= kGemvDynMaxM && c.blocks_per_sm == 1 && next.rows == 0 &&
-         smem_bytes(m, k, c.rows_per_stage, c.slots, true) + kRedBytes <= size_t(kMaxSmem);
+size_t smem_bytes(int m, int k, int rows, int slots) {
+  return size_t(kBarBytes) + size_t(m) * k * 2 + size_t(slots) * rows * k * 2;
 }
 
 template <int M, int R, typename OutT, bool GLU = false>
@@ -403,23 +314,13 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
       kern = norm.weight ? gemv_bulk_kernel<M, R, GLU, OutT, true, true>
                          : gemv_bulk_kernel<M, R, GLU, OutT, false, true>;
   }
-  const bool dyn = dyn_applies(M, k, c, next);
-  if constexpr (M <= kGemvDynMaxM) {
-    if (dyn)
-      kern = norm.weight ? gemv_bulk_kernel<M, R, GLU, OutT, M <= kGemvNormMaxM, false, true>
-                         : gemv_bulk_kernel<M, R, GLU, OutT, false, false, true>;
-  }
   // The opt-in shared memory size belongs to the device's context: once per (kernel, device), not
   // per process (a std::call_once left the first launch on a second device failing).
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   const int blocks = std::max(1, std::min(n_sms * c.blocks_per_sm, n));
-  const size_t smem = smem_bytes(M, k, R, c.slots, dyn) + (norm.weight ? kRedBytes : 0);
-  const int cs = dyn ? (c.chunk_stages > 0 ? c.chunk_stages
-                                           : gemv_dyn_chunk_stages(int64_t(R) * k * 2, c.slots))
-                     : 0;
+  const size_t smem = smem_bytes(M, k, R, c.slots) + (norm.weight ? kRedBytes : 0);
   launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem, stream, c.pdl, x, w,
-                   static_cast<OutT*>(y), n, k, c.slots, accumulate, norm, next,
-                   dyn ? c.sched : nullptr, cs);
+                   static_cast<OutT*>(y), n, k, c.slots, accumulate, norm, next);
 }
 
 template <int M, int R>
@@ -546,7 +447,6 @@ std::string GemvBulkConfig::name() const {
   std::ostringstream os;
   os << "r" << rows_per_stage << "s" << slots << (blocks_per_sm == 2 ? "b2" : "")
      << (pdl ? "-pdl" : "");
-  if (sched) os << "-dyn" << chunk_stages;
   return os.str();
 }
 
@@ -684,36 +584,6 @@ void launch_gemv_bulk_norm(const GemvNormIn& norm, const __nv_bfloat16* w, void*
                            cudaStream_t stream, const GemvL2Next& next) {
   check_norm(norm, m, k, cfg, "bulk gemv");
   bulk_impl(nullptr, w, y, m, n, k, out, false, cfg, n_sms, stream, norm, next);
-}
-
-bool gemv_dyn_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("DS_GEMV_DYN");
-    const std::string v = e ? e : "";
-    DS_CHECK(v.empty() || v == "0" || v == "1", "DS_GEMV_DYN must be 0 or 1, got '", v, "'");
-    return v == "1";
-  }();
-  return on;
-}
-
-int gemv_dyn_chunk_stages(int64_t stage_bytes, int slots) {
-  static const int kb = [] {
-    const char* e = std::getenv("DS_GEMV_DYN_KB");
-    const std::string v = e ? e : "";
-    if (v.empty()) return 64;
-    size_t used = 0;
-    int x = -1;
-    try {
-      x = std::stoi(v, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    DS_CHECK(used == v.size() && x >= 1 && x <= 4096, "DS_GEMV_DYN_KB must be KiB in 1..4096, got '",
-             v, "'");
-    return x;
-  }();
-  const int64_t cs = (int64_t(kb) << 10) / std::max<int64_t>(stage_bytes, 1);
-  return int(std::clamp<int64_t>(cs, 1, std::max(slots, 1)));
 }
 
 int gemv_l2_next_mib() {
