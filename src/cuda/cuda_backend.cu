@@ -1436,7 +1436,11 @@ void CudaBackend::enqueue_head(const FwdPlan& f, int r0, int r) {
   const int V = cfg_.vocab_size, dm = cfg_.d_model;
   cuda::launch_gather_rows(xn_, f.d.gather + r0, r, dm, lrows_, stream_);
   gemm_->run(lrows_, w_.lm_head, dlogits_, r, V, dm, cuda::GemmOut::kF32, stream_);
-  if (f.argmax) cuda::launch_argmax_rows(dlogits_, r, V, dtok_, stream_);
+  // The cluster argmax waits for lm_head under PDL (the bulk lm_head GEMV triggers its
+  // dependents at its start, so the argmax blocks are resident when it ends).
+  if (f.argmax)
+    cuda::launch_argmax_rows(dlogits_, r, V, dtok_, stream_, cuda::argmax_kernel_default(),
+                             cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff);
 }
 
 // Replays (or captures, then replays) the graph of a decode-only forward: layers + lm_head (+

@@ -92,7 +92,11 @@ struct GemvBulkConfig {
   // waits for the previous one (griddepcontrol.wait), x is read after.
   bool pdl = false;
   int blocks_per_sm = 1;  // 1, or 2 (each then within half of the SM's shared memory)
-  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl"
+  // Stage order over the grid: false = block b owns one contiguous range of rows; true = block b
+  // owns stages b, b + G, b + 2 G, ... (G blocks), so the whole grid sweeps the weight in memory
+  // order. Each output's sums are the same either way (bit-identical; tested).
+  bool interleave = false;
+  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl", "r1s16-ilv"
 };
 
 // The leading rows of a LATER GEMV's blocks, prefetched into L2 by this GEMV's blocks as each
@@ -122,6 +126,11 @@ bool gemv_bulk_supports(int64_t m, int64_t n, int64_t k);
 bool gemv_bulk_preferred(int64_t m, int64_t n, int64_t k);
 // The config for a shape (fits whenever gemv_bulk_supports).
 GemvBulkConfig gemv_bulk_config(int m, int n, int k);
+// $DS_GEMV_ILV (read once per process): the engine's default stage order for the bulk and narrow
+// GEMVs (`0` / unset: contiguous rows per block; `1` / `all`: interleaved in both; `bulk`,
+// `narrow`: one of them). An experiment switch until measured.
+bool gemv_interleave_bulk();
+bool gemv_interleave_narrow();
 
 // Programmatic dependent launch of the decode GEMVs in GemmEngine, from $DS_GEMV_PDL (read once
 // per process): "0" off; "1", "bulk" or unset (the default) the bulk GEMVs (gemv_bulk,
@@ -185,7 +194,10 @@ struct GemvNarrowConfig {
   // Programmatic dependent launch: the first `slots` weight copies are issued before
   // griddepcontrol.wait; x is copied after it.
   bool pdl = false;
-  std::string name() const;  // "s16", "s8-pdl"
+  // Rows over the grid: false = contiguous per block; true = block b owns rows b, b + G, ... (as
+  // GemvBulkConfig::interleave; bit-identical either way).
+  bool interleave = false;
+  std::string name() const;  // "s16", "s8-pdl", "s16-ilv"
 };
 
 int gemv_narrow_slices(int64_t k);     // slices per row: 1, 2, 4 or 8 (17408 -> 4)

@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     gemv_bulk_kernel(const bf16* x,  // [M, k] (unused with NORM); no __restrict__: see the wait
                      const bf16* __restrict__ w,  // [n, k] ([2 n, k] when GLU)
                      OutT* __restrict__ y,        // [M, n]
-                     int n, int k, int slots, bool accumulate,
+                     int n, int k, int slots, bool accumulate, bool interleave,
                      const GemvNormIn norm,    // NORM only
                      const GemvL2Next next) {  // rows of a later GEMV into L2 (rows 0: none)
 
@@ -173,9 +173,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* red = reinterpret_cast<float*>(ring + size_t(slots) * R * k);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row_begin = int(int64_t(n) * blockIdx.x / gridDim.x);
-  const int row_end = int(int64_t(n) * (blockIdx.x + 1) / gridDim.x);
-  const int n_stages = GLU ? row_end - row_begin : (row_end - row_begin + R - 1) / R;
+  // Contiguous: block b owns rows [row_begin, row_end). Interleaved: the grid's stages are numbered
+  // in memory order (GLU: one row each, else R rows) and block b owns stages b, b + G, ..., so the
+  // whole grid sweeps w front to back; row_end is then n (only the last stage can be short).
+  const int G = gridDim.x, b = blockIdx.x;
+  const int row_begin = interleave ? 0 : int(int64_t(n) * b / G);
+  const int row_end = interleave ? n : int(int64_t(n) * (b + 1) / G);
+  const int total_stages = GLU ? n : (n + R - 1) / R;
+  const int n_stages = interleave ? max(0, (total_stages - b + G - 1) / G)
+                                  : (GLU ? row_end - row_begin : (row_end - row_begin + R - 1) / R);
+  // First row of this block's stage s.
+  auto stage_row = [&](int s) {
+    return interleave ? (b + s * G) * (GLU ? 1 : R) : row_begin + s * (GLU ? 1 : R);
+  };
   const size_t stage_elems = size_t(R) * k;
 
   if (threadIdx.x == 0) {
@@ -192,13 +202,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto issue = [&](int s) {
     const int slot = s % slots;
     if constexpr (GLU) {
-      const int j = row_begin + s;
+      const int j = stage_row(s);
       const uint32_t bytes = uint32_t(k) * 2u;
       mbar_arrive_expect_tx(&full[slot], 2 * bytes);
       bulk_copy(ring + slot * stage_elems, w + size_t(j) * k, bytes, &full[slot], policy);
       bulk_copy(ring + slot * stage_elems + k, w + size_t(n + j) * k, bytes, &full[slot], policy);
     } else {
-      const int r0 = row_begin + s * R;
+      const int r0 = stage_row(s);
       const uint32_t bytes = uint32_t(min(R, row_end - r0)) * uint32_t(k) * 2u;
       mbar_arrive_expect_tx(&full[slot], bytes);
       bulk_copy(ring + slot * stage_elems, w + size_t(r0) * k, bytes, &full[slot], policy);
@@ -249,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int nv = k / 8;
   for (int s = warp; s < n_stages; s += kConsumerWarps) {
     const int slot = s % slots;
-    const int r0 = row_begin + (GLU ? s : s * R);
+    const int r0 = stage_row(s);
     const int rows = GLU ? R : min(R, row_end - r0);
     mbar_wait(&full[slot], uint32_t(s / slots) & 1u);
     const bf16* ws = ring + slot * stage_elems;
@@ -320,7 +330,7 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
   const int blocks = std::max(1, std::min(n_sms * c.blocks_per_sm, n));
   const size_t smem = smem_bytes(M, k, R, c.slots) + (norm.weight ? kRedBytes : 0);
   launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem, stream, c.pdl, x, w,
-                   static_cast<OutT*>(y), n, k, c.slots, accumulate, norm, next);
+                   static_cast<OutT*>(y), n, k, c.slots, accumulate, c.interleave, norm, next);
 }
 
 template <int M, int R>
@@ -446,9 +456,28 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
 std::string GemvBulkConfig::name() const {
   std::ostringstream os;
   os << "r" << rows_per_stage << "s" << slots << (blocks_per_sm == 2 ? "b2" : "")
-     << (pdl ? "-pdl" : "");
+     << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "");
   return os.str();
 }
+
+namespace {
+// $DS_GEMV_ILV, read once per process: bit 0 bulk, bit 1 narrow.
+int interleave_mode() {
+  static const int mode = [] {
+    const char* e = std::getenv("DS_GEMV_ILV");
+    const std::string v = e ? e : "";
+    if (v.empty() || v == "0") return 0;
+    if (v == "1" || v == "all") return 3;
+    if (v == "bulk") return 1;
+    DS_CHECK(v == "narrow", "DS_GEMV_ILV must be 0, 1 (= all), bulk or narrow, got '", v, "'");
+    return 2;
+  }();
+  return mode;
+}
+}  // namespace
+
+bool gemv_interleave_bulk() { return (interleave_mode() & 1) != 0; }
+bool gemv_interleave_narrow() { return (interleave_mode() & 2) != 0; }
 
 bool gemv_bulk_fits(int64_t m, int64_t k, const GemvBulkConfig& c) {
   return m >= 1 && m <= kGemvBulkMaxM && k >= 8 && k % 8 == 0 &&
@@ -508,6 +537,7 @@ GemvBulkConfig gemv_bulk_config(int m, int n, int k) {
       gemv_bulk_fits(m, k, {1, bulk_slots_override(), false}))
     c = {1, bulk_slots_override(), false};
   if (!gemv_bulk_fits(m, k, c)) c = {1, 8, false};
+  c.interleave = gemv_interleave_bulk();
   return c;
 }
 
@@ -557,7 +587,9 @@ bool gemv_bulk_silu_preferred(int64_t m, int64_t d_ff, int64_t k) {
 
 GemvBulkConfig gemv_bulk_silu_config(int m, int d_ff, int k) {
   (void)m, (void)d_ff, (void)k;
-  return {2, 8, false};
+  GemvBulkConfig c{2, 8, false};
+  c.interleave = gemv_interleave_bulk();
+  return c;
 }
 
 void launch_gemv_bulk_silu(const __nv_bfloat16* x, const __nv_bfloat16* w_gate_up,

@@ -49,7 +49,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     gemv_narrow_kernel(const bf16* __restrict__ x,  // [M, k]
                        const bf16* __restrict__ w,  // [n, k]
                        OutT* __restrict__ y,        // [M, n]
-                       int n, int k, int slice, int n_slices, int slots, bool accumulate) {
+                       int n, int k, int slice, int n_slices, int slots, bool accumulate,
+                       bool interleave) {
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxSlots;
@@ -59,9 +60,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* part = reinterpret_cast<float*>(ring + size_t(slots) * slice);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row_begin = int(int64_t(n) * blockIdx.x / gridDim.x);
-  const int row_end = int(int64_t(n) * (blockIdx.x + 1) / gridDim.x);
-  const int n_stages = (row_end - row_begin) * n_slices;
+  // Contiguous: block b owns rows [row_begin, row_end); interleaved: rows b, b + G, ... (the grid
+  // sweeps w front to back). Local row r of the block is global row row_of(r).
+  const int G = gridDim.x, b = blockIdx.x;
+  const int row_begin = int(int64_t(n) * b / G);
+  const int n_rows = interleave ? max(0, (n - b + G - 1) / G)
+                                : int(int64_t(n) * (b + 1) / G) - row_begin;
+  auto row_of = [&](int r) { return interleave ? b + r * G : row_begin + r; };
+  const int n_stages = n_rows * n_slices;
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < slots; ++i) {
@@ -78,7 +84,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Stage s = (row row_begin + s / C, slice s % C): consecutive stages are consecutive bytes of w.
   auto issue = [&](int s) {
     const int slot = s % slots;
-    const int row = row_begin + s / n_slices, k0 = (s % n_slices) * slice;
+    const int row = row_of(s / n_slices), k0 = (s % n_slices) * slice;
     const uint32_t bytes = uint32_t(min(slice, k - k0)) * 2u;
     mbar_arrive_expect_tx(&full[slot], bytes);
     bulk_copy(ring + size_t(slot) * slice, w + size_t(row) * k + k0, bytes, &full[slot], policy);
@@ -138,13 +144,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   // The consumer warps only (the producer warp has returned): every partial is parked.
   asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory");
-  const int n_out = (row_end - row_begin) * M;
+  const int n_out = n_rows * M;
   for (int i = threadIdx.x; i < n_out; i += kConsumerWarps * 32) {
     const int r = i / M, t = i - r * M;
     const float* p = part + size_t(r) * n_slices * M + t;
     float sum = p[0];
     for (int c = 1; c < n_slices; ++c) sum += p[size_t(c) * M];
-    store_out(y, size_t(t) * n + row_begin + r, sum, accumulate);
+    store_out(y, size_t(t) * n + row_of(r), sum, accumulate);
   }
 }
 
@@ -167,7 +173,8 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   launch_maybe_pdl(kern, dim3(grid_blocks(n, n_sms)), dim3(kThreads),
                    smem_bytes(M, n, k, c.slots, n_sms), stream, c.pdl, x, w, static_cast<OutT*>(y),
-                   n, k, gemv_narrow_slice_len(k), gemv_narrow_slices(k), c.slots, accumulate);
+                   n, k, gemv_narrow_slice_len(k), gemv_narrow_slices(k), c.slots, accumulate,
+                   c.interleave);
 }
 
 template <int M>
@@ -183,7 +190,7 @@ void launch_m(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, 
 
 std::string GemvNarrowConfig::name() const {
   std::ostringstream os;
-  os << "s" << slots << (pdl ? "-pdl" : "");
+  os << "s" << slots << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "");
   return os.str();
 }
 
@@ -229,6 +236,7 @@ GemvNarrowConfig gemv_narrow_config(int m, int n, int k, int n_sms) {
     if (size_t(s) * gemv_narrow_slice_len(k) * 2 <= size_t(200) << 10 &&
         gemv_narrow_fits(m, n, k, {s, false}, n_sms))
       c.slots = s;
+  c.interleave = gemv_interleave_narrow();
   return c;
 }
 

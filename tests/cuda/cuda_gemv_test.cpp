@@ -49,6 +49,7 @@
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
 #include "cuda/gemv.h"
+#include "cuda/gemv_bulk_norm.h"
 #include "cuda/kernels.h"
 #include "cuda_test_util.h"
 
@@ -746,6 +747,157 @@ TEST(CudaGemvBulk, SiluFusedMatchesUnfused) {
                                            1, d_ff, k, {1, 16, false}, n_sms, 0),
                Error);  // one row per stage
   DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// The interleaved stage order (GemvBulkConfig::interleave, GemvNarrowConfig::interleave): every
+// output bit-identical to the contiguous split, for the bulk kernel's plain (bf16 and fp32 out,
+// accumulate, one and two rows per stage), SwiGLU-fused and norm-fused launches and the narrow
+// kernel, m 1..4, the 27B shapes and odd ones (n below the grid, a short last stage), grids of all
+// SMs and of 7 blocks (many stages per block), and as PDL launches in a CUDA graph.
+TEST(CudaGemvBulk, InterleaveBitExact) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(73);
+  cudaStream_t s;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  enum Kind { kPlain, kSilu, kNarrow };
+  struct Case {
+    Kind kind;
+    int n, k;
+    bool f32, acc, norm;
+  };
+  const Case cases[] = {
+      {kSilu, 17408, 5120, false, false, false},    // gate_up + SiLU (d_ff)
+      {kSilu, 17408, 5120, false, false, true},     // ... with the norm prologue
+      {kPlain, 16480, 5120, false, false, true},    // gdn_in + norm
+      {kPlain, 5120, 6144, false, false, false},    // gdn_out / attn_o
+      {kPlain, 14336, 5120, false, true, false},    // attn_qkv shape, accumulate
+      {kPlain, 30001, 5120, true, false, false},    // lm_head-like, fp32 out, odd n
+      {kSilu, 37, 24, false, false, false},         // n below the grid
+      {kPlain, 1001, 5128, false, false, true},     // a short last two-row stage
+      {kPlain, 301, 40, true, true, false},
+      {kNarrow, 5120, 17408, false, false, false},  // down
+      {kNarrow, 5120, 6144, true, true, false},
+      {kNarrow, 77, 4104, false, false, false},     // n below the grid, a short last slice
+  };
+  for (const Case& c : cases) {
+    const int wrows = c.kind == kSilu ? 2 * c.n : c.n;
+    auto w = test::random_bf16(size_t(wrows) * c.k, rng, 0.05f);
+    DevBuf<bf> dw(w);
+    for (int m = 1; m <= 4; ++m) {
+      auto x = test::random_bf16(size_t(m) * c.k, rng), d = test::random_bf16(size_t(m) * c.k, rng),
+           nw = test::random_bf16(c.k, rng, 0.1f);
+      DevBuf<bf> dx(x), dd(d), dnw(nw), rout(size_t(m) * c.k);
+      const size_t ybytes = size_t(m) * c.n * (c.f32 ? 4 : 2);
+      DevBuf<char> y(ybytes);
+      std::vector<char> init(ybytes);
+      for (size_t i = 0; i < ybytes; i += 2) init[i] = char(rng() & 0x3F);  // finite values
+      cuda::GemvNormIn nin;
+      nin.residual = B(dx);
+      nin.delta = B(dd);
+      nin.weight = B(dnw);
+      nin.residual_out = reinterpret_cast<__nv_bfloat16*>(rout.ptr);
+      const GemmOut o = c.f32 ? GemmOut::kF32 : GemmOut::kBF16;
+      // cfgs: the shipped config and, for the plain kernel, the other rows-per-stage too.
+      std::vector<cuda::GemvBulkConfig> bulk_cfgs;
+      if (c.kind == kSilu) bulk_cfgs.push_back(cuda::gemv_bulk_silu_config(m, c.n, c.k));
+      if (c.kind == kPlain) {
+        bulk_cfgs.push_back({1, 16, false});
+        bulk_cfgs.push_back({2, 8, false});
+        if (!cuda::gemv_bulk_fits(m, c.k, bulk_cfgs[0])) bulk_cfgs[0] = {1, 8, false};
+      }
+      auto launch_bulk = [&](cuda::GemvBulkConfig cfg, int sms, cudaStream_t st) {
+        if (c.kind == kSilu) {
+          auto* act = reinterpret_cast<__nv_bfloat16*>(y.ptr);
+          if (c.norm)
+            cuda::launch_gemv_bulk_silu_norm(nin, B(dw), act, m, c.n, c.k, cfg, sms, st);
+          else
+            cuda::launch_gemv_bulk_silu(B(dx), B(dw), act, m, c.n, c.k, cfg, sms, st);
+        } else if (c.norm) {
+          cuda::launch_gemv_bulk_norm(nin, B(dw), y.ptr, m, c.n, c.k, o, cfg, sms, st);
+        } else {
+          cuda::launch_gemv_bulk(B(dx), B(dw), y.ptr, m, c.n, c.k, o, c.acc, cfg, sms, st);
+        }
+      };
+      auto reset_y = [&]() {
+        if (c.acc)
+          y.upload(init);
+        else
+          y.poison();
+      };
+      const std::string label = "n " + std::to_string(c.n) + " k " + std::to_string(c.k) +
+                                " m " + std::to_string(m) +
+                                (c.kind == kSilu ? " silu" : c.kind == kNarrow ? " narrow" : "") +
+                                (c.norm ? " norm" : "") + (c.acc ? " +=" : "") +
+                                (c.f32 ? " f32" : "");
+      // One (contiguous, interleaved) pair per grid and config; fn launches with `ilv`.
+      auto check = [&](const std::function<void(bool, bool, int, cudaStream_t)>& fn,
+                       const std::string& what) {
+        for (int sms : {n_sms, 7}) {
+          reset_y();
+          fn(false, false, sms, 0);
+          DS_CUDA_CHECK(cudaDeviceSynchronize());
+          const auto ref = y.download();
+          reset_y();
+          fn(true, false, sms, 0);
+          DS_CUDA_CHECK(cudaDeviceSynchronize());
+          EXPECT_TRUE(y.download() == ref) << what << " grid " << sms;
+          if (sms != n_sms || c.acc) continue;
+          // From a CUDA graph: the interleaved launch with PDL behind a contiguous one.
+          cudaGraph_t g;
+          cudaGraphExec_t ge;
+          DS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+          fn(false, false, sms, s);
+          fn(true, true, sms, s);
+          DS_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+          DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+          for (int rep = 0; rep < 2; ++rep) {
+            reset_y();
+            DS_CUDA_CHECK(cudaGraphLaunch(ge, s));
+            DS_CUDA_CHECK(cudaStreamSynchronize(s));
+            EXPECT_TRUE(y.download() == ref) << what << " graph rep " << rep;
+          }
+          cudaGraphExecDestroy(ge);
+          cudaGraphDestroy(g);
+        }
+      };
+      if (c.kind == kNarrow) {
+        if (!cuda::gemv_narrow_supports(m, c.n, c.k, n_sms) ||
+            !cuda::gemv_narrow_supports(m, c.n, c.k, 7))
+          continue;
+        cuda::GemvNarrowConfig base = cuda::gemv_narrow_config(m, c.n, c.k, 7);
+        check(
+            [&](bool ilv, bool pdl, int sms, cudaStream_t st) {
+              cuda::GemvNarrowConfig cfg = base;
+              cfg.interleave = ilv;
+              cfg.pdl = pdl;
+              cuda::launch_gemv_narrow(B(dx), B(dw), y.ptr, m, c.n, c.k, o, c.acc, cfg, sms, st);
+            },
+            label + " " + base.name());
+        continue;
+      }
+      for (const cuda::GemvBulkConfig& base : bulk_cfgs) {
+        if (c.norm && !cuda::gemv_bulk_norm_fits(m, c.k, base)) continue;
+        if (!cuda::gemv_bulk_fits(m, c.k, base)) continue;
+        check(
+            [&](bool ilv, bool pdl, int sms, cudaStream_t st) {
+              cuda::GemvBulkConfig cfg = base;
+              cfg.interleave = ilv;
+              cfg.pdl = pdl;
+              launch_bulk(cfg, sms, st);
+            },
+            label + " " + base.name());
+      }
+    }
+  }
+  cuda::GemvBulkConfig named{1, 16, true};
+  named.interleave = true;
+  EXPECT_EQ(named.name(), "r1s16-pdl-ilv");
+  cuda::GemvNarrowConfig nnamed{16, false};
+  nnamed.interleave = true;
+  EXPECT_EQ(nnamed.name(), "s16-ilv");
+  cudaStreamDestroy(s);
 }
 
 TEST(CudaGemvBulk, GuardAndErrors) {
@@ -1885,6 +2037,73 @@ TEST(CudaGemvBulk, Sweep) {
         "%.3f), bulk best %.3f ms\n",
         ms[mi], sum_lt[mi] * 1e-3, sum_sk[mi] * 1e-3, sum_pick[mi] * 1e-3, sum_pdl[mi] * 1e-3,
         sum_best[mi] * 1e-3);
+  cudaStreamDestroy(st);
+}
+
+// DS_GEMV_ILV_TIMING=1: contiguous vs interleaved stage order on the 27B m 1..2 decode shapes,
+// launched alone and with PDL back to back, rotating weights past L2 (us per call).
+TEST(CudaGemvBulk, InterleaveTiming) {
+  const char* e = std::getenv("DS_GEMV_ILV_TIMING");
+  if (!e || std::string(e) != "1") GTEST_SKIP() << "set DS_GEMV_ILV_TIMING=1 to time";
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(29);
+  const size_t pool_elems = size_t(248320) * 5120;
+  Pool wpool(pool_elems, rng, 0.02f);
+  auto xs = test::random_bf16(size_t(8) * 17408, rng);
+  DevBuf<bf> dx(xs);
+  DevBuf<char> y(size_t(8) * 248320 * 4);
+  cudaStream_t st;
+  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  std::printf("ILV shape m variant | contiguous us (pdl) | interleaved us (pdl) | change\n");
+  for (int round = 0; round < 2; ++round)
+    for (const Op& op : kOps27b) {
+      const size_t welems = size_t(op.n) * op.k;
+      const int rot = int(std::max<size_t>(1, std::min<size_t>(pool_elems / welems, 16)));
+      const GemmOut out = op.f32 ? GemmOut::kF32 : GemmOut::kBF16;
+      for (int m = 1; m <= 2; ++m) {
+        const bool narrow = op.k > 8192;
+        const bool silu = std::string(op.name) == "gate_up";
+        double t[2][2];
+        std::string name;
+        for (int ilv = 0; ilv < 2; ++ilv)
+          for (int pdl = 0; pdl < 2; ++pdl) {
+            std::function<void(int)> fn;
+            if (narrow) {
+              cuda::GemvNarrowConfig c = cuda::gemv_narrow_config(m, op.n, op.k, n_sms);
+              c.interleave = ilv, c.pdl = pdl;
+              name = "narrow " + c.name();
+              fn = [&, c](int i) {
+                cuda::launch_gemv_narrow(B(dx), B(wpool.buf, i * welems), y.ptr, m, op.n, op.k,
+                                         out, false, c, n_sms, st);
+              };
+            } else if (silu) {
+              cuda::GemvBulkConfig c = cuda::gemv_bulk_silu_config(m, op.n / 2, op.k);
+              c.interleave = ilv, c.pdl = pdl;
+              name = "bulk_silu " + c.name();
+              fn = [&, c](int i) {
+                cuda::launch_gemv_bulk_silu(B(dx), B(wpool.buf, i * welems),
+                                            reinterpret_cast<__nv_bfloat16*>(y.ptr), m, op.n / 2,
+                                            op.k, c, n_sms, st);
+              };
+            } else {
+              cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, op.n, op.k);
+              c.interleave = ilv, c.pdl = pdl;
+              name = "bulk " + c.name();
+              fn = [&, c](int i) {
+                cuda::launch_gemv_bulk(B(dx), B(wpool.buf, i * welems), y.ptr, m, op.n, op.k,
+                                       out, false, c, n_sms, st);
+              };
+            }
+            t[ilv][pdl] = time_us(fn, rot, st);
+          }
+        std::printf("ILV r%d %-8s m=%d %-24s | %7.2f (%7.2f) | %7.2f (%7.2f) | %+.2f%% (%+.2f%%)\n",
+                    round + 1, op.name, m, name.c_str(), t[0][0], t[0][1], t[1][0], t[1][1],
+                    100.0 * (t[1][0] / t[0][0] - 1), 100.0 * (t[1][1] / t[0][1] - 1));
+        std::fflush(stdout);
+      }
+    }
   cudaStreamDestroy(st);
 }
 

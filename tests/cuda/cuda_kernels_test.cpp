@@ -15,10 +15,12 @@
 #include <map>
 #include <numeric>
 
+#include "cuda/argmax.h"
 #include "cuda/kernels.h"
 #include "cuda_graph_timer.h"
 #include "cuda_test_util.h"
 #include "model/weight_table.h"
+#include "runtime/backend.h"
 
 namespace ds {
 namespace {
@@ -332,6 +334,85 @@ TEST(CudaKernels, DecodeSmallKernelTiming) {
     });
     std::printf("  add_rmsnorm %2d x 5120: %.2f us; silu_mul %2d x 17408: %.2f us\n", T, rms, T,
                 silu);
+  }
+}
+
+// Device argmax (step_greedy's sampler): both kernels (one block per row, and the cluster of 8
+// blocks per row for long aligned rows) against the host's greedy_token on random rows of the
+// 27B vocab and odd widths: the maximum repeated in several parts of the row (the lowest index
+// must win across the cluster's blocks), at the first and the last index, a NaN or +inf in a
+// later part, a row of -inf, and a graph launch under PDL behind another kernel.
+TEST(CudaKernels, ArgmaxRows) {
+  DS_REQUIRE_GPU();
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.f, 3.f);
+  for (int V : {248320, 32768, 40000, 151936, 1001, 7}) {
+    const int R = 12;
+    std::vector<float> h(size_t(R) * V);
+    for (auto& v : h) v = nd(rng);
+    auto row = [&](int r) { return h.data() + size_t(r) * V; };
+    // r 0: random. r 1: the max at several places (ties across parts). r 2: max at index 0 and
+    // repeated at the end. r 3: max at the last index. r 4: NaN late. r 5: +inf late. r 6: all
+    // -inf. r 7: -inf except one finite value late. r 8..11: random with a tie at part borders.
+    for (int j : {V / 3, V / 8 + 1, V / 2, V - 2}) row(1)[j] = 50.f;
+    row(2)[0] = 60.f, row(2)[V - 1] = 60.f;
+    row(3)[V - 1] = 70.f;
+    row(4)[V - 1 - V / 9] = std::numeric_limits<float>::quiet_NaN();
+    row(5)[V - 1] = INFINITY;
+    std::fill(row(6), row(6) + V, -INFINITY);
+    std::fill(row(7), row(7) + V, -INFINITY);
+    row(7)[V - 3] = -1e30f;
+    for (int r = 8; r < R; ++r) {
+      const int a = std::max(0, V / 8 * (r - 7) - 1), b = std::min(V - 1, V / 8 * (r - 7));
+      row(r)[b] = 40.f, row(r)[a] = 40.f;
+    }
+    std::vector<int32_t> want(R);
+    for (int r = 0; r < R; ++r) want[r] = greedy_token(std::span<const float>(row(r), V));
+    EXPECT_EQ(want[4], -1);
+    EXPECT_EQ(want[5], -1);
+    EXPECT_EQ(want[6], 0);
+    DevBuf<float> dl(h);
+    DevBuf<int32_t> out(R);
+    for (auto which : {cuda::ArgmaxKernel::kBlock, cuda::ArgmaxKernel::kAuto}) {
+      for (bool pdl : {false, true}) {
+        DS_CUDA_CHECK(cudaMemset(out.ptr, 0x7F, sizeof(int32_t) * R));  // not -1
+        cuda::launch_argmax_rows(dl.ptr, R, V, out.ptr, 0, which, pdl);
+        DS_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto got = out.download();
+        for (int r = 0; r < R; ++r)
+          EXPECT_EQ(got[r], want[r]) << "V " << V << " row " << r << " kernel "
+                                     << (which == cuda::ArgmaxKernel::kAuto ? "auto" : "block")
+                                     << " pdl " << pdl;
+      }
+    }
+    EXPECT_EQ(cuda::argmax_cluster_applies(dl.ptr, R, V), V % 4 == 0 && V >= 32768) << V;
+    // Unaligned rows take the block kernel.
+    EXPECT_FALSE(cuda::argmax_cluster_applies(dl.ptr + 1, R, V));
+    if (V < 32768) continue;
+    // In a CUDA graph, under PDL behind a kernel that writes the logits (a row gather of their
+    // bytes, as bf16 pairs, into a NaN-poisoned buffer: the argmax must see its result).
+    DevBuf<float> src(h), dst(h.size());
+    dst.poison();
+    std::vector<int32_t> ident(R);
+    std::iota(ident.begin(), ident.end(), 0);
+    DevBuf<int32_t> didx(ident);
+    cudaStream_t st;
+    DS_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    cuda::launch_gather_rows(reinterpret_cast<const __nv_bfloat16*>(src.ptr), didx.ptr, R, 2 * V,
+                             reinterpret_cast<__nv_bfloat16*>(dst.ptr), st);
+    cuda::launch_argmax_rows(dst.ptr, R, V, out.ptr, st, cuda::ArgmaxKernel::kAuto, true);
+    DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+    DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+    DS_CUDA_CHECK(cudaMemset(out.ptr, 0x7F, sizeof(int32_t) * R));  // not -1
+    DS_CUDA_CHECK(cudaGraphLaunch(ge, st));
+    DS_CUDA_CHECK(cudaStreamSynchronize(st));
+    EXPECT_EQ(out.download(), want) << "graph V " << V;
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    cudaStreamDestroy(st);
   }
 }
 
