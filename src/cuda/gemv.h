@@ -127,8 +127,8 @@ bool gemv_bulk_preferred(int64_t m, int64_t n, int64_t k);
 // The config for a shape (fits whenever gemv_bulk_supports).
 GemvBulkConfig gemv_bulk_config(int m, int n, int k);
 // $DS_GEMV_ILV (read once per process): the engine's default stage order for the bulk and narrow
-// GEMVs (`0` / unset: contiguous rows per block; `1` / `all`: interleaved in both; `bulk`,
-// `narrow`: one of them). An experiment switch until measured.
+// GEMVs (unset / `1` / `all`: interleaved in both, the default; `0`: contiguous rows per block;
+// `bulk`, `narrow`: one of them).
 bool gemv_interleave_bulk();
 bool gemv_interleave_narrow();
 

@@ -466,8 +466,10 @@ int interleave_mode() {
   static const int mode = [] {
     const char* e = std::getenv("DS_GEMV_ILV");
     const std::string v = e ? e : "";
-    if (v.empty() || v == "0") return 0;
-    if (v == "1" || v == "all") return 3;
+    // Default on (both): session 12, same-call A/B, 3 measurements each, TPOT p50 at 1@4096 /
+    // 2@4096 / 1@32768 -0.10 / -0.05 / -0.11 ms (docs/perf/decode_gemv.md).
+    if (v == "0") return 0;
+    if (v.empty() || v == "1" || v == "all") return 3;
     if (v == "bulk") return 1;
     DS_CHECK(v == "narrow", "DS_GEMV_ILV must be 0, 1 (= all), bulk or narrow, got '", v, "'");
     return 2;
