@@ -43,6 +43,30 @@ __device__ __forceinline__ Best better(Best a, Best o) {
   return (o.v > a.v || (o.v == a.v && o.i < a.i)) ? o : a;
 }
 
+// Float4 indices i, i + kThreads, ... below hi, in increasing order (four 16-byte loads in flight).
+__device__ __forceinline__ void scan4(const float4* x4, int i, int hi, Best& b, bool& bad) {
+  for (; i + 3 * kThreads < hi; i += 4 * kThreads) {
+    float4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = x4[i + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int e = 4 * (i + u * kThreads);
+      take(b, v[u].x, e, bad);
+      take(b, v[u].y, e + 1, bad);
+      take(b, v[u].z, e + 2, bad);
+      take(b, v[u].w, e + 3, bad);
+    }
+  }
+  for (; i < hi; i += kThreads) {
+    const float4 v = x4[i];
+    take(b, v.x, 4 * i, bad);
+    take(b, v.y, 4 * i + 1, bad);
+    take(b, v.z, 4 * i + 2, bad);
+    take(b, v.w, 4 * i + 3, bad);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     argmax_rows_kernel(const float* __restrict__ logits,        // [n_rows, vocab]
                        int vocab, int32_t* __restrict__ out) {  // [n_rows]
@@ -53,29 +77,7 @@ __global__ void __launch_bounds__(kThreads)
   Best b{-INFINITY, INT_MAX};
   bool bad = false;
   if ((vocab & 3) == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    const int n4 = vocab >> 2;
-    int i = tid;
-    for (; i + 3 * kThreads < n4; i += 4 * kThreads) {  // four 16-byte loads in flight
-      float4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) v[u] = x4[i + u * kThreads];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int e = 4 * (i + u * kThreads);
-        take(b, v[u].x, e, bad);
-        take(b, v[u].y, e + 1, bad);
-        take(b, v[u].z, e + 2, bad);
-        take(b, v[u].w, e + 3, bad);
-      }
-    }
-    for (; i < n4; i += kThreads) {
-      const float4 v = x4[i];
-      take(b, v.x, 4 * i, bad);
-      take(b, v.y, 4 * i + 1, bad);
-      take(b, v.z, 4 * i + 2, bad);
-      take(b, v.w, 4 * i + 3, bad);
-    }
+    scan4(reinterpret_cast<const float4*>(x), tid, vocab >> 2, b, bad);
   } else {
     for (int i = tid; i < vocab; i += kThreads) take(b, x[i], i, bad);
   }
@@ -121,27 +123,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
   const int hi = int(int64_t(n4) * (part + 1) / kClusterBlocks);
   Best b{-INFINITY, INT_MAX};
   bool bad = false;
-  int i = int(int64_t(n4) * part / kClusterBlocks) + tid;
-  for (; i + 3 * kThreads < hi; i += 4 * kThreads) {  // four 16-byte loads in flight
-    float4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) v[u] = x4[i + u * kThreads];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int e = 4 * (i + u * kThreads);
-      take(b, v[u].x, e, bad);
-      take(b, v[u].y, e + 1, bad);
-      take(b, v[u].z, e + 2, bad);
-      take(b, v[u].w, e + 3, bad);
-    }
-  }
-  for (; i < hi; i += kThreads) {
-    const float4 v = x4[i];
-    take(b, v.x, 4 * i, bad);
-    take(b, v.y, 4 * i + 1, bad);
-    take(b, v.z, 4 * i + 2, bad);
-    take(b, v.w, 4 * i + 3, bad);
-  }
+  scan4(x4, int(int64_t(n4) * part / kClusterBlocks) + tid, hi, b, bad);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     Best other{__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
