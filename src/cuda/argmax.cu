@@ -43,6 +43,16 @@ __device__ __forceinline__ Best better(Best a, Best o) {
   return (o.v > a.v || (o.v == a.v && o.i < a.i)) ? o : a;
 }
 
+// The best of a warp's 32 candidates (every lane gets it).
+__device__ __forceinline__ Best warp_best(Best b) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    Best other{__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
+    b = better(b, other);
+  }
+  return b;
+}
+
 // Float4 indices i, i + kThreads, ... below hi, in increasing order (four 16-byte loads in flight).
 __device__ __forceinline__ void scan4(const float4* x4, int i, int hi, Best& b, bool& bad) {
   for (; i + 3 * kThreads < hi; i += 4 * kThreads) {
@@ -81,11 +91,7 @@ __global__ void __launch_bounds__(kThreads)
   } else {
     for (int i = tid; i < vocab; i += kThreads) take(b, x[i], i, bad);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    Best other{__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
-    b = better(b, other);
-  }
+  b = warp_best(b);
   if (lane == 0) {
     sv[warp] = b.v;
     si[warp] = b.i;
@@ -93,11 +99,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool any_bad = __syncthreads_or(bad);
   if (warp == 0) {
     b = lane < kThreads / 32 ? Best{sv[lane], si[lane]} : Best{-INFINITY, INT_MAX};
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      Best other{__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
-      b = better(b, other);
-    }
+    b = warp_best(b);
     if (lane == 0) out[row] = any_bad ? -1 : (b.i == INT_MAX ? 0 : b.i);  // all -inf: token 0
   }
 }
@@ -124,11 +126,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
   Best b{-INFINITY, INT_MAX};
   bool bad = false;
   scan4(x4, int(int64_t(n4) * part / kClusterBlocks) + tid, hi, b, bad);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    Best other{__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
-    b = better(b, other);
-  }
+  b = warp_best(b);
   if (lane == 0) {
     sv[warp] = b.v;
     si[warp] = b.i;
@@ -136,11 +134,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
   const bool any_bad = __syncthreads_or(bad);
   if (warp == 0) {
     b = lane < kThreads / 32 ? Best{sv[lane], si[lane]} : Best{-INFINITY, INT_MAX};
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      Best other{__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)};
-      b = better(b, other);
-    }
+    b = warp_best(b);
     if (lane == 0) {
       block_v = b.v;
       block_i = b.i;
@@ -155,11 +149,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
       r = Best{*cluster.map_shared_rank(&block_v, lane), *cluster.map_shared_rank(&block_i, lane)};
       rb = *cluster.map_shared_rank(&block_bad, lane);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      Best other{__shfl_xor_sync(0xffffffffu, r.v, o), __shfl_xor_sync(0xffffffffu, r.i, o)};
-      r = better(r, other);
-    }
+    r = warp_best(r);
     rb = __any_sync(0xffffffffu, rb != 0);
     if (lane == 0) out[row] = rb ? -1 : (r.i == INT_MAX ? 0 : r.i);  // all -inf: token 0
   }
