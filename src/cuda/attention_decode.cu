@@ -52,6 +52,7 @@
 #include "cuda/attention_decode.h"
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
+#include "cuda/rope_kv.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -290,7 +291,10 @@ __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;"
 // q, part_ml and part_o are plain pointers (no const __restrict__): under PDL q is written by the
 // previous kernel, and ptxas may move ld.global.nc loads above griddepcontrol.wait
 // (docs/perf/decode_kernels.md, "PDL and const __restrict__").
-template <int HD, bool kAdaptive>
+// kRope (kAdaptive only): rope_kv's work done here (attention_decode.h AttnDecodeRope): q comes
+// from rope.qkv through shared memory, and the block holding a sequence's newest key writes that
+// K / V row to the cache (through rope.k_cache / v_cache, the same buffers) before reading it back.
+template <int HD, bool kAdaptive, bool kRope = false>
 __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     attention_decode_mma_kernel(AttnShape s, AttnBatch b,
                                 const bf16* q,                     // [n_rows, n_heads, HD]
@@ -298,7 +302,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
                                 const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, HD]
                                 int kv_chunk, int n_splits,
                                 float2* part_ml,  // [n_seqs, n_heads, n_splits]
-                                float* part_o) {  // [n_seqs, n_heads, n_splits, HD]
+                                float* part_o,    // [n_seqs, n_heads, n_splits, HD]
+                                AttnDecodeRope rope) {
+  static_assert(kAdaptive || !kRope, "the fused rope needs the adaptive split");
   static_assert(HD == 128 || HD == 256, "mma decode: head_dim 128 or 256");
   // PDL: the merge kernel (a programmatic dependent in kAdaptive) reads the partials only after
   // its griddepcontrol.wait, which waits for this whole grid; its blocks may become resident now.
@@ -389,12 +395,52 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
   }
   for (int j = 0; j < n_pre; ++j) issue(j);
   if constexpr (kAdaptive) pdl_wait();
+  // kRope: the group's query heads, normalised and rotated, into sq [group][HD] (after the rings);
+  // in the block that holds the newest key (the last used split: k_end == kv_len), also that
+  // key row (normalised, rotated) and its value row into the cache. Work items (the group's
+  // heads, then K, then V) go round-robin to the warps, one warp per item as in rope_kv.
+  [[maybe_unused]] bf16* sq = reinterpret_cast<bf16*>(smem + mma_smem_bytes<HD>());
+  if constexpr (kRope) {
+    constexpr int E = HD / 32;
+    const int64_t row = b.q_start[seq];
+    const bf16* prow = rope.qkv + row * s.qkv_dim();
+    const float pos = static_cast<float>(rope.positions[row]);
+    const int slot = rope.slot_mapping[row];
+    const int n_items = group + (k_end == kv_len && slot >= 0 ? 2 : 0);
+    for (int it = warp; it < n_items; it += kMmaWarps) {
+      float y[E];
+      if (it < group) {
+        norm_rope_lane<HD>(s, prow + (int64_t)(kvh * group + it) * HD * (s.gated ? 2 : 1),
+                           rope.q_norm_w, pos, lane, y);
+        store_bf<E>(sq + it * HD + lane * E, y);
+        continue;
+      }
+      const bool is_k = it == group;
+      const bf16* src = prow + s.q_proj_dim() + (is_k ? 0 : s.kv_dim()) + kvh * HD;
+      bf16* dst = cache_row(s, is_k ? rope.k_cache : rope.v_cache, slot, kvh, HD) + lane * E;
+      if (is_k) {
+        norm_rope_lane<HD>(s, src, rope.k_norm_w, pos, lane, y);
+        store_bf<E>(dst, y);
+      } else {
+        copy_bf<E>(dst, src + lane * E);
+      }
+    }
+    // sq is complete, and the newest K / V row is stored before any thread copies its tile
+    // (cp.async below, after this barrier).
+    __threadfence_block();
+    __syncthreads();
+  }
   for (int j = n_pre; j < kStages - 1; ++j) issue(j);
 
   // Q fragments (zeros for the padding heads), scores scaled in fp32 after the product. Read
   // through L2 (ld.global.cg, coherent): under PDL the previous kernel wrote q.
   uint4 qa[kU];
-  {
+  if constexpr (kRope) {
+    const bf16* qh = sq + g * HD + 8 * t;
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      qa[u] = g < group ? *reinterpret_cast<const uint4*>(qh + 32 * u) : make_uint4(0, 0, 0, 0);
+  } else {
     const int64_t qrow = b.q_start[seq];
     const bf16* qh = q + (qrow * s.n_heads + kvh * group + g) * HD + 8 * t;
 #pragma unroll
@@ -730,10 +776,13 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
   const dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
   const size_t merge_smem = n_splits * sizeof(float);
   if (how.split == AttnDecodeSplit::kAdaptive) {
-    auto* split_k = attention_decode_mma_kernel<HD, true>;
-    ensure_smem_optin(reinterpret_cast<const void*>(split_k), kSmem);
-    launch_maybe_pdl(split_k, grid, dim3(kMmaWarps * 32), kSmem, stream, how.pdl, s, b, q,
-                     k_cache, v_cache, kv_chunk, n_splits, ml, o);
+    const bool rope = how.rope.qkv != nullptr;
+    auto* split_k = rope ? attention_decode_mma_kernel<HD, true, true>
+                         : attention_decode_mma_kernel<HD, true, false>;
+    const int smem = kSmem + (rope ? kMaxGroup * HD * 2 : 0);  // + the rotated q heads
+    ensure_smem_optin(reinterpret_cast<const void*>(split_k), smem);
+    launch_maybe_pdl(split_k, grid, dim3(kMmaWarps * 32), smem, stream, how.pdl, s, b, q,
+                     k_cache, v_cache, kv_chunk, n_splits, ml, o, how.rope);
     DS_CUDA_LAUNCH_CHECK();
     // Column slices while the (query head, sequence) blocks alone would leave most SMs idle.
     int dev = 0, n_sms = 0;
@@ -757,7 +806,7 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
   }
   ensure_smem_optin(reinterpret_cast<const void*>(attention_decode_mma_kernel<HD, false>), kSmem);
   attention_decode_mma_kernel<HD, false><<<grid, kMmaWarps * 32, kSmem, stream>>>(
-      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o);
+      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o, AttnDecodeRope{});
   DS_CUDA_LAUNCH_CHECK();
   attention_decode_merge_kernel<HD>
       <<<dim3(s.n_heads, b.n_seqs), kMergeThreads, merge_smem, stream>>>(s, b, n_splits, ml, o,
@@ -881,8 +930,21 @@ void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16*
            n_splits, " splits of ", kv_chunk, " tokens cannot cover ", b.max_kv_len, " tokens");
   DS_CHECK(adaptive || !how.pdl,
            "attention decode: PDL needs the adaptive split (AttnDecodeSplit::kAdaptive)");
+  const AttnDecodeRope& rope = how.rope;
+  if (rope.qkv) {
+    DS_CHECK(adaptive, "attention decode: the fused rope needs the adaptive split");
+    DS_CHECK(qk_norm_rope_kv_warp_supported(s) && s.qkv_dim() % 8 == 0 && aligned16(rope.qkv) &&
+                 aligned16(rope.q_norm_w) && aligned16(rope.k_norm_w),
+             "attention decode: the fused rope needs head_dim 128 / 256 with rotary_dim / 2 a "
+             "multiple of head_dim / 32 (got rotary_dim ",
+             s.rotary_dim, "), 16-byte aligned projection rows and norm weights");
+    DS_CHECK(rope.positions && rope.slot_mapping && rope.k_cache == k_cache &&
+                 rope.v_cache == v_cache,
+             "attention decode: the fused rope needs positions, slot_mapping and the caches the "
+             "attention reads");
+  }
   const bool mma_ok = attention_decode_mma_supported(s) && n_splits <= kMaxMergeSplits &&
-                      aligned16(q) && aligned16(k_cache) && aligned16(v_cache) &&
+                      (rope.qkv || aligned16(q)) && aligned16(k_cache) && aligned16(v_cache) &&
                       aligned16(partials);
   DS_CHECK((how.which != AttnDecodeKernel::kMma && !adaptive) || mma_ok,
            "attention decode: the mma kernel", adaptive ? " (needed by the adaptive split)" : "",

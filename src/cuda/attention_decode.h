@@ -24,6 +24,27 @@ namespace ds::cuda {
 //    context length fills the GPU at every other.
 enum class AttnDecodeSplit { kPlanned, kAdaptive };
 
+// rope_kv's work done by the mma split kernel itself (AttnDecodeLaunch::rope, kAdaptive only), so
+// the decode step needs no rope_kv launch before the attention: every split block of (sequence,
+// kv head) normalises and rotates the GQA group's query heads from the fused projection row
+// (q_norm) into shared memory, and the block holding the sequence's newest key (the last used
+// split) also writes that row's normalised, rotated key and its value into the paged cache at
+// slot_mapping[row] (k_norm) before it reads the row back as part of its last tile. The
+// arithmetic is rope_kv's warp-per-head kernel's (rope_kv.cuh norm_rope_lane): outputs and cache
+// rows bit-identical to rope_kv + the plain path. Needs qk_norm_rope_kv_warp_supported, 16-byte
+// aligned projection rows and weights; the positions / slot_mapping of row q_start[seq]; no
+// negative slot (a decode row always has one). The `q` argument of launch_attention_decode is
+// then unused (may be null).
+struct AttnDecodeRope {
+  const __nv_bfloat16* qkv = nullptr;  // [rows, qkv_dim]: [q(+gate) | k | v]; null: off
+  const __nv_bfloat16* q_norm_w = nullptr;  // [head_dim]
+  const __nv_bfloat16* k_norm_w = nullptr;  // [head_dim]
+  const int32_t* positions = nullptr;       // [rows]
+  const int32_t* slot_mapping = nullptr;    // [rows]
+  __nv_bfloat16* k_cache = nullptr;         // the caches the attention reads (written here)
+  __nv_bfloat16* v_cache = nullptr;
+};
+
 struct AttnDecodeLaunch {
   AttnDecodeKernel which = AttnDecodeKernel::kAuto;
   AttnDecodeSplit split = AttnDecodeSplit::kPlanned;
@@ -43,6 +64,8 @@ struct AttnDecodeLaunch {
   // sessions 4-6) instead of in one round trip (attention_merge_one_trip). Same results, bit for
   // bit; for the tests' comparison.
   bool serial_merge = false;
+  // kAdaptive only: the split kernel does rope_kv's work (AttnDecodeRope above) when rope.qkv.
+  AttnDecodeRope rope;
 };
 
 // Splits per sequence for kAdaptive: one wave of the split kernel (2 blocks per SM) over n_seqs x

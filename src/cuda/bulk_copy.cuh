@@ -25,15 +25,31 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
+// DS_MBAR_SUSPEND_NS (compile time, default 0 = no hint, the hardware's own time limit): the
+// suspend-time hint of each try_wait, in ns, so waiting warps sleep instead of re-polling (an
+// energy experiment: the batch-1 decode step runs at the 700 W power cap; not measured yet, so
+// off unless a build defines it).
+#ifndef DS_MBAR_SUSPEND_NS
+#define DS_MBAR_SUSPEND_NS 0
+#endif
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   do {
+#if DS_MBAR_SUSPEND_NS > 0
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity), "n"(DS_MBAR_SUSPEND_NS)
+        : "memory");
+#else
     asm volatile(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         " selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(smem_u32(bar)), "r"(parity)
         : "memory");
+#endif
   } while (!done);
 }
 // 1-D bulk copy global -> shared of `bytes` (a multiple of 16, both ends 16-byte aligned),

@@ -218,6 +218,11 @@ class CudaBackend final : public Backend {
     if (rows != fused_norm_rows_) clear_graphs();  // captured graphs hold the other launches
     fused_norm_rows_ = rows;
   }
+  bool decode_rope_fused() const { return rope_fused_; }
+  void set_decode_rope_fused(bool on) {
+    if (on != rope_fused_) clear_graphs();  // captured graphs hold the other launches
+    rope_fused_ = on;
+  }
   using PrefillFold = CudaEngineOptions::PrefillFold;
   PrefillFold prefill_fold() const { return fold_; }
   void set_prefill_fold(PrefillFold mode) { fold_ = mode; }  // prompt forwards: no graph has it
@@ -257,6 +262,8 @@ class CudaBackend final : public Backend {
     cuda::AttnDecodeMode attn_decode_mode = cuda::AttnDecodeMode::kPlanned;  // mma kernel only
     cuda::GdnDecodeKernel gdn_decode_kernel = cuda::GdnDecodeKernel::kCluster4;
     cuda::RopeKvKernel rope_kernel = cuda::RopeKvKernel::kBlockPerToken;  // kAuto: warp per head
+    // Decode-only forward whose attention split kernel does rope_kv's work (decode_rope_fused).
+    bool rope_fused = false;
     DecodeKvPlan kv;
     StepMeta d;  // device metadata
   };
@@ -362,11 +369,15 @@ class CudaBackend final : public Backend {
   // Residual add + RMSNorm in the prologue of the bulk decode GEMVs (gemv_bulk_norm.h) for
   // forwards of at most this many tokens.
   int fused_norm_rows_ = 2;
+  bool rope_fused_ = true;  // CudaEngineOptions::decode_rope_fused
   // The residual add folded into the out-projection GEMMs of prompt forwards of >= kFoldMinRows
   // tokens (CudaEngineOptions::prefill_residual_fold).
   CudaEngineOptions::PrefillFold fold_ = CudaEngineOptions::PrefillFold::kAll;
   // Decode graphs.
   bool graphs_on_ = true;
+  // Adaptive split-KV decode attention: splits of at least attn_min_chunk_ keys, at most
+  // attn_max_splits_ of them ($DS_ATTN_MIN_CHUNK, $DS_ATTN_MAX_SPLITS: A/B knobs).
+  int attn_min_chunk_ = 64, attn_max_splits_ = 64;
   std::map<GraphKey, GraphEntry> graphs_;
   std::set<GraphKey> warm_keys_;  // keys that ran eagerly once: captured on the next use
   uint64_t graph_clock_ = 0;
@@ -470,11 +481,24 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
     if (v == "0" || v == "off" || v == "false") graphs_on_ = false;
   }
   set_fused_norm_rows(eopt_.fused_norm_rows);
+  rope_fused_ = cuda::env_switch("DS_DECODE_ROPE_FUSED", eopt_.decode_rope_fused);
   if (const char* env = std::getenv("DS_FUSED_NORM")) {
     const std::string v = env;
     DS_CHECK(v.size() == 1 && v[0] >= '0' && v[0] <= '0' + cuda::kGemvNormMaxM,
              "DS_FUSED_NORM must be a row count 0..", cuda::kGemvNormMaxM, ", got '", v, "'");
     set_fused_norm_rows(v[0] - '0');
+  }
+  if (const char* env = std::getenv("DS_ATTN_MIN_CHUNK")) {
+    const int v = std::atoi(env);
+    DS_CHECK(v >= 8 && v <= 65536 && v % 8 == 0,
+             "DS_ATTN_MIN_CHUNK must be a multiple of 8 in 8..65536, got '", env, "'");
+    attn_min_chunk_ = v;
+  }
+  if (const char* env = std::getenv("DS_ATTN_MAX_SPLITS")) {
+    const int v = std::atoi(env);
+    DS_CHECK(v >= 1 && v <= kMaxDecodeSplits, "DS_ATTN_MAX_SPLITS must be 1..", kMaxDecodeSplits,
+             ", got '", env, "'");
+    attn_max_splits_ = v;
   }
   fold_ = eopt_.prefill_residual_fold;
   if (const char* env = std::getenv("DS_PREFILL_FOLD")) {
@@ -1158,6 +1182,13 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
         attn_v == "split_kv_mma" ? cuda::AttnDecodeKernel::kAuto : cuda::AttnDecodeKernel::kSimt;
     // $DS_ATTN_DECODE (attention_decode.h): pdl (default), pdl_early, pdl_rope, adaptive, planned.
     if (attn_v == "split_kv_mma") f.attn_decode_mode = cuda::attention_decode_mode();
+    // rope_kv folded into the adaptive split kernel: decode-only forwards whose rope_kv would be
+    // the warp-per-head kernel (the fused code is its arithmetic), on the adaptive modes.
+    const cuda::AttnDecodeMode m = f.attn_decode_mode;
+    f.rope_fused = rope_fused_ && f.S_p == 0 && attn_v == "split_kv_mma" &&
+                   f.rope_kernel == cuda::RopeKvKernel::kAuto &&
+                   (m == cuda::AttnDecodeMode::kPdl || m == cuda::AttnDecodeMode::kPdlEarly ||
+                    m == cuda::AttnDecodeMode::kAdaptive);
     const std::string& gdn_v =
         dispatch_.select(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, f.S_d)).name;
     // fused_stream / fused_cluster8 / fused: the fused kernel; prefill_path: the prompt kernels.
@@ -1332,9 +1363,14 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
           layout_.n_kv_blocks * c.n_kv_heads * page_size_ * int64_t(c.head_dim);
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
       bf16* vc = kc + layer_elems;
-      cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d.positions, d.slot_map, T, q_,
-                                   kc, vc, stream_, f.rope_kernel,
-                                   f.attn_decode_mode == cuda::AttnDecodeMode::kPdlRope);
+      // The fused rope reads 16-byte rows of the norm weights (the engine's weights are aligned;
+      // checked per layer so that any other layout takes rope_kv).
+      const bool rope_fused = f.rope_fused && reinterpret_cast<uintptr_t>(L.q_norm) % 16 == 0 &&
+                              reinterpret_cast<uintptr_t>(L.k_norm) % 16 == 0;
+      if (!rope_fused)
+        cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d.positions, d.slot_map, T,
+                                     q_, kc, vc, stream_, f.rope_kernel,
+                                     f.attn_decode_mode == cuda::AttnDecodeMode::kPdlRope);
       if (f.attn_split_kv) {  // rows are absolute (q_start), so the two batches share q_ / mix_
         if (f.attn_decode_mode != cuda::AttnDecodeMode::kPlanned) {
           // Splits of >= 64 keys sized on the device per sequence, one wave of split blocks; with
@@ -1344,9 +1380,11 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
           how.split = cuda::AttnDecodeSplit::kAdaptive;
           how.pdl = f.attn_decode_mode != cuda::AttnDecodeMode::kAdaptive;
           how.early_dependents = f.attn_decode_mode == cuda::AttnDecodeMode::kPdlEarly;
+          if (rope_fused)  // q from the projection row, the newest K/V row written by the kernel
+            how.rope = {proj_, L.q_norm, L.k_norm, d.positions, d.slot_map, kc, vc};
           cuda::launch_attention_decode(
-              attn_, ab_d, q_, kc, vc, gate, 64,
-              cuda::attention_decode_adaptive_splits(S_d, c.n_kv_heads, n_sms_, kMaxDecodeSplits),
+              attn_, ab_d, q_, kc, vc, gate, attn_min_chunk_,
+              cuda::attention_decode_adaptive_splits(S_d, c.n_kv_heads, n_sms_, attn_max_splits_),
               attn_ws_, mix_, stream_, how);
         } else {
           cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, f.kv.kv_chunk,
@@ -1615,6 +1653,19 @@ double cuda_replay_last_graph(Backend& b, int n) {
   auto* cb = dynamic_cast<CudaBackend*>(&b);
   DS_CHECK(cb != nullptr, "cuda_replay_last_graph: backend ", b.name(), " is not the CUDA engine");
   return cb->replay_last_graph(n);
+}
+
+void set_cuda_decode_rope_fused(Backend& b, bool on) {
+  auto* cb = dynamic_cast<CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "set_cuda_decode_rope_fused: backend ", b.name(),
+           " is not the CUDA engine");
+  cb->set_decode_rope_fused(on);
+}
+
+bool cuda_decode_rope_fused(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_decode_rope_fused: backend ", b.name(), " is not the CUDA engine");
+  return cb->decode_rope_fused();
 }
 
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode) {

@@ -59,6 +59,12 @@ struct CudaEngineOptions {
   // $DS_PREFILL_FOLD = 0 / mixer / all (1 = all) overrides.
   enum class PrefillFold { kOff, kMixer, kAll };
   PrefillFold prefill_residual_fold = PrefillFold::kAll;
+  // Decode-only forwards on the adaptive split-KV attention (the default $DS_ATTN_DECODE modes
+  // pdl / pdl_early / adaptive): the attention's split kernel does rope_kv's work itself (q_norm /
+  // k_norm, RoPE, the newest K/V row into the cache; attention_decode.h AttnDecodeRope), one
+  // launch fewer per attention layer. Bit-identical logits (tests: CudaAttentionDecode.FusedRope27b,
+  // Specialisations.FusedRopeOnVsOffBitExactAt27bShapes). $DS_DECODE_ROPE_FUSED=0 / 1 overrides.
+  bool decode_rope_fused = true;
 };
 
 // Uploads `w` (bf16 / f16 / f32 tensors; f16 / f32 are converted to bf16 on the host).
@@ -127,6 +133,10 @@ double cuda_replay_last_graph(Backend& b, int n);
 // not a CUDA backend or rows is outside 0..4.
 void set_cuda_fused_norm(Backend& b, int rows);
 int cuda_fused_norm(const Backend& b);
+// Sets CudaEngineOptions::decode_rope_fused at run time (the cached graphs are dropped when it
+// changes), and reads it. Throw ds::Error when `b` is not a CUDA backend.
+void set_cuda_decode_rope_fused(Backend& b, bool on);
+bool cuda_decode_rope_fused(const Backend& b);
 // Sets the prompt forwards' residual fold (CudaEngineOptions::prefill_residual_fold) at run
 // time, and reads it. Throw ds::Error when `b` is not a CUDA backend.
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode);

@@ -17,6 +17,7 @@
 #include "cuda/attention_decode.h"
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
+#include "cuda/rope_kv.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -28,14 +29,6 @@ constexpr int kHeadWarps = 4;  // warp_per_head: warps per block
 __device__ __forceinline__ const bf16* kv_head_src(const AttnShape& s, const bf16* row, bool is_k,
                                                    int kh, int hd) {
   return row + s.q_proj_dim() + (is_k ? 0 : s.kv_dim()) + kh * hd;
-}
-
-// Row of cache slot `slot` (block slot / page_size, row slot % page_size) of kv head kh in a
-// [blocks, n_kv, page, hd] cache.
-__device__ __forceinline__ bf16* cache_row(const AttnShape& s, bf16* cache, int slot, int kh,
-                                           int hd) {
-  const int64_t blk = slot / s.page_size, r = slot % s.page_size;
-  return cache + ((blk * s.n_kv_heads + kh) * s.page_size + r) * hd;
 }
 
 __global__ void __launch_bounds__(kWarps * 32)
@@ -105,37 +98,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// E consecutive bf16 <-> floats (E = 2, 4 or 8: 4-, 8- or 16-byte accesses).
-template <int E>
-struct BfVec;
-template <>
-struct BfVec<8> {
-  using T = uint4;
-};
-template <>
-struct BfVec<4> {
-  using T = uint2;
-};
-template <>
-struct BfVec<2> {
-  using T = uint32_t;
-};
-template <int E>
-__device__ __forceinline__ void load_bf(const bf16* p, float (&f)[E]) {
-  const typename BfVec<E>::T u = *reinterpret_cast<const typename BfVec<E>::T*>(p);
-  const bf16* b = reinterpret_cast<const bf16*>(&u);
-#pragma unroll
-  for (int e = 0; e < E; ++e) f[e] = __bfloat162float(b[e]);
-}
-template <int E>
-__device__ __forceinline__ void store_bf(bf16* p, const float (&f)[E]) {
-  typename BfVec<E>::T u;
-  bf16* b = reinterpret_cast<bf16*>(&u);
-#pragma unroll
-  for (int e = 0; e < E; ++e) b[e] = __float2bfloat16_rn(f[e]);
-  *reinterpret_cast<typename BfVec<E>::T*>(p) = u;
-}
-
 template <int HD>
 __global__ void __launch_bounds__(kHeadWarps * 32)
     qk_norm_rope_kv_warp_kernel(AttnShape s, const bf16* qkv,  // [n_tokens, qkv_dim]
@@ -169,44 +131,14 @@ __global__ void __launch_bounds__(kHeadWarps * 32)
     src = kv_head_src(s, row, is_k, kh, HD);
     dst = cache_row(s, is_k ? k_cache : v_cache, slot, kh, HD);
   }
-  src += lane * E;
-  dst += lane * E;
   if (!is_q && !is_k) {  // v: plain copy
-    *reinterpret_cast<typename BfVec<E>::T*>(dst) =
-        *reinterpret_cast<const typename BfVec<E>::T*>(src);
+    copy_bf<E>(dst + lane * E, src + lane * E);
     return;
   }
-  float x[E], w[E];
-  load_bf<E>(src, x);
-  load_bf<E>((is_q ? q_norm_w : k_norm_w) + lane * E, w);
-  const float pos = static_cast<float>(positions[t]);
-  float ss = 0.f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) ss += x[e] * x[e];
-  ss = warp_sum(ss);
-  const float inv = rsqrtf(ss / HD + s.eps);
-#pragma unroll
-  for (int e = 0; e < E; ++e)  // normalised value rounded to bf16 (HF's q_norm output)
-    x[e] = __bfloat162float(__float2bfloat16_rn(x[e] * inv * (1.f + w[e])));
-  const int half = s.rotary_dim / 2;
-  const int i0 = lane * E;
-  const int partner = i0 < half ? lane + half / E : lane - half / E;
-  const int src_lane = partner < 0 ? 0 : (partner > 31 ? 31 : partner);
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    const float other = __shfl_sync(0xffffffffu, x[e], src_lane);
-    const int i = i0 + e;
-    if (i < s.rotary_dim) {
-      const int j = i < half ? i : i - half;
-      const float inv_freq = 1.f / powf(s.rope_theta, (2.f * j) / s.rotary_dim);
-      float sn, cs;
-      sincosf(pos * inv_freq, &sn, &cs);
-      w[e] = i < half ? x[e] * cs - other * sn : x[e] * cs + other * sn;
-    } else {
-      w[e] = x[e];
-    }
-  }
-  store_bf<E>(dst, w);
+  float y[E];
+  norm_rope_lane<HD>(s, src, is_q ? q_norm_w : k_norm_w, static_cast<float>(positions[t]), lane,
+                     y);
+  store_bf<E>(dst + lane * E, y);
 }
 
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

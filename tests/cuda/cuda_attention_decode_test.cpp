@@ -288,8 +288,10 @@ TEST(CudaAttentionDecode, HeadDim128Groups) {
 // rope_kv (writing q and each sequence's newest K/V row from a projection row, as the engine
 // does) followed by the decode attention on one stream, eagerly or captured in a CUDA graph. q and
 // the newest rows are poisoned first, so an attention kernel that reads them before rope_kv has
-// written them gives NaN.
-std::vector<float> run_after_rope(const DecodeFixture& f, cuda::AttnDecodeLaunch how, bool graph) {
+// written them gives NaN. fused: no rope_kv launch, the split kernel does its work
+// (AttnDecodeLaunch::rope; q stays poisoned and unused). caches: the K and V caches after the run.
+std::vector<float> run_after_rope(const DecodeFixture& f, cuda::AttnDecodeLaunch how, bool graph,
+                                  bool fused = false, std::vector<bf>* caches = nullptr) {
   const cuda::AttnShape& s = f.s;
   const int n = int(f.kv_len.size()), hd = s.head_dim, ps = s.page_size, nkv = s.n_kv_heads;
   std::mt19937 rng(1234);
@@ -319,18 +321,120 @@ std::vector<float> run_after_rope(const DecodeFixture& f, cuda::AttnDecodeLaunch
   const cuda::AttnBatch b = f.batch(qs, ql, kl, bt);
   cudaStream_t st;
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  if (fused)
+    how.rope = {d_qkv.as<__nv_bfloat16>(), d_qn.as<__nv_bfloat16>(), d_kn.as<__nv_bfloat16>(),
+                d_pos.ptr, d_slot.ptr, dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>()};
   auto body = [&] {
-    cuda::launch_qk_norm_rope_kv(s, d_qkv.as<__nv_bfloat16>(), d_qn.as<__nv_bfloat16>(),
-                                 d_kn.as<__nv_bfloat16>(), d_pos.ptr, d_slot.ptr, n,
-                                 dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(),
-                                 dv.as<__nv_bfloat16>(), st);
-    cuda::launch_attention_decode(s, b, dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(),
-                                  dv.as<__nv_bfloat16>(), f.gate_of(dg), kv_chunk, n_splits,
-                                  ws.ptr, out.as<__nv_bfloat16>(), st, how);
+    if (!fused)
+      cuda::launch_qk_norm_rope_kv(s, d_qkv.as<__nv_bfloat16>(), d_qn.as<__nv_bfloat16>(),
+                                   d_kn.as<__nv_bfloat16>(), d_pos.ptr, d_slot.ptr, n,
+                                   dq.as<__nv_bfloat16>(), dk.as<__nv_bfloat16>(),
+                                   dv.as<__nv_bfloat16>(), st);
+    cuda::launch_attention_decode(s, b, fused ? nullptr : dq.as<__nv_bfloat16>(),
+                                  dk.as<__nv_bfloat16>(), dv.as<__nv_bfloat16>(), f.gate_of(dg),
+                                  kv_chunk, n_splits, ws.ptr, out.as<__nv_bfloat16>(), st, how);
   };
   test::run_once_on(st, graph, body);
   DS_CUDA_CHECK(cudaStreamDestroy(st));
+  if (caches) {
+    *caches = dk.download();
+    const auto v = dv.download();
+    caches->insert(caches->end(), v.begin(), v.end());
+  }
   return test::to_f32(out.download());
+}
+
+// rope_kv's work inside the adaptive split kernel (AttnDecodeLaunch::rope) vs rope_kv + the same
+// kernel (the engine's path before it): outputs and both caches (the newest rows above all)
+// bit-identical, eager and in a CUDA graph, with and without PDL, at the 27B shape (batch 1 from
+// one key to 32K, uniform and ragged batches of 4 and 16, page sizes 64 and 24) and at head_dim 128
+// with groups 5 and 8. The newest rows are poisoned first (NaN), so a block that reads its
+// newest tile before the row is stored, or a row nobody writes, shows.
+TEST(CudaAttentionDecode, FusedRope27b) {
+  DS_REQUIRE_GPU();
+  std::mt19937 rng(78);
+  struct Case {
+    cuda::AttnShape s;
+    std::vector<int32_t> lens;
+    std::string what;
+  };
+  std::vector<Case> cases;
+  for (int L : {1, 2, 63, 64, 65, 4096, 4097, 16384, 32768})
+    cases.push_back({test::attn_shape_27b(), {L}, "27b batch 1 x " + std::to_string(L)});
+  {
+    std::vector<int32_t> r4{32768}, r16;
+    for (int i = 1; i < 4; ++i) r4.push_back(1 + int(rng() % 32768));
+    for (int i = 0; i < 16; ++i) r16.push_back(i < 4 ? std::vector<int>{1, 63, 64, 65}[i]
+                                                     : 1 + int(rng() % 8192));
+    cases.push_back({test::attn_shape_27b(), r4, "27b ragged batch 4 up to 32768"});
+    cases.push_back({test::attn_shape_27b(), std::vector<int32_t>(16, 4096), "27b batch 16 x 4096"});
+    cases.push_back({test::attn_shape_27b(), r16, "27b ragged batch 16 up to 8192"});
+    cuda::AttnShape p24 = test::attn_shape_27b();
+    p24.page_size = 24;
+    cases.push_back({p24, {1, 23, 24, 25, 777, 4100}, "27b page 24, batch 6"});
+    for (auto [nh, nkv] : {std::pair{10, 2}, std::pair{16, 2}}) {
+      cuda::AttnShape h = test::attn_shape_27b();
+      h.n_heads = nh;
+      h.n_kv_heads = nkv;
+      h.head_dim = 128;
+      h.rotary_dim = 32;
+      h.page_size = 16;
+      cases.push_back({h, {1, 100, 4097}, "hd 128 group " + std::to_string(nh / nkv)});
+    }
+  }
+  const auto adaptive = cuda::AttnDecodeSplit::kAdaptive;
+  int seed = 200;
+  for (const Case& c : cases) {
+    const DecodeFixture f(c.s, c.lens, seed++);
+    std::vector<bf> ref_cache;
+    const auto ref = run_after_rope(f, launch_of(AttnDecodeKernel::kMma, adaptive, true), false,
+                                    false, &ref_cache);
+    struct Arm {
+      const char* name;
+      bool pdl, graph, early;
+    };
+    for (const Arm& a : {Arm{"plain", false, false, false}, Arm{"pdl", true, false, false},
+                         Arm{"pdl graph", true, true, false},
+                         Arm{"pdl early graph", true, true, true}}) {
+      auto how = launch_of(AttnDecodeKernel::kMma, adaptive, a.pdl);
+      how.early_dependents = a.early;
+      std::vector<bf> cache;
+      const auto got = run_after_rope(f, how, a.graph, true, &cache);
+      for (size_t j = 0; j < got.size(); ++j)
+        ASSERT_TRUE(std::isfinite(got[j])) << c.what << " [" << a.name << "]: element " << j;
+      size_t cache_differ = 0;
+      for (size_t j = 0; j < cache.size(); ++j)
+        cache_differ += cache[j] != ref_cache[j] &&
+                        !(std::isnan(bf16_to_f32(cache[j])) && std::isnan(bf16_to_f32(ref_cache[j])));
+      EXPECT_EQ(n_differ(got, ref), 0u) << c.what << " [" << a.name << "]: vs rope_kv + kernel";
+      EXPECT_EQ(cache_differ, 0u) << c.what << " [" << a.name << "]: cache vs rope_kv's";
+      std::printf("  %s [fused rope, %s]: %zu of %zu outputs, %zu of %zu cache elements differ\n",
+                  c.what.c_str(), a.name, n_differ(got, ref), got.size(), cache_differ,
+                  cache.size());
+    }
+  }
+  // Refused: the fused rope on the planned split, or with other caches than the attention's.
+  const DecodeFixture f(test::attn_shape_27b(), {100}, 5);
+  DevBuf<bf> qkv(size_t(f.s.qkv_dim())), w(size_t(f.s.head_dim)), kc(f.kc), vc(f.vc);
+  DevBuf<int32_t> pos(std::vector<int32_t>{99}), slot(std::vector<int32_t>{99});
+  DevBuf<int32_t> qs(f.q_start), ql(f.q_len), kl(f.kv_len), bt(f.btab);
+  DevBuf<char> ws(cuda::attention_decode_workspace_bytes(f.s, 1, 64));
+  DevBuf<bf> dg(f.gate), out(f.q.size());
+  auto how = launch_of(AttnDecodeKernel::kMma, cuda::AttnDecodeSplit::kPlanned);
+  how.rope = {qkv.as<__nv_bfloat16>(), w.as<__nv_bfloat16>(), w.as<__nv_bfloat16>(), pos.ptr,
+              slot.ptr, kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>()};
+  auto launch = [&] {
+    cuda::launch_attention_decode(f.s, f.batch(qs, ql, kl, bt), nullptr, kc.as<__nv_bfloat16>(),
+                                  vc.as<__nv_bfloat16>(), f.gate_of(dg), 64, 64, ws.ptr,
+                                  out.as<__nv_bfloat16>(), 0, how);
+  };
+  EXPECT_THROW(launch(), Error);
+  how.split = adaptive;
+  how.rope.v_cache = how.rope.k_cache;
+  EXPECT_THROW(launch(), Error);
+  how.rope.v_cache = vc.as<__nv_bfloat16>();
+  EXPECT_NO_THROW(launch());
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 // The engine's decode sequence: the adaptive kernel as a programmatic dependent of rope_kv,

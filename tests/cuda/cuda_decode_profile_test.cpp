@@ -269,10 +269,12 @@ double report(const std::string& title, const std::vector<std::vector<KernelRec>
   return span / ns;
 }
 
-// The synthetic engine of both tests: `slots` slots (4 unless asked), each holding a 4096-token
-// random prompt (drawn from rng, which the caller goes on using for the decode tokens).
+// The synthetic engine of both tests: `slots` slots (4 unless asked), each holding a random prompt
+// of `prompt_len` tokens (4096 unless asked; fed in 4096-token chunks) drawn from rng, which the
+// caller goes on using for the decode tokens.
 std::unique_ptr<Backend> engine_with_4k_prompts(const ModelConfig& c, int64_t max_kv_tokens,
-                                                std::mt19937& rng, int slots = 4) {
+                                                std::mt19937& rng, int slots = 4,
+                                                int prompt_len = 4096) {
   BackendOptions o;
   o.device = "cuda";
   o.n_slots = slots;
@@ -283,10 +285,12 @@ std::unique_ptr<Backend> engine_with_4k_prompts(const ModelConfig& c, int64_t ma
   auto b = make_cuda_backend_synthetic(o, c, 1, e);
   std::vector<float> logits;
   for (int s = 0; s < slots; ++s) {
-    std::vector<int32_t> p(4096);
-    for (auto& x : p) x = int32_t(rng() % c.vocab_size);
-    SeqWork w{s, p, false};
-    b->step(std::span<const SeqWork>(&w, 1), logits);
+    for (int at = 0; at < prompt_len; at += 4096) {
+      std::vector<int32_t> p(std::min(4096, prompt_len - at));
+      for (auto& x : p) x = int32_t(rng() % c.vocab_size);
+      SeqWork w{s, p, false};
+      b->step(std::span<const SeqWork>(&w, 1), logits);
+    }
   }
   return b;
 }
@@ -312,9 +316,15 @@ TEST(DecodeProfile, Synthetic27bInGraph) {
     }
   }
   const int max_batch = std::max(4, *std::max_element(batches.begin(), batches.end()));
+  // $DS_PROFILE_CONTEXT: the prompt length before the profiled steps (default 4096).
+  int ctx = 4096;
+  if (const char* cv = std::getenv("DS_PROFILE_CONTEXT"); cv && *cv) {
+    ctx = std::atoi(cv);
+    ASSERT_TRUE(ctx >= 64 && ctx <= 131072) << "DS_PROFILE_CONTEXT: 64..131072, got '" << cv << "'";
+  }
   const ModelConfig c = synthetic_model_config("27b");
   std::mt19937 rng(5);
-  auto b = engine_with_4k_prompts(c, int64_t(max_batch) * 4600, rng, max_batch);
+  auto b = engine_with_4k_prompts(c, int64_t(max_batch) * (ctx + 504), rng, max_batch, ctx);
   const int V = c.vocab_size;
   std::vector<float> logits;
   StepOutput out;
@@ -339,7 +349,7 @@ TEST(DecodeProfile, Synthetic27bInGraph) {
       if (batch > 4 && !fused) continue;  // one graph either way: run it once
       set_cuda_fused_norm(*b, fused ? 4 : 0);  // on: at every batch size the kernels support
       const std::string title =
-          "batch " + std::to_string(batch) + " ctx 4K" +
+          "batch " + std::to_string(batch) + " ctx " + std::to_string(ctx) +
           (batch > 4 ? std::string() : std::string(", fused_norm ") + (fused ? "on" : "off"));
       run(batch, 6, nullptr);  // eager warm-up, capture, replays
       std::vector<double> ms;

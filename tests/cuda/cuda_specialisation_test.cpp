@@ -3,7 +3,9 @@
 // (disable_kernels = "all": each family's generic fallback; $DS_GEMM_TUNE=0: cuBLASLt's heuristic
 // algorithm; graphs off), at the 27B shapes (first 4 layers: 3 GDN + 1 attention, device synthetic
 // weights) and on the HF golden fixtures. FusedNormOnVsOffBitExactAt27bShapes: the fused decode
-// norms (CudaEngineOptions::fused_norm_rows) on vs off on one engine, logits bit-identical.
+// norms (CudaEngineOptions::fused_norm_rows) on vs off on one engine, logits bit-identical;
+// FusedRopeOnVsOffBitExactAt27bShapes: the same for rope_kv folded into the decode attention
+// (CudaEngineOptions::decode_rope_fused).
 //
 // 27B shapes: two prompts (700 and 2500 random tokens, one sequence each, then 256 tokens decoded
 // greedily one per step). Checks:
@@ -290,6 +292,36 @@ TEST(Specialisations, GreedyOnVsOffAt27bShapes) {
 // greedy tokens at batch 1 (every norm before gdn_in / attn_qkv / gate_up fused) and batch 2 (only
 // the post-attention norms fused, so the residual buffers alternate between fused and in-place
 // updates).
+// rope_kv folded into the decode attention's split kernel (CudaEngineOptions::decode_rope_fused)
+// on vs off on one engine: decode logits at batch 1 and 2 (graphs on, so the fused graphs are
+// captured and replayed) bit-identical, and the same greedy tokens.
+TEST(Specialisations, FusedRopeOnVsOffBitExactAt27bShapes) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = config_27b_4_layers();
+  std::mt19937 rng(31);
+  const std::vector<std::vector<int32_t>> prompts = random_prompts({900, 130}, c.vocab_size, rng);
+  auto b = make_engine({true}, &c, nullptr, 64);
+  auto run = [&](bool fused, std::vector<int32_t>& ids) {
+    set_cuda_decode_rope_fused(*b, fused);
+    EXPECT_EQ(cuda_decode_rope_fused(*b), fused);
+    std::vector<float> rows = decode_batch1_then_batch2(*b, prompts, 64, 32, ids);
+    b->reset_slot(0);
+    b->reset_slot(1);
+    return rows;
+  };
+  std::vector<int32_t> ids_off, ids_on;
+  const std::vector<float> off = run(false, ids_off);
+  const std::vector<float> on = run(true, ids_on);
+  ASSERT_EQ(on.size(), off.size());
+  const size_t differ = bits_differ(on, off);
+  std::printf("  fused rope on vs off: %zu of %zu logits differ; %zu greedy tokens compared\n",
+              differ, on.size(), ids_on.size());
+  EXPECT_EQ(differ, 0u);
+  EXPECT_EQ(ids_on, ids_off);
+  EXPECT_EQ(cuda_graph_stats(*b).failures, 0);
+  EXPECT_GT(cuda_graph_stats(*b).replays, 0);
+}
+
 TEST(Specialisations, FusedNormOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
   const ModelConfig c = config_27b_4_layers();

@@ -1,0 +1,102 @@
+// Device code shared by rope_kv's warp-per-head kernel (rope_kv.cu) and the decode attention's
+// split kernel when it does rope_kv's work itself (attention_decode.cu, AttnDecodeLaunch::rope):
+// one warp normalises and rotates one (token, head) of the fused projection, a lane holding
+// HD / 32 consecutive dims. Both kernels call norm_rope_lane, so a head comes out bit for bit the
+// same from either (tested: CudaAttentionDecode.FusedRope27b).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "cuda/cuda_common.h"
+#include "cuda/kernels.h"
+
+namespace ds::cuda {
+
+// E consecutive bf16 <-> floats (E = 2, 4 or 8: 4-, 8- or 16-byte accesses).
+template <int E>
+struct BfVec;
+template <>
+struct BfVec<8> {
+  using T = uint4;
+};
+template <>
+struct BfVec<4> {
+  using T = uint2;
+};
+template <>
+struct BfVec<2> {
+  using T = uint32_t;
+};
+template <int E>
+__device__ __forceinline__ void load_bf(const bf16* p, float (&f)[E]) {
+  const typename BfVec<E>::T u = *reinterpret_cast<const typename BfVec<E>::T*>(p);
+  const bf16* b = reinterpret_cast<const bf16*>(&u);
+#pragma unroll
+  for (int e = 0; e < E; ++e) f[e] = __bfloat162float(b[e]);
+}
+template <int E>
+__device__ __forceinline__ void store_bf(bf16* p, const float (&f)[E]) {
+  typename BfVec<E>::T u;
+  bf16* b = reinterpret_cast<bf16*>(&u);
+#pragma unroll
+  for (int e = 0; e < E; ++e) b[e] = __float2bfloat16_rn(f[e]);
+  *reinterpret_cast<typename BfVec<E>::T*>(p) = u;
+}
+// E consecutive bf16 copied as one access.
+template <int E>
+__device__ __forceinline__ void copy_bf(bf16* dst, const bf16* src) {
+  *reinterpret_cast<typename BfVec<E>::T*>(dst) =
+      *reinterpret_cast<const typename BfVec<E>::T*>(src);
+}
+
+// Row of cache slot `slot` (block slot / page_size, row slot % page_size) of kv head kh in a
+// [blocks, n_kv, page, hd] cache.
+__device__ __forceinline__ bf16* cache_row(const AttnShape& s, bf16* cache, int slot, int kh,
+                                           int hd) {
+  const int64_t blk = slot / s.page_size, r = slot % s.page_size;
+  return cache + ((blk * s.n_kv_heads + kh) * s.page_size + r) * hd;
+}
+
+// One warp, one head of HD dims starting at `head` (a q or k slice of a projection row): the
+// zero-centred RMSNorm with weight w (fp32, rounded to bf16 as HF's q_norm / k_norm output), then
+// RoPE on the first rotary_dim dims (rotate-half pairs i and i + rotary_dim / 2, the partner from
+// another lane by a shuffle, angle pos * theta^(-2i / rotary_dim), accurate sincosf). y: this
+// lane's HD / 32 dims [lane * HD / 32, +HD / 32), in fp32 (the caller rounds them when storing).
+// Needs qk_norm_rope_kv_warp_supported(s) and 16-byte (HD 256) / 8-byte (HD 128) aligned rows.
+template <int HD>
+__device__ __forceinline__ void norm_rope_lane(const AttnShape& s, const bf16* head,
+                                               const bf16* w_norm, float pos, int lane,
+                                               float (&y)[HD / 32]) {
+  constexpr int E = HD / 32;
+  float x[E], w[E];
+  load_bf<E>(head + lane * E, x);
+  load_bf<E>(w_norm + lane * E, w);
+  float ss = 0.f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) ss += x[e] * x[e];
+  ss = warp_sum(ss);
+  const float inv = rsqrtf(ss / HD + s.eps);
+#pragma unroll
+  for (int e = 0; e < E; ++e)  // normalised value rounded to bf16 (HF's q_norm output)
+    x[e] = __bfloat162float(__float2bfloat16_rn(x[e] * inv * (1.f + w[e])));
+  const int half = s.rotary_dim / 2;
+  const int i0 = lane * E;
+  const int partner = i0 < half ? lane + half / E : lane - half / E;
+  const int src_lane = partner < 0 ? 0 : (partner > 31 ? 31 : partner);
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    const float other = __shfl_sync(0xffffffffu, x[e], src_lane);
+    const int i = i0 + e;
+    if (i < s.rotary_dim) {
+      const int j = i < half ? i : i - half;
+      const float inv_freq = 1.f / powf(s.rope_theta, (2.f * j) / s.rotary_dim);
+      float sn, cs;
+      sincosf(pos * inv_freq, &sn, &cs);
+      y[e] = i < half ? x[e] * cs - other * sn : x[e] * cs + other * sn;
+    } else {
+      y[e] = x[e];
+    }
+  }
+}
+
+}  // namespace ds::cuda
