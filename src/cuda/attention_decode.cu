@@ -394,12 +394,22 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       ++n_pre;
   }
   for (int j = 0; j < n_pre; ++j) issue(j);
+  // kRope: the token's RoPE angles (sin, cos per rotary pair) into a shared table before the wait:
+  // positions are step metadata, so the transcendental work overlaps the previous kernel and only
+  // the norm and the rotation stay after the wait.
+  [[maybe_unused]] bf16* sq = reinterpret_cast<bf16*>(smem + mma_smem_bytes<HD>());
+  [[maybe_unused]] float2* angles = reinterpret_cast<float2*>(sq + kMaxGroup * HD);
+  if constexpr (kRope) {
+    const float pos = static_cast<float>(rope.positions[b.q_start[seq]]);
+    for (int j = threadIdx.x; j < s.rotary_dim / 2; j += kMmaWarps * 32)
+      rope_angle(s, pos, j, &angles[j].x, &angles[j].y);
+    __syncthreads();
+  }
   if constexpr (kAdaptive) pdl_wait();
   // kRope: the group's query heads, normalised and rotated, into sq [group][HD] (after the rings);
   // in the block that holds the newest key (the last used split: k_end == kv_len), also that
   // key row (normalised, rotated) and its value row into the cache. Work items (the group's
   // heads, then K, then V) go round-robin to the warps, one warp per item as in rope_kv.
-  [[maybe_unused]] bf16* sq = reinterpret_cast<bf16*>(smem + mma_smem_bytes<HD>());
   if constexpr (kRope) {
     constexpr int E = HD / 32;
     const int64_t row = b.q_start[seq];
@@ -407,22 +417,31 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     const float pos = static_cast<float>(rope.positions[row]);
     const int slot = rope.slot_mapping[row];
     const int n_items = group + (k_end == kv_len && slot >= 0 ? 2 : 0);
-    for (int it = warp; it < n_items; it += kMmaWarps) {
+    // A warp's items (at most 3: group <= 8, plus K and V) are loaded first, all in flight at
+    // once, then normalised and rotated one after another.
+    constexpr int kMaxItems = (kMaxGroup + 2 + kMmaWarps - 1) / kMmaWarps;
+    auto src_of = [&](int it) {
+      return it < group ? prow + (int64_t)(kvh * group + it) * HD * (s.gated ? 2 : 1)
+                        : prow + s.q_proj_dim() + (it == group ? 0 : s.kv_dim()) + kvh * HD;
+    };
+    float x[kMaxItems][E];
+#pragma unroll
+    for (int k = 0; k < kMaxItems; ++k)
+      if (warp + k * kMmaWarps < n_items) load_bf<E>(src_of(warp + k * kMmaWarps) + lane * E, x[k]);
+#pragma unroll
+    for (int k = 0; k < kMaxItems; ++k) {
+      const int it = warp + k * kMmaWarps;
+      if (it >= n_items) break;
       float y[E];
       if (it < group) {
-        norm_rope_lane<HD>(s, prow + (int64_t)(kvh * group + it) * HD * (s.gated ? 2 : 1),
-                           rope.q_norm_w, pos, lane, y);
+        norm_rope_lane_x<HD>(s, x[k], rope.q_norm_w, pos, lane, y, angles);
         store_bf<E>(sq + it * HD + lane * E, y);
-        continue;
-      }
-      const bool is_k = it == group;
-      const bf16* src = prow + s.q_proj_dim() + (is_k ? 0 : s.kv_dim()) + kvh * HD;
-      bf16* dst = cache_row(s, is_k ? rope.k_cache : rope.v_cache, slot, kvh, HD) + lane * E;
-      if (is_k) {
-        norm_rope_lane<HD>(s, src, rope.k_norm_w, pos, lane, y);
-        store_bf<E>(dst, y);
+      } else if (it == group) {
+        norm_rope_lane_x<HD>(s, x[k], rope.k_norm_w, pos, lane, y, angles);
+        store_bf<E>(cache_row(s, rope.k_cache, slot, kvh, HD) + lane * E, y);
       } else {
-        copy_bf<E>(dst, src + lane * E);
+        copy_bf<E>(cache_row(s, rope.v_cache, slot, kvh, HD) + lane * E,  // v: the bits as is
+                   src_of(it) + lane * E);
       }
     }
     // sq is complete, and the newest K / V row is stored before any thread copies its tile
@@ -779,7 +798,8 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
     const bool rope = how.rope.qkv != nullptr;
     auto* split_k = rope ? attention_decode_mma_kernel<HD, true, true>
                          : attention_decode_mma_kernel<HD, true, false>;
-    const int smem = kSmem + (rope ? kMaxGroup * HD * 2 : 0);  // + the rotated q heads
+    // + the rotated q heads and the angle table
+    const int smem = kSmem + (rope ? kMaxGroup * HD * 2 + HD / 2 * int(sizeof(float2)) : 0);
     ensure_smem_optin(reinterpret_cast<const void*>(split_k), smem);
     launch_maybe_pdl(split_k, grid, dim3(kMmaWarps * 32), smem, stream, how.pdl, s, b, q,
                      k_cache, v_cache, kv_chunk, n_splits, ml, o, how.rope);

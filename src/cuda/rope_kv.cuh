@@ -57,19 +57,21 @@ __device__ __forceinline__ bf16* cache_row(const AttnShape& s, bf16* cache, int 
   return cache + ((blk * s.n_kv_heads + kh) * s.page_size + r) * hd;
 }
 
-// One warp, one head of HD dims starting at `head` (a q or k slice of a projection row): the
-// zero-centred RMSNorm with weight w (fp32, rounded to bf16 as HF's q_norm / k_norm output), then
-// RoPE on the first rotary_dim dims (rotate-half pairs i and i + rotary_dim / 2, the partner from
-// another lane by a shuffle, angle pos * theta^(-2i / rotary_dim), accurate sincosf). y: this
-// lane's HD / 32 dims [lane * HD / 32, +HD / 32), in fp32 (the caller rounds them when storing).
-// Needs qk_norm_rope_kv_warp_supported(s) and 16-byte (HD 256) / 8-byte (HD 128) aligned rows.
+// The RoPE angle of rotary pair j (dims j and j + rotary_dim / 2): pos * theta^(-2j / rotary_dim),
+// its sine and cosine (accurate sincosf). The same for every head of a token.
+__device__ __forceinline__ void rope_angle(const AttnShape& s, float pos, int j, float* sn,
+                                           float* cs) {
+  const float inv_freq = 1.f / powf(s.rope_theta, (2.f * j) / s.rotary_dim);
+  sincosf(pos * inv_freq, sn, cs);
+}
+
+// norm_rope_lane (below) with the lane's HD / 32 input values already loaded (x, overwritten).
 template <int HD>
-__device__ __forceinline__ void norm_rope_lane(const AttnShape& s, const bf16* head,
-                                               const bf16* w_norm, float pos, int lane,
-                                               float (&y)[HD / 32]) {
+__device__ __forceinline__ void norm_rope_lane_x(const AttnShape& s, float (&x)[HD / 32],
+                                                 const bf16* w_norm, float pos, int lane,
+                                                 float (&y)[HD / 32], const float2* table) {
   constexpr int E = HD / 32;
-  float x[E], w[E];
-  load_bf<E>(head + lane * E, x);
+  float w[E];
   load_bf<E>(w_norm + lane * E, w);
   float ss = 0.f;
 #pragma unroll
@@ -89,14 +91,36 @@ __device__ __forceinline__ void norm_rope_lane(const AttnShape& s, const bf16* h
     const int i = i0 + e;
     if (i < s.rotary_dim) {
       const int j = i < half ? i : i - half;
-      const float inv_freq = 1.f / powf(s.rope_theta, (2.f * j) / s.rotary_dim);
       float sn, cs;
-      sincosf(pos * inv_freq, &sn, &cs);
+      if (table) {
+        sn = table[j].x;
+        cs = table[j].y;
+      } else {
+        rope_angle(s, pos, j, &sn, &cs);
+      }
       y[e] = i < half ? x[e] * cs - other * sn : x[e] * cs + other * sn;
     } else {
       y[e] = x[e];
     }
   }
+}
+
+// One warp, one head of HD dims starting at `head` (a q or k slice of a projection row): the
+// zero-centred RMSNorm with weight w (fp32, rounded to bf16 as HF's q_norm / k_norm output), then
+// RoPE on the first rotary_dim dims (rotate-half pairs i and i + rotary_dim / 2, the partner from
+// another lane by a shuffle; angles from rope_angle, computed here, or read from `table` (sin, cos
+// of pair j at table[j]) when a caller computed them once for the token). y: this lane's HD / 32
+// dims [lane * HD / 32, +HD / 32), in fp32 (the caller rounds them when storing). Needs
+// qk_norm_rope_kv_warp_supported(s) and 16-byte (HD 256) / 8-byte (HD 128) aligned rows.
+template <int HD>
+__device__ __forceinline__ void norm_rope_lane(const AttnShape& s, const bf16* head,
+                                               const bf16* w_norm, float pos, int lane,
+                                               float (&y)[HD / 32],
+                                               const float2* table = nullptr) {
+  constexpr int E = HD / 32;
+  float x[E];
+  load_bf<E>(head + lane * E, x);
+  norm_rope_lane_x<HD>(s, x, w_norm, pos, lane, y, table);
 }
 
 }  // namespace ds::cuda
