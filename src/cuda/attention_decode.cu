@@ -399,8 +399,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
   // the norm and the rotation stay after the wait.
   [[maybe_unused]] bf16* sq = reinterpret_cast<bf16*>(smem + mma_smem_bytes<HD>());
   [[maybe_unused]] float2* angles = reinterpret_cast<float2*>(sq + kMaxGroup * HD);
+  [[maybe_unused]] int64_t rope_row = 0;
+  [[maybe_unused]] int rope_slot = -1;
   if constexpr (kRope) {
-    const float pos = static_cast<float>(rope.positions[b.q_start[seq]]);
+    rope_row = b.q_start[seq];
+    rope_slot = rope.slot_mapping[rope_row];
+    const float pos = static_cast<float>(rope.positions[rope_row]);
     for (int j = threadIdx.x; j < s.rotary_dim / 2; j += kMmaWarps * 32)
       rope_angle(s, pos, j, &angles[j].x, &angles[j].y);
     __syncthreads();
@@ -412,10 +416,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
   // heads, then K, then V) go round-robin to the warps, one warp per item as in rope_kv.
   if constexpr (kRope) {
     constexpr int E = HD / 32;
-    const int64_t row = b.q_start[seq];
-    const bf16* prow = rope.qkv + row * s.qkv_dim();
-    const float pos = static_cast<float>(rope.positions[row]);
-    const int slot = rope.slot_mapping[row];
+    const bf16* prow = rope.qkv + rope_row * s.qkv_dim();
+    const float pos = 0.f;  // unused: the angles come from the table
+    const int slot = rope_slot;
     const int n_items = group + (k_end == kv_len && slot >= 0 ? 2 : 0);
     // A warp's items (at most 3: group <= 8, plus K and V) are loaded first, all in flight at
     // once, then normalised and rotated one after another.
@@ -445,8 +448,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       }
     }
     // sq is complete, and the newest K / V row is stored before any thread copies its tile
-    // (cp.async below, after this barrier).
-    __threadfence_block();
+    // (cp.async below, after this barrier: bar.sync orders the block's memory accesses).
     __syncthreads();
   }
   for (int j = n_pre; j < kStages - 1; ++j) issue(j);
