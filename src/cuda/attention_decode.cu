@@ -397,7 +397,13 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
   // kRope: the token's RoPE angles (sin, cos per rotary pair) into a shared table before the wait:
   // positions are step metadata, so the transcendental work overlaps the previous kernel and only
   // the norm and the rotation stay after the wait.
-  [[maybe_unused]] bf16* sq = reinterpret_cast<bf16*>(smem + mma_smem_bytes<HD>());
+  // sq and the angles live in the last warp's last ring stage, which no copy fills before that
+  // warp's first main-loop step (tiles 0 and 1 go to stages 0 and 1); the block barrier after
+  // the q fragments are read keeps it so (the shared-memory size stays the plain kernel's: 2
+  // blocks per SM).
+  static_assert(kMaxGroup * HD * 2 + HD / 2 * 8 <= kStageBytes, "sq + angles fit one stage");
+  [[maybe_unused]] bf16* sq = reinterpret_cast<bf16*>(
+      smem + ((kMmaWarps - 1) * kStages + kStages - 1) * kStageBytes);
   [[maybe_unused]] float2* angles = reinterpret_cast<float2*>(sq + kMaxGroup * HD);
   [[maybe_unused]] int64_t rope_row = 0;
   [[maybe_unused]] int rope_slot = -1;
@@ -461,6 +467,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
 #pragma unroll
     for (int u = 0; u < kU; ++u)
       qa[u] = g < group ? *reinterpret_cast<const uint4*>(qh + 32 * u) : make_uint4(0, 0, 0, 0);
+    __syncthreads();  // every warp holds its q fragments before the last warp's stage 2 refills
   } else {
     const int64_t qrow = b.q_start[seq];
     const bf16* qh = q + (qrow * s.n_heads + kvh * group + g) * HD + 8 * t;
@@ -800,12 +807,8 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
     const bool rope = how.rope.qkv != nullptr;
     auto* split_k = rope ? attention_decode_mma_kernel<HD, true, true>
                          : attention_decode_mma_kernel<HD, true, false>;
-    // + the rotated q heads and the angle table
-    const int smem = kSmem + (rope ? kMaxGroup * HD * 2 + HD / 2 * int(sizeof(float2)) : 0);
-    // Two blocks per SM (2 x 101 KiB with the rope's q heads and angles) need the largest
-    // carveout: without it the H200 ran one block per SM, in two waves (21.6 vs 11.0 us at 4K).
-    ensure_smem_optin(reinterpret_cast<const void*>(split_k), smem, rope);
-    launch_maybe_pdl(split_k, grid, dim3(kMmaWarps * 32), smem, stream, how.pdl, s, b, q,
+    ensure_smem_optin(reinterpret_cast<const void*>(split_k), kSmem);
+    launch_maybe_pdl(split_k, grid, dim3(kMmaWarps * 32), kSmem, stream, how.pdl, s, b, q,
                      k_cache, v_cache, kv_chunk, n_splits, ml, o, how.rope);
     DS_CUDA_LAUNCH_CHECK();
     // Column slices while the (query head, sequence) blocks alone would leave most SMs idle.

@@ -45,10 +45,7 @@ namespace ds::cuda {
 // device): the attribute belongs to the device's context, so a process-wide std::call_once would
 // leave the launch on a second device failing. Thread-safe; keeps the largest size asked for. Call
 // it before every launch of such a kernel (after the first call: a map lookup under a mutex).
-// max_carveout: also prefer the largest shared-memory carveout (cudaSharedmemCarveoutMaxShared),
-// for kernels whose blocks per SM need more than the carveout the driver would pick (measured: the
-// fused-rope decode split kernel, 2 x 101 KiB, ran one block per SM, in two waves, without it).
-inline void ensure_smem_optin(const void* func, size_t bytes, bool max_carveout = false) {
+inline void ensure_smem_optin(const void* func, size_t bytes) {
   int device = 0;
   DS_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mu;
@@ -59,9 +56,6 @@ inline void ensure_smem_optin(const void* func, size_t bytes, bool max_carveout 
   DS_CHECK(bytes <= size_t(INT32_MAX), "ensure_smem_optin: ", bytes, " bytes of shared memory");
   DS_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(bytes)));
-  if (max_carveout)
-    DS_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                       cudaSharedmemCarveoutMaxShared));
   done = bytes;
 }
 
