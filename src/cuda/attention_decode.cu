@@ -442,12 +442,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       const int it = warp + k * kMmaWarps;
       if (it >= n_items) break;
       float y[E];
-      if (it < group) {
-        norm_rope_lane_x<HD>(s, x[k], rope.q_norm_w, pos, lane, y, angles);
-        store_bf<E>(sq + it * HD + lane * E, y);
-      } else if (it == group) {
-        norm_rope_lane_x<HD>(s, x[k], rope.k_norm_w, pos, lane, y, angles);
-        store_bf<E>(cache_row(s, rope.k_cache, slot, kvh, HD) + lane * E, y);
+      if (it <= group) {  // a query head, or the key: one inlined copy of the norm + rotation
+        norm_rope_lane_x<HD, true>(s, x[k], it < group ? rope.q_norm_w : rope.k_norm_w, pos,
+                                   lane, y, angles);
+        store_bf<E>(it < group ? sq + it * HD + lane * E
+                               : cache_row(s, rope.k_cache, slot, kvh, HD) + lane * E,
+                    y);
       } else {
         copy_bf<E>(cache_row(s, rope.v_cache, slot, kvh, HD) + lane * E,  // v: the bits as is
                    src_of(it) + lane * E);

@@ -66,10 +66,17 @@ __device__ __forceinline__ void rope_angle(const AttnShape& s, float pos, int j,
 }
 
 // norm_rope_lane (below) with the lane's HD / 32 input values already loaded (x, overwritten).
-template <int HD>
+// kTable: the angles come from `table` (sin, cos of pair j at table[j]), computed once for the
+// token by the caller; else rope_angle computes them here from pos. A compile-time choice: with
+// a run-time one, every inlined copy carried powf + sincosf (and their slow paths) for each dim,
+// and the fused decode attention kernel grew from 2.7K to 13.4K SASS instructions, most of them
+// never executed: ncu counted instruction-fetch stalls (no_inst) 13x the plain kernel's and the
+// kernel ran 25.9 vs 15.1 us (H200, session 16).
+template <int HD, bool kTable>
 __device__ __forceinline__ void norm_rope_lane_x(const AttnShape& s, float (&x)[HD / 32],
                                                  const bf16* w_norm, float pos, int lane,
-                                                 float (&y)[HD / 32], const float2* table) {
+                                                 float (&y)[HD / 32],
+                                                 [[maybe_unused]] const float2* table) {
   constexpr int E = HD / 32;
   float w[E];
   load_bf<E>(w_norm + lane * E, w);
@@ -92,7 +99,7 @@ __device__ __forceinline__ void norm_rope_lane_x(const AttnShape& s, float (&x)[
     if (i < s.rotary_dim) {
       const int j = i < half ? i : i - half;
       float sn, cs;
-      if (table) {
+      if constexpr (kTable) {
         sn = table[j].x;
         cs = table[j].y;
       } else {
@@ -108,19 +115,17 @@ __device__ __forceinline__ void norm_rope_lane_x(const AttnShape& s, float (&x)[
 // One warp, one head of HD dims starting at `head` (a q or k slice of a projection row): the
 // zero-centred RMSNorm with weight w (fp32, rounded to bf16 as HF's q_norm / k_norm output), then
 // RoPE on the first rotary_dim dims (rotate-half pairs i and i + rotary_dim / 2, the partner from
-// another lane by a shuffle; angles from rope_angle, computed here, or read from `table` (sin, cos
-// of pair j at table[j]) when a caller computed them once for the token). y: this lane's HD / 32
+// another lane by a shuffle; angles from rope_angle, computed here). y: this lane's HD / 32
 // dims [lane * HD / 32, +HD / 32), in fp32 (the caller rounds them when storing). Needs
 // qk_norm_rope_kv_warp_supported(s) and 16-byte (HD 256) / 8-byte (HD 128) aligned rows.
 template <int HD>
 __device__ __forceinline__ void norm_rope_lane(const AttnShape& s, const bf16* head,
                                                const bf16* w_norm, float pos, int lane,
-                                               float (&y)[HD / 32],
-                                               const float2* table = nullptr) {
+                                               float (&y)[HD / 32]) {
   constexpr int E = HD / 32;
   float x[E];
   load_bf<E>(head + lane * E, x);
-  norm_rope_lane_x<HD>(s, x, w_norm, pos, lane, y, table);
+  norm_rope_lane_x<HD, false>(s, x, w_norm, pos, lane, y, nullptr);
 }
 
 }  // namespace ds::cuda

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
@@ -383,8 +384,14 @@ TEST(CudaAttentionDecode, FusedRope27b) {
     }
   }
   const auto adaptive = cuda::AttnDecodeSplit::kAdaptive;
+  // $DS_FUSED_ROPE_CASE: run only the cases whose name contains it (to profile one shape).
+  const char* only = std::getenv("DS_FUSED_ROPE_CASE");
   int seed = 200;
   for (const Case& c : cases) {
+    if (only && *only && c.what.find(only) == std::string::npos) {
+      ++seed;
+      continue;
+    }
     const DecodeFixture f(c.s, c.lens, seed++);
     std::vector<bf> ref_cache;
     const auto ref = run_after_rope(f, launch_of(AttnDecodeKernel::kMma, adaptive, true), false,
@@ -559,8 +566,10 @@ TEST(CudaAttentionDecode, Timing) {
   std::mt19937 rng(2);
   const auto qnw = test::random_bf16(size_t(hd), rng, 0.5f);
   DevBuf<bf> d_nw(qnw);
-  std::printf("  %-6s %-7s %9s %12s %12s %12s %9s   (rope + attention us; attention GB/s)\n",
-              "batch", "context", "rope", "planned", "adaptive", "pdl", "pdl GB/s");
+  std::printf("  %-6s %-7s %9s %12s %12s %12s %12s %12s %9s   (rope + attention us; attention "
+              "GB/s)\n",
+              "batch", "context", "rope", "planned", "adaptive", "pdl", "fused", "fused pdl",
+              "pdl GB/s");
   for (int batch : {1, 4, 16})
     for (int ctx : {4096, 4160, 16384, 32768, 32832}) {
       // The planned path sizes its grid for the context's power-of-two bucket (as the engine's
@@ -592,10 +601,12 @@ TEST(CudaAttentionDecode, Timing) {
       const int a_splits = cuda::attention_decode_adaptive_splits(batch, nkv, n_sms, 64);
       DevBuf<char> ws(cuda::attention_decode_workspace_bytes(s, batch, std::max(splits, a_splits)));
       DS_CUDA_CHECK(cudaDeviceSynchronize());
-      // mode: 0 rope only, 1 planned, 2 adaptive, 3 adaptive under PDL
+      // mode: 0 rope only, 1 planned, 2 adaptive, 3 adaptive under PDL, 4 / 5: adaptive / under
+      // PDL with rope_kv's work in the split kernel (AttnDecodeLaunch::rope, no rope_kv launch)
       auto launch = [&](int mode, int i, cudaStream_t st) {
         const int r = i % rot;
-        cuda::launch_qk_norm_rope_kv(s, qkv.as<__nv_bfloat16>(), d_nw.as<__nv_bfloat16>(),
+        if (mode < 4)
+          cuda::launch_qk_norm_rope_kv(s, qkv.as<__nv_bfloat16>(), d_nw.as<__nv_bfloat16>(),
                                      d_nw.as<__nv_bfloat16>(), d_pos.ptr,
                                      d_slots.ptr + int64_t(r) * batch, batch, q.as<__nv_bfloat16>(),
                                      kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>(), st);
@@ -609,21 +620,25 @@ TEST(CudaAttentionDecode, Timing) {
         b.block_table_stride = bps;
         b.max_q_len = 1;
         b.max_kv_len = ctx;
-        const auto how = mode == 1 ? launch_of(AttnDecodeKernel::kMma)
-                                   : launch_of(AttnDecodeKernel::kMma,
-                                               cuda::AttnDecodeSplit::kAdaptive, mode == 3);
+        auto how = mode == 1 ? launch_of(AttnDecodeKernel::kMma)
+                             : launch_of(AttnDecodeKernel::kMma, cuda::AttnDecodeSplit::kAdaptive,
+                                         mode == 3 || mode == 5);
+        if (mode >= 4)
+          how.rope = {qkv.as<__nv_bfloat16>(), d_nw.as<__nv_bfloat16>(), d_nw.as<__nv_bfloat16>(),
+                      d_pos.ptr, d_slots.ptr + int64_t(r) * batch, kc.as<__nv_bfloat16>(),
+                      vc.as<__nv_bfloat16>()};
         cuda::launch_attention_decode(s, b, q.as<__nv_bfloat16>(), kc.as<__nv_bfloat16>(),
                                       vc.as<__nv_bfloat16>(), cuda::AttnGate{},
                                       mode == 1 ? chunk : 64, mode == 1 ? splits : a_splits,
                                       ws.ptr, out.as<__nv_bfloat16>(), st, how);
       };
-      double us[4];
-      for (int m : {0, 1, 2, 3, 1, 3})  // planned and pdl twice, interleaved; the last counts
+      double us[6];
+      for (int m : {0, 1, 2, 3, 4, 5, 1, 3, 5})  // planned, pdl, fused pdl twice; the last counts
         us[m] = test::graph_time_us([&](int i, cudaStream_t st) { launch(m, i, st); });
-      std::printf("  %-6d %-7d %9.1f %12.1f %12.1f %12.1f %9.0f   (planned: chunk %d, %d splits; "
-                  "adaptive: %d splits)\n",
-                  batch, ctx, us[0], us[1], us[2], us[3], kv_bytes / (us[3] - us[0]) * 1e-3,
-                  chunk, splits, a_splits);
+      std::printf("  %-6d %-7d %9.1f %12.1f %12.1f %12.1f %12.1f %12.1f %9.0f   (planned: chunk "
+                  "%d, %d splits; adaptive: %d splits)\n",
+                  batch, ctx, us[0], us[1], us[2], us[3], us[4], us[5],
+                  kv_bytes / (us[3] - us[0]) * 1e-3, chunk, splits, a_splits);
     }
 }
 
