@@ -258,7 +258,20 @@ __device__ __forceinline__ void load_a_tf32(uint32_t (&a)[4], const float* p, in
 // column block j (no block barriers between the distances), and the beta e^gamma / beta scales
 // applied to T's columns instead of K's and V's rows (used by the slice_scan variants); else the
 // three SIMT rounds and the in-place scaling (the shipped wymma variants, unchanged).
-template <bool TF32_OFFDIAG>
+//
+// BALANCED (with TF32_OFFDIAG): the same products, each computed the same way, spread evenly over
+// the 4 warps instead of by row block (warp w: row block w of A, 2w + 2 tiles; column block w of
+// T's off-diagonal, 3 - w rounds; row block w of W and U, w + 1 k-steps: 4x, 6x and 4x more work
+// on the busiest warp than on the idlest, which ncu saw as 26% of the samples waiting at block
+// barriers). A: warp 0 rows 0 tiles 0-1 + rows 3 tiles 0-2, warp 1 rows 1 tiles 0-3 + rows 2
+// tile 0, warp 2 rows 2 tiles 1-5, warp 3 rows 3 tiles 3-7 (5 tiles each; every warp still forms
+// its own diagonal tiles). T's off-diagonal: the two 8-column halves of a column block are
+// independent all the way down (X's columns need only T's same columns, T_ii X's only X's), so
+// warps 0 / 3 take the halves of column 0 and warps 1 / 2 those of columns 1 then 2. W / U: warp
+// w computes matrix w / 2 (W, U) for row blocks {0, 3} (w even) or {1, 2} (w odd). Every output
+// element comes from the same mma instructions on the same operands in the same order:
+// bit-identical to the unbalanced kernel (tested: CudaGdn.WyBalancedBitExact).
+template <bool TF32_OFFDIAG, bool BALANCED = false>
 __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     GdnShape s,
     const int4* __restrict__ chunks,  // [max_chunks] {seq (-1: none), t0, n, index}
@@ -302,7 +315,54 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
   __syncthreads();
 
   // ---- A, row block w (columns up to the diagonal block) from K K^T in registers.
-  {
+  if constexpr (BALANCED) {
+    static_assert(TF32_OFFDIAG, "the balanced split needs the tf32 off-diagonal");
+    // Tiles [jlo, jhi) of row block r (at most 5).
+    auto a_tiles = [&](int r, int jlo, int jhi) {
+      float kk[5][4];
+#pragma unroll
+      for (int jt = 0; jt < 5; ++jt) kk[jt][0] = kk[jt][1] = kk[jt][2] = kk[jt][3] = 0.f;
+#pragma unroll
+      for (int kstep = 0; kstep < kD / 16; ++kstep) {
+        uint32_t a[4];
+        ldsm_x4(a, ks + (16 * r + (lane & 15)) * kLd + 16 * kstep + (lane >> 4) * 8);
+#pragma unroll
+        for (int jt = 0; jt < 5; ++jt) {
+          if (jlo + jt < jhi) {
+            uint32_t bb[2];
+            ldsm_x2(bb, ks + (8 * (jlo + jt) + (lane & 7)) * kLd + 16 * kstep +
+                            ((lane >> 3) & 1) * 8);
+            mma_bf16(kk[jt], a, bb[0], bb[1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int jt = 0; jt < 5; ++jt) {
+        if (jlo + jt < jhi) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int i = 16 * r + gq + 8 * half, j = 8 * (jlo + jt) + 2 * c;
+            const float bi = bet[i], gi = gam[i];
+            float2 v;
+            v.x = i > j ? bi * kk[jt][2 * half] * __expf(gi - gam[j]) : 0.f;
+            v.y = i > j + 1 ? bi * kk[jt][2 * half + 1] * __expf(gi - gam[j + 1]) : 0.f;
+            *reinterpret_cast<float2*>(af + i * L::kLda + j) = v;
+          }
+        }
+      }
+    };
+    if (warp == 0) {
+      a_tiles(0, 0, 2);
+      a_tiles(3, 0, 3);
+    } else if (warp == 1) {
+      a_tiles(1, 0, 4);
+      a_tiles(2, 0, 1);
+    } else if (warp == 2) {
+      a_tiles(2, 1, 6);
+    } else {
+      a_tiles(3, 3, 8);
+    }
+  } else {
     float kk[8][4];
 #pragma unroll
     for (int jt = 0; jt < 8; ++jt) kk[jt][0] = kk[jt][1] = kk[jt][2] = kk[jt][3] = 0.f;
@@ -363,7 +423,46 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
       *v2 = __floats2bfloat162_rn(__low2float(*v2) * bv, __high2float(*v2) * bv);
     }
   }
-  if constexpr (TF32_OFFDIAG) {
+  if constexpr (BALANCED) {
+    // ---- Off-diagonal, columns [16 jb + 8 nt, +8) of column block jb per warp (see above):
+    // the unbalanced branch below restricted to one n-tile, scratch [16][8] per warp.
+    const int nt = warp == 0 || warp == 1 ? 0 : 1;
+    float* xw = xs + 128 * warp;  // [16][8]
+    for (int jb = warp == 0 || warp == 3 ? 0 : 1; jb < (warp == 0 || warp == 3 ? 1 : 3); ++jb) {
+      for (int ib = jb + 1; ib < 4; ++ib) {
+        float x[4] = {};
+        for (int k0 = 16 * jb; k0 < 16 * ib; k0 += 8) {
+          uint32_t a[4];
+          load_a_tf32(a, af + 16 * ib * L::kLda + k0, L::kLda, gq, c);
+          const float* b = tf + (k0 + c) * L::kLdt + 16 * jb + 8 * nt + gq;
+          mma_tf32(x, a, to_tf32(b[0]), to_tf32(b[4 * L::kLdt]));
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float* d = xw + (gq + 8 * half) * 8 + 2 * c;
+          d[0] = x[2 * half];
+          d[1] = x[2 * half + 1];
+        }
+        __syncwarp();
+        float y[4] = {};
+#pragma unroll
+        for (int k0 = 0; k0 < 16; k0 += 8) {
+          uint32_t a[4];
+          load_a_tf32(a, tf + 16 * ib * L::kLdt + 16 * ib + k0, L::kLdt, gq, c);
+          const float* b = xw + (k0 + c) * 8 + gq;
+          mma_tf32(y, a, to_tf32(b[0]), to_tf32(b[4 * 8]));
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float* d = tf + (16 * ib + gq + 8 * half) * L::kLdt + 16 * jb + 8 * nt + 2 * c;
+          d[0] = -y[2 * half];
+          d[1] = -y[2 * half + 1];
+        }
+        __syncwarp();  // T_ib,jb's columns visible to the next row's products; scratch free
+      }
+    }
+    __syncthreads();  // all of T complete
+  } else if constexpr (TF32_OFFDIAG) {
     // ---- Column block jb = warp, rows ib = jb + 1 .. 3 in order: X = sum_{k=jb}^{ib-1} A_ik T_kj
     // (tf32 mma, fp32 accumulate), T_ij = -T_ii X (X through this warp's 16x16 scratch). T is
     // stored bf16 for the W / U products afterwards, so tf32 here costs nothing measurable.
@@ -438,11 +537,11 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
   }
   // ---- W = T Kb, U = T Vb for rows [16 w, 16 w + 16): k-steps ks <= w (T lower triangular).
   // T's rows as bf16 A fragments, columns j times col_scale[j] (TF32_OFFDIAG) or not.
-  auto t_fragments = [&](const float* col_scale, uint32_t(&ta)[4][4]) {
+  auto t_fragments = [&](const float* col_scale, uint32_t(&ta)[4][4], int rb) {
 #pragma unroll
     for (int kstep = 0; kstep < 4; ++kstep) {
       const int j0 = 16 * kstep + 2 * c;
-      const float* t0 = tf + (16 * warp + gq) * L::kLdt + j0;
+      const float* t0 = tf + (16 * rb + gq) * L::kLdt + j0;
       const float2 x0 = *reinterpret_cast<const float2*>(t0);
       const float2 x1 = *reinterpret_cast<const float2*>(t0 + 8 * L::kLdt);
       const float2 x2 = *reinterpret_cast<const float2*>(t0 + 8);
@@ -458,19 +557,23 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
       ta[kstep][3] = pack_bf16(x3.x * s8, x3.y * s9);
     }
   };
+  // Unbalanced: W then U for row block `warp`. BALANCED: matrix warp / 2 (W, U) for row blocks
+  // {0, 3} (even warps) or {1, 2} (odd warps).
 #pragma unroll
-  for (int which = 0; which < 2; ++which) {
+  for (int it = 0; it < 2; ++it) {
+    const int which = BALANCED ? warp >> 1 : it;
+    const int rb = BALANCED ? ((warp & 1) ? 1 + it : 3 * it) : warp;
     const bf16* src = which == 0 ? ks : vs;
     bf16* dst = which == 0 ? w_out : u_out;
     uint32_t ta[4][4];
-    t_fragments(TF32_OFFDIAG ? (which == 0 ? eg : bet) : nullptr, ta);
+    t_fragments(TF32_OFFDIAG ? (which == 0 ? eg : bet) : nullptr, ta, rb);
     float acc[16][4];
 #pragma unroll
     for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    acc_a_times_tile(ta, src, lane, warp, acc);  // T is lower triangular: k-steps <= warp
+    acc_a_times_tile(ta, src, lane, rb, acc);  // T is lower triangular: k-steps <= rb
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int i = 16 * warp + gq + 8 * half;
+      const int i = 16 * rb + gq + 8 * half;
       if (i < n) {
         bf16* d = dst + ((row0 + i) * n_v + hv) * kD + 2 * c;
 #pragma unroll
@@ -527,9 +630,14 @@ void launch_gdn_conv_prep_wide(const GdnShape& s, const GdnLayerWeights& w,
   DS_CUDA_LAUNCH_CHECK();
 }
 
+bool gdn_wy_mma_balanced() {
+  static const bool on = env_switch("DS_GDN_WY_BALANCED", true);
+  return on;
+}
+
 void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks, const bf16* qkv,
                        float* g, const float* beta, bf16* w_mat, bf16* u_mat, cudaStream_t stream,
-                       bool tf32_offdiag) {
+                       bool tf32_offdiag, int balanced) {
   DS_CHECK(s.d_k == kD && s.d_v == kD, "gdn wy mma: d_k = d_v = 128 only");
   DS_CHECK(aligned(qkv, 16) && aligned(w_mat, 4) && aligned(u_mat, 4) && s.qkv_dim() % 8 == 0,
            "gdn wy mma: qkv rows must be 16-byte aligned");
@@ -541,7 +649,10 @@ void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks, co
         s, chunks, qkv, g, beta, w_mat, u_mat);
     DS_CUDA_LAUNCH_CHECK();
   };
-  if (tf32_offdiag)
+  if (balanced < 0) balanced = gdn_wy_mma_balanced() ? 1 : 0;
+  if (tf32_offdiag && balanced)
+    run(gdn_wy_mma_kernel<true, true>);
+  else if (tf32_offdiag)
     run(gdn_wy_mma_kernel<true>);
   else
     run(gdn_wy_mma_kernel<false>);

@@ -798,6 +798,69 @@ TEST(CudaGdn, ConvStreamMatchesMulti) {
                ds::Error);
 }
 
+// The WY kernel with its work spread evenly over the warps (launch_gdn_wy_mma balanced = 1)
+// against the by-row-block split (0): gamma, W and U bit for bit, at the 27B shapes, on a chunk
+// map with full chunks and partial last chunks of several sequences (1..63 rows), outputs
+// poisoned first (rows past a partial chunk stay unwritten in both).
+TEST(CudaGdn, WyBalancedBitExact) {
+  REQUIRE_GPU();
+  if (device_sm() < 90) GTEST_SKIP() << "the staged kernels are sm 90 only";
+  const GdnShape s = shape_27b();
+  std::mt19937 rng(21);
+  const std::vector<int> lens = {4097, 100, 64, 1, 300, 63};
+  std::vector<int> chunks;  // {seq, t0, n, index} per chunk
+  int T = 0;
+  for (int q = 0; q < int(lens.size()); ++q) {
+    for (int c = 0; 64 * c < lens[q]; ++c)
+      chunks.insert(chunks.end(), {q, T + 64 * c, std::min(64, lens[q] - 64 * c), c});
+    T += lens[q];
+  }
+  chunks.insert(chunks.end(), {-1, 0, 0, 0});  // an empty entry: no block work
+  const int max_chunks = int(chunks.size() / 4), nv = s.n_v_heads;
+  std::normal_distribution<float> nd(0.f, 0.3f);
+  std::uniform_real_distribution<float> ud(0.f, 1.f);
+  std::vector<float> qkv(size_t(T) * s.qkv_dim()), g(size_t(T) * nv), beta(size_t(T) * nv);
+  for (float& x : qkv) x = nd(rng);
+  for (float& x : g) x = -0.6f * ud(rng);
+  for (float& x : beta) x = ud(rng);
+  DevBuf<bf16> d_qkv(qkv.size());
+  upload(d_qkv, to_bf16(qkv));
+  DevBuf<int32_t> d_chunks(chunks.size());
+  upload(d_chunks, chunks);
+  DevBuf<float> d_beta(beta.size());
+  upload(d_beta, beta);
+  std::vector<std::vector<float>> gam(2), wm(2), um(2);
+  for (int balanced : {0, 1}) {
+    DevBuf<float> d_g(g.size());
+    upload(d_g, g);
+    DevBuf<bf16> w(size_t(T) * nv * 128), u(size_t(T) * nv * 128);
+    w.poison();
+    u.poison();
+    launch_gdn_wy_mma(s, reinterpret_cast<const int4*>(d_chunks.p), max_chunks, d_qkv.p, d_g.p,
+                      d_beta.p, w.p, u.p, nullptr, /*tf32_offdiag=*/true, balanced);
+    CK(cudaDeviceSynchronize());
+    gam[balanced] = download_f32(d_g.p, d_g.n);
+    wm[balanced] = download_bf16(w.p, w.n);
+    um[balanced] = download_bf16(u.p, u.n);
+  }
+  auto n_differ = [](const std::vector<float>& a, const std::vector<float>& b) {
+    size_t d = 0;
+    for (size_t i = 0; i < a.size(); ++i)
+      d += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
+    return d;
+  };
+  size_t finite = 0;
+  for (float x : wm[1]) finite += std::isfinite(x);
+  EXPECT_EQ(n_differ(gam[0], gam[1]), 0u) << "gamma";
+  EXPECT_EQ(n_differ(wm[0], wm[1]), 0u) << "W";
+  EXPECT_EQ(n_differ(um[0], um[1]), 0u) << "U";
+  EXPECT_EQ(finite, size_t(T) * nv * 128) << "every valid row of W written";
+  std::printf("  wy balanced vs by row block: %d tokens in %zu sequences, %d chunks: W %zu, U %zu, "
+              "gamma %zu elements differ\n",
+              T, lens.size(), max_chunks, n_differ(wm[0], wm[1]), n_differ(um[0], um[1]),
+              n_differ(gam[0], gam[1]));
+}
+
 TEST(CudaGdn, Decode27BBatch1) {
   REQUIRE_GPU();
   check_decode(shape_27b(), {0}, 6, 41);
@@ -1082,15 +1145,19 @@ TEST(CudaGdn, PrefillStageTiming) {
     CK(cudaMemcpyAsync(g.p, g0.p, g.n * 4, cudaMemcpyDeviceToDevice, nullptr));
   };
   const double t_restore = stage("(g restore copy, included below)", restore_g);
-  for (bool tf32 : {false, true}) {
-    const char* name =
-        tf32 ? "wy_mma tf32 path (+ restore)" : "wy_mma SIMT off-diagonal (+ restore)";
+  for (int arm : {0, 1, 2}) {  // SIMT off-diagonal; tf32 by row block; tf32 balanced
+    const bool tf32 = arm > 0;
+    const char* name = arm == 2   ? "wy_mma tf32 balanced (+ restore)"
+                       : tf32     ? "wy_mma tf32 path (+ restore)"
+                                  : "wy_mma SIMT off-diagonal (+ restore)";
     const double ms = stage(name, [&] {
       restore_g();
-      launch_gdn_wy_mma(s, ch4, max_chunks, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, tf32);
+      launch_gdn_wy_mma(s, ch4, max_chunks, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, tf32,
+                        arm == 2 ? 1 : 0);
     });
     std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n",
-                tf32 ? "  = wy_mma tf32" : "  = wy_mma SIMT", (ms - t_restore) * 1e3);
+                arm == 2 ? "  = wy_mma tf32 balanced" : tf32 ? "  = wy_mma tf32" : "  = wy_mma SIMT",
+                (ms - t_restore) * 1e3);
   }
   restore_g();
   launch_gdn_wy_mma(s, ch4, max_chunks, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, true);
