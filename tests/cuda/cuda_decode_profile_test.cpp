@@ -191,7 +191,7 @@ std::vector<std::string> roles(const std::vector<KernelRec>& step) {
       role = "gate_up+silu";
     else if (next == "gdn_decode" || next == "gdn_decode_stream")
       role = "gdn_in";
-    else if (next == "rope_kv")
+    else if (next == "rope_kv" || next == "attn_split")  // attn_split: the fused rope
       role = "attn_qkv";
     else if (prev == "gdn_decode" || prev == "gdn_decode_stream")
       role = "gdn_out";
