@@ -11,8 +11,12 @@
 #
 # --bench-args: more `bench decode` flags for every arm (e.g. "--device cpu --synthetic tiny" for
 # a dry run without a GPU, as tests/python/test_bench_scripts.py does).
-# Output: $OUT/decode_ab.log (the table and each process's decode table), $OUT/decode_ab.full.log
-# (everything the processes printed). Exit status 1 if any process failed (its arm shows FAIL).
+# --prefill PROMPTS [--repeats R]: the same for prompts instead: each arm runs `bench prefill
+# --prompt PROMPTS [--repeats R]` and the table holds TTFT p50 (ms) per prompt length (a prompt
+# process on the synthetic 27B: ~25 s for 4096,32768 with repeats 3,1).
+# Output: $OUT/decode_ab.log (the table and each process's decode / prefill table),
+# $OUT/decode_ab.full.log (everything the processes printed). Exit status 1 if any process
+# failed (its arm shows FAIL).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-build-bench/bin/deltaserve}
@@ -22,6 +26,8 @@ cases=1@4096,2@4096,1@32768
 steps=64
 rounds=2
 extra=""
+prompts=""
+repeats=""
 arms=()
 while (($#)); do
   case "$1" in
@@ -29,7 +35,9 @@ while (($#)); do
     --steps) steps=$2; shift ;;
     --rounds) rounds=$2; shift ;;
     --bench-args) extra=$2; shift ;;
-    -h|--help) sed -n 2,16p "$0"; exit 0 ;;
+    --prefill) prompts=$2; shift ;;
+    --repeats) repeats=$2; shift ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     *) arms+=("$1") ;;
   esac
   shift
@@ -43,11 +51,27 @@ for a in "${arms[@]}"; do
       { echo "gpu_decode_ab: arm '$a': '$kv' is not VAR=value" >&2; exit 2; }
   done
 done
+if [ -n "$prompts" ]; then
+  [[ $prompts =~ ^[0-9]+(,[0-9]+)*$ ]] ||
+    { echo "gpu_decode_ab: --prefill takes prompt lengths like 4096,32768, got '$prompts'" >&2; exit 2; }
+  cases=$prompts
+  bench=(bench prefill --prompt "$prompts")
+  [ -n "$repeats" ] && bench+=(--repeats "$repeats")
+  # prefill table rows: prompt runs p50 min max ...
+  row_re='^[0-9]+ +[0-9]+ +[0-9]+\.[0-9]+ +[0-9.]+ +[0-9.]+ '
+  what="TTFT p50 ms"
+else
+  [ -z "$repeats" ] || { echo "gpu_decode_ab: --repeats goes with --prefill" >&2; exit 2; }
+  bench=(bench decode --cases "$cases" --steps "$steps")
+  # decode table rows: batch context actual steps p50 p99 ...
+  row_re='^[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+ +[0-9.]+ '
+  what="TPOT p50 ms"
+fi
 LOG=$OUT/decode_ab.log
 FULL=$OUT/decode_ab.full.log
 : >"$LOG"
 : >"$FULL"
-declare -A tpot  # "arm|case" -> space-separated p50 per round
+declare -A tpot  # "arm|case" -> space-separated p50 per round (case: b@ctx, or the prompt length)
 failed=0
 for ((r = 1; r <= rounds; ++r)); do
   for i in "${!arms[@]}"; do
@@ -56,25 +80,35 @@ for ((r = 1; r <= rounds; ++r)); do
     [ "$a" != "-" ] && read -r -a settings <<<"$a"
     echo "== round $r arm $i: ${a} ($(date -u +%H:%M:%S))" | tee -a "$LOG" >>"$FULL"
     # shellcheck disable=SC2086  # extra: flags split on spaces on purpose
-    out=$(env "${settings[@]}" "$BIN" bench decode --cases "$cases" --steps "$steps" $extra 2>&1)
+    out=$(env "${settings[@]}" "$BIN" "${bench[@]}" $extra 2>&1)
     rc=$?
     echo "$out" >>"$FULL"
-    # decode table rows: batch context actual steps p50 p99 ...
-    rows=$(echo "$out" | grep -E '^[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+ +[0-9.]+ ')
+    rows=$(echo "$out" | grep -E "$row_re")
     [ -n "$rows" ] && echo "$rows" >>"$LOG"
     if [ $rc -ne 0 ] || [ -z "$rows" ]; then
       failed=1
       echo "   FAILED (rc $rc): $(echo "$out" | tail -3)" | tee -a "$LOG"
     fi
-    while read -r b ctx _ _ p50 _; do
-      [ -n "${b:-}" ] || continue
-      tpot["$i|$b@$ctx"]+="$p50 "
-    done <<<"$rows"
+    if [ -n "$prompts" ]; then
+      while read -r prompt _ p50 _; do
+        [ -n "${prompt:-}" ] || continue
+        tpot["$i|$prompt"]+="$p50 "
+      done <<<"$rows"
+    else
+      while read -r b ctx _ _ p50 _; do
+        [ -n "${b:-}" ] || continue
+        tpot["$i|$b@$ctx"]+="$p50 "
+      done <<<"$rows"
+    fi
   done
 done
 {
   echo
-  echo "TPOT p50 ms per round, median of rounds (cases $cases, $steps steps, $rounds rounds)"
+  if [ -n "$prompts" ]; then
+    echo "$what per round, median of rounds (prompts $prompts${repeats:+, repeats $repeats}, $rounds rounds)"
+  else
+    echo "$what per round, median of rounds (cases $cases, $steps steps, $rounds rounds)"
+  fi
   for i in "${!arms[@]}"; do
     line="arm $i [${arms[$i]}]:"
     for c in ${cases//,/ }; do

@@ -185,3 +185,32 @@ def test_gpu_decode_ab_script_interleaves_arms_and_tabulates(tmp_path):
     bad = subprocess.run(["bash", str(script), "--bench-args", "--device cpu", "DS_OK=1 notasetting"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "is not VAR=value" in bad.stderr
+
+
+def test_gpu_decode_ab_script_prefill_mode(tmp_path):
+    """scripts/gpu_decode_ab.sh --prefill as a dry run on the CPU: each arm runs `bench prefill`
+    with the prompts and repeats given, once per round; the table has TTFT p50 per prompt length
+    and round with the median; bad prompt lists and --repeats without --prefill are refused."""
+    script = REPO / "scripts" / "gpu_decode_ab.sh"
+    env = {"PATH": "/usr/bin:/bin", "BIN": str(BIN), "OUT": str(tmp_path)}
+    r = subprocess.run(["bash", str(script), "--prefill", "64,96", "--repeats", "2,1", "--rounds", "3",
+                        "--bench-args", "--device cpu --synthetic tiny", "-", "DS_X=1"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    full = (tmp_path / "decode_ab.full.log").read_text()
+    assert full.count("== round") == 6 and full.count("bench prefill done") == 6
+    assert "round 3 arm 1: DS_X=1" in full
+    assert "TTFT p50 ms per round, median of rounds (prompts 64,96, repeats 2,1, 3 rounds)" in r.stdout
+    table = [ln for ln in r.stdout.splitlines() if ln.startswith("arm ")]
+    assert len(table) == 2 and table[1].startswith("arm 1 [DS_X=1]:")
+    for ln in table:
+        for prompt in ("64", "96"):
+            vals = ln.split(f" {prompt}: ")[1].split(" (median ")
+            rounds = [float(v) for v in vals[0].split()]
+            med = float(vals[1].split(")")[0])
+            assert len(rounds) == 3 and med == sorted(rounds)[1]
+    for args, why in ((["--prefill", "64,x"], "takes prompt lengths"),
+                      (["--repeats", "2"], "--repeats goes with --prefill")):
+        bad = subprocess.run(["bash", str(script), *args, "--bench-args", "--device cpu", "-"],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
