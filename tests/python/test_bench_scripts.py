@@ -161,6 +161,18 @@ def test_results_md_http_and_hf_compare_sections(tmp_path):
     assert "peers file unreadable" in md.stderr
 
 
+def ab_table(stdout, cases):
+    """gpu_decode_ab.sh's closing table: per arm line, {case: (values per round, median)}."""
+    arms = []
+    for ln in (ln for ln in stdout.splitlines() if ln.startswith("arm ")):
+        cells = {}
+        for case in cases:
+            vals = ln.split(f" {case}: ")[1].split(" (median ")
+            cells[case] = ([float(v) for v in vals[0].split()], float(vals[1].split(")")[0]))
+        arms.append((ln, cells))
+    return arms
+
+
 def test_gpu_decode_ab_script_interleaves_arms_and_tabulates(tmp_path):
     """scripts/gpu_decode_ab.sh as a dry run on the CPU: every arm runs as its own bench process in
     every round (the env it was given reaches it), the table has one value per round and the median;
@@ -174,13 +186,10 @@ def test_gpu_decode_ab_script_interleaves_arms_and_tabulates(tmp_path):
     full = (tmp_path / "decode_ab.full.log").read_text()
     assert full.count("== round") == 4 and full.count("bench decode done") == 4
     assert "round 2 arm 1: DS_GEMV_L2_NEXT=16 DS_X=1" in full
-    table = [ln for ln in r.stdout.splitlines() if ln.startswith("arm ")]
-    assert len(table) == 2 and table[1].startswith("arm 1 [DS_GEMV_L2_NEXT=16 DS_X=1]:")
-    for ln in table:
-        for case in ("1@32", "2@32"):
-            vals = ln.split(f"{case}: ")[1].split(" (median ")
-            rounds = [float(v) for v in vals[0].split()]
-            med = float(vals[1].split(")")[0])
+    table = ab_table(r.stdout, ("1@32", "2@32"))
+    assert len(table) == 2 and table[1][0].startswith("arm 1 [DS_GEMV_L2_NEXT=16 DS_X=1]:")
+    for _, cells in table:
+        for rounds, med in cells.values():
             assert len(rounds) == 2 and min(rounds) <= med <= max(rounds)
     bad = subprocess.run(["bash", str(script), "--bench-args", "--device cpu", "DS_OK=1 notasetting"],
                          capture_output=True, text=True, env=env, timeout=60)
@@ -201,13 +210,10 @@ def test_gpu_decode_ab_script_prefill_mode(tmp_path):
     assert full.count("== round") == 6 and full.count("bench prefill done") == 6
     assert "round 3 arm 1: DS_X=1" in full
     assert "TTFT p50 ms per round, median of rounds (prompts 64,96, repeats 2,1, 3 rounds)" in r.stdout
-    table = [ln for ln in r.stdout.splitlines() if ln.startswith("arm ")]
-    assert len(table) == 2 and table[1].startswith("arm 1 [DS_X=1]:")
-    for ln in table:
-        for prompt in ("64", "96"):
-            vals = ln.split(f" {prompt}: ")[1].split(" (median ")
-            rounds = [float(v) for v in vals[0].split()]
-            med = float(vals[1].split(")")[0])
+    table = ab_table(r.stdout, ("64", "96"))
+    assert len(table) == 2 and table[1][0].startswith("arm 1 [DS_X=1]:")
+    for _, cells in table:
+        for rounds, med in cells.values():
             assert len(rounds) == 3 and med == sorted(rounds)[1]
     for args, why in ((["--prefill", "64,x"], "takes prompt lengths"),
                       (["--repeats", "2"], "--repeats goes with --prefill")):
