@@ -516,7 +516,6 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   (void)cuda::attention_merge_one_trip();  // and $DS_ATTN_MERGE
   (void)cuda::rmsnorm_fit_enabled();     // and $DS_NORM_FIT (read by every prompt-chunk norm)
   (void)cuda::gemv_l2_next_mib();        // and $DS_GEMV_L2_NEXT (read by every fused decode GEMV)
-  (void)cuda::gemv_l2_ahead_kb();        // and $DS_GEMV_L2_AHEAD_KB (read by every GEMV config)
   (void)cuda::gemv_bulk_mma_enabled();   // and $DS_GEMV_MMA (read by the gemm registry guard)
   (void)cuda::gemv_splitk_enabled();     // and $DS_GEMV_SPLITK (likewise)
   // Kept whether graphs are on or not, so that both modes get the same KV pool.

@@ -96,20 +96,8 @@ struct GemvBulkConfig {
   // owns stages b, b + G, b + 2 G, ... (G blocks), so the whole grid sweeps the weight in memory
   // order. Each output's sums are the same either way (bit-identical; tested).
   bool interleave = false;
-  // Stages beyond the ring prefetched into L2 (cp.async.bulk.prefetch.L2): before
-  // griddepcontrol.wait the producer queues the ring's copies and then prefetches of the next
-  // `l2_ahead` stages, and each later copy (stage s) queues the prefetch of stage s + l2_ahead, so
-  // HBM keeps streaming this GEMV's weights while its blocks wait for the previous kernel and
-  // compute x (the ring alone is full within a few us). 0: off. Values are unchanged either way.
-  int l2_ahead = 0;
-  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl", "r1s16-ilv", "r1s16-l2p16"
+  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl", "r1s16-ilv"
 };
-
-// $DS_GEMV_L2_AHEAD_KB (read once per process, 0..1024; unset / 0: off): KiB per block that the
-// bulk and narrow GEMVs keep prefetched into L2 beyond their ring (GemvBulkConfig::l2_ahead,
-// GemvNarrowConfig::l2_ahead); gemv_l2_ahead_stages turns it into stages of `stage_bytes`.
-int gemv_l2_ahead_kb();
-int gemv_l2_ahead_stages(int64_t stage_bytes);
 
 // The leading rows of a LATER GEMV's blocks, prefetched into L2 by this GEMV's blocks as each
 // issues its last own copy (cp.async.bulk.prefetch.L2), so that HBM keeps streaming weights while
@@ -209,8 +197,7 @@ struct GemvNarrowConfig {
   // Rows over the grid: false = contiguous per block; true = block b owns rows b, b + G, ... (as
   // GemvBulkConfig::interleave; bit-identical either way).
   bool interleave = false;
-  int l2_ahead = 0;  // stages prefetched into L2 beyond the ring, as GemvBulkConfig::l2_ahead
-  std::string name() const;  // "s16", "s8-pdl", "s16-ilv", "s16-l2p16"
+  std::string name() const;  // "s16", "s8-pdl", "s16-ilv"
 };
 
 int gemv_narrow_slices(int64_t k);     // slices per row: 1, 2, 4 or 8 (17408 -> 4)

@@ -161,7 +161,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                      const bf16* __restrict__ w,  // [n, k] ([2 n, k] when GLU)
                      OutT* __restrict__ y,        // [M, n]
                      int n, int k, int slots, bool accumulate, bool interleave,
-                     int l2_ahead,             // stages kept prefetched into L2 beyond the ring
                      const GemvNormIn norm,    // NORM only
                      const GemvL2Next next) {  // rows of a later GEMV into L2 (rows 0: none)
 
@@ -215,22 +214,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       bulk_copy(ring + slot * stage_elems, w + size_t(r0) * k, bytes, &full[slot], policy);
     }
   };
-  // Stage s into L2 only (GemvBulkConfig::l2_ahead): its later copy then finds it there.
-  auto prefetch = [&](int s) {
-    if constexpr (GLU) {
-      const int j = stage_row(s);
-      bulk_prefetch_l2(w + size_t(j) * k, uint32_t(k) * 2u);
-      bulk_prefetch_l2(w + size_t(n + j) * k, uint32_t(k) * 2u);
-    } else {
-      const int r0 = stage_row(s);
-      bulk_prefetch_l2(w + size_t(r0) * k, uint32_t(min(R, row_end - r0)) * uint32_t(k) * 2u);
-    }
-  };
   // The weights do not depend on the previous kernel: start streaming them before waiting for it.
   if (producer && lane == 0) {
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     for (int s = 0; s < min(slots, n_stages); ++s) issue(s);
-    for (int s = slots; s < min(slots + l2_ahead, n_stages); ++s) prefetch(s);
   }
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   // x (and y when accumulating) come from the kernel before: read only after this wait, through
@@ -254,7 +241,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int slot = s % slots;
         mbar_wait(&empty[slot], uint32_t((s / slots) - 1) & 1u);
         issue(s);
-        if (l2_ahead > 0 && s + l2_ahead < n_stages) prefetch(s + l2_ahead);
       }
       // Every own copy is in flight: queue the later GEMV's leading rows behind them.
       if constexpr (PF)
@@ -344,8 +330,7 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
   const int blocks = std::max(1, std::min(n_sms * c.blocks_per_sm, n));
   const size_t smem = smem_bytes(M, k, R, c.slots) + (norm.weight ? kRedBytes : 0);
   launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem, stream, c.pdl, x, w,
-                   static_cast<OutT*>(y), n, k, c.slots, accumulate, c.interleave, c.l2_ahead, norm,
-                   next);
+                   static_cast<OutT*>(y), n, k, c.slots, accumulate, c.interleave, norm, next);
 }
 
 template <int M, int R>
@@ -472,33 +457,7 @@ std::string GemvBulkConfig::name() const {
   std::ostringstream os;
   os << "r" << rows_per_stage << "s" << slots << (blocks_per_sm == 2 ? "b2" : "")
      << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "");
-  if (l2_ahead > 0) os << "-l2p" << l2_ahead;
   return os.str();
-}
-
-int gemv_l2_ahead_kb() {
-  static const int kb = [] {
-    const char* e = std::getenv("DS_GEMV_L2_AHEAD_KB");
-    const std::string v = e ? e : "";
-    if (v.empty()) return 0;
-    size_t used = 0;
-    int x = -1;
-    try {
-      x = std::stoi(v, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    DS_CHECK(used == v.size() && x >= 0 && x <= 1024,
-             "DS_GEMV_L2_AHEAD_KB must be KiB in 0..1024, got '", v, "'");
-    return x;
-  }();
-  return kb;
-}
-
-int gemv_l2_ahead_stages(int64_t stage_bytes) {
-  const int64_t kb = gemv_l2_ahead_kb();
-  if (kb == 0 || stage_bytes <= 0) return 0;
-  return int(std::max<int64_t>(1, ((kb << 10) + stage_bytes / 2) / stage_bytes));
 }
 
 namespace {
@@ -581,7 +540,6 @@ GemvBulkConfig gemv_bulk_config(int m, int n, int k) {
     c = {1, bulk_slots_override(), false};
   if (!gemv_bulk_fits(m, k, c)) c = {1, 8, false};
   c.interleave = gemv_interleave_bulk();
-  c.l2_ahead = gemv_l2_ahead_stages(int64_t(c.rows_per_stage) * k * 2);
   return c;
 }
 
@@ -633,7 +591,6 @@ GemvBulkConfig gemv_bulk_silu_config(int m, int d_ff, int k) {
   (void)m, (void)d_ff, (void)k;
   GemvBulkConfig c{2, 8, false};
   c.interleave = gemv_interleave_bulk();
-  c.l2_ahead = gemv_l2_ahead_stages(int64_t(2) * k * 2);
   return c;
 }
 

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                        const bf16* __restrict__ w,  // [n, k]
                        OutT* __restrict__ y,        // [M, n]
                        int n, int k, int slice, int n_slices, int slots, bool accumulate,
-                       bool interleave, int l2_ahead) {
+                       bool interleave) {
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxSlots;
@@ -89,16 +89,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_arrive_expect_tx(&full[slot], bytes);
     bulk_copy(ring + size_t(slot) * slice, w + size_t(row) * k + k0, bytes, &full[slot], policy);
   };
-  // Stage s into L2 only (GemvNarrowConfig::l2_ahead): its later copy then finds it there.
-  auto prefetch = [&](int s) {
-    const int row = row_of(s / n_slices), k0 = (s % n_slices) * slice;
-    bulk_prefetch_l2(w + size_t(row) * k + k0, uint32_t(min(slice, k - k0)) * 2u);
-  };
   // The weights do not depend on the previous kernel: start streaming them before waiting for it.
   if (producer && lane == 0) {
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     for (int s = 0; s < min(slots, n_stages); ++s) issue(s);
-    for (int s = slots; s < min(slots + l2_ahead, n_stages); ++s) prefetch(s);
   }
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -112,7 +106,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int slot = s % slots;
         mbar_wait(&empty[slot], uint32_t((s / slots) - 1) & 1u);
         issue(s);
-        if (l2_ahead > 0 && s + l2_ahead < n_stages) prefetch(s + l2_ahead);
       }
     }
     return;
@@ -181,7 +174,7 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
   launch_maybe_pdl(kern, dim3(grid_blocks(n, n_sms)), dim3(kThreads),
                    smem_bytes(M, n, k, c.slots, n_sms), stream, c.pdl, x, w, static_cast<OutT*>(y),
                    n, k, gemv_narrow_slice_len(k), gemv_narrow_slices(k), c.slots, accumulate,
-                   c.interleave, c.l2_ahead);
+                   c.interleave);
 }
 
 template <int M>
@@ -198,7 +191,6 @@ void launch_m(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, 
 std::string GemvNarrowConfig::name() const {
   std::ostringstream os;
   os << "s" << slots << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "");
-  if (l2_ahead > 0) os << "-l2p" << l2_ahead;
   return os.str();
 }
 
@@ -245,7 +237,6 @@ GemvNarrowConfig gemv_narrow_config(int m, int n, int k, int n_sms) {
         gemv_narrow_fits(m, n, k, {s, false}, n_sms))
       c.slots = s;
   c.interleave = gemv_interleave_narrow();
-  c.l2_ahead = gemv_l2_ahead_stages(int64_t(gemv_narrow_slice_len(k)) * 2);
   return c;
 }
 

@@ -754,7 +754,6 @@ TEST(CudaGemvBulk, SiluFusedMatchesUnfused) {
 // accumulate, one and two rows per stage), SwiGLU-fused and norm-fused launches and the narrow
 // kernel, m 1..4, the 27B shapes and odd ones (n below the grid, a short last stage), grids of all
 // SMs and of 7 blocks (many stages per block), and as PDL launches in a CUDA graph.
-// Also the L2 lead beyond the ring (l2_ahead) on vs off: bit-identical.
 TEST(CudaGemvBulk, InterleaveBitExact) {
   DS_REQUIRE_GPU();
   if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
@@ -873,22 +872,9 @@ TEST(CudaGemvBulk, InterleaveBitExact) {
               cuda::GemvNarrowConfig cfg = base;
               cfg.interleave = ilv;
               cfg.pdl = pdl;
-              cfg.l2_ahead = 0;
               cuda::launch_gemv_narrow(B(dx), B(dw), y.ptr, m, c.n, c.k, o, c.acc, cfg, sms, st);
             },
             label + " " + base.name());
-        // The L2 lead (GemvNarrowConfig::l2_ahead) off vs on, interleaved: the same bits.
-        for (int ahead : {13, 40})
-          check(
-              [&](bool on, bool pdl, int sms, cudaStream_t st) {
-                cuda::GemvNarrowConfig cfg = base;
-                cfg.interleave = true;
-                cfg.pdl = pdl;
-                cfg.l2_ahead = on ? ahead : 0;
-                cuda::launch_gemv_narrow(B(dx), B(dw), y.ptr, m, c.n, c.k, o, c.acc, cfg, sms,
-                                         st);
-              },
-              label + " " + base.name() + " l2p " + std::to_string(ahead));
         continue;
       }
       for (const cuda::GemvBulkConfig& base : bulk_cfgs) {
@@ -899,24 +885,9 @@ TEST(CudaGemvBulk, InterleaveBitExact) {
               cuda::GemvBulkConfig cfg = base;
               cfg.interleave = ilv;
               cfg.pdl = pdl;
-              cfg.l2_ahead = 0;
               launch_bulk(cfg, sms, st);
             },
             label + " " + base.name());
-        // The L2 lead (GemvBulkConfig::l2_ahead) off vs on, both layouts: the same bits. 13 and
-        // 40 stages: past the end of the short cases' stages, and a lead longer than the ring.
-        for (int ahead : {13, 40})
-          for (bool ilv : {false, true})
-            check(
-                [&](bool on, bool pdl, int sms, cudaStream_t st) {
-                  cuda::GemvBulkConfig cfg = base;
-                  cfg.interleave = ilv;
-                  cfg.pdl = pdl;
-                  cfg.l2_ahead = on ? ahead : 0;
-                  launch_bulk(cfg, sms, st);
-                },
-                label + " " + base.name() + (ilv ? " ilv" : "") + " l2p " +
-                    std::to_string(ahead));
       }
     }
   }
@@ -926,10 +897,6 @@ TEST(CudaGemvBulk, InterleaveBitExact) {
   cuda::GemvNarrowConfig nnamed{16, false};
   nnamed.interleave = true;
   EXPECT_EQ(nnamed.name(), "s16-ilv");
-  named.l2_ahead = 16;
-  EXPECT_EQ(named.name(), "r1s16-pdl-ilv-l2p16");
-  nnamed.l2_ahead = 8;
-  EXPECT_EQ(nnamed.name(), "s16-ilv-l2p8");
   cudaStreamDestroy(s);
 }
 
