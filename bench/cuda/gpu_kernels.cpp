@@ -992,10 +992,15 @@ const KernelResult& KernelBench::rope_kv(int n) {
   r.shape = shape;
   // The engine's kernel for this many tokens (kernels.h RopeKvKernel) and the other one.
   const bool warp_ok = cuda::qk_norm_rope_kv_warp_supported(attn_);
-  const cuda::RopeKvKernel chosen = r.variant == "warp_per_head" && warp_ok
-                                        ? cuda::RopeKvKernel::kAuto
+  // token_table is timed against block_per_token ("fused"), the kernel it replaced on prompts.
+  const cuda::RopeKvKernel chosen =
+      !warp_ok                          ? cuda::RopeKvKernel::kBlockPerToken
+      : r.variant == "warp_per_head"    ? cuda::RopeKvKernel::kAuto
+      : r.variant == "token_table"      ? cuda::RopeKvKernel::kTokenTable
                                         : cuda::RopeKvKernel::kBlockPerToken;
   const cuda::RopeKvKernel other = chosen == cuda::RopeKvKernel::kAuto
+                                       ? cuda::RopeKvKernel::kBlockPerToken
+                                   : chosen == cuda::RopeKvKernel::kTokenTable
                                        ? cuda::RopeKvKernel::kBlockPerToken
                                        : cuda::RopeKvKernel::kAuto;
   auto run = [&](int k, bf16* qo, cuda::RopeKvKernel which) {

@@ -1166,10 +1166,13 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
 
   // Host decisions for the kernels (all before any launch, so a graph can replay them).
   const int group = c.n_heads / std::max(1, c.n_kv_heads);
-  if (rope_warp_ok_ &&
-      dispatch_.picks(KernelFamily::kRopeKv, dispatch_.key(attn_.head_dim, attn_.rotary_dim, f.T),
-                      "warp_per_head"))
-    f.rope_kernel = cuda::RopeKvKernel::kAuto;
+  if (rope_warp_ok_) {
+    const std::string& rope_v =
+        dispatch_.select(KernelFamily::kRopeKv, dispatch_.key(attn_.head_dim, attn_.rotary_dim, f.T))
+            .name;
+    if (rope_v == "warp_per_head") f.rope_kernel = cuda::RopeKvKernel::kAuto;
+    if (rope_v == "token_table") f.rope_kernel = cuda::RopeKvKernel::kTokenTable;
+  }
   if (f.S_d > 0) {
     f.kv = decode_kv_plan(f.S_d, f.max_kv_d);
     const std::string& attn_v =

@@ -358,6 +358,16 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
            return (hd == 64 || hd == 128 || hd == 256) && k.dims[1] % (hd / 16) == 0 &&
                   k.dims[1] <= hd && k.dims[2] >= 1 && k.dims[2] <= 128;
          }});
+  // token_table: prompt chunks (> 128 tokens) on the warp kernel's shapes; one block per token,
+  // the angles computed once per token, the warp kernel's arithmetic (bit-identical to it).
+  r.add({F::kRopeKv, "token_table",
+         "q/k norm + partial RoPE + paged KV write, one block per token, angles once per token in "
+         "shared memory; hd 64/128/256, rotary_dim a multiple of head_dim / 16, > 128 tokens",
+         [](const ShapeKey& k) {
+           const int64_t hd = k.dims[0];
+           return (hd == 64 || hd == 128 || hd == 256) && k.dims[1] % (hd / 16) == 0 &&
+                  k.dims[1] <= hd && k.dims[2] > 128;
+         }});
   r.add({F::kRopeKv, "fused", "q/k norm + partial RoPE + paged KV write, one block per token", {}});
   r.add({F::kSiluMul, "generic", "SiLU(gate) * up, 16-byte loads", {}});
   r.add({F::kSample,

@@ -98,7 +98,9 @@ void launch_qk_norm_rope_kv(const AttnShape& s,
 // The same with an explicit kernel (rope_kv.cu): kAuto = one warp per (token, head) when
 // qk_norm_rope_kv_warp_supported(s) and the rows are aligned, else one block per token;
 // kWarpPerHead throws when it cannot run the shape. Same results.
-enum class RopeKvKernel { kAuto, kWarpPerHead, kBlockPerToken };
+// kAuto: warp per head where it can run, else block per token; kTokenTable: one block per token
+// with the angles computed once (the warp kernel's shapes only; bit-identical to it).
+enum class RopeKvKernel { kAuto, kWarpPerHead, kBlockPerToken, kTokenTable };
 bool qk_norm_rope_kv_warp_supported(const AttnShape& s);  // head_dim 64/128/256, rotary fits
 void launch_qk_norm_rope_kv(const AttnShape& s, const __nv_bfloat16* qkv,
                             const __nv_bfloat16* q_norm_w, const __nv_bfloat16* k_norm_w,

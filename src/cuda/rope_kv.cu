@@ -9,6 +9,9 @@
 //    dims (16-byte loads and stores at 256), the RoPE partner comes from the lane rotary_dim /
 //    2 / (head_dim / 32) away by a shuffle: one memory round trip, and 32 warps for one decode
 //    token instead of one block (the first version took 12 us for one token on the H200);
+//  - token_table (the warp kernel's shapes, prompt chunks): one block of 8 warps per token, the
+//    token's RoPE angles computed once into shared memory, then the warp kernel's per-head
+//    arithmetic: bit-identical to warp_per_head;
 //  - block_per_token (any head_dim <= 256): one block of 8 warps per token, a warp per head in
 //    turn, the head staged in shared memory. The fallback.
 // Same formulas, so the outputs agree up to the order of the fp32 sum of squares.
@@ -141,6 +144,61 @@ __global__ void __launch_bounds__(kHeadWarps * 32)
   store_bf<E>(dst + lane * E, y);
 }
 
+// token_table (prompt chunks): one block of kWarps warps per token. The token's RoPE angles are
+// computed once into shared memory (rope_angle, as the warp kernel computes them per element:
+// the same values), then each warp normalises and rotates heads h = warp, warp + kWarps, ... with
+// the warp kernel's arithmetic (norm_rope_lane_x), so its outputs are the warp kernel's bit for
+// bit. The warp kernel spends its time in powf + sincosf on 8 of 32 lanes for every (token, head)
+// (190 us for a 4096-token chunk of the 27B, H200); here they run once per token.
+template <int HD>
+__global__ void __launch_bounds__(kWarps * 32)
+    qk_norm_rope_kv_table_kernel(AttnShape s, const bf16* qkv,  // [n_tokens, qkv_dim]
+                                 const bf16* __restrict__ q_norm_w,         // [HD]
+                                 const bf16* __restrict__ k_norm_w,         // [HD]
+                                 const int32_t* __restrict__ positions,     // [n_tokens]
+                                 const int32_t* __restrict__ slot_mapping,  // [n_tokens]
+                                 bf16* __restrict__ q_out,  // [n_tokens, n_heads, HD]
+                                 bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
+  constexpr int E = HD / 32;
+  __shared__ float2 table[HD / 2];  // (sin, cos) of rotary pair j; rotary_dim <= HD
+  // PDL: as in qk_norm_rope_kv_kernel (dependents may start; nothing read before the wait).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const int t = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float pos = static_cast<float>(positions[t]);
+  for (int j = threadIdx.x; j < s.rotary_dim / 2; j += kWarps * 32) {
+    float sn, cs;
+    rope_angle(s, pos, j, &sn, &cs);
+    table[j] = make_float2(sn, cs);
+  }
+  __syncthreads();
+  const bf16* row = qkv + (int64_t)t * s.qkv_dim();
+  const int slot = slot_mapping[t];
+  const int n_work = s.n_heads + 2 * s.n_kv_heads;
+  for (int h = warp; h < n_work; h += kWarps) {
+    const bool is_q = h < s.n_heads, is_k = !is_q && h < s.n_heads + s.n_kv_heads;
+    const bf16* src;
+    bf16* dst;
+    if (is_q) {
+      src = row + h * HD * (s.gated ? 2 : 1);
+      dst = q_out + ((int64_t)t * s.n_heads + h) * HD;
+    } else {
+      if (slot < 0) continue;
+      const int kh = is_k ? h - s.n_heads : h - s.n_heads - s.n_kv_heads;
+      src = kv_head_src(s, row, is_k, kh, HD);
+      dst = cache_row(s, is_k ? k_cache : v_cache, slot, kh, HD);
+    }
+    if (!is_q && !is_k) {  // v: plain copy
+      copy_bf<E>(dst + lane * E, src + lane * E);
+      continue;
+    }
+    float x[E], y[E];
+    load_bf<E>(src + lane * E, x);
+    norm_rope_lane_x<HD, true>(s, x, is_q ? q_norm_w : k_norm_w, pos, lane, y, table);
+    store_bf<E>(dst + lane * E, y);
+  }
+}
+
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 }  // namespace
@@ -195,6 +253,25 @@ void launch_qk_norm_rope_kv(const AttnShape& s, const bf16* qkv, const bf16* q_n
            "rope_kv: the warp-per-head kernel needs head_dim 64/128/256 (got ", s.head_dim,
            "), rotary_dim / 2 a multiple of head_dim / 32 (got rotary_dim ", s.rotary_dim,
            ") and aligned rows");
+  DS_CHECK(which != RopeKvKernel::kTokenTable || warp_ok,
+           "rope_kv: the token-table kernel needs what the warp-per-head kernel needs (head_dim "
+           "64/128/256, rotary_dim / 2 a multiple of head_dim / 32, aligned rows)");
+  if (which == RopeKvKernel::kTokenTable) {
+    DS_CHECK(n_tokens < (1 << 30), "rope_kv: ", n_tokens, " tokens is too many for one launch");
+#define DS_ROPE_TABLE(HD)                                                                      \
+  launch_maybe_pdl(qk_norm_rope_kv_table_kernel<HD>, dim3(n_tokens), dim3(kWarps * 32), 0,     \
+                   stream, pdl, s, qkv, q_norm_w, k_norm_w, positions, slot_mapping, q_out,     \
+                   k_cache, v_cache)
+    if (s.head_dim == 256)
+      DS_ROPE_TABLE(256);
+    else if (s.head_dim == 128)
+      DS_ROPE_TABLE(128);
+    else
+      DS_ROPE_TABLE(64);
+#undef DS_ROPE_TABLE
+    DS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   if (which != RopeKvKernel::kBlockPerToken && warp_ok) {
     const int64_t items = (int64_t)n_tokens * (s.n_heads + 2 * s.n_kv_heads);
     const int64_t blocks = (items + kHeadWarps - 1) / kHeadWarps;

@@ -39,7 +39,10 @@ TEST(CudaDispatch, DefaultsPickSpecialisedThenFallback) {
   EXPECT_EQ(r80.select(KernelFamily::kGdnDecode, r80.key(128, 128, 8)).name, "fused");
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64, 1)).name, "warp_per_head");
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64, 128)).name, "warp_per_head");
-  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64, 129)).name, "fused");  // prompt chunk
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64, 129)).name, "token_table");  // prompt
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 64, 4096)).name, "token_table");
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 40, 4096)).name, "fused");  // 40 % 16
+  EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(32, 32, 4096)).name, "fused");   // hd 32
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(256, 40, 1)).name, "fused");    // 40 % 16
   EXPECT_EQ(r.select(KernelFamily::kRopeKv, r.key(32, 32, 1)).name, "fused");     // hd 32
   // the down projection: gemv_tma_narrow where $DS_GEMV_TMA_NARROW puts it (by default m 3..16)

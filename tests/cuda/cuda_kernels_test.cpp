@@ -203,8 +203,8 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
     s.page_size = 16;
     const bool warp_ok = cuda::qk_norm_rope_kv_warp_supported(s);
     EXPECT_EQ(warp_ok, sh.hd >= 64 && (sh.rot / 2) % (sh.hd / 32) == 0) << "hd " << sh.hd;
-    for (int T : {1, 65}) {
-      const int n_blocks = 8;
+    for (int T : {1, 65, 200}) {
+      const int n_blocks = 16;
       auto qkv = test::random_bf16(size_t(T) * s.qkv_dim(), rng, 2.f);
       auto qw = test::random_bf16(sh.hd, rng, 0.1f), kw = test::random_bf16(sh.hd, rng, 0.1f);
       std::vector<int32_t> pos(T), slot(T);
@@ -218,19 +218,24 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
       DevBuf<bf> dqkv(qkv), dqw(qw), dkw(kw);
       DevBuf<int32_t> dpos(pos), dslot(slot);
       const size_t cache_n = size_t(n_blocks) * sh.nkv * s.page_size * sh.hd;
-      std::vector<K> kernels =
-          warp_ok ? std::vector<K>{K::kWarpPerHead, K::kBlockPerToken} : std::vector<K>{K::kAuto};
+      std::vector<K> kernels = warp_ok
+                                   ? std::vector<K>{K::kWarpPerHead, K::kBlockPerToken,
+                                                    K::kTokenTable}
+                                   : std::vector<K>{K::kAuto};
       if (!warp_ok) {
         DevBuf<bf> q(size_t(T) * sh.nh * sh.hd), kc(cache_n), vc(cache_n);
-        EXPECT_THROW(cuda::launch_qk_norm_rope_kv(
-                         s, dqkv.as<__nv_bfloat16>(), dqw.as<__nv_bfloat16>(),
-                         dkw.as<__nv_bfloat16>(), dpos.ptr, dslot.ptr, T, q.as<__nv_bfloat16>(),
-                         kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>(), 0, K::kWarpPerHead),
-                     Error);
+        for (K bad : {K::kWarpPerHead, K::kTokenTable})
+          EXPECT_THROW(cuda::launch_qk_norm_rope_kv(
+                           s, dqkv.as<__nv_bfloat16>(), dqw.as<__nv_bfloat16>(),
+                           dkw.as<__nv_bfloat16>(), dpos.ptr, dslot.ptr, T, q.as<__nv_bfloat16>(),
+                           kc.as<__nv_bfloat16>(), vc.as<__nv_bfloat16>(), 0, bad),
+                       Error);
       }
       std::vector<std::vector<float>> qs, ks;
       for (K which : kernels) {
-        const char* kname = which == K::kWarpPerHead ? "warp_per_head" : "block_per_token";
+        const char* kname = which == K::kWarpPerHead   ? "warp_per_head"
+                            : which == K::kTokenTable ? "token_table"
+                                                      : "block_per_token";
         DevBuf<bf> q(size_t(T) * sh.nh * sh.hd), kc(cache_n), vc(cache_n);
         q.poison();
         kc.poison();
@@ -277,9 +282,12 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
         qs.push_back(got_q);
         ks.push_back(got_k);
       }
-      if (qs.size() == 2) {
+      if (qs.size() == 3) {
         EXPECT_LT(test::norm_err(qs[0], qs[1]), 1e-2) << "q: warp vs block, hd " << sh.hd;
         EXPECT_LT(test::norm_err(ks[0], ks[1]), 1e-2) << "k: warp vs block, hd " << sh.hd;
+        // token_table is the warp kernel's arithmetic with the angles from a table: bit-identical.
+        EXPECT_TRUE(qs[2] == qs[0]) << "q: token_table vs warp, hd " << sh.hd << " T " << T;
+        EXPECT_TRUE(ks[2] == ks[0]) << "k: token_table vs warp, hd " << sh.hd << " T " << T;
       }
     }
   }
