@@ -998,11 +998,9 @@ const KernelResult& KernelBench::rope_kv(int n) {
       : r.variant == "warp_per_head"    ? cuda::RopeKvKernel::kAuto
       : r.variant == "token_table"      ? cuda::RopeKvKernel::kTokenTable
                                         : cuda::RopeKvKernel::kBlockPerToken;
-  const cuda::RopeKvKernel other = chosen == cuda::RopeKvKernel::kAuto
-                                       ? cuda::RopeKvKernel::kBlockPerToken
-                                   : chosen == cuda::RopeKvKernel::kTokenTable
-                                       ? cuda::RopeKvKernel::kBlockPerToken
-                                       : cuda::RopeKvKernel::kAuto;
+  const cuda::RopeKvKernel other = chosen == cuda::RopeKvKernel::kBlockPerToken
+                                       ? cuda::RopeKvKernel::kAuto
+                                       : cuda::RopeKvKernel::kBlockPerToken;
   auto run = [&](int k, bf16* qo, cuda::RopeKvKernel which) {
     cuda::launch_qk_norm_rope_kv(attn_, qkv.as<bf16>() + int64_t(k) * n * qkv_dim, qn.as<bf16>(),
                                  kn.as<bf16>(), d_pos.as<int32_t>() + int64_t(k) * n,
