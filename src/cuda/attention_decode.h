@@ -30,7 +30,7 @@ enum class AttnDecodeSplit { kPlanned, kAdaptive };
 // (q_norm) into shared memory, and the block holding the sequence's newest key (the last used
 // split) also writes that row's normalised, rotated key and its value into the paged cache at
 // slot_mapping[row] (k_norm) before it reads the row back as part of its last tile. The
-// arithmetic is rope_kv's warp-per-head kernel's (rope_kv.cuh norm_rope_lane): outputs and cache
+// arithmetic is rope_kv's warp-per-head kernel's (rope_kv.cuh norm_rope_lane_x): outputs and cache
 // rows bit-identical to rope_kv + the plain path. Needs qk_norm_rope_kv_warp_supported, 16-byte
 // aligned projection rows and weights; the positions / slot_mapping of row q_start[seq]; no
 // negative slot (a decode row always has one). The `q` argument of launch_attention_decode is

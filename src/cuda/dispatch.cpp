@@ -347,27 +347,25 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          [](const ShapeKey&) { return true; }});
   r.add({F::kGdnDecode, "prefill_path", "GDN prompt path with one token per sequence", {}});
   r.add({F::kRmsNorm, "fused_add", "residual add + zero-centred RMSNorm, one block per row", {}});
+  // The head and rotary dims the warp kernel's per-head arithmetic supports (warp_per_head and
+  // token_table; kernels.h qk_norm_rope_kv_warp_supported).
+  const auto rope_warp_shape = [](const ShapeKey& k) {
+    const int64_t hd = k.dims[0];
+    return (hd == 64 || hd == 128 || hd == 256) && k.dims[1] % (hd / 16) == 0 && k.dims[1] <= hd;
+  };
   // rope_kv dims: {head_dim, rotary_dim, n_tokens}; row alignment is checked at launch. The warp
   // kernel wins at decode sizes (H200: 4.8 vs 12.0 us at 1 token, 4.9 vs 12.2 at 16) and loses on
   // prompt chunks (190 vs 114 us at 4096 tokens; crossover estimated ~340), hence <= 128 tokens.
   r.add({F::kRopeKv, "warp_per_head",
          "q/k norm + partial RoPE + paged KV write, one warp per (token, head), 16-byte loads; hd "
          "64/128/256, rotary_dim a multiple of head_dim / 16, <= 128 tokens",
-         [](const ShapeKey& k) {
-           const int64_t hd = k.dims[0];
-           return (hd == 64 || hd == 128 || hd == 256) && k.dims[1] % (hd / 16) == 0 &&
-                  k.dims[1] <= hd && k.dims[2] >= 1 && k.dims[2] <= 128;
-         }});
+         [=](const ShapeKey& k) { return rope_warp_shape(k) && k.dims[2] >= 1 && k.dims[2] <= 128; }});
   // token_table: prompt chunks (> 128 tokens) on the warp kernel's shapes; one block per token,
   // the angles computed once per token, the warp kernel's arithmetic (bit-identical to it).
   r.add({F::kRopeKv, "token_table",
          "q/k norm + partial RoPE + paged KV write, one block per token, angles once per token in "
          "shared memory; hd 64/128/256, rotary_dim a multiple of head_dim / 16, > 128 tokens",
-         [](const ShapeKey& k) {
-           const int64_t hd = k.dims[0];
-           return (hd == 64 || hd == 128 || hd == 256) && k.dims[1] % (hd / 16) == 0 &&
-                  k.dims[1] <= hd && k.dims[2] > 128;
-         }});
+         [=](const ShapeKey& k) { return rope_warp_shape(k) && k.dims[2] > 128; }});
   r.add({F::kRopeKv, "fused", "q/k norm + partial RoPE + paged KV write, one block per token", {}});
   r.add({F::kSiluMul, "generic", "SiLU(gate) * up, 16-byte loads", {}});
   r.add({F::kSample,

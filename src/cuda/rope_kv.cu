@@ -101,25 +101,18 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-template <int HD>
-__global__ void __launch_bounds__(kHeadWarps * 32)
-    qk_norm_rope_kv_warp_kernel(AttnShape s, const bf16* qkv,  // [n_tokens, qkv_dim]
-                                const bf16* __restrict__ q_norm_w,          // [HD]
-                                const bf16* __restrict__ k_norm_w,          // [HD]
-                                const int32_t* __restrict__ positions,      // [n_tokens]
-                                const int32_t* __restrict__ slot_mapping,   // [n_tokens]
-                                int n_tokens,
-                                bf16* __restrict__ q_out,  // [n_tokens, n_heads, HD]
-                                bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
+// One (token t, head h) item of the warp-arithmetic kernels: h < n_heads a q head (normed and
+// rotated into q_out), then the k heads (normed and rotated into the cache) and the v heads
+// (copied into the cache); a k / v item of a token with slot_mapping[t] < 0 does nothing. A warp
+// per item, a lane holding HD / 32 dims. kTable: the angles from `table` (the token's), else
+// computed per element from pos (norm_rope_lane_x).
+template <int HD, bool kTable>
+__device__ __forceinline__ void rope_kv_item(const AttnShape& s, const bf16* qkv, int t, int h,
+                                             const int32_t* slot_mapping, const bf16* q_norm_w,
+                                             const bf16* k_norm_w, float pos, int lane,
+                                             bf16* q_out, bf16* k_cache, bf16* v_cache,
+                                             const float2* table) {
   constexpr int E = HD / 32;
-  // PDL: as in qk_norm_rope_kv_kernel (dependents may start; nothing read before the wait).
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  const int lane = threadIdx.x & 31;
-  const int n_work = s.n_heads + 2 * s.n_kv_heads;
-  const int64_t item = (int64_t)blockIdx.x * kHeadWarps + (threadIdx.x >> 5);
-  if (item >= (int64_t)n_tokens * n_work) return;  // whole warps only
-  const int t = static_cast<int>(item / n_work), h = static_cast<int>(item % n_work);
   const bool is_q = h < s.n_heads, is_k = !is_q && h < s.n_heads + s.n_kv_heads;
   const bf16* row = qkv + (int64_t)t * s.qkv_dim();
   const bf16* src;
@@ -138,10 +131,32 @@ __global__ void __launch_bounds__(kHeadWarps * 32)
     copy_bf<E>(dst + lane * E, src + lane * E);
     return;
   }
-  float y[E];
-  norm_rope_lane<HD>(s, src, is_q ? q_norm_w : k_norm_w, static_cast<float>(positions[t]), lane,
-                     y);
+  float x[E], y[E];
+  load_bf<E>(src + lane * E, x);
+  norm_rope_lane_x<HD, kTable>(s, x, is_q ? q_norm_w : k_norm_w, pos, lane, y, table);
   store_bf<E>(dst + lane * E, y);
+}
+
+template <int HD>
+__global__ void __launch_bounds__(kHeadWarps * 32)
+    qk_norm_rope_kv_warp_kernel(AttnShape s, const bf16* qkv,  // [n_tokens, qkv_dim]
+                                const bf16* __restrict__ q_norm_w,          // [HD]
+                                const bf16* __restrict__ k_norm_w,          // [HD]
+                                const int32_t* __restrict__ positions,      // [n_tokens]
+                                const int32_t* __restrict__ slot_mapping,   // [n_tokens]
+                                int n_tokens,
+                                bf16* __restrict__ q_out,  // [n_tokens, n_heads, HD]
+                                bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
+  // PDL: as in qk_norm_rope_kv_kernel (dependents may start; nothing read before the wait).
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const int lane = threadIdx.x & 31;
+  const int n_work = s.n_heads + 2 * s.n_kv_heads;
+  const int64_t item = (int64_t)blockIdx.x * kHeadWarps + (threadIdx.x >> 5);
+  if (item >= (int64_t)n_tokens * n_work) return;  // whole warps only
+  const int t = static_cast<int>(item / n_work), h = static_cast<int>(item % n_work);
+  rope_kv_item<HD, false>(s, qkv, t, h, slot_mapping, q_norm_w, k_norm_w,
+                          static_cast<float>(positions[t]), lane, q_out, k_cache, v_cache, nullptr);
 }
 
 // token_table (prompt chunks): one block of kWarps warps per token. The token's RoPE angles are
@@ -159,7 +174,6 @@ __global__ void __launch_bounds__(kWarps * 32)
                                  const int32_t* __restrict__ slot_mapping,  // [n_tokens]
                                  bf16* __restrict__ q_out,  // [n_tokens, n_heads, HD]
                                  bf16* __restrict__ k_cache, bf16* __restrict__ v_cache) {
-  constexpr int E = HD / 32;
   __shared__ float2 table[HD / 2];  // (sin, cos) of rotary pair j; rotary_dim <= HD
   // PDL: as in qk_norm_rope_kv_kernel (dependents may start; nothing read before the wait).
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -172,31 +186,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     table[j] = make_float2(sn, cs);
   }
   __syncthreads();
-  const bf16* row = qkv + (int64_t)t * s.qkv_dim();
-  const int slot = slot_mapping[t];
   const int n_work = s.n_heads + 2 * s.n_kv_heads;
-  for (int h = warp; h < n_work; h += kWarps) {
-    const bool is_q = h < s.n_heads, is_k = !is_q && h < s.n_heads + s.n_kv_heads;
-    const bf16* src;
-    bf16* dst;
-    if (is_q) {
-      src = row + h * HD * (s.gated ? 2 : 1);
-      dst = q_out + ((int64_t)t * s.n_heads + h) * HD;
-    } else {
-      if (slot < 0) continue;
-      const int kh = is_k ? h - s.n_heads : h - s.n_heads - s.n_kv_heads;
-      src = kv_head_src(s, row, is_k, kh, HD);
-      dst = cache_row(s, is_k ? k_cache : v_cache, slot, kh, HD);
-    }
-    if (!is_q && !is_k) {  // v: plain copy
-      copy_bf<E>(dst + lane * E, src + lane * E);
-      continue;
-    }
-    float x[E], y[E];
-    load_bf<E>(src + lane * E, x);
-    norm_rope_lane_x<HD, true>(s, x, is_q ? q_norm_w : k_norm_w, pos, lane, y, table);
-    store_bf<E>(dst + lane * E, y);
-  }
+  for (int h = warp; h < n_work; h += kWarps)
+    rope_kv_item<HD, true>(s, qkv, t, h, slot_mapping, q_norm_w, k_norm_w, pos, lane, q_out,
+                           k_cache, v_cache, table);
 }
 
 bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

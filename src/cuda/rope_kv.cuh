@@ -1,7 +1,7 @@
 // Device code shared by rope_kv's warp-per-head kernel (rope_kv.cu) and the decode attention's
 // split kernel when it does rope_kv's work itself (attention_decode.cu, AttnDecodeLaunch::rope):
 // one warp normalises and rotates one (token, head) of the fused projection, a lane holding
-// HD / 32 consecutive dims. Both kernels call norm_rope_lane, so a head comes out bit for bit the
+// HD / 32 consecutive dims. Both kernels call norm_rope_lane_x, so a head comes out bit for bit the
 // same from either (tested: CudaAttentionDecode.FusedRope27b).
 #pragma once
 
@@ -65,7 +65,12 @@ __device__ __forceinline__ void rope_angle(const AttnShape& s, float pos, int j,
   sincosf(pos * inv_freq, sn, cs);
 }
 
-// norm_rope_lane (below) with the lane's HD / 32 input values already loaded (x, overwritten).
+// One warp, one head of HD dims (a q or k slice of a projection row), the lane's HD / 32 dims
+// [lane * HD / 32, +HD / 32) already loaded into x (overwritten): the zero-centred RMSNorm with
+// weight w_norm (fp32, rounded to bf16 as HF's q_norm / k_norm output), then RoPE on the first
+// rotary_dim dims (rotate-half pairs i and i + rotary_dim / 2, the partner from another lane by a
+// shuffle). y: the lane's dims in fp32 (the caller rounds them when storing). Needs
+// qk_norm_rope_kv_warp_supported(s).
 // kTable: the angles come from `table` (sin, cos of pair j at table[j]), computed once for the
 // token by the caller; else rope_angle computes them here from pos. A compile-time choice: with
 // a run-time one, every inlined copy carried powf + sincosf (and their slow paths) for each dim,
@@ -110,22 +115,6 @@ __device__ __forceinline__ void norm_rope_lane_x(const AttnShape& s, float (&x)[
       y[e] = x[e];
     }
   }
-}
-
-// One warp, one head of HD dims starting at `head` (a q or k slice of a projection row): the
-// zero-centred RMSNorm with weight w (fp32, rounded to bf16 as HF's q_norm / k_norm output), then
-// RoPE on the first rotary_dim dims (rotate-half pairs i and i + rotary_dim / 2, the partner from
-// another lane by a shuffle; angles from rope_angle, computed here). y: this lane's HD / 32
-// dims [lane * HD / 32, +HD / 32), in fp32 (the caller rounds them when storing). Needs
-// qk_norm_rope_kv_warp_supported(s) and 16-byte (HD 256) / 8-byte (HD 128) aligned rows.
-template <int HD>
-__device__ __forceinline__ void norm_rope_lane(const AttnShape& s, const bf16* head,
-                                               const bf16* w_norm, float pos, int lane,
-                                               float (&y)[HD / 32]) {
-  constexpr int E = HD / 32;
-  float x[E];
-  load_bf<E>(head + lane * E, x);
-  norm_rope_lane_x<HD, false>(s, x, w_norm, pos, lane, y, nullptr);
 }
 
 }  // namespace ds::cuda
