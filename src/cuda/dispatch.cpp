@@ -278,6 +278,19 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // kernels, same run, carried state), us per layer: 512 tokens 80.4 vs slice_scan_cs 96.9, 4096
   // 439.8 vs 539.1, 8192 837.3 vs 980.8; bench prefill 32K 3010.6 vs 3039.6 ms
   // (docs/perf/gdn_prefill.md). 64 tokens stay on slice_scan (one chunk: nothing to overlap).
+  // slice_scan_wg (issue 7, session 18): slice_scan_ov with the state pass's two products on
+  // warpgroup MMAs (one warpgroup per 64-column slice, wgmma m64n64k16 / m64n128k16 with the state
+  // and V_new as register A operands) and its tiles moved by TMA; bit-identical to slice_scan_ov
+  // (H200). H200 (bench kernels, same run), us per layer: 512 tokens 77.1 vs 81.1, 4096 399.4 vs
+  // 423.2, 8192 760.2 vs 800.4 (docs/perf/gdn_prefill.md). Where its TMA maps cannot describe the
+  // tensors (n_v_heads % 4 != 0, ...) launch_gdn_prefill runs slice_scan_ov's state pass.
+  r.add({F::kGdnPrefill, "slice_scan_wg",
+         "d_k = d_v = 128, >= 512 tokens: slice_scan_ov with the state pass on warpgroup MMAs "
+         "(wgmma m64n64k16 / m64n128k16, state and V_new as register operands) and its tiles "
+         "moved by TMA (gdn_prefill_slice.cu)",
+         [](const ShapeKey& k) {
+           return k.sm >= 90 && k.dims[0] == 128 && k.dims[1] == 128 && k.dims[2] >= 512;
+         }});
   r.add({F::kGdnPrefill, "slice_scan_ov",
          "d_k = d_v = 128, >= 512 tokens: slice_scan_cs with a leaner state pass and the output "
          "kernel running beside it (programmatic dependent launch, per-chunk ready flags; "

@@ -1023,7 +1023,8 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
   // split over 64-column slices of each head's state and the output + gated norm parallel over
   // chunks (8-warp CTAs); slice_scan_cs: slice_scan with the streaming conv of
   // gdn_prefill_conv.cu; slice_scan_ov: slice_scan_cs with the lean state pass and the output
-  // kernel running beside it (ready flags per chunk).
+  // kernel running beside it (ready flags per chunk); slice_scan_wg: slice_scan_ov with the state
+  // pass on warpgroup MMAs.
   bool slice = false;  // gdn_prefill_slice.cu's state pass and output
   bool slice_overlap = false;
   GdnSliceState slice_state = GdnSliceState::kV64;
@@ -1038,13 +1039,18 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
       // alignment holds; else 8-token blocks from 2048 tokens on (H200, 4096 tokens: 104 us vs
       // 114 for the wide grid), the wide grid below (the 8-token blocks under-fill the GPU on
       // short chunks).
-      slice_overlap = v == "slice_scan_ov" && max_chunks <= 65535;
-      const bool cs = v == "slice_scan_cs" || v == "slice_scan_ov";
+      const bool ov = v == "slice_scan_ov" || v == "slice_scan_wg";
+      slice_overlap = ov && max_chunks <= 65535;
+      const bool cs = v == "slice_scan_cs" || ov;
       conv_stream = cs && gdn_conv_prep_stream_supported(s, w, pool, proj);
       conv_multi =
           !conv_stream && n_tokens >= 2048 && gdn_conv_prep_multi_supported(s, w, pool, proj);
       conv_wide = !conv_stream && !conv_multi && gdn_conv_prep_multi_supported(s, w, pool, proj);
-      slice_state = v == "slice_scan_ov" ? GdnSliceState::kV64Lean : GdnSliceState::kV64;
+      // slice_scan_wg where its TMA maps can describe the tensors, else slice_scan_ov's kernel.
+      slice_state = !ov ? GdnSliceState::kV64
+                    : v == "slice_scan_wg" && gdn_slice_wg_supported(s, n_tokens, max_chunks, ws.g)
+                        ? GdnSliceState::kWgmma
+                        : GdnSliceState::kV64Lean;
       wy_mma = true;
     }
   }
@@ -1099,7 +1105,7 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
     launch_gdn_slice_scan(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs,
                           reinterpret_cast<const int4*>(ws.chunks), ws.seq_chunk0, max_chunks,
                           ws.qkv, ws.g, ws.w, ws.u, ws.h, out, slice_state, /*out_warps=*/8, stream,
-                          /*stages=*/3, slice_overlap ? ws.ready : nullptr);
+                          /*stages=*/3, slice_overlap ? ws.ready : nullptr, n_tokens);
     return;
   }
 

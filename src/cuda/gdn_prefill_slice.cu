@@ -30,6 +30,9 @@
 //    whole layer 0.440 vs 0.539 ms (bench kernels, same run, carried state), 512 tokens 0.080 vs
 //    0.097, 8192 0.837 vs 0.981. The lean state pass under ncu: one warp per scheduler, 0.32
 //    issued instructions per cycle, 3.1 cycles per issued instruction (latency-bound).
+//  - slice_scan_wg: slice_scan_ov with the state pass on warpgroup MMAs and its tiles moved by TMA
+//    (gdn_state_wg_kernel below); bit-identical to slice_scan_ov on the H200, the pass 121.6 vs
+//    150.7 us alone, 232.0 vs 250.1 with the output beside it (4096 tokens, session 18).
 // Precision as FLA and the other variants: bf16 operands (h_c, V_new, P, Q, K, W, U), fp32
 // accumulators, state and gamma. Workspace: gdn_prefill.cu's h snapshot region ([chunk, head, v,
 // k] bf16, the generic layout) and U (V_new after the pass).
@@ -52,7 +55,11 @@
 #include "cuda/cuda_common.h"
 #include "cuda/gdn_chunk.cuh"
 #include "cuda/gdn_prefill_sm90.h"
+#include "cuda/bulk_copy.cuh"
 #include "cuda/mma_util.cuh"
+#include "cuda/tma.cuh"
+#include "cuda/tma.h"
+#include "cuda/wgmma.cuh"
 
 namespace ds::cuda {
 namespace {
@@ -325,6 +332,309 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
   }
 }
 
+// ---- state pass on warpgroup MMAs, tiles moved by TMA (GdnSliceState::kWgmma) -------------------
+// kLean's chunk step with its two products on wgmma and every tile moved by the TMA unit, so that
+// the four warps (one per scheduler: the chain is issue-bound) spend their instructions on the
+// chain. One warpgroup owns a 64-column slice (4 warps x 16 state rows; 96 CTAs for one 27B
+// sequence):
+//   S [64 v, 64 t] = h^T W^T: 8 x wgmma m64n64k16, A = h^T as bf16 register fragments (the
+//     snapshot's bits), B = W [64 t, 128 k] K-major from shared memory;
+//   h^T [64 v, 128 k] = e^(gamma_last) h^T + Vs^T K: 4 x wgmma m64n128k16, A = Vs^T from
+//     registers, B = K [64 t, 128 k] MN-major.
+// h^T (64 fp32 per thread) is the m64n128 accumulator, whose per-warp layout is kLean's mma.sync
+// one (h[4 j + i] = h[j][i] there). Loads: while S of chunk ch runs, thread 0 loads chunk ch + 1
+// into the other of two stages (once every warp has released it on its `empty` mbarrier): K and
+// W as two [64 t, 64 k] boxes each (128-byte swizzle = the wgmma layout), this slice's U columns
+// (one swizzled [64 t, 64 v] box), gamma (a [64 t, 4 heads] fp32 box), all on the stage's `full`
+// mbarrier. Stores, per warp by its lane 0, one bulk group per chunk: the warp's snapshot rows
+// (two swizzled [16 v, 64 k] boxes, staged by stmatrix while S runs) and its V_new columns (a
+// [64 t, 16 v] box staged by stmatrix.trans; a partial chunk stores its rows one by one, since
+// the box would write past the sequence into the next one's U). Rows past the sequence's end in a
+// partial chunk (another sequence's rows, or zeros past the tensor) are neutralised: K's rows are
+// zeroed in shared memory and Vs is zero there, so nothing of them reaches h. No block barrier
+// per chunk: with kSignal each warp publishes chunk c (ready += 1, so a head's chunk is ready at 4
+// x n_slices) once its stores of c are complete, at the start of chunk c + 2; the last two after
+// its final state rows are stored. Same products on the same operands in the same order as kLean:
+// on the H200 y, states, snapshots and V_new come out bit-identical (wgmma sums as mma.sync does).
+// H200, 4096 tokens (session 18, docs/perf/gdn_prefill.md): the pass alone 121.6 us vs 150.7
+// (lean); with the output beside it 232.0 vs 250.1; whole layer 0.399 vs 0.423 ms.
+struct WgCfg {
+  static constexpr int kThreads = 128;
+  static constexpr int kStages = 2;  // 3 ran the pass alone no faster (121.6 us) and left no room
+                                     // for an output CTA beside it (266 vs 232 us overlapped)
+  static constexpr int kVs = 64;                        // state rows (value columns) per CTA
+  static constexpr uint32_t kBox = kC * 128;            // one swizzled [64 rows, 64 bf16] box
+  static constexpr uint32_t kK = 0, kW = 2 * kBox, kU = 4 * kBox, kGam = 5 * kBox;
+  static constexpr uint32_t kBuf = kGam + kC * 4 * 4;   // + gamma [64 t][4 heads] fp32
+  static constexpr uint32_t kSnap = kStages * kBuf;      // 4 warps x two [16 v, 64 k] boxes
+  static constexpr uint32_t kVout = kSnap + 4 * 4096;   // 4 warps x [64 t, 16 v] bf16
+  static constexpr uint32_t kBar = kVout + 4 * 2048;    // full[STAGES], empty[STAGES] mbarriers
+  static constexpr size_t kTotal = 1024 + kBar + 2 * kStages * 8;  // + alignment slack
+  static constexpr uint32_t kLoadBytes = kBuf;          // transaction bytes of one chunk's loads
+  static_assert(kBuf % 1024 == 0 && kSnap % 1024 == 0, "swizzled boxes are 1024-byte aligned");
+};
+
+// The TMA maps of the wgmma state pass (make_gdn_wg_maps).
+struct GdnWgMaps {
+  CUtensorMap k;     // qkv [n_tokens, qkv_dim] bf16, box [64 t, 64], 128-byte swizzle
+  CUtensorMap w;     // w_mat [n_tokens, n_v, 128] bf16, box [64 t, 1, 64], swizzled
+  CUtensorMap u;     // u_mat, the same box (U in)
+  CUtensorMap gam;   // gamma [n_tokens, n_v] fp32, box [64 t, 4]
+  CUtensorMap vout;  // u_mat, box [64 t, 1, 16] (V_new out), no swizzle
+  CUtensorMap snap;  // h_snap [max_chunks * n_v * 128 rows, 128] bf16, box [16, 64], swizzled
+};
+
+template <bool kSignal>
+__global__ void __launch_bounds__(WgCfg::kThreads, 1)
+    gdn_state_wg_kernel(GdnShape s, GdnStatePool pool,
+                        const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
+                        const int32_t* __restrict__ seq_pos,     // [n_seqs]
+                        const int32_t* __restrict__ slot_ids,    // [n_seqs]
+                        const int* __restrict__ seq_chunk0,      // [n_seqs + 1] first chunk
+                        bf16* __restrict__ u_mat,  // V_new rows of partial chunks (plain stores)
+                        int* __restrict__ ready,   // [max_chunks, n_v] (kSignal only)
+                        const __grid_constant__ GdnWgMaps maps) {
+  if constexpr (kSignal) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  using L = WgCfg;
+  constexpr int STAGES = L::kStages;
+  const int seq = blockIdx.x, hv = blockIdx.y;
+  const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
+  if (len <= 0) return;  // the slot is left untouched
+  const int v_cta = blockIdx.z * L::kVs;
+  const int n_v = s.n_v_heads, hk = hv / (n_v / s.n_k_heads);
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = align_1024(smem_raw);  // swizzle atoms
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int v_loc = 16 * warp;
+  const int v_base = v_cta + v_loc;
+  const int n_chunks = (len + kC - 1) / kC;
+  const int64_t chunk0 = seq_chunk0[seq];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
+  uint64_t* empty = full + STAGES;
+  auto stage = [&](int b) { return smem + b * L::kBuf; };
+
+  if (tid == 0) {
+    for (int b = 0; b < STAGES; ++b) {
+      mbar_init(&full[b], 1);
+      mbar_init(&empty[b], 4);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // Chunk ch's tiles into stage ch % STAGES once every warp has released it (thread 0).
+  auto fetch = [&](int ch) {
+    const int b = ch % STAGES, row0 = start + ch * kC;
+    if (ch >= STAGES) mbar_wait(&empty[b], uint32_t(ch / STAGES - 1) & 1u);
+    unsigned char* st = stage(b);
+    mbar_arrive_expect_tx(&full[b], L::kLoadBytes);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      tma_load_2d(st + L::kK + half * L::kBox, &maps.k, (s.n_k_heads + hk) * kD + 64 * half, row0,
+                  &full[b]);
+      tma_load_3d(st + L::kW + half * L::kBox, &maps.w, 64 * half, hv, row0, &full[b]);
+    }
+    tma_load_3d(st + L::kU, &maps.u, v_cta, hv, row0, &full[b]);
+    tma_load_2d(st + L::kGam, &maps.gam, hv & ~3, row0, &full[b]);
+  };
+  if (tid == 0)
+    for (int ch = 0; ch < min(STAGES - 1, n_chunks); ++ch) fetch(ch);
+
+  float* state = pool.rec_state + static_cast<int64_t>(slot_ids[seq]) * pool.rec_slot_stride +
+                 static_cast<int64_t>(hv) * kD * kD;
+  const bool has_state = seq_pos[seq] > 0;
+  float h[64];  // h[4 j + i] = h^T(v_base + g + 8 (i / 2), 8 j + 2 c + (i % 2))
+  gdn_tile::load_state_rows(reinterpret_cast<float(&)[16][4]>(h), state, has_state, v_base, g, c);
+  bf16* snap_w = reinterpret_cast<bf16*>(smem + L::kSnap + warp * 4096);  // two [16, 64] boxes
+  bf16* vout_w = reinterpret_cast<bf16*>(smem + L::kVout + warp * 2048);  // [64 t][16 v]
+  int* ready_h = ready + hv;  // ready[chunk * n_v + hv]: one count per consumer warp and slice
+
+  for (int ch = 0; ch < n_chunks; ++ch) {
+    const int b = ch % STAGES;
+    const int row0 = start + ch * kC;
+    const int n = min(kC, len - ch * kC);
+    unsigned char* st = stage(b);
+    mbar_wait(&full[b], uint32_t(ch / STAGES) & 1u);
+    if (n < kC) {  // a partial chunk: K rows past the sequence to zeros (wgmma reads them)
+      for (int e = tid; e < (kC - n) * 16; e += 128) {
+        const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
+        *reinterpret_cast<uint4*>(st + L::kK + half * L::kBox + r * 128 + q * 16) =
+            make_uint4(0, 0, 0, 0);
+      }
+      fence_proxy_async();
+      named_barrier_sync(1, 128);  // the four consumer warps
+    }
+    if (kSignal && ch >= 2 && lane == 0) {  // this warp's stores of chunk ch - 2 are complete:
+      tma_wait<1>();                        // publish them
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      signal_ready(ready_h + (chunk0 + ch - 2) * n_v);
+    }
+    const uint32_t k_s = smem_u32(st + L::kK), w_s = smem_u32(st + L::kW);
+    const bf16* u_s = reinterpret_cast<const bf16*>(st + L::kU);
+    const float* gam = reinterpret_cast<const float*>(st + L::kGam);
+    const int hq = hv & 3;
+    const float g_last = gam[(n - 1) * 4 + hq];
+
+    // ---- h^T as bf16 A fragments (also the snapshot h_c); S = h^T W^T.
+    uint32_t ha[8][4];
+    gdn_tile::acc_to_a<16>(reinterpret_cast<const float(&)[16][4]>(h), ha);
+    float sacc[32];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      wgmma_m64n64k16_rs(sacc, ha[kk],
+                         gmma_desc(w_s + (kk >> 2) * L::kBox + (kk & 3) * 32, 16, 1024),
+                         kk == 0 ? 0 : 1);
+    wgmma_commit();
+    // While S runs: the loads of chunk ch + STAGES - 1 (thread 0; its stage was released at the
+    // end of chunk ch - 1), the snapshot into this warp's staging boxes (the previous chunk's stores
+    // have read them), stored by lane 0; and the decay factors.
+    if (tid == 0 && ch + STAGES - 1 < n_chunks) fetch(ch + STAGES - 1);
+    if (lane == 0) tma_wait_read<0>();
+    __syncwarp();
+#pragma unroll
+    for (int sk = 0; sk < 8; ++sk) {
+      const int row = (lane & 7) + 8 * ((lane >> 3) & 1), q = 2 * sk + (lane >> 4);
+      stsm_x4(reinterpret_cast<bf16*>(reinterpret_cast<unsigned char*>(snap_w) + (q >> 3) * 2048 +
+                                      row * 128 + (((q & 7) ^ (row & 7)) << 4)),
+              ha[sk]);
+    }
+    fence_proxy_async();
+    __syncwarp();
+    if (lane == 0) {
+      const int snap_row = static_cast<int>(((chunk0 + ch) * n_v + hv) * kD + v_base);
+      tma_store_2d(&maps.snap, 0, snap_row, snap_w);
+      tma_store_2d(&maps.snap, 64, snap_row, reinterpret_cast<unsigned char*>(snap_w) + 2048);
+    }
+    float gc[8][2];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        gc[j][e] = __expf(g_last - gam[min(8 * j + 2 * c + e, n - 1) * 4 + hq]);
+    }
+    wgmma_wait<0>();
+    fence_regs(sacc);
+
+    // ---- V_new^T = U^T - S (bf16, staged for the store), Vs = V_new^T e^(gamma_last - gamma_t),
+    // zero past the sequence.
+    uint32_t vsa[4][4];
+    {
+      float vs[8][4];
+      const int m = lane >> 3, r = lane & 7;
+#pragma unroll
+      for (int jp = 0; jp < 4; ++jp) {
+        // Matrix m: rows t = 16 jp + 8 (m / 2) + r, columns v_loc + 8 (m % 2) (chunk q of the
+        // swizzled U row).
+        const int t = 16 * jp + 8 * (m >> 1) + r, q = 2 * warp + (m & 1);
+        uint32_t ur[4];
+        ldsm_x4_t(ur, reinterpret_cast<const bf16*>(reinterpret_cast<const unsigned char*>(u_s) +
+                                                    t * 128 + ((q ^ (t & 7)) << 4)));
+#pragma unroll
+        for (int qq = 0; qq < 4; ++qq) {
+          const int j = 2 * jp + (qq >> 1), i0 = 2 * (qq & 1);
+          const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(&ur[qq]);
+          const bf16 x0 = __float2bfloat16(__low2float(u2) - sacc[4 * j + i0]);
+          const bf16 x1 = __float2bfloat16(__high2float(u2) - sacc[4 * j + i0 + 1]);
+          const int t0 = 8 * j + 2 * c;
+          vs[j][i0] = t0 < n ? __bfloat162float(x0) * gc[j][0] : 0.f;
+          vs[j][i0 + 1] = t0 + 1 < n ? __bfloat162float(x1) * gc[j][1] : 0.f;
+          __nv_bfloat162 x2;
+          x2.x = x0;
+          x2.y = x1;
+          ur[qq] = *reinterpret_cast<const uint32_t*>(&x2);
+        }
+        stsm_x4_t(vout_w + t * 16 + 8 * (m & 1), ur);
+      }
+      gdn_tile::acc_to_a<8>(vs, vsa);
+    }
+
+    // ---- h^T <- e^(gamma_last) h^T + Vs^T K.
+    const float decay = __expf(g_last);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) h[i] *= decay;
+    fence_regs(h);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kC / 16; ++kk)
+      wgmma_m64n128k16_rs_t(h, vsa[kk], gmma_desc(k_s + kk * 16 * 128, L::kBox, 1024));
+    wgmma_commit();
+
+    // While the update runs: this warp's V_new columns (a box; rows past the sequence must not be
+    // written: those belong to the next sequence, so a partial chunk stores its rows one by one).
+    fence_proxy_async();
+    __syncwarp();
+    if (n == kC) {
+      if (lane == 0) tma_store_3d(&maps.vout, v_base, hv, row0, vout_w);
+    } else {
+      for (int e = lane; e < 2 * n; e += 32) {
+        const int t = e >> 1, piece = e & 1;
+        *reinterpret_cast<uint4*>(u_mat + ((int64_t(row0) + t) * n_v + hv) * kD + v_base +
+                                  8 * piece) =
+            *reinterpret_cast<const uint4*>(vout_w + t * 16 + 8 * piece);
+      }
+    }
+    if (lane == 0) tma_commit();
+    wgmma_wait<0>();
+    fence_regs(h);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[b]);  // this warp is done with stage b
+  }
+  if (lane == 0) {  // every store of this warp is complete
+    tma_wait<0>();
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+
+  gdn_tile::store_state_rows(reinterpret_cast<const float(&)[16][4]>(h), state, v_base, g, c);
+  if constexpr (kSignal) {
+    __syncwarp();  // this warp's last stores and its final state rows are done
+    if (lane == 0) {
+      if (n_chunks >= 2) signal_ready(ready_h + (chunk0 + n_chunks - 2) * n_v);
+      signal_ready(ready_h + (chunk0 + n_chunks - 1) * n_v);
+    }
+  }
+}
+
+// The maps of gdn_state_wg_kernel over this launch's tensors (n_tokens rows).
+GdnWgMaps make_gdn_wg_maps(const GdnShape& s, int n_tokens, int max_chunks, const bf16* qkv,
+                           const float* gamma, const bf16* w_mat, const bf16* u_mat,
+                           const bf16* h_snap) {
+  const uint64_t nt = uint64_t(n_tokens), nv = uint64_t(s.n_v_heads);
+  GdnWgMaps m;
+  {
+    const uint64_t dims[2] = {uint64_t(s.qkv_dim()), nt}, strides[1] = {uint64_t(s.qkv_dim()) * 2};
+    const uint32_t box[2] = {64, kC};
+    m.k = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, qkv, dims, strides, box,
+                          CU_TENSOR_MAP_SWIZZLE_128B, "gdn state pass: K");
+  }
+  const uint64_t dims3[3] = {kD, nv, nt}, strides3[2] = {kD * 2, nv * kD * 2};
+  {
+    const uint32_t box[3] = {64, 1, kC};
+    m.w = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, w_mat, dims3, strides3, box,
+                          CU_TENSOR_MAP_SWIZZLE_128B, "gdn state pass: W");
+    m.u = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, u_mat, dims3, strides3, box,
+                          CU_TENSOR_MAP_SWIZZLE_128B, "gdn state pass: U");
+  }
+  {
+    const uint32_t box[3] = {16, 1, kC};
+    m.vout = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, u_mat, dims3, strides3, box,
+                             CU_TENSOR_MAP_SWIZZLE_NONE, "gdn state pass: V_new");
+  }
+  {
+    const uint64_t dims[2] = {nv, nt}, strides[1] = {nv * 4};
+    const uint32_t box[2] = {4, kC};
+    m.gam = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, gamma, dims, strides, box,
+                            CU_TENSOR_MAP_SWIZZLE_NONE, "gdn state pass: gamma");
+  }
+  {
+    const uint64_t dims[2] = {kD, uint64_t(max_chunks) * nv * kD}, strides[1] = {kD * 2};
+    const uint32_t box[2] = {64, 16};
+    m.snap = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, h_snap, dims, strides, box,
+                             CU_TENSOR_MAP_SWIZZLE_128B, "gdn state pass: snapshots");
+  }
+  return m;
+}
+
 // ---- output -------------------------------------------------------------------------------------
 template <int VS>
 struct OutCfg {
@@ -565,13 +875,18 @@ bool gdn_slice_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnS
          aligned(pool.rec_state, 8) && pool.rec_slot_stride % 2 == 0;
 }
 
+bool gdn_slice_wg_supported(const GdnShape& s, int n_tokens, int max_chunks, const float* gamma) {
+  return s.d_k == kD && s.d_v == kD && s.n_v_heads % 4 == 0 && n_tokens > 0 && aligned(gamma, 16) &&
+         int64_t(max_chunks) * s.n_v_heads * kD < (int64_t(1) << 31);
+}
+
 void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                            const bf16* proj, const int32_t* cu_seqlens, const int32_t* seq_pos,
                            const int32_t* slot_ids, int n_seqs, const int4* chunks,
                            const int* seq_chunk0, int max_chunks, const bf16* qkv,
                            const float* gamma, const bf16* w_mat, bf16* u_mat, bf16* h_snap,
                            bf16* out, GdnSliceState state, int out_warps, cudaStream_t stream,
-                           int stages, int* ready) {
+                           int stages, int* ready, int n_tokens) {
   DS_CHECK(out_warps == 4 || out_warps == 8, "gdn slice scan: out_warps must be 4 or 8, got ",
            out_warps);
   DS_CHECK(ready == nullptr || (stages == 3 && max_chunks <= 65535 && out_warps == 8),
@@ -606,6 +921,25 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
         else
           run(gdn_state_slice_kernel<4, 2, false, true>, lean_smem, L64::kThreads);
         break;
+      case GdnSliceState::kWgmma: {
+        DS_CHECK(gdn_slice_wg_supported(s, n_tokens, max_chunks, gamma),
+                 "gdn slice scan: the wgmma state pass needs n_v_heads % 4 == 0, a 16-byte "
+                 "aligned gamma and fewer than 2^31 snapshot rows (got n_v ", s.n_v_heads,
+                 ", n_tokens ", n_tokens, ", ", max_chunks, " chunks)");
+        const GdnWgMaps maps =
+            make_gdn_wg_maps(s, n_tokens, max_chunks, qkv, gamma, w_mat, u_mat, h_snap);
+        auto go = [&](auto kernel) {
+          ensure_smem_optin(reinterpret_cast<const void*>(kernel), WgCfg::kTotal);
+          kernel<<<dim3(n_seqs, s.n_v_heads, n_slices), WgCfg::kThreads, WgCfg::kTotal, stream>>>(
+              s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, u_mat, ready, maps);
+          DS_CUDA_LAUNCH_CHECK();
+        };
+        if (overlap)
+          go(gdn_state_wg_kernel<true>);
+        else
+          go(gdn_state_wg_kernel<false>);
+        break;
+      }
     }
   }
   if ((stages & 2) == 0) return;
@@ -618,7 +952,9 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
     const dim3 grid = overlap ? dim3(s.n_v_heads, max_chunks) : dim3(max_chunks, s.n_v_heads);
     launch_maybe_pdl(kernel, grid, dim3(threads), smem, stream, overlap, s, w, chunks, proj, qkv,
                      gamma, static_cast<const bf16*>(u_mat), static_cast<const bf16*>(h_snap), out,
-                     static_cast<const int*>(ready), n_slices);
+                     static_cast<const int*>(ready),
+                     // ready counts: one per state CTA, or per consumer warp of the wgmma pass
+                     state == GdnSliceState::kWgmma ? 4 * n_slices : n_slices);
     DS_CUDA_LAUNCH_CHECK();
   };
   if (out_warps == 8) {

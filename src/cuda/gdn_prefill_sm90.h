@@ -90,8 +90,10 @@ bool gdn_wy_mma_balanced();
 // The state-pass kernel: 64-column slices (4 warps x 16 rows); kV64Lean: the same with U / V_new
 // as ldmatrix / stmatrix .trans fragments and the snapshot staged for 16-byte stores
 // (bit-identical results, fewer instructions per chunk step). (32-column slices, slower at every
-// size, were removed in issue 7 round 3.)
-enum class GdnSliceState { kV64, kV64Lean };
+// size, were removed in issue 7 round 3.) kWgmma: kV64Lean's chunk step with its two products on
+// warpgroup MMAs (one warpgroup per 64-column slice; same operand precision, the tensor cores'
+// summation order).
+enum class GdnSliceState { kV64, kV64Lean, kWgmma };
 bool gdn_slice_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                          const bf16* proj, const bf16* out);
 void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
@@ -118,8 +120,14 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                            // pass (programmatic dependent launch), each CTA waiting until its
                            // chunk's flag counts every slice; [max_chunks, n_v_heads] ints, zero
                            // on entry (the caller clears them; left at the slice count). Needs
-                           // kV64 / kV64Lean, out_warps 8, stages 3. Outputs bit-identical to
+                           // any state kernel, out_warps 8, stages 3. Outputs bit-identical to
                            // null.
-                           int* ready = nullptr);
+                           int* ready = nullptr,
+                           // the rows of qkv / gamma / W / U (kWgmma's TMA maps; needs
+                           // gdn_slice_wg_supported)
+                           int n_tokens = 0);
+// Whether kWgmma can run: d_k = d_v = 128, n_v_heads % 4 == 0 (gamma's [64, 4] box), gamma 16-byte
+// aligned, n_tokens > 0 and fewer than 2^31 snapshot rows.
+bool gdn_slice_wg_supported(const GdnShape& s, int n_tokens, int max_chunks, const float* gamma);
 
 }  // namespace ds::cuda

@@ -21,6 +21,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/bf16.h"
@@ -493,6 +494,8 @@ void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, doub
 // dependent launch, per-chunk ready flags): its y and final states must be bit-identical to
 // slice_scan_cs's, from a poisoned workspace, on repeated launches over the same workspace (the
 // flags are cleared each launch) and replayed from a CUDA graph (PDL edges in a graph).
+// slice_scan_wg (the same with the state pass on wgmma) too: on the H200 wgmma's sums come out
+// bit for bit as mma.sync's.
 TEST(CudaGdn, PrefillOverlapBitExact) {
   REQUIRE_GPU();
   if (device_sm() < 90) GTEST_SKIP() << "slice_scan_ov is sm 90 only";
@@ -503,7 +506,8 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
     reg->add({KernelFamily::kGdnPrefill, "chunked", "generic", {}});
     return std::unique_ptr<DispatchRegistry>(reg);
   };
-  const auto reg_cs = forced("slice_scan_cs"), reg_ov = forced("slice_scan_ov");
+  const auto reg_cs = forced("slice_scan_cs"), reg_ov = forced("slice_scan_ov"),
+             reg_wg = forced("slice_scan_wg");
   const GdnShape s = shape_27b();
   const PrefillCase cases[] = {{{4097}, {0}},
                                {{4096}, {8192}},
@@ -548,32 +552,38 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
     size_t nan_y = 0;
     for (float x : ref.first) nan_y += std::isnan(x);
     EXPECT_EQ(nan_y, 0u) << "slice_scan_cs left output rows unwritten";
-    for (int rep = 0; rep < 3; ++rep) {  // poisoned workspace, then the flags of the last launch
-      const auto got = run(reg_ov.get(), nullptr, rep == 0);
-      EXPECT_TRUE(same(got.first, ref.first)) << "launch " << rep << ": y differs";
-      EXPECT_TRUE(same(got.second, ref.second)) << "launch " << rep << ": states differ";
+    for (const auto& [name, reg] : {std::make_pair("slice_scan_ov", reg_ov.get()),
+                                    std::make_pair("slice_scan_wg", reg_wg.get())}) {
+      const auto* expect = &ref;
+      for (int rep = 0; rep < 3; ++rep) {  // poisoned workspace, then the last launch's flags
+        const auto got = run(reg, nullptr, rep == 0);
+        EXPECT_TRUE(same(got.first, expect->first)) << name << " launch " << rep << ": y differs";
+        EXPECT_TRUE(same(got.second, expect->second))
+            << name << " launch " << rep << ": states differ";
+      }
+      // Captured in a graph on a non-blocking stream, replayed twice.
+      cudaStream_t st;
+      CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      d.launch(s, dl.w(), pool.pool(), st, reg);
+      CK(cudaStreamEndCapture(st, &graph));
+      CK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int rep = 0; rep < 2; ++rep) {
+        restore();
+        d.out.poison();
+        CK(cudaGraphLaunch(exec, st));
+        CK(cudaStreamSynchronize(st));
+        EXPECT_TRUE(same(download_bf16(d.out.p, d.out.n), expect->first))
+            << name << " graph " << rep << ": y";
+        EXPECT_TRUE(same(download_f32(pool.rec.p, pool.rec.n), expect->second))
+            << name << " graph " << rep << ": states";
+      }
+      CK(cudaGraphExecDestroy(exec));
+      CK(cudaGraphDestroy(graph));
+      CK(cudaStreamDestroy(st));
     }
-    // Captured in a graph on a non-blocking stream, replayed twice.
-    cudaStream_t st;
-    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    d.launch(s, dl.w(), pool.pool(), st, reg_ov.get());
-    CK(cudaStreamEndCapture(st, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int rep = 0; rep < 2; ++rep) {
-      restore();
-      d.out.poison();
-      CK(cudaGraphLaunch(exec, st));
-      CK(cudaStreamSynchronize(st));
-      EXPECT_TRUE(same(download_bf16(d.out.p, d.out.n), ref.first)) << "graph " << rep << ": y";
-      EXPECT_TRUE(same(download_f32(pool.rec.p, pool.rec.n), ref.second))
-          << "graph " << rep << ": states";
-    }
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
-    CK(cudaStreamDestroy(st));
   }
 }
 
@@ -1164,12 +1174,13 @@ TEST(CudaGdn, PrefillStageTiming) {
   // (The slice state pass writes V_new over U: it runs last; timings do not depend on values.)
   const std::pair<GdnSliceState, const char*> states[] = {
       {GdnSliceState::kV64, "slice state pass, 64-column slices"},
-      {GdnSliceState::kV64Lean, "slice state pass, 64 columns, lean"}};
+      {GdnSliceState::kV64Lean, "slice state pass, 64 columns, lean"},
+      {GdnSliceState::kWgmma, "slice state pass, 64 columns, wgmma"}};
   for (const auto& [st, name] : states) {
     stage(name, [&] {
       launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
                             max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, st, 4, nullptr,
-                            /*stages=*/1);
+                            /*stages=*/1, nullptr, T);
     });
   }
   for (int warps : {4, 8}) {
@@ -1203,7 +1214,7 @@ TEST(CudaGdn, PrefillStageTiming) {
       clear(sm);
       launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
                             max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, state, 8, sm,
-                            /*stages=*/3, ready.p);
+                            /*stages=*/3, ready.p, T);
     };
   };
   stage_on(nullptr, "slice state + output, serial (null stream)", serial);
@@ -1212,7 +1223,8 @@ TEST(CudaGdn, PrefillStageTiming) {
   stage_on(st, "slice state pass + output, serial", serial);
   const std::pair<GdnSliceState, const char*> ov_states[] = {
       {GdnSliceState::kV64, "slice state pass + output, overlapped"},
-      {GdnSliceState::kV64Lean, "slice state pass (lean) + output, overlapped"}};
+      {GdnSliceState::kV64Lean, "slice state pass (lean) + output, overlapped"},
+      {GdnSliceState::kWgmma, "slice state pass (wgmma) + output, overlapped"}};
   for (const auto& [state, name] : ov_states) {
     const double t_ov = stage_on(st, name, overlapped(state));
     std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = the same less the clear",
