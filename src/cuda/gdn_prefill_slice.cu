@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
 // into the other of two stages (once every warp has released it on its `empty` mbarrier): K and
 // W as two [64 t, 64 k] boxes each (128-byte swizzle = the wgmma layout), this slice's U columns
 // (one swizzled [64 t, 64 v] box), gamma (a [64 t, 4 heads] fp32 box), all on the stage's `full`
-// mbarrier. Stores, per warp by its lane 0, one bulk group per chunk: the warp's snapshot rows
+// mbarrier. Stores, per warp by its lane 0, two bulk groups per chunk: the warp's snapshot rows
 // (two swizzled [16 v, 64 k] boxes, staged by stmatrix while S runs) and its V_new columns (a
 // [64 t, 16 v] box staged by stmatrix.trans; a partial chunk stores its rows one by one, since
 // the box would write past the sequence into the next one's U). Rows past the sequence's end in a
@@ -465,7 +465,7 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
       named_barrier_sync(1, 128);  // the four consumer warps
     }
     if (kSignal && ch >= 2 && lane == 0) {  // this warp's stores of chunk ch - 2 are complete:
-      tma_wait<1>();                        // publish them
+      tma_wait<2>();                        // publish them
       asm volatile("fence.proxy.async.global;" ::: "memory");
       signal_ready(ready_h + (chunk0 + ch - 2) * n_v);
     }
@@ -487,10 +487,11 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
                          kk == 0 ? 0 : 1);
     wgmma_commit();
     // While S runs: the loads of chunk ch + STAGES - 1 (thread 0; its stage was released at the
-    // end of chunk ch - 1), the snapshot into this warp's staging boxes (the previous chunk's stores
-    // have read them), stored by lane 0; and the decay factors.
+    // end of chunk ch - 1), the snapshot into this warp's staging boxes (once the previous chunk's
+    // snapshot group has read them: bulk groups per chunk [snapshot, V_new]), stored by lane 0 as
+    // one group; and the decay factors.
     if (tid == 0 && ch + STAGES - 1 < n_chunks) fetch(ch + STAGES - 1);
-    if (lane == 0) tma_wait_read<0>();
+    if (lane == 0) tma_wait_read<1>();
     __syncwarp();
 #pragma unroll
     for (int sk = 0; sk < 8; ++sk) {
@@ -505,6 +506,7 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
       const int snap_row = static_cast<int>(((chunk0 + ch) * n_v + hv) * kD + v_base);
       tma_store_2d(&maps.snap, 0, snap_row, snap_w);
       tma_store_2d(&maps.snap, 64, snap_row, reinterpret_cast<unsigned char*>(snap_w) + 2048);
+      tma_commit();
     }
     float gc[8][2];
 #pragma unroll
@@ -516,8 +518,10 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     wgmma_wait<0>();
     fence_regs(sacc);
 
-    // ---- V_new^T = U^T - S (bf16, staged for the store), Vs = V_new^T e^(gamma_last - gamma_t),
-    // zero past the sequence.
+    // ---- V_new^T = U^T - S (bf16, staged for the store once the previous chunk's V_new group
+    // has read the staging rows), Vs = V_new^T e^(gamma_last - gamma_t), zero past the sequence.
+    if (lane == 0) tma_wait_read<1>();
+    __syncwarp();
     uint32_t vsa[4][4];
     {
       float vs[8][4];
