@@ -31,8 +31,9 @@
 //    0.097, 8192 0.837 vs 0.981. The lean state pass under ncu: one warp per scheduler, 0.32
 //    issued instructions per cycle, 3.1 cycles per issued instruction (latency-bound).
 //  - slice_scan_wg: slice_scan_ov with the state pass on warpgroup MMAs and its tiles moved by TMA
-//    (gdn_state_wg_kernel below); bit-identical to slice_scan_ov on the H200, the pass 121.6 vs
-//    150.7 us alone, 232.0 vs 250.1 with the output beside it (4096 tokens, session 18).
+//    (gdn_state_wg_kernel below), and the output's tiles moved by TMA too
+//    (gdn_chunk_out_tma_kernel); bit-identical to slice_scan_ov on the H200, the pass 115-119 vs
+//    150 us alone, 212 vs 250 us with the output beside it (4096 tokens, session 18).
 // Precision as FLA and the other variants: bf16 operands (h_c, V_new, P, Q, K, W, U), fp32
 // accumulators, state and gamma. Workspace: gdn_prefill.cu's h snapshot region ([chunk, head, v,
 // k] bf16, the generic layout) and U (V_new after the pass).
@@ -52,6 +53,9 @@
 // ~300 MB per 4096 tokens, 100 MB of it the bf16 snapshots. Test: tests/cuda/cuda_gdn_test.cpp
 // (every prefill case runs each variant, forced for all lengths); bench: `deltaserve bench kernels
 // --only gdn_prefill`.
+#include <cstdlib>
+#include <string>
+
 #include "cuda/cuda_common.h"
 #include "cuda/gdn_chunk.cuh"
 #include "cuda/gdn_prefill_sm90.h"
@@ -599,43 +603,44 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
   }
 }
 
+// A row-major bf16 matrix [rows, cols] in boxes of [box_rows, box_cols].
+CUtensorMap matrix_map(const void* base, uint64_t rows, uint64_t cols, uint32_t box_rows,
+                       uint32_t box_cols, CUtensorMapSwizzle swizzle, const char* what) {
+  const uint64_t dims[2] = {cols, rows}, strides[1] = {cols * 2};
+  const uint32_t box[2] = {box_cols, box_rows};
+  return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, base, dims, strides, box, swizzle,
+                         what);
+}
+// A per-head bf16 tensor [n_tokens, n_v, 128] (W, U / V_new) in boxes of [64 tokens, 1 head,
+// box_cols].
+CUtensorMap head_rows_map(const bf16* base, const GdnShape& s, int n_tokens, uint32_t box_cols,
+                          CUtensorMapSwizzle swizzle, const char* what) {
+  const uint64_t nv = uint64_t(s.n_v_heads);
+  const uint64_t dims[3] = {kD, nv, uint64_t(n_tokens)}, strides[2] = {kD * 2, nv * kD * 2};
+  const uint32_t box[3] = {box_cols, 1, kC};
+  return make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, base, dims, strides, box, swizzle,
+                         what);
+}
+
 // The maps of gdn_state_wg_kernel over this launch's tensors (n_tokens rows).
 GdnWgMaps make_gdn_wg_maps(const GdnShape& s, int n_tokens, int max_chunks, const bf16* qkv,
                            const float* gamma, const bf16* w_mat, const bf16* u_mat,
                            const bf16* h_snap) {
-  const uint64_t nt = uint64_t(n_tokens), nv = uint64_t(s.n_v_heads);
+  constexpr CUtensorMapSwizzle kSw = CU_TENSOR_MAP_SWIZZLE_128B, kNone = CU_TENSOR_MAP_SWIZZLE_NONE;
   GdnWgMaps m;
+  m.k = matrix_map(qkv, n_tokens, s.qkv_dim(), kC, 64, kSw, "gdn state pass: K");
+  m.w = head_rows_map(w_mat, s, n_tokens, 64, kSw, "gdn state pass: W");
+  m.u = head_rows_map(u_mat, s, n_tokens, 64, kSw, "gdn state pass: U");
+  m.vout = head_rows_map(u_mat, s, n_tokens, 16, kNone, "gdn state pass: V_new");
   {
-    const uint64_t dims[2] = {uint64_t(s.qkv_dim()), nt}, strides[1] = {uint64_t(s.qkv_dim()) * 2};
-    const uint32_t box[2] = {64, kC};
-    m.k = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, qkv, dims, strides, box,
-                          CU_TENSOR_MAP_SWIZZLE_128B, "gdn state pass: K");
-  }
-  const uint64_t dims3[3] = {kD, nv, nt}, strides3[2] = {kD * 2, nv * kD * 2};
-  {
-    const uint32_t box[3] = {64, 1, kC};
-    m.w = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, w_mat, dims3, strides3, box,
-                          CU_TENSOR_MAP_SWIZZLE_128B, "gdn state pass: W");
-    m.u = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, u_mat, dims3, strides3, box,
-                          CU_TENSOR_MAP_SWIZZLE_128B, "gdn state pass: U");
-  }
-  {
-    const uint32_t box[3] = {16, 1, kC};
-    m.vout = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, u_mat, dims3, strides3, box,
-                             CU_TENSOR_MAP_SWIZZLE_NONE, "gdn state pass: V_new");
-  }
-  {
-    const uint64_t dims[2] = {nv, nt}, strides[1] = {nv * 4};
+    const uint64_t nv = uint64_t(s.n_v_heads);
+    const uint64_t dims[2] = {nv, uint64_t(n_tokens)}, strides[1] = {nv * 4};
     const uint32_t box[2] = {4, kC};
-    m.gam = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, gamma, dims, strides, box,
-                            CU_TENSOR_MAP_SWIZZLE_NONE, "gdn state pass: gamma");
+    m.gam = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, gamma, dims, strides, box, kNone,
+                            "gdn state pass: gamma");
   }
-  {
-    const uint64_t dims[2] = {kD, uint64_t(max_chunks) * nv * kD}, strides[1] = {kD * 2};
-    const uint32_t box[2] = {64, 16};
-    m.snap = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, h_snap, dims, strides, box,
-                             CU_TENSOR_MAP_SWIZZLE_128B, "gdn state pass: snapshots");
-  }
+  m.snap = matrix_map(h_snap, uint64_t(max_chunks) * s.n_v_heads * kD, kD, 16, 64, kSw,
+                      "gdn state pass: snapshots");
   return m;
 }
 
@@ -649,14 +654,36 @@ struct OutCfg {
   static constexpr size_t kSs = kGam + sizeof(float) * kC;  // [8 warps][16 rows] row sums (VS 2)
   static constexpr size_t kTotal = kSs + sizeof(float) * 8 * 16;
 };
+// kTma (slice_scan_wg): Q, K, z, V_new as two swizzled [64 t, 64] boxes each and h_c as two
+// [128 v, 64 k] boxes, moved by TMA (no padding: 98 KB instead of 105), on two mbarriers.
+struct OutTmaCfg {
+  static constexpr uint32_t kBox = kC * 128;  // one [64 rows, 64 bf16] box
+  static constexpr uint32_t kQ = 0, kK = 2 * kBox, kV = 4 * kBox, kZ = 6 * kBox, kH = 8 * kBox;
+  static constexpr uint32_t kGam = kH + 2 * kD * 128;         // [64] fp32
+  static constexpr uint32_t kSs = kGam + sizeof(float) * kC;  // [8 warps][16 rows] row sums
+  static constexpr uint32_t kBar = kSs + sizeof(float) * 8 * 16;
+  static constexpr size_t kTotal = 1024 + kBar + 16;  // + alignment slack
+};
+// The TMA maps of the output kernel's kTma form (make_gdn_out_maps).
+struct GdnOutMaps {
+  CUtensorMap qk;  // qkv [n_tokens, qkv_dim] bf16, box [64 t, 64], 128-byte swizzle
+  CUtensorMap z;   // proj [n_tokens, in_dim] bf16, the same box
+  CUtensorMap v;   // V_new [n_tokens, n_v, 128], box [64 t, 1, 64], swizzled
+  CUtensorMap h;   // h_snap [max_chunks * n_v * 128 rows, 128], box [128 v, 64 k], swizzled
+};
 
 // kWait (slice_scan_ov): launched beside the state pass (programmatic dependent launch, grid
 // head-major so that CTAs start in the order the state pass finishes chunks); it stages Q, K and z,
 // then waits until ready[chunk][head] == n_slices before it reads h_c and V_new. The arithmetic is
 // the same as without kWait (bit-identical outputs).
-template <int VS, bool kWait>
-__global__ void __launch_bounds__(OutCfg<VS>::kThreads)
-    gdn_chunk_out_kernel(GdnShape s, GdnLayerWeights wts,
+// kTma (slice_scan_wg, gdn_chunk_out_tma_kernel): the same arithmetic with Q, K, z, V_new and h_c
+// moved by TMA into swizzled boxes (thread 0: Q, K, z on one mbarrier before the wait, V_new and
+// h_c on another after it) instead of 24 cp.async per thread; in a partial chunk V_new's rows past
+// the sequence (another sequence's rows, or zeros) are zeroed before P V (P is 0 there, 0 x NaN is
+// not). Bit-identical to the cp.async form. H200, 4096 tokens beside the wgmma state pass: 211.9
+// vs 298.9 us (session 18; `$DS_GDN_OUT_TMA=0` runs the cp.async form).
+template <int VS, bool kWait, bool kTma>
+__device__ __forceinline__ void gdn_chunk_out(GdnShape s, GdnLayerWeights wts,
                          const int4* __restrict__ chunks,  // [max_chunks] {seq, t0, n, index}
                          const bf16* __restrict__ proj,    // [n_tokens, in_dim] (z)
                          const bf16* __restrict__ qkv,     // [n_tokens, qkv_dim]
@@ -665,9 +692,12 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
                          const bf16* __restrict__ h_snap,  // [max_chunks, n_v, 128 v, 128 k]
                          bf16* __restrict__ out,           // [n_tokens, n_v * 128]
                          const int* __restrict__ ready,    // [max_chunks, n_v] (kWait only)
-                         int n_slices)                     // state CTAs per head (kWait only)
+                         int n_slices,  // ready count of a chunk's head (kWait only)
+                         const GdnOutMaps& om)  // kTma only
 {
+  static_assert(!kTma || (VS == 2 && kWait), "the TMA form is slice_scan_wg's output");
   using L = OutCfg<VS>;
+  using LT = OutTmaCfg;
   constexpr int kNj = 16 / VS;  // 8-column tiles of O per warp
   const int chunk = kWait ? blockIdx.y : blockIdx.x;
   const int hv = kWait ? blockIdx.x : blockIdx.y;
@@ -678,56 +708,102 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
   const int n_v = s.n_v_heads, hk = hv / (n_v / s.n_k_heads);
   const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim(), out_dim = s.out_dim();
   const bool norm = wts.norm_w != nullptr;
-  extern __shared__ __align__(128) unsigned char smem[];
-  bf16* q_s = reinterpret_cast<bf16*>(smem + L::kQ);
-  bf16* k_s = reinterpret_cast<bf16*>(smem + L::kK);
-  bf16* v_s = reinterpret_cast<bf16*>(smem + L::kV);
-  bf16* z_s = reinterpret_cast<bf16*>(smem + L::kZ);
-  bf16* h_s = reinterpret_cast<bf16*>(smem + L::kH);
-  float* gam = reinterpret_cast<float*>(smem + L::kGam);
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = kTma ? align_1024(smem_raw) : smem_raw;
+  bf16* q_s = reinterpret_cast<bf16*>(smem + (kTma ? LT::kQ : L::kQ));
+  bf16* k_s = reinterpret_cast<bf16*>(smem + (kTma ? LT::kK : L::kK));
+  bf16* v_s = reinterpret_cast<bf16*>(smem + (kTma ? LT::kV : L::kV));
+  bf16* z_s = reinterpret_cast<bf16*>(smem + (kTma ? LT::kZ : L::kZ));
+  bf16* h_s = reinterpret_cast<bf16*>(smem + (kTma ? LT::kH : L::kH));
+  float* gam = reinterpret_cast<float*>(smem + (kTma ? LT::kGam : L::kGam));
+  // Element (r, col) of a staged tile with `rows` rows: padded rows of kLd, or (kTma) column
+  // boxes of [rows, 64] with the 128-byte swizzle (16-byte chunks stay whole).
+  auto at = [](const bf16* base, int rows, int r, int col) -> const bf16* {
+    if constexpr (kTma)
+      return reinterpret_cast<const bf16*>(reinterpret_cast<const unsigned char*>(base) +
+                                           (col >> 6) * rows * 128 + r * 128 +
+                                           ((((col >> 3) & 7) ^ (r & 7)) << 4) + (col & 7) * 2);
+    else
+      return base + r * kLd + col;
+  };
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int rb = warp & 3;                        // row block: rows [16 rb, 16 rb + 16)
   const int vo = VS == 2 ? 64 * (warp >> 2) : 0;  // first of this warp's 128 / VS columns
-  float* ssb = reinterpret_cast<float*>(smem + L::kSs);
+  float* ssb = reinterpret_cast<float*>(smem + (kTma ? LT::kSs : L::kSs));
 
-  // Two cp.async groups: Q, K (for P), then V_new, z and the snapshot h_c, which land while the
-  // warps form P (kWait: z joins the first group, the second waits for the state pass).
-  for (int e = tid; e < kC * (kD / 8); e += L::kThreads) {
-    const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
-    const bool ok = r < n;
-    const int64_t row = row0 + (ok ? r : 0);
-    const bf16* qkv_row = qkv + row * qkv_dim;
-    cp_async16(q_s + r * kLd + col, qkv_row + hk * kD + col, ok);
-    cp_async16(k_s + r * kLd + col, qkv_row + (s.n_k_heads + hk) * kD + col, ok);
-    if (kWait && norm)
-      cp_async16(z_s + r * kLd + col, proj + row * in_dim + qkv_dim + hv * kD + col, ok);
-  }
-  cp_async_commit();
-  if constexpr (kWait) {
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + LT::kBar);  // kTma: [Q, K, z], [V_new, h_c]
+  if constexpr (kTma) {
     if (tid == 0) {
+      mbar_init(&bar[0], 1);
+      mbar_init(&bar[1], 1);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      mbar_arrive_expect_tx(&bar[0], (norm ? 6 : 4) * LT::kBox);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r0 = static_cast<int>(row0);
+        tma_load_2d(smem + LT::kQ + half * LT::kBox, &om.qk, hk * kD + 64 * half, r0, &bar[0]);
+        tma_load_2d(smem + LT::kK + half * LT::kBox, &om.qk, (s.n_k_heads + hk) * kD + 64 * half,
+                    r0, &bar[0]);
+        if (norm)
+          tma_load_2d(smem + LT::kZ + half * LT::kBox, &om.z, qkv_dim + hv * kD + 64 * half, r0,
+                      &bar[0]);
+      }
       const int* flag = ready + static_cast<int64_t>(chunk) * n_v + hv;
       while (load_acquire(flag) < n_slices) __nanosleep(128);
+      // h_c and V_new of this chunk are stored (acquired above): read them through the async proxy
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      mbar_arrive_expect_tx(&bar[1], 6 * LT::kBox);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        tma_load_3d(smem + LT::kV + half * LT::kBox, &om.v, 64 * half, hv, static_cast<int>(row0),
+                    &bar[1]);
+        tma_load_2d(smem + LT::kH + half * 2 * LT::kBox, &om.h, 64 * half,
+                    static_cast<int>((static_cast<int64_t>(chunk) * n_v + hv) * kD), &bar[1]);
+      }
     }
-    __syncthreads();  // h_c and V_new of this chunk are stored and visible (acquired above)
+    if (tid < kC) gam[tid] = gamma[(row0 + min(tid, n - 1)) * n_v + hv];  // held past the end
+    __syncthreads();  // the mbarriers are initialised, gamma is in
+    mbar_wait(&bar[0], 0);
+  } else {
+    // Two cp.async groups: Q, K (for P), then V_new, z and the snapshot h_c, which land while the
+    // warps form P (kWait: z joins the first group, the second waits for the state pass).
+    for (int e = tid; e < kC * (kD / 8); e += L::kThreads) {
+      const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
+      const bool ok = r < n;
+      const int64_t row = row0 + (ok ? r : 0);
+      const bf16* qkv_row = qkv + row * qkv_dim;
+      cp_async16(q_s + r * kLd + col, qkv_row + hk * kD + col, ok);
+      cp_async16(k_s + r * kLd + col, qkv_row + (s.n_k_heads + hk) * kD + col, ok);
+      if (kWait && norm)
+        cp_async16(z_s + r * kLd + col, proj + row * in_dim + qkv_dim + hv * kD + col, ok);
+    }
+    cp_async_commit();
+    if constexpr (kWait) {
+      if (tid == 0) {
+        const int* flag = ready + static_cast<int64_t>(chunk) * n_v + hv;
+        while (load_acquire(flag) < n_slices) __nanosleep(128);
+      }
+      __syncthreads();  // h_c and V_new of this chunk are stored and visible (acquired above)
+    }
+    for (int e = tid; e < kC * (kD / 8); e += L::kThreads) {
+      const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
+      const bool ok = r < n;
+      const int64_t row = row0 + (ok ? r : 0);
+      cp_async16(v_s + r * kLd + col, vn_mat + (row * n_v + hv) * kD + col, ok);
+      if (!kWait && norm)
+        cp_async16(z_s + r * kLd + col, proj + row * in_dim + qkv_dim + hv * kD + col, ok);
+    }
+    const bf16* hsrc = h_snap + (static_cast<int64_t>(chunk) * n_v + hv) * (kD * kD);
+    for (int e = tid; e < kD * (kD / 8); e += L::kThreads) {
+      const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
+      cp_async16(h_s + r * kLd + col, hsrc + r * kD + col, true);
+    }
+    cp_async_commit();
+    if (tid < kC) gam[tid] = gamma[(row0 + min(tid, n - 1)) * n_v + hv];  // held past the end
+    cp_async_wait<1>();
+    __syncthreads();                  // Q, K and gamma are in
   }
-  for (int e = tid; e < kC * (kD / 8); e += L::kThreads) {
-    const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
-    const bool ok = r < n;
-    const int64_t row = row0 + (ok ? r : 0);
-    cp_async16(v_s + r * kLd + col, vn_mat + (row * n_v + hv) * kD + col, ok);
-    if (!kWait && norm)
-      cp_async16(z_s + r * kLd + col, proj + row * in_dim + qkv_dim + hv * kD + col, ok);
-  }
-  const bf16* hsrc = h_snap + (static_cast<int64_t>(chunk) * n_v + hv) * (kD * kD);
-  for (int e = tid; e < kD * (kD / 8); e += L::kThreads) {
-    const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
-    cp_async16(h_s + r * kLd + col, hsrc + r * kD + col, true);
-  }
-  cp_async_commit();
-  if (tid < kC) gam[tid] = gamma[(row0 + min(tid, n - 1)) * n_v + hv];  // held past the end
-  cp_async_wait<1>();
-  __syncthreads();                  // Q, K and gamma are in
   const bool active = 16 * rb < n;  // a valid row among this warp's 16
 
   // Q rows [16 w, 16 w + 16) as A fragments (k-steps of 16).
@@ -737,7 +813,7 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
   if (active) {
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks)
-      ldsm_x4(qa[ks], q_s + (16 * rb + (lane & 15)) * kLd + 16 * ks + (lane >> 4) * 8);
+      ldsm_x4(qa[ks], at(q_s, kC, 16 * rb + (lane & 15), 16 * ks + (lane >> 4) * 8));
 
     // ---- P [16 t, 64 t'] = causal(Q K^T) e^(gamma_t - gamma_t'): column tiles jt <= 2 w + 1.
     float pacc[8][4];
@@ -749,7 +825,7 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
       for (int jt = 0; jt < 8; ++jt) {
         if (jt <= 2 * rb + 1) {
           uint32_t bb[2];
-          ldsm_x2(bb, k_s + (8 * jt + (lane & 7)) * kLd + 16 * ks + ((lane >> 3) & 1) * 8);
+          ldsm_x2(bb, at(k_s, kC, 8 * jt + (lane & 7), 16 * ks + ((lane >> 3) & 1) * 8));
           mma_bf16(pacc[jt], qa[ks], bb[0], bb[1]);
         }
       }
@@ -771,7 +847,18 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
     }
     acc_to_a<8>(pacc, pa);
   }
-  cp_async_wait_all();
+  if constexpr (kTma) {
+    mbar_wait(&bar[1], 0);
+    if (n < kC) {  // V_new rows past the sequence (another sequence's, or zeros) to zeros: P is 0
+      for (int e = tid; e < (kC - n) * 16; e += L::kThreads) {  // there, but 0 x NaN is not
+        const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
+        *reinterpret_cast<uint4*>(smem + LT::kV + half * LT::kBox + r * 128 + q * 16) =
+            make_uint4(0, 0, 0, 0);
+      }
+    }
+  } else {
+    cp_async_wait_all();
+  }
   __syncthreads();  // V_new, z and h_c are in
   if (!active) return;
 
@@ -784,7 +871,7 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
 #pragma unroll
     for (int j = 0; j < kNj; ++j) {
       uint32_t bh[4];
-      ldsm_x4(bh, h_s + (vo + 8 * j + (lane & 7)) * kLd + 32 * kk + (lane >> 3) * 8);
+      ldsm_x4(bh, at(h_s, kD, vo + 8 * j + (lane & 7), 32 * kk + (lane >> 3) * 8));
       mma_bf16(o[j], qa[2 * kk], bh[0], bh[1]);
       mma_bf16(o[j], qa[2 * kk + 1], bh[2], bh[3]);
     }
@@ -804,8 +891,8 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
 #pragma unroll
       for (int jp = 0; jp < kNj / 2; ++jp) {
         uint32_t bv[4];
-        ldsm_x4_t(bv, v_s + (16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8) * kLd + vo + 16 * jp +
-                          (lane >> 4) * 8);
+        ldsm_x4_t(bv, at(v_s, kC, 16 * ks + (lane & 7) + ((lane >> 3) & 1) * 8,
+                         vo + 16 * jp + (lane >> 4) * 8));
         mma_bf16(o[2 * jp], pa[ks], bv[0], bv[1]);
         mma_bf16(o[2 * jp + 1], pa[ks], bv[2], bv[3]);
       }
@@ -844,7 +931,7 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
         float y0 = o[j][2 * half], y1 = o[j][2 * half + 1];
         if (norm) {
           const int v = vo + 8 * j + 2 * c;
-          const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(z_s + i * kLd + v);
+          const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(at(z_s, kC, i, v));
           const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(wts.norm_w + v);
           y0 = __low2float(w2) * y0 * scale * silu(__low2float(z2));
           y1 = __high2float(w2) * y1 * scale * silu(__high2float(z2));
@@ -853,6 +940,48 @@ __global__ void __launch_bounds__(OutCfg<VS>::kThreads)
       }
     }
   }
+}
+
+#define DS_GDN_OUT_PARAMS                                                                         \
+  GdnShape s, GdnLayerWeights wts, const int4* __restrict__ chunks,                              \
+      const bf16* __restrict__ proj, const bf16* __restrict__ qkv, const float* __restrict__ gamma, \
+      const bf16* __restrict__ vn_mat, const bf16* __restrict__ h_snap, bf16* __restrict__ out,   \
+      const int* __restrict__ ready, int n_slices, const __grid_constant__ GdnOutMaps om
+#define DS_GDN_OUT_ARGS s, wts, chunks, proj, qkv, gamma, vn_mat, h_snap, out, ready, n_slices, om
+template <int VS, bool kWait>
+__global__ void __launch_bounds__(OutCfg<VS>::kThreads) gdn_chunk_out_kernel(DS_GDN_OUT_PARAMS) {
+  gdn_chunk_out<VS, kWait, false>(DS_GDN_OUT_ARGS);
+}
+// The TMA form with at most 128 registers, so that two CTAs fit on an SM without a state CTA.
+__global__ void __launch_bounds__(OutCfg<2>::kThreads, 2)
+    gdn_chunk_out_tma_kernel(DS_GDN_OUT_PARAMS) {
+  gdn_chunk_out<2, true, true>(DS_GDN_OUT_ARGS);
+}
+#undef DS_GDN_OUT_PARAMS
+#undef DS_GDN_OUT_ARGS
+
+
+// The maps of gdn_chunk_out_kernel's kTma form over this launch's tensors (n_tokens rows).
+GdnOutMaps make_gdn_out_maps(const GdnShape& s, int n_tokens, int max_chunks, const bf16* qkv,
+                             const bf16* proj, const bf16* u_mat, const bf16* h_snap) {
+  constexpr CUtensorMapSwizzle kSw = CU_TENSOR_MAP_SWIZZLE_128B;
+  GdnOutMaps m;
+  m.qk = matrix_map(qkv, n_tokens, s.qkv_dim(), kC, 64, kSw, "gdn output: Q / K");
+  m.z = matrix_map(proj, n_tokens, s.in_dim(), kC, 64, kSw, "gdn output: z");
+  m.v = head_rows_map(u_mat, s, n_tokens, 64, kSw, "gdn output: V_new");
+  m.h = matrix_map(h_snap, uint64_t(max_chunks) * s.n_v_heads * kD, kD, kD, 64, kSw,
+                   "gdn output: snapshots");
+  return m;
+}
+
+// slice_scan_wg's output kernel in its TMA form unless $DS_GDN_OUT_TMA is 0 (then the cp.async
+// form runs beside the wgmma state pass; read once per process).
+bool gdn_out_tma_enabled() {
+  static const bool on = [] {
+    const char* e = std::getenv("DS_GDN_OUT_TMA");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
 }
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
@@ -947,6 +1076,7 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
     }
   }
   if ((stages & 2) == 0) return;
+  GdnOutMaps out_maps{};  // kTma only
   auto out_kernel = [&](auto kernel, size_t smem, int threads) {
     DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
@@ -958,11 +1088,14 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                      gamma, static_cast<const bf16*>(u_mat), static_cast<const bf16*>(h_snap), out,
                      static_cast<const int*>(ready),
                      // ready counts: one per state CTA, or per consumer warp of the wgmma pass
-                     state == GdnSliceState::kWgmma ? 4 * n_slices : n_slices);
+                     state == GdnSliceState::kWgmma ? 4 * n_slices : n_slices, out_maps);
     DS_CUDA_LAUNCH_CHECK();
   };
   if (out_warps == 8) {
-    if (overlap)
+    if (overlap && state == GdnSliceState::kWgmma && gdn_out_tma_enabled()) {
+      out_maps = make_gdn_out_maps(s, n_tokens, max_chunks, qkv, proj, u_mat, h_snap);
+      out_kernel(gdn_chunk_out_tma_kernel, OutTmaCfg::kTotal, OutCfg<2>::kThreads);
+    } else if (overlap)
       out_kernel(gdn_chunk_out_kernel<2, true>, OutCfg<2>::kTotal, OutCfg<2>::kThreads);
     else
       out_kernel(gdn_chunk_out_kernel<2, false>, OutCfg<2>::kTotal, OutCfg<2>::kThreads);
