@@ -495,6 +495,10 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     // snapshot group has read them: bulk groups per chunk [snapshot, V_new]), stored by lane 0 as
     // one group; and the decay factors.
     if (tid == 0 && ch + STAGES - 1 < n_chunks) fetch(ch + STAGES - 1);
+    // Open point (review, session 18; not changed because no device time was left to re-test):
+    // the stmatrix below reads ha, S's A-operand registers, while S is in flight. PTX calls any
+    // access to them before wgmma.wait_group undefined; it reads only and the tests are bit-exact,
+    // but the strict form packs the snapshot from h here instead (h is no operand of S).
     if (lane == 0) tma_wait_read<1>();
     __syncwarp();
 #pragma unroll
@@ -737,6 +741,8 @@ __device__ __forceinline__ void gdn_chunk_out(GdnShape s, GdnLayerWeights wts,
     if (tid == 0) {
       mbar_init(&bar[0], 1);
       mbar_init(&bar[1], 1);
+      // Open point (review, session 18, not re-tested): the CUDA guide's TMA example also runs
+      // fence.proxy.async.shared::cta here, before the same thread's first copy on the barriers.
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
       mbar_arrive_expect_tx(&bar[0], (norm ? 6 : 4) * LT::kBox);
 #pragma unroll
