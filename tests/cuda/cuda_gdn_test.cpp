@@ -607,6 +607,43 @@ TEST(CudaGdn, ShapeChecks) {
   EXPECT_THROW(check_gdn_shape(s), ds::Error);
 }
 
+// slice_scan_wg's guard (host only): its TMA maps need n_v_heads % 4 == 0 (gamma's [64, 4] box),
+// a 16-byte aligned gamma, rows to map and snapshot rows below 2^31; launch_gdn_slice_scan
+// refuses kWgmma outside it with a clear error before launching anything (launch_gdn_prefill
+// runs slice_scan_ov's state pass there instead).
+TEST(CudaGdn, WgmmaStatePassGuard) {
+  const GdnShape s = shape_27b();
+  const auto* g16 = reinterpret_cast<const float*>(uintptr_t(4096));
+  EXPECT_TRUE(gdn_slice_wg_supported(s, 4096, 65, g16));
+  EXPECT_FALSE(gdn_slice_wg_supported(s, 4096, 65, g16 + 1)) << "gamma 4-byte aligned only";
+  EXPECT_FALSE(gdn_slice_wg_supported(s, 0, 65, g16)) << "no rows";
+  const int64_t per_chunk = int64_t(s.n_v_heads) * 128;  // snapshot rows per chunk
+  const int rows_limit = int(((int64_t(1) << 31) + per_chunk - 1) / per_chunk);  // first too many
+  EXPECT_TRUE(gdn_slice_wg_supported(s, 4096, rows_limit - 1, g16));
+  EXPECT_FALSE(gdn_slice_wg_supported(s, 4096, rows_limit, g16)) << "snapshot rows >= 2^31";
+  GdnShape odd = s;
+  odd.n_v_heads = 18;  // 6 per k head: n_v % 4 != 0
+  odd.n_k_heads = 3;
+  EXPECT_FALSE(gdn_slice_wg_supported(odd, 4096, 65, g16));
+  GdnShape small = s;
+  small.d_k = small.d_v = 64;
+  EXPECT_FALSE(gdn_slice_wg_supported(small, 4096, 65, g16));
+
+  // The launch refuses it (fake, aligned addresses: nothing is dereferenced before the check).
+  auto* p = reinterpret_cast<bf16*>(uintptr_t(1) << 20);
+  GdnStatePool pool;
+  pool.rec_state = reinterpret_cast<float*>(p);
+  GdnLayerWeights w;
+  try {
+    launch_gdn_slice_scan(s, w, pool, p, nullptr, nullptr, nullptr, 1, nullptr, nullptr, 65, p,
+                          g16 + 1, p, p, p, p, GdnSliceState::kWgmma, 8, nullptr, /*stages=*/1,
+                          nullptr, 4096);
+    ADD_FAILURE() << "kWgmma with a misaligned gamma was accepted";
+  } catch (const ds::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("wgmma state pass"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CudaGdn, PrefillWorkspaceTooSmallIsAnError) {
   REQUIRE_GPU();
   const GdnShape s = shape_27b();
