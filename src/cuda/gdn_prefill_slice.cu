@@ -967,14 +967,15 @@ __global__ void __launch_bounds__(OutCfg<2>::kThreads, 2)
 #undef DS_GDN_OUT_ARGS
 
 
-// The maps of gdn_chunk_out_kernel's kTma form over this launch's tensors (n_tokens rows).
-GdnOutMaps make_gdn_out_maps(const GdnShape& s, int n_tokens, int max_chunks, const bf16* qkv,
-                             const bf16* proj, const bf16* u_mat, const bf16* h_snap) {
+// The maps of gdn_chunk_out_kernel's kTma form over this launch's tensors (n_tokens rows). Q / K
+// and V_new are the state pass's K and U maps (the same tensors and boxes); z and h_c are its own.
+GdnOutMaps make_gdn_out_maps(const GdnShape& s, int n_tokens, int max_chunks, const bf16* proj,
+                             const bf16* h_snap, const GdnWgMaps& wg) {
   constexpr CUtensorMapSwizzle kSw = CU_TENSOR_MAP_SWIZZLE_128B;
   GdnOutMaps m;
-  m.qk = matrix_map(qkv, n_tokens, s.qkv_dim(), kC, 64, kSw, "gdn output: Q / K");
+  m.qk = wg.k;
   m.z = matrix_map(proj, n_tokens, s.in_dim(), kC, 64, kSw, "gdn output: z");
-  m.v = head_rows_map(u_mat, s, n_tokens, 64, kSw, "gdn output: V_new");
+  m.v = wg.u;
   m.h = matrix_map(h_snap, uint64_t(max_chunks) * s.n_v_heads * kD, kD, kD, 64, kSw,
                    "gdn output: snapshots");
   return m;
@@ -1039,6 +1040,7 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
   if (n_seqs <= 0 || max_chunks <= 0) return;
   const bool overlap = ready != nullptr;
   const int n_slices = kD / 64;
+  GdnWgMaps wg_maps{};  // kWgmma: the state pass's maps (the TMA output reuses two of them)
   if (stages & 1) {
     auto run = [&](auto kernel, size_t smem, int threads) {
       launch_state(kernel, smem, threads, n_slices, s, pool, cu_seqlens, seq_pos, slot_ids,
@@ -1065,12 +1067,11 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                  "gdn slice scan: the wgmma state pass needs n_v_heads % 4 == 0, a 16-byte "
                  "aligned gamma and fewer than 2^31 snapshot rows (got n_v ", s.n_v_heads,
                  ", n_tokens ", n_tokens, ", ", max_chunks, " chunks)");
-        const GdnWgMaps maps =
-            make_gdn_wg_maps(s, n_tokens, max_chunks, qkv, gamma, w_mat, u_mat, h_snap);
+        wg_maps = make_gdn_wg_maps(s, n_tokens, max_chunks, qkv, gamma, w_mat, u_mat, h_snap);
         auto go = [&](auto kernel) {
           ensure_smem_optin(reinterpret_cast<const void*>(kernel), WgCfg::kTotal);
           kernel<<<dim3(n_seqs, s.n_v_heads, n_slices), WgCfg::kThreads, WgCfg::kTotal, stream>>>(
-              s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, u_mat, ready, maps);
+              s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, u_mat, ready, wg_maps);
           DS_CUDA_LAUNCH_CHECK();
         };
         if (overlap)
@@ -1099,7 +1100,7 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
   };
   if (out_warps == 8) {
     if (overlap && state == GdnSliceState::kWgmma && gdn_out_tma_enabled()) {
-      out_maps = make_gdn_out_maps(s, n_tokens, max_chunks, qkv, proj, u_mat, h_snap);
+      out_maps = make_gdn_out_maps(s, n_tokens, max_chunks, proj, h_snap, wg_maps);
       out_kernel(gdn_chunk_out_tma_kernel, OutTmaCfg::kTotal, OutCfg<2>::kThreads);
     } else if (overlap)
       out_kernel(gdn_chunk_out_kernel<2, true>, OutCfg<2>::kTotal, OutCfg<2>::kThreads);

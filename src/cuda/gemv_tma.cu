@@ -34,7 +34,6 @@
 // depends only on its own A row; the padding rows are zeros): batch-invariant and bit-identical
 // across configs.
 #include <cuda.h>
-#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -46,6 +45,7 @@
 #include "cuda/cuda_common.h"
 #include "cuda/gemv.h"
 #include "cuda/mma_util.cuh"
+#include "cuda/tma.h"
 
 namespace ds::cuda {
 namespace {
@@ -421,20 +421,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// cuTensorMapEncodeTiled through the runtime's driver entry point (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult qr{};
-    DS_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
-                                                   cudaEnableDefault, &qr));
-    DS_CHECK(qr == cudaDriverEntryPointSuccess && p != nullptr,
-             "tma gemv: the driver has no cuTensorMapEncodeTiled");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
 // A [rows, k] bf16 row-major matrix as 2-D boxes of {64 k, box_rows} with the 128-byte swizzle.
 CUtensorMap matrix_map(const bf16* p, int64_t rows, int64_t k, int box_rows, bool weights) {
   CUtensorMap map;
@@ -442,7 +428,7 @@ CUtensorMap matrix_map(const bf16* p, int64_t rows, int64_t k, int box_rows, boo
   const cuuint64_t strides[1] = {cuuint64_t(k) * 2};
   const cuuint32_t box[2] = {cuuint32_t(kKc), cuuint32_t(box_rows)};
   const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encoder()(
+  const CUresult r = tensor_map_encoder()(
       &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<bf16*>(p), dims, strides, box,
       elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       weights ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B : CU_TENSOR_MAP_L2_PROMOTION_L2_128B,

@@ -1,11 +1,8 @@
 #include "cuda/tma.h"
 
-#include <cudaTypedefs.h>
-
 #include "cuda/cuda_common.h"
 
 namespace ds::cuda {
-namespace {
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
@@ -19,8 +16,6 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   }();
   return fn;
 }
-
-}  // namespace
 
 CUtensorMap make_tensor_map(CUtensorMapDataType type, int rank, const void* base,
                             const uint64_t* dims, const uint64_t* byte_strides,

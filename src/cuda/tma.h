@@ -5,10 +5,15 @@
 #pragma once
 
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <cstdint>
 
 namespace ds::cuda {
+
+// The driver's cuTensorMapEncodeTiled (looked up once per process); throws ds::Error when the
+// driver has none.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder();
 
 // A tiled tensor map of `rank` (1..5) dims over `base`: dims innermost first (elements),
 // byte_strides of dims 1..rank-1, the box (elements per dim; box[0] * element size a multiple of

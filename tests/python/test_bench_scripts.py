@@ -14,6 +14,12 @@ from server_util import BIN, REPO, ServerProc
 pytestmark = pytest.mark.skipif(not BIN.exists(), reason=f"{BIN} not built")
 
 
+def results_md(*args):
+    """bench/results_md.py's Markdown for the given arguments (it must succeed)."""
+    return subprocess.run([sys.executable, str(REPO / "bench" / "results_md.py"), *args], capture_output=True,
+                          text=True, check=True).stdout
+
+
 def has_gpu():
     smi = shutil.which("nvidia-smi")
     return bool(smi) and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
@@ -39,8 +45,7 @@ def test_engine_benches_on_cpu_write_json(tmp_path):
         assert x["context"] <= x["context_mean"] <= x["context"] + 8
         assert x["bytes"]["weights"] > 0 and x["ratio_p50"] is None
     assert "kernels" not in d and "serve" not in d
-    md = subprocess.run([sys.executable, str(REPO / "bench" / "results_md.py"), str(dec)], capture_output=True,
-                        text=True, check=True).stdout
+    md = results_md(str(dec))
     assert "## Decode" in md and "| 2 | 48 |" in md
     assert all(x["logits_to_host"] is False for x in d["decode"]) and "`step_greedy`" in md
     # --decode-logits times step() with the logits rows copied out instead, and says so.
@@ -61,8 +66,7 @@ def test_results_md_ceilings_table_shows_the_spread(tmp_path):
             "gemm_s": {"p10": 2 * 8192**3 / 7.9e14, "p50": 2 * 8192**3 / 7e14, "p90": 2 * 8192**3 / 6.8e14}}
     j = tmp_path / "c.json"
     j.write_text(json.dumps({"meta": {"commit": "x"}, "ceilings": ceil}))
-    md = subprocess.run([sys.executable, str(REPO / "bench" / "results_md.py"), str(j)], capture_output=True,
-                        text=True, check=True).stdout
+    md = results_md(str(j))
     assert "| streaming read (2 GiB bf16 sum) | 4.50 TB/s | 4.40-4.60 TB/s |" in md
     assert "| device-to-device copy (read + write) | 4.20 TB/s | - |" in md  # no spread recorded
     assert "| bf16 GEMM 8192^3 (cuBLASLt) | 700 TFLOP/s | 680-790 TFLOP/s |" in md
@@ -80,15 +84,13 @@ def test_results_md_prefill_ratio_at_the_fastest_decile(tmp_path):
            "floor_s": 0.30, "ratio": 1.1}
     j = tmp_path / "p.json"
     j.write_text(json.dumps({"meta": {"commit": "x"}, "ceilings": ceil, "prefill": [row]}))
-    md = subprocess.run([sys.executable, str(REPO / "bench" / "results_md.py"), str(j)], capture_output=True,
-                        text=True, check=True).stdout
+    md = results_md(str(j))
     assert "The fastest decile of this run's GEMM ceiling: 800 TFLOP/s." in md
     assert "| 4096 | 3 | 330.000 | 12412 | 620.0 | 300.000 | 1.10x | 1.26x |" in md
     # Without ceilings (a CPU run) the column is there, empty.
     row.update(floor_s=None, ratio=None)
     j.write_text(json.dumps({"meta": {"commit": "x"}, "prefill": [row]}))
-    md = subprocess.run([sys.executable, str(REPO / "bench" / "results_md.py"), str(j)], capture_output=True,
-                        text=True, check=True).stdout
+    md = results_md(str(j))
     assert "| 4096 | 3 | 330.000 | 12412 | 620.0 | - | - | - |" in md
 
 
