@@ -495,18 +495,22 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     // snapshot group has read them: bulk groups per chunk [snapshot, V_new]), stored by lane 0 as
     // one group; and the decay factors.
     if (tid == 0 && ch + STAGES - 1 < n_chunks) fetch(ch + STAGES - 1);
-    // Open point (review, session 18; not changed because no device time was left to re-test):
-    // the stmatrix below reads ha, S's A-operand registers, while S is in flight. PTX calls any
-    // access to them before wgmma.wait_group undefined; it reads only and the tests are bit-exact,
-    // but the strict form packs the snapshot from h here instead (h is no operand of S).
+    // The snapshot is packed again from h (bit-identical to ha): ha is S's A operand, and PTX
+    // makes any access to it before wgmma.wait_group undefined. fence_regs keeps the compiler
+    // from reusing ha's registers for the same values.
+    fence_regs(h);
     if (lane == 0) tma_wait_read<1>();
     __syncwarp();
 #pragma unroll
     for (int sk = 0; sk < 8; ++sk) {
       const int row = (lane & 7) + 8 * ((lane >> 3) & 1), q = 2 * sk + (lane >> 4);
+      const uint32_t hs[4] = {pack_bf16(h[8 * sk], h[8 * sk + 1]),
+                              pack_bf16(h[8 * sk + 2], h[8 * sk + 3]),
+                              pack_bf16(h[8 * sk + 4], h[8 * sk + 5]),
+                              pack_bf16(h[8 * sk + 6], h[8 * sk + 7])};
       stsm_x4(reinterpret_cast<bf16*>(reinterpret_cast<unsigned char*>(snap_w) + (q >> 3) * 2048 +
                                       row * 128 + (((q & 7) ^ (row & 7)) << 4)),
-              ha[sk]);
+              hs);
     }
     fence_proxy_async();
     __syncwarp();
@@ -741,9 +745,8 @@ __device__ __forceinline__ void gdn_chunk_out(GdnShape s, GdnLayerWeights wts,
     if (tid == 0) {
       mbar_init(&bar[0], 1);
       mbar_init(&bar[1], 1);
-      // Open point (review, session 18, not re-tested): the CUDA guide's TMA example also runs
-      // fence.proxy.async.shared::cta here, before the same thread's first copy on the barriers.
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      fence_proxy_async();  // the initialised barriers, visible to this thread's copies
       mbar_arrive_expect_tx(&bar[0], (norm ? 6 : 4) * LT::kBox);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
