@@ -150,6 +150,7 @@ struct EngineBenchOptions {
   // row's logits copied to the host (what logprobs requests and host-side sampling pay).
   bool decode_logits = false;
   int serve_requests = 5;  // per bucket
+  int serve_chunk = 8192;   // the serve bench's scheduler chunk (the backend's prompt chunk)
   int serve_output = 128;
   uint64_t seed = 0;
   double max_seconds = 0;  // > 0: skip the cases left once a bench has run this long
@@ -178,7 +179,9 @@ struct BenchBackendSpec {
   int layers = 0;                 // > 0: keep only the first `layers` layers (quick runs)
   int n_slots = 1;
   int max_seq_len = 0;  // 0: the engine's default
-  int chunk_size = 4096;
+  // Prompt tokens per forward. 8192: TTFT at 16K / 32K 0.4-1.1% lower than at 4096 in every paired
+  // round on the H200, 8K a tie, 16384 slower at 32K (session 19, docs/perf/prefill_gaps.md).
+  int chunk_size = 8192;
   int64_t max_kv_tokens = 0;  // cuda: cap the KV pool (leaves memory to the kernel bench)
   uint64_t seed = 1;
   bool verbose = true;

@@ -337,8 +337,8 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
 }
 
 ServeResult run_serve_bench(std::unique_ptr<Backend> be, const EngineBenchOptions& opt) {
-  DS_CHECK(opt.serve_requests >= 1 && opt.serve_output >= 1,
-           "serve: bad request count / output length");
+  DS_CHECK(opt.serve_requests >= 1 && opt.serve_output >= 1 && opt.serve_chunk >= 1,
+           "serve: bad request count / output length / chunk");
   const ModelConfig c = be->config();
   const int max_len = be->max_seq_len();
   struct B {
@@ -354,8 +354,8 @@ ServeResult run_serve_bench(std::unique_ptr<Backend> be, const EngineBenchOption
   res.output_tokens = opt.serve_output;
   EngineOptions eo;
   eo.scheduler.max_batch = 1;
-  eo.scheduler.chunk_size = 4096;
-  eo.scheduler.max_num_batched_tokens = 4096;
+  eo.scheduler.chunk_size = opt.serve_chunk;
+  eo.scheduler.max_num_batched_tokens = opt.serve_chunk;
   Engine engine(std::move(be), nullptr, eo);
   std::mt19937_64 rng(opt.seed);  // fixed seed: the same requests every run
   const auto t_start = clock_type::now();

@@ -146,6 +146,7 @@ int run_bench(BenchOpts o) {
   eo.decode_logits = o.decode_logits;
   eo.serve_requests = o.requests;
   eo.serve_output = o.output_tokens;
+  eo.serve_chunk = o.spec.chunk_size;
   eo.max_seconds = o.max_seconds;
   DS_CHECK(o.steps >= 1 && o.warmup >= 0 && o.requests >= 1 && o.output_tokens >= 1,
            "--steps, --requests and --output-tokens must be positive, --warmup non-negative");

@@ -846,18 +846,21 @@ void CudaBackend::tune_gemms() {
       if (m <= eopt_.logits_rows) tune(lm_head, m, between);
     }
   }
-  // The full prompt chunk (prompt shapes only; lm_head runs on the gathered rows).
-  if (chunk_size_ > m_max) {
+  // The full prompt chunk (prompt shapes only; lm_head runs on the gathered rows), and 4096 rows
+  // when the chunk is longer (a 4096-token prompt, or the rest of a longer one, keeps the
+  // algorithms tuned for it).
+  for (int m : {chunk_size_, 4096}) {
+    if (m <= m_max || (m == 4096 && chunk_size_ <= 4096)) continue;
     cuda::GemmTuneOptions prompt;
     prompt.max_candidates = 8;
     prompt.max_weights = 1;
     prompt.batches = 3;
-    for (const Shape& s : shapes) tune(s, chunk_size_, prompt);
+    for (const Shape& s : shapes) tune(s, m, prompt);
     // The out-projections with the residual folded in (beta = 1), planned whether the fold is on
     // or not, so that set_cuda_prefill_fold can switch it at run time.
-    if (chunk_size_ >= kFoldMinRows)
+    if (m >= kFoldMinRows)
       for (const Shape& s : shapes)
-        if (s.n == dm) tune(s, chunk_size_, prompt, true);
+        if (s.n == dm) tune(s, m, prompt, true);
   }
   DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   if (eopt_.verbose)

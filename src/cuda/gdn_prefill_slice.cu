@@ -31,9 +31,10 @@
 //    0.097, 8192 0.837 vs 0.981. The lean state pass under ncu: one warp per scheduler, 0.32
 //    issued instructions per cycle, 3.1 cycles per issued instruction (latency-bound).
 //  - slice_scan_wg: slice_scan_ov with the state pass on warpgroup MMAs and its tiles moved by TMA
-//    (gdn_state_wg_kernel below), and the output's tiles moved by TMA too
-//    (gdn_chunk_out_tma_kernel); bit-identical to slice_scan_ov on the H200, the pass 115-119 vs
-//    150 us alone, 212 vs 250 us with the output beside it (4096 tokens, session 18).
+//    (gdn_state_wg_kernel below), and the output on warpgroup MMAs fed by TMA too
+//    (gdn_chunk_out_wg_kernel; `$DS_GDN_OUT` = tma / cp: gdn_chunk_out's mma.sync forms);
+//    bit-identical to slice_scan_ov on the H200, the pass 115-119 vs 150 us alone, 208 vs 250 us
+//    with the output beside it (4096 tokens, sessions 18-19).
 // Precision as FLA and the other variants: bf16 operands (h_c, V_new, P, Q, K, W, U), fp32
 // accumulators, state and gamma. Workspace: gdn_prefill.cu's h snapshot region ([chunk, head, v,
 // k] bf16, the generic layout) and U (V_new after the pass).
@@ -53,6 +54,7 @@
 // ~300 MB per 4096 tokens, 100 MB of it the bf16 snapshots. Test: tests/cuda/cuda_gdn_test.cpp
 // (every prefill case runs each variant, forced for all lengths); bench: `deltaserve bench kernels
 // --only gdn_prefill`.
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -672,13 +674,56 @@ struct OutTmaCfg {
   static constexpr uint32_t kBar = kSs + sizeof(float) * 8 * 16;
   static constexpr size_t kTotal = 1024 + kBar + 16;  // + alignment slack
 };
-// The TMA maps of the output kernel's kTma form (make_gdn_out_maps).
+// The TMA maps of the TMA-fed output kernels (make_gdn_out_maps).
 struct GdnOutMaps {
   CUtensorMap qk;  // qkv [n_tokens, qkv_dim] bf16, box [64 t, 64], 128-byte swizzle
   CUtensorMap z;   // proj [n_tokens, in_dim] bf16, the same box
   CUtensorMap v;   // V_new [n_tokens, n_v, 128], box [64 t, 1, 64], swizzled
   CUtensorMap h;   // h_snap [max_chunks * n_v * 128 rows, 128], box [128 v, 64 k], swizzled
 };
+
+// The TMA loads of the output kernels, by one thread. Phase 1: the barriers initialised, Q and K
+// (and z when `z_off` >= 0) on bar[0]. Phase 2: once ready[chunk][hv] counts n_slices, V_new (at
+// `v_off`) and h_c (at `h_off`) on bar[1].
+__device__ __forceinline__ void out_tma_fetch_qkz(const GdnShape& s, const GdnOutMaps& om,
+                                                  unsigned char* smem, uint64_t* bar, int hv,
+                                                  int64_t row0, int z_off) {
+  using LT = OutTmaCfg;
+  const int hk = hv / (s.n_v_heads / s.n_k_heads), r0 = static_cast<int>(row0);
+  mbar_init(&bar[0], 1);
+  mbar_init(&bar[1], 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  fence_proxy_async();  // the initialised barriers, visible to this thread's copies
+  mbar_arrive_expect_tx(&bar[0], (z_off >= 0 ? 6 : 4) * LT::kBox);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    tma_load_2d(smem + LT::kQ + half * LT::kBox, &om.qk, hk * kD + 64 * half, r0, &bar[0]);
+    tma_load_2d(smem + LT::kK + half * LT::kBox, &om.qk, (s.n_k_heads + hk) * kD + 64 * half, r0,
+                &bar[0]);
+    if (z_off >= 0)
+      tma_load_2d(smem + z_off + half * LT::kBox, &om.z, s.qkv_dim() + hv * kD + 64 * half, r0,
+                  &bar[0]);
+  }
+}
+__device__ __forceinline__ void out_tma_fetch_vh(const GdnShape& s, const GdnOutMaps& om,
+                                                 unsigned char* smem, uint64_t* bar, int chunk,
+                                                 int hv, int64_t row0, uint32_t v_off,
+                                                 uint32_t h_off, const int* ready, int n_slices) {
+  using LT = OutTmaCfg;
+  const int n_v = s.n_v_heads;
+  const int* flag = ready + static_cast<int64_t>(chunk) * n_v + hv;
+  while (load_acquire(flag) < n_slices) __nanosleep(128);
+  // h_c and V_new of this chunk are stored (acquired above): read them through the async proxy
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  mbar_arrive_expect_tx(&bar[1], 6 * LT::kBox);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    tma_load_3d(smem + v_off + half * LT::kBox, &om.v, 64 * half, hv, static_cast<int>(row0),
+                &bar[1]);
+    tma_load_2d(smem + h_off + half * 2 * LT::kBox, &om.h, 64 * half,
+                static_cast<int>((static_cast<int64_t>(chunk) * n_v + hv) * kD), &bar[1]);
+  }
+}
 
 // kWait (slice_scan_ov): launched beside the state pass (programmatic dependent launch, grid
 // head-major so that CTAs start in the order the state pass finishes chunks); it stages Q, K and z,
@@ -688,8 +733,8 @@ struct GdnOutMaps {
 // moved by TMA into swizzled boxes (thread 0: Q, K, z on one mbarrier before the wait, V_new and
 // h_c on another after it) instead of 24 cp.async per thread; in a partial chunk V_new's rows past
 // the sequence (another sequence's rows, or zeros) are zeroed before P V (P is 0 there, 0 x NaN is
-// not). Bit-identical to the cp.async form. H200, 4096 tokens beside the wgmma state pass: 211.9
-// vs 298.9 us (session 18; `$DS_GDN_OUT_TMA=0` runs the cp.async form).
+// not). Bit-identical to the cp.async form. H200, 4096 tokens beside the wgmma state pass: 213.5
+// vs 231.7 us (session 18; `$DS_GDN_OUT=tma` / `cp` run these forms there since session 19).
 template <int VS, bool kWait, bool kTma>
 __device__ __forceinline__ void gdn_chunk_out(GdnShape s, GdnLayerWeights wts,
                          const int4* __restrict__ chunks,  // [max_chunks] {seq, t0, n, index}
@@ -743,33 +788,8 @@ __device__ __forceinline__ void gdn_chunk_out(GdnShape s, GdnLayerWeights wts,
   uint64_t* bar = reinterpret_cast<uint64_t*>(smem + LT::kBar);  // kTma: [Q, K, z], [V_new, h_c]
   if constexpr (kTma) {
     if (tid == 0) {
-      mbar_init(&bar[0], 1);
-      mbar_init(&bar[1], 1);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-      fence_proxy_async();  // the initialised barriers, visible to this thread's copies
-      mbar_arrive_expect_tx(&bar[0], (norm ? 6 : 4) * LT::kBox);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r0 = static_cast<int>(row0);
-        tma_load_2d(smem + LT::kQ + half * LT::kBox, &om.qk, hk * kD + 64 * half, r0, &bar[0]);
-        tma_load_2d(smem + LT::kK + half * LT::kBox, &om.qk, (s.n_k_heads + hk) * kD + 64 * half,
-                    r0, &bar[0]);
-        if (norm)
-          tma_load_2d(smem + LT::kZ + half * LT::kBox, &om.z, qkv_dim + hv * kD + 64 * half, r0,
-                      &bar[0]);
-      }
-      const int* flag = ready + static_cast<int64_t>(chunk) * n_v + hv;
-      while (load_acquire(flag) < n_slices) __nanosleep(128);
-      // h_c and V_new of this chunk are stored (acquired above): read them through the async proxy
-      asm volatile("fence.proxy.async.global;" ::: "memory");
-      mbar_arrive_expect_tx(&bar[1], 6 * LT::kBox);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        tma_load_3d(smem + LT::kV + half * LT::kBox, &om.v, 64 * half, hv, static_cast<int>(row0),
-                    &bar[1]);
-        tma_load_2d(smem + LT::kH + half * 2 * LT::kBox, &om.h, 64 * half,
-                    static_cast<int>((static_cast<int64_t>(chunk) * n_v + hv) * kD), &bar[1]);
-      }
+      out_tma_fetch_qkz(s, om, smem, bar, hv, row0, norm ? static_cast<int>(LT::kZ) : -1);
+      out_tma_fetch_vh(s, om, smem, bar, chunk, hv, row0, LT::kV, LT::kH, ready, n_slices);
     }
     if (tid < kC) gam[tid] = gamma[(row0 + min(tid, n - 1)) * n_v + hv];  // held past the end
     __syncthreads();  // the mbarriers are initialised, gamma is in
@@ -966,12 +986,186 @@ __global__ void __launch_bounds__(OutCfg<2>::kThreads, 2)
     gdn_chunk_out_tma_kernel(DS_GDN_OUT_PARAMS) {
   gdn_chunk_out<2, true, true>(DS_GDN_OUT_ARGS);
 }
+
+// slice_scan_wg's output on warpgroup MMAs (the default beside the wgmma state pass; `$DS_GDN_OUT`
+// = tma / cp runs gdn_chunk_out's mma.sync forms). One warpgroup per (chunk, head); warp w owns
+// rows [16 w, 16 w + 16) of every accumulator (the wgmma D layout is mma.sync's per warp), so each
+// step below is gdn_chunk_out's on the same operands, and the outputs are bit-identical to it:
+//   S [64 t, 64 t'] = Q K^T: 8 x m64n64k16, A = Q, B = K from shared memory (K-major); P =
+//     causal(S) e^(gamma_t - gamma_t') as bf16 register A fragments (no warp pair recomputes it);
+//   O [64 t, 128 v] = Q h_c^T: 8 x m64n128k16, B = h_c [128 v, 128 k] K-major; O *= e^gamma_t;
+//   O += P V_new: 4 x m64n128k16, A = P from registers, B = V_new [64 t', 128 v] MN-major (the
+//     extra k-steps of the triangle add P = 0 products: exact zeros);
+//   gated RMSNorm of each row: a quad holds a row's 128 columns; the two 64-column halves are
+//     summed apart and added, as the 8-warp form adds its warp pair's sums.
+// 64 KB of tiles (OutWgCfg), so that 3 CTAs fit on an SM without a state CTA (the TMA form's 96 KB
+// fit 2): z is read from global memory into registers while V_new and h_c land, and h_c lands
+// over K and the 16 KB after it, loaded once S is done (the ready wait comes after S and P
+// anyway). H200, 4096 tokens (session 19, docs/perf/gdn_prefill.md): beside the state pass 207.9 /
+// 208.1 us against 211.3 / 212.2 for the TMA form (two calls); alone 134.8 vs 137.1. Tried and
+// not kept: the TMA form's 96 KB layout (z staged, h_c apart: 219 / 149 us), and y of whole
+// chunks staged in Q's boxes and stored as TMA boxes (220.4 vs 215.7 us beside the state pass,
+// the prompt a tie).
+struct OutWgCfg {
+  static constexpr uint32_t kBox = OutTmaCfg::kBox;
+  static constexpr uint32_t kQ = 0, kK = 2 * kBox, kH = kK, kV = 6 * kBox, kGam = 8 * kBox;
+  static constexpr uint32_t kBar = kGam + sizeof(float) * kC;
+  static constexpr size_t kTotal = 1024 + kBar + 16;  // + alignment slack
+  static_assert(kQ == OutTmaCfg::kQ && kK == OutTmaCfg::kK, "out_tma_fetch_qkz's offsets");
+};
+__global__ void __launch_bounds__(128) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PARAMS) {
+  using L = OutWgCfg;
+  (void)qkv;
+  (void)vn_mat;
+  (void)h_snap;
+  const int chunk = blockIdx.y, hv = blockIdx.x;  // head-major, as the overlapped forms
+  const int4 ci = chunks[chunk];
+  if (ci.x < 0) return;
+  const int64_t row0 = ci.y;
+  const int n = ci.z;
+  const int n_v = s.n_v_heads, out_dim = s.out_dim();
+  const bool norm = wts.norm_w != nullptr;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* smem = align_1024(smem_raw);
+  float* gam = reinterpret_cast<float*>(smem + L::kGam);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + L::kBar);  // [Q, K], [V_new, h_c]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  if (tid == 0) out_tma_fetch_qkz(s, om, smem, bar, hv, row0, /*z_off=*/-1);
+  if (tid < kC) gam[tid] = gamma[(row0 + min(tid, n - 1)) * n_v + hv];  // held past the end
+  __syncthreads();  // the mbarriers are initialised, gamma is in
+  const uint32_t q_s = smem_u32(smem + L::kQ), k_s = smem_u32(smem + L::kK);
+  const uint32_t h_s = smem_u32(smem + L::kH), v_s = smem_u32(smem + L::kV);
+  mbar_wait(&bar[0], 0);
+
+  // ---- S = Q K^T, then P in place (zero-initialised accumulators: the mma.sync chain's sums).
+  float p[32];  // p[4 jt + 2 half + e]: row 16 warp + g + 8 half, column 8 jt + 2 c + e
+#pragma unroll
+  for (int i = 0; i < 32; ++i) p[i] = 0.f;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    const uint32_t off = (kk >> 2) * L::kBox + (kk & 3) * 32;
+    wgmma_m64n64k16_ss(p, gmma_desc(q_s + off, 16, 1024), gmma_desc(k_s + off, 16, 1024));
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(p);
+  __syncthreads();  // every warp's S has read K: h_c may land over it
+  if (tid == 0) out_tma_fetch_vh(s, om, smem, bar, chunk, hv, row0, L::kV, L::kH, ready, n_slices);
+  float grow[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) grow[half] = gam[16 * warp + g + 8 * half];
+#pragma unroll
+  for (int jt = 0; jt < 8; ++jt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = 16 * warp + g + 8 * half;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = 8 * jt + 2 * c + e;
+        float& x = p[4 * jt + 2 * half + e];
+        x = j <= i ? x * __expf(grow[half] - gam[j]) : 0.f;
+      }
+    }
+  }
+  uint32_t pa[4][4];
+  gdn_tile::acc_to_a<8>(reinterpret_cast<const float(&)[8][4]>(p), pa);
+  // This thread's z (columns 8 j + 2 c of its two rows) from global memory.
+  uint32_t zr[2][16];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = 16 * warp + g + 8 * half;
+    const bf16* zrow = proj + (row0 + min(i, n - 1)) * s.in_dim() + s.qkv_dim() + hv * kD + 2 * c;
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      zr[half][j] = norm ? __ldg(reinterpret_cast<const unsigned int*>(zrow + 8 * j)) : 0u;
+  }
+
+  mbar_wait(&bar[1], 0);
+  if (n < kC) {  // V_new rows past the sequence (another sequence's, or zeros) to zeros: P is 0
+    for (int e = tid; e < (kC - n) * 16; e += 128) {  // there, but 0 x NaN is not
+      const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
+      *reinterpret_cast<uint4*>(smem + L::kV + half * L::kBox + r * 128 + q * 16) =
+          make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();
+    __syncthreads();
+  }
+
+  // ---- O = e^gamma (Q h_c^T) + P V_new.
+  float o[64];  // o[4 j + 2 half + e]: row 16 warp + g + 8 half, column 8 j + 2 c + e
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk)
+    wgmma_m64n128k16_ss(o, gmma_desc(q_s + (kk >> 2) * L::kBox + (kk & 3) * 32, 16, 1024),
+                        gmma_desc(h_s + (kk >> 2) * 2 * L::kBox + (kk & 3) * 32, 16, 1024));
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(o);
+  const float eg[2] = {__expf(grow[0]), __expf(grow[1])};
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    o[4 * j] *= eg[0];
+    o[4 * j + 1] *= eg[0];
+    o[4 * j + 2] *= eg[1];
+    o[4 * j + 3] *= eg[1];
+  }
+  fence_regs(o);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < kC / 16; ++ks)
+    wgmma_m64n128k16_rs_t(o, pa[ks], gmma_desc(v_s + ks * 16 * 128, L::kBox, 1024));
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(o);
+
+  // ---- Gated RMSNorm per row, bf16 out.
+  float ss[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float x[2];
+#pragma unroll
+    for (int vh = 0; vh < 2; ++vh) {
+      float a = 0.f;
+#pragma unroll
+      for (int j = 8 * vh; j < 8 * vh + 8; ++j)
+        a += o[4 * j + 2 * half] * o[4 * j + 2 * half] +
+             o[4 * j + 2 * half + 1] * o[4 * j + 2 * half + 1];
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      x[vh] = a + __shfl_xor_sync(0xffffffffu, a, 2);
+    }
+    ss[half] = x[0] + x[1];
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = 16 * warp + g + 8 * half;
+    const float scale = norm ? rsqrtf(ss[half] / kD + s.norm_eps) : 1.f;
+    if (i < n) {
+      bf16* y = out + (row0 + i) * out_dim + hv * kD + 2 * c;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        float y0 = o[4 * j + 2 * half], y1 = o[4 * j + 2 * half + 1];
+        if (norm) {
+          const int v = 8 * j + 2 * c;
+          const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(&zr[half][j]);
+          const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(wts.norm_w + v);
+          y0 = __low2float(w2) * y0 * scale * silu(__low2float(z2));
+          y1 = __high2float(w2) * y1 * scale * silu(__high2float(z2));
+        }
+        *reinterpret_cast<uint32_t*>(y + 8 * j) = pack_bf16(y0, y1);
+      }
+    }
+  }
+}
 #undef DS_GDN_OUT_PARAMS
 #undef DS_GDN_OUT_ARGS
 
 
-// The maps of gdn_chunk_out_kernel's kTma form over this launch's tensors (n_tokens rows). Q / K
-// and V_new are the state pass's K and U maps (the same tensors and boxes); z and h_c are its own.
+// The maps of the TMA-fed output kernels over this launch's tensors (n_tokens rows). Q / K and
+// V_new are the state pass's K and U maps (the same tensors and boxes); z and h_c are their own.
 GdnOutMaps make_gdn_out_maps(const GdnShape& s, int n_tokens, int max_chunks, const bf16* proj,
                              const bf16* h_snap, const GdnWgMaps& wg) {
   constexpr CUtensorMapSwizzle kSw = CU_TENSOR_MAP_SWIZZLE_128B;
@@ -982,16 +1176,6 @@ GdnOutMaps make_gdn_out_maps(const GdnShape& s, int n_tokens, int max_chunks, co
   m.h = matrix_map(h_snap, uint64_t(max_chunks) * s.n_v_heads * kD, kD, kD, 64, kSw,
                    "gdn output: snapshots");
   return m;
-}
-
-// slice_scan_wg's output kernel in its TMA form unless $DS_GDN_OUT_TMA is 0 (then the cp.async
-// form runs beside the wgmma state pass; read once per process).
-bool gdn_out_tma_enabled() {
-  static const bool on = [] {
-    const char* e = std::getenv("DS_GDN_OUT_TMA");
-    return !(e && std::string(e) == "0");
-  }();
-  return on;
 }
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
@@ -1010,6 +1194,28 @@ void launch_state(K kernel, size_t smem, int threads, int n_slices, const GdnSha
 }
 
 }  // namespace
+
+namespace {
+std::atomic<int> g_out_form{-1};  // -1: not read yet
+}  // namespace
+
+GdnOutForm gdn_out_form() {
+  int f = g_out_form.load(std::memory_order_relaxed);
+  if (f < 0) {
+    const char* e = std::getenv("DS_GDN_OUT");
+    const std::string v = e ? e : "";
+    DS_CHECK(v.empty() || v == "wg" || v == "tma" || v == "cp",
+             "$DS_GDN_OUT must be wg, tma or cp (got '", v, "')");
+    f = static_cast<int>(v == "tma"  ? GdnOutForm::kTma
+                         : v == "cp" ? GdnOutForm::kCpAsync
+                                     : GdnOutForm::kWgmma);
+    int expected = -1;
+    if (!g_out_form.compare_exchange_strong(expected, f)) f = expected;
+  }
+  return static_cast<GdnOutForm>(f);
+}
+
+void set_gdn_out_form(GdnOutForm form) { g_out_form.store(static_cast<int>(form)); }
 
 bool gdn_slice_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                          const bf16* proj, const bf16* out) {
@@ -1032,9 +1238,10 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                            int stages, int* ready, int n_tokens) {
   DS_CHECK(out_warps == 4 || out_warps == 8, "gdn slice scan: out_warps must be 4 or 8, got ",
            out_warps);
-  DS_CHECK(ready == nullptr || (stages == 3 && max_chunks <= 65535 && out_warps == 8),
-           "gdn slice scan: the overlapped launch (ready flags) runs both stages with 8-warp "
-           "output CTAs, at most 65535 chunks (got stages ",
+  DS_CHECK(ready == nullptr || (stages >= 2 && max_chunks <= 65535 && out_warps == 8),
+           "gdn slice scan: the overlapped launch (ready flags) runs both stages (or the output "
+           "alone, after flags completed by an earlier launch) with 8-warp output CTAs, at most "
+           "65535 chunks (got stages ",
            stages, ", out_warps ", out_warps, ", ", max_chunks, " chunks)");
   DS_CHECK(gdn_slice_supported(s, w, pool, proj, out),
            "gdn slice scan: shape / alignment not supported (d_k = d_v = 128 only)");
@@ -1044,6 +1251,13 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
   const bool overlap = ready != nullptr;
   const int n_slices = kD / 64;
   GdnWgMaps wg_maps{};  // kWgmma: the state pass's maps (the TMA output reuses two of them)
+  if (state == GdnSliceState::kWgmma) {
+    DS_CHECK(gdn_slice_wg_supported(s, n_tokens, max_chunks, gamma),
+             "gdn slice scan: the wgmma state pass needs n_v_heads % 4 == 0, a 16-byte "
+             "aligned gamma and fewer than 2^31 snapshot rows (got n_v ", s.n_v_heads,
+             ", n_tokens ", n_tokens, ", ", max_chunks, " chunks)");
+    wg_maps = make_gdn_wg_maps(s, n_tokens, max_chunks, qkv, gamma, w_mat, u_mat, h_snap);
+  }
   if (stages & 1) {
     auto run = [&](auto kernel, size_t smem, int threads) {
       launch_state(kernel, smem, threads, n_slices, s, pool, cu_seqlens, seq_pos, slot_ids,
@@ -1066,11 +1280,6 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
           run(gdn_state_slice_kernel<4, 2, false, true>, lean_smem, L64::kThreads);
         break;
       case GdnSliceState::kWgmma: {
-        DS_CHECK(gdn_slice_wg_supported(s, n_tokens, max_chunks, gamma),
-                 "gdn slice scan: the wgmma state pass needs n_v_heads % 4 == 0, a 16-byte "
-                 "aligned gamma and fewer than 2^31 snapshot rows (got n_v ", s.n_v_heads,
-                 ", n_tokens ", n_tokens, ", ", max_chunks, " chunks)");
-        wg_maps = make_gdn_wg_maps(s, n_tokens, max_chunks, qkv, gamma, w_mat, u_mat, h_snap);
         auto go = [&](auto kernel) {
           ensure_smem_optin(reinterpret_cast<const void*>(kernel), WgCfg::kTotal);
           kernel<<<dim3(n_seqs, s.n_v_heads, n_slices), WgCfg::kThreads, WgCfg::kTotal, stream>>>(
@@ -1101,10 +1310,14 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                      state == GdnSliceState::kWgmma ? 4 * n_slices : n_slices, out_maps);
     DS_CUDA_LAUNCH_CHECK();
   };
+  const GdnOutForm form = gdn_out_form();
   if (out_warps == 8) {
-    if (overlap && state == GdnSliceState::kWgmma && gdn_out_tma_enabled()) {
+    if (overlap && state == GdnSliceState::kWgmma && form != GdnOutForm::kCpAsync) {
       out_maps = make_gdn_out_maps(s, n_tokens, max_chunks, proj, h_snap, wg_maps);
-      out_kernel(gdn_chunk_out_tma_kernel, OutTmaCfg::kTotal, OutCfg<2>::kThreads);
+      if (form == GdnOutForm::kWgmma)
+        out_kernel(gdn_chunk_out_wg_kernel, OutWgCfg::kTotal, 128);
+      else
+        out_kernel(gdn_chunk_out_tma_kernel, OutTmaCfg::kTotal, OutCfg<2>::kThreads);
     } else if (overlap)
       out_kernel(gdn_chunk_out_kernel<2, true>, OutCfg<2>::kTotal, OutCfg<2>::kThreads);
     else

@@ -120,12 +120,21 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                            // pass (programmatic dependent launch), each CTA waiting until its
                            // chunk's flag counts every slice; [max_chunks, n_v_heads] ints, zero
                            // on entry (the caller clears them; left at the slice count). Needs
-                           // any state kernel, out_warps 8, stages 3. Outputs bit-identical to
-                           // null.
+                           // any state kernel, out_warps 8, stages 3 (or 2: the output alone,
+                           // after flags completed by an earlier launch; timing). Outputs
+                           // bit-identical to null.
                            int* ready = nullptr,
                            // the rows of qkv / gamma / W / U (kWgmma's TMA maps; needs
                            // gdn_slice_wg_supported)
                            int n_tokens = 0);
+// The output kernel slice_scan_wg runs beside its wgmma state pass: kWgmma (default) one
+// warpgroup per (chunk, head) on warpgroup MMAs in 64 KB of shared memory; kTma the 8-warp
+// mma.sync kernel fed by TMA; kCpAsync the same fed by cp.async (slice_scan_ov's). Bit-identical
+// outputs. $DS_GDN_OUT = wg / tma / cp, read at the first call (anything else throws);
+// set_gdn_out_form overrides it (tests).
+enum class GdnOutForm { kWgmma, kTma, kCpAsync };
+GdnOutForm gdn_out_form();
+void set_gdn_out_form(GdnOutForm form);
 // Whether kWgmma can run: d_k = d_v = 128, n_v_heads % 4 == 0 (gamma's [64, 4] box), gamma 16-byte
 // aligned, n_tokens > 0 and fewer than 2^31 snapshot rows.
 bool gdn_slice_wg_supported(const GdnShape& s, int n_tokens, int max_chunks, const float* gamma);

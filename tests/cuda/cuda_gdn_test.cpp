@@ -545,15 +545,38 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
       CK(cudaDeviceSynchronize());
       return std::make_pair(download_bf16(d.out.p, d.out.n), download_f32(pool.rec.p, pool.rec.n));
     };
-    auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
-      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    // Bit-equal; else prints how many elements differ, the largest difference and the first
+    // differing element as (row, column) of a [rows, cols] matrix.
+    const int out_cols = s.out_dim();
+    auto same = [out_cols](const std::vector<float>& a, const std::vector<float>& b) {
+      if (a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0) return true;
+      size_t n_diff = 0, first = a.size();
+      double max_diff = 0;
+      for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+        if (std::memcmp(&a[i], &b[i], 4) == 0) continue;
+        if (n_diff++ == 0) first = i;
+        max_diff = std::max(max_diff, double(std::fabs(a[i] - b[i])));
+      }
+      std::printf("  differ: %zu of %zu elements, max abs diff %g, first at (%zu, %zu)\n", n_diff,
+                  a.size(), max_diff, first / out_cols, first % out_cols);
+      return false;
     };
     const auto ref = run(reg_cs.get(), nullptr, true);
     size_t nan_y = 0;
     for (float x : ref.first) nan_y += std::isnan(x);
     EXPECT_EQ(nan_y, 0u) << "slice_scan_cs left output rows unwritten";
-    for (const auto& [name, reg] : {std::make_pair("slice_scan_ov", reg_ov.get()),
-                                    std::make_pair("slice_scan_wg", reg_wg.get())}) {
+    // slice_scan_wg with each of its output kernels (GdnOutForm; the default restored after).
+    const GdnOutForm form0 = gdn_out_form();
+    const struct {
+      const char* name;
+      const DispatchRegistry* reg;
+      GdnOutForm form;
+    } arms[] = {{"slice_scan_ov", reg_ov.get(), form0},
+                {"slice_scan_wg (wgmma output)", reg_wg.get(), GdnOutForm::kWgmma},
+                {"slice_scan_wg (TMA mma.sync output)", reg_wg.get(), GdnOutForm::kTma},
+                {"slice_scan_wg (cp.async output)", reg_wg.get(), GdnOutForm::kCpAsync}};
+    for (const auto& [name, reg, form] : arms) {
+      set_gdn_out_form(form);
       const auto* expect = &ref;
       for (int rep = 0; rep < 3; ++rep) {  // poisoned workspace, then the last launch's flags
         const auto got = run(reg, nullptr, rep == 0);
@@ -584,6 +607,7 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
       CK(cudaGraphDestroy(graph));
       CK(cudaStreamDestroy(st));
     }
+    set_gdn_out_form(form0);
   }
 }
 
@@ -1258,15 +1282,40 @@ TEST(CudaGdn, PrefillStageTiming) {
   stage_on(nullptr, "slice state + output, overlapped (null st.)", overlapped(GdnSliceState::kV64));
   const double t_clear = stage_on(st, "(ready flags clear, included below)", clear);
   stage_on(st, "slice state pass + output, serial", serial);
-  const std::pair<GdnSliceState, const char*> ov_states[] = {
-      {GdnSliceState::kV64, "slice state pass + output, overlapped"},
-      {GdnSliceState::kV64Lean, "slice state pass (lean) + output, overlapped"},
-      {GdnSliceState::kWgmma, "slice state pass (wgmma) + output, overlapped"}};
-  for (const auto& [state, name] : ov_states) {
+  const GdnOutForm form0 = gdn_out_form();
+  const struct {
+    GdnSliceState state;
+    GdnOutForm form;
+    const char* name;
+  } ov_arms[] = {
+      {GdnSliceState::kV64, form0, "slice state pass + output, overlapped"},
+      {GdnSliceState::kV64Lean, form0, "slice state pass (lean) + output, overlapped"},
+      {GdnSliceState::kWgmma, GdnOutForm::kCpAsync, "wgmma state + cp.async output, overlapped"},
+      {GdnSliceState::kWgmma, GdnOutForm::kTma, "wgmma state + TMA output, overlapped"},
+      {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "wgmma state + wgmma output, overlapped"}};
+  for (const auto& [state, form, name] : ov_arms) {
+    set_gdn_out_form(form);
     const double t_ov = stage_on(st, name, overlapped(state));
     std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = the same less the clear",
                 (t_ov - t_clear) * 1e3);
   }
+  // The output kernels alone (the state pass run first, its flags left complete).
+  set_gdn_out_form(form0);
+  overlapped(GdnSliceState::kWgmma)(st);
+  for (GdnOutForm form : {GdnOutForm::kCpAsync, GdnOutForm::kTma, GdnOutForm::kWgmma}) {
+    set_gdn_out_form(form);
+    stage_on(st,
+             form == GdnOutForm::kWgmma ? "output alone, wgmma"
+             : form == GdnOutForm::kTma ? "output alone, TMA mma.sync"
+                                        : "output alone, cp.async mma.sync",
+             [&](cudaStream_t sm) {
+               launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4,
+                                     d_chunk0.p, max_chunks, qkv.p, g.p, wm.p, um.p, hs.p,
+                                     d_out.p, GdnSliceState::kWgmma, 8, sm, /*stages=*/2, ready.p,
+                                     T);
+             });
+  }
+  set_gdn_out_form(form0);
   CK(cudaStreamSynchronize(st));
   CK(cudaStreamDestroy(st));
   CK(cudaDeviceSynchronize());
