@@ -179,8 +179,8 @@ struct BenchBackendSpec {
   int layers = 0;                 // > 0: keep only the first `layers` layers (quick runs)
   int n_slots = 1;
   int max_seq_len = 0;  // 0: the engine's default
-  // Prompt tokens per forward. 8192: TTFT at 16K / 32K 0.4-1.1% lower than at 4096 in every paired
-  // round on the H200, 8K a tie, 16384 slower at 32K (session 19, docs/perf/prefill_gaps.md).
+  // Prompt tokens per forward. 8192: TTFT at 16K / 32K 0.03-1.6% lower than at 4096 in every
+  // paired round on the H200, 8K a tie, 16384 slower at 32K (session 19, docs/perf/prefill_gaps.md).
   int chunk_size = 8192;
   int64_t max_kv_tokens = 0;  // cuda: cap the KV pool (leaves memory to the kernel bench)
   uint64_t seed = 1;
