@@ -19,6 +19,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/cuda_common.h"
 #include "cuda/dispatch.h"
+#include "cuda/gdn_prefill_sm90.h"
 #include "cuda/gemm.h"
 #include "cuda/gemv_bulk_norm.h"
 #include "cuda/kernels.h"
@@ -518,6 +519,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   (void)cuda::gemv_l2_next_mib();        // and $DS_GEMV_L2_NEXT (read by every fused decode GEMV)
   (void)cuda::gemv_bulk_mma_enabled();   // and $DS_GEMV_MMA (read by the gemm registry guard)
   (void)cuda::gemv_splitk_enabled();     // and $DS_GEMV_SPLITK (likewise)
+  (void)cuda::gdn_out_form();            // and $DS_GDN_OUT (read by every GDN prompt layer)
   // Kept whether graphs are on or not, so that both modes get the same KV pool.
   layout_.graph_bytes = std::max(0, eopt_.max_cuda_graphs) * kGraphBytesEstimate;
   layout_.reserve_bytes =

@@ -1199,16 +1199,17 @@ namespace {
 std::atomic<int> g_out_form{-1};  // -1: not read yet
 }  // namespace
 
+GdnOutForm parse_gdn_out_form(const char* value) {
+  const std::string v = value ? value : "";
+  DS_CHECK(v.empty() || v == "wg" || v == "tma" || v == "cp",
+           "$DS_GDN_OUT must be wg, tma or cp (got '", v, "')");
+  return v == "tma" ? GdnOutForm::kTma : v == "cp" ? GdnOutForm::kCpAsync : GdnOutForm::kWgmma;
+}
+
 GdnOutForm gdn_out_form() {
   int f = g_out_form.load(std::memory_order_relaxed);
   if (f < 0) {
-    const char* e = std::getenv("DS_GDN_OUT");
-    const std::string v = e ? e : "";
-    DS_CHECK(v.empty() || v == "wg" || v == "tma" || v == "cp",
-             "$DS_GDN_OUT must be wg, tma or cp (got '", v, "')");
-    f = static_cast<int>(v == "tma"  ? GdnOutForm::kTma
-                         : v == "cp" ? GdnOutForm::kCpAsync
-                                     : GdnOutForm::kWgmma);
+    f = static_cast<int>(parse_gdn_out_form(std::getenv("DS_GDN_OUT")));
     int expected = -1;
     if (!g_out_form.compare_exchange_strong(expected, f)) f = expected;
   }

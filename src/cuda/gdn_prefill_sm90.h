@@ -134,6 +134,7 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
 // set_gdn_out_form overrides it (tests).
 enum class GdnOutForm { kWgmma, kTma, kCpAsync };
 GdnOutForm gdn_out_form();
+GdnOutForm parse_gdn_out_form(const char* value);  // null / "" = kWgmma; throws on a bad value
 void set_gdn_out_form(GdnOutForm form);
 // Whether kWgmma can run: d_k = d_v = 128, n_v_heads % 4 == 0 (gamma's [64, 4] box), gamma 16-byte
 // aligned, n_tokens > 0 and fewer than 2^31 snapshot rows.

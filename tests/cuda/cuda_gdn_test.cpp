@@ -668,6 +668,30 @@ TEST(CudaGdn, WgmmaStatePassGuard) {
   }
 }
 
+// $DS_GDN_OUT's values (host only): unset / empty / wg = the wgmma output, tma and cp the
+// mma.sync forms, anything else a ds::Error naming the variable and the value.
+TEST(CudaGdn, OutFormSwitch) {
+  EXPECT_EQ(parse_gdn_out_form(nullptr), GdnOutForm::kWgmma);
+  EXPECT_EQ(parse_gdn_out_form(""), GdnOutForm::kWgmma);
+  EXPECT_EQ(parse_gdn_out_form("wg"), GdnOutForm::kWgmma);
+  EXPECT_EQ(parse_gdn_out_form("tma"), GdnOutForm::kTma);
+  EXPECT_EQ(parse_gdn_out_form("cp"), GdnOutForm::kCpAsync);
+  for (const char* bad : {"0", "TMA", "wgs", "cp.async", " wg"}) {
+    try {
+      parse_gdn_out_form(bad);
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const ds::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("DS_GDN_OUT"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    }
+  }
+  const GdnOutForm form0 = gdn_out_form();  // set_gdn_out_form overrides the process's choice
+  set_gdn_out_form(GdnOutForm::kCpAsync);
+  EXPECT_EQ(gdn_out_form(), GdnOutForm::kCpAsync);
+  set_gdn_out_form(form0);
+  EXPECT_EQ(gdn_out_form(), form0);
+}
+
 TEST(CudaGdn, PrefillWorkspaceTooSmallIsAnError) {
   REQUIRE_GPU();
   const GdnShape s = shape_27b();
