@@ -1013,7 +1013,8 @@ struct OutWgCfg {
   static constexpr size_t kTotal = 1024 + kBar + 16;  // + alignment slack
   static_assert(kQ == OutTmaCfg::kQ && kK == OutTmaCfg::kK, "out_tma_fetch_qkz's offsets");
 };
-__global__ void __launch_bounds__(128) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PARAMS) {
+// (3 CTAs per SM: more than 170 registers would silently cost the third.)
+__global__ void __launch_bounds__(128, 3) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PARAMS) {
   using L = OutWgCfg;
   (void)qkv;
   (void)vn_mat;
@@ -1094,6 +1095,7 @@ __global__ void __launch_bounds__(128) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PARAMS
   }
 
   // ---- O = e^gamma (Q h_c^T) + P V_new.
+  __syncwarp();  // warp 0 reconverged (lane 0 issued the loads) before the aligned wgmma
   float o[64];  // o[4 j + 2 half + e]: row 16 warp + g + 8 half, column 8 j + 2 c + e
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.f;
@@ -1165,13 +1167,14 @@ __global__ void __launch_bounds__(128) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PARAMS
 
 
 // The maps of the TMA-fed output kernels over this launch's tensors (n_tokens rows). Q / K and
-// V_new are the state pass's K and U maps (the same tensors and boxes); z and h_c are their own.
+// V_new are the state pass's K and U maps (the same tensors and boxes); z (with_z: the mma.sync
+// TMA form stages it, the wgmma form reads it directly) and h_c are their own.
 GdnOutMaps make_gdn_out_maps(const GdnShape& s, int n_tokens, int max_chunks, const bf16* proj,
-                             const bf16* h_snap, const GdnWgMaps& wg) {
+                             const bf16* h_snap, const GdnWgMaps& wg, bool with_z) {
   constexpr CUtensorMapSwizzle kSw = CU_TENSOR_MAP_SWIZZLE_128B;
   GdnOutMaps m;
   m.qk = wg.k;
-  m.z = matrix_map(proj, n_tokens, s.in_dim(), kC, 64, kSw, "gdn output: z");
+  if (with_z) m.z = matrix_map(proj, n_tokens, s.in_dim(), kC, 64, kSw, "gdn output: z");
   m.v = wg.u;
   m.h = matrix_map(h_snap, uint64_t(max_chunks) * s.n_v_heads * kD, kD, kD, 64, kSw,
                    "gdn output: snapshots");
@@ -1252,7 +1255,7 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
   const bool overlap = ready != nullptr;
   const int n_slices = kD / 64;
   GdnWgMaps wg_maps{};  // kWgmma: the state pass's maps (the TMA output reuses two of them)
-  if (state == GdnSliceState::kWgmma) {
+  if (state == GdnSliceState::kWgmma && ((stages & 1) || overlap)) {  // its maps are used
     DS_CHECK(gdn_slice_wg_supported(s, n_tokens, max_chunks, gamma),
              "gdn slice scan: the wgmma state pass needs n_v_heads % 4 == 0, a 16-byte "
              "aligned gamma and fewer than 2^31 snapshot rows (got n_v ", s.n_v_heads,
@@ -1304,9 +1307,11 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
     // launched as a programmatic dependent of the state pass, so that it may start as soon as
     // every state CTA is resident; the ready flags order each CTA after its chunk.
     const dim3 grid = overlap ? dim3(s.n_v_heads, max_chunks) : dim3(max_chunks, s.n_v_heads);
-    launch_maybe_pdl(kernel, grid, dim3(threads), smem, stream, overlap, s, w, chunks, proj, qkv,
-                     gamma, static_cast<const bf16*>(u_mat), static_cast<const bf16*>(h_snap), out,
-                     static_cast<const int*>(ready),
+    // The output alone (stages 2, timing) is no programmatic dependent: these kernels never run
+    // griddepcontrol.wait, so only the state pass may be their primary.
+    launch_maybe_pdl(kernel, grid, dim3(threads), smem, stream, overlap && (stages & 1), s, w,
+                     chunks, proj, qkv, gamma, static_cast<const bf16*>(u_mat),
+                     static_cast<const bf16*>(h_snap), out, static_cast<const int*>(ready),
                      // ready counts: one per state CTA, or per consumer warp of the wgmma pass
                      state == GdnSliceState::kWgmma ? 4 * n_slices : n_slices, out_maps);
     DS_CUDA_LAUNCH_CHECK();
@@ -1314,7 +1319,8 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
   const GdnOutForm form = gdn_out_form();
   if (out_warps == 8) {
     if (overlap && state == GdnSliceState::kWgmma && form != GdnOutForm::kCpAsync) {
-      out_maps = make_gdn_out_maps(s, n_tokens, max_chunks, proj, h_snap, wg_maps);
+      out_maps = make_gdn_out_maps(s, n_tokens, max_chunks, proj, h_snap, wg_maps,
+                                   /*with_z=*/form == GdnOutForm::kTma);
       if (form == GdnOutForm::kWgmma)
         out_kernel(gdn_chunk_out_wg_kernel, OutWgCfg::kTotal, 128);
       else
