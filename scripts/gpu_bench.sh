@@ -99,8 +99,8 @@ if [ $http = 1 ]; then
   port=18000
   tok_args=()
   [ -n "$tokenizer" ] && tok_args=(--tokenizer "$tokenizer")
-  "$BIN" serve --synthetic 27b --device cuda --port $port --max-batch 1 --chunk-size 4096 \
-    --max-num-batched-tokens 4096 --max-kv-tokens 40000 --max-model-len 33024 "${tok_args[@]}" >>"$LOG" 2>&1 &
+  "$BIN" serve --synthetic 27b --device cuda --port $port --max-batch 1 --chunk-size 8192 \
+    --max-num-batched-tokens 8192 --max-kv-tokens 40000 --max-model-len 33024 "${tok_args[@]}" >>"$LOG" 2>&1 &
   spid=$!
   up=0
   for _ in $(seq 1 180); do
