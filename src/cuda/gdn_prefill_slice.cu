@@ -682,6 +682,38 @@ struct GdnOutMaps {
   CUtensorMap h;   // h_snap [max_chunks * n_v * 128 rows, 128], box [128 v, 64 k], swizzled
 };
 
+// P [16 rows of the chunk from r0, 64 t'] = causal(Q K^T) e^(gamma_t - gamma_t') in place on the
+// mma.sync / wgmma accumulator layout (p[jt][2 half + e]: row r0 + g + 8 half, column 8 jt + 2 c
+// + e); grow receives gamma of the thread's two rows (the output's e^gamma needs them too).
+__device__ __forceinline__ void decay_mask_p(float (&p)[8][4], const float* gam, int r0, int g,
+                                             int c, float (&grow)[2]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) grow[half] = gam[r0 + g + 8 * half];
+#pragma unroll
+  for (int jt = 0; jt < 8; ++jt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = r0 + g + 8 * half;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = 8 * jt + 2 * c + e;
+        float& x = p[jt][2 * half + e];
+        x = j <= i ? x * __expf(grow[half] - gam[j]) : 0.f;
+      }
+    }
+  }
+}
+// In a partial chunk (n < 64), V_new's rows past the sequence (another sequence's, or zeros) in
+// its two swizzled [64 t, 64] boxes at smem + v_off to zeros: P is 0 there, but 0 x NaN is not.
+template <int kThreads>
+__device__ __forceinline__ void zero_v_tail(unsigned char* smem, uint32_t v_off, int n, int tid) {
+  for (int e = tid; e < (kC - n) * 16; e += kThreads) {
+    const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
+    *reinterpret_cast<uint4*>(smem + v_off + half * OutTmaCfg::kBox + r * 128 + q * 16) =
+        make_uint4(0, 0, 0, 0);
+  }
+}
+
 // The TMA loads of the output kernels, by one thread. Phase 1: the barriers initialised, Q and K
 // (and z when `z_off` >= 0) on bar[0]. Phase 2: once ready[chunk][hv] counts n_slices, V_new (at
 // `v_off`) and h_c (at `h_off`) on bar[1].
@@ -859,32 +891,12 @@ __device__ __forceinline__ void gdn_chunk_out(GdnShape s, GdnLayerWeights wts,
         }
       }
     }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) grow[half] = gam[16 * rb + g + 8 * half];
-#pragma unroll
-    for (int jt = 0; jt < 8; ++jt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = 16 * rb + g + 8 * half;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = 8 * jt + 2 * c + e;
-          float& p = pacc[jt][2 * half + e];
-          p = j <= i ? p * __expf(grow[half] - gam[j]) : 0.f;
-        }
-      }
-    }
+    decay_mask_p(pacc, gam, 16 * rb, g, c, grow);
     acc_to_a<8>(pacc, pa);
   }
   if constexpr (kTma) {
     mbar_wait(&bar[1], 0);
-    if (n < kC) {  // V_new rows past the sequence (another sequence's, or zeros) to zeros: P is 0
-      for (int e = tid; e < (kC - n) * 16; e += L::kThreads) {  // there, but 0 x NaN is not
-        const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
-        *reinterpret_cast<uint4*>(smem + LT::kV + half * LT::kBox + r * 128 + q * 16) =
-            make_uint4(0, 0, 0, 0);
-      }
-    }
+    if (n < kC) zero_v_tail<L::kThreads>(smem, LT::kV, n, tid);
   } else {
     cp_async_wait_all();
   }
@@ -1055,21 +1067,7 @@ __global__ void __launch_bounds__(128, 3) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PAR
   __syncthreads();  // every warp's S has read K: h_c may land over it
   if (tid == 0) out_tma_fetch_vh(s, om, smem, bar, chunk, hv, row0, L::kV, L::kH, ready, n_slices);
   float grow[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) grow[half] = gam[16 * warp + g + 8 * half];
-#pragma unroll
-  for (int jt = 0; jt < 8; ++jt) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = 16 * warp + g + 8 * half;
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int j = 8 * jt + 2 * c + e;
-        float& x = p[4 * jt + 2 * half + e];
-        x = j <= i ? x * __expf(grow[half] - gam[j]) : 0.f;
-      }
-    }
-  }
+  decay_mask_p(reinterpret_cast<float(&)[8][4]>(p), gam, 16 * warp, g, c, grow);
   uint32_t pa[4][4];
   gdn_tile::acc_to_a<8>(reinterpret_cast<const float(&)[8][4]>(p), pa);
   // This thread's z (columns 8 j + 2 c of its two rows) from global memory.
@@ -1084,12 +1082,8 @@ __global__ void __launch_bounds__(128, 3) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PAR
   }
 
   mbar_wait(&bar[1], 0);
-  if (n < kC) {  // V_new rows past the sequence (another sequence's, or zeros) to zeros: P is 0
-    for (int e = tid; e < (kC - n) * 16; e += 128) {  // there, but 0 x NaN is not
-      const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
-      *reinterpret_cast<uint4*>(smem + L::kV + half * L::kBox + r * 128 + q * 16) =
-          make_uint4(0, 0, 0, 0);
-    }
+  if (n < kC) {
+    zero_v_tail<128>(smem, L::kV, n, tid);
     fence_proxy_async();
     __syncthreads();
   }
