@@ -227,6 +227,12 @@ struct WyCfg {
   static constexpr size_t kBet = kGam + sizeof(float) * kC;
   static constexpr size_t kEg = kBet + sizeof(float) * kC;
   static constexpr size_t kTotal = kEg + sizeof(float) * kC;
+  // LATE_V: V is loaded once T is complete, into A's space (A is dead by then), so V's own
+  // space is not allocated and every later offset moves down by it: 55.75 KB, 4 blocks per SM
+  // instead of 3 (72.75 KB).
+  static constexpr size_t kLateShift = sizeof(bf16) * kC * kLd;
+  static constexpr size_t kTotalLate = kTotal - kLateShift;
+  static_assert(sizeof(float) * kC * kLda >= sizeof(bf16) * kC * kLd, "V fits in A's space");
 };
 
 // tf32 operands (round to nearest) and mma.sync m16n8k8 with fp32 accumulators: a (16x8 row) =
@@ -271,7 +277,10 @@ __device__ __forceinline__ void load_a_tf32(uint32_t (&a)[4], const float* p, in
 // w computes matrix w / 2 (W, U) for row blocks {0, 3} (w even) or {1, 2} (w odd). Every output
 // element comes from the same mma instructions on the same operands in the same order:
 // bit-identical to the unbalanced kernel (tested: CudaGdn.WyBalancedBitExact).
-template <bool TF32_OFFDIAG, bool BALANCED = false>
+//
+// LATE_V (with BALANCED): the smaller layout of WyCfg (kTotalLate). Warps 2 and 3 load V once T
+// is complete, while warps 0 and 1 form W; the same products on the same values: bit-identical.
+template <bool TF32_OFFDIAG, bool BALANCED = false, bool LATE_V = false>
 __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     GdnShape s,
     const int4* __restrict__ chunks,  // [max_chunks] {seq (-1: none), t0, n, index}
@@ -288,15 +297,18 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
   const int64_t row0 = ci.y;
   const int hv = blockIdx.y, n_v = s.n_v_heads, hk = hv / (n_v / s.n_k_heads);
   const int qkv_dim = s.qkv_dim();
+  static_assert(!LATE_V || BALANCED, "the late V load needs the balanced split");
+  constexpr size_t sh = LATE_V ? L::kLateShift : 0;  // V's own space, absent with LATE_V
   extern __shared__ __align__(128) unsigned char smem[];
-  bf16* ks = reinterpret_cast<bf16*>(smem + L::kK);    // [64][kLd] K, then beta e^gamma K
-  bf16* vs = reinterpret_cast<bf16*>(smem + L::kV);    // [64][kLd] V, then beta V
-  float* af = reinterpret_cast<float*>(smem + L::kA);  // [64][kLda]
-  float* tf = reinterpret_cast<float*>(smem + L::kT);  // [64][kLdt]
-  float* xs = reinterpret_cast<float*>(smem + L::kX);
-  float* gam = reinterpret_cast<float*>(smem + L::kGam);
-  float* bet = reinterpret_cast<float*>(smem + L::kBet);
-  float* eg = reinterpret_cast<float*>(smem + L::kEg);
+  bf16* ks = reinterpret_cast<bf16*>(smem + L::kK);  // [64][kLd] K, then beta e^gamma K
+  // [64][kLd] V, then beta V (LATE_V: in A's space, once T is complete)
+  bf16* vs = reinterpret_cast<bf16*>(smem + (LATE_V ? L::kA - sh : L::kV));
+  float* af = reinterpret_cast<float*>(smem + L::kA - sh);  // [64][kLda]
+  float* tf = reinterpret_cast<float*>(smem + L::kT - sh);  // [64][kLdt]
+  float* xs = reinterpret_cast<float*>(smem + L::kX - sh);
+  float* gam = reinterpret_cast<float*>(smem + L::kGam - sh);
+  float* bet = reinterpret_cast<float*>(smem + L::kBet - sh);
+  float* eg = reinterpret_cast<float*>(smem + L::kEg - sh);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, c = lane & 3;
 
@@ -305,7 +317,7 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     const bool ok = r < n;
     const bf16* row = qkv + (row0 + (ok ? r : 0)) * qkv_dim;
     cp_async16(ks + r * kLd + col, row + (s.n_k_heads + hk) * kD + col, ok);
-    cp_async16(vs + r * kLd + col, row + 2 * s.n_k_heads * kD + hv * kD + col, ok);
+    if constexpr (!LATE_V) cp_async16(vs + r * kLd + col, row + 2 * s.n_k_heads * kD + hv * kD + col, ok);
   }
   cp_async_commit();
   if (warp == 0) {
@@ -462,6 +474,20 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
       }
     }
     __syncthreads();  // all of T complete
+    if constexpr (LATE_V) {
+      // A is dead: warps 2 and 3 (U below) load V into its space while warps 0 and 1 form W.
+      if (warp >= 2) {
+        for (int e = tid - 64; e < kC * (kD / 8); e += 64) {
+          const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
+          const bool ok = r < n;
+          const bf16* row = qkv + (row0 + (ok ? r : 0)) * qkv_dim;
+          cp_async16(vs + r * kLd + col, row + 2 * s.n_k_heads * kD + hv * kD + col, ok);
+        }
+        cp_async_commit();
+        cp_async_wait_all();
+        asm volatile("bar.sync 1, 64;\n" ::: "memory");  // warps 2 and 3
+      }
+    }
   } else if constexpr (TF32_OFFDIAG) {
     // ---- Column block jb = warp, rows ib = jb + 1 .. 3 in order: X = sum_{k=jb}^{ib-1} A_ik T_kj
     // (tf32 mma, fp32 accumulate), T_ij = -T_ii X (X through this warp's 16x16 scratch). T is
@@ -635,6 +661,11 @@ bool gdn_wy_mma_balanced() {
   return on;
 }
 
+bool gdn_wy_mma_late_v() {
+  static const bool on = env_switch("DS_GDN_WY_LATE_V", true);
+  return on;
+}
+
 void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks, const bf16* qkv,
                        float* g, const float* beta, bf16* w_mat, bf16* u_mat, cudaStream_t stream,
                        bool tf32_offdiag, int balanced) {
@@ -642,15 +673,18 @@ void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks, co
   DS_CHECK(aligned(qkv, 16) && aligned(w_mat, 4) && aligned(u_mat, 4) && s.qkv_dim() % 8 == 0,
            "gdn wy mma: qkv rows must be 16-byte aligned");
   if (max_chunks <= 0) return;
-  auto run = [&](auto kernel) {
+  auto run = [&](auto kernel, size_t smem = WyCfg::kTotal) {
     DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(WyCfg::kTotal)));
-    kernel<<<dim3(max_chunks, s.n_v_heads), WyCfg::kThreads, WyCfg::kTotal, stream>>>(
+                                       static_cast<int>(smem)));
+    kernel<<<dim3(max_chunks, s.n_v_heads), WyCfg::kThreads, smem, stream>>>(
         s, chunks, qkv, g, beta, w_mat, u_mat);
     DS_CUDA_LAUNCH_CHECK();
   };
-  if (balanced < 0) balanced = gdn_wy_mma_balanced() ? 1 : 0;
-  if (tf32_offdiag && balanced)
+  DS_CHECK(balanced <= 2, "gdn wy mma: balanced must be -1, 0, 1 or 2 (got ", balanced, ")");
+  if (balanced < 0) balanced = gdn_wy_mma_balanced() ? (gdn_wy_mma_late_v() ? 2 : 1) : 0;
+  if (tf32_offdiag && balanced == 2)
+    run(gdn_wy_mma_kernel<true, true, true>, WyCfg::kTotalLate);
+  else if (tf32_offdiag && balanced)
     run(gdn_wy_mma_kernel<true, true>);
   else if (tf32_offdiag)
     run(gdn_wy_mma_kernel<true>);

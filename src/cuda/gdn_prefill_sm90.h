@@ -74,11 +74,17 @@ void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks,
                        bf16* u_mat,        // [n_tokens, n_v_heads, 128]
                        cudaStream_t stream,
                        bool tf32_offdiag = false,  // T's off-diagonal blocks on tf32 mma.sync
-                       int balanced = -1);  // tf32_offdiag only: the work spread evenly over the
-                                            // warps (bit-identical); < 0: gdn_wy_mma_balanced()
+                       int balanced = -1);  // tf32_offdiag only: 1 = the work spread evenly
+                                            // over the warps (bit-identical), 2 = that with V
+                                            // loaded late into A's space (56 KB of shared
+                                            // memory: 4 blocks per SM instead of 3;
+                                            // bit-identical); < 0: gdn_wy_mma_balanced() and
+                                            // gdn_wy_mma_late_v()
 // The WY kernel's balanced warp split (launch_gdn_wy_mma's balanced < 0): on unless
 // $DS_GDN_WY_BALANCED is 0 (read once per process).
 bool gdn_wy_mma_balanced();
+// Its late V load (balanced = 2): on unless $DS_GDN_WY_LATE_V is 0 (read once per process).
+bool gdn_wy_mma_late_v();
 
 // gdn_prefill_slice.cu: the state pass split over slices of value columns per CTA (sequential
 // over chunks; writes the bf16 snapshot h_c of every chunk into h_snap, V_new over

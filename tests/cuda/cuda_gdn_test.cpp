@@ -924,8 +924,8 @@ TEST(CudaGdn, WyBalancedBitExact) {
   upload(d_chunks, chunks);
   DevBuf<float> d_beta(beta.size());
   upload(d_beta, beta);
-  std::vector<std::vector<float>> gam(2), wm(2), um(2);
-  for (int balanced : {0, 1}) {
+  std::vector<std::vector<float>> gam(3), wm(3), um(3);
+  for (int balanced : {0, 1, 2}) {
     DevBuf<float> d_g(g.size());
     upload(d_g, g);
     DevBuf<bf16> w(size_t(T) * nv * 128), u(size_t(T) * nv * 128);
@@ -944,16 +944,20 @@ TEST(CudaGdn, WyBalancedBitExact) {
       d += std::memcmp(&a[i], &b[i], sizeof(float)) != 0;
     return d;
   };
-  size_t finite = 0;
-  for (float x : wm[1]) finite += std::isfinite(x);
-  EXPECT_EQ(n_differ(gam[0], gam[1]), 0u) << "gamma";
-  EXPECT_EQ(n_differ(wm[0], wm[1]), 0u) << "W";
-  EXPECT_EQ(n_differ(um[0], um[1]), 0u) << "U";
-  EXPECT_EQ(finite, size_t(T) * nv * 128) << "every valid row of W written";
-  std::printf("  wy balanced vs by row block: %d tokens in %zu sequences, %d chunks: W %zu, U %zu, "
-              "gamma %zu elements differ\n",
-              T, lens.size(), max_chunks, n_differ(wm[0], wm[1]), n_differ(um[0], um[1]),
-              n_differ(gam[0], gam[1]));
+  for (int b : {1, 2}) {  // balanced, and balanced with the late V load (56 KB layout)
+    size_t finite = 0, finite_u = 0;
+    for (float x : wm[b]) finite += std::isfinite(x);
+    for (float x : um[b]) finite_u += std::isfinite(x);
+    EXPECT_EQ(n_differ(gam[0], gam[b]), 0u) << "gamma, balanced = " << b;
+    EXPECT_EQ(n_differ(wm[0], wm[b]), 0u) << "W, balanced = " << b;
+    EXPECT_EQ(n_differ(um[0], um[b]), 0u) << "U, balanced = " << b;
+    EXPECT_EQ(finite, size_t(T) * nv * 128) << "every valid row of W written, balanced = " << b;
+    EXPECT_EQ(finite_u, size_t(T) * nv * 128) << "every valid row of U written, balanced = " << b;
+    std::printf("  wy balanced = %d vs by row block: %d tokens in %zu sequences, %d chunks: W %zu, "
+                "U %zu, gamma %zu elements differ\n",
+                b, T, lens.size(), max_chunks, n_differ(wm[0], wm[b]), n_differ(um[0], um[b]),
+                n_differ(gam[0], gam[b]));
+  }
 }
 
 TEST(CudaGdn, Decode27BBatch1) {
@@ -1240,18 +1244,20 @@ TEST(CudaGdn, PrefillStageTiming) {
     CK(cudaMemcpyAsync(g.p, g0.p, g.n * 4, cudaMemcpyDeviceToDevice, nullptr));
   };
   const double t_restore = stage("(g restore copy, included below)", restore_g);
-  for (int arm : {0, 1, 2}) {  // SIMT off-diagonal; tf32 by row block; tf32 balanced
+  // SIMT off-diagonal; tf32 by row block; tf32 balanced; tf32 balanced with the late V load
+  for (int arm : {0, 1, 2, 3}) {
     const bool tf32 = arm > 0;
-    const char* name = arm == 2   ? "wy_mma tf32 balanced (+ restore)"
-                       : tf32     ? "wy_mma tf32 path (+ restore)"
-                                  : "wy_mma SIMT off-diagonal (+ restore)";
-    const double ms = stage(name, [&] {
+    const char* names[][2] = {
+        {"wy_mma SIMT off-diagonal (+ restore)", "  = wy_mma SIMT"},
+        {"wy_mma tf32 path (+ restore)", "  = wy_mma tf32"},
+        {"wy_mma tf32 balanced (+ restore)", "  = wy_mma tf32 balanced"},
+        {"wy_mma tf32 balanced, late V (+ restore)", "  = wy_mma tf32 balanced, late V"}};
+    const double ms = stage(names[arm][0], [&] {
       restore_g();
       launch_gdn_wy_mma(s, ch4, max_chunks, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, tf32,
-                        arm == 2 ? 1 : 0);
+                        arm >= 2 ? arm - 1 : 0);
     });
-    std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n",
-                arm == 2 ? "  = wy_mma tf32 balanced" : tf32 ? "  = wy_mma tf32" : "  = wy_mma SIMT",
+    std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", names[arm][1],
                 (ms - t_restore) * 1e3);
   }
   restore_g();
