@@ -12,7 +12,7 @@
 // output + gated norm in one kernel per (sequence, head) or 2-CTA cluster (variants scan_mma,
 // wymma_scan, wymma_scan_x2: 0.97 / ~0.84 / 0.89 ms per 4096-token layer vs 0.44 for
 // slice_scan_ov): latency-bound at ~3300 instructions per warp per chunk.
-// Shared memory: WY 72.8 KB, 3 per SM.
+// Shared memory: WY 72.8 KB, 3 per SM; with the late V load (the default) 55.8 KB, 4 per SM.
 // Test: tests/cuda/cuda_gdn_test.cpp (every prefill case runs the generic path and each variant,
 // forced for all lengths); bench: `deltaserve bench kernels --only gdn_prefill`.
 #include "cuda/cuda_common.h"
@@ -280,6 +280,8 @@ __device__ __forceinline__ void load_a_tf32(uint32_t (&a)[4], const float* p, in
 //
 // LATE_V (with BALANCED): the smaller layout of WyCfg (kTotalLate). Warps 2 and 3 load V once T
 // is complete, while warps 0 and 1 form W; the same products on the same values: bit-identical.
+// The kernel is latency-bound (ncu: 28% issue, waits on shared memory and barriers), so the 4th
+// block per SM pays: H200, 4096 tokens, 94.9 vs 105.0 us (docs/perf/gdn_prefill.md, session 20).
 template <bool TF32_OFFDIAG, bool BALANCED = false, bool LATE_V = false>
 __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     GdnShape s,
