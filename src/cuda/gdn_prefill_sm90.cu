@@ -319,7 +319,8 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     const bool ok = r < n;
     const bf16* row = qkv + (row0 + (ok ? r : 0)) * qkv_dim;
     cp_async16(ks + r * kLd + col, row + (s.n_k_heads + hk) * kD + col, ok);
-    if constexpr (!LATE_V) cp_async16(vs + r * kLd + col, row + 2 * s.n_k_heads * kD + hv * kD + col, ok);
+    if constexpr (!LATE_V)
+      cp_async16(vs + r * kLd + col, row + 2 * s.n_k_heads * kD + hv * kD + col, ok);
   }
   cp_async_commit();
   if (warp == 0) {
