@@ -827,6 +827,10 @@ void CudaBackend::tune_gemms() {
     // single-candidate ones: the summary counts them; describe() has every plan's result).
     if (eopt_.verbose && ((r.timed && !r.cached) || (!r.timed && r.candidates > 1)))
       std::fprintf(stderr, "cuda engine: %-8s %s\n", s.name, r.to_string().c_str());
+    if (eopt_.verbose && r.sustained && !r.cached)  // every candidate's time, to compare runs
+      for (size_t i = 0; i < r.cand_us.size(); ++i)
+        std::fprintf(stderr, "cuda engine: %-8s   #%zu %9.2f us  %s\n", s.name, i, r.cand_us[i],
+                     r.cand_desc[i].c_str());
   };
   // Decode shapes: the m's prepared in the constructor.
   const int m_max = std::min(n_slots_, chunk_size_);
@@ -851,12 +855,29 @@ void CudaBackend::tune_gemms() {
   // The full prompt chunk (prompt shapes only; lm_head runs on the gathered rows), and 4096 rows
   // when the chunk is longer (a 4096-token prompt, or the rest of a longer one, keeps the
   // algorithms tuned for it).
+  // $DS_GEMM_TUNE_WINDOW_MS > 0 times the prompt shapes' candidates in sustained windows of that
+  // many ms (gemm.h GemmTuneOptions::window_ms: ranked at the power-capped clock a long prompt
+  // runs at), $DS_GEMM_TUNE_CANDIDATES how many of cuBLASLt's candidates they try (default 8).
+  double window_ms = 0;
+  int prompt_cands = 8;
+  if (const char* env = std::getenv("DS_GEMM_TUNE_WINDOW_MS")) {
+    char* end = nullptr;
+    window_ms = std::strtod(env, &end);
+    DS_CHECK(end != env && *end == '\0' && window_ms >= 0 && window_ms <= 2000,
+             "DS_GEMM_TUNE_WINDOW_MS must be a number of ms in 0..2000, got '", env, "'");
+  }
+  if (const char* env = std::getenv("DS_GEMM_TUNE_CANDIDATES")) {
+    const int v = std::atoi(env);
+    DS_CHECK(v >= 1 && v <= 64, "DS_GEMM_TUNE_CANDIDATES must be 1..64, got '", env, "'");
+    prompt_cands = v;
+  }
   for (int m : {chunk_size_, 4096}) {
     if (m <= m_max || (m == 4096 && chunk_size_ <= 4096)) continue;
     cuda::GemmTuneOptions prompt;
-    prompt.max_candidates = 8;
+    prompt.max_candidates = prompt_cands;
     prompt.max_weights = 1;
     prompt.batches = 3;
+    prompt.window_ms = window_ms;
     for (const Shape& s : shapes) tune(s, m, prompt);
     // The out-projections with the residual folded in (beta = 1), planned whether the fold is on
     // or not, so that set_cuda_prefill_fold can switch it at run time.

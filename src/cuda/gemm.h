@@ -46,6 +46,15 @@ struct GemmTuneOptions {
   // engine): engines of one process then run the same algorithms, so their results stay
   // bit-identical to each other (tests compare two engines bit for bit), and start-up is cheaper.
   bool use_process_cache = true;
+  // Sustained timing (window_ms > 0): the card is first kept busy with the heuristic's algorithm
+  // for window_ms; then, for `rounds` rounds (candidate order rotated each round), every candidate
+  // runs back to back for about window_ms and is timed over the second half of its window. Under
+  // the card's power cap the clock settles to each algorithm's own power draw within a window, so
+  // this ranks algorithms by their speed in a long prompt, where every GEMM runs at the cap (a
+  // short burst on a cool card ranks them at the unthrottled clock). Per call: the median over
+  // rounds. batches is unused then.
+  double window_ms = 0;
+  int rounds = 2;
 };
 
 struct GemmTuneResult {
@@ -61,6 +70,9 @@ struct GemmTuneResult {
   double chosen_us = 0;           // of the kept one
   bool cached = false;            // taken from the process cache (the times are that tune's)
   double tune_ms = 0;             // host wall time of this tune() call
+  bool sustained = false;         // timed in windows (GemmTuneOptions::window_ms)
+  std::vector<double> cand_us;    // per candidate (index as chosen), -1 when it did not run
+  std::vector<std::string> cand_desc;  // each candidate's cuBLASLt configuration, e.g. "tile 128x256"
   std::string note;               // why nothing was timed, or a failure message
   std::string to_string() const;  // one line
 };

@@ -8,6 +8,7 @@
 // candidate, borrowed algorithms and a capturing stream never throw and stay correct.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 
@@ -247,6 +248,109 @@ TEST(CudaGemmTune, Shapes27bMatchUntuned) {
   EXPECT_GE(n_timed, 20) << "of 30 shapes: cuBLASLt offered a single candidate too often";
   EXPECT_EQ(g1.late_plans(), 0);
   std::printf("%s", g1.describe().c_str());
+}
+
+// Sustained windows (GemmTuneOptions::window_ms): every candidate is timed, the kept one is the
+// fastest of them (or the heuristic's within min_gain), and the tuned plan computes the product.
+TEST(CudaGemmTune, SustainedWindowsKeepTheFastest) {
+  DS_REQUIRE_GPU();
+  EnvGuard env("DS_GEMM_TUNE", nullptr);
+  cuda::GemmEngine g0, g1;
+  TuneCase c(2048, 5120, 6144, cuda::GemmOut::kBF16, 2, 31);
+  for (bool acc : {false, true}) {
+    cuda::GemmTuneOptions o;
+    o.max_candidates = 4;
+    o.max_weights = 2;
+    o.window_ms = 10;
+    o.rounds = 3;
+    o.use_process_cache = false;
+    const auto r = g1.tune(c.m, c.n, c.k, c.out, c.weights(), c.x.as<__nv_bfloat16>(), c.y1.ptr,
+                           0, acc, o);
+    std::printf("%s\n", r.to_string().c_str());
+    EXPECT_TRUE(r.sustained);
+    EXPECT_NE(r.to_string().find("sustained"), std::string::npos);
+    ASSERT_EQ(r.cand_desc.size(), size_t(r.candidates));
+    for (const std::string& d : r.cand_desc) EXPECT_EQ(d.rfind("id ", 0), 0u) << d;
+    if (r.candidates == 1) continue;  // nothing to time
+    ASSERT_TRUE(r.timed) << r.to_string();
+    ASSERT_EQ(r.cand_us.size(), size_t(r.candidates));
+    double best = 1e30;
+    for (size_t i = 0; i < r.cand_us.size(); ++i) {
+      std::printf("  #%zu %9.2f us  %s\n", i, r.cand_us[i], r.cand_desc[i].c_str());
+      if (r.cand_us[i] > 0) best = std::min(best, r.cand_us[i]);
+    }
+    EXPECT_EQ(r.ran, int(std::count_if(r.cand_us.begin(), r.cand_us.end(),
+                                       [](double t) { return t > 0; })));
+    EXPECT_DOUBLE_EQ(r.heuristic_us, r.cand_us[0]);
+    EXPECT_DOUBLE_EQ(r.chosen_us, r.cand_us[size_t(r.chosen)]);
+    if (r.chosen != 0) {
+      EXPECT_DOUBLE_EQ(r.chosen_us, best);
+      EXPECT_LE(best, r.heuristic_us * (1.0 - o.min_gain));
+    } else {  // kept: no candidate was min_gain faster
+      EXPECT_GT(best, r.heuristic_us * (1.0 - o.min_gain));
+    }
+  }
+  check_tuned(g0, g1, c, 32);
+  EXPECT_EQ(g1.late_plans(), 0);
+}
+
+// Not a test: with DS_GEMM_TUNE_PROBE=1, the 27B prompt shapes at m = 8192 (and 4096) are tuned
+// as the engine does at start-up (8 candidates, 3 short batches) and then in sustained windows
+// ($DS_GEMM_TUNE_PROBE_WINDOW ms, default 200; 3 rounds; $DS_GEMM_TUNE_PROBE_CANDIDATES, default
+// 16), printing every candidate's time both ways: do the rankings differ at the power cap?
+TEST(CudaGemmTune, SustainedProbe27b) {
+  DS_REQUIRE_GPU();
+  const char* probe = std::getenv("DS_GEMM_TUNE_PROBE");
+  if (probe == nullptr || std::string(probe) != "1") GTEST_SKIP() << "DS_GEMM_TUNE_PROBE=1 runs it";
+  EnvGuard env("DS_GEMM_TUNE", nullptr);
+  const char* we = std::getenv("DS_GEMM_TUNE_PROBE_WINDOW");
+  const char* ce = std::getenv("DS_GEMM_TUNE_PROBE_CANDIDATES");
+  const double window = we ? std::atof(we) : 200.0;
+  const int cands = ce ? std::atoi(ce) : 16;
+  struct S {
+    const char* name;
+    int n, k;
+    bool acc;
+  };
+  const std::vector<S> shapes = {{"gate_up", 34816, 5120, false}, {"down+=", 5120, 17408, true},
+                                 {"gdn_in", 16480, 5120, false},  {"gdn_out+=", 5120, 6144, true},
+                                 {"attn_qkv", 14336, 5120, false}, {"down", 5120, 17408, false}};
+  cuda::GemmEngine g;
+  uint64_t seed = 500;
+  for (int m : {8192, 4096}) {
+    for (const S& s : shapes) {
+      TuneCase c(m, s.n, s.k, cuda::GemmOut::kBF16, 1, seed++);
+      cuda::GemmTuneOptions cold;
+      cold.max_candidates = 8;
+      cold.max_weights = 1;
+      cold.batches = 3;
+      cold.use_process_cache = false;
+      const auto rc = g.tune(m, s.n, s.k, c.out, c.weights(), c.x.as<__nv_bfloat16>(), c.y1.ptr,
+                             0, s.acc, cold);
+      cuda::GemmTuneOptions hot = cold;
+      hot.max_candidates = cands;
+      hot.window_ms = window;
+      hot.rounds = 3;
+      const auto rh = g.tune(m, s.n, s.k, c.out, c.weights(), c.x.as<__nv_bfloat16>(), c.y1.ptr,
+                             0, s.acc, hot);
+      const double flop = 2.0 * m * s.n * s.k;
+      std::printf("PROBE %s m=%d: cold picks #%d (%s), sustained picks #%d (%s)\n", s.name, m,
+                  rc.chosen, rc.cand_desc.empty() ? "-" : rc.cand_desc[rc.chosen].c_str(),
+                  rh.chosen, rh.cand_desc.empty() ? "-" : rh.cand_desc[rh.chosen].c_str());
+      for (size_t i = 0; i < rh.cand_desc.size(); ++i) {
+        int cold_i = -1;
+        for (size_t j = 0; j < rc.cand_desc.size(); ++j)
+          if (rc.cand_desc[j] == rh.cand_desc[i]) cold_i = int(j);
+        const double tc = cold_i >= 0 && size_t(cold_i) < rc.cand_us.size() ? rc.cand_us[cold_i] : -1;
+        const double th = i < rh.cand_us.size() ? rh.cand_us[i] : -1;
+        std::printf("PROBE %s m=%d  #%2zu sustained %9.1f us %6.1f TFLOP/s | cold #%2d %9.1f us "
+                    "%6.1f TFLOP/s | %s\n",
+                    s.name, m, i, th, th > 0 ? flop / th * 1e-6 : 0.0, cold_i, tc,
+                    tc > 0 ? flop / tc * 1e-6 : 0.0, rh.cand_desc[i].c_str());
+      }
+      std::fflush(stdout);
+    }
+  }
 }
 
 TEST(CudaGemmTune, DisabledKeepsHeuristic) {
