@@ -263,9 +263,9 @@ std::map<TuneCacheKey, TuneCacheEntry> g_tune_cache;
 
 const char* out_name(GemmOut out) { return out == GemmOut::kBF16 ? "bf16" : "f32"; }
 
-// cuBLASLt's configuration of an algorithm as its raw enum values (cublasLt.h: cublasLtMatmulTile_t,
-// cublasLtMatmulStages_t, cublasLtClusterShape_t), e.g. "id 66 tile 23 stages 35 cluster 2 splitk
-// 1 swizzle 0 custom 0": enough to tell candidates apart in logs.
+// cuBLASLt's configuration of an algorithm as its raw enum values (cublasLt.h:
+// cublasLtMatmulTile_t, cublasLtMatmulStages_t, cublasLtClusterShape_t), e.g. "id 66 tile 23
+// stages 35 cluster 2 splitk 1 swizzle 0 custom 0": enough to tell candidates apart in logs.
 std::string algo_desc(const cublasLtMatmulAlgo_t& a) {
   int32_t id = -1, splitk = 0;
   uint32_t tile = 0, stages = 0, swizzle = 0, custom = 0;
@@ -284,8 +284,9 @@ std::string algo_desc(const cublasLtMatmulAlgo_t& a) {
   cublasLtMatmulAlgoConfigGetAttribute(&a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom,
                                        sizeof custom, &got);
   char buf[160];
-  std::snprintf(buf, sizeof buf, "id %d tile %u stages %u cluster %u splitk %d swizzle %u custom %u",
-                id, tile, stages, unsigned(cluster), splitk, swizzle, custom);
+  std::snprintf(buf, sizeof buf,
+                "id %d tile %u stages %u cluster %u splitk %d swizzle %u custom %u", id, tile,
+                stages, unsigned(cluster), splitk, swizzle, custom);
   return buf;
 }
 
@@ -431,7 +432,8 @@ GemmTuneResult GemmEngine::tune(int m, int n, int k, GemmOut out,
       EventSet est(2);
       bool ok = call_with(cands[0], 0) == CUBLAS_STATUS_SUCCESS;
       DS_CUDA_CHECK(cudaEventRecord(est.ev[0], stream));
-      for (int i = 0; i < 2 && ok; ++i) ok = call_with(cands[0], (i + 1) % n_w) == CUBLAS_STATUS_SUCCESS;
+      for (int i = 0; i < 2 && ok; ++i)
+        ok = call_with(cands[0], (i + 1) % n_w) == CUBLAS_STATUS_SUCCESS;
       DS_CUDA_CHECK(cudaEventRecord(est.ev[1], stream));
       DS_CUDA_CHECK(cudaStreamSynchronize(stream));
       DS_CUDA_CHECK(cudaGetLastError());
@@ -453,9 +455,14 @@ GemmTuneResult GemmEngine::tune(int m, int n, int k, GemmOut out,
           const int ci = (j + rd) % n_c;
           const TuneCandidate& c = cands[ci];
           bool cok = ran_ok[ci] != 0;
-          for (int i = 0; i < half && cok; ++i) cok = call_with(c, i % n_w) == CUBLAS_STATUS_SUCCESS;
+          auto calls = [&](bool ok_in) {  // `half` calls back to back, while they succeed
+            for (int i = 0; i < half && ok_in; ++i)
+              ok_in = call_with(c, i % n_w) == CUBLAS_STATUS_SUCCESS;
+            return ok_in;
+          };
+          cok = calls(cok);
           DS_CUDA_CHECK(cudaEventRecord(ev.ev[2 * (rd * n_c + ci)], stream));
-          for (int i = 0; i < half && cok; ++i) cok = call_with(c, i % n_w) == CUBLAS_STATUS_SUCCESS;
+          cok = calls(cok);
           DS_CUDA_CHECK(cudaEventRecord(ev.ev[2 * (rd * n_c + ci) + 1], stream));
           ran_ok[ci] = cok;
         }
@@ -472,38 +479,37 @@ GemmTuneResult GemmEngine::tune(int m, int n, int k, GemmOut out,
           t[rd] = 1e3 * ms / half;
         }
         std::sort(t.begin(), t.end());
-        per_call[ci] = n_rounds % 2 ? t[n_rounds / 2] : 0.5 * (t[n_rounds / 2 - 1] + t[n_rounds / 2]);
+        per_call[ci] =
+            n_rounds % 2 ? t[n_rounds / 2] : 0.5 * (t[n_rounds / 2 - 1] + t[n_rounds / 2]);
         ++r.ran;
       }
-    }
-    EventSet ev(n_batches + 1);
-    for (size_t ci = 0; ci < cands.size() && !sustained; ++ci) {
-      const TuneCandidate& c = cands[ci];
-      auto call = [&](int wi) {
-        return cublasLtMatmul(h, p.desc, &alpha, weights[wi], p.a, x, p.b, &beta, y, p.c, y, p.c,
-                              &c.algo, workspace_, workspace_bytes_, stream);
-      };
-      spin_kernel<<<1, 1, 0, stream>>>(50000);
-      DS_CUDA_LAUNCH_CHECK();
-      bool ok = true;
-      for (int wi = 0; wi < n_w && ok; ++wi) ok = call(wi) == CUBLAS_STATUS_SUCCESS;  // warm-up
-      for (int b = 0; b < n_batches && ok; ++b) {
-        DS_CUDA_CHECK(cudaEventRecord(ev.ev[b], stream));
-        for (int wi = 0; wi < n_w && ok; ++wi) ok = call(wi) == CUBLAS_STATUS_SUCCESS;
+    } else {
+      EventSet ev(n_batches + 1);
+      for (size_t ci = 0; ci < cands.size(); ++ci) {
+        const TuneCandidate& c = cands[ci];
+        auto call = [&](int wi) { return call_with(c, wi); };
+        spin_kernel<<<1, 1, 0, stream>>>(50000);
+        DS_CUDA_LAUNCH_CHECK();
+        bool ok = true;
+        for (int wi = 0; wi < n_w && ok; ++wi) ok = call(wi) == CUBLAS_STATUS_SUCCESS;  // warm-up
+        for (int b = 0; b < n_batches && ok; ++b) {
+          DS_CUDA_CHECK(cudaEventRecord(ev.ev[b], stream));
+          for (int wi = 0; wi < n_w && ok; ++wi) ok = call(wi) == CUBLAS_STATUS_SUCCESS;
+        }
+        if (ok) DS_CUDA_CHECK(cudaEventRecord(ev.ev[n_batches], stream));
+        DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+        DS_CUDA_CHECK(cudaGetLastError());
+        if (!ok) continue;
+        std::vector<double> t(n_batches);
+        for (int b = 0; b < n_batches; ++b) {
+          float ms = 0;
+          DS_CUDA_CHECK(cudaEventElapsedTime(&ms, ev.ev[b], ev.ev[b + 1]));
+          t[b] = 1e3 * ms / n_w;
+        }
+        std::nth_element(t.begin(), t.begin() + n_batches / 2, t.end());
+        per_call[ci] = t[n_batches / 2];
+        ++r.ran;
       }
-      if (ok) DS_CUDA_CHECK(cudaEventRecord(ev.ev[n_batches], stream));
-      DS_CUDA_CHECK(cudaStreamSynchronize(stream));
-      DS_CUDA_CHECK(cudaGetLastError());
-      if (!ok) continue;
-      std::vector<double> t(n_batches);
-      for (int b = 0; b < n_batches; ++b) {
-        float ms = 0;
-        DS_CUDA_CHECK(cudaEventElapsedTime(&ms, ev.ev[b], ev.ev[b + 1]));
-        t[b] = 1e3 * ms / n_w;
-      }
-      std::nth_element(t.begin(), t.begin() + n_batches / 2, t.end());
-      per_call[ci] = t[n_batches / 2];
-      ++r.ran;
     }
   } catch (const std::exception& e) {
     cudaStreamSynchronize(stream);

@@ -71,8 +71,9 @@ struct GemmTuneResult {
   bool cached = false;            // taken from the process cache (the times are that tune's)
   double tune_ms = 0;             // host wall time of this tune() call
   bool sustained = false;         // timed in windows (GemmTuneOptions::window_ms)
-  std::vector<double> cand_us;    // per candidate (index as chosen), -1 when it did not run
-  std::vector<std::string> cand_desc;  // each candidate's cuBLASLt configuration, e.g. "tile 128x256"
+  std::vector<double> cand_us;    // per candidate (index as chosen), -1 when it did not run;
+                                  // filled only when timed
+  std::vector<std::string> cand_desc;  // each candidate's cuBLASLt configuration (algo_desc)
   std::string note;               // why nothing was timed, or a failure message
   std::string to_string() const;  // one line
 };

@@ -341,7 +341,8 @@ TEST(CudaGemmTune, SustainedProbe27b) {
         int cold_i = -1;
         for (size_t j = 0; j < rc.cand_desc.size(); ++j)
           if (rc.cand_desc[j] == rh.cand_desc[i]) cold_i = int(j);
-        const double tc = cold_i >= 0 && size_t(cold_i) < rc.cand_us.size() ? rc.cand_us[cold_i] : -1;
+        const double tc =
+            cold_i >= 0 && size_t(cold_i) < rc.cand_us.size() ? rc.cand_us[cold_i] : -1;
         const double th = i < rh.cand_us.size() ? rh.cand_us[i] : -1;
         std::printf("PROBE %s m=%d  #%2zu sustained %9.1f us %6.1f TFLOP/s | cold #%2d %9.1f us "
                     "%6.1f TFLOP/s | %s\n",
