@@ -247,6 +247,8 @@ void launch_attention_prefill(const AttnShape& s, const AttnBatch& b, const bf16
     static constexpr std::pair<std::string_view, AttnMmaKernel> kMmaVariants[] = {
         {"wgmma_ws", AttnMmaKernel::kWgmmaWs},
         {"wgmma_ws3", AttnMmaKernel::kWgmmaWs3},
+        {"wgmma_ws_lean", AttnMmaKernel::kWgmmaWsLean},
+        {"wgmma_ws3_lean", AttnMmaKernel::kWgmmaWs3Lean},
         {"wgmma_m128", AttnMmaKernel::kWgmmaM128}};
     for (const auto& [name, kernel] : kMmaVariants) {
       if (v.name == name)

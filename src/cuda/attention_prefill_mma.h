@@ -34,8 +34,12 @@ AttnCacheTmaView attention_prefill_tma_view(const AttnShape& s);
 // The kernels of this file, one per attn_prefill variant of dispatch.cpp: Hopper wgmma (sm_90a, 2
 // warpgroups x 64 rows) fed by cp.async (kWgmmaM128), and warp-specialised (a TMA producer warp
 // feeding two wgmma consumer warpgroups through 2 K and 2 V stages, kWgmmaWs, or 3 K and 2 V
-// stages, kWgmmaWs3; both start the heaviest row tiles of every kv head first).
-enum class AttnMmaKernel { kWgmmaM128, kWgmmaWs, kWgmmaWs3 };
+// stages, kWgmmaWs3; both start the heaviest row tiles of every kv head first). The Lean forms
+// are the same kernels with less softmax work per tile and the same bits: O's rescale skipped on
+// a tile where no row of a warp raised its max (alpha exactly 1), and the tiles before the first
+// query in a loop compiled without the causal mask; registered after wgmma_ws, so not picked by
+// default until measured.
+enum class AttnMmaKernel { kWgmmaM128, kWgmmaWs, kWgmmaWs3, kWgmmaWsLean, kWgmmaWs3Lean };
 
 // Same contract as launch_attention_prefill, run by `kernel`.
 void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, const AttnBatch& b,

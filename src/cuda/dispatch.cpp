@@ -214,8 +214,8 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // 8K-32K cached tokens) and against the mma.sync kernel by 1.3-1.5x on 4-21-token chunks;
   // wgmma_ws3 (3 K stages) is -3% to +13% against wgmma_ws from 512-token chunks against >= 8K
   // keys (16K causal: 558-631 vs 535-603 TFLOP/s), 1-7% slower on chunks without a cache.
-  // wgmma_m128 runs when the TMA kernels are switched off
-  // (DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws).
+  // wgmma_m128 runs when the TMA kernels are switched off (DS_DISABLE_KERNELS=attn_prefill.
+  // wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean).
   r.add({F::kAttnPrefill, "wgmma_ws3",
          "hd 256, >= 512-token chunks against >= 8K keys: wgmma_ws with 3 K stages (227 KiB of "
          "shared memory)",
@@ -227,6 +227,21 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          "hd 256, 128 rows x 64 keys per block, warp-specialised: a TMA producer warp fills "
          "2-stage K and V rings (mbarriers), two wgmma consumer warpgroups (setmaxnreg 240) "
          "overlap S(j) with P(j-1) V(j-1) and the softmax; bit-identical to wgmma_m128",
+         [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
+  // The lean forms of wgmma_ws3 / wgmma_ws (session 22, not yet measured): O rescaled only on
+  // tiles where a row of the warp raised its running max, and no mask code on the tiles before
+  // the first query; bit-identical outputs. After wgmma_ws, so never picked while it is on;
+  // bench kernels times them beside the picked kernel.
+  r.add({F::kAttnPrefill, "wgmma_ws3_lean",
+         "wgmma_ws3 with O rescaled only when a row of the warp raised its max and no mask code "
+         "before the diagonal (same bits)",
+         [](const ShapeKey& k) {
+           return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1 && k.dims[2] >= 512 &&
+                  k.dims[3] >= 8192;
+         }});
+  r.add({F::kAttnPrefill, "wgmma_ws_lean",
+         "wgmma_ws with O rescaled only when a row of the warp raised its max and no mask code "
+         "before the diagonal (same bits)",
          [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
   r.add({F::kAttnPrefill, "wgmma_m128",
          "hd 256, 128 rows x 64 keys per block, Hopper wgmma (Q K^T smem x smem, P V regs x smem), "

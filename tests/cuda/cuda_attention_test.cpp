@@ -303,7 +303,7 @@ void check_mma_variants(const Fixture& f, const std::string& what, bool with_gen
   std::vector<bf> generic;
   if (with_generic) generic = run_prefill(f, (what + " [generic]").c_str());
   std::vector<bf> wgmma_m128;
-  for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3"}) {
+  for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3", "wgmma_ws_lean", "wgmma_ws3_lean"}) {
     if (device_sm() != 90) continue;  // sm_90a only
     const cuda::DispatchRegistry reg = registry_for(v);
     const auto got = run_prefill(f, (what + " [" + v + "]").c_str(), &reg);
@@ -405,7 +405,7 @@ TEST(CudaAttentionMma, SecondDevice) {
     const std::string on = " on device " + std::to_string(dev);
     outs[dev].push_back(run_prefill(f, ("generic" + on).c_str()));
     if (device_sm() != 90) continue;
-    for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3"}) {
+    for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3", "wgmma_ws_lean", "wgmma_ws3_lean"}) {
       const cuda::DispatchRegistry reg = registry_for(v);
       outs[dev].push_back(run_prefill(f, (v + on).c_str(), &reg));
     }
@@ -482,9 +482,22 @@ TEST(CudaAttentionMma, DefaultDispatch) {
   EXPECT_EQ(pick(22, 8192), "wgmma_ws");
   EXPECT_EQ(pick(21, 8192), "wgmma_ws");
   EXPECT_EQ(pick(1, 100), "wgmma_ws");
-  // Without the TMA kernels (DS_DISABLE_KERNELS): wgmma_m128 for every hd-256 shape.
-  const auto old =
+  // The lean forms are never the default pick; with wgmma_ws3 / wgmma_ws switched off
+  // they take the same shapes (how a whole prompt is A/B-timed with them).
+  const auto lean =
       cuda::DispatchRegistry::with_defaults(90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws");
+  const auto pick_lean = [&](int q, int kv) {
+    return lean.select(cuda::KernelFamily::kAttnPrefill, lean.key(256, 6, q, kv)).name;
+  };
+  EXPECT_EQ(pick_lean(4096, 4096), "wgmma_ws_lean");
+  EXPECT_EQ(pick_lean(16384, 16384), "wgmma_ws3_lean");
+  EXPECT_EQ(pick_lean(512, 33280), "wgmma_ws3_lean");
+  EXPECT_EQ(pick_lean(511, 33279), "wgmma_ws_lean");
+  EXPECT_EQ(pick_lean(21, 8192), "wgmma_ws_lean");
+  // Without the TMA kernels (DS_DISABLE_KERNELS): wgmma_m128 for every hd-256 shape.
+  const auto old = cuda::DispatchRegistry::with_defaults(
+      90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
+          "attn_prefill.wgmma_ws_lean");
   const auto pick_old = [&](int q, int kv) {
     return old.select(cuda::KernelFamily::kAttnPrefill, old.key(256, 6, q, kv)).name;
   };
