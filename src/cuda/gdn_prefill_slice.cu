@@ -57,6 +57,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "cuda/cuda_common.h"
 #include "cuda/gdn_chunk.cuh"
@@ -364,6 +365,16 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
 // on the H200 y, states, snapshots and V_new come out bit-identical (wgmma sums as mma.sync does).
 // H200, 4096 tokens (session 18, docs/perf/gdn_prefill.md): the pass alone 121.6 us vs 150.7
 // (lean); with the output beside it 232.0 vs 250.1; whole layer 0.399 vs 0.423 ms.
+// kTight ($DS_GDN_STATE=tight; session 22, built without a device, not yet measured): the same
+// operations on the same values with fewer instructions on the chain. The chain is one warp per
+// scheduler, issue-bound, so its time follows its instruction count. Per full chunk (SASS,
+// tools/sass.py): 307 instead of 472 instructions from S's completion to the update's issue, 316
+// instead of 299 while S runs. (1) The tile pointers keep their shared address space
+// (align_1024_shared), so gamma is read by ld.shared instead of generic loads. (2) The decay factors
+// are formed before S is issued; the compiler had put the exps after S's wait. (3) U - S is rounded
+// two values at a time (one cvt.rn.bf16x2 = the two scalar conversions' bits, not 2 cvt + 2 prmt).
+// (4) A full chunk, the uniform case, skips the per-row test. h's decay stays after S: multiplying
+// h while S is in flight makes ptxas inject a wgmma wait there (C7517).
 struct WgCfg {
   static constexpr int kThreads = 128;
   static constexpr int kStages = 2;  // 3 ran the pass alone no faster (121.6 us) and left no room
@@ -390,7 +401,7 @@ struct GdnWgMaps {
   CUtensorMap snap;  // h_snap [max_chunks * n_v * 128 rows, 128] bf16, box [16, 64], swizzled
 };
 
-template <bool kSignal>
+template <bool kSignal, bool kTight>
 __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     gdn_state_wg_kernel(GdnShape s, GdnStatePool pool,
                         const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
@@ -409,7 +420,9 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
   const int v_cta = blockIdx.z * L::kVs;
   const int n_v = s.n_v_heads, hk = hv / (n_v / s.n_k_heads);
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = align_1024(smem_raw);  // swizzle atoms
+  // swizzle atoms; kTight: aligned by pointer arithmetic, so the compiler still sees shared
+  // memory behind every tile pointer (ld.shared for gamma instead of generic loads)
+  unsigned char* smem = kTight ? align_1024_shared(smem_raw) : align_1024(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int v_loc = 16 * warp;
@@ -480,6 +493,17 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     const float* gam = reinterpret_cast<const float*>(st + L::kGam);
     const int hq = hv & 3;
     const float g_last = gam[(n - 1) * 4 + hq];
+    // The decay factors e^(gamma_last - gamma_t) of V_new's rows. kTight: here, before S is
+    // issued, so that they are ready when S completes (the compiler had placed them after it).
+    float gc[8][2];
+    if constexpr (kTight) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          gc[j][e] = __expf(g_last - gam[min(8 * j + 2 * c + e, n - 1) * 4 + hq]);
+      }
+    }
 
     // ---- h^T as bf16 A fragments (also the snapshot h_c); S = h^T W^T.
     uint32_t ha[8][4];
@@ -522,13 +546,15 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
       tma_store_2d(&maps.snap, 64, snap_row, reinterpret_cast<unsigned char*>(snap_w) + 2048);
       tma_commit();
     }
-    float gc[8][2];
+    if constexpr (!kTight) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        gc[j][e] = __expf(g_last - gam[min(8 * j + 2 * c + e, n - 1) * 4 + hq]);
+        for (int e = 0; e < 2; ++e)
+          gc[j][e] = __expf(g_last - gam[min(8 * j + 2 * c + e, n - 1) * 4 + hq]);
+      }
     }
+    const float decay = __expf(g_last);
     wgmma_wait<0>();
     fence_regs(sacc);
 
@@ -537,7 +563,9 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     if (lane == 0) tma_wait_read<1>();
     __syncwarp();
     uint32_t vsa[4][4];
-    {
+    // kTight: U - S packed to bf16 two at a time (one cvt.rn.bf16x2, the same rounding as two
+    // scalar conversions), and a full chunk (the uniform case) without the per-element row test.
+    auto v_new = [&](auto full) {
       float vs[8][4];
       const int m = lane >> 3, r = lane & 7;
 #pragma unroll
@@ -552,23 +580,35 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
         for (int qq = 0; qq < 4; ++qq) {
           const int j = 2 * jp + (qq >> 1), i0 = 2 * (qq & 1);
           const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(&ur[qq]);
-          const bf16 x0 = __float2bfloat16(__low2float(u2) - sacc[4 * j + i0]);
-          const bf16 x1 = __float2bfloat16(__high2float(u2) - sacc[4 * j + i0 + 1]);
           const int t0 = 8 * j + 2 * c;
-          vs[j][i0] = t0 < n ? __bfloat162float(x0) * gc[j][0] : 0.f;
-          vs[j][i0 + 1] = t0 + 1 < n ? __bfloat162float(x1) * gc[j][1] : 0.f;
-          __nv_bfloat162 x2;
-          x2.x = x0;
-          x2.y = x1;
-          ur[qq] = *reinterpret_cast<const uint32_t*>(&x2);
+          if constexpr (kTight) {
+            const uint32_t x2 = pack_bf16(__low2float(u2) - sacc[4 * j + i0],
+                                          __high2float(u2) - sacc[4 * j + i0 + 1]);
+            const float x0 = __uint_as_float(x2 << 16), x1 = __uint_as_float(x2 & 0xffff0000u);
+            vs[j][i0] = decltype(full)::value || t0 < n ? x0 * gc[j][0] : 0.f;
+            vs[j][i0 + 1] = decltype(full)::value || t0 + 1 < n ? x1 * gc[j][1] : 0.f;
+            ur[qq] = x2;
+          } else {
+            const bf16 x0 = __float2bfloat16(__low2float(u2) - sacc[4 * j + i0]);
+            const bf16 x1 = __float2bfloat16(__high2float(u2) - sacc[4 * j + i0 + 1]);
+            vs[j][i0] = t0 < n ? __bfloat162float(x0) * gc[j][0] : 0.f;
+            vs[j][i0 + 1] = t0 + 1 < n ? __bfloat162float(x1) * gc[j][1] : 0.f;
+            __nv_bfloat162 x2;
+            x2.x = x0;
+            x2.y = x1;
+            ur[qq] = *reinterpret_cast<const uint32_t*>(&x2);
+          }
         }
         stsm_x4_t(vout_w + t * 16 + 8 * (m & 1), ur);
       }
       gdn_tile::acc_to_a<8>(vs, vsa);
-    }
+    };
+    if (kTight && n == kC)
+      v_new(std::true_type{});
+    else
+      v_new(std::false_type{});
 
     // ---- h^T <- e^(gamma_last) h^T + Vs^T K.
-    const float decay = __expf(g_last);
 #pragma unroll
     for (int i = 0; i < 64; ++i) h[i] *= decay;
     fence_regs(h);
@@ -1193,8 +1233,28 @@ void launch_state(K kernel, size_t smem, int threads, int n_slices, const GdnSha
 }  // namespace
 
 namespace {
-std::atomic<int> g_out_form{-1};  // -1: not read yet
+std::atomic<int> g_out_form{-1};    // -1: not read yet
+std::atomic<int> g_state_form{-1};  // -1: not read yet
 }  // namespace
+
+GdnStateForm parse_gdn_state_form(const char* value) {
+  const std::string v = value ? value : "";
+  DS_CHECK(v.empty() || v == "wg" || v == "tight",
+           "$DS_GDN_STATE must be wg or tight (got '", v, "')");
+  return v == "tight" ? GdnStateForm::kTight : GdnStateForm::kWg;
+}
+
+GdnStateForm gdn_state_form() {
+  int f = g_state_form.load(std::memory_order_relaxed);
+  if (f < 0) {
+    f = static_cast<int>(parse_gdn_state_form(std::getenv("DS_GDN_STATE")));
+    int expected = -1;
+    if (!g_state_form.compare_exchange_strong(expected, f)) f = expected;
+  }
+  return static_cast<GdnStateForm>(f);
+}
+
+void set_gdn_state_form(GdnStateForm form) { g_state_form.store(static_cast<int>(form)); }
 
 GdnOutForm parse_gdn_out_form(const char* value) {
   const std::string v = value ? value : "";
@@ -1284,10 +1344,16 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
               s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, u_mat, ready, wg_maps);
           DS_CUDA_LAUNCH_CHECK();
         };
-        if (overlap)
-          go(gdn_state_wg_kernel<true>);
-        else
-          go(gdn_state_wg_kernel<false>);
+        if (gdn_state_form() == GdnStateForm::kTight) {
+          if (overlap)
+            go(gdn_state_wg_kernel<true, true>);
+          else
+            go(gdn_state_wg_kernel<false, true>);
+        } else if (overlap) {
+          go(gdn_state_wg_kernel<true, false>);
+        } else {
+          go(gdn_state_wg_kernel<false, false>);
+        }
         break;
       }
     }

@@ -142,6 +142,15 @@ enum class GdnOutForm { kWgmma, kTma, kCpAsync };
 GdnOutForm gdn_out_form();
 GdnOutForm parse_gdn_out_form(const char* value);  // null / "" = kWgmma; throws on a bad value
 void set_gdn_out_form(GdnOutForm form);
+// The wgmma state pass's chunk step (kWgmma): kWg (default) as measured; kTight the same
+// operations with fewer instructions between S's completion and the update's issue (h's decay
+// while S runs, U - S packed to bf16 pairs, full chunks without the per-row test), bit-identical
+// by construction, not yet measured (session 22). $DS_GDN_STATE = wg / tight, read at the first
+// call (anything else throws); set_gdn_state_form overrides it (tests).
+enum class GdnStateForm { kWg, kTight };
+GdnStateForm gdn_state_form();
+GdnStateForm parse_gdn_state_form(const char* value);  // null / "" = kWg; throws on a bad value
+void set_gdn_state_form(GdnStateForm form);
 // Whether kWgmma can run: d_k = d_v = 128, n_v_heads % 4 == 0 (gamma's [64, 4] box), gamma 16-byte
 // aligned, n_tokens > 0 and fewer than 2^31 snapshot rows.
 bool gdn_slice_wg_supported(const GdnShape& s, int n_tokens, int max_chunks, const float* gamma);

@@ -16,6 +16,14 @@ __device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {
   return reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(p) + 1023) &
                                           ~uintptr_t(1023));
 }
+// The same for a pointer into dynamic shared memory, by pointer arithmetic: the compiler keeps
+// knowing the result points to shared memory (align_1024's integer round trip loses that, so every
+// access through it is a generic load / store). The shared window is aligned far beyond 1 KiB, so
+// both give the same byte.
+__device__ __forceinline__ unsigned char* align_1024_shared(unsigned char* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return p + ((1024u - (a & 1023u)) & 1023u);
+}
 
 // Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "Matrix Descriptor Format").
 __device__ __forceinline__ uint64_t gmma_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {

@@ -567,16 +567,21 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
     EXPECT_EQ(nan_y, 0u) << "slice_scan_cs left output rows unwritten";
     // slice_scan_wg with each of its output kernels (GdnOutForm; the default restored after).
     const GdnOutForm form0 = gdn_out_form();
+    const GdnStateForm state_form0 = gdn_state_form();
     const struct {
       const char* name;
       const DispatchRegistry* reg;
       GdnOutForm form;
+      GdnStateForm state_form = GdnStateForm::kWg;
     } arms[] = {{"slice_scan_ov", reg_ov.get(), form0},
                 {"slice_scan_wg (wgmma output)", reg_wg.get(), GdnOutForm::kWgmma},
                 {"slice_scan_wg (TMA mma.sync output)", reg_wg.get(), GdnOutForm::kTma},
-                {"slice_scan_wg (cp.async output)", reg_wg.get(), GdnOutForm::kCpAsync}};
-    for (const auto& [name, reg, form] : arms) {
+                {"slice_scan_wg (cp.async output)", reg_wg.get(), GdnOutForm::kCpAsync},
+                {"slice_scan_wg (tight state pass)", reg_wg.get(), GdnOutForm::kWgmma,
+                 GdnStateForm::kTight}};
+    for (const auto& [name, reg, form, state_form] : arms) {
       set_gdn_out_form(form);
+      set_gdn_state_form(state_form);
       const auto* expect = &ref;
       for (int rep = 0; rep < 3; ++rep) {  // poisoned workspace, then the last launch's flags
         const auto got = run(reg, nullptr, rep == 0);
@@ -608,6 +613,7 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
       CK(cudaStreamDestroy(st));
     }
     set_gdn_out_form(form0);
+    set_gdn_state_form(state_form0);
   }
 }
 
@@ -690,6 +696,29 @@ TEST(CudaGdn, OutFormSwitch) {
   EXPECT_EQ(gdn_out_form(), GdnOutForm::kCpAsync);
   set_gdn_out_form(form0);
   EXPECT_EQ(gdn_out_form(), form0);
+}
+
+// $DS_GDN_STATE's values (host only): unset / empty / wg = the measured chunk step, tight the
+// shorter one, anything else a ds::Error naming the variable and the value.
+TEST(CudaGdn, StateFormSwitch) {
+  EXPECT_EQ(parse_gdn_state_form(nullptr), GdnStateForm::kWg);
+  EXPECT_EQ(parse_gdn_state_form(""), GdnStateForm::kWg);
+  EXPECT_EQ(parse_gdn_state_form("wg"), GdnStateForm::kWg);
+  EXPECT_EQ(parse_gdn_state_form("tight"), GdnStateForm::kTight);
+  for (const char* bad : {"1", "Tight", "tight ", "wgmma"}) {
+    try {
+      parse_gdn_state_form(bad);
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const ds::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("DS_GDN_STATE"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    }
+  }
+  const GdnStateForm form0 = gdn_state_form();
+  set_gdn_state_form(GdnStateForm::kTight);
+  EXPECT_EQ(gdn_state_form(), GdnStateForm::kTight);
+  set_gdn_state_form(form0);
+  EXPECT_EQ(gdn_state_form(), form0);
 }
 
 TEST(CudaGdn, PrefillWorkspaceTooSmallIsAnError) {
@@ -1267,6 +1296,7 @@ TEST(CudaGdn, PrefillStageTiming) {
       {GdnSliceState::kV64, "slice state pass, 64-column slices"},
       {GdnSliceState::kV64Lean, "slice state pass, 64 columns, lean"},
       {GdnSliceState::kWgmma, "slice state pass, 64 columns, wgmma"}};
+  const GdnStateForm state_form0 = gdn_state_form();
   for (const auto& [st, name] : states) {
     stage(name, [&] {
       launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
@@ -1274,6 +1304,13 @@ TEST(CudaGdn, PrefillStageTiming) {
                             /*stages=*/1, nullptr, T);
     });
   }
+  set_gdn_state_form(GdnStateForm::kTight);
+  stage("slice state pass, 64 columns, wgmma, tight", [&] {
+    launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
+                          max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, GdnSliceState::kWgmma,
+                          4, nullptr, /*stages=*/1, nullptr, T);
+  });
+  set_gdn_state_form(GdnStateForm::kWg);
   for (int warps : {4, 8}) {
     stage(warps == 4 ? "slice output + gated norm, 4 warps" : "slice output + gated norm, 8 warps",
           [&] {
@@ -1317,20 +1354,25 @@ TEST(CudaGdn, PrefillStageTiming) {
     GdnSliceState state;
     GdnOutForm form;
     const char* name;
+    GdnStateForm state_form = GdnStateForm::kWg;
   } ov_arms[] = {
       {GdnSliceState::kV64, form0, "slice state pass + output, overlapped"},
       {GdnSliceState::kV64Lean, form0, "slice state pass (lean) + output, overlapped"},
       {GdnSliceState::kWgmma, GdnOutForm::kCpAsync, "wgmma state + cp.async output, overlapped"},
       {GdnSliceState::kWgmma, GdnOutForm::kTma, "wgmma state + TMA output, overlapped"},
-      {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "wgmma state + wgmma output, overlapped"}};
-  for (const auto& [state, form, name] : ov_arms) {
+      {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "wgmma state + wgmma output, overlapped"},
+      {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "tight wgmma state + wgmma output, overl.",
+       GdnStateForm::kTight}};
+  for (const auto& [state, form, name, state_form] : ov_arms) {
     set_gdn_out_form(form);
+    set_gdn_state_form(state_form);
     const double t_ov = stage_on(st, name, overlapped(state));
     std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = the same less the clear",
                 (t_ov - t_clear) * 1e3);
   }
   // The output kernels alone (the state pass run first, its flags left complete).
   set_gdn_out_form(form0);
+  set_gdn_state_form(state_form0);
   overlapped(GdnSliceState::kWgmma)(st);
   for (GdnOutForm form : {GdnOutForm::kCpAsync, GdnOutForm::kTma, GdnOutForm::kWgmma}) {
     set_gdn_out_form(form);
