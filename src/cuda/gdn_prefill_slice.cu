@@ -366,15 +366,22 @@ __global__ void __launch_bounds__(SliceCfg<NW, STAGES>::kThreads)
 // H200, 4096 tokens (session 18, docs/perf/gdn_prefill.md): the pass alone 121.6 us vs 150.7
 // (lean); with the output beside it 232.0 vs 250.1; whole layer 0.399 vs 0.423 ms.
 // kTight ($DS_GDN_STATE=tight; session 22, built without a device, not yet measured): the same
-// operations on the same values with fewer instructions on the chain. The chain is one warp per
-// scheduler, issue-bound, so its time follows its instruction count. Per full chunk (SASS,
-// tools/sass.py): 307 instead of 472 instructions from S's completion to the update's issue, 316
-// instead of 299 while S runs. (1) The tile pointers keep their shared address space
-// (align_1024_shared), so gamma is read by ld.shared instead of generic loads. (2) The decay factors
-// are formed before S is issued; the compiler had put the exps after S's wait. (3) U - S is rounded
-// two values at a time (one cvt.rn.bf16x2 = the two scalar conversions' bits, not 2 cvt + 2 prmt).
-// (4) A full chunk, the uniform case, skips the per-row test. h's decay stays after S: multiplying
-// h while S is in flight makes ptxas inject a wgmma wait there (C7517).
+// operations on the same values, with fewer instructions on the chain and more of them under the
+// two products. The chain is one warp per scheduler and issue-bound. SASS per full chunk
+// (tools/sass.py; a warp with lane-0 work), shipped -> tight:
+//   top to S's issue 117 -> 62; under S 217 -> 134; S's completion to the update's issue 486 ->
+//   333; under the update 24 -> 267. In all, 844 -> 796.
+// The changes:
+//   (1) The tile pointers keep their shared address space (align_1024_shared), so gamma is read
+//       by ld.shared instead of generic loads.
+//   (2) The next chunk's full-barrier wait, its decay factors and the publication of chunk ch - 1
+//       run while chunk ch's update is on the tensor cores; the shipped form runs them at the top
+//       of the chunk and right after S's wait.
+//   (3) U - S is rounded two values at a time: one cvt.rn.bf16x2 gives the two scalar
+//       conversions' bits, without their 2 cvt + 2 prmt.
+//   (4) A full chunk, the uniform case, skips the per-row test.
+// h's decay stays after S: multiplying h while S is in flight makes ptxas inject a wgmma wait
+// there (C7517).
 struct WgCfg {
   static constexpr int kThreads = 128;
   static constexpr int kStages = 2;  // 3 ran the pass alone no faster (121.6 us) and left no room
@@ -467,13 +474,30 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
   bf16* snap_w = reinterpret_cast<bf16*>(smem + L::kSnap + warp * 4096);  // two [16, 64] boxes
   bf16* vout_w = reinterpret_cast<bf16*>(smem + L::kVout + warp * 2048);  // [64 t][16 v]
   int* ready_h = ready + hv;  // ready[chunk * n_v + hv]: one count per consumer warp and slice
+  // kTight: chunk cx's tiles waited for and its decay factors formed one chunk ahead, while the
+  // previous chunk's update runs (loop-carried g_last and gc; the shipped form does both at the
+  // top of each chunk, on the chain).
+  float g_last_t = 0.f, gc_t[8][2];
+  auto prologue = [&](int cx) {
+    const int nx = min(kC, len - cx * kC), hx = hv & 3;
+    mbar_wait(&full[cx % STAGES], uint32_t(cx / STAGES) & 1u);
+    const float* gx = reinterpret_cast<const float*>(stage(cx % STAGES) + L::kGam);
+    g_last_t = gx[(nx - 1) * 4 + hx];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        gc_t[j][e] = __expf(g_last_t - gx[min(8 * j + 2 * c + e, nx - 1) * 4 + hx]);
+    }
+  };
+  if constexpr (kTight) prologue(0);
 
   for (int ch = 0; ch < n_chunks; ++ch) {
     const int b = ch % STAGES;
     const int row0 = start + ch * kC;
     const int n = min(kC, len - ch * kC);
     unsigned char* st = stage(b);
-    mbar_wait(&full[b], uint32_t(ch / STAGES) & 1u);
+    if constexpr (!kTight) mbar_wait(&full[b], uint32_t(ch / STAGES) & 1u);
     if (n < kC) {  // a partial chunk: K rows past the sequence to zeros (wgmma reads them)
       for (int e = tid; e < (kC - n) * 16; e += 128) {
         const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
@@ -483,8 +507,8 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
       fence_proxy_async();
       named_barrier_sync(1, 128);  // the four consumer warps
     }
-    if (kSignal && ch >= 2 && lane == 0) {  // this warp's stores of chunk ch - 2 are complete:
-      tma_wait<2>();                        // publish them
+    if (kSignal && !kTight && ch >= 2 && lane == 0) {  // this warp's stores of chunk ch - 2 are
+      tma_wait<2>();                                   // complete: publish them
       asm volatile("fence.proxy.async.global;" ::: "memory");
       signal_ready(ready_h + (chunk0 + ch - 2) * n_v);
     }
@@ -492,22 +516,34 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     const bf16* u_s = reinterpret_cast<const bf16*>(st + L::kU);
     const float* gam = reinterpret_cast<const float*>(st + L::kGam);
     const int hq = hv & 3;
-    const float g_last = gam[(n - 1) * 4 + hq];
-    // The decay factors e^(gamma_last - gamma_t) of V_new's rows. kTight: here, before S is
-    // issued, so that they are ready when S completes (the compiler had placed them after it).
-    float gc[8][2];
-    if constexpr (kTight) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          gc[j][e] = __expf(g_last - gam[min(8 * j + 2 * c + e, n - 1) * 4 + hq]);
-      }
-    }
+    const float g_last = kTight ? g_last_t : gam[(n - 1) * 4 + hq];
+    float gc[8][2];  // e^(gamma_last - gamma_t) of V_new's rows
 
     // ---- h^T as bf16 A fragments (also the snapshot h_c); S = h^T W^T.
     uint32_t ha[8][4];
     gdn_tile::acc_to_a<16>(reinterpret_cast<const float(&)[16][4]>(h), ha);
+    // The snapshot h_c into this warp's staging boxes (once the previous chunk's snapshot group
+    // has read them: bulk groups per chunk [snapshot, V_new]), stored by lane 0 as one group.
+    auto snapshot = [&](const uint32_t (&frag)[8][4]) {
+      if (lane == 0) tma_wait_read<1>();
+      __syncwarp();
+#pragma unroll
+      for (int sk = 0; sk < 8; ++sk) {
+        const int row = (lane & 7) + 8 * ((lane >> 3) & 1), q = 2 * sk + (lane >> 4);
+        stsm_x4(reinterpret_cast<bf16*>(reinterpret_cast<unsigned char*>(snap_w) +
+                                        (q >> 3) * 2048 + row * 128 +
+                                        (((q & 7) ^ (row & 7)) << 4)),
+                frag[sk]);
+      }
+      fence_proxy_async();
+      __syncwarp();
+      if (lane == 0) {
+        const int snap_row = static_cast<int>(((chunk0 + ch) * n_v + hv) * kD + v_base);
+        tma_store_2d(&maps.snap, 0, snap_row, snap_w);
+        tma_store_2d(&maps.snap, 64, snap_row, reinterpret_cast<unsigned char*>(snap_w) + 2048);
+        tma_commit();
+      }
+    };
     float sacc[32];
     wgmma_fence();
 #pragma unroll
@@ -523,36 +559,26 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     if (tid == 0 && ch + STAGES - 1 < n_chunks) fetch(ch + STAGES - 1);
     // The snapshot is packed again from h (bit-identical to ha): ha is S's A operand, and PTX
     // makes any access to it before wgmma.wait_group undefined. fence_regs keeps the compiler
-    // from reusing ha's registers for the same values.
-    fence_regs(h);
-    if (lane == 0) tma_wait_read<1>();
-    __syncwarp();
+    // from reusing ha's registers for the same values. (Storing ha itself before S is issued
+    // leaves S's latency uncovered; ptxas shares the conversions with ha anyway.)
+    {
+      fence_regs(h);
+      uint32_t hs[8][4];
 #pragma unroll
-    for (int sk = 0; sk < 8; ++sk) {
-      const int row = (lane & 7) + 8 * ((lane >> 3) & 1), q = 2 * sk + (lane >> 4);
-      const uint32_t hs[4] = {pack_bf16(h[8 * sk], h[8 * sk + 1]),
-                              pack_bf16(h[8 * sk + 2], h[8 * sk + 3]),
-                              pack_bf16(h[8 * sk + 4], h[8 * sk + 5]),
-                              pack_bf16(h[8 * sk + 6], h[8 * sk + 7])};
-      stsm_x4(reinterpret_cast<bf16*>(reinterpret_cast<unsigned char*>(snap_w) + (q >> 3) * 2048 +
-                                      row * 128 + (((q & 7) ^ (row & 7)) << 4)),
-              hs);
-    }
-    fence_proxy_async();
-    __syncwarp();
-    if (lane == 0) {
-      const int snap_row = static_cast<int>(((chunk0 + ch) * n_v + hv) * kD + v_base);
-      tma_store_2d(&maps.snap, 0, snap_row, snap_w);
-      tma_store_2d(&maps.snap, 64, snap_row, reinterpret_cast<unsigned char*>(snap_w) + 2048);
-      tma_commit();
-    }
-    if constexpr (!kTight) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          gc[j][e] = __expf(g_last - gam[min(8 * j + 2 * c + e, n - 1) * 4 + hq]);
+      for (int sk = 0; sk < 8; ++sk) {
+        hs[sk][0] = pack_bf16(h[8 * sk], h[8 * sk + 1]);
+        hs[sk][1] = pack_bf16(h[8 * sk + 2], h[8 * sk + 3]);
+        hs[sk][2] = pack_bf16(h[8 * sk + 4], h[8 * sk + 5]);
+        hs[sk][3] = pack_bf16(h[8 * sk + 6], h[8 * sk + 7]);
       }
+      snapshot(hs);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        gc[j][e] =
+            kTight ? gc_t[j][e] : __expf(g_last - gam[min(8 * j + 2 * c + e, n - 1) * 4 + hq]);
     }
     const float decay = __expf(g_last);
     wgmma_wait<0>();
@@ -633,6 +659,20 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
       }
     }
     if (lane == 0) tma_commit();
+    if constexpr (kTight) {
+      // While the update runs: the next chunk's tiles and decay factors, and the publication of
+      // chunk ch - 1 (its snapshot and V_new groups are complete once at most this chunk's two
+      // are pending), which the shipped form does at the top of chunk ch + 1. The last two
+      // chunks are published after the final state, as there.
+      if (ch + 1 < n_chunks) {
+        prologue(ch + 1);
+        if (kSignal && ch >= 1 && lane == 0) {
+          tma_wait<2>();
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          signal_ready(ready_h + (chunk0 + ch - 1) * n_v);
+        }
+      }
+    }
     wgmma_wait<0>();
     fence_regs(h);
     __syncwarp();

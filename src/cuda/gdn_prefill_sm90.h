@@ -143,9 +143,10 @@ GdnOutForm gdn_out_form();
 GdnOutForm parse_gdn_out_form(const char* value);  // null / "" = kWgmma; throws on a bad value
 void set_gdn_out_form(GdnOutForm form);
 // The wgmma state pass's chunk step (kWgmma): kWg (default) as measured; kTight the same
-// operations with fewer instructions between S's completion and the update's issue (h's decay
-// while S runs, U - S packed to bf16 pairs, full chunks without the per-row test), bit-identical
-// by construction, not yet measured (session 22). $DS_GDN_STATE = wg / tight, read at the first
+// operations with fewer instructions on the chain (gamma by ld.shared, the next chunk's wait and
+// decay factors and the previous chunk's publication under the update, U - S packed to bf16 pairs,
+// full chunks without the per-row test), bit-identical by construction, not yet measured
+// (session 22). $DS_GDN_STATE = wg / tight, read at the first
 // call (anything else throws); set_gdn_state_form overrides it (tests).
 enum class GdnStateForm { kWg, kTight };
 GdnStateForm gdn_state_form();
