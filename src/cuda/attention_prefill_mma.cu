@@ -878,9 +878,12 @@ void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, cons
           return launch_ws<3, 2, false>(s, b, q, k_cache, v_cache, gate, out, stream);
         case AttnMmaKernel::kWgmmaWsLean:
           return launch_ws<2, 2, true>(s, b, q, k_cache, v_cache, gate, out, stream);
-        default:
+        case AttnMmaKernel::kWgmmaWs3Lean:
           return launch_ws<3, 2, true>(s, b, q, k_cache, v_cache, gate, out, stream);
+        default:
+          break;
       }
+      break;
   }
   ds::throw_error("attention prefill (mma): unknown kernel ", static_cast<int>(kernel));
 }

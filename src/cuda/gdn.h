@@ -80,6 +80,11 @@ struct GdnStatePool {
 // ---- Prompt path ------------------------------------------------------------------------------
 // Device workspace the prompt path needs for up to max_tokens tokens in up to max_seqs sequences.
 size_t gdn_prefill_workspace_bytes(const GdnShape& s, int max_tokens, int max_seqs);
+// The per-chunk ready flags inside such a workspace (tests): [max_chunks, n_v_heads] ints, where
+// chunk c counts the state-pass warps that have published it (the chunks numbered across the
+// sequences in order; slots past the last chunk stay 0). *count = max_chunks * n_v_heads.
+const int* gdn_prefill_ready_flags(const GdnShape& s, int n_tokens, int n_seqs,
+                                   const void* workspace, size_t* count);
 
 // The whole GDN mixer for a prompt chunk of n_seqs sequences packed back to back (n_tokens in
 // all): conv + SiLU (reading the ring for positions before the chunk), gates, l2norm, the chunked

@@ -967,6 +967,12 @@ size_t gdn_prefill_workspace_bytes(const GdnShape& s, int max_tokens, int max_se
   return carve_workspace(s, max_tokens, max_seqs, nullptr).bytes;
 }
 
+const int* gdn_prefill_ready_flags(const GdnShape& s, int n_tokens, int n_seqs,
+                                   const void* workspace, size_t* count) {
+  *count = size_t(max_chunks_for(n_tokens, n_seqs)) * size_t(s.n_v_heads);
+  return carve_workspace(s, n_tokens, n_seqs, const_cast<void*>(workspace)).ready;
+}
+
 void launch_gdn_conv_prep(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                           const bf16* proj, const int32_t* cu_seqlens, const int32_t* seq_pos,
                           const int32_t* slot_ids, int n_seqs, int n_tokens, bf16* qkv, float* g,

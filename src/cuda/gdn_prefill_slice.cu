@@ -490,6 +490,8 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
         gc_t[j][e] = __expf(g_last_t - gx[min(8 * j + 2 * c + e, nx - 1) * 4 + hx]);
     }
   };
+  // (STAGES >= 2: chunk ch + 1's loads are issued during chunk ch, before its prologue waits.)
+  static_assert(!kTight || STAGES >= 2, "the tight form waits for the next chunk one chunk ahead");
   if constexpr (kTight) prologue(0);
 
   for (int ch = 0; ch < n_chunks; ++ch) {
@@ -591,7 +593,7 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     uint32_t vsa[4][4];
     // kTight: U - S packed to bf16 two at a time (one cvt.rn.bf16x2, the same rounding as two
     // scalar conversions), and a full chunk (the uniform case) without the per-element row test.
-    auto v_new = [&](auto full) {
+    auto v_new = [&](auto is_full) {
       float vs[8][4];
       const int m = lane >> 3, r = lane & 7;
 #pragma unroll
@@ -611,8 +613,8 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
             const uint32_t x2 = pack_bf16(__low2float(u2) - sacc[4 * j + i0],
                                           __high2float(u2) - sacc[4 * j + i0 + 1]);
             const float x0 = __uint_as_float(x2 << 16), x1 = __uint_as_float(x2 & 0xffff0000u);
-            vs[j][i0] = decltype(full)::value || t0 < n ? x0 * gc[j][0] : 0.f;
-            vs[j][i0 + 1] = decltype(full)::value || t0 + 1 < n ? x1 * gc[j][1] : 0.f;
+            vs[j][i0] = decltype(is_full)::value || t0 < n ? x0 * gc[j][0] : 0.f;
+            vs[j][i0 + 1] = decltype(is_full)::value || t0 + 1 < n ? x1 * gc[j][1] : 0.f;
             ur[qq] = x2;
           } else {
             const bf16 x0 = __float2bfloat16(__low2float(u2) - sacc[4 * j + i0]);
@@ -665,13 +667,15 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
       // are pending), which the shipped form does at the top of chunk ch + 1. The last two
       // chunks are published after the final state, as there.
       if (ch + 1 < n_chunks) {
-        prologue(ch + 1);
-        if (kSignal && ch >= 1 && lane == 0) {
+        if (kSignal && ch >= 1 && lane == 0) {  // first: it releases waiting output CTAs
           tma_wait<2>();
           asm volatile("fence.proxy.async.global;" ::: "memory");
           signal_ready(ready_h + (chunk0 + ch - 1) * n_v);
         }
+        __syncwarp();
+        prologue(ch + 1);
       }
+      __syncwarp();
     }
     wgmma_wait<0>();
     fence_regs(h);

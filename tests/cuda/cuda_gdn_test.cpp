@@ -399,6 +399,17 @@ std::vector<int> cu_seqlens(const std::vector<int>& lens) {
   return cu;
 }
 
+// Restores the process's GDN prompt forms ($DS_GDN_OUT / $DS_GDN_STATE choices) when a test that
+// switches them ends, also when it ends by an exception.
+struct GdnFormsRestore {
+  GdnOutForm out = gdn_out_form();
+  GdnStateForm state = gdn_state_form();
+  ~GdnFormsRestore() {
+    set_gdn_out_form(out);
+    set_gdn_state_form(state);
+  }
+};
+
 // A prompt batch on the device: proj [n_tokens, in_dim] (bf16), cu_seqlens [n_seqs + 1], positions
 // and slots [n_seqs], the output [n_tokens, out_dim] and the prefill workspace; launch() runs
 // launch_gdn_prefill on them.
@@ -561,13 +572,33 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
                   a.size(), max_diff, first / out_cols, first % out_cols);
       return false;
     };
+    // The ready flags after a launch: every real chunk of every head counted by each publishing
+    // state-pass unit exactly once (`per_chunk`: 2 slices for slice_scan_ov, 4 warps x 2 slices
+    // for slice_scan_wg, 0 for the serial slice_scan_cs), slots past the last chunk 0.
+    int real_chunks = 0;
+    for (int i = 0; i < n_seqs; ++i) real_chunks += (pc.lens[i] + 63) / 64;
+    auto flags_ok = [&](int per_chunk, const std::string& what) {
+      size_t count = 0;
+      const int* flags = gdn_prefill_ready_flags(s, n_tokens, n_seqs, d.ws.p, &count);
+      std::vector<int> h(count);
+      CK(cudaMemcpy(h.data(), flags, count * sizeof(int), cudaMemcpyDeviceToHost));
+      size_t bad = 0;
+      for (size_t i = 0; i < count; ++i) {
+        const int want = int(i) / s.n_v_heads < real_chunks ? per_chunk : 0;
+        if (h[i] != want && bad++ == 0)
+          ADD_FAILURE() << what << ": ready flag of chunk " << i / s.n_v_heads << " head "
+                        << i % s.n_v_heads << " is " << h[i] << ", expected " << want;
+      }
+      EXPECT_EQ(bad, 0u) << what << ": ready flags";
+    };
     const auto ref = run(reg_cs.get(), nullptr, true);
+    flags_ok(0, "slice_scan_cs");
     size_t nan_y = 0;
     for (float x : ref.first) nan_y += std::isnan(x);
     EXPECT_EQ(nan_y, 0u) << "slice_scan_cs left output rows unwritten";
     // slice_scan_wg with each of its output kernels (GdnOutForm; the default restored after).
-    const GdnOutForm form0 = gdn_out_form();
-    const GdnStateForm state_form0 = gdn_state_form();
+    const GdnFormsRestore restore_forms;
+    const GdnOutForm form0 = restore_forms.out;
     const struct {
       const char* name;
       const DispatchRegistry* reg;
@@ -583,11 +614,13 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
       set_gdn_out_form(form);
       set_gdn_state_form(state_form);
       const auto* expect = &ref;
+      const int per_chunk = std::string(name).rfind("slice_scan_wg", 0) == 0 ? 8 : 2;
       for (int rep = 0; rep < 3; ++rep) {  // poisoned workspace, then the last launch's flags
         const auto got = run(reg, nullptr, rep == 0);
         EXPECT_TRUE(same(got.first, expect->first)) << name << " launch " << rep << ": y differs";
         EXPECT_TRUE(same(got.second, expect->second))
             << name << " launch " << rep << ": states differ";
+        flags_ok(per_chunk, std::string(name) + " launch " + std::to_string(rep));
       }
       // Captured in a graph on a non-blocking stream, replayed twice.
       cudaStream_t st;
@@ -607,13 +640,12 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
             << name << " graph " << rep << ": y";
         EXPECT_TRUE(same(download_f32(pool.rec.p, pool.rec.n), expect->second))
             << name << " graph " << rep << ": states";
+        flags_ok(per_chunk, std::string(name) + " graph " + std::to_string(rep));
       }
       CK(cudaGraphExecDestroy(exec));
       CK(cudaGraphDestroy(graph));
       CK(cudaStreamDestroy(st));
     }
-    set_gdn_out_form(form0);
-    set_gdn_state_form(state_form0);
   }
 }
 
@@ -1296,7 +1328,7 @@ TEST(CudaGdn, PrefillStageTiming) {
       {GdnSliceState::kV64, "slice state pass, 64-column slices"},
       {GdnSliceState::kV64Lean, "slice state pass, 64 columns, lean"},
       {GdnSliceState::kWgmma, "slice state pass, 64 columns, wgmma"}};
-  const GdnStateForm state_form0 = gdn_state_form();
+  const GdnFormsRestore restore_forms;
   for (const auto& [st, name] : states) {
     stage(name, [&] {
       launch_gdn_slice_scan(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, ch4, d_chunk0.p,
@@ -1310,7 +1342,7 @@ TEST(CudaGdn, PrefillStageTiming) {
                           max_chunks, qkv.p, g.p, wm.p, um.p, hs.p, d_out.p, GdnSliceState::kWgmma,
                           4, nullptr, /*stages=*/1, nullptr, T);
   });
-  set_gdn_state_form(GdnStateForm::kWg);
+  set_gdn_state_form(restore_forms.state);
   for (int warps : {4, 8}) {
     stage(warps == 4 ? "slice output + gated norm, 4 warps" : "slice output + gated norm, 8 warps",
           [&] {
@@ -1372,7 +1404,7 @@ TEST(CudaGdn, PrefillStageTiming) {
   }
   // The output kernels alone (the state pass run first, its flags left complete).
   set_gdn_out_form(form0);
-  set_gdn_state_form(state_form0);
+  set_gdn_state_form(restore_forms.state);
   overlapped(GdnSliceState::kWgmma)(st);
   for (GdnOutForm form : {GdnOutForm::kCpAsync, GdnOutForm::kTma, GdnOutForm::kWgmma}) {
     set_gdn_out_form(form);
