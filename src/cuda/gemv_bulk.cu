@@ -53,12 +53,12 @@ constexpr int kMaxSmem = 232448;              // sm 90 opt-in dynamic shared mem
 // together (G = M rows per group; one L2 round trip instead of one per row: the fused gate_up at
 // m 4 advanced the decode step by 100.1 instead of 102.2 us, H200). All threads must call it
 // (barrier inside); the caller synchronises before xs is read by other threads.
-template <int M>
-__device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16* xs, float* red) {
-  constexpr int G = M;  // M <= kGemvNormMaxM = 4
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int k8 = k / 8;
-  uint4 wv[kNormVec];
+// The norm weight's vectors of this thread (norm_to_shared's wv). A model weight, not an output
+// of the kernel before: loaded before griddepcontrol.wait, so that its round trip (often to DRAM:
+// each layer's weight is read once per step) overlaps the previous kernel instead of following it.
+__device__ __forceinline__ void norm_weight_regs(const GemvNormIn& p, int k,
+                                                 uint4 (&wv)[kNormVec]) {
+  const int t = threadIdx.x, k8 = k / 8;
   if (t < kNormThreads) {
     const uint4* w4 = reinterpret_cast<const uint4*>(p.weight);
 #pragma unroll
@@ -66,6 +66,16 @@ __device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16*
       const int i = t + v * kNormThreads;
       if (i < k8) wv[v] = w4[i];
     }
+  }
+}
+
+template <int M>
+__device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16* xs, float* red,
+                                               const uint4 (&wv)[kNormVec]) {
+  constexpr int G = M;  // M <= kGemvNormMaxM = 4
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int k8 = k / 8;
+  if (t < kNormThreads) {
 #pragma unroll
     for (int r0 = 0; r0 < M; r0 += G) {
       uint4 ra[G][kNormVec], da[G][kNormVec];
@@ -220,13 +230,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < min(slots, n_stages); ++s) issue(s);
   }
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  uint4 norm_w[kNormVec];  // NORM: the norm weight, a model weight (no wait needed)
+  if constexpr (NORM) norm_weight_regs(norm, k, norm_w);
   // x (and y when accumulating) come from the kernel before: read only after this wait, through
   // plain pointers (a const __restrict__ x compiles to ld.global.nc, which ptxas may schedule above
   // the wait: it did so in the GDN decode kernels, docs/perf/decode_kernels.md).
   asm volatile("griddepcontrol.wait;" ::: "memory");
 
   if constexpr (NORM) {
-    norm_to_shared<M>(norm, k, xs, red);
+    norm_to_shared<M>(norm, k, xs, red, norm_w);
   } else {  // x -> shared memory (k % 8 == 0: whole 16-byte vectors)
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     uint4* xd = reinterpret_cast<uint4*>(xs);
