@@ -517,6 +517,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   (void)cuda::attention_merge_one_trip();  // and $DS_ATTN_MERGE
   (void)cuda::rmsnorm_fit_enabled();     // and $DS_NORM_FIT (read by every prompt-chunk norm)
   (void)cuda::gemv_l2_next_mib();        // and $DS_GEMV_L2_NEXT (read by every fused decode GEMV)
+  (void)cuda::gemv_norm_weight_early();  // and $DS_GEMV_NORM_EARLY (likewise)
   (void)cuda::gemv_bulk_mma_enabled();   // and $DS_GEMV_MMA (read by the gemm registry guard)
   (void)cuda::gemv_splitk_enabled();     // and $DS_GEMV_SPLITK (likewise)
   (void)cuda::gdn_out_form();            // and $DS_GDN_OUT (read by every GDN prompt layer)
@@ -1348,6 +1349,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
     nin.eps = eps;
     nin.weight_offset = 1.f;
     nin.residual_out = delta ? (res == h_ ? h2_ : h_) : nullptr;
+    nin.weight_early = cuda::gemv_norm_weight_early();
     return nin;
   };
   auto flip = [&](const cuda::GemvNormIn& nin) {

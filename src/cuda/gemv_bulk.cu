@@ -231,13 +231,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   uint4 norm_w[kNormVec];  // NORM: the norm weight, a model weight (no wait needed)
-  if constexpr (NORM) norm_weight_regs(norm, k, norm_w);
+  if constexpr (NORM) {
+    if (norm.weight_early) norm_weight_regs(norm, k, norm_w);
+  }
   // x (and y when accumulating) come from the kernel before: read only after this wait, through
   // plain pointers (a const __restrict__ x compiles to ld.global.nc, which ptxas may schedule above
   // the wait: it did so in the GDN decode kernels, docs/perf/decode_kernels.md).
   asm volatile("griddepcontrol.wait;" ::: "memory");
 
   if constexpr (NORM) {
+    if (!norm.weight_early) norm_weight_regs(norm, k, norm_w);
     norm_to_shared<M>(norm, k, xs, red, norm_w);
   } else {  // x -> shared memory (k % 8 == 0: whole 16-byte vectors)
     const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -630,6 +633,17 @@ void launch_gemv_bulk_norm(const GemvNormIn& norm, const __nv_bfloat16* w, void*
                            cudaStream_t stream, const GemvL2Next& next) {
   check_norm(norm, m, k, cfg, "bulk gemv");
   bulk_impl(nullptr, w, y, m, n, k, out, false, cfg, n_sms, stream, norm, next);
+}
+
+bool gemv_norm_weight_early() {
+  static const bool on = [] {
+    const char* e = std::getenv("DS_GEMV_NORM_EARLY");
+    const std::string v = e ? e : "";
+    DS_CHECK(v.empty() || v == "0" || v == "1", "DS_GEMV_NORM_EARLY must be 0 or 1, got '", v,
+             "'");
+    return v != "0";
+  }();
+  return on;
 }
 
 int gemv_l2_next_mib() {

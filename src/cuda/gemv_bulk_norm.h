@@ -31,7 +31,15 @@ struct GemvNormIn {
   float eps = 1e-6f;
   float weight_offset = 1.f;              // 1: Qwen3.5's zero-centred norms
   __nv_bfloat16* residual_out = nullptr;  // [m, k] residual + delta (out, with delta)
+  // The norm weight (a model weight, never written by the kernel before) loaded before
+  // griddepcontrol.wait rather than after it with residual and delta; the same values either way.
+  // The engine sets it from gemv_norm_weight_early() ($DS_GEMV_NORM_EARLY, default on).
+  bool weight_early = true;
 };
+
+// $DS_GEMV_NORM_EARLY (read once; 1 or unset: on, 0: off; anything else throws): GemvNormIn's
+// weight_early for the engine's decode steps (an A/B switch; session 22, not yet measured).
+bool gemv_norm_weight_early();
 
 // The largest k the prologue handles (256 threads x 4 vectors of 8), and m (rows are loaded
 // together: registers; the decode step uses m 1 for gdn_in / attn_qkv, m 1..4 for gate_up).
