@@ -4,7 +4,8 @@
 //  - bit-identical GEMV outputs and an updated residual bit-identical to add_rmsnorm's in-place
 //    update, with and without a delta (the first layer's input norm has none), at the 27B decode
 //    shapes (gdn_in, attn_qkv, gdn_out's k = 6144, gate_up + SiLU at m 1..4), the largest k (8192)
-//    and a small k (640: most of the 256 norm threads hold no vector), plain and PDL launches;
+//    and a small k (640: most of the 256 norm threads hold no vector), plain and PDL launches, the
+//    norm weight loaded before or after the PDL wait (GemvNormIn::weight_early);
 //  - the input residual left untouched (residual_out is a separate buffer), every output written
 //    (poisoned before);
 //  - errors for misaligned pointers, residual_out aliasing an input, k above kGemvNormMaxK, m
@@ -65,9 +66,12 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
     const std::vector<bf> h_res = test::random_bf16(xk, rng, 2.f);
     const std::vector<bf> h_delta = test::random_bf16(xk, rng, 1.f);
     for (bool with_delta : {true, false}) {
-      for (bool pdl : {false, true}) {
-        const std::string what =
-            std::string(c.name) + (with_delta ? " +delta" : " no delta") + (pdl ? " pdl" : "");
+      for (int variant = 0; variant < 3; ++variant) {
+        // 0: plain launch; 1: PDL; 2: PDL with the norm weight loaded after the wait
+        // (GemvNormIn::weight_early off, $DS_GEMV_NORM_EARLY=0).
+        const bool pdl = variant > 0, early = variant < 2;
+        const std::string what = std::string(c.name) + (with_delta ? " +delta" : " no delta") +
+                                 (pdl ? " pdl" : "") + (early ? "" : " late weight");
         // Reference: add_rmsnorm in place, then the GEMV on its output.
         DevBuf<bf> res_ref(h_res), delta(h_delta), xn(xk), y_ref(out_n);
         xn.poison();
@@ -93,6 +97,7 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
         nin.eps = 1e-6f;
         nin.weight_offset = 1.f;
         nin.residual_out = with_delta ? P(res_out) : nullptr;
+        nin.weight_early = early;
         if (c.silu)
           cuda::launch_gemv_bulk_silu_norm(nin, P(w), P(y), c.m, c.n, c.k, cfg, sms, st);
         else
