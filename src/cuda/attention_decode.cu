@@ -45,9 +45,18 @@
 //   batch 4:  4K 26.9 (2.50) vs 101;    16K 73.4 (3.66) vs 370;   32K 136 (3.96) vs 727
 //   batch 16: 4K 72.8 (3.69) vs 369;    16K 254 (4.23) vs 1439;   32K 490 (4.38) vs 2865
 // kAdaptive / PDL vs kPlanned: docs/perf/decode_kernels.md (session 5, attnd7).
+// AttnDecodeLaunch::cluster (kAdaptive; session 22, not yet measured): 16 splits per (kv head,
+// sequence) launched as one cluster of 16 blocks; after the block merge each block keeps its
+// partial in shared memory, and block r merges head-dim slice r of the group from all 16 through
+// distributed shared memory (cluster_merge): no merge kernel, no partials in global memory.
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
+#include <set>
 #include <string>
+#include <utility>
+
+#include <cooperative_groups.h>
 
 #include "cuda/attention_decode.h"
 #include "cuda/cuda_common.h"
@@ -284,6 +293,66 @@ __device__ __forceinline__ void pdl_trigger() {
 // no-op when the kernel was not launched as a programmatic dependent).
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+// The weight of a split's partial: 2^(m_i - max), 0 for an empty split (or when all are empty).
+__device__ __forceinline__ float merge_weight(float m_i, float mx) {
+  return (mx == -INFINITY || m_i == -INFINITY) ? 0.f : exp2f(m_i - mx);
+}
+
+// kCluster: the kAttnDecodeClusterSplits split blocks of one (kv head, sequence) form a cluster;
+// each leaves its partial (o [group][HD] fp32, then (m, l) per head) in its own shared memory at
+// `cl` and block `rank` merges head-dim slice `rank` of every query head of the group from all the
+// cluster's partials (distributed shared memory), with the merge kernel's arithmetic per element
+// (weights 2^(m_i - max), sums by fma in split order, o / lsum, times sigmoid(gate)), and writes
+// the bf16 output. Two cluster barriers: the partials are complete before any is read, and no
+// block leaves (its shared memory with it) while another still reads.
+template <int HD>
+__device__ __forceinline__ void cluster_merge(const AttnShape& s, const AttnBatch& b,
+                                              const AttnGate& gate, bf16* out, float* cl,
+                                              int group, int kvh, int seq, int rank) {
+  namespace cg = cooperative_groups;
+  constexpr int kSplits = kAttnDecodeClusterSplits;
+  constexpr int kDims = HD / kSplits;
+  cg::cluster_group cluster = cg::this_cluster();
+  // The partials written (release) before any block reads another's (acquire). (.aligned: every
+  // warp arrives converged.)
+  __syncwarp();
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+  const int64_t row = b.q_start[seq];
+  for (int i = threadIdx.x; i < group * kDims; i += blockDim.x) {
+    const int hh = i / kDims, d = rank * kDims + i % kDims;
+    float m[kSplits], l[kSplits], o_i[kSplits];
+#pragma unroll
+    for (int r = 0; r < kSplits; ++r) {
+      const float* rc = cluster.map_shared_rank(cl, r);
+      m[r] = rc[kMaxGroup * HD + 2 * hh];
+      l[r] = rc[kMaxGroup * HD + 2 * hh + 1];
+      o_i[r] = rc[hh * HD + d];
+    }
+    float mx = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kSplits; ++r) mx = fmaxf(mx, m[r]);
+    float lsum = 0.f, o = 0.f;
+#pragma unroll
+    for (int r = 0; r < kSplits; ++r) {
+      const float w = merge_weight(m[r], mx);
+      lsum = __fmaf_rn(l[r], w, lsum);
+      o = __fmaf_rn(w, o_i[r], o);
+    }
+    const int h = kvh * group + hh;
+    float y = lsum > 0.f ? o / lsum : 0.f;
+    if (gate.ptr)
+      y *= sigmoid(__bfloat162float(
+          gate.ptr[row * gate.token_stride + (int64_t)h * gate.head_stride + d]));
+    out[(row * s.n_heads + h) * HD + d] = __float2bfloat16_rn(y);
+  }
+  // No block leaves (its shared memory with it) before every block has read what it needs: the
+  // reads above are complete (their values are stored), so the arrival needs no memory order.
+  __syncwarp();
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
+               "barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
 // kAdaptive = false: split `split` covers keys [split * kv_chunk, +kv_chunk), every split writes a
 // partial. kAdaptive = true: the split comes from adaptive_split(kv_len, kv_chunk, n_splits);
 // unused splits write nothing; the kernel may run as a programmatic dependent (see the PDL
@@ -294,7 +363,9 @@ __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;"
 // kRope (kAdaptive only): rope_kv's work done here (attention_decode.h AttnDecodeRope): q comes
 // from rope.qkv through shared memory, and the block holding a sequence's newest key writes that
 // K / V row to the cache (through rope.k_cache / v_cache, the same buffers) before reading it back.
-template <int HD, bool kAdaptive, bool kRope = false>
+// kCluster (kAdaptive only; launched in clusters of kAttnDecodeClusterSplits along the splits):
+// no partials in global memory and no merge kernel: cluster_merge above, after the block merge.
+template <int HD, bool kAdaptive, bool kRope = false, bool kCluster = false>
 __global__ void __launch_bounds__(kMmaWarps * 32, 2)
     attention_decode_mma_kernel(AttnShape s, AttnBatch b,
                                 const bf16* q,                     // [n_rows, n_heads, HD]
@@ -303,8 +374,9 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
                                 int kv_chunk, int n_splits,
                                 float2* part_ml,  // [n_seqs, n_heads, n_splits]
                                 float* part_o,    // [n_seqs, n_heads, n_splits, HD]
-                                AttnDecodeRope rope) {
+                                AttnDecodeRope rope, AttnGate gate, bf16* out) {
   static_assert(kAdaptive || !kRope, "the fused rope needs the adaptive split");
+  static_assert(kAdaptive || !kCluster, "the cluster merge needs the adaptive split");
   static_assert(HD == 128 || HD == 256, "mma decode: head_dim 128 or 256");
   // PDL: the merge kernel (a programmatic dependent in kAdaptive) reads the partials only after
   // its griddepcontrol.wait, which waits for this whole grid; its blocks may become resident now.
@@ -337,6 +409,16 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
       // Unused split: nothing to write. Wait anyway, so that this grid's completion (which the
       // merge and every later kernel wait for) always implies the previous kernel's.
       pdl_wait();
+      if constexpr (kCluster) {  // an empty partial (m = -inf, l = 0, o = 0), then the merge
+        float* cl = reinterpret_cast<float*>(smem) + block_merge_floats<HD>();
+        for (int i = threadIdx.x; i < kMaxGroup * HD; i += kMmaWarps * 32) cl[i] = 0.f;
+        for (int i = threadIdx.x; i < kMaxGroup; i += kMmaWarps * 32) {
+          cl[kMaxGroup * HD + 2 * i] = -INFINITY;
+          cl[kMaxGroup * HD + 2 * i + 1] = 0.f;
+        }
+        cluster_merge<HD>(s, b, gate, out, cl, s.n_heads / s.n_kv_heads, blockIdx.y, blockIdx.z,
+                          split);
+      }
       return;
     }
     chunk = p.chunk;
@@ -587,10 +669,22 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
         o += sm_o[(w * kMaxGroup + hh) * HD + d] * f;
       }
     }
-    const int64_t idx = ((int64_t)seq * s.n_heads + kvh * group + hh) * n_splits + split;
-    part_o[idx * HD + d] = o;
-    if (d == 0) part_ml[idx] = make_float2(mx, lsum);
+    if constexpr (kCluster) {
+      float* cl = reinterpret_cast<float*>(smem) + block_merge_floats<HD>();
+      cl[hh * HD + d] = o;
+      if (d == 0) {
+        cl[kMaxGroup * HD + 2 * hh] = mx;
+        cl[kMaxGroup * HD + 2 * hh + 1] = lsum;
+      }
+    } else {
+      const int64_t idx = ((int64_t)seq * s.n_heads + kvh * group + hh) * n_splits + split;
+      part_o[idx * HD + d] = o;
+      if (d == 0) part_ml[idx] = make_float2(mx, lsum);
+    }
   }
+  if constexpr (kCluster)
+    cluster_merge<HD>(s, b, gate, out, reinterpret_cast<float*>(smem) + block_merge_floats<HD>(),
+                      group, kvh, seq, split);
 }
 
 // Merge: one block of 256 threads per (query head, sequence). The split weights 2^(m_i - max) are
@@ -599,11 +693,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
 // independent 16-byte loads (every partial is written by the split kernel, empty ones as zeros,
 // so none is skipped), and the G group sums are added in shared memory.
 constexpr int kMergeThreads = 256;
-
-// The weight of a split's partial: 2^(m_i - max), 0 for an empty split (or when all are empty).
-__device__ __forceinline__ float merge_weight(float m_i, float mx) {
-  return (mx == -INFINITY || m_i == -INFINITY) ? 0.f : exp2f(m_i - mx);
-}
 
 __device__ __forceinline__ void fma4(float4& acc, float w, const float4 v) {
   acc.x = __fmaf_rn(w, v.x, acc.x);
@@ -791,6 +880,17 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_adaptive
 
 constexpr int kMaxMergeSplits = 8192;  // the merge's shared weights: 32 KB (+ static scratch)
 
+// Clusters of 16 blocks (non-portable on Hopper) for `func` on the current device, once.
+void allow_cluster_16(const void* func) {
+  int device = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  const std::lock_guard<std::mutex> lock(mu);
+  if (!done.insert({func, device}).second) return;
+  DS_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+}
+
 // The mma split kernel + its merge. Workspace: o partials (16-byte aligned for the merge's float4
 // loads), then (m, l).
 template <int HD>
@@ -799,17 +899,47 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
                    bf16* out, cudaStream_t stream, const AttnDecodeLaunch& how) {
   constexpr int kSmem = mma_smem_bytes<HD>();
   static_assert(kSmem >= block_merge_floats<HD>() * 4, "the block merge reuses the rings");
+  static_assert(kSmem >= (block_merge_floats<HD>() + kMaxGroup * (HD + 2)) * 4,
+                "the cluster merge's partial follows the block merge's floats in the rings");
   float* o = static_cast<float*>(partials);
   float2* ml = reinterpret_cast<float2*>(o + (size_t)b.n_seqs * s.n_heads * n_splits * HD);
   const dim3 grid(n_splits, s.n_kv_heads, b.n_seqs);
   const size_t merge_smem = n_splits * sizeof(float);
   if (how.split == AttnDecodeSplit::kAdaptive) {
     const bool rope = how.rope.qkv != nullptr;
+    if (how.cluster) {
+      // One cluster of kAttnDecodeClusterSplits split blocks per (kv head, sequence), merging in
+      // distributed shared memory: no merge kernel (its programmatic dependent, the attn_o GEMV,
+      // depends on this grid directly).
+      DS_CHECK(n_splits == kAttnDecodeClusterSplits, "attention decode: the cluster merge needs ",
+               kAttnDecodeClusterSplits, " splits, got ", n_splits);
+      auto* split_k = rope ? attention_decode_mma_kernel<HD, true, true, true>
+                           : attention_decode_mma_kernel<HD, true, false, true>;
+      ensure_smem_optin(reinterpret_cast<const void*>(split_k), kSmem);
+      allow_cluster_16(reinterpret_cast<const void*>(split_k));
+      cudaLaunchConfig_t lc = {};
+      lc.gridDim = grid;
+      lc.blockDim = dim3(kMmaWarps * 32);
+      lc.dynamicSmemBytes = kSmem;
+      lc.stream = stream;
+      cudaLaunchAttribute attr[2];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = kAttnDecodeClusterSplits;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[1].val.programmaticStreamSerializationAllowed = 1;
+      lc.attrs = attr;
+      lc.numAttrs = how.pdl ? 2 : 1;
+      DS_CUDA_CHECK(cudaLaunchKernelEx(&lc, split_k, s, b, q, k_cache, v_cache, kv_chunk, n_splits,
+                                       ml, o, how.rope, gate, out));
+      return;
+    }
     auto* split_k = rope ? attention_decode_mma_kernel<HD, true, true>
                          : attention_decode_mma_kernel<HD, true, false>;
     ensure_smem_optin(reinterpret_cast<const void*>(split_k), kSmem);
     launch_maybe_pdl(split_k, grid, dim3(kMmaWarps * 32), kSmem, stream, how.pdl, s, b, q,
-                     k_cache, v_cache, kv_chunk, n_splits, ml, o, how.rope);
+                     k_cache, v_cache, kv_chunk, n_splits, ml, o, how.rope, gate, out);
     DS_CUDA_LAUNCH_CHECK();
     // Column slices while the (query head, sequence) blocks alone would leave most SMs idle.
     int dev = 0, n_sms = 0;
@@ -833,7 +963,7 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
   }
   ensure_smem_optin(reinterpret_cast<const void*>(attention_decode_mma_kernel<HD, false>), kSmem);
   attention_decode_mma_kernel<HD, false><<<grid, kMmaWarps * 32, kSmem, stream>>>(
-      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o, AttnDecodeRope{});
+      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o, AttnDecodeRope{}, gate, out);
   DS_CUDA_LAUNCH_CHECK();
   attention_decode_merge_kernel<HD>
       <<<dim3(s.n_heads, b.n_seqs), kMergeThreads, merge_smem, stream>>>(s, b, n_splits, ml, o,
@@ -908,8 +1038,10 @@ AttnDecodeMode attention_decode_mode() {
     if (v == "pdl_early") return AttnDecodeMode::kPdlEarly;
     if (v == "adaptive") return AttnDecodeMode::kAdaptive;
     if (v == "planned") return AttnDecodeMode::kPlanned;
-    ds::throw_error("DS_ATTN_DECODE must be pdl, pdl_early, pdl_rope, adaptive or planned, got '",
-                    v, "'");
+    if (v == "pdl_cluster") return AttnDecodeMode::kPdlCluster;
+    ds::throw_error(
+        "DS_ATTN_DECODE must be pdl, pdl_early, pdl_rope, pdl_cluster, adaptive or planned, got '",
+        v, "'");
   }();
   return mode;
 }

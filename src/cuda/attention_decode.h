@@ -66,7 +66,15 @@ struct AttnDecodeLaunch {
   bool serial_merge = false;
   // kAdaptive only: the split kernel does rope_kv's work (AttnDecodeRope above) when rope.qkv.
   AttnDecodeRope rope;
+  // kAdaptive only: the split kernel runs in clusters of kAttnDecodeClusterSplits blocks (one per
+  // (kv head, sequence)) and merges the partials itself through distributed shared memory: no
+  // merge kernel, no partials in the workspace. n_splits must be kAttnDecodeClusterSplits. Not
+  // bit-identical to the two-kernel path (other splits); session 22, not yet measured.
+  bool cluster = false;
 };
+// The splits (= blocks per cluster) of AttnDecodeLaunch::cluster: a non-portable cluster size
+// (Hopper allows 16 with cudaFuncAttributeNonPortableClusterSizeAllowed).
+constexpr int kAttnDecodeClusterSplits = 16;
 
 // Splits per sequence for kAdaptive: one wave of the split kernel (2 blocks per SM) over n_seqs x
 // n_kv_heads, at most max_splits, at least 1.
@@ -93,7 +101,7 @@ void launch_qk_norm_rope_kv(const AttnShape& s, const __nv_bfloat16* qkv,
 // projection; "pdl_early" = "pdl" with AttnDecodeLaunch::early_dependents; "adaptive" = kAdaptive
 // without PDL; "planned" = the session-4 path (kPlanned, no PDL). Unset: kDefaultAttnDecodeMode.
 // Any other value throws ds::Error naming the variable.
-enum class AttnDecodeMode { kPdlRope, kPdlEarly, kPdl, kAdaptive, kPlanned };
+enum class AttnDecodeMode { kPdlRope, kPdlEarly, kPdl, kAdaptive, kPlanned, kPdlCluster };
 constexpr AttnDecodeMode kDefaultAttnDecodeMode = AttnDecodeMode::kPdl;
 AttnDecodeMode attention_decode_mode();
 

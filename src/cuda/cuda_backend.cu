@@ -1211,7 +1211,8 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     // kAuto: the tensor-core kernel when the launch's alignment checks pass, else SIMT.
     f.attn_decode_kernel =
         attn_v == "split_kv_mma" ? cuda::AttnDecodeKernel::kAuto : cuda::AttnDecodeKernel::kSimt;
-    // $DS_ATTN_DECODE (attention_decode.h): pdl (default), pdl_early, pdl_rope, adaptive, planned.
+    // $DS_ATTN_DECODE (attention_decode.h): pdl (default), pdl_early, pdl_rope, pdl_cluster,
+    // adaptive, planned.
     if (attn_v == "split_kv_mma") f.attn_decode_mode = cuda::attention_decode_mode();
     // rope_kv folded into the adaptive split kernel: decode-only forwards whose rope_kv would be
     // the warp-per-head kernel (the fused code is its arithmetic), on the adaptive modes.
@@ -1219,7 +1220,7 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     f.rope_fused = rope_fused_ && f.S_p == 0 && attn_v == "split_kv_mma" &&
                    f.rope_kernel == cuda::RopeKvKernel::kAuto &&
                    (m == cuda::AttnDecodeMode::kPdl || m == cuda::AttnDecodeMode::kPdlEarly ||
-                    m == cuda::AttnDecodeMode::kAdaptive);
+                    m == cuda::AttnDecodeMode::kAdaptive || m == cuda::AttnDecodeMode::kPdlCluster);
     const std::string& gdn_v =
         dispatch_.select(KernelFamily::kGdnDecode, dispatch_.key(c.d_k, c.d_v, f.S_d)).name;
     // fused_stream / fused_cluster8 / fused: the fused kernel; prefill_path: the prompt kernels.
@@ -1412,11 +1413,16 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
           how.split = cuda::AttnDecodeSplit::kAdaptive;
           how.pdl = f.attn_decode_mode != cuda::AttnDecodeMode::kAdaptive;
           how.early_dependents = f.attn_decode_mode == cuda::AttnDecodeMode::kPdlEarly;
+          // pdl_cluster: 16 splits per (kv head, sequence) in one cluster, merged in distributed
+          // shared memory (no merge kernel).
+          how.cluster = f.attn_decode_mode == cuda::AttnDecodeMode::kPdlCluster;
           if (rope_fused)  // q from the projection row, the newest K/V row written by the kernel
             how.rope = {proj_, L.q_norm, L.k_norm, d.positions, d.slot_map, kc, vc};
           cuda::launch_attention_decode(
               attn_, ab_d, q_, kc, vc, gate, attn_min_chunk_,
-              cuda::attention_decode_adaptive_splits(S_d, c.n_kv_heads, n_sms_, attn_max_splits_),
+              how.cluster ? cuda::kAttnDecodeClusterSplits
+                          : cuda::attention_decode_adaptive_splits(S_d, c.n_kv_heads, n_sms_,
+                                                                   attn_max_splits_),
               attn_ws_, mix_, stream_, how);
         } else {
           cuda::launch_attention_decode(attn_, ab_d, q_, kc, vc, gate, f.kv.kv_chunk,
