@@ -51,8 +51,8 @@
 // distributed shared memory (cluster_merge): no merge kernel, no partials in global memory.
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <mutex>
-#include <set>
 #include <string>
 #include <utility>
 
@@ -301,9 +301,9 @@ __device__ __forceinline__ float merge_weight(float m_i, float mx) {
 // kCluster: the kAttnDecodeClusterSplits split blocks of one (kv head, sequence) form a cluster;
 // each leaves its partial (o [group][HD] fp32, then (m, l) per head) in its own shared memory at
 // `cl` and block `rank` merges head-dim slice `rank` of every query head of the group from all the
-// cluster's partials (distributed shared memory), with the merge kernel's arithmetic per element
-// (weights 2^(m_i - max), sums by fma in split order, o / lsum, times sigmoid(gate)), and writes
-// the bf16 output. Two cluster barriers: the partials are complete before any is read, and no
+// cluster's partials (distributed shared memory), with the merge kernel's formula per element
+// (weights 2^(m_i - max), o / lsum, times sigmoid(gate)) but its own summation order (one fma
+// chain in split order; the merge kernel sums in a tree), and writes the bf16 output. Two cluster barriers: the partials are complete before any is read, and no
 // block leaves (its shared memory with it) while another still reads.
 template <int HD>
 __device__ __forceinline__ void cluster_merge(const AttnShape& s, const AttnBatch& b,
@@ -355,7 +355,8 @@ __device__ __forceinline__ void cluster_merge(const AttnShape& s, const AttnBatc
 
 // kAdaptive = false: split `split` covers keys [split * kv_chunk, +kv_chunk), every split writes a
 // partial. kAdaptive = true: the split comes from adaptive_split(kv_len, kv_chunk, n_splits);
-// unused splits write nothing; the kernel may run as a programmatic dependent (see the PDL
+// unused splits write nothing (kCluster: an empty partial in shared memory, for the cluster
+// merge); the kernel may run as a programmatic dependent (see the PDL
 // comment in the body).
 // q, part_ml and part_o are plain pointers (no const __restrict__): under PDL q is written by the
 // previous kernel, and ptxas may move ld.global.nc loads above griddepcontrol.wait
@@ -378,7 +379,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 2)
   static_assert(kAdaptive || !kRope, "the fused rope needs the adaptive split");
   static_assert(kAdaptive || !kCluster, "the cluster merge needs the adaptive split");
   static_assert(HD == 128 || HD == 256, "mma decode: head_dim 128 or 256");
-  // PDL: the merge kernel (a programmatic dependent in kAdaptive) reads the partials only after
+  // PDL: the merge kernel (a programmatic dependent in kAdaptive; kCluster: the next kernel, the
+  // attn_o GEMV, reads the output) reads the partials only after
   // its griddepcontrol.wait, which waits for this whole grid; its blocks may become resident now.
   if constexpr (kAdaptive) pdl_trigger();
   constexpr int kRowBytes = HD * 2;
@@ -880,15 +882,37 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_adaptive
 
 constexpr int kMaxMergeSplits = 8192;  // the merge's shared weights: 32 KB (+ static scratch)
 
-// Clusters of 16 blocks (non-portable on Hopper) for `func` on the current device, once.
-void allow_cluster_16(const void* func) {
+// Whether `func` can run in clusters of kAttnDecodeClusterSplits blocks of `block` threads and
+// `smem` bytes on the current device (non-portable size allowed first); asked once per (kernel,
+// device). When it cannot, the caller runs the two-kernel path instead.
+bool cluster_16_fits(const void* func, dim3 block, size_t smem) {
   int device = 0;
   DS_CUDA_CHECK(cudaGetDevice(&device));
   static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;
+  static std::map<std::pair<const void*, int>, bool> known;
   const std::lock_guard<std::mutex> lock(mu);
-  if (!done.insert({func, device}).second) return;
-  DS_CUDA_CHECK(cudaFuncSetAttribute(func, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  const auto it = known.find({func, device});
+  if (it != known.end()) return it->second;
+  cudaError_t e = cudaFuncSetAttribute(func, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  int clusters = 0;
+  if (e == cudaSuccess) {
+    cudaLaunchConfig_t lc = {};
+    lc.gridDim = dim3(kAttnDecodeClusterSplits);
+    lc.blockDim = block;
+    lc.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kAttnDecodeClusterSplits;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    lc.attrs = attr;
+    lc.numAttrs = 1;
+    e = cudaOccupancyMaxActiveClusters(&clusters, func, &lc);
+  }
+  if (e != cudaSuccess) (void)cudaGetLastError();  // this query's own (non-sticky) error
+  const bool ok = e == cudaSuccess && clusters >= 1;
+  known[{func, device}] = ok;
+  return ok;
 }
 
 // The mma split kernel + its merge. Workspace: o partials (16-byte aligned for the merge's float4
@@ -907,16 +931,20 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
   const size_t merge_smem = n_splits * sizeof(float);
   if (how.split == AttnDecodeSplit::kAdaptive) {
     const bool rope = how.rope.qkv != nullptr;
+    auto* cluster_k = rope ? attention_decode_mma_kernel<HD, true, true, true>
+                           : attention_decode_mma_kernel<HD, true, false, true>;
     if (how.cluster) {
+      DS_CHECK(n_splits == kAttnDecodeClusterSplits, "attention decode: the cluster merge needs ",
+               kAttnDecodeClusterSplits, " splits, got ", n_splits);
+      ensure_smem_optin(reinterpret_cast<const void*>(cluster_k), kSmem);
+    }
+    // (A device that cannot hold such a cluster runs the same 16 splits with the merge kernel.)
+    if (how.cluster &&
+        cluster_16_fits(reinterpret_cast<const void*>(cluster_k), dim3(kMmaWarps * 32), kSmem)) {
       // One cluster of kAttnDecodeClusterSplits split blocks per (kv head, sequence), merging in
       // distributed shared memory: no merge kernel (its programmatic dependent, the attn_o GEMV,
       // depends on this grid directly).
-      DS_CHECK(n_splits == kAttnDecodeClusterSplits, "attention decode: the cluster merge needs ",
-               kAttnDecodeClusterSplits, " splits, got ", n_splits);
-      auto* split_k = rope ? attention_decode_mma_kernel<HD, true, true, true>
-                           : attention_decode_mma_kernel<HD, true, false, true>;
-      ensure_smem_optin(reinterpret_cast<const void*>(split_k), kSmem);
-      allow_cluster_16(reinterpret_cast<const void*>(split_k));
+      auto* split_k = cluster_k;
       cudaLaunchConfig_t lc = {};
       lc.gridDim = grid;
       lc.blockDim = dim3(kMmaWarps * 32);
@@ -1089,6 +1117,8 @@ void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16*
            n_splits, " splits of ", kv_chunk, " tokens cannot cover ", b.max_kv_len, " tokens");
   DS_CHECK(adaptive || !how.pdl,
            "attention decode: PDL needs the adaptive split (AttnDecodeSplit::kAdaptive)");
+  DS_CHECK(adaptive || !how.cluster,
+           "attention decode: the cluster merge needs the adaptive split (AttnDecodeSplit::kAdaptive)");
   const AttnDecodeRope& rope = how.rope;
   if (rope.qkv) {
     DS_CHECK(adaptive, "attention decode: the fused rope needs the adaptive split");

@@ -406,17 +406,19 @@ TEST(CudaAttentionDecode, FusedRope27b) {
                                     false, &ref_cache);
     struct Arm {
       const char* name;
-      bool pdl, graph, early, cluster = false;
+      bool pdl, graph, early, cluster = false, fused = true;
     };
     for (const Arm& a : {Arm{"plain", false, false, false}, Arm{"pdl", true, false, false},
                          Arm{"pdl graph", true, true, false},
                          Arm{"pdl early graph", true, true, true},
                          Arm{"cluster pdl", true, false, false, true},
-                         Arm{"cluster pdl graph", true, true, false, true}}) {
+                         Arm{"cluster pdl graph", true, true, false, true},
+                         Arm{"cluster graph", false, true, false, true},
+                         Arm{"cluster after rope_kv, pdl", true, false, false, true, false}}) {
       auto how = launch_of(AttnDecodeKernel::kMma, adaptive, a.pdl, a.cluster);
       how.early_dependents = a.early;
       std::vector<bf> cache;
-      const auto got = run_after_rope(f, how, a.graph, true, &cache);
+      const auto got = run_after_rope(f, how, a.graph, a.fused, &cache);
       for (size_t j = 0; j < got.size(); ++j)
         ASSERT_TRUE(std::isfinite(got[j])) << c.what << " [" << a.name << "]: element " << j;
       size_t cache_differ = 0;
