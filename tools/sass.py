@@ -11,6 +11,9 @@ stretch of it, and compare the code of two builds kernel by kernel.
     tools/sass.py hist CUBIN --function SUBSTR [--between OPCODE N M]
         opcode counts of one kernel; --between VOTE 0 1: only the instructions between the 0th
         and the 1st VOTE (a loop body between two markers)
+    tools/sass.py path CUBIN --function SUBSTR RANGE [RANGE ...]
+        opcode counts of the instructions whose addresses fall in the RANGEs (0x1ee0-0x1f80 ...):
+        one executed path through a loop body, the branches read off `dump`
     tools/sass.py textcmp A.cubin B.cubin [--map FROM=TO ...]
         for each kernel of A: SAME (byte-identical .text), DIFF or MISSING in B, then B's NEW
         ones; --map rewrites B's mangled names before matching (e.g. a new template argument:
@@ -131,6 +134,22 @@ def histogram(instrs, between=None):
     return Counter(opcode(ins) for _, ins in instrs)
 
 
+def parse_range(text):
+    """'0x1ee0-0x1f80' -> (0x1ee0, 0x1f80), both ends included."""
+    lo, sep, hi = text.partition("-")
+    if not sep:
+        raise ValueError(f"range '{text}' is not LO-HI")
+    lo, hi = int(lo, 16), int(hi, 16)
+    if hi < lo:
+        raise ValueError(f"range '{text}' ends before it starts")
+    return lo, hi
+
+
+def path_histogram(instrs, ranges):
+    """Opcode counts of the instructions whose address lies in any of the (lo, hi) ranges."""
+    return Counter(opcode(ins) for addr, ins in instrs if any(lo <= addr <= hi for lo, hi in ranges))
+
+
 def find_cuobjdump():
     """cuobjdump (with nvdisasm beside it, which it runs): the CUDA install's, else the NVIDIA
     wheels' (fetched once into ~/.cache/deltaserve/cuobjdump)."""
@@ -230,6 +249,10 @@ def main(argv=None):
     h.add_argument("cubin")
     h.add_argument("--function", required=True)
     h.add_argument("--between", nargs=3, metavar=("OPCODE", "N", "M"))
+    pa = sub.add_parser("path")
+    pa.add_argument("cubin")
+    pa.add_argument("--function", required=True)
+    pa.add_argument("ranges", nargs="+")
     t = sub.add_parser("textcmp")
     t.add_argument("a")
     t.add_argument("b")
@@ -241,14 +264,17 @@ def main(argv=None):
         for name, body in split_functions(sass_of(a.cubin)).items():
             if a.function in name:
                 print(f"Function : {name}\n{body}")
-    elif a.cmd == "hist":
+    elif a.cmd in ("hist", "path"):
         funcs = {n: b for n, b in split_functions(sass_of(a.cubin)).items() if a.function in n}
         if len(funcs) != 1:
             raise SystemExit(f"sass.py: {len(funcs)} kernels match '{a.function}': "
                              + ", ".join(sorted(funcs))[:2000])
         name, body = next(iter(funcs.items()))
-        between = (a.between[0], int(a.between[1]), int(a.between[2])) if a.between else None
-        hist = histogram(sass_instructions(body), between)
+        if a.cmd == "path":
+            hist = path_histogram(sass_instructions(body), [parse_range(r) for r in a.ranges])
+        else:
+            between = (a.between[0], int(a.between[1]), int(a.between[2])) if a.between else None
+            hist = histogram(sass_instructions(body), between)
         print(f"{name}: {sum(hist.values())} instructions")
         for op, n in hist.most_common():
             print(f"  {n:6d} {op}")

@@ -113,3 +113,14 @@ def test_cubin_command_never_writes_the_object():
     i = got.index("-cubin")
     assert got[i:i + 4] == ["-cubin", "-Xptxas", "-v", "-DDS_X=0"]
     assert "/work/main/src/cuda/a.cu" in got and "-O3" in got
+
+
+def test_path_counts_only_the_given_address_ranges():
+    ins = sass.sass_instructions(sass.split_functions(LISTING)["_Z1fv"])
+    # the fall-through path: MOV, VOTE, BRA, then the second VOTE and EXIT (skipping 0x30-0x50)
+    ranges = [sass.parse_range("0x0-0x20"), sass.parse_range("0x60-0x70")]
+    assert sass.path_histogram(ins, ranges) == {"MOV": 1, "VOTE": 2, "BRA": 1, "EXIT": 1}
+    assert sass.parse_range("0x1ee0-0x1f80") == (0x1EE0, 0x1F80)
+    for bad in ("0x10", "0x20-0x10", "zz-0x10"):
+        with pytest.raises(ValueError):
+            sass.parse_range(bad)
