@@ -882,6 +882,26 @@ __global__ void __launch_bounds__(kMergeThreads) attention_decode_merge_adaptive
 
 constexpr int kMaxMergeSplits = 8192;  // the merge's shared weights: 32 KB (+ static scratch)
 
+// A launch of `grid` in clusters of kAttnDecodeClusterSplits blocks along x, the programmatic
+// attribute too when `pdl`; `attr` (2 entries) holds the attributes lc points at.
+cudaLaunchConfig_t cluster_16_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                     bool pdl, cudaLaunchAttribute (&attr)[2]) {
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = grid;
+  lc.blockDim = block;
+  lc.dynamicSmemBytes = smem;
+  lc.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = kAttnDecodeClusterSplits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  lc.attrs = attr;
+  lc.numAttrs = pdl ? 2 : 1;
+  return lc;
+}
+
 // Whether `func` can run in clusters of kAttnDecodeClusterSplits blocks of `block` threads and
 // `smem` bytes on the current device (non-portable size allowed first); asked once per (kernel,
 // device). When it cannot, the caller runs the two-kernel path instead.
@@ -896,17 +916,9 @@ bool cluster_16_fits(const void* func, dim3 block, size_t smem) {
   cudaError_t e = cudaFuncSetAttribute(func, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   int clusters = 0;
   if (e == cudaSuccess) {
-    cudaLaunchConfig_t lc = {};
-    lc.gridDim = dim3(kAttnDecodeClusterSplits);
-    lc.blockDim = block;
-    lc.dynamicSmemBytes = smem;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kAttnDecodeClusterSplits;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    lc.attrs = attr;
-    lc.numAttrs = 1;
+    cudaLaunchAttribute attr[2];
+    const cudaLaunchConfig_t lc =
+        cluster_16_config(dim3(kAttnDecodeClusterSplits), block, smem, nullptr, false, attr);
     e = cudaOccupancyMaxActiveClusters(&clusters, func, &lc);
   }
   if (e != cudaSuccess) (void)cudaGetLastError();  // this query's own (non-sticky) error
@@ -944,23 +956,11 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
       // One cluster of kAttnDecodeClusterSplits split blocks per (kv head, sequence), merging in
       // distributed shared memory: no merge kernel (its programmatic dependent, the attn_o GEMV,
       // depends on this grid directly).
-      auto* split_k = cluster_k;
-      cudaLaunchConfig_t lc = {};
-      lc.gridDim = grid;
-      lc.blockDim = dim3(kMmaWarps * 32);
-      lc.dynamicSmemBytes = kSmem;
-      lc.stream = stream;
       cudaLaunchAttribute attr[2];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = kAttnDecodeClusterSplits;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[1].val.programmaticStreamSerializationAllowed = 1;
-      lc.attrs = attr;
-      lc.numAttrs = how.pdl ? 2 : 1;
-      DS_CUDA_CHECK(cudaLaunchKernelEx(&lc, split_k, s, b, q, k_cache, v_cache, kv_chunk, n_splits,
-                                       ml, o, how.rope, gate, out));
+      const cudaLaunchConfig_t lc =
+          cluster_16_config(grid, dim3(kMmaWarps * 32), kSmem, stream, how.pdl, attr);
+      DS_CUDA_CHECK(cudaLaunchKernelEx(&lc, cluster_k, s, b, q, k_cache, v_cache, kv_chunk,
+                                       n_splits, ml, o, how.rope, gate, out));
       return;
     }
     auto* split_k = rope ? attention_decode_mma_kernel<HD, true, true>

@@ -216,18 +216,21 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // keys (16K causal: 558-631 vs 535-603 TFLOP/s), 1-7% slower on chunks without a cache.
   // wgmma_m128 runs when the TMA kernels are switched off (DS_DISABLE_KERNELS=attn_prefill.
   // wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean).
+  const auto hd256 = [](const ShapeKey& k) {
+    return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1;
+  };
+  const auto ws3_shapes = [hd256](const ShapeKey& k) {
+    return hd256(k) && k.dims[2] >= 512 && k.dims[3] >= 8192;
+  };
   r.add({F::kAttnPrefill, "wgmma_ws3",
          "hd 256, >= 512-token chunks against >= 8K keys: wgmma_ws with 3 K stages (227 KiB of "
          "shared memory)",
-         [](const ShapeKey& k) {
-           return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1 && k.dims[2] >= 512 &&
-                  k.dims[3] >= 8192;
-         }});
+         ws3_shapes});
   r.add({F::kAttnPrefill, "wgmma_ws",
          "hd 256, 128 rows x 64 keys per block, warp-specialised: a TMA producer warp fills "
          "2-stage K and V rings (mbarriers), two wgmma consumer warpgroups (setmaxnreg 240) "
          "overlap S(j) with P(j-1) V(j-1) and the softmax; bit-identical to wgmma_m128",
-         [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
+         hd256});
   // The lean forms of wgmma_ws3 / wgmma_ws (session 22, not yet measured): O rescaled only on
   // tiles where a row of the warp raised its running max, and no mask code on the tiles before
   // the first query; bit-identical outputs. After wgmma_ws, so never picked while it is on;
@@ -235,18 +238,15 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   r.add({F::kAttnPrefill, "wgmma_ws3_lean",
          "wgmma_ws3 with O rescaled only when a row of the warp raised its max and no mask code "
          "before the diagonal (same bits)",
-         [](const ShapeKey& k) {
-           return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1 && k.dims[2] >= 512 &&
-                  k.dims[3] >= 8192;
-         }});
+         ws3_shapes});
   r.add({F::kAttnPrefill, "wgmma_ws_lean",
          "wgmma_ws with O rescaled only when a row of the warp raised its max and no mask code "
          "before the diagonal (same bits)",
-         [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
+         hd256});
   r.add({F::kAttnPrefill, "wgmma_m128",
          "hd 256, 128 rows x 64 keys per block, Hopper wgmma (Q K^T smem x smem, P V regs x smem), "
          "O in registers, 2-stage cp.async K/V",
-         [](const ShapeKey& k) { return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1; }});
+         hd256});
   r.add({F::kAttnPrefill,
          "wmma_flash",
          "flash-style tiles, GQA group packed into rows, WMMA bf16, online softmax; hd 16..256",

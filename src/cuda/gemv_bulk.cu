@@ -636,13 +636,7 @@ void launch_gemv_bulk_norm(const GemvNormIn& norm, const __nv_bfloat16* w, void*
 }
 
 bool gemv_norm_weight_early() {
-  static const bool on = [] {
-    const char* e = std::getenv("DS_GEMV_NORM_EARLY");
-    const std::string v = e ? e : "";
-    DS_CHECK(v.empty() || v == "0" || v == "1", "DS_GEMV_NORM_EARLY must be 0 or 1, got '", v,
-             "'");
-    return v != "0";
-  }();
+  static const bool on = env_switch("DS_GEMV_NORM_EARLY", true);
   return on;
 }
 
