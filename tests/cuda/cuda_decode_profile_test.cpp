@@ -252,14 +252,48 @@ double report(const std::string& title, const std::vector<std::vector<KernelRec>
     std::printf("PROFILE %-34s %5.0f %9.2f %9.2f %9.2f %10.3f %10.3f\n", k.c_str(), r.n / ns,
                 r.dur / r.n, r.gap / r.n, r.adv / r.n, r.dur / ns * 1e-3, r.adv / ns * 1e-3);
   }
+  // The same roles split by the kind of layer they run in (a layer's kernels from its input
+  // projection to the next one's: "@attn" or "@gdn"), for the roles both kinds have (the MLP and
+  // the norms). Answers whether a context-dependent cost sits next to the attention layers or is
+  // spread over every layer (decode_kernels.md, "Batch-1 TPOT against context").
+  {
+    std::map<std::string, Row> by_kind;
+    std::vector<std::string> kind_order;
+    for (const auto& st : steps) {
+      const auto role = roles(st);
+      bool attn = false;  // layer 0 is a GDN layer; its embedding and first norm count with it
+      for (size_t i = 0; i < st.size(); ++i) {
+        if (role[i].rfind("attn_qkv", 0) == 0) attn = true;
+        if (role[i].rfind("gdn_in", 0) == 0) attn = false;
+        const bool shared = role[i].rfind("gate_up", 0) == 0 || role[i].rfind("down", 0) == 0 ||
+                            role[i].rfind("add_rmsnorm", 0) == 0 ||
+                            role[i].rfind("silu_mul", 0) == 0;
+        if (!shared || i == 0) continue;
+        const std::string key = role[i] + (attn ? " @attn" : " @gdn");
+        if (!by_kind.count(key)) kind_order.push_back(key);
+        Row& r = by_kind[key];
+        r.n++;
+        r.dur += (st[i].end - st[i].start) * 1e-3;
+        r.gap += (double(st[i].start) - double(st[i - 1].end)) * 1e-3;
+        r.adv += (double(st[i].end) - double(st[i - 1].end)) * 1e-3;
+      }
+    }
+    std::sort(kind_order.begin(), kind_order.end());
+    std::printf("PROFILE %s by layer kind:\n", title.c_str());
+    for (const auto& k : kind_order) {
+      const Row& r = by_kind[k];
+      std::printf("PROFILE   %-38s %5.0f %9.2f %9.2f %9.2f %10.3f %10.3f\n", k.c_str(), r.n / ns,
+                  r.dur / r.n, r.gap / r.n, r.adv / r.n, r.dur / ns * 1e-3, r.adv / ns * 1e-3);
+    }
+  }
   if (print_layers) {
     const auto& st = steps.back();
     const auto role = roles(st);
     std::printf(
-        "PROFILE %s, one step, first 24 kernels: start us (from the step's first), "
+        "PROFILE %s, one step, first 40 kernels (past the first attention layer): start us (from the step's first), "
         "duration, gap before, grid x block, shared memory, registers\n",
         title.c_str());
-    for (size_t i = 0; i < std::min<size_t>(24, st.size()); ++i)
+    for (size_t i = 0; i < std::min<size_t>(40, st.size()); ++i)
       std::printf("PROFILE   %3zu %-30s %9.2f %8.2f %8.2f  %4d x %4d %7d B %4d\n", i,
                   role[i].c_str(), (st[i].start - st[0].start) * 1e-3,
                   (st[i].end - st[i].start) * 1e-3,
