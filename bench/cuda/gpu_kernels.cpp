@@ -413,8 +413,10 @@ void KernelBench::gemm_mma_ab(const std::string& name, int m) {
       gpu::time_launches([&](int i) { lt.run(xi(i), wi(i), yi(i), m, o.n, o.k, out, s_); }, s_,
                          timer(rot))
           .p50;
+  // ref / count: what the row's output is compared with (cuBLASLt's [m, n] unless given).
   auto row = [&](const std::string& variant, const std::string& how,
-                 const std::function<void(int)>& launch) {
+                 const std::function<void(int)>& launch, const bf16* ref = nullptr,
+                 int64_t count = 0) {
     KernelResult r;
     r.family = "gemm";
     r.variant = variant;
@@ -422,7 +424,9 @@ void KernelBench::gemm_mma_ab(const std::string& name, int m) {
     r.shape = shape;
     gpu::check(cudaMemsetAsync(yi(0), 0xFF, size_t(2) * m * o.n, s_), "poison y");  // NaN
     launch(0);
-    r.match = gpu::compare_bf16(yi(0), yref.as<bf16>(), int64_t(m) * o.n, s_).text();
+    r.match = gpu::compare_bf16(yi(0), ref ? ref : yref.as<bf16>(),
+                                ref ? count : int64_t(m) * o.n, s_)
+                  .text();
     r.fallback = lt_tuned ? "cublaslt_tuned" : "cublaslt";
     r.fallback_time_s = t_lt;
     r.samples = gpu::time_launches(launch, s_, timer(rot));
@@ -445,8 +449,8 @@ void KernelBench::gemm_mma_ab(const std::string& name, int m) {
     }
   }
   // The TMA tensor-core GEMV (gemv_tma.cu; in the engine at m 5..16 unless $DS_GEMV_TMA=0),
-  // plain and with PDL; on gate_up also its fused SiLU kernel (its match column compares the
-  // [m, d_ff] activation with the first half of cuBLASLt's [m, 2 d_ff] output: not a check).
+  // plain and with PDL; on gate_up also its fused SiLU kernel, whose [m, d_ff] activation is
+  // compared with silu_mul of cuBLASLt's [m, 2 d_ff] output (the engine's unfused path).
   if (cuda::gemv_tma_supports(m, o.n, o.k, false, n_sms_)) {
     for (bool pdl : {false, true}) {
       cuda::GemvTmaConfig c = cuda::gemv_tma_config(m, o.n, o.k, false);
@@ -456,16 +460,22 @@ void KernelBench::gemm_mma_ab(const std::string& name, int m) {
       });
     }
     if (o.n % 2 == 0 && cuda::gemv_tma_supports(m, o.n / 2, o.k, true, n_sms_) &&
-        name == "gate_up")
+        name == "gate_up") {
+      DevBuf aref(size_t(2) * m * (o.n / 2), "gemm silu reference");
+      cuda::launch_silu_mul(yref.as<bf16>(), m, o.n / 2, aref.as<bf16>(), s_);
       for (bool pdl : {false, true}) {
         cuda::GemvTmaConfig c = cuda::gemv_tma_config(m, o.n / 2, o.k, true);
         c.pdl = pdl;
-        row("gemv_tma_silu_" + c.name(), pdl ? "with PDL (back to back); match: not comparable"
-                                             : "no PDL; match: not comparable",
+        row(
+            "gemv_tma_silu_" + c.name(),
+            pdl ? "with PDL (back to back); match: against cuBLASLt + silu_mul"
+                : "no PDL; match: against cuBLASLt + silu_mul",
             [&](int i) {
               cuda::launch_gemv_tma_silu(xi(i), wi(i), yi(i), m, o.n / 2, o.k, c, n_sms_, s_);
-            });
+            },
+            aref.as<bf16>(), int64_t(m) * (o.n / 2));
       }
+    }
   }
   if (cuda::gemv_bulk_supports(m, o.n, o.k)) {
     const cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, o.n, o.k);
