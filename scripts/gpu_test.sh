@@ -22,6 +22,9 @@
 #   --server    also the server pytest suite on the CUDA engine (scripts/gpu_server_test.sh: needs
 #               $BUILD_DIR/bin/deltaserve and the carried .whl-serve/ wheels of pytest + openai),
 #               counted as one more entry of the summary line
+#   GPU_TEST_TIMEOUT  seconds one binary may run (default 240, 900 with --perf / --hf-compare;
+#               the slowest binary took 60 s in session 21): a hung kernel fails its binary
+#               (rc 124) and the run goes on, instead of taking the whole device call with it
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build-cuda}
@@ -45,6 +48,7 @@ while (($#)); do
   esac
   shift
 done
+if [ -n "${DS_PERF:-}${DS_HF_COMPARE_DIR:-}" ]; then per_bin=${GPU_TEST_TIMEOUT:-900}; else per_bin=${GPU_TEST_TIMEOUT:-240}; fi
 export DS_TEST_DATA_DIR="$PWD/tests/data" DS_SOURCE_DIR_OVERRIDE="$PWD"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>&1 | tee "$LOG_DIR/gpu.txt"
 bins=$(ls "$BUILD_DIR"/tests/cuda_*_test 2>/dev/null | sort)
@@ -70,8 +74,10 @@ pass=0; fail=0; failed=""
 for b in $bins; do
   name=$(basename "$b")
   start=$(date +%s)
-  "$b" --gtest_filter="$FILTER" --gtest_color=no >"$LOG_DIR/$name.log" 2>&1
+  timeout -k 10 "$per_bin" "$b" --gtest_filter="$FILTER" --gtest_color=no \
+    >"$LOG_DIR/$name.log" 2>&1
   rc=$?
+  [ $rc -eq 124 ] && echo "gpu_test: $name ran past $per_bin s (GPU_TEST_TIMEOUT): stopped" | tee -a "$LOG_DIR/$name.log"
   secs=$(( $(date +%s) - start ))
   n_ok=$(grep -c "^\[       OK \]" "$LOG_DIR/$name.log")
   n_bad=$(grep -c "^\[  FAILED  \].*(" "$LOG_DIR/$name.log")
