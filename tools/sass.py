@@ -27,6 +27,7 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import shutil
 import struct
 import subprocess
@@ -289,4 +290,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends quietly
     sys.exit(main())

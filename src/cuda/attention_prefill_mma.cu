@@ -42,6 +42,14 @@
 //               without the causal mask (the compiler otherwise if-converts the mask into 32
 //               compares + 32 selects executed on every tile). SASS per unmasked tile (cuobjdump):
 //               ~433 instructions per thread when the rescale is skipped, against ~630.
+//   wgmma_ws3_persist / wgmma_ws3_lean_persist  (session 23, built without a device; after the
+//               lean forms, picked only with the four above switched off, until measured)
+//               wgmma_ws3 / wgmma_ws3_lean as a persistent grid: one block per SM walks the row
+//               tiles in the one-tile grid's order, dealt round by round in alternating
+//               direction; the producer streams each next tile's K / V through the same rings and
+//               each consumer warpgroup copies its next Q rows once its last S is done, so a
+//               tile's start (Q, first K, first S) runs under the previous tile's last P V and
+//               epilogue. The consumers zero a partial last V tile themselves. Same bits.
 //   wgmma_m128  the same tiles with every thread loading K/V through a 2-stage cp.async pipeline
 //               (rows past the last needed key zero-filled, never read), block barriers per
 //               tile, an epilogue staged in fp32 through shared memory (16-byte rows). 310-443
@@ -57,6 +65,7 @@
 
 #include <cuda.h>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -142,12 +151,11 @@ struct RowTile {
   const int32_t* btab;  // this sequence's block table
 };
 
-// Fills rt for row tile `tile` of kv head `kvh` of sequence blockIdx.z; false when the tile lies
-// past the sequence's rows (the block has nothing to do).
+// Fills rt for row tile `tile` of kv head `kvh` of sequence `seq`; false when the tile lies past
+// the sequence's rows (the block has nothing to do).
 template <int kBm>
-__device__ __forceinline__ bool row_tile_at(const AttnShape& s, const AttnBatch& b, int tile,
-                                            int kvh, RowTile& rt) {
-  const int seq = blockIdx.z;
+__device__ __forceinline__ bool row_tile_of(const AttnShape& s, const AttnBatch& b, int seq,
+                                            int tile, int kvh, RowTile& rt) {
   rt.kvh = kvh;
   rt.group = s.n_heads / s.n_kv_heads;
   rt.q_len = b.q_len[seq];
@@ -165,6 +173,13 @@ __device__ __forceinline__ bool row_tile_at(const AttnShape& s, const AttnBatch&
   rt.n_kv = s.n_kv_heads;
   rt.btab = b.block_table + int64_t(seq) * b.block_table_stride;
   return true;
+}
+
+// The same for sequence blockIdx.z.
+template <int kBm>
+__device__ __forceinline__ bool row_tile_at(const AttnShape& s, const AttnBatch& b, int tile,
+                                            int kvh, RowTile& rt) {
+  return row_tile_of<kBm>(s, b, int(blockIdx.z), tile, kvh, rt);
 }
 
 // The same for the block's place in the grid (tiles, n_kv, seqs): the longest rows of the
@@ -497,16 +512,24 @@ struct WsSmem {
 };
 
 // Producer (one thread): K(0), then K(j), V(j - 1) for j >= 1 (the order the consumers use them),
-// then V(last), then an arrival on last_issued (for ws_zero_v_tail). Each fill of a stage first
-// waits until the consumers gave its previous fill back.
-template <int KS, int VS>
+// then V(last), then (kPersist false) an arrival on last_issued (for ws_zero_v_tail). Each fill
+// of a stage first waits until the consumers gave its previous fill back. kf0 / vf0: the K / V
+// fills the block issued before this row tile (0 but in the persistent kernel), which set the
+// stages and phases of this tile's fills.
+template <int KS, int VS, bool kPersist = false>
 __device__ __forceinline__ void ws_load_tiles(const RowTile& rt, const CUtensorMap* k_map,
-                                              const CUtensorMap* v_map, const WsSmem<KS, VS>& sm) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(k_map)) : "memory");
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(v_map)) : "memory");
+                                              const CUtensorMap* v_map, const WsSmem<KS, VS>& sm,
+                                              int kf0 = 0, int vf0 = 0) {
+  if constexpr (!kPersist) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(k_map))
+                 : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(v_map))
+                 : "memory");
+  }
   auto load = [&](bool is_v, int j) {
     const int n_stages = is_v ? VS : KS;
-    const int st = j % n_stages, fill = j / n_stages;
+    const int f = (is_v ? vf0 : kf0) + j;
+    const int st = f % n_stages, fill = f / n_stages;
     const uint32_t full = is_v ? sm.full_v(st) : sm.full_k(st);
     mbar_wait(is_v ? sm.empty_v(st) : sm.empty_k(st), (fill & 1) ^ 1);
     mbar_arrive_expect_tx(full, kWsTileBytes);
@@ -526,7 +549,7 @@ __device__ __forceinline__ void ws_load_tiles(const RowTile& rt, const CUtensorM
     load(true, j - 1);
   }
   load(true, rt.n_tiles - 1);
-  mbar_arrive(sm.last_issued());
+  if constexpr (!kPersist) mbar_arrive(sm.last_issued());
 }
 
 // Second producer warp, when the last key tile is partial: zeroes that V tile's rows past the last
@@ -591,17 +614,11 @@ __device__ __forceinline__ void issue_pv(float (&o)[kHd / 2], const uint32_t (&p
   wgmma_commit();
 }
 
-// Consumer warpgroup wg (0, 1): rows wg * 64 .. + 63 of the tile.
-template <int KS, int VS, bool kLean>
-__device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt,
-                                           const bf16* __restrict__ q, const AttnGate& gate,
-                                           bf16* __restrict__ out, int wg,
-                                           const WsSmem<KS, VS>& sm) {
-  const int ct = threadIdx.x - 128 * (wg + 1);  // 0..127 within the warpgroup
-  const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;  // warp 0..7 of the rows
-  const int t = lane & 3;
-
-  // This warpgroup's 64 Q rows (cp.async; pad rows zero-filled).
+// Starts the cp.async copies of warpgroup wg's 64 Q rows of row tile rt (pad rows zero-filled);
+// the caller commits and waits. ct: the thread's index in the warpgroup.
+__device__ __forceinline__ void ws_issue_q_rows(const AttnShape& s, const RowTile& rt,
+                                                const bf16* __restrict__ q, int wg, int ct,
+                                                uint32_t q_smem) {
   for (int i = ct; i < 64 * 32; i += 128) {
     const int r = wg * 64 + (i >> 5), c = i & 31, pr = rt.row0 + r, tok = pr / rt.group;
     const bool ok = tok < rt.q_len;
@@ -609,12 +626,27 @@ __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt
         ok ? q + (int64_t(rt.q0 + tok) * s.n_heads + rt.kvh * rt.group + pr % rt.group) * kHd +
                  c * 8
            : q;
-    cp_async16(sm.q + gswz(kWgRows, r, c), src, ok);
+    cp_async16(q_smem + gswz(kWgRows, r, c), src, ok);
   }
-  cp_async_commit();
-  cp_async_wait<0>();
-  fence_proxy_async();
-  warpgroup_bar(1 + wg);
+}
+__device__ __forceinline__ void ws_issue_q(const AttnShape& s, const RowTile& rt,
+                                           const bf16* __restrict__ q, int wg, uint32_t q_smem) {
+  ws_issue_q_rows(s, rt, q, wg, int(threadIdx.x) - 128 * (wg + 1), q_smem);
+}
+
+// Consumer warpgroup wg (0, 1): rows wg * 64 .. + 63 of row tile rt, whose Q rows are in shared
+// memory; warp (0..7 of the consumers) and lane are the thread's. kf0 / vf0: the K / V fills the
+// block consumed before this row tile (0 but in the persistent kernel). before_last_pv() runs once this warpgroup's last S is done (Q is free):
+// the persistent kernel starts the next row tile's Q copies there. kPersist: the last V tile's
+// rows past the last key are zeroed here by the two consumer warpgroups (columns split between
+// them, then a 256-thread barrier), not by the second producer warp.
+template <int KS, int VS, bool kLean, bool kPersist, class BeforeLastPv>
+__device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTile& rt,
+                                                const AttnGate& gate, bf16* __restrict__ out,
+                                                int wg, const WsSmem<KS, VS>& sm, int kf0,
+                                                int vf0, BeforeLastPv&& before_last_pv,
+                                                int warp, int lane) {
+  const int t = lane & 3;
 
   const QueryRows qr = query_rows(rt, warp * 16 + (lane >> 2));
   auto release = [&](uint32_t bar) {
@@ -632,12 +664,13 @@ __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt
   uint32_t pa[kBn / 16][4], pb[kBn / 16][4];
   {
     float sc[kBn / 2];
-    mbar_wait(sm.full_k(0), 0);
-    issue_qk_ws(sc, sm.q, sm.k, wg);
+    const int sk = kf0 % KS;
+    mbar_wait(sm.full_k(sk), (kf0 / KS) & 1);
+    issue_qk_ws(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(sc);
-    release(sm.empty_k(0));
+    release(sm.empty_k(sk));
     float alpha_a, alpha_b;  // O is still 0: nothing to rescale
     softmax_tile(sc, pa, 0, need_mask(0), qr.pos_a, qr.pos_b, t, st, alpha_a, alpha_b);
   }
@@ -647,14 +680,15 @@ __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt
   // every tile as predicated code).
   auto step = [&](auto maskable, int j, uint32_t(&pin)[kBn / 16][4],
                   uint32_t(&pout)[kBn / 16][4]) {
-    const int sk = j % KS, sv = (j - 1) % VS;
+    const int kf = kf0 + j, vf = vf0 + j - 1;
+    const int sk = kf % KS, sv = vf % VS;
     float sc[kBn / 2];
-    mbar_wait(sm.full_k(sk), (j / KS) & 1);
+    mbar_wait(sm.full_k(sk), (kf / KS) & 1);
     fence_regs(o);
     fence_frags(pin);
     issue_qk_ws(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
     wgmma_commit();
-    mbar_wait(sm.full_v(sv), ((j - 1) / VS) & 1);
+    mbar_wait(sm.full_v(sv), (vf / VS) & 1);
     issue_pv(o, pin, sm.v + uint32_t(sv) * kWsTileBytes);
     wgmma_wait<1>();  // S(j) done; P V may still run
     fence_regs(sc);
@@ -673,18 +707,39 @@ __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt
       rescale_o(o, alpha_a, alpha_b);
   };
   // The last tile's P V; when the tile is partial, its V rows past the last key (whatever the
-  // page holds there) are zeroed by the second producer warp first (ws_zero_v_tail).
+  // page holds there) are zeroed first: by the second producer warp (ws_zero_v_tail) or, in the
+  // persistent kernel, by the consumers themselves.
   auto last_pv = [&](uint32_t(&pin)[kBn / 16][4]) {
-    const int j = rt.n_tiles - 1, sv = j % VS;
-    mbar_wait(sm.full_v(sv), (j / VS) & 1);
+    before_last_pv();
+    const int j = rt.n_tiles - 1, vf = vf0 + j, sv = vf % VS;
+    mbar_wait(sm.full_v(sv), (vf / VS) & 1);
     const uint32_t vs = sm.v + uint32_t(sv) * kWsTileBytes;
-    if (rt.n_keys - j * kBn < kBn) mbar_wait(sm.v_zeroed(), 0);
+    if constexpr (kPersist) {
+      const int valid = rt.n_keys - j * kBn;  // keys of the last tile (1..64)
+      if (valid < kBn) {
+        // 16-byte chunks c of rows valid..63: warpgroup wg takes columns 128 wg .. 128 wg + 127.
+        const int ct = threadIdx.x - 128 * (wg + 1);
+        for (int i = ct; i < (kBn - valid) * 16; i += 128) {
+          const int r = valid + (i >> 4), c = 16 * wg + (i & 15);
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(vs + gswz(kBn, r, c)),
+                       "r"(0u)
+                       : "memory");
+        }
+        fence_proxy_async();  // the zeros (generic proxy) before either warpgroup's wgmma reads
+        asm volatile("bar.sync 3, 256;\n" ::: "memory");
+      }
+    } else {
+      if (rt.n_keys - j * kBn < kBn) mbar_wait(sm.v_zeroed(), 0);
+    }
     fence_regs(o);
     fence_frags(pin);
     issue_pv(o, pin, vs);
     wgmma_wait<0>();
     fence_regs(o);
     fence_frags(pin);
+    // The persistent kernel's rings go on to the next row tile: give the last V stage back too
+    // (the one-tile kernel ends here, and its producer never waits on that stage again).
+    if constexpr (kPersist) release(sm.empty_v(sv));
   };
   constexpr std::true_type kMaskable{};
   constexpr std::bool_constant<!kLean> kMaskableUnlessLean{};
@@ -745,6 +800,22 @@ __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt
   }
 }
 
+// Consumer warpgroup wg (0, 1) of the one-row-tile kernel: its Q rows, then the tile.
+template <int KS, int VS, bool kLean>
+__device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt,
+                                           const bf16* __restrict__ q, const AttnGate& gate,
+                                           bf16* __restrict__ out, int wg,
+                                           const WsSmem<KS, VS>& sm) {
+  const int ct = threadIdx.x - 128 * (wg + 1);  // 0..127 within the warpgroup
+  const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;  // warp 0..7 of the rows
+  ws_issue_q_rows(s, rt, q, wg, ct, sm.q);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  warpgroup_bar(1 + wg);
+  ws_consume_tile<KS, VS, kLean, false>(s, rt, gate, out, wg, sm, 0, 0, [] {}, warp, lane);
+}
+
 template <int KS, int VS, bool kLean>
 __global__ void __launch_bounds__(kWsThreads, 1)
     attention_prefill_ws_kernel(AttnShape s, AttnBatch b,
@@ -794,6 +865,125 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   }
 }
 
+// ---- Persistent form of the warp-specialised kernel (session 23, built without a device) ------
+// One block per SM walks a list of row tiles: the (sequence, kv head, row tile) items in the
+// order of the one-tile grid (heads fastest, the longest rows of the triangle first), dealt to
+// the blocks round by round in alternating direction (round r gives item r G + b to block b when
+// r is even, r G + G - 1 - b when odd), so the blocks' sums of key tiles stay within about one
+// item of each other. The producer thread streams the K / V tiles of its items back to back
+// through the same rings (stage and phase from the fills issued so far), so the next item's first
+// tiles land while the consumers finish the current one; each consumer warpgroup starts the
+// copies of its next item's Q rows once its last S is done, under its last P V and its
+// epilogue. The per-tile arithmetic is ws_consume_tile's, so the outputs are the one-tile
+// kernel's bits.
+
+// Item o of the list (0 <= o < n_seqs * n_kv * tiles): false if it lies past its sequence's rows.
+__device__ __forceinline__ bool wsp_item(const AttnShape& s, const AttnBatch& b, int tiles,
+                                         int64_t o, RowTile& rt) {
+  const int64_t per_seq = int64_t(s.n_kv_heads) * tiles;
+  const int seq = int(o / per_seq), rem = int(o % per_seq);
+  return row_tile_of<kWgRows>(s, b, seq, tiles - 1 - rem / s.n_kv_heads, rem % s.n_kv_heads, rt);
+}
+
+// The item of round r for this block, or -1 past the list.
+__device__ __forceinline__ int64_t wsp_round_item(int64_t r, int64_t n_items) {
+  const int64_t g = gridDim.x;
+  const int64_t o = r * g + ((r & 1) ? g - 1 - blockIdx.x : blockIdx.x);
+  return o < n_items ? o : -1;
+}
+
+// The first round >= r whose item has rows (-1: none left). Every thread of the block walks the
+// same rounds, so producer and consumers agree on the items and on each one's tile count.
+__device__ __forceinline__ int64_t wsp_next_round(const AttnShape& s, const AttnBatch& b,
+                                                  int tiles, int64_t n_items, int64_t r) {
+  for (; r * gridDim.x < n_items; ++r) {
+    const int64_t o = wsp_round_item(r, n_items);
+    RowTile rt;
+    if (o >= 0 && wsp_item(s, b, tiles, o, rt)) return r;
+  }
+  return -1;
+}
+
+template <int KS, int VS, bool kLean>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    attention_prefill_wsp_kernel(AttnShape s, AttnBatch b,
+                                 const bf16* __restrict__ q,  // [n_rows, n_heads, 256]
+                                 const __grid_constant__ CUtensorMap k_map,
+                                 const __grid_constant__ CUtensorMap v_map, AttnGate gate,
+                                 bf16* __restrict__ out,  // [n_rows, n_heads, 256]
+                                 int tiles, int64_t n_items) {
+  extern __shared__ unsigned char smem_raw[];
+  WsSmem<KS, VS> sm;
+  sm.q = smem_u32(align_1024(smem_raw));
+  sm.k = sm.q + kWgRows * kRowBytes;
+  sm.v = sm.k + KS * kWsTileBytes;
+  sm.bars = sm.v + VS * kWsTileBytes;
+
+  int64_t r = wsp_next_round(s, b, tiles, n_items, 0);
+  if (r < 0) return;  // the whole block: no item of this block has rows
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < KS; ++st) {
+      mbar_init(sm.full_k(st), 1);
+      mbar_init(sm.empty_k(st), 8);  // lane 0 of each consumer warp
+    }
+    for (int st = 0; st < VS; ++st) {
+      mbar_init(sm.full_v(st), 1);
+      mbar_init(sm.empty_v(st), 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  int kf = 0, vf = 0;  // K / V fills issued (producer) or consumed (consumers) so far
+  if (threadIdx.x < 128) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
+    if (threadIdx.x == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&k_map))
+                   : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&v_map))
+                   : "memory");
+      for (; r >= 0; r = wsp_next_round(s, b, tiles, n_items, r + 1)) {
+        RowTile rt;
+        wsp_item(s, b, tiles, wsp_round_item(r, n_items), rt);
+        ws_load_tiles<KS, VS, true>(rt, &k_map, &v_map, sm, kf, vf);
+        kf += rt.n_tiles;
+        vf += rt.n_tiles;
+      }
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
+    const int wg = (threadIdx.x >> 7) - 1;
+    const int warp = (threadIdx.x >> 5) - 4, lane = threadIdx.x & 31;
+    {
+      RowTile rt;
+      wsp_item(s, b, tiles, wsp_round_item(r, n_items), rt);
+      ws_issue_q(s, rt, q, wg, sm.q);
+      cp_async_commit();
+    }
+    while (r >= 0) {
+      RowTile rt;
+      wsp_item(s, b, tiles, wsp_round_item(r, n_items), rt);
+      const int64_t rn = wsp_next_round(s, b, tiles, n_items, r + 1);
+      cp_async_wait<0>();
+      fence_proxy_async();  // the Q rows (generic proxy) before this warpgroup's wgmma reads
+      warpgroup_bar(1 + wg);
+      ws_consume_tile<KS, VS, kLean, true>(
+          s, rt, gate, out, wg, sm, kf, vf,
+          [&] {
+            if (rn < 0) return;
+            RowTile next;
+            wsp_item(s, b, tiles, wsp_round_item(rn, n_items), next);
+            ws_issue_q(s, next, q, wg, sm.q);
+            cp_async_commit();
+          },
+          warp, lane);
+      kf += rt.n_tiles;
+      vf += rt.n_tiles;
+      r = rn;
+    }
+  }
+}
+
 // The TMA map of one paged cache (attention_prefill_tma_view, which the caller has checked), 64 x
 // 64 x 1 boxes, 128-byte swizzle.
 CUtensorMap cache_tensor_map(const AttnCacheTmaView& view, const bf16* cache, const char* what) {
@@ -828,6 +1018,31 @@ void launch_ws(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16
                                   : dim3(unsigned(tiles), s.n_kv_heads, b.n_seqs);
   attention_prefill_ws_kernel<KS, VS, kLean>
       <<<grid, kWsThreads, smem, stream>>>(s, b, q, k_map, v_map, gate, out, heads_fastest);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+template <int KS, int VS, bool kLean>
+void launch_wsp(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
+                const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
+  constexpr size_t smem = ws_smem_bytes<KS, VS>();
+  static_assert(smem <= 227 * 1024, "shared memory of one block");
+  auto* kernel = attention_prefill_wsp_kernel<KS, VS, kLean>;
+  ensure_smem_optin(reinterpret_cast<const void*>(kernel), smem);
+  const AttnCacheTmaView view = attention_prefill_tma_view(s);
+  DS_CHECK(view.ok, "attention prefill (wgmma_ws persistent): no TMA view of a cache with ",
+           s.n_kv_heads, " kv heads x ", s.page_size, "-token pages");
+  const CUtensorMap k_map = cache_tensor_map(view, k_cache, "K");
+  const CUtensorMap v_map = cache_tensor_map(view, v_cache, "V");
+  const int group = s.n_heads / s.n_kv_heads;
+  const int64_t tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
+  DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
+  const int64_t n_items = tiles * s.n_kv_heads * b.n_seqs;
+  int dev = 0, n_sms = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
+  const unsigned grid = unsigned(std::min<int64_t>(n_items, std::max(n_sms, 1)));
+  kernel<<<grid, kWsThreads, smem, stream>>>(s, b, q, k_map, v_map, gate, out, int(tiles),
+                                             n_items);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -867,6 +1082,8 @@ void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, cons
     case AttnMmaKernel::kWgmmaWs3:
     case AttnMmaKernel::kWgmmaWsLean:
     case AttnMmaKernel::kWgmmaWs3Lean:
+    case AttnMmaKernel::kWgmmaWs3Persist:
+    case AttnMmaKernel::kWgmmaWs3LeanPersist:
       // A cache the TMA map cannot describe (attention_prefill_tma_view) runs wgmma_m128: the
       // same outputs bit for bit.
       if (!attention_prefill_tma_view(s).ok)
@@ -880,6 +1097,10 @@ void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, cons
           return launch_ws<2, 2, true>(s, b, q, k_cache, v_cache, gate, out, stream);
         case AttnMmaKernel::kWgmmaWs3Lean:
           return launch_ws<3, 2, true>(s, b, q, k_cache, v_cache, gate, out, stream);
+        case AttnMmaKernel::kWgmmaWs3Persist:
+          return launch_wsp<3, 2, false>(s, b, q, k_cache, v_cache, gate, out, stream);
+        case AttnMmaKernel::kWgmmaWs3LeanPersist:
+          return launch_wsp<3, 2, true>(s, b, q, k_cache, v_cache, gate, out, stream);
         default:
           break;
       }

@@ -38,8 +38,19 @@ AttnCacheTmaView attention_prefill_tma_view(const AttnShape& s);
 // are the same kernels with less softmax work per tile and the same bits: O's rescale skipped on
 // a tile where no row of a warp raised its max (alpha exactly 1), and the tiles before the first
 // query in a loop compiled without the causal mask; registered after wgmma_ws, so not picked by
-// default until measured.
-enum class AttnMmaKernel { kWgmmaM128, kWgmmaWs, kWgmmaWs3, kWgmmaWsLean, kWgmmaWs3Lean };
+// default until measured. The Persist forms (of wgmma_ws3 and its lean form) are persistent: one
+// block per SM walks the row tiles (the same order, dealt round by round), the producer streams
+// the next tile's K / V and the consumers copy its Q while they finish the current one; same
+// bits, not picked by default until measured.
+enum class AttnMmaKernel {
+  kWgmmaM128,
+  kWgmmaWs,
+  kWgmmaWs3,
+  kWgmmaWsLean,
+  kWgmmaWs3Lean,
+  kWgmmaWs3Persist,
+  kWgmmaWs3LeanPersist
+};
 
 // Same contract as launch_attention_prefill, run by `kernel`.
 void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, const AttnBatch& b,

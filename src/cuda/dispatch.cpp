@@ -215,7 +215,8 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // wgmma_ws3 (3 K stages) is -3% to +13% against wgmma_ws from 512-token chunks against >= 8K
   // keys (16K causal: 558-631 vs 535-603 TFLOP/s), 1-7% slower on chunks without a cache.
   // wgmma_m128 runs when the TMA kernels are switched off (DS_DISABLE_KERNELS=attn_prefill.
-  // wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean).
+  // wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean,
+  // attn_prefill.wgmma_ws3_persist,attn_prefill.wgmma_ws3_lean_persist).
   const auto hd256 = [](const ShapeKey& k) {
     return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1;
   };
@@ -243,6 +244,17 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          "wgmma_ws with O rescaled only when a row of the warp raised its max and no mask code "
          "before the diagonal (same bits)",
          hd256});
+  // The persistent forms of wgmma_ws3 and of its lean form (session 23, not yet measured): one
+  // block per SM walks the row tiles in the same order, so the next tile's Q, K and V copies run
+  // under the current one's last products and epilogue (the fresh 4096-token chunk's blocks hold
+  // 1-64 key tiles, 32 on average: ncu had its tensor pipe idle half the time); same bits. After
+  // the lean forms, so picked only with the four above switched off.
+  r.add({F::kAttnPrefill, "wgmma_ws3_persist",
+         "wgmma_ws3 as a persistent grid (one block per SM walking the row tiles; the next tile's "
+         "Q / K / V copies under the current one's tail; same bits)",
+         hd256});
+  r.add({F::kAttnPrefill, "wgmma_ws3_lean_persist",
+         "wgmma_ws3_lean as a persistent grid (same bits)", hd256});
   r.add({F::kAttnPrefill, "wgmma_m128",
          "hd 256, 128 rows x 64 keys per block, Hopper wgmma (Q K^T smem x smem, P V regs x smem), "
          "O in registers, 2-stage cp.async K/V",

@@ -303,7 +303,8 @@ void check_mma_variants(const Fixture& f, const std::string& what, bool with_gen
   std::vector<bf> generic;
   if (with_generic) generic = run_prefill(f, (what + " [generic]").c_str());
   std::vector<bf> wgmma_m128;
-  for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3", "wgmma_ws_lean", "wgmma_ws3_lean"}) {
+  for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3", "wgmma_ws_lean", "wgmma_ws3_lean",
+                        "wgmma_ws3_persist", "wgmma_ws3_lean_persist"}) {
     if (device_sm() != 90) continue;  // sm_90a only
     const cuda::DispatchRegistry reg = registry_for(v);
     const auto got = run_prefill(f, (what + " [" + v + "]").c_str(), &reg);
@@ -405,7 +406,8 @@ TEST(CudaAttentionMma, SecondDevice) {
     const std::string on = " on device " + std::to_string(dev);
     outs[dev].push_back(run_prefill(f, ("generic" + on).c_str()));
     if (device_sm() != 90) continue;
-    for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3", "wgmma_ws_lean", "wgmma_ws3_lean"}) {
+    for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3", "wgmma_ws_lean", "wgmma_ws3_lean",
+                        "wgmma_ws3_persist", "wgmma_ws3_lean_persist"}) {
       const cuda::DispatchRegistry reg = registry_for(v);
       outs[dev].push_back(run_prefill(f, (v + on).c_str(), &reg));
     }
@@ -494,10 +496,21 @@ TEST(CudaAttentionMma, DefaultDispatch) {
   EXPECT_EQ(pick_lean(512, 33280), "wgmma_ws3_lean");
   EXPECT_EQ(pick_lean(511, 33279), "wgmma_ws_lean");
   EXPECT_EQ(pick_lean(21, 8192), "wgmma_ws_lean");
+  // The persistent forms come next: with the four above off, every hd-256 shape.
+  const auto persist = cuda::DispatchRegistry::with_defaults(
+      90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
+          "attn_prefill.wgmma_ws_lean");
+  const auto pick_persist = [&](int q, int kv) {
+    return persist.select(cuda::KernelFamily::kAttnPrefill, persist.key(256, 6, q, kv)).name;
+  };
+  EXPECT_EQ(pick_persist(4096, 4096), "wgmma_ws3_persist");
+  EXPECT_EQ(pick_persist(16384, 16384), "wgmma_ws3_persist");
+  EXPECT_EQ(pick_persist(21, 8192), "wgmma_ws3_persist");
   // Without the TMA kernels (DS_DISABLE_KERNELS): wgmma_m128 for every hd-256 shape.
   const auto old = cuda::DispatchRegistry::with_defaults(
       90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
-          "attn_prefill.wgmma_ws_lean");
+          "attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_persist,"
+          "attn_prefill.wgmma_ws3_lean_persist");
   const auto pick_old = [&](int q, int kv) {
     return old.select(cuda::KernelFamily::kAttnPrefill, old.key(256, 6, q, kv)).name;
   };
