@@ -636,10 +636,11 @@ __device__ __forceinline__ void ws_issue_q(const AttnShape& s, const RowTile& rt
 
 // Consumer warpgroup wg (0, 1): rows wg * 64 .. + 63 of row tile rt, whose Q rows are in shared
 // memory; warp (0..7 of the consumers) and lane are the thread's. kf0 / vf0: the K / V fills the
-// block consumed before this row tile (0 but in the persistent kernel). before_last_pv() runs once this warpgroup's last S is done (Q is free):
-// the persistent kernel starts the next row tile's Q copies there. kPersist: the last V tile's
-// rows past the last key are zeroed here by the two consumer warpgroups (columns split between
-// them, then a 256-thread barrier), not by the second producer warp.
+// block consumed before this row tile (0 but in the persistent kernel). before_last_pv() runs once
+// this thread's last S is done (each warp's own wgmma wait: a caller that rewrites Q must first
+// sync the warpgroup); the persistent kernel starts the next row tile's Q copies there. kPersist:
+// the last V tile's rows past the last key are zeroed here by the two consumer warpgroups
+// (columns split between them, then a 256-thread barrier), not by the second producer warp.
 template <int KS, int VS, bool kLean, bool kPersist, class BeforeLastPv>
 __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTile& rt,
                                                 const AttnGate& gate, bf16* __restrict__ out,
@@ -971,6 +972,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
           s, rt, gate, out, wg, sm, kf, vf,
           [&] {
             if (rn < 0) return;
+            // Every warp of this warpgroup past its last S: a warp's wgmma wait covers its own
+            // groups only, and the copies below write rows that the other warps' S read.
+            warpgroup_bar(1 + wg);
             RowTile next;
             wsp_item(s, b, tiles, wsp_round_item(rn, n_items), next);
             ws_issue_q(s, next, q, wg, sm.q);
@@ -1036,6 +1040,8 @@ void launch_wsp(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf1
   const int group = s.n_heads / s.n_kv_heads;
   const int64_t tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
   DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
+  DS_CHECK(tiles * s.n_kv_heads <= 0x7fffffff, "attention prefill: too many row tiles (", tiles,
+           " x ", s.n_kv_heads, " kv heads)");
   const int64_t n_items = tiles * s.n_kv_heads * b.n_seqs;
   int dev = 0, n_sms = 0;
   DS_CUDA_CHECK(cudaGetDevice(&dev));
