@@ -219,6 +219,12 @@ class CudaBackend final : public Backend {
     if (rows != fused_norm_rows_) clear_graphs();  // captured graphs hold the other launches
     fused_norm_rows_ = rows;
   }
+  bool mlp_fused() const { return mlp_fused_; }
+  int64_t mlp_fused_enqueued() const { return mlp_fused_enqueued_; }
+  void set_mlp_fused(bool on) {
+    if (on != mlp_fused_) clear_graphs();  // captured graphs hold the other launches
+    mlp_fused_ = on;
+  }
   bool decode_rope_fused() const { return rope_fused_; }
   void set_decode_rope_fused(bool on) {
     if (on != rope_fused_) clear_graphs();  // captured graphs hold the other launches
@@ -300,6 +306,8 @@ class CudaBackend final : public Backend {
   cuda::GemvL2Next l2_next(const bf16* w, int m, int n, int k);
   bool gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* act, int m, int d_ff,
                          int k);
+  bool run_mlp_fused(const cuda::GemvNormIn& nin, const bf16* w_gate_up, const bf16* w_down,
+                     int layer, int m);
   bool run_graph(const FwdPlan& f);
   void graph_failed(const char* what, const std::string& why);
   void destroy_graph(std::map<GraphKey, GraphEntry>::iterator it);
@@ -347,6 +355,9 @@ class CudaBackend final : public Backend {
   void* gdn_ws_ = nullptr;
   size_t gdn_ws_bytes_ = 0;
   void* attn_ws_ = nullptr;
+  unsigned* mlp_bar_ = nullptr;  // [n_layers, 2]: the fused MLP's grid barrier per layer
+  bool mlp_fused_ = false;       // CudaEngineOptions::mlp_fused
+  int64_t mlp_fused_enqueued_ = 0;
   int32_t* dmeta_ = nullptr;  // device metadata
   int32_t* hmeta_ = nullptr;  // pinned mirror
   size_t meta_ints_ = 0;
@@ -463,6 +474,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
     dtok_ = b.take<int32_t>(logit_rows);
     gdn_ws_ = b.take<char>(static_cast<int64_t>(gdn_ws_bytes_));
     attn_ws_ = b.take<char>(static_cast<int64_t>(attn_ws));
+    mlp_bar_ = b.take<unsigned>(2 * int64_t(cfg_.n_layers));
   };
   Bump ab;
   measure_acts(ab);
@@ -483,6 +495,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   }
   set_fused_norm_rows(eopt_.fused_norm_rows);
   rope_fused_ = cuda::env_switch("DS_DECODE_ROPE_FUSED", eopt_.decode_rope_fused);
+  mlp_fused_ = cuda::env_switch("DS_MLP_FUSED", eopt_.mlp_fused);
   if (const char* env = std::getenv("DS_FUSED_NORM")) {
     const std::string v = env;
     DS_CHECK(v.size() == 1 && v[0] >= '0' && v[0] <= '0' + cuda::kGemvNormMaxM,
@@ -574,6 +587,8 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   DS_CUDA_CHECK(cudaMalloc(&act_mem_, ab.off + 256));
   ab = Bump{static_cast<char*>(act_mem_)};
   measure_acts(ab);
+  // The fused MLP's grid barriers start at zero and leave themselves there.
+  DS_CUDA_CHECK(cudaMemset(mlp_bar_, 0, 2 * size_t(cfg_.n_layers) * sizeof(unsigned)));
   meta_ints_ =
       4 * size_t(T) + 8 * size_t(n_slots_) + 2 + size_t(n_slots_) * layout_.max_blocks_per_seq;
   DS_CUDA_CHECK(cudaMalloc(&dmeta_, meta_ints_ * sizeof(int32_t)));
@@ -1440,6 +1455,11 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
     // epilogue where the registry picks gemm.gemv_bulk_silu (decode, bit-identical to the two
     // launches below; with the norm in its prologue when fused), else GEMM then silu_mul.
     const cuda::GemvNormIn post = norm_in(mixer_out, L.post_norm);
+    // $DS_MLP_FUSED: at batch 1 both projections in one kernel (the same bits as the two below).
+    if (fuse && mlp_fused_ && !fold_down && run_mlp_fused(post, L.gate_up, L.down, il, T)) {
+      flip(post);
+      continue;
+    }
     if (fuse && gate_up_silu_norm(post, L.gate_up, act_, T, c.d_ff, dm)) {
       flip(post);
     } else {
@@ -1503,6 +1523,25 @@ bool CudaBackend::gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, 
   if (!cuda::gemv_bulk_norm_fits(m, k, cfg)) return false;
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
   cuda::launch_gemv_bulk_silu_norm(nin, w, act, m, d_ff, k, cfg, n_sms_, stream_);
+  return true;
+}
+
+// The batch-1 MLP as one kernel (launch_gemv_mlp_norm) where the two kernels it fuses are what
+// the registry picks (gemv_bulk_silu with the norm, then gemv_narrow): the same bits. Writes act_
+// and delta_ (the MLP output). False: nothing launched.
+bool CudaBackend::run_mlp_fused(const cuda::GemvNormIn& nin, const bf16* w_gate_up,
+                                const bf16* w_down, int layer, int m) {
+  const int d_ff = cfg_.d_ff, dm = cfg_.d_model;
+  if (m != 1 || nin.delta == nullptr || !cuda::gemv_mlp_norm_supports(m, d_ff, dm, dm, n_sms_) ||
+      dispatch_.select(KernelFamily::kGemm, dispatch_.key(m, 2 * int64_t(d_ff), dm, 1)).name !=
+          "gemv_bulk_silu" ||
+      gemm_->variant(m, dm, d_ff) != "gemv_narrow")
+    return false;
+  if (!cuda::gemv_bulk_norm_fits(m, dm, cuda::gemv_bulk_silu_config(m, d_ff, dm))) return false;
+  cuda::launch_gemv_mlp_norm(nin, w_gate_up, act_, w_down, delta_, m, d_ff, dm, dm,
+                             cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff, mlp_bar_ + 2 * layer,
+                             n_sms_, stream_);
+  ++mlp_fused_enqueued_;
   return true;
 }
 
@@ -1704,6 +1743,25 @@ bool cuda_decode_rope_fused(const Backend& b) {
   const auto* cb = dynamic_cast<const CudaBackend*>(&b);
   DS_CHECK(cb != nullptr, "cuda_decode_rope_fused: backend ", b.name(), " is not the CUDA engine");
   return cb->decode_rope_fused();
+}
+
+void set_cuda_mlp_fused(Backend& b, bool on) {
+  auto* cb = dynamic_cast<CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "set_cuda_mlp_fused: backend ", b.name(), " is not the CUDA engine");
+  cb->set_mlp_fused(on);
+}
+
+bool cuda_mlp_fused(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_mlp_fused: backend ", b.name(), " is not the CUDA engine");
+  return cb->mlp_fused();
+}
+
+int64_t cuda_mlp_fused_enqueued(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_mlp_fused_enqueued: backend ", b.name(),
+           " is not the CUDA engine");
+  return cb->mlp_fused_enqueued();
 }
 
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode) {

@@ -466,6 +466,302 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
   DS_CUDA_LAUNCH_CHECK();
 }
 
+// ---- The decode MLP in one persistent kernel (gemv_mlp_norm; session 23, built without a device)
+// act = bf16(silu(g) * u) with [g | u] = rmsnorm(residual + delta) [W_gate | W_up]^T, then
+// y = act W_down^T: the fused-norm gate_up GEMV (gemv_bulk_kernel<M, 2, GLU, bf16, NORM>) and
+// the down projection (gemv_narrow_kernel<M, bf16>) as two phases of one grid of one block per SM.
+// Why: between two GEMV kernels each SM's weight stream stops (the old block drains its ring and
+// exits, the new one launches and issues its first copies), about 2 us of the down projection's
+// advance above its bytes at batch 1 (decode_kernels.md, session 17 profile). Here the producer
+// warp streams the down projection's stages into the same ring right behind gate_up's, so the
+// stream does not stop at the phase change; the consumers meet at a grid barrier (every block's
+// act rows written) before they read act.
+// Each output's arithmetic is its kernel's: the fused norm prologue (norm_to_shared), gate / up
+// dot products as gemv_bulk_kernel's (lane l sums the 16-byte vectors l, l + 32, ... in order,
+// xor butterfly, bf16 of each, silu), and the down projection per slice as gemv_narrow_kernel's
+// (the same slices, per-slice sums, butterfly, slices summed in order): act, y and residual_out
+// are the two kernels' bits. Stage sizes differ (gate_up: a gate row and an up row, 2 k
+// elements; down: kMlpSlicesPerStage slices of a row); every slot holds the larger.
+constexpr int kMlpSlicesPerStage = 2;
+constexpr int kMlpSlots = 8;  // multiple of the 8 consumer warps: a slot stays with its warp
+
+// Grid barrier of one launch site (zeroed once by its owner): count arrivals, gen flips when the
+// last block arrives. Every block reads gen before it arrives, so it cannot miss the flip.
+__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <int M>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemv_mlp_norm_kernel(const GemvNormIn norm,
+                         const bf16* __restrict__ w_gu,    // [2 d_ff, k]
+                         bf16* act,                        // [M, d_ff]: written, then read back
+                         const bf16* __restrict__ w_down,  // [n, d_ff]
+                         bf16* __restrict__ y,             // [M, n]
+                         int d_ff, int k, int n, int slice, int n_slices, int slot_elems,
+                         bool interleave, unsigned* grid_bar) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kMlpSlots;
+  bf16* xs = reinterpret_cast<bf16*>(smem + kBarBytes);  // [M, k]: the normed input
+  bf16* as = xs + size_t(M) * k;                          // [M, d_ff]: act, after the barrier
+  bf16* ring = as + size_t(M) * d_ff;                     // [slots, slot_elems]
+  float* red = reinterpret_cast<float*>(ring + size_t(kMlpSlots) * slot_elems);
+  float* part = red + kRedBytes / 4;  // [rows of down, n_slices, M]
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int G = gridDim.x, b = blockIdx.x;
+  // Phase A (gate_up): stage s = gate row j and up row d_ff + j, j = rowA(s).
+  const int a_begin = interleave ? 0 : int(int64_t(d_ff) * b / G);
+  const int n_a = interleave ? max(0, (d_ff - b + G - 1) / G)
+                             : int(int64_t(d_ff) * (b + 1) / G) - a_begin;
+  auto rowA = [&](int s) { return interleave ? b + s * G : a_begin + s; };
+  // Phase B (down): local row r = global row rowB(r), kMlpSlicesPerStage slices per stage.
+  const int b_begin = int(int64_t(n) * b / G);
+  const int n_rows_b = interleave ? max(0, (n - b + G - 1) / G)
+                                  : int(int64_t(n) * (b + 1) / G) - b_begin;
+  auto rowB = [&](int r) { return interleave ? b + r * G : b_begin + r; };
+  const int pairs = (n_slices + kMlpSlicesPerStage - 1) / kMlpSlicesPerStage;
+  const int n_b = n_rows_b * pairs;
+  const int n_total = n_a + n_b;  // global stage g < n_a: phase A stage g, else B stage g - n_a
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kMlpSlots; ++i) {
+      mbar_init(&full[i], 1);
+      mbar_init(&empty[i], 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  const bool producer = warp == kConsumerWarps;
+  uint64_t policy = 0;
+  auto issue = [&](int g) {
+    const int slot = g % kMlpSlots;
+    bf16* dst = ring + size_t(slot) * slot_elems;
+    if (g < n_a) {
+      const int j = rowA(g);
+      const uint32_t bytes = uint32_t(k) * 2u;
+      mbar_arrive_expect_tx(&full[slot], 2 * bytes);
+      bulk_copy(dst, w_gu + size_t(j) * k, bytes, &full[slot], policy);
+      bulk_copy(dst + k, w_gu + size_t(d_ff + j) * k, bytes, &full[slot], policy);
+    } else {
+      const int q = g - n_a, row = rowB(q / pairs);
+      const int k0 = (q % pairs) * kMlpSlicesPerStage * slice;
+      const uint32_t bytes = uint32_t(min(kMlpSlicesPerStage * slice, d_ff - k0)) * 2u;
+      mbar_arrive_expect_tx(&full[slot], bytes);
+      bulk_copy(dst, w_down + size_t(row) * d_ff + k0, bytes, &full[slot], policy);
+    }
+  };
+  // Both weights are model weights: stream them from the start, before the wait.
+  if (producer && lane == 0) {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    for (int g = 0; g < min(kMlpSlots, n_total); ++g) issue(g);
+  }
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  uint4 norm_w[kNormVec];
+  if (norm.weight_early) norm_weight_regs(norm, k, norm_w);
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  // The barrier's generation before this block arrives (it flips only once all have arrived).
+  // Read after the wait: a launch before this one on the same barrier (the kernel this one
+  // depends on) has then finished, its flip and its count reset visible.
+  const unsigned gen0 = threadIdx.x == 0 ? ld_acquire_u32(grid_bar + 1) : 0u;
+  if (!norm.weight_early) norm_weight_regs(norm, k, norm_w);
+  norm_to_shared<M>(norm, k, xs, red, norm_w);
+  __syncthreads();
+
+  if (producer) {
+    if (lane == 0)
+      for (int g = kMlpSlots; g < n_total; ++g) {
+        const int slot = g % kMlpSlots;
+        mbar_wait(&empty[slot], uint32_t((g / kMlpSlots) - 1) & 1u);
+        issue(g);
+      }
+    return;
+  }
+
+  // Phase A: gemv_bulk_kernel's GLU consumer (R = 2), act rows to global memory.
+  const int nv = k / 8;
+  for (int g = warp; g < n_a; g += kConsumerWarps) {
+    const int slot = g % kMlpSlots;
+    const int r0 = rowA(g);
+    mbar_wait(&full[slot], uint32_t(g / kMlpSlots) & 1u);
+    const bf16* ws = ring + size_t(slot) * slot_elems;
+    float acc[M][2];
+#pragma unroll
+    for (int t = 0; t < M; ++t) acc[t][0] = acc[t][1] = 0.f;
+#pragma unroll 2
+    for (int v = lane; v < nv; v += 32) {
+      float wf[2][8];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        unpack8(*reinterpret_cast<const uint4*>(ws + size_t(r) * k + size_t(v) * 8), wf[r]);
+#pragma unroll
+      for (int t = 0; t < M; ++t) {
+        float xf[8];
+        unpack8(*reinterpret_cast<const uint4*>(xs + size_t(t) * k + size_t(v) * 8), xf);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(wf[r][e], xf[e], acc[t][r]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+#pragma unroll
+    for (int t = 0; t < M; ++t)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[t][r] += __shfl_xor_sync(0xffffffffu, acc[t][r], o);
+#pragma unroll
+    for (int t = 0; t < M; ++t)
+      if (lane == t) {
+        const float gg = __bfloat162float(__float2bfloat16(acc[t][0]));
+        const float u = __bfloat162float(__float2bfloat16(acc[t][1]));
+        act[size_t(t) * d_ff + r0] = __float2bfloat16_rn(silu(gg) * u);
+      }
+  }
+
+  // Grid barrier: every block's act rows are written before any block reads act.
+  constexpr int kConsumerThreads = kConsumerWarps * 32;
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's act stores (ordered before by the barrier), then arrive
+    const unsigned arrived = atomicAdd(grid_bar, 1u);
+    if (arrived == unsigned(G) - 1) {
+      grid_bar[0] = 0u;  // the next use starts from 0 (nobody touches count until gen flips)
+      __threadfence();
+      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(grid_bar + 1), "r"(gen0 + 1u)
+                   : "memory");
+    } else {
+      while (ld_acquire_u32(grid_bar + 1) == gen0) __nanosleep(64);
+    }
+    __threadfence();
+  }
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
+  {  // act -> shared memory, through L2 (other SMs wrote it)
+    const uint4* av = reinterpret_cast<const uint4*>(act);
+    uint4* ad = reinterpret_cast<uint4*>(as);
+    const int n4 = M * d_ff / 8;
+    for (int i = threadIdx.x; i < n4; i += kConsumerThreads) ad[i] = __ldcg(av + i);
+  }
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
+
+  // Phase B: gemv_narrow_kernel's consumer, kMlpSlicesPerStage slices per stage.
+  for (int g = n_a + ((warp - n_a) % kConsumerWarps + kConsumerWarps) % kConsumerWarps;
+       g < n_total; g += kConsumerWarps) {
+    const int slot = g % kMlpSlots;
+    const int q = g - n_a, lr = q / pairs, c0 = (q % pairs) * kMlpSlicesPerStage;
+    mbar_wait(&full[slot], uint32_t(g / kMlpSlots) & 1u);
+    const bf16* ws0 = ring + size_t(slot) * slot_elems;
+    float sums[kMlpSlicesPerStage][M];
+#pragma unroll
+    for (int cc = 0; cc < kMlpSlicesPerStage; ++cc) {
+      const int c = c0 + cc;
+#pragma unroll
+      for (int t = 0; t < M; ++t) sums[cc][t] = 0.f;
+      if (c >= n_slices) continue;
+      const int k0 = c * slice;
+      const int nvs = min(slice, d_ff - k0) / 8;
+      const bf16* ws = ws0 + size_t(cc) * slice;
+      const bf16* xk = as + k0;
+      float acc[M];
+#pragma unroll
+      for (int t = 0; t < M; ++t) acc[t] = 0.f;
+#pragma unroll 4
+      for (int v = lane; v < nvs; v += 32) {
+        float wf[8];
+        unpack8(*reinterpret_cast<const uint4*>(ws + size_t(v) * 8), wf);
+#pragma unroll
+        for (int t = 0; t < M; ++t) {
+          float xf[8];
+          unpack8(*reinterpret_cast<const uint4*>(xk + size_t(t) * d_ff + size_t(v) * 8), xf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < M; ++t) sums[cc][t] = acc[t];
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);  // every lane's reads of the slot are done
+#pragma unroll
+    for (int cc = 0; cc < kMlpSlicesPerStage; ++cc) {
+      const int c = c0 + cc;
+      if (c >= n_slices) continue;
+#pragma unroll
+      for (int t = 0; t < M; ++t) {
+        const float v = warp_sum(sums[cc][t]);
+        if (lane == t) part[(size_t(lr) * n_slices + c) * M + t] = v;
+      }
+    }
+  }
+  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
+  const int n_out = n_rows_b * M;
+  for (int i = threadIdx.x; i < n_out; i += kConsumerThreads) {
+    const int r = i / M, t = i - r * M;
+    const float* p = part + size_t(r) * n_slices * M + t;
+    float sum = p[0];
+    for (int c = 1; c < n_slices; ++c) sum += p[size_t(c) * M];
+    y[size_t(t) * n + rowB(r)] = __float2bfloat16(sum);
+  }
+}
+
+// Shared memory of gemv_mlp_norm_kernel.
+size_t mlp_smem_bytes(int m, int d_ff, int k, int n, int G) {
+  const int slice = gemv_narrow_slice_len(d_ff), n_slices = gemv_narrow_slices(d_ff);
+  const size_t slot_elems = std::max<size_t>(size_t(2) * k, size_t(kMlpSlicesPerStage) * slice);
+  const size_t rows_cap = (size_t(n) + G - 1) / G;
+  return size_t(kBarBytes) + size_t(m) * k * 2 + size_t(m) * d_ff * 2 +
+         size_t(kMlpSlots) * slot_elems * 2 + kRedBytes + rows_cap * n_slices * m * 4;
+}
+
+// The fused MLP's launch (m = 1: the batch-1 decode step; the grid is one block per SM, all of
+// which must be resident at once for the grid barrier: checked with the occupancy API once per
+// device).
+void mlp_impl(const GemvNormIn& norm, const bf16* w_gu, bf16* act, const bf16* w_down, bf16* y,
+              int m, int d_ff, int k, int n, bool pdl, unsigned* grid_bar, int n_sms,
+              cudaStream_t stream) {
+  DS_CHECK(gemv_mlp_norm_supports(m, d_ff, k, n, n_sms), "fused MLP GEMV: unsupported shape m=",
+           m, " d_ff=", d_ff, " k=", k, " n=", n, " on ", n_sms, " SMs");
+  DS_CHECK(grid_bar != nullptr && (reinterpret_cast<uintptr_t>(grid_bar) & 7) == 0,
+           "fused MLP GEMV: needs an 8-byte aligned grid barrier (2 zeroed words)");
+  DS_CHECK(((reinterpret_cast<uintptr_t>(w_gu) | reinterpret_cast<uintptr_t>(w_down) |
+             reinterpret_cast<uintptr_t>(act) | reinterpret_cast<uintptr_t>(y)) &
+            15) == 0,
+           "fused MLP GEMV: weights, act and y must be 16-byte aligned");
+  GemvBulkConfig cfg{2, kMlpSlots, false};  // for check_norm's shared-memory test only
+  check_norm(norm, m, k, cfg, "fused MLP GEMV");
+  auto* kern = gemv_mlp_norm_kernel<1>;
+  ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
+  const size_t smem = mlp_smem_bytes(m, d_ff, k, n, n_sms);
+  {
+    int dev = 0, sms = 0;
+    DS_CUDA_CHECK(cudaGetDevice(&dev));
+    DS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    static std::mutex mu;
+    static std::map<std::pair<int, size_t>, int> per_sm;  // (device, smem) -> blocks per SM
+    const std::lock_guard<std::mutex> lock(mu);
+    auto it = per_sm.find({dev, smem});
+    if (it == per_sm.end()) {
+      int b = 0;
+      DS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, kThreads, smem));
+      it = per_sm.emplace(std::make_pair(dev, smem), b).first;
+    }
+    // The grid barrier needs all n_sms blocks resident at once.
+    DS_CHECK(it->second >= 1 && n_sms <= sms * it->second, "fused MLP GEMV: ", n_sms,
+             " blocks cannot all be resident (", sms, " SMs, ", it->second, " per SM)");
+  }
+  const int slice = gemv_narrow_slice_len(d_ff), n_slices = gemv_narrow_slices(d_ff);
+  const int slot_elems = std::max(2 * k, kMlpSlicesPerStage * slice);
+  launch_maybe_pdl(kern, dim3(n_sms), dim3(kThreads), smem, stream, pdl, norm, w_gu, act, w_down,
+                   y, d_ff, k, n, slice, n_slices, slot_elems, gemv_interleave_bulk(), grid_bar);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 std::string GemvBulkConfig::name() const {
@@ -620,6 +916,22 @@ void launch_gemv_bulk_silu_norm(const GemvNormIn& norm, const __nv_bfloat16* w_g
                                 const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream) {
   check_norm(norm, m, k, cfg, "bulk gemv + silu");
   silu_impl(nullptr, w_gate_up, act, m, d_ff, k, cfg, n_sms, stream, norm);
+}
+
+bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int n_sms) {
+  if (m != 1 || n_sms < 1 || k < 8 || k % 8 != 0 || k > kGemvNormMaxK || d_ff < 8 || d_ff % 8 != 0 ||
+      d_ff > kSkinnyMaxK || n < 1 || n > kSkinnyMaxN || d_ff < n_sms || n < n_sms)
+    return false;
+  // every slice of a down row non-empty, as gemv_narrow_fits asks
+  if (int64_t(gemv_narrow_slices(d_ff) - 1) * gemv_narrow_slice_len(d_ff) >= d_ff) return false;
+  return mlp_smem_bytes(int(m), int(d_ff), int(k), int(n), n_sms) <= size_t(kMaxSmem);
+}
+
+void launch_gemv_mlp_norm(const GemvNormIn& norm, const __nv_bfloat16* w_gate_up,
+                          __nv_bfloat16* act, const __nv_bfloat16* w_down, __nv_bfloat16* y, int m,
+                          int d_ff, int k, int n, bool pdl, unsigned* grid_bar, int n_sms,
+                          cudaStream_t stream) {
+  mlp_impl(norm, w_gate_up, act, w_down, y, m, d_ff, k, n, pdl, grid_bar, n_sms, stream);
 }
 
 void launch_gemv_bulk(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n, int k,

@@ -67,4 +67,23 @@ void launch_gemv_bulk_silu_norm(const GemvNormIn& norm,
                                 int m, int d_ff, int k, const GemvBulkConfig& cfg, int n_sms,
                                 cudaStream_t stream);
 
+// ---- The batch-1 decode MLP in one kernel (gemv_bulk.cu; session 23, not yet measured) ----
+// act = bf16(silu(g) * u), [g | u] = rmsnorm(residual + delta) w_gate_up^T, then y = act w_down^T:
+// launch_gemv_bulk_silu_norm followed by launch_gemv_narrow (bf16 out, no accumulate) as two
+// phases of one persistent grid of n_sms blocks (one per SM) with a grid barrier between them,
+// so that the weight stream does not stop between the two projections. act, y and residual_out
+// are the two kernels' bits. grid_bar: 2 words of device memory owned by this launch site, zeroed
+// once (the barrier leaves them ready for the next launch); launches that share it go on one
+// stream (under PDL a launch touches it only after griddepcontrol.wait, when the one before has
+// finished). Needs every block resident at once (one per SM; checked with the occupancy API).
+// Throws ds::Error for anything unsupported. Asynchronous, graph-safe, never allocates.
+bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int n_sms);
+void launch_gemv_mlp_norm(const GemvNormIn& norm,
+                          const __nv_bfloat16* w_gate_up,  // [2 d_ff, k]
+                          __nv_bfloat16* act,              // [m, d_ff] (out; also the exchange)
+                          const __nv_bfloat16* w_down,     // [n, d_ff]
+                          __nv_bfloat16* y,                // [m, n] (out)
+                          int m, int d_ff, int k, int n, bool pdl, unsigned* grid_bar, int n_sms,
+                          cudaStream_t stream);
+
 }  // namespace ds::cuda

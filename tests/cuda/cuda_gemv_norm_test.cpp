@@ -9,7 +9,9 @@
 //  - the input residual left untouched (residual_out is a separate buffer), every output written
 //    (poisoned before);
 //  - errors for misaligned pointers, residual_out aliasing an input, k above kGemvNormMaxK, m
-//    above kGemvNormMaxM.
+//    above kGemvNormMaxM;
+//  - the batch-1 MLP in one kernel (launch_gemv_mlp_norm) against gate_up + SiLU with the norm
+//    then the narrow down GEMV: the same act, y and residual bits, its grid barrier reused.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -124,6 +126,142 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
       }
     }
   }
+  cudaStreamDestroy(st);
+}
+
+// The batch-1 MLP in one kernel (launch_gemv_mlp_norm, $DS_MLP_FUSED) against the two kernels it
+// fuses, launch_gemv_bulk_silu_norm then launch_gemv_narrow: act, y and residual_out bit-identical
+// at the 27B shapes (d_ff 17408: 4 slices per down row, 2 per stage) and at a small shape whose
+// down rows are one slice (an odd count: a stage with one slice; d_ff 3000, k 640, n 777), with
+// and without a delta, plain and PDL launches; the grid barrier
+// reused by back-to-back launches on one stream and by 3 replays of a graph holding 2 launches
+// (each must find it reset); and the guard's refusals.
+TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
+  DS_REQUIRE_GPU();
+  struct MlpCase {
+    const char* name;
+    int d_ff, k, n;
+  };
+  const MlpCase cases[] = {{"27B", 17408, 5120, 5120}, {"k640 d_ff 3000", 3000, 640, 777}};
+  std::mt19937 rng(43);
+  const int sms = n_sms();
+  cudaStream_t st = nullptr;
+  DS_CUDA_CHECK(cudaStreamCreate(&st));
+  DevBuf<unsigned> bar(2);
+  DS_CUDA_CHECK(cudaMemset(bar.ptr, 0, 2 * sizeof(unsigned)));
+  for (const MlpCase& c : cases) {
+    if (!cuda::gemv_mlp_norm_supports(1, c.d_ff, c.k, c.n, sms)) {
+      ADD_FAILURE() << c.name << ": not supported on " << sms << " SMs";
+      continue;
+    }
+    DevBuf<bf> wgu(test::random_bf16(size_t(2) * c.d_ff * c.k, rng, 0.05f));
+    DevBuf<bf> wd(test::random_bf16(size_t(c.n) * c.d_ff, rng, 0.03f));
+    DevBuf<bf> nw(test::random_bf16(c.k, rng, 0.2f));
+    const std::vector<bf> h_res = test::random_bf16(c.k, rng, 2.f);
+    const std::vector<bf> h_delta = test::random_bf16(c.k, rng, 1.f);
+    for (bool with_delta : {true, false}) {
+      for (bool pdl : {false, true}) {
+        const std::string what =
+            std::string(c.name) + (with_delta ? " +delta" : " no delta") + (pdl ? " pdl" : "");
+        auto nin_of = [&](const DevBuf<bf>& res, const DevBuf<bf>& delta, DevBuf<bf>& out) {
+          cuda::GemvNormIn nin;
+          nin.residual = P(res);
+          nin.delta = with_delta ? P(delta) : nullptr;
+          nin.weight = P(nw);
+          nin.eps = 1e-6f;
+          nin.residual_out = with_delta ? P(out) : nullptr;
+          return nin;
+        };
+        // The two kernels.
+        DevBuf<bf> res(h_res), delta(h_delta), rout_ref(c.k), act_ref(c.d_ff), y_ref(c.n);
+        rout_ref.poison();
+        act_ref.poison();
+        y_ref.poison();
+        cuda::GemvBulkConfig scfg = cuda::gemv_bulk_silu_config(1, c.d_ff, c.k);
+        scfg.pdl = pdl;
+        cuda::launch_gemv_bulk_silu_norm(nin_of(res, delta, rout_ref), P(wgu), P(act_ref), 1,
+                                         c.d_ff, c.k, scfg, sms, st);
+        cuda::GemvNarrowConfig ncfg = cuda::gemv_narrow_config(1, c.n, c.d_ff, sms);
+        ncfg.pdl = pdl;
+        cuda::launch_gemv_narrow(P(act_ref), P(wd), y_ref.ptr, 1, c.n, c.d_ff,
+                                 cuda::GemmOut::kBF16, false, ncfg, sms, st);
+        const auto ref_act = act_ref.download(), ref_y = y_ref.download();
+        const auto ref_rout = rout_ref.download();
+        // Fused: twice back to back (the barrier reused), checked after each.
+        DevBuf<bf> rout(c.k), act(c.d_ff), y(c.n);
+        for (int rep = 0; rep < 2; ++rep) {
+          rout.poison();
+          act.poison();
+          y.poison();
+          cuda::launch_gemv_mlp_norm(nin_of(res, delta, rout), P(wgu), P(act), P(wd), P(y), 1,
+                                     c.d_ff, c.k, c.n, pdl, bar.ptr, sms, st);
+          DS_CUDA_CHECK(cudaStreamSynchronize(st));
+          EXPECT_TRUE(act.download() == ref_act) << what << " rep " << rep << ": act differs";
+          EXPECT_TRUE(y.download() == ref_y) << what << " rep " << rep << ": y differs";
+          if (with_delta)
+            EXPECT_TRUE(rout.download() == ref_rout) << what << ": residual_out differs";
+          else
+            EXPECT_EQ(rout.download(), std::vector<bf>(c.k, 0xFFFF))
+                << what << ": residual_out written without a delta";
+        }
+        EXPECT_EQ(res.download(), h_res) << what << ": the input residual was modified";
+        size_t nan = 0;
+        for (bf v : y.download()) nan += (v & 0x7f80) == 0x7f80 && (v & 0x7f);
+        EXPECT_EQ(nan, 0u) << what << ": y not written";
+        std::printf("  fused MLP %-22s d_ff=%d k=%d n=%d: act, y, residual bit-identical\n",
+                    what.c_str(), c.d_ff, c.k, c.n);
+      }
+    }
+    // A graph of two launches (the second reads the first's y as its delta), replayed 3 times:
+    // each replay's outputs equal the stream's, so the barrier was left reset every time.
+    {
+      DevBuf<bf> res(h_res), delta(h_delta), r1(c.k), r2(c.k), a1(c.d_ff), a2(c.d_ff), y1(c.k),
+          y2(c.n);
+      cuda::GemvNormIn n1;
+      n1.residual = P(res);
+      n1.delta = P(delta);
+      n1.weight = P(nw);
+      n1.residual_out = P(r1);
+      // the second launch's delta is the first's y; only a shape with n == k chains
+      const bool chain = c.n == c.k;
+      cuda::GemvNormIn n2 = n1;
+      n2.residual = P(r1);
+      n2.delta = chain ? P(y1) : P(delta);
+      n2.residual_out = P(r2);
+      auto enqueue = [&] {
+        cuda::launch_gemv_mlp_norm(n1, P(wgu), P(a1), P(wd), P(y1), 1, c.d_ff, c.k, c.n, true,
+                                   bar.ptr, sms, st);
+        cuda::launch_gemv_mlp_norm(n2, P(wgu), P(a2), P(wd), P(y2), 1, c.d_ff, c.k, c.n, true,
+                                   bar.ptr, sms, st);
+      };
+      if (chain) {
+        enqueue();
+        DS_CUDA_CHECK(cudaStreamSynchronize(st));
+        const auto want = y2.download();
+        cudaGraph_t g = nullptr;
+        cudaGraphExec_t ge = nullptr;
+        DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        enqueue();
+        DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+        DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+        for (int rep = 0; rep < 3; ++rep) {
+          y2.poison();
+          DS_CUDA_CHECK(cudaGraphLaunch(ge, st));
+          DS_CUDA_CHECK(cudaStreamSynchronize(st));
+          EXPECT_TRUE(y2.download() == want) << c.name << ": graph replay " << rep << " differs";
+        }
+        cudaGraphExecDestroy(ge);
+        cudaGraphDestroy(g);
+        unsigned hb[2] = {1, 1};
+        DS_CUDA_CHECK(cudaMemcpy(hb, bar.ptr, sizeof(hb), cudaMemcpyDeviceToHost));
+        EXPECT_EQ(hb[0], 0u) << "the barrier's count is left at 0";
+      }
+    }
+  }
+  // The guard: batch > 1, fewer rows than blocks, k above the norm's limit.
+  EXPECT_FALSE(cuda::gemv_mlp_norm_supports(2, 17408, 5120, 5120, sms));
+  EXPECT_FALSE(cuda::gemv_mlp_norm_supports(1, 17408, 5120, sms - 1, sms));
+  EXPECT_FALSE(cuda::gemv_mlp_norm_supports(1, 17408, 16384, 5120, sms));
   cudaStreamDestroy(st);
 }
 
