@@ -137,6 +137,7 @@ std::string short_name(const KernelRec& r) {
   const std::string& n = r.name;
   auto has = [&](const char* s) { return n.find(s) != std::string::npos; };
   if (has("add_rmsnorm")) return "add_rmsnorm";
+  if (has("gemv_mlp_norm_kernel")) return "gemv_mlp";  // $DS_MLP_FUSED: gate_up + down
   if (has("gemv_bulk_kernel")) {  // gemv_bulk_kernel<M, R, GLU, OutT, NORM>
     const size_t a = n.find('<', n.find("gemv_bulk_kernel")), e = n.find('>', a);
     std::vector<std::string> t;
@@ -187,7 +188,9 @@ std::vector<std::string> roles(const std::vector<KernelRec>& step) {
     }
     std::string role;
     auto silu = [](const std::string& x) { return x.rfind("gemv_bulk_silu", 0) == 0; };
-    if (silu(s[i]))
+    if (s[i] == "gemv_mlp")
+      role = "gate_up+down";
+    else if (silu(s[i]))
       role = "gate_up+silu";
     else if (next == "gdn_decode" || next == "gdn_decode_stream")
       role = "gdn_in";
