@@ -33,6 +33,7 @@
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
 #include "cuda/gemv.h"
+#include "cuda/gemv_bulk_norm.h"
 #include "cuda/kernels.h"
 #include "cuda/model_shapes.h"
 
@@ -106,6 +107,11 @@ class KernelBench {
   }
 
   const std::vector<GemmOp>& ops() const { return ops_; }
+  bool has_op(const std::string& name) const {
+    for (const auto& o : ops_)
+      if (o.name == name) return true;
+    return false;
+  }
   const GemmOp& op(const std::string& name) const {
     for (const auto& o : ops_)
       if (o.name == name) return o;
@@ -128,6 +134,10 @@ class KernelBench {
   // k1024s5 config, and gemv_bulk (m <= 8) / skinny_mma beside it, launched directly on the same
   // rotated inputs against cuBLASLt tuned (the fallback column); shape suffixed " A/B mma".
   void gemm_mma_ab(const std::string& name, int m);
+  // The batch-1 MLP in one kernel (launch_gemv_mlp_norm, $DS_MLP_FUSED) against the two kernels
+  // it fuses (gemv_bulk_silu with the norm, then gemv_narrow), both back to back with PDL on the
+  // same rotated weights: act and y compared, the pair's time in the fallback column.
+  void mlp_fused_ab();
   const KernelResult& attn_prefill(int q, int cached);
   const KernelResult& attn_decode(int batch, int ctx);
   const KernelResult& gdn_prefill(int n_tokens, int seq_pos);
@@ -489,6 +499,63 @@ void KernelBench::gemm_mma_ab(const std::string& name, int m) {
       cuda::launch_skinny_gemm(xi(i), wi(i), yi(i), m, o.n, o.k, out, false, c, s_);
     });
   }
+}
+
+void KernelBench::mlp_fused_ab() {
+  if (!has_op("gate_up") || !has_op("down")) return;
+  const GemmOp& gu = op("gate_up");
+  const GemmOp& dn = op("down");
+  const int d_ff = gu.n / 2, k = gu.k, n = dn.n;
+  if (dn.k != d_ff || !cuda::gemv_mlp_norm_supports(1, d_ff, k, n, n_sms_)) return;
+  const double set_bytes = 2.0 * gu.n * k + 2.0 * n * d_ff;
+  const int rot = rotations(set_bytes);
+  const bf16* wg = gemm_weights("gate_up", rot);
+  const bf16* wd = gemm_weights("down", rot);
+  DevBuf res(size_t(2) * k, "mlp residual"), delta(size_t(2) * k, "mlp delta"),
+      nw(size_t(2) * k, "mlp norm weight"), rout(size_t(2) * k, "mlp residual out"),
+      act(size_t(2) * d_ff, "mlp act"), act2(size_t(2) * d_ff, "mlp act (fused)"),
+      y(size_t(2) * n, "mlp y"), y2(size_t(2) * n, "mlp y (fused)"), bar(8, "mlp grid barrier");
+  gpu::fill_normal_bf16(res.as<bf16>(), k, seed_++, 0.f, 2.f, s_);
+  gpu::fill_normal_bf16(delta.as<bf16>(), k, seed_++, 0.f, 1.f, s_);
+  gpu::fill_normal_bf16(nw.as<bf16>(), k, seed_++, 0.f, 0.2f, s_);
+  gpu::check(cudaMemsetAsync(bar.as<void>(), 0, 8, s_), "mlp grid barrier");
+  cuda::GemvNormIn nin;
+  nin.residual = res.as<bf16>();
+  nin.delta = delta.as<bf16>();
+  nin.weight = nw.as<bf16>();
+  nin.residual_out = rout.as<bf16>();
+  auto wgi = [&](int i) { return wg + int64_t(i % rot) * gu.n * k; };
+  auto wdi = [&](int i) { return wd + int64_t(i % rot) * n * d_ff; };
+  cuda::GemvBulkConfig scfg = cuda::gemv_bulk_silu_config(1, d_ff, k);
+  scfg.pdl = true;
+  cuda::GemvNarrowConfig ncfg = cuda::gemv_narrow_config(1, n, d_ff, n_sms_);
+  ncfg.pdl = true;
+  auto pair = [&](int i) {
+    cuda::launch_gemv_bulk_silu_norm(nin, wgi(i), act.as<bf16>(), 1, d_ff, k, scfg, n_sms_, s_);
+    cuda::launch_gemv_narrow(act.as<bf16>(), wdi(i), y.as<void>(), 1, n, d_ff,
+                             cuda::GemmOut::kBF16, false, ncfg, n_sms_, s_);
+  };
+  auto fused = [&](int i) {
+    cuda::launch_gemv_mlp_norm(nin, wgi(i), act2.as<bf16>(), wdi(i), y2.as<bf16>(), 1, d_ff, k, n,
+                               true, bar.as<unsigned>(), n_sms_, s_);
+  };
+  pair(0);
+  fused(0);
+  KernelResult r;
+  r.family = "gemm";
+  r.variant = "mlp_fused";
+  r.op = "gate_up+down";
+  r.shape = str("m=1 d_ff=%d k=%d n=%d A/B", d_ff, k, n);
+  const std::string ma = gpu::compare_bf16(act2.as<bf16>(), act.as<bf16>(), d_ff, s_).text();
+  r.match = "y: " + gpu::compare_bf16(y2.as<bf16>(), y.as<bf16>(), n, s_).text() + "; act: " + ma;
+  r.fallback = "gemv_bulk_silu+norm, gemv_narrow";
+  r.fallback_time_s = gpu::time_launches(pair, s_, timer(rot)).p50;
+  r.samples = gpu::time_launches(fused, s_, timer(rot));
+  r.bytes = set_bytes;
+  r.flops = 2.0 * (double(gu.n) * k + double(n) * d_ff);
+  r.note = str("both back to back with PDL (the pair: 2 launches per sample); %d rotated weight "
+               "copies", rot);
+  finish(r);
 }
 
 const KernelResult& KernelBench::attn_prefill(int q, int cached_tokens) {
@@ -1119,6 +1186,7 @@ std::vector<KernelResult> run_kernel_bench(const ModelConfig& c, const Ceilings&
         for (int m : {1, 2, 4, 8, 16})
           guarded("gemm", o.name + " m=" + std::to_string(m) + " A/B",
                   [&] { kb.gemm_narrow_ab(o.name, m); });
+    guarded("gemm", "mlp m=1 A/B fused", [&] { kb.mlp_fused_ab(); });
     // A/B of the tensor-core bulk GEMV on every k <= 8192 decode projection (gdn_in, gdn_out,
     // attn_qkv, attn_o, gate_up on the 27B; one row set per distinct shape), batch 4, 8 and 16.
     std::set<std::pair<int, int>> mma_done;
