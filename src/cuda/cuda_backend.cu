@@ -589,6 +589,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   measure_acts(ab);
   // The fused MLP's grid barriers start at zero and leave themselves there.
   DS_CUDA_CHECK(cudaMemset(mlp_bar_, 0, 2 * size_t(cfg_.n_layers) * sizeof(unsigned)));
+  DS_CUDA_CHECK(cudaDeviceSynchronize());  // stream_ does not wait for the legacy stream
   meta_ints_ =
       4 * size_t(T) + 8 * size_t(n_slots_) + 2 + size_t(n_slots_) * layout_.max_blocks_per_seq;
   DS_CUDA_CHECK(cudaMalloc(&dmeta_, meta_ints_ * sizeof(int32_t)));

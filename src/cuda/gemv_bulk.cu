@@ -499,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                          const bf16* __restrict__ w_gu,    // [2 d_ff, k]
                          bf16* act,                        // [M, d_ff]: written, then read back
                          const bf16* __restrict__ w_down,  // [n, d_ff]
-                         bf16* __restrict__ y,             // [M, n]
+                         bf16* y,  // [M, n]; may be norm.delta (written after the barrier)
                          int d_ff, int k, int n, int slice, int n_slices, int slot_elems,
                          bool interleave, unsigned* grid_bar) {
   extern __shared__ __align__(128) unsigned char smem[];

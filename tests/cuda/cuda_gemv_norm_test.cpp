@@ -131,8 +131,9 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
 
 // The batch-1 MLP in one kernel (launch_gemv_mlp_norm, $DS_MLP_FUSED) against the two kernels it
 // fuses, launch_gemv_bulk_silu_norm then launch_gemv_narrow: act, y and residual_out bit-identical
-// at the 27B shapes (d_ff 17408: 4 slices per down row, 2 per stage) and at a small shape whose
-// down rows are one slice (an odd count: a stage with one slice; d_ff 3000, k 640, n 777), with
+// at the 27B shapes (d_ff 17408: 4 slices per down row, 2 per stage), a small shape whose down
+// rows are one slice (an odd count: a stage with one slice; d_ff 3000, k 640, n 777) and one with
+// 8 slices per row (d_ff 40960), with
 // and without a delta, plain and PDL launches; the grid barrier
 // reused by back-to-back launches on one stream and by 3 replays of a graph holding 2 launches
 // (each must find it reset); and the guard's refusals.
@@ -142,7 +143,9 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
     const char* name;
     int d_ff, k, n;
   };
-  const MlpCase cases[] = {{"27B", 17408, 5120, 5120}, {"k640 d_ff 3000", 3000, 640, 777}};
+  const MlpCase cases[] = {{"27B", 17408, 5120, 5120},
+                           {"k640 d_ff 3000", 3000, 640, 777},
+                           {"d_ff 40960 (8 slices)", 40960, 640, 777}};
   std::mt19937 rng(43);
   const int sms = n_sms();
   cudaStream_t st = nullptr;
@@ -212,50 +215,60 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
                     what.c_str(), c.d_ff, c.k, c.n);
       }
     }
-    // A graph of two launches (the second reads the first's y as its delta), replayed 3 times:
-    // each replay's outputs equal the stream's, so the barrier was left reset every time.
-    {
-      DevBuf<bf> res(h_res), delta(h_delta), r1(c.k), r2(c.k), a1(c.d_ff), a2(c.d_ff), y1(c.k),
-          y2(c.n);
-      cuda::GemvNormIn n1;
-      n1.residual = P(res);
-      n1.delta = P(delta);
-      n1.weight = P(nw);
-      n1.residual_out = P(r1);
-      // the second launch's delta is the first's y; only a shape with n == k chains
-      const bool chain = c.n == c.k;
-      cuda::GemvNormIn n2 = n1;
-      n2.residual = P(r1);
-      n2.delta = chain ? P(y1) : P(delta);
-      n2.residual_out = P(r2);
-      auto enqueue = [&] {
-        cuda::launch_gemv_mlp_norm(n1, P(wgu), P(a1), P(wd), P(y1), 1, c.d_ff, c.k, c.n, true,
-                                   bar.ptr, sms, st);
-        cuda::launch_gemv_mlp_norm(n2, P(wgu), P(a2), P(wd), P(y2), 1, c.d_ff, c.k, c.n, true,
-                                   bar.ptr, sms, st);
+    // A graph of two launches (the second reads the first's y as its delta and the first's
+    // residual_out as its residual), replayed 3 times with every output poisoned before each
+    // replay: each replay's act and y equal the two-kernel reference of the same chain, so the
+    // barrier was left reset every time (a barrier passed early would leave poison or stale act).
+    if (c.n == c.k) {
+      auto chain_in = [&](const bf* res, const bf* delta, bf* rout) {
+        cuda::GemvNormIn nin;
+        nin.residual = reinterpret_cast<const __nv_bfloat16*>(res);
+        nin.delta = reinterpret_cast<const __nv_bfloat16*>(delta);
+        nin.weight = P(nw);
+        nin.residual_out = reinterpret_cast<__nv_bfloat16*>(rout);
+        return nin;
       };
-      if (chain) {
-        enqueue();
+      DevBuf<bf> res(h_res), delta(h_delta);
+      // The reference chain on the two kernels.
+      DevBuf<bf> rr1(c.k), rr2(c.k), ra1(c.d_ff), ra2(c.d_ff), ry1(c.k), ry2(c.n);
+      cuda::GemvBulkConfig scfg = cuda::gemv_bulk_silu_config(1, c.d_ff, c.k);
+      cuda::GemvNarrowConfig ncfg = cuda::gemv_narrow_config(1, c.n, c.d_ff, sms);
+      cuda::launch_gemv_bulk_silu_norm(chain_in(res.ptr, delta.ptr, rr1.ptr), P(wgu), P(ra1), 1,
+                                       c.d_ff, c.k, scfg, sms, st);
+      cuda::launch_gemv_narrow(P(ra1), P(wd), ry1.ptr, 1, c.n, c.d_ff, cuda::GemmOut::kBF16,
+                               false, ncfg, sms, st);
+      cuda::launch_gemv_bulk_silu_norm(chain_in(rr1.ptr, ry1.ptr, rr2.ptr), P(wgu), P(ra2), 1,
+                                       c.d_ff, c.k, scfg, sms, st);
+      cuda::launch_gemv_narrow(P(ra2), P(wd), ry2.ptr, 1, c.n, c.d_ff, cuda::GemmOut::kBF16,
+                               false, ncfg, sms, st);
+      DS_CUDA_CHECK(cudaStreamSynchronize(st));
+      const auto w_a1 = ra1.download(), w_a2 = ra2.download(), w_y1 = ry1.download(),
+                 w_y2 = ry2.download();
+      // The fused chain, captured once and replayed.
+      DevBuf<bf> r1(c.k), r2(c.k), a1(c.d_ff), a2(c.d_ff), y1(c.k), y2(c.n);
+      cudaGraph_t g = nullptr;
+      cudaGraphExec_t ge = nullptr;
+      DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      cuda::launch_gemv_mlp_norm(chain_in(res.ptr, delta.ptr, r1.ptr), P(wgu), P(a1), P(wd),
+                                 P(y1), 1, c.d_ff, c.k, c.n, true, bar.ptr, sms, st);
+      cuda::launch_gemv_mlp_norm(chain_in(r1.ptr, y1.ptr, r2.ptr), P(wgu), P(a2), P(wd), P(y2), 1,
+                                 c.d_ff, c.k, c.n, true, bar.ptr, sms, st);
+      DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+      DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+      for (int rep = 0; rep < 3; ++rep) {
+        for (DevBuf<bf>* p : {&r1, &r2, &a1, &a2, &y1, &y2}) p->poison();
+        DS_CUDA_CHECK(cudaGraphLaunch(ge, st));
         DS_CUDA_CHECK(cudaStreamSynchronize(st));
-        const auto want = y2.download();
-        cudaGraph_t g = nullptr;
-        cudaGraphExec_t ge = nullptr;
-        DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        enqueue();
-        DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
-        DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-        for (int rep = 0; rep < 3; ++rep) {
-          y2.poison();
-          DS_CUDA_CHECK(cudaGraphLaunch(ge, st));
-          DS_CUDA_CHECK(cudaStreamSynchronize(st));
-          EXPECT_TRUE(y2.download() == want) << c.name << ": graph replay " << rep << " differs";
-        }
-        cudaGraphExecDestroy(ge);
-        cudaGraphDestroy(g);
-        unsigned hb[2] = {1, 1};
-        DS_CUDA_CHECK(cudaMemcpy(hb, bar.ptr, sizeof(hb), cudaMemcpyDeviceToHost));
-        EXPECT_EQ(hb[0], 0u) << "the barrier's count is left at 0";
+        EXPECT_TRUE(a1.download() == w_a1 && y1.download() == w_y1)
+            << c.name << ": graph replay " << rep << ": the first launch differs";
+        EXPECT_TRUE(a2.download() == w_a2 && y2.download() == w_y2)
+            << c.name << ": graph replay " << rep << ": the second launch differs";
       }
+      cudaGraphExecDestroy(ge);
+      cudaGraphDestroy(g);
+      unsigned hb[2] = {1, 1};
+      DS_CUDA_CHECK(cudaMemcpy(hb, bar.ptr, sizeof(hb), cudaMemcpyDeviceToHost));
+      EXPECT_EQ(hb[0], 0u) << "the barrier's count is left at 0";
     }
   }
   // The guard: batch > 1, fewer rows than blocks, k above the norm's limit.
