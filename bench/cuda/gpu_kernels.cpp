@@ -134,9 +134,10 @@ class KernelBench {
   // k1024s5 config, and gemv_bulk (m <= 8) / skinny_mma beside it, launched directly on the same
   // rotated inputs against cuBLASLt tuned (the fallback column); shape suffixed " A/B mma".
   void gemm_mma_ab(const std::string& name, int m);
-  // The batch-1 MLP in one kernel (launch_gemv_mlp_norm, $DS_MLP_FUSED) against the two kernels
-  // it fuses (gemv_bulk_silu with the norm, then gemv_narrow), both back to back with PDL on the
-  // same rotated weights: act and y compared, the pair's time in the fallback column.
+  // The batch-1 MLP in one kernel (launch_gemv_mlp_norm, $DS_MLP_FUSED=1 / 2) against the kernels
+  // it fuses (gemv_bulk_silu with the norm, then gemv_narrow; with the mixer form gemv_bulk's
+  // out-projection first), back to back with PDL on the same rotated weights: act, y (and delta)
+  // compared, the separate kernels' time in the fallback column.
   void mlp_fused_ab();
   const KernelResult& attn_prefill(int q, int cached);
   const KernelResult& attn_decode(int batch, int ctx);
@@ -506,56 +507,86 @@ void KernelBench::mlp_fused_ab() {
   const GemmOp& gu = op("gate_up");
   const GemmOp& dn = op("down");
   const int d_ff = gu.n / 2, k = gu.k, n = dn.n;
-  if (dn.k != d_ff || !cuda::gemv_mlp_norm_supports(1, d_ff, k, n, n_sms_)) return;
-  const double set_bytes = 2.0 * gu.n * k + 2.0 * n * d_ff;
+  if (dn.k != d_ff || !cuda::gemv_mlp_norm_supports(1, d_ff, k, n, 0, n_sms_)) return;
+  // The mixer form's out-projection: gdn_out (else attn_o) where the model has one of n = k rows.
+  const GemmOp* out_op = has_op("gdn_out") ? &op("gdn_out") : has_op("attn_o") ? &op("attn_o")
+                                                                                : nullptr;
+  const int k0 = out_op && out_op->n == k &&
+                         cuda::gemv_mlp_norm_supports(1, d_ff, k, n, out_op->k, n_sms_)
+                     ? out_op->k
+                     : 0;
+  const double set_bytes = 2.0 * gu.n * k + 2.0 * n * d_ff + 2.0 * k * k0;
   const int rot = rotations(set_bytes);
   const bf16* wg = gemm_weights("gate_up", rot);
   const bf16* wd = gemm_weights("down", rot);
+  const bf16* wo = k0 ? gemm_weights(out_op->name, rot) : nullptr;
   DevBuf res(size_t(2) * k, "mlp residual"), delta(size_t(2) * k, "mlp delta"),
+      delta2(size_t(2) * k, "mlp delta (fused)"), x0(size_t(2) * std::max(k0, 8), "mlp x0"),
       nw(size_t(2) * k, "mlp norm weight"), rout(size_t(2) * k, "mlp residual out"),
       act(size_t(2) * d_ff, "mlp act"), act2(size_t(2) * d_ff, "mlp act (fused)"),
       y(size_t(2) * n, "mlp y"), y2(size_t(2) * n, "mlp y (fused)"), bar(8, "mlp grid barrier");
   gpu::fill_normal_bf16(res.as<bf16>(), k, seed_++, 0.f, 2.f, s_);
   gpu::fill_normal_bf16(delta.as<bf16>(), k, seed_++, 0.f, 1.f, s_);
   gpu::fill_normal_bf16(nw.as<bf16>(), k, seed_++, 0.f, 0.2f, s_);
+  if (k0) gpu::fill_normal_bf16(x0.as<bf16>(), k0, seed_++, 0.f, 1.f, s_);
   gpu::check(cudaMemsetAsync(bar.as<void>(), 0, 8, s_), "mlp grid barrier");
-  cuda::GemvNormIn nin;
-  nin.residual = res.as<bf16>();
-  nin.delta = delta.as<bf16>();
-  nin.weight = nw.as<bf16>();
-  nin.residual_out = rout.as<bf16>();
   auto wgi = [&](int i) { return wg + int64_t(i % rot) * gu.n * k; };
   auto wdi = [&](int i) { return wd + int64_t(i % rot) * n * d_ff; };
+  auto woi = [&](int i) { return wo + int64_t(i % rot) * k * k0; };
   cuda::GemvBulkConfig scfg = cuda::gemv_bulk_silu_config(1, d_ff, k);
   scfg.pdl = true;
   cuda::GemvNarrowConfig ncfg = cuda::gemv_narrow_config(1, n, d_ff, n_sms_);
   ncfg.pdl = true;
-  auto pair = [&](int i) {
-    cuda::launch_gemv_bulk_silu_norm(nin, wgi(i), act.as<bf16>(), 1, d_ff, k, scfg, n_sms_, s_);
-    cuda::launch_gemv_narrow(act.as<bf16>(), wdi(i), y.as<void>(), 1, n, d_ff,
-                             cuda::GemmOut::kBF16, false, ncfg, n_sms_, s_);
-  };
-  auto fused = [&](int i) {
-    cuda::launch_gemv_mlp_norm(nin, wgi(i), act2.as<bf16>(), wdi(i), y2.as<bf16>(), 1, d_ff, k, n,
-                               true, bar.as<unsigned>(), n_sms_, s_);
-  };
-  pair(0);
-  fused(0);
-  KernelResult r;
-  r.family = "gemm";
-  r.variant = "mlp_fused";
-  r.op = "gate_up+down";
-  r.shape = str("m=1 d_ff=%d k=%d n=%d A/B", d_ff, k, n);
-  const std::string ma = gpu::compare_bf16(act2.as<bf16>(), act.as<bf16>(), d_ff, s_).text();
-  r.match = "y: " + gpu::compare_bf16(y2.as<bf16>(), y.as<bf16>(), n, s_).text() + "; act: " + ma;
-  r.fallback = "gemv_bulk_silu+norm, gemv_narrow";
-  r.fallback_time_s = gpu::time_launches(pair, s_, timer(rot)).p50;
-  r.samples = gpu::time_launches(fused, s_, timer(rot));
-  r.bytes = set_bytes;
-  r.flops = 2.0 * (double(gu.n) * k + double(n) * d_ff);
-  r.note = str("both back to back with PDL (the pair: 2 launches per sample); %d rotated weight "
-               "copies", rot);
-  finish(r);
+  cuda::GemvBulkConfig ocfg = cuda::gemv_bulk_config(1, k, std::max(k0, 8));
+  ocfg.pdl = true;
+  // mixer: the out-projection writes the norm's delta first (delta / delta2), else delta is input.
+  for (bool mixer : {false, true}) {
+    if (mixer && !k0) continue;
+    cuda::GemvNormIn nin;
+    nin.residual = res.as<bf16>();
+    nin.delta = delta.as<bf16>();
+    nin.weight = nw.as<bf16>();
+    nin.residual_out = rout.as<bf16>();
+    cuda::GemvNormIn nin2 = nin;
+    if (mixer) nin2.delta = delta2.as<bf16>();
+    auto separate = [&](int i) {
+      if (mixer)
+        cuda::launch_gemv_bulk(x0.as<bf16>(), woi(i), delta.as<void>(), 1, k, k0,
+                               cuda::GemmOut::kBF16, false, ocfg, n_sms_, s_);
+      cuda::launch_gemv_bulk_silu_norm(nin, wgi(i), act.as<bf16>(), 1, d_ff, k, scfg, n_sms_, s_);
+      cuda::launch_gemv_narrow(act.as<bf16>(), wdi(i), y.as<void>(), 1, n, d_ff,
+                               cuda::GemmOut::kBF16, false, ncfg, n_sms_, s_);
+    };
+    auto fused = [&](int i) {
+      cuda::GemvMlpMixer mx;
+      if (mixer) mx = {x0.as<bf16>(), woi(i), delta2.as<bf16>(), k0};
+      cuda::launch_gemv_mlp_norm(nin2, mx, wgi(i), act2.as<bf16>(), wdi(i), y2.as<bf16>(), 1,
+                                 d_ff, k, n, true, bar.as<unsigned>(), n_sms_, s_);
+    };
+    separate(0);
+    fused(0);
+    KernelResult r;
+    r.family = "gemm";
+    r.variant = mixer ? "mixer_mlp_fused" : "mlp_fused";
+    r.op = mixer ? out_op->name + "+gate_up+down" : "gate_up+down";
+    r.shape = mixer ? str("m=1 k0=%d d_ff=%d k=%d n=%d A/B", k0, d_ff, k, n)
+                    : str("m=1 d_ff=%d k=%d n=%d A/B", d_ff, k, n);
+    r.match = "y: " + gpu::compare_bf16(y2.as<bf16>(), y.as<bf16>(), n, s_).text() + "; act: " +
+              gpu::compare_bf16(act2.as<bf16>(), act.as<bf16>(), d_ff, s_).text() +
+              (mixer ? "; delta: " +
+                           gpu::compare_bf16(delta2.as<bf16>(), delta.as<bf16>(), k, s_).text()
+                     : std::string());
+    r.fallback = mixer ? "gemv_bulk, gemv_bulk_silu+norm, gemv_narrow"
+                       : "gemv_bulk_silu+norm, gemv_narrow";
+    r.fallback_time_s = gpu::time_launches(separate, s_, timer(rot)).p50;
+    r.samples = gpu::time_launches(fused, s_, timer(rot));
+    r.bytes = 2.0 * gu.n * k + 2.0 * n * d_ff + (mixer ? 2.0 * k * k0 : 0.0);
+    r.flops = 2.0 * (double(gu.n) * k + double(n) * d_ff + (mixer ? double(k) * k0 : 0.0));
+    r.note = str("all back to back with PDL (the separate kernels: %d launches per sample); %d "
+                 "rotated weight copies",
+                 mixer ? 3 : 2, rot);
+    finish(r);
+  }
 }
 
 const KernelResult& KernelBench::attn_prefill(int q, int cached_tokens) {

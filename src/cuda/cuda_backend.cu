@@ -219,11 +219,12 @@ class CudaBackend final : public Backend {
     if (rows != fused_norm_rows_) clear_graphs();  // captured graphs hold the other launches
     fused_norm_rows_ = rows;
   }
-  bool mlp_fused() const { return mlp_fused_; }
+  int mlp_fused() const { return mlp_fused_; }
   int64_t mlp_fused_enqueued() const { return mlp_fused_enqueued_; }
-  void set_mlp_fused(bool on) {
-    if (on != mlp_fused_) clear_graphs();  // captured graphs hold the other launches
-    mlp_fused_ = on;
+  void set_mlp_fused(int mode) {
+    DS_CHECK(mode >= 0 && mode <= 2, "the fused MLP mode must be 0, 1 or 2, got ", mode);
+    if (mode != mlp_fused_) clear_graphs();  // captured graphs hold the other launches
+    mlp_fused_ = mode;
   }
   bool decode_rope_fused() const { return rope_fused_; }
   void set_decode_rope_fused(bool on) {
@@ -306,8 +307,9 @@ class CudaBackend final : public Backend {
   cuda::GemvL2Next l2_next(const bf16* w, int m, int n, int k);
   bool gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* act, int m, int d_ff,
                          int k);
-  bool run_mlp_fused(const cuda::GemvNormIn& nin, const bf16* w_gate_up, const bf16* w_down,
-                     int layer, int m);
+  int mlp_fusion(int m, int k0);
+  void run_mlp_fused(const cuda::GemvNormIn& nin, const cuda::GemvMlpMixer& mixer,
+                     const bf16* w_gate_up, const bf16* w_down, int layer);
   bool run_graph(const FwdPlan& f);
   void graph_failed(const char* what, const std::string& why);
   void destroy_graph(std::map<GraphKey, GraphEntry>::iterator it);
@@ -356,7 +358,7 @@ class CudaBackend final : public Backend {
   size_t gdn_ws_bytes_ = 0;
   void* attn_ws_ = nullptr;
   unsigned* mlp_bar_ = nullptr;  // [n_layers, 2]: the fused MLP's grid barrier per layer
-  bool mlp_fused_ = false;       // CudaEngineOptions::mlp_fused
+  int mlp_fused_ = 0;            // CudaEngineOptions::mlp_fused
   int64_t mlp_fused_enqueued_ = 0;
   int32_t* dmeta_ = nullptr;  // device metadata
   int32_t* hmeta_ = nullptr;  // pinned mirror
@@ -495,7 +497,14 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   }
   set_fused_norm_rows(eopt_.fused_norm_rows);
   rope_fused_ = cuda::env_switch("DS_DECODE_ROPE_FUSED", eopt_.decode_rope_fused);
-  mlp_fused_ = cuda::env_switch("DS_MLP_FUSED", eopt_.mlp_fused);
+  mlp_fused_ = eopt_.mlp_fused;
+  if (const char* env = std::getenv("DS_MLP_FUSED"); env && *env) {
+    const std::string v = env;
+    DS_CHECK(v == "0" || v == "1" || v == "2", "DS_MLP_FUSED must be 0, 1 or 2, got '", v, "'");
+    mlp_fused_ = v[0] - '0';
+  }
+  DS_CHECK(mlp_fused_ >= 0 && mlp_fused_ <= 2, "CudaEngineOptions::mlp_fused must be 0, 1 or 2, got ",
+           mlp_fused_);
   if (const char* env = std::getenv("DS_FUSED_NORM")) {
     const std::string v = env;
     DS_CHECK(v.size() == 1 && v[0] >= '0' && v[0] <= '0' + cuda::kGemvNormMaxM,
@@ -1387,6 +1396,10 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
     const DevLayer& L = w_.layers[il];
     // h += previous layer's MLP output; input_layernorm(h) -> the mixer's in-projection
     const bf16* mlp_delta = il == 0 ? nullptr : mlp_out;
+    // $DS_MLP_FUSED: 1 the MLP, 2 also the mixer's out-projection, in one kernel (batch 1).
+    const bool linear = L.type == LayerType::kLinear;
+    const int mixer_k = linear ? c.gdn_z_dim() : c.attn_out_dim();
+    const int mlp_mode = fuse && !fold_down && !fold_mixer ? mlp_fusion(T, mixer_k) : 0;
     if (L.type == LayerType::kLinear) {
       norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim(),  // [qkv | z | b | a]
                 fuse ? l2_next(L.gdn_out, T, dm, c.gdn_z_dim()) : cuda::GemvL2Next{});
@@ -1404,7 +1417,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
         cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_, d.cu, d.seq_pos, d.slot_ids, S, T,
                                  gdn_ws_, gdn_ws_bytes_, mix_, stream_, &dispatch_);
       }
-      gemm_out(mix_, L.gdn_out, c.gdn_z_dim(), fold_mixer);
+      if (mlp_mode != 2) gemm_out(mix_, L.gdn_out, c.gdn_z_dim(), fold_mixer);
     } else {
       norm_gemm(mlp_delta, L.input_norm, L.attn_qkv, proj_, attn_.qkv_dim(),  // [q+gate | k | v]
                 fuse ? l2_next(L.attn_o, T, dm, c.attn_out_dim()) : cuda::GemvL2Next{});
@@ -1450,14 +1463,23 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       } else {
         cuda::launch_attention_prefill(attn_, ab, q_, kc, vc, gate, mix_, stream_, &dispatch_);
       }
-      gemm_out(mix_, L.attn_o, c.attn_out_dim(), fold_mixer);
+      if (mlp_mode != 2) gemm_out(mix_, L.attn_o, c.attn_out_dim(), fold_mixer);
     }
     // h += mixer output; post_attention_layernorm(h); MLP. gate_up with SiLU-and-mul in its
     // epilogue where the registry picks gemm.gemv_bulk_silu (decode, bit-identical to the two
     // launches below; with the norm in its prologue when fused), else GEMM then silu_mul.
     const cuda::GemvNormIn post = norm_in(mixer_out, L.post_norm);
-    // $DS_MLP_FUSED: at batch 1 both projections in one kernel (the same bits as the two below).
-    if (fuse && mlp_fused_ && !fold_down && run_mlp_fused(post, L.gate_up, L.down, il, T)) {
+    // $DS_MLP_FUSED: at batch 1 the projections in one kernel (the same bits as the launches
+    // below, and with mode 2 as the mixer's gemm_out above).
+    if (mlp_mode > 0) {
+      cuda::GemvMlpMixer mixer;
+      if (mlp_mode == 2) {
+        mixer.x0 = mix_;
+        mixer.w0 = linear ? L.gdn_out : L.attn_o;
+        mixer.y0 = delta_;
+        mixer.k0 = mixer_k;
+      }
+      run_mlp_fused(post, mixer, L.gate_up, L.down, il);
       flip(post);
       continue;
     }
@@ -1527,23 +1549,36 @@ bool CudaBackend::gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, 
   return true;
 }
 
-// The batch-1 MLP as one kernel (launch_gemv_mlp_norm) where the two kernels it fuses are what
-// the registry picks (gemv_bulk_silu with the norm, then gemv_narrow): the same bits. Writes act_
-// and delta_ (the MLP output). False: nothing launched.
-bool CudaBackend::run_mlp_fused(const cuda::GemvNormIn& nin, const bf16* w_gate_up,
-                                const bf16* w_down, int layer, int m) {
+// Which fused MLP form a forward of m tokens takes for a layer whose mixer output is k0 wide: 0
+// none (the separate launches), 1 the MLP (launch_gemv_mlp_norm), 2 the mixer's out-projection and
+// the MLP. A form runs only where the kernels it fuses are what the engine would launch (the
+// registry's picks at m = 1: gemv_bulk_silu with the norm, gemv_narrow, and gemv_bulk for the
+// out-projection), so its bits are theirs.
+int CudaBackend::mlp_fusion(int m, int k0) {
+  if (mlp_fused_ == 0 || m != 1) return 0;
   const int d_ff = cfg_.d_ff, dm = cfg_.d_model;
-  if (m != 1 || nin.delta == nullptr || !cuda::gemv_mlp_norm_supports(m, d_ff, dm, dm, n_sms_) ||
+  if (!cuda::gemv_mlp_norm_supports(m, d_ff, dm, dm, 0, n_sms_) ||
       dispatch_.select(KernelFamily::kGemm, dispatch_.key(m, 2 * int64_t(d_ff), dm, 1)).name !=
           "gemv_bulk_silu" ||
-      gemm_->variant(m, dm, d_ff) != "gemv_narrow")
-    return false;
-  if (!cuda::gemv_bulk_norm_fits(m, dm, cuda::gemv_bulk_silu_config(m, d_ff, dm))) return false;
-  cuda::launch_gemv_mlp_norm(nin, w_gate_up, act_, w_down, delta_, m, d_ff, dm, dm,
+      gemm_->variant(m, dm, d_ff) != "gemv_narrow" ||
+      !cuda::gemv_bulk_norm_fits(m, dm, cuda::gemv_bulk_silu_config(m, d_ff, dm)))
+    return 0;
+  if (mlp_fused_ == 2 && cuda::gemv_mlp_norm_supports(m, d_ff, dm, dm, k0, n_sms_)) {
+    const std::string& v = gemm_->variant(m, dm, k0);
+    if (v == "gemv_bulk" || v == "gemv_bulk_pdl") return 2;
+  }
+  return 1;
+}
+
+// The fused form mlp_fusion chose (mixer.w0 set: form 2). Writes act_ and delta_ (the MLP output;
+// with form 2 first the mixer output, the norm's delta).
+void CudaBackend::run_mlp_fused(const cuda::GemvNormIn& nin, const cuda::GemvMlpMixer& mixer,
+                                const bf16* w_gate_up, const bf16* w_down, int layer) {
+  const int d_ff = cfg_.d_ff, dm = cfg_.d_model;
+  cuda::launch_gemv_mlp_norm(nin, mixer, w_gate_up, act_, w_down, delta_, 1, d_ff, dm, dm,
                              cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff, mlp_bar_ + 2 * layer,
                              n_sms_, stream_);
   ++mlp_fused_enqueued_;
-  return true;
 }
 
 // lm_head on gathered rows [r0, r0 + r) into dlogits_ (fp32), and their argmax into dtok_ when
@@ -1746,13 +1781,13 @@ bool cuda_decode_rope_fused(const Backend& b) {
   return cb->decode_rope_fused();
 }
 
-void set_cuda_mlp_fused(Backend& b, bool on) {
+void set_cuda_mlp_fused(Backend& b, int mode) {
   auto* cb = dynamic_cast<CudaBackend*>(&b);
   DS_CHECK(cb != nullptr, "set_cuda_mlp_fused: backend ", b.name(), " is not the CUDA engine");
-  cb->set_mlp_fused(on);
+  cb->set_mlp_fused(mode);
 }
 
-bool cuda_mlp_fused(const Backend& b) {
+int cuda_mlp_fused(const Backend& b) {
   const auto* cb = dynamic_cast<const CudaBackend*>(&b);
   DS_CHECK(cb != nullptr, "cuda_mlp_fused: backend ", b.name(), " is not the CUDA engine");
   return cb->mlp_fused();

@@ -25,6 +25,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <tuple>
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/cuda_common.h"
@@ -69,7 +70,10 @@ __device__ __forceinline__ void norm_weight_regs(const GemvNormIn& p, int k,
   }
 }
 
-template <int M>
+// kConsumers: called by the 8 consumer warps alone, mid-kernel (the fused MLP's mixer form): the
+// block barrier is the consumers' named barrier 1, and residual / delta (written by other blocks
+// of the same grid before a grid barrier) are read through L2.
+template <int M, bool kConsumers = false>
 __device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16* xs, float* red,
                                                const uint4 (&wv)[kNormVec]) {
   constexpr int G = M;  // M <= kGemvNormMaxM = 4
@@ -89,8 +93,13 @@ __device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16*
         for (int v = 0; v < kNormVec; ++v) {
           const int i = t + v * kNormThreads;
           if (i < k8) {
-            ra[g][v] = res4[i];
-            if (del4) da[g][v] = del4[i];
+            if constexpr (kConsumers) {
+              ra[g][v] = __ldcg(res4 + i);
+              if (del4) da[g][v] = __ldcg(del4 + i);
+            } else {
+              ra[g][v] = res4[i];
+              if (del4) da[g][v] = del4[i];
+            }
           }
         }
       }
@@ -128,7 +137,10 @@ __device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16*
       }
     }
   }
-  __syncthreads();
+  if constexpr (kConsumers)
+    asm volatile("bar.sync 1, %0;" ::"n"(kNormThreads) : "memory");
+  else
+    __syncthreads();
   if (t < kNormThreads) {
 #pragma unroll
     for (int r = 0; r < M; ++r) {
@@ -470,32 +482,49 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
 // act = bf16(silu(g) * u) with [g | u] = rmsnorm(residual + delta) [W_gate | W_up]^T, then
 // y = act W_down^T: the fused-norm gate_up GEMV (gemv_bulk_kernel<M, 2, GLU, bf16, NORM>) and
 // the down projection (gemv_narrow_kernel<M, bf16>) as two phases of one grid of one block per SM.
+// kMixer adds the mixer's out-projection before them: delta = x0 W0^T (gdn_out / attn_o, as
+// gemv_bulk_kernel<M, 1, false, bf16, false> computes each row), written to norm.delta.
 // Why: between two GEMV kernels each SM's weight stream stops (the old block drains its ring and
-// exits, the new one launches and issues its first copies), about 2 us of the down projection's
-// advance above its bytes at batch 1 (decode_kernels.md, session 17 profile). Here the producer
-// warp streams the down projection's stages into the same ring right behind gate_up's, so the
-// stream does not stop at the phase change; the consumers meet at a grid barrier (every block's
-// act rows written) before they read act.
-// Each output's arithmetic is its kernel's: the fused norm prologue (norm_to_shared), gate / up
-// dot products as gemv_bulk_kernel's (lane l sums the 16-byte vectors l, l + 32, ... in order,
-// xor butterfly, bf16 of each, silu), and the down projection per slice as gemv_narrow_kernel's
-// (the same slices, per-slice sums, butterfly, slices summed in order): act, y and residual_out
-// are the two kernels' bits. Stage sizes differ (gate_up: a gate row and an up row, 2 k
-// elements; down: kMlpSlicesPerStage slices of a row); every slot holds the larger.
+// exits, the new one launches and issues its first copies): 2-6 us of each decode GEMV's advance
+// above its bytes at batch 1 (decode_kernels.md, session 23). Here the producer warp streams every
+// phase's stages into one ring, each right behind the one before, so the stream does not stop at
+// a phase change; the consumers meet at a grid barrier before they read what the phase before
+// wrote (delta, act).
+// Each output's arithmetic is its kernel's: the out-projection's rows and the gate / up dot
+// products as gemv_bulk_kernel's (lane l sums the 16-byte vectors l, l + 32, ... in order, xor
+// butterfly; GLU: bf16 of each, silu), the fused norm prologue (norm_to_shared), and the down
+// projection per slice as gemv_narrow_kernel's (the same slices, per-slice sums, butterfly, slices
+// summed in order): delta, act, y and residual_out are the kernels' bits. Stage sizes differ (a
+// row of W0; a gate row and an up row; kMlpSlicesPerStage slices of a down row); every slot holds
+// the largest.
 constexpr int kMlpSlicesPerStage = 2;
 constexpr int kMlpSlots = 8;  // multiple of the 8 consumer warps: a slot stays with its warp
 
-// Grid barrier of one launch site (zeroed once by its owner): count arrivals, gen flips when the
-// last block arrives. Every block reads gen before it arrives, so it cannot miss the flip.
 __device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
   unsigned v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
-template <int M>
+// Grid barrier of one launch site, thread 0 of each block (the caller syncs its block around it):
+// bar[0] counts arrivals, bar[1] is the generation, which the last arriver sets to `target` after
+// resetting the count. Each launch reads the generation g0 after its PDL wait, and its u-th
+// barrier waits for g0 + u, so consecutive barriers and launches on one stream cannot mix.
+__device__ __forceinline__ void mlp_grid_barrier(unsigned* bar, unsigned target) {
+  __threadfence();  // the block's writes (ordered before by the caller's barrier), then arrive
+  if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+    atomicExch(bar, 0u);
+    __threadfence();
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(bar + 1), "r"(target) : "memory");
+  } else {
+    while (ld_acquire_u32(bar + 1) != target) __nanosleep(64);
+  }
+  __threadfence();
+}
+
+template <int M, bool kMixer>
 __global__ void __launch_bounds__(kThreads, 1)
-    gemv_mlp_norm_kernel(const GemvNormIn norm,
+    gemv_mlp_norm_kernel(const GemvNormIn norm, const GemvMlpMixer mix,
                          const bf16* __restrict__ w_gu,    // [2 d_ff, k]
                          bf16* act,                        // [M, d_ff]: written, then read back
                          const bf16* __restrict__ w_down,  // [n, d_ff]
@@ -505,7 +534,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMlpSlots;
-  bf16* xs = reinterpret_cast<bf16*>(smem + kBarBytes);  // [M, k]: the normed input
+  bf16* x0s = reinterpret_cast<bf16*>(smem + kBarBytes);  // [M, k0] (kMixer)
+  bf16* xs = x0s + (kMixer ? size_t(M) * mix.k0 : 0);     // [M, k]: the normed input
   bf16* as = xs + size_t(M) * k;                          // [M, d_ff]: act, after the barrier
   bf16* ring = as + size_t(M) * d_ff;                     // [slots, slot_elems]
   float* red = reinterpret_cast<float*>(ring + size_t(kMlpSlots) * slot_elems);
@@ -513,6 +543,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int G = gridDim.x, b = blockIdx.x;
+  // Phase 0 (kMixer): stage s = row row0(s) of W0 (k rows).
+  const int o_begin = interleave ? 0 : int(int64_t(k) * b / G);
+  const int n_0 = !kMixer ? 0
+                  : interleave ? max(0, (k - b + G - 1) / G)
+                               : int(int64_t(k) * (b + 1) / G) - o_begin;
+  auto row0 = [&](int s) { return interleave ? b + s * G : o_begin + s; };
   // Phase A (gate_up): stage s = gate row j and up row d_ff + j, j = rowA(s).
   const int a_begin = interleave ? 0 : int(int64_t(d_ff) * b / G);
   const int n_a = interleave ? max(0, (d_ff - b + G - 1) / G)
@@ -525,7 +561,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto rowB = [&](int r) { return interleave ? b + r * G : b_begin + r; };
   const int pairs = (n_slices + kMlpSlicesPerStage - 1) / kMlpSlicesPerStage;
   const int n_b = n_rows_b * pairs;
-  const int n_total = n_a + n_b;  // global stage g < n_a: phase A stage g, else B stage g - n_a
+  // Global stage g: [0, a0) phase 0, [a0, b0) phase A, [b0, n_total) phase B.
+  const int a0 = n_0, b0 = n_0 + n_a, n_total = b0 + n_b;
+  // Warp w takes the stages g = w (mod 8) of each phase: the first one at or after g0.
+  auto first_of = [&](int g0) {
+    return g0 + ((warp - g0) % kConsumerWarps + kConsumerWarps) % kConsumerWarps;
+  };
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < kMlpSlots; ++i) {
@@ -541,21 +582,25 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto issue = [&](int g) {
     const int slot = g % kMlpSlots;
     bf16* dst = ring + size_t(slot) * slot_elems;
-    if (g < n_a) {
-      const int j = rowA(g);
+    if (g < a0) {
+      const uint32_t bytes = uint32_t(mix.k0) * 2u;
+      mbar_arrive_expect_tx(&full[slot], bytes);
+      bulk_copy(dst, mix.w0 + size_t(row0(g)) * mix.k0, bytes, &full[slot], policy);
+    } else if (g < b0) {
+      const int j = rowA(g - a0);
       const uint32_t bytes = uint32_t(k) * 2u;
       mbar_arrive_expect_tx(&full[slot], 2 * bytes);
       bulk_copy(dst, w_gu + size_t(j) * k, bytes, &full[slot], policy);
       bulk_copy(dst + k, w_gu + size_t(d_ff + j) * k, bytes, &full[slot], policy);
     } else {
-      const int q = g - n_a, row = rowB(q / pairs);
+      const int q = g - b0, row = rowB(q / pairs);
       const int k0 = (q % pairs) * kMlpSlicesPerStage * slice;
       const uint32_t bytes = uint32_t(min(kMlpSlicesPerStage * slice, d_ff - k0)) * 2u;
       mbar_arrive_expect_tx(&full[slot], bytes);
       bulk_copy(dst, w_down + size_t(row) * d_ff + k0, bytes, &full[slot], policy);
     }
   };
-  // Both weights are model weights: stream them from the start, before the wait.
+  // Every weight is a model weight: stream from the start, before the wait.
   if (producer && lane == 0) {
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     for (int g = 0; g < min(kMlpSlots, n_total); ++g) issue(g);
@@ -564,12 +609,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint4 norm_w[kNormVec];
   if (norm.weight_early) norm_weight_regs(norm, k, norm_w);
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  // The barrier's generation before this block arrives (it flips only once all have arrived).
-  // Read after the wait: a launch before this one on the same barrier (the kernel this one
-  // depends on) has then finished, its flip and its count reset visible.
+  // The barrier's generation before this launch's first barrier. Read after the wait: a launch
+  // before this one on the same barrier (the kernel this one depends on) has then finished.
   const unsigned gen0 = threadIdx.x == 0 ? ld_acquire_u32(grid_bar + 1) : 0u;
-  if (!norm.weight_early) norm_weight_regs(norm, k, norm_w);
-  norm_to_shared<M>(norm, k, xs, red, norm_w);
+  if constexpr (kMixer) {  // x0 -> shared memory (gemv_bulk_kernel's copy), after the wait
+    const uint4* xv = reinterpret_cast<const uint4*>(mix.x0);
+    uint4* xd = reinterpret_cast<uint4*>(x0s);
+    const int nv0 = M * mix.k0 / 8;
+    for (int i = threadIdx.x; i < nv0; i += kThreads) xd[i] = xv[i];
+  } else {
+    if (!norm.weight_early) norm_weight_regs(norm, k, norm_w);
+    norm_to_shared<M>(norm, k, xs, red, norm_w);
+  }
   __syncthreads();
 
   if (producer) {
@@ -581,12 +632,58 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     return;
   }
+  constexpr int kConsumerThreads = kConsumerWarps * 32;
+  auto consumers_sync = [] { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory"); };
+  auto grid_sync = [&](unsigned u) {
+    consumers_sync();
+    if (threadIdx.x == 0) mlp_grid_barrier(grid_bar, gen0 + u);
+    consumers_sync();
+  };
+
+  if constexpr (kMixer) {
+    // Phase 0: gemv_bulk_kernel's consumer (R = 1, no GLU), delta rows to global memory.
+    const int nv0 = mix.k0 / 8;
+    for (int g = warp; g < a0; g += kConsumerWarps) {
+      const int slot = g % kMlpSlots;
+      const int r0 = row0(g);
+      mbar_wait(&full[slot], uint32_t(g / kMlpSlots) & 1u);
+      const bf16* ws = ring + size_t(slot) * slot_elems;
+      float acc[M];
+#pragma unroll
+      for (int t = 0; t < M; ++t) acc[t] = 0.f;
+#pragma unroll 2
+      for (int v = lane; v < nv0; v += 32) {
+        float wf[8];
+        unpack8(*reinterpret_cast<const uint4*>(ws + size_t(v) * 8), wf);
+#pragma unroll
+        for (int t = 0; t < M; ++t) {
+          float xf[8];
+          unpack8(*reinterpret_cast<const uint4*>(x0s + size_t(t) * mix.k0 + size_t(v) * 8), xf);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[slot]);
+#pragma unroll
+      for (int t = 0; t < M; ++t) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
+        if (lane == t) mix.y0[size_t(t) * k + r0] = __float2bfloat16(acc[t]);
+      }
+    }
+    // Every block's delta rows are written before any block's norm reads them.
+    grid_sync(1);
+    if (!norm.weight_early) norm_weight_regs(norm, k, norm_w);
+    norm_to_shared<M, true>(norm, k, xs, red, norm_w);
+    consumers_sync();  // xs complete
+  }
 
   // Phase A: gemv_bulk_kernel's GLU consumer (R = 2), act rows to global memory.
   const int nv = k / 8;
-  for (int g = warp; g < n_a; g += kConsumerWarps) {
+  for (int g = first_of(a0); g < b0; g += kConsumerWarps) {
     const int slot = g % kMlpSlots;
-    const int r0 = rowA(g);
+    const int r0 = rowA(g - a0);
     mbar_wait(&full[slot], uint32_t(g / kMlpSlots) & 1u);
     const bf16* ws = ring + size_t(slot) * slot_elems;
     float acc[M][2];
@@ -625,36 +722,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
   }
 
-  // Grid barrier: every block's act rows are written before any block reads act.
-  constexpr int kConsumerThreads = kConsumerWarps * 32;
-  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
-  if (threadIdx.x == 0) {
-    __threadfence();  // this block's act stores (ordered before by the barrier), then arrive
-    const unsigned arrived = atomicAdd(grid_bar, 1u);
-    if (arrived == unsigned(G) - 1) {
-      grid_bar[0] = 0u;  // the next use starts from 0 (nobody touches count until gen flips)
-      __threadfence();
-      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(grid_bar + 1), "r"(gen0 + 1u)
-                   : "memory");
-    } else {
-      while (ld_acquire_u32(grid_bar + 1) == gen0) __nanosleep(64);
-    }
-    __threadfence();
-  }
-  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
+  // Every block's act rows are written before any block reads act.
+  grid_sync(kMixer ? 2 : 1);
   {  // act -> shared memory, through L2 (other SMs wrote it)
     const uint4* av = reinterpret_cast<const uint4*>(act);
     uint4* ad = reinterpret_cast<uint4*>(as);
     const int n4 = M * d_ff / 8;
     for (int i = threadIdx.x; i < n4; i += kConsumerThreads) ad[i] = __ldcg(av + i);
   }
-  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
+  consumers_sync();
 
   // Phase B: gemv_narrow_kernel's consumer, kMlpSlicesPerStage slices per stage.
-  for (int g = n_a + ((warp - n_a) % kConsumerWarps + kConsumerWarps) % kConsumerWarps;
-       g < n_total; g += kConsumerWarps) {
+  for (int g = first_of(b0); g < n_total; g += kConsumerWarps) {
     const int slot = g % kMlpSlots;
-    const int q = g - n_a, lr = q / pairs, c0 = (q % pairs) * kMlpSlicesPerStage;
+    const int q = g - b0, lr = q / pairs, c0 = (q % pairs) * kMlpSlicesPerStage;
     mbar_wait(&full[slot], uint32_t(g / kMlpSlots) & 1u);
     const bf16* ws0 = ring + size_t(slot) * slot_elems;
     float sums[kMlpSlicesPerStage][M];
@@ -699,7 +780,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory");
+  consumers_sync();
   const int n_out = n_rows_b * M;
   for (int i = threadIdx.x; i < n_out; i += kConsumerThreads) {
     const int r = i / M, t = i - r * M;
@@ -710,55 +791,68 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// Shared memory of gemv_mlp_norm_kernel.
-size_t mlp_smem_bytes(int m, int d_ff, int k, int n, int G) {
+// Shared memory of gemv_mlp_norm_kernel (k0: the mixer form's W0 row length, 0 without).
+size_t mlp_smem_bytes(int m, int d_ff, int k, int n, int k0, int G) {
   const int slice = gemv_narrow_slice_len(d_ff), n_slices = gemv_narrow_slices(d_ff);
-  const size_t slot_elems = std::max<size_t>(size_t(2) * k, size_t(kMlpSlicesPerStage) * slice);
+  const size_t slot_elems =
+      std::max<size_t>({size_t(2) * k, size_t(kMlpSlicesPerStage) * slice, size_t(k0)});
   const size_t rows_cap = (size_t(n) + G - 1) / G;
-  return size_t(kBarBytes) + size_t(m) * k * 2 + size_t(m) * d_ff * 2 +
+  return size_t(kBarBytes) + size_t(m) * k0 * 2 + size_t(m) * k * 2 + size_t(m) * d_ff * 2 +
          size_t(kMlpSlots) * slot_elems * 2 + kRedBytes + rows_cap * n_slices * m * 4;
 }
 
 // The fused MLP's launch (m = 1: the batch-1 decode step; the grid is one block per SM, all of
 // which must be resident at once for the grid barrier: checked with the occupancy API once per
-// device).
-void mlp_impl(const GemvNormIn& norm, const bf16* w_gu, bf16* act, const bf16* w_down, bf16* y,
-              int m, int d_ff, int k, int n, bool pdl, unsigned* grid_bar, int n_sms,
-              cudaStream_t stream) {
-  DS_CHECK(gemv_mlp_norm_supports(m, d_ff, k, n, n_sms), "fused MLP GEMV: unsupported shape m=",
-           m, " d_ff=", d_ff, " k=", k, " n=", n, " on ", n_sms, " SMs");
+// device and shared-memory size).
+void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const bf16* w_gu, bf16* act,
+              const bf16* w_down, bf16* y, int m, int d_ff, int k, int n, bool pdl,
+              unsigned* grid_bar, int n_sms, cudaStream_t stream) {
+  const bool mixer = mix.w0 != nullptr;
+  DS_CHECK(gemv_mlp_norm_supports(m, d_ff, k, n, mixer ? mix.k0 : 0, n_sms),
+           "fused MLP GEMV: unsupported shape m=", m, " d_ff=", d_ff, " k=", k, " n=", n,
+           mixer ? " k0=" : "", mixer ? std::to_string(mix.k0) : std::string(), " on ", n_sms,
+           " SMs");
   DS_CHECK(grid_bar != nullptr && (reinterpret_cast<uintptr_t>(grid_bar) & 7) == 0,
            "fused MLP GEMV: needs an 8-byte aligned grid barrier (2 zeroed words)");
   DS_CHECK(((reinterpret_cast<uintptr_t>(w_gu) | reinterpret_cast<uintptr_t>(w_down) |
              reinterpret_cast<uintptr_t>(act) | reinterpret_cast<uintptr_t>(y)) &
             15) == 0,
            "fused MLP GEMV: weights, act and y must be 16-byte aligned");
+  if (mixer) {
+    DS_CHECK(mix.x0 != nullptr && ((reinterpret_cast<uintptr_t>(mix.x0) |
+                                    reinterpret_cast<uintptr_t>(mix.w0)) & 15) == 0,
+             "fused MLP GEMV: the out-projection's x0 and W0 must be 16-byte aligned");
+    DS_CHECK(mix.y0 != nullptr && mix.y0 == norm.delta,
+             "fused MLP GEMV: the out-projection's output must be the norm's delta (y0 == delta)");
+  }
   GemvBulkConfig cfg{2, kMlpSlots, false};  // for check_norm's shared-memory test only
   check_norm(norm, m, k, cfg, "fused MLP GEMV");
-  auto* kern = gemv_mlp_norm_kernel<1>;
+  auto* kern = mixer ? gemv_mlp_norm_kernel<1, true> : gemv_mlp_norm_kernel<1, false>;
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
-  const size_t smem = mlp_smem_bytes(m, d_ff, k, n, n_sms);
+  const size_t smem = mlp_smem_bytes(m, d_ff, k, n, mixer ? mix.k0 : 0, n_sms);
   {
     int dev = 0, sms = 0;
     DS_CUDA_CHECK(cudaGetDevice(&dev));
     DS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     static std::mutex mu;
-    static std::map<std::pair<int, size_t>, int> per_sm;  // (device, smem) -> blocks per SM
+    static std::map<std::tuple<int, size_t, bool>, int> per_sm;  // -> blocks per SM
     const std::lock_guard<std::mutex> lock(mu);
-    auto it = per_sm.find({dev, smem});
+    auto it = per_sm.find({dev, smem, mixer});
     if (it == per_sm.end()) {
-      int b = 0;
-      DS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kern, kThreads, smem));
-      it = per_sm.emplace(std::make_pair(dev, smem), b).first;
+      int bl = 0;
+      DS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bl, kern, kThreads, smem));
+      it = per_sm.emplace(std::make_tuple(dev, smem, mixer), bl).first;
     }
     // The grid barrier needs all n_sms blocks resident at once.
     DS_CHECK(it->second >= 1 && n_sms <= sms * it->second, "fused MLP GEMV: ", n_sms,
              " blocks cannot all be resident (", sms, " SMs, ", it->second, " per SM)");
   }
   const int slice = gemv_narrow_slice_len(d_ff), n_slices = gemv_narrow_slices(d_ff);
-  const int slot_elems = std::max(2 * k, kMlpSlicesPerStage * slice);
-  launch_maybe_pdl(kern, dim3(n_sms), dim3(kThreads), smem, stream, pdl, norm, w_gu, act, w_down,
-                   y, d_ff, k, n, slice, n_slices, slot_elems, gemv_interleave_bulk(), grid_bar);
+  const int slot_elems =
+      std::max({2 * k, kMlpSlicesPerStage * slice, mixer ? mix.k0 : 0});
+  launch_maybe_pdl(kern, dim3(n_sms), dim3(kThreads), smem, stream, pdl, norm, mix, w_gu, act,
+                   w_down, y, d_ff, k, n, slice, n_slices, slot_elems, gemv_interleave_bulk(),
+                   grid_bar);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -918,20 +1012,23 @@ void launch_gemv_bulk_silu_norm(const GemvNormIn& norm, const __nv_bfloat16* w_g
   silu_impl(nullptr, w_gate_up, act, m, d_ff, k, cfg, n_sms, stream, norm);
 }
 
-bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int n_sms) {
+bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int64_t k0,
+                            int n_sms) {
   if (m != 1 || n_sms < 1 || k < 8 || k % 8 != 0 || k > kGemvNormMaxK || d_ff < 8 || d_ff % 8 != 0 ||
       d_ff > kSkinnyMaxK || n < 1 || n > kSkinnyMaxN || d_ff < n_sms || n < n_sms)
     return false;
+  // the mixer form: W0 [k, k0] rows of whole 16-byte vectors, k rows over the grid
+  if (k0 != 0 && (k0 < 8 || k0 % 8 != 0 || k0 > kSkinnyMaxK || k < n_sms)) return false;
   // every slice of a down row non-empty, as gemv_narrow_fits asks
   if (int64_t(gemv_narrow_slices(d_ff) - 1) * gemv_narrow_slice_len(d_ff) >= d_ff) return false;
-  return mlp_smem_bytes(int(m), int(d_ff), int(k), int(n), n_sms) <= size_t(kMaxSmem);
+  return mlp_smem_bytes(int(m), int(d_ff), int(k), int(n), int(k0), n_sms) <= size_t(kMaxSmem);
 }
 
-void launch_gemv_mlp_norm(const GemvNormIn& norm, const __nv_bfloat16* w_gate_up,
-                          __nv_bfloat16* act, const __nv_bfloat16* w_down, __nv_bfloat16* y, int m,
-                          int d_ff, int k, int n, bool pdl, unsigned* grid_bar, int n_sms,
-                          cudaStream_t stream) {
-  mlp_impl(norm, w_gate_up, act, w_down, y, m, d_ff, k, n, pdl, grid_bar, n_sms, stream);
+void launch_gemv_mlp_norm(const GemvNormIn& norm, const GemvMlpMixer& mixer,
+                          const __nv_bfloat16* w_gate_up, __nv_bfloat16* act,
+                          const __nv_bfloat16* w_down, __nv_bfloat16* y, int m, int d_ff, int k,
+                          int n, bool pdl, unsigned* grid_bar, int n_sms, cudaStream_t stream) {
+  mlp_impl(norm, mixer, w_gate_up, act, w_down, y, m, d_ff, k, n, pdl, grid_bar, n_sms, stream);
 }
 
 void launch_gemv_bulk(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n, int k,

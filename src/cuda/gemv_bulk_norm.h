@@ -69,16 +69,26 @@ void launch_gemv_bulk_silu_norm(const GemvNormIn& norm,
 
 // ---- The batch-1 decode MLP in one kernel (gemv_bulk.cu; session 23, not yet measured) ----
 // act = bf16(silu(g) * u), [g | u] = rmsnorm(residual + delta) w_gate_up^T, then y = act w_down^T:
-// launch_gemv_bulk_silu_norm followed by launch_gemv_narrow (bf16 out, no accumulate) as two
-// phases of one persistent grid of n_sms blocks (one per SM) with a grid barrier between them,
-// so that the weight stream does not stop between the two projections. act, y and residual_out
-// are the two kernels' bits. grid_bar: 2 words of device memory owned by this launch site, zeroed
-// once (the barrier leaves them ready for the next launch); launches that share it go on one
-// stream (under PDL a launch touches it only after griddepcontrol.wait, when the one before has
-// finished). Needs every block resident at once (one per SM; checked with the occupancy API).
-// Throws ds::Error for anything unsupported. Asynchronous, graph-safe, never allocates.
-bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int n_sms);
-void launch_gemv_mlp_norm(const GemvNormIn& norm,
+// launch_gemv_bulk_silu_norm followed by launch_gemv_narrow (bf16 out, no accumulate) as phases
+// of one persistent grid of n_sms blocks (one per SM) with a grid barrier between them, so that
+// the weight stream does not stop between the projections. With `mixer` (w0 set) the mixer's
+// out-projection comes first: delta = x0 w0^T (launch_gemv_bulk's rows, bf16), written to y0,
+// which must be norm.delta, then a grid barrier, then the norm. Every output is the separate
+// kernels' bits. grid_bar: 2 words of device memory owned by this launch site, zeroed once (the
+// barrier leaves them ready for the next launch); launches that share it go on one stream (under
+// PDL a launch touches it only after griddepcontrol.wait, when the one before has finished). Needs
+// every block resident at once (one per SM; checked with the occupancy API). Throws ds::Error for
+// anything unsupported. Asynchronous, graph-safe, never allocates.
+struct GemvMlpMixer {
+  const __nv_bfloat16* x0 = nullptr;  // [m, k0] the mixer's output
+  const __nv_bfloat16* w0 = nullptr;  // [k, k0] gdn_out / attn_o; null: no out-projection
+  __nv_bfloat16* y0 = nullptr;        // [m, k] = norm.delta (out)
+  int k0 = 0;
+};
+// k0: the mixer form's W0 row length (0: without it).
+bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int64_t k0,
+                            int n_sms);
+void launch_gemv_mlp_norm(const GemvNormIn& norm, const GemvMlpMixer& mixer,
                           const __nv_bfloat16* w_gate_up,  // [2 d_ff, k]
                           __nv_bfloat16* act,              // [m, d_ff] (out; also the exchange)
                           const __nv_bfloat16* w_down,     // [n, d_ff]

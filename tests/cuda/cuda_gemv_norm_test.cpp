@@ -153,7 +153,7 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
   DevBuf<unsigned> bar(2);
   DS_CUDA_CHECK(cudaMemset(bar.ptr, 0, 2 * sizeof(unsigned)));
   for (const MlpCase& c : cases) {
-    if (!cuda::gemv_mlp_norm_supports(1, c.d_ff, c.k, c.n, sms)) {
+    if (!cuda::gemv_mlp_norm_supports(1, c.d_ff, c.k, c.n, 0, sms)) {
       ADD_FAILURE() << c.name << ": not supported on " << sms << " SMs";
       continue;
     }
@@ -196,7 +196,7 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
           rout.poison();
           act.poison();
           y.poison();
-          cuda::launch_gemv_mlp_norm(nin_of(res, delta, rout), P(wgu), P(act), P(wd), P(y), 1,
+          cuda::launch_gemv_mlp_norm(nin_of(res, delta, rout), {}, P(wgu), P(act), P(wd), P(y), 1,
                                      c.d_ff, c.k, c.n, pdl, bar.ptr, sms, st);
           DS_CUDA_CHECK(cudaStreamSynchronize(st));
           EXPECT_TRUE(act.download() == ref_act) << what << " rep " << rep << ": act differs";
@@ -249,9 +249,9 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
       cudaGraph_t g = nullptr;
       cudaGraphExec_t ge = nullptr;
       DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      cuda::launch_gemv_mlp_norm(chain_in(res.ptr, delta.ptr, r1.ptr), P(wgu), P(a1), P(wd),
+      cuda::launch_gemv_mlp_norm(chain_in(res.ptr, delta.ptr, r1.ptr), {}, P(wgu), P(a1), P(wd),
                                  P(y1), 1, c.d_ff, c.k, c.n, true, bar.ptr, sms, st);
-      cuda::launch_gemv_mlp_norm(chain_in(r1.ptr, y1.ptr, r2.ptr), P(wgu), P(a2), P(wd), P(y2), 1,
+      cuda::launch_gemv_mlp_norm(chain_in(r1.ptr, y1.ptr, r2.ptr), {}, P(wgu), P(a2), P(wd), P(y2), 1,
                                  c.d_ff, c.k, c.n, true, bar.ptr, sms, st);
       DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
       DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
@@ -272,9 +272,98 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
     }
   }
   // The guard: batch > 1, fewer rows than blocks, k above the norm's limit.
-  EXPECT_FALSE(cuda::gemv_mlp_norm_supports(2, 17408, 5120, 5120, sms));
-  EXPECT_FALSE(cuda::gemv_mlp_norm_supports(1, 17408, 5120, sms - 1, sms));
-  EXPECT_FALSE(cuda::gemv_mlp_norm_supports(1, 17408, 16384, 5120, sms));
+  EXPECT_FALSE(cuda::gemv_mlp_norm_supports(2, 17408, 5120, 5120, 0, sms));
+  EXPECT_FALSE(cuda::gemv_mlp_norm_supports(1, 17408, 5120, sms - 1, 0, sms));
+  EXPECT_FALSE(cuda::gemv_mlp_norm_supports(1, 17408, 16384, 5120, 0, sms));
+  EXPECT_TRUE(cuda::gemv_mlp_norm_supports(1, 17408, 5120, 5120, 6144, sms));
+  EXPECT_FALSE(cuda::gemv_mlp_norm_supports(1, 17408, 5120, 5120, 6148, sms));  // k0 % 8
+  cudaStreamDestroy(st);
+}
+
+// The mixer form ($DS_MLP_FUSED=2): the out-projection (gdn_out / attn_o: 5120 x 6144) as the
+// fused kernel's first phase, then the MLP, against launch_gemv_bulk (the engine's gdn_out at
+// batch 1) then gate_up + SiLU with the norm then the narrow down GEMV: delta, act, y and
+// residual_out bit-identical, plain and PDL, twice back to back (the barrier's two generations per
+// launch), and 3 graph replays with every output poisoned first; the guard refuses y0 != delta.
+TEST(CudaGemvBulkNorm, FusedMixerAndMlpBitIdenticalToTheThreeKernels) {
+  DS_REQUIRE_GPU();
+  const int d_ff = 17408, k = 5120, n = 5120, k0 = 6144;
+  std::mt19937 rng(47);
+  const int sms = n_sms();
+  ASSERT_TRUE(cuda::gemv_mlp_norm_supports(1, d_ff, k, n, k0, sms));
+  cudaStream_t st = nullptr;
+  DS_CUDA_CHECK(cudaStreamCreate(&st));
+  DevBuf<unsigned> bar(2);
+  DS_CUDA_CHECK(cudaMemset(bar.ptr, 0, 2 * sizeof(unsigned)));
+  DevBuf<bf> w0(test::random_bf16(size_t(k) * k0, rng, 0.03f));
+  DevBuf<bf> wgu(test::random_bf16(size_t(2) * d_ff * k, rng, 0.05f));
+  DevBuf<bf> wd(test::random_bf16(size_t(n) * d_ff, rng, 0.03f));
+  DevBuf<bf> nw(test::random_bf16(k, rng, 0.2f));
+  DevBuf<bf> x0(test::random_bf16(k0, rng, 1.f));
+  const std::vector<bf> h_res = test::random_bf16(k, rng, 2.f);
+  DevBuf<bf> res(h_res);
+  // The three kernels.
+  DevBuf<bf> d_ref(k), r_ref(k), a_ref(d_ff), y_ref(n);
+  cuda::GemvBulkConfig ocfg = cuda::gemv_bulk_config(1, k, k0);
+  cuda::launch_gemv_bulk(P(x0), P(w0), d_ref.ptr, 1, k, k0, cuda::GemmOut::kBF16, false, ocfg,
+                         sms, st);
+  cuda::GemvNormIn nin;
+  nin.residual = P(res);
+  nin.delta = P(d_ref);
+  nin.weight = P(nw);
+  nin.residual_out = P(r_ref);
+  cuda::launch_gemv_bulk_silu_norm(nin, P(wgu), P(a_ref), 1, d_ff, k,
+                                   cuda::gemv_bulk_silu_config(1, d_ff, k), sms, st);
+  cuda::launch_gemv_narrow(P(a_ref), P(wd), y_ref.ptr, 1, n, d_ff, cuda::GemmOut::kBF16, false,
+                           cuda::gemv_narrow_config(1, n, d_ff, sms), sms, st);
+  DS_CUDA_CHECK(cudaStreamSynchronize(st));
+  const auto w_d = d_ref.download(), w_r = r_ref.download(), w_a = a_ref.download(),
+             w_y = y_ref.download();
+  // Fused: delta, act, y, residual_out.
+  DevBuf<bf> dl(k), ro(k), a(d_ff), y(n);
+  cuda::GemvNormIn fin = nin;
+  fin.delta = P(dl);
+  fin.residual_out = P(ro);
+  cuda::GemvMlpMixer mx;
+  mx.x0 = P(x0);
+  mx.w0 = P(w0);
+  mx.y0 = P(dl);
+  mx.k0 = k0;
+  auto check = [&](const std::string& what) {
+    EXPECT_TRUE(dl.download() == w_d) << what << ": the out-projection (delta) differs";
+    EXPECT_TRUE(ro.download() == w_r) << what << ": residual_out differs";
+    EXPECT_TRUE(a.download() == w_a) << what << ": act differs";
+    EXPECT_TRUE(y.download() == w_y) << what << ": y differs";
+  };
+  for (bool pdl : {false, true})
+    for (int rep = 0; rep < 2; ++rep) {
+      for (DevBuf<bf>* p : {&dl, &ro, &a, &y}) p->poison();
+      cuda::launch_gemv_mlp_norm(fin, mx, P(wgu), P(a), P(wd), P(y), 1, d_ff, k, n, pdl, bar.ptr,
+                                 sms, st);
+      DS_CUDA_CHECK(cudaStreamSynchronize(st));
+      check(std::string(pdl ? "pdl" : "plain") + " rep " + std::to_string(rep));
+    }
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t ge = nullptr;
+  DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  cuda::launch_gemv_mlp_norm(fin, mx, P(wgu), P(a), P(wd), P(y), 1, d_ff, k, n, true, bar.ptr, sms,
+                             st);
+  DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+  DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+  for (int rep = 0; rep < 3; ++rep) {
+    for (DevBuf<bf>* p : {&dl, &ro, &a, &y}) p->poison();
+    DS_CUDA_CHECK(cudaGraphLaunch(ge, st));
+    DS_CUDA_CHECK(cudaStreamSynchronize(st));
+    check("graph replay " + std::to_string(rep));
+  }
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  std::printf("  fused out-projection + MLP: delta, act, y, residual bit-identical\n");
+  cuda::GemvMlpMixer bad = mx;
+  bad.y0 = P(a);  // not the norm's delta
+  EXPECT_THROW(cuda::launch_gemv_mlp_norm(fin, bad, P(wgu), P(a), P(wd), P(y), 1, d_ff, k, n,
+                                          false, bar.ptr, sms, st),
+               ds::Error);
   cudaStreamDestroy(st);
 }
 

@@ -322,36 +322,44 @@ TEST(Specialisations, FusedRopeOnVsOffBitExactAt27bShapes) {
   EXPECT_GT(cuda_graph_stats(*b).replays, 0);
 }
 
-// The batch-1 MLP as one kernel (CudaEngineOptions::mlp_fused, launch_gemv_mlp_norm) on vs off on
-// one engine: decode logits at batch 1 (fused: 4 layers, so the per-layer grid barriers are used
-// once per step and reused by every replayed graph) and batch 2 (never fused) bit-identical, and
-// the same greedy tokens.
+// The batch-1 MLP as one kernel (CudaEngineOptions::mlp_fused, launch_gemv_mlp_norm) on one
+// engine, modes 1 (the MLP) and 2 (the mixer's out-projection too) against 0: decode logits at
+// batch 1 (fused: 4 layers, so the per-layer grid barriers are used every step and by every
+// replayed graph) and batch 2 (never fused) bit-identical, and the same greedy tokens.
 TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
   const ModelConfig c = config_27b_4_layers();
   std::mt19937 rng(33);
   const std::vector<std::vector<int32_t>> prompts = random_prompts({800, 200}, c.vocab_size, rng);
   auto b = make_engine({true}, &c, nullptr, 64);
-  auto run = [&](bool fused, std::vector<int32_t>& ids) {
-    set_cuda_mlp_fused(*b, fused);
-    EXPECT_EQ(cuda_mlp_fused(*b), fused);
+  auto run = [&](int mode, std::vector<int32_t>& ids) {
+    set_cuda_mlp_fused(*b, mode);
+    EXPECT_EQ(cuda_mlp_fused(*b), mode);
     std::vector<float> rows = decode_batch1_then_batch2(*b, prompts, 64, 32, ids);
     b->reset_slot(0);
     b->reset_slot(1);
     return rows;
   };
-  std::vector<int32_t> ids_off, ids_on;
-  const std::vector<float> off = run(false, ids_off);
+  std::vector<int32_t> ids_off;
+  const std::vector<float> off = run(0, ids_off);
   EXPECT_EQ(cuda_mlp_fused_enqueued(*b), 0);
-  const std::vector<float> on = run(true, ids_on);
-  // every layer's MLP of the batch-1 steps (eager first step, then the captured graph)
-  EXPECT_GE(cuda_mlp_fused_enqueued(*b), 2 * c.n_layers) << "the fused MLP never ran";
-  ASSERT_EQ(on.size(), off.size());
-  const size_t differ = bits_differ(on, off);
-  std::printf("  fused MLP on vs off: %zu of %zu logits differ; %zu greedy tokens compared\n",
-              differ, on.size(), ids_on.size());
-  EXPECT_EQ(differ, 0u);
-  EXPECT_EQ(ids_on, ids_off);
+  int64_t before = 0;
+  for (int mode : {1, 2}) {
+    std::vector<int32_t> ids_on;
+    const std::vector<float> on = run(mode, ids_on);
+    // every layer's MLP of the batch-1 steps (eager first step, then the captured graph)
+    EXPECT_GE(cuda_mlp_fused_enqueued(*b) - before, 2 * c.n_layers)
+        << "mode " << mode << ": the fused MLP never ran";
+    before = cuda_mlp_fused_enqueued(*b);
+    ASSERT_EQ(on.size(), off.size());
+    const size_t differ = bits_differ(on, off);
+    std::printf("  fused MLP mode %d vs off: %zu of %zu logits differ; %zu greedy tokens "
+                "compared\n",
+                mode, differ, on.size(), ids_on.size());
+    EXPECT_EQ(differ, 0u) << "mode " << mode;
+    EXPECT_EQ(ids_on, ids_off) << "mode " << mode;
+  }
+  EXPECT_THROW(set_cuda_mlp_fused(*b, 3), ds::Error);
   EXPECT_EQ(cuda_graph_stats(*b).failures, 0);
   EXPECT_GT(cuda_graph_stats(*b).replays, 0);
 }
