@@ -220,7 +220,7 @@ class CudaBackend final : public Backend {
     fused_norm_rows_ = rows;
   }
   int mlp_fused() const { return mlp_fused_; }
-  int64_t mlp_fused_enqueued() const { return mlp_fused_enqueued_; }
+  int64_t mlp_fused_enqueued(int form) const { return mlp_fused_enqueued_[form == 2 ? 1 : 0]; }
   void set_mlp_fused(int mode) {
     DS_CHECK(mode >= 0 && mode <= 2, "the fused MLP mode must be 0, 1 or 2, got ", mode);
     if (mode != mlp_fused_) clear_graphs();  // captured graphs hold the other launches
@@ -359,7 +359,7 @@ class CudaBackend final : public Backend {
   void* attn_ws_ = nullptr;
   unsigned* mlp_bar_ = nullptr;  // [n_layers, 2]: the fused MLP's grid barrier per layer
   int mlp_fused_ = 0;            // CudaEngineOptions::mlp_fused
-  int64_t mlp_fused_enqueued_ = 0;
+  int64_t mlp_fused_enqueued_[2] = {0, 0};  // forms 1, 2
   int32_t* dmeta_ = nullptr;  // device metadata
   int32_t* hmeta_ = nullptr;  // pinned mirror
   size_t meta_ints_ = 0;
@@ -1578,7 +1578,7 @@ void CudaBackend::run_mlp_fused(const cuda::GemvNormIn& nin, const cuda::GemvMlp
   cuda::launch_gemv_mlp_norm(nin, mixer, w_gate_up, act_, w_down, delta_, 1, d_ff, dm, dm,
                              cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff, mlp_bar_ + 2 * layer,
                              n_sms_, stream_);
-  ++mlp_fused_enqueued_;
+  ++mlp_fused_enqueued_[mixer.w0 ? 1 : 0];
 }
 
 // lm_head on gathered rows [r0, r0 + r) into dlogits_ (fp32), and their argmax into dtok_ when
@@ -1793,11 +1793,12 @@ int cuda_mlp_fused(const Backend& b) {
   return cb->mlp_fused();
 }
 
-int64_t cuda_mlp_fused_enqueued(const Backend& b) {
+int64_t cuda_mlp_fused_enqueued(const Backend& b, int form) {
   const auto* cb = dynamic_cast<const CudaBackend*>(&b);
   DS_CHECK(cb != nullptr, "cuda_mlp_fused_enqueued: backend ", b.name(),
            " is not the CUDA engine");
-  return cb->mlp_fused_enqueued();
+  DS_CHECK(form == 1 || form == 2, "cuda_mlp_fused_enqueued: form 1 or 2, got ", form);
+  return cb->mlp_fused_enqueued(form);
 }
 
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode) {

@@ -148,8 +148,9 @@ bool cuda_decode_rope_fused(const Backend& b);
 // changes), and reads it. Throw ds::Error when `b` is not a CUDA backend or the mode is not 0..2.
 void set_cuda_mlp_fused(Backend& b, int mode);
 int cuda_mlp_fused(const Backend& b);
-// How many MLPs were enqueued as the fused kernel so far (eager forwards and graph captures).
-int64_t cuda_mlp_fused_enqueued(const Backend& b);
+// How many MLPs were enqueued as fused kernel form 1 (the MLP) or 2 (with the mixer's
+// out-projection) so far (eager forwards and graph captures).
+int64_t cuda_mlp_fused_enqueued(const Backend& b, int form);
 // Sets the prompt forwards' residual fold (CudaEngineOptions::prefill_residual_fold) at run
 // time, and reads it. Throw ds::Error when `b` is not a CUDA backend.
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode);

@@ -824,6 +824,14 @@ void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const bf16* w_gu,
              "fused MLP GEMV: the out-projection's x0 and W0 must be 16-byte aligned");
     DS_CHECK(mix.y0 != nullptr && mix.y0 == norm.delta,
              "fused MLP GEMV: the out-projection's output must be the norm's delta (y0 == delta)");
+    // x0 is read (after the PDL wait) while other blocks already write their outputs.
+    auto overlaps = [&](const void* p, size_t bytes) {
+      const auto a = reinterpret_cast<uintptr_t>(mix.x0), b = reinterpret_cast<uintptr_t>(p);
+      return p != nullptr && a < b + bytes && b < a + size_t(m) * mix.k0 * 2;
+    };
+    DS_CHECK(!overlaps(mix.y0, size_t(m) * k * 2) && !overlaps(act, size_t(m) * d_ff * 2) &&
+                 !overlaps(y, size_t(m) * n * 2) && !overlaps(norm.residual_out, size_t(m) * k * 2),
+             "fused MLP GEMV: the out-projection's input x0 overlaps an output");
   }
   GemvBulkConfig cfg{2, kMlpSlots, false};  // for check_norm's shared-memory test only
   check_norm(norm, m, k, cfg, "fused MLP GEMV");
