@@ -516,7 +516,7 @@ void KernelBench::mlp_fused_ab() {
                      ? out_op->k
                      : 0;
   const double set_bytes = 2.0 * gu.n * k + 2.0 * n * d_ff + 2.0 * k * k0;
-  const int rot = rotations(set_bytes);
+  const int rot = rotations(set_bytes);  // (form 3's extra weight only adds to the set)
   const bf16* wg = gemm_weights("gate_up", rot);
   const bf16* wd = gemm_weights("down", rot);
   const bf16* wo = k0 ? gemm_weights(out_op->name, rot) : nullptr;
@@ -539,9 +539,27 @@ void KernelBench::mlp_fused_ab() {
   ncfg.pdl = true;
   cuda::GemvBulkConfig ocfg = cuda::gemv_bulk_config(1, k, std::max(k0, 8));
   ocfg.pdl = true;
-  // mixer: the out-projection writes the norm's delta first (delta / delta2), else delta is input.
-  for (bool mixer : {false, true}) {
-    if (mixer && !k0) continue;
+  // The next layer's in-projection of form 3: gdn_in where the model has it (else attn_qkv).
+  const GemmOp* in_op = has_op("gdn_in") ? &op("gdn_in") : has_op("attn_qkv") ? &op("attn_qkv")
+                                                                              : nullptr;
+  const int n_in = k0 && in_op && in_op->k == k &&
+                           cuda::gemv_mlp_norm_supports(1, d_ff, k, n, k0, n_sms_, in_op->n)
+                       ? in_op->n
+                       : 0;
+  const bf16* wi_in = n_in ? gemm_weights(in_op->name, rot) : nullptr;
+  DevBuf nw2(size_t(2) * k, "mlp next norm weight"), rout2(size_t(2) * k, "mlp residual out 2"),
+      rout2b(size_t(2) * k, "mlp residual out 2 (fused)"), rout1b(size_t(2) * k, "mlp residual (fused)"),
+      proj(size_t(2) * std::max(n_in, 8), "mlp next projection"),
+      proj2(size_t(2) * std::max(n_in, 8), "mlp next projection (fused)");
+  gpu::fill_normal_bf16(nw2.as<bf16>(), k, seed_++, 0.f, 0.2f, s_);
+  auto wii = [&](int i) { return wi_in + int64_t(i % rot) * n_in * k; };
+  cuda::GemvBulkConfig icfg = cuda::gemv_bulk_config(1, std::max(n_in, 1), k);
+  icfg.pdl = true;
+  // form 1: the MLP; 2: the out-projection writes the norm's delta first (delta / delta2); 3: and
+  // the next layer's norm + in-projection last.
+  for (int form : {1, 2, 3}) {
+    const bool mixer = form >= 2, with_next = form == 3;
+    if ((mixer && !k0) || (with_next && !n_in)) continue;
     cuda::GemvNormIn nin;
     nin.residual = res.as<bf16>();
     nin.delta = delta.as<bf16>();
@@ -549,6 +567,12 @@ void KernelBench::mlp_fused_ab() {
     nin.residual_out = rout.as<bf16>();
     cuda::GemvNormIn nin2 = nin;
     if (mixer) nin2.delta = delta2.as<bf16>();
+    nin2.residual_out = rout1b.as<bf16>();
+    cuda::GemvNormIn next_ref;  // the next layer's norm after the separate kernels
+    next_ref.residual = rout.as<bf16>();
+    next_ref.delta = y.as<bf16>();
+    next_ref.weight = nw2.as<bf16>();
+    next_ref.residual_out = rout2.as<bf16>();
     auto separate = [&](int i) {
       if (mixer)
         cuda::launch_gemv_bulk(x0.as<bf16>(), woi(i), delta.as<void>(), 1, k, k0,
@@ -556,35 +580,54 @@ void KernelBench::mlp_fused_ab() {
       cuda::launch_gemv_bulk_silu_norm(nin, wgi(i), act.as<bf16>(), 1, d_ff, k, scfg, n_sms_, s_);
       cuda::launch_gemv_narrow(act.as<bf16>(), wdi(i), y.as<void>(), 1, n, d_ff,
                                cuda::GemmOut::kBF16, false, ncfg, n_sms_, s_);
+      if (with_next)
+        cuda::launch_gemv_bulk_norm(next_ref, wii(i), proj.as<void>(), 1, n_in, k,
+                                    cuda::GemmOut::kBF16, icfg, n_sms_, s_);
     };
     auto fused = [&](int i) {
       cuda::GemvMlpMixer mx;
       if (mixer) mx = {x0.as<bf16>(), woi(i), delta2.as<bf16>(), k0};
-      cuda::launch_gemv_mlp_norm(nin2, mx, wgi(i), act2.as<bf16>(), wdi(i), y2.as<bf16>(), 1,
+      cuda::GemvMlpNext nx;
+      if (with_next) {
+        nx.norm = next_ref;
+        nx.norm.residual = rout1b.as<bf16>();
+        nx.norm.delta = y2.as<bf16>();
+        nx.norm.residual_out = rout2b.as<bf16>();
+        nx.w = wii(i);
+        nx.y = proj2.as<bf16>();
+        nx.n = n_in;
+      }
+      cuda::launch_gemv_mlp_norm(nin2, mx, nx, wgi(i), act2.as<bf16>(), wdi(i), y2.as<bf16>(), 1,
                                  d_ff, k, n, true, bar.as<unsigned>(), n_sms_, s_);
     };
     separate(0);
     fused(0);
     KernelResult r;
     r.family = "gemm";
-    r.variant = mixer ? "mixer_mlp_fused" : "mlp_fused";
-    r.op = mixer ? out_op->name + "+gate_up+down" : "gate_up+down";
-    r.shape = mixer ? str("m=1 k0=%d d_ff=%d k=%d n=%d A/B", k0, d_ff, k, n)
-                    : str("m=1 d_ff=%d k=%d n=%d A/B", d_ff, k, n);
+    r.variant = form == 3 ? "mixer_mlp_next_fused" : mixer ? "mixer_mlp_fused" : "mlp_fused";
+    r.op = (mixer ? out_op->name + "+" : std::string()) + "gate_up+down" +
+           (with_next ? "+" + in_op->name : std::string());
+    r.shape = str("m=1 k0=%d d_ff=%d k=%d n=%d n_next=%d A/B", mixer ? k0 : 0, d_ff, k, n,
+                  with_next ? n_in : 0);
     r.match = "y: " + gpu::compare_bf16(y2.as<bf16>(), y.as<bf16>(), n, s_).text() + "; act: " +
               gpu::compare_bf16(act2.as<bf16>(), act.as<bf16>(), d_ff, s_).text() +
               (mixer ? "; delta: " +
                            gpu::compare_bf16(delta2.as<bf16>(), delta.as<bf16>(), k, s_).text()
-                     : std::string());
-    r.fallback = mixer ? "gemv_bulk, gemv_bulk_silu+norm, gemv_narrow"
-                       : "gemv_bulk_silu+norm, gemv_narrow";
+                     : std::string()) +
+              (with_next
+                   ? "; next: " +
+                         gpu::compare_bf16(proj2.as<bf16>(), proj.as<bf16>(), n_in, s_).text()
+                   : std::string());
+    r.fallback = std::string(mixer ? "gemv_bulk, " : "") + "gemv_bulk_silu+norm, gemv_narrow" +
+                 (with_next ? ", gemv_bulk+norm" : "");
     r.fallback_time_s = gpu::time_launches(separate, s_, timer(rot)).p50;
     r.samples = gpu::time_launches(fused, s_, timer(rot));
-    r.bytes = 2.0 * gu.n * k + 2.0 * n * d_ff + (mixer ? 2.0 * k * k0 : 0.0);
-    r.flops = 2.0 * (double(gu.n) * k + double(n) * d_ff + (mixer ? double(k) * k0 : 0.0));
+    const double extra = (mixer ? double(k) * k0 : 0.0) + (with_next ? double(n_in) * k : 0.0);
+    r.bytes = 2.0 * gu.n * k + 2.0 * n * d_ff + 2.0 * extra;
+    r.flops = 2.0 * (double(gu.n) * k + double(n) * d_ff + extra);
     r.note = str("all back to back with PDL (the separate kernels: %d launches per sample); %d "
                  "rotated weight copies",
-                 mixer ? 3 : 2, rot);
+                 1 + form, rot);
     finish(r);
   }
 }

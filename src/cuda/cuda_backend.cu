@@ -220,9 +220,9 @@ class CudaBackend final : public Backend {
     fused_norm_rows_ = rows;
   }
   int mlp_fused() const { return mlp_fused_; }
-  int64_t mlp_fused_enqueued(int form) const { return mlp_fused_enqueued_[form == 2 ? 1 : 0]; }
+  int64_t mlp_fused_enqueued(int form) const { return mlp_fused_enqueued_[form - 1]; }
   void set_mlp_fused(int mode) {
-    DS_CHECK(mode >= 0 && mode <= 2, "the fused MLP mode must be 0, 1 or 2, got ", mode);
+    DS_CHECK(mode >= 0 && mode <= 3, "the fused MLP mode must be 0..3, got ", mode);
     if (mode != mlp_fused_) clear_graphs();  // captured graphs hold the other launches
     mlp_fused_ = mode;
   }
@@ -307,9 +307,10 @@ class CudaBackend final : public Backend {
   cuda::GemvL2Next l2_next(const bf16* w, int m, int n, int k);
   bool gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* act, int m, int d_ff,
                          int k);
-  int mlp_fusion(int m, int k0);
+  int mlp_fusion(int m, int k0, int layer);
   void run_mlp_fused(const cuda::GemvNormIn& nin, const cuda::GemvMlpMixer& mixer,
-                     const bf16* w_gate_up, const bf16* w_down, int layer);
+                     const cuda::GemvMlpNext& next, const bf16* w_gate_up, const bf16* w_down,
+                     int layer);
   bool run_graph(const FwdPlan& f);
   void graph_failed(const char* what, const std::string& why);
   void destroy_graph(std::map<GraphKey, GraphEntry>::iterator it);
@@ -359,7 +360,7 @@ class CudaBackend final : public Backend {
   void* attn_ws_ = nullptr;
   unsigned* mlp_bar_ = nullptr;  // [n_layers, 2]: the fused MLP's grid barrier per layer
   int mlp_fused_ = 0;            // CudaEngineOptions::mlp_fused
-  int64_t mlp_fused_enqueued_[2] = {0, 0};  // forms 1, 2
+  int64_t mlp_fused_enqueued_[3] = {0, 0, 0};  // forms 1, 2, 3
   int32_t* dmeta_ = nullptr;  // device metadata
   int32_t* hmeta_ = nullptr;  // pinned mirror
   size_t meta_ints_ = 0;
@@ -500,10 +501,11 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   mlp_fused_ = eopt_.mlp_fused;
   if (const char* env = std::getenv("DS_MLP_FUSED"); env && *env) {
     const std::string v = env;
-    DS_CHECK(v == "0" || v == "1" || v == "2", "DS_MLP_FUSED must be 0, 1 or 2, got '", v, "'");
+    DS_CHECK(v == "0" || v == "1" || v == "2" || v == "3", "DS_MLP_FUSED must be 0..3, got '", v,
+             "'");
     mlp_fused_ = v[0] - '0';
   }
-  DS_CHECK(mlp_fused_ >= 0 && mlp_fused_ <= 2, "CudaEngineOptions::mlp_fused must be 0, 1 or 2, got ",
+  DS_CHECK(mlp_fused_ >= 0 && mlp_fused_ <= 3, "CudaEngineOptions::mlp_fused must be 0..3, got ",
            mlp_fused_);
   if (const char* env = std::getenv("DS_FUSED_NORM")) {
     const std::string v = env;
@@ -1392,17 +1394,22 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
   };
 
   cuda::launch_gather_rows(w_.embed, d.tokens, T, dm, h_, stream_);
+  bool in_proj_done = false;  // the previous layer's fused MLP (form 3) ran this in-projection
   for (int il = 0; il < c.n_layers; ++il) {
     const DevLayer& L = w_.layers[il];
     // h += previous layer's MLP output; input_layernorm(h) -> the mixer's in-projection
     const bf16* mlp_delta = il == 0 ? nullptr : mlp_out;
-    // $DS_MLP_FUSED: 1 the MLP, 2 also the mixer's out-projection, in one kernel (batch 1).
+    // $DS_MLP_FUSED: 1 the MLP, 2 also the mixer's out-projection, 3 also the next layer's input
+    // norm and in-projection, in one kernel (batch 1).
     const bool linear = L.type == LayerType::kLinear;
     const int mixer_k = linear ? c.gdn_z_dim() : c.attn_out_dim();
-    const int mlp_mode = fuse && !fold_down && !fold_mixer ? mlp_fusion(T, mixer_k) : 0;
+    const int mlp_mode = fuse && !fold_down && !fold_mixer ? mlp_fusion(T, mixer_k, il) : 0;
+    const bool skip_in_proj = in_proj_done;
+    in_proj_done = false;
     if (L.type == LayerType::kLinear) {
-      norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim(),  // [qkv | z | b | a]
-                fuse ? l2_next(L.gdn_out, T, dm, c.gdn_z_dim()) : cuda::GemvL2Next{});
+      if (!skip_in_proj)
+        norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim(),  // [qkv | z | b | a]
+                  fuse ? l2_next(L.gdn_out, T, dm, c.gdn_z_dim()) : cuda::GemvL2Next{});
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
       if (f.gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
         // PDL: the state / conv taps load while the gdn_in GEMV runs ($DS_GDN_DECODE_PDL)
@@ -1417,10 +1424,11 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
         cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_, d.cu, d.seq_pos, d.slot_ids, S, T,
                                  gdn_ws_, gdn_ws_bytes_, mix_, stream_, &dispatch_);
       }
-      if (mlp_mode != 2) gemm_out(mix_, L.gdn_out, c.gdn_z_dim(), fold_mixer);
+      if (mlp_mode < 2) gemm_out(mix_, L.gdn_out, c.gdn_z_dim(), fold_mixer);
     } else {
-      norm_gemm(mlp_delta, L.input_norm, L.attn_qkv, proj_, attn_.qkv_dim(),  // [q+gate | k | v]
-                fuse ? l2_next(L.attn_o, T, dm, c.attn_out_dim()) : cuda::GemvL2Next{});
+      if (!skip_in_proj)
+        norm_gemm(mlp_delta, L.input_norm, L.attn_qkv, proj_, attn_.qkv_dim(),  // [q+gate | k | v]
+                  fuse ? l2_next(L.attn_o, T, dm, c.attn_out_dim()) : cuda::GemvL2Next{});
       const int64_t layer_elems =
           layout_.n_kv_blocks * c.n_kv_heads * page_size_ * int64_t(c.head_dim);
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
@@ -1463,24 +1471,42 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       } else {
         cuda::launch_attention_prefill(attn_, ab, q_, kc, vc, gate, mix_, stream_, &dispatch_);
       }
-      if (mlp_mode != 2) gemm_out(mix_, L.attn_o, c.attn_out_dim(), fold_mixer);
+      if (mlp_mode < 2) gemm_out(mix_, L.attn_o, c.attn_out_dim(), fold_mixer);
     }
     // h += mixer output; post_attention_layernorm(h); MLP. gate_up with SiLU-and-mul in its
     // epilogue where the registry picks gemm.gemv_bulk_silu (decode, bit-identical to the two
     // launches below; with the norm in its prologue when fused), else GEMM then silu_mul.
     const cuda::GemvNormIn post = norm_in(mixer_out, L.post_norm);
     // $DS_MLP_FUSED: at batch 1 the projections in one kernel (the same bits as the launches
-    // below, and with mode 2 as the mixer's gemm_out above).
+    // below, with mode 2 as the mixer's gemm_out above, with mode 3 as the next layer's norm_gemm).
     if (mlp_mode > 0) {
       cuda::GemvMlpMixer mixer;
-      if (mlp_mode == 2) {
+      if (mlp_mode >= 2) {
         mixer.x0 = mix_;
         mixer.w0 = linear ? L.gdn_out : L.attn_o;
         mixer.y0 = delta_;
         mixer.k0 = mixer_k;
       }
-      run_mlp_fused(post, mixer, L.gate_up, L.down, il);
+      cuda::GemvMlpNext next;
+      if (mlp_mode == 3) {  // the norm after this MLP: res is then post's residual_out
+        const DevLayer& N = w_.layers[il + 1];
+        const bool n_linear = N.type == LayerType::kLinear;
+        const bf16* after = post.residual_out;
+        next.norm = post;
+        next.norm.residual = after;
+        next.norm.delta = delta_;  // this MLP's output
+        next.norm.weight = N.input_norm;
+        next.norm.residual_out = after == h_ ? h2_ : h_;
+        next.w = n_linear ? N.gdn_in : N.attn_qkv;
+        next.y = proj_;
+        next.n = n_linear ? c.gdn_in_dim() : int(attn_.qkv_dim());
+      }
+      run_mlp_fused(post, mixer, next, L.gate_up, L.down, il);
       flip(post);
+      if (mlp_mode == 3) {
+        flip(next.norm);
+        in_proj_done = true;
+      }
       continue;
     }
     if (fuse && gate_up_silu_norm(post, L.gate_up, act_, T, c.d_ff, dm)) {
@@ -1554,7 +1580,7 @@ bool CudaBackend::gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, 
 // the MLP. A form runs only where the kernels it fuses are what the engine would launch (the
 // registry's picks at m = 1: gemv_bulk_silu with the norm, gemv_narrow, and gemv_bulk for the
 // out-projection), so its bits are theirs.
-int CudaBackend::mlp_fusion(int m, int k0) {
+int CudaBackend::mlp_fusion(int m, int k0, int layer) {
   if (mlp_fused_ == 0 || m != 1) return 0;
   const int d_ff = cfg_.d_ff, dm = cfg_.d_model;
   if (!cuda::gemv_mlp_norm_supports(m, d_ff, dm, dm, 0, n_sms_) ||
@@ -1563,22 +1589,34 @@ int CudaBackend::mlp_fusion(int m, int k0) {
       gemm_->variant(m, dm, d_ff) != "gemv_narrow" ||
       !cuda::gemv_bulk_norm_fits(m, dm, cuda::gemv_bulk_silu_config(m, d_ff, dm)))
     return 0;
-  if (mlp_fused_ == 2 && cuda::gemv_mlp_norm_supports(m, d_ff, dm, dm, k0, n_sms_)) {
-    const std::string& v = gemm_->variant(m, dm, k0);
-    if (v == "gemv_bulk" || v == "gemv_bulk_pdl") return 2;
-  }
-  return 1;
+  if (mlp_fused_ < 2 || !cuda::gemv_mlp_norm_supports(m, d_ff, dm, dm, k0, n_sms_)) return 1;
+  const std::string& v = gemm_->variant(m, dm, k0);
+  if (v != "gemv_bulk" && v != "gemv_bulk_pdl") return 1;
+  if (mlp_fused_ < 3 || layer + 1 >= cfg_.n_layers) return 2;
+  // Form 3: the next layer's in-projection as norm_gemm would launch it (gemv_norm: the bulk
+  // GEMV with the norm in its prologue).
+  const DevLayer& N = w_.layers[layer + 1];
+  const bool n_linear = N.type == LayerType::kLinear;
+  const int n_in = n_linear ? cfg_.gdn_in_dim() : int(attn_.qkv_dim());
+  const std::string& vn = gemm_->variant(m, n_in, dm);
+  if ((vn != "gemv_bulk" && vn != "gemv_bulk_pdl") ||
+      !cuda::gemv_bulk_norm_fits(m, dm, cuda::gemv_bulk_config(m, n_in, dm)) ||
+      !cuda::gemv_mlp_norm_supports(m, d_ff, dm, dm, k0, n_sms_, n_in) ||
+      reinterpret_cast<uintptr_t>(n_linear ? N.gdn_in : N.attn_qkv) % 16 != 0)
+    return 2;
+  return 3;
 }
 
 // The fused form mlp_fusion chose (mixer.w0 set: form 2). Writes act_ and delta_ (the MLP output;
 // with form 2 first the mixer output, the norm's delta).
 void CudaBackend::run_mlp_fused(const cuda::GemvNormIn& nin, const cuda::GemvMlpMixer& mixer,
-                                const bf16* w_gate_up, const bf16* w_down, int layer) {
+                                const cuda::GemvMlpNext& next, const bf16* w_gate_up,
+                                const bf16* w_down, int layer) {
   const int d_ff = cfg_.d_ff, dm = cfg_.d_model;
-  cuda::launch_gemv_mlp_norm(nin, mixer, w_gate_up, act_, w_down, delta_, 1, d_ff, dm, dm,
+  cuda::launch_gemv_mlp_norm(nin, mixer, next, w_gate_up, act_, w_down, delta_, 1, d_ff, dm, dm,
                              cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff, mlp_bar_ + 2 * layer,
                              n_sms_, stream_);
-  ++mlp_fused_enqueued_[mixer.w0 ? 1 : 0];
+  ++mlp_fused_enqueued_[next.w ? 2 : mixer.w0 ? 1 : 0];
 }
 
 // lm_head on gathered rows [r0, r0 + r) into dlogits_ (fp32), and their argmax into dtok_ when
@@ -1797,7 +1835,7 @@ int64_t cuda_mlp_fused_enqueued(const Backend& b, int form) {
   const auto* cb = dynamic_cast<const CudaBackend*>(&b);
   DS_CHECK(cb != nullptr, "cuda_mlp_fused_enqueued: backend ", b.name(),
            " is not the CUDA engine");
-  DS_CHECK(form == 1 || form == 2, "cuda_mlp_fused_enqueued: form 1 or 2, got ", form);
+  DS_CHECK(form >= 1 && form <= 3, "cuda_mlp_fused_enqueued: form 1..3, got ", form);
   return cb->mlp_fused_enqueued(form);
 }
 

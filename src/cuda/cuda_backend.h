@@ -68,9 +68,10 @@ struct CudaEngineOptions {
   // Batch-1 decode steps run the MLP (gate_up + SiLU with the post-attention norm, then down) as
   // one persistent kernel with a grid barrier between the two projections, so the weight stream
   // does not stop between them (cuda/gemv_bulk_norm.h launch_gemv_mlp_norm): 1; 2 also takes the
-  // mixer's out-projection (gdn_out / attn_o) into the same kernel, before the MLP. 0: off.
+  // mixer's out-projection (gdn_out / attn_o) into the same kernel, before the MLP; 3 also the
+  // next layer's input norm and in-projection (gdn_in / attn_qkv), after it. 0: off.
   // Bit-identical logits (Specialisations.FusedMlpOnVsOffBitExactAt27bShapes). Session 23, not
-  // yet measured: off by default. $DS_MLP_FUSED=0 / 1 / 2 overrides.
+  // yet measured: off by default. $DS_MLP_FUSED=0..3 overrides.
   int mlp_fused = 0;
 };
 
@@ -144,12 +145,13 @@ int cuda_fused_norm(const Backend& b);
 // changes), and reads it. Throw ds::Error when `b` is not a CUDA backend.
 void set_cuda_decode_rope_fused(Backend& b, bool on);
 bool cuda_decode_rope_fused(const Backend& b);
-// Sets CudaEngineOptions::mlp_fused (0, 1, 2) at run time (the cached graphs are dropped when it
-// changes), and reads it. Throw ds::Error when `b` is not a CUDA backend or the mode is not 0..2.
+// Sets CudaEngineOptions::mlp_fused (0..3) at run time (the cached graphs are dropped when it
+// changes), and reads it. Throw ds::Error when `b` is not a CUDA backend or the mode is not 0..3.
 void set_cuda_mlp_fused(Backend& b, int mode);
 int cuda_mlp_fused(const Backend& b);
-// How many MLPs were enqueued as fused kernel form 1 (the MLP) or 2 (with the mixer's
-// out-projection) so far (eager forwards and graph captures).
+// How many MLPs were enqueued as fused kernel form 1 (the MLP), 2 (with the mixer's
+// out-projection) or 3 (and the next layer's in-projection) so far (eager forwards and graph
+// captures).
 int64_t cuda_mlp_fused_enqueued(const Backend& b, int form);
 // Sets the prompt forwards' residual fold (CudaEngineOptions::prefill_residual_fold) at run
 // time, and reads it. Throw ds::Error when `b` is not a CUDA backend.

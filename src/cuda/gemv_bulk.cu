@@ -522,9 +522,9 @@ __device__ __forceinline__ void mlp_grid_barrier(unsigned* bar, unsigned target)
   __threadfence();
 }
 
-template <int M, bool kMixer>
+template <int M, bool kMixer, bool kNext>
 __global__ void __launch_bounds__(kThreads, 1)
-    gemv_mlp_norm_kernel(const GemvNormIn norm, const GemvMlpMixer mix,
+    gemv_mlp_norm_kernel(const GemvNormIn norm, const GemvMlpMixer mix, const GemvMlpNext next,
                          const bf16* __restrict__ w_gu,    // [2 d_ff, k]
                          bf16* act,                        // [M, d_ff]: written, then read back
                          const bf16* __restrict__ w_down,  // [n, d_ff]
@@ -561,8 +561,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto rowB = [&](int r) { return interleave ? b + r * G : b_begin + r; };
   const int pairs = (n_slices + kMlpSlicesPerStage - 1) / kMlpSlicesPerStage;
   const int n_b = n_rows_b * pairs;
-  // Global stage g: [0, a0) phase 0, [a0, b0) phase A, [b0, n_total) phase B.
-  const int a0 = n_0, b0 = n_0 + n_a, n_total = b0 + n_b;
+  // Phase C (kNext): the next layer's in-projection, stages of two consecutive rows of W_in
+  // (gemv_bulk_kernel's R = 2 stages: contiguous per block, or interleaved over the grid).
+  const int c_pairs = kNext ? (next.n + 1) / 2 : 0;
+  const int c_begin = interleave ? 0 : int(int64_t(c_pairs) * b / G);
+  const int n_c = !kNext ? 0
+                  : interleave ? max(0, (c_pairs - b + G - 1) / G)
+                               : int(int64_t(c_pairs) * (b + 1) / G) - c_begin;
+  auto rowC = [&](int s) { return 2 * (interleave ? b + s * G : c_begin + s); };
+  // Global stage g: [0, a0) phase 0, [a0, b0) phase A, [b0, c0) phase B, [c0, n_total) phase C.
+  const int a0 = n_0, b0 = n_0 + n_a, c0 = b0 + n_b, n_total = c0 + n_c;
   // Warp w takes the stages g = w (mod 8) of each phase: the first one at or after g0.
   auto first_of = [&](int g0) {
     return g0 + ((warp - g0) % kConsumerWarps + kConsumerWarps) % kConsumerWarps;
@@ -592,12 +600,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_arrive_expect_tx(&full[slot], 2 * bytes);
       bulk_copy(dst, w_gu + size_t(j) * k, bytes, &full[slot], policy);
       bulk_copy(dst + k, w_gu + size_t(d_ff + j) * k, bytes, &full[slot], policy);
-    } else {
+    } else if (g < c0) {
       const int q = g - b0, row = rowB(q / pairs);
       const int k0 = (q % pairs) * kMlpSlicesPerStage * slice;
       const uint32_t bytes = uint32_t(min(kMlpSlicesPerStage * slice, d_ff - k0)) * 2u;
       mbar_arrive_expect_tx(&full[slot], bytes);
       bulk_copy(dst, w_down + size_t(row) * d_ff + k0, bytes, &full[slot], policy);
+    } else {
+      const int r0 = rowC(g - c0);
+      const uint32_t bytes = uint32_t(min(2, next.n - r0)) * uint32_t(k) * 2u;
+      mbar_arrive_expect_tx(&full[slot], bytes);
+      bulk_copy(dst, next.w + size_t(r0) * k, bytes, &full[slot], policy);
     }
   };
   // Every weight is a model weight: stream from the start, before the wait.
@@ -606,8 +619,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int g = 0; g < min(kMlpSlots, n_total); ++g) issue(g);
   }
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  uint4 norm_w[kNormVec];
+  uint4 norm_w[kNormVec], next_w[kNormVec];
   if (norm.weight_early) norm_weight_regs(norm, k, norm_w);
+  if constexpr (kNext)
+    if (next.norm.weight_early) norm_weight_regs(next.norm, k, next_w);
   asm volatile("griddepcontrol.wait;" ::: "memory");
   // The barrier's generation before this launch's first barrier. Read after the wait: a launch
   // before this one on the same barrier (the kernel this one depends on) has then finished.
@@ -733,15 +748,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   consumers_sync();
 
   // Phase B: gemv_narrow_kernel's consumer, kMlpSlicesPerStage slices per stage.
-  for (int g = first_of(b0); g < n_total; g += kConsumerWarps) {
+  for (int g = first_of(b0); g < c0; g += kConsumerWarps) {
     const int slot = g % kMlpSlots;
-    const int q = g - b0, lr = q / pairs, c0 = (q % pairs) * kMlpSlicesPerStage;
+    const int q = g - b0, lr = q / pairs, cs = (q % pairs) * kMlpSlicesPerStage;
     mbar_wait(&full[slot], uint32_t(g / kMlpSlots) & 1u);
     const bf16* ws0 = ring + size_t(slot) * slot_elems;
     float sums[kMlpSlicesPerStage][M];
 #pragma unroll
     for (int cc = 0; cc < kMlpSlicesPerStage; ++cc) {
-      const int c = c0 + cc;
+      const int c = cs + cc;
 #pragma unroll
       for (int t = 0; t < M; ++t) sums[cc][t] = 0.f;
       if (c >= n_slices) continue;
@@ -771,7 +786,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbar_arrive(&empty[slot]);  // every lane's reads of the slot are done
 #pragma unroll
     for (int cc = 0; cc < kMlpSlicesPerStage; ++cc) {
-      const int c = c0 + cc;
+      const int c = cs + cc;
       if (c >= n_slices) continue;
 #pragma unroll
       for (int t = 0; t < M; ++t) {
@@ -789,6 +804,52 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int c = 1; c < n_slices; ++c) sum += p[size_t(c) * M];
     y[size_t(t) * n + rowB(r)] = __float2bfloat16(sum);
   }
+  if constexpr (!kNext) return;
+
+  // Phase C: the next layer's input norm of (residual_out + y) and its in-projection, as
+  // gemv_bulk_kernel<M, 2, false, bf16, NORM> computes them. Every block's y rows are written
+  // before any block's norm reads them.
+  grid_sync(kMixer ? 3 : 2);
+  if (!next.norm.weight_early) norm_weight_regs(next.norm, k, next_w);
+  norm_to_shared<M, true>(next.norm, k, xs, red, next_w);
+  consumers_sync();  // xs complete
+  for (int g = first_of(c0); g < n_total; g += kConsumerWarps) {
+    const int slot = g % kMlpSlots;
+    const int r0 = rowC(g - c0);
+    const int rows = min(2, next.n - r0);
+    mbar_wait(&full[slot], uint32_t(g / kMlpSlots) & 1u);
+    const bf16* ws = ring + size_t(slot) * slot_elems;
+    float acc[M][2];
+#pragma unroll
+    for (int t = 0; t < M; ++t) acc[t][0] = acc[t][1] = 0.f;
+#pragma unroll 2
+    for (int v = lane; v < nv; v += 32) {
+      float wf[2][8];
+#pragma unroll
+      for (int r = 0; r < 2; ++r)  // a missing second row reads stale shared memory, never stored
+        unpack8(*reinterpret_cast<const uint4*>(ws + size_t(r) * k + size_t(v) * 8), wf[r]);
+#pragma unroll
+      for (int t = 0; t < M; ++t) {
+        float xf[8];
+        unpack8(*reinterpret_cast<const uint4*>(xs + size_t(t) * k + size_t(v) * 8), xf);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(wf[r][e], xf[e], acc[t][r]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+#pragma unroll
+    for (int t = 0; t < M; ++t)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[t][r] += __shfl_xor_sync(0xffffffffu, acc[t][r], o);
+        if (lane == t * 2 + r && r < rows)
+          next.y[size_t(t) * next.n + r0 + r] = __float2bfloat16(acc[t][r]);
+      }
+  }
 }
 
 // Shared memory of gemv_mlp_norm_kernel (k0: the mixer form's W0 row length, 0 without).
@@ -804,11 +865,12 @@ size_t mlp_smem_bytes(int m, int d_ff, int k, int n, int k0, int G) {
 // The fused MLP's launch (m = 1: the batch-1 decode step; the grid is one block per SM, all of
 // which must be resident at once for the grid barrier: checked with the occupancy API once per
 // device and shared-memory size).
-void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const bf16* w_gu, bf16* act,
-              const bf16* w_down, bf16* y, int m, int d_ff, int k, int n, bool pdl,
-              unsigned* grid_bar, int n_sms, cudaStream_t stream) {
-  const bool mixer = mix.w0 != nullptr;
-  DS_CHECK(gemv_mlp_norm_supports(m, d_ff, k, n, mixer ? mix.k0 : 0, n_sms),
+void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const GemvMlpNext& next,
+              const bf16* w_gu, bf16* act, const bf16* w_down, bf16* y, int m, int d_ff, int k,
+              int n, bool pdl, unsigned* grid_bar, int n_sms, cudaStream_t stream) {
+  const bool mixer = mix.w0 != nullptr, has_next = next.w != nullptr;
+  DS_CHECK(gemv_mlp_norm_supports(m, d_ff, k, n, mixer ? mix.k0 : 0, n_sms,
+                                  has_next ? next.n : 0),
            "fused MLP GEMV: unsupported shape m=", m, " d_ff=", d_ff, " k=", k, " n=", n,
            mixer ? " k0=" : "", mixer ? std::to_string(mix.k0) : std::string(), " on ", n_sms,
            " SMs");
@@ -835,7 +897,19 @@ void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const bf16* w_gu,
   }
   GemvBulkConfig cfg{2, kMlpSlots, false};  // for check_norm's shared-memory test only
   check_norm(norm, m, k, cfg, "fused MLP GEMV");
-  auto* kern = mixer ? gemv_mlp_norm_kernel<1, true> : gemv_mlp_norm_kernel<1, false>;
+  if (has_next) {
+    check_norm(next.norm, m, k, cfg, "fused MLP GEMV (next in-projection)");
+    DS_CHECK(next.norm.residual == norm.residual_out && next.norm.delta == y &&
+                 norm.residual_out != nullptr,
+             "fused MLP GEMV: the next layer's norm must add y to the MLP norm's residual_out");
+    DS_CHECK(next.y != nullptr && ((reinterpret_cast<uintptr_t>(next.w) |
+                                    reinterpret_cast<uintptr_t>(next.y)) & 15) == 0,
+             "fused MLP GEMV: the next in-projection's weight and output must be 16-byte aligned");
+  }
+  auto* kern = mixer ? (has_next ? gemv_mlp_norm_kernel<1, true, true>
+                                 : gemv_mlp_norm_kernel<1, true, false>)
+                     : (has_next ? gemv_mlp_norm_kernel<1, false, true>
+                                 : gemv_mlp_norm_kernel<1, false, false>);
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   const size_t smem = mlp_smem_bytes(m, d_ff, k, n, mixer ? mix.k0 : 0, n_sms);
   {
@@ -843,13 +917,14 @@ void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const bf16* w_gu,
     DS_CUDA_CHECK(cudaGetDevice(&dev));
     DS_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     static std::mutex mu;
-    static std::map<std::tuple<int, size_t, bool>, int> per_sm;  // -> blocks per SM
+    static std::map<std::tuple<int, size_t, const void*>, int> per_sm;  // -> blocks per SM
     const std::lock_guard<std::mutex> lock(mu);
-    auto it = per_sm.find({dev, smem, mixer});
+    const void* kp = reinterpret_cast<const void*>(kern);
+    auto it = per_sm.find({dev, smem, kp});
     if (it == per_sm.end()) {
       int bl = 0;
       DS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bl, kern, kThreads, smem));
-      it = per_sm.emplace(std::make_tuple(dev, smem, mixer), bl).first;
+      it = per_sm.emplace(std::make_tuple(dev, smem, kp), bl).first;
     }
     // The grid barrier needs all n_sms blocks resident at once.
     DS_CHECK(it->second >= 1 && n_sms <= sms * it->second, "fused MLP GEMV: ", n_sms,
@@ -858,9 +933,9 @@ void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const bf16* w_gu,
   const int slice = gemv_narrow_slice_len(d_ff), n_slices = gemv_narrow_slices(d_ff);
   const int slot_elems =
       std::max({2 * k, kMlpSlicesPerStage * slice, mixer ? mix.k0 : 0});
-  launch_maybe_pdl(kern, dim3(n_sms), dim3(kThreads), smem, stream, pdl, norm, mix, w_gu, act,
-                   w_down, y, d_ff, k, n, slice, n_slices, slot_elems, gemv_interleave_bulk(),
-                   grid_bar);
+  launch_maybe_pdl(kern, dim3(n_sms), dim3(kThreads), smem, stream, pdl, norm, mix, next, w_gu,
+                   act, w_down, y, d_ff, k, n, slice, n_slices, slot_elems,
+                   gemv_interleave_bulk(), grid_bar);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -1021,7 +1096,8 @@ void launch_gemv_bulk_silu_norm(const GemvNormIn& norm, const __nv_bfloat16* w_g
 }
 
 bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int64_t k0,
-                            int n_sms) {
+                            int n_sms, int64_t n_next) {
+  if (n_next < 0 || n_next > kSkinnyMaxN) return false;
   if (m != 1 || n_sms < 1 || k < 8 || k % 8 != 0 || k > kGemvNormMaxK || d_ff < 8 || d_ff % 8 != 0 ||
       d_ff > kSkinnyMaxK || n < 1 || n > kSkinnyMaxN || d_ff < n_sms || n < n_sms)
     return false;
@@ -1033,10 +1109,12 @@ bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int64
 }
 
 void launch_gemv_mlp_norm(const GemvNormIn& norm, const GemvMlpMixer& mixer,
-                          const __nv_bfloat16* w_gate_up, __nv_bfloat16* act,
-                          const __nv_bfloat16* w_down, __nv_bfloat16* y, int m, int d_ff, int k,
-                          int n, bool pdl, unsigned* grid_bar, int n_sms, cudaStream_t stream) {
-  mlp_impl(norm, mixer, w_gate_up, act, w_down, y, m, d_ff, k, n, pdl, grid_bar, n_sms, stream);
+                          const GemvMlpNext& next, const __nv_bfloat16* w_gate_up,
+                          __nv_bfloat16* act, const __nv_bfloat16* w_down, __nv_bfloat16* y, int m,
+                          int d_ff, int k, int n, bool pdl, unsigned* grid_bar, int n_sms,
+                          cudaStream_t stream) {
+  mlp_impl(norm, mixer, next, w_gate_up, act, w_down, y, m, d_ff, k, n, pdl, grid_bar, n_sms,
+           stream);
 }
 
 void launch_gemv_bulk(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n, int k,

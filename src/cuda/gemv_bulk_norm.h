@@ -85,10 +85,21 @@ struct GemvMlpMixer {
   __nv_bfloat16* y0 = nullptr;        // [m, k] = norm.delta (out)
   int k0 = 0;
 };
-// k0: the mixer form's W0 row length (0: without it).
+// With `next` (w set) the next layer's input norm and in-projection come last: after a grid
+// barrier, x = rmsnorm(next.norm.residual + y) (next.norm.residual must be norm.residual_out and
+// next.norm.delta must be y; next.norm.residual_out gets their sum), next.y = x next.w^T
+// (launch_gemv_bulk_norm's rows, bf16).
+struct GemvMlpNext {
+  GemvNormIn norm;
+  const __nv_bfloat16* w = nullptr;  // [n, k] gdn_in / attn_qkv of the next layer; null: none
+  __nv_bfloat16* y = nullptr;        // [m, n] (out)
+  int n = 0;
+};
+// k0: the mixer form's W0 row length (0: without it); n_next: the next in-projection's rows (0:
+// without it).
 bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int64_t k0,
-                            int n_sms);
-void launch_gemv_mlp_norm(const GemvNormIn& norm, const GemvMlpMixer& mixer,
+                            int n_sms, int64_t n_next = 0);
+void launch_gemv_mlp_norm(const GemvNormIn& norm, const GemvMlpMixer& mixer, const GemvMlpNext& next,
                           const __nv_bfloat16* w_gate_up,  // [2 d_ff, k]
                           __nv_bfloat16* act,              // [m, d_ff] (out; also the exchange)
                           const __nv_bfloat16* w_down,     // [n, d_ff]

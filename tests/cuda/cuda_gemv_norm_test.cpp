@@ -196,7 +196,7 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
           rout.poison();
           act.poison();
           y.poison();
-          cuda::launch_gemv_mlp_norm(nin_of(res, delta, rout), {}, P(wgu), P(act), P(wd), P(y), 1,
+          cuda::launch_gemv_mlp_norm(nin_of(res, delta, rout), {}, {}, P(wgu), P(act), P(wd), P(y), 1,
                                      c.d_ff, c.k, c.n, pdl, bar.ptr, sms, st);
           DS_CUDA_CHECK(cudaStreamSynchronize(st));
           EXPECT_TRUE(act.download() == ref_act) << what << " rep " << rep << ": act differs";
@@ -249,9 +249,9 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
       cudaGraph_t g = nullptr;
       cudaGraphExec_t ge = nullptr;
       DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      cuda::launch_gemv_mlp_norm(chain_in(res.ptr, delta.ptr, r1.ptr), {}, P(wgu), P(a1), P(wd),
+      cuda::launch_gemv_mlp_norm(chain_in(res.ptr, delta.ptr, r1.ptr), {}, {}, P(wgu), P(a1), P(wd),
                                  P(y1), 1, c.d_ff, c.k, c.n, true, bar.ptr, sms, st);
-      cuda::launch_gemv_mlp_norm(chain_in(r1.ptr, y1.ptr, r2.ptr), {}, P(wgu), P(a2), P(wd), P(y2), 1,
+      cuda::launch_gemv_mlp_norm(chain_in(r1.ptr, y1.ptr, r2.ptr), {}, {}, P(wgu), P(a2), P(wd), P(y2), 1,
                                  c.d_ff, c.k, c.n, true, bar.ptr, sms, st);
       DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
       DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
@@ -282,10 +282,12 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
 
 // The mixer form ($DS_MLP_FUSED=2): the out-projection (gdn_out / attn_o: 5120 x 6144) as the
 // fused kernel's first phase, then the MLP, against launch_gemv_bulk (the engine's gdn_out at
-// batch 1) then gate_up + SiLU with the norm then the narrow down GEMV: delta, act, y and
-// residual_out bit-identical, plain and PDL, twice back to back (the barrier's two generations per
-// launch), and 3 graph replays with every output poisoned first; the guard refuses y0 != delta.
-TEST(CudaGemvBulkNorm, FusedMixerAndMlpBitIdenticalToTheThreeKernels) {
+// batch 1) then gate_up + SiLU with the norm then the narrow down GEMV; and form 3, which adds the
+// next layer's input norm and in-projection (gdn_in) against launch_gemv_bulk_norm: every output
+// (delta, act, y, residual_out, the second residual, the projection) bit-identical, plain and PDL,
+// twice back to back (the barrier's generations per launch), and 3 graph replays with every
+// output poisoned first; the guard refuses y0 != delta and a next norm not fed by y.
+TEST(CudaGemvBulkNorm, FusedMixerMlpNextBitIdenticalToTheSeparateKernels) {
   DS_REQUIRE_GPU();
   const int d_ff = 17408, k = 5120, n = 5120, k0 = 6144;
   std::mt19937 rng(47);
@@ -319,8 +321,24 @@ TEST(CudaGemvBulkNorm, FusedMixerAndMlpBitIdenticalToTheThreeKernels) {
   DS_CUDA_CHECK(cudaStreamSynchronize(st));
   const auto w_d = d_ref.download(), w_r = r_ref.download(), w_a = a_ref.download(),
              w_y = y_ref.download();
-  // Fused: delta, act, y, residual_out.
-  DevBuf<bf> dl(k), ro(k), a(d_ff), y(n);
+  // Form 3's last phase, the next layer's input norm and in-projection (gdn_in: 16480 rows in
+  // 8240 row pairs over the blocks), by the bulk GEMV with the norm in its prologue.
+  const int n_in = 16480;
+  DevBuf<bf> w_in(test::random_bf16(size_t(n_in) * k, rng, 0.03f));
+  DevBuf<bf> nw2(test::random_bf16(k, rng, 0.2f));
+  DevBuf<bf> r2_ref(k), p_ref(n_in);
+  cuda::GemvNormIn nin2 = nin;
+  nin2.residual = P(r_ref);
+  nin2.delta = P(y_ref);
+  nin2.weight = P(nw2);
+  nin2.residual_out = P(r2_ref);
+  cuda::launch_gemv_bulk_norm(nin2, P(w_in), p_ref.ptr, 1, n_in, k, cuda::GemmOut::kBF16,
+                              cuda::gemv_bulk_config(1, n_in, k), sms, st);
+  DS_CUDA_CHECK(cudaStreamSynchronize(st));
+  const auto w_r2 = r2_ref.download(), w_p = p_ref.download();
+  ASSERT_TRUE(cuda::gemv_mlp_norm_supports(1, d_ff, k, n, k0, sms, n_in));
+  // Fused: delta, act, y, residual_out (and with next: the second residual and the projection).
+  DevBuf<bf> dl(k), ro(k), a(d_ff), y(n), ro2(k), pj(n_in);
   cuda::GemvNormIn fin = nin;
   fin.delta = P(dl);
   fin.residual_out = P(ro);
@@ -329,40 +347,65 @@ TEST(CudaGemvBulkNorm, FusedMixerAndMlpBitIdenticalToTheThreeKernels) {
   mx.w0 = P(w0);
   mx.y0 = P(dl);
   mx.k0 = k0;
-  auto check = [&](const std::string& what) {
-    EXPECT_TRUE(dl.download() == w_d) << what << ": the out-projection (delta) differs";
-    EXPECT_TRUE(ro.download() == w_r) << what << ": residual_out differs";
-    EXPECT_TRUE(a.download() == w_a) << what << ": act differs";
-    EXPECT_TRUE(y.download() == w_y) << what << ": y differs";
-  };
-  for (bool pdl : {false, true})
-    for (int rep = 0; rep < 2; ++rep) {
-      for (DevBuf<bf>* p : {&dl, &ro, &a, &y}) p->poison();
-      cuda::launch_gemv_mlp_norm(fin, mx, P(wgu), P(a), P(wd), P(y), 1, d_ff, k, n, pdl, bar.ptr,
-                                 sms, st);
+  cuda::GemvMlpNext nx;
+  nx.norm = nin2;
+  nx.norm.residual = P(ro);
+  nx.norm.delta = P(y);
+  nx.norm.residual_out = P(ro2);
+  nx.w = P(w_in);
+  nx.y = P(pj);
+  nx.n = n_in;
+  for (bool with_next : {false, true}) {
+    const cuda::GemvMlpNext use = with_next ? nx : cuda::GemvMlpNext{};
+    auto check = [&](const std::string& what0) {
+      const std::string what = what0 + (with_next ? " +next" : "");
+      EXPECT_TRUE(dl.download() == w_d) << what << ": the out-projection (delta) differs";
+      EXPECT_TRUE(ro.download() == w_r) << what << ": residual_out differs";
+      EXPECT_TRUE(a.download() == w_a) << what << ": act differs";
+      EXPECT_TRUE(y.download() == w_y) << what << ": y differs";
+      if (with_next) {
+        EXPECT_TRUE(ro2.download() == w_r2) << what << ": the next residual differs";
+        EXPECT_TRUE(pj.download() == w_p) << what << ": the next in-projection differs";
+      }
+    };
+    auto poison = [&] {
+      for (DevBuf<bf>* p : {&dl, &ro, &a, &y, &ro2, &pj}) p->poison();
+    };
+    for (bool pdl : {false, true})
+      for (int rep = 0; rep < 2; ++rep) {
+        poison();
+        cuda::launch_gemv_mlp_norm(fin, mx, use, P(wgu), P(a), P(wd), P(y), 1, d_ff, k, n, pdl,
+                                   bar.ptr, sms, st);
+        DS_CUDA_CHECK(cudaStreamSynchronize(st));
+        check(std::string(pdl ? "pdl" : "plain") + " rep " + std::to_string(rep));
+      }
+    cudaGraph_t g = nullptr;
+    cudaGraphExec_t ge = nullptr;
+    DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    cuda::launch_gemv_mlp_norm(fin, mx, use, P(wgu), P(a), P(wd), P(y), 1, d_ff, k, n, true,
+                               bar.ptr, sms, st);
+    DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+    DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+    for (int rep = 0; rep < 3; ++rep) {
+      poison();
+      DS_CUDA_CHECK(cudaGraphLaunch(ge, st));
       DS_CUDA_CHECK(cudaStreamSynchronize(st));
-      check(std::string(pdl ? "pdl" : "plain") + " rep " + std::to_string(rep));
+      check("graph replay " + std::to_string(rep));
     }
-  cudaGraph_t g = nullptr;
-  cudaGraphExec_t ge = nullptr;
-  DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-  cuda::launch_gemv_mlp_norm(fin, mx, P(wgu), P(a), P(wd), P(y), 1, d_ff, k, n, true, bar.ptr, sms,
-                             st);
-  DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
-  DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
-  for (int rep = 0; rep < 3; ++rep) {
-    for (DevBuf<bf>* p : {&dl, &ro, &a, &y}) p->poison();
-    DS_CUDA_CHECK(cudaGraphLaunch(ge, st));
-    DS_CUDA_CHECK(cudaStreamSynchronize(st));
-    check("graph replay " + std::to_string(rep));
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    std::printf("  fused out-projection + MLP%s: every output bit-identical\n",
+                with_next ? " + next in-projection" : "");
   }
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  std::printf("  fused out-projection + MLP: delta, act, y, residual bit-identical\n");
   cuda::GemvMlpMixer bad = mx;
   bad.y0 = P(a);  // not the norm's delta
-  EXPECT_THROW(cuda::launch_gemv_mlp_norm(fin, bad, P(wgu), P(a), P(wd), P(y), 1, d_ff, k, n,
+  EXPECT_THROW(cuda::launch_gemv_mlp_norm(fin, bad, {}, P(wgu), P(a), P(wd), P(y), 1, d_ff, k, n,
                                           false, bar.ptr, sms, st),
+               ds::Error);
+  cuda::GemvMlpNext bad_next = nx;
+  bad_next.norm.delta = P(dl);  // not y
+  EXPECT_THROW(cuda::launch_gemv_mlp_norm(fin, mx, bad_next, P(wgu), P(a), P(wd), P(y), 1, d_ff, k,
+                                          n, false, bar.ptr, sms, st),
                ds::Error);
   cudaStreamDestroy(st);
 }

@@ -323,7 +323,8 @@ TEST(Specialisations, FusedRopeOnVsOffBitExactAt27bShapes) {
 }
 
 // The batch-1 MLP as one kernel (CudaEngineOptions::mlp_fused, launch_gemv_mlp_norm) on one
-// engine, modes 1 (the MLP) and 2 (the mixer's out-projection too) against 0: decode logits at
+// engine, modes 1 (the MLP), 2 (the mixer's out-projection too) and 3 (and the next layer's input
+// norm and in-projection: 3 of the 4 layers, the last has none) against 0: decode logits at
 // batch 1 (fused: 4 layers, so the per-layer grid barriers are used every step and by every
 // replayed graph) and batch 2 (never fused) bit-identical, and the same greedy tokens.
 TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
@@ -343,14 +344,15 @@ TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
   std::vector<int32_t> ids_off;
   const std::vector<float> off = run(0, ids_off);
   EXPECT_EQ(cuda_mlp_fused_enqueued(*b, 1) + cuda_mlp_fused_enqueued(*b, 2), 0);
-  for (int mode : {1, 2}) {
+  for (int mode : {1, 2, 3}) {
     std::vector<int32_t> ids_on;
     const int64_t before = cuda_mlp_fused_enqueued(*b, mode);
     const std::vector<float> on = run(mode, ids_on);
     // every layer's MLP of the batch-1 steps (eager first step, then the captured graph), in the
-    // form the mode asks for (form 2 falls back to 1 only where the out-projection is not the
-    // bulk GEMV, which at these shapes it is)
-    EXPECT_GE(cuda_mlp_fused_enqueued(*b, mode) - before, 2 * c.n_layers)
+    // form the mode asks for (a form falls back to the one below only where a kernel it replaces
+    // is not the bulk GEMV, which at these shapes it is; form 3 not on the last layer)
+    EXPECT_GE(cuda_mlp_fused_enqueued(*b, mode) - before,
+              2 * (mode == 3 ? c.n_layers - 1 : c.n_layers))
         << "mode " << mode << ": the fused MLP of that form never ran";
     ASSERT_EQ(on.size(), off.size());
     const size_t differ = bits_differ(on, off);
@@ -360,7 +362,7 @@ TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
     EXPECT_EQ(differ, 0u) << "mode " << mode;
     EXPECT_EQ(ids_on, ids_off) << "mode " << mode;
   }
-  EXPECT_THROW(set_cuda_mlp_fused(*b, 3), ds::Error);
+  EXPECT_THROW(set_cuda_mlp_fused(*b, 4), ds::Error);
   EXPECT_EQ(cuda_graph_stats(*b).failures, 0);
   EXPECT_GT(cuda_graph_stats(*b).replays, 0);
 }
