@@ -511,6 +511,20 @@ struct WsSmem {
   __device__ uint32_t v_zeroed() const { return bars + 8u * (2 * KS + 2 * VS + 1); }
 };
 
+// The K and V rings' mbarriers: a full barrier per stage (the producer's expect_tx arrival) and an
+// empty one (lane 0 of each of the 8 consumer warps). Thread 0, before the block barrier.
+template <int KS, int VS>
+__device__ __forceinline__ void ws_init_rings(const WsSmem<KS, VS>& sm) {
+  for (int st = 0; st < KS; ++st) {
+    mbar_init(sm.full_k(st), 1);
+    mbar_init(sm.empty_k(st), 8);
+  }
+  for (int st = 0; st < VS; ++st) {
+    mbar_init(sm.full_v(st), 1);
+    mbar_init(sm.empty_v(st), 8);
+  }
+}
+
 // Producer (one thread): K(0), then K(j), V(j - 1) for j >= 1 (the order the consumers use them),
 // then V(last), then (kPersist false) an arrival on last_issued (for ws_zero_v_tail). Each fill
 // of a stage first waits until the consumers gave its previous fill back. kf0 / vf0: the K / V
@@ -841,14 +855,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                     : row_tile<kWgRows>(s, b, rt);
   if (!has_rows) return;
   if (threadIdx.x == 0) {
-    for (int st = 0; st < KS; ++st) {
-      mbar_init(sm.full_k(st), 1);
-      mbar_init(sm.empty_k(st), 8);  // lane 0 of each consumer warp
-    }
-    for (int st = 0; st < VS; ++st) {
-      mbar_init(sm.full_v(st), 1);
-      mbar_init(sm.empty_v(st), 8);
-    }
+    ws_init_rings(sm);
     mbar_init(sm.last_issued(), 1);  // one phase each
     mbar_init(sm.v_zeroed(), 32);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -923,14 +930,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   int64_t r = wsp_next_round(s, b, tiles, n_items, 0);
   if (r < 0) return;  // the whole block: no item of this block has rows
   if (threadIdx.x == 0) {
-    for (int st = 0; st < KS; ++st) {
-      mbar_init(sm.full_k(st), 1);
-      mbar_init(sm.empty_k(st), 8);  // lane 0 of each consumer warp
-    }
-    for (int st = 0; st < VS; ++st) {
-      mbar_init(sm.full_v(st), 1);
-      mbar_init(sm.empty_v(st), 8);
-    }
+    ws_init_rings(sm);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();

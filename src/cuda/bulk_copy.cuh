@@ -86,4 +86,30 @@ __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   f[6] = __uint_as_float(v.w << 16), f[7] = __uint_as_float(v.w & 0xffff0000u);
 }
 
+// The narrow GEMV's per-slice arithmetic (gemv_narrow_kernel's consumer loop, which the fused
+// MLP's down phase must match bit for bit): lane l's partial dot products of one slice of nvs
+// 16-byte vectors of a weight row at ws with the M rows of x at xk (row stride x_stride
+// elements), the vectors l, l + 32, ... in order, fp32 FMAs. The caller reduces across the warp.
+// (gemv_narrow.cu keeps its own copy of the loop: calling this changes its register allocation and
+// instruction order, and the shipped kernel stays .text-identical until a device re-measures it.)
+template <int M>
+__device__ __forceinline__ void narrow_slice_dot(const __nv_bfloat16* ws, const __nv_bfloat16* xk,
+                                                 int x_stride, int nvs, int lane,
+                                                 float (&acc)[M]) {
+#pragma unroll
+  for (int t = 0; t < M; ++t) acc[t] = 0.f;
+#pragma unroll 4
+  for (int v = lane; v < nvs; v += 32) {
+    float wf[8];
+    unpack8(*reinterpret_cast<const uint4*>(ws + size_t(v) * 8), wf);
+#pragma unroll
+    for (int t = 0; t < M; ++t) {
+      float xf[8];
+      unpack8(*reinterpret_cast<const uint4*>(xk + size_t(t) * x_stride + size_t(v) * 8), xf);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
+    }
+  }
+}
+
 }  // namespace ds::cuda

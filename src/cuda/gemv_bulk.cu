@@ -522,6 +522,44 @@ __device__ __forceinline__ void mlp_grid_barrier(unsigned* bar, unsigned target)
   __threadfence();
 }
 
+// gemv_bulk_kernel's consumer arithmetic for one stage of R rows of k elements at ws against the
+// M rows of x at xs: lane l sums the 16-byte vectors l, l + 32, ... in order (fp32 FMAs), then
+// (mlp_butterfly) the warp's xor butterfly leaves every lane with the full sums.
+template <int M, int R>
+__device__ __forceinline__ void mlp_dot_rows(const bf16* ws, const bf16* xs, int k, int lane,
+                                             float (&acc)[M][R]) {
+#pragma unroll
+  for (int t = 0; t < M; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
+  const int nv = k / 8;
+#pragma unroll 2
+  for (int v = lane; v < nv; v += 32) {
+    float wf[R][8];
+#pragma unroll
+    for (int r = 0; r < R; ++r)  // rows past the stage's last read stale memory, never stored
+      unpack8(*reinterpret_cast<const uint4*>(ws + size_t(r) * k + size_t(v) * 8), wf[r]);
+#pragma unroll
+    for (int t = 0; t < M; ++t) {
+      float xf[8];
+      unpack8(*reinterpret_cast<const uint4*>(xs + size_t(t) * k + size_t(v) * 8), xf);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(wf[r][e], xf[e], acc[t][r]);
+    }
+  }
+}
+template <int M, int R>
+__device__ __forceinline__ void mlp_butterfly(float (&acc)[M][R]) {
+#pragma unroll
+  for (int t = 0; t < M; ++t)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[t][r] += __shfl_xor_sync(0xffffffffu, acc[t][r], o);
+}
+
 template <int M, bool kMixer, bool kNext>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_mlp_norm_kernel(const GemvNormIn norm, const GemvMlpMixer mix, const GemvMlpNext next,
@@ -657,35 +695,17 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if constexpr (kMixer) {
     // Phase 0: gemv_bulk_kernel's consumer (R = 1, no GLU), delta rows to global memory.
-    const int nv0 = mix.k0 / 8;
     for (int g = warp; g < a0; g += kConsumerWarps) {
       const int slot = g % kMlpSlots;
-      const int r0 = row0(g);
       mbar_wait(&full[slot], uint32_t(g / kMlpSlots) & 1u);
-      const bf16* ws = ring + size_t(slot) * slot_elems;
-      float acc[M];
-#pragma unroll
-      for (int t = 0; t < M; ++t) acc[t] = 0.f;
-#pragma unroll 2
-      for (int v = lane; v < nv0; v += 32) {
-        float wf[8];
-        unpack8(*reinterpret_cast<const uint4*>(ws + size_t(v) * 8), wf);
-#pragma unroll
-        for (int t = 0; t < M; ++t) {
-          float xf[8];
-          unpack8(*reinterpret_cast<const uint4*>(x0s + size_t(t) * mix.k0 + size_t(v) * 8), xf);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
-        }
-      }
+      float acc[M][1];
+      mlp_dot_rows<M, 1>(ring + size_t(slot) * slot_elems, x0s, mix.k0, lane, acc);
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[slot]);
+      mlp_butterfly(acc);
 #pragma unroll
-      for (int t = 0; t < M; ++t) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], o);
-        if (lane == t) mix.y0[size_t(t) * k + r0] = __float2bfloat16(acc[t]);
-      }
+      for (int t = 0; t < M; ++t)
+        if (lane == t) mix.y0[size_t(t) * k + row0(g)] = __float2bfloat16(acc[t][0]);
     }
     // Every block's delta rows are written before any block's norm reads them.
     grid_sync(1);
@@ -695,45 +715,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // Phase A: gemv_bulk_kernel's GLU consumer (R = 2), act rows to global memory.
-  const int nv = k / 8;
   for (int g = first_of(a0); g < b0; g += kConsumerWarps) {
     const int slot = g % kMlpSlots;
-    const int r0 = rowA(g - a0);
     mbar_wait(&full[slot], uint32_t(g / kMlpSlots) & 1u);
-    const bf16* ws = ring + size_t(slot) * slot_elems;
     float acc[M][2];
-#pragma unroll
-    for (int t = 0; t < M; ++t) acc[t][0] = acc[t][1] = 0.f;
-#pragma unroll 2
-    for (int v = lane; v < nv; v += 32) {
-      float wf[2][8];
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-        unpack8(*reinterpret_cast<const uint4*>(ws + size_t(r) * k + size_t(v) * 8), wf[r]);
-#pragma unroll
-      for (int t = 0; t < M; ++t) {
-        float xf[8];
-        unpack8(*reinterpret_cast<const uint4*>(xs + size_t(t) * k + size_t(v) * 8), xf);
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(wf[r][e], xf[e], acc[t][r]);
-      }
-    }
+    mlp_dot_rows<M, 2>(ring + size_t(slot) * slot_elems, xs, k, lane, acc);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);
-#pragma unroll
-    for (int t = 0; t < M; ++t)
-#pragma unroll
-      for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[t][r] += __shfl_xor_sync(0xffffffffu, acc[t][r], o);
+    mlp_butterfly(acc);
 #pragma unroll
     for (int t = 0; t < M; ++t)
       if (lane == t) {
         const float gg = __bfloat162float(__float2bfloat16(acc[t][0]));
         const float u = __bfloat162float(__float2bfloat16(acc[t][1]));
-        act[size_t(t) * d_ff + r0] = __float2bfloat16_rn(silu(gg) * u);
+        act[size_t(t) * d_ff + rowA(g - a0)] = __float2bfloat16_rn(silu(gg) * u);
       }
   }
 
@@ -761,24 +756,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int t = 0; t < M; ++t) sums[cc][t] = 0.f;
       if (c >= n_slices) continue;
       const int k0 = c * slice;
-      const int nvs = min(slice, d_ff - k0) / 8;
-      const bf16* ws = ws0 + size_t(cc) * slice;
-      const bf16* xk = as + k0;
       float acc[M];
-#pragma unroll
-      for (int t = 0; t < M; ++t) acc[t] = 0.f;
-#pragma unroll 4
-      for (int v = lane; v < nvs; v += 32) {
-        float wf[8];
-        unpack8(*reinterpret_cast<const uint4*>(ws + size_t(v) * 8), wf);
-#pragma unroll
-        for (int t = 0; t < M; ++t) {
-          float xf[8];
-          unpack8(*reinterpret_cast<const uint4*>(xk + size_t(t) * d_ff + size_t(v) * 8), xf);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
-        }
-      }
+      narrow_slice_dot<M>(ws0 + size_t(cc) * slice, as + k0, d_ff, min(slice, d_ff - k0) / 8, lane,
+                          acc);
 #pragma unroll
       for (int t = 0; t < M; ++t) sums[cc][t] = acc[t];
     }
@@ -815,40 +795,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   consumers_sync();  // xs complete
   for (int g = first_of(c0); g < n_total; g += kConsumerWarps) {
     const int slot = g % kMlpSlots;
-    const int r0 = rowC(g - c0);
-    const int rows = min(2, next.n - r0);
+    const int r0 = rowC(g - c0), rows = min(2, next.n - r0);
     mbar_wait(&full[slot], uint32_t(g / kMlpSlots) & 1u);
-    const bf16* ws = ring + size_t(slot) * slot_elems;
     float acc[M][2];
-#pragma unroll
-    for (int t = 0; t < M; ++t) acc[t][0] = acc[t][1] = 0.f;
-#pragma unroll 2
-    for (int v = lane; v < nv; v += 32) {
-      float wf[2][8];
-#pragma unroll
-      for (int r = 0; r < 2; ++r)  // a missing second row reads stale shared memory, never stored
-        unpack8(*reinterpret_cast<const uint4*>(ws + size_t(r) * k + size_t(v) * 8), wf[r]);
-#pragma unroll
-      for (int t = 0; t < M; ++t) {
-        float xf[8];
-        unpack8(*reinterpret_cast<const uint4*>(xs + size_t(t) * k + size_t(v) * 8), xf);
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(wf[r][e], xf[e], acc[t][r]);
-      }
-    }
+    mlp_dot_rows<M, 2>(ring + size_t(slot) * slot_elems, xs, k, lane, acc);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);
+    mlp_butterfly(acc);
 #pragma unroll
     for (int t = 0; t < M; ++t)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[t][r] += __shfl_xor_sync(0xffffffffu, acc[t][r], o);
+      for (int r = 0; r < 2; ++r)
         if (lane == t * 2 + r && r < rows)
           next.y[size_t(t) * next.n + r0 + r] = __float2bfloat16(acc[t][r]);
-      }
   }
 }
 
