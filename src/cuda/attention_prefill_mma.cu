@@ -511,6 +511,17 @@ struct WsSmem {
   __device__ uint32_t v_zeroed() const { return bars + 8u * (2 * KS + 2 * VS + 1); }
 };
 
+// The shared-memory map of the warp-specialised kernels' dynamic shared memory (1024-aligned).
+template <int KS, int VS>
+__device__ __forceinline__ WsSmem<KS, VS> ws_smem(unsigned char* smem_raw) {
+  WsSmem<KS, VS> sm;
+  sm.q = smem_u32(align_1024(smem_raw));
+  sm.k = sm.q + kWgRows * kRowBytes;
+  sm.v = sm.k + KS * kWsTileBytes;
+  sm.bars = sm.v + VS * kWsTileBytes;
+  return sm;
+}
+
 // The K and V rings' mbarriers: a full barrier per stage (the producer's expect_tx arrival) and an
 // empty one (lane 0 of each of the 8 consumer warps). Thread 0, before the block barrier.
 template <int KS, int VS>
@@ -841,11 +852,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                                 bf16* __restrict__ out,  // [n_rows, n_heads, 256]
                                 bool heads_fastest) {
   extern __shared__ unsigned char smem_raw[];
-  WsSmem<KS, VS> sm;
-  sm.q = smem_u32(align_1024(smem_raw));
-  sm.k = sm.q + kWgRows * kRowBytes;
-  sm.v = sm.k + KS * kWsTileBytes;
-  sm.bars = sm.v + VS * kWsTileBytes;
+  const WsSmem<KS, VS> sm = ws_smem<KS, VS>(smem_raw);
 
   // Grid (n_kv, tiles, seqs) when heads_fastest: the heaviest row tiles of every kv head first;
   // else (tiles, n_kv, seqs): heaviest first within each kv head, one head after the other.
@@ -921,11 +928,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
                                  bf16* __restrict__ out,  // [n_rows, n_heads, 256]
                                  int tiles, int64_t n_items) {
   extern __shared__ unsigned char smem_raw[];
-  WsSmem<KS, VS> sm;
-  sm.q = smem_u32(align_1024(smem_raw));
-  sm.k = sm.q + kWgRows * kRowBytes;
-  sm.v = sm.k + KS * kWsTileBytes;
-  sm.bars = sm.v + VS * kWsTileBytes;
+  const WsSmem<KS, VS> sm = ws_smem<KS, VS>(smem_raw);
 
   int64_t r = wsp_next_round(s, b, tiles, n_items, 0);
   if (r < 0) return;  // the whole block: no item of this block has rows
