@@ -548,7 +548,8 @@ void KernelBench::mlp_fused_ab() {
                        : 0;
   const bf16* wi_in = n_in ? gemm_weights(in_op->name, rot) : nullptr;
   DevBuf nw2(size_t(2) * k, "mlp next norm weight"), rout2(size_t(2) * k, "mlp residual out 2"),
-      rout2b(size_t(2) * k, "mlp residual out 2 (fused)"), rout1b(size_t(2) * k, "mlp residual (fused)"),
+      rout2b(size_t(2) * k, "mlp residual out 2 (fused)"),
+      rout1b(size_t(2) * k, "mlp residual (fused)"),
       proj(size_t(2) * std::max(n_in, 8), "mlp next projection"),
       proj2(size_t(2) * std::max(n_in, 8), "mlp next projection (fused)");
   gpu::fill_normal_bf16(nw2.as<bf16>(), k, seed_++, 0.f, 0.2f, s_);
@@ -607,8 +608,9 @@ void KernelBench::mlp_fused_ab() {
     r.variant = form == 3 ? "mixer_mlp_next_fused" : mixer ? "mixer_mlp_fused" : "mlp_fused";
     r.op = (mixer ? out_op->name + "+" : std::string()) + "gate_up+down" +
            (with_next ? "+" + in_op->name : std::string());
-    r.shape = str("m=1 k0=%d d_ff=%d k=%d n=%d n_next=%d A/B", mixer ? k0 : 0, d_ff, k, n,
-                  with_next ? n_in : 0);
+    r.shape = form == 1   ? str("m=1 d_ff=%d k=%d n=%d A/B", d_ff, k, n)
+              : form == 2 ? str("m=1 k0=%d d_ff=%d k=%d n=%d A/B", k0, d_ff, k, n)
+                          : str("m=1 k0=%d d_ff=%d k=%d n=%d n_next=%d A/B", k0, d_ff, k, n, n_in);
     r.match = "y: " + gpu::compare_bf16(y2.as<bf16>(), y.as<bf16>(), n, s_).text() + "; act: " +
               gpu::compare_bf16(act2.as<bf16>(), act.as<bf16>(), d_ff, s_).text() +
               (mixer ? "; delta: " +
@@ -616,7 +618,9 @@ void KernelBench::mlp_fused_ab() {
                      : std::string()) +
               (with_next
                    ? "; next: " +
-                         gpu::compare_bf16(proj2.as<bf16>(), proj.as<bf16>(), n_in, s_).text()
+                         gpu::compare_bf16(proj2.as<bf16>(), proj.as<bf16>(), n_in, s_).text() +
+                         "; next residual: " +
+                         gpu::compare_bf16(rout2b.as<bf16>(), rout2.as<bf16>(), k, s_).text()
                    : std::string());
     r.fallback = std::string(mixer ? "gemv_bulk, " : "") + "gemv_bulk_silu+norm, gemv_narrow" +
                  (with_next ? ", gemv_bulk+norm" : "");

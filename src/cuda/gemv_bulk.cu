@@ -21,6 +21,7 @@
 // With a GemvNormIn (gemv_bulk_norm.h) the block computes x = rmsnorm(residual + delta) itself
 // after griddepcontrol.wait instead of loading x (norm_to_shared), bit-identical to rmsnorm.cu.
 #include <algorithm>
+#include <iterator>
 #include <cstdint>
 #include <cstdlib>
 #include <sstream>
@@ -600,7 +601,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int pairs = (n_slices + kMlpSlicesPerStage - 1) / kMlpSlicesPerStage;
   const int n_b = n_rows_b * pairs;
   // Phase C (kNext): the next layer's in-projection, stages of two consecutive rows of W_in
-  // (gemv_bulk_kernel's R = 2 stages: contiguous per block, or interleaved over the grid).
+  // (contiguous per block, or interleaved over the grid; each row's sums do not depend on how
+  // many rows a stage holds, so they are the engine's R = 1 gemv_bulk_kernel's).
   const int c_pairs = kNext ? (next.n + 1) / 2 : 0;
   const int c_begin = interleave ? 0 : int(int64_t(c_pairs) * b / G);
   const int n_c = !kNext ? 0
@@ -787,8 +789,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (!kNext) return;
 
   // Phase C: the next layer's input norm of (residual_out + y) and its in-projection, as
-  // gemv_bulk_kernel<M, 2, false, bf16, NORM> computes them. Every block's y rows are written
-  // before any block's norm reads them.
+  // gemv_bulk_kernel<M, R, false, bf16, NORM> computes them (any R: rows are independent).
+  // Every block's y rows are written before any block's norm reads them.
   grid_sync(kMixer ? 3 : 2);
   if (!next.norm.weight_early) norm_weight_regs(next.norm, k, next_w);
   norm_to_shared<M, true>(next.norm, k, xs, red, next_w);
@@ -845,18 +847,15 @@ void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const GemvMlpNext
              "fused MLP GEMV: the out-projection's x0 and W0 must be 16-byte aligned");
     DS_CHECK(mix.y0 != nullptr && mix.y0 == norm.delta,
              "fused MLP GEMV: the out-projection's output must be the norm's delta (y0 == delta)");
-    // x0 is read (after the PDL wait) while other blocks already write their outputs.
-    auto overlaps = [&](const void* p, size_t bytes) {
-      const auto a = reinterpret_cast<uintptr_t>(mix.x0), b = reinterpret_cast<uintptr_t>(p);
-      return p != nullptr && a < b + bytes && b < a + size_t(m) * mix.k0 * 2;
-    };
-    DS_CHECK(!overlaps(mix.y0, size_t(m) * k * 2) && !overlaps(act, size_t(m) * d_ff * 2) &&
-                 !overlaps(y, size_t(m) * n * 2) && !overlaps(norm.residual_out, size_t(m) * k * 2),
-             "fused MLP GEMV: the out-projection's input x0 overlaps an output");
   }
+  gemv_mlp_norm_check_buffers(norm, mix, next, act, y, m, d_ff, k, n);
   GemvBulkConfig cfg{2, kMlpSlots, false};  // for check_norm's shared-memory test only
   check_norm(norm, m, k, cfg, "fused MLP GEMV");
   if (has_next) {
+    // Form 3 comes with the out-projection (the engine's only use of it; the kernel is not built
+    // for the next in-projection alone).
+    DS_CHECK(mixer && next.n >= 1, "fused MLP GEMV: the next in-projection needs the mixer's "
+             "out-projection and at least one row");
     check_norm(next.norm, m, k, cfg, "fused MLP GEMV (next in-projection)");
     DS_CHECK(next.norm.residual == norm.residual_out && next.norm.delta == y &&
                  norm.residual_out != nullptr,
@@ -865,10 +864,9 @@ void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const GemvMlpNext
                                     reinterpret_cast<uintptr_t>(next.y)) & 15) == 0,
              "fused MLP GEMV: the next in-projection's weight and output must be 16-byte aligned");
   }
-  auto* kern = mixer ? (has_next ? gemv_mlp_norm_kernel<1, true, true>
-                                 : gemv_mlp_norm_kernel<1, true, false>)
-                     : (has_next ? gemv_mlp_norm_kernel<1, false, true>
-                                 : gemv_mlp_norm_kernel<1, false, false>);
+  auto* kern = !mixer   ? gemv_mlp_norm_kernel<1, false, false>
+              : has_next ? gemv_mlp_norm_kernel<1, true, true>
+                         : gemv_mlp_norm_kernel<1, true, false>;
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   const size_t smem = mlp_smem_bytes(m, d_ff, k, n, mixer ? mix.k0 : 0, n_sms);
   {
@@ -1054,11 +1052,48 @@ void launch_gemv_bulk_silu_norm(const GemvNormIn& norm, const __nv_bfloat16* w_g
   silu_impl(nullptr, w_gate_up, act, m, d_ff, k, cfg, n_sms, stream, norm);
 }
 
+void gemv_mlp_norm_check_buffers(const GemvNormIn& norm, const GemvMlpMixer& mix,
+                                 const GemvMlpNext& next, const void* act, const void* y, int m,
+                                 int d_ff, int k, int n) {
+  // The blocks run the phases at their own pace between the grid barriers, so every buffer one
+  // block writes must not overlap one another block may still read or write: all of them pairwise
+  // disjoint, but y (the MLP output, written last) may be the norm's delta (the engine's one delta
+  // buffer), which every block has read before any writes y, and the next norm's residual_out
+  // (written in the last phase) may be the first norm's residual (the engine's residual pair),
+  // which every block has read by then.
+  struct Buf {
+    const char* name;
+    const void* p;
+    size_t bytes;
+  };
+  const size_t mk = size_t(m) * k * 2;
+  const Buf bufs[] = {
+      {"residual", norm.residual,
+       next.w && next.norm.residual_out == norm.residual ? 0 : mk},
+      {"delta", norm.delta, norm.delta == y ? 0 : mk},  // y's range covers it when the same
+      {"residual_out", norm.residual_out, mk},
+      {"act", act, size_t(m) * d_ff * 2},
+      {"y", y, size_t(m) * n * 2},
+      {"x0", mix.w0 ? mix.x0 : nullptr, size_t(m) * mix.k0 * 2},
+      {"next residual_out", next.w ? next.norm.residual_out : nullptr, mk},
+      {"next y", next.w ? next.y : nullptr, size_t(m) * next.n * 2},
+  };
+  for (size_t i = 0; i < std::size(bufs); ++i)
+    for (size_t j = i + 1; j < std::size(bufs); ++j) {
+      const auto a = reinterpret_cast<uintptr_t>(bufs[i].p);
+      const auto b = reinterpret_cast<uintptr_t>(bufs[j].p);
+      DS_CHECK(!bufs[i].p || !bufs[j].p || bufs[i].bytes == 0 || bufs[j].bytes == 0 ||
+                   a + bufs[i].bytes <= b || b + bufs[j].bytes <= a,
+               "fused MLP GEMV: ", bufs[i].name, " and ", bufs[j].name, " overlap");
+    }
+}
+
 bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int64_t k0,
                             int n_sms, int64_t n_next) {
   if (n_next < 0 || n_next > kSkinnyMaxN) return false;
-  if (m != 1 || n_sms < 1 || k < 8 || k % 8 != 0 || k > kGemvNormMaxK || d_ff < 8 || d_ff % 8 != 0 ||
-      d_ff > kSkinnyMaxK || n < 1 || n > kSkinnyMaxN || d_ff < n_sms || n < n_sms)
+  if (m != 1 || n_sms < 1 || k < 8 || k % 8 != 0 || k > kGemvNormMaxK || d_ff < 8 ||
+      d_ff % 8 != 0 || d_ff > kSkinnyMaxK || n < 1 || n > kSkinnyMaxN || d_ff < n_sms ||
+      n < n_sms)
     return false;
   // the mixer form: W0 [k, k0] rows of whole 16-byte vectors, k rows over the grid
   if (k0 != 0 && (k0 < 8 || k0 % 8 != 0 || k0 > kSkinnyMaxK || k < n_sms)) return false;

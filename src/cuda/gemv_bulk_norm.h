@@ -88,7 +88,9 @@ struct GemvMlpMixer {
 // With `next` (w set) the next layer's input norm and in-projection come last: after a grid
 // barrier, x = rmsnorm(next.norm.residual + y) (next.norm.residual must be norm.residual_out and
 // next.norm.delta must be y; next.norm.residual_out gets their sum), next.y = x next.w^T
-// (launch_gemv_bulk_norm's rows, bf16).
+// (launch_gemv_bulk_norm's rows, bf16). Only with `mixer`. Every buffer written must be disjoint
+// from every other buffer the kernel touches, except y, which may be norm.delta, and
+// next.norm.residual_out, which may be norm.residual (the engine's buffers).
 struct GemvMlpNext {
   GemvNormIn norm;
   const __nv_bfloat16* w = nullptr;  // [n, k] gdn_in / attn_qkv of the next layer; null: none
@@ -99,7 +101,13 @@ struct GemvMlpNext {
 // without it).
 bool gemv_mlp_norm_supports(int64_t m, int64_t d_ff, int64_t k, int64_t n, int64_t k0,
                             int n_sms, int64_t n_next = 0);
-void launch_gemv_mlp_norm(const GemvNormIn& norm, const GemvMlpMixer& mixer, const GemvMlpNext& next,
+// The buffer rules above (host only, no device access): throws ds::Error naming the two buffers
+// that overlap. launch_gemv_mlp_norm calls it.
+void gemv_mlp_norm_check_buffers(const GemvNormIn& norm, const GemvMlpMixer& mixer,
+                                 const GemvMlpNext& next, const void* act, const void* y, int m,
+                                 int d_ff, int k, int n);
+void launch_gemv_mlp_norm(const GemvNormIn& norm, const GemvMlpMixer& mixer,
+                          const GemvMlpNext& next,
                           const __nv_bfloat16* w_gate_up,  // [2 d_ff, k]
                           __nv_bfloat16* act,              // [m, d_ff] (out; also the exchange)
                           const __nv_bfloat16* w_down,     // [n, d_ff]

@@ -196,7 +196,8 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
           rout.poison();
           act.poison();
           y.poison();
-          cuda::launch_gemv_mlp_norm(nin_of(res, delta, rout), {}, {}, P(wgu), P(act), P(wd), P(y), 1,
+          cuda::launch_gemv_mlp_norm(nin_of(res, delta, rout), {}, {}, P(wgu), P(act), P(wd),
+                                     P(y), 1,
                                      c.d_ff, c.k, c.n, pdl, bar.ptr, sms, st);
           DS_CUDA_CHECK(cudaStreamSynchronize(st));
           EXPECT_TRUE(act.download() == ref_act) << what << " rep " << rep << ": act differs";
@@ -251,7 +252,8 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
       DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
       cuda::launch_gemv_mlp_norm(chain_in(res.ptr, delta.ptr, r1.ptr), {}, {}, P(wgu), P(a1), P(wd),
                                  P(y1), 1, c.d_ff, c.k, c.n, true, bar.ptr, sms, st);
-      cuda::launch_gemv_mlp_norm(chain_in(r1.ptr, y1.ptr, r2.ptr), {}, {}, P(wgu), P(a2), P(wd), P(y2), 1,
+      cuda::launch_gemv_mlp_norm(chain_in(r1.ptr, y1.ptr, r2.ptr), {}, {}, P(wgu), P(a2), P(wd),
+                                 P(y2), 1,
                                  c.d_ff, c.k, c.n, true, bar.ptr, sms, st);
       DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
       DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
@@ -408,6 +410,57 @@ TEST(CudaGemvBulkNorm, FusedMixerMlpNextBitIdenticalToTheSeparateKernels) {
                                           n, false, bar.ptr, sms, st),
                ds::Error);
   cudaStreamDestroy(st);
+}
+
+// The fused MLP's buffer rules (host only: no device memory is touched): the engine's layout of
+// form 3 is accepted (y is the norm's delta, the next norm writes into the first norm's residual),
+// and each other overlap is refused with the two buffers named.
+TEST(CudaGemvBulkNorm, FusedMlpBufferRules) {
+  const int m = 1, d_ff = 17408, k = 5120, n = 5120, k0 = 6144, n_in = 16480;
+  // Fake, 1 MiB apart device addresses: only compared, never dereferenced.
+  auto at = [](int i) {
+    return reinterpret_cast<__nv_bfloat16*>(uintptr_t(1) << 40 | uintptr_t(i) << 20);
+  };
+  __nv_bfloat16 *h = at(0), *h2 = at(1), *delta = at(2), *act = at(3), *mix = at(4), *proj = at(5);
+  cuda::GemvNormIn post;
+  post.residual = h;
+  post.delta = delta;
+  post.weight = at(6);
+  post.residual_out = h2;
+  cuda::GemvMlpMixer mx{mix, at(7), delta, k0};
+  cuda::GemvMlpNext nx;
+  nx.norm = post;
+  nx.norm.residual = h2;
+  nx.norm.delta = delta;
+  nx.norm.residual_out = h;  // the engine's ping-pong: the first norm's residual
+  nx.w = at(8);
+  nx.y = proj;
+  nx.n = n_in;
+  EXPECT_NO_THROW(cuda::gemv_mlp_norm_check_buffers(post, mx, nx, act, delta, m, d_ff, k, n));
+  EXPECT_NO_THROW(cuda::gemv_mlp_norm_check_buffers(post, mx, {}, act, delta, m, d_ff, k, n));
+  EXPECT_NO_THROW(cuda::gemv_mlp_norm_check_buffers(post, {}, {}, act, delta, m, d_ff, k, n));
+  auto refused = [&](const cuda::GemvNormIn& a, const cuda::GemvMlpMixer& b,
+                     const cuda::GemvMlpNext& c, const void* ac, const void* y, const char* names) {
+    try {
+      cuda::gemv_mlp_norm_check_buffers(a, b, c, ac, y, m, d_ff, k, n);
+      ADD_FAILURE() << "not refused: " << names;
+    } catch (const ds::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(names), std::string::npos) << e.what();
+    }
+  };
+  refused(post, mx, nx, act, act, "act and y overlap");  // y over act
+  cuda::GemvMlpNext bad = nx;
+  bad.y = act + 100;  // the next projection inside act
+  refused(post, mx, bad, act, delta, "act and next y overlap");
+  bad = nx;
+  bad.norm.residual_out = delta;
+  refused(post, mx, bad, act, delta, "y and next residual_out overlap");
+  cuda::GemvMlpMixer bad_mx = mx;
+  bad_mx.x0 = act;
+  refused(post, bad_mx, nx, act, delta, "act and x0 overlap");
+  cuda::GemvNormIn bad_post = post;
+  bad_post.residual_out = h + 8;  // straddles the residual
+  refused(bad_post, {}, {}, act, delta, "residual and residual_out overlap");
 }
 
 // The L2 prefetch of a later GEMV's rows (GemvL2Next, what the decode step asks of gdn_in and

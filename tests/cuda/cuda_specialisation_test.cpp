@@ -343,7 +343,9 @@ TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
   };
   std::vector<int32_t> ids_off;
   const std::vector<float> off = run(0, ids_off);
-  EXPECT_EQ(cuda_mlp_fused_enqueued(*b, 1) + cuda_mlp_fused_enqueued(*b, 2), 0);
+  EXPECT_EQ(cuda_mlp_fused_enqueued(*b, 1) + cuda_mlp_fused_enqueued(*b, 2) +
+                cuda_mlp_fused_enqueued(*b, 3),
+            0);
   for (int mode : {1, 2, 3}) {
     std::vector<int32_t> ids_on;
     const int64_t before = cuda_mlp_fused_enqueued(*b, mode);
