@@ -246,3 +246,34 @@ def test_gpu_decode_ab_script_prefill_mode(tmp_path):
         bad = subprocess.run(["bash", str(script), *args, "--bench-args", "--device cpu", "-"],
                              capture_output=True, text=True, env=env, timeout=60)
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr
+
+
+def test_gpu_pending_script_steps_dry_run(tmp_path):
+    """scripts/gpu_pending.sh (the next device session's measurements) as a dry run: each step
+    prints its commands, with the arms and filters the plan in docs/perf/prefill_gaps.md names;
+    an unknown step is refused, and a real run without the packed binaries stops at once."""
+    script = REPO / "scripts" / "gpu_pending.sh"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
+    out = {}
+    for step in ("tests", "kernels", "decode", "prompts"):
+        r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
+                           timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        out[step] = r.stdout
+    assert "scripts/gpu_test.sh --pack" in out["tests"]
+    assert out["kernels"].count("bench kernels --only attn_prefill") == 2
+    assert "bench kernels --only gemm" in out["kernels"]
+    assert "CudaGdn.PrefillStageTiming" in out["kernels"]
+    for arm in ("DS_MLP_FUSED=1", "DS_MLP_FUSED=2", "DS_MLP_FUSED=3", "DS_GEMV_NORM_EARLY=0",
+                "DS_ATTN_DECODE=pdl_cluster"):
+        assert arm in out["decode"]
+    assert out["decode"].count("DecodeProfile.Synthetic27bInGraph") == 3
+    assert "DS_GDN_STATE=tight" in out["prompts"]
+    assert "attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean" in out["prompts"]
+    bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert bad.returncode == 2 and "step must be" in bad.stderr
+    env_real = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "ARCHIVE": str(tmp_path / "none.xz")}
+    r = subprocess.run(["bash", str(script), "decode"], capture_output=True, text=True,
+                       env=env_real, timeout=60)
+    assert r.returncode == 2 and "not found" in r.stderr

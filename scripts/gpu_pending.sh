@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The measurements sessions 22-23 left for the next device session (docs/perf/prefill_gaps.md,
+# "Session 23"), one device call per step, from the binaries packed here by
+# scripts/pack_gpu_binaries.sh (carry [".carry"]). Everything goes to $OUT.
+#
+#   bash scripts/gpu_pending.sh tests     # ~5 min: every GPU test (gpu_test.sh, logs packed)
+#   bash scripts/gpu_pending.sh kernels   # ~6 min: the new kernels beside the shipped ones
+#   bash scripts/gpu_pending.sh decode    # ~6 min: decode A/B of the new switches + profiles
+#   bash scripts/gpu_pending.sh prompts   # ~4 min: prompt A/B of the new forms
+#
+#   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
+#   DRY=1     print the commands instead of running them (what the pytest checks)
+#   BUDGET    seconds one step may take in all (default 540; later commands are skipped)
+# Keep each step under a run's 10 minutes: the steps are separate calls.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+step=${1:-}
+OUT=${OUT:-gpu-pending-out}
+ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
+mkdir -p "$OUT"
+case "$step" in
+  tests|kernels|decode|prompts) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode or prompts, got '$step'" >&2; exit 2 ;;
+esac
+
+# A step must end inside one device call (600 s): each command gets what is left of BUDGET
+# seconds (default 540) from the step's start, and is skipped once less than a minute is left.
+START=$(date +%s)
+BUDGET=${BUDGET:-540}
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+run() {  # run (or print) one command, its output to $OUT/$1.txt
+  local name=$1; shift
+  if [ "${DRY:-0}" = 1 ]; then
+    printf '%s:' "$name"; printf ' %q' "$@"; printf '\n'
+    return 0
+  fi
+  local t
+  t=$(left)
+  if [ "$t" -lt 60 ]; then
+    echo "gpu_pending: $name skipped ($t s of the step's budget left)" | tee "$OUT/$name.txt"
+    return 1
+  fi
+  echo "gpu_pending: $name (up to $t s)"
+  timeout "$t" "$@" >"$OUT/$name.txt" 2>&1
+  local rc=$?
+  tail -5 "$OUT/$name.txt"
+  return $rc
+}
+
+if [ "${DRY:-0}" = 1 ]; then
+  B=/tmp/ds-pending-bins
+else
+  [ -f "$ARCHIVE" ] || { echo "gpu_pending: $ARCHIVE not found (scripts/pack_gpu_binaries.sh)" >&2; exit 2; }
+  B=$(mktemp -d /tmp/ds-pending.XXXXXX)
+  tar -C "$B" -xJf "$ARCHIVE" || { echo "gpu_pending: cannot unpack $ARCHIVE" >&2; exit 1; }
+  [ -f "$B/libcupti.so.13" ] && export DS_CUPTI_LIB=${DS_CUPTI_LIB:-$B/libcupti.so.13}
+  nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv,noheader >"$OUT/gpu.txt" 2>&1
+fi
+DS=$B/bin/deltaserve
+T=$B/tests
+rc=0
+# The prompt attention's TMA forms switched off in turn (dispatch order: ws3, ws, ws3_lean, ws_lean,
+# ws3_persist, ws3_lean_persist, m128).
+LEAN="DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws"
+PERSIST="$LEAN,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean"
+case "$step" in
+  tests)
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "tests: BUILD_DIR=$B OUT=/tmp/gt bash scripts/gpu_test.sh --pack $OUT/gpu_test_logs.tar.gz"
+    else
+      BUILD_DIR="$B" OUT=/tmp/gt timeout "$(left)" bash scripts/gpu_test.sh \
+        --pack "$OUT/gpu_test_logs.tar.gz" >"$OUT/gpu_test.txt" 2>&1 || rc=1
+      grep -E "^gpu_test: |^GPU TESTS" "$OUT/gpu_test.txt"
+    fi
+    ;;
+  kernels)
+    run attn_prefill_1 "$DS" bench kernels --only attn_prefill || rc=1
+    run attn_prefill_2 "$DS" bench kernels --only attn_prefill || rc=1
+    run gemm "$DS" bench kernels --only gemm || rc=1
+    run gdn_stage_1 "$T/cuda_gdn_test" --gtest_filter=CudaGdn.PrefillStageTiming || rc=1
+    run gdn_stage_2 "$T/cuda_gdn_test" --gtest_filter=CudaGdn.PrefillStageTiming || rc=1
+    run attn_decode_timing "$T/cuda_attention_decode_test" \
+      --gtest_filter=CudaAttentionDecode.Timing || rc=1
+    ;;
+  decode)
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,1@32768,16@4096 --rounds 2 - DS_MLP_FUSED=1 DS_MLP_FUSED=2 DS_MLP_FUSED=3 DS_GEMV_NORM_EARLY=0 DS_ATTN_DECODE=pdl_cluster"
+    else
+      BIN="$DS" OUT="$OUT" timeout $(($(left) - 150)) bash scripts/gpu_decode_ab.sh \
+        --cases 1@4096,1@8192,1@32768,16@4096 --rounds 2 - DS_MLP_FUSED=1 DS_MLP_FUSED=2 \
+        DS_MLP_FUSED=3 DS_GEMV_NORM_EARLY=0 DS_ATTN_DECODE=pdl_cluster || rc=1
+    fi
+    for ctx in 4096 8192; do
+      run "inprof_$ctx" env DS_PROFILE=1 DS_PROFILE_BATCHES=1 DS_PROFILE_CONTEXT=$ctx \
+        "$T/cuda_decode_profile_test" --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
+    done
+    run inprof_4096_mlp3 env DS_MLP_FUSED=3 DS_PROFILE=1 DS_PROFILE_BATCHES=1 \
+      DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
+      --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
+    ;;
+  prompts)
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 4096,32768 --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight $LEAN $PERSIST"
+    else
+      BIN="$DS" OUT="$OUT" timeout "$(left)" bash scripts/gpu_decode_ab.sh --prefill 4096,32768 \
+        --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight "$LEAN" "$PERSIST" || rc=1
+    fi
+    ;;
+esac
+exit $rc
