@@ -77,7 +77,9 @@ for b in $bins; do
   timeout -k 10 "$per_bin" "$b" --gtest_filter="$FILTER" --gtest_color=no \
     >"$LOG_DIR/$name.log" 2>&1
   rc=$?
-  [ $rc -eq 124 ] && echo "gpu_test: $name ran past $per_bin s (GPU_TEST_TIMEOUT): stopped" | tee -a "$LOG_DIR/$name.log"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+    echo "gpu_test: $name ran past $per_bin s (GPU_TEST_TIMEOUT): stopped" | tee -a "$LOG_DIR/$name.log"
+  fi
   secs=$(( $(date +%s) - start ))
   n_ok=$(grep -c "^\[       OK \]" "$LOG_DIR/$name.log")
   n_bad=$(grep -c "^\[  FAILED  \].*(" "$LOG_DIR/$name.log")

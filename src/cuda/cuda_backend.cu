@@ -1583,6 +1583,9 @@ bool CudaBackend::gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, 
 int CudaBackend::mlp_fusion(int m, int k0, int layer) {
   if (mlp_fused_ == 0 || m != 1) return 0;
   const int d_ff = cfg_.d_ff, dm = cfg_.d_model;
+  const DevLayer& L = w_.layers[layer];
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (!aligned(L.gate_up) || !aligned(L.down)) return 0;  // the launch's requirement: fall back
   if (!cuda::gemv_mlp_norm_supports(m, d_ff, dm, dm, 0, n_sms_) ||
       dispatch_.select(KernelFamily::kGemm, dispatch_.key(m, 2 * int64_t(d_ff), dm, 1)).name !=
           "gemv_bulk_silu" ||
@@ -1591,7 +1594,9 @@ int CudaBackend::mlp_fusion(int m, int k0, int layer) {
     return 0;
   if (mlp_fused_ < 2 || !cuda::gemv_mlp_norm_supports(m, d_ff, dm, dm, k0, n_sms_)) return 1;
   const std::string& v = gemm_->variant(m, dm, k0);
-  if (v != "gemv_bulk" && v != "gemv_bulk_pdl") return 1;
+  if ((v != "gemv_bulk" && v != "gemv_bulk_pdl") ||
+      !aligned(L.type == LayerType::kLinear ? L.gdn_out : L.attn_o))
+    return 1;
   if (mlp_fused_ < 3 || layer + 1 >= cfg_.n_layers) return 2;
   // Form 3: the next layer's in-projection as norm_gemm would launch it (gemv_norm: the bulk
   // GEMV with the norm in its prologue).

@@ -248,7 +248,8 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // block per SM walks the row tiles in the same order, so the next tile's Q, K and V copies run
   // under the current one's last products and epilogue (the fresh 4096-token chunk's blocks hold
   // 1-64 key tiles, 32 on average: ncu had its tensor pipe idle half the time); same bits. After
-  // the lean forms, so picked only with the four above switched off.
+  // the lean forms, so never picked while wgmma_ws and wgmma_ws_lean are on (hd256 guards); with
+  // the four above off, wgmma_ws3_persist takes every hd-256 shape.
   r.add({F::kAttnPrefill, "wgmma_ws3_persist",
          "wgmma_ws3 as a persistent grid (one block per SM walking the row tiles; the next tile's "
          "Q / K / V copies under the current one's tail; same bits)",

@@ -266,11 +266,15 @@ double report(const std::string& title, const std::vector<std::vector<KernelRec>
       const auto role = roles(st);
       bool attn = false;  // layer 0 is a GDN layer; its embedding and first norm count with it
       for (size_t i = 0; i < st.size(); ++i) {
-        if (role[i].rfind("attn_qkv", 0) == 0) attn = true;
-        if (role[i].rfind("gdn_in", 0) == 0) attn = false;
-        const bool shared = role[i].rfind("gate_up", 0) == 0 || role[i].rfind("down", 0) == 0 ||
-                            role[i].rfind("add_rmsnorm", 0) == 0 ||
-                            role[i].rfind("silu_mul", 0) == 0;
+        // A layer's kind: its in-projection, or its mixer kernels (with $DS_MLP_FUSED=3 the
+        // in-projections after layer 0 run inside the previous layer's fused MLP kernel).
+        const std::string& ro = role[i];
+        if (ro.rfind("attn_qkv", 0) == 0 || ro.rfind("attn_split", 0) == 0 ||
+            ro.rfind("attn_merge", 0) == 0 || ro.rfind("rope_kv", 0) == 0)
+          attn = true;
+        if (ro.rfind("gdn_in", 0) == 0 || ro.rfind("gdn_decode", 0) == 0) attn = false;
+        const bool shared = ro.rfind("gate_up", 0) == 0 || ro.rfind("down", 0) == 0 ||
+                            ro.rfind("add_rmsnorm", 0) == 0 || ro.rfind("silu_mul", 0) == 0;
         if (!shared || i == 0) continue;
         const std::string key = role[i] + (attn ? " @attn" : " @gdn");
         if (!by_kind.count(key)) kind_order.push_back(key);
