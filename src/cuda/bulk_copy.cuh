@@ -78,6 +78,16 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
+// A ring's mbarriers, one thread before the block barrier: full[i] completes on the producer's
+// expect_tx arrival and its copies, empty[i] on one consumer arrival.
+__device__ __forceinline__ void init_ring_barriers(uint64_t* full, uint64_t* empty, int slots) {
+  for (int i = 0; i < slots; ++i) {
+    mbar_init(&full[i], 1);
+    mbar_init(&empty[i], 1);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
 // 8 bf16 (one 16-byte vector, element 0 in the low half of v.x) -> 8 floats, exactly.
 __device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
   f[0] = __uint_as_float(v.x << 16), f[1] = __uint_as_float(v.x & 0xffff0000u);

@@ -211,13 +211,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   const size_t stage_elems = size_t(R) * k;
 
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < slots; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], 1);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (threadIdx.x == 0) init_ring_barriers(full, empty, slots);
   __syncthreads();
 
   const bool producer = warp == kConsumerWarps;
@@ -616,13 +610,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return g0 + ((warp - g0) % kConsumerWarps + kConsumerWarps) % kConsumerWarps;
   };
 
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kMlpSlots; ++i) {
-      mbar_init(&full[i], 1);
-      mbar_init(&empty[i], 1);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (threadIdx.x == 0) init_ring_barriers(full, empty, kMlpSlots);
   __syncthreads();
 
   const bool producer = warp == kConsumerWarps;
