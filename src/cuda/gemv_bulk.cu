@@ -519,7 +519,10 @@ __device__ __forceinline__ void mlp_grid_barrier(unsigned* bar, unsigned target)
 
 // gemv_bulk_kernel's consumer arithmetic for one stage of R rows of k elements at ws against the
 // M rows of x at xs: lane l sums the 16-byte vectors l, l + 32, ... in order (fp32 FMAs), then
-// (mlp_butterfly) the warp's xor butterfly leaves every lane with the full sums.
+// (mlp_butterfly) the warp's xor butterfly leaves every lane with the full sums. (gemv_bulk_kernel
+// keeps its own copy of the loop: calling this there changes 56 of its instantiations' register
+// allocation and order, and the shipped kernels stay .text-identical until a device re-measures
+// them.)
 template <int M, int R>
 __device__ __forceinline__ void mlp_dot_rows(const bf16* ws, const bf16* xs, int k, int lane,
                                              float (&acc)[M][R]) {
