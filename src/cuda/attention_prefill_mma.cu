@@ -1003,28 +1003,41 @@ CUtensorMap cache_tensor_map(const AttnCacheTmaView& view, const bf16* cache, co
                          CU_TENSOR_MAP_SWIZZLE_128B, name.c_str());
 }
 
+// What both warp-specialised launches set up: the kernel's shared-memory opt-in, the caches' TMA
+// maps and the row tiles per (sequence, kv head).
+struct WsLaunch {
+  CUtensorMap k_map, v_map;
+  int64_t tiles;
+};
+WsLaunch ws_launch_setup(const void* kernel, size_t smem, const AttnShape& s, const AttnBatch& b,
+                         const bf16* k_cache, const bf16* v_cache) {
+  ensure_smem_optin(kernel, smem);
+  const AttnCacheTmaView view = attention_prefill_tma_view(s);
+  DS_CHECK(view.ok, "attention prefill (wgmma_ws): no TMA view of a cache with ", s.n_kv_heads,
+           " kv heads x ", s.page_size, "-token pages");
+  WsLaunch l;
+  l.k_map = cache_tensor_map(view, k_cache, "K");
+  l.v_map = cache_tensor_map(view, v_cache, "V");
+  const int group = s.n_heads / s.n_kv_heads;
+  l.tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
+  DS_CHECK(l.tiles <= 0x7fffffff, "attention prefill: too many row tiles (", l.tiles, ")");
+  return l;
+}
+
 template <int KS, int VS, bool kLean>
 void launch_ws(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
                const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
   constexpr size_t smem = ws_smem_bytes<KS, VS>();
   static_assert(smem <= 227 * 1024, "shared memory of one block");
-  ensure_smem_optin(reinterpret_cast<const void*>(attention_prefill_ws_kernel<KS, VS, kLean>),
-                    smem);
-  const AttnCacheTmaView view = attention_prefill_tma_view(s);
-  DS_CHECK(view.ok, "attention prefill (wgmma_ws): no TMA view of a cache with ", s.n_kv_heads,
-           " kv heads x ", s.page_size, "-token pages");
-  const CUtensorMap k_map = cache_tensor_map(view, k_cache, "K");
-  const CUtensorMap v_map = cache_tensor_map(view, v_cache, "V");
-  const int group = s.n_heads / s.n_kv_heads;
-  const int64_t tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
-  DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
+  auto* kernel = attention_prefill_ws_kernel<KS, VS, kLean>;
+  const WsLaunch l =
+      ws_launch_setup(reinterpret_cast<const void*>(kernel), smem, s, b, k_cache, v_cache);
   // Heads first (the heaviest row tiles of every kv head start first) while the tiles fit grid y
   // (up to 1.4M tokens at group 6), else one kv head after the other.
-  const bool heads_fastest = tiles <= 65535;
-  const dim3 grid = heads_fastest ? dim3(s.n_kv_heads, unsigned(tiles), b.n_seqs)
-                                  : dim3(unsigned(tiles), s.n_kv_heads, b.n_seqs);
-  attention_prefill_ws_kernel<KS, VS, kLean>
-      <<<grid, kWsThreads, smem, stream>>>(s, b, q, k_map, v_map, gate, out, heads_fastest);
+  const bool heads_fastest = l.tiles <= 65535;
+  const dim3 grid = heads_fastest ? dim3(s.n_kv_heads, unsigned(l.tiles), b.n_seqs)
+                                  : dim3(unsigned(l.tiles), s.n_kv_heads, b.n_seqs);
+  kernel<<<grid, kWsThreads, smem, stream>>>(s, b, q, l.k_map, l.v_map, gate, out, heads_fastest);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -1034,23 +1047,16 @@ void launch_wsp(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf1
   constexpr size_t smem = ws_smem_bytes<KS, VS>();
   static_assert(smem <= 227 * 1024, "shared memory of one block");
   auto* kernel = attention_prefill_wsp_kernel<KS, VS, kLean>;
-  ensure_smem_optin(reinterpret_cast<const void*>(kernel), smem);
-  const AttnCacheTmaView view = attention_prefill_tma_view(s);
-  DS_CHECK(view.ok, "attention prefill (wgmma_ws persistent): no TMA view of a cache with ",
-           s.n_kv_heads, " kv heads x ", s.page_size, "-token pages");
-  const CUtensorMap k_map = cache_tensor_map(view, k_cache, "K");
-  const CUtensorMap v_map = cache_tensor_map(view, v_cache, "V");
-  const int group = s.n_heads / s.n_kv_heads;
-  const int64_t tiles = (int64_t(b.max_q_len) * group + kWgRows - 1) / kWgRows;
-  DS_CHECK(tiles <= 0x7fffffff, "attention prefill: too many row tiles (", tiles, ")");
-  DS_CHECK(tiles * s.n_kv_heads <= 0x7fffffff, "attention prefill: too many row tiles (", tiles,
-           " x ", s.n_kv_heads, " kv heads)");
-  const int64_t n_items = tiles * s.n_kv_heads * b.n_seqs;
+  const WsLaunch l =
+      ws_launch_setup(reinterpret_cast<const void*>(kernel), smem, s, b, k_cache, v_cache);
+  DS_CHECK(l.tiles * s.n_kv_heads <= 0x7fffffff, "attention prefill: too many row tiles (",
+           l.tiles, " x ", s.n_kv_heads, " kv heads)");
+  const int64_t n_items = l.tiles * s.n_kv_heads * b.n_seqs;
   int dev = 0, n_sms = 0;
   DS_CUDA_CHECK(cudaGetDevice(&dev));
   DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
   const unsigned grid = unsigned(std::min<int64_t>(n_items, std::max(n_sms, 1)));
-  kernel<<<grid, kWsThreads, smem, stream>>>(s, b, q, k_map, v_map, gate, out, int(tiles),
+  kernel<<<grid, kWsThreads, smem, stream>>>(s, b, q, l.k_map, l.v_map, gate, out, int(l.tiles),
                                              n_items);
   DS_CUDA_LAUNCH_CHECK();
 }

@@ -121,11 +121,6 @@ __device__ __forceinline__ void stsm_x4_t(bf16* p, const uint32_t (&r)[4]) {
 __device__ __forceinline__ void signal_ready(int* flag) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(flag) : "memory");
 }
-__device__ __forceinline__ int load_acquire(const int* flag) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
-  return v;
-}
 
 // kLean (GdnSliceState::kV64Lean): the same arithmetic with fewer instructions per chunk step: U
 // read and V_new written back as ldmatrix / stmatrix .trans fragments (4 + 4 per warp instead of
@@ -1288,14 +1283,20 @@ GdnStateForm parse_gdn_state_form(const char* value) {
   return v == "tight" ? GdnStateForm::kTight : GdnStateForm::kWg;
 }
 
-GdnStateForm gdn_state_form() {
-  int f = g_state_form.load(std::memory_order_relaxed);
+// A form switch read from $env on first use (slot -1: not read yet) unless set before.
+template <class Form>
+Form cached_form(std::atomic<int>& slot, const char* env, Form (*parse)(const char*)) {
+  int f = slot.load(std::memory_order_relaxed);
   if (f < 0) {
-    f = static_cast<int>(parse_gdn_state_form(std::getenv("DS_GDN_STATE")));
+    f = static_cast<int>(parse(std::getenv(env)));
     int expected = -1;
-    if (!g_state_form.compare_exchange_strong(expected, f)) f = expected;
+    if (!slot.compare_exchange_strong(expected, f)) f = expected;
   }
-  return static_cast<GdnStateForm>(f);
+  return static_cast<Form>(f);
+}
+
+GdnStateForm gdn_state_form() {
+  return cached_form(g_state_form, "DS_GDN_STATE", parse_gdn_state_form);
 }
 
 void set_gdn_state_form(GdnStateForm form) { g_state_form.store(static_cast<int>(form)); }
@@ -1307,15 +1308,7 @@ GdnOutForm parse_gdn_out_form(const char* value) {
   return v == "tma" ? GdnOutForm::kTma : v == "cp" ? GdnOutForm::kCpAsync : GdnOutForm::kWgmma;
 }
 
-GdnOutForm gdn_out_form() {
-  int f = g_out_form.load(std::memory_order_relaxed);
-  if (f < 0) {
-    f = static_cast<int>(parse_gdn_out_form(std::getenv("DS_GDN_OUT")));
-    int expected = -1;
-    if (!g_out_form.compare_exchange_strong(expected, f)) f = expected;
-  }
-  return static_cast<GdnOutForm>(f);
-}
+GdnOutForm gdn_out_form() { return cached_form(g_out_form, "DS_GDN_OUT", parse_gdn_out_form); }
 
 void set_gdn_out_form(GdnOutForm form) { g_out_form.store(static_cast<int>(form)); }
 

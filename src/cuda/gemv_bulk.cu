@@ -495,12 +495,6 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
 constexpr int kMlpSlicesPerStage = 2;
 constexpr int kMlpSlots = 8;  // multiple of the 8 consumer warps: a slot stays with its warp
 
-__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 // Grid barrier of one launch site, thread 0 of each block (the caller syncs its block around it):
 // bar[0] counts arrivals, bar[1] is the generation, which the last arriver sets to `target` after
 // resetting the count. Each launch reads the generation g0 after its PDL wait, and its u-th
@@ -512,7 +506,7 @@ __device__ __forceinline__ void mlp_grid_barrier(unsigned* bar, unsigned target)
     __threadfence();
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(bar + 1), "r"(target) : "memory");
   } else {
-    while (ld_acquire_u32(bar + 1) != target) __nanosleep(64);
+    while (load_acquire(bar + 1) != target) __nanosleep(64);
   }
   __threadfence();
 }
@@ -657,7 +651,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   asm volatile("griddepcontrol.wait;" ::: "memory");
   // The barrier's generation before this launch's first barrier. Read after the wait: a launch
   // before this one on the same barrier (the kernel this one depends on) has then finished.
-  const unsigned gen0 = threadIdx.x == 0 ? ld_acquire_u32(grid_bar + 1) : 0u;
+  const unsigned gen0 = threadIdx.x == 0 ? load_acquire(grid_bar + 1) : 0u;
   if constexpr (kMixer) {  // x0 -> shared memory (gemv_bulk_kernel's copy), after the wait
     const uint4* xv = reinterpret_cast<const uint4*>(mix.x0);
     uint4* xd = reinterpret_cast<uint4*>(x0s);
