@@ -72,6 +72,7 @@
 #include <string>
 #include <utility>
 
+#include "cuda/cluster.cuh"
 #include "cuda/cuda_common.h"
 #include "cuda/gdn.h"
 #include "cuda/mma_util.cuh"
@@ -673,24 +674,7 @@ void launch_stream_stages(GdnDecodeKernel which, const GdnShape& s, const GdnLay
 // heads run on an idle GPU) and each block walks 16 rows per warp in sequence; at batch 4 its
 // 192 blocks leave most warps idle. Twice / four times the blocks, each with half / a quarter of
 // the rows, shorten every block's chain and the tail.
-__device__ __forceinline__ uint32_t cluster_map(uint32_t smem_addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_addr), "r"(rank));
-  return r;
-}
-// Stores v into the peer's shared memory at `addr` (a shared::cluster address from cluster_map)
-// and adds 4 bytes to the transaction count of the peer's mbarrier at `bar`.
-__device__ __forceinline__ void st_async_f32(uint32_t addr, float v, uint32_t bar) {
-  asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(addr),
-      "r"(__float_as_uint(v)), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
+// (cluster_map, st_async_f32, cluster_rank: cluster.cuh)
 
 // 5 blocks per SM, as the streaming kernel (48 registers; 54 uncapped, i.e. 4 per SM).
 constexpr int kSplitMinBlocks = 5;

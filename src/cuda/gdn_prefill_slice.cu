@@ -63,6 +63,7 @@
 #include "cuda/gdn_chunk.cuh"
 #include "cuda/gdn_prefill_sm90.h"
 #include "cuda/bulk_copy.cuh"
+#include "cuda/cluster.cuh"
 #include "cuda/mma_util.cuh"
 #include "cuda/tma.cuh"
 #include "cuda/tma.h"
@@ -1235,6 +1236,432 @@ __global__ void __launch_bounds__(128, 3) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PAR
     }
   }
 }
+// ---- state pass with the output fused in (GdnStateForm::kFused; session 24, built without a
+// device, not yet measured) ------------------------------------------------------------------
+// slice_scan_wg runs the state pass (96 CTAs of one warpgroup) and, beside it, the output kernel,
+// which reads back what the pass wrote for it: the bf16 snapshots h_c (100 MB per 4096 tokens)
+// and V_new (50 MB), with Q, K, z and gamma again. Here each state CTA also computes its slice's
+// output, so h_c and V_new never leave the SM:
+//   warpgroup 0, the chain: gdn_state_wg_kernel's tight chunk step (thread 0 also issues the
+//     loads), but instead of storing the snapshot and V_new to global memory it stages them in
+//     shared memory for warpgroup 1: h_c^T [64 v, 128 k] as two swizzled [64 v, 64 k] boxes by
+//     stmatrix (the snapshot's bits), V_new [64 t, 64 v] as one swizzled box by stmatrix.trans
+//     (rows past a partial chunk's end as zeros, as the output kernel zeroes them), two buffers
+//     guarded by mbarriers (hc_full / vn_full: the chain's 4 warps; stg_empty: the output's 4);
+//   warpgroup 1, the output of this slice's 64 value columns, gdn_chunk_out_wg_kernel's
+//     arithmetic with N = 64: P = causal(Q K^T) e^(gamma_t - gamma_t') (Q and K from the stage the
+//     chain uses; Q is one more pair of boxes per stage), O = e^gamma (Q h_c^T) + P V_new (both
+//     B operands from the staging buffers), then the gated RMSNorm. A row's sum of o^2 over its
+//     128 values needs the other slice's 64: the two slice CTAs of a head form a cluster of 2 and
+//     each sends its 64 per-row sums to the other by st.async, completing on the receiver's
+//     mbarrier (two buffers, re-armed by the receiver after each use; no cluster barrier per
+//     chunk). y is stored straight from the accumulators.
+// The stage ring (3 stages: K, W, Q, U, gamma) is released by both warpgroups (8 warp arrivals),
+// so the output warpgroup may trail the chain by up to one chunk plus the staging buffers. No
+// ready flags, no snapshot or V_new in global memory (the workspace regions stay unused).
+// Bit-identity with slice_scan_wg: the state pass is the tight step's arithmetic (states bit-equal);
+// y's products are the output kernel's with the value columns split 64 / 64 (wgmma m64n64 instead
+// of m64n128: every output element is the same k16 steps in the same order), its P, its e^gamma
+// scale, and per row the same two 64-column sums of o^2 added (x[0] + x[1] == x[1] + x[0]). Not
+// yet run on a GPU: CudaGdn.PrefillOverlapBitExact compares it bit for bit with slice_scan_cs.
+// Shared memory 221 KB (1 CTA per SM, 96 CTAs for one 27B sequence).
+struct FusedCfg {
+  static constexpr int kThreads = 256;  // warpgroup 0: the chain (+ loads), 1: the output
+  static constexpr int kStages = 3;
+  static constexpr int kNb = 2;  // staging buffers (h_c, V_new)
+  static constexpr int kVs = 64;
+  static constexpr uint32_t kBox = kC * 128;  // one swizzled [64 rows, 64 bf16] box
+  // One stage: K, W and Q as two boxes each, this slice's U columns, gamma [64 t][4 heads] fp32.
+  static constexpr uint32_t kK = 0, kW = 2 * kBox, kQ = 4 * kBox, kU = 6 * kBox, kGam = 7 * kBox;
+  static constexpr uint32_t kBuf = kGam + kC * 4 * 4;
+  static constexpr uint32_t kLoadBytes = kBuf;  // transaction bytes of one chunk's loads
+  static constexpr uint32_t kStg = kStages * kBuf;
+  // One staging buffer: h_c^T as two [64 v, 64 k] boxes, then V_new [64 t, 64 v].
+  static constexpr uint32_t kHc = 0, kVn = 2 * kBox, kStgBuf = 3 * kBox;
+  static constexpr uint32_t kX = kStg + kNb * kStgBuf;  // the peer's per-row sums [2][64] fp32
+  static constexpr uint32_t kBar = kX + 2 * kC * 4;
+  // full[kStages], empty[kStages], hc_full[kNb], vn_full[kNb], stg_empty[kNb], xchg[2]
+  static constexpr int kBars = 2 * kStages + 3 * kNb + 2;
+  static constexpr size_t kTotal = 1024 + kBar + kBars * 8;  // + alignment slack
+  static_assert(kBuf % 1024 == 0 && kStg % 1024 == 0 && kStgBuf % 1024 == 0,
+                "swizzled boxes are 1024-byte aligned");
+  static_assert(kTotal <= 227 * 1024, "shared memory of one block");
+};
+
+__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 1)
+    gdn_state_out_fused_kernel(GdnShape s, GdnLayerWeights wts, GdnStatePool pool,
+                               const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
+                               const int32_t* __restrict__ seq_pos,     // [n_seqs]
+                               const int32_t* __restrict__ slot_ids,    // [n_seqs]
+                               const bf16* __restrict__ proj,  // [n_tokens, in_dim] (z)
+                               bf16* __restrict__ out,         // [n_tokens, n_v * 128]
+                               const __grid_constant__ GdnWgMaps maps) {
+  using L = FusedCfg;
+  constexpr int STAGES = L::kStages, NB = L::kNb;
+  const int seq = blockIdx.x, hv = blockIdx.y;
+  const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
+  if (len <= 0) return;  // both blocks of the cluster (same sequence); the slot is left untouched
+  const uint32_t rank = cluster_rank();  // == blockIdx.z: the 64-column slice
+  const int v_cta = static_cast<int>(rank) * L::kVs;
+  const int n_v = s.n_v_heads, hk = hv / (n_v / s.n_k_heads), hq = hv & 3;
+  const bool norm = wts.norm_w != nullptr;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = align_1024_shared(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int n_chunks = (len + kC - 1) / kC;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
+  uint64_t* empty = full + STAGES;
+  uint64_t* hc_full = empty + STAGES;
+  uint64_t* vn_full = hc_full + NB;
+  uint64_t* stg_empty = vn_full + NB;
+  uint64_t* xchg = stg_empty + NB;
+  float* xs = reinterpret_cast<float*>(smem + L::kX);  // [2][64]: the peer's per-row sums
+  auto stage = [&](int b) { return smem + b * L::kBuf; };
+  auto staging = [&](int nb) { return smem + L::kStg + nb * L::kStgBuf; };
+
+  if (tid == 0) {
+    for (int b = 0; b < STAGES; ++b) {
+      mbar_init(&full[b], 1);
+      mbar_init(&empty[b], 8);  // 4 chain warps + 4 output warps
+    }
+    for (int nb = 0; nb < NB; ++nb) {
+      mbar_init(&hc_full[nb], 4);
+      mbar_init(&vn_full[nb], 4);
+      mbar_init(&stg_empty[nb], 4);
+    }
+    for (int x = 0; x < 2; ++x) {
+      mbar_init(&xchg[x], 1);
+      // Armed before the cluster barrier below, so the peer's first stores never find it
+      // unarmed: 64 row sums of 4 bytes per use.
+      if (norm) mbar_arrive_expect_tx(&xchg[x], kC * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Both blocks' barriers are initialised (and xchg armed) before either sends a row sum.
+  cluster_sync_all();
+
+  if (warp < 4) {
+    // ================= warpgroup 0: the state chain (gdn_state_wg_kernel's tight step) ==========
+    const int v_loc = 16 * warp, v_base = v_cta + v_loc;
+    // Chunk ch's tiles into stage ch % STAGES once all 8 warps have released it (thread 0).
+    auto fetch = [&](int ch) {
+      const int b = ch % STAGES, row0 = start + ch * kC;
+      if (ch >= STAGES) mbar_wait(&empty[b], uint32_t(ch / STAGES - 1) & 1u);
+      unsigned char* st = stage(b);
+      mbar_arrive_expect_tx(&full[b], L::kLoadBytes);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        tma_load_2d(st + L::kK + half * L::kBox, &maps.k, (s.n_k_heads + hk) * kD + 64 * half,
+                    row0, &full[b]);
+        tma_load_2d(st + L::kQ + half * L::kBox, &maps.k, hk * kD + 64 * half, row0, &full[b]);
+        tma_load_3d(st + L::kW + half * L::kBox, &maps.w, 64 * half, hv, row0, &full[b]);
+      }
+      tma_load_3d(st + L::kU, &maps.u, v_cta, hv, row0, &full[b]);
+      tma_load_2d(st + L::kGam, &maps.gam, hv & ~3, row0, &full[b]);
+    };
+    if (tid == 0)
+      for (int ch = 0; ch < min(STAGES - 1, n_chunks); ++ch) fetch(ch);
+
+    float* state = pool.rec_state + static_cast<int64_t>(slot_ids[seq]) * pool.rec_slot_stride +
+                   static_cast<int64_t>(hv) * kD * kD;
+    const bool has_state = seq_pos[seq] > 0;
+    float h[64];  // h[4 j + i] = h^T(v_base + g + 8 (i / 2), 8 j + 2 c + (i % 2))
+    gdn_tile::load_state_rows(reinterpret_cast<float(&)[16][4]>(h), state, has_state, v_base, g,
+                              c);
+    float g_last_t = 0.f, gc_t[8][2];  // chunk cx's decay factors, formed one chunk ahead
+    auto prologue = [&](int cx) {
+      const int nx = min(kC, len - cx * kC);
+      mbar_wait(&full[cx % STAGES], uint32_t(cx / STAGES) & 1u);
+      const float* gx = reinterpret_cast<const float*>(stage(cx % STAGES) + L::kGam);
+      g_last_t = gx[(nx - 1) * 4 + hq];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          gc_t[j][e] = __expf(g_last_t - gx[min(8 * j + 2 * c + e, nx - 1) * 4 + hq]);
+      }
+    };
+    prologue(0);
+
+    for (int ch = 0; ch < n_chunks; ++ch) {
+      const int b = ch % STAGES, nb = ch % NB;
+      const int n = min(kC, len - ch * kC);
+      unsigned char* st = stage(b);
+      unsigned char* sg = staging(nb);
+      if (n < kC) {  // a partial chunk: K rows past the sequence to zeros (the update reads them)
+        for (int e = tid; e < (kC - n) * 16; e += 128) {
+          const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
+          *reinterpret_cast<uint4*>(st + L::kK + half * L::kBox + r * 128 + q * 16) =
+              make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async();
+        named_barrier_sync(1, 128);  // the four chain warps
+      }
+      const uint32_t k_s = smem_u32(st + L::kK), w_s = smem_u32(st + L::kW);
+      const bf16* u_s = reinterpret_cast<const bf16*>(st + L::kU);
+      const float g_last = g_last_t;
+
+      // ---- h^T as bf16 A fragments (also h_c); S = h^T W^T.
+      uint32_t ha[8][4];
+      gdn_tile::acc_to_a<16>(reinterpret_cast<const float(&)[16][4]>(h), ha);
+      float sacc[32];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_m64n64k16_rs(sacc, ha[kk],
+                           gmma_desc(w_s + (kk >> 2) * L::kBox + (kk & 3) * 32, 16, 1024),
+                           kk == 0 ? 0 : 1);
+      wgmma_commit();
+      if (tid == 0 && ch + STAGES - 1 < n_chunks) fetch(ch + STAGES - 1);
+      // While S runs: h_c into staging buffer nb once the output has released it (chunk ch - NB),
+      // packed again from h (ha is S's A operand: no access before wgmma.wait_group).
+      if (ch >= NB) mbar_wait(&stg_empty[nb], uint32_t(ch / NB - 1) & 1u);
+      {
+        fence_regs(h);
+        uint32_t hs[8][4];
+#pragma unroll
+        for (int sk = 0; sk < 8; ++sk) {
+          hs[sk][0] = pack_bf16(h[8 * sk], h[8 * sk + 1]);
+          hs[sk][1] = pack_bf16(h[8 * sk + 2], h[8 * sk + 3]);
+          hs[sk][2] = pack_bf16(h[8 * sk + 4], h[8 * sk + 5]);
+          hs[sk][3] = pack_bf16(h[8 * sk + 6], h[8 * sk + 7]);
+        }
+#pragma unroll
+        for (int sk = 0; sk < 8; ++sk) {
+          const int row = (lane & 7) + 8 * ((lane >> 3) & 1), q = 2 * sk + (lane >> 4);
+          stsm_x4(reinterpret_cast<bf16*>(sg + L::kHc + (q >> 3) * L::kBox + (v_loc + row) * 128 +
+                                          (((q & 7) ^ (row & 7)) << 4)),
+                  hs[sk]);
+        }
+        fence_proxy_async();  // generic stores, read by the output's wgmma (async proxy)
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&hc_full[nb]);
+      }
+      float gc[8][2];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        gc[j][0] = gc_t[j][0];
+        gc[j][1] = gc_t[j][1];
+      }
+      const float decay = __expf(g_last);
+      wgmma_wait<0>();
+      fence_regs(sacc);
+
+      // ---- V_new^T = U^T - S (bf16) into the staging box, Vs = V_new^T e^(gamma_last - gamma_t),
+      // rows past the sequence zero in both.
+      uint32_t vsa[4][4];
+      unsigned char* vn = sg + L::kVn;
+      auto v_new = [&](auto is_full) {
+        constexpr bool kFull = decltype(is_full)::value;
+        float vs[8][4];
+        const int m = lane >> 3, r = lane & 7;
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {
+          // Matrix m: rows t = 16 jp + 8 (m / 2) + r, columns v_loc + 8 (m % 2) (chunk q of the
+          // swizzled row, in U's box and in the staging box alike).
+          const int t = 16 * jp + 8 * (m >> 1) + r, q = 2 * warp + (m & 1);
+          const uint32_t off = t * 128 + ((q ^ (t & 7)) << 4);
+          uint32_t ur[4];
+          ldsm_x4_t(ur, reinterpret_cast<const bf16*>(reinterpret_cast<const unsigned char*>(u_s) +
+                                                      off));
+#pragma unroll
+          for (int qq = 0; qq < 4; ++qq) {
+            const int j = 2 * jp + (qq >> 1), i0 = 2 * (qq & 1);
+            const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(&ur[qq]);
+            const int t0 = 8 * j + 2 * c;
+            const uint32_t x2 = pack_bf16(__low2float(u2) - sacc[4 * j + i0],
+                                          __high2float(u2) - sacc[4 * j + i0 + 1]);
+            const float x0 = __uint_as_float(x2 << 16), x1 = __uint_as_float(x2 & 0xffff0000u);
+            vs[j][i0] = kFull || t0 < n ? x0 * gc[j][0] : 0.f;
+            vs[j][i0 + 1] = kFull || t0 + 1 < n ? x1 * gc[j][1] : 0.f;
+            ur[qq] = kFull ? x2
+                           : (t0 < n ? x2 & 0xffffu : 0u) | (t0 + 1 < n ? x2 & 0xffff0000u : 0u);
+          }
+          stsm_x4_t(reinterpret_cast<bf16*>(vn + off), ur);
+        }
+        gdn_tile::acc_to_a<8>(vs, vsa);
+      };
+      if (n == kC)
+        v_new(std::true_type{});
+      else
+        v_new(std::false_type{});
+      fence_proxy_async();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&vn_full[nb]);
+
+      // ---- h^T <- e^(gamma_last) h^T + Vs^T K.
+#pragma unroll
+      for (int i = 0; i < 64; ++i) h[i] *= decay;
+      fence_regs(h);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kC / 16; ++kk)
+        wgmma_m64n128k16_rs_t(h, vsa[kk], gmma_desc(k_s + kk * 16 * 128, L::kBox, 1024));
+      wgmma_commit();
+      // While the update runs: the next chunk's wait and decay factors.
+      if (ch + 1 < n_chunks) prologue(ch + 1);
+      __syncwarp();
+      wgmma_wait<0>();
+      fence_regs(h);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[b]);  // this warp is done with stage b
+    }
+    gdn_tile::store_state_rows(reinterpret_cast<const float(&)[16][4]>(h), state, v_base, g, c);
+  } else {
+    // ================= warpgroup 1: the output of this slice's 64 value columns ===============
+    // gdn_chunk_out_wg_kernel's arithmetic; this thread's rows i = 16 w + g + 8 half, columns
+    // v_cta + 8 j + 2 c + e.
+    const int w = warp - 4;
+    const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim(), out_dim = s.out_dim();
+    const uint32_t peer = rank ^ 1u;
+    for (int ch = 0; ch < n_chunks; ++ch) {
+      const int b = ch % STAGES, nb = ch % NB, xb = ch & 1;
+      const int64_t row0 = start + int64_t(ch) * kC;
+      const int n = min(kC, len - ch * kC);
+      unsigned char* st = stage(b);
+      unsigned char* sg = staging(nb);
+      // This thread's z (columns 8 j + 2 c of its two rows of this slice) from global memory.
+      uint32_t zr[2][8];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = 16 * w + g + 8 * half;
+        const bf16* zrow =
+            proj + (row0 + min(i, n - 1)) * in_dim + qkv_dim + hv * kD + v_cta + 2 * c;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          zr[half][j] = norm ? __ldg(reinterpret_cast<const unsigned int*>(zrow + 8 * j)) : 0u;
+      }
+      mbar_wait(&full[b], uint32_t(ch / STAGES) & 1u);
+      const uint32_t q_s = smem_u32(st + L::kQ), k_s = smem_u32(st + L::kK);
+      const float* gx = reinterpret_cast<const float*>(st + L::kGam);  // [64 t][4 heads]
+
+      // ---- S = Q K^T, then P in place (K rows past a partial chunk's end may be zeroed by the
+      // chain meanwhile: P is 0 there for every row this block stores).
+      float p[32];  // p[4 jt + 2 half + e]: row 16 w + g + 8 half, column 8 jt + 2 c + e
+#pragma unroll
+      for (int i = 0; i < 32; ++i) p[i] = 0.f;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * L::kBox + (kk & 3) * 32;
+        wgmma_m64n64k16_ss(p, gmma_desc(q_s + off, 16, 1024), gmma_desc(k_s + off, 16, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(p);
+      // decay_mask_p on gamma's tile, rows held at the sequence's last (as the output kernel's
+      // gam[] is): the same values, so the same bits.
+      float grow[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) grow[half] = gx[min(16 * w + g + 8 * half, n - 1) * 4 + hq];
+#pragma unroll
+      for (int jt = 0; jt < 8; ++jt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = 16 * w + g + 8 * half;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = 8 * jt + 2 * c + e;
+            float& x = p[4 * jt + 2 * half + e];
+            x = j <= i ? x * __expf(grow[half] - gx[min(j, n - 1) * 4 + hq]) : 0.f;
+          }
+        }
+      }
+      uint32_t pa[4][4];
+      gdn_tile::acc_to_a<8>(reinterpret_cast<const float(&)[8][4]>(p), pa);
+
+      // ---- O = e^gamma (Q h_c^T) + P V_new, this slice's 64 columns.
+      mbar_wait(&hc_full[nb], uint32_t(ch / NB) & 1u);
+      const uint32_t hc_s = smem_u32(sg + L::kHc), vn_s = smem_u32(sg + L::kVn);
+      float o[32];  // o[4 j + 2 half + e]: row 16 w + g + 8 half, column 8 j + 2 c + e
+#pragma unroll
+      for (int i = 0; i < 32; ++i) o[i] = 0.f;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * L::kBox + (kk & 3) * 32;
+        wgmma_m64n64k16_ss(o, gmma_desc(q_s + off, 16, 1024), gmma_desc(hc_s + off, 16, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[b]);  // Q, K and gamma of this stage are read
+      const float eg[2] = {__expf(grow[0]), __expf(grow[1])};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        o[4 * j] *= eg[0];
+        o[4 * j + 1] *= eg[0];
+        o[4 * j + 2] *= eg[1];
+        o[4 * j + 3] *= eg[1];
+      }
+      fence_regs(o);
+      mbar_wait(&vn_full[nb], uint32_t(ch / NB) & 1u);
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kC / 16; ++ks)
+        wgmma_m64n64k16_rs_t(o, pa[ks], gmma_desc(vn_s + ks * 16 * 128, L::kBox, 1024));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(o);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&stg_empty[nb]);  // h_c and V_new of buffer nb are read
+
+      // ---- Gated RMSNorm per row: this slice's sum of o^2 as the output kernel forms its half
+      // (vh = rank), the peer's from its st.async, x[0] + x[1].
+      float ss[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float a = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          a += o[4 * j + 2 * half] * o[4 * j + 2 * half] +
+               o[4 * j + 2 * half + 1] * o[4 * j + 2 * half + 1];
+        a += __shfl_xor_sync(0xffffffffu, a, 1);
+        ss[half] = a + __shfl_xor_sync(0xffffffffu, a, 2);
+      }
+      if (norm) {
+        // One lane per quad sends its rows' sums (equal in the quad's four lanes).
+        if (c == 0) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int i = 16 * w + g + 8 * half;
+            st_async_f32(cluster_map(smem_u32(xs + xb * kC + i), peer), ss[half],
+                         cluster_map(smem_u32(&xchg[xb]), peer));
+          }
+        }
+        mbar_wait(&xchg[xb], uint32_t(ch >> 1) & 1u);
+        // Re-armed for chunk ch + 2 by one thread once its own wait is over: the peer's sums
+        // for ch + 2 follow every sum of this block's for ch + 1, sent after this point.
+        if (tid == 128) mbar_arrive_expect_tx(&xchg[xb], kC * 4);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) ss[half] += xs[xb * kC + 16 * w + g + 8 * half];
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = 16 * w + g + 8 * half;
+        const float scale = norm ? rsqrtf(ss[half] / kD + s.norm_eps) : 1.f;
+        if (i < n) {
+          bf16* y = out + (row0 + i) * out_dim + hv * kD + v_cta + 2 * c;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            float y0 = o[4 * j + 2 * half], y1 = o[4 * j + 2 * half + 1];
+            if (norm) {
+              const int v = v_cta + 8 * j + 2 * c;
+              const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(&zr[half][j]);
+              const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(wts.norm_w + v);
+              y0 = __low2float(w2) * y0 * scale * silu(__low2float(z2));
+              y1 = __high2float(w2) * y1 * scale * silu(__high2float(z2));
+            }
+            *reinterpret_cast<uint32_t*>(y + 8 * j) = pack_bf16(y0, y1);
+          }
+        }
+      }
+    }
+  }
+}
+
 #undef DS_GDN_OUT_PARAMS
 #undef DS_GDN_OUT_ARGS
 
@@ -1278,9 +1705,11 @@ std::atomic<int> g_state_form{-1};  // -1: not read yet
 
 GdnStateForm parse_gdn_state_form(const char* value) {
   const std::string v = value ? value : "";
-  DS_CHECK(v.empty() || v == "wg" || v == "tight",
-           "$DS_GDN_STATE must be wg or tight (got '", v, "')");
-  return v == "tight" ? GdnStateForm::kTight : GdnStateForm::kWg;
+  DS_CHECK(v.empty() || v == "wg" || v == "tight" || v == "fused",
+           "$DS_GDN_STATE must be wg, tight or fused (got '", v, "')");
+  return v == "tight"   ? GdnStateForm::kTight
+         : v == "fused" ? GdnStateForm::kFused
+                        : GdnStateForm::kWg;
 }
 
 // A form switch read from $env on first use (slot -1: not read yet) unless set before.
@@ -1353,6 +1782,17 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
              ", n_tokens ", n_tokens, ", ", max_chunks, " chunks)");
     wg_maps = make_gdn_wg_maps(s, n_tokens, max_chunks, qkv, gamma, w_mat, u_mat, h_snap);
   }
+  // kFused: the state pass and the output as one kernel (both stages of an overlapped launch;
+  // the ready flags, snapshots and V_new are not written). A stage alone runs the tight pass.
+  if (state == GdnSliceState::kWgmma && overlap && stages == 3 &&
+      gdn_state_form() == GdnStateForm::kFused) {
+    auto* kernel = gdn_state_out_fused_kernel;
+    ensure_smem_optin(reinterpret_cast<const void*>(kernel), FusedCfg::kTotal);
+    kernel<<<dim3(n_seqs, s.n_v_heads, n_slices), FusedCfg::kThreads, FusedCfg::kTotal, stream>>>(
+        s, w, pool, cu_seqlens, seq_pos, slot_ids, proj, out, wg_maps);
+    DS_CUDA_LAUNCH_CHECK();
+    return;
+  }
   if (stages & 1) {
     auto run = [&](auto kernel, size_t smem, int threads) {
       launch_state(kernel, smem, threads, n_slices, s, pool, cu_seqlens, seq_pos, slot_ids,
@@ -1381,7 +1821,7 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
               s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, u_mat, ready, wg_maps);
           DS_CUDA_LAUNCH_CHECK();
         };
-        if (gdn_state_form() == GdnStateForm::kTight) {
+        if (gdn_state_form() != GdnStateForm::kWg) {  // kTight, or kFused's pass alone
           if (overlap)
             go(gdn_state_wg_kernel<true, true>);
           else

@@ -146,9 +146,14 @@ void set_gdn_out_form(GdnOutForm form);
 // operations with fewer instructions on the chain (gamma by ld.shared, the next chunk's wait and
 // decay factors and the previous chunk's publication under the update, U - S packed to bf16 pairs,
 // full chunks without the per-row test), bit-identical by construction, not yet measured
-// (session 22). $DS_GDN_STATE = wg / tight, read at the first
-// call (anything else throws); set_gdn_state_form overrides it (tests).
-enum class GdnStateForm { kWg, kTight };
+// (session 22). kFused (session 24, built without a device, not yet measured): the tight pass
+// with slice_scan_wg's output computed in the same kernel (gdn_state_out_fused_kernel: a second
+// warpgroup per state CTA, the snapshots and V_new handed over in shared memory instead of
+// global memory, the two slices of a head a cluster of 2 for the gated norm's row sums);
+// bit-identical by construction; it replaces the overlapped pair (stages 3 with ready flags),
+// and a stage launched alone runs the tight pass. $DS_GDN_STATE = wg / tight / fused, read at the
+// first call (anything else throws); set_gdn_state_form overrides it (tests).
+enum class GdnStateForm { kWg, kTight, kFused };
 GdnStateForm gdn_state_form();
 GdnStateForm parse_gdn_state_form(const char* value);  // null / "" = kWg; throws on a bad value
 void set_gdn_state_form(GdnStateForm form);

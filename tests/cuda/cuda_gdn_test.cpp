@@ -548,11 +548,12 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
       CK(cudaMemcpy(pool.conv.p, conv0.p, conv0.n * 2, cudaMemcpyDeviceToDevice));
     };
     // y and every slot's state after one launch of `reg` from the initial slots.
-    auto run = [&](const DispatchRegistry* reg, cudaStream_t st, bool poison_ws) {
+    auto run = [&](const DispatchRegistry* reg, cudaStream_t st, bool poison_ws,
+                   bool norm = true) {
       restore();
       if (poison_ws) d.ws.poison();
       d.out.poison();
-      d.launch(s, dl.w(), pool.pool(), st, reg);
+      d.launch(s, dl.w(norm), pool.pool(), st, reg);
       CK(cudaDeviceSynchronize());
       return std::make_pair(download_bf16(d.out.p, d.out.n), download_f32(pool.rec.p, pool.rec.n));
     };
@@ -609,12 +610,17 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
                 {"slice_scan_wg (TMA mma.sync output)", reg_wg.get(), GdnOutForm::kTma},
                 {"slice_scan_wg (cp.async output)", reg_wg.get(), GdnOutForm::kCpAsync},
                 {"slice_scan_wg (tight state pass)", reg_wg.get(), GdnOutForm::kWgmma,
-                 GdnStateForm::kTight}};
+                 GdnStateForm::kTight},
+                {"slice_scan_wg (state pass and output fused)", reg_wg.get(),
+                 GdnOutForm::kWgmma, GdnStateForm::kFused}};
     for (const auto& [name, reg, form, state_form] : arms) {
       set_gdn_out_form(form);
       set_gdn_state_form(state_form);
       const auto* expect = &ref;
-      const int per_chunk = std::string(name).rfind("slice_scan_wg", 0) == 0 ? 8 : 2;
+      // The fused kernel publishes nothing: its flags stay as the chunk map cleared them.
+      const int per_chunk = state_form == GdnStateForm::kFused                 ? 0
+                            : std::string(name).rfind("slice_scan_wg", 0) == 0 ? 8
+                                                                               : 2;
       for (int rep = 0; rep < 3; ++rep) {  // poisoned workspace, then the last launch's flags
         const auto got = run(reg, nullptr, rep == 0);
         EXPECT_TRUE(same(got.first, expect->first)) << name << " launch " << rep << ": y differs";
@@ -646,6 +652,15 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
       CK(cudaGraphDestroy(graph));
       CK(cudaStreamDestroy(st));
     }
+    // Without the gated norm the fused kernel's slices exchange no row sums: y (O itself) and
+    // the states still bit-equal to slice_scan_cs's.
+    set_gdn_out_form(GdnOutForm::kWgmma);
+    set_gdn_state_form(GdnStateForm::kWg);
+    const auto ref_nn = run(reg_cs.get(), nullptr, true, /*norm=*/false);
+    set_gdn_state_form(GdnStateForm::kFused);
+    const auto got_nn = run(reg_wg.get(), nullptr, true, /*norm=*/false);
+    EXPECT_TRUE(same(got_nn.first, ref_nn.first)) << "fused, no norm: y differs";
+    EXPECT_TRUE(same(got_nn.second, ref_nn.second)) << "fused, no norm: states differ";
   }
 }
 
@@ -731,13 +746,15 @@ TEST(CudaGdn, OutFormSwitch) {
 }
 
 // $DS_GDN_STATE's values (host only): unset / empty / wg = the measured chunk step, tight the
-// shorter one, anything else a ds::Error naming the variable and the value.
+// shorter one, fused the pass with the output in the same kernel, anything else a ds::Error
+// naming the variable and the value.
 TEST(CudaGdn, StateFormSwitch) {
   EXPECT_EQ(parse_gdn_state_form(nullptr), GdnStateForm::kWg);
   EXPECT_EQ(parse_gdn_state_form(""), GdnStateForm::kWg);
   EXPECT_EQ(parse_gdn_state_form("wg"), GdnStateForm::kWg);
   EXPECT_EQ(parse_gdn_state_form("tight"), GdnStateForm::kTight);
-  for (const char* bad : {"1", "Tight", "tight ", "wgmma"}) {
+  EXPECT_EQ(parse_gdn_state_form("fused"), GdnStateForm::kFused);
+  for (const char* bad : {"1", "Tight", "tight ", "wgmma", "fuse", "Fused"}) {
     try {
       parse_gdn_state_form(bad);
       ADD_FAILURE() << "'" << bad << "' was accepted";
@@ -1394,7 +1411,9 @@ TEST(CudaGdn, PrefillStageTiming) {
       {GdnSliceState::kWgmma, GdnOutForm::kTma, "wgmma state + TMA output, overlapped"},
       {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "wgmma state + wgmma output, overlapped"},
       {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "tight wgmma state + wgmma output, overl.",
-       GdnStateForm::kTight}};
+       GdnStateForm::kTight},
+      {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "state pass and output fused (one kernel)",
+       GdnStateForm::kFused}};
   for (const auto& [state, form, name, state_form] : ov_arms) {
     set_gdn_out_form(form);
     set_gdn_state_form(state_form);
