@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The measurements sessions 22-23 left for the next device session (docs/perf/prefill_gaps.md,
-# "Session 23"), one device call per step, from the binaries packed here by
+# The measurements sessions 22-24 left for the next device session (docs/perf/prefill_gaps.md,
+# "Session 23", docs/perf/gdn_prefill.md "Session 24"), one device call per step, from the binaries packed here by
 # scripts/pack_gpu_binaries.sh (carry [".carry"]). Everything goes to $OUT.
 #
 #   bash scripts/gpu_pending.sh tests     # ~5 min: every GPU test (gpu_test.sh, logs packed)
 #   bash scripts/gpu_pending.sh kernels   # ~5 min: the new kernels beside the shipped ones
 #   bash scripts/gpu_pending.sh decode    # ~7 min: decode A/B of the new switches + profiles
-#   bash scripts/gpu_pending.sh prompts   # ~4 min: prompt A/B of the new forms
-# (~21 min of the session's 30 minutes of device time, with the machine's start.)
+#   bash scripts/gpu_pending.sh prompts   # ~5 min: prompt A/B of the new forms
+# (~22 min of the session's 30 minutes of device time, with the machine's start.)
 #
 #   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
 #   DRY=1     print the commands instead of running them (what the pytest checks)
@@ -80,6 +80,9 @@ case "$step" in
     run attn_prefill "$DS" bench kernels --only attn_prefill || rc=1
     run gemm "$DS" bench kernels --only gemm || rc=1
     run gdn_stage "$T/cuda_gdn_test" --gtest_filter=CudaGdn.PrefillStageTiming || rc=1
+    # The whole GDN layer: the shipped pair, then the state pass with the output fused in.
+    run gdn_layer "$DS" bench kernels --only gdn_prefill || rc=1
+    run gdn_layer_fused env DS_GDN_STATE=fused "$DS" bench kernels --only gdn_prefill || rc=1
     run attn_decode_timing "$T/cuda_attention_decode_test" \
       --gtest_filter=CudaAttentionDecode.Timing || rc=1
     ;;
@@ -101,10 +104,11 @@ case "$step" in
     ;;
   prompts)
     if [ "${DRY:-0}" = 1 ]; then
-      echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 4096,32768 --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight $LEAN $PERSIST"
+      echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 4096,32768 --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight DS_GDN_STATE=fused $LEAN $PERSIST"
     else
       BIN="$DS" OUT="$OUT" timeout "$(left)" bash scripts/gpu_decode_ab.sh --prefill 4096,32768 \
-        --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight "$LEAN" "$PERSIST" || rc=1
+        --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight DS_GDN_STATE=fused "$LEAN" "$PERSIST" \
+        || rc=1
     fi
     ;;
 esac

@@ -1417,6 +1417,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
       // While S runs: h_c into staging buffer nb once the output has released it (chunk ch - NB),
       // packed again from h (ha is S's A operand: no access before wgmma.wait_group).
       if (ch >= NB) mbar_wait(&stg_empty[nb], uint32_t(ch / NB - 1) & 1u);
+      __syncwarp();  // lane 0 back from the loads: stmatrix is warp-aligned
       {
         fence_regs(h);
         uint32_t hs[8][4];
@@ -1445,6 +1446,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
         gc[j][1] = gc_t[j][1];
       }
       const float decay = __expf(g_last);
+      __syncwarp();
       wgmma_wait<0>();
       fence_regs(sacc);
 
@@ -1506,6 +1508,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
       fence_regs(h);
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[b]);  // this warp is done with stage b
+      __syncwarp();
     }
     gdn_tile::store_state_rows(reinterpret_cast<const float(&)[16][4]>(h), state, v_base, g, c);
   } else {
@@ -1533,6 +1536,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
           zr[half][j] = norm ? __ldg(reinterpret_cast<const unsigned int*>(zrow + 8 * j)) : 0u;
       }
       mbar_wait(&full[b], uint32_t(ch / STAGES) & 1u);
+      __syncwarp();  // converged before the warp-aligned wgmma
       const uint32_t q_s = smem_u32(st + L::kQ), k_s = smem_u32(st + L::kK);
       const float* gx = reinterpret_cast<const float*>(st + L::kGam);  // [64 t][4 heads]
 
@@ -1573,6 +1577,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
 
       // ---- O = e^gamma (Q h_c^T) + P V_new, this slice's 64 columns.
       mbar_wait(&hc_full[nb], uint32_t(ch / NB) & 1u);
+      __syncwarp();
       const uint32_t hc_s = smem_u32(sg + L::kHc), vn_s = smem_u32(sg + L::kVn);
       float o[32];  // o[4 j + 2 half + e]: row 16 w + g + 8 half, column 8 j + 2 c + e
 #pragma unroll
@@ -1588,6 +1593,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
       fence_regs(o);
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[b]);  // Q, K and gamma of this stage are read
+      __syncwarp();
       const float eg[2] = {__expf(grow[0]), __expf(grow[1])};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -1598,6 +1604,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
       }
       fence_regs(o);
       mbar_wait(&vn_full[nb], uint32_t(ch / NB) & 1u);
+      __syncwarp();
       wgmma_fence();
 #pragma unroll
       for (int ks = 0; ks < kC / 16; ++ks)
@@ -1607,6 +1614,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
       fence_regs(o);
       __syncwarp();
       if (lane == 0) mbar_arrive(&stg_empty[nb]);  // h_c and V_new of buffer nb are read
+      __syncwarp();  // converged for the shuffles
 
       // ---- Gated RMSNorm per row: this slice's sum of o^2 as the output kernel forms its half
       // (vh = rank), the peer's from its st.async, x[0] + x[1].

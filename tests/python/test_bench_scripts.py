@@ -268,7 +268,9 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
                 "DS_ATTN_DECODE=pdl_cluster"):
         assert arm in out["decode"]
     assert out["decode"].count("DecodeProfile.Synthetic27bInGraph") == 3
-    assert "DS_GDN_STATE=tight" in out["prompts"]
+    assert "DS_GDN_STATE=tight" in out["prompts"] and "DS_GDN_STATE=fused" in out["prompts"]
+    assert "DS_GDN_STATE=fused" in out["kernels"]
+    assert out["kernels"].count("bench kernels --only gdn_prefill") == 2
     assert "attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean" in out["prompts"]
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
                          timeout=60)
