@@ -14,6 +14,8 @@
 # --prefill PROMPTS [--repeats R]: the same for prompts instead: each arm runs `bench prefill
 # --prompt PROMPTS [--repeats R]` and the table holds TTFT p50 (ms) per prompt length (a prompt
 # process on the synthetic 27B: ~25 s for 4096,32768 with repeats 3,1).
+# ARM_TIMEOUT: seconds one arm's process may run (default 3600; a process stopped by it counts as
+# failed, and the other arms go on).
 # Output: $OUT/decode_ab.log (the table and each process's decode / prefill table),
 # $OUT/decode_ab.full.log (everything the processes printed). Exit status 1 if any process
 # failed (its arm shows FAIL).
@@ -80,7 +82,7 @@ for ((r = 1; r <= rounds; ++r)); do
     [ "$a" != "-" ] && read -r -a settings <<<"$a"
     echo "== round $r arm $i: ${a} ($(date -u +%H:%M:%S))" | tee -a "$LOG" >>"$FULL"
     # shellcheck disable=SC2086  # extra: flags split on spaces on purpose
-    out=$(env "${settings[@]}" "$BIN" "${bench[@]}" $extra 2>&1)
+    out=$(timeout "${ARM_TIMEOUT:-3600}" env "${settings[@]}" "$BIN" "${bench[@]}" $extra 2>&1)
     rc=$?
     echo "$out" >>"$FULL"
     rows=$(echo "$out" | grep -E "$row_re")

@@ -507,7 +507,10 @@ void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, doub
 // flags are cleared each launch) and replayed from a CUDA graph (PDL edges in a graph).
 // slice_scan_wg (the same with the state pass on wgmma) too: on the H200 wgmma's sums come out
 // bit for bit as mma.sync's.
-TEST(CudaGdn, PrefillOverlapBitExact) {
+// fused_only: the state pass with the output fused in ($DS_GDN_STATE=fused) alone, with and
+// without the gated norm (CudaGdn.PrefillFusedBitExact, the file's last test: it ran on no GPU
+// when written, and a hang there must cost no other test).
+void prefill_overlap_bit_exact(bool fused_only) {
   REQUIRE_GPU();
   if (device_sm() < 90) GTEST_SKIP() << "slice_scan_ov is sm 90 only";
   auto forced = [](const char* name) {
@@ -614,6 +617,7 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
                 {"slice_scan_wg (state pass and output fused)", reg_wg.get(),
                  GdnOutForm::kWgmma, GdnStateForm::kFused}};
     for (const auto& [name, reg, form, state_form] : arms) {
+      if (fused_only != (state_form == GdnStateForm::kFused)) continue;
       set_gdn_out_form(form);
       set_gdn_state_form(state_form);
       const auto* expect = &ref;
@@ -652,6 +656,7 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
       CK(cudaGraphDestroy(graph));
       CK(cudaStreamDestroy(st));
     }
+    if (!fused_only) continue;
     // Without the gated norm the fused kernel's slices exchange no row sums: y (O itself) and
     // the states still bit-equal to slice_scan_cs's.
     set_gdn_out_form(GdnOutForm::kWgmma);
@@ -663,6 +668,8 @@ TEST(CudaGdn, PrefillOverlapBitExact) {
     EXPECT_TRUE(same(got_nn.second, ref_nn.second)) << "fused, no norm: states differ";
   }
 }
+
+TEST(CudaGdn, PrefillOverlapBitExact) { prefill_overlap_bit_exact(/*fused_only=*/false); }
 
 TEST(CudaGdn, ShapeChecks) {
   GdnShape s = shape_27b();
@@ -1411,9 +1418,7 @@ TEST(CudaGdn, PrefillStageTiming) {
       {GdnSliceState::kWgmma, GdnOutForm::kTma, "wgmma state + TMA output, overlapped"},
       {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "wgmma state + wgmma output, overlapped"},
       {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "tight wgmma state + wgmma output, overl.",
-       GdnStateForm::kTight},
-      {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "state pass and output fused (one kernel)",
-       GdnStateForm::kFused}};
+       GdnStateForm::kTight}};
   for (const auto& [state, form, name, state_form] : ov_arms) {
     set_gdn_out_form(form);
     set_gdn_state_form(state_form);
@@ -1438,6 +1443,18 @@ TEST(CudaGdn, PrefillStageTiming) {
                                      T);
              });
   }
+  // Last: the state pass with the output fused in (one kernel; no flags to clear, but the
+  // launch clears them as the overlapped pair's does). Written without a GPU: if it hangs, only
+  // this row is lost.
+  set_gdn_out_form(GdnOutForm::kWgmma);
+  set_gdn_state_form(GdnStateForm::kFused);
+  {
+    const double t_f = stage_on(st, "state pass and output fused (one kernel)",
+                                overlapped(GdnSliceState::kWgmma));
+    std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = the same less the clear",
+                (t_f - t_clear) * 1e3);
+  }
+  set_gdn_state_form(restore_forms.state);
   set_gdn_out_form(form0);
   CK(cudaStreamSynchronize(st));
   CK(cudaStreamDestroy(st));
@@ -1477,5 +1494,15 @@ TEST(CudaGdn, DISABLED_ProfileOnce) {
   launch_gdn_decode(s, dl.w(), pool.pool(), d_proj.p, d_pos.p, d_slot.p, 1, d_out.p, nullptr);
   CK(cudaDeviceSynchronize());
 }
+}  // namespace
+}  // namespace ds::cuda
+
+namespace ds::cuda {
+namespace {
+
+// Last in the file: the fused state pass + output (gdn_prefill_slice.cu, session 24, written
+// without a GPU) bit for bit against slice_scan_cs, as PrefillOverlapBitExact's arms.
+TEST(CudaGdn, PrefillFusedBitExact) { prefill_overlap_bit_exact(/*fused_only=*/true); }
+
 }  // namespace
 }  // namespace ds::cuda
