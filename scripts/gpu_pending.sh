@@ -12,8 +12,10 @@
 #   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
 #   DRY=1     print the commands instead of running them (what the pytest checks)
 #   BUDGET    seconds one step may take in all (default 480; later commands are skipped)
-#   SKIP_FUSED=1  leave out the fused GDN state pass + output ($DS_GDN_STATE=fused: run no GPU
-#             test before; set it when the tests step saw CudaGdn.PrefillFusedBitExact fail or hang)
+#   SKIP_FUSED=1  leave out the fused GDN state pass + output ($DS_GDN_STATE=fused / fused2: run on
+#             no GPU before; set it when the tests step saw CudaGdn.PrefillFusedBitExact fail or hang)
+#   FUSED_FORM  the fused form the prompts step times (default fused; fused2 if the kernels step
+#             found the two-output-warpgroup form faster)
 # Keep each step under a run's 10 minutes: the steps are separate calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,8 +88,10 @@ case "$step" in
     # The whole GDN layer: the shipped pair, then the state pass with the output fused in.
     run gdn_layer "$DS" bench kernels --only gdn_prefill || rc=1
     if [ "${SKIP_FUSED:-0}" != 1 ]; then
-      run gdn_layer_fused timeout 120 env DS_GDN_STATE=fused "$DS" bench kernels \
-        --only gdn_prefill || rc=1
+      for form in fused fused2; do
+        run "gdn_layer_$form" timeout 120 env DS_GDN_STATE=$form "$DS" bench kernels \
+          --only gdn_prefill || rc=1
+      done
     fi
     run attn_decode_timing "$T/cuda_attention_decode_test" \
       --gtest_filter=CudaAttentionDecode.Timing || rc=1
@@ -110,7 +114,9 @@ case "$step" in
     ;;
   prompts)
     # The fused GDN form last in the arms, and only without SKIP_FUSED.
-    FUSED=DS_GDN_STATE=fused
+    FUSED=DS_GDN_STATE=${FUSED_FORM:-fused}
+    case "$FUSED" in DS_GDN_STATE=fused|DS_GDN_STATE=fused2) ;;
+      *) echo "gpu_pending: FUSED_FORM must be fused or fused2" >&2; exit 2 ;; esac
     [ "${SKIP_FUSED:-0}" = 1 ] && FUSED=
     if [ "${DRY:-0}" = 1 ]; then
       echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 4096,32768 --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight $LEAN $PERSIST $FUSED"

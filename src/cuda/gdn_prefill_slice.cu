@@ -1265,8 +1265,12 @@ __global__ void __launch_bounds__(128, 3) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PAR
 // scale, and per row the same two 64-column sums of o^2 added (x[0] + x[1] == x[1] + x[0]). Not
 // yet run on a GPU: CudaGdn.PrefillOverlapBitExact compares it bit for bit with slice_scan_cs.
 // Shared memory 221 KB (1 CTA per SM, 96 CTAs for one 27B sequence).
+template <int kOutWgs>
 struct FusedCfg {
-  static constexpr int kThreads = 256;  // warpgroup 0: the chain (+ loads), 1: the output
+  static_assert(kOutWgs == 1 || kOutWgs == 2, "one or two output warpgroups");
+  // warpgroup 0: the chain (+ loads); 1 .. kOutWgs: the output, warpgroup 1 + k taking the chunks
+  // ch with ch % kOutWgs == k
+  static constexpr int kThreads = 128 * (1 + kOutWgs);
   static constexpr int kStages = 3;
   static constexpr int kNb = 2;  // staging buffers (h_c, V_new)
   static constexpr int kVs = 64;
@@ -1278,17 +1282,25 @@ struct FusedCfg {
   static constexpr uint32_t kStg = kStages * kBuf;
   // One staging buffer: h_c^T as two [64 v, 64 k] boxes, then V_new [64 t, 64 v].
   static constexpr uint32_t kHc = 0, kVn = 2 * kBox, kStgBuf = 3 * kBox;
-  static constexpr uint32_t kX = kStg + kNb * kStgBuf;  // the peer's per-row sums [2][64] fp32
-  static constexpr uint32_t kBar = kX + 2 * kC * 4;
-  // full[kStages], empty[kStages], hc_full[kNb], vn_full[kNb], stg_empty[kNb], xchg[2]
-  static constexpr int kBars = 2 * kStages + 3 * kNb + 2;
+  // The peer's per-row sums: 2 slots per output warpgroup (chunk ch uses slot ch % kXSlots).
+  static constexpr int kXSlots = 2 * kOutWgs;
+  static constexpr uint32_t kX = kStg + kNb * kStgBuf;  // [kXSlots][64] fp32
+  static constexpr uint32_t kBar = kX + kXSlots * kC * 4;
+  // full[kStages], empty[kStages], hc_full[kNb], vn_full[kNb], stg_empty[kNb], xchg[kXSlots]
+  static constexpr int kBars = 2 * kStages + 3 * kNb + kXSlots;
+  // kOutWgs 2: registers moved from the output warpgroups to the chain (setmaxnreg; the block
+  // starts with 65536 / 384 = 168 per thread, rounded down to a multiple of 8)
+  static constexpr int kChainRegs = 200, kOutRegs = 152;
+  static_assert(kOutWgs == 1 || kChainRegs + 2 * kOutRegs <= 3 * 168, "the block's registers");
+  static_assert(kNb % kOutWgs == 0, "each output warpgroup keeps to its own staging buffers");
   static constexpr size_t kTotal = 1024 + kBar + kBars * 8;  // + alignment slack
   static_assert(kBuf % 1024 == 0 && kStg % 1024 == 0 && kStgBuf % 1024 == 0,
                 "swizzled boxes are 1024-byte aligned");
   static_assert(kTotal <= 227 * 1024, "shared memory of one block");
 };
 
-__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 1)
+template <int kOutWgs>
+__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::kThreads, 1)
     gdn_state_out_fused_kernel(GdnShape s, GdnLayerWeights wts, GdnStatePool pool,
                                const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
                                const int32_t* __restrict__ seq_pos,     // [n_seqs]
@@ -1296,8 +1308,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
                                const bf16* __restrict__ proj,  // [n_tokens, in_dim] (z)
                                bf16* __restrict__ out,         // [n_tokens, n_v * 128]
                                const __grid_constant__ GdnWgMaps maps) {
-  using L = FusedCfg;
-  constexpr int STAGES = L::kStages, NB = L::kNb;
+  using L = FusedCfg<kOutWgs>;
+  constexpr int STAGES = L::kStages, NB = L::kNb, XS = L::kXSlots;
   const int seq = blockIdx.x, hv = blockIdx.y;
   const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
   if (len <= 0) return;  // both blocks of the cluster (same sequence); the slot is left untouched
@@ -1316,21 +1328,21 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
   uint64_t* vn_full = hc_full + NB;
   uint64_t* stg_empty = vn_full + NB;
   uint64_t* xchg = stg_empty + NB;
-  float* xs = reinterpret_cast<float*>(smem + L::kX);  // [2][64]: the peer's per-row sums
+  float* xs = reinterpret_cast<float*>(smem + L::kX);  // [XS][64]: the peer's per-row sums
   auto stage = [&](int b) { return smem + b * L::kBuf; };
   auto staging = [&](int nb) { return smem + L::kStg + nb * L::kStgBuf; };
 
   if (tid == 0) {
     for (int b = 0; b < STAGES; ++b) {
       mbar_init(&full[b], 1);
-      mbar_init(&empty[b], 8);  // 4 chain warps + 4 output warps
+      mbar_init(&empty[b], 8);  // 4 chain warps + the 4 warps of the chunk's output warpgroup
     }
     for (int nb = 0; nb < NB; ++nb) {
       mbar_init(&hc_full[nb], 4);
       mbar_init(&vn_full[nb], 4);
       mbar_init(&stg_empty[nb], 4);
     }
-    for (int x = 0; x < 2; ++x) {
+    for (int x = 0; x < XS; ++x) {
       mbar_init(&xchg[x], 1);
       // Armed before the cluster barrier below, so the peer's first stores never find it
       // unarmed: 64 row sums of 4 bytes per use.
@@ -1343,6 +1355,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
 
   if (warp < 4) {
     // ================= warpgroup 0: the state chain (gdn_state_wg_kernel's tight step) ==========
+    if constexpr (kOutWgs == 2)
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(L::kChainRegs) : "memory");
     const int v_loc = 16 * warp, v_base = v_cta + v_loc;
     // Chunk ch's tiles into stage ch % STAGES once all 8 warps have released it (thread 0).
     auto fetch = [&](int ch) {
@@ -1515,11 +1529,14 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
     // ================= warpgroup 1: the output of this slice's 64 value columns ===============
     // gdn_chunk_out_wg_kernel's arithmetic; this thread's rows i = 16 w + g + 8 half, columns
     // v_cta + 8 j + 2 c + e.
-    const int w = warp - 4;
+    if constexpr (kOutWgs == 2)
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(L::kOutRegs) : "memory");
+    const int wg = (warp >> 2) - 1;  // this output warpgroup: chunks ch % kOutWgs == wg
+    const int w = warp & 3;
     const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim(), out_dim = s.out_dim();
     const uint32_t peer = rank ^ 1u;
-    for (int ch = 0; ch < n_chunks; ++ch) {
-      const int b = ch % STAGES, nb = ch % NB, xb = ch & 1;
+    for (int ch = wg; ch < n_chunks; ch += kOutWgs) {
+      const int b = ch % STAGES, nb = ch % NB, xb = ch % XS;
       const int64_t row0 = start + int64_t(ch) * kC;
       const int n = min(kC, len - ch * kC);
       unsigned char* st = stage(b);
@@ -1639,10 +1656,12 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg::kThreads, 
                          cluster_map(smem_u32(&xchg[xb]), peer));
           }
         }
-        mbar_wait(&xchg[xb], uint32_t(ch >> 1) & 1u);
-        // Re-armed for chunk ch + 2 by one thread once its own wait is over: the peer's sums
-        // for ch + 2 follow every sum of this block's for ch + 1, sent after this point.
-        if (tid == 128) mbar_arrive_expect_tx(&xchg[xb], kC * 4);
+        mbar_wait(&xchg[xb], uint32_t(ch / XS) & 1u);
+        // Re-armed for chunk ch + XS (this slot's next use) by one thread of this warpgroup once
+        // its own wait is over: the peer's sums for ch + XS follow the peer's wait for its
+        // chunk ch + kOutWgs (the same warpgroup's next chunk), which needs every sum this
+        // warpgroup sends for ch + kOutWgs, after this point.
+        if ((tid & 127) == 0) mbar_arrive_expect_tx(&xchg[xb], kC * 4);
 #pragma unroll
         for (int half = 0; half < 2; ++half) ss[half] += xs[xb * kC + 16 * w + g + 8 * half];
       }
@@ -1713,11 +1732,12 @@ std::atomic<int> g_state_form{-1};  // -1: not read yet
 
 GdnStateForm parse_gdn_state_form(const char* value) {
   const std::string v = value ? value : "";
-  DS_CHECK(v.empty() || v == "wg" || v == "tight" || v == "fused",
-           "$DS_GDN_STATE must be wg, tight or fused (got '", v, "')");
-  return v == "tight"   ? GdnStateForm::kTight
-         : v == "fused" ? GdnStateForm::kFused
-                        : GdnStateForm::kWg;
+  DS_CHECK(v.empty() || v == "wg" || v == "tight" || v == "fused" || v == "fused2",
+           "$DS_GDN_STATE must be wg, tight, fused or fused2 (got '", v, "')");
+  return v == "tight"    ? GdnStateForm::kTight
+         : v == "fused"  ? GdnStateForm::kFused
+         : v == "fused2" ? GdnStateForm::kFused2
+                         : GdnStateForm::kWg;
 }
 
 // A form switch read from $env on first use (slot -1: not read yet) unless set before.
@@ -1792,13 +1812,20 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
   }
   // kFused: the state pass and the output as one kernel (both stages of an overlapped launch;
   // the ready flags, snapshots and V_new are not written). A stage alone runs the tight pass.
-  if (state == GdnSliceState::kWgmma && overlap && stages == 3 &&
-      gdn_state_form() == GdnStateForm::kFused) {
-    auto* kernel = gdn_state_out_fused_kernel;
-    ensure_smem_optin(reinterpret_cast<const void*>(kernel), FusedCfg::kTotal);
-    kernel<<<dim3(n_seqs, s.n_v_heads, n_slices), FusedCfg::kThreads, FusedCfg::kTotal, stream>>>(
-        s, w, pool, cu_seqlens, seq_pos, slot_ids, proj, out, wg_maps);
-    DS_CUDA_LAUNCH_CHECK();
+  const GdnStateForm state_form = gdn_state_form();
+  const bool fused = state_form == GdnStateForm::kFused || state_form == GdnStateForm::kFused2;
+  if (state == GdnSliceState::kWgmma && overlap && stages == 3 && fused) {
+    auto go = [&](auto kernel, auto cfg) {
+      using L = decltype(cfg);
+      ensure_smem_optin(reinterpret_cast<const void*>(kernel), L::kTotal);
+      kernel<<<dim3(n_seqs, s.n_v_heads, n_slices), L::kThreads, L::kTotal, stream>>>(
+          s, w, pool, cu_seqlens, seq_pos, slot_ids, proj, out, wg_maps);
+      DS_CUDA_LAUNCH_CHECK();
+    };
+    if (state_form == GdnStateForm::kFused2)
+      go(gdn_state_out_fused_kernel<2>, FusedCfg<2>{});
+    else
+      go(gdn_state_out_fused_kernel<1>, FusedCfg<1>{});
     return;
   }
   if (stages & 1) {
@@ -1829,7 +1856,7 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
               s, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, u_mat, ready, wg_maps);
           DS_CUDA_LAUNCH_CHECK();
         };
-        if (gdn_state_form() != GdnStateForm::kWg) {  // kTight, or kFused's pass alone
+        if (state_form != GdnStateForm::kWg) {  // kTight, or the fused forms' pass alone
           if (overlap)
             go(gdn_state_wg_kernel<true, true>);
           else

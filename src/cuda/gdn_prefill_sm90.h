@@ -151,9 +151,11 @@ void set_gdn_out_form(GdnOutForm form);
 // warpgroup per state CTA, the snapshots and V_new handed over in shared memory instead of
 // global memory, the two slices of a head a cluster of 2 for the gated norm's row sums);
 // bit-identical by construction; it replaces the overlapped pair (stages 3 with ready flags),
-// and a stage launched alone runs the tight pass. $DS_GDN_STATE = wg / tight / fused, read at the
-// first call (anything else throws); set_gdn_state_form overrides it (tests).
-enum class GdnStateForm { kWg, kTight, kFused };
+// and a stage launched alone runs the tight pass. kFused2: the same with two output warpgroups
+// taking alternate chunks (registers moved to the chain by setmaxnreg), in case one output
+// warpgroup cannot keep pace with the chain. $DS_GDN_STATE = wg / tight / fused / fused2, read at
+// the first call (anything else throws); set_gdn_state_form overrides it (tests).
+enum class GdnStateForm { kWg, kTight, kFused, kFused2 };
 GdnStateForm gdn_state_form();
 GdnStateForm parse_gdn_state_form(const char* value);  // null / "" = kWg; throws on a bad value
 void set_gdn_state_form(GdnStateForm form);

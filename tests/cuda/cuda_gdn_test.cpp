@@ -615,14 +615,19 @@ void prefill_overlap_bit_exact(bool fused_only) {
                 {"slice_scan_wg (tight state pass)", reg_wg.get(), GdnOutForm::kWgmma,
                  GdnStateForm::kTight},
                 {"slice_scan_wg (state pass and output fused)", reg_wg.get(),
-                 GdnOutForm::kWgmma, GdnStateForm::kFused}};
+                 GdnOutForm::kWgmma, GdnStateForm::kFused},
+                {"slice_scan_wg (fused, two output warpgroups)", reg_wg.get(),
+                 GdnOutForm::kWgmma, GdnStateForm::kFused2}};
+    auto is_fused = [](GdnStateForm f) {
+      return f == GdnStateForm::kFused || f == GdnStateForm::kFused2;
+    };
     for (const auto& [name, reg, form, state_form] : arms) {
-      if (fused_only != (state_form == GdnStateForm::kFused)) continue;
+      if (fused_only != is_fused(state_form)) continue;
       set_gdn_out_form(form);
       set_gdn_state_form(state_form);
       const auto* expect = &ref;
       // The fused kernel publishes nothing: its flags stay as the chunk map cleared them.
-      const int per_chunk = state_form == GdnStateForm::kFused                 ? 0
+      const int per_chunk = is_fused(state_form)                               ? 0
                             : std::string(name).rfind("slice_scan_wg", 0) == 0 ? 8
                                                                                : 2;
       for (int rep = 0; rep < 3; ++rep) {  // poisoned workspace, then the last launch's flags
@@ -662,10 +667,13 @@ void prefill_overlap_bit_exact(bool fused_only) {
     set_gdn_out_form(GdnOutForm::kWgmma);
     set_gdn_state_form(GdnStateForm::kWg);
     const auto ref_nn = run(reg_cs.get(), nullptr, true, /*norm=*/false);
-    set_gdn_state_form(GdnStateForm::kFused);
-    const auto got_nn = run(reg_wg.get(), nullptr, true, /*norm=*/false);
-    EXPECT_TRUE(same(got_nn.first, ref_nn.first)) << "fused, no norm: y differs";
-    EXPECT_TRUE(same(got_nn.second, ref_nn.second)) << "fused, no norm: states differ";
+    for (GdnStateForm f : {GdnStateForm::kFused, GdnStateForm::kFused2}) {
+      set_gdn_state_form(f);
+      const auto got_nn = run(reg_wg.get(), nullptr, true, /*norm=*/false);
+      const char* what = f == GdnStateForm::kFused ? "fused" : "fused2";
+      EXPECT_TRUE(same(got_nn.first, ref_nn.first)) << what << ", no norm: y differs";
+      EXPECT_TRUE(same(got_nn.second, ref_nn.second)) << what << ", no norm: states differ";
+    }
   }
 }
 
@@ -761,7 +769,8 @@ TEST(CudaGdn, StateFormSwitch) {
   EXPECT_EQ(parse_gdn_state_form("wg"), GdnStateForm::kWg);
   EXPECT_EQ(parse_gdn_state_form("tight"), GdnStateForm::kTight);
   EXPECT_EQ(parse_gdn_state_form("fused"), GdnStateForm::kFused);
-  for (const char* bad : {"1", "Tight", "tight ", "wgmma", "fuse", "Fused"}) {
+  EXPECT_EQ(parse_gdn_state_form("fused2"), GdnStateForm::kFused2);
+  for (const char* bad : {"1", "Tight", "tight ", "wgmma", "fuse", "Fused", "fused1", "fused3"}) {
     try {
       parse_gdn_state_form(bad);
       ADD_FAILURE() << "'" << bad << "' was accepted";
@@ -1447,9 +1456,11 @@ TEST(CudaGdn, PrefillStageTiming) {
   // launch clears them as the overlapped pair's does). Written without a GPU: if it hangs, only
   // this row is lost.
   set_gdn_out_form(GdnOutForm::kWgmma);
-  set_gdn_state_form(GdnStateForm::kFused);
-  {
-    const double t_f = stage_on(st, "state pass and output fused (one kernel)",
+  for (GdnStateForm f : {GdnStateForm::kFused, GdnStateForm::kFused2}) {
+    set_gdn_state_form(f);
+    const double t_f = stage_on(st,
+                                f == GdnStateForm::kFused ? "state pass and output fused (one kernel)"
+                                                          : "fused, two output warpgroups",
                                 overlapped(GdnSliceState::kWgmma));
     std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = the same less the clear",
                 (t_f - t_clear) * 1e3);

@@ -269,12 +269,21 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
         assert arm in out["decode"]
     assert out["decode"].count("DecodeProfile.Synthetic27bInGraph") == 3
     assert "DS_GDN_STATE=tight" in out["prompts"] and "DS_GDN_STATE=fused" in out["prompts"]
-    assert "DS_GDN_STATE=fused" in out["kernels"]
-    assert out["kernels"].count("bench kernels --only gdn_prefill") == 2
+    assert "DS_GDN_STATE=fused " in out["kernels"] and "DS_GDN_STATE=fused2 " in out["kernels"]
+    assert out["kernels"].count("bench kernels --only gdn_prefill") == 3
     assert "attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean" in out["prompts"]
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert bad.returncode == 2 and "step must be" in bad.stderr
+    r = subprocess.run(["bash", str(script), "prompts"], capture_output=True, text=True,
+                       env={**env, "FUSED_FORM": "fused2"}, timeout=60)
+    assert r.returncode == 0 and "DS_GDN_STATE=fused2" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(["bash", str(script), "prompts"], capture_output=True, text=True,
+                       env={**env, "SKIP_FUSED": "1"}, timeout=60)
+    assert r.returncode == 0 and "fused" not in r.stdout, r.stdout + r.stderr
+    bad = subprocess.run(["bash", str(script), "prompts"], capture_output=True, text=True,
+                         env={**env, "FUSED_FORM": "fused3"}, timeout=60)
+    assert bad.returncode == 2 and "FUSED_FORM" in bad.stderr
     env_real = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "ARCHIVE": str(tmp_path / "none.xz")}
     r = subprocess.run(["bash", str(script), "decode"], capture_output=True, text=True,
                        env=env_real, timeout=60)
