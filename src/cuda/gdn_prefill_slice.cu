@@ -1535,6 +1535,53 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
     const int w = warp & 3;
     const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim(), out_dim = s.out_dim();
     const uint32_t peer = rank ^ 1u;
+    // S = Q K^T of chunk cx, then P in place, as bf16 A fragments pa (K rows past a partial
+    // chunk's end may be zeroed by the chain meanwhile: P is 0 there for every row this block
+    // stores); grow: gamma of this thread's two rows.
+    auto qk_p = [&](int cx, uint32_t (&pa)[4][4], float (&grow)[2]) {
+      const int nx = min(kC, len - cx * kC);
+      unsigned char* sx = stage(cx % STAGES);
+      mbar_wait(&full[cx % STAGES], uint32_t(cx / STAGES) & 1u);
+      __syncwarp();  // converged before the warp-aligned wgmma
+      const uint32_t q_s = smem_u32(sx + L::kQ), k_s = smem_u32(sx + L::kK);
+      const float* gx = reinterpret_cast<const float*>(sx + L::kGam);  // [64 t][4 heads]
+      float p[32];  // p[4 jt + 2 half + e]: row 16 w + g + 8 half, column 8 jt + 2 c + e
+#pragma unroll
+      for (int i = 0; i < 32; ++i) p[i] = 0.f;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * L::kBox + (kk & 3) * 32;
+        wgmma_m64n64k16_ss(p, gmma_desc(q_s + off, 16, 1024), gmma_desc(k_s + off, 16, 1024));
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(p);
+      // decay_mask_p on gamma's tile, rows held at the sequence's last (as the output kernel's
+      // gam[] is): the same values, so the same bits.
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        grow[half] = gx[min(16 * w + g + 8 * half, nx - 1) * 4 + hq];
+#pragma unroll
+      for (int jt = 0; jt < 8; ++jt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = 16 * w + g + 8 * half;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = 8 * jt + 2 * c + e;
+            float& x = p[4 * jt + 2 * half + e];
+            x = j <= i ? x * __expf(grow[half] - gx[min(j, nx - 1) * 4 + hq]) : 0.f;
+          }
+        }
+      }
+      gdn_tile::acc_to_a<8>(reinterpret_cast<const float(&)[8][4]>(p), pa);
+    };
+    // Software-pipelined: the next chunk's S and P are formed while this chunk's row sums travel
+    // to the peer (they need only the stage, which the chain's loads filled long before).
+    uint32_t pa[4][4];
+    float grow[2];
+    if (wg < n_chunks) qk_p(wg, pa, grow);
     for (int ch = wg; ch < n_chunks; ch += kOutWgs) {
       const int b = ch % STAGES, nb = ch % NB, xb = ch % XS;
       const int64_t row0 = start + int64_t(ch) * kC;
@@ -1552,45 +1599,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
         for (int j = 0; j < 8; ++j)
           zr[half][j] = norm ? __ldg(reinterpret_cast<const unsigned int*>(zrow + 8 * j)) : 0u;
       }
-      mbar_wait(&full[b], uint32_t(ch / STAGES) & 1u);
-      __syncwarp();  // converged before the warp-aligned wgmma
-      const uint32_t q_s = smem_u32(st + L::kQ), k_s = smem_u32(st + L::kK);
-      const float* gx = reinterpret_cast<const float*>(st + L::kGam);  // [64 t][4 heads]
-
-      // ---- S = Q K^T, then P in place (K rows past a partial chunk's end may be zeroed by the
-      // chain meanwhile: P is 0 there for every row this block stores).
-      float p[32];  // p[4 jt + 2 half + e]: row 16 w + g + 8 half, column 8 jt + 2 c + e
-#pragma unroll
-      for (int i = 0; i < 32; ++i) p[i] = 0.f;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        const uint32_t off = (kk >> 2) * L::kBox + (kk & 3) * 32;
-        wgmma_m64n64k16_ss(p, gmma_desc(q_s + off, 16, 1024), gmma_desc(k_s + off, 16, 1024));
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(p);
-      // decay_mask_p on gamma's tile, rows held at the sequence's last (as the output kernel's
-      // gam[] is): the same values, so the same bits.
-      float grow[2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) grow[half] = gx[min(16 * w + g + 8 * half, n - 1) * 4 + hq];
-#pragma unroll
-      for (int jt = 0; jt < 8; ++jt) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = 16 * w + g + 8 * half;
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = 8 * jt + 2 * c + e;
-            float& x = p[4 * jt + 2 * half + e];
-            x = j <= i ? x * __expf(grow[half] - gx[min(j, n - 1) * 4 + hq]) : 0.f;
-          }
-        }
-      }
-      uint32_t pa[4][4];
-      gdn_tile::acc_to_a<8>(reinterpret_cast<const float(&)[8][4]>(p), pa);
+      const uint32_t q_s = smem_u32(st + L::kQ);
 
       // ---- O = e^gamma (Q h_c^T) + P V_new, this slice's 64 columns.
       mbar_wait(&hc_full[nb], uint32_t(ch / NB) & 1u);
@@ -1656,6 +1665,11 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
                          cluster_map(smem_u32(&xchg[xb]), peer));
           }
         }
+      }
+      uint32_t pa_next[4][4];
+      float grow_next[2];
+      if (ch + kOutWgs < n_chunks) qk_p(ch + kOutWgs, pa_next, grow_next);
+      if (norm) {
         mbar_wait(&xchg[xb], uint32_t(ch / XS) & 1u);
         // Re-armed for chunk ch + XS (this slot's next use) by one thread of this warpgroup once
         // its own wait is over: the peer's sums for ch + XS follow the peer's wait for its
@@ -1684,6 +1698,14 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
             *reinterpret_cast<uint32_t*>(y + 8 * j) = pack_bf16(y0, y1);
           }
         }
+      }
+      if (ch + kOutWgs < n_chunks) {
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) pa[ks][r] = pa_next[ks][r];
+        grow[0] = grow_next[0];
+        grow[1] = grow_next[1];
       }
     }
   }
