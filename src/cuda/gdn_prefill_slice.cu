@@ -1255,7 +1255,11 @@ __global__ void __launch_bounds__(128, 3) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PAR
 //     128 values needs the other slice's 64: the two slice CTAs of a head form a cluster of 2 and
 //     each sends its 64 per-row sums to the other by st.async, completing on the receiver's
 //     mbarrier (two buffers, re-armed by the receiver after each use; no cluster barrier per
-//     chunk). y is stored straight from the accumulators.
+//     chunk). y is stored straight from the accumulators. Software-pipelined: the next chunk's
+//     S and P (they need only the stage) are formed while this chunk's sums travel.
+//   kOutWgs 2 ($DS_GDN_STATE=fused2): two output warpgroups, warpgroup 1 + k taking the chunks
+//     ch % 2 == k (and staging buffer k), registers moved to the chain by setmaxnreg, 4 exchange
+//     slots; for when one output warpgroup cannot keep pace with the chain.
 // The stage ring (3 stages: K, W, Q, U, gamma) is released by both warpgroups (8 warp arrivals),
 // so the output warpgroup may trail the chain by up to one chunk plus the staging buffers. No
 // ready flags, no snapshot or V_new in global memory (the workspace regions stay unused).
@@ -1264,7 +1268,8 @@ __global__ void __launch_bounds__(128, 3) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PAR
 // of m64n128: every output element is the same k16 steps in the same order), its P, its e^gamma
 // scale, and per row the same two 64-column sums of o^2 added (x[0] + x[1] == x[1] + x[0]). Not
 // yet run on a GPU: CudaGdn.PrefillOverlapBitExact compares it bit for bit with slice_scan_cs.
-// Shared memory 221 KB (1 CTA per SM, 96 CTAs for one 27B sequence).
+// Shared memory 221 KB (1 CTA per SM, 96 CTAs for one 27B sequence); 183 registers (kOutWgs 1),
+// no spills.
 template <int kOutWgs>
 struct FusedCfg {
   static_assert(kOutWgs == 1 || kOutWgs == 2, "one or two output warpgroups");
