@@ -1402,6 +1402,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
       }
     };
     prologue(0);
+    __syncwarp();  // thread 0 back from its loads, every lane from the wait
 
     for (int ch = 0; ch < n_chunks; ++ch) {
       const int b = ch % STAGES, nb = ch % NB;
@@ -1510,6 +1511,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
       fence_proxy_async();
       __syncwarp();
       if (lane == 0) mbar_arrive(&vn_full[nb]);
+      __syncwarp();
 
       // ---- h^T <- e^(gamma_last) h^T + Vs^T K.
 #pragma unroll
@@ -1849,8 +1851,20 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
           s, w, pool, cu_seqlens, seq_pos, slot_ids, proj, out, wg_maps);
       DS_CUDA_LAUNCH_CHECK();
     };
-    if (state_form == GdnStateForm::kFused2)
-      go(gdn_state_out_fused_kernel<2>, FusedCfg<2>{});
+    if (state_form == GdnStateForm::kFused2) {
+      // setmaxnreg moves registers within the block's allocation: the chain's increase must be
+      // covered by what the output warpgroups give back, or it waits forever.
+      using L2 = FusedCfg<2>;
+      static const int regs = [] {
+        cudaFuncAttributes a{};
+        DS_CUDA_CHECK(cudaFuncGetAttributes(&a, gdn_state_out_fused_kernel<2>));
+        return a.numRegs;
+      }();
+      DS_CHECK((L2::kChainRegs - regs) * 128 <= (regs - L2::kOutRegs) * 256,
+               "gdn fused state + output (fused2): the kernel was built with ", regs,
+               " registers per thread, too few to move ", L2::kChainRegs, " to the chain");
+      go(gdn_state_out_fused_kernel<2>, L2{});
+    }
     else
       go(gdn_state_out_fused_kernel<1>, FusedCfg<1>{});
     return;
