@@ -44,6 +44,7 @@
 
 #include "core/npy.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/gdn_prefill_sm90.h"
 #include "cuda_test_util.h"
 #include "model/weights.h"
 
@@ -496,6 +497,44 @@ TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenOnOff,
                          ::testing::Values("qwen35_27b_ratios", "qwen35_other_ratios"));
+
+// The GDN prompt path's state-pass forms ($DS_GDN_STATE = tight, fused, fused2; process-wide,
+// read at each launch) against wg on one engine: a two-chunk prompt (4096 + 904 tokens, the
+// second chunk with carried state and a partial last chunk) and a short one, each followed by
+// greedy decode; every logit bit-identical to the wg form's and the same tokens. A parameterised
+// suite instantiated last, so it runs last and each form is its own test: the fused forms ran on
+// no GPU when written, and a hang there must cost no other test.
+class GdnStateForms : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GdnStateForms, BitExactVsWgAt27bShapes) {
+  DS_REQUIRE_GPU();
+  const cuda::GdnStateForm form = cuda::parse_gdn_state_form(GetParam());
+  const ModelConfig c = config_27b_4_layers();
+  std::mt19937 rng(37);
+  const std::vector<std::vector<int32_t>> prompts = random_prompts({5000, 700}, c.vocab_size, rng);
+  auto b = make_engine({true}, &c, nullptr, 64);
+  struct Restore {
+    cuda::GdnStateForm f = cuda::gdn_state_form();
+    ~Restore() { cuda::set_gdn_state_form(f); }
+  } restore;
+  auto run = [&](cuda::GdnStateForm f) {
+    cuda::set_gdn_state_form(f);
+    std::vector<Greedy> g;
+    for (const auto& p : prompts) g.push_back(greedy(*b, 0, p, 16));
+    return g;
+  };
+  const std::vector<Greedy> ref = run(cuda::GdnStateForm::kWg);
+  const std::vector<Greedy> got = run(form);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const size_t differ = bits_differ(got[i].rows, ref[i].rows);
+    std::printf("  $DS_GDN_STATE=%s vs wg, prompt %zu: %zu of %zu logits differ\n", GetParam(),
+                prompts[i].size(), differ, ref[i].rows.size());
+    EXPECT_EQ(differ, 0u) << GetParam() << ", prompt " << prompts[i].size();
+    EXPECT_EQ(got[i].ids, ref[i].ids) << GetParam() << ", prompt " << prompts[i].size();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Forms, GdnStateForms, ::testing::Values("tight", "fused", "fused2"));
 
 }  // namespace
 }  // namespace ds
