@@ -1267,9 +1267,9 @@ __global__ void __launch_bounds__(128, 3) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PAR
 // y's products are the output kernel's with the value columns split 64 / 64 (wgmma m64n64 instead
 // of m64n128: every output element is the same k16 steps in the same order), its P, its e^gamma
 // scale, and per row the same two 64-column sums of o^2 added (x[0] + x[1] == x[1] + x[0]). Not
-// yet run on a GPU: CudaGdn.PrefillOverlapBitExact compares it bit for bit with slice_scan_cs.
-// Shared memory 221 KB (1 CTA per SM, 96 CTAs for one 27B sequence); 183 registers (kOutWgs 1),
-// no spills.
+// yet run on a GPU: CudaGdn.PrefillFusedBitExact compares it bit for bit with slice_scan_cs.
+// Shared memory 221 KB (1 CTA per SM, 96 CTAs for one 27B sequence); 197 registers (kOutWgs 1,
+// 183 without the wait watchdog below), no spills.
 template <int kOutWgs>
 struct FusedCfg {
   static_assert(kOutWgs == 1 || kOutWgs == 2, "one or two output warpgroups");
@@ -1304,6 +1304,23 @@ struct FusedCfg {
   static_assert(kTotal <= 227 * 1024, "shared memory of one block");
 };
 
+// The fused kernel's mbarrier waits cannot hang silently (it ran on no GPU when written): after
+// 2^26 failed tries (each try_wait may suspend the thread a while: seconds to about a minute in
+// all, far beyond any legitimate wait, a whole 4096-token layer taking well under a millisecond)
+// a wait traps, so the launch fails with an error at the next synchronisation instead of hanging
+// the stream. The fast path is one try_wait. (A try counter, not %globaltimer: two 64-bit values
+// live across the chain's waits cost 14 registers; no printf of where: a function call in the
+// kernel makes ptxas serialise every wgmma, C7510.)
+template <bool kWatch = true>
+__device__ __forceinline__ void fused_wait(uint64_t* bar, uint32_t parity) {
+  if constexpr (!kWatch) {
+    mbar_wait(bar, parity);
+  } else {
+    for (uint32_t tries = 0; !mbar_try_wait(bar, parity);)
+      if (++tries == (1u << 26)) asm volatile("trap;");
+  }
+}
+
 template <int kOutWgs>
 __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::kThreads, 1)
     gdn_state_out_fused_kernel(GdnShape s, GdnLayerWeights wts, GdnStatePool pool,
@@ -1315,6 +1332,9 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
                                const __grid_constant__ GdnWgMaps maps) {
   using L = FusedCfg<kOutWgs>;
   constexpr int STAGES = L::kStages, NB = L::kNb, XS = L::kXSlots;
+  // The chain's waits are watched in the one-output-warpgroup form only: in the setmaxnreg form
+  // the trap path made ptxas spill (36 bytes).
+  constexpr bool kWatchChain = kOutWgs == 1;
   const int seq = blockIdx.x, hv = blockIdx.y;
   const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
   if (len <= 0) return;  // both blocks of the cluster (same sequence); the slot is left untouched
@@ -1366,7 +1386,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
     // Chunk ch's tiles into stage ch % STAGES once all 8 warps have released it (thread 0).
     auto fetch = [&](int ch) {
       const int b = ch % STAGES, row0 = start + ch * kC;
-      if (ch >= STAGES) mbar_wait(&empty[b], uint32_t(ch / STAGES - 1) & 1u);
+      if (ch >= STAGES) fused_wait<kWatchChain>(&empty[b], uint32_t(ch / STAGES - 1) & 1u);
       unsigned char* st = stage(b);
       mbar_arrive_expect_tx(&full[b], L::kLoadBytes);
 #pragma unroll
@@ -1391,7 +1411,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
     float g_last_t = 0.f, gc_t[8][2];  // chunk cx's decay factors, formed one chunk ahead
     auto prologue = [&](int cx) {
       const int nx = min(kC, len - cx * kC);
-      mbar_wait(&full[cx % STAGES], uint32_t(cx / STAGES) & 1u);
+      fused_wait<kWatchChain>(&full[cx % STAGES], uint32_t(cx / STAGES) & 1u);
       const float* gx = reinterpret_cast<const float*>(stage(cx % STAGES) + L::kGam);
       g_last_t = gx[(nx - 1) * 4 + hq];
 #pragma unroll
@@ -1436,7 +1456,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
       if (tid == 0 && ch + STAGES - 1 < n_chunks) fetch(ch + STAGES - 1);
       // While S runs: h_c into staging buffer nb once the output has released it (chunk ch - NB),
       // packed again from h (ha is S's A operand: no access before wgmma.wait_group).
-      if (ch >= NB) mbar_wait(&stg_empty[nb], uint32_t(ch / NB - 1) & 1u);
+      if (ch >= NB) fused_wait<kWatchChain>(&stg_empty[nb], uint32_t(ch / NB - 1) & 1u);
       __syncwarp();  // lane 0 back from the loads: stmatrix is warp-aligned
       {
         fence_regs(h);
@@ -1548,7 +1568,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
     auto qk_p = [&](int cx, uint32_t (&pa)[4][4], float (&grow)[2]) {
       const int nx = min(kC, len - cx * kC);
       unsigned char* sx = stage(cx % STAGES);
-      mbar_wait(&full[cx % STAGES], uint32_t(cx / STAGES) & 1u);
+      fused_wait(&full[cx % STAGES], uint32_t(cx / STAGES) & 1u);
       __syncwarp();  // converged before the warp-aligned wgmma
       const uint32_t q_s = smem_u32(sx + L::kQ), k_s = smem_u32(sx + L::kK);
       const float* gx = reinterpret_cast<const float*>(sx + L::kGam);  // [64 t][4 heads]
@@ -1609,7 +1629,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
       const uint32_t q_s = smem_u32(st + L::kQ);
 
       // ---- O = e^gamma (Q h_c^T) + P V_new, this slice's 64 columns.
-      mbar_wait(&hc_full[nb], uint32_t(ch / NB) & 1u);
+      fused_wait(&hc_full[nb], uint32_t(ch / NB) & 1u);
       __syncwarp();
       const uint32_t hc_s = smem_u32(sg + L::kHc), vn_s = smem_u32(sg + L::kVn);
       float o[32];  // o[4 j + 2 half + e]: row 16 w + g + 8 half, column 8 j + 2 c + e
@@ -1636,7 +1656,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
         o[4 * j + 3] *= eg[1];
       }
       fence_regs(o);
-      mbar_wait(&vn_full[nb], uint32_t(ch / NB) & 1u);
+      fused_wait(&vn_full[nb], uint32_t(ch / NB) & 1u);
       __syncwarp();
       wgmma_fence();
 #pragma unroll
@@ -1677,7 +1697,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
       float grow_next[2];
       if (ch + kOutWgs < n_chunks) qk_p(ch + kOutWgs, pa_next, grow_next);
       if (norm) {
-        mbar_wait(&xchg[xb], uint32_t(ch / XS) & 1u);
+        fused_wait(&xchg[xb], uint32_t(ch / XS) & 1u);
         // Re-armed for chunk ch + XS (this slot's next use) by one thread of this warpgroup once
         // its own wait is over: the peer's sums for ch + XS follow the peer's wait for its
         // chunk ch + kOutWgs (the same warpgroup's next chunk), which needs every sum this
