@@ -499,6 +499,9 @@ constexpr int kMlpSlots = 8;  // multiple of the 8 consumer warps: a slot stays 
 // bar[0] counts arrivals, bar[1] is the generation, which the last arriver sets to `target` after
 // resetting the count. Each launch reads the generation g0 after its PDL wait, and its u-th
 // barrier waits for g0 + u, so consecutive barriers and launches on one stream cannot mix.
+// Watchdog (the kernel ran on no GPU when written): after 2^26 polls (~6 s and more: each sleeps
+// 64 ns at least) the waiting thread traps, so a miscounted barrier fails the launch with an
+// error instead of hanging the decode step's stream.
 __device__ __forceinline__ void mlp_grid_barrier(unsigned* bar, unsigned target) {
   __threadfence();  // the block's writes (ordered before by the caller's barrier), then arrive
   if (atomicAdd(bar, 1u) == gridDim.x - 1) {
@@ -506,7 +509,10 @@ __device__ __forceinline__ void mlp_grid_barrier(unsigned* bar, unsigned target)
     __threadfence();
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(bar + 1), "r"(target) : "memory");
   } else {
-    while (load_acquire(bar + 1) != target) __nanosleep(64);
+    for (uint32_t polls = 0; load_acquire(bar + 1) != target;) {
+      __nanosleep(64);
+      if (++polls == (1u << 26)) asm volatile("trap;");
+    }
   }
   __threadfence();
 }
