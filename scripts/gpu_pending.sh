@@ -7,6 +7,8 @@
 #   bash scripts/gpu_pending.sh kernels   # ~5 min: the new kernels beside the shipped ones
 #   bash scripts/gpu_pending.sh decode    # ~7 min: decode A/B of the new switches + profiles
 #   bash scripts/gpu_pending.sh prompts   # ~5 min: prompt A/B of the new forms
+#   bash scripts/gpu_pending.sh ncu       # ~2 min, if time is left: Nsight Compute of the fused
+#                                         # GDN kernels (stall reasons: does the output pace?)
 # (~22 min of the session's 30 minutes of device time, with the machine's start.)
 #
 #   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
@@ -23,8 +25,9 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode or prompts, got '$step'" >&2; exit 2 ;;
+  tests|kernels|decode|prompts|ncu) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts or ncu, got '$step'" >&2
+     exit 2 ;;
 esac
 mkdir -p "$OUT"
 
@@ -126,6 +129,15 @@ case "$step" in
         --prefill 4096,32768 \
         --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight "$LEAN" "$PERSIST" $FUSED || rc=1
     fi
+    ;;
+  ncu)
+    # One launch of each fused form in CudaGdn.DISABLED_ProfileOnce (slice_scan_wg's launch runs
+    # the form $DS_GDN_STATE names), full sections and SASS counters (scripts/gpu_ncu.sh).
+    for form in fused fused2; do
+      run "ncu_$form" env DS_GDN_STATE=$form OUT="$OUT/ncu_$form" bash scripts/gpu_ncu.sh \
+        --kernels gdn_state_out_fused --count 1 -- "$T/cuda_gdn_test" \
+        --gtest_also_run_disabled_tests --gtest_filter=CudaGdn.DISABLED_ProfileOnce || rc=1
+    done
     ;;
 esac
 exit $rc

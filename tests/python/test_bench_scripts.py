@@ -255,7 +255,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     script = REPO / "scripts" / "gpu_pending.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
-    for step in ("tests", "kernels", "decode", "prompts"):
+    for step in ("tests", "kernels", "decode", "prompts", "ncu"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -271,6 +271,8 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "DS_GDN_STATE=tight" in out["prompts"] and "DS_GDN_STATE=fused" in out["prompts"]
     assert "DS_GDN_STATE=fused " in out["kernels"] and "DS_GDN_STATE=fused2 " in out["kernels"]
     assert out["kernels"].count("bench kernels --only gdn_prefill") == 3
+    assert out["ncu"].count("scripts/gpu_ncu.sh --kernels gdn_state_out_fused") == 2
+    assert "DS_GDN_STATE=fused2" in out["ncu"]
     assert "attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean" in out["prompts"]
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
                          timeout=60)
