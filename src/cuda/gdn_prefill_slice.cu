@@ -1268,6 +1268,9 @@ __global__ void __launch_bounds__(128, 3) gdn_chunk_out_wg_kernel(DS_GDN_OUT_PAR
 // of m64n128: every output element is the same k16 steps in the same order), its P, its e^gamma
 // scale, and per row the same two 64-column sums of o^2 added (x[0] + x[1] == x[1] + x[0]). Not
 // yet run on a GPU: CudaGdn.PrefillFusedBitExact compares it bit for bit with slice_scan_cs.
+// The mbarrier protocol (barrier counts, parities, the exchange slots' re-arming, the order of
+// each role's waits and arrivals) is modelled in tools/gdn_fused_protocol.py and checked under
+// random schedules by tests/python/test_gdn_fused_protocol.py: change both together.
 // Shared memory 221 KB (1 CTA per SM, 96 CTAs for one 27B sequence); 197 registers (kOutWgs 1,
 // 183 without the wait watchdog below), no spills.
 template <int kOutWgs>
