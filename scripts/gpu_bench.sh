@@ -55,7 +55,7 @@ if [ ! -x "$BIN" ]; then
 fi
 # The binary links libcudart / libcublasLt dynamically: if the loader cannot find them, look in
 # the CUDA toolkit and in the Python CUDA wheels of the machine.
-if ldd "$BIN" | grep -q "not found"; then
+if ldd "$BIN" | grep "not found" >/dev/null; then
   for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
            $(python3 -c 'import nvidia.cublas, nvidia.cuda_runtime, os; print(os.path.dirname(nvidia.cublas.__file__) + "/lib", os.path.dirname(nvidia.cuda_runtime.__file__) + "/lib")' 2>/dev/null); do
     [ -d "$d" ] && export LD_LIBRARY_PATH=$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

@@ -41,7 +41,7 @@ done
 mkdir -p "$LOG_DIR"
 BIN="$BUILD_DIR/bin/deltaserve"
 [ -x "$BIN" ] || { echo "gpu_server_test: $BIN not found (build the deltaserve target with -DDS_CUDA=ON)"; exit 1; }
-if ldd "$BIN" | grep -q "not found"; then
+if ldd "$BIN" | grep "not found" >/dev/null; then
   echo "gpu_server_test: $BIN misses shared libraries:"; ldd "$BIN" | grep "not found"; exit 1
 fi
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)

@@ -65,7 +65,7 @@ if [ -z "$bins" ]; then
 fi
 missing=0
 for b in $bins; do
-  if ldd "$b" | grep -q "not found"; then
+  if ldd "$b" | grep "not found" >/dev/null; then
     echo "gpu_test: $b misses shared libraries:"; ldd "$b" | grep "not found"; missing=1
   fi
 done

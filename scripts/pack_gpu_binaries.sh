@@ -22,7 +22,7 @@ elif [ $# -gt 0 ]; then
   echo "pack_gpu_binaries: unknown argument $1" >&2; exit 2
 fi
 [ -x "$BUILD_DIR/bin/deltaserve" ] || { echo "pack_gpu_binaries: $BUILD_DIR/bin/deltaserve not built" >&2; exit 1; }
-ldd "$BUILD_DIR/bin/deltaserve" | grep -q libcudart ||
+ldd "$BUILD_DIR/bin/deltaserve" | grep libcudart >/dev/null ||
   { echo "pack_gpu_binaries: $BUILD_DIR was built without the CUDA backend (-DDS_CUDA=ON)" >&2; exit 1; }
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT

@@ -10,7 +10,7 @@ bash scripts/setup.sh
 BIN=${BUILD_DIR:-build}/bin/deltaserve
 device=cpu
 # The GPU when there is one and the binary has the CUDA backend (it then links the CUDA runtime).
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && ldd "$BIN" | grep -q libcudart; then
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && ldd "$BIN" | grep libcudart >/dev/null; then
   device=cuda
 fi
 if [ $# -eq 0 ]; then
