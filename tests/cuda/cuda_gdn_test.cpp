@@ -1354,6 +1354,17 @@ TEST(CudaGdn, PrefillStageTiming) {
     std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", names[arm][1],
                 (ms - t_restore) * 1e3);
   }
+  // One wave: the first 2 chunks of the 48 heads, 96 blocks, at most one per SM, so the time is
+  // one (chunk, head) item's latency with the SM to itself: what a WY warpgroup inside the fused
+  // kernel would need per chunk (docs/perf/gdn_prefill.md, session 24's next design).
+  {
+    const double ms = stage("wy_mma late V, 96 items, 1 per SM (+ r.)", [&] {
+      restore_g();
+      launch_gdn_wy_mma(s, ch4, 2, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, true, 2);
+    });
+    std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = one WY item's latency",
+                (ms - t_restore) * 1e3);
+  }
   restore_g();
   launch_gdn_wy_mma(s, ch4, max_chunks, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, true);
   // (The slice state pass writes V_new over U: it runs last; timings do not depend on values.)
