@@ -1887,9 +1887,9 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
                "gdn fused state + output (fused2): the kernel was built with ", regs,
                " registers per thread, too few to move ", L2::kChainRegs, " to the chain");
       go(gdn_state_out_fused_kernel<2>, L2{});
-    }
-    else
+    } else {
       go(gdn_state_out_fused_kernel<1>, FusedCfg<1>{});
+    }
     return;
   }
   if (stages & 1) {
