@@ -223,6 +223,22 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   const auto ws3_shapes = [hd256](const ShapeKey& k) {
     return hd256(k) && k.dims[2] >= 512 && k.dims[3] >= 8192;
   };
+  // The lean forms first (session 22's build, measured in session 24, bench kernels on the H200,
+  // docs/perf/attn_prefill_ws.md): O rescaled only on tiles where a row of the warp raised its
+  // running max, no mask code on the tiles before the first query; bit-identical outputs. Faster
+  // than the plain form on 17 of the 18 benched shapes (512 / 3072 / 4096-token chunks against
+  // 0-32K cached keys, 16K causal 550 -> 599 TFLOP/s, 4-64-token chunks 194 vs 221 us), 0.6%
+  // slower on one (4096 after 8K: 1683 vs 1674 us, within the bench's run-to-run spread); whole
+  // prompts 4K 330.6 vs 331.5 ms, 32K 2916 vs 2964 ms. The plain forms stay as their fallbacks
+  // (DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean).
+  r.add({F::kAttnPrefill, "wgmma_ws3_lean",
+         "hd 256, >= 512-token chunks against >= 8K keys: wgmma_ws3 with O rescaled only when a "
+         "row of the warp raised its max and no mask code before the diagonal (same bits)",
+         ws3_shapes});
+  r.add({F::kAttnPrefill, "wgmma_ws_lean",
+         "hd 256: wgmma_ws with O rescaled only when a row of the warp raised its max and no mask "
+         "code before the diagonal (same bits)",
+         hd256});
   r.add({F::kAttnPrefill, "wgmma_ws3",
          "hd 256, >= 512-token chunks against >= 8K keys: wgmma_ws with 3 K stages (227 KiB of "
          "shared memory)",
@@ -232,24 +248,12 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          "2-stage K and V rings (mbarriers), two wgmma consumer warpgroups (setmaxnreg 240) "
          "overlap S(j) with P(j-1) V(j-1) and the softmax; bit-identical to wgmma_m128",
          hd256});
-  // The lean forms of wgmma_ws3 / wgmma_ws (session 22, not yet measured): O rescaled only on
-  // tiles where a row of the warp raised its running max, and no mask code on the tiles before
-  // the first query; bit-identical outputs. After wgmma_ws, so never picked while it is on;
-  // bench kernels times them beside the picked kernel.
-  r.add({F::kAttnPrefill, "wgmma_ws3_lean",
-         "wgmma_ws3 with O rescaled only when a row of the warp raised its max and no mask code "
-         "before the diagonal (same bits)",
-         ws3_shapes});
-  r.add({F::kAttnPrefill, "wgmma_ws_lean",
-         "wgmma_ws with O rescaled only when a row of the warp raised its max and no mask code "
-         "before the diagonal (same bits)",
-         hd256});
-  // The persistent forms of wgmma_ws3 and of its lean form (session 23, not yet measured): one
-  // block per SM walks the row tiles in the same order, so the next tile's Q, K and V copies run
-  // under the current one's last products and epilogue (the fresh 4096-token chunk's blocks hold
-  // 1-64 key tiles, 32 on average: ncu had its tensor pipe idle half the time); same bits. After
-  // the lean forms, so never picked while wgmma_ws and wgmma_ws_lean are on (hd256 guards); with
-  // the four above off, wgmma_ws3_persist takes every hd-256 shape.
+  // The persistent forms of wgmma_ws3 and of its lean form (session 23; measured in session 24:
+  // slower than the one-tile kernels on every benched shape, e.g. 4096 fresh 497 / 484 vs 447 us
+  // for wgmma_ws_lean, 16 after 8K 233 vs 194 us; the 32K prompt 2980 vs 2964 ms): one block per
+  // SM walks the row tiles in the same order, the next tile's Q, K and V copies under the current
+  // one's tail; same bits. Never picked while wgmma_ws_lean or wgmma_ws is on (hd256 guards);
+  // with the four above off, wgmma_ws3_persist takes every hd-256 shape.
   r.add({F::kAttnPrefill, "wgmma_ws3_persist",
          "wgmma_ws3 as a persistent grid (one block per SM walking the row tiles; the next tile's "
          "Q / K / V copies under the current one's tail; same bits)",

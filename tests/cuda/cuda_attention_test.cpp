@@ -467,35 +467,35 @@ TEST(CudaAttentionMma, TmaCacheView) {
 
 TEST(CudaAttentionMma, DefaultDispatch) {
   // Measured on the H200 (bench kernels, dispatch.cpp): the warp-specialised TMA kernels win on
-  // every shape, wgmma_ws3 (3 K stages) from 512-token chunks against >= 8K keys, wgmma_ws
-  // elsewhere (chunks without a cache, and 4-21-token chunks, where it beat the mma.sync kernel
-  // that ran them before by 1.3-1.5x).
+  // every shape, in their lean forms (session 24), wgmma_ws3_lean (3 K stages) from 512-token
+  // chunks against >= 8K keys, wgmma_ws_lean elsewhere (chunks without a cache, and 4-21-token
+  // chunks).
   const auto r = cuda::DispatchRegistry::with_defaults(90);
   const auto pick = [&](int q, int kv) {
     return r.select(cuda::KernelFamily::kAttnPrefill, r.key(256, 6, q, kv)).name;
   };
-  EXPECT_EQ(pick(4096, 4096), "wgmma_ws");
-  EXPECT_EQ(pick(3072, 3072), "wgmma_ws");
-  EXPECT_EQ(pick(4096, 4096 + 8192), "wgmma_ws3");
-  EXPECT_EQ(pick(512, 33280), "wgmma_ws3");
-  EXPECT_EQ(pick(16384, 16384), "wgmma_ws3");
-  EXPECT_EQ(pick(511, 33279), "wgmma_ws");
-  EXPECT_EQ(pick(4096, 8191), "wgmma_ws");
-  EXPECT_EQ(pick(22, 8192), "wgmma_ws");
-  EXPECT_EQ(pick(21, 8192), "wgmma_ws");
-  EXPECT_EQ(pick(1, 100), "wgmma_ws");
-  // The lean forms are never the default pick; with wgmma_ws3 / wgmma_ws switched off
-  // they take the same shapes (how a whole prompt is A/B-timed with them).
-  const auto lean =
-      cuda::DispatchRegistry::with_defaults(90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws");
-  const auto pick_lean = [&](int q, int kv) {
-    return lean.select(cuda::KernelFamily::kAttnPrefill, lean.key(256, 6, q, kv)).name;
+  EXPECT_EQ(pick(4096, 4096), "wgmma_ws_lean");
+  EXPECT_EQ(pick(3072, 3072), "wgmma_ws_lean");
+  EXPECT_EQ(pick(4096, 4096 + 8192), "wgmma_ws3_lean");
+  EXPECT_EQ(pick(512, 33280), "wgmma_ws3_lean");
+  EXPECT_EQ(pick(16384, 16384), "wgmma_ws3_lean");
+  EXPECT_EQ(pick(511, 33279), "wgmma_ws_lean");
+  EXPECT_EQ(pick(4096, 8191), "wgmma_ws_lean");
+  EXPECT_EQ(pick(22, 8192), "wgmma_ws_lean");
+  EXPECT_EQ(pick(21, 8192), "wgmma_ws_lean");
+  EXPECT_EQ(pick(1, 100), "wgmma_ws_lean");
+  // The lean forms are the default since session 24; with them switched off the plain forms take
+  // the same shapes (their A/B reference).
+  const auto plain = cuda::DispatchRegistry::with_defaults(
+      90, "attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean");
+  const auto pick_plain = [&](int q, int kv) {
+    return plain.select(cuda::KernelFamily::kAttnPrefill, plain.key(256, 6, q, kv)).name;
   };
-  EXPECT_EQ(pick_lean(4096, 4096), "wgmma_ws_lean");
-  EXPECT_EQ(pick_lean(16384, 16384), "wgmma_ws3_lean");
-  EXPECT_EQ(pick_lean(512, 33280), "wgmma_ws3_lean");
-  EXPECT_EQ(pick_lean(511, 33279), "wgmma_ws_lean");
-  EXPECT_EQ(pick_lean(21, 8192), "wgmma_ws_lean");
+  EXPECT_EQ(pick_plain(4096, 4096), "wgmma_ws");
+  EXPECT_EQ(pick_plain(16384, 16384), "wgmma_ws3");
+  EXPECT_EQ(pick_plain(512, 33280), "wgmma_ws3");
+  EXPECT_EQ(pick_plain(511, 33279), "wgmma_ws");
+  EXPECT_EQ(pick_plain(21, 8192), "wgmma_ws");
   // The persistent forms come next: with the four above off, every hd-256 shape.
   const auto persist = cuda::DispatchRegistry::with_defaults(
       90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"

@@ -133,7 +133,7 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
 // fuses, launch_gemv_bulk_silu_norm then launch_gemv_narrow: act, y and residual_out bit-identical
 // at the 27B shapes (d_ff 17408: 4 slices per down row, 2 per stage), a small shape whose down
 // rows are one slice (an odd count: a stage with one slice; d_ff 3000, k 640, n 777) and one with
-// 8 slices per row (d_ff 40960), with
+// 8 slices per row (d_ff 32768), with
 // and without a delta, plain and PDL launches; the grid barrier
 // reused by back-to-back launches on one stream and by 3 replays of a graph holding 2 launches
 // (each must find it reset); and the guard's refusals.
@@ -145,7 +145,7 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
   };
   const MlpCase cases[] = {{"27B", 17408, 5120, 5120},
                            {"k640 d_ff 3000", 3000, 640, 777},
-                           {"d_ff 40960 (8 slices)", 40960, 640, 777}};
+                           {"d_ff 32768 (8 slices)", 32768, 640, 777}};
   std::mt19937 rng(43);
   const int sms = n_sms();
   cudaStream_t st = nullptr;
