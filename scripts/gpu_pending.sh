@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The measurements sessions 22-24 left for the next device session (docs/perf/prefill_gaps.md,
-# "Session 23", docs/perf/gdn_prefill.md "Session 24"), one device call per step, from the binaries packed here by
+# The measurements sessions 22-24 planned (docs/perf/prefill_gaps.md, "Session 23" and "Session
+# 24"; run in session 24, results there and in the pages they name); kept for re-runs after changes, one device call per step, from the binaries packed here by
 # scripts/pack_gpu_binaries.sh (carry [".carry"]). Everything goes to $OUT.
 #
 #   bash scripts/gpu_pending.sh tests     # ~5 min: every GPU test (gpu_test.sh, logs packed)
@@ -67,10 +67,11 @@ fi
 DS=$B/bin/deltaserve
 T=$B/tests
 rc=0
-# The prompt attention's TMA forms switched off in turn (dispatch order: ws3, ws, ws3_lean, ws_lean,
-# ws3_persist, ws3_lean_persist, m128).
-LEAN="DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws"
-PERSIST="$LEAN,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean"
+# The prompt attention's TMA forms switched off in turn (dispatch order since session 24:
+# ws3_lean, ws_lean, ws3, ws, ws3_persist, ws3_lean_persist, m128): PLAIN runs the plain forms
+# (the lean forms' fallbacks), PERSIST the persistent ones.
+PLAIN="DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean"
+PERSIST="$PLAIN,attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws"
 case "$step" in
   tests)
     if [ "${DRY:-0}" = 1 ]; then
@@ -122,12 +123,12 @@ case "$step" in
       *) echo "gpu_pending: FUSED_FORM must be fused or fused2" >&2; exit 2 ;; esac
     [ "${SKIP_FUSED:-0}" = 1 ] && FUSED=
     if [ "${DRY:-0}" = 1 ]; then
-      echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 4096,32768 --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight $LEAN $PERSIST $FUSED"
+      echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 4096,32768 --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight $PLAIN $PERSIST $FUSED"
     else
       # (each arm's process at most 90 s: a hang costs that arm, not the whole step)
       ARM_TIMEOUT=90 BIN="$DS" OUT="$OUT" timeout "$(left)" bash scripts/gpu_decode_ab.sh \
         --prefill 4096,32768 \
-        --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight "$LEAN" "$PERSIST" $FUSED || rc=1
+        --repeats 3,1 --rounds 2 - DS_GDN_STATE=tight "$PLAIN" "$PERSIST" $FUSED || rc=1
     fi
     ;;
   ncu)

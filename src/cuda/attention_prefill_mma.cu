@@ -19,7 +19,8 @@
 // first.
 //
 // Variants (H200, bench kernels, 27B shapes; generic kernel 21-34 TFLOP/s):
-//   wgmma_ws / wgmma_ws3  (the defaults; wgmma_ws3 from 512-token chunks against >= 8K keys)
+//   wgmma_ws / wgmma_ws3  (the lean forms' fallbacks; wgmma_ws3 from 512-token chunks against
+//               >= 8K keys)
 //               warp-specialised: 3 warpgroups; a producer thread copies whole K / V tiles with
 //               TMA (cp.async.bulk.tensor, 128-byte swizzle = the wgmma layout) into 2 (ws) or 3
 //               (ws3) K stages and 2 V stages guarded by full / empty mbarriers and gives its
@@ -34,16 +35,18 @@
 //               8K-32K cached; 3072: 376-383 / 578-610; 512: 91 / 460-542; 16K causal 558-631;
 //               4-21-token chunks against 2K-32K cached 1.3-1.5x faster than the mma.sync kernel
 //               that used to run them (e.g. 16 after 8192: 209 vs 310 us). 1.2-1.7x wgmma_m128.
-//   wgmma_ws_lean / wgmma_ws3_lean  (session 22; registered after wgmma_ws, picked only with the
-//               two above switched off, until measured) the same kernels with ~30% fewer
+//   wgmma_ws_lean / wgmma_ws3_lean  (session 22; the default picks since session 24's
+//               measurement: faster on 17 of 18 benched shapes, 16K causal 550 -> 599 TFLOP/s,
+//               the 32K prompt -1.6%; the plain forms above are their fallbacks) the same kernels
+//               with ~30% fewer
 //               instructions per 64-key tile and the same bits: a warp skips O's rescale (128
 //               FMULs per thread) when none of its rows raised its running max (alpha exactly 1),
 //               and the tiles wholly before the row tile's first query run in a loop compiled
 //               without the causal mask (the compiler otherwise if-converts the mask into 32
 //               compares + 32 selects executed on every tile). SASS per unmasked tile (cuobjdump):
 //               ~433 instructions per thread when the rescale is skipped, against ~630.
-//   wgmma_ws3_persist / wgmma_ws3_lean_persist  (session 23, built without a device; after the
-//               lean forms, picked only with the four above switched off, until measured)
+//   wgmma_ws3_persist / wgmma_ws3_lean_persist  (session 23; measured in session 24: slower than
+//               the one-tile kernels on every shape; never picked while those are on)
 //               wgmma_ws3 / wgmma_ws3_lean as a persistent grid: one block per SM walks the row
 //               tiles in the one-tile grid's order, dealt round by round in alternating
 //               direction; the producer streams each next tile's K / V through the same rings and

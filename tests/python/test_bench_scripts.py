@@ -273,7 +273,8 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert out["kernels"].count("bench kernels --only gdn_prefill") == 3
     assert out["ncu"].count("scripts/gpu_ncu.sh --kernels gdn_state_out_fused") == 2
     assert "DS_GDN_STATE=fused2" in out["ncu"]
-    assert "attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean" in out["prompts"]
+    assert "DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean " \
+        in out["prompts"]
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert bad.returncode == 2 and "step must be" in bad.stderr
