@@ -1324,7 +1324,12 @@ __device__ __forceinline__ void fused_wait(uint64_t* bar, uint32_t parity) {
   }
 }
 
-template <int kOutWgs>
+// kWgChain (fused2w): the chain step of the shipped gdn_state_wg_kernel (kTight false: the
+// stage's wait and the decay factors at the top of each chunk, U - S rounded one value at a time,
+// the row test on every chunk, the tile pointers generic) instead of the tight step, which
+// session 24 measured slower alone (151 vs 118 us at 4096 tokens). The same operations on the
+// same values: the same bits.
+template <int kOutWgs, bool kWgChain = false>
 __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::kThreads, 1)
     gdn_state_out_fused_kernel(GdnShape s, GdnLayerWeights wts, GdnStatePool pool,
                                const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
@@ -1346,7 +1351,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
   const int n_v = s.n_v_heads, hk = hv / (n_v / s.n_k_heads), hq = hv & 3;
   const bool norm = wts.norm_w != nullptr;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = align_1024_shared(smem_raw);
+  unsigned char* smem = kWgChain ? align_1024(smem_raw) : align_1024_shared(smem_raw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c = lane & 3;
   const int n_chunks = (len + kC - 1) / kC;
@@ -1424,7 +1429,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
           gc_t[j][e] = __expf(g_last_t - gx[min(8 * j + 2 * c + e, nx - 1) * 4 + hq]);
       }
     };
-    prologue(0);
+    if constexpr (!kWgChain) prologue(0);
     __syncwarp();  // thread 0 back from its loads, every lane from the wait
 
     for (int ch = 0; ch < n_chunks; ++ch) {
@@ -1432,6 +1437,10 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
       const int n = min(kC, len - ch * kC);
       unsigned char* st = stage(b);
       unsigned char* sg = staging(nb);
+      if constexpr (kWgChain) {
+        fused_wait<kWatchChain>(&full[b], uint32_t(ch / STAGES) & 1u);
+        __syncwarp();
+      }
       if (n < kC) {  // a partial chunk: K rows past the sequence to zeros (the update reads them)
         for (int e = tid; e < (kC - n) * 16; e += 128) {
           const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
@@ -1443,7 +1452,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
       }
       const uint32_t k_s = smem_u32(st + L::kK), w_s = smem_u32(st + L::kW);
       const bf16* u_s = reinterpret_cast<const bf16*>(st + L::kU);
-      const float g_last = g_last_t;
+      const float g_last =
+          kWgChain ? reinterpret_cast<const float*>(st + L::kGam)[(n - 1) * 4 + hq] : g_last_t;
 
       // ---- h^T as bf16 A fragments (also h_c); S = h^T W^T.
       uint32_t ha[8][4];
@@ -1483,10 +1493,20 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
         if (lane == 0) mbar_arrive(&hc_full[nb]);
       }
       float gc[8][2];
+      if constexpr (kWgChain) {
+        const float* gam = reinterpret_cast<const float*>(st + L::kGam);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        gc[j][0] = gc_t[j][0];
-        gc[j][1] = gc_t[j][1];
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            gc[j][e] = __expf(g_last - gam[min(8 * j + 2 * c + e, n - 1) * 4 + hq]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          gc[j][0] = gc_t[j][0];
+          gc[j][1] = gc_t[j][1];
+        }
       }
       const float decay = __expf(g_last);
       __syncwarp();
@@ -1515,19 +1535,30 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
             const int j = 2 * jp + (qq >> 1), i0 = 2 * (qq & 1);
             const __nv_bfloat162 u2 = *reinterpret_cast<const __nv_bfloat162*>(&ur[qq]);
             const int t0 = 8 * j + 2 * c;
-            const uint32_t x2 = pack_bf16(__low2float(u2) - sacc[4 * j + i0],
-                                          __high2float(u2) - sacc[4 * j + i0 + 1]);
-            const float x0 = __uint_as_float(x2 << 16), x1 = __uint_as_float(x2 & 0xffff0000u);
-            vs[j][i0] = kFull || t0 < n ? x0 * gc[j][0] : 0.f;
-            vs[j][i0 + 1] = kFull || t0 + 1 < n ? x1 * gc[j][1] : 0.f;
-            ur[qq] = kFull ? x2
-                           : (t0 < n ? x2 & 0xffffu : 0u) | (t0 + 1 < n ? x2 & 0xffff0000u : 0u);
+            if constexpr (kWgChain) {  // the shipped step's scalar rounding
+              const bf16 y0 = __float2bfloat16(__low2float(u2) - sacc[4 * j + i0]);
+              const bf16 y1 = __float2bfloat16(__high2float(u2) - sacc[4 * j + i0 + 1]);
+              vs[j][i0] = t0 < n ? __bfloat162float(y0) * gc[j][0] : 0.f;
+              vs[j][i0 + 1] = t0 + 1 < n ? __bfloat162float(y1) * gc[j][1] : 0.f;
+              __nv_bfloat162 y2;
+              y2.x = t0 < n ? y0 : __float2bfloat16(0.f);
+              y2.y = t0 + 1 < n ? y1 : __float2bfloat16(0.f);
+              ur[qq] = *reinterpret_cast<const uint32_t*>(&y2);
+            } else {
+              const uint32_t x2 = pack_bf16(__low2float(u2) - sacc[4 * j + i0],
+                                            __high2float(u2) - sacc[4 * j + i0 + 1]);
+              const float x0 = __uint_as_float(x2 << 16), x1 = __uint_as_float(x2 & 0xffff0000u);
+              vs[j][i0] = kFull || t0 < n ? x0 * gc[j][0] : 0.f;
+              vs[j][i0 + 1] = kFull || t0 + 1 < n ? x1 * gc[j][1] : 0.f;
+              ur[qq] = kFull ? x2
+                             : (t0 < n ? x2 & 0xffffu : 0u) | (t0 + 1 < n ? x2 & 0xffff0000u : 0u);
+            }
           }
           stsm_x4_t(reinterpret_cast<bf16*>(vn + off), ur);
         }
         gdn_tile::acc_to_a<8>(vs, vsa);
       };
-      if (n == kC)
+      if (!kWgChain && n == kC)
         v_new(std::true_type{});
       else
         v_new(std::false_type{});
@@ -1545,8 +1576,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
       for (int kk = 0; kk < kC / 16; ++kk)
         wgmma_m64n128k16_rs_t(h, vsa[kk], gmma_desc(k_s + kk * 16 * 128, L::kBox, 1024));
       wgmma_commit();
-      // While the update runs: the next chunk's wait and decay factors.
-      if (ch + 1 < n_chunks) prologue(ch + 1);
+      // While the update runs: the next chunk's wait and decay factors (the tight step).
+      if (!kWgChain && ch + 1 < n_chunks) prologue(ch + 1);
       __syncwarp();
       wgmma_wait<0>();
       fence_regs(h);
@@ -1784,12 +1815,14 @@ std::atomic<int> g_state_form{-1};  // -1: not read yet
 
 GdnStateForm parse_gdn_state_form(const char* value) {
   const std::string v = value ? value : "";
-  DS_CHECK(v.empty() || v == "wg" || v == "tight" || v == "fused" || v == "fused2",
-           "$DS_GDN_STATE must be wg, tight, fused or fused2 (got '", v, "')");
-  return v == "tight"    ? GdnStateForm::kTight
-         : v == "fused"  ? GdnStateForm::kFused
-         : v == "fused2" ? GdnStateForm::kFused2
-                         : GdnStateForm::kWg;
+  DS_CHECK(v.empty() || v == "wg" || v == "tight" || v == "fused" || v == "fused2" ||
+               v == "fused2w",
+           "$DS_GDN_STATE must be wg, tight, fused, fused2 or fused2w (got '", v, "')");
+  return v == "tight"     ? GdnStateForm::kTight
+         : v == "fused"   ? GdnStateForm::kFused
+         : v == "fused2"  ? GdnStateForm::kFused2
+         : v == "fused2w" ? GdnStateForm::kFused2Wg
+                          : GdnStateForm::kWg;
 }
 
 // A form switch read from $env on first use (slot -1: not read yet) unless set before.
@@ -1865,7 +1898,8 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
   // kFused: the state pass and the output as one kernel (both stages of an overlapped launch;
   // the ready flags, snapshots and V_new are not written). A stage alone runs the tight pass.
   const GdnStateForm state_form = gdn_state_form();
-  const bool fused = state_form == GdnStateForm::kFused || state_form == GdnStateForm::kFused2;
+  const bool fused = state_form == GdnStateForm::kFused || state_form == GdnStateForm::kFused2 ||
+                     state_form == GdnStateForm::kFused2Wg;
   if (state == GdnSliceState::kWgmma && overlap && stages == 3 && fused) {
     auto go = [&](auto kernel, auto cfg) {
       using L = decltype(cfg);
@@ -1874,7 +1908,7 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
           s, w, pool, cu_seqlens, seq_pos, slot_ids, proj, out, wg_maps);
       DS_CUDA_LAUNCH_CHECK();
     };
-    if (state_form == GdnStateForm::kFused2) {
+    if (state_form == GdnStateForm::kFused2 || state_form == GdnStateForm::kFused2Wg) {
       // setmaxnreg moves registers within the block's allocation: the chain's increase must be
       // covered by what the output warpgroups give back, or it waits forever.
       using L2 = FusedCfg<2>;
@@ -1886,7 +1920,10 @@ void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const Gd
       DS_CHECK((L2::kChainRegs - regs) * 128 <= (regs - L2::kOutRegs) * 256,
                "gdn fused state + output (fused2): the kernel was built with ", regs,
                " registers per thread, too few to move ", L2::kChainRegs, " to the chain");
-      go(gdn_state_out_fused_kernel<2>, L2{});
+      if (state_form == GdnStateForm::kFused2Wg)
+        go(gdn_state_out_fused_kernel<2, true>, L2{});
+      else
+        go(gdn_state_out_fused_kernel<2>, L2{});
     } else {
       go(gdn_state_out_fused_kernel<1>, FusedCfg<1>{});
     }

@@ -155,7 +155,9 @@ void set_gdn_out_form(GdnOutForm form);
 // taking alternate chunks (registers moved to the chain by setmaxnreg), in case one output
 // warpgroup cannot keep pace with the chain. $DS_GDN_STATE = wg / tight / fused / fused2, read at
 // the first call (anything else throws); set_gdn_state_form overrides it (tests).
-enum class GdnStateForm { kWg, kTight, kFused, kFused2 };
+// kFused2Wg ($DS_GDN_STATE=fused2w): fused2 with the shipped (kWg) chain step instead of the tight
+// one, which session 24 measured slower alone.
+enum class GdnStateForm { kWg, kTight, kFused, kFused2, kFused2Wg };
 GdnStateForm gdn_state_form();
 GdnStateForm parse_gdn_state_form(const char* value);  // null / "" = kWg; throws on a bad value
 void set_gdn_state_form(GdnStateForm form);

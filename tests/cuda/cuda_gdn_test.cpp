@@ -617,9 +617,12 @@ void prefill_overlap_bit_exact(bool fused_only) {
                 {"slice_scan_wg (state pass and output fused)", reg_wg.get(),
                  GdnOutForm::kWgmma, GdnStateForm::kFused},
                 {"slice_scan_wg (fused, two output warpgroups)", reg_wg.get(),
-                 GdnOutForm::kWgmma, GdnStateForm::kFused2}};
+                 GdnOutForm::kWgmma, GdnStateForm::kFused2},
+                {"slice_scan_wg (fused2 on the shipped chain step)", reg_wg.get(),
+                 GdnOutForm::kWgmma, GdnStateForm::kFused2Wg}};
     auto is_fused = [](GdnStateForm f) {
-      return f == GdnStateForm::kFused || f == GdnStateForm::kFused2;
+      return f == GdnStateForm::kFused || f == GdnStateForm::kFused2 ||
+             f == GdnStateForm::kFused2Wg;
     };
     for (const auto& [name, reg, form, state_form] : arms) {
       if (fused_only != is_fused(state_form)) continue;
@@ -667,10 +670,13 @@ void prefill_overlap_bit_exact(bool fused_only) {
     set_gdn_out_form(GdnOutForm::kWgmma);
     set_gdn_state_form(GdnStateForm::kWg);
     const auto ref_nn = run(reg_cs.get(), nullptr, true, /*norm=*/false);
-    for (GdnStateForm f : {GdnStateForm::kFused, GdnStateForm::kFused2}) {
+    for (GdnStateForm f :
+         {GdnStateForm::kFused, GdnStateForm::kFused2, GdnStateForm::kFused2Wg}) {
       set_gdn_state_form(f);
       const auto got_nn = run(reg_wg.get(), nullptr, true, /*norm=*/false);
-      const char* what = f == GdnStateForm::kFused ? "fused" : "fused2";
+      const char* what = f == GdnStateForm::kFused    ? "fused"
+                         : f == GdnStateForm::kFused2 ? "fused2"
+                                                      : "fused2w";
       EXPECT_TRUE(same(got_nn.first, ref_nn.first)) << what << ", no norm: y differs";
       EXPECT_TRUE(same(got_nn.second, ref_nn.second)) << what << ", no norm: states differ";
     }
@@ -770,6 +776,7 @@ TEST(CudaGdn, StateFormSwitch) {
   EXPECT_EQ(parse_gdn_state_form("tight"), GdnStateForm::kTight);
   EXPECT_EQ(parse_gdn_state_form("fused"), GdnStateForm::kFused);
   EXPECT_EQ(parse_gdn_state_form("fused2"), GdnStateForm::kFused2);
+  EXPECT_EQ(parse_gdn_state_form("fused2w"), GdnStateForm::kFused2Wg);
   for (const char* bad : {"1", "Tight", "tight ", "wgmma", "fuse", "Fused", "fused1", "fused3"}) {
     try {
       parse_gdn_state_form(bad);
@@ -1467,11 +1474,13 @@ TEST(CudaGdn, PrefillStageTiming) {
   // launch clears them as the overlapped pair's does). Written without a GPU: if it hangs, only
   // this row is lost.
   set_gdn_out_form(GdnOutForm::kWgmma);
-  for (GdnStateForm f : {GdnStateForm::kFused, GdnStateForm::kFused2}) {
+  for (GdnStateForm f :
+       {GdnStateForm::kFused, GdnStateForm::kFused2, GdnStateForm::kFused2Wg}) {
     set_gdn_state_form(f);
     const double t_f = stage_on(st,
-                                f == GdnStateForm::kFused ? "state pass and output fused (one kernel)"
-                                                          : "fused, two output warpgroups",
+                                f == GdnStateForm::kFused    ? "state pass and output fused (one kernel)"
+                                : f == GdnStateForm::kFused2 ? "fused, two output warpgroups"
+                                                             : "fused2 on the shipped chain step",
                                 overlapped(GdnSliceState::kWgmma));
     std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = the same less the clear",
                 (t_f - t_clear) * 1e3);

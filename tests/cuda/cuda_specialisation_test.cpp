@@ -534,7 +534,8 @@ TEST_P(GdnStateForms, BitExactVsWgAt27bShapes) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Forms, GdnStateForms, ::testing::Values("tight", "fused", "fused2"));
+INSTANTIATE_TEST_SUITE_P(Forms, GdnStateForms,
+                         ::testing::Values("tight", "fused", "fused2", "fused2w"));
 
 }  // namespace
 }  // namespace ds
