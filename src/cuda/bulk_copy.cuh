@@ -33,26 +33,6 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 #ifndef DS_MBAR_SUSPEND_NS
 #define DS_MBAR_SUSPEND_NS 0
 #endif
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-#if DS_MBAR_SUSPEND_NS > 0
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity), "n"(DS_MBAR_SUSPEND_NS)
-        : "memory");
-#else
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(smem_u32(bar)), "r"(parity)
-        : "memory");
-#endif
-  } while (!done);
-}
 // One try of mbar_wait (the hardware may suspend the thread a while before it returns false).
 __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done;
@@ -63,6 +43,22 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
       : "r"(smem_u32(bar)), "r"(parity)
       : "memory");
   return done != 0;
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if DS_MBAR_SUSPEND_NS > 0
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity), "n"(DS_MBAR_SUSPEND_NS)
+        : "memory");
+  } while (!done);
+#else
+  while (!mbar_try_wait(bar, parity)) {
+  }
+#endif
 }
 // 1-D bulk copy global -> shared of `bytes` (a multiple of 16, both ends 16-byte aligned),
 // completing as transaction bytes on `bar`; with an L2 cache policy (weights) or without (x).
