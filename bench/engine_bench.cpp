@@ -328,6 +328,16 @@ std::vector<DecodeResult> run_decode_bench(Backend& be, const Ceilings& ceil,
       std::printf("decode batch %2d context %6lld: TPOT p50 %.3f ms p99 %.3f ms (%d steps%s)\n",
                   batch, static_cast<long long>(ctx), r.tpot_s.p50 * 1e3, r.tpot_s.p99 * 1e3,
                   r.tpot_s.n, mode == PipeMode::kOff ? "" : ", pipelined");
+      // Long runs: the p50 of each 64-step window in order, so a drift over the run (the card
+      // warming up or settling) shows beside the one summary.
+      if (t.size() >= 256) {
+        std::printf("decode batch %2d context %6lld: p50 of each 64-step window, ms:", batch,
+                    static_cast<long long>(ctx));
+        for (size_t w0 = 0; w0 + 64 <= t.size(); w0 += 64)
+          std::printf(" %.3f",
+                      summarize(std::vector<double>(t.begin() + w0, t.begin() + w0 + 64)).p50 * 1e3);
+        std::printf("\n");
+      }
       std::fflush(stdout);
       out.push_back(r);
     }
