@@ -67,8 +67,8 @@ fi
 DS=$B/bin/deltaserve
 T=$B/tests
 rc=0
-# The prompt attention's TMA forms switched off in turn (dispatch order since session 24:
-# ws3_lean, ws_lean, ws3, ws, ws3_persist, ws3_lean_persist, m128): PLAIN runs the plain forms
+# The prompt attention's TMA forms switched off in turn (dispatch order since session 25:
+# ws_lean, ws3_lean, ws3, ws, ws3_persist, ws3_lean_persist, m128): PLAIN runs the plain forms
 # (the lean forms' fallbacks), PERSIST the persistent ones.
 PLAIN="DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean"
 PERSIST="$PLAIN,attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws"

@@ -32,11 +32,6 @@
 // arithmetic, or bulk copies) is what would pay next (~40 us at the copy ceiling).
 // Test: tests/cuda/cuda_gdn_test.cpp (ConvStreamMatchesMulti, every prefill case through the
 // slice_scan variants; PrefillStageTiming / ConvTiming time it beside the other conv kernels).
-#include <atomic>
-#include <cstdlib>
-#include <string>
-
-#include "cuda/bulk_copy.cuh"
 #include "cuda/cuda_common.h"
 #include "cuda/gdn_chunk.cuh"
 #include "cuda/gdn_prefill_sm90.h"
@@ -52,7 +47,7 @@ constexpr int kLaneCh = 8;    // channels per lane
 constexpr int kPairCh = 256;  // channels per warp (two heads)
 
 // 8 bf16 (one 16-byte word) as floats.
-__device__ __forceinline__ void unpack8_bf16(const uint4& u, float (&f)[8]) {
+__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -62,16 +57,6 @@ __device__ __forceinline__ void unpack8_bf16(const uint4& u, float (&f)[8]) {
   }
 }
 
-// kBulk (session 25): the block's strip rows of its 4 x 256 channels are first copied into shared
-// memory by bulk copies (cp.async.bulk, one 2 KB row segment each, all issued at the block's
-// start, one mbarrier per 8-row batch), so every row of the strip is in flight at once instead of
-// 8 per lane between the batches' arithmetic; the warps then read their batch from shared memory.
-// The same values reach the same arithmetic: outputs bit-identical to kBulk = false.
-constexpr int kBlockCh = kWarps * kPairCh;  // channels per block (1024: 2 KB per row)
-constexpr int kMaxStripBulk = 64;           // rows per block in shared memory (128 KB)
-constexpr int kBulkHeader = 128;            // the batch mbarriers, before the rows
-
-template <bool kBulk>
 __global__ void __launch_bounds__(kWarps * 32)
     gdn_conv_prep_stream_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
                                 const bf16* __restrict__ proj,           // [n_tokens, in_dim]
@@ -89,28 +74,6 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int t_begin = blockIdx.y * strip, t_end = min(n_tokens, t_begin + strip);
   const int pair = blockIdx.x * kWarps + warp;
   const int hh = 2 * pair + (lane >> 4);  // this lane's head (q, k, then v heads)
-  extern __shared__ __align__(128) unsigned char conv_smem[];
-  uint64_t* batch_bar = reinterpret_cast<uint64_t*>(conv_smem);
-  const bf16* rows = reinterpret_cast<const bf16*>(conv_smem + kBulkHeader);
-  if constexpr (kBulk) {
-    // Thread 0: one barrier per 8-row batch, then every row segment of the strip (the block's
-    // channels below qkv_dim; a multiple of 128 channels, so 16-byte sizes and addresses).
-    const int ch0 = blockIdx.x * kBlockCh;
-    const uint32_t bytes = uint32_t(min(qkv_dim, ch0 + kBlockCh) - ch0) * 2u;
-    const int n_rows = t_end - t_begin, n_batches = (n_rows + kBatch - 1) / kBatch;
-    if (threadIdx.x == 0) {
-      for (int b = 0; b < n_batches; ++b) mbar_init(&batch_bar[b], 1);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-      for (int b = 0; b < n_batches; ++b) {
-        const int r1 = min(n_rows, (b + 1) * kBatch);
-        mbar_arrive_expect_tx(&batch_bar[b], bytes * uint32_t(r1 - b * kBatch));
-        for (int r = b * kBatch; r < r1; ++r)
-          bulk_copy(conv_smem + kBulkHeader + size_t(r) * kBlockCh * 2,
-                    proj + int64_t(t_begin + r) * in_dim + ch0, bytes, &batch_bar[b]);
-      }
-    }
-    __syncthreads();  // the barriers' init before any thread waits on them
-  }
   // Warps past the last head pair have nothing to do; a pair's second head may be missing (odd
   // head count): those 16 lanes only shuffle among themselves and neither load nor store.
   if (2 * pair < n_heads) {
@@ -143,26 +106,15 @@ __global__ void __launch_bounds__(kWarps * 32)
     };
     float win[3][8];  // inputs of t - 3, t - 2, t - 1 for the next token t (as floats)
 #pragma unroll
-    for (int d = 0; d < 3; ++d) unpack8_bf16(input_row(t_begin - 3 + d), win[d]);
+    for (int d = 0; d < 3; ++d) unpack8(input_row(t_begin - 3 + d), win[d]);
 
     for (int t0 = t_begin; t0 < t_end; t0 += kBatch) {
       uint4 x[kBatch];
-      if constexpr (kBulk) {
-        mbar_wait(&batch_bar[(t0 - t_begin) / kBatch], 0);
-        const bf16* xr = rows + size_t(t0 - t_begin) * kBlockCh + (ch - blockIdx.x * kBlockCh);
 #pragma unroll
-        for (int i = 0; i < kBatch; ++i)
-          x[i] = valid && t0 + i < t_end
-                     ? *reinterpret_cast<const uint4*>(xr + size_t(i) * kBlockCh)
-                     : zero;
-      } else {
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) {
-          const int t = t0 + i;
-          x[i] = valid && t < t_end
-                     ? *reinterpret_cast<const uint4*>(proj + int64_t(t) * in_dim + ch)
-                     : zero;
-        }
+      for (int i = 0; i < kBatch; ++i) {
+        const int t = t0 + i;
+        x[i] = valid && t < t_end ? *reinterpret_cast<const uint4*>(proj + int64_t(t) * in_dim + ch)
+                                  : zero;
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
@@ -175,10 +127,10 @@ __global__ void __launch_bounds__(kWarps * 32)
             seq_end = cu_seqlens[seq + 1];
           } while (t >= seq_end && seq + 1 < n_seqs);
 #pragma unroll
-          for (int d = 0; d < 3; ++d) unpack8_bf16(input_row(t - 3 + d), win[d]);
+          for (int d = 0; d < 3; ++d) unpack8(input_row(t - 3 + d), win[d]);
         }
         float cur[8];
-        unpack8_bf16(x[i], cur);
+        unpack8(x[i], cur);
         float v[8];
         float ss = 0.f;
 #pragma unroll
@@ -237,29 +189,6 @@ bool gdn_conv_prep_stream_supported(const GdnShape& s, const GdnLayerWeights& w,
          aligned(proj, 16) && aligned(pool.conv_state, 16) && aligned(w.conv_w, 16);
 }
 
-namespace {
-std::atomic<int> g_conv_form{-1};
-}
-
-GdnConvForm parse_gdn_conv_form(const char* value) {
-  const std::string v = value ? value : "";
-  DS_CHECK(v.empty() || v == "stream" || v == "bulk",
-           "$DS_GDN_CONV must be stream or bulk (got '", v, "')");
-  return v == "bulk" ? GdnConvForm::kBulk : GdnConvForm::kStream;
-}
-
-GdnConvForm gdn_conv_form() {
-  int f = g_conv_form.load(std::memory_order_relaxed);
-  if (f < 0) {
-    f = static_cast<int>(parse_gdn_conv_form(std::getenv("DS_GDN_CONV")));
-    int expected = -1;
-    if (!g_conv_form.compare_exchange_strong(expected, f)) f = expected;
-  }
-  return static_cast<GdnConvForm>(f);
-}
-
-void set_gdn_conv_form(GdnConvForm form) { g_conv_form.store(static_cast<int>(form)); }
-
 int gdn_conv_prep_stream_strip(int n_tokens) {
   // 10 blocks per strip at 27B shapes, 4 blocks per SM (128 registers): H200 at 4096 tokens,
   // strip 8 / 16 / 32 / 64: 79.8 / 75.0 / 78.3 / 93.1 us (16: 2560 blocks, ~4.8 waves; 32 leaves
@@ -271,8 +200,7 @@ void launch_gdn_conv_prep_stream(const GdnShape& s, const GdnLayerWeights& w,
                                  const GdnStatePool& pool, const bf16* proj,
                                  const int32_t* cu_seqlens, const int32_t* seq_pos,
                                  const int32_t* slot_ids, int n_seqs, int n_tokens, bf16* qkv,
-                                 float* g, float* beta, cudaStream_t stream, int strip,
-                                 GdnConvForm form) {
+                                 float* g, float* beta, cudaStream_t stream, int strip) {
   DS_CHECK(gdn_conv_prep_stream_supported(s, w, pool, proj),
            "gdn conv prep stream: shape / alignment not supported (d_k = d_v = 128, 16-byte "
            "aligned proj / ring rows)");
@@ -284,16 +212,8 @@ void launch_gdn_conv_prep_stream(const GdnShape& s, const GdnLayerWeights& w,
   const int n_heads = 2 * s.n_k_heads + s.n_v_heads;
   const int n_pairs = (n_heads + 1) / 2;
   const dim3 grid((n_pairs + kWarps - 1) / kWarps, (n_tokens + strip - 1) / strip);
-  if (form == GdnConvForm::kDefault) form = gdn_conv_form();
-  if (form == GdnConvForm::kBulk && strip <= kMaxStripBulk) {
-    const size_t smem = kBulkHeader + size_t(strip) * kBlockCh * sizeof(bf16);
-    ensure_smem_optin(reinterpret_cast<const void*>(gdn_conv_prep_stream_kernel<true>), smem);
-    gdn_conv_prep_stream_kernel<true><<<grid, kWarps * 32, smem, stream>>>(
-        s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, strip, qkv, g, beta);
-  } else {
-    gdn_conv_prep_stream_kernel<false><<<grid, kWarps * 32, 0, stream>>>(
-        s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, strip, qkv, g, beta);
-  }
+  gdn_conv_prep_stream_kernel<<<grid, kWarps * 32, 0, stream>>>(
+      s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, strip, qkv, g, beta);
   DS_CUDA_LAUNCH_CHECK();
 }
 

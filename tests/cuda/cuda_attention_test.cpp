@@ -467,23 +467,35 @@ TEST(CudaAttentionMma, TmaCacheView) {
 
 TEST(CudaAttentionMma, DefaultDispatch) {
   // Measured on the H200 (bench kernels, dispatch.cpp): the warp-specialised TMA kernels win on
-  // every shape, in their lean forms (session 24), wgmma_ws3_lean (3 K stages) from 512-token
-  // chunks against >= 8K keys, wgmma_ws_lean elsewhere (chunks without a cache, and 4-21-token
-  // chunks).
+  // every shape, in their lean forms (session 24), and since session 25 wgmma_ws_lean (2 K
+  // stages) on every hd-256 shape: it beat wgmma_ws3_lean wherever both ran.
   const auto r = cuda::DispatchRegistry::with_defaults(90);
   const auto pick = [&](int q, int kv) {
     return r.select(cuda::KernelFamily::kAttnPrefill, r.key(256, 6, q, kv)).name;
   };
   EXPECT_EQ(pick(4096, 4096), "wgmma_ws_lean");
   EXPECT_EQ(pick(3072, 3072), "wgmma_ws_lean");
-  EXPECT_EQ(pick(4096, 4096 + 8192), "wgmma_ws3_lean");
-  EXPECT_EQ(pick(512, 33280), "wgmma_ws3_lean");
-  EXPECT_EQ(pick(16384, 16384), "wgmma_ws3_lean");
+  EXPECT_EQ(pick(4096, 4096 + 8192), "wgmma_ws_lean");
+  EXPECT_EQ(pick(512, 33280), "wgmma_ws_lean");
+  EXPECT_EQ(pick(16384, 16384), "wgmma_ws_lean");
   EXPECT_EQ(pick(511, 33279), "wgmma_ws_lean");
   EXPECT_EQ(pick(4096, 8191), "wgmma_ws_lean");
   EXPECT_EQ(pick(22, 8192), "wgmma_ws_lean");
   EXPECT_EQ(pick(21, 8192), "wgmma_ws_lean");
   EXPECT_EQ(pick(1, 100), "wgmma_ws_lean");
+  // With wgmma_ws_lean off: session 24's picks, wgmma_ws3_lean from 512-token chunks against
+  // >= 8K keys (the A/B reference of the change), plain wgmma_ws elsewhere.
+  const auto s24 =
+      cuda::DispatchRegistry::with_defaults(90, "attn_prefill.wgmma_ws_lean");
+  const auto pick_s24 = [&](int q, int kv) {
+    return s24.select(cuda::KernelFamily::kAttnPrefill, s24.key(256, 6, q, kv)).name;
+  };
+  EXPECT_EQ(pick_s24(4096, 4096 + 8192), "wgmma_ws3_lean");
+  EXPECT_EQ(pick_s24(512, 33280), "wgmma_ws3_lean");
+  EXPECT_EQ(pick_s24(16384, 16384), "wgmma_ws3_lean");
+  EXPECT_EQ(pick_s24(8192, 8192), "wgmma_ws3_lean");
+  EXPECT_EQ(pick_s24(511, 33279), "wgmma_ws");
+  EXPECT_EQ(pick_s24(4096, 8191), "wgmma_ws");
   // The lean forms are the default since session 24; with them switched off the plain forms take
   // the same shapes (their A/B reference).
   const auto plain = cuda::DispatchRegistry::with_defaults(

@@ -766,29 +766,6 @@ TEST(CudaGdn, OutFormSwitch) {
   EXPECT_EQ(gdn_out_form(), form0);
 }
 
-// $DS_GDN_CONV's values (host only): unset / empty / stream = the streaming conv, bulk its
-// bulk-copy form, anything else a ds::Error naming the variable and the value.
-TEST(CudaGdn, ConvFormSwitch) {
-  EXPECT_EQ(parse_gdn_conv_form(nullptr), GdnConvForm::kStream);
-  EXPECT_EQ(parse_gdn_conv_form(""), GdnConvForm::kStream);
-  EXPECT_EQ(parse_gdn_conv_form("stream"), GdnConvForm::kStream);
-  EXPECT_EQ(parse_gdn_conv_form("bulk"), GdnConvForm::kBulk);
-  for (const char* bad : {"1", "Bulk", "bulk ", "tma", "default"}) {
-    try {
-      parse_gdn_conv_form(bad);
-      ADD_FAILURE() << "'" << bad << "' was accepted";
-    } catch (const ds::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("DS_GDN_CONV"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
-    }
-  }
-  const GdnConvForm form0 = gdn_conv_form();
-  set_gdn_conv_form(GdnConvForm::kBulk);
-  EXPECT_EQ(gdn_conv_form(), GdnConvForm::kBulk);
-  set_gdn_conv_form(form0);
-  EXPECT_EQ(gdn_conv_form(), form0);
-}
-
 // $DS_GDN_STATE's values (host only): unset / empty / wg = the measured chunk step, tight the
 // shorter one, fused the pass with the output in the same kernel, anything else a ds::Error
 // naming the variable and the value.
@@ -1000,23 +977,6 @@ TEST(CudaGdn, ConvStreamMatchesMulti) {
       EXPECT_ERR(compare(ys, ref), 4e-3, what + " qkv vs the oracle");
       EXPECT_TRUE(download_f32(g_s.p, g_s.n) == gm) << what << ": g differs from the multi kernel";
       EXPECT_TRUE(download_f32(b_s.p, b_s.n) == bm) << what << ": beta differs";
-      // The bulk-copy form (session 25): the same bits as the stream form, every output written.
-      const auto gs = download_f32(g_s.p, g_s.n), bs = download_f32(b_s.p, b_s.n);
-      qkv_s.poison();
-      g_s.poison();
-      b_s.poison();
-      launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, n_seqs, T, qkv_s.p,
-                                  g_s.p, b_s.p, nullptr, strip, GdnConvForm::kBulk);
-      CK(cudaDeviceSynchronize());
-      const auto yb = download_bf16(qkv_s.p, qkv_s.n);
-      size_t bulk_diff = 0;
-      for (size_t i = 0; i < yb.size(); ++i)
-        bulk_diff += !(yb[i] == ys[i]) && !(std::isnan(yb[i]) && std::isnan(ys[i]));
-      EXPECT_EQ(bulk_diff, 0u) << what << ": bulk form qkv differs from the stream form";
-      EXPECT_TRUE(std::all_of(yb.begin(), yb.end(), [](float x) { return std::isfinite(x); }))
-          << what << ": bulk form left qkv elements unwritten (or NaN)";
-      EXPECT_TRUE(download_f32(g_s.p, g_s.n) == gs) << what << ": bulk form g differs";
-      EXPECT_TRUE(download_f32(b_s.p, b_s.n) == bs) << what << ": bulk form beta differs";
     }
     std::printf("  conv stream n_k %d n_v %d: %d tokens in %d sequences, vs oracle %.2e\n",
                 s.n_k_heads, nv, T, n_seqs, compare(ym, ref).norm);
@@ -1317,11 +1277,7 @@ TEST(CudaGdn, ConvTiming) {
           "stream strip " + std::to_string(strip ? strip : gdn_conv_prep_stream_strip(T));
       row(name.c_str(), [&] {
         launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
-                                    beta.p, nullptr, strip, GdnConvForm::kStream);
-      });
-      row(("bulk " + name.substr(7)).c_str(), [&] {
-        launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
-                                    beta.p, nullptr, strip, GdnConvForm::kBulk);
+                                    beta.p, nullptr, strip);
       });
     }
   }
@@ -1381,11 +1337,7 @@ TEST(CudaGdn, PrefillStageTiming) {
   });
   stage("conv_prep_stream (gdn_prefill_conv.cu)", [&] {
     launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
-                                beta.p, nullptr, 0, GdnConvForm::kStream);
-  });
-  stage("conv_prep_stream, bulk-copy rows", [&] {
-    launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
-                                beta.p, nullptr, 0, GdnConvForm::kBulk);
+                                beta.p, nullptr);
   });
   // The WY kernels turn g into gamma in place: each timed run first restores g (timed alone too).
   CK(cudaMemcpy(g0.p, g.p, g.n * 4, cudaMemcpyDeviceToDevice));

@@ -498,37 +498,6 @@ TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenOnOff,
                          ::testing::Values("qwen35_27b_ratios", "qwen35_other_ratios"));
 
-// The GDN prompt path's conv forms ($DS_GDN_CONV = bulk against stream; process-wide, read at
-// each launch) on one engine: the two prompts of GdnStateForms below (a 4096 + 904-token prompt
-// in two chunks, the second with carried conv rings, and a short one), each followed by greedy
-// decode; every logit bit-identical and the same tokens.
-TEST(GdnConvForms, BulkBitExactVsStreamAt27bShapes) {
-  DS_REQUIRE_GPU();
-  const ModelConfig c = config_27b_4_layers();
-  std::mt19937 rng(41);
-  const std::vector<std::vector<int32_t>> prompts = random_prompts({5000, 700}, c.vocab_size, rng);
-  auto b = make_engine({true}, &c, nullptr, 64);
-  struct Restore {
-    cuda::GdnConvForm f = cuda::gdn_conv_form();
-    ~Restore() { cuda::set_gdn_conv_form(f); }
-  } restore;
-  auto run = [&](cuda::GdnConvForm f) {
-    cuda::set_gdn_conv_form(f);
-    std::vector<Greedy> g;
-    for (const auto& p : prompts) g.push_back(greedy(*b, 0, p, 16));
-    return g;
-  };
-  const std::vector<Greedy> ref = run(cuda::GdnConvForm::kStream);
-  const std::vector<Greedy> got = run(cuda::GdnConvForm::kBulk);
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    const size_t differ = bits_differ(got[i].rows, ref[i].rows);
-    std::printf("  $DS_GDN_CONV=bulk vs stream, prompt %zu: %zu of %zu logits differ\n",
-                prompts[i].size(), differ, ref[i].rows.size());
-    EXPECT_EQ(differ, 0u) << "prompt " << prompts[i].size();
-    EXPECT_EQ(got[i].ids, ref[i].ids) << "prompt " << prompts[i].size();
-  }
-}
-
 // The GDN prompt path's state-pass forms ($DS_GDN_STATE = tight, fused, fused2; process-wide,
 // read at each launch) against wg on one engine: a two-chunk prompt (4096 + 904 tokens, the
 // second chunk with carried state and a partial last chunk) and a short one, each followed by
