@@ -546,6 +546,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   (void)cuda::gemv_splitk_enabled();     // and $DS_GEMV_SPLITK (likewise)
   (void)cuda::gdn_out_form();            // and $DS_GDN_OUT (read by every GDN prompt layer)
   (void)cuda::gdn_state_form();          // and $DS_GDN_STATE
+  (void)cuda::gdn_conv_form();           // and $DS_GDN_CONV
   // Kept whether graphs are on or not, so that both modes get the same KV pool.
   layout_.graph_bytes = std::max(0, eopt_.max_cuda_graphs) * kGraphBytesEstimate;
   layout_.reserve_bytes =

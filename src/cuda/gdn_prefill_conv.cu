@@ -32,6 +32,10 @@
 // arithmetic, or bulk copies) is what would pay next (~40 us at the copy ceiling).
 // Test: tests/cuda/cuda_gdn_test.cpp (ConvStreamMatchesMulti, every prefill case through the
 // slice_scan variants; PrefillStageTiming / ConvTiming time it beside the other conv kernels).
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
 #include "cuda/cuda_common.h"
 #include "cuda/gdn_chunk.cuh"
 #include "cuda/gdn_prefill_sm90.h"
@@ -41,13 +45,26 @@ namespace ds::cuda {
 namespace {
 
 constexpr int kD = 128;
-constexpr int kWarps = 4;     // warps (head pairs) per block
-constexpr int kBatch = 8;     // rows loaded at once per lane
-constexpr int kLaneCh = 8;    // channels per lane
-constexpr int kPairCh = 256;  // channels per warp (two heads)
+constexpr int kWarps = 4;  // warps per block
+constexpr int kBatch = 8;  // rows loaded at once per lane
 
-// 8 bf16 (one 16-byte word) as floats.
-__device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
+// LC bf16 channels of one lane: one 16-byte word (LC 8, a warp = two heads) or one 8-byte word
+// (LC 4, a warp = one head).
+template <int LC>
+struct ConvVec;
+template <>
+struct ConvVec<8> {
+  using T = uint4;
+  __device__ static T zero() { return make_uint4(0, 0, 0, 0); }
+};
+template <>
+struct ConvVec<4> {
+  using T = uint2;
+  __device__ static T zero() { return make_uint2(0, 0); }
+};
+
+// LC bf16 (one word) as floats.
+__device__ __forceinline__ void unpack_lc(const uint4& u, float (&f)[8]) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -56,8 +73,30 @@ __device__ __forceinline__ void unpack8(const uint4& u, float (&f)[8]) {
     f[2 * i + 1] = __high2float(p);
   }
 }
+__device__ __forceinline__ void unpack_lc(const uint2& u, float (&f)[4]) {
+  const uint32_t w[2] = {u.x, u.y};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const __nv_bfloat162 p = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
+    f[2 * i] = __low2float(p);
+    f[2 * i + 1] = __high2float(p);
+  }
+}
+__device__ __forceinline__ void pack_lc(const float (&v)[8], float scale, uint4& u) {
+  u.x = pack_bf16(v[0] * scale, v[1] * scale);
+  u.y = pack_bf16(v[2] * scale, v[3] * scale);
+  u.z = pack_bf16(v[4] * scale, v[5] * scale);
+  u.w = pack_bf16(v[6] * scale, v[7] * scale);
+}
+__device__ __forceinline__ void pack_lc(const float (&v)[4], float scale, uint2& u) {
+  u.x = pack_bf16(v[0] * scale, v[1] * scale);
+  u.y = pack_bf16(v[2] * scale, v[3] * scale);
+}
 
-__global__ void __launch_bounds__(kWarps * 32)
+// LC = 8 (kStream, 128 registers, 4 blocks per SM); LC = 4 (kHead, session 25): half the channels
+// per lane, so a quarter of the registers' windows and weights, for more warps per SM.
+template <int LC>
+__global__ void __launch_bounds__(kWarps * 32, LC == 8 ? 0 : 7)
     gdn_conv_prep_stream_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
                                 const bf16* __restrict__ proj,           // [n_tokens, in_dim]
                                 const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
@@ -68,52 +107,56 @@ __global__ void __launch_bounds__(kWarps * 32)
                                 float* __restrict__ g,     // [n_tokens, n_v_heads]
                                 float* __restrict__ beta)  // [n_tokens, n_v_heads]
 {
+  using Vec = typename ConvVec<LC>::T;
+  constexpr int kHeadsPerWarp = LC / 4;     // 2 or 1
+  constexpr int kWarpCh = 32 * LC;          // channels per warp
+  constexpr int kLanesPerHead = kD / LC;    // 16 or 32
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim();
   const int n_heads = 2 * s.n_k_heads + s.n_v_heads;
   const int t_begin = blockIdx.y * strip, t_end = min(n_tokens, t_begin + strip);
-  const int pair = blockIdx.x * kWarps + warp;
-  const int hh = 2 * pair + (lane >> 4);  // this lane's head (q, k, then v heads)
-  // Warps past the last head pair have nothing to do; a pair's second head may be missing (odd
+  const int unit = blockIdx.x * kWarps + warp;  // the warp's head pair (LC 8) or head (LC 4)
+  const int hh = kHeadsPerWarp * unit + lane / kLanesPerHead;  // this lane's head (q, k, v)
+  // Warps past the last head (pair) have nothing to do; a pair's second head may be missing (odd
   // head count): those 16 lanes only shuffle among themselves and neither load nor store.
-  if (2 * pair < n_heads) {
+  if (kHeadsPerWarp * unit < n_heads) {
     const bool valid = hh < n_heads;
     const bool is_v = hh >= 2 * s.n_k_heads;
     const float head_scale = hh < s.n_k_heads ? rsqrtf(static_cast<float>(kD)) : 1.f;
-    const int ch = pair * kPairCh + kLaneCh * lane;
-    float wt0[16], wt1[16];  // [channel][tap] of channels ch..ch+3 and ch+4..ch+7
+    const int ch = unit * kWarpCh + LC * lane;
+    float wt0[16], wt1[16];  // [channel][tap] of channels ch..ch+3 and ch+4..ch+7 (LC 8)
     if (valid) {
       load16_bf16(w.conv_w + ch * 4, wt0);
-      load16_bf16(w.conv_w + ch * 4 + 16, wt1);
+      if constexpr (LC == 8) load16_bf16(w.conv_w + ch * 4 + 16, wt1);
     } else {
 #pragma unroll
       for (int i = 0; i < 16; ++i) wt0[i] = wt1[i] = 0.f;
     }
-    const uint4 zero = make_uint4(0, 0, 0, 0);
+    const Vec zero = ConvVec<LC>::zero();
 
     // The sequence of token t_begin, and the input row r (< first token of the window's sequence
     // or not) as that sequence sees it: a prompt row, a row of its conv ring, or zero.
     int seq = seq_of_token(cu_seqlens, n_seqs, t_begin);
     int seq_start = cu_seqlens[seq], seq_end = cu_seqlens[seq + 1];
-    auto input_row = [&](int r) -> uint4 {
+    auto input_row = [&](int r) -> Vec {
       if (!valid) return zero;
-      if (r >= seq_start) return *reinterpret_cast<const uint4*>(proj + int64_t(r) * in_dim + ch);
+      if (r >= seq_start) return *reinterpret_cast<const Vec*>(proj + int64_t(r) * in_dim + ch);
       const int pp = seq_pos[seq] + (r - seq_start);
       if (pp < 0) return zero;
       const bf16* ring =
           pool.conv_state + static_cast<int64_t>(slot_ids[seq]) * pool.conv_slot_stride;
-      return *reinterpret_cast<const uint4*>(ring + (pp & 3) * qkv_dim + ch);
+      return *reinterpret_cast<const Vec*>(ring + (pp & 3) * qkv_dim + ch);
     };
-    float win[3][8];  // inputs of t - 3, t - 2, t - 1 for the next token t (as floats)
+    float win[3][LC];  // inputs of t - 3, t - 2, t - 1 for the next token t (as floats)
 #pragma unroll
-    for (int d = 0; d < 3; ++d) unpack8(input_row(t_begin - 3 + d), win[d]);
+    for (int d = 0; d < 3; ++d) unpack_lc(input_row(t_begin - 3 + d), win[d]);
 
     for (int t0 = t_begin; t0 < t_end; t0 += kBatch) {
-      uint4 x[kBatch];
+      Vec x[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
         const int t = t0 + i;
-        x[i] = valid && t < t_end ? *reinterpret_cast<const uint4*>(proj + int64_t(t) * in_dim + ch)
+        x[i] = valid && t < t_end ? *reinterpret_cast<const Vec*>(proj + int64_t(t) * in_dim + ch)
                                   : zero;
       }
 #pragma unroll
@@ -127,14 +170,14 @@ __global__ void __launch_bounds__(kWarps * 32)
             seq_end = cu_seqlens[seq + 1];
           } while (t >= seq_end && seq + 1 < n_seqs);
 #pragma unroll
-          for (int d = 0; d < 3; ++d) unpack8(input_row(t - 3 + d), win[d]);
+          for (int d = 0; d < 3; ++d) unpack_lc(input_row(t - 3 + d), win[d]);
         }
-        float cur[8];
-        unpack8(x[i], cur);
-        float v[8];
+        float cur[LC];
+        unpack_lc(x[i], cur);
+        float v[LC];
         float ss = 0.f;
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
+        for (int c = 0; c < LC; ++c) {
           const float* wc = c < 4 ? wt0 + 4 * c : wt1 + 4 * (c - 4);
           float acc = wc[0] * win[0][c];
           acc += wc[1] * win[1][c];
@@ -145,18 +188,16 @@ __global__ void __launch_bounds__(kWarps * 32)
           ss += acc * acc;
         }
 #pragma unroll
-        for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        for (int o = kLanesPerHead / 2; o > 0; o >>= 1)
+          ss += __shfl_xor_sync(0xffffffffu, ss, o);
         const float scale = is_v ? 1.f : rsqrtf(ss + 1e-6f) * head_scale;
         if (valid) {
-          uint4 u;
-          u.x = pack_bf16(v[0] * scale, v[1] * scale);
-          u.y = pack_bf16(v[2] * scale, v[3] * scale);
-          u.z = pack_bf16(v[4] * scale, v[5] * scale);
-          u.w = pack_bf16(v[6] * scale, v[7] * scale);
-          *reinterpret_cast<uint4*>(qkv + int64_t(t) * qkv_dim + ch) = u;
+          Vec u;
+          pack_lc(v, scale, u);
+          *reinterpret_cast<Vec*>(qkv + int64_t(t) * qkv_dim + ch) = u;
         }
 #pragma unroll
-        for (int c = 0; c < 8; ++c) {
+        for (int c = 0; c < LC; ++c) {
           win[0][c] = win[1][c];
           win[1][c] = win[2][c];
           win[2][c] = cur[c];
@@ -189,6 +230,29 @@ bool gdn_conv_prep_stream_supported(const GdnShape& s, const GdnLayerWeights& w,
          aligned(proj, 16) && aligned(pool.conv_state, 16) && aligned(w.conv_w, 16);
 }
 
+namespace {
+std::atomic<int> g_conv_form{-1};
+}
+
+GdnConvForm parse_gdn_conv_form(const char* value) {
+  const std::string v = value ? value : "";
+  DS_CHECK(v.empty() || v == "stream" || v == "head",
+           "$DS_GDN_CONV must be stream or head (got '", v, "')");
+  return v == "head" ? GdnConvForm::kHead : GdnConvForm::kStream;
+}
+
+GdnConvForm gdn_conv_form() {
+  int f = g_conv_form.load(std::memory_order_relaxed);
+  if (f < 0) {
+    f = static_cast<int>(parse_gdn_conv_form(std::getenv("DS_GDN_CONV")));
+    int expected = -1;
+    if (!g_conv_form.compare_exchange_strong(expected, f)) f = expected;
+  }
+  return static_cast<GdnConvForm>(f);
+}
+
+void set_gdn_conv_form(GdnConvForm form) { g_conv_form.store(static_cast<int>(form)); }
+
 int gdn_conv_prep_stream_strip(int n_tokens) {
   // 10 blocks per strip at 27B shapes, 4 blocks per SM (128 registers): H200 at 4096 tokens,
   // strip 8 / 16 / 32 / 64: 79.8 / 75.0 / 78.3 / 93.1 us (16: 2560 blocks, ~4.8 waves; 32 leaves
@@ -200,7 +264,8 @@ void launch_gdn_conv_prep_stream(const GdnShape& s, const GdnLayerWeights& w,
                                  const GdnStatePool& pool, const bf16* proj,
                                  const int32_t* cu_seqlens, const int32_t* seq_pos,
                                  const int32_t* slot_ids, int n_seqs, int n_tokens, bf16* qkv,
-                                 float* g, float* beta, cudaStream_t stream, int strip) {
+                                 float* g, float* beta, cudaStream_t stream, int strip,
+                                 GdnConvForm form) {
   DS_CHECK(gdn_conv_prep_stream_supported(s, w, pool, proj),
            "gdn conv prep stream: shape / alignment not supported (d_k = d_v = 128, 16-byte "
            "aligned proj / ring rows)");
@@ -210,10 +275,17 @@ void launch_gdn_conv_prep_stream(const GdnShape& s, const GdnLayerWeights& w,
            ", got ", strip);
   if (n_tokens <= 0 || n_seqs <= 0) return;
   const int n_heads = 2 * s.n_k_heads + s.n_v_heads;
-  const int n_pairs = (n_heads + 1) / 2;
-  const dim3 grid((n_pairs + kWarps - 1) / kWarps, (n_tokens + strip - 1) / strip);
-  gdn_conv_prep_stream_kernel<<<grid, kWarps * 32, 0, stream>>>(
-      s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, strip, qkv, g, beta);
+  if (form == GdnConvForm::kDefault) form = gdn_conv_form();
+  if (form == GdnConvForm::kHead) {
+    const dim3 grid((n_heads + kWarps - 1) / kWarps, (n_tokens + strip - 1) / strip);
+    gdn_conv_prep_stream_kernel<4><<<grid, kWarps * 32, 0, stream>>>(
+        s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, strip, qkv, g, beta);
+  } else {
+    const int n_pairs = (n_heads + 1) / 2;
+    const dim3 grid((n_pairs + kWarps - 1) / kWarps, (n_tokens + strip - 1) / strip);
+    gdn_conv_prep_stream_kernel<8><<<grid, kWarps * 32, 0, stream>>>(
+        s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, strip, qkv, g, beta);
+  }
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -47,6 +47,16 @@ void launch_gdn_conv_prep_wide(const GdnShape& s, const GdnLayerWeights& w,
 // another l2norm summation order), one warp per two heads sliding the conv window down a strip of
 // tokens (16-byte loads, each input row read once). Needs 16-byte aligned proj / ring rows and
 // qkv. strip: tokens per warp, a multiple of 8; <= 0: gdn_conv_prep_stream_strip(n_tokens).
+// form: kStream (default) as above, a warp per two heads (8 channels per lane, 16-byte loads);
+// kHead (session 25) a warp per head (4 channels per lane, 8-byte loads: fewer registers, more
+// warps per SM), the same maths but the l2norm's sum of squares over 4 channels per lane, then 32
+// lanes, so q / k may differ from kStream's in the last bf16 bit (v, g, beta bit-identical).
+// kDefault: $DS_GDN_CONV = stream / head, read at the first call (anything else throws);
+// set_gdn_conv_form overrides it (tests).
+enum class GdnConvForm { kStream, kHead, kDefault };
+GdnConvForm gdn_conv_form();
+GdnConvForm parse_gdn_conv_form(const char* value);  // null / "" = kStream; throws on a bad value
+void set_gdn_conv_form(GdnConvForm form);
 bool gdn_conv_prep_stream_supported(const GdnShape& s, const GdnLayerWeights& w,
                                     const GdnStatePool& pool, const bf16* proj);
 int gdn_conv_prep_stream_strip(int n_tokens);
@@ -58,7 +68,8 @@ void launch_gdn_conv_prep_stream(const GdnShape& s, const GdnLayerWeights& w,
                                  bf16* qkv,    // [n_tokens, qkv_dim]
                                  float* g,     // [n_tokens, n_v_heads]
                                  float* beta,  // [n_tokens, n_v_heads]
-                                 cudaStream_t stream, int strip = 0);
+                                 cudaStream_t stream, int strip = 0,
+                                 GdnConvForm form = GdnConvForm::kDefault);
 
 // The WY stage (gamma = in-chunk cumsum of g written back into g, W = T (beta e^gamma K),
 // U = T (beta V)) for d_k = d_v = 128 with register-resident mma.sync products; the same maths as

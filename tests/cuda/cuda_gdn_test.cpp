@@ -766,6 +766,29 @@ TEST(CudaGdn, OutFormSwitch) {
   EXPECT_EQ(gdn_out_form(), form0);
 }
 
+// $DS_GDN_CONV's values (host only): unset / empty / stream = a warp per two heads, head = a warp
+// per head, anything else a ds::Error naming the variable and the value.
+TEST(CudaGdn, ConvFormSwitch) {
+  EXPECT_EQ(parse_gdn_conv_form(nullptr), GdnConvForm::kStream);
+  EXPECT_EQ(parse_gdn_conv_form(""), GdnConvForm::kStream);
+  EXPECT_EQ(parse_gdn_conv_form("stream"), GdnConvForm::kStream);
+  EXPECT_EQ(parse_gdn_conv_form("head"), GdnConvForm::kHead);
+  for (const char* bad : {"1", "Head", "head ", "bulk", "default"}) {
+    try {
+      parse_gdn_conv_form(bad);
+      ADD_FAILURE() << "'" << bad << "' was accepted";
+    } catch (const ds::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("DS_GDN_CONV"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    }
+  }
+  const GdnConvForm form0 = gdn_conv_form();
+  set_gdn_conv_form(GdnConvForm::kHead);
+  EXPECT_EQ(gdn_conv_form(), GdnConvForm::kHead);
+  set_gdn_conv_form(form0);
+  EXPECT_EQ(gdn_conv_form(), form0);
+}
+
 // $DS_GDN_STATE's values (host only): unset / empty / wg = the measured chunk step, tight the
 // shorter one, fused the pass with the output in the same kernel, anything else a ds::Error
 // naming the variable and the value.
@@ -932,7 +955,8 @@ TEST(CudaGdn, ConvStreamMatchesMulti) {
           ref_conv(s, hl, proj.data() + static_cast<size_t>(cu[i]) * s.in_dim(), lens[i], seqs[i]);
       std::copy(c.begin(), c.end(), ref.begin() + static_cast<size_t>(cu[i]) * qd);
     }
-    DevBuf<bf16> d_proj(proj.size()), qkv_m(size_t(T) * qd), qkv_s(size_t(T) * qd);
+    DevBuf<bf16> d_proj(proj.size()), qkv_m(size_t(T) * qd), qkv_s(size_t(T) * qd),
+        qkv_h(size_t(T) * qd);
     upload(d_proj, to_bf16(proj));
     DevBuf<int32_t> d_cu(n_seqs + 1), d_pos(n_seqs), d_slot(n_seqs);
     upload(d_cu, cu);
@@ -977,6 +1001,37 @@ TEST(CudaGdn, ConvStreamMatchesMulti) {
       EXPECT_ERR(compare(ys, ref), 4e-3, what + " qkv vs the oracle");
       EXPECT_TRUE(download_f32(g_s.p, g_s.n) == gm) << what << ": g differs from the multi kernel";
       EXPECT_TRUE(download_f32(b_s.p, b_s.n) == bm) << what << ": beta differs";
+      // The head-per-warp form (session 25): the same bounds; v (no l2norm) bit-identical to the
+      // stream form's, q / k at most one bf16 step from it (another sum-of-squares order).
+      qkv_h.poison();
+      g_s.poison();
+      b_s.poison();
+      launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, n_seqs, T, qkv_h.p,
+                                  g_s.p, b_s.p, nullptr, strip, GdnConvForm::kHead);
+      CK(cudaDeviceSynchronize());
+      const auto yh = download_bf16(qkv_h.p, qkv_h.n);
+      size_t h_unwritten = 0, h_off_step = 0, h_v_diff = 0, h_qk_diff = 0;
+      const size_t v0 = size_t(2) * s.n_k_heads * s.d_k;  // first v column of a row
+      for (size_t i = 0; i < yh.size(); ++i) {
+        if (!std::isfinite(yh[i])) {
+          ++h_unwritten;
+          continue;
+        }
+        const double bound = std::ldexp(std::max(std::abs(ym[i]), std::abs(yh[i])), -7);
+        h_off_step += std::abs(double(yh[i]) - ym[i]) > bound;
+        const bool differs = yh[i] != ys[i];
+        (i % size_t(qd) >= v0 ? h_v_diff : h_qk_diff) += differs;
+      }
+      EXPECT_EQ(h_unwritten, 0u) << what << ": head form left qkv elements unwritten (or NaN)";
+      EXPECT_EQ(h_off_step, 0u) << what << ": head form qkv more than one bf16 step from multi";
+      EXPECT_EQ(h_v_diff, 0u) << what << ": head form v differs from the stream form";
+      EXPECT_ERR(compare(yh, ref), 4e-3, what + " head form qkv vs the oracle");
+      EXPECT_TRUE(download_f32(g_s.p, g_s.n) == gm) << what << ": head form g differs";
+      EXPECT_TRUE(download_f32(b_s.p, b_s.n) == bm) << what << ": head form beta differs";
+      if (strip == 0)
+        std::printf("  conv head form n_k %d n_v %d: %zu of %zu q/k elements differ from the "
+                    "stream form (last bit)\n",
+                    s.n_k_heads, nv, h_qk_diff, yh.size() / qd * v0);
     }
     std::printf("  conv stream n_k %d n_v %d: %d tokens in %d sequences, vs oracle %.2e\n",
                 s.n_k_heads, nv, T, n_seqs, compare(ym, ref).norm);
@@ -1277,7 +1332,11 @@ TEST(CudaGdn, ConvTiming) {
           "stream strip " + std::to_string(strip ? strip : gdn_conv_prep_stream_strip(T));
       row(name.c_str(), [&] {
         launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
-                                    beta.p, nullptr, strip);
+                                    beta.p, nullptr, strip, GdnConvForm::kStream);
+      });
+      row(("head " + name.substr(7)).c_str(), [&] {
+        launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
+                                    beta.p, nullptr, strip, GdnConvForm::kHead);
       });
     }
   }
@@ -1337,7 +1396,11 @@ TEST(CudaGdn, PrefillStageTiming) {
   });
   stage("conv_prep_stream (gdn_prefill_conv.cu)", [&] {
     launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
-                                beta.p, nullptr);
+                                beta.p, nullptr, 0, GdnConvForm::kStream);
+  });
+  stage("conv_prep_stream, head per warp", [&] {
+    launch_gdn_conv_prep_stream(s, w, pp, d_proj.p, d_cu.p, d_pos.p, d_slot.p, 1, T, qkv.p, g.p,
+                                beta.p, nullptr, 0, GdnConvForm::kHead);
   });
   // The WY kernels turn g into gamma in place: each timed run first restores g (timed alone too).
   CK(cudaMemcpy(g0.p, g.p, g.n * 4, cudaMemcpyDeviceToDevice));

@@ -498,6 +498,52 @@ TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenOnOff,
                          ::testing::Values("qwen35_27b_ratios", "qwen35_other_ratios"));
 
+// The GDN prompt path's conv forms ($DS_GDN_CONV = head against stream; process-wide, read at
+// each launch) on one engine: a 4096 + 904-token prompt in two chunks (the second with carried
+// conv rings) and a short one, each followed by greedy decode. The head form sums q / k's squares
+// in another order (last-bit differences), so: logits within 1e-2 (relative L2) of the stream
+// form's over the rows both took the same tokens to reach, and where the tokens part, the stream
+// form's top-2 margin there below 1e-2 of its logit range (a near-tie, not a wrong token).
+TEST(GdnConvForms, HeadCloseToStreamAt27bShapes) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = config_27b_4_layers();
+  std::mt19937 rng(41);
+  const std::vector<std::vector<int32_t>> prompts = random_prompts({5000, 700}, c.vocab_size, rng);
+  auto b = make_engine({true}, &c, nullptr, 64);
+  struct Restore {
+    cuda::GdnConvForm f = cuda::gdn_conv_form();
+    ~Restore() { cuda::set_gdn_conv_form(f); }
+  } restore;
+  auto run = [&](cuda::GdnConvForm f) {
+    cuda::set_gdn_conv_form(f);
+    std::vector<Greedy> g;
+    for (const auto& p : prompts) g.push_back(greedy(*b, 0, p, 16));
+    return g;
+  };
+  const std::vector<Greedy> ref = run(cuda::GdnConvForm::kStream);
+  const std::vector<Greedy> got = run(cuda::GdnConvForm::kHead);
+  const size_t V = size_t(c.vocab_size);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    size_t k = 0;
+    while (k < ref[i].ids.size() && got[i].ids[k] == ref[i].ids[k]) ++k;
+    const size_t rows = std::min(k + 1, ref[i].ids.size());  // the first differing row too
+    const std::vector<float> a(got[i].rows.begin(), got[i].rows.begin() + rows * V);
+    const std::vector<float> r(ref[i].rows.begin(), ref[i].rows.begin() + rows * V);
+    const Err e = compare(a, r);
+    const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
+    std::printf("  $DS_GDN_CONV=head vs stream, prompt %zu: same tokens for %zu/%zu steps, logits "
+                "over %zu rows: L2 %.2e, max abs %.2e (%zu of %zu bits differ)\n",
+                prompts[i].size(), k, ref[i].ids.size(), rows, e.l2, e.max_abs,
+                bits_differ(a, r), a.size());
+    EXPECT_LT(e.l2, 1e-2) << "prompt " << prompts[i].size();
+    if (k < ref[i].ids.size()) {
+      EXPECT_LT(ref[i].margin[k], 1e-2 * (*hi - *lo))
+          << "prompt " << prompts[i].size() << ": tokens part at step " << k
+          << " where the stream form's choice was not a near-tie";
+    }
+  }
+}
+
 // The GDN prompt path's state-pass forms ($DS_GDN_STATE = tight, fused, fused2; process-wide,
 // read at each launch) against wg on one engine: a two-chunk prompt (4096 + 904 tokens, the
 // second chunk with carried state and a partial last chunk) and a short one, each followed by
