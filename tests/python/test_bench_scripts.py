@@ -56,6 +56,23 @@ def test_engine_benches_on_cpu_write_json(tmp_path):
     assert [x["logits_to_host"] for x in json.loads(dec.read_text())["decode"]] == [True]
 
 
+def test_decode_bench_prints_window_medians_on_long_runs():
+    # 256 steps or more: one more line with the p50 of each 64-step window, in order (a drift over
+    # the run shows there); shorter runs print only the summary.
+    common = ["--device", "cpu", "--synthetic", "tiny", "--cases", "1@16", "--warmup", "0"]
+    r = subprocess.run([str(BIN), "bench", "decode", *common, "--steps", "300"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if "p50 of each 64-step window" in ln]
+    assert len(lines) == 1, r.stdout
+    values = [float(v) for v in lines[0].split("ms:")[1].split()]
+    assert len(values) == 4 and all(v > 0 for v in values)  # 300 steps: 4 whole windows
+    r = subprocess.run([str(BIN), "bench", "decode", *common, "--steps", "255"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "TPOT p50" in r.stdout and "64-step window" not in r.stdout
+
+
 def test_results_md_ceilings_table_shows_the_spread(tmp_path):
     # A GPU run's ceilings (made-up numbers): the median repetition is the ceiling the ratios use,
     # the p90-p10 repetitions give the spread (the GEMM's moves ~15% with the clock on an H200).
