@@ -38,8 +38,8 @@
 //   wgmma_ws_lean / wgmma_ws3_lean  (session 22; the default picks since session 24's
 //               measurement: faster on 17 of 18 benched shapes, 16K causal 550 -> 599 TFLOP/s,
 //               the 32K prompt -1.6%; the plain forms above are their fallbacks; since session 25
-//               wgmma_ws_lean takes every hd-256 shape: 16K causal 620 vs 600 TFLOP/s for
-//               wgmma_ws3_lean, and faster on every cached shape too) the same kernels
+//               wgmma_ws_lean takes every hd-256 shape: 16K causal 605-621 vs 595-602
+//               TFLOP/s for wgmma_ws3_lean, whole prompts 0.3-0.4% faster) the same kernels
 //               with ~30% fewer
 //               instructions per 64-key tile and the same bits: a warp skips O's rescale (128
 //               FMULs per thread) when none of its rows raised its running max (alpha exactly 1),

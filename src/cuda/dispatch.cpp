@@ -231,11 +231,12 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // slower on one (4096 after 8K: 1683 vs 1674 us, within the bench's run-to-run spread); whole
   // prompts 4K 330.6 vs 331.5 ms, 32K 2916 vs 2964 ms. The plain forms stay as their fallbacks
   // (DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean).
-  // Session 25 (H200, bench kernels, two processes in one call, docs/perf/attn_prefill_ws.md):
-  // wgmma_ws_lean (2 K stages) beat wgmma_ws3_lean on every shape where both run, by 1.4-11%:
-  // 16K causal 5324 / 5314 vs 5497 / 5495 us (620 vs 600 TFLOP/s), 4096 after 8K-32K 662-704 vs
-  // 634-654 TFLOP/s, 3072 after 8K-32K 633-641 vs 594-626, 512 after 8K-32K 500-610 vs 490-584.
-  // So wgmma_ws_lean now comes first and takes every hd-256 shape.
+  // Session 25 (H200, bench kernels in two calls with the two kernels in opposite places of the
+  // bench's order, docs/perf/attn_prefill_ws.md): wgmma_ws_lean (2 K stages) beat
+  // wgmma_ws3_lean at 16K causal in both (620-621 vs 600-602 TFLOP/s, 605 vs 595), and at
+  // 4096 / 8K, 3072 / 8K and 32K, 512 / 8K and 32K; at the 16K-cached shapes the kernel in the
+  // bench's favoured place won each time. Whole prompts of 8K / 16K / 32K (4 rounds): -0.3% /
+  // -0.3% / -0.4%. So wgmma_ws_lean now comes first and takes every hd-256 shape.
   r.add({F::kAttnPrefill, "wgmma_ws_lean",
          "hd 256: wgmma_ws with O rescaled only when a row of the warp raised its max and no mask "
          "code before the diagonal (same bits)",

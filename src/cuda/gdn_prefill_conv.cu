@@ -29,7 +29,11 @@
 // vs 1.034, 2048 0.289 vs 0.325. ncu at 4096 tokens (strip 32): 71 us, DRAM 45% of peak, 22%
 // achieved occupancy (128 registers: 4 blocks per SM), 6.3 cycles per issued instruction: more
 // bytes in flight per SM (fewer registers, or the next batch's rows loaded during this one's
-// arithmetic, or bulk copies) is what would pay next (~40 us at the copy ceiling).
+// arithmetic, or bulk copies) is what would pay next (~40 us at the copy ceiling). Session 25
+// tried that: bulk copies of a whole strip into shared memory were slower (79.9 vs 75.0 us,
+// removed); a warp per head (the kHead form below, LC = 4: 72 registers, 7 blocks per SM) is
+// 3-8% faster alone (71-73 us) and a tie in whole prompts, so it is off ($DS_GDN_CONV=head;
+// docs/perf/gdn_prefill.md).
 // Test: tests/cuda/cuda_gdn_test.cpp (ConvStreamMatchesMulti, every prefill case through the
 // slice_scan variants; PrefillStageTiming / ConvTiming time it beside the other conv kernels).
 #include <atomic>
