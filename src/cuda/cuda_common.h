@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -66,6 +67,20 @@ inline bool env_switch(const char* name, bool dflt) {
   const std::string v = e ? e : "";
   DS_CHECK(v.empty() || v == "0" || v == "1", name, " must be 0 or 1, got '", v, "'");
   return v.empty() ? dflt : v == "1";
+}
+
+// A form switch (an enum) read from the environment variable `env` by `parse` on first use, unless
+// set before: `slot` holds the form as an int, -1 while not read yet. Thread-safe; the first value
+// stored wins.
+template <class Form>
+Form cached_form(std::atomic<int>& slot, const char* env, Form (*parse)(const char*)) {
+  int f = slot.load(std::memory_order_relaxed);
+  if (f < 0) {
+    f = static_cast<int>(parse(std::getenv(env)));
+    int expected = -1;
+    if (!slot.compare_exchange_strong(expected, f)) f = expected;
+  }
+  return static_cast<Form>(f);
 }
 
 }  // namespace ds::cuda

@@ -37,7 +37,6 @@
 // Test: tests/cuda/cuda_gdn_test.cpp (ConvStreamMatchesMulti, every prefill case through the
 // slice_scan variants; PrefillStageTiming / ConvTiming time it beside the other conv kernels).
 #include <atomic>
-#include <cstdlib>
 #include <string>
 
 #include "cuda/cuda_common.h"
@@ -235,7 +234,7 @@ bool gdn_conv_prep_stream_supported(const GdnShape& s, const GdnLayerWeights& w,
 }
 
 namespace {
-std::atomic<int> g_conv_form{-1};
+std::atomic<int> g_conv_form{-1};  // -1: not read yet
 }
 
 GdnConvForm parse_gdn_conv_form(const char* value) {
@@ -246,13 +245,7 @@ GdnConvForm parse_gdn_conv_form(const char* value) {
 }
 
 GdnConvForm gdn_conv_form() {
-  int f = g_conv_form.load(std::memory_order_relaxed);
-  if (f < 0) {
-    f = static_cast<int>(parse_gdn_conv_form(std::getenv("DS_GDN_CONV")));
-    int expected = -1;
-    if (!g_conv_form.compare_exchange_strong(expected, f)) f = expected;
-  }
-  return static_cast<GdnConvForm>(f);
+  return cached_form(g_conv_form, "DS_GDN_CONV", parse_gdn_conv_form);
 }
 
 void set_gdn_conv_form(GdnConvForm form) { g_conv_form.store(static_cast<int>(form)); }
@@ -280,16 +273,12 @@ void launch_gdn_conv_prep_stream(const GdnShape& s, const GdnLayerWeights& w,
   if (n_tokens <= 0 || n_seqs <= 0) return;
   const int n_heads = 2 * s.n_k_heads + s.n_v_heads;
   if (form == GdnConvForm::kDefault) form = gdn_conv_form();
-  if (form == GdnConvForm::kHead) {
-    const dim3 grid((n_heads + kWarps - 1) / kWarps, (n_tokens + strip - 1) / strip);
-    gdn_conv_prep_stream_kernel<4><<<grid, kWarps * 32, 0, stream>>>(
-        s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, strip, qkv, g, beta);
-  } else {
-    const int n_pairs = (n_heads + 1) / 2;
-    const dim3 grid((n_pairs + kWarps - 1) / kWarps, (n_tokens + strip - 1) / strip);
-    gdn_conv_prep_stream_kernel<8><<<grid, kWarps * 32, 0, stream>>>(
-        s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, n_tokens, strip, qkv, g, beta);
-  }
+  const bool head = form == GdnConvForm::kHead;
+  const int units = head ? n_heads : (n_heads + 1) / 2;  // warps' heads or head pairs
+  const dim3 grid((units + kWarps - 1) / kWarps, (n_tokens + strip - 1) / strip);
+  auto* kernel = head ? gdn_conv_prep_stream_kernel<4> : gdn_conv_prep_stream_kernel<8>;
+  kernel<<<grid, kWarps * 32, 0, stream>>>(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs,
+                                           n_tokens, strip, qkv, g, beta);
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -1825,18 +1825,6 @@ GdnStateForm parse_gdn_state_form(const char* value) {
                           : GdnStateForm::kWg;
 }
 
-// A form switch read from $env on first use (slot -1: not read yet) unless set before.
-template <class Form>
-Form cached_form(std::atomic<int>& slot, const char* env, Form (*parse)(const char*)) {
-  int f = slot.load(std::memory_order_relaxed);
-  if (f < 0) {
-    f = static_cast<int>(parse(std::getenv(env)));
-    int expected = -1;
-    if (!slot.compare_exchange_strong(expected, f)) f = expected;
-  }
-  return static_cast<Form>(f);
-}
-
 GdnStateForm gdn_state_form() {
   return cached_form(g_state_form, "DS_GDN_STATE", parse_gdn_state_form);
 }

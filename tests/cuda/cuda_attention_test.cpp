@@ -468,11 +468,15 @@ TEST(CudaAttentionMma, TmaCacheView) {
 TEST(CudaAttentionMma, DefaultDispatch) {
   // Measured on the H200 (bench kernels, dispatch.cpp): the warp-specialised TMA kernels win on
   // every shape, in their lean forms (session 24), and since session 25 wgmma_ws_lean (2 K
-  // stages) on every hd-256 shape: it beat wgmma_ws3_lean wherever both ran.
-  const auto r = cuda::DispatchRegistry::with_defaults(90);
-  const auto pick = [&](int q, int kv) {
-    return r.select(cuda::KernelFamily::kAttnPrefill, r.key(256, 6, q, kv)).name;
+  // stages) on every hd-256 shape (docs/perf/attn_prefill_ws.md, session 25).
+  // The hd-256 pick for (q, kv) with the named variants switched off (DS_DISABLE_KERNELS).
+  const auto picker = [](const std::string& disabled) {
+    return [r = cuda::DispatchRegistry::with_defaults(90, disabled)](int q, int kv) {
+      return r.select(cuda::KernelFamily::kAttnPrefill, r.key(256, 6, q, kv)).name;
+    };
   };
+  const auto r = cuda::DispatchRegistry::with_defaults(90);
+  const auto pick = picker("");
   EXPECT_EQ(pick(4096, 4096), "wgmma_ws_lean");
   EXPECT_EQ(pick(3072, 3072), "wgmma_ws_lean");
   EXPECT_EQ(pick(4096, 4096 + 8192), "wgmma_ws_lean");
@@ -485,11 +489,7 @@ TEST(CudaAttentionMma, DefaultDispatch) {
   EXPECT_EQ(pick(1, 100), "wgmma_ws_lean");
   // With wgmma_ws_lean off: session 24's picks, wgmma_ws3_lean from 512-token chunks against
   // >= 8K keys (the A/B reference of the change), plain wgmma_ws elsewhere.
-  const auto s24 =
-      cuda::DispatchRegistry::with_defaults(90, "attn_prefill.wgmma_ws_lean");
-  const auto pick_s24 = [&](int q, int kv) {
-    return s24.select(cuda::KernelFamily::kAttnPrefill, s24.key(256, 6, q, kv)).name;
-  };
+  const auto pick_s24 = picker("attn_prefill.wgmma_ws_lean");
   EXPECT_EQ(pick_s24(4096, 4096 + 8192), "wgmma_ws3_lean");
   EXPECT_EQ(pick_s24(512, 33280), "wgmma_ws3_lean");
   EXPECT_EQ(pick_s24(16384, 16384), "wgmma_ws3_lean");
@@ -498,34 +498,24 @@ TEST(CudaAttentionMma, DefaultDispatch) {
   EXPECT_EQ(pick_s24(4096, 8191), "wgmma_ws");
   // The lean forms are the default since session 24; with them switched off the plain forms take
   // the same shapes (their A/B reference).
-  const auto plain = cuda::DispatchRegistry::with_defaults(
-      90, "attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean");
-  const auto pick_plain = [&](int q, int kv) {
-    return plain.select(cuda::KernelFamily::kAttnPrefill, plain.key(256, 6, q, kv)).name;
-  };
+  const auto pick_plain = picker("attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean");
   EXPECT_EQ(pick_plain(4096, 4096), "wgmma_ws");
   EXPECT_EQ(pick_plain(16384, 16384), "wgmma_ws3");
   EXPECT_EQ(pick_plain(512, 33280), "wgmma_ws3");
   EXPECT_EQ(pick_plain(511, 33279), "wgmma_ws");
   EXPECT_EQ(pick_plain(21, 8192), "wgmma_ws");
   // The persistent forms come next: with the four above off, every hd-256 shape.
-  const auto persist = cuda::DispatchRegistry::with_defaults(
-      90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
-          "attn_prefill.wgmma_ws_lean");
-  const auto pick_persist = [&](int q, int kv) {
-    return persist.select(cuda::KernelFamily::kAttnPrefill, persist.key(256, 6, q, kv)).name;
-  };
+  const auto pick_persist = picker(
+      "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
+      "attn_prefill.wgmma_ws_lean");
   EXPECT_EQ(pick_persist(4096, 4096), "wgmma_ws3_persist");
   EXPECT_EQ(pick_persist(16384, 16384), "wgmma_ws3_persist");
   EXPECT_EQ(pick_persist(21, 8192), "wgmma_ws3_persist");
   // Without the TMA kernels (DS_DISABLE_KERNELS): wgmma_m128 for every hd-256 shape.
-  const auto old = cuda::DispatchRegistry::with_defaults(
-      90, "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
-          "attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_persist,"
-          "attn_prefill.wgmma_ws3_lean_persist");
-  const auto pick_old = [&](int q, int kv) {
-    return old.select(cuda::KernelFamily::kAttnPrefill, old.key(256, 6, q, kv)).name;
-  };
+  const auto pick_old = picker(
+      "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
+      "attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_persist,"
+      "attn_prefill.wgmma_ws3_lean_persist");
   EXPECT_EQ(pick_old(4096, 4096), "wgmma_m128");
   EXPECT_EQ(pick_old(21, 8192), "wgmma_m128");
   EXPECT_EQ(pick_old(1, 1), "wgmma_m128");

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -742,78 +743,62 @@ TEST(CudaGdn, WgmmaStatePassGuard) {
   }
 }
 
-// $DS_GDN_OUT's values (host only): unset / empty / wg = the wgmma output, tma and cp the
-// mma.sync forms, anything else a ds::Error naming the variable and the value.
+// A form switch's values (host only): each of `good` parses to its form (null and "" to
+// `dflt`), each of `bad` is a ds::Error naming the variable `env` and the value, and set()
+// overrides the process's choice (to `other` and back).
+template <class Form>
+void expect_form_switch(Form (*parse)(const char*), Form (*get)(), void (*set)(Form),
+                        const char* env, Form dflt,
+                        std::initializer_list<std::pair<const char*, Form>> good,
+                        std::initializer_list<const char*> bad, Form other) {
+  EXPECT_EQ(parse(nullptr), dflt);
+  EXPECT_EQ(parse(""), dflt);
+  for (const auto& [value, form] : good) EXPECT_EQ(parse(value), form) << value;
+  for (const char* v : bad) {
+    try {
+      parse(v);
+      ADD_FAILURE() << "'" << v << "' was accepted";
+    } catch (const ds::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(env), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(v), std::string::npos) << e.what();
+    }
+  }
+  const Form form0 = get();
+  set(other);
+  EXPECT_EQ(get(), other);
+  set(form0);
+  EXPECT_EQ(get(), form0);
+}
+
+// $DS_GDN_OUT: unset / empty / wg = the wgmma output, tma and cp the mma.sync forms.
 TEST(CudaGdn, OutFormSwitch) {
-  EXPECT_EQ(parse_gdn_out_form(nullptr), GdnOutForm::kWgmma);
-  EXPECT_EQ(parse_gdn_out_form(""), GdnOutForm::kWgmma);
-  EXPECT_EQ(parse_gdn_out_form("wg"), GdnOutForm::kWgmma);
-  EXPECT_EQ(parse_gdn_out_form("tma"), GdnOutForm::kTma);
-  EXPECT_EQ(parse_gdn_out_form("cp"), GdnOutForm::kCpAsync);
-  for (const char* bad : {"0", "TMA", "wgs", "cp.async", " wg"}) {
-    try {
-      parse_gdn_out_form(bad);
-      ADD_FAILURE() << "'" << bad << "' was accepted";
-    } catch (const ds::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("DS_GDN_OUT"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
-    }
-  }
-  const GdnOutForm form0 = gdn_out_form();  // set_gdn_out_form overrides the process's choice
-  set_gdn_out_form(GdnOutForm::kCpAsync);
-  EXPECT_EQ(gdn_out_form(), GdnOutForm::kCpAsync);
-  set_gdn_out_form(form0);
-  EXPECT_EQ(gdn_out_form(), form0);
+  expect_form_switch(parse_gdn_out_form, gdn_out_form, set_gdn_out_form, "DS_GDN_OUT",
+                     GdnOutForm::kWgmma,
+                     {{"wg", GdnOutForm::kWgmma}, {"tma", GdnOutForm::kTma},
+                      {"cp", GdnOutForm::kCpAsync}},
+                     {"0", "TMA", "wgs", "cp.async", " wg"}, GdnOutForm::kCpAsync);
 }
 
-// $DS_GDN_CONV's values (host only): unset / empty / stream = a warp per two heads, head = a warp
-// per head, anything else a ds::Error naming the variable and the value.
+// $DS_GDN_CONV: unset / empty / stream = a warp per two heads, head = a warp per head.
 TEST(CudaGdn, ConvFormSwitch) {
-  EXPECT_EQ(parse_gdn_conv_form(nullptr), GdnConvForm::kStream);
-  EXPECT_EQ(parse_gdn_conv_form(""), GdnConvForm::kStream);
-  EXPECT_EQ(parse_gdn_conv_form("stream"), GdnConvForm::kStream);
-  EXPECT_EQ(parse_gdn_conv_form("head"), GdnConvForm::kHead);
-  for (const char* bad : {"1", "Head", "head ", "bulk", "default"}) {
-    try {
-      parse_gdn_conv_form(bad);
-      ADD_FAILURE() << "'" << bad << "' was accepted";
-    } catch (const ds::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("DS_GDN_CONV"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
-    }
-  }
-  const GdnConvForm form0 = gdn_conv_form();
-  set_gdn_conv_form(GdnConvForm::kHead);
-  EXPECT_EQ(gdn_conv_form(), GdnConvForm::kHead);
-  set_gdn_conv_form(form0);
-  EXPECT_EQ(gdn_conv_form(), form0);
+  expect_form_switch(parse_gdn_conv_form, gdn_conv_form, set_gdn_conv_form, "DS_GDN_CONV",
+                     GdnConvForm::kStream,
+                     {{"stream", GdnConvForm::kStream}, {"head", GdnConvForm::kHead}},
+                     {"1", "Head", "head ", "bulk", "default"}, GdnConvForm::kHead);
 }
 
-// $DS_GDN_STATE's values (host only): unset / empty / wg = the measured chunk step, tight the
-// shorter one, fused the pass with the output in the same kernel, anything else a ds::Error
-// naming the variable and the value.
+// $DS_GDN_STATE: unset / empty / wg = the measured chunk step, tight the shorter one, fused /
+// fused2 / fused2w the pass with the output in the same kernel.
 TEST(CudaGdn, StateFormSwitch) {
-  EXPECT_EQ(parse_gdn_state_form(nullptr), GdnStateForm::kWg);
-  EXPECT_EQ(parse_gdn_state_form(""), GdnStateForm::kWg);
-  EXPECT_EQ(parse_gdn_state_form("wg"), GdnStateForm::kWg);
-  EXPECT_EQ(parse_gdn_state_form("tight"), GdnStateForm::kTight);
-  EXPECT_EQ(parse_gdn_state_form("fused"), GdnStateForm::kFused);
-  EXPECT_EQ(parse_gdn_state_form("fused2"), GdnStateForm::kFused2);
-  EXPECT_EQ(parse_gdn_state_form("fused2w"), GdnStateForm::kFused2Wg);
-  for (const char* bad : {"1", "Tight", "tight ", "wgmma", "fuse", "Fused", "fused1", "fused3"}) {
-    try {
-      parse_gdn_state_form(bad);
-      ADD_FAILURE() << "'" << bad << "' was accepted";
-    } catch (const ds::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("DS_GDN_STATE"), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
-    }
-  }
-  const GdnStateForm form0 = gdn_state_form();
-  set_gdn_state_form(GdnStateForm::kTight);
-  EXPECT_EQ(gdn_state_form(), GdnStateForm::kTight);
-  set_gdn_state_form(form0);
-  EXPECT_EQ(gdn_state_form(), form0);
+  expect_form_switch(parse_gdn_state_form, gdn_state_form, set_gdn_state_form, "DS_GDN_STATE",
+                     GdnStateForm::kWg,
+                     {{"wg", GdnStateForm::kWg},
+                      {"tight", GdnStateForm::kTight},
+                      {"fused", GdnStateForm::kFused},
+                      {"fused2", GdnStateForm::kFused2},
+                      {"fused2w", GdnStateForm::kFused2Wg}},
+                     {"1", "Tight", "tight ", "wgmma", "fuse", "Fused", "fused1", "fused3"},
+                     GdnStateForm::kTight);
 }
 
 TEST(CudaGdn, PrefillWorkspaceTooSmallIsAnError) {

@@ -498,6 +498,37 @@ TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenOnOff,
                          ::testing::Values("qwen35_27b_ratios", "qwen35_other_ratios"));
 
+// Greedy runs (16 tokens after each prompt) of a 4096 + 904-token prompt (two chunks, the second
+// with carried state and a partial last chunk) and a 700-token one, at the 27B shapes with 4
+// layers, on one engine: first under the process-wide form `ref` of a form switch (get / set),
+// then under `got`; the switch's previous form is restored afterwards.
+struct FormRuns {
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<Greedy> ref, got;
+};
+template <class Form>
+FormRuns greedy_under_forms(uint32_t seed, Form (*get)(), void (*set)(Form), Form ref, Form got) {
+  const ModelConfig c = config_27b_4_layers();
+  std::mt19937 rng(seed);
+  FormRuns r;
+  r.prompts = random_prompts({5000, 700}, c.vocab_size, rng);
+  auto b = make_engine({true}, &c, nullptr, 64);
+  struct Restore {
+    void (*set)(Form);
+    Form f;
+    ~Restore() { set(f); }
+  } restore{set, get()};
+  auto run = [&](Form f) {
+    set(f);
+    std::vector<Greedy> g;
+    for (const auto& p : r.prompts) g.push_back(greedy(*b, 0, p, 16));
+    return g;
+  };
+  r.ref = run(ref);
+  r.got = run(got);
+  return r;
+}
+
 // The GDN prompt path's conv forms ($DS_GDN_CONV = head against stream; process-wide, read at
 // each launch) on one engine: a 4096 + 904-token prompt in two chunks (the second with carried
 // conv rings) and a short one, each followed by greedy decode. The head form sums q / k's squares
@@ -506,23 +537,10 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenOnOff,
 // form's top-2 margin there below 1e-2 of its logit range (a near-tie, not a wrong token).
 TEST(GdnConvForms, HeadCloseToStreamAt27bShapes) {
   DS_REQUIRE_GPU();
-  const ModelConfig c = config_27b_4_layers();
-  std::mt19937 rng(41);
-  const std::vector<std::vector<int32_t>> prompts = random_prompts({5000, 700}, c.vocab_size, rng);
-  auto b = make_engine({true}, &c, nullptr, 64);
-  struct Restore {
-    cuda::GdnConvForm f = cuda::gdn_conv_form();
-    ~Restore() { cuda::set_gdn_conv_form(f); }
-  } restore;
-  auto run = [&](cuda::GdnConvForm f) {
-    cuda::set_gdn_conv_form(f);
-    std::vector<Greedy> g;
-    for (const auto& p : prompts) g.push_back(greedy(*b, 0, p, 16));
-    return g;
-  };
-  const std::vector<Greedy> ref = run(cuda::GdnConvForm::kStream);
-  const std::vector<Greedy> got = run(cuda::GdnConvForm::kHead);
-  const size_t V = size_t(c.vocab_size);
+  const FormRuns runs = greedy_under_forms(41, cuda::gdn_conv_form, cuda::set_gdn_conv_form,
+                                           cuda::GdnConvForm::kStream, cuda::GdnConvForm::kHead);
+  const auto& [prompts, ref, got] = runs;
+  const size_t V = size_t(config_27b_4_layers().vocab_size);
   for (size_t i = 0; i < prompts.size(); ++i) {
     size_t k = 0;
     while (k < ref[i].ids.size() && got[i].ids[k] == ref[i].ids[k]) ++k;
@@ -555,22 +573,9 @@ class GdnStateForms : public ::testing::TestWithParam<const char*> {};
 TEST_P(GdnStateForms, BitExactVsWgAt27bShapes) {
   DS_REQUIRE_GPU();
   const cuda::GdnStateForm form = cuda::parse_gdn_state_form(GetParam());
-  const ModelConfig c = config_27b_4_layers();
-  std::mt19937 rng(37);
-  const std::vector<std::vector<int32_t>> prompts = random_prompts({5000, 700}, c.vocab_size, rng);
-  auto b = make_engine({true}, &c, nullptr, 64);
-  struct Restore {
-    cuda::GdnStateForm f = cuda::gdn_state_form();
-    ~Restore() { cuda::set_gdn_state_form(f); }
-  } restore;
-  auto run = [&](cuda::GdnStateForm f) {
-    cuda::set_gdn_state_form(f);
-    std::vector<Greedy> g;
-    for (const auto& p : prompts) g.push_back(greedy(*b, 0, p, 16));
-    return g;
-  };
-  const std::vector<Greedy> ref = run(cuda::GdnStateForm::kWg);
-  const std::vector<Greedy> got = run(form);
+  const FormRuns runs = greedy_under_forms(37, cuda::gdn_state_form, cuda::set_gdn_state_form,
+                                           cuda::GdnStateForm::kWg, form);
+  const auto& [prompts, ref, got] = runs;
   for (size_t i = 0; i < prompts.size(); ++i) {
     const size_t differ = bits_differ(got[i].rows, ref[i].rows);
     std::printf("  $DS_GDN_STATE=%s vs wg, prompt %zu: %zu of %zu logits differ\n", GetParam(),
