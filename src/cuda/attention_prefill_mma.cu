@@ -145,6 +145,68 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[kBn / 2], uint32_t (&p)
   st.l_b = st.l_b * alpha_b + sum_b;
 }
 
+// kLazy (wgmma_ws_lazy, session 26): the online softmax of softmax_tile with two changes that
+// cost bits, not accuracy (FlashAttention-4's): (1) the row max is taken over the raw scores and
+// the scale folded into the exponent's FFMA, exp2(s c - m) with m = max(s) c (the same maximum:
+// scaling by c > 0 commutes with max, and rounding is monotonic), instead of a multiply per score
+// and then a subtraction (32 instructions per tile and thread fewer); (2) a row's base m is
+// raised only when a tile's max exceeds it by more than kLazyTau (log2 domain), so that after
+// the first tiles O is almost never rescaled (128 multiplies per thread).
+// P may then reach 2^kLazyTau = 256: bf16 keeps its relative precision there, and l (<= 256 per
+// key) and O stay far from fp32's range. alpha is exactly 1 for a row that kept its base, so the
+// caller's warp vote (alpha != 1 on some row) rescales O as rarely as the rows raise.
+constexpr float kLazyTau = 8.f;
+__device__ __forceinline__ void softmax_tile_lazy(float (&sc)[kBn / 2], uint32_t (&p)[kBn / 16][4],
+                                                  int kt, bool need_mask, int pos_a, int pos_b,
+                                                  int t, SoftmaxRows& st, float& alpha_a,
+                                                  float& alpha_b) {
+  constexpr float kScaleLog2 = 0.0625f * 1.4426950408889634f;  // 1/sqrt(256) * log2(e)
+  float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < kBn / 8; ++n) {
+    if (need_mask) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kt + n * 8 + 2 * t + (e & 1);
+        if (key > (e < 2 ? pos_a : pos_b)) sc[4 * n + e] = -INFINITY;
+      }
+    }
+    mx_a = fmaxf(mx_a, fmaxf(sc[4 * n], sc[4 * n + 1]));
+    mx_b = fmaxf(mx_b, fmaxf(sc[4 * n + 2], sc[4 * n + 3]));
+  }
+  mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+  mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+  mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+  mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+  const float ms_a = mx_a * kScaleLog2, ms_b = mx_b * kScaleLog2;  // -inf stays -inf
+  // A row raises its base only past the threshold (a row with no key yet has m = -inf, and any
+  // finite max raises it: -inf + tau = -inf). Per row and by selects: a vote or a branch here
+  // (a warp-wide decision before the exponentials) made the compiler sink the exponentials past
+  // the caller's wait for P(j-1) V(j-1). Without a raise mn = m and alpha = exp2(0) = 1 exactly.
+  const float mn_a = ms_a > st.m_a + kLazyTau ? ms_a : st.m_a;
+  const float mn_b = ms_b > st.m_b + kLazyTau ? ms_b : st.m_b;
+  alpha_a = fast_exp2(st.m_a - (mn_a == -INFINITY ? 0.f : mn_a));
+  alpha_b = fast_exp2(st.m_b - (mn_b == -INFINITY ? 0.f : mn_b));
+  st.m_a = mn_a;
+  st.m_b = mn_b;
+  const float nb_a = st.m_a == -INFINITY ? 0.f : -st.m_a;  // a row with no key yet stays 0
+  const float nb_b = st.m_b == -INFINITY ? 0.f : -st.m_b;
+  float sum_a, sum_b;
+#pragma unroll
+  for (int n = 0; n < kBn / 8; ++n) {
+    const float p0 = fast_exp2(fmaf(sc[4 * n], kScaleLog2, nb_a));
+    const float p1 = fast_exp2(fmaf(sc[4 * n + 1], kScaleLog2, nb_a));
+    const float p2 = fast_exp2(fmaf(sc[4 * n + 2], kScaleLog2, nb_b));
+    const float p3 = fast_exp2(fmaf(sc[4 * n + 3], kScaleLog2, nb_b));
+    sum_a = n == 0 ? p0 + p1 : sum_a + (p0 + p1);
+    sum_b = n == 0 ? p2 + p3 : sum_b + (p2 + p3);
+    p[n >> 1][(n & 1) * 2 + 0] = pack_bf16(p0, p1);
+    p[n >> 1][(n & 1) * 2 + 1] = pack_bf16(p2, p3);
+  }
+  st.l_a = st.l_a * alpha_a + sum_a;
+  st.l_b = st.l_b * alpha_b + sum_b;
+}
+
 // A block's place in the work layout (one block per row tile, kv head, sequence; the heaviest
 // tiles of the causal triangle first) and the keys its rows need.
 struct RowTile {
@@ -617,11 +679,17 @@ __device__ __forceinline__ void fence_frags(uint32_t (&p)[kBn / 16][4]) {
 // The Q descriptors are rebuilt from one base per call (a descriptor of address a + off is the
 // descriptor of a plus off / 16 while addresses stay below 256 KiB): the base goes through an
 // opaque move so that the compiler cannot hoist 16 64-bit descriptors out of the tile loop and
-// hold them in registers.
+// hold them in registers. kUniform (the lazy form): the moved base then goes through a shuffle
+// from lane 0, which the compiler knows to be warp-uniform, so each descriptor is one 64-bit
+// add in the uniform datapath; without it (an asm output counts as divergent) each is built in
+// ordinary registers and moved to uniform ones (IADD3 + IADD3.X + 2 R2UR + UMOV: ~5
+// instructions per wgmma, ~80 per tile).
+template <bool kUniform = false>
 __device__ __forceinline__ void issue_qk_ws(float (&sc)[kBn / 2], uint32_t q_smem, uint32_t ks,
                                             int wg) {
   uint32_t qa;
   asm volatile("mov.b32 %0, %1;\n" : "=r"(qa) : "r"(q_smem + uint32_t(wg) * 64 * 128));
+  if constexpr (kUniform) qa = __shfl_sync(0xffffffffu, qa, 0);
   const uint64_t qd = gmma_desc(qa, 16, 1024), kd = gmma_desc(ks, 16, 1024);
   wgmma_fence();
 #pragma unroll
@@ -671,7 +739,7 @@ __device__ __forceinline__ void ws_issue_q(const AttnShape& s, const RowTile& rt
 // sync the warpgroup); the persistent kernel starts the next row tile's Q copies there. kPersist:
 // the last V tile's rows past the last key are zeroed here by the two consumer warpgroups
 // (columns split between them, then a 256-thread barrier), not by the second producer warp.
-template <int KS, int VS, bool kLean, bool kPersist, class BeforeLastPv>
+template <int KS, int VS, bool kLean, bool kPersist, bool kLazy = false, class BeforeLastPv>
 __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTile& rt,
                                                 const AttnGate& gate, bf16* __restrict__ out,
                                                 int wg, const WsSmem<KS, VS>& sm, int kf0,
@@ -697,13 +765,16 @@ __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTil
     float sc[kBn / 2];
     const int sk = kf0 % KS;
     mbar_wait(sm.full_k(sk), (kf0 / KS) & 1);
-    issue_qk_ws(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
+    issue_qk_ws<kLazy>(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(sc);
     release(sm.empty_k(sk));
     float alpha_a, alpha_b;  // O is still 0: nothing to rescale
-    softmax_tile(sc, pa, 0, need_mask(0), qr.pos_a, qr.pos_b, t, st, alpha_a, alpha_b);
+    if constexpr (kLazy)
+      softmax_tile_lazy(sc, pa, 0, need_mask(0), qr.pos_a, qr.pos_b, t, st, alpha_a, alpha_b);
+    else
+      softmax_tile(sc, pa, 0, need_mask(0), qr.pos_a, qr.pos_b, t, st, alpha_a, alpha_b);
   }
   // Tile j >= 1: S(j) = Q K(j)^T, then O += P(j-1) V(j-1) from pin, the softmax of S(j) into pout
   // while that runs, then O rescaled. `maskable` false: a tile known to need no mask (compiled
@@ -717,7 +788,7 @@ __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTil
     mbar_wait(sm.full_k(sk), (kf / KS) & 1);
     fence_regs(o);
     fence_frags(pin);
-    issue_qk_ws(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
+    issue_qk_ws<kLazy>(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
     wgmma_commit();
     mbar_wait(sm.full_v(sv), (vf / VS) & 1);
     issue_pv(o, pin, sm.v + uint32_t(sv) * kWsTileBytes);
@@ -725,15 +796,20 @@ __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTil
     fence_regs(sc);
     release(sm.empty_k(sk));
     float alpha_a, alpha_b;
-    softmax_tile(sc, pout, j * kBn, decltype(maskable)::value && need_mask(j), qr.pos_a, qr.pos_b,
-                 t, st, alpha_a, alpha_b);
+    if constexpr (kLazy)
+      softmax_tile_lazy(sc, pout, j * kBn, decltype(maskable)::value && need_mask(j), qr.pos_a,
+                        qr.pos_b, t, st, alpha_a, alpha_b);
+    else
+      softmax_tile(sc, pout, j * kBn, decltype(maskable)::value && need_mask(j), qr.pos_a,
+                   qr.pos_b, t, st, alpha_a, alpha_b);
     wgmma_wait<0>();
     fence_regs(o);
     fence_frags(pin);
     release(sm.empty_v(sv));
     // kLean: once the running maxima settle, most tiles leave every row's max where it was; alpha
     // is then exactly 1 and the 128 multiplies change nothing, so a warp skips them when none of
-    // its 16 rows moved (the same bits as always rescaling).
+    // its 16 rows moved (the same bits as always rescaling). kLazy: a row moves only past the
+    // threshold (softmax_tile_lazy), which after the first tiles is rare.
     if (!kLean || __any_sync(0xffffffffu, alpha_a != 1.f || alpha_b != 1.f))
       rescale_o(o, alpha_a, alpha_b);
   };
@@ -832,7 +908,7 @@ __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTil
 }
 
 // Consumer warpgroup wg (0, 1) of the one-row-tile kernel: its Q rows, then the tile.
-template <int KS, int VS, bool kLean>
+template <int KS, int VS, bool kLean, bool kLazy = false>
 __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt,
                                            const bf16* __restrict__ q, const AttnGate& gate,
                                            bf16* __restrict__ out, int wg,
@@ -844,10 +920,11 @@ __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt
   cp_async_wait<0>();
   fence_proxy_async();
   warpgroup_bar(1 + wg);
-  ws_consume_tile<KS, VS, kLean, false>(s, rt, gate, out, wg, sm, 0, 0, [] {}, warp, lane);
+  ws_consume_tile<KS, VS, kLean, false, kLazy>(s, rt, gate, out, wg, sm, 0, 0, [] {}, warp,
+                                               lane);
 }
 
-template <int KS, int VS, bool kLean>
+template <int KS, int VS, bool kLean, bool kLazy = false>
 __global__ void __launch_bounds__(kWsThreads, 1)
     attention_prefill_ws_kernel(AttnShape s, AttnBatch b,
                                 const bf16* __restrict__ q,  // [n_rows, n_heads, 256]
@@ -881,7 +958,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     if (threadIdx.x >= 32 && threadIdx.x < 64) ws_zero_v_tail(rt, sm);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    ws_consume<KS, VS, kLean>(s, rt, q, gate, out, (threadIdx.x >> 7) - 1, sm);
+    static_assert(!kLazy || kLean, "the lazy softmax runs on the lean form's loops");
+    ws_consume<KS, VS, kLean, kLazy>(s, rt, q, gate, out, (threadIdx.x >> 7) - 1, sm);
   }
 }
 
@@ -1029,12 +1107,12 @@ WsLaunch ws_launch_setup(const void* kernel, size_t smem, const AttnShape& s, co
   return l;
 }
 
-template <int KS, int VS, bool kLean>
+template <int KS, int VS, bool kLean, bool kLazy = false>
 void launch_ws(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
                const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
   constexpr size_t smem = ws_smem_bytes<KS, VS>();
   static_assert(smem <= 227 * 1024, "shared memory of one block");
-  auto* kernel = attention_prefill_ws_kernel<KS, VS, kLean>;
+  auto* kernel = attention_prefill_ws_kernel<KS, VS, kLean, kLazy>;
   const WsLaunch l =
       ws_launch_setup(reinterpret_cast<const void*>(kernel), smem, s, b, k_cache, v_cache);
   // Heads first (the heaviest row tiles of every kv head start first) while the tiles fit grid y
@@ -1104,6 +1182,7 @@ void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, cons
     case AttnMmaKernel::kWgmmaWs3Lean:
     case AttnMmaKernel::kWgmmaWs3Persist:
     case AttnMmaKernel::kWgmmaWs3LeanPersist:
+    case AttnMmaKernel::kWgmmaWsLazy:
       // A cache the TMA map cannot describe (attention_prefill_tma_view) runs wgmma_m128: the
       // same outputs bit for bit.
       if (!attention_prefill_tma_view(s).ok)
@@ -1121,6 +1200,8 @@ void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, cons
           return launch_wsp<3, 2, false>(s, b, q, k_cache, v_cache, gate, out, stream);
         case AttnMmaKernel::kWgmmaWs3LeanPersist:
           return launch_wsp<3, 2, true>(s, b, q, k_cache, v_cache, gate, out, stream);
+        case AttnMmaKernel::kWgmmaWsLazy:
+          return launch_ws<2, 2, true, true>(s, b, q, k_cache, v_cache, gate, out, stream);
         default:
           break;
       }

@@ -41,7 +41,10 @@ AttnCacheTmaView attention_prefill_tma_view(const AttnShape& s);
 // default until measured. The Persist forms (of wgmma_ws3 and its lean form) are persistent: one
 // block per SM walks the row tiles (the same order, dealt round by round), the producer streams
 // the next tile's K / V and the consumers copy its Q while they finish the current one; same
-// bits, not picked by default until measured.
+// bits, not picked by default until measured. kWgmmaWsLazy (session 26) is wgmma_ws_lean with
+// the scale folded into the exponent's FFMA and O rescaled only when a row's max grows by more
+// than 2^8 (FlashAttention-4's lazy rescale): fewer instructions per tile, not the same bits
+// (within the tolerance of the fp32 reference, tested against wgmma_m128).
 enum class AttnMmaKernel {
   kWgmmaM128,
   kWgmmaWs,
@@ -49,7 +52,8 @@ enum class AttnMmaKernel {
   kWgmmaWsLean,
   kWgmmaWs3Lean,
   kWgmmaWs3Persist,
-  kWgmmaWs3LeanPersist
+  kWgmmaWs3LeanPersist,
+  kWgmmaWsLazy
 };
 
 // Same contract as launch_attention_prefill, run by `kernel`.

@@ -216,7 +216,7 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // keys (16K causal: 558-631 vs 535-603 TFLOP/s), 1-7% slower on chunks without a cache.
   // wgmma_m128 runs when the TMA kernels are switched off (DS_DISABLE_KERNELS=attn_prefill.
   // wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean,
-  // attn_prefill.wgmma_ws3_persist,attn_prefill.wgmma_ws3_lean_persist).
+  // attn_prefill.wgmma_ws3_persist,attn_prefill.wgmma_ws3_lean_persist,attn_prefill.wgmma_ws_lazy).
   const auto hd256 = [](const ShapeKey& k) {
     return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1;
   };
@@ -268,6 +268,18 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          hd256});
   r.add({F::kAttnPrefill, "wgmma_ws3_lean_persist",
          "wgmma_ws3_lean as a persistent grid (same bits)", hd256});
+  // wgmma_ws_lazy (session 26): wgmma_ws_lean with the score scale folded into the exponent's
+  // FFMA and O rescaled only when a row's max grows by more than 2^8 (FlashAttention-4's lazy
+  // rescale): ~15% fewer consumer instructions per tile, not the same bits (within the fp32
+  // reference's tolerance, no less accurate than wgmma_m128: cuda_attention_test). Registered
+  // behind the kernels above, so never picked while they are on; with the six above off
+  // (DS_DISABLE_KERNELS=attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_lean,attn_prefill.
+  // wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_persist,attn_prefill.
+  // wgmma_ws3_lean_persist) it takes every hd-256 shape. bench kernels times it in every note.
+  r.add({F::kAttnPrefill, "wgmma_ws_lazy",
+         "hd 256: wgmma_ws_lean with the scale in the exponent's FFMA and O rescaled only when a "
+         "row's max grows by more than 2^8 (not the same bits; within tolerance)",
+         hd256});
   r.add({F::kAttnPrefill, "wgmma_m128",
          "hd 256, 128 rows x 64 keys per block, Hopper wgmma (Q K^T smem x smem, P V regs x smem), "
          "O in registers, 2-stage cp.async K/V",
