@@ -251,6 +251,7 @@ void launch_attention_prefill(const AttnShape& s, const AttnBatch& b, const bf16
         {"wgmma_ws3_lean", AttnMmaKernel::kWgmmaWs3Lean},
         {"wgmma_ws3_persist", AttnMmaKernel::kWgmmaWs3Persist},
         {"wgmma_ws3_lean_persist", AttnMmaKernel::kWgmmaWs3LeanPersist},
+        {"wgmma_ws_ulean", AttnMmaKernel::kWgmmaWsULean},
         {"wgmma_ws_lazy", AttnMmaKernel::kWgmmaWsLazy},
         {"wgmma_m128", AttnMmaKernel::kWgmmaM128}};
     for (const auto& [name, kernel] : kMmaVariants) {

@@ -145,7 +145,7 @@ __device__ __forceinline__ void softmax_tile(float (&sc)[kBn / 2], uint32_t (&p)
   st.l_b = st.l_b * alpha_b + sum_b;
 }
 
-// kLazy (wgmma_ws_lazy, session 26): the online softmax of softmax_tile with two changes that
+// kTune 2 (wgmma_ws_lazy, session 26): the online softmax of softmax_tile with two changes that
 // cost bits, not accuracy (FlashAttention-4's): (1) the row max is taken over the raw scores and
 // the scale folded into the exponent's FFMA, exp2(s c - m) with m = max(s) c (the same maximum:
 // scaling by c > 0 commutes with max, and rounding is monotonic), instead of a multiply per score
@@ -679,11 +679,12 @@ __device__ __forceinline__ void fence_frags(uint32_t (&p)[kBn / 16][4]) {
 // The Q descriptors are rebuilt from one base per call (a descriptor of address a + off is the
 // descriptor of a plus off / 16 while addresses stay below 256 KiB): the base goes through an
 // opaque move so that the compiler cannot hoist 16 64-bit descriptors out of the tile loop and
-// hold them in registers. kUniform (the lazy form): the moved base then goes through a shuffle
-// from lane 0, which the compiler knows to be warp-uniform, so each descriptor is one 64-bit
-// add in the uniform datapath; without it (an asm output counts as divergent) each is built in
-// ordinary registers and moved to uniform ones (IADD3 + IADD3.X + 2 R2UR + UMOV: ~5
-// instructions per wgmma, ~80 per tile).
+// hold them in registers. kUniform (kTune >= 1: wgmma_ws_ulean, wgmma_ws_lazy): the moved base
+// then goes through a shuffle from lane 0, which the compiler knows to be warp-uniform, so each
+// descriptor is one 64-bit add in the uniform datapath; without it (an asm output counts as
+// divergent) each is built in ordinary registers and moved to uniform ones (IADD3 + IADD3.X + 2
+// R2UR + UMOV: ~5 instructions per wgmma, ~80 per tile). The descriptors' values, and so the
+// outputs, are the same either way.
 template <bool kUniform = false>
 __device__ __forceinline__ void issue_qk_ws(float (&sc)[kBn / 2], uint32_t q_smem, uint32_t ks,
                                             int wg) {
@@ -739,7 +740,7 @@ __device__ __forceinline__ void ws_issue_q(const AttnShape& s, const RowTile& rt
 // sync the warpgroup); the persistent kernel starts the next row tile's Q copies there. kPersist:
 // the last V tile's rows past the last key are zeroed here by the two consumer warpgroups
 // (columns split between them, then a 256-thread barrier), not by the second producer warp.
-template <int KS, int VS, bool kLean, bool kPersist, bool kLazy = false, class BeforeLastPv>
+template <int KS, int VS, bool kLean, bool kPersist, int kTune = 0, class BeforeLastPv>
 __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTile& rt,
                                                 const AttnGate& gate, bf16* __restrict__ out,
                                                 int wg, const WsSmem<KS, VS>& sm, int kf0,
@@ -765,13 +766,13 @@ __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTil
     float sc[kBn / 2];
     const int sk = kf0 % KS;
     mbar_wait(sm.full_k(sk), (kf0 / KS) & 1);
-    issue_qk_ws<kLazy>(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
+    issue_qk_ws<(kTune >= 1)>(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(sc);
     release(sm.empty_k(sk));
     float alpha_a, alpha_b;  // O is still 0: nothing to rescale
-    if constexpr (kLazy)
+    if constexpr (kTune == 2)
       softmax_tile_lazy(sc, pa, 0, need_mask(0), qr.pos_a, qr.pos_b, t, st, alpha_a, alpha_b);
     else
       softmax_tile(sc, pa, 0, need_mask(0), qr.pos_a, qr.pos_b, t, st, alpha_a, alpha_b);
@@ -788,7 +789,7 @@ __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTil
     mbar_wait(sm.full_k(sk), (kf / KS) & 1);
     fence_regs(o);
     fence_frags(pin);
-    issue_qk_ws<kLazy>(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
+    issue_qk_ws<(kTune >= 1)>(sc, sm.q, sm.k + uint32_t(sk) * kWsTileBytes, wg);
     wgmma_commit();
     mbar_wait(sm.full_v(sv), (vf / VS) & 1);
     issue_pv(o, pin, sm.v + uint32_t(sv) * kWsTileBytes);
@@ -796,7 +797,7 @@ __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTil
     fence_regs(sc);
     release(sm.empty_k(sk));
     float alpha_a, alpha_b;
-    if constexpr (kLazy)
+    if constexpr (kTune == 2)
       softmax_tile_lazy(sc, pout, j * kBn, decltype(maskable)::value && need_mask(j), qr.pos_a,
                         qr.pos_b, t, st, alpha_a, alpha_b);
     else
@@ -808,7 +809,7 @@ __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTil
     release(sm.empty_v(sv));
     // kLean: once the running maxima settle, most tiles leave every row's max where it was; alpha
     // is then exactly 1 and the 128 multiplies change nothing, so a warp skips them when none of
-    // its 16 rows moved (the same bits as always rescaling). kLazy: a row moves only past the
+    // its 16 rows moved (the same bits as always rescaling). kTune 2: a row moves only past the
     // threshold (softmax_tile_lazy), which after the first tiles is rare.
     if (!kLean || __any_sync(0xffffffffu, alpha_a != 1.f || alpha_b != 1.f))
       rescale_o(o, alpha_a, alpha_b);
@@ -908,7 +909,7 @@ __device__ __forceinline__ void ws_consume_tile(const AttnShape& s, const RowTil
 }
 
 // Consumer warpgroup wg (0, 1) of the one-row-tile kernel: its Q rows, then the tile.
-template <int KS, int VS, bool kLean, bool kLazy = false>
+template <int KS, int VS, bool kLean, int kTune = 0>
 __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt,
                                            const bf16* __restrict__ q, const AttnGate& gate,
                                            bf16* __restrict__ out, int wg,
@@ -920,11 +921,11 @@ __device__ __forceinline__ void ws_consume(const AttnShape& s, const RowTile& rt
   cp_async_wait<0>();
   fence_proxy_async();
   warpgroup_bar(1 + wg);
-  ws_consume_tile<KS, VS, kLean, false, kLazy>(s, rt, gate, out, wg, sm, 0, 0, [] {}, warp,
+  ws_consume_tile<KS, VS, kLean, false, kTune>(s, rt, gate, out, wg, sm, 0, 0, [] {}, warp,
                                                lane);
 }
 
-template <int KS, int VS, bool kLean, bool kLazy = false>
+template <int KS, int VS, bool kLean, int kTune = 0>
 __global__ void __launch_bounds__(kWsThreads, 1)
     attention_prefill_ws_kernel(AttnShape s, AttnBatch b,
                                 const bf16* __restrict__ q,  // [n_rows, n_heads, 256]
@@ -958,8 +959,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     if (threadIdx.x >= 32 && threadIdx.x < 64) ws_zero_v_tail(rt, sm);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
-    static_assert(!kLazy || kLean, "the lazy softmax runs on the lean form's loops");
-    ws_consume<KS, VS, kLean, kLazy>(s, rt, q, gate, out, (threadIdx.x >> 7) - 1, sm);
+    static_assert(kTune == 0 || kLean, "the tuned forms run on the lean form's loops");
+    ws_consume<KS, VS, kLean, kTune>(s, rt, q, gate, out, (threadIdx.x >> 7) - 1, sm);
   }
 }
 
@@ -1107,12 +1108,12 @@ WsLaunch ws_launch_setup(const void* kernel, size_t smem, const AttnShape& s, co
   return l;
 }
 
-template <int KS, int VS, bool kLean, bool kLazy = false>
+template <int KS, int VS, bool kLean, int kTune = 0>
 void launch_ws(const AttnShape& s, const AttnBatch& b, const bf16* q, const bf16* k_cache,
                const bf16* v_cache, AttnGate gate, bf16* out, cudaStream_t stream) {
   constexpr size_t smem = ws_smem_bytes<KS, VS>();
   static_assert(smem <= 227 * 1024, "shared memory of one block");
-  auto* kernel = attention_prefill_ws_kernel<KS, VS, kLean, kLazy>;
+  auto* kernel = attention_prefill_ws_kernel<KS, VS, kLean, kTune>;
   const WsLaunch l =
       ws_launch_setup(reinterpret_cast<const void*>(kernel), smem, s, b, k_cache, v_cache);
   // Heads first (the heaviest row tiles of every kv head start first) while the tiles fit grid y
@@ -1182,6 +1183,7 @@ void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, cons
     case AttnMmaKernel::kWgmmaWs3Lean:
     case AttnMmaKernel::kWgmmaWs3Persist:
     case AttnMmaKernel::kWgmmaWs3LeanPersist:
+    case AttnMmaKernel::kWgmmaWsULean:
     case AttnMmaKernel::kWgmmaWsLazy:
       // A cache the TMA map cannot describe (attention_prefill_tma_view) runs wgmma_m128: the
       // same outputs bit for bit.
@@ -1200,8 +1202,10 @@ void launch_attention_prefill_mma(AttnMmaKernel kernel, const AttnShape& s, cons
           return launch_wsp<3, 2, false>(s, b, q, k_cache, v_cache, gate, out, stream);
         case AttnMmaKernel::kWgmmaWs3LeanPersist:
           return launch_wsp<3, 2, true>(s, b, q, k_cache, v_cache, gate, out, stream);
+        case AttnMmaKernel::kWgmmaWsULean:
+          return launch_ws<2, 2, true, 1>(s, b, q, k_cache, v_cache, gate, out, stream);
         case AttnMmaKernel::kWgmmaWsLazy:
-          return launch_ws<2, 2, true, true>(s, b, q, k_cache, v_cache, gate, out, stream);
+          return launch_ws<2, 2, true, 2>(s, b, q, k_cache, v_cache, gate, out, stream);
         default:
           break;
       }

@@ -41,10 +41,12 @@ AttnCacheTmaView attention_prefill_tma_view(const AttnShape& s);
 // default until measured. The Persist forms (of wgmma_ws3 and its lean form) are persistent: one
 // block per SM walks the row tiles (the same order, dealt round by round), the producer streams
 // the next tile's K / V and the consumers copy its Q while they finish the current one; same
-// bits, not picked by default until measured. kWgmmaWsLazy (session 26) is wgmma_ws_lean with
-// the scale folded into the exponent's FFMA and O rescaled only when a row's max grows by more
-// than 2^8 (FlashAttention-4's lazy rescale): fewer instructions per tile, not the same bits
-// (within the tolerance of the fp32 reference, tested against wgmma_m128).
+// bits, not picked by default until measured. Session 26 (built, not measured): kWgmmaWsULean is
+// wgmma_ws_lean with its Q descriptors built in the uniform datapath (same bits, ~80 fewer
+// instructions per tile); kWgmmaWsLazy is that with the score scale folded into the exponent's
+// FFMA and a row's softmax base raised only when its max grows by more than 2^8
+// (FlashAttention-4's lazy rescale, so O is rarely rescaled): not the same bits, within the fp32
+// reference's tolerance (tested against wgmma_m128).
 enum class AttnMmaKernel {
   kWgmmaM128,
   kWgmmaWs,
@@ -53,6 +55,7 @@ enum class AttnMmaKernel {
   kWgmmaWs3Lean,
   kWgmmaWs3Persist,
   kWgmmaWs3LeanPersist,
+  kWgmmaWsULean,
   kWgmmaWsLazy
 };
 

@@ -216,7 +216,8 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // keys (16K causal: 558-631 vs 535-603 TFLOP/s), 1-7% slower on chunks without a cache.
   // wgmma_m128 runs when the TMA kernels are switched off (DS_DISABLE_KERNELS=attn_prefill.
   // wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean,
-  // attn_prefill.wgmma_ws3_persist,attn_prefill.wgmma_ws3_lean_persist,attn_prefill.wgmma_ws_lazy).
+  // attn_prefill.wgmma_ws3_persist,attn_prefill.wgmma_ws3_lean_persist,attn_prefill.wgmma_ws_ulean,
+  // attn_prefill.wgmma_ws_lazy).
   const auto hd256 = [](const ShapeKey& k) {
     return k.sm == 90 && k.dims[0] == 256 && k.dims[1] >= 1;
   };
@@ -268,16 +269,23 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
          hd256});
   r.add({F::kAttnPrefill, "wgmma_ws3_lean_persist",
          "wgmma_ws3_lean as a persistent grid (same bits)", hd256});
-  // wgmma_ws_lazy (session 26): wgmma_ws_lean with the score scale folded into the exponent's
-  // FFMA and O rescaled only when a row's max grows by more than 2^8 (FlashAttention-4's lazy
-  // rescale): ~15% fewer consumer instructions per tile, not the same bits (within the fp32
-  // reference's tolerance, no less accurate than wgmma_m128: cuda_attention_test). Registered
-  // behind the kernels above, so never picked while they are on; with the six above off
-  // (DS_DISABLE_KERNELS=attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_lean,attn_prefill.
+  // Session 26 (built, not measured; docs/perf/attn_prefill_ws.md): two leaner forms of
+  // wgmma_ws_lean. wgmma_ws_ulean builds the 16 Q descriptors of each S in the uniform datapath
+  // (one 64-bit add each instead of ~5 instructions; same bits). wgmma_ws_lazy adds the score
+  // scale folded into the exponent's FFMA and FlashAttention-4's lazy rescale (a row's base raised
+  // only when its max grows by more than 2^8, so O is rarely rescaled): ~294 instructions per
+  // unmasked tile against ~385, not the same bits (within the fp32 reference's tolerance and no
+  // less accurate than wgmma_m128: cuda_attention_test). Registered behind the kernels above, so
+  // never picked while those are on; bench kernels times both in every note. With the six above
+  // off (DS_DISABLE_KERNELS=attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_lean,attn_prefill.
   // wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_persist,attn_prefill.
-  // wgmma_ws3_lean_persist) it takes every hd-256 shape. bench kernels times it in every note.
+  // wgmma_ws3_lean_persist) wgmma_ws_ulean takes every hd-256 shape; with it off too,
+  // wgmma_ws_lazy.
+  r.add({F::kAttnPrefill, "wgmma_ws_ulean",
+         "hd 256: wgmma_ws_lean with the Q descriptors in the uniform datapath (same bits)",
+         hd256});
   r.add({F::kAttnPrefill, "wgmma_ws_lazy",
-         "hd 256: wgmma_ws_lean with the scale in the exponent's FFMA and O rescaled only when a "
+         "hd 256: wgmma_ws_ulean with the scale in the exponent's FFMA and O rescaled only when a "
          "row's max grows by more than 2^8 (not the same bits; within tolerance)",
          hd256});
   r.add({F::kAttnPrefill, "wgmma_m128",

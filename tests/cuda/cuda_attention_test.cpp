@@ -312,7 +312,8 @@ void check_mma_variants(const Fixture& f, const std::string& what, bool with_gen
   std::vector<bf> wgmma_m128;
   double m128_err = 0.0;
   for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3", "wgmma_ws_lean", "wgmma_ws3_lean",
-                        "wgmma_ws3_persist", "wgmma_ws3_lean_persist", "wgmma_ws_lazy"}) {
+                        "wgmma_ws3_persist", "wgmma_ws3_lean_persist", "wgmma_ws_ulean",
+                        "wgmma_ws_lazy"}) {
     if (device_sm() != 90) continue;  // sm_90a only
     const cuda::DispatchRegistry reg = registry_for(v);
     double ref_err = 0.0;
@@ -429,7 +430,8 @@ TEST(CudaAttentionMma, SecondDevice) {
     outs[dev].push_back(run_prefill(f, ("generic" + on).c_str()));
     if (device_sm() != 90) continue;
     for (const char* v : {"wgmma_m128", "wgmma_ws", "wgmma_ws3", "wgmma_ws_lean", "wgmma_ws3_lean",
-                        "wgmma_ws3_persist", "wgmma_ws3_lean_persist", "wgmma_ws_lazy"}) {
+                        "wgmma_ws3_persist", "wgmma_ws3_lean_persist", "wgmma_ws_ulean",
+                        "wgmma_ws_lazy"}) {
       const cuda::DispatchRegistry reg = registry_for(v);
       outs[dev].push_back(run_prefill(f, (v + on).c_str(), &reg));
     }
@@ -533,20 +535,23 @@ TEST(CudaAttentionMma, DefaultDispatch) {
   EXPECT_EQ(pick_persist(4096, 4096), "wgmma_ws3_persist");
   EXPECT_EQ(pick_persist(16384, 16384), "wgmma_ws3_persist");
   EXPECT_EQ(pick_persist(21, 8192), "wgmma_ws3_persist");
-  // The lazy-rescale form (session 26) comes next: with the six above off, every hd-256 shape.
-  const auto pick_lazy = picker(
+  // Session 26's forms come next: with the six above off wgmma_ws_ulean on every hd-256 shape,
+  // with it off too wgmma_ws_lazy.
+  const std::string six =
       "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
       "attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_persist,"
-      "attn_prefill.wgmma_ws3_lean_persist");
-  EXPECT_EQ(pick_lazy(4096, 4096), "wgmma_ws_lazy");
-  EXPECT_EQ(pick_lazy(16384, 16384), "wgmma_ws_lazy");
-  EXPECT_EQ(pick_lazy(512, 33280), "wgmma_ws_lazy");
-  EXPECT_EQ(pick_lazy(21, 8192), "wgmma_ws_lazy");
+      "attn_prefill.wgmma_ws3_lean_persist";
+  const auto pick_ulean = picker(six);
+  const auto pick_lazy = picker(six + ",attn_prefill.wgmma_ws_ulean");
+  for (auto [q, kv] : {std::pair{4096, 4096}, {16384, 16384}, {512, 33280}, {21, 8192}}) {
+    EXPECT_EQ(pick_ulean(q, kv), "wgmma_ws_ulean");
+    EXPECT_EQ(pick_lazy(q, kv), "wgmma_ws_lazy");
+  }
   // Without the TMA kernels (DS_DISABLE_KERNELS): wgmma_m128 for every hd-256 shape.
   const auto pick_old = picker(
       "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
       "attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_persist,"
-      "attn_prefill.wgmma_ws3_lean_persist,attn_prefill.wgmma_ws_lazy");
+      "attn_prefill.wgmma_ws3_lean_persist,attn_prefill.wgmma_ws_ulean,attn_prefill.wgmma_ws_lazy");
   EXPECT_EQ(pick_old(4096, 4096), "wgmma_m128");
   EXPECT_EQ(pick_old(21, 8192), "wgmma_m128");
   EXPECT_EQ(pick_old(1, 1), "wgmma_m128");
