@@ -324,10 +324,13 @@ void check_mma_variants(const Fixture& f, const std::string& what, bool with_gen
     }
     if (std::string(v) == "wgmma_ws_lazy") {
       // Not the same bits (the scale inside the exponent's FFMA, P up to 2^8 between rescales):
-      // as accurate as wgmma_m128 against the fp32 reference (its own error, plus 10% and 1e-4
-      // for the rounding noise between the two), and close to it element-wise.
+      // against the fp32 reference at most 1.5x wgmma_m128's error (plus 1e-4), and close to it
+      // element-wise. The numpy emulation of both softmax forms (tools/attn_lazy_precision.py,
+      // 150 fixtures of this file's shapes and inputs) puts the lazy form's error at 1.0-1.32x
+      // the standard one's (a row's largest weight is no longer exactly 1 before its bf16
+      // rounding) and the two forms 3.6e-3 apart at most.
       ASSERT_EQ(got.size(), wgmma_m128.size());
-      EXPECT_LE(ref_err, 1.1 * m128_err + 1e-4) << what << ": " << v << " vs the reference";
+      EXPECT_LE(ref_err, 1.5 * m128_err + 1e-4) << what << ": " << v << " vs the reference";
       const double e = test::norm_err(test::to_f32(got), test::to_f32(wgmma_m128));
       EXPECT_LT(e, 5e-3) << what << ": " << v << " vs wgmma_m128";
       std::printf("  %s: %s vs wgmma_m128 %.2e (vs the reference %.2e, wgmma_m128's %.2e)\n",
