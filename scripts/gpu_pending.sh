@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The measurements sessions 22-24 planned (docs/perf/prefill_gaps.md, "Session 23" and "Session
-# 24"; run in session 24, results there and in the pages they name); kept for re-runs after changes, one device call per step, from the binaries packed here by
+# 24"; run in session 24, results there and in the pages they name) and session 26's (`attn`,
+# not yet run: docs/perf/attn_prefill_ws.md); kept for re-runs after changes, one device call per step, from the binaries packed here by
 # scripts/pack_gpu_binaries.sh (carry [".carry"]). Everything goes to $OUT.
 #
 #   bash scripts/gpu_pending.sh tests     # ~5 min: every GPU test (gpu_test.sh, logs packed)
@@ -9,6 +10,10 @@
 #   bash scripts/gpu_pending.sh prompts   # ~5 min: prompt A/B of the new forms
 #   bash scripts/gpu_pending.sh ncu       # ~2 min, if time is left: Nsight Compute of the fused
 #                                         # GDN kernels (stall reasons: does the output pace?)
+#   bash scripts/gpu_pending.sh attn      # ~8 min: session 26's prompt-attention forms
+#                                         # (wgmma_ws_ulean, wgmma_ws_lazy; attn_prefill_ws.md):
+#                                         # their tests, bench kernels with each picked in turn,
+#                                         # whole prompts of 8K-32K against the default
 # (~22 min of the session's 30 minutes of device time, with the machine's start.)
 #
 #   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
@@ -25,8 +30,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts or ncu, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu or attn, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -72,6 +77,10 @@ rc=0
 # (the lean forms' fallbacks), PERSIST the persistent ones.
 PLAIN="DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean"
 PERSIST="$PLAIN,attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws"
+# Session 26's forms, registered behind those six: ULEAN picks wgmma_ws_ulean on every hd-256
+# shape, LAZY wgmma_ws_lazy.
+ULEAN="$PERSIST,attn_prefill.wgmma_ws3_persist,attn_prefill.wgmma_ws3_lean_persist"
+LAZY="$ULEAN,attn_prefill.wgmma_ws_ulean"
 case "$step" in
   tests)
     if [ "${DRY:-0}" = 1 ]; then
@@ -139,6 +148,23 @@ case "$step" in
         --kernels gdn_state_out_fused --count 1 -- "$T/cuda_gdn_test" \
         --gtest_also_run_disabled_tests --gtest_filter=CudaGdn.DISABLED_ProfileOnce || rc=1
     done
+    ;;
+  attn)
+    # Bit-identity of wgmma_ws_ulean and the tolerance of wgmma_ws_lazy against wgmma_m128 and
+    # the fp32 reference, on every fixture.
+    run attention_test "$T/cuda_attention_test" || rc=1
+    # Every variant in every case's note (the new ones late in the order, i.e. in the steady
+    # state), then each new form as the pick (timed last, as the default is in the first).
+    run attn_k_default "$DS" bench kernels --only attn_prefill || rc=1
+    run attn_k_ulean env "$ULEAN" "$DS" bench kernels --only attn_prefill || rc=1
+    run attn_k_lazy env "$LAZY" "$DS" bench kernels --only attn_prefill || rc=1
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 8192,16384,32768 --repeats 2,1,1 --rounds 3 - $ULEAN $LAZY"
+    else
+      ARM_TIMEOUT=60 BIN="$DS" OUT="$OUT" timeout "$(left)" bash scripts/gpu_decode_ab.sh \
+        --prefill 8192,16384,32768 --repeats 2,1,1 --rounds 3 - "$ULEAN" "$LAZY" || rc=1
+      rm -f "$OUT/decode_ab.full.log"
+    fi
     ;;
 esac
 exit $rc

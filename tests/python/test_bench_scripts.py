@@ -272,7 +272,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     script = REPO / "scripts" / "gpu_pending.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
-    for step in ("tests", "kernels", "decode", "prompts", "ncu"):
+    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -292,6 +292,16 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "DS_GDN_STATE=fused2" in out["ncu"]
     assert "DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean " \
         in out["prompts"]
+    # Session 26's attention forms: the test binary, three bench processes (default, then each
+    # new form picked: every TMA form before it switched off), and whole prompts with both.
+    ulean = ("DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean,"
+             "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_persist,"
+             "attn_prefill.wgmma_ws3_lean_persist")
+    lazy = ulean + ",attn_prefill.wgmma_ws_ulean"
+    assert "cuda_attention_test" in out["attn"]
+    assert out["attn"].count("bench kernels --only attn_prefill") == 3
+    assert ulean in out["attn"].split() and lazy in out["attn"].split()
+    assert "--prefill 8192,16384,32768" in out["attn"]
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert bad.returncode == 2 and "step must be" in bad.stderr
