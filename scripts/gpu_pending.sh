@@ -14,6 +14,9 @@
 #                                         # (wgmma_ws_ulean, wgmma_ws_lazy; attn_prefill_ws.md):
 #                                         # their tests, bench kernels with each picked in turn,
 #                                         # whole prompts of 8K-32K against the default
+#   bash scripts/gpu_pending.sh acc       # ~6 min: session 26's decode GEMVs with 4 partial sums
+#                                         # ($DS_GEMV_ACC=4; decode_gemv.md): their tests, the
+#                                         # decode A/B, in-graph profiles at 4K both ways
 # (~22 min of the session's 30 minutes of device time, with the machine's start.)
 #
 #   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
@@ -30,8 +33,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu or attn, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|acc) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn or acc, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -165,6 +168,27 @@ case "$step" in
         --prefill 8192,16384,32768 --repeats 2,1,1 --rounds 3 - "$ULEAN" "$LAZY" || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
+    ;;
+  acc)
+    # The new kernels against the one-chain order and fp64, and the engine's logits both ways;
+    # the fused-MLP tests hold their reference to one partial sum per lane.
+    run acc_gemv_test "$T/cuda_gemv_test" \
+      --gtest_filter='*SplitAccumulators*:*BatchInvariant*:*Shapes27b*:*InterleaveBitExact*' || rc=1
+    run acc_gemv_norm_test "$T/cuda_gemv_norm_test" || rc=1
+    run acc_engine_test "$T/cuda_specialisation_test" \
+      --gtest_filter='GemvAccForms.*:Specialisations.FusedMlp*:Specialisations.FusedNorm*' || rc=1
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,1@32768 --rounds 3 - DS_GEMV_ACC=4"
+    else
+      BIN="$DS" OUT="$OUT" timeout $(($(left) - 120)) bash scripts/gpu_decode_ab.sh \
+        --cases 1@4096,1@8192,1@32768 --rounds 3 - DS_GEMV_ACC=4 || rc=1
+      rm -f "$OUT/decode_ab.full.log"
+    fi
+    for acc in 1 4; do
+      run "inprof_4096_acc$acc" env DS_GEMV_ACC=$acc DS_PROFILE=1 DS_PROFILE_BATCHES=1 \
+        DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
+        --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
+    done
     ;;
 esac
 exit $rc

@@ -16,7 +16,7 @@ bf16; queries bottom-right aligned against kv_len keys (query j of q_len sits at
 
 prints, per fixture, each form's normalised error (||got - ref|| / ||ref||, test::norm_err) and
 the two forms' distance; the summary gives the largest lazy / standard error ratio and the
-largest distance, the numbers the test's bounds (ratio <= 1.1 plus 1e-4, distance < 5e-3) must
+largest distance, the numbers the test's bounds (ratio <= 1.5 plus 1e-4, distance < 5e-3) must
 clear.
 """
 import argparse

@@ -96,8 +96,23 @@ struct GemvBulkConfig {
   // owns stages b, b + G, b + 2 G, ... (G blocks), so the whole grid sweeps the weight in memory
   // order. Each output's sums are the same either way (bit-identical; tested).
   bool interleave = false;
-  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl", "r1s16-ilv"
+  // Partial sums per output row and lane: 1 (one fp32 FMA chain over the row, the shipped order),
+  // or 4 at m = 1 (element e of each 8-element vector into sum e % 4, added as (s0 + s1) +
+  // (s2 + s3) before the warp's butterfly): a quarter of the dependent-FMA latency per stage,
+  // which the last stage of every block pays before the block can exit. Another summation order,
+  // so not the same bits as 1 (within fp32 rounding; tested). gemv_acc_mode() ($DS_GEMV_ACC).
+  int acc = 1;
+  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl", "r1s16-ilv", "r1s16-a4"
 };
+
+// $DS_GEMV_ACC (read on first use, process-wide): the partial sums per row and lane of the bulk
+// and narrow GEMVs at m = 1 (GemvBulkConfig::acc, GemvNarrowConfig::acc that gemv_bulk_config,
+// gemv_bulk_silu_config and gemv_narrow_config return), 1 (unset: the shipped order) or 4; other
+// values throw. Session 26, built without a device: the A/B switch until measured.
+// set_gemv_acc_mode overrides it (tests; engines already built keep the configs their captured
+// decode graphs hold).
+int gemv_acc_mode();
+void set_gemv_acc_mode(int acc);  // 1 or 4
 
 // The leading rows of a LATER GEMV's blocks, prefetched into L2 by this GEMV's blocks as each
 // issues its last own copy (cp.async.bulk.prefetch.L2), so that HBM keeps streaming weights while
@@ -197,7 +212,8 @@ struct GemvNarrowConfig {
   // Rows over the grid: false = contiguous per block; true = block b owns rows b, b + G, ... (as
   // GemvBulkConfig::interleave; bit-identical either way).
   bool interleave = false;
-  std::string name() const;  // "s16", "s8-pdl", "s16-ilv"
+  int acc = 1;  // partial sums per row slice and lane: 1, or 4 at m = 1 (as GemvBulkConfig::acc)
+  std::string name() const;  // "s16", "s8-pdl", "s16-ilv", "s16-a4"
 };
 
 int gemv_narrow_slices(int64_t k);     // slices per row: 1, 2, 4 or 8 (17408 -> 4)

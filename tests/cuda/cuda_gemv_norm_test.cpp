@@ -129,6 +129,14 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
   cudaStreamDestroy(st);
 }
 
+// The fused MLP kernels sum in the one-chain order (one partial sum per lane): their reference
+// kernels must too, whatever $DS_GEMV_ACC says (set for the test's duration, then restored).
+struct SerialAcc {
+  int saved = cuda::gemv_acc_mode();
+  SerialAcc() { cuda::set_gemv_acc_mode(1); }
+  ~SerialAcc() { cuda::set_gemv_acc_mode(saved); }
+};
+
 // The batch-1 MLP in one kernel (launch_gemv_mlp_norm, $DS_MLP_FUSED) against the two kernels it
 // fuses, launch_gemv_bulk_silu_norm then launch_gemv_narrow: act, y and residual_out bit-identical
 // at the 27B shapes (d_ff 17408: 4 slices per down row, 2 per stage), a small shape whose down
@@ -139,6 +147,7 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
 // (each must find it reset); and the guard's refusals.
 TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
   DS_REQUIRE_GPU();
+  const SerialAcc serial_acc;
   struct MlpCase {
     const char* name;
     int d_ff, k, n;
@@ -291,6 +300,7 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
 // output poisoned first; the guard refuses y0 != delta and a next norm not fed by y.
 TEST(CudaGemvBulkNorm, FusedMixerMlpNextBitIdenticalToTheSeparateKernels) {
   DS_REQUIRE_GPU();
+  const SerialAcc serial_acc;
   const int d_ff = 17408, k = 5120, n = 5120, k0 = 6144;
   std::mt19937 rng(47);
   const int sms = n_sms();
@@ -470,6 +480,7 @@ TEST(CudaGemvBulkNorm, FusedMlpBufferRules) {
 // guard throws for a misaligned weight, a grid above n, k % 8 != 0 and m above kGemvL2NextMaxM.
 TEST(CudaGemvBulkNorm, L2PrefetchOfALaterGemvChangesNoBit) {
   DS_REQUIRE_GPU();
+  const SerialAcc serial_acc;  // the prefetch forms keep one partial sum per lane
   struct Pair {
     const char* name;
     int m, n, k;                    // this GEMV

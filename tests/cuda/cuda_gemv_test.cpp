@@ -581,7 +581,8 @@ TEST(CudaGemvBulk, Shapes27bMatchCublasLtAndFp64) {
                              0);
       ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, out, 0);
       const auto bits = y1.download();
-      for (const cuda::GemvBulkConfig& c : cuda::gemv_bulk_configs(m, o.k)) {
+      for (cuda::GemvBulkConfig c : cuda::gemv_bulk_configs(m, o.k)) {
+        c.acc = shipped.acc;  // the order $DS_GEMV_ACC gives at m = 1, the same in every config
         y3.poison();
         cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, out, false, c, n_sms, 0);
         EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " config " << c.name();
@@ -611,7 +612,21 @@ TEST(CudaGemvBulk, Shapes27bMatchCublasLtAndFp64) {
   }
 }
 
-// Token i's outputs are bit-identical for m = 1..8 (the summation order depends on k only).
+// The shipped config at (m, n, k) with one partial sum per lane ($DS_GEMV_ACC=4 changes the order
+// at m = 1 only, which the batch-invariance tests would then see).
+cuda::GemvBulkConfig serial_bulk_config(int m, int n, int k) {
+  cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, n, k);
+  c.acc = 1;
+  return c;
+}
+cuda::GemvNarrowConfig serial_narrow_config(int m, int n, int k, int n_sms) {
+  cuda::GemvNarrowConfig c = cuda::gemv_narrow_config(m, n, k, n_sms);
+  c.acc = 1;
+  return c;
+}
+
+// Token i's outputs are bit-identical for m = 1..8 (the summation order depends on k only, with
+// one partial sum per lane).
 TEST(CudaGemvBulk, BatchInvariant) {
   DS_REQUIRE_GPU();
   if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
@@ -622,18 +637,136 @@ TEST(CudaGemvBulk, BatchInvariant) {
     DevBuf<bf> dx(x), dw(w);
     DevBuf<char> y8(size_t(8) * n * 2), ys(size_t(8) * n * 2);
     cuda::launch_gemv_bulk(B(dx), B(dw), y8.ptr, 8, n, k, GemmOut::kBF16, false,
-                           cuda::gemv_bulk_config(8, n, k), n_sms, 0);
+                           serial_bulk_config(8, n, k), n_sms, 0);
     const auto a = y8.download();
     for (auto [t0, m] : {std::pair{0, 1}, std::pair{7, 1}, std::pair{2, 2}, std::pair{4, 3},
                          std::pair{4, 4}}) {
       ys.poison();
       cuda::launch_gemv_bulk(B(dx, size_t(t0) * k), B(dw), ys.ptr, m, n, k, GemmOut::kBF16, false,
-                             cuda::gemv_bulk_config(m, n, k), n_sms, 0);
+                             serial_bulk_config(m, n, k), n_sms, 0);
       const auto b = ys.download();
       EXPECT_EQ(std::memcmp(a.data() + size_t(t0) * n * 2, b.data(), size_t(m) * n * 2), 0)
           << "tokens " << t0 << ".." << t0 + m - 1 << " n " << n << " k " << k;
     }
   }
+}
+
+// The distance between two bf16 outputs of the same products summed in two fp32 orders, in units
+// of the bf16 spacing at the larger magnitude plus 1e-5 of the output's largest magnitude (where a
+// sum cancels to near zero, the two fp32 sums' ~1e-6 difference is many of its tiny ulps).
+double bf16_ulps(float a, float b, double ymax) {
+  const double u = bf16_ulp(std::max(std::fabs(a), std::fabs(b))) + 1e-5 * ymax;
+  return u > 0 ? std::fabs(double(a) - b) / u : 0.0;
+}
+
+// 4 partial sums per lane at m = 1 ($DS_GEMV_ACC=4, GemvBulkConfig::acc; session 26): on every
+// 27B shape of the bulk kernel, (1) bit-identical across its configs, interleave and PDL (the
+// order depends on k only), (2) within the shipped order's tolerance of fp64 on sampled rows,
+// (3) at most 1 bf16 ulp from the one-chain order (bf16 out: each rounds an fp32 sum of the same
+// products once; bf16_ulps) or 1e-5 relative L2 (fp32 out), and the fused SiLU and norm forms
+// bit-identical to their unfused acc-4 counterparts; acc 4 is refused at m > 1.
+TEST(CudaGemvBulk, SplitAccumulatorsAtM1) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(97);
+  Pool wpool(size_t(248320) * 5120, rng, 0.02f);
+  for (const Op& o : kOps27b) {
+    if (o.k > 8192) continue;
+    const SampledRows sampled = sample_rows(o, wpool);
+    auto x = test::random_bf16(size_t(o.k), rng);
+    DevBuf<bf> dx(x);
+    const size_t es = o.f32 ? 4 : 2;
+    DevBuf<char> y1(o.n * es), y4(o.n * es), y3(o.n * es);
+    y1.poison();
+    y4.poison();
+    const GemmOut out = o.f32 ? GemmOut::kF32 : GemmOut::kBF16;
+    cuda::GemvBulkConfig c1 = serial_bulk_config(1, o.n, o.k), c4 = c1;
+    c4.acc = 4;
+    ASSERT_TRUE(cuda::gemv_bulk_fits(1, o.k, c4)) << o.name;
+    EXPECT_EQ(c4.name().substr(c4.name().size() - 3), "-a4");
+    cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y1.ptr, 1, o.n, o.k, out, false, c1, n_sms, 0);
+    cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y4.ptr, 1, o.n, o.k, out, false, c4, n_sms, 0);
+    const auto bits = y4.download();
+    for (cuda::GemvBulkConfig c : cuda::gemv_bulk_configs(1, o.k)) {
+      for (bool ilv : {false, true}) {
+        for (bool pdl : {false, true}) {
+          c.acc = 4;
+          c.interleave = ilv;
+          c.pdl = pdl;
+          y3.poison();
+          cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y3.ptr, 1, o.n, o.k, out, false, c, n_sms,
+                                 0);
+          EXPECT_TRUE(y3.download() == bits) << o.name << " config " << c.name();
+        }
+      }
+    }
+    DS_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto a1 = download_out(y1, o.n, o.f32), a4 = download_out(y4, o.n, o.f32);
+    const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a4, o, 1);
+    size_t differ = 0;
+    double worst_ulps = 0, ymax = 0;
+    for (float v : a1) ymax = std::max(ymax, double(std::fabs(v)));
+    for (int j = 0; j < o.n; ++j) {
+      differ += a1[j] != a4[j];
+      if (!o.f32) worst_ulps = std::max(worst_ulps, bf16_ulps(a1[j], a4[j], ymax));
+    }
+    const double rel = test::norm_err(a4, a1);
+    if (o.f32) {
+      EXPECT_LT(rel, 1e-5) << o.name;  // as the shipped order against cuBLASLt
+    } else {
+      EXPECT_LE(worst_ulps, 1.0) << o.name;
+    }
+    std::printf("  bulk %-8s m=1 acc 4: %zu of %d differ from acc 1 (worst %.2f of 1 bf16 ulp, "
+                "relative L2 %.1e), fp64 worst %.2f of tol\n",
+                o.name, differ, o.n, worst_ulps, rel, worst64);
+  }
+  // The fused SiLU form (gate_up, d_ff 17408) against the acc-4 GEMV + silu_mul, and the fused norm
+  // (gdn_in) against add_rmsnorm + the acc-4 GEMV: the same bits.
+  const int d_ff = 17408, k = 5120;
+  auto x = test::random_bf16(size_t(k), rng), d = test::random_bf16(size_t(k), rng),
+       nw = test::random_bf16(size_t(k), rng, 0.1f);
+  DevBuf<bf> dx(x), dd(d), dnw(nw), gu(size_t(2) * d_ff), a1(d_ff), a2(d_ff), rout(k), xn(k);
+  // (the fused SiLU's weight: the pool's first 2 d_ff rows of k)
+  cuda::GemvBulkConfig s4 = cuda::gemv_bulk_silu_config(1, d_ff, k), p4 = serial_bulk_config(
+                                                                           1, 2 * d_ff, k);
+  s4.acc = 4;
+  p4.acc = 4;
+  a1.poison();
+  a2.poison();
+  auto* gup = reinterpret_cast<__nv_bfloat16*>(gu.ptr);
+  cuda::launch_gemv_bulk_silu(B(dx), B(wpool.buf), reinterpret_cast<__nv_bfloat16*>(a1.ptr), 1,
+                              d_ff, k, s4, n_sms, 0);
+  cuda::launch_gemv_bulk(B(dx), B(wpool.buf), gup, 1, 2 * d_ff, k, GemmOut::kBF16, false, p4, n_sms,
+                         0);
+  cuda::launch_silu_mul(gup, 1, d_ff, reinterpret_cast<__nv_bfloat16*>(a2.ptr), 0);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(a1.download() == a2.download()) << "fused SiLU, acc 4";
+  cuda::GemvNormIn nin;
+  nin.residual = B(dx);
+  nin.delta = B(dd);
+  nin.weight = B(dnw);
+  nin.residual_out = reinterpret_cast<__nv_bfloat16*>(rout.ptr);
+  const int n_in = 16480;
+  DevBuf<bf> yn(n_in), yu(n_in);
+  cuda::GemvBulkConfig g4 = serial_bulk_config(1, n_in, k);
+  g4.acc = 4;
+  ASSERT_TRUE(cuda::gemv_bulk_norm_fits(1, k, g4));
+  cuda::launch_gemv_bulk_norm(nin, B(wpool.buf), yn.ptr, 1, n_in, k, GemmOut::kBF16, g4, n_sms, 0);
+  DevBuf<bf> res2(x);  // add_rmsnorm writes the new residual in place
+  cuda::launch_add_rmsnorm(reinterpret_cast<__nv_bfloat16*>(res2.ptr), B(dd), B(dnw), 1, k,
+                           nin.eps, nin.weight_offset, reinterpret_cast<__nv_bfloat16*>(xn.ptr), 0);
+  cuda::launch_gemv_bulk(B(xn), B(wpool.buf), yu.ptr, 1, n_in, k, GemmOut::kBF16, false, g4, n_sms,
+                         0);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(yn.download() == yu.download()) << "fused norm, acc 4";
+  // Compiled for m = 1 only: refused at m > 1.
+  cuda::GemvBulkConfig bad = serial_bulk_config(2, n_in, k);
+  bad.acc = 4;
+  EXPECT_FALSE(cuda::gemv_bulk_fits(2, k, bad));
+  EXPECT_THROW(cuda::launch_gemv_bulk(B(dx), B(wpool.buf), yn.ptr, 2, n_in, k, GemmOut::kBF16,
+                                      false, bad, n_sms, 0),
+               Error);
 }
 
 // Programmatic dependent launch: y2 = y1 w2^T right behind y1 = x w1^T (both with the attribute:
@@ -1044,11 +1177,13 @@ TEST(CudaGemvNarrow, Shapes27bMatchCublasLtAndFp64) {
       DevBuf<char> y1(cnt * 2), y2(cnt * 2), y3(cnt * 2);
       y1.poison();
       y2.poison();
+      const cuda::GemvNarrowConfig shipped = cuda::gemv_narrow_config(m, o.n, o.k, n_sms);
       cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y1.ptr, m, o.n, o.k, GemmOut::kBF16, false,
-                               cuda::gemv_narrow_config(m, o.n, o.k, n_sms), n_sms, 0);
+                               shipped, n_sms, 0);
       ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
       const auto bits = y1.download();
-      for (const cuda::GemvNarrowConfig& c : cuda::gemv_narrow_configs(m, o.n, o.k, n_sms)) {
+      for (cuda::GemvNarrowConfig c : cuda::gemv_narrow_configs(m, o.n, o.k, n_sms)) {
+        c.acc = shipped.acc;  // the order $DS_GEMV_ACC gives at m = 1
         y3.poison();
         cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, false, c,
                                  n_sms, 0);
@@ -1084,13 +1219,13 @@ TEST(CudaGemvNarrow, BatchAndGridInvariant) {
     DevBuf<bf> dx(x), dw(w);
     DevBuf<char> ya(size_t(mmax) * n * 2), ys(size_t(mmax) * n * 2);
     cuda::launch_gemv_narrow(B(dx), B(dw), ya.ptr, mmax, n, k, GemmOut::kBF16, false,
-                             cuda::gemv_narrow_config(mmax, n, k, n_sms), n_sms, 0);
+                             serial_narrow_config(mmax, n, k, n_sms), n_sms, 0);
     const auto a = ya.download();
     for (auto [t0, m] :
          {std::pair{0, 1}, std::pair{mmax - 1, 1}, std::pair{1, 2}, std::pair{1, 3}}) {
       ys.poison();
       cuda::launch_gemv_narrow(B(dx, size_t(t0) * k), B(dw), ys.ptr, m, n, k, GemmOut::kBF16, false,
-                               cuda::gemv_narrow_config(m, n, k, n_sms), n_sms, 0);
+                               serial_narrow_config(m, n, k, n_sms), n_sms, 0);
       const auto b = ys.download();
       EXPECT_EQ(std::memcmp(a.data() + size_t(t0) * n * 2, b.data(), size_t(m) * n * 2), 0)
           << "tokens " << t0 << ".." << t0 + m - 1 << " n " << n << " k " << k;
@@ -1099,10 +1234,75 @@ TEST(CudaGemvNarrow, BatchAndGridInvariant) {
       if (!cuda::gemv_narrow_supports(mmax, n, k, grid)) continue;
       ys.poison();
       cuda::launch_gemv_narrow(B(dx), B(dw), ys.ptr, mmax, n, k, GemmOut::kBF16, false,
-                               cuda::gemv_narrow_config(mmax, n, k, grid), grid, 0);
+                               serial_narrow_config(mmax, n, k, grid), grid, 0);
       EXPECT_TRUE(ys.download() == a) << "grid " << grid << " n " << n << " k " << k;
     }
   }
+}
+
+// 4 partial sums per lane at m = 1 (GemvNarrowConfig::acc): on down / gdn_out / attn_o,
+// bit-identical across configs, interleave and grid sizes (the order depends on k only), within
+// the shipped order's tolerance of fp64 on sampled rows, at most 1 bf16 ulp from the one-chain
+// order; refused at m > 1.
+TEST(CudaGemvNarrow, SplitAccumulatorsAtM1) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(101);
+  Pool wpool(size_t(5120) * 17408, rng, 0.02f);
+  for (const Op& o : kOps27b) {
+    if (o.n != 5120) continue;  // the narrow outputs: gdn_out, attn_o, down
+    const SampledRows sampled = sample_rows(o, wpool);
+    auto x = test::random_bf16(size_t(o.k), rng);
+    DevBuf<bf> dx(x);
+    DevBuf<char> y1(o.n * 2), y4(o.n * 2), y3(o.n * 2);
+    y1.poison();
+    y4.poison();
+    cuda::GemvNarrowConfig c1 = serial_narrow_config(1, o.n, o.k, n_sms), c4 = c1;
+    c4.acc = 4;
+    ASSERT_TRUE(cuda::gemv_narrow_fits(1, o.n, o.k, c4, n_sms)) << o.name;
+    cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y1.ptr, 1, o.n, o.k, GemmOut::kBF16, false, c1,
+                             n_sms, 0);
+    cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y4.ptr, 1, o.n, o.k, GemmOut::kBF16, false, c4,
+                             n_sms, 0);
+    const auto bits = y4.download();
+    for (cuda::GemvNarrowConfig c : cuda::gemv_narrow_configs(1, o.n, o.k, n_sms)) {
+      for (bool ilv : {false, true}) {
+        c.acc = 4;
+        c.interleave = ilv;
+        y3.poison();
+        cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y3.ptr, 1, o.n, o.k, GemmOut::kBF16, false,
+                                 c, n_sms, 0);
+        EXPECT_TRUE(y3.download() == bits) << o.name << " config " << c.name();
+      }
+    }
+    for (int grid : {n_sms / 2, 100}) {
+      cuda::GemvNarrowConfig c = serial_narrow_config(1, o.n, o.k, grid);
+      c.acc = 4;
+      if (!cuda::gemv_narrow_fits(1, o.n, o.k, c, grid)) continue;
+      y3.poison();
+      cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y3.ptr, 1, o.n, o.k, GemmOut::kBF16, false, c,
+                               grid, 0);
+      EXPECT_TRUE(y3.download() == bits) << o.name << " grid " << grid;
+    }
+    DS_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto a1 = download_out(y1, o.n, false), a4 = download_out(y4, o.n, false);
+    const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a4, o, 1);
+    size_t differ = 0;
+    double worst_ulps = 0, ymax = 0;
+    for (float v : a1) ymax = std::max(ymax, double(std::fabs(v)));
+    for (int j = 0; j < o.n; ++j) {
+      differ += a1[j] != a4[j];
+      worst_ulps = std::max(worst_ulps, bf16_ulps(a1[j], a4[j], ymax));
+    }
+    EXPECT_LE(worst_ulps, 1.0) << o.name;
+    std::printf("  narrow %-8s m=1 acc 4: %zu of %d differ from acc 1 (worst %.2f of 1 bf16 ulp), "
+                "fp64 worst %.2f of tol\n",
+                o.name, differ, o.n, worst_ulps, worst64);
+  }
+  cuda::GemvNarrowConfig bad = serial_narrow_config(2, 5120, 17408, n_sms);
+  bad.acc = 4;
+  EXPECT_FALSE(cuda::gemv_narrow_fits(2, 5120, 17408, bad, n_sms));
 }
 
 // Programmatic dependent launch, as in the MLP: act = x w_up^T (the bulk GEMV, [4, 17408]) then

@@ -45,6 +45,7 @@
 #include "core/npy.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/gdn_prefill_sm90.h"
+#include "cuda/gemv.h"
 #include "cuda_test_util.h"
 #include "model/weights.h"
 
@@ -330,6 +331,12 @@ TEST(Specialisations, FusedRopeOnVsOffBitExactAt27bShapes) {
 // replayed graph) and batch 2 (never fused) bit-identical, and the same greedy tokens.
 TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
+  // The fused MLP keeps one partial sum per lane; the engine takes it only with $DS_GEMV_ACC 1.
+  struct Restore {
+    int acc;
+    ~Restore() { cuda::set_gemv_acc_mode(acc); }
+  } restore{cuda::gemv_acc_mode()};
+  cuda::set_gemv_acc_mode(1);
   const ModelConfig c = config_27b_4_layers();
   std::mt19937 rng(33);
   const std::vector<std::vector<int32_t>> prompts = random_prompts({800, 200}, c.vocab_size, rng);
@@ -560,6 +567,57 @@ TEST(GdnConvForms, HeadCloseToStreamAt27bShapes) {
           << " where the stream form's choice was not a near-tie";
     }
   }
+}
+
+// The batch-1 decode GEMVs with 4 partial sums per lane ($DS_GEMV_ACC=4, session 26) against the
+// one-chain order: two engines (each captures its own decode graphs with the configs of its
+// time), the same prompts (4096 + 904 tokens in two chunks, and 700) and 16 greedy steps each.
+// Another fp32 summation order in every m = 1 bulk / narrow GEMV, so: some decode logits differ
+// (the form really ran), the logits stay within 1e-2 (relative L2) of the one-chain order's over
+// the rows both took the same tokens to reach, and where the tokens part, the reference's top-2
+// margin there is below 1e-2 of its logit range (a near-tie, not a wrong token).
+TEST(GemvAccForms, SplitCloseToSerialAt27bShapes) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = config_27b_4_layers();
+  std::mt19937 rng(43);
+  const auto prompts = random_prompts({5000, 700}, c.vocab_size, rng);
+  struct Restore {
+    int acc;
+    ~Restore() { cuda::set_gemv_acc_mode(acc); }
+  } restore{cuda::gemv_acc_mode()};
+  auto run = [&](int acc) {
+    cuda::set_gemv_acc_mode(acc);
+    EXPECT_EQ(cuda::gemv_bulk_config(1, 16480, 5120).acc, acc);
+    EXPECT_EQ(cuda::gemv_bulk_config(2, 16480, 5120).acc, 1);  // m = 1 only
+    auto b = make_engine({true}, &c, nullptr, 64);
+    std::vector<Greedy> g;
+    for (const auto& p : prompts) g.push_back(greedy(*b, 0, p, 16));
+    return g;
+  };
+  const std::vector<Greedy> ref = run(1), got = run(4);
+  const size_t V = size_t(c.vocab_size);
+  size_t any_differ = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    size_t k = 0;
+    while (k < ref[i].ids.size() && got[i].ids[k] == ref[i].ids[k]) ++k;
+    const size_t rows = std::min(k + 1, ref[i].ids.size());  // the first differing row too
+    const std::vector<float> a(got[i].rows.begin(), got[i].rows.begin() + rows * V);
+    const std::vector<float> r(ref[i].rows.begin(), ref[i].rows.begin() + rows * V);
+    const Err e = compare(a, r);
+    const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
+    const size_t differ = bits_differ(a, r);
+    any_differ += differ;
+    std::printf("  $DS_GEMV_ACC=4 vs 1, prompt %zu: same tokens for %zu/%zu steps, logits over %zu "
+                "rows: L2 %.2e, max abs %.2e (%zu of %zu bits differ)\n",
+                prompts[i].size(), k, ref[i].ids.size(), rows, e.l2, e.max_abs, differ, a.size());
+    EXPECT_LT(e.l2, 1e-2) << "prompt " << prompts[i].size();
+    if (k < ref[i].ids.size()) {
+      EXPECT_LT(ref[i].margin[k], 1e-2 * (*hi - *lo))
+          << "prompt " << prompts[i].size() << ": tokens part at step " << k
+          << " where the one-chain order's choice was not a near-tie";
+    }
+  }
+  EXPECT_GT(any_differ, 0u) << "no logit differs: the decode GEMVs did not take 4 partial sums";
 }
 
 // The GDN prompt path's state-pass forms ($DS_GDN_STATE = tight, fused, fused2; process-wide,

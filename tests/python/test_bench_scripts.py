@@ -272,7 +272,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     script = REPO / "scripts" / "gpu_pending.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
-    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn"):
+    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "acc"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -302,6 +302,10 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert out["attn"].count("bench kernels --only attn_prefill") == 3
     assert ulean in out["attn"].split() and lazy in out["attn"].split()
     assert "--prefill 8192,16384,32768" in out["attn"]
+    # Session 26's decode GEMV order: its tests, the A/B arm, the two in-graph profiles.
+    assert "SplitAccumulators" in out["acc"] and "GemvAccForms" in out["acc"]
+    assert "- DS_GEMV_ACC=4" in out["acc"]
+    assert out["acc"].count("DecodeProfile.Synthetic27bInGraph") == 2
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert bad.returncode == 2 and "step must be" in bad.stderr
