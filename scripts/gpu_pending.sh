@@ -174,7 +174,11 @@ case "$step" in
     # the fused-MLP tests hold their reference to one partial sum per lane.
     run acc_gemv_test "$T/cuda_gemv_test" \
       --gtest_filter='*SplitAccumulators*:*BatchInvariant*:*Shapes27b*:*InterleaveBitExact*' || rc=1
-    run acc_gemv_norm_test "$T/cuda_gemv_norm_test" || rc=1
+    # With the switch on, the tests whose configs come from the engine's config functions run
+    # the 4-sum kernels on their own paths (accumulate, odd shapes, the fused norm and SiLU).
+    run acc_gemv_test_on env DS_GEMV_ACC=4 "$T/cuda_gemv_test" \
+      --gtest_filter='CudaGemvBulk.*:CudaGemvNarrow.*:-*Sweep*:*Timing*' || rc=1
+    run acc_gemv_norm_test_on env DS_GEMV_ACC=4 "$T/cuda_gemv_norm_test" || rc=1
     run acc_engine_test "$T/cuda_specialisation_test" \
       --gtest_filter='GemvAccForms.*:Specialisations.FusedMlp*:Specialisations.FusedNorm*' || rc=1
     if [ "${DRY:-0}" = 1 ]; then

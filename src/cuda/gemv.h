@@ -109,8 +109,9 @@ struct GemvBulkConfig {
 // and narrow GEMVs at m = 1 (GemvBulkConfig::acc, GemvNarrowConfig::acc that gemv_bulk_config,
 // gemv_bulk_silu_config and gemv_narrow_config return), 1 (unset: the shipped order) or 4; other
 // values throw. Session 26, built without a device: the A/B switch until measured.
-// set_gemv_acc_mode overrides it (tests; engines already built keep the configs their captured
-// decode graphs hold).
+// set_gemv_acc_mode overrides it (tests): the configs are made at each launch, so it applies to
+// every launch after it, except inside decode graphs already captured (they replay the kernels
+// they hold). The prefetching forms ($DS_GEMV_L2_NEXT) keep one partial sum either way.
 int gemv_acc_mode();
 void set_gemv_acc_mode(int acc);  // 1 or 4
 

@@ -918,7 +918,8 @@ void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const GemvMlpNext
 std::string GemvBulkConfig::name() const {
   std::ostringstream os;
   os << "r" << rows_per_stage << "s" << slots << (blocks_per_sm == 2 ? "b2" : "")
-     << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "") << (acc != 1 ? "-a4" : "");
+     << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "")
+     << (acc != 1 ? "-a" + std::to_string(acc) : "");
   return os.str();
 }
 

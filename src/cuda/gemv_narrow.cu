@@ -207,7 +207,8 @@ void launch_m(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, 
 
 std::string GemvNarrowConfig::name() const {
   std::ostringstream os;
-  os << "s" << slots << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "") << (acc != 1 ? "-a4" : "");
+  os << "s" << slots << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "")
+     << (acc != 1 ? "-a" + std::to_string(acc) : "");
   return os.str();
 }
 

@@ -720,6 +720,37 @@ TEST(CudaGemvBulk, SplitAccumulatorsAtM1) {
     std::printf("  bulk %-8s m=1 acc 4: %zu of %d differ from acc 1 (worst %.2f of 1 bf16 ulp, "
                 "relative L2 %.1e), fp64 worst %.2f of tol\n",
                 o.name, differ, o.n, worst_ulps, rel, worst64);
+    // The 4-sum kernel really ran: with fp32 outputs practically every sum of another order
+    // differs in some bit (a bf16 output changes in ~1 of 5000).
+    if (!o.f32) {
+      DevBuf<float> f1(o.n), f4(o.n);
+      cuda::launch_gemv_bulk(B(dx), B(wpool.buf), f1.ptr, 1, o.n, o.k, GemmOut::kF32, false, c1,
+                             n_sms, 0);
+      cuda::launch_gemv_bulk(B(dx), B(wpool.buf), f4.ptr, 1, o.n, o.k, GemmOut::kF32, false, c4,
+                             n_sms, 0);
+      const auto v1 = f1.download(), v4 = f4.download();
+      size_t d32 = 0;
+      for (int j = 0; j < o.n; ++j) d32 += v1[j] != v4[j];
+      EXPECT_GT(d32, size_t(o.n) / 4) << o.name << ": the fp32 sums of acc 4 and 1 should differ";
+    }
+  }
+  // Odd shapes against the fp64 loop (as OddShapesEveryConfig): n below the grid, a row that is not
+  // a multiple of the 32-lane sweep, accumulate into bf16 and fp32, a short last two-row stage.
+  for (auto [n, k, f32, acc] :
+       {std::tuple{37, 24, false, false}, std::tuple{301, 40, true, true},
+        std::tuple{1001, 5128, false, true}, std::tuple{30001, 5120, true, false}}) {
+    for (int rows : {1, 2}) {
+      cuda::GemvBulkConfig c{rows, 8, false};
+      c.acc = 4;
+      if (!cuda::gemv_bulk_fits(1, k, c)) continue;
+      check_launch_vs_cpu(
+          1, n, k, f32 ? GemmOut::kF32 : GemmOut::kBF16, acc,
+          [&](const __nv_bfloat16* xx, const __nv_bfloat16* ww, void* yy, int m_, int n_, int k_,
+              GemmOut o_, bool a_) {
+            cuda::launch_gemv_bulk(xx, ww, yy, m_, n_, k_, o_, a_, c, n_sms, 0);
+          },
+          c.name(), rng);
+    }
   }
   // The fused SiLU form (gate_up, d_ff 17408) against the acc-4 GEMV + silu_mul, and the fused norm
   // (gdn_in) against add_rmsnorm + the acc-4 GEMV: the same bits.
@@ -734,6 +765,7 @@ TEST(CudaGemvBulk, SplitAccumulatorsAtM1) {
   p4.acc = 4;
   a1.poison();
   a2.poison();
+  gu.poison();
   auto* gup = reinterpret_cast<__nv_bfloat16*>(gu.ptr);
   cuda::launch_gemv_bulk_silu(B(dx), B(wpool.buf), reinterpret_cast<__nv_bfloat16*>(a1.ptr), 1,
                               d_ff, k, s4, n_sms, 0);
@@ -741,32 +773,49 @@ TEST(CudaGemvBulk, SplitAccumulatorsAtM1) {
                          0);
   cuda::launch_silu_mul(gup, 1, d_ff, reinterpret_cast<__nv_bfloat16*>(a2.ptr), 0);
   DS_CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_TRUE(a1.download() == a2.download()) << "fused SiLU, acc 4";
+  const auto act = a1.download();
+  EXPECT_TRUE(act == a2.download()) << "fused SiLU, acc 4";
+  EXPECT_TRUE(
+      std::all_of(act.begin(), act.end(), [](bf v) { return std::isfinite(bf16_to_f32(v)); }))
+      << "fused SiLU, acc 4: an output not written (poison)";
   cuda::GemvNormIn nin;
   nin.residual = B(dx);
   nin.delta = B(dd);
   nin.weight = B(dnw);
   nin.residual_out = reinterpret_cast<__nv_bfloat16*>(rout.ptr);
   const int n_in = 16480;
-  DevBuf<bf> yn(n_in), yu(n_in);
-  cuda::GemvBulkConfig g4 = serial_bulk_config(1, n_in, k);
+  DevBuf<float> yn(n_in), yu(n_in), y1n(n_in);  // fp32 out: every sum's own bits
+  yn.poison();
+  yu.poison();
+  y1n.poison();
+  cuda::GemvBulkConfig g4 = serial_bulk_config(1, n_in, k), g1 = g4;
   g4.acc = 4;
   ASSERT_TRUE(cuda::gemv_bulk_norm_fits(1, k, g4));
-  cuda::launch_gemv_bulk_norm(nin, B(wpool.buf), yn.ptr, 1, n_in, k, GemmOut::kBF16, g4, n_sms, 0);
+  cuda::launch_gemv_bulk_norm(nin, B(wpool.buf), yn.ptr, 1, n_in, k, GemmOut::kF32, g4, n_sms, 0);
+  cuda::launch_gemv_bulk_norm(nin, B(wpool.buf), y1n.ptr, 1, n_in, k, GemmOut::kF32, g1, n_sms, 0);
   DevBuf<bf> res2(x);  // add_rmsnorm writes the new residual in place
   cuda::launch_add_rmsnorm(reinterpret_cast<__nv_bfloat16*>(res2.ptr), B(dd), B(dnw), 1, k,
                            nin.eps, nin.weight_offset, reinterpret_cast<__nv_bfloat16*>(xn.ptr), 0);
-  cuda::launch_gemv_bulk(B(xn), B(wpool.buf), yu.ptr, 1, n_in, k, GemmOut::kBF16, false, g4, n_sms,
+  cuda::launch_gemv_bulk(B(xn), B(wpool.buf), yu.ptr, 1, n_in, k, GemmOut::kF32, false, g4, n_sms,
                          0);
   DS_CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_TRUE(yn.download() == yu.download()) << "fused norm, acc 4";
+  const auto vn = yn.download(), v1n = y1n.download();
+  EXPECT_TRUE(vn == yu.download()) << "fused norm, acc 4";
+  EXPECT_TRUE(std::all_of(vn.begin(), vn.end(), [](float v) { return std::isfinite(v); }));
+  size_t dn = 0;
+  for (int j = 0; j < n_in; ++j) dn += vn[j] != v1n[j];
+  EXPECT_GT(dn, size_t(n_in) / 4) << "the fused norm's acc-4 kernel did not run";
   // Compiled for m = 1 only: refused at m > 1.
   cuda::GemvBulkConfig bad = serial_bulk_config(2, n_in, k);
   bad.acc = 4;
   EXPECT_FALSE(cuda::gemv_bulk_fits(2, k, bad));
-  EXPECT_THROW(cuda::launch_gemv_bulk(B(dx), B(wpool.buf), yn.ptr, 2, n_in, k, GemmOut::kBF16,
+  EXPECT_THROW(cuda::launch_gemv_bulk(B(dx), B(wpool.buf), yn.ptr, 2, n_in, k, GemmOut::kF32,
                                       false, bad, n_sms, 0),
                Error);
+  bad = serial_bulk_config(1, n_in, k);
+  bad.acc = 2;  // only 1 and 4 are compiled
+  EXPECT_FALSE(cuda::gemv_bulk_fits(1, k, bad));
+  EXPECT_EQ(bad.name().substr(bad.name().size() - 3), "-a2");
 }
 
 // Programmatic dependent launch: y2 = y1 w2^T right behind y1 = x w1^T (both with the attribute:
@@ -1299,6 +1348,31 @@ TEST(CudaGemvNarrow, SplitAccumulatorsAtM1) {
     std::printf("  narrow %-8s m=1 acc 4: %zu of %d differ from acc 1 (worst %.2f of 1 bf16 ulp), "
                 "fp64 worst %.2f of tol\n",
                 o.name, differ, o.n, worst_ulps, worst64);
+    DevBuf<float> f1(o.n), f4(o.n);  // the 4-sum kernel really ran (fp32 outputs, as for bulk)
+    cuda::launch_gemv_narrow(B(dx), B(wpool.buf), f1.ptr, 1, o.n, o.k, GemmOut::kF32, false, c1,
+                             n_sms, 0);
+    cuda::launch_gemv_narrow(B(dx), B(wpool.buf), f4.ptr, 1, o.n, o.k, GemmOut::kF32, false, c4,
+                             n_sms, 0);
+    const auto v1 = f1.download(), v4 = f4.download();
+    size_t d32 = 0;
+    for (int j = 0; j < o.n; ++j) d32 += v1[j] != v4[j];
+    EXPECT_GT(d32, size_t(o.n) / 4) << o.name << ": the fp32 sums of acc 4 and 1 should differ";
+  }
+  // Odd shapes against the fp64 loop: a short last slice, n below the grid, accumulate into bf16
+  // and fp32.
+  for (auto [n, k, f32, acc] : {std::tuple{77, 4104, false, false},
+                                std::tuple{300, 12296, true, true},
+                                std::tuple{5120, 6144, false, true}}) {
+    cuda::GemvNarrowConfig c = serial_narrow_config(1, n, k, n_sms);
+    c.acc = 4;
+    ASSERT_TRUE(cuda::gemv_narrow_fits(1, n, k, c, n_sms)) << n << " x " << k;
+    check_launch_vs_cpu(
+        1, n, k, f32 ? GemmOut::kF32 : GemmOut::kBF16, acc,
+        [&](const __nv_bfloat16* xx, const __nv_bfloat16* ww, void* yy, int m_, int n_, int k_,
+            GemmOut o_, bool a_) {
+          cuda::launch_gemv_narrow(xx, ww, yy, m_, n_, k_, o_, a_, c, n_sms, 0);
+        },
+        c.name(), rng);
   }
   cuda::GemvNarrowConfig bad = serial_narrow_config(2, 5120, 17408, n_sms);
   bad.acc = 4;

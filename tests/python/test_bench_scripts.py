@@ -304,6 +304,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "--prefill 8192,16384,32768" in out["attn"]
     # Session 26's decode GEMV order: its tests, the A/B arm, the two in-graph profiles.
     assert "SplitAccumulators" in out["acc"] and "GemvAccForms" in out["acc"]
+    assert out["acc"].count("DS_GEMV_ACC=4 ") >= 2  # the tests with the switch on, and the A/B
     assert "- DS_GEMV_ACC=4" in out["acc"]
     assert out["acc"].count("DecodeProfile.Synthetic27bInGraph") == 2
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
