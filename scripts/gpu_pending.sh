@@ -156,6 +156,9 @@ case "$step" in
     # Bit-identity of wgmma_ws_ulean and the tolerance of wgmma_ws_lazy against wgmma_m128 and
     # the fp32 reference, on every fixture.
     run attention_test "$T/cuda_attention_test" || rc=1
+    # The same through the engine: ulean's logits bit-identical to the default, lazy's close.
+    run attention_engine_test "$T/cuda_specialisation_test" \
+      --gtest_filter='AttnPrefillForms.*' || rc=1
     # Every variant in every case's note (the new ones late in the order, i.e. in the steady
     # state), then each new form as the pick (timed last, as the default is in the first).
     run attn_k_default "$DS" bench kernels --only attn_prefill || rc=1

@@ -60,9 +60,13 @@ struct Mode {
   const char* name() const { return specialised ? "specialised" : "generic"; }
 };
 
+// disable_kernels: more variants off (specialised mode). gemm_tune false: cuBLASLt's heuristic
+// algorithms only, as the generic mode (the start-up tuning times candidates, so two engines may
+// pick different algorithms; tests comparing engines bit for bit need it off).
 std::unique_ptr<Backend> make_engine(Mode m, const ModelConfig* synth, const HostWeights* w,
-                                     int page) {
-  if (m.specialised)
+                                     int page, const char* disable_kernels = nullptr,
+                                     bool gemm_tune = true) {
+  if (m.specialised && gemm_tune)
     unsetenv("DS_GEMM_TUNE");
   else
     setenv("DS_GEMM_TUNE", "0", 1);
@@ -76,6 +80,7 @@ std::unique_ptr<Backend> make_engine(Mode m, const ModelConfig* synth, const Hos
   e.page_size = page;
   e.cuda_graphs = m.specialised;
   if (!m.specialised) e.disable_kernels = "all";
+  if (m.specialised && disable_kernels) e.disable_kernels = disable_kernels;
   auto b = synth ? make_cuda_backend_synthetic(o, *synth, 3, e) : make_cuda_backend(o, *w, e);
   unsetenv("DS_GEMM_TUNE");
   return b;
@@ -572,10 +577,11 @@ TEST(GdnConvForms, HeadCloseToStreamAt27bShapes) {
 // The batch-1 decode GEMVs with 4 partial sums per lane ($DS_GEMV_ACC=4, session 26) against the
 // one-chain order: two engines (each captures its own decode graphs with the configs of its
 // time), the same prompts (4096 + 904 tokens in two chunks, and 700) and 16 greedy steps each.
-// Another fp32 summation order in every m = 1 bulk / narrow GEMV, so: some decode logits differ
-// (the form really ran), the logits stay within 1e-2 (relative L2) of the one-chain order's over
-// the rows both took the same tokens to reach, and where the tokens part, the reference's top-2
-// margin there is below 1e-2 of its logit range (a near-tie, not a wrong token).
+// Another fp32 summation order in every m = 1 bulk / narrow GEMV (lm_head of a prompt's last row
+// too), so: some logits differ (the form really ran; cuBLASLt's start-up tuning is off in both
+// engines, so nothing else differs), the logits stay within 1e-2 (relative L2) of the one-chain
+// order's over the rows both took the same tokens to reach, and where the tokens part, the
+// reference's top-2 margin there is below 1e-2 of its logit range (a near-tie, not a wrong token).
 TEST(GemvAccForms, SplitCloseToSerialAt27bShapes) {
   DS_REQUIRE_GPU();
   const ModelConfig c = config_27b_4_layers();
@@ -589,7 +595,7 @@ TEST(GemvAccForms, SplitCloseToSerialAt27bShapes) {
     cuda::set_gemv_acc_mode(acc);
     EXPECT_EQ(cuda::gemv_bulk_config(1, 16480, 5120).acc, acc);
     EXPECT_EQ(cuda::gemv_bulk_config(2, 16480, 5120).acc, 1);  // m = 1 only
-    auto b = make_engine({true}, &c, nullptr, 64);
+    auto b = make_engine({true}, &c, nullptr, 64, nullptr, false);
     std::vector<Greedy> g;
     for (const auto& p : prompts) g.push_back(greedy(*b, 0, p, 16));
     return g;
@@ -618,6 +624,60 @@ TEST(GemvAccForms, SplitCloseToSerialAt27bShapes) {
     }
   }
   EXPECT_GT(any_differ, 0u) << "no logit differs: the decode GEMVs did not take 4 partial sums";
+}
+
+// Session 26's prompt-attention forms picked through the registry (every TMA form before them
+// switched off, as DS_DISABLE_KERNELS would): three engines on the same prompts (4096 + 904 tokens
+// in two chunks, the second against the cached first, and 700) with 16 greedy steps each.
+// wgmma_ws_ulean builds the same descriptors another way: every logit bit-identical to the
+// default (wgmma_ws_lean) and the same tokens. wgmma_ws_lazy sums the softmax in another order:
+// prompt logits differ somewhere (it ran), logits within 1e-2 relative L2 of the default's over
+// the rows both took the same tokens to reach, and tokens part only at a near-tie.
+TEST(AttnPrefillForms, UleanBitExactLazyCloseAt27bShapes) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = config_27b_4_layers();
+  std::mt19937 rng(47);
+  const auto prompts = random_prompts({5000, 700}, c.vocab_size, rng);
+  const std::string six =
+      "attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws3,"
+      "attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_persist,attn_prefill.wgmma_ws3_lean_persist";
+  const std::string lazy = six + ",attn_prefill.wgmma_ws_ulean";
+  auto run = [&](const char* disable) {
+    auto b = make_engine({true}, &c, nullptr, 64, disable, false);
+    std::vector<Greedy> g;
+    for (const auto& p : prompts) g.push_back(greedy(*b, 0, p, 16));
+    return g;
+  };
+  const std::vector<Greedy> ref = run(nullptr), ulean = run(six.c_str()),
+                            lz = run(lazy.c_str());
+  const size_t V = size_t(c.vocab_size);
+  size_t lazy_differ = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const size_t ud = bits_differ(ulean[i].rows, ref[i].rows);
+    std::printf("  wgmma_ws_ulean vs the default, prompt %zu: %zu of %zu logits differ\n",
+                prompts[i].size(), ud, ref[i].rows.size());
+    EXPECT_EQ(ud, 0u) << "prompt " << prompts[i].size();
+    EXPECT_EQ(ulean[i].ids, ref[i].ids) << "prompt " << prompts[i].size();
+    size_t k = 0;
+    while (k < ref[i].ids.size() && lz[i].ids[k] == ref[i].ids[k]) ++k;
+    const size_t rows = std::min(k + 1, ref[i].ids.size());
+    const std::vector<float> a(lz[i].rows.begin(), lz[i].rows.begin() + rows * V);
+    const std::vector<float> r(ref[i].rows.begin(), ref[i].rows.begin() + rows * V);
+    const Err e = compare(a, r);
+    const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
+    const size_t d = bits_differ(a, r);
+    lazy_differ += d;
+    std::printf("  wgmma_ws_lazy vs the default, prompt %zu: same tokens for %zu/%zu steps, logits "
+                "over %zu rows: L2 %.2e, max abs %.2e (%zu of %zu bits differ)\n",
+                prompts[i].size(), k, ref[i].ids.size(), rows, e.l2, e.max_abs, d, a.size());
+    EXPECT_LT(e.l2, 1e-2) << "prompt " << prompts[i].size();
+    if (k < ref[i].ids.size()) {
+      EXPECT_LT(ref[i].margin[k], 1e-2 * (*hi - *lo))
+          << "prompt " << prompts[i].size() << ": tokens part at step " << k
+          << " where the default's choice was not a near-tie";
+    }
+  }
+  EXPECT_GT(lazy_differ, 0u) << "no logit differs: wgmma_ws_lazy did not run";
 }
 
 // The GDN prompt path's state-pass forms ($DS_GDN_STATE = tight, fused, fused2; process-wide,

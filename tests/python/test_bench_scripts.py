@@ -299,6 +299,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
              "attn_prefill.wgmma_ws3_lean_persist")
     lazy = ulean + ",attn_prefill.wgmma_ws_ulean"
     assert "cuda_attention_test" in out["attn"]
+    assert "AttnPrefillForms" in out["attn"]
     assert out["attn"].count("bench kernels --only attn_prefill") == 3
     assert ulean in out["attn"].split() and lazy in out["attn"].split()
     assert "--prefill 8192,16384,32768" in out["attn"]
