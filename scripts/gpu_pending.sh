@@ -185,10 +185,12 @@ case "$step" in
     run acc_engine_test "$T/cuda_specialisation_test" \
       --gtest_filter='GemvAccForms.*:Specialisations.FusedMlp*:Specialisations.FusedNorm*' || rc=1
     if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,1@32768 --rounds 3 - DS_GEMV_ACC=4"
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,1@32768 --rounds 3 - DS_GEMV_ACC=4 DS_ARGMAX_CLUSTER=1"
     else
+      # (the cluster argmax, 8 blocks per row, has waited since session 12 for a clearer A/B:
+      # the step's last kernel, 13 us of advance in session 24's in-graph profile)
       BIN="$DS" OUT="$OUT" timeout $(($(left) - 120)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,1@8192,1@32768 --rounds 3 - DS_GEMV_ACC=4 || rc=1
+        --cases 1@4096,1@8192,1@32768 --rounds 3 - DS_GEMV_ACC=4 DS_ARGMAX_CLUSTER=1 || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
     for acc in 1 4; do
