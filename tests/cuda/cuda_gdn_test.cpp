@@ -1494,12 +1494,57 @@ TEST(CudaGdn, PrefillStageTiming) {
       {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "wgmma state + wgmma output, overlapped"},
       {GdnSliceState::kWgmma, GdnOutForm::kWgmma, "tight wgmma state + wgmma output, overl.",
        GdnStateForm::kTight}};
+  double t_ov_wg = 0;  // the shipped pair: wgmma state + wgmma output
   for (const auto& [state, form, name, state_form] : ov_arms) {
     set_gdn_out_form(form);
     set_gdn_state_form(state_form);
     const double t_ov = stage_on(st, name, overlapped(state));
+    if (state == GdnSliceState::kWgmma && form == GdnOutForm::kWgmma &&
+        state_form == GdnStateForm::kWg)
+      t_ov_wg = t_ov;
     std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = the same less the clear",
                 (t_ov - t_clear) * 1e3);
+  }
+  // WY beside the pair on a second stream (the design of docs/perf/gdn_prefill.md, session 26):
+  // how much does WY on the second half's chunks (32-63) slow the shipped pair when both run at
+  // once? Interference only: the pair runs over all 64 chunks as above, and WY reads the same qkv
+  // and beta but its own g (a copy of the input gates, since WY turns g into gamma in place) and
+  // writes its own W / U, so nothing either reads is written by the other. Rows: WY alone on the
+  // 32 chunks, then the pair with it (the second stream forks from the first and joins it before
+  // the end event); compare with "wgmma state + wgmma output, overlapped" above.
+  {
+    set_gdn_out_form(GdnOutForm::kWgmma);
+    set_gdn_state_form(GdnStateForm::kWg);
+    DevBuf<bf16> wm2(wm.n), um2(um.n);
+    DevBuf<float> g2(g.n);
+    cudaStream_t s2;
+    CK(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+    cudaEvent_t fork, join;
+    CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+    CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
+    const int half = n_chunks / 2;
+    auto wy_half = [&](cudaStream_t sm) {
+      CK(cudaMemcpyAsync(g2.p, g0.p, g2.n * 4, cudaMemcpyDeviceToDevice, sm));
+      launch_gdn_wy_mma(s, ch4 + half, n_chunks - half, qkv.p, g2.p, beta.p, wm2.p, um2.p, sm,
+                        true);
+    };
+    const double t_wy = stage_on(st, "WY on chunks 32-63 alone (+ g copy)", wy_half);
+    auto both = [&](cudaStream_t sm) {
+      CK(cudaEventRecord(fork, sm));
+      CK(cudaStreamWaitEvent(s2, fork, 0));
+      wy_half(s2);
+      overlapped(GdnSliceState::kWgmma)(sm);
+      CK(cudaEventRecord(join, s2));
+      CK(cudaStreamWaitEvent(sm, join, 0));
+    };
+    const double t_both = stage_on(st, "wgmma pair + WY(32-63) on a 2nd stream", both);
+    std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = the same less the clear",
+                (t_both - t_clear) * 1e3);
+    std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  (WY alone + the pair would be",
+                (t_wy + t_ov_wg - t_clear) * 1e3);
+    CK(cudaEventDestroy(fork));
+    CK(cudaEventDestroy(join));
+    CK(cudaStreamDestroy(s2));
   }
   // The output kernels alone (the state pass run first, its flags left complete).
   set_gdn_out_form(form0);
