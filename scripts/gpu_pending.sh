@@ -155,9 +155,10 @@ case "$step" in
   attn)
     # Bit-identity of wgmma_ws_ulean and the tolerance of wgmma_ws_lazy against wgmma_m128 and
     # the fp32 reference, on every fixture.
-    run attention_test "$T/cuda_attention_test" || rc=1
+    # (each capped, so that a hang in a kernel that never ran costs minutes, not the step)
+    run attention_test timeout 150 "$T/cuda_attention_test" || rc=1
     # The same through the engine: ulean's logits bit-identical to the default, lazy's close.
-    run attention_engine_test "$T/cuda_specialisation_test" \
+    run attention_engine_test timeout 120 "$T/cuda_specialisation_test" \
       --gtest_filter='AttnPrefillForms.*' || rc=1
     # Every variant in every case's note (the new ones late in the order, i.e. in the steady
     # state), then each new form as the pick (timed last, as the default is in the first).
@@ -175,7 +176,7 @@ case "$step" in
   acc)
     # The new kernels against the one-chain order and fp64, and the engine's logits both ways;
     # the fused-MLP tests hold their reference to one partial sum per lane.
-    run acc_gemv_test "$T/cuda_gemv_test" \
+    run acc_gemv_test timeout 150 "$T/cuda_gemv_test" \
       --gtest_filter='*SplitAccumulators*:*BatchInvariant*:*Shapes27b*:*InterleaveBitExact*' || rc=1
     # With the switch on, the tests whose configs come from the engine's config functions run
     # the 4-sum kernels on their own paths (accumulate, odd shapes, the fused norm and SiLU).

@@ -627,15 +627,23 @@ TEST(GemvAccForms, SplitCloseToSerialAt27bShapes) {
 }
 
 // Session 26's prompt-attention forms picked through the registry (every TMA form before them
-// switched off, as DS_DISABLE_KERNELS would): three engines on the same prompts (4096 + 904 tokens
-// in two chunks, the second against the cached first, and 700) with 16 greedy steps each.
+// switched off, as DS_DISABLE_KERNELS would): three 5-layer engines on the same prompts (4096 +
+// 904 tokens in two chunks, the second against the cached first, and 700) with 16 greedy steps
+// each.
 // wgmma_ws_ulean builds the same descriptors another way: every logit bit-identical to the
 // default (wgmma_ws_lean) and the same tokens. wgmma_ws_lazy sums the softmax in another order:
 // prompt logits differ somewhere (it ran), logits within 1e-2 relative L2 of the default's over
 // the rows both took the same tokens to reach, and tokens part only at a near-tie.
 TEST(AttnPrefillForms, UleanBitExactLazyCloseAt27bShapes) {
   DS_REQUIRE_GPU();
-  const ModelConfig c = config_27b_4_layers();
+  // 5 layers, L L L F L: a GDN layer after the attention layer, so every query row's attention
+  // output reaches the logits through its recurrent state (with the attention layer last, only
+  // the last prompt row's attention would be seen).
+  ModelConfig c = synthetic_model_config("27b");
+  c.n_layers = 5;
+  c.layer_types.resize(5);
+  ASSERT_EQ(c.layer_types[3], LayerType::kFull);
+  ASSERT_EQ(c.layer_types[4], LayerType::kLinear);
   std::mt19937 rng(47);
   const auto prompts = random_prompts({5000, 700}, c.vocab_size, rng);
   const std::string six =
