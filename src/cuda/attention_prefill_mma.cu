@@ -101,6 +101,9 @@ __device__ __forceinline__ float fast_exp2(float x) {  // exp2(-inf) = +0
   return y;
 }
 
+// The softmax's score scale in the exp2 domain: 1/sqrt(256) * log2(e).
+constexpr float kScaleLog2 = 0.0625f * 1.4426950408889634f;
+
 // Online softmax of one 64-key tile for this thread's rows a (g) and b (g + 8): scales and masks
 // sc (the mma.m16n8 / wgmma accumulator layout of 8 key blocks, sc[4 * n8 + e]), updates the
 // running max m and partial sums l, returns the factor alpha by which O must be rescaled, and P in
@@ -111,7 +114,6 @@ struct SoftmaxRows {
 __device__ __forceinline__ void softmax_tile(float (&sc)[kBn / 2], uint32_t (&p)[kBn / 16][4],
                                              int kt, bool need_mask, int pos_a, int pos_b, int t,
                                              SoftmaxRows& st, float& alpha_a, float& alpha_b) {
-  constexpr float kScaleLog2 = 0.0625f * 1.4426950408889634f;  // 1/sqrt(256) * log2(e)
   float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
   for (int n = 0; n < kBn / 8; ++n) {
@@ -167,7 +169,6 @@ __device__ __forceinline__ void softmax_tile_lazy(float (&sc)[kBn / 2], uint32_t
                                                   int kt, bool need_mask, int pos_a, int pos_b,
                                                   int t, SoftmaxRows& st, float& alpha_a,
                                                   float& alpha_b) {
-  constexpr float kScaleLog2 = 0.0625f * 1.4426950408889634f;  // 1/sqrt(256) * log2(e)
   float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
   for (int n = 0; n < kBn / 8; ++n) {

@@ -659,6 +659,37 @@ double bf16_ulps(float a, float b, double ymax) {
   return u > 0 ? std::fabs(double(a) - b) / u : 0.0;
 }
 
+// Outputs of the 4-sum order (a4) against the one-chain order (a1): how many differ, and the
+// largest bf16_ulps distance (bf16 outputs; 0 for fp32).
+struct OrderDiff {
+  size_t differ = 0;
+  double worst_ulps = 0;
+};
+OrderDiff order_diff(const std::vector<float>& a1, const std::vector<float>& a4, bool f32) {
+  OrderDiff d;
+  double ymax = 0;
+  for (float v : a1) ymax = std::max(ymax, double(std::fabs(v)));
+  for (size_t j = 0; j < a1.size(); ++j) {
+    d.differ += a1[j] != a4[j];
+    if (!f32) d.worst_ulps = std::max(d.worst_ulps, bf16_ulps(a1[j], a4[j], ymax));
+  }
+  return d;
+}
+
+// The 4-sum kernel really ran: with fp32 outputs practically every sum of another order differs
+// in some bit (a bf16 output changes in ~1 of 5000). launch(y, acc) writes n fp32 outputs with
+// that many partial sums.
+void expect_fp32_orders_differ(int n, const char* name,
+                               const std::function<void(float*, int)>& launch) {
+  DevBuf<float> f1(n), f4(n);
+  launch(f1.ptr, 1);
+  launch(f4.ptr, 4);
+  const auto v1 = f1.download(), v4 = f4.download();
+  size_t d32 = 0;
+  for (int j = 0; j < n; ++j) d32 += v1[j] != v4[j];
+  EXPECT_GT(d32, size_t(n) / 4) << name << ": the fp32 sums of acc 4 and 1 should differ";
+}
+
 // 4 partial sums per lane at m = 1 ($DS_GEMV_ACC=4, GemvBulkConfig::acc; session 26): on every
 // 27B shape of the bulk kernel, (1) bit-identical across its configs, interleave and PDL (the
 // order depends on k only), (2) within the shipped order's tolerance of fp64 on sampled rows,
@@ -704,34 +735,21 @@ TEST(CudaGemvBulk, SplitAccumulatorsAtM1) {
     DS_CUDA_CHECK(cudaDeviceSynchronize());
     const auto a1 = download_out(y1, o.n, o.f32), a4 = download_out(y4, o.n, o.f32);
     const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a4, o, 1);
-    size_t differ = 0;
-    double worst_ulps = 0, ymax = 0;
-    for (float v : a1) ymax = std::max(ymax, double(std::fabs(v)));
-    for (int j = 0; j < o.n; ++j) {
-      differ += a1[j] != a4[j];
-      if (!o.f32) worst_ulps = std::max(worst_ulps, bf16_ulps(a1[j], a4[j], ymax));
-    }
+    const OrderDiff od = order_diff(a1, a4, o.f32);
     const double rel = test::norm_err(a4, a1);
     if (o.f32) {
       EXPECT_LT(rel, 1e-5) << o.name;  // as the shipped order against cuBLASLt
     } else {
-      EXPECT_LE(worst_ulps, 1.0) << o.name;
+      EXPECT_LE(od.worst_ulps, 1.0) << o.name;
     }
     std::printf("  bulk %-8s m=1 acc 4: %zu of %d differ from acc 1 (worst %.2f of 1 bf16 ulp, "
                 "relative L2 %.1e), fp64 worst %.2f of tol\n",
-                o.name, differ, o.n, worst_ulps, rel, worst64);
-    // The 4-sum kernel really ran: with fp32 outputs practically every sum of another order
-    // differs in some bit (a bf16 output changes in ~1 of 5000).
+                o.name, od.differ, o.n, od.worst_ulps, rel, worst64);
     if (!o.f32) {
-      DevBuf<float> f1(o.n), f4(o.n);
-      cuda::launch_gemv_bulk(B(dx), B(wpool.buf), f1.ptr, 1, o.n, o.k, GemmOut::kF32, false, c1,
-                             n_sms, 0);
-      cuda::launch_gemv_bulk(B(dx), B(wpool.buf), f4.ptr, 1, o.n, o.k, GemmOut::kF32, false, c4,
-                             n_sms, 0);
-      const auto v1 = f1.download(), v4 = f4.download();
-      size_t d32 = 0;
-      for (int j = 0; j < o.n; ++j) d32 += v1[j] != v4[j];
-      EXPECT_GT(d32, size_t(o.n) / 4) << o.name << ": the fp32 sums of acc 4 and 1 should differ";
+      expect_fp32_orders_differ(o.n, o.name, [&](float* y, int acc) {
+        cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y, 1, o.n, o.k, GemmOut::kF32, false,
+                               acc == 4 ? c4 : c1, n_sms, 0);
+      });
     }
   }
   // Odd shapes against the fp64 loop (as OddShapesEveryConfig): n below the grid, a row that is not
@@ -743,13 +761,8 @@ TEST(CudaGemvBulk, SplitAccumulatorsAtM1) {
       cuda::GemvBulkConfig c{rows, 8, false};
       c.acc = 4;
       if (!cuda::gemv_bulk_fits(1, k, c)) continue;
-      check_launch_vs_cpu(
-          1, n, k, f32 ? GemmOut::kF32 : GemmOut::kBF16, acc,
-          [&](const __nv_bfloat16* xx, const __nv_bfloat16* ww, void* yy, int m_, int n_, int k_,
-              GemmOut o_, bool a_) {
-            cuda::launch_gemv_bulk(xx, ww, yy, m_, n_, k_, o_, a_, c, n_sms, 0);
-          },
-          c.name(), rng);
+      check_launch_vs_cpu(1, n, k, f32 ? GemmOut::kF32 : GemmOut::kBF16, acc,
+                          bulk_launch(c, n_sms), c.name(), rng);
     }
   }
   // The fused SiLU form (gate_up, d_ff 17408) against the acc-4 GEMV + silu_mul, and the fused norm
@@ -1337,26 +1350,15 @@ TEST(CudaGemvNarrow, SplitAccumulatorsAtM1) {
     DS_CUDA_CHECK(cudaDeviceSynchronize());
     const auto a1 = download_out(y1, o.n, false), a4 = download_out(y4, o.n, false);
     const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a4, o, 1);
-    size_t differ = 0;
-    double worst_ulps = 0, ymax = 0;
-    for (float v : a1) ymax = std::max(ymax, double(std::fabs(v)));
-    for (int j = 0; j < o.n; ++j) {
-      differ += a1[j] != a4[j];
-      worst_ulps = std::max(worst_ulps, bf16_ulps(a1[j], a4[j], ymax));
-    }
-    EXPECT_LE(worst_ulps, 1.0) << o.name;
+    const OrderDiff od = order_diff(a1, a4, false);
+    EXPECT_LE(od.worst_ulps, 1.0) << o.name;
     std::printf("  narrow %-8s m=1 acc 4: %zu of %d differ from acc 1 (worst %.2f of 1 bf16 ulp), "
                 "fp64 worst %.2f of tol\n",
-                o.name, differ, o.n, worst_ulps, worst64);
-    DevBuf<float> f1(o.n), f4(o.n);  // the 4-sum kernel really ran (fp32 outputs, as for bulk)
-    cuda::launch_gemv_narrow(B(dx), B(wpool.buf), f1.ptr, 1, o.n, o.k, GemmOut::kF32, false, c1,
-                             n_sms, 0);
-    cuda::launch_gemv_narrow(B(dx), B(wpool.buf), f4.ptr, 1, o.n, o.k, GemmOut::kF32, false, c4,
-                             n_sms, 0);
-    const auto v1 = f1.download(), v4 = f4.download();
-    size_t d32 = 0;
-    for (int j = 0; j < o.n; ++j) d32 += v1[j] != v4[j];
-    EXPECT_GT(d32, size_t(o.n) / 4) << o.name << ": the fp32 sums of acc 4 and 1 should differ";
+                o.name, od.differ, o.n, od.worst_ulps, worst64);
+    expect_fp32_orders_differ(o.n, o.name, [&](float* y, int acc) {
+      cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y, 1, o.n, o.k, GemmOut::kF32, false,
+                               acc == 4 ? c4 : c1, n_sms, 0);
+    });
   }
   // Odd shapes against the fp64 loop: a short last slice, n below the grid, accumulate into bf16
   // and fp32.
@@ -1366,13 +1368,8 @@ TEST(CudaGemvNarrow, SplitAccumulatorsAtM1) {
     cuda::GemvNarrowConfig c = serial_narrow_config(1, n, k, n_sms);
     c.acc = 4;
     ASSERT_TRUE(cuda::gemv_narrow_fits(1, n, k, c, n_sms)) << n << " x " << k;
-    check_launch_vs_cpu(
-        1, n, k, f32 ? GemmOut::kF32 : GemmOut::kBF16, acc,
-        [&](const __nv_bfloat16* xx, const __nv_bfloat16* ww, void* yy, int m_, int n_, int k_,
-            GemmOut o_, bool a_) {
-          cuda::launch_gemv_narrow(xx, ww, yy, m_, n_, k_, o_, a_, c, n_sms, 0);
-        },
-        c.name(), rng);
+    check_launch_vs_cpu(1, n, k, f32 ? GemmOut::kF32 : GemmOut::kBF16, acc,
+                        narrow_launch(c, n_sms), c.name(), rng);
   }
   cuda::GemvNarrowConfig bad = serial_narrow_config(2, 5120, 17408, n_sms);
   bad.acc = 4;

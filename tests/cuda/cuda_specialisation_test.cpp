@@ -510,6 +510,48 @@ TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, GoldenOnOff,
                          ::testing::Values("qwen35_27b_ratios", "qwen35_other_ratios"));
 
+// Greedy runs of a form against the reference form's, prompt by prompt: the logits within 1e-2
+// (relative L2) of the reference's over the rows both took the same tokens to reach (and the
+// first differing row), and where the tokens part, the reference's top-2 margin there below 1e-2
+// of its logit range (a near-tie, not a wrong token). Prints each prompt's comparison under
+// `label`; returns how many logits differ in any bit over the rows compared.
+size_t expect_greedy_close(const char* label, const char* ref_name,
+                           const std::vector<std::vector<int32_t>>& prompts,
+                           const std::vector<Greedy>& ref, const std::vector<Greedy>& got,
+                           size_t V) {
+  size_t any_differ = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    size_t k = 0;
+    while (k < ref[i].ids.size() && got[i].ids[k] == ref[i].ids[k]) ++k;
+    const size_t rows = std::min(k + 1, ref[i].ids.size());  // the first differing row too
+    const std::vector<float> a(got[i].rows.begin(), got[i].rows.begin() + rows * V);
+    const std::vector<float> r(ref[i].rows.begin(), ref[i].rows.begin() + rows * V);
+    const Err e = compare(a, r);
+    const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
+    const size_t differ = bits_differ(a, r);
+    any_differ += differ;
+    std::printf("  %s, prompt %zu: same tokens for %zu/%zu steps, logits over %zu rows: L2 %.2e, "
+                "max abs %.2e (%zu of %zu bits differ)\n",
+                label, prompts[i].size(), k, ref[i].ids.size(), rows, e.l2, e.max_abs, differ,
+                a.size());
+    EXPECT_LT(e.l2, 1e-2) << label << ", prompt " << prompts[i].size();
+    if (k < ref[i].ids.size()) {
+      EXPECT_LT(ref[i].margin[k], 1e-2 * (*hi - *lo))
+          << label << ", prompt " << prompts[i].size() << ": tokens part at step " << k
+          << " where the " << ref_name << "'s choice was not a near-tie";
+    }
+  }
+  return any_differ;
+}
+
+// Each prompt from a fresh slot, then n greedy steps, on engine b.
+std::vector<Greedy> greedy_runs(Backend& b, const std::vector<std::vector<int32_t>>& prompts,
+                                int n) {
+  std::vector<Greedy> g;
+  for (const auto& p : prompts) g.push_back(greedy(b, 0, p, n));
+  return g;
+}
+
 // Greedy runs (16 tokens after each prompt) of a 4096 + 904-token prompt (two chunks, the second
 // with carried state and a partial last chunk) and a 700-token one, at the 27B shapes with 4
 // layers, on one engine: first under the process-wide form `ref` of a form switch (get / set),
@@ -532,9 +574,7 @@ FormRuns greedy_under_forms(uint32_t seed, Form (*get)(), void (*set)(Form), For
   } restore{set, get()};
   auto run = [&](Form f) {
     set(f);
-    std::vector<Greedy> g;
-    for (const auto& p : r.prompts) g.push_back(greedy(*b, 0, p, 16));
-    return g;
+    return greedy_runs(*b, r.prompts, 16);
   };
   r.ref = run(ref);
   r.got = run(got);
@@ -552,26 +592,8 @@ TEST(GdnConvForms, HeadCloseToStreamAt27bShapes) {
   const FormRuns runs = greedy_under_forms(41, cuda::gdn_conv_form, cuda::set_gdn_conv_form,
                                            cuda::GdnConvForm::kStream, cuda::GdnConvForm::kHead);
   const auto& [prompts, ref, got] = runs;
-  const size_t V = size_t(config_27b_4_layers().vocab_size);
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    size_t k = 0;
-    while (k < ref[i].ids.size() && got[i].ids[k] == ref[i].ids[k]) ++k;
-    const size_t rows = std::min(k + 1, ref[i].ids.size());  // the first differing row too
-    const std::vector<float> a(got[i].rows.begin(), got[i].rows.begin() + rows * V);
-    const std::vector<float> r(ref[i].rows.begin(), ref[i].rows.begin() + rows * V);
-    const Err e = compare(a, r);
-    const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
-    std::printf("  $DS_GDN_CONV=head vs stream, prompt %zu: same tokens for %zu/%zu steps, logits "
-                "over %zu rows: L2 %.2e, max abs %.2e (%zu of %zu bits differ)\n",
-                prompts[i].size(), k, ref[i].ids.size(), rows, e.l2, e.max_abs,
-                bits_differ(a, r), a.size());
-    EXPECT_LT(e.l2, 1e-2) << "prompt " << prompts[i].size();
-    if (k < ref[i].ids.size()) {
-      EXPECT_LT(ref[i].margin[k], 1e-2 * (*hi - *lo))
-          << "prompt " << prompts[i].size() << ": tokens part at step " << k
-          << " where the stream form's choice was not a near-tie";
-    }
-  }
+  expect_greedy_close("$DS_GDN_CONV=head vs stream", "stream form", prompts, ref, got,
+                      size_t(config_27b_4_layers().vocab_size));
 }
 
 // The batch-1 decode GEMVs with 4 partial sums per lane ($DS_GEMV_ACC=4, session 26) against the
@@ -596,33 +618,11 @@ TEST(GemvAccForms, SplitCloseToSerialAt27bShapes) {
     EXPECT_EQ(cuda::gemv_bulk_config(1, 16480, 5120).acc, acc);
     EXPECT_EQ(cuda::gemv_bulk_config(2, 16480, 5120).acc, 1);  // m = 1 only
     auto b = make_engine({true}, &c, nullptr, 64, nullptr, false);
-    std::vector<Greedy> g;
-    for (const auto& p : prompts) g.push_back(greedy(*b, 0, p, 16));
-    return g;
+    return greedy_runs(*b, prompts, 16);
   };
   const std::vector<Greedy> ref = run(1), got = run(4);
-  const size_t V = size_t(c.vocab_size);
-  size_t any_differ = 0;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    size_t k = 0;
-    while (k < ref[i].ids.size() && got[i].ids[k] == ref[i].ids[k]) ++k;
-    const size_t rows = std::min(k + 1, ref[i].ids.size());  // the first differing row too
-    const std::vector<float> a(got[i].rows.begin(), got[i].rows.begin() + rows * V);
-    const std::vector<float> r(ref[i].rows.begin(), ref[i].rows.begin() + rows * V);
-    const Err e = compare(a, r);
-    const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
-    const size_t differ = bits_differ(a, r);
-    any_differ += differ;
-    std::printf("  $DS_GEMV_ACC=4 vs 1, prompt %zu: same tokens for %zu/%zu steps, logits over %zu "
-                "rows: L2 %.2e, max abs %.2e (%zu of %zu bits differ)\n",
-                prompts[i].size(), k, ref[i].ids.size(), rows, e.l2, e.max_abs, differ, a.size());
-    EXPECT_LT(e.l2, 1e-2) << "prompt " << prompts[i].size();
-    if (k < ref[i].ids.size()) {
-      EXPECT_LT(ref[i].margin[k], 1e-2 * (*hi - *lo))
-          << "prompt " << prompts[i].size() << ": tokens part at step " << k
-          << " where the one-chain order's choice was not a near-tie";
-    }
-  }
+  const size_t any_differ = expect_greedy_close("$DS_GEMV_ACC=4 vs 1", "one-chain order", prompts,
+                                                ref, got, size_t(c.vocab_size));
   EXPECT_GT(any_differ, 0u) << "no logit differs: the decode GEMVs did not take 4 partial sums";
 }
 
@@ -652,39 +652,19 @@ TEST(AttnPrefillForms, UleanBitExactLazyCloseAt27bShapes) {
   const std::string lazy = six + ",attn_prefill.wgmma_ws_ulean";
   auto run = [&](const char* disable) {
     auto b = make_engine({true}, &c, nullptr, 64, disable, false);
-    std::vector<Greedy> g;
-    for (const auto& p : prompts) g.push_back(greedy(*b, 0, p, 16));
-    return g;
+    return greedy_runs(*b, prompts, 16);
   };
   const std::vector<Greedy> ref = run(nullptr), ulean = run(six.c_str()),
                             lz = run(lazy.c_str());
-  const size_t V = size_t(c.vocab_size);
-  size_t lazy_differ = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
     const size_t ud = bits_differ(ulean[i].rows, ref[i].rows);
     std::printf("  wgmma_ws_ulean vs the default, prompt %zu: %zu of %zu logits differ\n",
                 prompts[i].size(), ud, ref[i].rows.size());
     EXPECT_EQ(ud, 0u) << "prompt " << prompts[i].size();
     EXPECT_EQ(ulean[i].ids, ref[i].ids) << "prompt " << prompts[i].size();
-    size_t k = 0;
-    while (k < ref[i].ids.size() && lz[i].ids[k] == ref[i].ids[k]) ++k;
-    const size_t rows = std::min(k + 1, ref[i].ids.size());
-    const std::vector<float> a(lz[i].rows.begin(), lz[i].rows.begin() + rows * V);
-    const std::vector<float> r(ref[i].rows.begin(), ref[i].rows.begin() + rows * V);
-    const Err e = compare(a, r);
-    const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
-    const size_t d = bits_differ(a, r);
-    lazy_differ += d;
-    std::printf("  wgmma_ws_lazy vs the default, prompt %zu: same tokens for %zu/%zu steps, logits "
-                "over %zu rows: L2 %.2e, max abs %.2e (%zu of %zu bits differ)\n",
-                prompts[i].size(), k, ref[i].ids.size(), rows, e.l2, e.max_abs, d, a.size());
-    EXPECT_LT(e.l2, 1e-2) << "prompt " << prompts[i].size();
-    if (k < ref[i].ids.size()) {
-      EXPECT_LT(ref[i].margin[k], 1e-2 * (*hi - *lo))
-          << "prompt " << prompts[i].size() << ": tokens part at step " << k
-          << " where the default's choice was not a near-tie";
-    }
   }
+  const size_t lazy_differ = expect_greedy_close("wgmma_ws_lazy vs the default", "default",
+                                                 prompts, ref, lz, size_t(c.vocab_size));
   EXPECT_GT(lazy_differ, 0u) << "no logit differs: wgmma_ws_lazy did not run";
 }
 
