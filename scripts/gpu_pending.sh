@@ -17,7 +17,12 @@
 #   bash scripts/gpu_pending.sh acc       # ~6 min: session 26's decode GEMVs with 4 partial sums
 #                                         # ($DS_GEMV_ACC=4; decode_gemv.md): their tests, the
 #                                         # decode A/B, in-graph profiles at 4K both ways
-# (~22 min of the session's 30 minutes of device time, with the machine's start.)
+#   bash scripts/gpu_pending.sh argmax    # ~5 min: session 27's greedy argmax in lm_head's
+#                                         # epilogue ($DS_ARGMAX_FUSED=1; decode_gemv.md): its
+#                                         # tests, in-graph profiles at 4K both ways (the gain,
+#                                         # ~10 us a step, is below the A/B's spread), the A/B
+# (~22 min of the session's 30 minutes of device time for the first seven, with the machine's
+# start; argmax after them when time is left.)
 #
 #   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
 #   DRY=1     print the commands instead of running them (what the pytest checks)
@@ -33,8 +38,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|acc) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn or acc, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|acc|argmax) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, acc or argmax, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -199,6 +204,27 @@ case "$step" in
         DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
         --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
     done
+    ;;
+  argmax)
+    # The kernel against lm_head + the separate argmax (logits bits, tokens, ties, NaN / inf,
+    # back-to-back launches, a graph), then the engine's greedy decode on vs off.
+    run argmax_gemv_test timeout 150 "$T/cuda_gemv_test" \
+      --gtest_filter='CudaGemvBulk.ArgmaxFused*' || rc=1
+    run argmax_engine_test timeout 150 "$T/cuda_specialisation_test" \
+      --gtest_filter='Specialisations.FusedArgmax*' || rc=1
+    # What the step's profile says: lm_head + argmax (two kernels) against lm_head+argmax (one).
+    for on in 0 1; do
+      run "inprof_4096_argmax$on" env DS_ARGMAX_FUSED=$on DS_PROFILE=1 DS_PROFILE_BATCHES=1,2 \
+        DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
+        --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
+    done
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,2@4096,1@32768 --rounds 3 - DS_ARGMAX_FUSED=1"
+    else
+      BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
+        --cases 1@4096,2@4096,1@32768 --rounds 3 - DS_ARGMAX_FUSED=1 || rc=1
+      rm -f "$OUT/decode_ab.full.log"
+    fi
     ;;
 esac
 exit $rc

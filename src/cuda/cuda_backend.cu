@@ -226,6 +226,12 @@ class CudaBackend final : public Backend {
     if (mode != mlp_fused_) clear_graphs();  // captured graphs hold the other launches
     mlp_fused_ = mode;
   }
+  bool argmax_fused() const { return argmax_fused_; }
+  int64_t argmax_fused_enqueued() const { return argmax_fused_enqueued_; }
+  void set_argmax_fused(bool on) {
+    if (on != argmax_fused_) clear_graphs();  // captured graphs hold the other launches
+    argmax_fused_ = on;
+  }
   bool decode_rope_fused() const { return rope_fused_; }
   void set_decode_rope_fused(bool on) {
     if (on != rope_fused_) clear_graphs();  // captured graphs hold the other launches
@@ -361,6 +367,9 @@ class CudaBackend final : public Backend {
   unsigned* mlp_bar_ = nullptr;  // [n_layers, 2]: the fused MLP's grid barrier per layer
   int mlp_fused_ = 0;            // CudaEngineOptions::mlp_fused
   int64_t mlp_fused_enqueued_[3] = {0, 0, 0};  // forms 1, 2, 3
+  void* argmax_ws_ = nullptr;  // the fused argmax's keys and counter (zeroed once; gemv.h)
+  bool argmax_fused_ = false;  // CudaEngineOptions::argmax_fused
+  int64_t argmax_fused_enqueued_ = 0;
   int32_t* dmeta_ = nullptr;  // device metadata
   int32_t* hmeta_ = nullptr;  // pinned mirror
   size_t meta_ints_ = 0;
@@ -478,6 +487,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
     gdn_ws_ = b.take<char>(static_cast<int64_t>(gdn_ws_bytes_));
     attn_ws_ = b.take<char>(static_cast<int64_t>(attn_ws));
     mlp_bar_ = b.take<unsigned>(2 * int64_t(cfg_.n_layers));
+    argmax_ws_ = b.take<char>(static_cast<int64_t>(cuda::kGemvBulkArgmaxWorkspaceBytes));
   };
   Bump ab;
   measure_acts(ab);
@@ -498,6 +508,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   }
   set_fused_norm_rows(eopt_.fused_norm_rows);
   rope_fused_ = cuda::env_switch("DS_DECODE_ROPE_FUSED", eopt_.decode_rope_fused);
+  argmax_fused_ = cuda::env_switch("DS_ARGMAX_FUSED", eopt_.argmax_fused);
   mlp_fused_ = eopt_.mlp_fused;
   if (const char* env = std::getenv("DS_MLP_FUSED"); env && *env) {
     const std::string v = env;
@@ -602,6 +613,8 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   measure_acts(ab);
   // The fused MLP's grid barriers start at zero and leave themselves there.
   DS_CUDA_CHECK(cudaMemset(mlp_bar_, 0, 2 * size_t(cfg_.n_layers) * sizeof(unsigned)));
+  // So does the fused argmax's workspace.
+  DS_CUDA_CHECK(cudaMemset(argmax_ws_, 0, cuda::kGemvBulkArgmaxWorkspaceBytes));
   DS_CUDA_CHECK(cudaDeviceSynchronize());  // stream_ does not wait for the legacy stream
   meta_ints_ =
       4 * size_t(T) + 8 * size_t(n_slots_) + 2 + size_t(n_slots_) * layout_.max_blocks_per_seq;
@@ -1632,6 +1645,13 @@ void CudaBackend::run_mlp_fused(const cuda::GemvNormIn& nin, const cuda::GemvMlp
 void CudaBackend::enqueue_head(const FwdPlan& f, int r0, int r) {
   const int V = cfg_.vocab_size, dm = cfg_.d_model;
   cuda::launch_gather_rows(xn_, f.d.gather + r0, r, dm, lrows_, stream_);
+  // The argmax in lm_head's epilogue where the bulk GEMV takes lm_head (the same logits and
+  // tokens as the two kernels below).
+  if (f.argmax && argmax_fused_ &&
+      gemm_->run_head_argmax(lrows_, w_.lm_head, dlogits_, dtok_, argmax_ws_, r, V, dm, stream_)) {
+    ++argmax_fused_enqueued_;
+    return;
+  }
   gemm_->run(lrows_, w_.lm_head, dlogits_, r, V, dm, cuda::GemmOut::kF32, stream_);
   // The cluster argmax waits for lm_head under PDL (the bulk lm_head GEMV triggers its
   // dependents at its start, so the argmax blocks are resident when it ends).
@@ -1845,6 +1865,25 @@ int64_t cuda_mlp_fused_enqueued(const Backend& b, int form) {
            " is not the CUDA engine");
   DS_CHECK(form >= 1 && form <= 3, "cuda_mlp_fused_enqueued: form 1..3, got ", form);
   return cb->mlp_fused_enqueued(form);
+}
+
+void set_cuda_argmax_fused(Backend& b, bool on) {
+  auto* cb = dynamic_cast<CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "set_cuda_argmax_fused: backend ", b.name(), " is not the CUDA engine");
+  cb->set_argmax_fused(on);
+}
+
+bool cuda_argmax_fused(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_argmax_fused: backend ", b.name(), " is not the CUDA engine");
+  return cb->argmax_fused();
+}
+
+int64_t cuda_argmax_fused_enqueued(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_argmax_fused_enqueued: backend ", b.name(),
+           " is not the CUDA engine");
+  return cb->argmax_fused_enqueued();
 }
 
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode) {

@@ -73,6 +73,12 @@ struct CudaEngineOptions {
   // Bit-identical logits (Specialisations.FusedMlpOnVsOffBitExactAt27bShapes). Session 23, not
   // yet measured: off by default. $DS_MLP_FUSED=0..3 overrides.
   int mlp_fused = 0;
+  // Greedy steps whose lm_head runs on the bulk GEMV (batch 1 and 2 on the 27B shapes) take the
+  // argmax in that GEMV's epilogue (cuda/gemv.h launch_gemv_bulk_argmax) instead of a second
+  // kernel re-reading the logits: the same logits and tokens (tests:
+  // CudaGemvBulk.ArgmaxFusedMatchesSeparate, Specialisations.FusedArgmaxOnVsOffBitExactAt27bShapes).
+  // Session 27, not yet measured: off by default. $DS_ARGMAX_FUSED=0 / 1 overrides.
+  bool argmax_fused = false;
 };
 
 // Uploads `w` (bf16 / f16 / f32 tensors; f16 / f32 are converted to bf16 on the host).
@@ -153,6 +159,12 @@ int cuda_mlp_fused(const Backend& b);
 // out-projection) or 3 (and the next layer's in-projection) so far (eager forwards and graph
 // captures).
 int64_t cuda_mlp_fused_enqueued(const Backend& b, int form);
+// Sets CudaEngineOptions::argmax_fused at run time (the cached graphs are dropped when it
+// changes), and reads it; how many lm_head launches took the argmax in their epilogue so far
+// (eager forwards and graph captures). Throw ds::Error when `b` is not a CUDA backend.
+void set_cuda_argmax_fused(Backend& b, bool on);
+bool cuda_argmax_fused(const Backend& b);
+int64_t cuda_argmax_fused_enqueued(const Backend& b);
 // Sets the prompt forwards' residual fold (CudaEngineOptions::prefill_residual_fold) at run
 // time, and reads it. Throw ds::Error when `b` is not a CUDA backend.
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode);

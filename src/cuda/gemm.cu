@@ -195,6 +195,21 @@ bool GemmEngine::run_gate_up_silu(const __nv_bfloat16* x, const __nv_bfloat16* w
   return true;
 }
 
+bool GemmEngine::run_head_argmax(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y,
+                                 int32_t* tokens, void* workspace, int m, int n, int k,
+                                 cudaStream_t stream) {
+  if (!dispatch_ || m <= 0) return false;
+  const bool aligned =
+      ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
+  const std::string& v = variant(m, n, k);
+  if (!aligned || (v != "gemv_bulk" && v != "gemv_bulk_pdl")) return false;
+  GemvBulkConfig c = gemv_bulk_config(m, n, k);
+  c.pdl = bulk_pdl_;
+  if (!gemv_bulk_argmax_supports(m, n, k, c)) return false;  // e.g. 4 partial sums ($DS_GEMV_ACC)
+  launch_gemv_bulk_argmax(x, w, y, tokens, workspace, m, n, k, c, n_sms_, stream);
+  return true;
+}
+
 const std::string& GemmEngine::variant(int m, int n, int k) const {
   static const std::string kCublasLt = "cublaslt";
   if (!dispatch_) return kCublasLt;

@@ -122,6 +122,18 @@ class GemmEngine {
                         __nv_bfloat16* act,              // [m, d_ff]
                         int m, int d_ff, int k, cudaStream_t stream);
 
+  // y = x w^T in fp32 (the logits) and tokens[t] = the greedy token of row t in one launch
+  // (gemv.h launch_gemv_bulk_argmax) when run() would take the bulk GEMV for (m, n, k)
+  // ("gemv_bulk" / "gemv_bulk_pdl"), its config has one partial sum per lane and
+  // gemv_bulk_argmax_supports it, x / w 16-byte aligned; y then holds run()'s bits. Returns false
+  // without launching anything otherwise (the caller then runs run() and launch_argmax_rows: the
+  // same logits and tokens). workspace: kGemvBulkArgmaxWorkspaceBytes, zeroed once, one stream.
+  bool run_head_argmax(const __nv_bfloat16* x,  // [m, k]
+                       const __nv_bfloat16* w,  // [n, k]
+                       float* y,                // [m, n]
+                       int32_t* tokens,         // [m]
+                       void* workspace, int m, int n, int k, cudaStream_t stream);
+
   // Specialised kernels (e.g. decode GEMVs) are picked through this registry when set; null or
   // unset: cuBLASLt for every shape. The registry must outlive the engine.
   void set_dispatch(const DispatchRegistry* dispatch) { dispatch_ = dispatch; }

@@ -27,6 +27,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -179,6 +180,27 @@ void launch_gemv_bulk(const __nv_bfloat16* x,  // [m, k]
                       void* y,                 // [m, n] bf16 or fp32 (out)
                       int m, int n, int k, GemmOut out, bool accumulate, const GemvBulkConfig& cfg,
                       int n_sms, cudaStream_t stream, const GemvL2Next& next = {});
+
+// The greedy argmax fused into the epilogue (lm_head at decode; session 27, built without a
+// device, off unless $DS_ARGMAX_FUSED=1 in the engine): y = x w^T in fp32, the bits of
+// launch_gemv_bulk with one partial sum per lane (acc 1), and tokens[t] = greedy_token(y[t])
+// (runtime/backend.h: argmax, lowest id on ties, -1 for a row holding NaN or +inf), the answer of
+// launch_argmax_rows on y, without that second kernel: the grid reduces argmax_key maxima
+// (argmax_key.h) through shared and global atomics, and its last block writes the tokens. The
+// workspace (kGemvBulkArgmaxWorkspaceBytes, 8-byte aligned) must be zero before the first launch;
+// each launch leaves it zero. Launches sharing a workspace must be ordered (one stream; a
+// programmatic dependent launch is fine: the workspace is touched only after the wait).
+// m 1..kGemvBulkArgmaxMaxM; the config: gemv_bulk_config's with acc 1 and one block per SM.
+constexpr int kGemvBulkArgmaxMaxM = 2;
+constexpr size_t kGemvBulkArgmaxWorkspaceBytes = 8 * kGemvBulkArgmaxMaxM + 8;
+bool gemv_bulk_argmax_supports(int64_t m, int64_t n, int64_t k, const GemvBulkConfig& c);
+void launch_gemv_bulk_argmax(const __nv_bfloat16* x,  // [m, k]
+                             const __nv_bfloat16* w,  // [n, k]
+                             float* y,                // [m, n] (out: the logits)
+                             int32_t* tokens,         // [m] (out)
+                             void* workspace,         // kGemvBulkArgmaxWorkspaceBytes, zeroed
+                             int m, int n, int k, const GemvBulkConfig& cfg, int n_sms,
+                             cudaStream_t stream);
 
 // SwiGLU fused into the epilogue: act[m, d_ff] = bf16(silu(g) * u), g = bf16(x w[j]^T) and
 // u = bf16(x w[d_ff + j]^T) from the fused [gate | up] weight [2 d_ff, k]: bit-identical to

@@ -29,6 +29,7 @@
 #include <string>
 #include <tuple>
 
+#include "cuda/argmax_key.h"
 #include "cuda/bulk_copy.cuh"
 #include "cuda/cuda_common.h"
 #include "cuda/gemv.h"
@@ -913,6 +914,158 @@ void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const GemvMlpNext
   DS_CUDA_LAUNCH_CHECK();
 }
 
+// ---- lm_head with the greedy argmax in its epilogue (gemv_bulk_argmax; session 27, built without a
+// device). y = x w^T in fp32 exactly as gemv_bulk_kernel<M, R, false, float, false> computes it
+// with one partial sum per lane (mlp_dot_rows + mlp_butterfly: the same loop and butterfly), and
+// tokens[t] = greedy_token(y[t]) without a second kernel re-reading the logits: every stage's
+// outputs go into the warp's running maximum of argmax_key(value, row) (argmax_key.h: larger value,
+// then lower row; NaN / +inf the largest key), the 8 consumer warps fold theirs into the block's
+// (shared atomicMax), the block's last warp folds the block's into the grid's (global atomicMax on
+// ws.keys), and the grid's last block turns each row's key into its token and zeroes the keys and
+// the counter for the next launch. The maximum does not depend on the order of any of this, so the
+// token is greedy_token's whatever the timing. Every access to the workspace follows
+// griddepcontrol.wait: a launch that is a programmatic dependent of the one before (the same
+// workspace) starts its atomics only after that one has finished.
+constexpr int kArgmaxSmemBytes = 8 * kGemvBulkArgmaxMaxM + 8;  // the block's keys + its counter
+template <int M, int R>
+__global__ void __launch_bounds__(kThreads, 1)
+    gemv_bulk_argmax_kernel(const bf16* x,  // [M, k]; plain pointer: read after the wait
+                            const bf16* __restrict__ w,  // [n, k]
+                            float* __restrict__ y,       // [M, n]
+                            int n, int k, int slots, bool interleave, int32_t* tokens,
+                            unsigned long long* keys,  // [M] grid's keys, zero between launches
+                            unsigned* done) {          // blocks finished, zero between launches
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kMaxSlots;
+  bf16* xs = reinterpret_cast<bf16*>(smem + kBarBytes);
+  bf16* ring = xs + size_t(M) * k;
+  // After the ring (16-byte aligned: k % 8 == 0): the block's key per row, its warps' count.
+  unsigned long long* bkey = reinterpret_cast<unsigned long long*>(ring + size_t(slots) * R * k);
+  unsigned* bdone = reinterpret_cast<unsigned*>(bkey + M);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int G = gridDim.x, b = blockIdx.x;
+  const int row_begin = interleave ? 0 : int(int64_t(n) * b / G);
+  const int row_end = interleave ? n : int(int64_t(n) * (b + 1) / G);
+  const int total_stages = (n + R - 1) / R;
+  const int n_stages = interleave ? max(0, (total_stages - b + G - 1) / G)
+                                  : (row_end - row_begin + R - 1) / R;
+  auto stage_row = [&](int s) { return interleave ? (b + s * G) * R : row_begin + s * R; };
+  const size_t stage_elems = size_t(R) * k;
+
+  if (threadIdx.x == 0) {
+    init_ring_barriers(full, empty, slots);
+#pragma unroll
+    for (int t = 0; t < M; ++t) bkey[t] = kArgmaxKeyNone;
+    *bdone = 0u;
+  }
+  __syncthreads();
+
+  const bool producer = warp == kConsumerWarps;
+  uint64_t policy = 0;
+  auto issue = [&](int s) {
+    const int slot = s % slots;
+    const int r0 = stage_row(s);
+    const uint32_t bytes = uint32_t(min(R, row_end - r0)) * uint32_t(k) * 2u;
+    mbar_arrive_expect_tx(&full[slot], bytes);
+    bulk_copy(ring + slot * stage_elems, w + size_t(r0) * k, bytes, &full[slot], policy);
+  };
+  if (producer && lane == 0) {  // the weights first, before the wait (gemv_bulk_kernel's order)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    for (int s = 0; s < min(slots, n_stages); ++s) issue(s);
+  }
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    uint4* xd = reinterpret_cast<uint4*>(xs);
+    const int nv = M * k / 8;
+    for (int i = threadIdx.x; i < nv; i += kThreads) xd[i] = xv[i];
+  }
+  __syncthreads();
+
+  if (producer) {
+    if (lane == 0)
+      for (int s = slots; s < n_stages; ++s) {
+        const int slot = s % slots;
+        mbar_wait(&empty[slot], uint32_t((s / slots) - 1) & 1u);
+        issue(s);
+      }
+    return;
+  }
+
+  unsigned long long best[M];
+#pragma unroll
+  for (int t = 0; t < M; ++t) best[t] = kArgmaxKeyNone;
+  for (int s = warp; s < n_stages; s += kConsumerWarps) {
+    const int slot = s % slots;
+    const int r0 = stage_row(s);
+    const int rows = min(R, row_end - r0);
+    mbar_wait(&full[slot], uint32_t(s / slots) & 1u);
+    float acc[M][R];
+    mlp_dot_rows<M, R>(ring + slot * stage_elems, xs, k, lane, acc);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);  // every lane's reads of the slot are done
+    mlp_butterfly<M, R>(acc);  // every lane holds every sum (the same bits in each lane)
+#pragma unroll
+    for (int t = 0; t < M; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (r < rows) {
+          if (lane == t * R + r) y[size_t(t) * n + r0 + r] = acc[t][r];
+          best[t] = argmax_key_max(best[t], argmax_key(acc[t][r], uint32_t(r0 + r)));
+        }
+  }
+  // The warp's keys into the block's (lane t: row t), then count the warp in.
+#pragma unroll
+  for (int t = 0; t < M; ++t)
+    if (lane == t) atomicMax(&bkey[t], best[t]);
+  __syncwarp();
+  unsigned prev = 0;
+  if (lane == 0) {
+    __threadfence_block();
+    prev = atomicAdd(bdone, 1u);
+  }
+  if (__shfl_sync(0xffffffffu, prev, 0) != kConsumerWarps - 1) return;
+  // The block's last warp: every warp's keys are in; the block's into the grid's.
+  __threadfence_block();
+  if (lane < M) atomicMax(&keys[lane], atomicAdd(&bkey[lane], 0ull));
+  __syncwarp();
+  unsigned gprev = 0;
+  if (lane == 0) {
+    __threadfence();
+    gprev = atomicAdd(done, 1u);
+  }
+  if (__shfl_sync(0xffffffffu, gprev, 0) != unsigned(G) - 1) return;
+  // The grid's last block: every block's keys are in. Tokens out, the workspace back to zero.
+  __threadfence();
+  if (lane < M) tokens[lane] = argmax_key_token(atomicExch(&keys[lane], kArgmaxKeyNone));
+  if (lane == 0) atomicExch(done, 0u);
+}
+
+size_t argmax_smem_bytes(int m, int k, const GemvBulkConfig& c) {
+  return smem_bytes(m, k, c.rows_per_stage, c.slots) + kArgmaxSmemBytes;
+}
+
+bool argmax_fits(int64_t m, int64_t k, const GemvBulkConfig& c) {
+  return m >= 1 && m <= kGemvBulkArgmaxMaxM && c.acc == 1 && c.blocks_per_sm == 1 &&
+         gemv_bulk_fits(m, k, c) && argmax_smem_bytes(int(m), int(k), c) <= size_t(kMaxSmem);
+}
+
+template <int M, int R>
+void launch_argmax_t(const bf16* x, const bf16* w, float* y, int n, int k,
+                     const GemvBulkConfig& c, int n_sms, int32_t* tokens, void* ws,
+                     cudaStream_t stream) {
+  auto* kern = gemv_bulk_argmax_kernel<M, R>;
+  ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
+  const int blocks = std::max(1, std::min(n_sms, n));
+  auto* keys = static_cast<unsigned long long*>(ws);
+  auto* done = reinterpret_cast<unsigned*>(keys + kGemvBulkArgmaxMaxM);
+  launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), argmax_smem_bytes(M, k, c), stream, c.pdl,
+                   x, w, y, n, k, c.slots, c.interleave, tokens, keys, done);
+}
+
 }  // namespace
 
 std::string GemvBulkConfig::name() const {
@@ -1159,6 +1312,35 @@ void launch_gemv_bulk_norm(const GemvNormIn& norm, const __nv_bfloat16* w, void*
                            cudaStream_t stream, const GemvL2Next& next) {
   check_norm(norm, m, k, cfg, "bulk gemv");
   bulk_impl(nullptr, w, y, m, n, k, out, false, cfg, n_sms, stream, norm, next);
+}
+
+bool gemv_bulk_argmax_supports(int64_t m, int64_t n, int64_t k, const GemvBulkConfig& c) {
+  return n >= 1 && n <= kSkinnyMaxN && argmax_fits(m, k, c);
+}
+
+void launch_gemv_bulk_argmax(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y,
+                             int32_t* tokens, void* workspace, int m, int n, int k,
+                             const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream) {
+  DS_CHECK(gemv_bulk_argmax_supports(m, n, k, cfg), "bulk gemv + argmax: unsupported m=", m,
+           " n=", n, " k=", k, " config ", cfg.name(), " (needs m 1..", kGemvBulkArgmaxMaxM,
+           ", one partial sum, one block per SM, k % 8 == 0, x, the ring and ",
+           kArgmaxSmemBytes, " bytes of keys in shared memory)");
+  DS_CHECK(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0,
+           "bulk gemv + argmax: x and w must be 16-byte aligned");
+  DS_CHECK(y != nullptr && tokens != nullptr, "bulk gemv + argmax: null logits or tokens");
+  DS_CHECK(workspace != nullptr && (reinterpret_cast<uintptr_t>(workspace) & 7) == 0,
+           "bulk gemv + argmax: needs an 8-byte aligned workspace of ",
+           kGemvBulkArgmaxWorkspaceBytes, " zeroed bytes");
+  DS_CHECK(n_sms >= 1, "bulk gemv + argmax: n_sms must be positive");
+  const bool r2 = cfg.rows_per_stage == 2;
+  if (m == 1) {
+    if (r2) launch_argmax_t<1, 2>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream);
+    else launch_argmax_t<1, 1>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream);
+  } else {
+    if (r2) launch_argmax_t<2, 2>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream);
+    else launch_argmax_t<2, 1>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream);
+  }
+  DS_CUDA_LAUNCH_CHECK();
 }
 
 bool gemv_norm_weight_early() {

@@ -138,6 +138,7 @@ std::string short_name(const KernelRec& r) {
   auto has = [&](const char* s) { return n.find(s) != std::string::npos; };
   if (has("add_rmsnorm")) return "add_rmsnorm";
   if (has("gemv_mlp_norm_kernel")) return "gemv_mlp";  // $DS_MLP_FUSED: gate_up + down
+  if (has("gemv_bulk_argmax")) return "gemv_bulk_argmax(f32)";  // $DS_ARGMAX_FUSED: lm_head
   if (has("gemv_bulk_kernel")) {  // gemv_bulk_kernel<M, R, GLU, OutT, NORM>
     const size_t a = n.find('<', n.find("gemv_bulk_kernel")), e = n.find('>', a);
     std::vector<std::string> t;
@@ -188,7 +189,9 @@ std::vector<std::string> roles(const std::vector<KernelRec>& step) {
     }
     std::string role;
     auto silu = [](const std::string& x) { return x.rfind("gemv_bulk_silu", 0) == 0; };
-    if (s[i] == "gemv_mlp")
+    if (s[i] == "gemv_bulk_argmax(f32)")
+      role = "lm_head+argmax";
+    else if (s[i] == "gemv_mlp")
       role = "gate_up+down";
     else if (silu(s[i]))
       role = "gate_up+silu";
@@ -437,8 +440,9 @@ TEST(DecodeProfile, Synthetic27bInGraph) {
               "gather)\n",
               graph ? "graph" : "eager", all.size(), by_launch.size());
           for (size_t i = 0; i < all.size(); ++i) {
-            const bool first = short_name(all[i]) == "gather_rows" &&
-                               (i == 0 || short_name(all[i - 1]) == "argmax");
+            const bool first =
+                short_name(all[i]) == "gather_rows" &&
+                (i == 0 || short_name(all[i - 1]).find("argmax") != std::string::npos);
             if (first || steps.empty()) steps.emplace_back();
             steps.back().push_back(all[i]);
           }

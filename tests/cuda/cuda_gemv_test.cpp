@@ -43,9 +43,11 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <tuple>
 
 #include "core/error.h"
+#include "cuda/argmax.h"
 #include "cuda/dispatch.h"
 #include "cuda/gemm.h"
 #include "cuda/gemv.h"
@@ -1093,6 +1095,241 @@ TEST(CudaGemvBulk, InterleaveBitExact) {
   nnamed.interleave = true;
   EXPECT_EQ(nnamed.name(), "s16-ilv");
   cudaStreamDestroy(s);
+}
+
+// The greedy argmax fused into the bulk GEMV (launch_gemv_bulk_argmax; session 27):
+//  - its logits are launch_gemv_bulk's bits (same config, one partial sum per lane), its tokens
+//    launch_argmax_rows' on those logits (greedy_token: lowest id on ties, -1 for NaN / +inf, 0
+//    for a row of -inf);
+//  - on lm_head (248320 x 5120) with the engine's config and both stage orders, and on odd shapes
+//    (one row, n below the grid, a partial last two-row stage, k = 8) with every config that fits,
+//    m 1 and 2, contiguous and interleaved stages, PDL on and off;
+//  - rows made to tie at the top (a weight row duplicated into another block, the lower id must
+//    win), a NaN weight (every row's token -1), a +inf product (-1), every logit -inf (token 0);
+//  - 8 launches back to back with new x each (the workspace must be zero again after each), and a
+//    CUDA graph of the launch replayed 3 times;
+//  - GemmEngine::run_head_argmax takes it where run() takes the bulk GEMV and launches nothing
+//    (returns false) otherwise; the launch errors.
+TEST(CudaGemvBulk, ArgmaxFusedMatchesSeparate) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(59);
+  DevBuf<char> ws(cuda::kGemvBulkArgmaxWorkspaceBytes);
+  DS_CUDA_CHECK(cudaMemset(ws.ptr, 0, ws.n));
+  DevBuf<int32_t> tok(cuda::kGemvBulkArgmaxMaxM), tok_ref(cuda::kGemvBulkArgmaxMaxM);
+  auto ws_is_zero = [&] {
+    for (char c : ws.download())
+      if (c != 0) return false;
+    return true;
+  };
+  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {  // NaN == NaN
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), 4 * a.size()) == 0;
+  };
+  // One fused launch against the two kernels; returns the fused tokens.
+  auto check = [&](const DevBuf<bf>& dx, const bf* dw, int m, int n, int k,
+                   cuda::GemvBulkConfig c, const std::string& what) {
+    DevBuf<float> y(size_t(m) * n), y_ref(size_t(m) * n);
+    y.poison();
+    y_ref.poison();
+    DS_CUDA_CHECK(cudaMemset(tok.ptr, 0x7f, tok.n * 4));
+    const auto* w = reinterpret_cast<const __nv_bfloat16*>(dw);
+    c.acc = 1;
+    cuda::launch_gemv_bulk_argmax(B(dx), w, y.ptr, tok.ptr, ws.ptr, m, n, k, c, n_sms, 0);
+    cuda::GemvBulkConfig cs = c;
+    cs.pdl = false;
+    cuda::launch_gemv_bulk(B(dx), w, y_ref.ptr, m, n, k, GemmOut::kF32, false, cs, n_sms, 0);
+    cuda::launch_argmax_rows(y_ref.ptr, m, n, tok_ref.ptr, 0, cuda::ArgmaxKernel::kBlock, false);
+    const auto t = tok.download(), tr = tok_ref.download();
+    EXPECT_TRUE(same_bits(y.download(), y_ref.download())) << what << " config " << c.name();
+    for (int i = 0; i < m; ++i) EXPECT_EQ(t[i], tr[i]) << what << " row " << i << " " << c.name();
+    EXPECT_TRUE(ws_is_zero()) << what << " config " << c.name();
+    return std::vector<int32_t>(t.begin(), t.begin() + m);
+  };
+  const bf kNanBf = 0x7fc0, kInfBf = 0x7f80, kNegInfBf = 0xff80, kOneBf = 0x3f80;
+  // The cases of one (m, n, k, config) on weights dw (device, restored after each case).
+  auto cases = [&](int m, int n, int k, bf* dw, const cuda::GemvBulkConfig& c,
+                   const std::string& shape) {
+    const std::string what = shape + " m=" + std::to_string(m);
+    auto hx = test::random_bf16(size_t(m) * k, rng);
+    DevBuf<bf> dx(hx);
+    check(dx, dw, m, n, k, c, what + " random");
+    auto row = [&](int j) {
+      std::vector<bf> r(k);
+      DS_CUDA_CHECK(cudaMemcpy(r.data(), dw + size_t(j) * k, 2 * k, cudaMemcpyDeviceToHost));
+      return r;
+    };
+    auto put = [&](int j, const std::vector<bf>& r) {
+      DS_CUDA_CHECK(cudaMemcpy(dw + size_t(j) * k, r.data(), 2 * k, cudaMemcpyHostToDevice));
+    };
+    // A tie at the top for token row 0: weight row j aligned with x's row 0 (the largest logit by
+    // far), copied to row j2 in the other half (another block); the lower of the two must win.
+    if (n >= 2) {
+      const int j = int(rng() % n), j2 = int((j + n / 2 + rng() % 3) % n);
+      if (j2 != j) {
+        const auto keep_j = row(j), keep_j2 = row(j2);
+        std::vector<bf> top(k);
+        for (int c2 = 0; c2 < k; ++c2) top[c2] = hx[c2];  // x row 0 itself: sum of squares
+        put(j, top);
+        put(j2, top);
+        const auto t = check(dx, dw, m, n, k, c, what + " tie");
+        EXPECT_EQ(t[0], std::min(j, j2)) << what << " tie of rows " << j << ", " << j2;
+        put(j, keep_j);
+        put(j2, keep_j2);
+      }
+    }
+    // Specials in column 0 of one weight row (or of all), x[., 0] = 1.
+    std::vector<bf> hx1 = hx;
+    for (int t = 0; t < m; ++t) hx1[size_t(t) * k] = kOneBf;
+    DevBuf<bf> dx1(hx1);
+    const int j = int(rng() % n);
+    const auto keep = row(j);
+    for (bf special : {kNanBf, kInfBf}) {
+      auto r = keep;
+      r[0] = special;
+      put(j, r);
+      const auto t = check(dx1, dw, m, n, k, c, what + (special == kNanBf ? " NaN" : " +inf"));
+      for (int i = 0; i < m; ++i) EXPECT_EQ(t[i], -1) << what << " special row " << j;
+      put(j, keep);
+    }
+    if (size_t(n) * k <= (size_t(8) << 20)) {  // every logit -inf: token 0
+      std::vector<bf> all(size_t(n) * k);
+      DS_CUDA_CHECK(cudaMemcpy(all.data(), dw, all.size() * 2, cudaMemcpyDeviceToHost));
+      std::vector<bf> neg = all;
+      for (int r = 0; r < n; ++r) neg[size_t(r) * k] = kNegInfBf;
+      DS_CUDA_CHECK(cudaMemcpy(dw, neg.data(), neg.size() * 2, cudaMemcpyHostToDevice));
+      const auto t = check(dx1, dw, m, n, k, c, what + " all -inf");
+      for (int i = 0; i < m; ++i) EXPECT_EQ(t[i], 0) << what;
+      DS_CUDA_CHECK(cudaMemcpy(dw, all.data(), all.size() * 2, cudaMemcpyHostToDevice));
+    }
+  };
+
+  // lm_head at the engine's configs.
+  {
+    Pool wpool(size_t(248320) * 5120, rng, 0.02f);
+    for (int m : {1, 2}) {
+      cuda::GemvBulkConfig c = serial_bulk_config(m, 248320, 5120);
+      ASSERT_TRUE(cuda::gemv_bulk_argmax_supports(m, 248320, 5120, c)) << c.name();
+      for (bool ilv : {true, false}) {
+        c.interleave = ilv;
+        c.pdl = ilv;
+        cases(m, 248320, 5120, wpool.buf.ptr, c, "lm_head");
+      }
+    }
+  }
+  // Odd shapes, every config that fits.
+  for (auto [n, k] : {std::pair{1, 8}, std::pair{37, 24}, std::pair{131, 1032},
+                      std::pair{5003, 256}, std::pair{20001, 64}}) {
+    auto hw = test::random_bf16(size_t(n) * k, rng, 0.05f);
+    DevBuf<bf> dw(hw);
+    for (int m : {1, 2})
+      for (cuda::GemvBulkConfig c : cuda::gemv_bulk_configs(m, k)) {
+        if (c.blocks_per_sm != 1) {
+          EXPECT_FALSE(cuda::gemv_bulk_argmax_supports(m, n, k, c));
+          continue;
+        }
+        for (bool ilv : {false, true}) {
+          c.interleave = ilv;
+          c.pdl = !ilv;
+          cases(m, n, k, dw.ptr, c, std::to_string(n) + "x" + std::to_string(k));
+        }
+      }
+  }
+
+  // Back to back on one stream (PDL), then from a graph: every launch's tokens are its own.
+  {
+    const int n = 30011, k = 1024, m = 2;
+    auto hw = test::random_bf16(size_t(n) * k, rng, 0.05f);
+    DevBuf<bf> dw(hw);
+    cuda::GemvBulkConfig c = serial_bulk_config(m, n, k);
+    c.pdl = true;
+    std::vector<std::unique_ptr<DevBuf<bf>>> dxs;
+    const int runs = 8;
+    DevBuf<int32_t> toks(size_t(runs) * m);
+    DevBuf<float> y(size_t(m) * n);
+    for (int r = 0; r < runs; ++r) dxs.push_back(std::make_unique<DevBuf<bf>>(
+                                        test::random_bf16(size_t(m) * k, rng)));
+    cudaStream_t s;
+    DS_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    for (int r = 0; r < runs; ++r)
+      cuda::launch_gemv_bulk_argmax(B(*dxs[r]), B(dw), y.ptr, toks.ptr + r * m, ws.ptr, m, n, k,
+                                    c, n_sms, s);
+    DS_CUDA_CHECK(cudaStreamSynchronize(s));
+    const auto got = toks.download();
+    for (int r = 0; r < runs; ++r) {
+      DevBuf<float> yr(size_t(m) * n);
+      cuda::launch_gemv_bulk(B(*dxs[r]), B(dw), yr.ptr, m, n, k, GemmOut::kF32, false,
+                             serial_bulk_config(m, n, k), n_sms, 0);
+      cuda::launch_argmax_rows(yr.ptr, m, n, tok_ref.ptr, 0, cuda::ArgmaxKernel::kBlock, false);
+      const auto tr = tok_ref.download();
+      for (int i = 0; i < m; ++i) EXPECT_EQ(got[size_t(r) * m + i], tr[i]) << "run " << r;
+    }
+    EXPECT_TRUE(ws_is_zero());
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    DS_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    cuda::launch_gemv_bulk_argmax(B(*dxs[0]), B(dw), y.ptr, tok.ptr, ws.ptr, m, n, k, c, n_sms,
+                                  s);
+    DS_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+    DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+    for (int rep = 0; rep < 3; ++rep) {
+      DS_CUDA_CHECK(cudaMemset(tok.ptr, 0x7f, tok.n * 4));
+      DS_CUDA_CHECK(cudaGraphLaunch(ge, s));
+      DS_CUDA_CHECK(cudaStreamSynchronize(s));
+      const auto t = tok.download();
+      for (int i = 0; i < m; ++i) EXPECT_EQ(t[i], got[i]) << "graph replay " << rep;
+    }
+    EXPECT_TRUE(ws_is_zero());
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    cudaStreamDestroy(s);
+  }
+
+  // The engine's entry: the fused launch where run() takes the bulk GEMV, nothing otherwise.
+  {
+    auto reg = cuda::DispatchRegistry::with_defaults(90, "");
+    cuda::GemmEngine g;
+    g.set_dispatch(&reg);
+    const int n = 248320, k = 5120;
+    Pool wpool(size_t(n) * k, rng, 0.02f);
+    DevBuf<bf> dx(test::random_bf16(size_t(4) * k, rng));
+    DevBuf<float> y(size_t(4) * n), y_ref(size_t(4) * n);
+    for (int m : {1, 2, 3, 4}) {
+      y.poison();
+      DS_CUDA_CHECK(cudaMemset(tok.ptr, 0x7f, tok.n * 4));
+      const bool took = g.run_head_argmax(B(dx), B(wpool.buf), y.ptr, tok.ptr, ws.ptr, m, n, k, 0);
+      // (with $DS_GEMV_ACC=4 the m = 1 config has 4 partial sums: refused)
+      const bool bulk = g.variant(m, n, k) == "gemv_bulk" && (m > 1 || cuda::gemv_acc_mode() == 1);
+      EXPECT_EQ(took, bulk && m <= cuda::kGemvBulkArgmaxMaxM) << "m " << m;
+      if (!took) continue;
+      g.run(B(dx), B(wpool.buf), y_ref.ptr, m, n, k, GemmOut::kF32, 0);
+      cuda::launch_argmax_rows(y_ref.ptr, m, n, tok_ref.ptr, 0, cuda::ArgmaxKernel::kBlock, false);
+      EXPECT_TRUE(same_bits(y.download(), y_ref.download())) << "m " << m;
+      const auto t = tok.download(), tr = tok_ref.download();
+      for (int i = 0; i < m; ++i) EXPECT_EQ(t[i], tr[i]) << "engine m " << m;
+    }
+    auto off = cuda::DispatchRegistry::with_defaults(90, "gemm.gemv_bulk");
+    g.set_dispatch(&off);
+    EXPECT_FALSE(g.run_head_argmax(B(dx), B(wpool.buf), y.ptr, tok.ptr, ws.ptr, 1, n, k, 0));
+  }
+
+  // Errors: m past the compiled two, 4 partial sums, two blocks per SM, the workspace.
+  DevBuf<bf> x(64), w(64 * 64);
+  DevBuf<float> y(64 * 64);
+  const cuda::GemvBulkConfig c{1, 8, false};
+  auto launch = [&](int m, cuda::GemvBulkConfig cc, void* wsp) {
+    cuda::launch_gemv_bulk_argmax(B(x), B(w), y.ptr, tok.ptr, wsp, m, 8, 16, cc, n_sms, 0);
+  };
+  EXPECT_THROW(launch(3, c, ws.ptr), Error);
+  cuda::GemvBulkConfig a4 = c;
+  a4.acc = 4;
+  EXPECT_THROW(launch(1, a4, ws.ptr), Error);
+  EXPECT_THROW(launch(1, {1, 8, false, 2}, ws.ptr), Error);
+  EXPECT_THROW(launch(1, c, nullptr), Error);
+  EXPECT_THROW(launch(1, c, ws.ptr + 4), Error);  // not 8-byte aligned
+  EXPECT_NO_THROW(launch(1, c, ws.ptr));
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(ws_is_zero());
 }
 
 TEST(CudaGemvBulk, GuardAndErrors) {

@@ -382,6 +382,102 @@ TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
   EXPECT_GT(cuda_graph_stats(*b).replays, 0);
 }
 
+// The greedy argmax in lm_head's epilogue (CudaEngineOptions::argmax_fused, launch_gemv_bulk_argmax)
+// on vs off on one engine (graphs on: each batch size's first step eager, then captured and
+// replayed): greedy decode through step_greedy (the device argmax; the path bench decode and the
+// server's greedy requests take) at batch 1 (64 steps), batch 2 (32 steps, both rows greedy) and
+// batch 2 with one greedy row (16 steps; the other row's logits come back): the same tokens, the
+// non-greedy rows' logits bit-identical, each greedy token equal to greedy_token of the logits
+// step() gives at the same position in a third run, and the fused launch taken at batch 1 and 2
+// (eager and captured). The fused kernel keeps one partial sum per lane, so $DS_GEMV_ACC is held
+// at 1 here.
+TEST(Specialisations, FusedArgmaxOnVsOffBitExactAt27bShapes) {
+  DS_REQUIRE_GPU();
+  struct Restore {
+    int acc;
+    ~Restore() { cuda::set_gemv_acc_mode(acc); }
+  } restore{cuda::gemv_acc_mode()};
+  cuda::set_gemv_acc_mode(1);
+  const ModelConfig c = config_27b_4_layers();
+  const int V = c.vocab_size;
+  std::mt19937 rng(43);
+  const std::vector<std::vector<int32_t>> prompts = random_prompts({600, 350}, V, rng);
+  auto b = make_engine({true}, &c, nullptr, 64);
+  // mode 0: step() and the host argmax (the reference); 1: step_greedy, fused off; 2: fused on.
+  struct Run {
+    std::vector<int32_t> ids;
+    std::vector<float> rows;  // the non-greedy rows of the mixed steps (modes 1, 2)
+  };
+  auto run = [&](int mode) {
+    if (mode > 0) {
+      set_cuda_argmax_fused(*b, mode == 2);
+      EXPECT_EQ(cuda_argmax_fused(*b), mode == 2);
+    }
+    Run r;
+    std::vector<float> l;
+    StepOutput out;
+    // One step of `work`; every row's next token into next[slot].
+    std::vector<int32_t> next(2);
+    auto step = [&](std::vector<SeqWork>& work, bool all_greedy) {
+      for (size_t i = 0; i < work.size(); ++i) work[i].greedy = all_greedy || i == 0;
+      if (mode == 0) {
+        b->step(work, l);
+        for (size_t i = 0; i < work.size(); ++i) {
+          next[work[i].slot] = greedy_token(std::span<const float>(l.data() + i * V, V));
+          r.ids.push_back(next[work[i].slot]);
+        }
+        return;
+      }
+      b->step_greedy(work, out);
+      size_t row = 0;
+      for (size_t i = 0; i < work.size(); ++i) {
+        if (work[i].greedy) {
+          next[work[i].slot] = out.tokens[i];
+        } else {  // its logits came back: the host takes the argmax, as the engine's sampler would
+          const float* lr = out.logits.data() + row++ * V;
+          r.rows.insert(r.rows.end(), lr, lr + V);
+          next[work[i].slot] = greedy_token(std::span<const float>(lr, V));
+        }
+        r.ids.push_back(next[work[i].slot]);
+      }
+    };
+    for (int s = 0; s < 2; ++s) {
+      b->reset_slot(s);
+      std::vector<SeqWork> w{{s, prompts[s], false}};
+      step(w, true);
+    }
+    for (int st = 0; st < 64; ++st) {  // batch 1
+      std::vector<int32_t> t0{next[0]};
+      std::vector<SeqWork> w{{0, t0, false}};
+      step(w, true);
+    }
+    for (int st = 0; st < 48; ++st) {  // batch 2: all greedy, then one greedy row
+      std::vector<int32_t> t0{next[0]}, t1{next[1]};
+      std::vector<SeqWork> w{{0, t0, false}, {1, t1, false}};
+      step(w, st < 32);
+    }
+    b->reset_slot(0);
+    b->reset_slot(1);
+    return r;
+  };
+  const Run ref = run(0);
+  const Run off = run(1);
+  const int64_t before = cuda_argmax_fused_enqueued(*b);
+  EXPECT_EQ(before, 0);
+  const Run on = run(2);
+  // batch 1 and batch 2 each: the eager first step and the graph's capture at least
+  EXPECT_GE(cuda_argmax_fused_enqueued(*b) - before, 4) << "the fused argmax never ran";
+  std::printf("  fused argmax on vs off: %zu tokens compared, %zu logits of non-greedy rows; "
+              "%lld fused launches enqueued\n",
+              on.ids.size(), on.rows.size(), (long long)cuda_argmax_fused_enqueued(*b));
+  EXPECT_EQ(off.ids, ref.ids) << "step_greedy (fused off) vs step() + host argmax";
+  EXPECT_EQ(on.ids, off.ids);
+  ASSERT_EQ(on.rows.size(), off.rows.size());
+  EXPECT_EQ(bits_differ(on.rows, off.rows), 0u);
+  EXPECT_EQ(cuda_graph_stats(*b).failures, 0);
+  EXPECT_GT(cuda_graph_stats(*b).replays, 0);
+}
+
 TEST(Specialisations, FusedNormOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
   const ModelConfig c = config_27b_4_layers();
