@@ -11,7 +11,7 @@
 // value gives a larger key; of two equal values the lower id gives the larger key. NaN and +inf
 // take the largest key, all ones, which no other value reaches (order(v) == 0xffffffff only for
 // the NaN 0x7fffffff); that key becomes token -1. Plain C++ (host and device): the CPU test
-// (tests/argmax_key_test.cpp) holds it to greedy_token on rows of every kind.
+// (tests/runtime_argmax_key_test.cpp) holds it to greedy_token on rows of every kind.
 #pragma once
 
 #include <cstdint>

@@ -1017,31 +1017,25 @@ __global__ void __launch_bounds__(kThreads, 1)
           best[t] = argmax_key_max(best[t], argmax_key(acc[t][r], uint32_t(r0 + r)));
         }
   }
-  // The warp's keys into the block's (lane t: row t), then count the warp in.
+  // Lane 0 does every step below (each lane holds the same keys): the warp's keys into the
+  // block's, then it counts the warp in; the block's last warp folds the block's keys into the
+  // grid's and counts the block in; the grid's last block writes the tokens and zeroes the
+  // workspace. Each count follows a fence after the folds it reports, and each reader fences
+  // after the count that told it it was last, all in one thread.
+  if (lane != 0) return;
 #pragma unroll
-  for (int t = 0; t < M; ++t)
-    if (lane == t) atomicMax(&bkey[t], best[t]);
-  __syncwarp();
-  unsigned prev = 0;
-  if (lane == 0) {
-    __threadfence_block();
-    prev = atomicAdd(bdone, 1u);
-  }
-  if (__shfl_sync(0xffffffffu, prev, 0) != kConsumerWarps - 1) return;
-  // The block's last warp: every warp's keys are in; the block's into the grid's.
+  for (int t = 0; t < M; ++t) atomicMax(&bkey[t], best[t]);
   __threadfence_block();
-  if (lane < M) atomicMax(&keys[lane], atomicAdd(&bkey[lane], 0ull));
-  __syncwarp();
-  unsigned gprev = 0;
-  if (lane == 0) {
-    __threadfence();
-    gprev = atomicAdd(done, 1u);
-  }
-  if (__shfl_sync(0xffffffffu, gprev, 0) != unsigned(G) - 1) return;
-  // The grid's last block: every block's keys are in. Tokens out, the workspace back to zero.
+  if (atomicAdd(bdone, 1u) != kConsumerWarps - 1) return;
+  __threadfence_block();
+#pragma unroll
+  for (int t = 0; t < M; ++t) atomicMax(&keys[t], atomicAdd(&bkey[t], 0ull));
   __threadfence();
-  if (lane < M) tokens[lane] = argmax_key_token(atomicExch(&keys[lane], kArgmaxKeyNone));
-  if (lane == 0) atomicExch(done, 0u);
+  if (atomicAdd(done, 1u) != unsigned(G) - 1) return;
+  __threadfence();
+#pragma unroll
+  for (int t = 0; t < M; ++t) tokens[t] = argmax_key_token(atomicExch(&keys[t], kArgmaxKeyNone));
+  atomicExch(done, 0u);
 }
 
 size_t argmax_smem_bytes(int m, int k, const GemvBulkConfig& c) {

@@ -1051,6 +1051,7 @@ TEST(CudaGemvBulk, InterleaveBitExact) {
           DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
           for (int rep = 0; rep < 2; ++rep) {
             reset_y();
+            DS_CUDA_CHECK(cudaDeviceSynchronize());  // the legacy-stream reset before s's replay
             DS_CUDA_CHECK(cudaGraphLaunch(ge, s));
             DS_CUDA_CHECK(cudaStreamSynchronize(s));
             EXPECT_TRUE(y.download() == ref) << what << " graph rep " << rep;
@@ -1273,7 +1274,7 @@ TEST(CudaGemvBulk, ArgmaxFusedMatchesSeparate) {
     DS_CUDA_CHECK(cudaStreamEndCapture(s, &g));
     DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
     for (int rep = 0; rep < 3; ++rep) {
-      DS_CUDA_CHECK(cudaMemset(tok.ptr, 0x7f, tok.n * 4));
+      DS_CUDA_CHECK(cudaMemsetAsync(tok.ptr, 0x7f, tok.n * 4, s));  // ordered before the replay
       DS_CUDA_CHECK(cudaGraphLaunch(ge, s));
       DS_CUDA_CHECK(cudaStreamSynchronize(s));
       const auto t = tok.download();
@@ -1296,6 +1297,7 @@ TEST(CudaGemvBulk, ArgmaxFusedMatchesSeparate) {
     DevBuf<float> y(size_t(4) * n), y_ref(size_t(4) * n);
     for (int m : {1, 2, 3, 4}) {
       y.poison();
+      y_ref.poison();  // rows m.. of both stay poisoned: compared too
       DS_CUDA_CHECK(cudaMemset(tok.ptr, 0x7f, tok.n * 4));
       const bool took = g.run_head_argmax(B(dx), B(wpool.buf), y.ptr, tok.ptr, ws.ptr, m, n, k, 0);
       // (with $DS_GEMV_ACC=4 the m = 1 config has 4 partial sums: refused)
