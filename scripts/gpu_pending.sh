@@ -17,10 +17,12 @@
 #   bash scripts/gpu_pending.sh acc       # ~6 min: session 26's decode GEMVs with 4 partial sums
 #                                         # ($DS_GEMV_ACC=4; decode_gemv.md): their tests, the
 #                                         # decode A/B, in-graph profiles at 4K both ways
-#   bash scripts/gpu_pending.sh argmax    # ~5 min: session 27's greedy argmax in lm_head's
-#                                         # epilogue ($DS_ARGMAX_FUSED=1; decode_gemv.md): its
-#                                         # tests, in-graph profiles at 4K both ways (the gain,
-#                                         # ~10 us a step, is below the A/B's spread), the A/B
+#   bash scripts/gpu_pending.sh argmax    # ~6 min: session 27's decode head in one kernel
+#                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
+#                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
+#                                         # decode_gemv.md): the tests, in-graph profiles at 4K
+#                                         # both ways (the gain, ~15-20 us a step, is below the
+#                                         # A/B's spread), the A/B
 # (~22 min of the session's 30 minutes of device time for the first seven, with the machine's
 # start; argmax after them when time is left.)
 #
@@ -206,23 +208,28 @@ case "$step" in
     done
     ;;
   argmax)
-    # The kernel against lm_head + the separate argmax (logits bits, tokens, ties, NaN / inf,
-    # back-to-back launches, a graph), then the engine's greedy decode on vs off.
+    # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and
+    # residual bits, tokens, ties, NaN / inf, back-to-back launches, a graph), then the engine's
+    # greedy decode with each fusion on and off.
     run argmax_gemv_test timeout 150 "$T/cuda_gemv_test" \
       --gtest_filter='CudaGemvBulk.ArgmaxFused*' || rc=1
+    run argmax_norm_test timeout 150 "$T/cuda_gemv_norm_test" \
+      --gtest_filter='CudaGemvBulkNorm.ArgmaxNorm*' || rc=1
     run argmax_engine_test timeout 150 "$T/cuda_specialisation_test" \
-      --gtest_filter='Specialisations.FusedArgmax*' || rc=1
-    # What the step's profile says: lm_head + argmax (two kernels) against lm_head+argmax (one).
+      --gtest_filter='Specialisations.FusedHead*' || rc=1
+    # What the step's profile says: final norm + gather + lm_head + argmax (four kernels) against
+    # the head in one kernel.
     for on in 0 1; do
-      run "inprof_4096_argmax$on" env DS_ARGMAX_FUSED=$on DS_PROFILE=1 DS_PROFILE_BATCHES=1,2 \
-        DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
+      run "inprof_4096_head$on" env DS_ARGMAX_FUSED=$on DS_HEAD_NORM=$on DS_PROFILE=1 \
+        DS_PROFILE_BATCHES=1,2 DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
         --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
     done
     if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,2@4096,1@32768 --rounds 3 - DS_ARGMAX_FUSED=1"
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,2@4096,1@32768 --rounds 3 - DS_ARGMAX_FUSED=1 \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\""
     else
       BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,2@4096,1@32768 --rounds 3 - DS_ARGMAX_FUSED=1 || rc=1
+        --cases 1@4096,2@4096,1@32768 --rounds 3 - DS_ARGMAX_FUSED=1 \
+        "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;

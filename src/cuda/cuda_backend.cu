@@ -232,6 +232,12 @@ class CudaBackend final : public Backend {
     if (on != argmax_fused_) clear_graphs();  // captured graphs hold the other launches
     argmax_fused_ = on;
   }
+  bool head_norm_fused() const { return head_norm_; }
+  int64_t head_norm_enqueued() const { return head_norm_enqueued_; }
+  void set_head_norm_fused(bool on) {
+    if (on != head_norm_) clear_graphs();  // captured graphs hold the other launches
+    head_norm_ = on;
+  }
   bool decode_rope_fused() const { return rope_fused_; }
   void set_decode_rope_fused(bool on) {
     if (on != rope_fused_) clear_graphs();  // captured graphs hold the other launches
@@ -278,6 +284,9 @@ class CudaBackend final : public Backend {
     cuda::RopeKvKernel rope_kernel = cuda::RopeKvKernel::kBlockPerToken;  // kAuto: warp per head
     // Decode-only forward whose attention split kernel does rope_kv's work (decode_rope_fused).
     bool rope_fused = false;
+    // Decode-only forward whose final norm runs in lm_head's prologue (head_norm_fused): the
+    // layers end before it, and lm_head reads the hidden rows in place (no gather).
+    bool head_norm = false;
     DecodeKvPlan kv;
     StepMeta d;  // device metadata
   };
@@ -306,6 +315,7 @@ class CudaBackend final : public Backend {
   StepMeta meta_layout(int32_t* base, int T, int S) const;
   void enqueue_layers(const FwdPlan& f);
   void enqueue_head(const FwdPlan& f, int r0, int r);
+  bool head_norm_fits(int m) const;
   bool gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y, int m, int n, int k,
                  const cuda::GemvL2Next& next = {});
   // The L2 prefetch of a later GEMV (m rows, weight [n, k]) for the GEMV before it ($DS_GEMV_L2_NEXT;
@@ -370,6 +380,11 @@ class CudaBackend final : public Backend {
   void* argmax_ws_ = nullptr;  // the fused argmax's keys and counter (zeroed once; gemv.h)
   bool argmax_fused_ = false;  // CudaEngineOptions::argmax_fused
   int64_t argmax_fused_enqueued_ = 0;
+  bool head_norm_ = false;  // CudaEngineOptions::head_norm_fused
+  int64_t head_norm_enqueued_ = 0;
+  // The residual buffer (h_ or h2_) enqueue_layers ended on when it left the final norm to
+  // lm_head (FwdPlan::head_norm): enqueue_head's norm input.
+  bf16* head_res_ = nullptr;
   int32_t* dmeta_ = nullptr;  // device metadata
   int32_t* hmeta_ = nullptr;  // pinned mirror
   size_t meta_ints_ = 0;
@@ -509,6 +524,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   set_fused_norm_rows(eopt_.fused_norm_rows);
   rope_fused_ = cuda::env_switch("DS_DECODE_ROPE_FUSED", eopt_.decode_rope_fused);
   argmax_fused_ = cuda::env_switch("DS_ARGMAX_FUSED", eopt_.argmax_fused);
+  head_norm_ = cuda::env_switch("DS_HEAD_NORM", eopt_.head_norm_fused);
   mlp_fused_ = eopt_.mlp_fused;
   if (const char* env = std::getenv("DS_MLP_FUSED"); env && *env) {
     const std::string v = env;
@@ -1269,6 +1285,11 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     f.gdn_fused_decode = cuda::gdn_decode_kernel_for_variant(gdn_v, &f.gdn_decode_kernel);
   }
 
+  // The final norm in lm_head's prologue: decode-only forwards (each row gathered is its own
+  // token row, in order) within the fused norms' rows, lm_head on the bulk GEMV in one call.
+  f.head_norm = head_norm_ && f.S_p == 0 && f.S_d == S && f.n_gather == S &&
+                S <= eopt_.logits_rows && f.T <= fused_norm_rows_ && head_norm_fits(S);
+
   // A decode-only forward replays its graph (or captures it); everything else runs eagerly.
   const auto t_plan = std::chrono::steady_clock::now();
   const bool graphed = f.S_d == S && f.n_gather == S && S <= eopt_.logits_rows &&
@@ -1535,7 +1556,21 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
     }
     gemm_out(act_, L.down, c.d_ff, fold_down);
   }
+  if (f.head_norm) {  // lm_head's prologue computes the final norm (enqueue_head)
+    head_res_ = res;
+    return;
+  }
   cuda::launch_add_rmsnorm(res, mlp_out, w_.final_norm, T, dm, eps, 1.f, xn_, stream_);
+}
+
+// Whether lm_head at m rows can take the final norm into its prologue (FwdPlan::head_norm): the
+// bulk GEMV is run()'s pick and its config leaves room for the norm (gemv_norm's guard).
+bool CudaBackend::head_norm_fits(int m) const {
+  const int V = cfg_.vocab_size, dm = cfg_.d_model;
+  const std::string& v = gemm_->variant(m, V, dm);
+  return (v == "gemv_bulk" || v == "gemv_bulk_pdl") && m <= cuda::kGemvNormMaxM &&
+         dm <= cuda::kGemvNormMaxK && reinterpret_cast<uintptr_t>(w_.lm_head) % 16 == 0 &&
+         cuda::gemv_bulk_norm_fits(m, dm, cuda::gemv_bulk_config(m, V, dm));
 }
 
 // The later GEMV (m rows, weight [n, k]) as GemmEngine would launch it: its grid, and the rows
@@ -1644,6 +1679,33 @@ void CudaBackend::run_mlp_fused(const cuda::GemvNormIn& nin, const cuda::GemvMlp
 // the step has greedy rows.
 void CudaBackend::enqueue_head(const FwdPlan& f, int r0, int r) {
   const int V = cfg_.vocab_size, dm = cfg_.d_model;
+  if (f.head_norm) {  // one call on all rows (forward()'s plan), x = final_norm(h + delta)
+    DS_CHECK(r0 == 0 && r == f.S, "cuda engine: lm_head with the final norm takes every row at "
+             "once (rows ", r0, "..", r0 + r, " of ", f.S, ")");
+    cuda::GemvNormIn nin;
+    nin.residual = head_res_;
+    nin.delta = delta_;  // the last MLP's output (decode forwards never fold it into h)
+    nin.weight = w_.final_norm;
+    nin.eps = cfg_.rms_norm_eps;
+    nin.weight_offset = 1.f;
+    nin.residual_out = head_res_ == h_ ? h2_ : h_;  // h + delta, which nothing reads after
+    nin.weight_early = cuda::gemv_norm_weight_early();
+    cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(r, V, dm);
+    cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
+    ++head_norm_enqueued_;
+    if (f.argmax && argmax_fused_ && cuda::gemv_bulk_argmax_supports(r, V, dm, cfg, true)) {
+      cuda::launch_gemv_bulk_argmax_norm(nin, w_.lm_head, dlogits_, dtok_, argmax_ws_, r, V, dm,
+                                         cfg, n_sms_, stream_);
+      ++argmax_fused_enqueued_;
+      return;
+    }
+    cuda::launch_gemv_bulk_norm(nin, w_.lm_head, dlogits_, r, V, dm, cuda::GemmOut::kF32, cfg,
+                                n_sms_, stream_);
+    if (f.argmax)
+      cuda::launch_argmax_rows(dlogits_, r, V, dtok_, stream_, cuda::argmax_kernel_default(),
+                               cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff);
+    return;
+  }
   cuda::launch_gather_rows(xn_, f.d.gather + r0, r, dm, lrows_, stream_);
   // The argmax in lm_head's epilogue where the bulk GEMV takes lm_head (the same logits and
   // tokens as the two kernels below).
@@ -1884,6 +1946,26 @@ int64_t cuda_argmax_fused_enqueued(const Backend& b) {
   DS_CHECK(cb != nullptr, "cuda_argmax_fused_enqueued: backend ", b.name(),
            " is not the CUDA engine");
   return cb->argmax_fused_enqueued();
+}
+
+void set_cuda_head_norm_fused(Backend& b, bool on) {
+  auto* cb = dynamic_cast<CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "set_cuda_head_norm_fused: backend ", b.name(),
+           " is not the CUDA engine");
+  cb->set_head_norm_fused(on);
+}
+
+bool cuda_head_norm_fused(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_head_norm_fused: backend ", b.name(), " is not the CUDA engine");
+  return cb->head_norm_fused();
+}
+
+int64_t cuda_head_norm_enqueued(const Backend& b) {
+  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
+  DS_CHECK(cb != nullptr, "cuda_head_norm_enqueued: backend ", b.name(),
+           " is not the CUDA engine");
+  return cb->head_norm_enqueued();
 }
 
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode) {

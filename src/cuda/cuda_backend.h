@@ -76,9 +76,17 @@ struct CudaEngineOptions {
   // Greedy steps whose lm_head runs on the bulk GEMV (batch 1 and 2 on the 27B shapes) take the
   // argmax in that GEMV's epilogue (cuda/gemv.h launch_gemv_bulk_argmax) instead of a second
   // kernel re-reading the logits: the same logits and tokens (tests:
-  // CudaGemvBulk.ArgmaxFusedMatchesSeparate, Specialisations.FusedArgmaxOnVsOffBitExactAt27bShapes).
+  // CudaGemvBulk.ArgmaxFusedMatchesSeparate, Specialisations.FusedHeadOnVsOffBitExactAt27bShapes).
   // Session 27, not yet measured: off by default. $DS_ARGMAX_FUSED=0 / 1 overrides.
   bool argmax_fused = false;
+  // Decode-only forwards within the fused norms' rows (fused_norm_rows) whose lm_head runs on the
+  // bulk GEMV compute the final norm in lm_head's prologue (cuda/gemv_bulk_norm.h
+  // launch_gemv_bulk_norm, or launch_gemv_bulk_argmax_norm with argmax_fused) and read the hidden
+  // rows in place: three launches fewer per step (the final add_rmsnorm, the lm-rows gather, and
+  // with argmax_fused the argmax). The same logits and tokens (tests:
+  // Specialisations.FusedHeadOnVsOffBitExactAt27bShapes). Session 27, not yet measured: off by
+  // default. $DS_HEAD_NORM=0 / 1 overrides.
+  bool head_norm_fused = false;
 };
 
 // Uploads `w` (bf16 / f16 / f32 tensors; f16 / f32 are converted to bf16 on the host).
@@ -165,6 +173,11 @@ int64_t cuda_mlp_fused_enqueued(const Backend& b, int form);
 void set_cuda_argmax_fused(Backend& b, bool on);
 bool cuda_argmax_fused(const Backend& b);
 int64_t cuda_argmax_fused_enqueued(const Backend& b);
+// The same for CudaEngineOptions::head_norm_fused, and the count of lm_head launches that took the
+// final norm in their prologue.
+void set_cuda_head_norm_fused(Backend& b, bool on);
+bool cuda_head_norm_fused(const Backend& b);
+int64_t cuda_head_norm_enqueued(const Backend& b);
 // Sets the prompt forwards' residual fold (CudaEngineOptions::prefill_residual_fold) at run
 // time, and reads it. Throw ds::Error when `b` is not a CUDA backend.
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode);

@@ -191,9 +191,12 @@ void launch_gemv_bulk(const __nv_bfloat16* x,  // [m, k]
 // each launch leaves it zero. Launches sharing a workspace must be ordered (one stream; a
 // programmatic dependent launch is fine: the workspace is touched only after the wait).
 // m 1..kGemvBulkArgmaxMaxM; the config: gemv_bulk_config's with acc 1 and one block per SM.
+// with_norm: launch_gemv_bulk_argmax_norm (gemv_bulk_norm.h) fits too (k <= kGemvNormMaxK and
+// the norm's warp sums in shared memory).
 constexpr int kGemvBulkArgmaxMaxM = 2;
 constexpr size_t kGemvBulkArgmaxWorkspaceBytes = 8 * kGemvBulkArgmaxMaxM + 8;
-bool gemv_bulk_argmax_supports(int64_t m, int64_t n, int64_t k, const GemvBulkConfig& c);
+bool gemv_bulk_argmax_supports(int64_t m, int64_t n, int64_t k, const GemvBulkConfig& c,
+                               bool with_norm = false);
 void launch_gemv_bulk_argmax(const __nv_bfloat16* x,  // [m, k]
                              const __nv_bfloat16* w,  // [n, k]
                              float* y,                // [m, n] (out: the logits)

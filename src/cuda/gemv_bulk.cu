@@ -926,22 +926,29 @@ void mlp_impl(const GemvNormIn& norm, const GemvMlpMixer& mix, const GemvMlpNext
 // token is greedy_token's whatever the timing. Every access to the workspace follows
 // griddepcontrol.wait: a launch that is a programmatic dependent of the one before (the same
 // workspace) starts its atomics only after that one has finished.
+// NORM: x = rmsnorm(residual + delta) computed in the prologue (norm_to_shared, the fused norm of
+// gemv_bulk_kernel<.., NORM>: the same bits as add_rmsnorm; block 0 writes residual_out), so at
+// decode the final norm, the lm-rows gather, lm_head and the argmax are one kernel.
 constexpr int kArgmaxSmemBytes = 8 * kGemvBulkArgmaxMaxM + 8;  // the block's keys + its counter
-template <int M, int R>
+template <int M, int R, bool NORM>
 __global__ void __launch_bounds__(kThreads, 1)
-    gemv_bulk_argmax_kernel(const bf16* x,  // [M, k]; plain pointer: read after the wait
+    gemv_bulk_argmax_kernel(const bf16* x,  // [M, k] (unused with NORM); read after the wait
                             const bf16* __restrict__ w,  // [n, k]
                             float* __restrict__ y,       // [M, n]
                             int n, int k, int slots, bool interleave, int32_t* tokens,
                             unsigned long long* keys,  // [M] grid's keys, zero between launches
-                            unsigned* done) {          // blocks finished, zero between launches
+                            unsigned* done,            // blocks finished, zero between launches
+                            const GemvNormIn norm) {   // NORM only
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxSlots;
   bf16* xs = reinterpret_cast<bf16*>(smem + kBarBytes);
   bf16* ring = xs + size_t(M) * k;
-  // After the ring (16-byte aligned: k % 8 == 0): the block's key per row, its warps' count.
-  unsigned long long* bkey = reinterpret_cast<unsigned long long*>(ring + size_t(slots) * R * k);
+  // After the ring (16-byte aligned: k % 8 == 0): the norm's warp sums (NORM), then the block's
+  // key per row and its warps' count.
+  float* red = reinterpret_cast<float*>(ring + size_t(slots) * R * k);
+  unsigned long long* bkey =
+      reinterpret_cast<unsigned long long*>(reinterpret_cast<char*>(red) + (NORM ? kRedBytes : 0));
   unsigned* bdone = reinterpret_cast<unsigned*>(bkey + M);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -976,8 +983,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < min(slots, n_stages); ++s) issue(s);
   }
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  uint4 norm_w[kNormVec];  // NORM: the norm weight, a model weight (no wait needed)
+  if constexpr (NORM) {
+    if (norm.weight_early) norm_weight_regs(norm, k, norm_w);
+  }
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  {
+  if constexpr (NORM) {
+    if (!norm.weight_early) norm_weight_regs(norm, k, norm_w);
+    norm_to_shared<M>(norm, k, xs, red, norm_w);
+  } else {
     const uint4* xv = reinterpret_cast<const uint4*>(x);
     uint4* xd = reinterpret_cast<uint4*>(xs);
     const int nv = M * k / 8;
@@ -1038,26 +1052,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   atomicExch(done, 0u);
 }
 
-size_t argmax_smem_bytes(int m, int k, const GemvBulkConfig& c) {
-  return smem_bytes(m, k, c.rows_per_stage, c.slots) + kArgmaxSmemBytes;
+size_t argmax_smem_bytes(int m, int k, const GemvBulkConfig& c, bool norm) {
+  return smem_bytes(m, k, c.rows_per_stage, c.slots) + (norm ? kRedBytes : 0) + kArgmaxSmemBytes;
 }
 
-bool argmax_fits(int64_t m, int64_t k, const GemvBulkConfig& c) {
+bool argmax_fits(int64_t m, int64_t k, const GemvBulkConfig& c, bool norm) {
   return m >= 1 && m <= kGemvBulkArgmaxMaxM && c.acc == 1 && c.blocks_per_sm == 1 &&
-         gemv_bulk_fits(m, k, c) && argmax_smem_bytes(int(m), int(k), c) <= size_t(kMaxSmem);
+         gemv_bulk_fits(m, k, c) && (!norm || k <= kGemvNormMaxK) &&
+         argmax_smem_bytes(int(m), int(k), c, norm) <= size_t(kMaxSmem);
 }
 
 template <int M, int R>
 void launch_argmax_t(const bf16* x, const bf16* w, float* y, int n, int k,
                      const GemvBulkConfig& c, int n_sms, int32_t* tokens, void* ws,
-                     cudaStream_t stream) {
-  auto* kern = gemv_bulk_argmax_kernel<M, R>;
+                     cudaStream_t stream, const GemvNormIn& norm) {
+  const bool with_norm = norm.weight != nullptr;
+  auto* kern = with_norm ? gemv_bulk_argmax_kernel<M, R, true> : gemv_bulk_argmax_kernel<M, R, false>;
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   const int blocks = std::max(1, std::min(n_sms, n));
   auto* keys = static_cast<unsigned long long*>(ws);
   auto* done = reinterpret_cast<unsigned*>(keys + kGemvBulkArgmaxMaxM);
-  launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), argmax_smem_bytes(M, k, c), stream, c.pdl,
-                   x, w, y, n, k, c.slots, c.interleave, tokens, keys, done);
+  launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), argmax_smem_bytes(M, k, c, with_norm),
+                   stream, c.pdl, x, w, y, n, k, c.slots, c.interleave, tokens, keys, done, norm);
 }
 
 }  // namespace
@@ -1308,16 +1324,21 @@ void launch_gemv_bulk_norm(const GemvNormIn& norm, const __nv_bfloat16* w, void*
   bulk_impl(nullptr, w, y, m, n, k, out, false, cfg, n_sms, stream, norm, next);
 }
 
-bool gemv_bulk_argmax_supports(int64_t m, int64_t n, int64_t k, const GemvBulkConfig& c) {
-  return n >= 1 && n <= kSkinnyMaxN && argmax_fits(m, k, c);
+bool gemv_bulk_argmax_supports(int64_t m, int64_t n, int64_t k, const GemvBulkConfig& c,
+                               bool with_norm) {
+  return n >= 1 && n <= kSkinnyMaxN && argmax_fits(m, k, c, with_norm);
 }
 
-void launch_gemv_bulk_argmax(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y,
-                             int32_t* tokens, void* workspace, int m, int n, int k,
-                             const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream) {
-  DS_CHECK(gemv_bulk_argmax_supports(m, n, k, cfg), "bulk gemv + argmax: unsupported m=", m,
-           " n=", n, " k=", k, " config ", cfg.name(), " (needs m 1..", kGemvBulkArgmaxMaxM,
-           ", one partial sum, one block per SM, k % 8 == 0, x, the ring and ",
+namespace {
+// launch_gemv_bulk_argmax / launch_gemv_bulk_argmax_norm (norm.weight null: x is the input).
+void argmax_impl(const bf16* x, const bf16* w, float* y, int32_t* tokens, void* workspace, int m,
+                 int n, int k, const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream,
+                 const GemvNormIn& norm) {
+  const bool with_norm = norm.weight != nullptr;
+  DS_CHECK(gemv_bulk_argmax_supports(m, n, k, cfg, with_norm), "bulk gemv + argmax: unsupported m=",
+           m, " n=", n, " k=", k, " config ", cfg.name(), with_norm ? " with the norm" : "",
+           " (needs m 1..", kGemvBulkArgmaxMaxM,
+           ", one partial sum, one block per SM, k % 8 == 0, x, the ring, the norm's sums and ",
            kArgmaxSmemBytes, " bytes of keys in shared memory)");
   DS_CHECK(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0,
            "bulk gemv + argmax: x and w must be 16-byte aligned");
@@ -1328,13 +1349,27 @@ void launch_gemv_bulk_argmax(const __nv_bfloat16* x, const __nv_bfloat16* w, flo
   DS_CHECK(n_sms >= 1, "bulk gemv + argmax: n_sms must be positive");
   const bool r2 = cfg.rows_per_stage == 2;
   if (m == 1) {
-    if (r2) launch_argmax_t<1, 2>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream);
-    else launch_argmax_t<1, 1>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream);
+    if (r2) launch_argmax_t<1, 2>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream, norm);
+    else launch_argmax_t<1, 1>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream, norm);
   } else {
-    if (r2) launch_argmax_t<2, 2>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream);
-    else launch_argmax_t<2, 1>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream);
+    if (r2) launch_argmax_t<2, 2>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream, norm);
+    else launch_argmax_t<2, 1>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream, norm);
   }
   DS_CUDA_LAUNCH_CHECK();
+}
+}  // namespace
+
+void launch_gemv_bulk_argmax(const __nv_bfloat16* x, const __nv_bfloat16* w, float* y,
+                             int32_t* tokens, void* workspace, int m, int n, int k,
+                             const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream) {
+  argmax_impl(x, w, y, tokens, workspace, m, n, k, cfg, n_sms, stream, GemvNormIn{});
+}
+
+void launch_gemv_bulk_argmax_norm(const GemvNormIn& norm, const __nv_bfloat16* w, float* y,
+                                  int32_t* tokens, void* workspace, int m, int n, int k,
+                                  const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream) {
+  check_norm(norm, m, k, cfg, "bulk gemv + argmax");
+  argmax_impl(nullptr, w, y, tokens, workspace, m, n, k, cfg, n_sms, stream, norm);
 }
 
 bool gemv_norm_weight_early() {

@@ -59,6 +59,18 @@ void launch_gemv_bulk_norm(const GemvNormIn& norm,
                            int m, int n, int k, GemmOut out, const GemvBulkConfig& cfg, int n_sms,
                            cudaStream_t stream, const GemvL2Next& next = {});
 
+// launch_gemv_bulk_argmax (gemv.h: the fp32 logits and each row's greedy token, session 27, not
+// yet measured) with x = rmsnorm(residual + delta) computed in its prologue: at decode the final
+// norm, lm_head and the argmax in one kernel (CudaEngineOptions::head_norm_fused with
+// argmax_fused). gemv_bulk_argmax_supports(m, n, k, cfg, true) and the checks above.
+void launch_gemv_bulk_argmax_norm(const GemvNormIn& norm,
+                                  const __nv_bfloat16* w,  // [n, k]
+                                  float* y,                // [m, n] (out: the logits)
+                                  int32_t* tokens,         // [m] (out)
+                                  void* workspace,         // kGemvBulkArgmaxWorkspaceBytes, zeroed
+                                  int m, int n, int k, const GemvBulkConfig& cfg, int n_sms,
+                                  cudaStream_t stream);
+
 // act = bf16(silu(g) * u) of x = rmsnorm(residual + delta): launch_gemv_bulk_silu with the norm in
 // its prologue.
 void launch_gemv_bulk_silu_norm(const GemvNormIn& norm,

@@ -138,7 +138,8 @@ std::string short_name(const KernelRec& r) {
   auto has = [&](const char* s) { return n.find(s) != std::string::npos; };
   if (has("add_rmsnorm")) return "add_rmsnorm";
   if (has("gemv_mlp_norm_kernel")) return "gemv_mlp";  // $DS_MLP_FUSED: gate_up + down
-  if (has("gemv_bulk_argmax")) return "gemv_bulk_argmax(f32)";  // $DS_ARGMAX_FUSED: lm_head
+  if (has("gemv_bulk_argmax"))  // $DS_ARGMAX_FUSED: lm_head; <M, R, NORM>: $DS_HEAD_NORM too
+    return std::string("gemv_bulk_argmax(f32)") + (has(", true>") ? "+norm" : "");
   if (has("gemv_bulk_kernel")) {  // gemv_bulk_kernel<M, R, GLU, OutT, NORM>
     const size_t a = n.find('<', n.find("gemv_bulk_kernel")), e = n.find('>', a);
     std::vector<std::string> t;
@@ -189,8 +190,8 @@ std::vector<std::string> roles(const std::vector<KernelRec>& step) {
     }
     std::string role;
     auto silu = [](const std::string& x) { return x.rfind("gemv_bulk_silu", 0) == 0; };
-    if (s[i] == "gemv_bulk_argmax(f32)")
-      role = "lm_head+argmax";
+    if (s[i].rfind("gemv_bulk_argmax(f32)", 0) == 0)
+      role = s[i] == "gemv_bulk_argmax(f32)" ? "lm_head+argmax" : "norm+lm_head+argmax";
     else if (s[i] == "gemv_mlp")
       role = "gate_up+down";
     else if (silu(s[i]))
@@ -209,6 +210,8 @@ std::vector<std::string> roles(const std::vector<KernelRec>& step) {
       role = "down";
     else if (next == "argmax" || s[i] == "gemv_bulk(f32)")
       role = "lm_head";
+    else if (s[i] == "gemv_bulk(f32)+norm")  // $DS_HEAD_NORM: the final norm in its prologue
+      role = "norm+lm_head";
     else
       role = "?";
     r[i] = role + ": " + s[i];

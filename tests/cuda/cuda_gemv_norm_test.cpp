@@ -14,10 +14,13 @@
 //    then the narrow down GEMV: the same act, y and residual bits, its grid barrier reused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
+#include <string>
 
 #include "core/error.h"
+#include "cuda/argmax.h"
 #include "cuda/gemv.h"
 #include "cuda/gemv_bulk_norm.h"
 #include "cuda/kernels.h"
@@ -126,6 +129,128 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
       }
     }
   }
+  cudaStreamDestroy(st);
+}
+
+
+// The decode head in one kernel (launch_gemv_bulk_argmax_norm; session 27: the final norm in the
+// prologue, the greedy argmax in the epilogue) against launch_gemv_bulk_norm (fp32 out, one
+// partial sum) followed by launch_argmax_rows: the logits, residual_out and the tokens
+// bit-identical, at lm_head (248320 x 5120) m 1 and 2 and at small shapes (k 640 and 8192, n below
+// the grid), with and without a delta, plain / PDL / the weight after the wait, contiguous and
+// interleaved stages; a tie planted at the top of row 0 (two equal weight rows in different halves:
+// the lower id must win); then the refusals (m 3, k above kGemvNormMaxK, 4 partial sums).
+TEST(CudaGemvBulkNorm, ArgmaxNormBitIdenticalToNormGemvThenArgmax) {
+  DS_REQUIRE_GPU();
+  struct HeadCase {
+    const char* name;
+    int m, n, k;
+  };
+  const HeadCase cases[] = {{"lm_head m1", 1, 248320, 5120}, {"lm_head m2", 2, 248320, 5120},
+                            {"k640 m2", 2, 777, 640},        {"k8192 m1", 1, 3001, 8192},
+                            {"n below grid", 2, 37, 640}};
+  std::mt19937 rng(61);
+  const int sms = n_sms();
+  cudaStream_t st = nullptr;
+  DS_CUDA_CHECK(cudaStreamCreate(&st));
+  DevBuf<char> ws(cuda::kGemvBulkArgmaxWorkspaceBytes);
+  DS_CUDA_CHECK(cudaMemset(ws.ptr, 0, ws.n));
+  DevBuf<int32_t> tok(2), tok_ref(2);
+  for (const HeadCase& c : cases) {
+    const size_t xk = size_t(c.m) * c.k, out_n = size_t(c.m) * c.n;
+    std::vector<bf> hw = test::random_bf16(size_t(c.n) * c.k, rng, 0.05f);
+    DevBuf<bf> nw(test::random_bf16(c.k, rng, 0.2f));
+    const std::vector<bf> h_res = test::random_bf16(xk, rng, 2.f);
+    const std::vector<bf> h_delta = test::random_bf16(xk, rng, 1.f);
+    for (bool tie : {false, true}) {
+      if (tie) {  // rows j and j2 equal and large for row 0's normed x: compute x on the host
+        std::vector<float> x(c.k);
+        double ss = 0;
+        for (int i = 0; i < c.k; ++i) {
+          x[i] = bf16_to_f32(f32_to_bf16(bf16_to_f32(h_res[i]) + bf16_to_f32(h_delta[i])));
+          ss += double(x[i]) * x[i];
+        }
+        const int j = int(rng() % c.n), j2 = (j + c.n / 2 + 1) % c.n;
+        for (int i = 0; i < c.k; ++i)  // w aligned with x's sign pattern: a large positive dot
+          hw[size_t(j) * c.k + i] = hw[size_t(j2) * c.k + i] = f32_to_bf16(x[i] >= 0 ? 0.5f : -0.5f);
+      }
+      DevBuf<bf> w(hw);
+      for (bool with_delta : {true, false}) {
+        for (int variant = 0; variant < 3; ++variant) {
+          const bool pdl = variant > 0, early = variant < 2, ilv = variant != 1;
+          const std::string what = std::string(c.name) + (tie ? " tie" : "") +
+                                   (with_delta ? " +delta" : " no delta") + (pdl ? " pdl" : "") +
+                                   (early ? "" : " late weight") + (ilv ? " ilv" : "");
+          cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(c.m, c.n, c.k);
+          cfg.acc = 1;
+          cfg.pdl = pdl;
+          cfg.interleave = ilv;
+          ASSERT_TRUE(cuda::gemv_bulk_argmax_supports(c.m, c.n, c.k, cfg, true)) << what;
+          DevBuf<bf> res_in(h_res), delta(h_delta), res_out(xk), res_out_ref(xk);
+          DevBuf<float> y(out_n), y_ref(out_n);
+          res_out.poison();
+          res_out_ref.poison();
+          y.poison();
+          y_ref.poison();
+          cuda::GemvNormIn nin;
+          nin.residual = P(res_in);
+          nin.delta = with_delta ? P(delta) : nullptr;
+          nin.weight = P(nw);
+          nin.eps = 1e-6f;
+          nin.weight_offset = 1.f;
+          nin.residual_out = with_delta ? P(res_out_ref) : nullptr;
+          nin.weight_early = early;
+          cuda::launch_gemv_bulk_norm(nin, P(w), y_ref.ptr, c.m, c.n, c.k, cuda::GemmOut::kF32,
+                                      cfg, sms, st);
+          cuda::launch_argmax_rows(y_ref.ptr, c.m, c.n, tok_ref.ptr, st,
+                                   cuda::ArgmaxKernel::kBlock, false);
+          nin.residual_out = with_delta ? P(res_out) : nullptr;
+          DS_CUDA_CHECK(cudaMemsetAsync(tok.ptr, 0x7f, 8, st));
+          cuda::launch_gemv_bulk_argmax_norm(nin, P(w), y.ptr, tok.ptr, ws.ptr, c.m, c.n, c.k, cfg,
+                                             sms, st);
+          DS_CUDA_CHECK(cudaStreamSynchronize(st));
+          const auto a = y.download(), b = y_ref.download();
+          EXPECT_EQ(std::memcmp(a.data(), b.data(), 4 * out_n), 0) << what << ": logits differ";
+          EXPECT_EQ(res_out.download(), res_out_ref.download()) << what << ": residual_out";
+          EXPECT_EQ(res_in.download(), h_res) << what << ": the input residual was modified";
+          const auto t = tok.download(), tr = tok_ref.download();
+          for (int i = 0; i < c.m; ++i) EXPECT_EQ(t[i], tr[i]) << what << " row " << i;
+          if (tie && with_delta) {
+            // The planted pair is the top of row 0 (normed x against its own sign pattern);
+            // the lower of the two ids wins.
+            const int j = int(std::max_element(b.begin(), b.begin() + c.n) - b.begin());
+            EXPECT_EQ(t[0], j) << what;
+            int equal = 0;
+            for (int i = 0; i < c.n; ++i) equal += b[i] == b[j];
+            EXPECT_GE(equal, 2) << what << ": the planted tie is not a tie";
+          }
+          for (char z : ws.download()) ASSERT_EQ(z, 0) << what << ": workspace not reset";
+        }
+      }
+    }
+  }
+  // Refusals: m 3 (past the argmax's 2), k above the norm's 8192, 4 partial sums.
+  DevBuf<bf> x(16 * 8200), w(64 * 8200), nw(8200);
+  DevBuf<float> y(3 * 64);
+  cuda::GemvNormIn nin;
+  nin.residual = P(x);
+  nin.weight = P(nw);
+  nin.eps = 1e-6f;
+  nin.weight_offset = 1.f;
+  auto launch = [&](int m, int k, cuda::GemvBulkConfig c) {
+    cuda::launch_gemv_bulk_argmax_norm(nin, P(w), y.ptr, tok.ptr, ws.ptr, m, 64, k, c, sms, st);
+  };
+  const cuda::GemvBulkConfig c{1, 8, false};
+  EXPECT_THROW(launch(3, 640, c), Error);
+  EXPECT_THROW(launch(1, 8200, c), Error);
+  cuda::GemvBulkConfig a4 = c;
+  a4.acc = 4;
+  EXPECT_THROW(launch(1, 640, a4), Error);
+  EXPECT_FALSE(cuda::gemv_bulk_argmax_supports(1, 64, 8200, c, true));
+  EXPECT_TRUE(cuda::gemv_bulk_argmax_supports(1, 64, 8200, c, false));
+  EXPECT_NO_THROW(launch(1, 640, c));
+  DS_CUDA_CHECK(cudaStreamSynchronize(st));
+  for (char z : ws.download()) EXPECT_EQ(z, 0);
   cudaStreamDestroy(st);
 }
 

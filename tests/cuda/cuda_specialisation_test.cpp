@@ -382,16 +382,18 @@ TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
   EXPECT_GT(cuda_graph_stats(*b).replays, 0);
 }
 
-// The greedy argmax in lm_head's epilogue (CudaEngineOptions::argmax_fused, launch_gemv_bulk_argmax)
-// on vs off on one engine (graphs on: each batch size's first step eager, then captured and
-// replayed): greedy decode through step_greedy (the device argmax; the path bench decode and the
+// The decode head's fusions on one engine (graphs on: each batch size's first step eager, then
+// captured and replayed): the greedy argmax in lm_head's epilogue (CudaEngineOptions::argmax_fused,
+// launch_gemv_bulk_argmax) and the final norm in lm_head's prologue with the hidden rows read in
+// place (head_norm_fused, launch_gemv_bulk_norm / launch_gemv_bulk_argmax_norm), each alone and
+// both. Greedy decode through step_greedy (the device argmax; the path bench decode and the
 // server's greedy requests take) at batch 1 (64 steps), batch 2 (32 steps, both rows greedy) and
-// batch 2 with one greedy row (16 steps; the other row's logits come back): the same tokens, the
-// non-greedy rows' logits bit-identical, each greedy token equal to greedy_token of the logits
-// step() gives at the same position in a third run, and the fused launch taken at batch 1 and 2
-// (eager and captured). The fused kernel keeps one partial sum per lane, so $DS_GEMV_ACC is held
-// at 1 here.
-TEST(Specialisations, FusedArgmaxOnVsOffBitExactAt27bShapes) {
+// batch 2 with one greedy row (16 steps; the other row's logits come back), after a prompt each:
+// the same tokens in every mode, equal to step() + the host argmax (the reference run); the
+// non-greedy rows' logits bit-identical; step() with the head norm gives the reference's logits
+// bit for bit at every step; each fused launch counted at batch 1 and at batch 2. The fused argmax
+// keeps one partial sum per lane, so $DS_GEMV_ACC is held at 1 here.
+TEST(Specialisations, FusedHeadOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
   struct Restore {
     int acc;
@@ -403,26 +405,27 @@ TEST(Specialisations, FusedArgmaxOnVsOffBitExactAt27bShapes) {
   std::mt19937 rng(43);
   const std::vector<std::vector<int32_t>> prompts = random_prompts({600, 350}, V, rng);
   auto b = make_engine({true}, &c, nullptr, 64);
-  int64_t batch1_enqueued = 0;  // the fused launches counted after the batch-1 phase
-  // mode 0: step() and the host argmax (the reference); 1: step_greedy, fused off; 2: fused on.
   struct Run {
     std::vector<int32_t> ids;
-    std::vector<float> rows;  // the non-greedy rows of the mixed steps (modes 1, 2)
+    std::vector<float> rows;  // step(): every row; step_greedy: the non-greedy rows
+    int64_t argmax_b1 = 0, argmax_b2 = 0, norm_b1 = 0, norm_b2 = 0;  // launches counted
   };
-  auto run = [&](int mode) {
-    if (mode > 0) {
-      set_cuda_argmax_fused(*b, mode == 2);
-      EXPECT_EQ(cuda_argmax_fused(*b), mode == 2);
-    }
+  // greedy: step_greedy (else step() and the host argmax); argmax / norm: the two switches.
+  auto run = [&](bool greedy, bool argmax, bool norm) {
+    set_cuda_argmax_fused(*b, argmax);
+    set_cuda_head_norm_fused(*b, norm);
+    EXPECT_EQ(cuda_argmax_fused(*b), argmax);
+    EXPECT_EQ(cuda_head_norm_fused(*b), norm);
     Run r;
     std::vector<float> l;
     StepOutput out;
-    // One step of `work`; every row's next token into next[slot].
     std::vector<int32_t> next(2);
+    // One step of `work`; every row's next token into next[slot].
     auto step = [&](std::vector<SeqWork>& work, bool all_greedy) {
       for (size_t i = 0; i < work.size(); ++i) work[i].greedy = all_greedy || i == 0;
-      if (mode == 0) {
+      if (!greedy) {
         b->step(work, l);
+        r.rows.insert(r.rows.end(), l.begin(), l.end());
         for (size_t i = 0; i < work.size(); ++i) {
           next[work[i].slot] = greedy_token(std::span<const float>(l.data() + i * V, V));
           r.ids.push_back(next[work[i].slot]);
@@ -447,37 +450,68 @@ TEST(Specialisations, FusedArgmaxOnVsOffBitExactAt27bShapes) {
       std::vector<SeqWork> w{{s, prompts[s], false}};
       step(w, true);
     }
+    const int64_t a0 = cuda_argmax_fused_enqueued(*b), n0 = cuda_head_norm_enqueued(*b);
     for (int st = 0; st < 64; ++st) {  // batch 1
       std::vector<int32_t> t0{next[0]};
       std::vector<SeqWork> w{{0, t0, false}};
       step(w, true);
     }
-    batch1_enqueued = cuda_argmax_fused_enqueued(*b);
+    const int64_t a1 = cuda_argmax_fused_enqueued(*b), n1 = cuda_head_norm_enqueued(*b);
     for (int st = 0; st < 48; ++st) {  // batch 2: all greedy, then one greedy row
       std::vector<int32_t> t0{next[0]}, t1{next[1]};
       std::vector<SeqWork> w{{0, t0, false}, {1, t1, false}};
       step(w, st < 32);
     }
+    r.argmax_b1 = a1 - a0;
+    r.norm_b1 = n1 - n0;
+    r.argmax_b2 = cuda_argmax_fused_enqueued(*b) - a1;
+    r.norm_b2 = cuda_head_norm_enqueued(*b) - n1;
     b->reset_slot(0);
     b->reset_slot(1);
     return r;
   };
-  const Run ref = run(0);
-  const Run off = run(1);
-  const int64_t before = cuda_argmax_fused_enqueued(*b);
-  EXPECT_EQ(before, 0);
-  const Run on = run(2);
-  // the two prompts, then batch 1 and batch 2 each: the eager first step and the graph's capture
-  EXPECT_GE(batch1_enqueued - before, 4) << "the fused argmax never ran at batch 1";
-  EXPECT_GE(cuda_argmax_fused_enqueued(*b) - batch1_enqueued, 2)
-      << "the fused argmax never ran at batch 2";
-  std::printf("  fused argmax on vs off: %zu tokens compared, %zu logits of non-greedy rows; "
-              "%lld fused launches enqueued\n",
-              on.ids.size(), on.rows.size(), (long long)cuda_argmax_fused_enqueued(*b));
-  EXPECT_EQ(off.ids, ref.ids) << "step_greedy (fused off) vs step() + host argmax";
-  EXPECT_EQ(on.ids, off.ids);
-  ASSERT_EQ(on.rows.size(), off.rows.size());
-  EXPECT_EQ(bits_differ(on.rows, off.rows), 0u);
+  const Run ref = run(false, false, false);
+  const Run plain = run(true, false, false);
+  EXPECT_EQ(plain.ids, ref.ids) << "step_greedy (nothing fused) vs step() + host argmax";
+  EXPECT_EQ(ref.argmax_b1 + ref.argmax_b2 + ref.norm_b1 + ref.norm_b2 + plain.argmax_b1 +
+                plain.argmax_b2 + plain.norm_b1 + plain.norm_b2,
+            0);
+  struct Mode {
+    const char* name;
+    bool argmax, norm;
+  };
+  for (const Mode& m : {Mode{"argmax", true, false}, Mode{"head norm", false, true},
+                        Mode{"head norm + argmax", true, true}}) {
+    const Run on = run(true, m.argmax, m.norm);
+    std::printf("  fused %s vs off: %zu tokens compared, %zu logits of non-greedy rows; launches "
+                "at batch 1 / 2: argmax %lld / %lld, head norm %lld / %lld\n",
+                m.name, on.ids.size(), on.rows.size(), (long long)on.argmax_b1,
+                (long long)on.argmax_b2, (long long)on.norm_b1, (long long)on.norm_b2);
+    EXPECT_EQ(on.ids, ref.ids) << m.name;
+    ASSERT_EQ(on.rows.size(), plain.rows.size()) << m.name;
+    EXPECT_EQ(bits_differ(on.rows, plain.rows), 0u) << m.name;
+    // each batch size: the eager first step and the graph's capture at least
+    if (m.argmax) {
+      EXPECT_GE(on.argmax_b1, 2) << m.name << ": the fused argmax never ran at batch 1";
+      EXPECT_GE(on.argmax_b2, 2) << m.name << ": the fused argmax never ran at batch 2";
+    }
+    if (m.norm) {
+      EXPECT_GE(on.norm_b1, 2) << m.name << ": the head norm never ran at batch 1";
+      EXPECT_GE(on.norm_b2, 2) << m.name << ": the head norm never ran at batch 2";
+    }
+  }
+  // step() (logits out) with the final norm in lm_head: the reference's logits bit for bit.
+  const Run norm_logits = run(false, false, true);
+  EXPECT_GE(norm_logits.norm_b1, 2);
+  EXPECT_GE(norm_logits.norm_b2, 2);
+  ASSERT_EQ(norm_logits.rows.size(), ref.rows.size());
+  const size_t differ = bits_differ(norm_logits.rows, ref.rows);
+  std::printf("  step() with the head norm vs without: %zu of %zu logits differ\n", differ,
+              ref.rows.size());
+  EXPECT_EQ(differ, 0u);
+  EXPECT_EQ(norm_logits.ids, ref.ids);
+  set_cuda_argmax_fused(*b, false);
+  set_cuda_head_norm_fused(*b, false);
   EXPECT_EQ(cuda_graph_stats(*b).failures, 0);
   EXPECT_GT(cuda_graph_stats(*b).replays, 0);
 }

@@ -308,11 +308,13 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert out["acc"].count("DS_GEMV_ACC=4 ") >= 2  # the tests with the switch on, and the A/B
     assert "- DS_GEMV_ACC=4" in out["acc"]
     assert out["acc"].count("DecodeProfile.Synthetic27bInGraph") == 2
-    # Session 27's fused argmax: both tests, the profiles both ways, the A/B arm.
+    # Session 27's decode head: the three tests, the profiles both ways, the A/B arms.
     assert "CudaGemvBulk.ArgmaxFused" in out["argmax"]
-    assert "Specialisations.FusedArgmax" in out["argmax"]
+    assert "CudaGemvBulkNorm.ArgmaxNorm" in out["argmax"]
+    assert "Specialisations.FusedHead" in out["argmax"]
     assert out["argmax"].count("DecodeProfile.Synthetic27bInGraph") == 2
-    assert "DS_ARGMAX_FUSED=0" in out["argmax"] and "- DS_ARGMAX_FUSED=1" in out["argmax"]
+    assert "DS_ARGMAX_FUSED=0 DS_HEAD_NORM=0" in out["argmax"]
+    assert '- DS_ARGMAX_FUSED=1 "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1"' in out["argmax"]
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert bad.returncode == 2 and "step must be" in bad.stderr
