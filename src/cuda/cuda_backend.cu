@@ -1287,7 +1287,7 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
 
   // The final norm in lm_head's prologue: decode-only forwards (each row gathered is its own
   // token row, in order) within the fused norms' rows, lm_head on the bulk GEMV in one call.
-  f.head_norm = head_norm_ && f.S_p == 0 && f.S_d == S && f.n_gather == S &&
+  f.head_norm = head_norm_ && f.S_d == S && f.n_gather == S &&
                 S <= eopt_.logits_rows && f.T <= fused_norm_rows_ && head_norm_fits(S);
 
   // A decode-only forward replays its graph (or captures it); everything else runs eagerly.
@@ -1346,8 +1346,9 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   timing_.tail_us = us_between(t_launched, std::chrono::steady_clock::now()) - timing_.sync_us;
 }
 
-// The layers of a forward, from the embedding to the final norm: every launch reads only `f`
-// and fixed buffers, so the same sequence can be captured into a graph.
+// The layers of a forward, from the embedding to the final norm (with FwdPlan::head_norm, up to
+// it: lm_head's prologue computes it from head_res_): every launch reads only `f` and fixed
+// buffers, so the same sequence can be captured into a graph.
 void CudaBackend::enqueue_layers(const FwdPlan& f) {
   const ModelConfig& c = cfg_;
   const int T = f.T, S = f.S, S_d = f.S_d, S_p = f.S_p;

@@ -1067,7 +1067,8 @@ void launch_argmax_t(const bf16* x, const bf16* w, float* y, int n, int k,
                      const GemvBulkConfig& c, int n_sms, int32_t* tokens, void* ws,
                      cudaStream_t stream, const GemvNormIn& norm) {
   const bool with_norm = norm.weight != nullptr;
-  auto* kern = with_norm ? gemv_bulk_argmax_kernel<M, R, true> : gemv_bulk_argmax_kernel<M, R, false>;
+  auto* kern =
+      with_norm ? gemv_bulk_argmax_kernel<M, R, true> : gemv_bulk_argmax_kernel<M, R, false>;
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   const int blocks = std::max(1, std::min(n_sms, n));
   auto* keys = static_cast<unsigned long long*>(ws);
@@ -1338,8 +1339,9 @@ void argmax_impl(const bf16* x, const bf16* w, float* y, int32_t* tokens, void* 
   DS_CHECK(gemv_bulk_argmax_supports(m, n, k, cfg, with_norm), "bulk gemv + argmax: unsupported m=",
            m, " n=", n, " k=", k, " config ", cfg.name(), with_norm ? " with the norm" : "",
            " (needs m 1..", kGemvBulkArgmaxMaxM,
-           ", one partial sum, one block per SM, k % 8 == 0, x, the ring, the norm's sums and ",
-           kArgmaxSmemBytes, " bytes of keys in shared memory)");
+           ", one partial sum, one block per SM, k % 8 == 0, x, the ring",
+           with_norm ? ", the norm's sums" : "", " and ", kArgmaxSmemBytes,
+           " bytes of keys in shared memory)");
   DS_CHECK(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0,
            "bulk gemv + argmax: x and w must be 16-byte aligned");
   DS_CHECK(y != nullptr && tokens != nullptr, "bulk gemv + argmax: null logits or tokens");

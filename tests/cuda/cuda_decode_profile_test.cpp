@@ -208,10 +208,10 @@ std::vector<std::string> roles(const std::vector<KernelRec>& step) {
       role = "gate_up";
     else if (prev == "silu_mul" || silu(prev))
       role = "down";
-    else if (next == "argmax" || s[i] == "gemv_bulk(f32)")
-      role = "lm_head";
     else if (s[i] == "gemv_bulk(f32)+norm")  // $DS_HEAD_NORM: the final norm in its prologue
       role = "norm+lm_head";
+    else if (next == "argmax" || s[i] == "gemv_bulk(f32)")
+      role = "lm_head";
     else
       role = "?";
     r[i] = role + ": " + s[i];

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -165,14 +166,13 @@ TEST(CudaGemvBulkNorm, ArgmaxNormBitIdenticalToNormGemvThenArgmax) {
     for (bool tie : {false, true}) {
       if (tie) {  // rows j and j2 equal and large for row 0's normed x: compute x on the host
         std::vector<float> x(c.k);
-        double ss = 0;
-        for (int i = 0; i < c.k; ++i) {
+        for (int i = 0; i < c.k; ++i)
           x[i] = bf16_to_f32(f32_to_bf16(bf16_to_f32(h_res[i]) + bf16_to_f32(h_delta[i])));
-          ss += double(x[i]) * x[i];
-        }
         const int j = int(rng() % c.n), j2 = (j + c.n / 2 + 1) % c.n;
-        for (int i = 0; i < c.k; ++i)  // w aligned with x's sign pattern: a large positive dot
-          hw[size_t(j) * c.k + i] = hw[size_t(j2) * c.k + i] = f32_to_bf16(x[i] >= 0 ? 0.5f : -0.5f);
+        for (int i = 0; i < c.k; ++i) {  // w aligned with x's sign pattern: a large positive dot
+          const bf v = f32_to_bf16(x[i] >= 0 ? 0.5f : -0.5f);
+          hw[size_t(j) * c.k + i] = hw[size_t(j2) * c.k + i] = v;
+        }
       }
       DevBuf<bf> w(hw);
       for (bool with_delta : {true, false}) {
@@ -202,6 +202,7 @@ TEST(CudaGemvBulkNorm, ArgmaxNormBitIdenticalToNormGemvThenArgmax) {
           nin.weight_early = early;
           cuda::launch_gemv_bulk_norm(nin, P(w), y_ref.ptr, c.m, c.n, c.k, cuda::GemmOut::kF32,
                                       cfg, sms, st);
+          DS_CUDA_CHECK(cudaMemsetAsync(tok_ref.ptr, 0x7f, 8, st));
           cuda::launch_argmax_rows(y_ref.ptr, c.m, c.n, tok_ref.ptr, st,
                                    cuda::ArgmaxKernel::kBlock, false);
           nin.residual_out = with_delta ? P(res_out) : nullptr;
@@ -211,7 +212,14 @@ TEST(CudaGemvBulkNorm, ArgmaxNormBitIdenticalToNormGemvThenArgmax) {
           DS_CUDA_CHECK(cudaStreamSynchronize(st));
           const auto a = y.download(), b = y_ref.download();
           EXPECT_EQ(std::memcmp(a.data(), b.data(), 4 * out_n), 0) << what << ": logits differ";
+          size_t unwritten = 0;  // the NaN poison left in either
+          for (size_t i = 0; i < out_n; ++i) unwritten += std::isnan(a[i]) || std::isnan(b[i]);
+          EXPECT_EQ(unwritten, 0u) << what << ": logits not written";
           EXPECT_EQ(res_out.download(), res_out_ref.download()) << what << ": residual_out";
+          if (!with_delta) {
+            EXPECT_EQ(res_out.download(), std::vector<bf>(xk, 0xFFFF))
+                << what << ": residual_out written without a delta";
+          }
           EXPECT_EQ(res_in.download(), h_res) << what << ": the input residual was modified";
           const auto t = tok.download(), tr = tok_ref.download();
           for (int i = 0; i < c.m; ++i) EXPECT_EQ(t[i], tr[i]) << what << " row " << i;

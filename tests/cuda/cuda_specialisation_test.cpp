@@ -405,6 +405,7 @@ TEST(Specialisations, FusedHeadOnVsOffBitExactAt27bShapes) {
   std::mt19937 rng(43);
   const std::vector<std::vector<int32_t>> prompts = random_prompts({600, 350}, V, rng);
   auto b = make_engine({true}, &c, nullptr, 64);
+  set_cuda_fused_norm(*b, 2);  // the head norm needs the fused norms at batch 1 and 2
   struct Run {
     std::vector<int32_t> ids;
     std::vector<float> rows;  // step(): every row; step_greedy: the non-greedy rows
@@ -499,6 +500,42 @@ TEST(Specialisations, FusedHeadOnVsOffBitExactAt27bShapes) {
       EXPECT_GE(on.norm_b1, 2) << m.name << ": the head norm never ran at batch 1";
       EXPECT_GE(on.norm_b2, 2) << m.name << ": the head norm never ran at batch 2";
     }
+  }
+  // Both fusions behind the fused MLP's forms 1 and 2 (its output, delta_, feeds the head norm
+  // under PDL): the reference's tokens.
+  for (int mlp : {1, 2}) {
+    set_cuda_mlp_fused(*b, mlp);
+    const Run on = run(true, true, true);
+    set_cuda_mlp_fused(*b, 0);
+    EXPECT_EQ(on.ids, ref.ids) << "fused MLP form " << mlp;
+    EXPECT_GE(on.norm_b1, 2) << "fused MLP form " << mlp;
+  }
+  // The pipelined loop (launch_greedy_decode / collect_greedy_decode, rows fed on the device)
+  // with both fusions: batch 1 from the first prompt's token, the reference's 64 tokens.
+  {
+    set_cuda_argmax_fused(*b, true);
+    set_cuda_head_norm_fused(*b, true);
+    b->reset_slot(0);
+    SeqWork w{0, prompts[0], false, true};
+    StepOutput out;
+    b->step_greedy(std::span<const SeqWork>(&w, 1), out);
+    ASSERT_EQ(out.tokens.at(0), ref.ids[0]);
+    const int64_t n0 = cuda_head_norm_enqueued(*b);
+    std::vector<DecodeItem> items{{0, out.tokens[0], -1}};
+    b->launch_greedy_decode(items);
+    std::vector<int32_t> got, ids;
+    for (int st = 0; st < 64; ++st) {
+      if (st + 1 < 64) {
+        const std::vector<DecodeItem> fed{{0, 0, 0}};
+        b->launch_greedy_decode(fed);
+      }
+      b->collect_greedy_decode(got);
+      ids.push_back(got.at(0));
+    }
+    EXPECT_EQ(ids, std::vector<int32_t>(ref.ids.begin() + 2, ref.ids.begin() + 66))
+        << "pipelined decode with the fused head";
+    EXPECT_GE(cuda_head_norm_enqueued(*b) - n0, 2);
+    b->reset_slot(0);
   }
   // step() (logits out) with the final norm in lm_head: the reference's logits bit for bit.
   const Run norm_logits = run(false, false, true);
