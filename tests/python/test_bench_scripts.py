@@ -314,7 +314,9 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "Specialisations.FusedHead" in out["argmax"]
     assert out["argmax"].count("DecodeProfile.Synthetic27bInGraph") == 2
     assert "DS_ARGMAX_FUSED=0 DS_HEAD_NORM=0" in out["argmax"]
-    assert '- DS_ARGMAX_FUSED=1 "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1"' in out["argmax"]
+    assert ('- DS_ARGMAX_FUSED=1 "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" '
+            '"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1"') in out["argmax"]
+    assert "--cases 1@4096,2@4096,16@4096" in out["argmax"]
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert bad.returncode == 2 and "step must be" in bad.stderr
