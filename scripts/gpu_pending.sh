@@ -23,6 +23,10 @@
 #                                         # decode_gemv.md): the tests, in-graph profiles at 4K
 #                                         # both ways (the gain, ~15-20 us a step, is below the
 #                                         # A/B's spread), the A/B
+#   BUDGET=560 bash scripts/gpu_pending.sh quick   # ~9 min: if ONE call is all a session gets:
+#                                         # the tests of every never-run form (sessions 26-27),
+#                                         # the attention kernels default vs wgmma_ws_ulean, and
+#                                         # one decode A/B of the decode forms alone and together
 # (~22 min of the session's 30 minutes of device time for the first seven, with the machine's
 # start; argmax after them when time is left.)
 #
@@ -40,8 +44,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|acc|argmax) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, acc or argmax, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|acc|argmax|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, acc, argmax or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -233,6 +237,28 @@ case "$step" in
       BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
         --cases 1@4096,2@4096,16@4096 --rounds 3 - DS_ARGMAX_FUSED=1 \
         "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1" \
+        || rc=1
+      rm -f "$OUT/decode_ab.full.log"
+    fi
+    ;;
+  quick)
+    # Correctness of the forms no GPU has run (each binary capped), then their speed: the prompt
+    # attention's kernels with wgmma_ws_ulean picked against the default, and the decode step
+    # with acc 4, the fused head, and both (batch 16: the 1.3x gate as batch 1 gets faster).
+    run q_attention_test timeout 120 "$T/cuda_attention_test" || rc=1
+    run q_gemv_test timeout 120 "$T/cuda_gemv_test" \
+      --gtest_filter='*SplitAccumulators*:*ArgmaxFused*:*InterleaveBitExact*' || rc=1
+    run q_gemv_norm_test timeout 90 "$T/cuda_gemv_norm_test" || rc=1
+    run q_engine_test timeout 150 "$T/cuda_specialisation_test" \
+      --gtest_filter='AttnPrefillForms.*:GemvAccForms.*:Specialisations.FusedHead*' || rc=1
+    run q_attn_k_default "$DS" bench kernels --only attn_prefill || rc=1
+    run q_attn_k_ulean env "$ULEAN" "$DS" bench kernels --only attn_prefill || rc=1
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" \"DS_GEMV_ACC=4 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1\""
+    else
+      BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
+        --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \
+        "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" "DS_GEMV_ACC=4 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1" \
         || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi

@@ -272,7 +272,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     script = REPO / "scripts" / "gpu_pending.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
-    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "acc", "argmax"):
+    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "acc", "argmax", "quick"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -317,6 +317,14 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert ('- DS_ARGMAX_FUSED=1 "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" '
             '"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1"') in out["argmax"]
     assert "--cases 1@4096,2@4096,16@4096" in out["argmax"]
+    # The one-call plan: the never-run forms' tests, the attention kernels both ways, the A/B.
+    for binary in ("cuda_attention_test", "cuda_gemv_test", "cuda_gemv_norm_test",
+                   "cuda_specialisation_test"):
+        assert binary in out["quick"]
+    assert "AttnPrefillForms" in out["quick"] and "FusedHead" in out["quick"]
+    assert out["quick"].count("bench kernels --only attn_prefill") == 2
+    assert "env " + ulean.replace(",", "\\,") + " " in out["quick"]  # printf %q escapes the commas
+    assert '- DS_GEMV_ACC=4 "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1"' in out["quick"]
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert bad.returncode == 2 and "step must be" in bad.stderr
