@@ -139,6 +139,14 @@ def main():
               f"{fmt_ms(r['tpot_s']['p99'])} | {r['tok_per_s']:.1f} | {fmt_ms(r.get('floor_s'))} | "
               f"{ratio(r.get('ratio_p50'))} | {ratio(r.get('ratio_p99'))} |")
         w("")
+        # Issue 6's scaling gate (TPOT at batch 16 within 1.3x of batch 1, same context): every
+        # batch against batch 1 at each context that has both.
+        b1 = {r["context"]: r["tpot_s"]["p50"] for r in d["decode"] if r["batch"] == 1}
+        scaling = [f"{r['context']}: batch {r['batch']} {r['tpot_s']['p50'] / b1[r['context']]:.3f}x"
+                   for r in d["decode"] if r["batch"] > 1 and b1.get(r["context"])]
+        if scaling:
+            w("Batch scaling (TPOT p50 / batch 1's at the same context; issue 6: batch 16 <= 1.3x): "
+              + ", ".join(scaling) + ".\n")
     if d.get("prefill"):
         w("## Prefill (TTFT; floor = FLOPs / GEMM ceiling)\n")
         w(f"![TTFT]({a.png_prefix}ttft.png)\n")

@@ -89,6 +89,23 @@ def test_results_md_ceilings_table_shows_the_spread(tmp_path):
     assert "| bf16 GEMM 8192^3 (cuBLASLt) | 700 TFLOP/s | 680-790 TFLOP/s |" in md
 
 
+def test_results_md_decode_batch_scaling(tmp_path):
+    # Issue 6's gate (batch 16 within 1.3x of batch 1) under the decode table: each batch > 1
+    # against batch 1 at the same context (made-up numbers); a context without batch 1 is skipped.
+    def row(batch, context, p50):
+        return {"batch": batch, "context": context, "context_mean": context + 70,
+                "tpot_s": {"p50": p50, "p99": p50}, "tok_per_s": batch / p50}
+    dec = [row(1, 4096, 0.012320), row(4, 4096, 0.014154), row(16, 4096, 0.015996),
+           row(1, 8192, 0.012180), row(4, 32768, 0.0150)]
+    j = tmp_path / "d.json"
+    j.write_text(json.dumps({"meta": {"commit": "x"}, "decode": dec}))
+    md = results_md(str(j))
+    assert ("Batch scaling (TPOT p50 / batch 1's at the same context; issue 6: batch 16 <= 1.3x): "
+            "4096: batch 4 1.149x, 4096: batch 16 1.298x.") in md
+    j.write_text(json.dumps({"meta": {"commit": "x"}, "decode": [row(1, 4096, 0.0123)]}))
+    assert "Batch scaling" not in results_md(str(j))
+
+
 def test_results_md_prefill_ratio_at_the_fastest_decile(tmp_path):
     # The GEMM ceiling is bimodal on a power-capped H200: the prefill table gives the ratio to the
     # median repetition (what the bench computed) and to the fastest decile (p10 repetition), so
