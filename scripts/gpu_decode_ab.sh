@@ -2,8 +2,10 @@
 # Same-call A/B of decode switches: each ARM is a space-separated list of VAR=value settings (or
 # "-" for none) run as its own `deltaserve bench decode` process, the arms interleaved for
 # --rounds rounds (so drift over the call hits every arm alike); ends with one table of TPOT p50
-# per (arm, case) with every round's value and the median over rounds. Device time is scarce: one
-# call, a few minutes (each process ~15-25 s at 3 cases x 64 steps on the synthetic 27B).
+# per (arm, case) with every round's value and the median over rounds, and each batch's median
+# against batch 1's at the same context ([16@4096 / 1@4096: 1.298x]: issue 6's scaling gate).
+# Device time is scarce: one call, a few minutes (each process ~15-25 s at 3 cases x 64 steps on
+# the synthetic 27B).
 #
 #   BIN=path/to/deltaserve bash scripts/gpu_decode_ab.sh [--cases 1@4096,2@4096,1@32768]
 #       [--steps 64] [--rounds 2] [--bench-args "..."] ARM [ARM ...]
@@ -113,15 +115,25 @@ done
   fi
   for i in "${!arms[@]}"; do
     line="arm $i [${arms[$i]}]:"
+    declare -A med=()
     for c in ${cases//,/ }; do
       v=${tpot["$i|$c"]:-}
       if [ -z "$v" ]; then
         line+="  $c FAIL"
         continue
       fi
-      med=$(printf '%s\n' $v | sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}')
-      line+="  $c: ${v% } (median $med)"
+      med[$c]=$(printf '%s\n' $v | sort -g | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR+1)/2] : (a[NR/2] + a[NR/2+1]) / 2}')
+      line+="  $c: ${v% } (median ${med[$c]})"
     done
+    # Decode: each batch against batch 1 at the same context (issue 6: batch 16 <= 1.3x).
+    if [ -z "$prompts" ]; then
+      for c in ${cases//,/ }; do
+        b=${c%@*} ctx=${c#*@}
+        [ "$b" != 1 ] && [ -n "${med[$c]:-}" ] && [ -n "${med[1@$ctx]:-}" ] &&
+          line+="  [$c / 1@$ctx: $(awk -v x="${med[$c]}" -v y="${med[1@$ctx]}" 'BEGIN {printf "%.3f", x / y}')x]"
+      done
+    fi
+    unset med
     echo "$line"
   done
 } | tee -a "$LOG"

@@ -248,9 +248,13 @@ def test_gpu_decode_ab_script_interleaves_arms_and_tabulates(tmp_path):
     assert "round 2 arm 1: DS_GEMV_L2_NEXT=16 DS_X=1" in full
     table = ab_table(r.stdout, ("1@32", "2@32"))
     assert len(table) == 2 and table[1][0].startswith("arm 1 [DS_GEMV_L2_NEXT=16 DS_X=1]:")
-    for _, cells in table:
+    for ln, cells in table:
         for rounds, med in cells.values():
             assert len(rounds) == 2 and min(rounds) <= med <= max(rounds)
+        # batch 2 against batch 1 at the same context, from the two medians
+        want = cells["2@32"][1] / cells["1@32"][1]
+        got = float(ln.split("[2@32 / 1@32: ")[1].split("x]")[0])
+        assert abs(got - want) <= 1e-3 * want + 5e-4, ln
     bad = subprocess.run(["bash", str(script), "--bench-args", "--device cpu", "DS_OK=1 notasetting"],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "is not VAR=value" in bad.stderr
