@@ -23,6 +23,10 @@
 #                                         # decode_gemv.md): the tests, in-graph profiles at 4K
 #                                         # both ways (the gain, ~15-20 us a step, is below the
 #                                         # A/B's spread), the A/B
+#   BUDGET=560 bash scripts/gpu_pending.sh tma     # ~7 min: session 27's wider TMA GEMV stages
+#                                         # ($DS_GEMV_TMA_KBOX=2 / 4, batch 5-16; decode_gemv.md):
+#                                         # the tests both ways, bench kernels (kb rows), the
+#                                         # decode A/B at batch 8 / 16 (issue 6's 1.3x gate)
 #   BUDGET=560 bash scripts/gpu_pending.sh quick   # ~9 min: if ONE call is all a session gets:
 #                                         # the tests of every never-run form (sessions 26-27),
 #                                         # the attention kernels default vs wgmma_ws_ulean, and
@@ -44,8 +48,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|acc|argmax|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, acc, argmax or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|acc|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, acc, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -245,25 +249,46 @@ case "$step" in
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;
+  tma)
+    # Every config (now with kbox 2 / 4) against fp64 and each other, the 27B shapes bit-identical
+    # across kbox; then the whole binary's TMA tests with the switch at 2 and 4 (the config
+    # functions hand out the wider stages: the 27B shapes vs cuBLASLt, batch invariance, PDL
+    # chains), and the engine's batch invariance with kbox 4.
+    run tma_test timeout 150 "$T/cuda_gemv_test" --gtest_filter='CudaGemvTma.*' || rc=1
+    for kb in 2 4; do
+      run "tma_test_kb$kb" env DS_GEMV_TMA_KBOX=$kb timeout 120 "$T/cuda_gemv_test" \
+        --gtest_filter='CudaGemvTma.*:-*OddShapes*' || rc=1
+    done
+    run tma_invariance_kb4 env DS_GEMV_TMA_KBOX=4 timeout 120 "$T/cuda_batch_invariance_test" \
+      || rc=1
+    run tma_gemm "$DS" bench kernels --only gemm || rc=1
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,8@4096,16@4096 --rounds 3 - DS_GEMV_TMA_KBOX=2 DS_GEMV_TMA_KBOX=4"
+    else
+      BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
+        --cases 1@4096,8@4096,16@4096 --rounds 3 - DS_GEMV_TMA_KBOX=2 DS_GEMV_TMA_KBOX=4 || rc=1
+      rm -f "$OUT/decode_ab.full.log"
+    fi
+    ;;
   quick)
     # Correctness of the forms no GPU has run (each binary capped), then their speed: the prompt
     # attention's kernels with wgmma_ws_ulean picked against the default, and the decode step
-    # with acc 4, the fused head, and both (batch 16: the 1.3x gate as batch 1 gets faster).
+    # with acc 4, the fused head, and the wider TMA stages (batch 16: the 1.3x gate as batch 1
+    # gets faster).
     run q_attention_test timeout 120 "$T/cuda_attention_test" || rc=1
     run q_gemv_test timeout 120 "$T/cuda_gemv_test" \
-      --gtest_filter='*SplitAccumulators*:*ArgmaxFused*:*InterleaveBitExact*' || rc=1
+      --gtest_filter='*SplitAccumulators*:*ArgmaxFused*:*InterleaveBitExact*:CudaGemvTma.*' || rc=1
     run q_gemv_norm_test timeout 90 "$T/cuda_gemv_norm_test" || rc=1
     run q_engine_test timeout 150 "$T/cuda_specialisation_test" \
       --gtest_filter='AttnPrefillForms.*:GemvAccForms.*:Specialisations.FusedHead*' || rc=1
     run q_attn_k_default "$DS" bench kernels --only attn_prefill || rc=1
     run q_attn_k_ulean env "$ULEAN" "$DS" bench kernels --only attn_prefill || rc=1
     if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" \"DS_GEMV_ACC=4 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1\""
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" \"DS_GEMV_TMA_KBOX=2 DS_ARGMAX_CLUSTER=1\""
     else
       BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
         --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \
-        "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" "DS_GEMV_ACC=4 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1" \
-        || rc=1
+        "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" "DS_GEMV_TMA_KBOX=2 DS_ARGMAX_CLUSTER=1" || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;

@@ -470,6 +470,18 @@ void KernelBench::gemm_mma_ab(const std::string& name, int m) {
         cuda::launch_gemv_tma(xi(i), wi(i), yi(i), m, o.n, o.k, out, c, n_sms_, s_);
       });
     }
+    // Wider stages (GemvTmaConfig::kbox, session 27: 2 / 4 x 64 k per stage), PDL, where they fit
+    // and are not the config above.
+    for (int kb : {2, 4}) {
+      cuda::GemvTmaConfig c = cuda::gemv_tma_config(m, o.n, o.k, false);
+      if (c.kbox == kb) continue;
+      c.kbox = kb;
+      c.pdl = true;
+      if (!cuda::gemv_tma_fits(m, o.n, o.k, false, c, n_sms_)) continue;
+      row("gemv_tma_" + c.name(), "with PDL (back to back); wider stages", [&](int i) {
+        cuda::launch_gemv_tma(xi(i), wi(i), yi(i), m, o.n, o.k, out, c, n_sms_, s_);
+      });
+    }
     if (o.n % 2 == 0 && cuda::gemv_tma_supports(m, o.n / 2, o.k, true, n_sms_) &&
         name == "gate_up") {
       DevBuf aref(size_t(2) * m * (o.n / 2), "gemm silu reference");
@@ -481,6 +493,20 @@ void KernelBench::gemm_mma_ab(const std::string& name, int m) {
             "gemv_tma_silu_" + c.name(),
             pdl ? "with PDL (back to back); match: against cuBLASLt + silu_mul"
                 : "no PDL; match: against cuBLASLt + silu_mul",
+            [&](int i) {
+              cuda::launch_gemv_tma_silu(xi(i), wi(i), yi(i), m, o.n / 2, o.k, c, n_sms_, s_);
+            },
+            aref.as<bf16>(), int64_t(m) * (o.n / 2));
+      }
+      for (int kb : {2, 4}) {  // wider stages (kbox), PDL, where they fit
+        cuda::GemvTmaConfig c = cuda::gemv_tma_config(m, o.n / 2, o.k, true);
+        if (c.kbox == kb) continue;
+        c.kbox = kb;
+        c.pdl = true;
+        if (!cuda::gemv_tma_fits(m, o.n / 2, o.k, true, c, n_sms_)) continue;
+        row(
+            "gemv_tma_silu_" + c.name(),
+            "with PDL (back to back); wider stages; match: against cuBLASLt + silu_mul",
             [&](int i) {
               cuda::launch_gemv_tma_silu(xi(i), wi(i), yi(i), m, o.n / 2, o.k, c, n_sms_, s_);
             },

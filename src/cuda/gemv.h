@@ -331,11 +331,20 @@ GemvTmaMode gemv_tma_mode();
 struct GemvTmaConfig {
   int slots = 0;     // ring stages (2..16); 0 = as many as fit in the shared memory
   bool pdl = false;  // the first stages' weight boxes are issued before griddepcontrol.wait
-  std::string name() const;  // "smax", "s4-pdl"
+  // 64-k chunks per stage: 1 (the shipped 128 bytes of each weight row per stage), 2 or 4 (256 /
+  // 512 contiguous bytes per row, fewer and larger stages; session 27, built without a device: the
+  // narrow kernel's kbox measured faster the wider, session 10). The same sums in the same order
+  // at every kbox (bit-identical).
+  int kbox = 1;
+  std::string name() const;  // "smax", "s4-pdl", "smax-kb2"
 };
 
-// Stages that fit for a box of `box_rows` rows (0 for box_rows < 1).
-int gemv_tma_max_slots(int box_rows);
+// Stages that fit for a box of `box_rows` rows and kbox chunks per stage (0 for box_rows < 1 or
+// a kbox other than 1, 2, 4).
+int gemv_tma_max_slots(int box_rows, int kbox = 1);
+// $DS_GEMV_TMA_KBOX (read once per process): the kbox gemv_tma_config asks for, 1 (unset), 2 or
+// 4; other values throw. An A/B switch until measured on the device.
+int gemv_tma_kbox_mode();
 // Whether the shape (glu: n = d_ff, the weight has 2 d_ff rows) and config fit on a device of
 // n_sms SMs (min(n_sms, n) blocks): 1 <= m <= 16, k % 8 == 0, 8 <= k <= kSkinnyMaxK, at most 192
 // box rows (GLU: features per block; plain: half the rows per block), 2+ stages.

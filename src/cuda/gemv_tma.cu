@@ -29,8 +29,12 @@
 // of its 8 rows (the .col B operand), then mma.sync.m16n8k16. A stage's slot is released by one
 // arrival per consumer warp. Addresses follow the 128-byte swizzle: the 16-byte chunk c of row r
 // of a box lies at r * 128 + ((c ^ (r % 8)) * 16) (boxes 1024-byte aligned).
+// Wider stages (GemvTmaConfig::kbox 2 / 4, $DS_GEMV_TMA_KBOX; session 27, built without a
+// device): a stage holds kbox such 64-k chunks (2 kbox weight boxes + kbox x boxes), so each row
+// contributes 256 / 512 contiguous bytes per stage and a block has a half / a quarter of the
+// stages; the consumers take the chunks in order.
 // Summation order: every output is the sum over the k-steps 0, 16, 32, ... in order, one MMA
-// each; it depends on k only, never on m, the slot count or the grid (an MMA's output row
+// each; it depends on k only, never on m, the slot count, kbox or the grid (an MMA's output row
 // depends only on its own A row; the padding rows are zeros): batch-invariant and bit-identical
 // across configs.
 #include <cuda.h>
@@ -66,10 +70,14 @@ constexpr int kGuardMinSms = 100;
 
 __host__ __device__ constexpr int pad8(int r) { return (r + 7) / 8 * 8; }
 __host__ __device__ constexpr int box_bytes(int br) { return pad8(br) * 128; }
-__host__ __device__ constexpr int stage_bytes(int br) { return 2 * box_bytes(br) + kXBoxBytes; }
+// A stage of kb 64-k chunks: [box 0 | box 1] per chunk, then the kb x slabs (GemvTmaConfig::kbox;
+// 1 is the shipped layout).
+__host__ __device__ constexpr int stage_bytes(int br, int kb = 1) {
+  return kb * (2 * box_bytes(br) + kXBoxBytes);
+}
 
-size_t smem_bytes(int br, int slots) {
-  return size_t(kAlignSlack) + kHdrBytes + size_t(slots) * stage_bytes(br);
+size_t smem_bytes(int br, int slots, int kb = 1) {
+  return size_t(kAlignSlack) + kHdrBytes + size_t(slots) * stage_bytes(br, kb);
 }
 
 // Box rows for n outputs (GLU: features) over a grid of g blocks.
@@ -133,7 +141,11 @@ __device__ __forceinline__ void put(OutT* y, size_t i, float v) {
 }
 
 // GLU: y = act [m, n = d_ff]; wmap rows 0..2 d_ff (gate then up). Plain: y [m, n], wmap rows n.
-template <bool GLU, typename OutT>
+// KB (GemvTmaConfig::kbox): 64-k chunks per stage. A stage holds, per chunk c < KB, the two
+// weight boxes at box strides 2 c and 2 c + 1, then the KB x slabs; chunks past k are not loaded
+// (a stage's tx counts the chunks it loads). The consumers take the chunks in order, so every
+// output sums the same k-steps in the same order at every KB (bit-identical).
+template <bool GLU, typename OutT, int KB = 1>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_tma_kernel(const __grid_constant__ CUtensorMap wmap,  // w [rows, k], box {64, br}
                     const __grid_constant__ CUtensorMap xmap,  // x [m, k], box {64, m}
@@ -144,16 +156,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxSlots;
   unsigned char* ring = smem + kHdrBytes;
-  const int bbytes = box_bytes(br), sbytes = stage_bytes(br);
+  const int bbytes = box_bytes(br), sbytes = stage_bytes(br, KB);
+  const int xbase = 2 * KB * bbytes;  // the x slabs' offset in a stage
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int o_begin = int(int64_t(n) * blockIdx.x / gridDim.x);
   const int o_end = int(int64_t(n) * (blockIdx.x + 1) / gridDim.x);
   const int row0 = o_begin, row1 = GLU ? n + o_begin : o_begin + br;  // the two boxes' first rows
-  const int n_stages = (k + kKc - 1) / kKc;
+  constexpr int kStageK = KB * kKc;
+  const int n_stages = (k + kStageK - 1) / kStageK;
+  // 64-k chunks of stage s that start inside k (KB for every stage but maybe the last).
+  auto chunks = [&](int s) { return KB == 1 ? 1 : min(KB, (k - s * kStageK + kKc - 1) / kKc); };
   const uint32_t tx_w = 2u * uint32_t(br) * 128u, tx = tx_w + uint32_t(m) * 128u;
 
-  ring_prologue(full, empty, slots, ring, sbytes, 2 * bbytes, 1, m);
+  ring_prologue(full, empty, slots, ring, sbytes, xbase, KB, m);
 
   const bool producer = warp == kW;
   uint64_t policy = 0;
@@ -165,9 +181,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The weights do not depend on the previous kernel: the first stages' boxes go out now.
     for (int s = 0; s < pre; ++s) {
       const uint32_t st = smem_u32(ring + size_t(s) * sbytes);
-      mbar_arrive_expect_tx(&full[s], tx);
-      tma_load_2d(st, &wmap, s * kKc, row0, &full[s], policy);
-      tma_load_2d(st + bbytes, &wmap, s * kKc, row1, &full[s], policy);
+      const int nc = chunks(s);
+      mbar_arrive_expect_tx(&full[s], uint32_t(nc) * tx);
+      for (int c = 0; c < nc; ++c) {
+        tma_load_2d(st + 2 * c * bbytes, &wmap, s * kStageK + c * kKc, row0, &full[s], policy);
+        tma_load_2d(st + (2 * c + 1) * bbytes, &wmap, s * kStageK + c * kKc, row1, &full[s],
+                    policy);
+      }
     }
   }
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -177,15 +197,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (producer) {
     if (lane == 0) {
       for (int s = 0; s < pre; ++s)
-        tma_load_2d(smem_u32(ring + size_t(s) * sbytes + 2 * bbytes), &xmap, s * kKc, 0, &full[s]);
+        for (int c = 0; c < chunks(s); ++c)
+          tma_load_2d(smem_u32(ring + size_t(s) * sbytes + xbase + c * kXBoxBytes), &xmap,
+                      s * kStageK + c * kKc, 0, &full[s]);
       for (int s = pre; s < n_stages; ++s) {
         const int slot = s % slots;
         mbar_wait(&empty[slot], uint32_t((s / slots) - 1) & 1u);
         const uint32_t st = smem_u32(ring + size_t(slot) * sbytes);
-        mbar_arrive_expect_tx(&full[slot], tx);
-        tma_load_2d(st, &wmap, s * kKc, row0, &full[slot], policy);
-        tma_load_2d(st + bbytes, &wmap, s * kKc, row1, &full[slot], policy);
-        tma_load_2d(st + 2 * bbytes, &xmap, s * kKc, 0, &full[slot]);
+        const int nc = chunks(s);
+        mbar_arrive_expect_tx(&full[slot], uint32_t(nc) * tx);
+        for (int c = 0; c < nc; ++c) {
+          tma_load_2d(st + 2 * c * bbytes, &wmap, s * kStageK + c * kKc, row0, &full[slot],
+                      policy);
+          tma_load_2d(st + (2 * c + 1) * bbytes, &wmap, s * kStageK + c * kKc, row1, &full[slot],
+                      policy);
+          tma_load_2d(st + xbase + c * kXBoxBytes, &xmap, s * kStageK + c * kKc, 0, &full[slot]);
+        }
       }
     }
     return;
@@ -203,29 +230,33 @@ __global__ void __launch_bounds__(kThreads, 1)
   // (tokens) lane % 16 at k 0-7 / 0-7 / 8-15 / 8-15 of the k-step: chunk 2 kk + lane / 16.
   // B (a group's 8 rows r = 8 q + lane % 8): chunk 4 kp + lane / 8 = k-steps 2 kp, 2 kp + 1.
   const int xr = lane & 15, br8 = lane & 7;
-  const uint32_t x_row = uint32_t(2 * bbytes + xr * 128);
   for (int s = 0; s < n_stages; ++s) {
     const int slot = s % slots;
     mbar_wait(&full[slot], uint32_t(s / slots) & 1u);
-    const uint32_t st = smem_u32(ring + size_t(slot) * sbytes);
+    const int nc = chunks(s);
+#pragma unroll 1
+    for (int c = 0; c < nc; ++c) {  // the stage's 64-k chunks in order
+      const uint32_t st = smem_u32(ring + size_t(slot) * sbytes) + uint32_t(2 * c * bbytes);
+      const uint32_t x_row = uint32_t(xbase - 2 * c * bbytes + c * kXBoxBytes + xr * 128);
 #pragma unroll
-    for (int kp = 0; kp < 2; ++kp) {
-      uint32_t a0[4], a1[4];
-      const int c0 = 4 * kp + (lane >> 4), c1 = c0 + 2;
-      ldmatrix_x4(a0, st + x_row + uint32_t(((c0 ^ (xr & 7)) << 4)));
-      ldmatrix_x4(a1, st + x_row + uint32_t(((c1 ^ (xr & 7)) << 4)));
-      const int cb = 4 * kp + (lane >> 3);
-      const uint32_t b_col = uint32_t((cb ^ br8) << 4);
+      for (int kp = 0; kp < 2; ++kp) {
+        uint32_t a0[4], a1[4];
+        const int c0 = 4 * kp + (lane >> 4), c1 = c0 + 2;
+        ldmatrix_x4(a0, st + x_row + uint32_t(((c0 ^ (xr & 7)) << 4)));
+        ldmatrix_x4(a1, st + x_row + uint32_t(((c1 ^ (xr & 7)) << 4)));
+        const int cb = 4 * kp + (lane >> 3);
+        const uint32_t b_col = uint32_t((cb ^ br8) << 4);
 #pragma unroll
-      for (int j = 0; j < kJ; ++j) {
-        const int q = warp + j * kW;
-        if (q < groups) {
+        for (int j = 0; j < kJ; ++j) {
+          const int q = warp + j * kW;
+          if (q < groups) {
 #pragma unroll
-          for (int t = 0; t < 2; ++t) {
-            uint32_t b[4];
-            ldmatrix_x4(b, st + uint32_t(t * bbytes + (8 * q + br8) * 128) + b_col);
-            mma_bf16(acc[j][t], a0, b[0], b[1]);
-            mma_bf16(acc[j][t], a1, b[2], b[3]);
+            for (int t = 0; t < 2; ++t) {
+              uint32_t b[4];
+              ldmatrix_x4(b, st + uint32_t(t * bbytes + (8 * q + br8) * 128) + b_col);
+              mma_bf16(acc[j][t], a0, b[0], b[1]);
+              mma_bf16(acc[j][t], a1, b[2], b[3]);
+            }
           }
         }
       }
@@ -443,13 +474,15 @@ void launch_t(const bf16* x, const bf16* w, OutT* y, int m, int n, int k, const 
               int n_sms, cudaStream_t stream) {
   const int grid = grid_for(n, n_sms);
   const int br = box_rows(n, GLU, grid);
-  const int slots = c.slots > 0 ? c.slots : gemv_tma_max_slots(br);
+  const int slots = c.slots > 0 ? c.slots : gemv_tma_max_slots(br, c.kbox);
   const CUtensorMap wmap = matrix_map(w, GLU ? 2 * int64_t(n) : int64_t(n), k, br, true);
   const CUtensorMap xmap = matrix_map(x, m, k, m, false);
-  auto* kern = gemv_tma_kernel<GLU, OutT>;
+  auto* kern = c.kbox == 4   ? gemv_tma_kernel<GLU, OutT, 4>
+               : c.kbox == 2 ? gemv_tma_kernel<GLU, OutT, 2>
+                             : gemv_tma_kernel<GLU, OutT, 1>;
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
-  launch_maybe_pdl(kern, dim3(grid), dim3(kThreads), smem_bytes(br, slots), stream, c.pdl, wmap,
-                   xmap, y, m, n, k, br, slots);
+  launch_maybe_pdl(kern, dim3(grid), dim3(kThreads), smem_bytes(br, slots, c.kbox), stream, c.pdl,
+                   wmap, xmap, y, m, n, k, br, slots);
 }
 
 template <typename OutT>
@@ -478,14 +511,26 @@ void check_common(const bf16* x, const bf16* w, const void* y, int n_sms, const 
 
 std::string GemvTmaConfig::name() const {
   std::ostringstream os;
-  os << "s" << (slots > 0 ? std::to_string(slots) : std::string("max")) << (pdl ? "-pdl" : "");
+  os << "s" << (slots > 0 ? std::to_string(slots) : std::string("max"))
+     << (kbox != 1 ? "-kb" + std::to_string(kbox) : std::string()) << (pdl ? "-pdl" : "");
   return os.str();
 }
 
-int gemv_tma_max_slots(int box_rows) {
-  if (box_rows < 1) return 0;
+int gemv_tma_max_slots(int box_rows, int kbox) {
+  if (box_rows < 1 || (kbox != 1 && kbox != 2 && kbox != 4)) return 0;
   const int64_t room = int64_t(kMaxSmem) - kAlignSlack - kHdrBytes;
-  return int(std::min<int64_t>(kMaxSlots, room / stage_bytes(box_rows)));
+  return int(std::min<int64_t>(kMaxSlots, room / stage_bytes(box_rows, kbox)));
+}
+
+int gemv_tma_kbox_mode() {
+  static const int kbox = [] {
+    const char* e = std::getenv("DS_GEMV_TMA_KBOX");
+    const std::string v = e ? e : "";
+    if (v.empty() || v == "1") return 1;
+    DS_CHECK(v == "2" || v == "4", "DS_GEMV_TMA_KBOX must be 1, 2 or 4, got '", v, "'");
+    return v == "2" ? 2 : 4;
+  }();
+  return kbox;
 }
 
 GemvTmaMode gemv_tma_mode() {
@@ -506,7 +551,7 @@ bool gemv_tma_fits(int64_t m, int64_t n, int64_t k, bool glu, const GemvTmaConfi
     return false;
   const int br = box_rows(n, glu, grid_for(n, n_sms));
   if (br < 1 || br > kMaxBoxRows) return false;
-  const int max_slots = gemv_tma_max_slots(br);
+  const int max_slots = gemv_tma_max_slots(br, c.kbox);  // 0 for a kbox other than 1, 2, 4
   const int slots = c.slots > 0 ? c.slots : max_slots;
   return slots >= 2 && slots <= max_slots;
 }
@@ -525,16 +570,24 @@ bool gemv_tma_preferred(int64_t m, int64_t n, int64_t k, bool glu) {
 }
 
 GemvTmaConfig gemv_tma_config(int m, int n, int k, bool glu) {
-  (void)m, (void)n, (void)k, (void)glu;
-  return {};  // as many stages as fit (gate_up 6 x 36 KiB, gdn_in 12 x 18 KiB, attn_qkv 14 x 16)
+  // As many stages as fit (kbox 1: gate_up 6 x 36 KiB, gdn_in 12 x 18 KiB, attn_qkv 14 x 16), of
+  // $DS_GEMV_TMA_KBOX 64-k chunks, halved until two stages fit on kGuardMinSms SMs (the box rows
+  // grow as the grid shrinks, so what fits there fits on more).
+  GemvTmaConfig c;
+  c.kbox = gemv_tma_kbox_mode();
+  while (c.kbox > 1 && !gemv_tma_fits(m, n, k, glu, c, kGuardMinSms)) c.kbox /= 2;
+  return c;
 }
 
 std::vector<GemvTmaConfig> gemv_tma_configs(int m, int n, int k, bool glu, int n_sms) {
   std::vector<GemvTmaConfig> v;
   if (!gemv_tma_supports(m, n, k, glu, n_sms)) return v;
-  const int max_slots = gemv_tma_max_slots(box_rows(n, glu, grid_for(n, n_sms)));
-  for (int s : {0, 4, 2})
-    if (s == 0 || s < max_slots) v.push_back({s, false});
+  const int br = box_rows(n, glu, grid_for(n, n_sms));
+  for (int kb : {1, 2, 4}) {
+    const int max_slots = gemv_tma_max_slots(br, kb);
+    for (int s : {0, 4, 2})
+      if (max_slots >= 2 && (s == 0 || s < max_slots)) v.push_back({s, false, kb});
+  }
   return v;
 }
 

@@ -2812,6 +2812,57 @@ TEST(CudaGemvTma, OddShapesEveryConfig) {
   EXPECT_FALSE(cuda::gemv_tma_supports(16, n_sms * 384 + 1, 64, false, n_sms));  // 193 box rows
 }
 
+// Wider stages (GemvTmaConfig::kbox 2 / 4: 128 / 256 k per stage; session 27) on the 27B
+// in-projections at m 5 and 16, plain and with the fused SiLU, with and without PDL: bit-identical
+// to kbox 1 (the same k-steps in the same order), every output written (NaN poison). The odd
+// shapes with every kbox are in OddShapesEveryConfig (gemv_tma_configs lists them).
+TEST(CudaGemvTma, WiderStagesBitIdentical27b) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "TMA needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(177);
+  Pool wpool(size_t(34816) * 5120, rng, 0.02f);
+  DevBuf<bf> dx(test::random_bf16(size_t(16) * 5120, rng));
+  int compared = 0;
+  for (auto [name, n, glu] :
+       {std::tuple{"gdn_in", 16480, false}, std::tuple{"attn_qkv", 14336, false},
+        std::tuple{"gate_up", 34816, false}, std::tuple{"gate_up+silu", 17408, true}}) {
+    for (int m : {5, 16}) {
+      const size_t cnt = size_t(m) * n;
+      DevBuf<bf> y1(cnt), y2(cnt);
+      auto launch = [&](const cuda::GemvTmaConfig& c, DevBuf<bf>& y) {
+        y.poison();
+        if (glu)
+          cuda::launch_gemv_tma_silu(B(dx), B(wpool.buf), reinterpret_cast<__nv_bfloat16*>(y.ptr),
+                                     m, n, 5120, c, n_sms, 0);
+        else
+          cuda::launch_gemv_tma(B(dx), B(wpool.buf), y.ptr, m, n, 5120, GemmOut::kBF16, c, n_sms,
+                                0);
+        DS_CUDA_CHECK(cudaDeviceSynchronize());
+      };
+      launch({0, false, 1}, y1);
+      const auto ref = y1.download();
+      size_t nan = 0;
+      for (bf v : ref) nan += (v & 0x7f80) == 0x7f80 && (v & 0x7f);
+      EXPECT_EQ(nan, 0u) << name << " m " << m << ": kbox 1 left outputs unwritten";
+      for (int kb : {2, 4})
+        for (bool pdl : {false, true}) {
+          const cuda::GemvTmaConfig c{0, pdl, kb};
+          if (!cuda::gemv_tma_fits(m, n, 5120, glu, c, n_sms)) {
+            // gate_up's 132-row boxes: one 288 KiB stage at kbox 4 (2 needed)
+            EXPECT_TRUE(kb == 4 && std::string(name).rfind("gate_up", 0) == 0)
+                << name << " m " << m << " " << c.name() << " should fit";
+            continue;
+          }
+          launch(c, y2);
+          EXPECT_TRUE(y2.download() == ref) << name << " m " << m << " " << c.name();
+          ++compared;
+        }
+    }
+  }
+  EXPECT_EQ(compared, 24);  // kbox 4 fits gdn_in and attn_qkv only
+}
+
 // The 27B in-projections at m 5, 8, 13, 16 vs cuBLASLt (1 bf16 ulp) and fp64 on sampled rows;
 // the fused gate_up + SiLU bit-identical to the plain kernel + launch_silu_mul and close to fp64;
 // batch invariance (token t of an m 16 call = the same row in calls of m 1 / 3 / 8); the engine
@@ -2967,6 +3018,21 @@ TEST(CudaGemvTma, GuardAndErrors) {
   EXPECT_EQ(cuda::gemv_tma_max_slots(63), 12);   // gdn_in
   EXPECT_EQ(cuda::gemv_tma_max_slots(55), 14);   // attn_qkv
   EXPECT_EQ(cuda::gemv_tma_max_slots(0), 0);
+  // Wider stages (kbox 64-k chunks per stage): 2 x (2 boxes + x) per stage at kbox 2, and so on.
+  EXPECT_EQ(cuda::gemv_tma_max_slots(63, 2), 6);   // gdn_in: 6 x 36 KiB
+  EXPECT_EQ(cuda::gemv_tma_max_slots(63, 4), 3);   // 3 x 72 KiB
+  EXPECT_EQ(cuda::gemv_tma_max_slots(55, 2), 7);   // attn_qkv
+  EXPECT_EQ(cuda::gemv_tma_max_slots(132, 2), 3);  // gate_up: 3 x 72 KiB
+  EXPECT_EQ(cuda::gemv_tma_max_slots(132, 4), 1);  // one stage: does not fit (2+ needed)
+  EXPECT_EQ(cuda::gemv_tma_max_slots(63, 3), 0);   // kbox 1, 2 or 4
+  EXPECT_TRUE(cuda::gemv_tma_fits(16, 16480, 5120, false, {0, false, 4}, 132));
+  EXPECT_FALSE(cuda::gemv_tma_fits(16, 17408, 5120, true, {0, false, 4}, 132));
+  EXPECT_FALSE(cuda::gemv_tma_fits(16, 16480, 5120, false, {0, false, 3}, 132));
+  EXPECT_EQ(cuda::GemvTmaConfig({0, true, 2}).name(), "smax-kb2-pdl");
+  // gemv_tma_config asks for $DS_GEMV_TMA_KBOX, halved until two stages fit
+  EXPECT_EQ(cuda::gemv_tma_config(16, 17408, 5120, true).kbox,
+            std::min(cuda::gemv_tma_kbox_mode(), 2));
+  EXPECT_EQ(cuda::gemv_tma_config(16, 16480, 5120, false).kbox, cuda::gemv_tma_kbox_mode());
   EXPECT_FALSE(cuda::gemv_tma_supports(17, 16480, 5120, false, 132));
   EXPECT_FALSE(cuda::gemv_tma_supports(0, 16480, 5120, false, 132));
   EXPECT_FALSE(cuda::gemv_tma_supports(16, 16480, 5124, false, 132));  // k % 8

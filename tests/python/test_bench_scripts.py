@@ -293,7 +293,8 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     script = REPO / "scripts" / "gpu_pending.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
-    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "acc", "argmax", "quick"):
+    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "acc", "argmax", "tma",
+                 "quick"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -345,7 +346,14 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "AttnPrefillForms" in out["quick"] and "FusedHead" in out["quick"]
     assert out["quick"].count("bench kernels --only attn_prefill") == 2
     assert "env " + ulean.replace(",", "\\,") + " " in out["quick"]  # printf %q escapes the commas
-    assert '- DS_GEMV_ACC=4 "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1"' in out["quick"]
+    assert ('- DS_GEMV_ACC=4 "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" '
+            '"DS_GEMV_TMA_KBOX=2 DS_ARGMAX_CLUSTER=1"') in out["quick"]
+    # Session 27's wider TMA stages: the tests plain and with the switch at 2 and 4, the A/B.
+    assert out["tma"].count("CudaGemvTma.") == 3
+    assert "DS_GEMV_TMA_KBOX=2 " in out["tma"] and "DS_GEMV_TMA_KBOX=4 " in out["tma"]
+    assert "cuda_batch_invariance_test" in out["tma"] and "bench kernels --only gemm" in out["tma"]
+    assert "--cases 1@4096,8@4096,16@4096 --rounds 3 - DS_GEMV_TMA_KBOX=2 DS_GEMV_TMA_KBOX=4" \
+        in out["tma"]
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, env=env,
                          timeout=60)
     assert bad.returncode == 2 and "step must be" in bad.stderr
