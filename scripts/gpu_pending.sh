@@ -284,11 +284,11 @@ case "$step" in
     run q_attn_k_default "$DS" bench kernels --only attn_prefill || rc=1
     run q_attn_k_ulean env "$ULEAN" "$DS" bench kernels --only attn_prefill || rc=1
     if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" \"DS_GEMV_TMA_KBOX=2 DS_ARGMAX_CLUSTER=1\""
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" DS_GEMV_TMA_KBOX=2"
     else
       BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
         --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \
-        "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" "DS_GEMV_TMA_KBOX=2 DS_ARGMAX_CLUSTER=1" || rc=1
+        "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" DS_GEMV_TMA_KBOX=2 || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;

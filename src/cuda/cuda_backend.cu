@@ -525,6 +525,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   rope_fused_ = cuda::env_switch("DS_DECODE_ROPE_FUSED", eopt_.decode_rope_fused);
   argmax_fused_ = cuda::env_switch("DS_ARGMAX_FUSED", eopt_.argmax_fused);
   head_norm_ = cuda::env_switch("DS_HEAD_NORM", eopt_.head_norm_fused);
+  (void)cuda::gemv_tma_kbox_mode();  // a bad $DS_GEMV_TMA_KBOX fails the start, not a later step
   mlp_fused_ = eopt_.mlp_fused;
   if (const char* env = std::getenv("DS_MLP_FUSED"); env && *env) {
     const std::string v = env;

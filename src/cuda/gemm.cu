@@ -142,7 +142,7 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   // re-checked against this device's.
   if (aligned && !accumulate && v == "gemv_tma" && gemv_tma_supports(m, n, k, false, n_sms_)) {
     GemvTmaConfig c = gemv_tma_config(m, n, k, false);
-    if (!gemv_tma_fits(m, n, k, false, c, n_sms_)) c.kbox = 1;  // ($DS_GEMV_TMA_KBOX) this device
+    while (c.kbox > 1 && !gemv_tma_fits(m, n, k, false, c, n_sms_)) c.kbox /= 2;  // this device
     c.pdl = bulk_pdl_;
     launch_gemv_tma(x, w, y, m, n, k, out, c, n_sms_, stream);
     return;
@@ -185,7 +185,7 @@ bool GemmEngine::run_gate_up_silu(const __nv_bfloat16* x, const __nv_bfloat16* w
       dispatch_->select(KernelFamily::kGemm, dispatch_->key(m, 2 * int64_t(d_ff), k, 1)).name;
   if (v == "gemv_tma_silu" && gemv_tma_supports(m, d_ff, k, true, n_sms_)) {
     GemvTmaConfig c = gemv_tma_config(m, d_ff, k, true);
-    if (!gemv_tma_fits(m, d_ff, k, true, c, n_sms_)) c.kbox = 1;
+    while (c.kbox > 1 && !gemv_tma_fits(m, d_ff, k, true, c, n_sms_)) c.kbox /= 2;
     c.pdl = bulk_pdl_;
     launch_gemv_tma_silu(x, w_gate_up, act, m, d_ff, k, c, n_sms_, stream);
     return true;

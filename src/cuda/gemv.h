@@ -342,8 +342,10 @@ struct GemvTmaConfig {
 // Stages that fit for a box of `box_rows` rows and kbox chunks per stage (0 for box_rows < 1 or
 // a kbox other than 1, 2, 4).
 int gemv_tma_max_slots(int box_rows, int kbox = 1);
-// $DS_GEMV_TMA_KBOX (read once per process): the kbox gemv_tma_config asks for, 1 (unset), 2 or
-// 4; other values throw. An A/B switch until measured on the device.
+// $DS_GEMV_TMA_KBOX (read once per process; the CUDA engine reads it at start): the kbox
+// gemv_tma_config asks for, 1 (unset), 2 or 4; other values throw. An A/B switch until measured
+// on the device. gemv_tma_config checks the fit on 100 SMs: on a smaller device a caller must
+// re-check gemv_tma_fits with its own SM count (GemmEngine halves kbox until it fits).
 int gemv_tma_kbox_mode();
 // Whether the shape (glu: n = d_ff, the weight has 2 d_ff rows) and config fit on a device of
 // n_sms SMs (min(n_sms, n) blocks): 1 <= m <= 16, k % 8 == 0, 8 <= k <= kSkinnyMaxK, at most 192

@@ -2768,7 +2768,8 @@ TEST(CudaGemvTma, OddShapesEveryConfig) {
   const Case cases[] = {{1, 64, n_sms},      {37, 128, n_sms},  {203, 584, n_sms},
                         {1000, 4096, n_sms},  {133, 4104, n_sms}, {2111, 8192, n_sms},
                         {n_sms * 384, 136, n_sms}, {300, 576, 1},    {2000, 1096, 7},
-                        {300, 8, 3}};
+                        {300, 8, 3},
+                        {777, 4232, n_sms}};  // 4232: kbox 4's last stage holds 3 chunks
   int launched = 0;
   for (const Case& cs : cases) {
     auto x = test::random_bf16(size_t(16) * cs.k, rng),
@@ -2849,7 +2850,7 @@ TEST(CudaGemvTma, WiderStagesBitIdentical27b) {
         for (bool pdl : {false, true}) {
           const cuda::GemvTmaConfig c{0, pdl, kb};
           if (!cuda::gemv_tma_fits(m, n, 5120, glu, c, n_sms)) {
-            // gate_up's 132-row boxes: one 288 KiB stage at kbox 4 (2 needed)
+            // gate_up's 132-row boxes: one 144 KiB stage fits at kbox 4 (2 needed)
             EXPECT_TRUE(kb == 4 && std::string(name).rfind("gate_up", 0) == 0)
                 << name << " m " << m << " " << c.name() << " should fit";
             continue;
@@ -2861,6 +2862,26 @@ TEST(CudaGemvTma, WiderStagesBitIdentical27b) {
     }
   }
   EXPECT_EQ(compared, 24);  // kbox 4 fits gdn_in and attn_qkv only
+  // The SiLU kernel on an odd shape: d_ff 1000 (8 features per block), k 4232 (kbox 4's last
+  // stage has 3 chunks, the last one partial; kbox 2's last stage 1 chunk).
+  {
+    const int d_ff = 1000, k = 4232, m = 13;
+    DevBuf<bf> w(test::random_bf16(size_t(2) * d_ff * k, rng, 0.05f));
+    DevBuf<bf> x(test::random_bf16(size_t(m) * k, rng));
+    DevBuf<bf> a1(size_t(m) * d_ff), a2(size_t(m) * d_ff);
+    a1.poison();
+    cuda::launch_gemv_tma_silu(B(x), B(w), reinterpret_cast<__nv_bfloat16*>(a1.ptr), m, d_ff, k,
+                               {0, false, 1}, n_sms, 0);
+    const auto ref = a1.download();
+    for (int kb : {2, 4}) {
+      const cuda::GemvTmaConfig c{0, true, kb};
+      ASSERT_TRUE(cuda::gemv_tma_fits(m, d_ff, k, true, c, n_sms)) << c.name();
+      a2.poison();
+      cuda::launch_gemv_tma_silu(B(x), B(w), reinterpret_cast<__nv_bfloat16*>(a2.ptr), m, d_ff, k,
+                                 c, n_sms, 0);
+      EXPECT_TRUE(a2.download() == ref) << "silu d_ff 1000 k 4232 " << c.name();
+    }
+  }
 }
 
 // The 27B in-projections at m 5, 8, 13, 16 vs cuBLASLt (1 bf16 ulp) and fp64 on sampled rows;
