@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The measurements sessions 22-24 planned (docs/perf/prefill_gaps.md, "Session 23" and "Session
-# 24"; run in session 24, results there and in the pages they name) and session 26's (`attn`,
-# not yet run: docs/perf/attn_prefill_ws.md); kept for re-runs after changes, one device call per step, from the binaries packed here by
+# 24"; run in session 24, results there and in the pages they name), and sessions 26-27's (`attn`,
+# `acc`, `argmax`, `tma`, `quick`: not yet run; attn_prefill_ws.md, decode_gemv.md); kept for
+# re-runs after changes, one device call per step, from the binaries packed here by
 # scripts/pack_gpu_binaries.sh (carry [".carry"]). Everything goes to $OUT.
 #
 #   bash scripts/gpu_pending.sh tests     # ~5 min: every GPU test (gpu_test.sh, logs packed)
@@ -16,13 +17,14 @@
 #                                         # whole prompts of 8K-32K against the default
 #   bash scripts/gpu_pending.sh acc       # ~6 min: session 26's decode GEMVs with 4 partial sums
 #                                         # ($DS_GEMV_ACC=4; decode_gemv.md): their tests, the
-#                                         # decode A/B, in-graph profiles at 4K both ways
+#                                         # decode A/B, in-graph profiles at 4K both ways (acc 1
+#                                         # at batch 16 too)
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
 #                                         # decode_gemv.md): the tests, in-graph profiles at 4K
-#                                         # both ways (the gain, ~15-20 us a step, is below the
-#                                         # A/B's spread), the A/B
+#                                         # both ways (the expected gain, ~15-20 us a step, is
+#                                         # below the A/B's spread), the A/B
 #   BUDGET=560 bash scripts/gpu_pending.sh tma     # ~7 min: session 27's wider TMA GEMV stages
 #                                         # ($DS_GEMV_TMA_KBOX=2 / 4, batch 5-16; decode_gemv.md):
 #                                         # the tests both ways, bench kernels (kb rows), the
@@ -30,9 +32,10 @@
 #   BUDGET=560 bash scripts/gpu_pending.sh quick   # ~9 min: if ONE call is all a session gets:
 #                                         # the tests of every never-run form (sessions 26-27),
 #                                         # the attention kernels default vs wgmma_ws_ulean, and
-#                                         # one decode A/B of the decode forms alone and together
-# (~22 min of the session's 30 minutes of device time for the first seven, with the machine's
-# start; argmax after them when time is left.)
+#                                         # one decode A/B: acc 4, the fused head and kbox 2,
+#                                         # each alone
+# A session has 30 minutes of device time: tests + attn + acc + argmax (~27 min with the machine's
+# start) fit one, kernels and tma the next; with a single call, quick.
 #
 #   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
 #   DRY=1     print the commands instead of running them (what the pytest checks)
@@ -237,12 +240,12 @@ case "$step" in
         --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
     done
     # The last arm adds the cluster argmax (8 blocks per row) where the fused one does not apply:
-    # batch 16, whose 16 one-block argmaxes took 16.5 us in session 8's profile. Batch 16 must
-    # stay within 1.3x of batch 1 as batch 1 gets faster.
+    # batch 16, whose 16 one-block argmaxes took ~15.6-16.5 us in session 8's profiles. Batch 16
+    # must stay within 1.3x of batch 1 as batch 1 gets faster.
     if [ "${DRY:-0}" = 1 ]; then
       echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,2@4096,16@4096 --rounds 3 - DS_ARGMAX_FUSED=1 \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1\""
     else
-      BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
+      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
         --cases 1@4096,2@4096,16@4096 --rounds 3 - DS_ARGMAX_FUSED=1 \
         "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1" \
         || rc=1
@@ -265,7 +268,7 @@ case "$step" in
     if [ "${DRY:-0}" = 1 ]; then
       echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,8@4096,16@4096 --rounds 3 - DS_GEMV_TMA_KBOX=2 DS_GEMV_TMA_KBOX=4"
     else
-      BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
+      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
         --cases 1@4096,8@4096,16@4096 --rounds 3 - DS_GEMV_TMA_KBOX=2 DS_GEMV_TMA_KBOX=4 || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
@@ -286,7 +289,7 @@ case "$step" in
     if [ "${DRY:-0}" = 1 ]; then
       echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" DS_GEMV_TMA_KBOX=2"
     else
-      BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
+      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
         --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \
         "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" DS_GEMV_TMA_KBOX=2 || rc=1
       rm -f "$OUT/decode_ab.full.log"

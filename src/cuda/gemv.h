@@ -333,8 +333,8 @@ struct GemvTmaConfig {
   bool pdl = false;  // the first stages' weight boxes are issued before griddepcontrol.wait
   // 64-k chunks per stage: 1 (the shipped 128 bytes of each weight row per stage), 2 or 4 (256 /
   // 512 contiguous bytes per row, fewer and larger stages; session 27, built without a device: the
-  // narrow kernel's kbox measured faster the wider, session 10). The same sums in the same order
-  // at every kbox (bit-identical).
+  // narrow kernel's kbox measured faster the wider up to 8 chunks, session 10). The same sums in
+  // the same order at every kbox (bit-identical by construction).
   int kbox = 1;
   std::string name() const;  // "smax", "s4-pdl", "smax-kb2"
 };
