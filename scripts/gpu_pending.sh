@@ -34,8 +34,8 @@
 #                                         # the attention kernels default vs wgmma_ws_ulean, and
 #                                         # one decode A/B: acc 4, the fused head and kbox 2,
 #                                         # each alone
-# A session has 30 minutes of device time: tests + attn + acc + argmax (~27 min with the machine's
-# start) fit one, kernels and tma the next; with a single call, quick.
+# A session has 30 minutes of device time: tests + attn + acc + argmax (~27 min of steps, about 30
+# with the machine's start) fill one, tma and kernels the next; with a single call, quick.
 #
 #   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
 #   DRY=1     print the commands instead of running them (what the pytest checks)
