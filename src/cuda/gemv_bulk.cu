@@ -171,6 +171,23 @@ __device__ __forceinline__ void norm_to_shared(const GemvNormIn& p, int k, bf16*
   }
 }
 
+// After griddepcontrol.wait, all threads: the block's x [M, k] into shared memory, either the
+// fused norm's output (NORM; the weight's vectors in norm_w unless loaded before the wait) or a
+// copy of x (k % 8 == 0: whole 16-byte vectors). The caller synchronises before xs is read.
+template <int M, bool NORM>
+__device__ __forceinline__ void x_to_shared(const bf16* x, const GemvNormIn& norm, int k, bf16* xs,
+                                            float* red, uint4 (&norm_w)[kNormVec]) {
+  if constexpr (NORM) {
+    if (!norm.weight_early) norm_weight_regs(norm, k, norm_w);
+    norm_to_shared<M>(norm, k, xs, red, norm_w);
+  } else {
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    uint4* xd = reinterpret_cast<uint4*>(xs);
+    const int nv = M * k / 8;
+    for (int i = threadIdx.x; i < nv; i += kThreads) xd[i] = xv[i];
+  }
+}
+
 // Shared memory: [full mbarriers | empty mbarriers] (kBarBytes), x [M, k] bf16, ring
 // [slots, R, k] bf16, and with the fused norm its warp sums (kRedBytes) after the ring.
 // GLU (R == 2): w is the fused [gate | up] matrix [2 n, k]; stage s holds gate row j and up row
@@ -249,15 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the wait: it did so in the GDN decode kernels, docs/perf/decode_kernels.md).
   asm volatile("griddepcontrol.wait;" ::: "memory");
 
-  if constexpr (NORM) {
-    if (!norm.weight_early) norm_weight_regs(norm, k, norm_w);
-    norm_to_shared<M>(norm, k, xs, red, norm_w);
-  } else {  // x -> shared memory (k % 8 == 0: whole 16-byte vectors)
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    uint4* xd = reinterpret_cast<uint4*>(xs);
-    const int nv = M * k / 8;
-    for (int i = threadIdx.x; i < nv; i += kThreads) xd[i] = xv[i];
-  }
+  x_to_shared<M, NORM>(x, norm, k, xs, red, norm_w);
   __syncthreads();
 
   if (producer) {
@@ -988,15 +997,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (norm.weight_early) norm_weight_regs(norm, k, norm_w);
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
-  if constexpr (NORM) {
-    if (!norm.weight_early) norm_weight_regs(norm, k, norm_w);
-    norm_to_shared<M>(norm, k, xs, red, norm_w);
-  } else {
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    uint4* xd = reinterpret_cast<uint4*>(xs);
-    const int nv = M * k / 8;
-    for (int i = threadIdx.x; i < nv; i += kThreads) xd[i] = xv[i];
-  }
+  x_to_shared<M, NORM>(x, norm, k, xs, red, norm_w);
   __syncthreads();
 
   if (producer) {
