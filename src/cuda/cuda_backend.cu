@@ -315,9 +315,9 @@ class CudaBackend final : public Backend {
   StepMeta meta_layout(int32_t* base, int T, int S) const;
   void enqueue_layers(const FwdPlan& f);
   void enqueue_head(const FwdPlan& f, int r0, int r);
-  bool head_norm_fits(int m) const;
-  bool gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y, int m, int n, int k,
-                 const cuda::GemvL2Next& next = {});
+  bool gemv_norm_fits(const bf16* w, int m, int n, int k) const;
+  bool gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, void* y, int m, int n, int k,
+                 const cuda::GemvL2Next& next = {}, cuda::GemmOut out = cuda::GemmOut::kBF16);
   // The L2 prefetch of a later GEMV (m rows, weight [n, k]) for the GEMV before it ($DS_GEMV_L2_NEXT;
   // rows 0 when off): its grid as GemmEngine would launch it.
   cuda::GemvL2Next l2_next(const bf16* w, int m, int n, int k);
@@ -1289,7 +1289,8 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   // The final norm in lm_head's prologue: decode-only forwards (each row gathered is its own
   // token row, in order) within the fused norms' rows, lm_head on the bulk GEMV in one call.
   f.head_norm = head_norm_ && f.S_d == S && f.n_gather == S &&
-                S <= eopt_.logits_rows && f.T <= fused_norm_rows_ && head_norm_fits(S);
+                S <= eopt_.logits_rows && f.T <= fused_norm_rows_ &&
+                gemv_norm_fits(w_.lm_head, S, cfg_.vocab_size, cfg_.d_model);
 
   // A decode-only forward replays its graph (or captures it); everything else runs eagerly.
   const auto t_plan = std::chrono::steady_clock::now();
@@ -1565,16 +1566,6 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
   cuda::launch_add_rmsnorm(res, mlp_out, w_.final_norm, T, dm, eps, 1.f, xn_, stream_);
 }
 
-// Whether lm_head at m rows can take the final norm into its prologue (FwdPlan::head_norm): the
-// bulk GEMV is run()'s pick and its config leaves room for the norm (gemv_norm's guard).
-bool CudaBackend::head_norm_fits(int m) const {
-  const int V = cfg_.vocab_size, dm = cfg_.d_model;
-  const std::string& v = gemm_->variant(m, V, dm);
-  return (v == "gemv_bulk" || v == "gemv_bulk_pdl") && m <= cuda::kGemvNormMaxM &&
-         dm <= cuda::kGemvNormMaxK && reinterpret_cast<uintptr_t>(w_.lm_head) % 16 == 0 &&
-         cuda::gemv_bulk_norm_fits(m, dm, cuda::gemv_bulk_config(m, V, dm));
-}
-
 // The later GEMV (m rows, weight [n, k]) as GemmEngine would launch it: its grid, and the rows
 // of each of its blocks that $DS_GEMV_L2_NEXT's budget allows (rows 0: off).
 cuda::GemvL2Next CudaBackend::l2_next(const bf16* w, int m, int n, int k) {
@@ -1598,17 +1589,21 @@ cuda::GemvL2Next CudaBackend::l2_next(const bf16* w, int m, int n, int k) {
 // The bulk GEMV with the add + RMSNorm in its prologue when the registry picks the bulk GEMV for
 // (m, n, k) (what GemmEngine::run would launch, with the same config and PDL mode); false:
 // nothing launched (the caller runs add_rmsnorm, then the GEMM).
-bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, bf16* y, int m, int n,
-                            int k, const cuda::GemvL2Next& next) {
+// Whether the GEMV y[m, n] = x w^T run() would launch can take the norm before it into its
+// prologue: run() picks the bulk GEMV and its config leaves room for the norm's warp sums.
+bool CudaBackend::gemv_norm_fits(const bf16* w, int m, int n, int k) const {
   const std::string& v = gemm_->variant(m, n, k);
-  if ((v != "gemv_bulk" && v != "gemv_bulk_pdl") || m > cuda::kGemvNormMaxM ||
-      k > cuda::kGemvNormMaxK || reinterpret_cast<uintptr_t>(w) % 16 != 0)
-    return false;
+  return (v == "gemv_bulk" || v == "gemv_bulk_pdl") && m <= cuda::kGemvNormMaxM &&
+         k <= cuda::kGemvNormMaxK && reinterpret_cast<uintptr_t>(w) % 16 == 0 &&
+         cuda::gemv_bulk_norm_fits(m, k, cuda::gemv_bulk_config(m, n, k));
+}
+
+bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, void* y, int m, int n,
+                            int k, const cuda::GemvL2Next& next, cuda::GemmOut out) {
+  if (!gemv_norm_fits(w, m, n, k)) return false;
   cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
-  if (!cuda::gemv_bulk_norm_fits(m, k, cfg)) return false;  // no room for the norm's warp sums
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
-  cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, cuda::GemmOut::kBF16, cfg, n_sms_, stream_,
-                              next);
+  cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, out, cfg, n_sms_, stream_, next);
   return true;
 }
 
@@ -1681,6 +1676,7 @@ void CudaBackend::run_mlp_fused(const cuda::GemvNormIn& nin, const cuda::GemvMlp
 // the step has greedy rows.
 void CudaBackend::enqueue_head(const FwdPlan& f, int r0, int r) {
   const int V = cfg_.vocab_size, dm = cfg_.d_model;
+  bool fused_argmax = false;  // lm_head took the argmax into its epilogue
   if (f.head_norm) {  // one call on all rows (forward()'s plan), x = final_norm(h + delta)
     DS_CHECK(r0 == 0 && r == f.S, "cuda engine: lm_head with the final norm takes every row at "
              "once (rows ", r0, "..", r0 + r, " of ", f.S, ")");
@@ -1692,31 +1688,32 @@ void CudaBackend::enqueue_head(const FwdPlan& f, int r0, int r) {
     nin.weight_offset = 1.f;
     nin.residual_out = head_res_ == h_ ? h2_ : h_;  // h + delta, which nothing reads after
     nin.weight_early = cuda::gemv_norm_weight_early();
-    cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(r, V, dm);
-    cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
-    ++head_norm_enqueued_;
-    if (f.argmax && argmax_fused_ && cuda::gemv_bulk_argmax_supports(r, V, dm, cfg, true)) {
-      cuda::launch_gemv_bulk_argmax_norm(nin, w_.lm_head, dlogits_, dtok_, argmax_ws_, r, V, dm,
-                                         cfg, n_sms_, stream_);
-      ++argmax_fused_enqueued_;
-      return;
+    if (f.argmax && argmax_fused_) {
+      cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(r, V, dm);
+      cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;  // gemv_norm's config
+      fused_argmax = cuda::gemv_bulk_argmax_supports(r, V, dm, cfg, true);
+      if (fused_argmax)
+        cuda::launch_gemv_bulk_argmax_norm(nin, w_.lm_head, dlogits_, dtok_, argmax_ws_, r, V, dm,
+                                           cfg, n_sms_, stream_);
     }
-    cuda::launch_gemv_bulk_norm(nin, w_.lm_head, dlogits_, r, V, dm, cuda::GemmOut::kF32, cfg,
-                                n_sms_, stream_);
-    if (f.argmax)
-      cuda::launch_argmax_rows(dlogits_, r, V, dtok_, stream_, cuda::argmax_kernel_default(),
-                               cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff);
-    return;
+    if (!fused_argmax)
+      DS_CHECK(gemv_norm(nin, w_.lm_head, dlogits_, r, V, dm, {}, cuda::GemmOut::kF32),
+               "cuda engine: lm_head with the final norm no longer fits the bulk GEMV");
+    ++head_norm_enqueued_;
+  } else {
+    cuda::launch_gather_rows(xn_, f.d.gather + r0, r, dm, lrows_, stream_);
+    // The argmax in lm_head's epilogue where the bulk GEMV takes lm_head (the same logits and
+    // tokens as lm_head + the argmax kernel below).
+    fused_argmax = f.argmax && argmax_fused_ &&
+                   gemm_->run_head_argmax(lrows_, w_.lm_head, dlogits_, dtok_, argmax_ws_, r, V,
+                                          dm, stream_);
+    if (!fused_argmax)
+      gemm_->run(lrows_, w_.lm_head, dlogits_, r, V, dm, cuda::GemmOut::kF32, stream_);
   }
-  cuda::launch_gather_rows(xn_, f.d.gather + r0, r, dm, lrows_, stream_);
-  // The argmax in lm_head's epilogue where the bulk GEMV takes lm_head (the same logits and
-  // tokens as the two kernels below).
-  if (f.argmax && argmax_fused_ &&
-      gemm_->run_head_argmax(lrows_, w_.lm_head, dlogits_, dtok_, argmax_ws_, r, V, dm, stream_)) {
+  if (fused_argmax) {
     ++argmax_fused_enqueued_;
     return;
   }
-  gemm_->run(lrows_, w_.lm_head, dlogits_, r, V, dm, cuda::GemmOut::kF32, stream_);
   // The cluster argmax waits for lm_head under PDL (the bulk lm_head GEMV triggers its
   // dependents at its start, so the argmax blocks are resident when it ends).
   if (f.argmax)
