@@ -50,6 +50,21 @@ struct Case {
   bool silu;
 };
 
+// The fused norm's input as these tests give it (eps 1e-6, the norm weight offset 1): residual +
+// delta with residual_out, or the residual alone (delta null: nothing written).
+cuda::GemvNormIn norm_input(const DevBuf<bf>& res, const DevBuf<bf>& delta, const DevBuf<bf>& nw,
+                            const DevBuf<bf>& res_out, bool with_delta, bool weight_early) {
+  cuda::GemvNormIn nin;
+  nin.residual = P(res);
+  nin.delta = with_delta ? P(delta) : nullptr;
+  nin.weight = P(nw);
+  nin.eps = 1e-6f;
+  nin.weight_offset = 1.f;
+  nin.residual_out = with_delta ? P(res_out) : nullptr;
+  nin.weight_early = weight_early;
+  return nin;
+}
+
 TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
   DS_REQUIRE_GPU();
   const Case cases[] = {
@@ -96,14 +111,7 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
         DevBuf<bf> res_in(h_res), res_out(xk), y(out_n);
         res_out.poison();
         y.poison();
-        cuda::GemvNormIn nin;
-        nin.residual = P(res_in);
-        nin.delta = with_delta ? P(delta) : nullptr;
-        nin.weight = P(nw);
-        nin.eps = 1e-6f;
-        nin.weight_offset = 1.f;
-        nin.residual_out = with_delta ? P(res_out) : nullptr;
-        nin.weight_early = early;
+        const cuda::GemvNormIn nin = norm_input(res_in, delta, nw, res_out, with_delta, early);
         if (c.silu)
           cuda::launch_gemv_bulk_silu_norm(nin, P(w), P(y), c.m, c.n, c.k, cfg, sms, st);
         else
@@ -192,23 +200,16 @@ TEST(CudaGemvBulkNorm, ArgmaxNormBitIdenticalToNormGemvThenArgmax) {
           res_out_ref.poison();
           y.poison();
           y_ref.poison();
-          cuda::GemvNormIn nin;
-          nin.residual = P(res_in);
-          nin.delta = with_delta ? P(delta) : nullptr;
-          nin.weight = P(nw);
-          nin.eps = 1e-6f;
-          nin.weight_offset = 1.f;
-          nin.residual_out = with_delta ? P(res_out_ref) : nullptr;
-          nin.weight_early = early;
-          cuda::launch_gemv_bulk_norm(nin, P(w), y_ref.ptr, c.m, c.n, c.k, cuda::GemmOut::kF32,
-                                      cfg, sms, st);
+          cuda::launch_gemv_bulk_norm(
+              norm_input(res_in, delta, nw, res_out_ref, with_delta, early), P(w), y_ref.ptr, c.m,
+              c.n, c.k, cuda::GemmOut::kF32, cfg, sms, st);
           DS_CUDA_CHECK(cudaMemsetAsync(tok_ref.ptr, 0x7f, 8, st));
           cuda::launch_argmax_rows(y_ref.ptr, c.m, c.n, tok_ref.ptr, st,
                                    cuda::ArgmaxKernel::kBlock, false);
-          nin.residual_out = with_delta ? P(res_out) : nullptr;
           DS_CUDA_CHECK(cudaMemsetAsync(tok.ptr, 0x7f, 8, st));
-          cuda::launch_gemv_bulk_argmax_norm(nin, P(w), y.ptr, tok.ptr, ws.ptr, c.m, c.n, c.k, cfg,
-                                             sms, st);
+          cuda::launch_gemv_bulk_argmax_norm(
+              norm_input(res_in, delta, nw, res_out, with_delta, early), P(w), y.ptr, tok.ptr,
+              ws.ptr, c.m, c.n, c.k, cfg, sms, st);
           DS_CUDA_CHECK(cudaStreamSynchronize(st));
           const auto a = y.download(), b = y_ref.download();
           EXPECT_EQ(std::memcmp(a.data(), b.data(), 4 * out_n), 0) << what << ": logits differ";

@@ -172,6 +172,14 @@ float max_gap(const std::vector<float>& rows, const std::vector<int32_t>& ids, i
   return g;
 }
 
+// One partial sum per lane ($DS_GEMV_ACC 1) for a test's duration, then the mode before it: the
+// fused forms that keep the one-chain order are taken by the engine only then.
+struct SerialAcc {
+  int saved = cuda::gemv_acc_mode();
+  SerialAcc() { cuda::set_gemv_acc_mode(1); }
+  ~SerialAcc() { cuda::set_gemv_acc_mode(saved); }
+};
+
 // The 27B shapes, first 4 layers (3 GDN + 1 attention), for the synthetic-weight engines.
 ModelConfig config_27b_4_layers() {
   ModelConfig c = synthetic_model_config("27b");
@@ -337,11 +345,7 @@ TEST(Specialisations, FusedRopeOnVsOffBitExactAt27bShapes) {
 TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
   // The fused MLP keeps one partial sum per lane; the engine takes it only with $DS_GEMV_ACC 1.
-  struct Restore {
-    int acc;
-    ~Restore() { cuda::set_gemv_acc_mode(acc); }
-  } restore{cuda::gemv_acc_mode()};
-  cuda::set_gemv_acc_mode(1);
+  const SerialAcc serial;
   const ModelConfig c = config_27b_4_layers();
   std::mt19937 rng(33);
   const std::vector<std::vector<int32_t>> prompts = random_prompts({800, 200}, c.vocab_size, rng);
@@ -395,11 +399,7 @@ TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
 // keeps one partial sum per lane, so $DS_GEMV_ACC is held at 1 here.
 TEST(Specialisations, FusedHeadOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
-  struct Restore {
-    int acc;
-    ~Restore() { cuda::set_gemv_acc_mode(acc); }
-  } restore{cuda::gemv_acc_mode()};
-  cuda::set_gemv_acc_mode(1);
+  const SerialAcc serial;
   const ModelConfig c = config_27b_4_layers();
   const int V = c.vocab_size;
   std::mt19937 rng(43);
