@@ -2,6 +2,7 @@
 // synthetic generation, the host-side KV block manager, and the GPU forward, which reads top to
 // bottom: per layer one branch on its type (GDN or gated attention), one line per op.
 #include <algorithm>
+#include <type_traits>
 #include <chrono>
 #include <compare>
 #include <cstdio>
@@ -1865,123 +1866,110 @@ std::unique_ptr<Backend> make_cuda_backend_synthetic(const BackendOptions& opt,
   return b;
 }
 
+namespace {
+// The CUDA engine behind b (const when b is), or a clear error naming the caller.
+template <class B>
+auto* cuda_engine(B& b, const char* caller) {
+  using C = std::conditional_t<std::is_const_v<B>, const CudaBackend, CudaBackend>;
+  auto* cb = dynamic_cast<C*>(&b);
+  DS_CHECK(cb != nullptr, caller, ": backend ", b.name(), " is not the CUDA engine");
+  return cb;
+}
+}  // namespace
+
 CudaGraphStats cuda_graph_stats(const Backend& b) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_graph_stats: backend ", b.name(), " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_graph_stats");
   return cb->graph_stats();
 }
 
 void set_cuda_graphs(Backend& b, bool on) {
-  auto* cb = dynamic_cast<CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "set_cuda_graphs: backend ", b.name(), " is not the CUDA engine");
+  auto* cb = cuda_engine(b, "set_cuda_graphs");
   cb->set_graphs(on);
 }
 
 void set_cuda_fused_norm(Backend& b, int rows) {
-  auto* cb = dynamic_cast<CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "set_cuda_fused_norm: backend ", b.name(), " is not the CUDA engine");
+  auto* cb = cuda_engine(b, "set_cuda_fused_norm");
   cb->set_fused_norm_rows(rows);
 }
 
 CudaStepTiming cuda_last_step_timing(const Backend& b) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_last_step_timing: backend ", b.name(), " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_last_step_timing");
   return cb->last_step_timing();
 }
 
 double cuda_replay_last_graph(Backend& b, int n) {
-  auto* cb = dynamic_cast<CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_replay_last_graph: backend ", b.name(), " is not the CUDA engine");
+  auto* cb = cuda_engine(b, "cuda_replay_last_graph");
   return cb->replay_last_graph(n);
 }
 
 void set_cuda_decode_rope_fused(Backend& b, bool on) {
-  auto* cb = dynamic_cast<CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "set_cuda_decode_rope_fused: backend ", b.name(),
-           " is not the CUDA engine");
+  auto* cb = cuda_engine(b, "set_cuda_decode_rope_fused");
   cb->set_decode_rope_fused(on);
 }
 
 bool cuda_decode_rope_fused(const Backend& b) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_decode_rope_fused: backend ", b.name(), " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_decode_rope_fused");
   return cb->decode_rope_fused();
 }
 
 void set_cuda_mlp_fused(Backend& b, int mode) {
-  auto* cb = dynamic_cast<CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "set_cuda_mlp_fused: backend ", b.name(), " is not the CUDA engine");
+  auto* cb = cuda_engine(b, "set_cuda_mlp_fused");
   cb->set_mlp_fused(mode);
 }
 
 int cuda_mlp_fused(const Backend& b) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_mlp_fused: backend ", b.name(), " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_mlp_fused");
   return cb->mlp_fused();
 }
 
 int64_t cuda_mlp_fused_enqueued(const Backend& b, int form) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_mlp_fused_enqueued: backend ", b.name(),
-           " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_mlp_fused_enqueued");
   DS_CHECK(form >= 1 && form <= 3, "cuda_mlp_fused_enqueued: form 1..3, got ", form);
   return cb->mlp_fused_enqueued(form);
 }
 
 void set_cuda_argmax_fused(Backend& b, bool on) {
-  auto* cb = dynamic_cast<CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "set_cuda_argmax_fused: backend ", b.name(), " is not the CUDA engine");
+  auto* cb = cuda_engine(b, "set_cuda_argmax_fused");
   cb->set_argmax_fused(on);
 }
 
 bool cuda_argmax_fused(const Backend& b) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_argmax_fused: backend ", b.name(), " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_argmax_fused");
   return cb->argmax_fused();
 }
 
 int64_t cuda_argmax_fused_enqueued(const Backend& b) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_argmax_fused_enqueued: backend ", b.name(),
-           " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_argmax_fused_enqueued");
   return cb->argmax_fused_enqueued();
 }
 
 void set_cuda_head_norm_fused(Backend& b, bool on) {
-  auto* cb = dynamic_cast<CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "set_cuda_head_norm_fused: backend ", b.name(),
-           " is not the CUDA engine");
+  auto* cb = cuda_engine(b, "set_cuda_head_norm_fused");
   cb->set_head_norm_fused(on);
 }
 
 bool cuda_head_norm_fused(const Backend& b) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_head_norm_fused: backend ", b.name(), " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_head_norm_fused");
   return cb->head_norm_fused();
 }
 
 int64_t cuda_head_norm_enqueued(const Backend& b) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_head_norm_enqueued: backend ", b.name(),
-           " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_head_norm_enqueued");
   return cb->head_norm_enqueued();
 }
 
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode) {
-  auto* cb = dynamic_cast<CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "set_cuda_prefill_fold: backend ", b.name(), " is not the CUDA engine");
+  auto* cb = cuda_engine(b, "set_cuda_prefill_fold");
   cb->set_prefill_fold(mode);
 }
 
 CudaEngineOptions::PrefillFold cuda_prefill_fold(const Backend& b) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_prefill_fold: backend ", b.name(), " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_prefill_fold");
   return cb->prefill_fold();
 }
 
 int cuda_fused_norm(const Backend& b) {
-  const auto* cb = dynamic_cast<const CudaBackend*>(&b);
-  DS_CHECK(cb != nullptr, "cuda_fused_norm: backend ", b.name(), " is not the CUDA engine");
+  const auto* cb = cuda_engine(b, "cuda_fused_norm");
   return cb->fused_norm_rows();
 }
 
