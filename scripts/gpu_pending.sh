@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The measurements sessions 22-24 planned (docs/perf/prefill_gaps.md, "Session 23" and "Session
 # 24"; run in session 24, results there and in the pages they name), and sessions 26-27's (`attn`,
-# `acc`, `argmax`, `tma`, `quick`: not yet run; attn_prefill_ws.md, decode_gemv.md); kept for
+# `acc`, `argmax`, `tma`, `quick`: not run as steps; their tests and a short A/B ran on an H100 in
+# session 29, "Session 29" in attn_prefill_ws.md and decode_gemv.md); kept for
 # re-runs after changes, one device call per step, from the binaries packed here by
 # scripts/pack_gpu_binaries.sh (carry [".carry"]). Everything goes to $OUT.
 #
