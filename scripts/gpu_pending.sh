@@ -12,10 +12,10 @@
 #   bash scripts/gpu_pending.sh prompts   # ~5 min: prompt A/B of the new forms
 #   bash scripts/gpu_pending.sh ncu       # ~2 min, if time is left: Nsight Compute of the fused
 #                                         # GDN kernels (stall reasons: does the output pace?)
-#   bash scripts/gpu_pending.sh attn      # ~8 min: session 26's prompt-attention forms
-#                                         # (wgmma_ws_ulean, wgmma_ws_lazy; attn_prefill_ws.md):
-#                                         # their tests, bench kernels with each picked in turn,
-#                                         # whole prompts of 8K-32K against the default
+#   BUDGET=560 bash scripts/gpu_pending.sh attn  # ~7 min: the prompt attention's default
+#                                         # (wgmma_ws_lazy since session 30) against wgmma_ws_lean
+#                                         # (attn_prefill_ws.md): the tests, bench kernels x3 each
+#                                         # way interleaved, whole prompts of 2K-32K (and ulean)
 #   bash scripts/gpu_pending.sh acc       # ~6 min: session 26's decode GEMVs with 4 partial sums
 #                                         # ($DS_GEMV_ACC=4; decode_gemv.md): their tests, the
 #                                         # decode A/B, in-graph profiles at 4K both ways (acc 1
@@ -94,15 +94,14 @@ fi
 DS=$B/bin/deltaserve
 T=$B/tests
 rc=0
-# The prompt attention's TMA forms switched off in turn (dispatch order since session 25:
-# ws_lean, ws3_lean, ws3, ws, ws3_persist, ws3_lean_persist, m128): PLAIN runs the plain forms
-# (the lean forms' fallbacks), PERSIST the persistent ones.
-PLAIN="DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean"
+# The prompt attention's TMA forms switched off in turn (dispatch order since session 30:
+# ws_lazy, ws_lean, ws3_lean, ws3, ws, ws3_persist, ws3_lean_persist, ws_ulean, m128): LEAN runs
+# wgmma_ws_lean (the session-25 default, the A/B reference of session 30's), PLAIN the plain forms
+# (the lean forms' fallbacks), PERSIST the persistent ones, ULEAN wgmma_ws_ulean.
+LEAN="DS_DISABLE_KERNELS=attn_prefill.wgmma_ws_lazy"
+PLAIN="$LEAN,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean"
 PERSIST="$PLAIN,attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws"
-# Session 26's forms, registered behind those six: ULEAN picks wgmma_ws_ulean on every hd-256
-# shape, LAZY wgmma_ws_lazy.
 ULEAN="$PERSIST,attn_prefill.wgmma_ws3_persist,attn_prefill.wgmma_ws3_lean_persist"
-LAZY="$ULEAN,attn_prefill.wgmma_ws_ulean"
 case "$step" in
   tests)
     if [ "${DRY:-0}" = 1 ]; then
@@ -173,22 +172,24 @@ case "$step" in
     ;;
   attn)
     # Bit-identity of wgmma_ws_ulean and the tolerance of wgmma_ws_lazy against wgmma_m128 and
-    # the fp32 reference, on every fixture.
-    # (each capped, so that a hang in a kernel that never ran costs minutes, not the step)
+    # the fp32 reference, on every fixture, and the default dispatch (wgmma_ws_lazy since session
+    # 30). (each capped, so that a hang costs minutes, not the step)
     run attention_test timeout 150 "$T/cuda_attention_test" || rc=1
-    # The same through the engine: ulean's logits bit-identical to the default, lazy's close.
+    # The same through the engine: ulean's logits bit-identical to lean's, lazy's close.
     run attention_engine_test timeout 120 "$T/cuda_specialisation_test" \
       --gtest_filter='AttnPrefillForms.*' || rc=1
-    # Every variant in every case's note (the new ones late in the order, i.e. in the steady
-    # state), then each new form as the pick (timed last, as the default is in the first).
-    run attn_k_default "$DS" bench kernels --only attn_prefill || rc=1
-    run attn_k_ulean env "$ULEAN" "$DS" bench kernels --only attn_prefill || rc=1
-    run attn_k_lazy env "$LAZY" "$DS" bench kernels --only attn_prefill || rc=1
+    # Three processes of each dispatch, interleaved (a prompt's clock moves between processes
+    # under the power cap): every variant in every case's note, the pick timed last.
+    for i in 1 2 3; do
+      run "attn_k_default_$i" "$DS" bench kernels --only attn_prefill || rc=1
+      run "attn_k_lean_$i" env "$LEAN" "$DS" bench kernels --only attn_prefill || rc=1
+    done
     if [ "${DRY:-0}" = 1 ]; then
-      echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 8192,16384,32768 --repeats 2,1,1 --rounds 3 - $ULEAN $LAZY"
+      echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 2048,4096,8192,16384,32768 --repeats 3,3,2,1,1 --rounds 3 - $LEAN $ULEAN"
     else
       ARM_TIMEOUT=60 BIN="$DS" OUT="$OUT" timeout "$(left)" bash scripts/gpu_decode_ab.sh \
-        --prefill 8192,16384,32768 --repeats 2,1,1 --rounds 3 - "$ULEAN" "$LAZY" || rc=1
+        --prefill 2048,4096,8192,16384,32768 --repeats 3,3,2,1,1 --rounds 3 - "$LEAN" "$ULEAN" \
+        || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;

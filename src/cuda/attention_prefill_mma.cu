@@ -47,13 +47,13 @@
 //               without the causal mask (the compiler otherwise if-converts the mask into 32
 //               compares + 32 selects executed on every tile). SASS per unmasked tile (cuobjdump):
 //               ~433 instructions per thread when the rescale is skipped, against ~630.
-//   wgmma_ws_ulean / wgmma_ws_lazy  (session 26; built, not yet measured: registered behind every
-//               other TMA form) wgmma_ws_lean with the 16 Q descriptors of each S built in the
-//               uniform datapath (ulean: same bits, ~320 instead of ~385 instructions per
-//               unmasked tile), and also the score scale folded into the exponent's FFMA and a
-//               row's softmax base raised only when its max grows by more than 2^8 (lazy:
-//               FlashAttention-4's lazy rescale, ~294 per tile and O almost never rescaled; not
-//               the same bits: within 1.5x wgmma_m128's error against the fp32 reference).
+//   wgmma_ws_ulean / wgmma_ws_lazy  (session 26; lazy the default on every hd-256 shape since
+//               session 30: 16K causal 643 vs 570 TFLOP/s on the H200) wgmma_ws_lean with the 16 Q
+//               descriptors of each S built in the uniform datapath (ulean: same bits, ~320
+//               instead of ~385 instructions per unmasked tile), and also the score scale folded
+//               into the exponent's FFMA and a row's softmax base raised only when its max grows
+//               by more than 2^8 (lazy: FlashAttention-4's lazy rescale, ~294 per tile, O almost
+//               never rescaled; not the same bits: within 1.5x wgmma_m128's error vs fp32).
 //   wgmma_ws3_persist / wgmma_ws3_lean_persist  (session 23; measured in session 24: slower than
 //               the one-tile kernels on every shape; never picked while those are on)
 //               wgmma_ws3 / wgmma_ws3_lean as a persistent grid: one block per SM walks the row

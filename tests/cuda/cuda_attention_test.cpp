@@ -498,8 +498,9 @@ TEST(CudaAttentionMma, TmaCacheView) {
 
 TEST(CudaAttentionMma, DefaultDispatch) {
   // Measured on the H200 (bench kernels, dispatch.cpp): the warp-specialised TMA kernels win on
-  // every shape, in their lean forms (session 24), and since session 25 wgmma_ws_lean (2 K
-  // stages) on every hd-256 shape (docs/perf/attn_prefill_ws.md, session 25).
+  // every shape, in their lean forms (session 24); wgmma_ws_lean (2 K stages) on every hd-256
+  // shape in sessions 25-29, and since session 30 wgmma_ws_lazy (docs/perf/attn_prefill_ws.md,
+  // sessions 25 and 30).
   // The hd-256 pick for (q, kv) with the named variants switched off (DS_DISABLE_KERNELS).
   const auto picker = [](const std::string& disabled) {
     return [r = cuda::DispatchRegistry::with_defaults(90, disabled)](int q, int kv) {
@@ -508,52 +509,49 @@ TEST(CudaAttentionMma, DefaultDispatch) {
   };
   const auto r = cuda::DispatchRegistry::with_defaults(90);
   const auto pick = picker("");
-  EXPECT_EQ(pick(4096, 4096), "wgmma_ws_lean");
-  EXPECT_EQ(pick(3072, 3072), "wgmma_ws_lean");
-  EXPECT_EQ(pick(4096, 4096 + 8192), "wgmma_ws_lean");
-  EXPECT_EQ(pick(512, 33280), "wgmma_ws_lean");
-  EXPECT_EQ(pick(16384, 16384), "wgmma_ws_lean");
-  EXPECT_EQ(pick(511, 33279), "wgmma_ws_lean");
-  EXPECT_EQ(pick(4096, 8191), "wgmma_ws_lean");
-  EXPECT_EQ(pick(22, 8192), "wgmma_ws_lean");
-  EXPECT_EQ(pick(21, 8192), "wgmma_ws_lean");
-  EXPECT_EQ(pick(1, 100), "wgmma_ws_lean");
-  // With wgmma_ws_lean off: session 24's picks, wgmma_ws3_lean from 512-token chunks against
-  // >= 8K keys (the A/B reference of the change), plain wgmma_ws elsewhere.
-  const auto pick_s24 = picker("attn_prefill.wgmma_ws_lean");
+  for (auto [q, kv] : {std::pair{4096, 4096}, {3072, 3072}, {4096, 4096 + 8192}, {512, 33280},
+                       {16384, 16384}, {511, 33279}, {4096, 8191}, {22, 8192}, {21, 8192},
+                       {1, 100}})
+    EXPECT_EQ(pick(q, kv), "wgmma_ws_lazy") << q << " after " << kv - q;
+  // With it off: the session-25 default (the A/B reference), wgmma_ws_lean on every shape.
+  const auto pick_s25 = picker("attn_prefill.wgmma_ws_lazy");
+  for (auto [q, kv] : {std::pair{4096, 4096}, {3072, 3072}, {4096, 4096 + 8192}, {512, 33280},
+                       {16384, 16384}, {511, 33279}, {4096, 8191}, {22, 8192}, {21, 8192},
+                       {1, 100}})
+    EXPECT_EQ(pick_s25(q, kv), "wgmma_ws_lean") << q << " after " << kv - q;
+  // With wgmma_ws_lean off too: session 24's picks, wgmma_ws3_lean from 512-token chunks against
+  // >= 8K keys, plain wgmma_ws elsewhere.
+  const auto pick_s24 = picker("attn_prefill.wgmma_ws_lazy,attn_prefill.wgmma_ws_lean");
   EXPECT_EQ(pick_s24(4096, 4096 + 8192), "wgmma_ws3_lean");
   EXPECT_EQ(pick_s24(512, 33280), "wgmma_ws3_lean");
   EXPECT_EQ(pick_s24(16384, 16384), "wgmma_ws3_lean");
   EXPECT_EQ(pick_s24(8192, 8192), "wgmma_ws3_lean");
   EXPECT_EQ(pick_s24(511, 33279), "wgmma_ws");
   EXPECT_EQ(pick_s24(4096, 8191), "wgmma_ws");
-  // The lean forms are the default since session 24; with them switched off the plain forms take
-  // the same shapes (their A/B reference).
-  const auto pick_plain = picker("attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean");
+  // The lean forms were the default in sessions 24-29; with them switched off the plain forms
+  // take the same shapes (their A/B reference).
+  const auto pick_plain = picker(
+      "attn_prefill.wgmma_ws_lazy,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean");
   EXPECT_EQ(pick_plain(4096, 4096), "wgmma_ws");
   EXPECT_EQ(pick_plain(16384, 16384), "wgmma_ws3");
   EXPECT_EQ(pick_plain(512, 33280), "wgmma_ws3");
   EXPECT_EQ(pick_plain(511, 33279), "wgmma_ws");
   EXPECT_EQ(pick_plain(21, 8192), "wgmma_ws");
-  // The persistent forms come next: with the four above off, every hd-256 shape.
+  // The persistent forms come next: with the five above off, every hd-256 shape.
   const auto pick_persist = picker(
-      "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
-      "attn_prefill.wgmma_ws_lean");
+      "attn_prefill.wgmma_ws_lazy,attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,"
+      "attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean");
   EXPECT_EQ(pick_persist(4096, 4096), "wgmma_ws3_persist");
   EXPECT_EQ(pick_persist(16384, 16384), "wgmma_ws3_persist");
   EXPECT_EQ(pick_persist(21, 8192), "wgmma_ws3_persist");
-  // Session 26's forms come next: with the six above off wgmma_ws_ulean on every hd-256 shape,
-  // with it off too wgmma_ws_lazy.
-  const std::string six =
-      "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"
-      "attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_persist,"
+  // wgmma_ws_ulean comes next: with the seven above off, every hd-256 shape.
+  const std::string seven =
+      "attn_prefill.wgmma_ws_lazy,attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,"
+      "attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_persist,"
       "attn_prefill.wgmma_ws3_lean_persist";
-  const auto pick_ulean = picker(six);
-  const auto pick_lazy = picker(six + ",attn_prefill.wgmma_ws_ulean");
-  for (auto [q, kv] : {std::pair{4096, 4096}, {16384, 16384}, {512, 33280}, {21, 8192}}) {
+  const auto pick_ulean = picker(seven);
+  for (auto [q, kv] : {std::pair{4096, 4096}, {16384, 16384}, {512, 33280}, {21, 8192}})
     EXPECT_EQ(pick_ulean(q, kv), "wgmma_ws_ulean");
-    EXPECT_EQ(pick_lazy(q, kv), "wgmma_ws_lazy");
-  }
   // Without the TMA kernels (DS_DISABLE_KERNELS): wgmma_m128 for every hd-256 shape.
   const auto pick_old = picker(
       "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_lean,"

@@ -802,14 +802,15 @@ TEST(GemvAccForms, DISABLED_SplitCloseToSerialAt27bShapes) {
   EXPECT_GT(any_differ, 0u) << "no logit differs: the decode GEMVs did not take 4 partial sums";
 }
 
-// Session 26's prompt-attention forms picked through the registry (every TMA form before them
-// switched off, as DS_DISABLE_KERNELS would): three 5-layer engines on the same prompts (4096 +
-// 904 tokens in two chunks, the second against the cached first, and 700) with 16 greedy steps
-// each.
-// wgmma_ws_ulean builds the same descriptors another way: every logit bit-identical to the
-// default (wgmma_ws_lean) and the same tokens. wgmma_ws_lazy sums the softmax in another order:
-// prompt logits differ somewhere (it ran), logits within 1e-2 relative L2 of the default's over
-// the rows both took the same tokens to reach, and tokens part only at a near-tie.
+// Session 26's prompt-attention forms picked through the registry, as DS_DISABLE_KERNELS would:
+// three 5-layer engines on the same prompts (4096 + 904 tokens in two chunks, the second against
+// the cached first, and 700) with 16 greedy steps each: the default (wgmma_ws_lazy since session
+// 30), wgmma_ws_lean (wgmma_ws_lazy off: the session-25 default) and wgmma_ws_ulean (every TMA
+// form before it off).
+// wgmma_ws_ulean builds wgmma_ws_lean's descriptors another way: every logit bit-identical to
+// its and the same tokens. wgmma_ws_lazy sums the softmax in another order: prompt logits differ
+// somewhere from wgmma_ws_lean's (it ran), logits within 1e-2 relative L2 of them over the rows
+// both took the same tokens to reach, and tokens part only at a near-tie.
 TEST(AttnPrefillForms, UleanBitExactLazyCloseAt27bShapes) {
   DS_REQUIRE_GPU();
   // 5 layers, L L L F L: a GDN layer after the attention layer, so every query row's attention
@@ -822,24 +823,24 @@ TEST(AttnPrefillForms, UleanBitExactLazyCloseAt27bShapes) {
   ASSERT_EQ(c.layer_types[4], LayerType::kLinear);
   std::mt19937 rng(47);
   const auto prompts = random_prompts({5000, 700}, c.vocab_size, rng);
-  const std::string six =
-      "attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws3,"
+  const char* lean = "attn_prefill.wgmma_ws_lazy";
+  const std::string seven =
+      std::string(lean) +
+      ",attn_prefill.wgmma_ws_lean,attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws3,"
       "attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_persist,attn_prefill.wgmma_ws3_lean_persist";
-  const std::string lazy = six + ",attn_prefill.wgmma_ws_ulean";
   auto run = [&](const char* disable) {
     auto b = make_engine({true}, &c, nullptr, 64, disable, false);
     return greedy_runs(*b, prompts, 16);
   };
-  const std::vector<Greedy> ref = run(nullptr), ulean = run(six.c_str()),
-                            lz = run(lazy.c_str());
+  const std::vector<Greedy> ref = run(lean), ulean = run(seven.c_str()), lz = run(nullptr);
   for (size_t i = 0; i < prompts.size(); ++i) {
     const size_t ud = bits_differ(ulean[i].rows, ref[i].rows);
-    std::printf("  wgmma_ws_ulean vs the default, prompt %zu: %zu of %zu logits differ\n",
+    std::printf("  wgmma_ws_ulean vs wgmma_ws_lean, prompt %zu: %zu of %zu logits differ\n",
                 prompts[i].size(), ud, ref[i].rows.size());
     EXPECT_EQ(ud, 0u) << "prompt " << prompts[i].size();
     EXPECT_EQ(ulean[i].ids, ref[i].ids) << "prompt " << prompts[i].size();
   }
-  const size_t lazy_differ = expect_greedy_close("wgmma_ws_lazy vs the default", "default",
+  const size_t lazy_differ = expect_greedy_close("wgmma_ws_lazy vs wgmma_ws_lean", "wgmma_ws_lean",
                                                  prompts, ref, lz, size_t(c.vocab_size));
   EXPECT_GT(lazy_differ, 0u) << "no logit differs: wgmma_ws_lazy did not run";
 }

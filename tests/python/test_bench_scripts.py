@@ -312,19 +312,19 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert out["kernels"].count("bench kernels --only gdn_prefill") == 3
     assert out["ncu"].count("scripts/gpu_ncu.sh --kernels gdn_state_out_fused") == 2
     assert "DS_GDN_STATE=fused2" in out["ncu"]
-    assert "DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean " \
-        in out["prompts"]
-    # Session 26's attention forms: the test binary, three bench processes (default, then each
-    # new form picked: every TMA form before it switched off), and whole prompts with both.
-    ulean = ("DS_DISABLE_KERNELS=attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean,"
+    lean = "DS_DISABLE_KERNELS=attn_prefill.wgmma_ws_lazy"
+    assert lean + ",attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean " in out["prompts"]
+    # The prompt attention's default (wgmma_ws_lazy since session 30) against wgmma_ws_lean: the
+    # test binaries, three bench processes each way, and whole prompts with lean and ulean.
+    ulean = (lean + ",attn_prefill.wgmma_ws3_lean,attn_prefill.wgmma_ws_lean,"
              "attn_prefill.wgmma_ws3,attn_prefill.wgmma_ws,attn_prefill.wgmma_ws3_persist,"
              "attn_prefill.wgmma_ws3_lean_persist")
-    lazy = ulean + ",attn_prefill.wgmma_ws_ulean"
     assert "cuda_attention_test" in out["attn"]
     assert "AttnPrefillForms" in out["attn"]
-    assert out["attn"].count("bench kernels --only attn_prefill") == 3
-    assert ulean in out["attn"].split() and lazy in out["attn"].split()
-    assert "--prefill 8192,16384,32768" in out["attn"]
+    assert out["attn"].count("bench kernels --only attn_prefill") == 6
+    assert out["attn"].count(lean + " ") == 3 + 1  # three bench processes, the prompt A/B arm
+    assert ulean in out["attn"].split()
+    assert "--prefill 2048,4096,8192,16384,32768" in out["attn"]
     # Session 26's decode GEMV order: its tests, the A/B arm, the two in-graph profiles.
     assert "SplitAccumulators" in out["acc"] and "GemvAccForms" in out["acc"]
     assert out["acc"].count("DS_GEMV_ACC=4 ") >= 2  # the tests with the switch on, and the A/B
