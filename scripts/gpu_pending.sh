@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The measurements sessions 22-24 planned (docs/perf/prefill_gaps.md, "Session 23" and "Session
 # 24"; run in session 24, results there and in the pages they name), and sessions 26-27's (`attn`,
-# `acc`, `argmax`, `tma`, `quick`: not run as steps; their tests and a short A/B ran on an H100 in
-# session 29, "Session 29" in attn_prefill_ws.md and decode_gemv.md); kept for
+# `argmax`, `tma`, `quick`: their tests and a short A/B ran on an H100 in session 29, "Session 29"
+# in attn_prefill_ws.md and decode_gemv.md; `attn` on the H200 and an H100 in session 30); kept for
 # re-runs after changes, one device call per step, from the binaries packed here by
 # scripts/pack_gpu_binaries.sh (carry [".carry"]). Everything goes to $OUT.
 #
@@ -16,9 +16,8 @@
 #                                         # (wgmma_ws_lazy since session 30) against wgmma_ws_lean
 #                                         # (attn_prefill_ws.md): the tests, bench kernels x3 each
 #                                         # way interleaved, whole prompts of 2K-32K (and ulean)
-#   bash scripts/gpu_pending.sh acc       # ~6 min: session 26's decode GEMVs with 4 partial sums
-#                                         # ($DS_GEMV_ACC=4; decode_gemv.md): their tests, the
-#                                         # decode A/B, in-graph profiles at 4K both ways (acc 1
+#   bash scripts/gpu_pending.sh profile   # ~3 min: the decode step's in-graph profile at 4K
+#                                         # (batch 1 and 16) and the cluster argmax's A/B
 #                                         # at batch 16 too)
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
@@ -33,10 +32,9 @@
 #   BUDGET=560 bash scripts/gpu_pending.sh quick   # ~9 min: if ONE call is all a session gets:
 #                                         # the tests of every never-run form (sessions 26-27),
 #                                         # the attention kernels default vs wgmma_ws_ulean, and
-#                                         # one decode A/B: acc 4, the fused head and kbox 2,
-#                                         # each alone
-# A session has 30 minutes of device time: tests + attn + acc + argmax (~27 min of steps, about 30
-# with the machine's start) fill one, tma and kernels the next; with a single call, quick.
+#                                         # one decode A/B: the fused head and kbox 2, each alone
+# A session has 30 minutes of device time: tests + attn + profile + argmax (~25 min of steps, about
+# 30 with the machine's start) fill one, tma and kernels the next; with a single call, quick.
 #
 #   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
 #   DRY=1     print the commands instead of running them (what the pytest checks)
@@ -52,8 +50,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|acc|argmax|tma|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, acc, argmax, tma or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|profile|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, profile, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -193,36 +191,19 @@ case "$step" in
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;
-  acc)
-    # The new kernels against the one-chain order and fp64, and the engine's logits both ways;
-    # the fused-MLP tests hold their reference to one partial sum per lane.
-    run acc_gemv_test timeout 150 "$T/cuda_gemv_test" \
-      --gtest_filter='*SplitAccumulators*:*BatchInvariant*:*Shapes27b*:*InterleaveBitExact*' || rc=1
-    # With the switch on, the tests whose configs come from the engine's config functions run
-    # the 4-sum kernels on their own paths (accumulate, odd shapes, the fused norm and SiLU).
-    run acc_gemv_test_on env DS_GEMV_ACC=4 "$T/cuda_gemv_test" \
-      --gtest_filter='CudaGemvBulk.*:CudaGemvNarrow.*:-*Sweep*:*Timing*' || rc=1
-    run acc_gemv_norm_test_on env DS_GEMV_ACC=4 "$T/cuda_gemv_norm_test" || rc=1
-    run acc_engine_test "$T/cuda_specialisation_test" \
-      --gtest_filter='GemvAccForms.*:Specialisations.FusedMlp*:Specialisations.FusedNorm*' || rc=1
+  profile)
+    # Where a decode step's time goes: the in-graph CUPTI profile at 4K, batch 1 and 16 (the
+    # 1.3x gate), then the cluster argmax (8 blocks per row, the step's last kernel, waiting since
+    # session 12 for a clear A/B) against the default.
+    run inprof_4096 env DS_PROFILE=1 DS_PROFILE_BATCHES=1,16 DS_PROFILE_CONTEXT=4096 \
+      "$T/cuda_decode_profile_test" --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
     if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,1@32768 --rounds 3 - DS_GEMV_ACC=4 DS_ARGMAX_CLUSTER=1"
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 3 - DS_ARGMAX_CLUSTER=1"
     else
-      # (the cluster argmax, 8 blocks per row, has waited since session 12 for a clearer A/B:
-      # the step's last kernel, 13 us of advance in session 24's in-graph profile)
-      BIN="$DS" OUT="$OUT" timeout $(($(left) - 120)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,1@8192,1@32768 --rounds 3 - DS_GEMV_ACC=4 DS_ARGMAX_CLUSTER=1 || rc=1
+      BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
+        --cases 1@4096,1@8192,16@4096 --rounds 3 - DS_ARGMAX_CLUSTER=1 || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
-    # (batch 16 too with acc 1, which acc 4 does not touch: where batch 16's time above its floor
-    # goes, for the 1.3x gate once batch 1 is faster)
-    for acc in 1 4; do
-      batches=1
-      [ "$acc" = 1 ] && batches=1,16
-      run "inprof_4096_acc$acc" env DS_GEMV_ACC=$acc DS_PROFILE=1 DS_PROFILE_BATCHES=$batches \
-        DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
-        --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
-    done
     ;;
   argmax)
     # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and
@@ -278,21 +259,21 @@ case "$step" in
   quick)
     # Correctness of the forms no GPU has run (each binary capped), then their speed: the prompt
     # attention's kernels with wgmma_ws_ulean picked against the default, and the decode step
-    # with acc 4, the fused head, and the wider TMA stages (batch 16: the 1.3x gate as batch 1
-    # gets faster).
+    # with the fused head and the wider TMA stages (batch 16: the 1.3x gate as batch 1 gets
+    # faster).
     run q_attention_test timeout 120 "$T/cuda_attention_test" || rc=1
     run q_gemv_test timeout 120 "$T/cuda_gemv_test" \
-      --gtest_filter='*SplitAccumulators*:*ArgmaxFused*:*InterleaveBitExact*:CudaGemvTma.*' || rc=1
+      --gtest_filter='*ArgmaxFused*:*InterleaveBitExact*:CudaGemvTma.*' || rc=1
     run q_gemv_norm_test timeout 90 "$T/cuda_gemv_norm_test" || rc=1
     run q_engine_test timeout 150 "$T/cuda_specialisation_test" \
-      --gtest_filter='AttnPrefillForms.*:GemvAccForms.*:Specialisations.FusedHead*' || rc=1
+      --gtest_filter='AttnPrefillForms.*:Specialisations.FusedHead*' || rc=1
     run q_attn_k_default "$DS" bench kernels --only attn_prefill || rc=1
     run q_attn_k_ulean env "$ULEAN" "$DS" bench kernels --only attn_prefill || rc=1
     if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" DS_GEMV_TMA_KBOX=2"
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 2 - \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" DS_GEMV_TMA_KBOX=2"
     else
       [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,1@8192,16@4096 --rounds 2 - DS_GEMV_ACC=4 \
+        --cases 1@4096,1@8192,16@4096 --rounds 2 - \
         "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" DS_GEMV_TMA_KBOX=2 || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi

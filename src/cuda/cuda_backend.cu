@@ -571,7 +571,6 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   (void)cuda::rmsnorm_fit_enabled();     // and $DS_NORM_FIT (read by every prompt-chunk norm)
   (void)cuda::gemv_l2_next_mib();        // and $DS_GEMV_L2_NEXT (read by every fused decode GEMV)
   (void)cuda::gemv_norm_weight_early();  // and $DS_GEMV_NORM_EARLY (likewise)
-  (void)cuda::gemv_acc_mode();           // and $DS_GEMV_ACC (read by every m = 1 GEMV config)
   (void)cuda::gemv_bulk_mma_enabled();   // and $DS_GEMV_MMA (read by the gemm registry guard)
   (void)cuda::gemv_splitk_enabled();     // and $DS_GEMV_SPLITK (likewise)
   (void)cuda::gdn_out_form();            // and $DS_GDN_OUT (read by every GDN prompt layer)
@@ -1627,10 +1626,9 @@ bool CudaBackend::gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, 
 // none (the separate launches), 1 the MLP (launch_gemv_mlp_norm), 2 the mixer's out-projection and
 // the MLP. A form runs only where the kernels it fuses are what the engine would launch (the
 // registry's picks at m = 1: gemv_bulk_silu with the norm, gemv_narrow, and gemv_bulk for the
-// out-projection), so its bits are theirs. Not with $DS_GEMV_ACC=4: the fused kernel sums in the
-// one-chain order, which those kernels then no longer do.
+// out-projection), so its bits are theirs.
 int CudaBackend::mlp_fusion(int m, int k0, int layer) {
-  if (mlp_fused_ == 0 || m != 1 || cuda::gemv_acc_mode() != 1) return 0;
+  if (mlp_fused_ == 0 || m != 1) return 0;
   const int d_ff = cfg_.d_ff, dm = cfg_.d_model;
   const DevLayer& L = w_.layers[layer];
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };

@@ -207,7 +207,7 @@ bool GemmEngine::run_head_argmax(const __nv_bfloat16* x, const __nv_bfloat16* w,
   if (!aligned || (v != "gemv_bulk" && v != "gemv_bulk_pdl")) return false;
   GemvBulkConfig c = gemv_bulk_config(m, n, k);
   c.pdl = bulk_pdl_;
-  if (!gemv_bulk_argmax_supports(m, n, k, c)) return false;  // e.g. 4 partial sums ($DS_GEMV_ACC)
+  if (!gemv_bulk_argmax_supports(m, n, k, c)) return false;
   launch_gemv_bulk_argmax(x, w, y, tokens, workspace, m, n, k, c, n_sms_, stream);
   return true;
 }

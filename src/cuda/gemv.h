@@ -97,24 +97,11 @@ struct GemvBulkConfig {
   // owns stages b, b + G, b + 2 G, ... (G blocks), so the whole grid sweeps the weight in memory
   // order. Each output's sums are the same either way (bit-identical; tested).
   bool interleave = false;
-  // Partial sums per output row and lane: 1 (one fp32 FMA chain over the row, the shipped order),
-  // or 4 at m = 1 (element e of each 8-element vector into sum e % 4, added as (s0 + s1) +
-  // (s2 + s3) before the warp's butterfly): a quarter of the dependent-FMA latency per stage,
-  // which the last stage of every block pays before the block can exit. Another summation order,
-  // so not the same bits as 1 (within fp32 rounding; tested). gemv_acc_mode() ($DS_GEMV_ACC).
-  int acc = 1;
-  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl", "r1s16-ilv", "r1s16-a4"
+  // Each lane sums its part of an output row in one fp32 FMA chain. (Session 26's 4 partial sums
+  // per lane at m = 1, $DS_GEMV_ACC=4, were removed in session 30: within noise of this order on
+  // an H100 in session 29, and off by default; docs/perf/decode_gemv.md.)
+  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl", "r1s16-ilv"
 };
-
-// $DS_GEMV_ACC (read on first use, process-wide): the partial sums per row and lane of the bulk
-// and narrow GEMVs at m = 1 (GemvBulkConfig::acc, GemvNarrowConfig::acc that gemv_bulk_config,
-// gemv_bulk_silu_config and gemv_narrow_config return), 1 (unset: the shipped order) or 4; other
-// values throw. Session 26, built without a device: the A/B switch until measured.
-// set_gemv_acc_mode overrides it (tests): the configs are made at each launch, so it applies to
-// every launch after it, except inside decode graphs already captured (they replay the kernels
-// they hold). The prefetching forms ($DS_GEMV_L2_NEXT) keep one partial sum either way.
-int gemv_acc_mode();
-void set_gemv_acc_mode(int acc);  // 1 or 4
 
 // The leading rows of a LATER GEMV's blocks, prefetched into L2 by this GEMV's blocks as each
 // issues its last own copy (cp.async.bulk.prefetch.L2), so that HBM keeps streaming weights while
@@ -183,14 +170,14 @@ void launch_gemv_bulk(const __nv_bfloat16* x,  // [m, k]
 
 // The greedy argmax fused into the epilogue (lm_head at decode; session 27, built without a
 // device, off unless $DS_ARGMAX_FUSED=1 in the engine): y = x w^T in fp32, the bits of
-// launch_gemv_bulk with one partial sum per lane (acc 1), and tokens[t] = greedy_token(y[t])
+// launch_gemv_bulk, and tokens[t] = greedy_token(y[t])
 // (runtime/backend.h: argmax, lowest id on ties, -1 for a row holding NaN or +inf), the answer of
 // launch_argmax_rows on y, without that second kernel: the grid reduces argmax_key maxima
 // (argmax_key.h) through shared and global atomics, and its last block writes the tokens. The
 // workspace (kGemvBulkArgmaxWorkspaceBytes, 8-byte aligned) must be zero before the first launch;
 // each launch leaves it zero. Launches sharing a workspace must be ordered (one stream; a
 // programmatic dependent launch is fine: the workspace is touched only after the wait).
-// m 1..kGemvBulkArgmaxMaxM; the config: gemv_bulk_config's with acc 1 and one block per SM.
+// m 1..kGemvBulkArgmaxMaxM; the config: gemv_bulk_config's with one block per SM.
 // with_norm: launch_gemv_bulk_argmax_norm (gemv_bulk_norm.h) fits too (k <= kGemvNormMaxK and
 // the norm's warp sums in shared memory).
 constexpr int kGemvBulkArgmaxMaxM = 2;
@@ -238,8 +225,7 @@ struct GemvNarrowConfig {
   // Rows over the grid: false = contiguous per block; true = block b owns rows b, b + G, ... (as
   // GemvBulkConfig::interleave; bit-identical either way).
   bool interleave = false;
-  int acc = 1;  // partial sums per row slice and lane: 1, or 4 at m = 1 (as GemvBulkConfig::acc)
-  std::string name() const;  // "s16", "s8-pdl", "s16-ilv", "s16-a4"
+  std::string name() const;  // "s16", "s8-pdl", "s16-ilv"
 };
 
 int gemv_narrow_slices(int64_t k);     // slices per row: 1, 2, 4 or 8 (17408 -> 4)

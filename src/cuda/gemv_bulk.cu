@@ -197,8 +197,7 @@ __device__ __forceinline__ void x_to_shared(const bf16* x, const GemvNormIn& nor
 // the plain kernels keep their registers (the prologue's loads of 4 rows take ~160).
 // PF: the producer prefetches `next` into L2 at its end (GemvL2Next), also a separate
 // instantiation (m <= 2, not GLU), so the kernels without it compile exactly as before.
-// P: partial sums per output row and lane (GemvBulkConfig::acc): 1, or 4 (compiled for m = 1).
-template <int M, int R, bool GLU, typename OutT, bool NORM, bool PF = false, int P = 1>
+template <int M, int R, bool GLU, typename OutT, bool NORM, bool PF = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_bulk_kernel(const bf16* x,  // [M, k] (unused with NORM); no __restrict__: see the wait
                      const bf16* __restrict__ w,  // [n, k] ([2 n, k] when GLU)
@@ -297,18 +296,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int rows = GLU ? R : min(R, row_end - r0);
     mbar_wait(&full[slot], uint32_t(s / slots) & 1u);
     const bf16* ws = ring + slot * stage_elems;
-    static_assert(P == 1 || (P == 4 && M == 1), "4 partial sums are compiled for m = 1");
-    float acc[M][R], psum[P > 1 ? R : 1][P > 1 ? P : 1];
+    float acc[M][R];
 #pragma unroll
     for (int t = 0; t < M; ++t)
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[t][r] = 0.f;
-    if constexpr (P > 1) {
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int q = 0; q < P; ++q) psum[r][q] = 0.f;
-    }
 #pragma unroll 2
     for (int v = lane; v < nv; v += 32) {
       float wf[R][8];
@@ -322,18 +314,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int r = 0; r < R; ++r)
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            if constexpr (P > 1)  // M == 1: element e into partial e % P
-              psum[r][e % P] = fmaf(wf[r][e], xf[e], psum[r][e % P]);
-            else
-              acc[t][r] = fmaf(wf[r][e], xf[e], acc[t][r]);
-          }
+          for (int e = 0; e < 8; ++e) acc[t][r] = fmaf(wf[r][e], xf[e], acc[t][r]);
       }
-    }
-    if constexpr (P > 1) {
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        acc[0][r] = (psum[r][0] + psum[r][1]) + (psum[r][2] + psum[r][3]);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);  // every lane's reads of the slot are done
@@ -374,12 +356,6 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
     if (next.rows > 0)
       kern = norm.weight ? gemv_bulk_kernel<M, R, GLU, OutT, true, true>
                          : gemv_bulk_kernel<M, R, GLU, OutT, false, true>;
-  }
-  // 4 partial sums (m = 1; the L2 prefetch forms keep one chain: an experiment, off by default).
-  if constexpr (M == 1) {
-    if (c.acc == 4 && next.rows == 0)
-      kern = norm.weight ? gemv_bulk_kernel<M, R, GLU, OutT, true, false, 4>
-                         : gemv_bulk_kernel<M, R, GLU, OutT, false, false, 4>;
   }
   // The opt-in shared memory size belongs to the device's context: once per (kernel, device), not
   // per process (a std::call_once left the first launch on a second device failing).
@@ -1058,7 +1034,7 @@ size_t argmax_smem_bytes(int m, int k, const GemvBulkConfig& c, bool norm) {
 }
 
 bool argmax_fits(int64_t m, int64_t k, const GemvBulkConfig& c, bool norm) {
-  return m >= 1 && m <= kGemvBulkArgmaxMaxM && c.acc == 1 && c.blocks_per_sm == 1 &&
+  return m >= 1 && m <= kGemvBulkArgmaxMaxM && c.blocks_per_sm == 1 &&
          gemv_bulk_fits(m, k, c) && (!norm || k <= kGemvNormMaxK) &&
          argmax_smem_bytes(int(m), int(k), c, norm) <= size_t(kMaxSmem);
 }
@@ -1083,25 +1059,8 @@ void launch_argmax_t(const bf16* x, const bf16* w, float* y, int n, int k,
 std::string GemvBulkConfig::name() const {
   std::ostringstream os;
   os << "r" << rows_per_stage << "s" << slots << (blocks_per_sm == 2 ? "b2" : "")
-     << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "")
-     << (acc != 1 ? "-a" + std::to_string(acc) : "");
+     << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "");
   return os.str();
-}
-
-namespace {
-std::atomic<int> g_acc_mode{-1};
-int parse_acc_mode(const char* e) {
-  const std::string v = e ? e : "";
-  DS_CHECK(v.empty() || v == "1" || v == "4", "DS_GEMV_ACC must be 1 or 4, got '", v, "'");
-  return v == "4" ? 4 : 1;
-}
-}  // namespace
-
-int gemv_acc_mode() { return cached_form(g_acc_mode, "DS_GEMV_ACC", parse_acc_mode); }
-
-void set_gemv_acc_mode(int acc) {
-  DS_CHECK(acc == 1 || acc == 4, "set_gemv_acc_mode: 1 or 4, got ", acc);
-  g_acc_mode.store(acc);
 }
 
 namespace {
@@ -1127,7 +1086,6 @@ bool gemv_interleave_narrow() { return (interleave_mode() & 2) != 0; }
 
 bool gemv_bulk_fits(int64_t m, int64_t k, const GemvBulkConfig& c) {
   return m >= 1 && m <= kGemvBulkMaxM && k >= 8 && k % 8 == 0 &&
-         (c.acc == 1 || (c.acc == 4 && m == 1)) &&
          (c.rows_per_stage == 1 || c.rows_per_stage == 2) && c.slots >= kConsumerWarps &&
          c.slots <= kMaxSlots && c.slots % kConsumerWarps == 0 &&
          (c.blocks_per_sm == 1 || c.blocks_per_sm == 2) &&
@@ -1185,7 +1143,6 @@ GemvBulkConfig gemv_bulk_config(int m, int n, int k) {
     c = {1, bulk_slots_override(), false};
   if (!gemv_bulk_fits(m, k, c)) c = {1, 8, false};
   c.interleave = gemv_interleave_bulk();
-  if (m == 1) c.acc = gemv_acc_mode();
   return c;
 }
 
@@ -1237,7 +1194,6 @@ GemvBulkConfig gemv_bulk_silu_config(int m, int d_ff, int k) {
   (void)d_ff, (void)k;
   GemvBulkConfig c{2, 8, false};
   c.interleave = gemv_interleave_bulk();
-  if (m == 1) c.acc = gemv_acc_mode();
   return c;
 }
 

@@ -18,9 +18,7 @@
 // slot, reduce across the warp with a fixed butterfly and park the slice's partial sum in shared
 // memory. After the last stage the block sums each row's C partials in slice order and stores.
 // The summation order of an output depends on k only (L and C are functions of k), never on m,
-// the slot count or the grid: bit-identical across batch sizes and configs, with one partial sum
-// per lane (acc 1, the default). acc 4 ($DS_GEMV_ACC=4, m = 1 only; session 26, not measured)
-// sums each lane's elements e % 4 apart and adds the four before the butterfly: another order.
+// the slot count or the grid: bit-identical across batch sizes and configs.
 #include <algorithm>
 #include <cstdint>
 #include <sstream>
@@ -46,8 +44,7 @@ constexpr int kGuardMinSms = 64;
 
 // Shared memory: [mbarriers (kBarBytes) | x [M, k] bf16 | ring [slots, L] bf16 |
 // partial sums [rows_cap, C, M] fp32].
-// P: partial sums per row slice and lane (GemvNarrowConfig::acc): 1, or 4 (compiled for m = 1).
-template <int M, typename OutT, int P = 1>
+template <int M, typename OutT>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_narrow_kernel(const bf16* __restrict__ x,  // [M, k]
                        const bf16* __restrict__ w,  // [n, k]
@@ -122,14 +119,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(&full[slot], uint32_t(s / slots) & 1u);
     const bf16* ws = ring + size_t(slot) * slice;
     const bf16* xk = xs + k0;
-    static_assert(P == 1 || (P == 4 && M == 1), "4 partial sums are compiled for m = 1");
-    float acc[M], psum[P];  // (part: the block's shared partial sums)
+    float acc[M];  // (part: the block's shared partial sums)
 #pragma unroll
     for (int t = 0; t < M; ++t) acc[t] = 0.f;
-    if constexpr (P > 1) {
-#pragma unroll
-      for (int q = 0; q < P; ++q) psum[q] = 0.f;
-    }
 #pragma unroll 4
     for (int v = lane; v < nv; v += 32) {
       float wf[8];
@@ -139,15 +131,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         float xf[8];
         unpack8(*reinterpret_cast<const uint4*>(xk + size_t(t) * k + size_t(v) * 8), xf);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          if constexpr (P > 1)  // M == 1: element e into partial e % P
-            psum[e % P] = fmaf(wf[e], xf[e], psum[e % P]);
-          else
-            acc[t] = fmaf(wf[e], xf[e], acc[t]);
-        }
+        for (int e = 0; e < 8; ++e) acc[t] = fmaf(wf[e], xf[e], acc[t]);
       }
     }
-    if constexpr (P > 1) acc[0] = (psum[0] + psum[1]) + (psum[2] + psum[3]);
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);  // every lane's reads of the slot are done
 #pragma unroll
@@ -182,9 +168,6 @@ template <int M, typename OutT>
 void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumulate,
               const GemvNarrowConfig& c, int n_sms, cudaStream_t stream) {
   auto* kern = gemv_narrow_kernel<M, OutT>;
-  if constexpr (M == 1) {
-    if (c.acc == 4) kern = gemv_narrow_kernel<M, OutT, 4>;
-  }
   // The opt-in shared memory size belongs to the device's context: once per (kernel, device), not
   // per process (a std::call_once left the first launch on a second device failing).
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
@@ -207,8 +190,7 @@ void launch_m(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, 
 
 std::string GemvNarrowConfig::name() const {
   std::ostringstream os;
-  os << "s" << slots << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "")
-     << (acc != 1 ? "-a" + std::to_string(acc) : "");
+  os << "s" << slots << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "");
   return os.str();
 }
 
@@ -229,7 +211,6 @@ bool gemv_narrow_fits(int64_t m, int64_t n, int64_t k, const GemvNarrowConfig& c
     return false;
   if (c.slots < kConsumerWarps || c.slots > kMaxSlots || c.slots % kConsumerWarps != 0)
     return false;
-  if (c.acc != 1 && !(c.acc == 4 && m == 1)) return false;  // 4 partial sums: m 1 only
   // every slice non-empty (the last one may be shorter)
   if (int64_t(gemv_narrow_slices(k) - 1) * gemv_narrow_slice_len(k) >= k) return false;
   return smem_bytes(int(m), int(n), int(k), c.slots, n_sms) <= size_t(kMaxSmem);
@@ -256,7 +237,6 @@ GemvNarrowConfig gemv_narrow_config(int m, int n, int k, int n_sms) {
         gemv_narrow_fits(m, n, k, {s, false}, n_sms))
       c.slots = s;
   c.interleave = gemv_interleave_narrow();
-  if (m == 1) c.acc = gemv_acc_mode();
   return c;
 }
 

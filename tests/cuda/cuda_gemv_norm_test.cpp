@@ -148,7 +148,7 @@ TEST(CudaGemvBulkNorm, BitIdenticalToAddRmsnormThenGemv) {
 // bit-identical, at lm_head (248320 x 5120) m 1 and 2 and at small shapes (k 640 and 8192, n below
 // the grid), with and without a delta, plain / PDL / the weight after the wait, contiguous and
 // interleaved stages; a tie planted at the top of row 0 (two equal weight rows in different halves:
-// the lower id must win); then the refusals (m 3, k above kGemvNormMaxK, 4 partial sums).
+// the lower id must win); then the refusals (m 3, k above kGemvNormMaxK).
 TEST(CudaGemvBulkNorm, ArgmaxNormBitIdenticalToNormGemvThenArgmax) {
   DS_REQUIRE_GPU();
   struct HeadCase {
@@ -190,7 +190,6 @@ TEST(CudaGemvBulkNorm, ArgmaxNormBitIdenticalToNormGemvThenArgmax) {
                                    (with_delta ? " +delta" : " no delta") + (pdl ? " pdl" : "") +
                                    (early ? "" : " late weight") + (ilv ? " ilv" : "");
           cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(c.m, c.n, c.k);
-          cfg.acc = 1;
           cfg.pdl = pdl;
           cfg.interleave = ilv;
           ASSERT_TRUE(cuda::gemv_bulk_argmax_supports(c.m, c.n, c.k, cfg, true)) << what;
@@ -238,7 +237,7 @@ TEST(CudaGemvBulkNorm, ArgmaxNormBitIdenticalToNormGemvThenArgmax) {
       }
     }
   }
-  // Refusals: m 3 (past the argmax's 2), k above the norm's 8192, 4 partial sums.
+  // Refusals: m 3 (past the argmax's 2), k above the norm's 8192.
   DevBuf<bf> x(16 * 8200), w(64 * 8200), nw(8200);
   DevBuf<float> y(3 * 64);
   cuda::GemvNormIn nin;
@@ -252,9 +251,6 @@ TEST(CudaGemvBulkNorm, ArgmaxNormBitIdenticalToNormGemvThenArgmax) {
   const cuda::GemvBulkConfig c{1, 8, false};
   EXPECT_THROW(launch(3, 640, c), Error);
   EXPECT_THROW(launch(1, 8200, c), Error);
-  cuda::GemvBulkConfig a4 = c;
-  a4.acc = 4;
-  EXPECT_THROW(launch(1, 640, a4), Error);
   EXPECT_FALSE(cuda::gemv_bulk_argmax_supports(1, 64, 8200, c, true));
   EXPECT_TRUE(cuda::gemv_bulk_argmax_supports(1, 64, 8200, c, false));
   EXPECT_NO_THROW(launch(1, 640, c));
@@ -262,14 +258,6 @@ TEST(CudaGemvBulkNorm, ArgmaxNormBitIdenticalToNormGemvThenArgmax) {
   for (char z : ws.download()) EXPECT_EQ(z, 0);
   cudaStreamDestroy(st);
 }
-
-// The fused MLP kernels sum in the one-chain order (one partial sum per lane): their reference
-// kernels must too, whatever $DS_GEMV_ACC says (set for the test's duration, then restored).
-struct SerialAcc {
-  int saved = cuda::gemv_acc_mode();
-  SerialAcc() { cuda::set_gemv_acc_mode(1); }
-  ~SerialAcc() { cuda::set_gemv_acc_mode(saved); }
-};
 
 // The batch-1 MLP in one kernel (launch_gemv_mlp_norm, $DS_MLP_FUSED) against the two kernels it
 // fuses, launch_gemv_bulk_silu_norm then launch_gemv_narrow: act, y and residual_out bit-identical
@@ -281,7 +269,6 @@ struct SerialAcc {
 // (each must find it reset); and the guard's refusals.
 TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
   DS_REQUIRE_GPU();
-  const SerialAcc serial_acc;
   struct MlpCase {
     const char* name;
     int d_ff, k, n;
@@ -434,7 +421,6 @@ TEST(CudaGemvBulkNorm, FusedMlpBitIdenticalToTheTwoKernels) {
 // output poisoned first; the guard refuses y0 != delta and a next norm not fed by y.
 TEST(CudaGemvBulkNorm, FusedMixerMlpNextBitIdenticalToTheSeparateKernels) {
   DS_REQUIRE_GPU();
-  const SerialAcc serial_acc;
   const int d_ff = 17408, k = 5120, n = 5120, k0 = 6144;
   std::mt19937 rng(47);
   const int sms = n_sms();
@@ -614,7 +600,6 @@ TEST(CudaGemvBulkNorm, FusedMlpBufferRules) {
 // guard throws for a misaligned weight, a grid above n, k % 8 != 0 and m above kGemvL2NextMaxM.
 TEST(CudaGemvBulkNorm, L2PrefetchOfALaterGemvChangesNoBit) {
   DS_REQUIRE_GPU();
-  const SerialAcc serial_acc;  // the prefetch forms keep one partial sum per lane
   struct Pair {
     const char* name;
     int m, n, k;                    // this GEMV

@@ -584,7 +584,6 @@ TEST(CudaGemvBulk, Shapes27bMatchCublasLtAndFp64) {
       ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, out, 0);
       const auto bits = y1.download();
       for (cuda::GemvBulkConfig c : cuda::gemv_bulk_configs(m, o.k)) {
-        c.acc = shipped.acc;  // the order $DS_GEMV_ACC gives at m = 1, the same in every config
         y3.poison();
         cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, out, false, c, n_sms, 0);
         EXPECT_TRUE(y3.download() == bits) << o.name << " m " << m << " config " << c.name();
@@ -614,19 +613,6 @@ TEST(CudaGemvBulk, Shapes27bMatchCublasLtAndFp64) {
   }
 }
 
-// The shipped config at (m, n, k) with one partial sum per lane ($DS_GEMV_ACC=4 changes the order
-// at m = 1 only, which the batch-invariance tests would then see).
-cuda::GemvBulkConfig serial_bulk_config(int m, int n, int k) {
-  cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, n, k);
-  c.acc = 1;
-  return c;
-}
-cuda::GemvNarrowConfig serial_narrow_config(int m, int n, int k, int n_sms) {
-  cuda::GemvNarrowConfig c = cuda::gemv_narrow_config(m, n, k, n_sms);
-  c.acc = 1;
-  return c;
-}
-
 // Token i's outputs are bit-identical for m = 1..8 (the summation order depends on k only, with
 // one partial sum per lane).
 TEST(CudaGemvBulk, BatchInvariant) {
@@ -639,198 +625,18 @@ TEST(CudaGemvBulk, BatchInvariant) {
     DevBuf<bf> dx(x), dw(w);
     DevBuf<char> y8(size_t(8) * n * 2), ys(size_t(8) * n * 2);
     cuda::launch_gemv_bulk(B(dx), B(dw), y8.ptr, 8, n, k, GemmOut::kBF16, false,
-                           serial_bulk_config(8, n, k), n_sms, 0);
+                           cuda::gemv_bulk_config(8, n, k), n_sms, 0);
     const auto a = y8.download();
     for (auto [t0, m] : {std::pair{0, 1}, std::pair{7, 1}, std::pair{2, 2}, std::pair{4, 3},
                          std::pair{4, 4}}) {
       ys.poison();
       cuda::launch_gemv_bulk(B(dx, size_t(t0) * k), B(dw), ys.ptr, m, n, k, GemmOut::kBF16, false,
-                             serial_bulk_config(m, n, k), n_sms, 0);
+                             cuda::gemv_bulk_config(m, n, k), n_sms, 0);
       const auto b = ys.download();
       EXPECT_EQ(std::memcmp(a.data() + size_t(t0) * n * 2, b.data(), size_t(m) * n * 2), 0)
           << "tokens " << t0 << ".." << t0 + m - 1 << " n " << n << " k " << k;
     }
   }
-}
-
-// The distance between two bf16 outputs of the same products summed in two fp32 orders, in units
-// of the bf16 spacing at the larger magnitude plus 1e-5 of the output's largest magnitude (where a
-// sum cancels to near zero, the two fp32 sums' ~1e-6 difference is many of its tiny ulps).
-double bf16_ulps(float a, float b, double ymax) {
-  const double u = bf16_ulp(std::max(std::fabs(a), std::fabs(b))) + 1e-5 * ymax;
-  return u > 0 ? std::fabs(double(a) - b) / u : 0.0;
-}
-
-// Outputs of the 4-sum order (a4) against the one-chain order (a1): how many differ, and the
-// largest bf16_ulps distance (bf16 outputs; 0 for fp32).
-struct OrderDiff {
-  size_t differ = 0;
-  double worst_ulps = 0;
-};
-OrderDiff order_diff(const std::vector<float>& a1, const std::vector<float>& a4, bool f32) {
-  OrderDiff d;
-  double ymax = 0;
-  for (float v : a1) ymax = std::max(ymax, double(std::fabs(v)));
-  for (size_t j = 0; j < a1.size(); ++j) {
-    d.differ += a1[j] != a4[j];
-    if (!f32) d.worst_ulps = std::max(d.worst_ulps, bf16_ulps(a1[j], a4[j], ymax));
-  }
-  return d;
-}
-
-// The 4-sum kernel really ran: with fp32 outputs practically every sum of another order differs
-// in some bit (a bf16 output changes in ~1 of 5000). launch(y, acc) writes n fp32 outputs with
-// that many partial sums.
-void expect_fp32_orders_differ(int n, const char* name,
-                               const std::function<void(float*, int)>& launch) {
-  DevBuf<float> f1(n), f4(n);
-  launch(f1.ptr, 1);
-  launch(f4.ptr, 4);
-  const auto v1 = f1.download(), v4 = f4.download();
-  size_t d32 = 0;
-  for (int j = 0; j < n; ++j) d32 += v1[j] != v4[j];
-  EXPECT_GT(d32, size_t(n) / 4) << name << ": the fp32 sums of acc 4 and 1 should differ";
-}
-
-// 4 partial sums per lane at m = 1 ($DS_GEMV_ACC=4, GemvBulkConfig::acc; session 26): on every
-// 27B shape of the bulk kernel, (1) bit-identical across its configs, interleave and PDL (the
-// order depends on k only), (2) within the shipped order's tolerance of fp64 on sampled rows,
-// (3) at most 1 bf16 ulp from the one-chain order (bf16 out: each rounds an fp32 sum of the same
-// products once; bf16_ulps) or 1e-5 relative L2 (fp32 out), and the fused SiLU and norm forms
-// bit-identical to their unfused acc-4 counterparts; acc 4 is refused at m > 1.
-TEST(CudaGemvBulk, SplitAccumulatorsAtM1) {
-  DS_REQUIRE_GPU();
-  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
-  const int n_sms = device_sms();
-  std::mt19937 rng(97);
-  Pool wpool(size_t(248320) * 5120, rng, 0.02f);
-  for (const Op& o : kOps27b) {
-    if (o.k > 8192) continue;
-    const SampledRows sampled = sample_rows(o, wpool);
-    auto x = test::random_bf16(size_t(o.k), rng);
-    DevBuf<bf> dx(x);
-    const size_t es = o.f32 ? 4 : 2;
-    DevBuf<char> y1(o.n * es), y4(o.n * es), y3(o.n * es);
-    y1.poison();
-    y4.poison();
-    const GemmOut out = o.f32 ? GemmOut::kF32 : GemmOut::kBF16;
-    cuda::GemvBulkConfig c1 = serial_bulk_config(1, o.n, o.k), c4 = c1;
-    c4.acc = 4;
-    ASSERT_TRUE(cuda::gemv_bulk_fits(1, o.k, c4)) << o.name;
-    EXPECT_EQ(c4.name().substr(c4.name().size() - 3), "-a4");
-    cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y1.ptr, 1, o.n, o.k, out, false, c1, n_sms, 0);
-    cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y4.ptr, 1, o.n, o.k, out, false, c4, n_sms, 0);
-    const auto bits = y4.download();
-    for (cuda::GemvBulkConfig c : cuda::gemv_bulk_configs(1, o.k)) {
-      for (bool ilv : {false, true}) {
-        for (bool pdl : {false, true}) {
-          c.acc = 4;
-          c.interleave = ilv;
-          c.pdl = pdl;
-          y3.poison();
-          cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y3.ptr, 1, o.n, o.k, out, false, c, n_sms,
-                                 0);
-          EXPECT_TRUE(y3.download() == bits) << o.name << " config " << c.name();
-        }
-      }
-    }
-    DS_CUDA_CHECK(cudaDeviceSynchronize());
-    const auto a1 = download_out(y1, o.n, o.f32), a4 = download_out(y4, o.n, o.f32);
-    const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a4, o, 1);
-    const OrderDiff od = order_diff(a1, a4, o.f32);
-    const double rel = test::norm_err(a4, a1);
-    if (o.f32) {
-      EXPECT_LT(rel, 1e-5) << o.name;  // as the shipped order against cuBLASLt
-    } else {
-      EXPECT_LE(od.worst_ulps, 1.0) << o.name;
-    }
-    std::printf("  bulk %-8s m=1 acc 4: %zu of %d differ from acc 1 (worst %.2f of 1 bf16 ulp, "
-                "relative L2 %.1e), fp64 worst %.2f of tol\n",
-                o.name, od.differ, o.n, od.worst_ulps, rel, worst64);
-    if (!o.f32) {
-      expect_fp32_orders_differ(o.n, o.name, [&](float* y, int acc) {
-        cuda::launch_gemv_bulk(B(dx), B(wpool.buf), y, 1, o.n, o.k, GemmOut::kF32, false,
-                               acc == 4 ? c4 : c1, n_sms, 0);
-      });
-    }
-  }
-  // Odd shapes against the fp64 loop (as OddShapesEveryConfig): n below the grid, a row that is not
-  // a multiple of the 32-lane sweep, accumulate into bf16 and fp32, a short last two-row stage.
-  for (auto [n, k, f32, acc] :
-       {std::tuple{37, 24, false, false}, std::tuple{301, 40, true, true},
-        std::tuple{1001, 5128, false, true}, std::tuple{30001, 5120, true, false}}) {
-    for (int rows : {1, 2}) {
-      cuda::GemvBulkConfig c{rows, 8, false};
-      c.acc = 4;
-      if (!cuda::gemv_bulk_fits(1, k, c)) continue;
-      check_launch_vs_cpu(1, n, k, f32 ? GemmOut::kF32 : GemmOut::kBF16, acc,
-                          bulk_launch(c, n_sms), c.name(), rng);
-    }
-  }
-  // The fused SiLU form (gate_up, d_ff 17408) against the acc-4 GEMV + silu_mul, and the fused norm
-  // (gdn_in) against add_rmsnorm + the acc-4 GEMV: the same bits.
-  const int d_ff = 17408, k = 5120;
-  auto x = test::random_bf16(size_t(k), rng), d = test::random_bf16(size_t(k), rng),
-       nw = test::random_bf16(size_t(k), rng, 0.1f);
-  DevBuf<bf> dx(x), dd(d), dnw(nw), gu(size_t(2) * d_ff), a1(d_ff), a2(d_ff), rout(k), xn(k);
-  // (the fused SiLU's weight: the pool's first 2 d_ff rows of k)
-  cuda::GemvBulkConfig s4 = cuda::gemv_bulk_silu_config(1, d_ff, k), p4 = serial_bulk_config(
-                                                                           1, 2 * d_ff, k);
-  s4.acc = 4;
-  p4.acc = 4;
-  a1.poison();
-  a2.poison();
-  gu.poison();
-  auto* gup = reinterpret_cast<__nv_bfloat16*>(gu.ptr);
-  cuda::launch_gemv_bulk_silu(B(dx), B(wpool.buf), reinterpret_cast<__nv_bfloat16*>(a1.ptr), 1,
-                              d_ff, k, s4, n_sms, 0);
-  cuda::launch_gemv_bulk(B(dx), B(wpool.buf), gup, 1, 2 * d_ff, k, GemmOut::kBF16, false, p4, n_sms,
-                         0);
-  cuda::launch_silu_mul(gup, 1, d_ff, reinterpret_cast<__nv_bfloat16*>(a2.ptr), 0);
-  DS_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto act = a1.download();
-  EXPECT_TRUE(act == a2.download()) << "fused SiLU, acc 4";
-  EXPECT_TRUE(
-      std::all_of(act.begin(), act.end(), [](bf v) { return std::isfinite(bf16_to_f32(v)); }))
-      << "fused SiLU, acc 4: an output not written (poison)";
-  cuda::GemvNormIn nin;
-  nin.residual = B(dx);
-  nin.delta = B(dd);
-  nin.weight = B(dnw);
-  nin.residual_out = reinterpret_cast<__nv_bfloat16*>(rout.ptr);
-  const int n_in = 16480;
-  DevBuf<float> yn(n_in), yu(n_in), y1n(n_in);  // fp32 out: every sum's own bits
-  yn.poison();
-  yu.poison();
-  y1n.poison();
-  cuda::GemvBulkConfig g4 = serial_bulk_config(1, n_in, k), g1 = g4;
-  g4.acc = 4;
-  ASSERT_TRUE(cuda::gemv_bulk_norm_fits(1, k, g4));
-  cuda::launch_gemv_bulk_norm(nin, B(wpool.buf), yn.ptr, 1, n_in, k, GemmOut::kF32, g4, n_sms, 0);
-  cuda::launch_gemv_bulk_norm(nin, B(wpool.buf), y1n.ptr, 1, n_in, k, GemmOut::kF32, g1, n_sms, 0);
-  DevBuf<bf> res2(x);  // add_rmsnorm writes the new residual in place
-  cuda::launch_add_rmsnorm(reinterpret_cast<__nv_bfloat16*>(res2.ptr), B(dd), B(dnw), 1, k,
-                           nin.eps, nin.weight_offset, reinterpret_cast<__nv_bfloat16*>(xn.ptr), 0);
-  cuda::launch_gemv_bulk(B(xn), B(wpool.buf), yu.ptr, 1, n_in, k, GemmOut::kF32, false, g4, n_sms,
-                         0);
-  DS_CUDA_CHECK(cudaDeviceSynchronize());
-  const auto vn = yn.download(), v1n = y1n.download();
-  EXPECT_TRUE(vn == yu.download()) << "fused norm, acc 4";
-  EXPECT_TRUE(std::all_of(vn.begin(), vn.end(), [](float v) { return std::isfinite(v); }));
-  size_t dn = 0;
-  for (int j = 0; j < n_in; ++j) dn += vn[j] != v1n[j];
-  EXPECT_GT(dn, size_t(n_in) / 4) << "the fused norm's acc-4 kernel did not run";
-  // Compiled for m = 1 only: refused at m > 1.
-  cuda::GemvBulkConfig bad = serial_bulk_config(2, n_in, k);
-  bad.acc = 4;
-  EXPECT_FALSE(cuda::gemv_bulk_fits(2, k, bad));
-  EXPECT_THROW(cuda::launch_gemv_bulk(B(dx), B(wpool.buf), yn.ptr, 2, n_in, k, GemmOut::kF32,
-                                      false, bad, n_sms, 0),
-               Error);
-  bad = serial_bulk_config(1, n_in, k);
-  bad.acc = 2;  // only 1 and 4 are compiled
-  EXPECT_FALSE(cuda::gemv_bulk_fits(1, k, bad));
-  EXPECT_EQ(bad.name().substr(bad.name().size() - 3), "-a2");
 }
 
 // Programmatic dependent launch: y2 = y1 w2^T right behind y1 = x w1^T (both with the attribute:
@@ -1135,7 +941,6 @@ TEST(CudaGemvBulk, ArgmaxFusedMatchesSeparate) {
     y_ref.poison();
     DS_CUDA_CHECK(cudaMemset(tok.ptr, 0x7f, tok.n * 4));
     const auto* w = reinterpret_cast<const __nv_bfloat16*>(dw);
-    c.acc = 1;
     cuda::launch_gemv_bulk_argmax(B(dx), w, y.ptr, tok.ptr, ws.ptr, m, n, k, c, n_sms, 0);
     cuda::GemvBulkConfig cs = c;
     cs.pdl = false;
@@ -1209,7 +1014,7 @@ TEST(CudaGemvBulk, ArgmaxFusedMatchesSeparate) {
   {
     Pool wpool(size_t(248320) * 5120, rng, 0.02f);
     for (int m : {1, 2}) {
-      cuda::GemvBulkConfig c = serial_bulk_config(m, 248320, 5120);
+      cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, 248320, 5120);
       ASSERT_TRUE(cuda::gemv_bulk_argmax_supports(m, 248320, 5120, c)) << c.name();
       for (bool ilv : {true, false}) {
         c.interleave = ilv;
@@ -1242,7 +1047,7 @@ TEST(CudaGemvBulk, ArgmaxFusedMatchesSeparate) {
     const int n = 30011, k = 1024, m = 2;
     auto hw = test::random_bf16(size_t(n) * k, rng, 0.05f);
     DevBuf<bf> dw(hw);
-    cuda::GemvBulkConfig c = serial_bulk_config(m, n, k);
+    cuda::GemvBulkConfig c = cuda::gemv_bulk_config(m, n, k);
     c.pdl = true;
     std::vector<std::unique_ptr<DevBuf<bf>>> dxs;
     const int runs = 8;
@@ -1260,7 +1065,7 @@ TEST(CudaGemvBulk, ArgmaxFusedMatchesSeparate) {
     for (int r = 0; r < runs; ++r) {
       DevBuf<float> yr(size_t(m) * n);
       cuda::launch_gemv_bulk(B(*dxs[r]), B(dw), yr.ptr, m, n, k, GemmOut::kF32, false,
-                             serial_bulk_config(m, n, k), n_sms, 0);
+                             cuda::gemv_bulk_config(m, n, k), n_sms, 0);
       cuda::launch_argmax_rows(yr.ptr, m, n, tok_ref.ptr, 0, cuda::ArgmaxKernel::kBlock, false);
       const auto tr = tok_ref.download();
       for (int i = 0; i < m; ++i) EXPECT_EQ(got[size_t(r) * m + i], tr[i]) << "run " << r;
@@ -1300,8 +1105,7 @@ TEST(CudaGemvBulk, ArgmaxFusedMatchesSeparate) {
       y_ref.poison();  // rows m.. of both stay poisoned: compared too
       DS_CUDA_CHECK(cudaMemset(tok.ptr, 0x7f, tok.n * 4));
       const bool took = g.run_head_argmax(B(dx), B(wpool.buf), y.ptr, tok.ptr, ws.ptr, m, n, k, 0);
-      // (with $DS_GEMV_ACC=4 the m = 1 config has 4 partial sums: refused)
-      const bool bulk = g.variant(m, n, k) == "gemv_bulk" && (m > 1 || cuda::gemv_acc_mode() == 1);
+      const bool bulk = g.variant(m, n, k) == "gemv_bulk";
       EXPECT_EQ(took, bulk && m <= cuda::kGemvBulkArgmaxMaxM) << "m " << m;
       if (!took) continue;
       g.run(B(dx), B(wpool.buf), y_ref.ptr, m, n, k, GemmOut::kF32, 0);
@@ -1315,7 +1119,7 @@ TEST(CudaGemvBulk, ArgmaxFusedMatchesSeparate) {
     EXPECT_FALSE(g.run_head_argmax(B(dx), B(wpool.buf), y.ptr, tok.ptr, ws.ptr, 1, n, k, 0));
   }
 
-  // Errors: m past the compiled two, 4 partial sums, two blocks per SM, the workspace.
+  // Errors: m past the compiled two, two blocks per SM, the workspace.
   DevBuf<bf> x(64), w(64 * 64);
   DevBuf<float> y(64 * 64);
   const cuda::GemvBulkConfig c{1, 8, false};
@@ -1323,9 +1127,6 @@ TEST(CudaGemvBulk, ArgmaxFusedMatchesSeparate) {
     cuda::launch_gemv_bulk_argmax(B(x), B(w), y.ptr, tok.ptr, wsp, m, 8, 16, cc, n_sms, 0);
   };
   EXPECT_THROW(launch(3, c, ws.ptr), Error);
-  cuda::GemvBulkConfig a4 = c;
-  a4.acc = 4;
-  EXPECT_THROW(launch(1, a4, ws.ptr), Error);
   EXPECT_THROW(launch(1, {1, 8, false, 2}, ws.ptr), Error);
   EXPECT_THROW(launch(1, c, nullptr), Error);
   EXPECT_THROW(launch(1, c, ws.ptr + 4), Error);  // not 8-byte aligned
@@ -1484,7 +1285,6 @@ TEST(CudaGemvNarrow, Shapes27bMatchCublasLtAndFp64) {
       ref.run(B(dx), B(wpool.buf), y2.ptr, m, o.n, o.k, GemmOut::kBF16, 0);
       const auto bits = y1.download();
       for (cuda::GemvNarrowConfig c : cuda::gemv_narrow_configs(m, o.n, o.k, n_sms)) {
-        c.acc = shipped.acc;  // the order $DS_GEMV_ACC gives at m = 1
         y3.poison();
         cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y3.ptr, m, o.n, o.k, GemmOut::kBF16, false, c,
                                  n_sms, 0);
@@ -1520,13 +1320,13 @@ TEST(CudaGemvNarrow, BatchAndGridInvariant) {
     DevBuf<bf> dx(x), dw(w);
     DevBuf<char> ya(size_t(mmax) * n * 2), ys(size_t(mmax) * n * 2);
     cuda::launch_gemv_narrow(B(dx), B(dw), ya.ptr, mmax, n, k, GemmOut::kBF16, false,
-                             serial_narrow_config(mmax, n, k, n_sms), n_sms, 0);
+                             cuda::gemv_narrow_config(mmax, n, k, n_sms), n_sms, 0);
     const auto a = ya.download();
     for (auto [t0, m] :
          {std::pair{0, 1}, std::pair{mmax - 1, 1}, std::pair{1, 2}, std::pair{1, 3}}) {
       ys.poison();
       cuda::launch_gemv_narrow(B(dx, size_t(t0) * k), B(dw), ys.ptr, m, n, k, GemmOut::kBF16, false,
-                               serial_narrow_config(m, n, k, n_sms), n_sms, 0);
+                               cuda::gemv_narrow_config(m, n, k, n_sms), n_sms, 0);
       const auto b = ys.download();
       EXPECT_EQ(std::memcmp(a.data() + size_t(t0) * n * 2, b.data(), size_t(m) * n * 2), 0)
           << "tokens " << t0 << ".." << t0 + m - 1 << " n " << n << " k " << k;
@@ -1535,84 +1335,10 @@ TEST(CudaGemvNarrow, BatchAndGridInvariant) {
       if (!cuda::gemv_narrow_supports(mmax, n, k, grid)) continue;
       ys.poison();
       cuda::launch_gemv_narrow(B(dx), B(dw), ys.ptr, mmax, n, k, GemmOut::kBF16, false,
-                               serial_narrow_config(mmax, n, k, grid), grid, 0);
+                               cuda::gemv_narrow_config(mmax, n, k, grid), grid, 0);
       EXPECT_TRUE(ys.download() == a) << "grid " << grid << " n " << n << " k " << k;
     }
   }
-}
-
-// 4 partial sums per lane at m = 1 (GemvNarrowConfig::acc): on down / gdn_out / attn_o,
-// bit-identical across configs, interleave and grid sizes (the order depends on k only), within
-// the shipped order's tolerance of fp64 on sampled rows, at most 1 bf16 ulp from the one-chain
-// order; refused at m > 1.
-TEST(CudaGemvNarrow, SplitAccumulatorsAtM1) {
-  DS_REQUIRE_GPU();
-  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
-  const int n_sms = device_sms();
-  std::mt19937 rng(101);
-  Pool wpool(size_t(5120) * 17408, rng, 0.02f);
-  for (const Op& o : kOps27b) {
-    if (o.n != 5120) continue;  // the narrow outputs: gdn_out, attn_o, down
-    const SampledRows sampled = sample_rows(o, wpool);
-    auto x = test::random_bf16(size_t(o.k), rng);
-    DevBuf<bf> dx(x);
-    DevBuf<char> y1(o.n * 2), y4(o.n * 2), y3(o.n * 2);
-    y1.poison();
-    y4.poison();
-    cuda::GemvNarrowConfig c1 = serial_narrow_config(1, o.n, o.k, n_sms), c4 = c1;
-    c4.acc = 4;
-    ASSERT_TRUE(cuda::gemv_narrow_fits(1, o.n, o.k, c4, n_sms)) << o.name;
-    cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y1.ptr, 1, o.n, o.k, GemmOut::kBF16, false, c1,
-                             n_sms, 0);
-    cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y4.ptr, 1, o.n, o.k, GemmOut::kBF16, false, c4,
-                             n_sms, 0);
-    const auto bits = y4.download();
-    for (cuda::GemvNarrowConfig c : cuda::gemv_narrow_configs(1, o.n, o.k, n_sms)) {
-      for (bool ilv : {false, true}) {
-        c.acc = 4;
-        c.interleave = ilv;
-        y3.poison();
-        cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y3.ptr, 1, o.n, o.k, GemmOut::kBF16, false,
-                                 c, n_sms, 0);
-        EXPECT_TRUE(y3.download() == bits) << o.name << " config " << c.name();
-      }
-    }
-    for (int grid : {n_sms / 2, 100}) {
-      cuda::GemvNarrowConfig c = serial_narrow_config(1, o.n, o.k, grid);
-      c.acc = 4;
-      if (!cuda::gemv_narrow_fits(1, o.n, o.k, c, grid)) continue;
-      y3.poison();
-      cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y3.ptr, 1, o.n, o.k, GemmOut::kBF16, false, c,
-                               grid, 0);
-      EXPECT_TRUE(y3.download() == bits) << o.name << " grid " << grid;
-    }
-    DS_CUDA_CHECK(cudaDeviceSynchronize());
-    const auto a1 = download_out(y1, o.n, false), a4 = download_out(y4, o.n, false);
-    const double worst64 = expect_sampled_rows_match_fp64(x, sampled, a4, o, 1);
-    const OrderDiff od = order_diff(a1, a4, false);
-    EXPECT_LE(od.worst_ulps, 1.0) << o.name;
-    std::printf("  narrow %-8s m=1 acc 4: %zu of %d differ from acc 1 (worst %.2f of 1 bf16 ulp), "
-                "fp64 worst %.2f of tol\n",
-                o.name, od.differ, o.n, od.worst_ulps, worst64);
-    expect_fp32_orders_differ(o.n, o.name, [&](float* y, int acc) {
-      cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y, 1, o.n, o.k, GemmOut::kF32, false,
-                               acc == 4 ? c4 : c1, n_sms, 0);
-    });
-  }
-  // Odd shapes against the fp64 loop: a short last slice, n below the grid, accumulate into bf16
-  // and fp32.
-  for (auto [n, k, f32, acc] : {std::tuple{77, 4104, false, false},
-                                std::tuple{300, 12296, true, true},
-                                std::tuple{5120, 6144, false, true}}) {
-    cuda::GemvNarrowConfig c = serial_narrow_config(1, n, k, n_sms);
-    c.acc = 4;
-    ASSERT_TRUE(cuda::gemv_narrow_fits(1, n, k, c, n_sms)) << n << " x " << k;
-    check_launch_vs_cpu(1, n, k, f32 ? GemmOut::kF32 : GemmOut::kBF16, acc,
-                        narrow_launch(c, n_sms), c.name(), rng);
-  }
-  cuda::GemvNarrowConfig bad = serial_narrow_config(2, 5120, 17408, n_sms);
-  bad.acc = 4;
-  EXPECT_FALSE(cuda::gemv_narrow_fits(2, 5120, 17408, bad, n_sms));
 }
 
 // Programmatic dependent launch, as in the MLP: act = x w_up^T (the bulk GEMV, [4, 17408]) then

@@ -172,14 +172,6 @@ float max_gap(const std::vector<float>& rows, const std::vector<int32_t>& ids, i
   return g;
 }
 
-// One partial sum per lane ($DS_GEMV_ACC 1) for a test's duration, then the mode before it: the
-// fused forms that keep the one-chain order are taken by the engine only then.
-struct SerialAcc {
-  int saved = cuda::gemv_acc_mode();
-  SerialAcc() { cuda::set_gemv_acc_mode(1); }
-  ~SerialAcc() { cuda::set_gemv_acc_mode(saved); }
-};
-
 // The 27B shapes, first 4 layers (3 GDN + 1 attention), for the synthetic-weight engines.
 ModelConfig config_27b_4_layers() {
   ModelConfig c = synthetic_model_config("27b");
@@ -344,8 +336,6 @@ TEST(Specialisations, FusedRopeOnVsOffBitExactAt27bShapes) {
 // replayed graph) and batch 2 (never fused) bit-identical, and the same greedy tokens.
 TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
-  // The fused MLP keeps one partial sum per lane; the engine takes it only with $DS_GEMV_ACC 1.
-  const SerialAcc serial;
   const ModelConfig c = config_27b_4_layers();
   std::mt19937 rng(33);
   const std::vector<std::vector<int32_t>> prompts = random_prompts({800, 200}, c.vocab_size, rng);
@@ -395,11 +385,9 @@ TEST(Specialisations, FusedMlpOnVsOffBitExactAt27bShapes) {
 // batch 2 with one greedy row (16 steps; the other row's logits come back), after a prompt each:
 // the same tokens in every mode, equal to step() + the host argmax (the reference run); the
 // non-greedy rows' logits bit-identical; step() with the head norm gives the reference's logits
-// bit for bit at every step; each fused launch counted at batch 1 and at batch 2. The fused argmax
-// keeps one partial sum per lane, so $DS_GEMV_ACC is held at 1 here.
+// bit for bit at every step; each fused launch counted at batch 1 and at batch 2.
 TEST(Specialisations, FusedHeadOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
-  const SerialAcc serial;
   const ModelConfig c = config_27b_4_layers();
   const int V = c.vocab_size;
   std::mt19937 rng(43);
@@ -765,41 +753,6 @@ TEST(GdnConvForms, HeadCloseToStreamAt27bShapes) {
   const auto& [prompts, ref, got] = runs;
   expect_greedy_close("$DS_GDN_CONV=head vs stream", "stream form", prompts, ref, got,
                       size_t(config_27b_4_layers().vocab_size));
-}
-
-// The batch-1 decode GEMVs with 4 partial sums per lane ($DS_GEMV_ACC=4, session 26) against the
-// one-chain order: two engines (each captures its own decode graphs with the configs of its
-// time), the same prompts (4096 + 904 tokens in two chunks, and 700) and 16 greedy steps each.
-// Another fp32 summation order in every m = 1 bulk / narrow GEMV (lm_head of a prompt's last row
-// too), so: some logits differ (the form really ran; cuBLASLt's start-up tuning is off in both
-// engines, so nothing else differs), the logits stay within 1e-2 (relative L2) of the one-chain
-// order's over the rows both took the same tokens to reach, and where the tokens part, the
-// reference's top-2 margin there is below 1e-2 of its logit range (a near-tie, not a wrong token).
-// DISABLED_ since session 29: on an H100 the 700-token prompt's logits were 1.03e-2 (relative L2)
-// from the one-chain order's against this 1e-2 bound (the 5000-token one 9.45e-3), while the
-// kernel-level SplitAccumulatorsAtM1 tests (within 1 bf16 ulp of the one-chain order) passed, and
-// $DS_GEMV_ACC=4 made the decode step no faster (docs/perf/decode_gemv.md, "Session 29"). The form
-// is off by default and due for removal; run with --gtest_also_run_disabled_tests.
-TEST(GemvAccForms, DISABLED_SplitCloseToSerialAt27bShapes) {
-  DS_REQUIRE_GPU();
-  const ModelConfig c = config_27b_4_layers();
-  std::mt19937 rng(43);
-  const auto prompts = random_prompts({5000, 700}, c.vocab_size, rng);
-  struct Restore {
-    int acc;
-    ~Restore() { cuda::set_gemv_acc_mode(acc); }
-  } restore{cuda::gemv_acc_mode()};
-  auto run = [&](int acc) {
-    cuda::set_gemv_acc_mode(acc);
-    EXPECT_EQ(cuda::gemv_bulk_config(1, 16480, 5120).acc, acc);
-    EXPECT_EQ(cuda::gemv_bulk_config(2, 16480, 5120).acc, 1);  // m = 1 only
-    auto b = make_engine({true}, &c, nullptr, 64, nullptr, false);
-    return greedy_runs(*b, prompts, 16);
-  };
-  const std::vector<Greedy> ref = run(1), got = run(4);
-  const size_t any_differ = expect_greedy_close("$DS_GEMV_ACC=4 vs 1", "one-chain order", prompts,
-                                                ref, got, size_t(c.vocab_size));
-  EXPECT_GT(any_differ, 0u) << "no logit differs: the decode GEMVs did not take 4 partial sums";
 }
 
 // Session 26's prompt-attention forms picked through the registry, as DS_DISABLE_KERNELS would:

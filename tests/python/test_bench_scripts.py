@@ -293,7 +293,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     script = REPO / "scripts" / "gpu_pending.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
-    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "acc", "argmax", "tma",
+    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "profile", "argmax", "tma",
                  "quick"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
@@ -325,11 +325,11 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert out["attn"].count(lean + " ") == 3 + 1  # three bench processes, the prompt A/B arm
     assert ulean in out["attn"].split()
     assert "--prefill 2048,4096,8192,16384,32768" in out["attn"]
-    # Session 26's decode GEMV order: its tests, the A/B arm, the two in-graph profiles.
-    assert "SplitAccumulators" in out["acc"] and "GemvAccForms" in out["acc"]
-    assert out["acc"].count("DS_GEMV_ACC=4 ") >= 2  # the tests with the switch on, and the A/B
-    assert "- DS_GEMV_ACC=4" in out["acc"]
-    assert out["acc"].count("DecodeProfile.Synthetic27bInGraph") == 2
+    # The decode profile at batch 1 and 16, and the cluster argmax's A/B arm.
+    assert out["profile"].count("DecodeProfile.Synthetic27bInGraph") == 1
+    assert "DS_PROFILE_BATCHES=1\\,16" in out["profile"]  # printf %q escapes the comma
+    assert "--cases 1@4096,1@8192,16@4096 --rounds 3 - DS_ARGMAX_CLUSTER=1" in out["profile"]
+    assert "DS_GEMV_ACC" not in "".join(out.values())  # removed in session 30
     # Session 27's decode head: the three tests, the profiles both ways, the A/B arms.
     assert "CudaGemvBulk.ArgmaxFused" in out["argmax"]
     assert "CudaGemvBulkNorm.ArgmaxNorm" in out["argmax"]
@@ -346,7 +346,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "AttnPrefillForms" in out["quick"] and "FusedHead" in out["quick"]
     assert out["quick"].count("bench kernels --only attn_prefill") == 2
     assert "env " + ulean.replace(",", "\\,") + " " in out["quick"]  # printf %q escapes the commas
-    assert '- DS_GEMV_ACC=4 "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" DS_GEMV_TMA_KBOX=2' in out["quick"]
+    assert '- "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" DS_GEMV_TMA_KBOX=2' in out["quick"]
     # Session 27's wider TMA stages: the tests plain and with the switch at 2 and 4, the A/B.
     assert out["tma"].count("CudaGemvTma.") == 3
     assert "DS_GEMV_TMA_KBOX=2 " in out["tma"] and "DS_GEMV_TMA_KBOX=4 " in out["tma"]
