@@ -16,8 +16,10 @@
 #                                         # (wgmma_ws_lazy since session 30) against wgmma_ws_lean
 #                                         # (attn_prefill_ws.md): the tests, bench kernels x3 each
 #                                         # way interleaved, whole prompts of 2K-32K (and ulean)
-#   bash scripts/gpu_pending.sh profile   # ~3 min: the decode step's in-graph profile at 4K
-#                                         # (batch 1 and 16) and the cluster argmax's A/B
+#   BUDGET=560 bash scripts/gpu_pending.sh profile  # ~8 min: session 30's decode norm forms
+#                                         # ($DS_NORM_DECODE; their tests), the in-graph profile
+#                                         # at 4K (batch 1, 16), the A/B at batch 1 / 4 / 16 with
+#                                         # the cluster argmax
 #                                         # at batch 16 too)
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
@@ -192,16 +194,27 @@ case "$step" in
     fi
     ;;
   profile)
-    # Where a decode step's time goes: the in-graph CUPTI profile at 4K, batch 1 and 16 (the
-    # 1.3x gate), then the cluster argmax (8 blocks per row, the step's last kernel, waiting since
-    # session 12 for a clear A/B) against the default.
+    # Session 30's decode norm forms ($DS_NORM_DECODE: late, loads, loads_late; rmsnorm.cu), never
+    # run on a GPU when written: the kernel test and the engine's batch-16 bit-exactness first
+    # (each capped), then where a decode step's time goes (the in-graph CUPTI profile at 4K, batch
+    # 1 and 16, and batch 16 with loads_late), then the A/B at batch 4 and 16 (batch 1-2 fuse the
+    # norms into the GEMVs), with the cluster argmax (8 blocks per row, the step's last kernel,
+    # waiting since session 12 for a clear A/B) beside them.
+    run norm_kernel_test timeout 120 "$T/cuda_kernels_test" \
+      --gtest_filter='CudaKernels.AddRmsNorm*' || rc=1
+    run norm_engine_test timeout 180 "$T/cuda_specialisation_test" \
+      --gtest_filter='NormDecodeForms.*' || rc=1
     run inprof_4096 env DS_PROFILE=1 DS_PROFILE_BATCHES=1,16 DS_PROFILE_CONTEXT=4096 \
       "$T/cuda_decode_profile_test" --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
+    run inprof_4096_loads_late env DS_NORM_DECODE=loads_late DS_PROFILE=1 DS_PROFILE_BATCHES=16 \
+      DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
+      --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
     if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 3 - DS_ARGMAX_CLUSTER=1"
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,16@4096 --rounds 3 - DS_NORM_DECODE=late DS_NORM_DECODE=loads DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1"
     else
       BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,1@8192,16@4096 --rounds 3 - DS_ARGMAX_CLUSTER=1 || rc=1
+        --cases 1@4096,4@4096,16@4096 --rounds 3 - DS_NORM_DECODE=late DS_NORM_DECODE=loads \
+        DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;

@@ -571,6 +571,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   (void)cuda::rmsnorm_fit_enabled();     // and $DS_NORM_FIT (read by every prompt-chunk norm)
   (void)cuda::gemv_l2_next_mib();        // and $DS_GEMV_L2_NEXT (read by every fused decode GEMV)
   (void)cuda::gemv_norm_weight_early();  // and $DS_GEMV_NORM_EARLY (likewise)
+  (void)cuda::rmsnorm_decode_form();     // and $DS_NORM_DECODE (read by every decode norm)
   (void)cuda::gemv_bulk_mma_enabled();   // and $DS_GEMV_MMA (read by the gemm registry guard)
   (void)cuda::gemv_splitk_enabled();     // and $DS_GEMV_SPLITK (likewise)
   (void)cuda::gdn_out_form();            // and $DS_GDN_OUT (read by every GDN prompt layer)

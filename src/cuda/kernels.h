@@ -49,9 +49,17 @@ void launch_add_rmsnorm(__nv_bfloat16* residual,     // [n_rows, d] (read; writt
 // kFit for n_rows >= kRmsNormFitMinRows unless $DS_NORM_FIT=0 (read at each launch), else kMax8;
 // kFit = the kernel compiled for the 16-byte vectors per thread that d needs (fewer registers,
 // more blocks per SM: prompt chunks); kMax8 = the build for any d <= 16384 (8 vectors per thread).
-enum class RmsNormKernel { kAuto, kFit, kMax8 };
+// kMax8Late / kMax8Loads / kMax8LoadsLate: the 8-vector build with its dependent triggered after
+// its loads, with every load before the first store, or both; same bits ($DS_NORM_DECODE makes
+// kAuto take one where it takes kMax8; rmsnorm.cu).
+enum class RmsNormKernel { kAuto, kFit, kMax8, kMax8Late, kMax8Loads, kMax8LoadsLate };
 constexpr int kRmsNormFitMinRows = 64;  // decode batches keep their launches unchanged
 bool rmsnorm_fit_enabled();             // $DS_NORM_FIT: unset or "1" on, "0" off
+// $DS_NORM_DECODE, read on first use (process-wide): unset / shipped kMax8, late, loads,
+// loads_late; other values throw. set_rmsnorm_decode_form overrides it (tests); launches read it
+// each time, so decode graphs captured before keep the form they hold.
+RmsNormKernel rmsnorm_decode_form();
+void set_rmsnorm_decode_form(RmsNormKernel form);  // kMax8, kMax8Late, kMax8Loads, kMax8LoadsLate
 void launch_add_rmsnorm(__nv_bfloat16* residual, const __nv_bfloat16* delta,
                         const __nv_bfloat16* w, int n_rows, int d, float eps, float weight_offset,
                         __nv_bfloat16* out, cudaStream_t stream, RmsNormKernel which);

@@ -15,6 +15,19 @@
 // Prompt chunks (>= kRmsNormFitMinRows rows) run the same kernel compiled for the vectors per
 // thread that d needs (VEC 3 at d 5120 instead of 8): the same bits, far fewer registers
 // (issue 7, docs/perf/prefill_gaps.md); $DS_NORM_FIT=0 keeps the 8-vector build everywhere.
+// $DS_NORM_DECODE (session 30, not yet measured; unset = shipped): two other forms of the
+// decode launches (the 8-vector build), for batch 16, whose norms add 7.2 us each to the step
+// against 3.3-3.7 us at batch 1 (docs/perf/decode_gemv.md, session 30). Same arithmetic, so
+// the same bits (cuda_kernels_test AddRmsNormDecodeFormsBitExact):
+//  - late (RmsNormKernel::kMax8Late): the dependent is triggered only after the row's loads and
+//    sum, not first. At batch 16 the dependent is a TMA GEMV whose 132 blocks fill ~29 MB of
+//    weight rings as soon as they are resident, and the norm's own loads may queue behind them.
+//  - loads (kMax8Loads): every load of the row is issued before the first residual store. The
+//    shipped loop stores each 16-byte residual vector before it loads the next (SASS: LDG, STG,
+//    LDG, ...): delta is not __restrict__ (see pdl_enter), so the compiler must assume the store
+//    may alias it, and a 5120-wide row pays up to 3 dependent memory round trips, not one.
+//  - loads_late (kMax8LoadsLate): both.
+#include <atomic>
 #include <cstdlib>
 #include <string>
 
@@ -48,14 +61,20 @@ __device__ __forceinline__ void pdl_enter() {
 // row in the same order and gives the same bits: kMaxVec is the first version (any d, but 125
 // registers, 2 blocks per SM), add_rmsnorm_vec_kernel<vec_fit(d)> the prompt-chunk one (issue 7:
 // d 5120 -> VEC 3, a fraction of the registers, several blocks per SM, more bytes in flight).
-template <int VEC>
+// kForm (the $DS_NORM_DECODE forms, header): bit 0 late, wait first and trigger the dependent
+// after the loads and the block sum; bit 1 loads, every load before the first store.
+template <int VEC, int kForm = 0>
 __global__ void __launch_bounds__(kThreads)
     add_rmsnorm_vec_kernel(bf16* __restrict__ residual,  // [n_rows, d]
                            const bf16* delta,            // [n_rows, d] or null
                            const bf16* __restrict__ w,   // [d]
                            int d, float eps, float w_off,
                            bf16* __restrict__ out) {  // [n_rows, d]
-  pdl_enter();
+  constexpr bool kLate = (kForm & 1) != 0, kLoadsFirst = (kForm & 2) != 0;
+  if constexpr (kLate)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+  else
+    pdl_enter();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const int d8 = d / 8;
@@ -65,15 +84,35 @@ __global__ void __launch_bounds__(kThreads)
   float x[VEC][8];
   uint4 wv[VEC];  // the weights are loaded with the row: one memory round trip, not two
   float ss = 0.f;
+  [[maybe_unused]] uint4 rv[kLoadsFirst ? VEC : 1], dv[kLoadsFirst ? VEC : 1];
+  if constexpr (kLoadsFirst) {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const int i = threadIdx.x + v * kThreads;
+      if (i < d8) {
+        wv[v] = w4[i];
+        rv[v] = res4[i];
+        if (del4) dv[v] = del4[i];
+      }
+    }
+  }
 #pragma unroll
   for (int v = 0; v < VEC; ++v) {
     const int i = threadIdx.x + v * kThreads;
     if (i < d8) {
-      wv[v] = w4[i];
-      uint4 r = res4[i];
+      if constexpr (!kLoadsFirst) wv[v] = w4[i];
+      uint4 r;
+      if constexpr (kLoadsFirst)
+        r = rv[v];
+      else
+        r = res4[i];
       const bf16* rb = reinterpret_cast<const bf16*>(&r);
       if (del4) {
-        uint4 dd = del4[i];
+        uint4 dd;
+        if constexpr (kLoadsFirst)
+          dd = dv[v];
+        else
+          dd = del4[i];
         const bf16* db = reinterpret_cast<const bf16*>(&dd);
         uint4 nr;
         bf16* nb = reinterpret_cast<bf16*>(&nr);
@@ -92,6 +131,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   ss = block_sum(ss, scratch);
+  if constexpr (kLate) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const float inv = rsqrtf(ss / d + eps);
   uint4* out4 = reinterpret_cast<uint4*>(out + row * d);
 #pragma unroll
@@ -154,6 +194,10 @@ void launch_add_rmsnorm(bf16* residual, const bf16* delta, const bf16* w, int n_
   void (*kernel)(bf16*, const bf16*, const bf16*, int, float, float, bf16*) = add_rmsnorm_kernel;
   if (vec) {
     kernel = add_rmsnorm_vec_kernel<kMaxVec>;
+    const RmsNormKernel form = which == RmsNormKernel::kAuto ? rmsnorm_decode_form() : which;
+    if (form == RmsNormKernel::kMax8Late) kernel = add_rmsnorm_vec_kernel<kMaxVec, 1>;
+    if (form == RmsNormKernel::kMax8Loads) kernel = add_rmsnorm_vec_kernel<kMaxVec, 2>;
+    if (form == RmsNormKernel::kMax8LoadsLate) kernel = add_rmsnorm_vec_kernel<kMaxVec, 3>;
     const bool fit = which == RmsNormKernel::kFit ||
                      (which == RmsNormKernel::kAuto && n_rows >= kRmsNormFitMinRows &&
                       rmsnorm_fit_enabled());
@@ -176,6 +220,30 @@ bool rmsnorm_fit_enabled() {
   const std::string v = e;
   DS_CHECK(v == "0" || v == "1", "DS_NORM_FIT must be 0 or 1, got '", v, "'");
   return v == "1";
+}
+
+namespace {
+std::atomic<int> g_norm_decode_form{-1};
+RmsNormKernel parse_norm_decode_form(const char* e) {
+  const std::string v = e ? e : "";
+  if (v.empty() || v == "shipped") return RmsNormKernel::kMax8;
+  if (v == "late") return RmsNormKernel::kMax8Late;
+  if (v == "loads") return RmsNormKernel::kMax8Loads;
+  DS_CHECK(v == "loads_late", "DS_NORM_DECODE must be shipped, late, loads or loads_late, got '",
+           v, "'");
+  return RmsNormKernel::kMax8LoadsLate;
+}
+}  // namespace
+
+RmsNormKernel rmsnorm_decode_form() {
+  return cached_form(g_norm_decode_form, "DS_NORM_DECODE", parse_norm_decode_form);
+}
+
+void set_rmsnorm_decode_form(RmsNormKernel form) {
+  DS_CHECK(form == RmsNormKernel::kMax8 || form == RmsNormKernel::kMax8Late ||
+               form == RmsNormKernel::kMax8Loads || form == RmsNormKernel::kMax8LoadsLate,
+           "set_rmsnorm_decode_form: one of the 8-vector forms");
+  g_norm_decode_form.store(static_cast<int>(form));
 }
 
 bool rmsnorm_pdl_enabled() {

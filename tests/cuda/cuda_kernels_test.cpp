@@ -138,6 +138,85 @@ TEST(CudaKernels, AddRmsNormFitBitExact) {
   }
 }
 
+// The decode norm's other forms ($DS_NORM_DECODE: RmsNormKernel::kMax8Late, the dependent
+// triggered after the loads; kMax8Loads, every load before the first store; kMax8LoadsLate, both)
+// are bit-identical to the shipped 8-vector build (kMax8), output and updated residual, at decode
+// batches (1, 2, 16, 33 rows) and widths 5120 / 6144 / 2048 / 1000 (the last not a multiple of 8:
+// every form takes the generic kernel), with and without delta; then in a CUDA graph, three norms
+// chained under PDL (each a programmatic dependent of the one before, reading its output as its
+// residual) give the same bits in every form.
+TEST(CudaKernels, AddRmsNormDecodeFormsBitExact) {
+  DS_REQUIRE_GPU();
+  std::mt19937 rng(13);
+  const cuda::RmsNormKernel forms[] = {cuda::RmsNormKernel::kMax8, cuda::RmsNormKernel::kMax8Late,
+                                       cuda::RmsNormKernel::kMax8Loads,
+                                       cuda::RmsNormKernel::kMax8LoadsLate};
+  for (int d : {5120, 6144, 2048, 1000}) {
+    for (int rows : {1, 2, 16, 33}) {
+      for (int with_delta : {0, 1}) {
+        auto res = test::random_bf16(size_t(rows) * d, rng, 3.f);
+        auto del = test::random_bf16(size_t(rows) * d, rng);
+        auto w = test::random_bf16(d, rng, 0.1f);
+        std::vector<bf> outs[4], resids[4];
+        for (int k = 0; k < 4; ++k) {
+          DevBuf<bf> dres(res), ddel(del), dw(w), out(size_t(rows) * d);
+          out.poison();
+          cuda::launch_add_rmsnorm(dres.as<__nv_bfloat16>(),
+                                   with_delta ? ddel.as<__nv_bfloat16>() : nullptr,
+                                   dw.as<__nv_bfloat16>(), rows, d, 1e-6f, 1.f,
+                                   out.as<__nv_bfloat16>(), 0, forms[k]);
+          outs[k] = out.download();
+          resids[k] = dres.download();
+        }
+        for (int k = 1; k < 4; ++k) {
+          EXPECT_EQ(outs[0], outs[k])
+              << "form " << k << " d " << d << " rows " << rows << " delta " << with_delta;
+          EXPECT_EQ(resids[0], resids[k]) << "form " << k << " d " << d << " rows " << rows;
+        }
+      }
+    }
+  }
+  const int rows = 16, d = 5120;
+  auto res = test::random_bf16(size_t(rows) * d, rng, 3.f);
+  auto del = test::random_bf16(size_t(rows) * d, rng);
+  auto w = test::random_bf16(d, rng, 0.1f);
+  std::vector<bf> chain[4];
+  for (int k = 0; k < 4; ++k) {
+    DevBuf<bf> r0(res), dd(del), dw(w), o1(size_t(rows) * d), o2(size_t(rows) * d),
+        o3(size_t(rows) * d);
+    o1.poison();
+    o2.poison();
+    o3.poison();
+    cudaStream_t st;
+    DS_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    DS_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    cuda::launch_add_rmsnorm(r0.as<__nv_bfloat16>(), dd.as<__nv_bfloat16>(),
+                             dw.as<__nv_bfloat16>(), rows, d, 1e-6f, 1.f, o1.as<__nv_bfloat16>(),
+                             st, forms[k]);
+    cuda::launch_add_rmsnorm(o1.as<__nv_bfloat16>(), nullptr, dw.as<__nv_bfloat16>(), rows, d,
+                             1e-6f, 1.f, o2.as<__nv_bfloat16>(), st, forms[k]);
+    cuda::launch_add_rmsnorm(o2.as<__nv_bfloat16>(), dd.as<__nv_bfloat16>(),
+                             dw.as<__nv_bfloat16>(), rows, d, 1e-6f, 1.f, o3.as<__nv_bfloat16>(),
+                             st, forms[k]);
+    DS_CUDA_CHECK(cudaStreamEndCapture(st, &g));
+    DS_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+    DS_CUDA_CHECK(cudaGraphLaunch(ge, st));
+    DS_CUDA_CHECK(cudaStreamSynchronize(st));
+    chain[k] = o3.download();
+    const auto r2 = o2.download();  // o2 is the third norm's residual: updated in place
+    chain[k].insert(chain[k].end(), r2.begin(), r2.end());
+    cudaGraphExecDestroy(ge);
+    cudaGraphDestroy(g);
+    cudaStreamDestroy(st);
+  }
+  EXPECT_TRUE(std::all_of(chain[0].begin(), chain[0].end(),
+                          [](bf v) { return std::isfinite(bf16_to_f32(v)); }))
+      << "an output of the chain not written (poison)";
+  for (int k = 1; k < 4; ++k) EXPECT_EQ(chain[0], chain[k]) << "form " << k << ": chained norms";
+}
+
 TEST(CudaKernels, SiluMul) {
   DS_REQUIRE_GPU();
   std::mt19937 rng(3);

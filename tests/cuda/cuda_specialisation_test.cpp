@@ -46,6 +46,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/gdn_prefill_sm90.h"
 #include "cuda/gemv.h"
+#include "cuda/kernels.h"
 #include "cuda_test_util.h"
 #include "model/weights.h"
 
@@ -753,6 +754,79 @@ TEST(GdnConvForms, HeadCloseToStreamAt27bShapes) {
   const auto& [prompts, ref, got] = runs;
   expect_greedy_close("$DS_GDN_CONV=head vs stream", "stream form", prompts, ref, got,
                       size_t(config_27b_4_layers().vocab_size));
+}
+
+// The decode norm's $DS_NORM_DECODE forms (rmsnorm.cu: the dependent triggered late, every load
+// before the first store, both) through the engine: one engine per form (each captures its own
+// decode graphs; cuBLASLt's start-up tuning off, so every engine picks the same algorithms), 16
+// slots each prefilled with its own prompt (100-655 tokens), then 12 decode steps of all 16
+// together. At batch 16 the norms run as their own kernels (at batch 1-2 the GEMVs' prologues do
+// them). Every logit bit-identical to the shipped form's, and the same greedy tokens.
+TEST(NormDecodeForms, BitExactAtBatch16) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = config_27b_4_layers();
+  const int V = c.vocab_size, B = 16, steps = 12;
+  std::mt19937 rng(53);
+  const auto prompts = random_prompts({100, 137, 174, 211, 248, 285, 322, 359, 396, 433, 470,
+                                       507, 544, 581, 618, 655},
+                                      V, rng);
+  struct Restore {
+    cuda::RmsNormKernel f;
+    ~Restore() { cuda::set_rmsnorm_decode_form(f); }
+  } restore{cuda::rmsnorm_decode_form()};
+  auto argmax = [&](const float* r) { return int32_t(std::max_element(r, r + V) - r); };
+  auto run = [&](cuda::RmsNormKernel form, std::vector<int32_t>& ids) {
+    cuda::set_rmsnorm_decode_form(form);
+    EXPECT_EQ(cuda::rmsnorm_decode_form(), form);
+    BackendOptions o;
+    o.device = "cuda";
+    o.n_slots = B;
+    o.chunk_size = 4096;
+    CudaEngineOptions e;
+    e.verbose = false;
+    e.max_kv_tokens = 16384;
+    e.page_size = 64;
+    e.cuda_graphs = true;
+    setenv("DS_GEMM_TUNE", "0", 1);
+    auto b = make_cuda_backend_synthetic(o, c, 3, e);
+    unsetenv("DS_GEMM_TUNE");
+    std::vector<float> rows, l;
+    std::vector<int32_t> next(B);
+    for (int s = 0; s < B; ++s) {
+      SeqWork w{s, prompts[s], false};
+      b->step(std::span<const SeqWork>(&w, 1), l);
+      next[s] = argmax(l.data());
+    }
+    for (int st = 0; st < steps; ++st) {
+      std::vector<std::vector<int32_t>> tok(B);
+      std::vector<SeqWork> work;
+      for (int s = 0; s < B; ++s) {
+        tok[s] = {next[s]};
+        work.push_back({s, tok[s], false});
+      }
+      b->step(work, l);
+      EXPECT_EQ(l.size(), size_t(B) * V);
+      rows.insert(rows.end(), l.begin(), l.end());
+      for (int s = 0; s < B; ++s) ids.push_back(next[s] = argmax(l.data() + size_t(s) * V));
+    }
+    EXPECT_EQ(cuda_graph_stats(*b).failures, 0);
+    EXPECT_GT(cuda_graph_stats(*b).replays, 0) << "the batch-16 steps never ran as a graph";
+    return rows;
+  };
+  std::vector<int32_t> ids_ref;
+  const std::vector<float> ref = run(cuda::RmsNormKernel::kMax8, ids_ref);
+  for (auto form : {cuda::RmsNormKernel::kMax8Late, cuda::RmsNormKernel::kMax8Loads,
+                    cuda::RmsNormKernel::kMax8LoadsLate}) {
+    std::vector<int32_t> ids;
+    const std::vector<float> got = run(form, ids);
+    ASSERT_EQ(got.size(), ref.size());
+    const size_t differ = bits_differ(got, ref);
+    std::printf("  norm decode form %d vs shipped: %zu of %zu logits differ\n", int(form), differ,
+                ref.size());
+    EXPECT_EQ(differ, 0u) << "form " << int(form);
+    EXPECT_EQ(ids, ids_ref) << "form " << int(form);
+  }
+  EXPECT_THROW(cuda::set_rmsnorm_decode_form(cuda::RmsNormKernel::kFit), ds::Error);
 }
 
 // Session 26's prompt-attention forms picked through the registry, as DS_DISABLE_KERNELS would:

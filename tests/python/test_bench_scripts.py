@@ -325,10 +325,14 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert out["attn"].count(lean + " ") == 3 + 1  # three bench processes, the prompt A/B arm
     assert ulean in out["attn"].split()
     assert "--prefill 2048,4096,8192,16384,32768" in out["attn"]
-    # The decode profile at batch 1 and 16, and the cluster argmax's A/B arm.
-    assert out["profile"].count("DecodeProfile.Synthetic27bInGraph") == 1
+    # Session 30's decode norm forms: their tests, the profiles (batch 1 and 16; 16 with
+    # loads_late), the A/B arms beside the cluster argmax.
+    assert "CudaKernels.AddRmsNorm" in out["profile"] and "NormDecodeForms" in out["profile"]
+    assert out["profile"].count("DecodeProfile.Synthetic27bInGraph") == 2
     assert "DS_PROFILE_BATCHES=1\\,16" in out["profile"]  # printf %q escapes the comma
-    assert "--cases 1@4096,1@8192,16@4096 --rounds 3 - DS_ARGMAX_CLUSTER=1" in out["profile"]
+    assert "env DS_NORM_DECODE=loads_late DS_PROFILE=1 DS_PROFILE_BATCHES=16" in out["profile"]
+    assert ("--cases 1@4096,4@4096,16@4096 --rounds 3 - DS_NORM_DECODE=late DS_NORM_DECODE=loads "
+            "DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1") in out["profile"]
     assert "DS_GEMV_ACC" not in "".join(out.values())  # removed in session 30
     # Session 27's decode head: the three tests, the profiles both ways, the A/B arms.
     assert "CudaGemvBulk.ArgmaxFused" in out["argmax"]
