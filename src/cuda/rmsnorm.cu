@@ -3,7 +3,8 @@
 //   out = bf16(residual * rsqrt(mean(residual^2) + eps) * (weight_offset + w))   in fp32.
 // weight_offset 1 gives Qwen3.5's zero-centred norms (input/post-attention/final). One block per
 // row; the row and the weights are held in registers (d <= 256 threads * 8 * kMaxVec), 16-byte
-// loads when d % 8 == 0, all issued before the reduction (one memory round trip per call).
+// loads when d % 8 == 0, all before the reduction. (Not all in one memory round trip: each new
+// residual vector is stored before the next is loaded, see $DS_NORM_DECODE=loads below.)
 // Shapes: any d up to 16384 (5120 for 27B). Tested in tests/cuda/cuda_kernels_test.cpp against a
 // CPU loop (normalised L2 error < 4e-3; the bf16 residual bit-exact).
 // Programmatic dependent launch (see pdl_enter): launched with PDL unless $DS_NORM_PDL=0, and it
