@@ -199,7 +199,9 @@ case "$step" in
     # (each capped), then where a decode step's time goes (the in-graph CUPTI profile at 4K, batch
     # 1 and 16, and batch 16 with loads_late), then the A/B at batch 4 and 16 (batch 1-2 fuse the
     # norms into the GEMVs), with the cluster argmax (8 blocks per row, the step's last kernel,
-    # waiting since session 12 for a clear A/B) beside them.
+    # waiting since session 12 for a clear A/B) and the out projections on gemv_tma_narrow at
+    # every batch (batch 16's gdn_out on cuBLASLt: 22.9 us against 13.7 of bytes, no PDL;
+    # session 10 measured that form slower, before the TMA kernels' later changes) beside them.
     run norm_kernel_test timeout 120 "$T/cuda_kernels_test" \
       --gtest_filter='CudaKernels.AddRmsNorm*' || rc=1
     run norm_engine_test timeout 180 "$T/cuda_specialisation_test" \
@@ -210,11 +212,11 @@ case "$step" in
       DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
       --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
     if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,16@4096 --rounds 3 - DS_NORM_DECODE=late DS_NORM_DECODE=loads DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1"
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,16@4096 --rounds 3 - DS_NORM_DECODE=late DS_NORM_DECODE=loads DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 DS_GEMV_TMA_NARROW=1"
     else
       BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
         --cases 1@4096,4@4096,16@4096 --rounds 3 - DS_NORM_DECODE=late DS_NORM_DECODE=loads \
-        DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 || rc=1
+        DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 DS_GEMV_TMA_NARROW=1 || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;
