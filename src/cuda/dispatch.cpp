@@ -224,10 +224,26 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   const auto ws3_shapes = [hd256](const ShapeKey& k) {
     return hd256(k) && k.dims[2] >= 512 && k.dims[3] >= 8192;
   };
-  // The lean forms first (session 22's build, measured in session 24, bench kernels on the H200,
-  // docs/perf/attn_prefill_ws.md): O rescaled only on tiles where a row of the warp raised its
-  // running max, no mask code on the tiles before the first query; bit-identical outputs. Faster
-  // than the plain form on 17 of the 18 benched shapes (512 / 3072 / 4096-token chunks against
+  // Session 30 (docs/perf/attn_prefill_ws.md "Session 30"): wgmma_ws_lazy first, on every hd-256
+  // shape. bench kernels: on the H200 (three processes) faster than wgmma_ws_lean on 16 of the 18
+  // benched shapes, 16K causal 643 vs 570 TFLOP/s; on an H100 (three processes each way,
+  // interleaved) faster on 16 of 18, even on 512 after 8K, slower on 4096 after 32K (+6%; -8% on
+  // the H200, -12% in session 29's H100 run); faster than wgmma_ws_ulean on every shape of the
+  // H200. Whole prompts, 3 rounds, TTFT p50: H200 8K / 16K / 32K -0.5% / -0.6% / -1.0% (every
+  // round), H100 4K-32K -1.2% / -0.5% / -0.9% / -0.8%, 2K +0.4% (inside its rounds' spread). Not
+  // the same bits as the forms below: its error against the fp32 reference is held to 1.5x
+  // wgmma_m128's on every fixture (cuda_attention_test) and the engine's logits to 1e-2 relative
+  // L2 of wgmma_ws_lean's (AttnPrefillForms). The A/B reference, the session-25 default:
+  // DS_DISABLE_KERNELS=attn_prefill.wgmma_ws_lazy (wgmma_ws_lean then takes every hd-256 shape).
+  r.add({F::kAttnPrefill, "wgmma_ws_lazy",
+         "hd 256: wgmma_ws_ulean with the scale in the exponent's FFMA and O rescaled only when a "
+         "row's max grows by more than 2^8 (not the same bits; within tolerance)",
+         hd256});
+  // The lean forms next (first in sessions 24-29; session 22's build, measured in session 24,
+  // bench kernels on the H200, docs/perf/attn_prefill_ws.md): O rescaled only on tiles where a
+  // row of the warp raised its running max, no mask code on the tiles before the first query;
+  // bit-identical outputs. Faster than the plain form on 17 of the 18 benched shapes (512 / 3072 /
+  // 4096-token chunks against
   // 0-32K cached keys, 16K causal 550 -> 599 TFLOP/s, 4-64-token chunks 194 vs 221 us), 0.6%
   // slower on one (4096 after 8K: 1683 vs 1674 us, within the bench's run-to-run spread); whole
   // prompts 4K 330.6 vs 331.5 ms, 32K 2916 vs 2964 ms. The plain forms stay as their fallbacks
@@ -239,21 +255,6 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   // bench's favoured place won each time. Whole prompts of 8K / 16K / 32K (4 rounds): -0.3% /
   // -0.3% / -0.4%. So wgmma_ws_lean came first and took every hd-256 shape (sessions 25-29); it
   // still does with wgmma_ws_lazy switched off.
-  // Session 30 (docs/perf/attn_prefill_ws.md "Session 30"): wgmma_ws_lazy first, on every hd-256
-  // shape. bench kernels: on the H200 (three processes) faster than wgmma_ws_lean on 16 of the 18
-  // benched shapes, 16K causal 643 vs 570 TFLOP/s; on an H100 (three processes each way,
-  // interleaved) faster on 17 of 18, slower on 4096 after 32K (+6%; -8% on the H200, -12% in
-  // session 29's H100 run); faster than wgmma_ws_ulean on every shape of the H200. Whole prompts,
-  // 3 rounds, TTFT p50: H200 8K / 16K / 32K -0.5% / -0.6% / -1.0% (every round), H100 4K-32K
-  // -1.2% / -0.5% / -0.9% / -0.8%, 2K +0.4% (inside its rounds' spread). Not the same bits as the
-  // forms below: its error against the fp32 reference is held to 1.5x wgmma_m128's on every
-  // fixture (cuda_attention_test) and the engine's logits to 1e-2 relative L2 of wgmma_ws_lean's
-  // (AttnPrefillForms). The A/B reference, the session-25 default:
-  // DS_DISABLE_KERNELS=attn_prefill.wgmma_ws_lazy (wgmma_ws_lean then takes every hd-256 shape).
-  r.add({F::kAttnPrefill, "wgmma_ws_lazy",
-         "hd 256: wgmma_ws_ulean with the scale in the exponent's FFMA and O rescaled only when a "
-         "row's max grows by more than 2^8 (not the same bits; within tolerance)",
-         hd256});
   r.add({F::kAttnPrefill, "wgmma_ws_lean",
          "hd 256: wgmma_ws with O rescaled only when a row of the warp raised its max and no mask "
          "code before the diagonal (same bits)",
@@ -286,8 +287,9 @@ DispatchRegistry DispatchRegistry::with_defaults(int sm, const std::string& disa
   r.add({F::kAttnPrefill, "wgmma_ws3_lean_persist",
          "wgmma_ws3_lean as a persistent grid (same bits)", hd256});
   // Session 26 (docs/perf/attn_prefill_ws.md): two leaner forms of wgmma_ws_lean (wgmma_ws_lazy,
-  // the default since session 30, is registered first, above). wgmma_ws_ulean builds the 16 Q descriptors of each S in the uniform datapath
-  // (one 64-bit add each instead of ~5 instructions; same bits). wgmma_ws_lazy adds the score
+  // the default since session 30, is registered first, above). wgmma_ws_ulean builds the 16 Q
+  // descriptors of each S in the uniform datapath (one 64-bit add each instead of ~5
+  // instructions; same bits). wgmma_ws_lazy adds the score
   // scale folded into the exponent's FFMA and FlashAttention-4's lazy rescale (a row's base raised
   // only when its max grows by more than 2^8, so O is rarely rescaled): ~294 instructions per
   // unmasked tile against ~385, not the same bits (within the fp32 reference's tolerance and no
