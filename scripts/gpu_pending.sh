@@ -118,7 +118,9 @@ case "$step" in
     run attn_prefill "$DS" bench kernels --only attn_prefill || rc=1
     run gemm "$DS" bench kernels --only gemm || rc=1
     # (its last row is the fused GDN kernel: capped, so that a hang there costs 150 s at most)
-    run gdn_stage timeout 150 "$T/cuda_gdn_test" --gtest_filter=CudaGdn.PrefillStageTiming || rc=1
+    # (timing-only tests run with DS_PERF=1 alone)
+    run gdn_stage timeout 150 env DS_PERF=1 "$T/cuda_gdn_test" \
+      --gtest_filter=CudaGdn.PrefillStageTiming || rc=1
     # The whole GDN layer: the shipped pair, then the state pass with the output fused in.
     run gdn_layer "$DS" bench kernels --only gdn_prefill || rc=1
     if [ "${SKIP_FUSED:-0}" != 1 ]; then
@@ -127,7 +129,7 @@ case "$step" in
           --only gdn_prefill || rc=1
       done
     fi
-    run attn_decode_timing "$T/cuda_attention_decode_test" \
+    run attn_decode_timing env DS_PERF=1 "$T/cuda_attention_decode_test" \
       --gtest_filter=CudaAttentionDecode.Timing || rc=1
     ;;
   decode)

@@ -5,7 +5,8 @@
 # first and points the tests at this checkout's test data.
 #   BUILD_DIR   build folder holding tests/ (default build-cuda)
 #   OUT         where logs go (default ./gpu-test-logs)
-#   --perf      also run the synthetic-27B timing (DS_PERF=1)
+#   --perf      also run the synthetic-27B timing and the timing-only kernel tests (DS_PERF=1;
+#               without it they skip: ~50 s of the ~400 s run on the H200 in session 30)
 #   --filter F  gtest filter for every binary
 #   --only A,B  run only these binaries (names without the folder, e.g. cuda_hf_compare_test)
 #   --hf-compare DIR  also compare with HF transformers at the 27B shapes: cuda_hf_compare_test

@@ -556,6 +556,7 @@ TEST(CudaAttentionDecode, UnsupportedShapes) {
 // the adaptive path under PDL.
 TEST(CudaAttentionDecode, Timing) {
   DS_REQUIRE_GPU();
+  DS_REQUIRE_PERF();
   const cuda::AttnShape s = test::attn_shape_27b();
   const int hd = s.head_dim, nkv = s.n_kv_heads, ps = s.page_size;
   int dev = 0;

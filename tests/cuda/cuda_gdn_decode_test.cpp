@@ -528,6 +528,7 @@ TEST(CudaGdnDecode, PdlAfterGemv27B) {
 // past L2), the decode launched plain or with PDL, and the GEMV alone.
 TEST(CudaGdnDecode, PdlTiming) {
   DS_REQUIRE_GPU();
+  DS_REQUIRE_PERF();
   const cuda::GdnShape s = shape_27b();
   std::mt19937 rng(32);
   InProj gemv(s, rng);
@@ -565,6 +566,7 @@ TEST(CudaGdnDecode, PdlTiming) {
 
 TEST(CudaGdnDecode, Timing) {
   DS_REQUIRE_GPU();
+  DS_REQUIRE_PERF();
   const cuda::GdnShape s = shape_27b();
   std::mt19937 rng(9);
   for (int round = 0; round < 2; ++round) {

@@ -1181,6 +1181,7 @@ double median_ms(F&& f, int iters) {
 
 TEST(CudaGdn, Timing) {
   REQUIRE_GPU();
+  DS_REQUIRE_PERF();
   const GdnShape s = shape_27b();
   std::mt19937 rng(5);
   const HostLayer hl = make_layer(s, rng);
@@ -1277,6 +1278,7 @@ TEST(CudaGdn, Timing) {
 // kernel at its default strip (and 16 / 32 / 64 at 4096 tokens). Prints; asserts nothing.
 TEST(CudaGdn, ConvTiming) {
   REQUIRE_GPU();
+  DS_REQUIRE_PERF();
   const GdnShape s = shape_27b();
   std::mt19937 rng(12);
   const DevLayer dl = upload_layer(s, make_layer(s, rng));
@@ -1330,6 +1332,7 @@ TEST(CudaGdn, ConvTiming) {
 
 TEST(CudaGdn, PrefillStageTiming) {
   REQUIRE_GPU();
+  DS_REQUIRE_PERF();
   if (device_sm() < 90) GTEST_SKIP() << "the staged kernels are sm 90 only";
   const GdnShape s = shape_27b();
   std::mt19937 rng(6);

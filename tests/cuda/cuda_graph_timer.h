@@ -9,9 +9,18 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cuda/cuda_common.h"
+
+// Timing-only tests (they print numbers and assert nothing): skipped unless DS_PERF=1
+// (scripts/gpu_test.sh --perf), so that the correctness run spends its device time on tests.
+// Performance claims come from `deltaserve bench`, not from these.
+#define DS_REQUIRE_PERF()                                                               \
+  if (const char* ds_perf_ = std::getenv("DS_PERF"); !ds_perf_ || std::string(ds_perf_) != "1") \
+  GTEST_SKIP() << "timing only: set DS_PERF=1 to run"
 
 namespace ds::test {
 

@@ -376,6 +376,7 @@ TEST(CudaKernels, QkNormRopeKvWrite) {
 // (cuda_graph_timer.h), inputs rotated past L2. Prints; asserts nothing.
 TEST(CudaKernels, DecodeSmallKernelTiming) {
   DS_REQUIRE_GPU();
+  DS_REQUIRE_PERF();
   std::mt19937 rng(9);
   const cuda::AttnShape s = test::attn_shape_27b();
   const int rot = 64;
