@@ -66,18 +66,19 @@ struct Mode {
 // pick different algorithms; tests comparing engines bit for bit need it off).
 std::unique_ptr<Backend> make_engine(Mode m, const ModelConfig* synth, const HostWeights* w,
                                      int page, const char* disable_kernels = nullptr,
-                                     bool gemm_tune = true) {
+                                     bool gemm_tune = true, int n_slots = 2,
+                                     int64_t max_kv_tokens = 8192) {
   if (m.specialised && gemm_tune)
     unsetenv("DS_GEMM_TUNE");
   else
     setenv("DS_GEMM_TUNE", "0", 1);
   BackendOptions o;
   o.device = "cuda";
-  o.n_slots = 2;
+  o.n_slots = n_slots;
   o.chunk_size = 4096;
   CudaEngineOptions e;
   e.verbose = false;
-  e.max_kv_tokens = 8192;
+  e.max_kv_tokens = max_kv_tokens;
   e.page_size = page;
   e.cuda_graphs = m.specialised;
   if (!m.specialised) e.disable_kernels = "all";
@@ -778,18 +779,7 @@ TEST(NormDecodeForms, BitExactAtBatch16) {
   auto run = [&](cuda::RmsNormKernel form, std::vector<int32_t>& ids) {
     cuda::set_rmsnorm_decode_form(form);
     EXPECT_EQ(cuda::rmsnorm_decode_form(), form);
-    BackendOptions o;
-    o.device = "cuda";
-    o.n_slots = B;
-    o.chunk_size = 4096;
-    CudaEngineOptions e;
-    e.verbose = false;
-    e.max_kv_tokens = 16384;
-    e.page_size = 64;
-    e.cuda_graphs = true;
-    setenv("DS_GEMM_TUNE", "0", 1);
-    auto b = make_cuda_backend_synthetic(o, c, 3, e);
-    unsetenv("DS_GEMM_TUNE");
+    auto b = make_engine({true}, &c, nullptr, 64, nullptr, false, B, 16384);
     std::vector<float> rows, l;
     std::vector<int32_t> next(B);
     for (int s = 0; s < B; ++s) {
