@@ -186,6 +186,15 @@ case "$step" in
       run "attn_k_default_$i" "$DS" bench kernels --only attn_prefill || rc=1
       run "attn_k_lean_$i" env "$LEAN" "$DS" bench kernels --only attn_prefill || rc=1
     done
+    # One file for the six (a device call returns at most 8 files) and the variants' table.
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "attn_variants: python3 tools/bench_variants.py attn_kernels.txt --ref wgmma_ws_lean"
+    else
+      for f in "$OUT"/attn_k_*.txt; do echo "=== $(basename "$f")"; cat "$f"; done \
+        >"$OUT/attn_kernels.txt" && rm -f "$OUT"/attn_k_*.txt
+      python3 tools/bench_variants.py "$OUT/attn_kernels.txt" --ref wgmma_ws_lean \
+        --variants wgmma_ws_lean,wgmma_ws_ulean,wgmma_ws_lazy >"$OUT/attn_variants.md" || rc=1
+    fi
     if [ "${DRY:-0}" = 1 ]; then
       echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 2048,4096,8192,16384,32768 --repeats 3,3,2,1,1 --rounds 3 - $LEAN $ULEAN"
     else

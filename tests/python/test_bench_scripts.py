@@ -325,6 +325,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert out["attn"].count(lean + " ") == 3 + 1  # three bench processes, the prompt A/B arm
     assert ulean in out["attn"].split()
     assert "--prefill 2048,4096,8192,16384,32768" in out["attn"]
+    assert "tools/bench_variants.py attn_kernels.txt --ref wgmma_ws_lean" in out["attn"]
     # Session 30's decode norm forms: their tests, the profiles (batch 1 and 16; 16 with
     # loads_late), the A/B arms beside the cluster argmax.
     assert "CudaKernels.AddRmsNorm" in out["profile"] and "NormDecodeForms" in out["profile"]
