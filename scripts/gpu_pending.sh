@@ -19,8 +19,7 @@
 #   BUDGET=560 bash scripts/gpu_pending.sh profile  # ~8 min: session 30's decode norm forms
 #                                         # ($DS_NORM_DECODE; their tests), the in-graph profile
 #                                         # at 4K (batch 1, 16), the A/B at batch 1 / 4 / 16 with
-#                                         # the cluster argmax
-#                                         # at batch 16 too)
+#                                         # the cluster argmax and the out projections on TMA
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -188,7 +187,7 @@ case "$step" in
     done
     # One file for the six (a device call returns at most 8 files) and the variants' table.
     if [ "${DRY:-0}" = 1 ]; then
-      echo "attn_variants: python3 tools/bench_variants.py attn_kernels.txt --ref wgmma_ws_lean"
+      echo "attn_variants: python3 tools/bench_variants.py attn_kernels.txt --ref wgmma_ws_lean --variants wgmma_ws_lean,wgmma_ws_ulean,wgmma_ws_lazy"
     else
       for f in "$OUT"/attn_k_*.txt; do echo "=== $(basename "$f")"; cat "$f"; done \
         >"$OUT/attn_kernels.txt" && rm -f "$OUT"/attn_k_*.txt
@@ -198,9 +197,9 @@ case "$step" in
     if [ "${DRY:-0}" = 1 ]; then
       echo "prefill_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --prefill 2048,4096,8192,16384,32768 --repeats 3,3,2,1,1 --rounds 3 - $LEAN $ULEAN"
     else
-      ARM_TIMEOUT=60 BIN="$DS" OUT="$OUT" timeout "$(left)" bash scripts/gpu_decode_ab.sh \
-        --prefill 2048,4096,8192,16384,32768 --repeats 3,3,2,1,1 --rounds 3 - "$LEAN" "$ULEAN" \
-        || rc=1
+      [ "$(left)" -ge 70 ] && { ARM_TIMEOUT=60 BIN="$DS" OUT="$OUT" timeout "$(left)" \
+        bash scripts/gpu_decode_ab.sh --prefill 2048,4096,8192,16384,32768 --repeats 3,3,2,1,1 \
+        --rounds 3 - "$LEAN" "$ULEAN" || rc=1; }
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;
@@ -223,11 +222,13 @@ case "$step" in
       DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
       --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
     if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,16@4096 --rounds 3 - DS_NORM_DECODE=late DS_NORM_DECODE=loads DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 DS_GEMV_TMA_NARROW=1"
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,16@4096 --rounds 2 - DS_NORM_DECODE=late DS_NORM_DECODE=loads DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 DS_GEMV_TMA_NARROW=1"
     else
-      BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,4@4096,16@4096 --rounds 3 - DS_NORM_DECODE=late DS_NORM_DECODE=loads \
-        DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 DS_GEMV_TMA_NARROW=1 || rc=1
+      # (6 arms x 2 rounds of ~15-25 s: what is left of the step after the tests and profiles)
+      [ "$(left)" -ge 70 ] && { BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) \
+        bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,16@4096 --rounds 2 - \
+        DS_NORM_DECODE=late DS_NORM_DECODE=loads DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 \
+        DS_GEMV_TMA_NARROW=1 || rc=1; }
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;

@@ -35,6 +35,9 @@ def parse(text, family):
     note = None
     row = re.compile(r"^\s+" + re.escape(family) + r"\.([\w]+)\s{2,}(.+?)\s{2,}")
     for line in text.splitlines():
+        if line.startswith("=== "):  # the next process's log in a concatenated file
+            note = None
+            continue
         m = NOTE.match(line)
         if m:
             note = (m.group(1), line[m.end():])

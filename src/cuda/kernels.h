@@ -60,6 +60,9 @@ bool rmsnorm_fit_enabled();             // $DS_NORM_FIT: unset or "1" on, "0" of
 // each time, so decode graphs captured before keep the form they hold.
 RmsNormKernel rmsnorm_decode_form();
 void set_rmsnorm_decode_form(RmsNormKernel form);  // kMax8, kMax8Late, kMax8Loads, kMax8LoadsLate
+// The kernel launch_add_rmsnorm runs for n_rows x d with 16-byte aligned pointers (tests: which
+// form really runs).
+const void* add_rmsnorm_kernel_for(int n_rows, int d, RmsNormKernel which);
 void launch_add_rmsnorm(__nv_bfloat16* residual, const __nv_bfloat16* delta,
                         const __nv_bfloat16* w, int n_rows, int d, float eps, float weight_offset,
                         __nv_bfloat16* out, cudaStream_t stream, RmsNormKernel which);

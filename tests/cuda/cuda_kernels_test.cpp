@@ -138,20 +138,52 @@ TEST(CudaKernels, AddRmsNormFitBitExact) {
   }
 }
 
+// Which kernel launch_add_rmsnorm runs for each form (no GPU needed: kernel addresses): four
+// distinct kernels at a decode batch (16 x 5120), kAuto taking the form set_rmsnorm_decode_form
+// (or $DS_NORM_DECODE) names at decode batches and the prompt-chunk build from kRmsNormFitMinRows
+// rows whatever the form, and one generic kernel for every form where d % 8 != 0 (1002). So the
+// bit-exactness tests below compare kernels that really differ.
+TEST(CudaKernels, AddRmsNormFormSelection) {
+  using K = cuda::RmsNormKernel;
+  const K forms[] = {K::kMax8, K::kMax8Late, K::kMax8Loads, K::kMax8LoadsLate};
+  const void* k[4];
+  for (int i = 0; i < 4; ++i) k[i] = cuda::add_rmsnorm_kernel_for(16, 5120, forms[i]);
+  for (int i = 0; i < 4; ++i)
+    for (int j = i + 1; j < 4; ++j) EXPECT_NE(k[i], k[j]) << "forms " << i << " and " << j;
+  const void* fit = cuda::add_rmsnorm_kernel_for(cuda::kRmsNormFitMinRows, 5120, K::kFit);
+  struct Restore {
+    K f;
+    ~Restore() { cuda::set_rmsnorm_decode_form(f); }
+  } restore{cuda::rmsnorm_decode_form()};
+  for (int i = 0; i < 4; ++i) {
+    cuda::set_rmsnorm_decode_form(forms[i]);
+    EXPECT_EQ(cuda::add_rmsnorm_kernel_for(16, 5120, K::kAuto), k[i]) << "form " << i;
+    EXPECT_EQ(cuda::add_rmsnorm_kernel_for(1, 5120, K::kAuto), k[i]) << "form " << i;
+    if (cuda::rmsnorm_fit_enabled())
+      EXPECT_EQ(cuda::add_rmsnorm_kernel_for(cuda::kRmsNormFitMinRows, 5120, K::kAuto), fit)
+          << "form " << i;
+    EXPECT_EQ(cuda::add_rmsnorm_kernel_for(16, 1002, forms[i]),
+              cuda::add_rmsnorm_kernel_for(16, 1002, K::kMax8))
+        << "form " << i;
+  }
+  EXPECT_NE(cuda::add_rmsnorm_kernel_for(16, 1002, K::kMax8), k[0]);
+  EXPECT_NE(cuda::add_rmsnorm_kernel_for(16, 1000, K::kMax8Loads), k[0]);  // 125 vectors: vec
+}
+
 // The decode norm's other forms ($DS_NORM_DECODE: RmsNormKernel::kMax8Late, the dependent
 // triggered after the loads; kMax8Loads, every load before the first store; kMax8LoadsLate, both)
 // are bit-identical to the shipped 8-vector build (kMax8), output and updated residual, at decode
-// batches (1, 2, 16, 33 rows) and widths 5120 / 6144 / 2048 / 1000 (the last not a multiple of 8:
-// every form takes the generic kernel), with and without delta; then in a CUDA graph, three norms
-// chained under PDL (each a programmatic dependent of the one before, reading its output as its
-// residual) give the same bits in every form.
+// batches (1, 2, 16, 33 rows) and widths 5120 / 6144 / 2048 / 1000 (125 vectors: threads 125-255
+// idle) / 1002 (not a multiple of 8: every form takes the generic kernel), with and without
+// delta; then in a CUDA graph, three norms chained under PDL (each a programmatic dependent of
+// the one before, reading its output as its residual) give the same bits in every form.
 TEST(CudaKernels, AddRmsNormDecodeFormsBitExact) {
   DS_REQUIRE_GPU();
   std::mt19937 rng(13);
   const cuda::RmsNormKernel forms[] = {cuda::RmsNormKernel::kMax8, cuda::RmsNormKernel::kMax8Late,
                                        cuda::RmsNormKernel::kMax8Loads,
                                        cuda::RmsNormKernel::kMax8LoadsLate};
-  for (int d : {5120, 6144, 2048, 1000}) {
+  for (int d : {5120, 6144, 2048, 1000, 1002}) {
     for (int rows : {1, 2, 16, 33}) {
       for (int with_delta : {0, 1}) {
         auto res = test::random_bf16(size_t(rows) * d, rng, 3.f);

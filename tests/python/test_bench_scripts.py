@@ -332,7 +332,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert out["profile"].count("DecodeProfile.Synthetic27bInGraph") == 2
     assert "DS_PROFILE_BATCHES=1\\,16" in out["profile"]  # printf %q escapes the comma
     assert "env DS_NORM_DECODE=loads_late DS_PROFILE=1 DS_PROFILE_BATCHES=16" in out["profile"]
-    assert ("--cases 1@4096,4@4096,16@4096 --rounds 3 - DS_NORM_DECODE=late DS_NORM_DECODE=loads "
+    assert ("--cases 1@4096,4@4096,16@4096 --rounds 2 - DS_NORM_DECODE=late DS_NORM_DECODE=loads "
             "DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 DS_GEMV_TMA_NARROW=1") in out["profile"]
     assert "DS_GEMV_ACC" not in "".join(out.values())  # removed in session 30
     # Session 27's decode head: the three tests, the profiles both ways, the A/B arms.

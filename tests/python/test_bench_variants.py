@@ -50,6 +50,15 @@ def test_merge_and_table_against_a_reference():
     assert t[3].split(" | ")[2] == "-"
 
 
+def test_concatenated_logs_do_not_carry_a_note_over():
+    # a process that printed a note and died before its row, then the next process's log
+    text = ("=== attn_k_1.txt\n"
+            "    a: 1 TFLOP/s, generic 1 TFLOP/s; b 999.00 us (1 TFLOP/s)\n"
+            "=== attn_k_2.txt\n" + LOG1)
+    p = bench_variants.parse(text, "attn_prefill")
+    assert p["q 4096 after 0 cached, 24q/4kv hd 256"]["b"] == [470.0]
+
+
 def test_cli(tmp_path):
     f1, f2 = tmp_path / "1.txt", tmp_path / "2.txt"
     f1.write_text(LOG1)
