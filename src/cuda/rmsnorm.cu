@@ -191,23 +191,23 @@ using NormKernel = void (*)(bf16*, const bf16*, const bf16*, int, float, float, 
 // pointer 16-byte aligned.
 NormKernel pick_norm_kernel(int n_rows, int d, bool vec, RmsNormKernel which) {
   if (!vec || d % 8 != 0 || d / 8 > kThreads * kMaxVec) return add_rmsnorm_kernel;
-  NormKernel kernel = add_rmsnorm_vec_kernel<kMaxVec>;
-  const RmsNormKernel form = which == RmsNormKernel::kAuto ? rmsnorm_decode_form() : which;
-  if (form == RmsNormKernel::kMax8Late) kernel = add_rmsnorm_vec_kernel<kMaxVec, 1>;
-  if (form == RmsNormKernel::kMax8Loads) kernel = add_rmsnorm_vec_kernel<kMaxVec, 2>;
-  if (form == RmsNormKernel::kMax8LoadsLate) kernel = add_rmsnorm_vec_kernel<kMaxVec, 3>;
   const bool fit = which == RmsNormKernel::kFit ||
                    (which == RmsNormKernel::kAuto && n_rows >= kRmsNormFitMinRows &&
                     rmsnorm_fit_enabled());
   if (fit) {
     const int need = (d / 8 + kThreads - 1) / kThreads;  // 16-byte vectors per thread
-    kernel = need <= 1   ? add_rmsnorm_vec_kernel<1>
-             : need <= 2 ? add_rmsnorm_vec_kernel<2>
-             : need <= 3 ? add_rmsnorm_vec_kernel<3>
-             : need <= 4 ? add_rmsnorm_vec_kernel<4>
-                         : add_rmsnorm_vec_kernel<kMaxVec>;
+    return need <= 1   ? add_rmsnorm_vec_kernel<1>
+           : need <= 2 ? add_rmsnorm_vec_kernel<2>
+           : need <= 3 ? add_rmsnorm_vec_kernel<3>
+           : need <= 4 ? add_rmsnorm_vec_kernel<4>
+                       : add_rmsnorm_vec_kernel<kMaxVec>;
   }
-  return kernel;
+  switch (which == RmsNormKernel::kAuto ? rmsnorm_decode_form() : which) {
+    case RmsNormKernel::kMax8Late: return add_rmsnorm_vec_kernel<kMaxVec, 1>;
+    case RmsNormKernel::kMax8Loads: return add_rmsnorm_vec_kernel<kMaxVec, 2>;
+    case RmsNormKernel::kMax8LoadsLate: return add_rmsnorm_vec_kernel<kMaxVec, 3>;
+    default: return add_rmsnorm_vec_kernel<kMaxVec>;
+  }
 }
 }  // namespace
 

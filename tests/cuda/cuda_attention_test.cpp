@@ -509,15 +509,14 @@ TEST(CudaAttentionMma, DefaultDispatch) {
   };
   const auto r = cuda::DispatchRegistry::with_defaults(90);
   const auto pick = picker("");
-  for (auto [q, kv] : {std::pair{4096, 4096}, {3072, 3072}, {4096, 4096 + 8192}, {512, 33280},
-                       {16384, 16384}, {511, 33279}, {4096, 8191}, {22, 8192}, {21, 8192},
-                       {1, 100}})
-    EXPECT_EQ(pick(q, kv), "wgmma_ws_lazy") << q << " after " << kv - q;
+  const std::pair<int, int> shapes[] = {{4096, 4096},   {3072, 3072},   {4096, 4096 + 8192},
+                                        {512, 33280},   {16384, 16384}, {511, 33279},
+                                        {4096, 8191},   {22, 8192},     {21, 8192},
+                                        {1, 100}};
+  for (auto [q, kv] : shapes) EXPECT_EQ(pick(q, kv), "wgmma_ws_lazy") << q << " after " << kv - q;
   // With it off: the session-25 default (the A/B reference), wgmma_ws_lean on every shape.
   const auto pick_s25 = picker("attn_prefill.wgmma_ws_lazy");
-  for (auto [q, kv] : {std::pair{4096, 4096}, {3072, 3072}, {4096, 4096 + 8192}, {512, 33280},
-                       {16384, 16384}, {511, 33279}, {4096, 8191}, {22, 8192}, {21, 8192},
-                       {1, 100}})
+  for (auto [q, kv] : shapes)
     EXPECT_EQ(pick_s25(q, kv), "wgmma_ws_lean") << q << " after " << kv - q;
   // With wgmma_ws_lean off too: session 24's picks, wgmma_ws3_lean from 512-token chunks against
   // >= 8K keys, plain wgmma_ws elsewhere.
