@@ -20,6 +20,9 @@
 #                                         # ($DS_NORM_DECODE; their tests), the in-graph profile
 #                                         # at 4K (batch 1, 16), the A/B at batch 1 / 4 / 16 with
 #                                         # the cluster argmax and the out projections on TMA
+#   BUDGET=560 bash scripts/gpu_pending.sh post     # ~6 min: session 31's post-mixer norm form
+#                                         # ($DS_NORM_DECODE_POST): its tests, the batch-16
+#                                         # in-graph profile both ways, the A/B at 1/4/8/16 x 4096
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -51,8 +54,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|profile|argmax|tma|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, profile, argmax, tma or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|profile|post|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, profile, post, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -229,6 +232,30 @@ case "$step" in
         bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,16@4096 --rounds 2 - \
         DS_NORM_DECODE=late DS_NORM_DECODE=loads DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 \
         DS_GEMV_TMA_NARROW=1 || rc=1; }
+      rm -f "$OUT/decode_ab.full.log"
+    fi
+    ;;
+  post)
+    # Session 31's post-mixer norm form ($DS_NORM_DECODE_POST; rmsnorm.cu): at batch 3-16 the norm
+    # after gdn_out / attn_o (cuBLASLt, no PDL) in the late forms, the others shipped. The tests
+    # (kernel selection and bits; the engine's batch-16 logits), the in-graph profile at batch 16
+    # both ways, then the A/B at batch 1 / 4 / 8 / 16 (batch 1-2 fuse the norms: a control).
+    run norm_kernel_test timeout 120 "$T/cuda_kernels_test" \
+      --gtest_filter='CudaKernels.AddRmsNorm*' || rc=1
+    run norm_engine_test timeout 240 "$T/cuda_specialisation_test" \
+      --gtest_filter='NormDecodeForms.*' || rc=1
+    run inprof_b16 env DS_PROFILE=1 DS_PROFILE_BATCHES=16 DS_PROFILE_CONTEXT=4096 \
+      "$T/cuda_decode_profile_test" --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
+    run inprof_b16_post_late env DS_NORM_DECODE_POST=late DS_PROFILE=1 DS_PROFILE_BATCHES=16 \
+      DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
+      --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,8@4096,16@4096 --rounds 3 - DS_NORM_DECODE_POST=late DS_NORM_DECODE_POST=loads_late DS_NORM_DECODE=loads DS_NORM_DECODE_POST=loads_late"
+    else
+      [ "$(left)" -ge 70 ] && { BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) \
+        bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,8@4096,16@4096 --rounds 3 - \
+        DS_NORM_DECODE_POST=late DS_NORM_DECODE_POST=loads_late \
+        "DS_NORM_DECODE=loads DS_NORM_DECODE_POST=loads_late" || rc=1; }
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;

@@ -191,9 +191,9 @@ using NormKernel = void (*)(bf16*, const bf16*, const bf16*, int, float, float, 
 // pointer 16-byte aligned.
 NormKernel pick_norm_kernel(int n_rows, int d, bool vec, RmsNormKernel which) {
   if (!vec || d % 8 != 0 || d / 8 > kThreads * kMaxVec) return add_rmsnorm_kernel;
+  const bool automatic = which == RmsNormKernel::kAuto || which == RmsNormKernel::kAutoPost;
   const bool fit = which == RmsNormKernel::kFit ||
-                   (which == RmsNormKernel::kAuto && n_rows >= kRmsNormFitMinRows &&
-                    rmsnorm_fit_enabled());
+                   (automatic && n_rows >= kRmsNormFitMinRows && rmsnorm_fit_enabled());
   if (fit) {
     const int need = (d / 8 + kThreads - 1) / kThreads;  // 16-byte vectors per thread
     return need <= 1   ? add_rmsnorm_vec_kernel<1>
@@ -202,7 +202,9 @@ NormKernel pick_norm_kernel(int n_rows, int d, bool vec, RmsNormKernel which) {
            : need <= 4 ? add_rmsnorm_vec_kernel<4>
                        : add_rmsnorm_vec_kernel<kMaxVec>;
   }
-  switch (which == RmsNormKernel::kAuto ? rmsnorm_decode_form() : which) {
+  switch (which == RmsNormKernel::kAuto       ? rmsnorm_decode_form()
+          : which == RmsNormKernel::kAutoPost ? rmsnorm_decode_post_form()
+                                              : which) {
     case RmsNormKernel::kMax8Late: return add_rmsnorm_vec_kernel<kMaxVec, 1>;
     case RmsNormKernel::kMax8Loads: return add_rmsnorm_vec_kernel<kMaxVec, 2>;
     case RmsNormKernel::kMax8LoadsLate: return add_rmsnorm_vec_kernel<kMaxVec, 3>;
@@ -236,19 +238,40 @@ bool rmsnorm_fit_enabled() {
 
 namespace {
 std::atomic<int> g_norm_decode_form{-1};
-RmsNormKernel parse_norm_decode_form(const char* e) {
+std::atomic<int> g_norm_decode_post_form{-1};  // kAuto: follow g_norm_decode_form
+RmsNormKernel parse_norm_form(const char* var, const char* e, RmsNormKernel unset) {
   const std::string v = e ? e : "";
-  if (v.empty() || v == "shipped") return RmsNormKernel::kMax8;
+  if (v.empty()) return unset;
+  if (v == "shipped") return RmsNormKernel::kMax8;
   if (v == "late") return RmsNormKernel::kMax8Late;
   if (v == "loads") return RmsNormKernel::kMax8Loads;
-  DS_CHECK(v == "loads_late", "DS_NORM_DECODE must be shipped, late, loads or loads_late, got '",
-           v, "'");
+  DS_CHECK(v == "loads_late", var, " must be shipped, late, loads or loads_late, got '", v, "'");
   return RmsNormKernel::kMax8LoadsLate;
+}
+RmsNormKernel parse_norm_decode_form(const char* e) {
+  return parse_norm_form("DS_NORM_DECODE", e, RmsNormKernel::kMax8);
+}
+RmsNormKernel parse_norm_decode_post_form(const char* e) {
+  return parse_norm_form("DS_NORM_DECODE_POST", e, RmsNormKernel::kAuto);
 }
 }  // namespace
 
 RmsNormKernel rmsnorm_decode_form() {
   return cached_form(g_norm_decode_form, "DS_NORM_DECODE", parse_norm_decode_form);
+}
+
+RmsNormKernel rmsnorm_decode_post_form() {
+  const RmsNormKernel f =
+      cached_form(g_norm_decode_post_form, "DS_NORM_DECODE_POST", parse_norm_decode_post_form);
+  return f == RmsNormKernel::kAuto ? rmsnorm_decode_form() : f;
+}
+
+void set_rmsnorm_decode_post_form(RmsNormKernel form) {
+  DS_CHECK(form == RmsNormKernel::kAuto || form == RmsNormKernel::kMax8 ||
+               form == RmsNormKernel::kMax8Late || form == RmsNormKernel::kMax8Loads ||
+               form == RmsNormKernel::kMax8LoadsLate,
+           "set_rmsnorm_decode_post_form: kAuto or one of the 8-vector forms");
+  g_norm_decode_post_form.store(static_cast<int>(form));
 }
 
 void set_rmsnorm_decode_form(RmsNormKernel form) {

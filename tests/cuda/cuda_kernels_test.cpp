@@ -141,8 +141,9 @@ TEST(CudaKernels, AddRmsNormFitBitExact) {
 // Which kernel launch_add_rmsnorm runs for each form (no GPU needed: kernel addresses): four
 // distinct kernels at a decode batch (16 x 5120), kAuto taking the form set_rmsnorm_decode_form
 // (or $DS_NORM_DECODE) names at decode batches and the prompt-chunk build from kRmsNormFitMinRows
-// rows whatever the form, and one generic kernel for every form where d % 8 != 0 (1002). So the
-// bit-exactness tests below compare kernels that really differ.
+// rows whatever the form, and one generic kernel for every form where d % 8 != 0 (1002); kAutoPost
+// taking the post-mixer form ($DS_NORM_DECODE_POST) where one is set. So the bit-exactness tests
+// below compare kernels that really differ.
 TEST(CudaKernels, AddRmsNormFormSelection) {
   using K = cuda::RmsNormKernel;
   const K forms[] = {K::kMax8, K::kMax8Late, K::kMax8Loads, K::kMax8LoadsLate};
@@ -168,6 +169,32 @@ TEST(CudaKernels, AddRmsNormFormSelection) {
   }
   EXPECT_NE(cuda::add_rmsnorm_kernel_for(16, 1002, K::kMax8), k[0]);
   EXPECT_NE(cuda::add_rmsnorm_kernel_for(16, 1000, K::kMax8Loads), k[0]);  // 125 vectors: vec
+
+  // kAutoPost (the norm after gdn_out / attn_o): the post form where one is set
+  // ($DS_NORM_DECODE_POST), else the decode form; the prompt-chunk build from kRmsNormFitMinRows
+  // rows either way; kAuto never takes the post form.
+  struct RestorePost {
+    ~RestorePost() { cuda::set_rmsnorm_decode_post_form(K::kAuto); }
+  } restore_post;
+  for (int i = 0; i < 4; ++i) {
+    cuda::set_rmsnorm_decode_form(forms[i]);
+    cuda::set_rmsnorm_decode_post_form(K::kAuto);
+    EXPECT_EQ(cuda::rmsnorm_decode_post_form(), forms[i]);
+    EXPECT_EQ(cuda::add_rmsnorm_kernel_for(16, 5120, K::kAutoPost), k[i]) << "form " << i;
+    for (int j = 0; j < 4; ++j) {
+      cuda::set_rmsnorm_decode_post_form(forms[j]);
+      EXPECT_EQ(cuda::rmsnorm_decode_post_form(), forms[j]);
+      EXPECT_EQ(cuda::add_rmsnorm_kernel_for(16, 5120, K::kAutoPost), k[j])
+          << "decode form " << i << " post form " << j;
+      EXPECT_EQ(cuda::add_rmsnorm_kernel_for(3, 5120, K::kAutoPost), k[j]);
+      EXPECT_EQ(cuda::add_rmsnorm_kernel_for(16, 5120, K::kAuto), k[i])
+          << "decode form " << i << " post form " << j;
+      if (cuda::rmsnorm_fit_enabled())
+        EXPECT_EQ(cuda::add_rmsnorm_kernel_for(cuda::kRmsNormFitMinRows, 5120, K::kAutoPost), fit);
+    }
+  }
+  EXPECT_THROW(cuda::set_rmsnorm_decode_post_form(K::kFit), ds::Error);
+  EXPECT_THROW(cuda::set_rmsnorm_decode_post_form(K::kAutoPost), ds::Error);
 }
 
 // The decode norm's other forms ($DS_NORM_DECODE: RmsNormKernel::kMax8Late, the dependent

@@ -762,7 +762,8 @@ TEST(GdnConvForms, HeadCloseToStreamAt27bShapes) {
 // decode graphs; cuBLASLt's start-up tuning off, so every engine picks the same algorithms), 16
 // slots each prefilled with its own prompt (100-655 tokens), then 12 decode steps of all 16
 // together. At batch 16 the norms run as their own kernels (at batch 1-2 the GEMVs' prologues do
-// them). Every logit bit-identical to the shipped form's, and the same greedy tokens.
+// them). Every logit bit-identical to the shipped form's, and the same greedy tokens. Then the
+// same with only the post-mixer norms in the late forms ($DS_NORM_DECODE_POST, session 31).
 TEST(NormDecodeForms, BitExactAtBatch16) {
   DS_REQUIRE_GPU();
   const ModelConfig c = config_27b_4_layers();
@@ -815,6 +816,22 @@ TEST(NormDecodeForms, BitExactAtBatch16) {
                 ref.size());
     EXPECT_EQ(differ, 0u) << "form " << int(form);
     EXPECT_EQ(ids, ids_ref) << "form " << int(form);
+  }
+  // $DS_NORM_DECODE_POST: the post-mixer norms in another form, the others shipped.
+  struct RestorePost {
+    ~RestorePost() { cuda::set_rmsnorm_decode_post_form(cuda::RmsNormKernel::kAuto); }
+  } restore_post;
+  for (auto form : {cuda::RmsNormKernel::kMax8Late, cuda::RmsNormKernel::kMax8LoadsLate}) {
+    cuda::set_rmsnorm_decode_post_form(form);
+    EXPECT_EQ(cuda::rmsnorm_decode_post_form(), form);
+    std::vector<int32_t> ids;
+    const std::vector<float> got = run(cuda::RmsNormKernel::kMax8, ids);
+    ASSERT_EQ(got.size(), ref.size());
+    const size_t differ = bits_differ(got, ref);
+    std::printf("  norm decode post form %d vs shipped: %zu of %zu logits differ\n", int(form),
+                differ, ref.size());
+    EXPECT_EQ(differ, 0u) << "post form " << int(form);
+    EXPECT_EQ(ids, ids_ref) << "post form " << int(form);
   }
   EXPECT_THROW(cuda::set_rmsnorm_decode_form(cuda::RmsNormKernel::kFit), ds::Error);
 }

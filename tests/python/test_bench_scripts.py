@@ -293,8 +293,8 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     script = REPO / "scripts" / "gpu_pending.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
-    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "profile", "argmax", "tma",
-                 "quick"):
+    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "profile", "post", "argmax",
+                 "tma", "quick"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -334,6 +334,13 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "env DS_NORM_DECODE=loads_late DS_PROFILE=1 DS_PROFILE_BATCHES=16" in out["profile"]
     assert ("--cases 1@4096,4@4096,16@4096 --rounds 2 - DS_NORM_DECODE=late DS_NORM_DECODE=loads "
             "DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 DS_GEMV_TMA_NARROW=1") in out["profile"]
+    # Session 31's post-mixer norm form: its tests, the batch-16 profile both ways, the A/B.
+    assert "CudaKernels.AddRmsNorm" in out["post"] and "NormDecodeForms" in out["post"]
+    assert out["post"].count("DecodeProfile.Synthetic27bInGraph") == 2
+    assert "env DS_NORM_DECODE_POST=late DS_PROFILE=1 DS_PROFILE_BATCHES=16" in out["post"]
+    assert ("--cases 1@4096,4@4096,8@4096,16@4096 --rounds 3 - DS_NORM_DECODE_POST=late "
+            "DS_NORM_DECODE_POST=loads_late DS_NORM_DECODE=loads DS_NORM_DECODE_POST=loads_late"
+            ) in out["post"]
     assert "DS_GEMV_ACC" not in "".join(out.values())  # removed in session 30
     # Session 27's decode head: the three tests, the profiles both ways, the A/B arms.
     assert "CudaGemvBulk.ArgmaxFused" in out["argmax"]
