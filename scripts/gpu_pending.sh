@@ -16,13 +16,6 @@
 #                                         # (wgmma_ws_lazy since session 30) against wgmma_ws_lean
 #                                         # (attn_prefill_ws.md): the tests, bench kernels x3 each
 #                                         # way interleaved, whole prompts of 2K-32K (and ulean)
-#   BUDGET=560 bash scripts/gpu_pending.sh profile  # ~8 min: session 30's decode norm forms
-#                                         # ($DS_NORM_DECODE; their tests), the in-graph profile
-#                                         # at 4K (batch 1, 16), the A/B at batch 1 / 4 / 16 with
-#                                         # the cluster argmax and the out projections on TMA
-#   BUDGET=560 bash scripts/gpu_pending.sh post     # ~6 min: session 31's post-mixer norm form
-#                                         # ($DS_NORM_DECODE_POST): its tests, the batch-16
-#                                         # in-graph profile both ways, the A/B at 1/4/8/16 x 4096
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -37,7 +30,7 @@
 #                                         # the tests of every never-run form (sessions 26-27),
 #                                         # the attention kernels default vs wgmma_ws_ulean, and
 #                                         # one decode A/B: the fused head and kbox 2, each alone
-# A session has 30 minutes of device time: tests + attn + profile + argmax (~25 min of steps, about
+# A session has 30 minutes of device time: tests + attn + argmax (~20 min of steps, about
 # 30 with the machine's start) fill one, tma and kernels the next; with a single call, quick.
 #
 #   ARCHIVE   the packed binaries (default .carry/bins.tar.xz)
@@ -54,8 +47,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|profile|post|argmax|tma|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, profile, post, argmax, tma or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -203,59 +196,6 @@ case "$step" in
       [ "$(left)" -ge 70 ] && { ARM_TIMEOUT=60 BIN="$DS" OUT="$OUT" timeout "$(left)" \
         bash scripts/gpu_decode_ab.sh --prefill 2048,4096,8192,16384,32768 --repeats 3,3,2,1,1 \
         --rounds 3 - "$LEAN" "$ULEAN" || rc=1; }
-      rm -f "$OUT/decode_ab.full.log"
-    fi
-    ;;
-  profile)
-    # Session 30's decode norm forms ($DS_NORM_DECODE: late, loads, loads_late; rmsnorm.cu), never
-    # run on a GPU when written: the kernel test and the engine's batch-16 bit-exactness first
-    # (each capped), then where a decode step's time goes (the in-graph CUPTI profile at 4K, batch
-    # 1 and 16, and batch 16 with loads_late), then the A/B at batch 4 and 16 (batch 1-2 fuse the
-    # norms into the GEMVs), with the cluster argmax (8 blocks per row, the step's last kernel,
-    # waiting since session 12 for a clear A/B) and the out projections on gemv_tma_narrow at
-    # every batch (batch 16's gdn_out on cuBLASLt: 22.9 us against 13.7 of bytes, no PDL;
-    # session 10 measured that form slower, before the TMA kernels' later changes) beside them.
-    run norm_kernel_test timeout 120 "$T/cuda_kernels_test" \
-      --gtest_filter='CudaKernels.AddRmsNorm*' || rc=1
-    run norm_engine_test timeout 180 "$T/cuda_specialisation_test" \
-      --gtest_filter='NormDecodeForms.*' || rc=1
-    run inprof_4096 env DS_PROFILE=1 DS_PROFILE_BATCHES=1,16 DS_PROFILE_CONTEXT=4096 \
-      "$T/cuda_decode_profile_test" --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
-    run inprof_4096_loads_late env DS_NORM_DECODE=loads_late DS_PROFILE=1 DS_PROFILE_BATCHES=16 \
-      DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
-      --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
-    if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,16@4096 --rounds 2 - DS_NORM_DECODE=late DS_NORM_DECODE=loads DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 DS_GEMV_TMA_NARROW=1"
-    else
-      # (6 arms x 2 rounds of ~15-25 s: what is left of the step after the tests and profiles)
-      [ "$(left)" -ge 70 ] && { BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) \
-        bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,16@4096 --rounds 2 - \
-        DS_NORM_DECODE=late DS_NORM_DECODE=loads DS_NORM_DECODE=loads_late DS_ARGMAX_CLUSTER=1 \
-        DS_GEMV_TMA_NARROW=1 || rc=1; }
-      rm -f "$OUT/decode_ab.full.log"
-    fi
-    ;;
-  post)
-    # Session 31's post-mixer norm form ($DS_NORM_DECODE_POST; rmsnorm.cu): at batch 3-16 the norm
-    # after gdn_out / attn_o (cuBLASLt, no PDL) in the late forms, the others shipped. The tests
-    # (kernel selection and bits; the engine's batch-16 logits), the in-graph profile at batch 16
-    # both ways, then the A/B at batch 1 / 4 / 8 / 16 (batch 1-2 fuse the norms: a control).
-    run norm_kernel_test timeout 120 "$T/cuda_kernels_test" \
-      --gtest_filter='CudaKernels.AddRmsNorm*' || rc=1
-    run norm_engine_test timeout 240 "$T/cuda_specialisation_test" \
-      --gtest_filter='NormDecodeForms.*' || rc=1
-    run inprof_b16 env DS_PROFILE=1 DS_PROFILE_BATCHES=16 DS_PROFILE_CONTEXT=4096 \
-      "$T/cuda_decode_profile_test" --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
-    run inprof_b16_post_late env DS_NORM_DECODE_POST=late DS_PROFILE=1 DS_PROFILE_BATCHES=16 \
-      DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
-      --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
-    if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,8@4096,16@4096 --rounds 3 - DS_NORM_DECODE_POST=late DS_NORM_DECODE_POST=loads_late DS_NORM_DECODE=loads DS_NORM_DECODE_POST=loads_late"
-    else
-      [ "$(left)" -ge 70 ] && { BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) \
-        bash scripts/gpu_decode_ab.sh --cases 1@4096,4@4096,8@4096,16@4096 --rounds 3 - \
-        DS_NORM_DECODE_POST=late DS_NORM_DECODE_POST=loads_late \
-        "DS_NORM_DECODE=loads DS_NORM_DECODE_POST=loads_late" || rc=1; }
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;

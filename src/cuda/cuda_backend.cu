@@ -571,8 +571,6 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   (void)cuda::rmsnorm_fit_enabled();     // and $DS_NORM_FIT (read by every prompt-chunk norm)
   (void)cuda::gemv_l2_next_mib();        // and $DS_GEMV_L2_NEXT (read by every fused decode GEMV)
   (void)cuda::gemv_norm_weight_early();  // and $DS_GEMV_NORM_EARLY (likewise)
-  (void)cuda::rmsnorm_decode_form();     // and $DS_NORM_DECODE (read by every decode norm)
-  (void)cuda::rmsnorm_decode_post_form();  // and $DS_NORM_DECODE_POST (the post-mixer norms)
   (void)cuda::gemv_bulk_mma_enabled();   // and $DS_GEMV_MMA (read by the gemm registry guard)
   (void)cuda::gemv_splitk_enabled();     // and $DS_GEMV_SPLITK (likewise)
   (void)cuda::gdn_out_form();            // and $DS_GDN_OUT (read by every GDN prompt layer)
@@ -1553,8 +1551,7 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
     if (fuse && gate_up_silu_norm(post, L.gate_up, act_, T, c.d_ff, dm)) {
       flip(post);
     } else {
-      cuda::launch_add_rmsnorm(res, mixer_out, L.post_norm, T, dm, eps, 1.f, xn_, stream_,
-                               cuda::RmsNormKernel::kAutoPost);  // $DS_NORM_DECODE_POST
+      cuda::launch_add_rmsnorm(res, mixer_out, L.post_norm, T, dm, eps, 1.f, xn_, stream_);
       if (!gemm_->run_gate_up_silu(xn_, L.gate_up, act_, T, c.d_ff, dm, stream_)) {
         gemm(xn_, L.gate_up, proj_, 2 * c.d_ff, dm);
         cuda::launch_silu_mul(proj_, T, c.d_ff, act_, stream_);

@@ -49,29 +49,9 @@ void launch_add_rmsnorm(__nv_bfloat16* residual,     // [n_rows, d] (read; writt
 // kFit for n_rows >= kRmsNormFitMinRows unless $DS_NORM_FIT=0 (read at each launch), else kMax8;
 // kFit = the kernel compiled for the 16-byte vectors per thread that d needs (fewer registers,
 // more blocks per SM: prompt chunks); kMax8 = the build for any d <= 16384 (8 vectors per thread).
-// kMax8Late / kMax8Loads / kMax8LoadsLate: the 8-vector build with its dependent triggered after
-// its loads, with every load before the first store, or both; same bits ($DS_NORM_DECODE makes
-// kAuto take one where it takes kMax8; rmsnorm.cu). kAutoPost: kAuto for the norm after a mixer's
-// out-projection (the post-attention norm), whose decode form $DS_NORM_DECODE_POST may set apart.
-enum class RmsNormKernel { kAuto, kFit, kMax8, kMax8Late, kMax8Loads, kMax8LoadsLate, kAutoPost };
+enum class RmsNormKernel { kAuto, kFit, kMax8 };
 constexpr int kRmsNormFitMinRows = 64;  // decode batches keep their launches unchanged
 bool rmsnorm_fit_enabled();             // $DS_NORM_FIT: unset or "1" on, "0" off
-// $DS_NORM_DECODE, read on first use (process-wide): unset / shipped kMax8, late, loads,
-// loads_late; other values throw. set_rmsnorm_decode_form overrides it (tests); launches read it
-// each time, so decode graphs captured before keep the form they hold.
-RmsNormKernel rmsnorm_decode_form();
-void set_rmsnorm_decode_form(RmsNormKernel form);  // kMax8, kMax8Late, kMax8Loads, kMax8LoadsLate
-// $DS_NORM_DECODE_POST, read on first use: the decode form of the kAutoPost launches (the norm
-// after gdn_out / attn_o), with the same values; unset: rmsnorm_decode_form()'s. At batch 3-16
-// those projections run on cuBLASLt, which neither triggers its dependents early nor is launched
-// under PDL, so the norm after it starts cold; the others follow a PDL GEMV (docs/perf/
-// decode_gemv.md, session 31). rmsnorm_decode_post_form() returns the form those launches take;
-// set_rmsnorm_decode_post_form(kAuto) makes it follow rmsnorm_decode_form() again (tests).
-RmsNormKernel rmsnorm_decode_post_form();
-void set_rmsnorm_decode_post_form(RmsNormKernel form);  // kAuto or one of the four above
-// The kernel launch_add_rmsnorm runs for n_rows x d with 16-byte aligned pointers (tests: which
-// form really runs).
-const void* add_rmsnorm_kernel_for(int n_rows, int d, RmsNormKernel which);
 void launch_add_rmsnorm(__nv_bfloat16* residual, const __nv_bfloat16* delta,
                         const __nv_bfloat16* w, int n_rows, int d, float eps, float weight_offset,
                         __nv_bfloat16* out, cudaStream_t stream, RmsNormKernel which);

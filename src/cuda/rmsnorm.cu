@@ -4,7 +4,7 @@
 // weight_offset 1 gives Qwen3.5's zero-centred norms (input/post-attention/final). One block per
 // row; the row and the weights are held in registers (d <= 256 threads * 8 * kMaxVec), 16-byte
 // loads when d % 8 == 0, all before the reduction. (Not all in one memory round trip: each new
-// residual vector is stored before the next is loaded, see $DS_NORM_DECODE=loads below.)
+// residual vector is stored before the next is loaded, as delta may alias it; see pdl_enter.)
 // Shapes: any d up to 16384 (5120 for 27B). Tested in tests/cuda/cuda_kernels_test.cpp against a
 // CPU loop (normalised L2 error < 4e-3; the bf16 residual bit-exact).
 // Programmatic dependent launch (see pdl_enter): launched with PDL unless $DS_NORM_PDL=0, and it
@@ -16,19 +16,10 @@
 // Prompt chunks (>= kRmsNormFitMinRows rows) run the same kernel compiled for the vectors per
 // thread that d needs (VEC 3 at d 5120 instead of 8): the same bits, far fewer registers
 // (issue 7, docs/perf/prefill_gaps.md); $DS_NORM_FIT=0 keeps the 8-vector build everywhere.
-// $DS_NORM_DECODE (session 30, not yet measured; unset = shipped): two other forms of the
-// decode launches (the 8-vector build), for batch 16, whose norms add 7.2 us each to the step
-// against 3.3-3.7 us at batch 1 (docs/perf/decode_gemv.md, session 30). Same arithmetic, so
-// the same bits (cuda_kernels_test AddRmsNormDecodeFormsBitExact):
-//  - late (RmsNormKernel::kMax8Late): the dependent is triggered only after the row's loads and
-//    sum, not first. At batch 16 the dependent is a TMA GEMV whose 132 blocks fill ~29 MB of
-//    weight rings as soon as they are resident, and the norm's own loads may queue behind them.
-//  - loads (kMax8Loads): every load of the row is issued before the first residual store. The
-//    shipped loop stores each 16-byte residual vector before it loads the next (SASS: LDG, STG,
-//    LDG, ...): delta is not __restrict__ (see pdl_enter), so the compiler must assume the store
-//    may alias it, and a 5120-wide row pays up to 3 dependent memory round trips, not one.
-//  - loads_late (kMax8LoadsLate): both.
-#include <atomic>
+// Decode norms (fewer than kRmsNormFitMinRows rows) keep the 8-vector build: other forms of it
+// (the dependent triggered after the loads; every load before the first store; the form after the
+// cuBLASLt out-projections apart) gave the same bits and no faster step on the H100 or the H200
+// (sessions 30-31, docs/perf/decode_gemv.md) and were removed.
 #include <cstdlib>
 #include <string>
 
@@ -62,20 +53,14 @@ __device__ __forceinline__ void pdl_enter() {
 // row in the same order and gives the same bits: kMaxVec is the first version (any d, but 125
 // registers, 2 blocks per SM), add_rmsnorm_vec_kernel<vec_fit(d)> the prompt-chunk one (issue 7:
 // d 5120 -> VEC 3, a fraction of the registers, several blocks per SM, more bytes in flight).
-// kForm (the $DS_NORM_DECODE forms, header): bit 0 late, wait first and trigger the dependent
-// after the loads and the block sum; bit 1 loads, every load before the first store.
-template <int VEC, int kForm = 0>
+template <int VEC>
 __global__ void __launch_bounds__(kThreads)
     add_rmsnorm_vec_kernel(bf16* __restrict__ residual,  // [n_rows, d]
                            const bf16* delta,            // [n_rows, d] or null
                            const bf16* __restrict__ w,   // [d]
                            int d, float eps, float w_off,
                            bf16* __restrict__ out) {  // [n_rows, d]
-  constexpr bool kLate = (kForm & 1) != 0, kLoadsFirst = (kForm & 2) != 0;
-  if constexpr (kLate)
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-  else
-    pdl_enter();
+  pdl_enter();
   __shared__ float scratch[32];
   const int64_t row = blockIdx.x;
   const int d8 = d / 8;
@@ -85,35 +70,15 @@ __global__ void __launch_bounds__(kThreads)
   float x[VEC][8];
   uint4 wv[VEC];  // the weights are loaded with the row: one memory round trip, not two
   float ss = 0.f;
-  [[maybe_unused]] uint4 rv[kLoadsFirst ? VEC : 1], dv[kLoadsFirst ? VEC : 1];
-  if constexpr (kLoadsFirst) {
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      const int i = threadIdx.x + v * kThreads;
-      if (i < d8) {
-        wv[v] = w4[i];
-        rv[v] = res4[i];
-        if (del4) dv[v] = del4[i];
-      }
-    }
-  }
 #pragma unroll
   for (int v = 0; v < VEC; ++v) {
     const int i = threadIdx.x + v * kThreads;
     if (i < d8) {
-      if constexpr (!kLoadsFirst) wv[v] = w4[i];
-      uint4 r;
-      if constexpr (kLoadsFirst)
-        r = rv[v];
-      else
-        r = res4[i];
+      wv[v] = w4[i];
+      const uint4 r = res4[i];
       const bf16* rb = reinterpret_cast<const bf16*>(&r);
       if (del4) {
-        uint4 dd;
-        if constexpr (kLoadsFirst)
-          dd = dv[v];
-        else
-          dd = del4[i];
+        const uint4 dd = del4[i];
         const bf16* db = reinterpret_cast<const bf16*>(&dd);
         uint4 nr;
         bf16* nb = reinterpret_cast<bf16*>(&nr);
@@ -132,7 +97,6 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   ss = block_sum(ss, scratch);
-  if constexpr (kLate) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const float inv = rsqrtf(ss / d + eps);
   uint4* out4 = reinterpret_cast<uint4*>(out + row * d);
 #pragma unroll
@@ -191,9 +155,9 @@ using NormKernel = void (*)(bf16*, const bf16*, const bf16*, int, float, float, 
 // pointer 16-byte aligned.
 NormKernel pick_norm_kernel(int n_rows, int d, bool vec, RmsNormKernel which) {
   if (!vec || d % 8 != 0 || d / 8 > kThreads * kMaxVec) return add_rmsnorm_kernel;
-  const bool automatic = which == RmsNormKernel::kAuto || which == RmsNormKernel::kAutoPost;
   const bool fit = which == RmsNormKernel::kFit ||
-                   (automatic && n_rows >= kRmsNormFitMinRows && rmsnorm_fit_enabled());
+                   (which == RmsNormKernel::kAuto && n_rows >= kRmsNormFitMinRows &&
+                    rmsnorm_fit_enabled());
   if (fit) {
     const int need = (d / 8 + kThreads - 1) / kThreads;  // 16-byte vectors per thread
     return need <= 1   ? add_rmsnorm_vec_kernel<1>
@@ -202,20 +166,9 @@ NormKernel pick_norm_kernel(int n_rows, int d, bool vec, RmsNormKernel which) {
            : need <= 4 ? add_rmsnorm_vec_kernel<4>
                        : add_rmsnorm_vec_kernel<kMaxVec>;
   }
-  switch (which == RmsNormKernel::kAuto       ? rmsnorm_decode_form()
-          : which == RmsNormKernel::kAutoPost ? rmsnorm_decode_post_form()
-                                              : which) {
-    case RmsNormKernel::kMax8Late: return add_rmsnorm_vec_kernel<kMaxVec, 1>;
-    case RmsNormKernel::kMax8Loads: return add_rmsnorm_vec_kernel<kMaxVec, 2>;
-    case RmsNormKernel::kMax8LoadsLate: return add_rmsnorm_vec_kernel<kMaxVec, 3>;
-    default: return add_rmsnorm_vec_kernel<kMaxVec>;
-  }
+  return add_rmsnorm_vec_kernel<kMaxVec>;
 }
 }  // namespace
-
-const void* add_rmsnorm_kernel_for(int n_rows, int d, RmsNormKernel which) {
-  return reinterpret_cast<const void*>(pick_norm_kernel(n_rows, d, true, which));
-}
 
 void launch_add_rmsnorm(bf16* residual, const bf16* delta, const bf16* w, int n_rows, int d,
                         float eps, float weight_offset, bf16* out, cudaStream_t stream,
@@ -234,51 +187,6 @@ bool rmsnorm_fit_enabled() {
   const std::string v = e;
   DS_CHECK(v == "0" || v == "1", "DS_NORM_FIT must be 0 or 1, got '", v, "'");
   return v == "1";
-}
-
-namespace {
-std::atomic<int> g_norm_decode_form{-1};
-std::atomic<int> g_norm_decode_post_form{-1};  // kAuto: follow g_norm_decode_form
-RmsNormKernel parse_norm_form(const char* var, const char* e, RmsNormKernel unset) {
-  const std::string v = e ? e : "";
-  if (v.empty()) return unset;
-  if (v == "shipped") return RmsNormKernel::kMax8;
-  if (v == "late") return RmsNormKernel::kMax8Late;
-  if (v == "loads") return RmsNormKernel::kMax8Loads;
-  DS_CHECK(v == "loads_late", var, " must be shipped, late, loads or loads_late, got '", v, "'");
-  return RmsNormKernel::kMax8LoadsLate;
-}
-RmsNormKernel parse_norm_decode_form(const char* e) {
-  return parse_norm_form("DS_NORM_DECODE", e, RmsNormKernel::kMax8);
-}
-RmsNormKernel parse_norm_decode_post_form(const char* e) {
-  return parse_norm_form("DS_NORM_DECODE_POST", e, RmsNormKernel::kAuto);
-}
-}  // namespace
-
-RmsNormKernel rmsnorm_decode_form() {
-  return cached_form(g_norm_decode_form, "DS_NORM_DECODE", parse_norm_decode_form);
-}
-
-RmsNormKernel rmsnorm_decode_post_form() {
-  const RmsNormKernel f =
-      cached_form(g_norm_decode_post_form, "DS_NORM_DECODE_POST", parse_norm_decode_post_form);
-  return f == RmsNormKernel::kAuto ? rmsnorm_decode_form() : f;
-}
-
-void set_rmsnorm_decode_post_form(RmsNormKernel form) {
-  DS_CHECK(form == RmsNormKernel::kAuto || form == RmsNormKernel::kMax8 ||
-               form == RmsNormKernel::kMax8Late || form == RmsNormKernel::kMax8Loads ||
-               form == RmsNormKernel::kMax8LoadsLate,
-           "set_rmsnorm_decode_post_form: kAuto or one of the 8-vector forms");
-  g_norm_decode_post_form.store(static_cast<int>(form));
-}
-
-void set_rmsnorm_decode_form(RmsNormKernel form) {
-  DS_CHECK(form == RmsNormKernel::kMax8 || form == RmsNormKernel::kMax8Late ||
-               form == RmsNormKernel::kMax8Loads || form == RmsNormKernel::kMax8LoadsLate,
-           "set_rmsnorm_decode_form: one of the 8-vector forms");
-  g_norm_decode_form.store(static_cast<int>(form));
 }
 
 bool rmsnorm_pdl_enabled() {
