@@ -16,6 +16,8 @@
 #                                         # (wgmma_ws_lazy since session 30) against wgmma_ws_lean
 #                                         # (attn_prefill_ws.md): the tests, bench kernels x3 each
 #                                         # way interleaved, whole prompts of 2K-32K (and ulean)
+#   bash scripts/gpu_pending.sh wy        # ~1 min: session 31's WY phase stamps: their bits,
+#                                         # then where one WY item's time goes (gdn_prefill.md)
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -47,8 +49,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|argmax|tma|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, argmax, tma or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|wy|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -115,7 +117,7 @@ case "$step" in
     # (its last row is the fused GDN kernel: capped, so that a hang there costs 150 s at most)
     # (timing-only tests run with DS_PERF=1 alone)
     run gdn_stage timeout 150 env DS_PERF=1 "$T/cuda_gdn_test" \
-      --gtest_filter=CudaGdn.PrefillStageTiming || rc=1
+      --gtest_filter='CudaGdn.PrefillStageTiming:CudaGdn.WyPhaseTiming' || rc=1
     # The whole GDN layer: the shipped pair, then the state pass with the output fused in.
     run gdn_layer "$DS" bench kernels --only gdn_prefill || rc=1
     if [ "${SKIP_FUSED:-0}" != 1 ]; then
@@ -198,6 +200,14 @@ case "$step" in
         --rounds 3 - "$LEAN" "$ULEAN" || rc=1; }
       rm -f "$OUT/decode_ab.full.log"
     fi
+    ;;
+  wy)
+    # Session 31's phase stamps in the WY kernel (gdn_prefill_sm90.cu, TIMED): its bits against
+    # the shipped build, then where one (chunk, head) item's time goes, one block per SM and four
+    # (gdn_prefill.md, "Session 31": the fused GDN design needs A and T in ~2.5 us per chunk).
+    run wy_test timeout 120 "$T/cuda_gdn_test" --gtest_filter=CudaGdn.WyBalancedBitExact || rc=1
+    run wy_phases timeout 120 env DS_PERF=1 "$T/cuda_gdn_test" \
+      --gtest_filter=CudaGdn.WyPhaseTiming || rc=1
     ;;
   argmax)
     # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and

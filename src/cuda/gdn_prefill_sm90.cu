@@ -282,7 +282,20 @@ __device__ __forceinline__ void load_a_tf32(uint32_t (&a)[4], const float* p, in
 // is complete, while warps 0 and 1 form W; the same products on the same values: bit-identical.
 // The kernel is latency-bound (ncu: 28% issue, waits on shared memory and barriers), so the 4th
 // block per SM pays: H200, 4096 tokens, 94.9 vs 105.0 us (docs/perf/gdn_prefill.md, session 20).
-template <bool TF32_OFFDIAG, bool BALANCED = false, bool LATE_V = false>
+//
+// TIMED (with LATE_V; launch_gdn_wy_mma_timed, tests only): the same kernel writing
+// kGdnWyStamps phase stamps per block to g_wy_stamps (%clock64 of thread 0 at entry, after the
+// loads, after A and T's diagonal blocks, after T complete; each warp's lane 0 at its end, i.e.
+// once its last W / U store is issued; %globaltimer of thread 0 at entry and end, to convert
+// cycles to time). The stamps add no barrier and change no value: bit-identical outputs.
+__device__ unsigned long long* g_wy_stamps;
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+template <bool TF32_OFFDIAG, bool BALANCED = false, bool LATE_V = false, bool TIMED = false>
 __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     GdnShape s,
     const int4* __restrict__ chunks,  // [max_chunks] {seq (-1: none), t0, n, index}
@@ -313,6 +326,15 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
   float* eg = reinterpret_cast<float*>(smem + L::kEg - sh);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, c = lane & 3;
+  static_assert(!TIMED || LATE_V, "the timed build is the shipped (late V) one");
+  [[maybe_unused]] unsigned long long* stamp = nullptr;
+  if constexpr (TIMED) {
+    stamp = g_wy_stamps + (size_t(blockIdx.y) * gridDim.x + blockIdx.x) * kGdnWyStamps;
+    if (tid == 0) {
+      stamp[8] = globaltimer_ns();
+      stamp[0] = clock64();
+    }
+  }
 
   for (int e = tid; e < kC * (kD / 8); e += L::kThreads) {
     const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
@@ -328,6 +350,8 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
   }
   cp_async_wait_all();
   __syncthreads();
+  if constexpr (TIMED)
+    if (tid == 0) stamp[1] = clock64();
 
   // ---- A, row block w (columns up to the diagonal block) from K K^T in registers.
   if constexpr (BALANCED) {
@@ -425,6 +449,8 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     for (int i = 0; i < 16; ++i) tf[(b0 + i) * L::kLdt + b0 + j] = col[i];
   }
   __syncthreads();  // A and the diagonal of T complete; nobody reads raw K or V any more
+  if constexpr (TIMED)
+    if (tid == 0) stamp[2] = clock64();
   // beta e^gamma K and beta V, in place (bf16). TF32_OFFDIAG scales T's columns instead when it
   // forms the A fragments below (W = (T diag(beta e^gamma)) K, U = (T diag(beta)) V): no pass
   // over the 32 KB of K and V.
@@ -477,6 +503,8 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
       }
     }
     __syncthreads();  // all of T complete
+    if constexpr (TIMED)
+      if (tid == 0) stamp[3] = clock64();
     if constexpr (LATE_V) {
       // A is dead: warps 2 and 3 (U below) load V into its space while warps 0 and 1 form W.
       if (warp >= 2) {
@@ -612,6 +640,10 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
       }
     }
   }
+  if constexpr (TIMED) {
+    if (lane == 0) stamp[4 + warp] = clock64();
+    if (tid == 0) stamp[9] = globaltimer_ns();
+  }
 }
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
@@ -656,6 +688,24 @@ void launch_gdn_conv_prep_wide(const GdnShape& s, const GdnLayerWeights& w,
   const dim3 grid((n_tokens + kConvTokens - 1) / kConvTokens, (n_heads + 7) / 8);
   gdn_conv_prep_wide_kernel<<<grid, 256, 0, stream>>>(s, w, pool, proj, cu_seqlens, seq_pos,
                                                       slot_ids, n_seqs, n_tokens, qkv, g, beta);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+void launch_gdn_wy_mma_timed(const GdnShape& s, const int4* chunks, int max_chunks,
+                             const bf16* qkv, float* g, const float* beta, bf16* w_mat,
+                             bf16* u_mat, unsigned long long* stamps, cudaStream_t stream) {
+  DS_CHECK(s.d_k == kD && s.d_v == kD, "gdn wy mma: d_k = d_v = 128 only");
+  DS_CHECK(aligned(qkv, 16) && aligned(w_mat, 4) && aligned(u_mat, 4) && s.qkv_dim() % 8 == 0,
+           "gdn wy mma: qkv rows must be 16-byte aligned");
+  DS_CHECK(stamps != nullptr && aligned(stamps, 8), "gdn wy mma timed: stamps buffer needed");
+  if (max_chunks <= 0) return;
+  auto kernel = gdn_wy_mma_kernel<true, true, true, true>;
+  DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(WyCfg::kTotalLate)));
+  DS_CUDA_CHECK(cudaMemcpyToSymbolAsync(g_wy_stamps, &stamps, sizeof(stamps), 0,
+                                        cudaMemcpyHostToDevice, stream));
+  kernel<<<dim3(max_chunks, s.n_v_heads), WyCfg::kThreads, WyCfg::kTotalLate, stream>>>(
+      s, chunks, qkv, g, beta, w_mat, u_mat);
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -91,6 +91,16 @@ void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks,
                                             // memory: 4 blocks per SM instead of 3;
                                             // bit-identical); < 0: gdn_wy_mma_balanced() and
                                             // gdn_wy_mma_late_v()
+// The shipped WY build (tf32 off-diagonal, balanced, late V) with phase stamps (tests: where one
+// item's latency goes, docs/perf/gdn_prefill.md, session 31): the same outputs bit for bit, and
+// per block (blockIdx.y * max_chunks + blockIdx.x) kGdnWyStamps values in `stamps` (zero it
+// first: blocks of empty chunk entries write none): [0] %clock64 at entry, [1] after the K /
+// gate loads, [2] after A and T's diagonal blocks, [3] after T complete, [4..7] each warp's end
+// (its last W / U store issued), [8] / [9] %globaltimer (ns) at thread 0's entry / end.
+constexpr int kGdnWyStamps = 10;
+void launch_gdn_wy_mma_timed(const GdnShape& s, const int4* chunks, int max_chunks,
+                             const bf16* qkv, float* g, const float* beta, bf16* w_mat,
+                             bf16* u_mat, unsigned long long* stamps, cudaStream_t stream);
 // The WY kernel's balanced warp split (launch_gdn_wy_mma's balanced < 0): on unless
 // $DS_GDN_WY_BALANCED is 0 (read once per process).
 bool gdn_wy_mma_balanced();

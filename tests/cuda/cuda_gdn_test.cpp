@@ -1099,6 +1099,43 @@ TEST(CudaGdn, WyBalancedBitExact) {
                 b, T, lens.size(), max_chunks, n_differ(wm[0], wm[b]), n_differ(um[0], um[b]),
                 n_differ(gam[0], gam[b]));
   }
+  // The shipped build with phase stamps (launch_gdn_wy_mma_timed): the same bits as balanced = 2,
+  // and for every block of a chunk entry the stamps in order on its SM's clock (entry <= loads
+  // <= diagonal <= T <= each warp's end; globaltimer end >= entry); the empty entry's blocks
+  // write none.
+  {
+    DevBuf<float> d_g(g.size());
+    upload(d_g, g);
+    DevBuf<bf16> w(size_t(T) * nv * 128), u(size_t(T) * nv * 128);
+    w.poison();
+    u.poison();
+    DevBuf<unsigned long long> st(size_t(max_chunks) * nv * kGdnWyStamps);
+    CK(cudaMemset(st.p, 0, st.n * sizeof(unsigned long long)));
+    launch_gdn_wy_mma_timed(s, reinterpret_cast<const int4*>(d_chunks.p), max_chunks, d_qkv.p,
+                            d_g.p, d_beta.p, w.p, u.p, st.p, nullptr);
+    CK(cudaDeviceSynchronize());
+    EXPECT_EQ(n_differ(gam[2], download_f32(d_g.p, d_g.n)), 0u) << "gamma, timed";
+    EXPECT_EQ(n_differ(wm[2], download_bf16(w.p, w.n)), 0u) << "W, timed";
+    EXPECT_EQ(n_differ(um[2], download_bf16(u.p, u.n)), 0u) << "U, timed";
+    std::vector<unsigned long long> h(st.n);
+    CK(cudaMemcpy(h.data(), st.p, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
+    size_t ordered = 0, blocks = 0;
+    for (int hv = 0; hv < nv; ++hv) {
+      for (int c = 0; c < max_chunks; ++c) {
+        const unsigned long long* b = h.data() + (size_t(hv) * max_chunks + c) * kGdnWyStamps;
+        if (chunks[4 * c] < 0) {
+          EXPECT_TRUE(std::all_of(b, b + kGdnWyStamps, [](auto x) { return x == 0; }))
+              << "the empty entry wrote stamps";
+          continue;
+        }
+        ++blocks;
+        bool ok = b[0] <= b[1] && b[1] <= b[2] && b[2] <= b[3] && b[9] >= b[8] && b[8] > 0;
+        for (int wp = 0; wp < 4; ++wp) ok = ok && b[4 + wp] >= b[3];
+        ordered += ok;
+      }
+    }
+    EXPECT_EQ(ordered, blocks) << "blocks with their stamps in order";
+  }
 }
 
 TEST(CudaGdn, Decode27BBatch1) {
@@ -1328,6 +1365,76 @@ TEST(CudaGdn, ConvTiming) {
     }
   }
   CK(cudaDeviceSynchronize());
+}
+
+// Where one WY item's time goes (the fused GDN design of docs/perf/gdn_prefill.md needs the
+// A / T part of an item in ~2.5 us per chunk, sessions 21-24): the shipped WY build with phase
+// stamps on 4096 tokens of one sequence, (a) 2 chunks x 48 heads, one block per SM, (b) all 64
+// chunks (4 blocks per SM, as the layer runs it). Per phase the median over blocks, in SM cycles
+// and in ns (cycles over the same blocks' globaltimer span): the K / gate loads, A with T's
+// diagonal blocks, T's off-diagonal blocks, then W and U (V loaded by warps 2-3) to the last
+// warp's last store issued; the item from entry to that end.
+TEST(CudaGdn, WyPhaseTiming) {
+  REQUIRE_GPU();
+  DS_REQUIRE_PERF();
+  if (device_sm() < 90) GTEST_SKIP() << "the staged kernels are sm 90 only";
+  const GdnShape s = shape_27b();
+  std::mt19937 rng(31);
+  const int T = 4096, n_chunks = T / 64, nv = s.n_v_heads;
+  std::vector<int> chunks;
+  for (int c = 0; c < n_chunks; ++c) chunks.insert(chunks.end(), {0, 64 * c, 64, c});
+  std::normal_distribution<float> nd(0.f, 0.3f);
+  std::uniform_real_distribution<float> ud(0.f, 1.f);
+  std::vector<float> qkv(size_t(T) * s.qkv_dim()), g(size_t(T) * nv), beta(size_t(T) * nv);
+  for (float& x : qkv) x = nd(rng);
+  for (float& x : g) x = -0.6f * ud(rng);
+  for (float& x : beta) x = ud(rng);
+  DevBuf<bf16> d_qkv(qkv.size()), w(size_t(T) * nv * 128), u(size_t(T) * nv * 128);
+  upload(d_qkv, to_bf16(qkv));
+  DevBuf<int32_t> d_chunks(chunks.size());
+  upload(d_chunks, chunks);
+  DevBuf<float> d_g(g.size()), d_beta(beta.size());
+  upload(d_beta, beta);
+  DevBuf<unsigned long long> st(size_t(n_chunks) * nv * kGdnWyStamps);
+  for (int grid : {2, n_chunks}) {
+    std::vector<double> phase[6];  // loads, A + diagonal, off-diagonal, W / U, item, ns per cycle
+    for (int rep = 0; rep < 5; ++rep) {
+      upload(d_g, g);  // the kernel turns g into gamma in place
+      CK(cudaMemset(st.p, 0, st.n * sizeof(unsigned long long)));
+      launch_gdn_wy_mma_timed(s, reinterpret_cast<const int4*>(d_chunks.p), grid, d_qkv.p, d_g.p,
+                              d_beta.p, w.p, u.p, st.p, nullptr);
+      CK(cudaDeviceSynchronize());
+      std::vector<unsigned long long> h(size_t(grid) * nv * kGdnWyStamps);
+      CK(cudaMemcpy(h.data(), st.p, h.size() * sizeof(h[0]), cudaMemcpyDeviceToHost));
+      if (rep == 0) continue;  // warm-up
+      for (size_t b = 0; b < h.size(); b += kGdnWyStamps) {
+        const unsigned long long* x = h.data() + b;
+        const unsigned long long end = *std::max_element(x + 4, x + 8);
+        phase[0].push_back(double(x[1] - x[0]));
+        phase[1].push_back(double(x[2] - x[1]));
+        phase[2].push_back(double(x[3] - x[2]));
+        phase[3].push_back(double(end - x[3]));
+        phase[4].push_back(double(end - x[0]));
+        if (x[4] > x[0]) phase[5].push_back(double(x[9] - x[8]) / double(x[4] - x[0]));
+      }
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v.empty() ? 0.0 : v[v.size() / 2];
+    };
+    const double ns_per_cycle = median(phase[5]);
+    const char* names[] = {"K / gate loads", "A + T diagonal blocks", "T off-diagonal blocks",
+                           "W, U (V late) to the last store", "the item (entry to end)"};
+    for (int p = 0; p < 5; ++p) {
+      const double cyc = median(phase[p]);
+      std::printf("WY PHASE %2d chunks x %d heads: %-33s %8.0f cycles %7.2f us\n", grid, nv,
+                  names[p], cyc, cyc * ns_per_cycle * 1e-3);
+    }
+    std::printf("WY PHASE %2d chunks x %d heads: clock %.0f MHz (globaltimer / clock64 of thread 0,"
+                " median over %zu blocks)\n",
+                grid, nv, ns_per_cycle > 0 ? 1e3 / ns_per_cycle : 0.0, phase[5].size());
+    EXPECT_GT(median(phase[4]), 0.0);
+  }
 }
 
 TEST(CudaGdn, PrefillStageTiming) {

@@ -293,7 +293,8 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     script = REPO / "scripts" / "gpu_pending.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
-    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "argmax", "tma", "quick"):
+    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "wy", "argmax", "tma",
+                 "quick"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -302,6 +303,8 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert out["kernels"].count("bench kernels --only attn_prefill") == 1
     assert "bench kernels --only gemm" in out["kernels"]
     assert "CudaGdn.PrefillStageTiming" in out["kernels"]
+    assert "CudaGdn.WyPhaseTiming" in out["kernels"] and "CudaGdn.WyPhaseTiming" in out["wy"]
+    assert "CudaGdn.WyBalancedBitExact" in out["wy"] and "DS_PERF=1" in out["wy"]
     for arm in ("DS_MLP_FUSED=1", "DS_MLP_FUSED=2", "DS_MLP_FUSED=3", "DS_GEMV_NORM_EARLY=0",
                 "DS_ATTN_DECODE=pdl_cluster"):
         assert arm in out["decode"]
