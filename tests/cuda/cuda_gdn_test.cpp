@@ -1101,8 +1101,8 @@ TEST(CudaGdn, WyBalancedBitExact) {
   }
   // The shipped build with phase stamps (launch_gdn_wy_mma_timed): the same bits as balanced = 2,
   // and for every block of a chunk entry the stamps in order on its SM's clock (entry <= loads
-  // <= diagonal <= T <= each warp's end; globaltimer end >= entry); the empty entry's blocks
-  // write none.
+  // <= diagonal <= T <= warp 0's end; the other warps' ends after the diagonal; globaltimer end
+  // >= entry); the empty entry's blocks write none.
   {
     DevBuf<float> d_g(g.size());
     upload(d_g, g);
@@ -1129,8 +1129,11 @@ TEST(CudaGdn, WyBalancedBitExact) {
           continue;
         }
         ++blocks;
-        bool ok = b[0] <= b[1] && b[1] <= b[2] && b[2] <= b[3] && b[9] >= b[8] && b[8] > 0;
-        for (int wp = 0; wp < 4; ++wp) ok = ok && b[4 + wp] >= b[3];
+        // Thread 0 takes [0..3], [4], [8], [9] in program order. Another warp ends after the
+        // last barrier, which thread 0 reaches only after taking [2].
+        bool ok = b[0] <= b[1] && b[1] <= b[2] && b[2] <= b[3] && b[3] <= b[4] && b[9] >= b[8] &&
+                  b[8] > 0;
+        for (int wp = 1; wp < 4; ++wp) ok = ok && b[4 + wp] >= b[2];
         ordered += ok;
       }
     }
