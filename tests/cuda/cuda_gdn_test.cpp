@@ -1034,6 +1034,24 @@ TEST(CudaGdn, ConvStreamMatchesMulti) {
                ds::Error);
 }
 
+// Inputs of the WY kernel for T tokens at shape s: the conv output qkv ~ N(0, 0.3), g in
+// (-0.6, 0], beta in [0, 1) (what the conv stage hands it, at the magnitudes the model gives).
+struct WyInputs {
+  std::vector<float> qkv, g, beta;
+};
+WyInputs random_wy_inputs(const GdnShape& s, int T, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.f, 0.3f);
+  std::uniform_real_distribution<float> ud(0.f, 1.f);
+  WyInputs in;
+  in.qkv.resize(size_t(T) * s.qkv_dim());
+  in.g.resize(size_t(T) * s.n_v_heads);
+  in.beta.resize(size_t(T) * s.n_v_heads);
+  for (float& x : in.qkv) x = nd(rng);
+  for (float& x : in.g) x = -0.6f * ud(rng);
+  for (float& x : in.beta) x = ud(rng);
+  return in;
+}
+
 // The WY kernel with its work spread evenly over the warps (launch_gdn_wy_mma balanced = 1)
 // against the by-row-block split (0): gamma, W and U bit for bit, at the 27B shapes, on a chunk
 // map with full chunks and partial last chunks of several sequences (1..63 rows), outputs
@@ -1053,12 +1071,7 @@ TEST(CudaGdn, WyBalancedBitExact) {
   }
   chunks.insert(chunks.end(), {-1, 0, 0, 0});  // an empty entry: no block work
   const int max_chunks = int(chunks.size() / 4), nv = s.n_v_heads;
-  std::normal_distribution<float> nd(0.f, 0.3f);
-  std::uniform_real_distribution<float> ud(0.f, 1.f);
-  std::vector<float> qkv(size_t(T) * s.qkv_dim()), g(size_t(T) * nv), beta(size_t(T) * nv);
-  for (float& x : qkv) x = nd(rng);
-  for (float& x : g) x = -0.6f * ud(rng);
-  for (float& x : beta) x = ud(rng);
+  const auto [qkv, g, beta] = random_wy_inputs(s, T, rng);
   DevBuf<bf16> d_qkv(qkv.size());
   upload(d_qkv, to_bf16(qkv));
   DevBuf<int32_t> d_chunks(chunks.size());
@@ -1382,16 +1395,11 @@ TEST(CudaGdn, WyPhaseTiming) {
   DS_REQUIRE_PERF();
   if (device_sm() < 90) GTEST_SKIP() << "the staged kernels are sm 90 only";
   const GdnShape s = shape_27b();
-  std::mt19937 rng(31);
   const int T = 4096, n_chunks = T / 64, nv = s.n_v_heads;
+  std::mt19937 rng(31);
+  const auto [qkv, g, beta] = random_wy_inputs(s, T, rng);
   std::vector<int> chunks;
   for (int c = 0; c < n_chunks; ++c) chunks.insert(chunks.end(), {0, 64 * c, 64, c});
-  std::normal_distribution<float> nd(0.f, 0.3f);
-  std::uniform_real_distribution<float> ud(0.f, 1.f);
-  std::vector<float> qkv(size_t(T) * s.qkv_dim()), g(size_t(T) * nv), beta(size_t(T) * nv);
-  for (float& x : qkv) x = nd(rng);
-  for (float& x : g) x = -0.6f * ud(rng);
-  for (float& x : beta) x = ud(rng);
   DevBuf<bf16> d_qkv(qkv.size()), w(size_t(T) * nv * 128), u(size_t(T) * nv * 128);
   upload(d_qkv, to_bf16(qkv));
   DevBuf<int32_t> d_chunks(chunks.size());
