@@ -75,10 +75,10 @@ __global__ void __launch_bounds__(kThreads)
     const int i = threadIdx.x + v * kThreads;
     if (i < d8) {
       wv[v] = w4[i];
-      const uint4 r = res4[i];
+      uint4 r = res4[i];
       const bf16* rb = reinterpret_cast<const bf16*>(&r);
       if (del4) {
-        const uint4 dd = del4[i];
+        uint4 dd = del4[i];
         const bf16* db = reinterpret_cast<const bf16*>(&dd);
         uint4 nr;
         bf16* nb = reinterpret_cast<bf16*>(&nr);
@@ -148,37 +148,31 @@ void launch_add_rmsnorm(bf16* residual, const bf16* delta, const bf16* w, int n_
                      RmsNormKernel::kAuto);
 }
 
-namespace {
-using NormKernel = void (*)(bf16*, const bf16*, const bf16*, int, float, float, bf16*);
-
-// The kernel launch_add_rmsnorm runs for these rows and width; vec: d % 8 == 0 and every
-// pointer 16-byte aligned.
-NormKernel pick_norm_kernel(int n_rows, int d, bool vec, RmsNormKernel which) {
-  if (!vec || d % 8 != 0 || d / 8 > kThreads * kMaxVec) return add_rmsnorm_kernel;
-  const bool fit = which == RmsNormKernel::kFit ||
-                   (which == RmsNormKernel::kAuto && n_rows >= kRmsNormFitMinRows &&
-                    rmsnorm_fit_enabled());
-  if (fit) {
-    const int need = (d / 8 + kThreads - 1) / kThreads;  // 16-byte vectors per thread
-    return need <= 1   ? add_rmsnorm_vec_kernel<1>
-           : need <= 2 ? add_rmsnorm_vec_kernel<2>
-           : need <= 3 ? add_rmsnorm_vec_kernel<3>
-           : need <= 4 ? add_rmsnorm_vec_kernel<4>
-                       : add_rmsnorm_vec_kernel<kMaxVec>;
-  }
-  return add_rmsnorm_vec_kernel<kMaxVec>;
-}
-}  // namespace
-
 void launch_add_rmsnorm(bf16* residual, const bf16* delta, const bf16* w, int n_rows, int d,
                         float eps, float weight_offset, bf16* out, cudaStream_t stream,
                         RmsNormKernel which) {
   if (n_rows <= 0) return;
   DS_CHECK(d > 0, "rmsnorm: width must be positive, got ", d);
   auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  const bool vec = aligned(residual) && (!delta || aligned(delta)) && aligned(w) && aligned(out);
-  launch_maybe_pdl(pick_norm_kernel(n_rows, d, vec, which), dim3(n_rows), dim3(kThreads), 0,
-                   stream, rmsnorm_pdl_enabled(), residual, delta, w, d, eps, weight_offset, out);
+  const bool vec = d % 8 == 0 && d / 8 <= kThreads * kMaxVec && aligned(residual) &&
+                   (!delta || aligned(delta)) && aligned(w) && aligned(out);
+  void (*kernel)(bf16*, const bf16*, const bf16*, int, float, float, bf16*) = add_rmsnorm_kernel;
+  if (vec) {
+    kernel = add_rmsnorm_vec_kernel<kMaxVec>;
+    const bool fit = which == RmsNormKernel::kFit ||
+                     (which == RmsNormKernel::kAuto && n_rows >= kRmsNormFitMinRows &&
+                      rmsnorm_fit_enabled());
+    if (fit) {
+      const int need = (d / 8 + kThreads - 1) / kThreads;  // 16-byte vectors per thread
+      kernel = need <= 1   ? add_rmsnorm_vec_kernel<1>
+               : need <= 2 ? add_rmsnorm_vec_kernel<2>
+               : need <= 3 ? add_rmsnorm_vec_kernel<3>
+               : need <= 4 ? add_rmsnorm_vec_kernel<4>
+                           : add_rmsnorm_vec_kernel<kMaxVec>;
+    }
+  }
+  launch_maybe_pdl(kernel, dim3(n_rows), dim3(kThreads), 0, stream, rmsnorm_pdl_enabled(),
+                   residual, delta, w, d, eps, weight_offset, out);
 }
 
 bool rmsnorm_fit_enabled() {

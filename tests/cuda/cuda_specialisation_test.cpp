@@ -46,7 +46,6 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/gdn_prefill_sm90.h"
 #include "cuda/gemv.h"
-#include "cuda/kernels.h"
 #include "cuda_test_util.h"
 #include "model/weights.h"
 
@@ -66,19 +65,18 @@ struct Mode {
 // pick different algorithms; tests comparing engines bit for bit need it off).
 std::unique_ptr<Backend> make_engine(Mode m, const ModelConfig* synth, const HostWeights* w,
                                      int page, const char* disable_kernels = nullptr,
-                                     bool gemm_tune = true, int n_slots = 2,
-                                     int64_t max_kv_tokens = 8192) {
+                                     bool gemm_tune = true) {
   if (m.specialised && gemm_tune)
     unsetenv("DS_GEMM_TUNE");
   else
     setenv("DS_GEMM_TUNE", "0", 1);
   BackendOptions o;
   o.device = "cuda";
-  o.n_slots = n_slots;
+  o.n_slots = 2;
   o.chunk_size = 4096;
   CudaEngineOptions e;
   e.verbose = false;
-  e.max_kv_tokens = max_kv_tokens;
+  e.max_kv_tokens = 8192;
   e.page_size = page;
   e.cuda_graphs = m.specialised;
   if (!m.specialised) e.disable_kernels = "all";
