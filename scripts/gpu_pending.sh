@@ -18,6 +18,10 @@
 #                                         # way interleaved, whole prompts of 2K-32K (and ulean)
 #   bash scripts/gpu_pending.sh wy        # ~1 min: session 31's WY phase stamps: their bits,
 #                                         # then where one WY item's time goes (gdn_prefill.md)
+#   BUDGET=560 bash scripts/gpu_pending.sh early  # ~7 min: session 32's early gdn_decode start
+#                                         # ($DS_GDN_EARLY=1; decode_gemv.md): the GEMV's and the
+#                                         # engine's tests, in-graph profiles at 4K both ways, the
+#                                         # A/B at batch 1 (4K / 8K / 32K) and 2
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -49,8 +53,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|wy|argmax|tma|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, argmax, tma or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|wy|early|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -208,6 +212,28 @@ case "$step" in
     run wy_test timeout 120 "$T/cuda_gdn_test" --gtest_filter=CudaGdn.WyBalancedBitExact || rc=1
     run wy_phases timeout 120 env DS_PERF=1 "$T/cuda_gdn_test" \
       --gtest_filter=CudaGdn.WyPhaseTiming || rc=1
+    ;;
+  early)
+    # Session 32: gdn_decode on the gdn_in GEMV's early-rows signal. The GEMV's bits and raises,
+    # then the engine's logits both ways (with and without gdn_decode's PDL launch), the counters
+    # reset and no block that gave up waiting.
+    run early_gemv_test timeout 150 "$T/cuda_gemv_norm_test" \
+      --gtest_filter='CudaGemvBulkNorm.EarlyRows*' || rc=1
+    run early_engine_test timeout 200 "$T/cuda_specialisation_test" \
+      --gtest_filter='Specialisations.GdnEarly*' || rc=1
+    # Where the GDN layer's time goes both ways (gdn_decode's advance is what should shrink).
+    for on in 0 1; do
+      run "inprof_4096_early$on" env DS_GDN_EARLY=$on DS_PROFILE=1 DS_PROFILE_BATCHES=1 \
+        DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
+        --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
+    done
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_GDN_EARLY=1"
+    else
+      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
+        --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_GDN_EARLY=1 || rc=1
+      rm -f "$OUT/decode_ab.full.log"
+    fi
     ;;
   argmax)
     # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and

@@ -235,6 +235,19 @@ class CudaBackend final : public Backend {
   }
   bool head_norm_fused() const { return head_norm_; }
   int64_t head_norm_enqueued() const { return head_norm_enqueued_; }
+  bool gdn_early() const { return gdn_early_; }
+  void set_gdn_early(bool on) {
+    if (on != gdn_early_) clear_graphs();  // captured graphs hold the other launches
+    gdn_early_ = on;
+  }
+  int64_t gdn_early_enqueued() const { return gdn_early_enqueued_; }
+  std::vector<unsigned> gdn_early_words() {
+    std::vector<unsigned> v(size_t(cfg_.n_layers) + 1);
+    DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    DS_CUDA_CHECK(cudaMemcpy(v.data(), gdn_ready_, v.size() * sizeof(unsigned),
+                             cudaMemcpyDeviceToHost));
+    return v;
+  }
   void set_head_norm_fused(bool on) {
     if (on != head_norm_) clear_graphs();  // captured graphs hold the other launches
     head_norm_ = on;
@@ -318,7 +331,8 @@ class CudaBackend final : public Backend {
   void enqueue_head(const FwdPlan& f, int r0, int r);
   bool gemv_norm_fits(const bf16* w, int m, int n, int k) const;
   bool gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, void* y, int m, int n, int k,
-                 const cuda::GemvL2Next& next = {}, cuda::GemmOut out = cuda::GemmOut::kBF16);
+                 const cuda::GemvL2Next& next = {}, cuda::GemmOut out = cuda::GemmOut::kBF16,
+                 const cuda::GemvSignal& sig = {});
   // The L2 prefetch of a later GEMV (m rows, weight [n, k]) for the GEMV before it ($DS_GEMV_L2_NEXT;
   // rows 0 when off): its grid as GemmEngine would launch it.
   cuda::GemvL2Next l2_next(const bf16* w, int m, int n, int k);
@@ -383,6 +397,9 @@ class CudaBackend final : public Backend {
   int64_t argmax_fused_enqueued_ = 0;
   bool head_norm_ = false;  // CudaEngineOptions::head_norm_fused
   int64_t head_norm_enqueued_ = 0;
+  bool gdn_early_ = false;  // CudaEngineOptions::gdn_early
+  int64_t gdn_early_enqueued_ = 0;
+  unsigned* gdn_ready_ = nullptr;  // [n_layers]: the early-rows counters (GdnDecodeEarly), zero
   // The residual buffer (h_ or h2_) enqueue_layers ended on when it left the final norm to
   // lm_head (FwdPlan::head_norm): enqueue_head's norm input.
   bf16* head_res_ = nullptr;
@@ -503,6 +520,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
     gdn_ws_ = b.take<char>(static_cast<int64_t>(gdn_ws_bytes_));
     attn_ws_ = b.take<char>(static_cast<int64_t>(attn_ws));
     mlp_bar_ = b.take<unsigned>(2 * int64_t(cfg_.n_layers));
+    gdn_ready_ = b.take<unsigned>(int64_t(cfg_.n_layers) + 1);  // + the late count
     argmax_ws_ = b.take<char>(static_cast<int64_t>(cuda::kGemvBulkArgmaxWorkspaceBytes));
   };
   Bump ab;
@@ -526,6 +544,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   rope_fused_ = cuda::env_switch("DS_DECODE_ROPE_FUSED", eopt_.decode_rope_fused);
   argmax_fused_ = cuda::env_switch("DS_ARGMAX_FUSED", eopt_.argmax_fused);
   head_norm_ = cuda::env_switch("DS_HEAD_NORM", eopt_.head_norm_fused);
+  gdn_early_ = cuda::env_switch("DS_GDN_EARLY", eopt_.gdn_early);
   (void)cuda::gemv_tma_kbox_mode();  // a bad $DS_GEMV_TMA_KBOX fails the start, not a later step
   mlp_fused_ = eopt_.mlp_fused;
   if (const char* env = std::getenv("DS_MLP_FUSED"); env && *env) {
@@ -630,6 +649,8 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   measure_acts(ab);
   // The fused MLP's grid barriers start at zero and leave themselves there.
   DS_CUDA_CHECK(cudaMemset(mlp_bar_, 0, 2 * size_t(cfg_.n_layers) * sizeof(unsigned)));
+  // So do the early-rows counters (the last gdn_decode block of each launch resets its layer's).
+  DS_CUDA_CHECK(cudaMemset(gdn_ready_, 0, (size_t(cfg_.n_layers) + 1) * sizeof(unsigned)));
   // So does the fused argmax's workspace.
   DS_CUDA_CHECK(cudaMemset(argmax_ws_, 0, cuda::kGemvBulkArgmaxWorkspaceBytes));
   DS_CUDA_CHECK(cudaDeviceSynchronize());  // stream_ does not wait for the legacy stream
@@ -1446,14 +1467,44 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
     const bool skip_in_proj = in_proj_done;
     in_proj_done = false;
     if (L.type == LayerType::kLinear) {
-      if (!skip_in_proj)
+      // $DS_GDN_EARLY (CudaEngineOptions::gdn_early): at batch 1 the gdn_in GEMV sweeps its rows
+      // from b / a on and then qkv, z last, and raises gdn_ready_[il] once qkv, b and a are
+      // stored; gdn_decode runs on that signal and waits for the GEMV's end only for z.
+      cuda::GdnDecodeEarly early;
+      bool in_proj_ran = skip_in_proj;
+      const cuda::GemvL2Next in_next =
+          fuse ? l2_next(L.gdn_out, T, dm, c.gdn_z_dim()) : cuda::GemvL2Next{};
+      if (!skip_in_proj && gdn_early_ && f.gdn_fused_decode && T == 1 && S_d == 1 && fuse &&
+          in_next.rows == 0 && cuda::gemv_interleave_bulk() &&
+          cuda::gdn_decode_early_supported(
+              gdn_, cuda::gdn_decode_resolve(gdn_, gdn_pool(L.ll), S_d, f.gdn_decode_kernel)) &&
+          gemv_norm_fits(L.gdn_in, T, c.gdn_in_dim(), dm) &&
+          cuda::gemv_bulk_config(T, c.gdn_in_dim(), dm).rows_per_stage == 1) {
+        const int qkv = gdn_.qkv_dim(), first = qkv + gdn_.z_dim(), n_in = c.gdn_in_dim();
+        cuda::GemvSignal sig;
+        sig.counter = gdn_ready_ + il;
+        sig.first_row = first;              // b, a
+        sig.rows = (n_in - first) + qkv;  // then q, k, v
+        const cuda::GemvNormIn nin = norm_in(mlp_delta, L.input_norm);
+        cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(T, n_in, dm);
+        if (gemv_norm(nin, L.gdn_in, proj_, T, n_in, dm, in_next, cuda::GemmOut::kBF16, sig)) {
+          flip(nin);
+          in_proj_ran = true;
+          early.ready = gdn_ready_ + il;
+          early.target = unsigned(cuda::gemv_bulk_signal_count(T, n_in, dm, cfg, n_sms_));
+          early.late = gdn_ready_ + c.n_layers;
+          ++gdn_early_enqueued_;
+        }
+      }
+      if (!in_proj_ran)
         norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim(),  // [qkv | z | b | a]
-                  fuse ? l2_next(L.gdn_out, T, dm, c.gdn_z_dim()) : cuda::GemvL2Next{});
+                  in_next);
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
       if (f.gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
         // PDL: the state / conv taps load while the gdn_in GEMV runs ($DS_GDN_DECODE_PDL)
         cuda::launch_gdn_decode(gdn_, gw, gdn_pool(L.ll), proj_, d.seq_pos, d.slot_ids, S_d, mix_,
-                                stream_, f.gdn_decode_kernel, cuda::gdn_decode_pdl_for(S_d));
+                                stream_, f.gdn_decode_kernel, cuda::gdn_decode_pdl_for(S_d),
+                                early);
         if (S_p > 0)
           cuda::launch_gdn_prefill(gdn_, gw, gdn_pool(L.ll), proj_ + size_t(S_d) * c.gdn_in_dim(),
                                    d.cu_p, d.seq_pos + S_d, d.slot_ids + S_d, S_p, T - S_d, gdn_ws_,
@@ -1599,11 +1650,12 @@ bool CudaBackend::gemv_norm_fits(const bf16* w, int m, int n, int k) const {
 }
 
 bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, void* y, int m, int n,
-                            int k, const cuda::GemvL2Next& next, cuda::GemmOut out) {
+                            int k, const cuda::GemvL2Next& next, cuda::GemmOut out,
+                            const cuda::GemvSignal& sig) {
   if (!gemv_norm_fits(w, m, n, k)) return false;
   cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
-  cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, out, cfg, n_sms_, stream_, next);
+  cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, out, cfg, n_sms_, stream_, next, sig);
   return true;
 }
 
@@ -1954,6 +2006,26 @@ bool cuda_head_norm_fused(const Backend& b) {
 int64_t cuda_head_norm_enqueued(const Backend& b) {
   const auto* cb = cuda_engine(b, "cuda_head_norm_enqueued");
   return cb->head_norm_enqueued();
+}
+
+void set_cuda_gdn_early(Backend& b, bool on) {
+  auto* cb = cuda_engine(b, "set_cuda_gdn_early");
+  cb->set_gdn_early(on);
+}
+
+bool cuda_gdn_early(const Backend& b) {
+  const auto* cb = cuda_engine(b, "cuda_gdn_early");
+  return cb->gdn_early();
+}
+
+int64_t cuda_gdn_early_enqueued(const Backend& b) {
+  const auto* cb = cuda_engine(b, "cuda_gdn_early_enqueued");
+  return cb->gdn_early_enqueued();
+}
+
+std::vector<unsigned> cuda_gdn_early_words(Backend& b) {
+  auto* cb = cuda_engine(b, "cuda_gdn_early_words");
+  return cb->gdn_early_words();
 }
 
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode) {

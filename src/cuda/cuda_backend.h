@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "model/config.h"
 #include "model/weights.h"
@@ -87,6 +88,11 @@ struct CudaEngineOptions {
   // Specialisations.FusedHeadOnVsOffBitExactAt27bShapes). Session 27, not yet measured: off by
   // default. $DS_HEAD_NORM=0 / 1 overrides.
   bool head_norm_fused = false;
+  // Batch-1 decode: gdn_decode starts on the gdn_in GEMV's early-rows signal (its qkv, b and a
+  // rows; GemvSignal / GdnDecodeEarly) instead of the GEMV's end; only z waits for the end. The
+  // same logits and tokens (Specialisations.GdnEarlyOnVsOffBitExactAt27bShapes). Session 32.
+  // $DS_GDN_EARLY=0 / 1 overrides.
+  bool gdn_early = false;
 };
 
 // Uploads `w` (bf16 / f16 / f32 tensors; f16 / f32 are converted to bf16 on the host).
@@ -178,6 +184,13 @@ int64_t cuda_argmax_fused_enqueued(const Backend& b);
 void set_cuda_head_norm_fused(Backend& b, bool on);
 bool cuda_head_norm_fused(const Backend& b);
 int64_t cuda_head_norm_enqueued(const Backend& b);
+// The same for CudaEngineOptions::gdn_early, and the count of GDN layers enqueued that way.
+void set_cuda_gdn_early(Backend& b, bool on);
+bool cuda_gdn_early(const Backend& b);
+int64_t cuda_gdn_early_enqueued(const Backend& b);
+// After the stream drains: the early-rows counter of every layer (0 between forwards) and, last,
+// how many gdn_decode blocks gave up waiting for one (0 unless a signal went missing).
+std::vector<unsigned> cuda_gdn_early_words(Backend& b);
 // Sets the prompt forwards' residual fold (CudaEngineOptions::prefill_residual_fold) at run
 // time, and reads it. Throw ds::Error when `b` is not a CUDA backend.
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode);

@@ -103,6 +103,19 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
                         const DispatchRegistry* dispatch = nullptr);  // null: generic kernels
 
 // ---- Decode path ------------------------------------------------------------------------------
+// The early start (session 32, $DS_GDN_EARLY): the in-projection GEMV raises *ready as its qkv,
+// b and a rows are stored (GemvSignal, gemv.h; `target` raises in all), and the split decode
+// kernels (kSplit2 / kSplit4, d_k 128) wait for that instead of the GEMV's end for everything but
+// z. The last block resets *ready to 0, so one zeroed counter per layer serves every step (each
+// launch with `ready` must follow exactly one signalled GEMV launch of `target` raises).
+// ready null: off. Same states and outputs, bit for bit.
+struct GdnDecodeEarly {
+  unsigned* ready = nullptr;
+  unsigned target = 0;
+  unsigned* late = nullptr;  // optional: +1 per block that gave up waiting (2 ms) and ran plainly
+};
+
+
 // One token for each of n_seqs sequences, one fused kernel: conv ring update + conv + SiLU, q/k
 // l2norm (q scaled by d_k^-0.5), beta and g, state decay + delta update + readout (state read and
 // written once, fp32), gated RMSNorm. seq_pos[i] is the position of the new token (= tokens
@@ -150,6 +163,11 @@ enum class GdnDecodeKernel {
   kPersistDeep
 };
 bool gdn_decode_cluster8_supported(const GdnShape& s);
+// The kernel launch_gdn_decode runs for `which` (kAuto resolved by batch size; kAuto back means
+// the cluster kernels), and whether that kernel takes GdnDecodeEarly.
+GdnDecodeKernel gdn_decode_resolve(const GdnShape& s, const GdnStatePool& pool, int n_seqs,
+                                   GdnDecodeKernel which);
+bool gdn_decode_early_supported(const GdnShape& s, GdnDecodeKernel resolved);
 bool gdn_decode_stream_supported(const GdnShape& s, const GdnStatePool& pool);
 bool gdn_decode_split_supported(const GdnShape& s, const GdnStatePool& pool, int n_split);
 // The kernel that runs a gdn_decode dispatch variant (dispatch.cpp: "fused_persist",
@@ -168,7 +186,7 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                        const __nv_bfloat16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
                        int n_seqs, __nv_bfloat16* out, cudaStream_t stream, GdnDecodeKernel which,
-                       bool pdl);
+                       bool pdl, const GdnDecodeEarly& early = {});
 // The engine's PDL choice, from $DS_GDN_DECODE_PDL (read at each call): "0" never, "1" at
 // every batch size, unset: by batch size as measured on the H200 (gdn_decode.cu). Any other value
 // throws ds::Error.

@@ -688,13 +688,35 @@ struct SplitCfg {
   static_assert(kMaxChunks <= 4, "at most 4 chunk barriers");
 };
 
-template <int DK, bool VEC, int NSPLIT>
+// EARLY (GdnDecodeEarly, gdn.h; its own instantiation): thread 0 waits (acquire) for the
+// in-projection GEMV's early-rows counter to reach its target, i.e. for proj's qkv, b and a
+// columns, and everything up to the gated norm's scale runs before griddepcontrol.wait; only z
+// (and the ring row and outputs, written after it as before) wait for the GEMV's end. A wait past
+// kEarlySpinNs (a producer that never raises: misuse) falls back to the plain order. After the
+// wait each block adds one to the counter; the block that brings it to target + blocks resets it
+// to zero for the next launch (every block has passed its spin by then, and the GEMV is done).
+// The same arithmetic on the same values as without: bit-identical states and outputs.
+constexpr unsigned long long kEarlySpinNs = 2000000ull;  // 2 ms
+
+__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long decode_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+template <int DK, bool VEC, int NSPLIT, bool EARLY = false>
 __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads, kSplitMinBlocks)
     gdn_decode_split_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
                             const bf16* proj,  // [n_seqs, in_dim] (no __restrict__: pdl_wait)
                             const int32_t* __restrict__ seq_pos,   // [n_seqs]
                             const int32_t* __restrict__ slot_ids,  // [n_seqs]
-                            bf16* __restrict__ out)                // [n_seqs, n_v_heads * d_v]
+                            bf16* __restrict__ out,                // [n_seqs, n_v_heads * d_v]
+                            GdnDecodeEarly early)                  // EARLY only
 {
   using C = StreamCfg<DK>;
   using SC = SplitCfg<DK, NSPLIT>;
@@ -754,7 +776,26 @@ __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads,
   ConvTaps taps;
   if (active) conv4_load_taps<VEC>(ring, w.conv_w, qkv_dim, ch, p, taps);
 
-  pdl_wait();  // proj is the previous kernel's output (see pdl_wait)
+  [[maybe_unused]] bool pre = false;  // EARLY: qkv, b and a read before the wait
+  if constexpr (EARLY) {
+    __shared__ int early_ok;
+    if (tid == 0) {
+      const unsigned long long t0 = decode_globaltimer();
+      bool ok = true;
+      while (ld_acquire_u32(early.ready) < early.target) {
+        if (decode_globaltimer() - t0 > kEarlySpinNs) {
+          ok = false;
+          break;
+        }
+        __nanosleep(100);
+      }
+      early_ok = ok;
+      if (!ok && early.late != nullptr) atomicAdd(early.late, 1u);
+    }
+    __syncthreads();
+    pre = early_ok != 0;
+  }
+  if (!pre) pdl_wait();  // proj is the previous kernel's output (see pdl_wait)
   const float b_raw = __bfloat162float(x[qkv_dim + s.z_dim() + hv]);
   const float a_raw = __bfloat162float(x[qkv_dim + s.z_dim() + s.n_v_heads + hv]);
   float xin[4] = {0.f, 0.f, 0.f, 0.f}, y[4] = {0.f, 0.f, 0.f, 0.f};
@@ -782,7 +823,7 @@ __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads,
   float z_c = 0.f, w_c = 0.f;
   if (tid < rows && norm) {
     w_c = __bfloat162float(w.norm_w[v0 + tid]);
-    z_c = __bfloat162float(x[qkv_dim + hv * d_v + v0 + tid]);
+    if (!pre) z_c = __bfloat162float(x[qkv_dim + hv * d_v + v0 + tid]);
   }
 
   // 4. Every block sends its o rows to its peers, then reduces the whole head as kStream does.
@@ -801,6 +842,16 @@ __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads,
     mbar_wait(&peers_done, 0);
     rinv = block_head_rinv(os, warp_sq, d_v, s.norm_eps, tid, lane, warp);
   }
+  if constexpr (EARLY) {
+    if (pre) {
+      pdl_wait();  // z: the GEMV's last rows
+      if (tid < rows && norm) z_c = __bfloat162float(x[qkv_dim + hv * d_v + v0 + tid]);
+    }
+    if (tid == 0) {  // after the wait: the GEMV has raised everything; this block has spun
+      const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
+      if (atomicAdd(early.ready, 1u) == early.target + blocks - 1u) atomicExch(early.ready, 0u);
+    }
+  }
 
   // 5. The ring (row p % 4, which no block reads in this step) and the block's outputs.
   if (active && (e >= 2 * DK || write_qk)) {
@@ -815,23 +866,27 @@ __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads,
 template <int DK, bool VEC, int NSPLIT>
 void launch_split(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                   const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids, int n_seqs,
-                  bf16* out, cudaStream_t stream, bool pdl) {
+                  bf16* out, cudaStream_t stream, bool pdl, const GdnDecodeEarly& early) {
   constexpr int kSmem = SplitCfg<DK, NSPLIT>::kSmemBytes;
-  ensure_smem_optin(reinterpret_cast<const void*>(gdn_decode_split_kernel<DK, VEC, NSPLIT>), kSmem);
+  auto* kern = gdn_decode_split_kernel<DK, VEC, NSPLIT>;
+  if constexpr (DK == 128) {
+    if (early.ready != nullptr) kern = gdn_decode_split_kernel<DK, VEC, NSPLIT, true>;
+  }
+  ensure_smem_optin(reinterpret_cast<const void*>(kern), kSmem);
   // The cluster dimension comes from the kernel's __cluster_dims__ (also under cudaLaunchKernelEx).
-  launch_maybe_pdl(gdn_decode_split_kernel<DK, VEC, NSPLIT>, dim3(NSPLIT, s.n_v_heads, n_seqs),
-                   dim3(kStreamThreads), kSmem, stream, pdl, s, w, pool, proj, seq_pos, slot_ids,
-                   out);
+  launch_maybe_pdl(kern, dim3(NSPLIT, s.n_v_heads, n_seqs), dim3(kStreamThreads), kSmem, stream,
+                   pdl, s, w, pool, proj, seq_pos, slot_ids, out, early);
 }
 
 template <int DK, bool VEC>
 void launch_split_n(GdnDecodeKernel which, const GdnShape& s, const GdnLayerWeights& w,
                     const GdnStatePool& pool, const bf16* proj, const int32_t* seq_pos,
-                    const int32_t* slot_ids, int n_seqs, bf16* out, cudaStream_t stream, bool pdl) {
+                    const int32_t* slot_ids, int n_seqs, bf16* out, cudaStream_t stream, bool pdl,
+                    const GdnDecodeEarly& early) {
   if (which == GdnDecodeKernel::kSplit4)
-    launch_split<DK, VEC, 4>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+    launch_split<DK, VEC, 4>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl, early);
   else
-    launch_split<DK, VEC, 2>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+    launch_split<DK, VEC, 2>(s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl, early);
 }
 
 // ---- Persistent streaming kernel: at most one wave of blocks walking (sequence, head) units ----
@@ -1089,7 +1144,7 @@ bool gdn_decode_pdl_for(int n_seqs) {
 void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
                        const bf16* proj, const int32_t* seq_pos, const int32_t* slot_ids,
                        int n_seqs, bf16* out, cudaStream_t stream, GdnDecodeKernel which,
-                       bool pdl) {
+                       bool pdl, const GdnDecodeEarly& early) {
   check_gdn_shape(s);
   DS_CHECK(w.conv_w && w.A_log && w.dt_bias, "gdn decode: layer weight pointers are null");
   DS_CHECK(pool.conv_state && pool.rec_state, "gdn decode: state pool pointers are null");
@@ -1119,21 +1174,21 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
            "gdn decode: the split streaming kernel over ",
            which == GdnDecodeKernel::kSplit4 ? 4 : 2, " blocks needs d_v % ",
            which == GdnDecodeKernel::kSplit4 ? 16 : 8, " == 0, got d_v ", s.d_v);
+  if (early.ready != nullptr) {
+    const GdnDecodeKernel k = gdn_decode_resolve(s, pool, n_seqs, which);
+    DS_CHECK(gdn_decode_early_supported(s, k) && n_seqs >= 1,
+             "gdn decode: the early start after the in-projection's signal needs the split "
+             "kernels at d_k = 128 and at least one sequence (n_seqs ", n_seqs, ", d_k ", s.d_k, ")");
+    DS_CHECK(early.target >= 1 && (reinterpret_cast<uintptr_t>(early.ready) & 3) == 0,
+             "gdn decode: the early start needs a positive target and a 4-byte aligned counter");
+  }
   if (n_seqs == 0) return;
   // 8-byte loads need 8-byte aligned rows of proj and of the ring.
   const bool vec = s.in_dim() % 4 == 0 && pool.conv_slot_stride % 4 == 0 &&
                    reinterpret_cast<uintptr_t>(proj) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(pool.conv_state) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(w.conv_w) % 16 == 0;
-  if (which == GdnDecodeKernel::kAuto) {
-    const bool measured = s.d_k == 128 && s.d_v == 128;  // the split kernels' timed shape
-    if (measured && n_seqs == kSplit4Seqs && gdn_decode_split_supported(s, pool, 4))
-      which = GdnDecodeKernel::kSplit4;
-    else if (measured && n_seqs == kPersistDeepSeqs && can_stream)
-      which = GdnDecodeKernel::kPersistDeep;
-    else if (n_seqs >= kStreamMinSeqs && can_stream)
-      which = GdnDecodeKernel::kStream;
-  }
+  which = gdn_decode_resolve(s, pool, n_seqs, which);
   if (which == GdnDecodeKernel::kPersist || which == GdnDecodeKernel::kPersistDeep) {
 #define DS_GDN_PERSIST(DK)                                                                      \
   if (vec)                                                                                      \
@@ -1166,9 +1221,10 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 #define DS_GDN_SPLIT(DK)                                                                      \
   if (vec)                                                                                    \
     launch_split_n<DK, true>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, \
-                             pdl);                                                            \
+                             pdl, early);                                                     \
   else                                                                                        \
-    launch_split_n<DK, false>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, pdl);
+    launch_split_n<DK, false>(which, s, w, pool, proj, seq_pos, slot_ids, n_seqs, out, stream, \
+                              pdl, early);
     switch (s.d_k) {
       case 16:
         DS_GDN_SPLIT(16);
@@ -1262,6 +1318,23 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
 }
 
 bool gdn_decode_cluster8_supported(const GdnShape& s) { return s.d_v % 32 == 0; }
+
+GdnDecodeKernel gdn_decode_resolve(const GdnShape& s, const GdnStatePool& pool, int n_seqs,
+                                   GdnDecodeKernel which) {
+  if (which != GdnDecodeKernel::kAuto) return which;
+  const bool can_stream = gdn_decode_stream_supported(s, pool);
+  const bool measured = s.d_k == 128 && s.d_v == 128;  // the split kernels' timed shape
+  if (measured && n_seqs == kSplit4Seqs && gdn_decode_split_supported(s, pool, 4))
+    return GdnDecodeKernel::kSplit4;
+  if (measured && n_seqs == kPersistDeepSeqs && can_stream) return GdnDecodeKernel::kPersistDeep;
+  if (n_seqs >= kStreamMinSeqs && can_stream) return GdnDecodeKernel::kStream;
+  return GdnDecodeKernel::kAuto;  // the cluster kernels, by n_seqs
+}
+
+bool gdn_decode_early_supported(const GdnShape& s, GdnDecodeKernel resolved) {
+  return s.d_k == 128 &&
+         (resolved == GdnDecodeKernel::kSplit4 || resolved == GdnDecodeKernel::kSplit2);
+}
 
 bool gdn_decode_stream_supported(const GdnShape& s, const GdnStatePool& pool) {
   // Bulk copies need 16-byte aligned sources: the pool base and every slot / head / chunk offset

@@ -115,6 +115,24 @@ struct GemvL2Next {
   int grid = 0;  // its blocks: block j reads rows [n j / grid, n (j + 1) / grid), in order
   int rows = 0;  // leading rows of each of those ranges to prefetch
 };
+// An early-rows signal (session 32, $DS_GDN_EARLY): the interleaved sweep of the bulk GEMV starts
+// at row first_row (stage first_row / R, wrapping past the last row to row 0), and each consumer
+// warp raises *counter by one (after a warp barrier and a GPU-scope fence: a release) once every
+// row it owns among the first `rows` rows of that sweep is stored, or at its end if it owns none
+// past them; gemv_bulk_signal_count raises per launch in all. So *counter reaching that count
+// means rows [first_row, n) and [0, rows - (n - first_row)) of y are final while the GEMV still
+// computes the rest. The decode step points it at gdn_in with first_row = the b / a rows and rows
+// covering them and the qkv rows, so gdn_decode can start before the z rows are done. The values
+// are those of the plain sweep (each row's sums do not depend on the order): bit-identical y.
+// counter null: off. Compiled for m = 1 with the fused norm, rows_per_stage 1, interleaved.
+struct GemvSignal {
+  unsigned* counter = nullptr;
+  int first_row = 0;
+  int rows = 0;
+};
+// The raises one signalled launch makes (every consumer warp of its grid raises once).
+int gemv_bulk_signal_count(int m, int n, int k, const GemvBulkConfig& c, int n_sms);
+
 // $DS_GEMV_L2_NEXT: MiB of a later GEMV's weights to prefetch that way (0..256, read once per
 // process; 0 or unset: off). gemv_l2_next_rows turns it into rows per block of that GEMV.
 int gemv_l2_next_mib();

@@ -28,6 +28,7 @@
 #include <sstream>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "cuda/argmax_key.h"
 #include "cuda/bulk_copy.cuh"
@@ -197,14 +198,18 @@ __device__ __forceinline__ void x_to_shared(const bf16* x, const GemvNormIn& nor
 // the plain kernels keep their registers (the prologue's loads of 4 rows take ~160).
 // PF: the producer prefetches `next` into L2 at its end (GemvL2Next), also a separate
 // instantiation (m <= 2, not GLU), so the kernels without it compile exactly as before.
-template <int M, int R, bool GLU, typename OutT, bool NORM, bool PF = false>
+// SIG: the early-rows signal (GemvSignal, gemv.h; interleaved only), also its own instantiation
+// (m 1, R 1, NORM, not GLU, not PF).
+template <int M, int R, bool GLU, typename OutT, bool NORM, bool PF = false, bool SIG = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_bulk_kernel(const bf16* x,  // [M, k] (unused with NORM); no __restrict__: see the wait
                      const bf16* __restrict__ w,  // [n, k] ([2 n, k] when GLU)
                      OutT* __restrict__ y,        // [M, n]
                      int n, int k, int slots, bool accumulate, bool interleave,
                      const GemvNormIn norm,    // NORM only
-                     const GemvL2Next next) {  // rows of a later GEMV into L2 (rows 0: none)
+                     const GemvL2Next next,    // rows of a later GEMV into L2 (rows 0: none)
+                     const GemvSignal sig) {   // SIG only
+  static_assert(!SIG || (!GLU && !PF && R == 1), "the signal is compiled for plain R 1 stages");
 
   static_assert(!GLU || R == 2, "GLU stages hold one gate row and one up row");
   extern __shared__ __align__(128) unsigned char smem[];
@@ -224,8 +229,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int total_stages = GLU ? n : (n + R - 1) / R;
   const int n_stages = interleave ? max(0, (total_stages - b + G - 1) / G)
                                   : (GLU ? row_end - row_begin : (row_end - row_begin + R - 1) / R);
-  // First row of this block's stage s.
+  // First row of this block's stage s. SIG: the sweep starts at stage sig.first_row (R 1) and
+  // wraps.
   auto stage_row = [&](int s) {
+    if constexpr (SIG) {
+      const int j = b + s * G + sig.first_row;
+      return j >= total_stages ? j - total_stages : j;
+    }
     return interleave ? (b + s * G) * (GLU ? 1 : R) : row_begin + s * (GLU ? 1 : R);
   };
   const size_t stage_elems = size_t(R) * k;
@@ -290,7 +300,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   const int nv = k / 8;
+  // SIG: every row this warp owns among the sweep's first sig.rows is stored once its next stage
+  // lies past them (the sweep positions b + s G grow with s): one warp barrier, then lane 0's
+  // GPU-scope fence (cumulative over the warp's stores) and its raise.
+  [[maybe_unused]] bool raised = false;
+  [[maybe_unused]] auto raise = [&] {
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence();
+      atomicAdd(sig.counter, 1u);
+    }
+    raised = true;
+  };
   for (int s = warp; s < n_stages; s += kConsumerWarps) {
+    if constexpr (SIG)
+      if (!raised && b + s * G >= sig.rows) raise();
     const int slot = s % slots;
     const int r0 = stage_row(s);
     const int rows = GLU ? R : min(R, row_end - r0);
@@ -338,6 +362,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
     }
   }
+  if constexpr (SIG)
+    if (!raised) raise();
 }
 
 size_t smem_bytes(int m, int k, int rows, int slots) {
@@ -347,7 +373,7 @@ size_t smem_bytes(int m, int k, int rows, int slots) {
 template <int M, int R, typename OutT, bool GLU = false>
 void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumulate,
               const GemvBulkConfig& c, int n_sms, cudaStream_t stream, const GemvNormIn& norm,
-              const GemvL2Next& next = {}) {
+              const GemvL2Next& next = {}, const GemvSignal& sig = {}) {
   auto* kern = gemv_bulk_kernel<M, R, GLU, OutT, false>;
   if constexpr (M <= kGemvNormMaxM) {
     if (norm.weight) kern = gemv_bulk_kernel<M, R, GLU, OutT, true>;
@@ -357,21 +383,25 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
       kern = norm.weight ? gemv_bulk_kernel<M, R, GLU, OutT, true, true>
                          : gemv_bulk_kernel<M, R, GLU, OutT, false, true>;
   }
+  if constexpr (M == 1 && R == 1 && !GLU && std::is_same_v<OutT, bf16>) {
+    if (sig.counter != nullptr) kern = gemv_bulk_kernel<M, R, GLU, OutT, true, false, true>;
+  }
   // The opt-in shared memory size belongs to the device's context: once per (kernel, device), not
   // per process (a std::call_once left the first launch on a second device failing).
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   const int blocks = std::max(1, std::min(n_sms * c.blocks_per_sm, n));
   const size_t smem = smem_bytes(M, k, R, c.slots) + (norm.weight ? kRedBytes : 0);
   launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem, stream, c.pdl, x, w,
-                   static_cast<OutT*>(y), n, k, c.slots, accumulate, c.interleave, norm, next);
+                   static_cast<OutT*>(y), n, k, c.slots, accumulate, c.interleave, norm, next,
+                   sig);
 }
 
 template <int M, int R>
 void launch_mr(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, bool acc,
                const GemvBulkConfig& c, int n_sms, cudaStream_t s, const GemvNormIn& nin,
-               const GemvL2Next& next) {
+               const GemvL2Next& next, const GemvSignal& sig) {
   if (out == GemmOut::kBF16)
-    launch_t<M, R, bf16>(x, w, y, n, k, acc, c, n_sms, s, nin, next);
+    launch_t<M, R, bf16>(x, w, y, n, k, acc, c, n_sms, s, nin, next, sig);
   else
     launch_t<M, R, float>(x, w, y, n, k, acc, c, n_sms, s, nin, next);
 }
@@ -379,11 +409,11 @@ void launch_mr(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out,
 template <int M>
 void launch_m(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, bool acc,
               const GemvBulkConfig& c, int n_sms, cudaStream_t s, const GemvNormIn& nin,
-              const GemvL2Next& next) {
+              const GemvL2Next& next, const GemvSignal& sig) {
   if (c.rows_per_stage == 1)
-    launch_mr<M, 1>(x, w, y, n, k, out, acc, c, n_sms, s, nin, next);
+    launch_mr<M, 1>(x, w, y, n, k, out, acc, c, n_sms, s, nin, next, sig);
   else
-    launch_mr<M, 2>(x, w, y, n, k, out, acc, c, n_sms, s, nin, next);
+    launch_mr<M, 2>(x, w, y, n, k, out, acc, c, n_sms, s, nin, next, sig);
 }
 
 // The later GEMV's rows must lie inside its weight, 16-byte aligned rows; no weight or no rows:
@@ -456,7 +486,7 @@ void silu_impl(const bf16* x, const bf16* w, bf16* act, int m, int d_ff, int k,
 // launch_gemv_bulk / launch_gemv_bulk_norm.
 void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmOut out,
                bool accumulate, const GemvBulkConfig& cfg, int n_sms, cudaStream_t stream,
-               const GemvNormIn& nin, const GemvL2Next& next) {
+               const GemvNormIn& nin, const GemvL2Next& next, const GemvSignal& sig = {}) {
   DS_CHECK(gemv_bulk_supports(m, n, k), "bulk gemv: unsupported shape m=", m, " n=", n, " k=", k,
            " (needs m 1..", kGemvBulkMaxM,
            ", k % 8 == 0, x and 8 one-row stages in shared memory)");
@@ -471,16 +501,28 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
   const GemvL2Next nx = checked_next(next);
   DS_CHECK(nx.rows == 0 || m <= kGemvL2NextMaxM, "bulk gemv: the L2 prefetch of a later GEMV is "
            "compiled for m <= ", kGemvL2NextMaxM, ", got m=", m);
+  if (sig.counter != nullptr) {
+    DS_CHECK(m == 1 && cfg.rows_per_stage == 1 && cfg.interleave && nin.weight != nullptr &&
+                 out == GemmOut::kBF16 && !accumulate && nx.rows == 0,
+             "bulk gemv: the early-rows signal is compiled for m 1, one-row stages, the "
+             "interleaved sweep, the fused norm, bf16 out, no accumulate and no L2 prefetch (got m=",
+             m, ", config ", cfg.name(), nin.weight ? "" : ", no norm", ")");
+    DS_CHECK(sig.first_row >= 0 && sig.first_row < n && sig.rows >= 1 && sig.rows <= n,
+             "bulk gemv: the early-rows signal needs 0 <= first_row < n and 1 <= rows <= n (n=", n,
+             " first_row=", sig.first_row, " rows=", sig.rows, ")");
+    DS_CHECK((reinterpret_cast<uintptr_t>(sig.counter) & 3) == 0,
+             "bulk gemv: the early-rows counter must be 4-byte aligned");
+  }
   const bool a = accumulate;
   switch (m) {
-    case 1: launch_m<1>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
-    case 2: launch_m<2>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
-    case 3: launch_m<3>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
-    case 4: launch_m<4>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
-    case 5: launch_m<5>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
-    case 6: launch_m<6>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
-    case 7: launch_m<7>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
-    default: launch_m<8>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx); break;
+    case 1: launch_m<1>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx, sig); break;
+    case 2: launch_m<2>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx, {}); break;
+    case 3: launch_m<3>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx, {}); break;
+    case 4: launch_m<4>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx, {}); break;
+    case 5: launch_m<5>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx, {}); break;
+    case 6: launch_m<6>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx, {}); break;
+    case 7: launch_m<7>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx, {}); break;
+    default: launch_m<8>(x, w, y, n, k, out, a, cfg, n_sms, stream, nin, nx, {}); break;
   }
   DS_CUDA_LAUNCH_CHECK();
 }
@@ -1277,9 +1319,15 @@ void launch_gemv_bulk(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, i
 
 void launch_gemv_bulk_norm(const GemvNormIn& norm, const __nv_bfloat16* w, void* y, int m, int n,
                            int k, GemmOut out, const GemvBulkConfig& cfg, int n_sms,
-                           cudaStream_t stream, const GemvL2Next& next) {
+                           cudaStream_t stream, const GemvL2Next& next, const GemvSignal& sig) {
   check_norm(norm, m, k, cfg, "bulk gemv");
-  bulk_impl(nullptr, w, y, m, n, k, out, false, cfg, n_sms, stream, norm, next);
+  bulk_impl(nullptr, w, y, m, n, k, out, false, cfg, n_sms, stream, norm, next, sig);
+}
+
+int gemv_bulk_signal_count(int m, int n, int k, const GemvBulkConfig& c, int n_sms) {
+  (void)m;
+  (void)k;
+  return std::max(1, std::min(n_sms * c.blocks_per_sm, n)) * kConsumerWarps;
 }
 
 bool gemv_bulk_argmax_supports(int64_t m, int64_t n, int64_t k, const GemvBulkConfig& c,

@@ -57,7 +57,8 @@ void launch_gemv_bulk_norm(const GemvNormIn& norm,
                            const __nv_bfloat16* w,  // [n, k]
                            void* y,                 // [m, n] bf16 or fp32 (out)
                            int m, int n, int k, GemmOut out, const GemvBulkConfig& cfg, int n_sms,
-                           cudaStream_t stream, const GemvL2Next& next = {});
+                           cudaStream_t stream, const GemvL2Next& next = {},
+                           const GemvSignal& sig = {});  // gemv.h; not with `next`
 
 // launch_gemv_bulk_argmax (gemv.h: the fp32 logits and each row's greedy token, session 27, not
 // yet measured) with x = rmsnorm(residual + delta) computed in its prologue: at decode the final

@@ -681,6 +681,101 @@ TEST(CudaGemvBulkNorm, L2PrefetchOfALaterGemvChangesNoBit) {
   cudaStreamDestroy(st);
 }
 
+// The early-rows signal (GemvSignal, session 32): the sweep starting at first_row changes no bit
+// of y or of the residual; every row is written; the counter ends at gemv_bulk_signal_count
+// (added to what it held: one zeroed word per launch here); bad requests throw. Whether gdn_decode
+// may read the covered rows once the count is reached is Specialisations.GdnEarlyOnVsOff*.
+TEST(CudaGemvBulkNorm, EarlyRowsSignalChangesNoBit) {
+  DS_REQUIRE_GPU();
+  struct Sig {
+    const char* name;
+    int n, k, first_row, rows;
+  };
+  const Sig cases[] = {
+      {"27B gdn_in: b / a, then qkv", 16480, 5120, 10240 + 6144, 96 + 10240},
+      {"27B gdn_in: all rows", 16480, 5120, 16384, 16480},
+      {"27B gdn_in: from row 0, 1 row", 16480, 5120, 0, 1},
+      {"odd n 1001, wrap at 997", 1001, 1024, 997, 300},
+      {"n below the grid", 40, 5120, 7, 12},
+  };
+  const int sms = n_sms();
+  std::mt19937 rng(71);
+  cudaStream_t st = nullptr;
+  DS_CUDA_CHECK(cudaStreamCreate(&st));
+  DevBuf<unsigned> counter(1);
+  for (const Sig& c : cases) {
+    DevBuf<bf> w(test::random_bf16(size_t(c.n) * c.k, rng, 0.05f));
+    DevBuf<bf> nw(test::random_bf16(c.k, rng, 0.2f));
+    const std::vector<bf> h_res = test::random_bf16(c.k, rng, 2.f);
+    DevBuf<bf> delta(test::random_bf16(c.k, rng, 1.f));
+    for (bool pdl : {false, true}) {
+      cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(1, c.n, c.k);
+      cfg.pdl = pdl;
+      cfg.interleave = true;
+      std::vector<bf> outs[2], resids[2];
+      for (int with = 0; with < 2; ++with) {
+        DevBuf<bf> res(h_res), res_out(c.k), y(c.n);
+        res_out.poison();
+        y.poison();
+        DS_CUDA_CHECK(cudaMemset(counter.ptr, 0, sizeof(unsigned)));
+        cuda::GemvNormIn nin;
+        nin.residual = P(res);
+        nin.delta = P(delta);
+        nin.weight = P(nw);
+        nin.residual_out = P(res_out);
+        cuda::GemvSignal sig;
+        if (with) sig = {counter.ptr, c.first_row, c.rows};
+        cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, 1, c.n, c.k, cuda::GemmOut::kBF16, cfg, sms,
+                                    st, {}, sig);
+        DS_CUDA_CHECK(cudaStreamSynchronize(st));
+        outs[with] = y.download();
+        resids[with] = res_out.download();
+        const unsigned raised = counter.download()[0];
+        if (with)
+          EXPECT_EQ(raised, unsigned(cuda::gemv_bulk_signal_count(1, c.n, c.k, cfg, sms)))
+              << c.name;
+        else
+          EXPECT_EQ(raised, 0u) << c.name << ": a launch without the signal raised it";
+      }
+      size_t differ = 0, nan = 0;
+      for (int i = 0; i < c.n; ++i) differ += outs[0][i] != outs[1][i];
+      for (bf v : outs[1]) nan += (v & 0x7f80) == 0x7f80 && (v & 0x7f);
+      EXPECT_EQ(differ, 0u) << c.name << (pdl ? " pdl" : "") << ": outputs differ";
+      EXPECT_EQ(nan, 0u) << c.name << ": outputs not written";
+      EXPECT_EQ(resids[0], resids[1]) << c.name << ": residual_out differs";
+      std::printf("  %-32s%s n=%d k=%d first_row %d rows %d: bit-identical, %d raises\n", c.name,
+                  pdl ? " pdl" : "", c.n, c.k, c.first_row, c.rows,
+                  cuda::gemv_bulk_signal_count(1, c.n, c.k, cfg, sms));
+    }
+  }
+  // Refused: what the signal is not compiled for, and rows outside the weight.
+  const int n = 512, k = 1024;
+  DevBuf<bf> w(size_t(n) * k), nw(k), res(2 * k), y(2 * n), wnext(size_t(n) * k);
+  cuda::GemvNormIn nin;
+  nin.residual = P(res);
+  nin.weight = P(nw);
+  cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(1, n, k);
+  cfg.interleave = true;
+  auto run = [&](int m, const cuda::GemvBulkConfig& cf, const cuda::GemvSignal& sg,
+                 const cuda::GemvL2Next& nx = {}) {
+    cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, m, n, k, cuda::GemmOut::kBF16, cf, sms, st, nx,
+                                sg);
+  };
+  const cuda::GemvSignal ok{counter.ptr, 100, 200};
+  EXPECT_NO_THROW(run(1, cfg, ok));
+  EXPECT_THROW(run(2, cuda::gemv_bulk_config(2, n, k), ok), ds::Error);  // m 2
+  cuda::GemvBulkConfig contiguous = cfg;
+  contiguous.interleave = false;
+  EXPECT_THROW(run(1, contiguous, ok), ds::Error);
+  EXPECT_THROW(run(1, cfg, {counter.ptr, n, 1}), ds::Error);      // first_row past n
+  EXPECT_THROW(run(1, cfg, {counter.ptr, -1, 1}), ds::Error);
+  EXPECT_THROW(run(1, cfg, {counter.ptr, 0, 0}), ds::Error);      // no rows
+  EXPECT_THROW(run(1, cfg, {counter.ptr, 0, n + 1}), ds::Error);  // more rows than n
+  EXPECT_THROW(run(1, cfg, ok, {P(wnext), n, k, sms, 4}), ds::Error);  // with the L2 prefetch
+  DS_CUDA_CHECK(cudaStreamSynchronize(st));
+  cudaStreamDestroy(st);
+}
+
 TEST(CudaGemvBulkNorm, Errors) {
   DS_REQUIRE_GPU();
   const int m = 1, n = 512, k = 1024;

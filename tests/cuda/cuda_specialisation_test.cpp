@@ -602,6 +602,55 @@ TEST(Specialisations, GdnDecodePdlOnVsOffBitExactAt27bShapes) {
   EXPECT_GT(rep_on, 0);
 }
 
+// GDN decode on the gdn_in GEMV's early-rows signal (CudaEngineOptions::gdn_early, session 32) on
+// vs off in one engine (graphs on: batch 1's first step runs eagerly, the rest replay its graph;
+// batch 2 never takes it): logits and tokens bit-identical, the path taken at every GDN layer of
+// every batch-1 step, each layer's counter back at 0 after the steps and no block that gave up
+// waiting. With and without the PDL launch of gdn_decode (without it the signal has been raised
+// before the kernel starts).
+TEST(Specialisations, GdnEarlyOnVsOffBitExactAt27bShapes) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = config_27b_4_layers();
+  std::mt19937 rng(41);
+  const std::vector<std::vector<int32_t>> prompts = random_prompts({800, 250}, c.vocab_size, rng);
+  for (const char* pdl : {"1", "0"}) {
+    setenv("DS_GDN_DECODE_PDL", pdl, 1);
+    auto b = make_engine({true}, &c, nullptr, 64);
+    auto run = [&](bool on, std::vector<int32_t>& ids, int64_t& taken) {
+      set_cuda_gdn_early(*b, on);
+      EXPECT_EQ(cuda_gdn_early(*b), on);
+      const int64_t e0 = cuda_gdn_early_enqueued(*b);
+      std::vector<float> rows = decode_batch1_then_batch2(*b, prompts, 40, 16, ids);
+      taken = cuda_gdn_early_enqueued(*b) - e0;
+      b->reset_slot(0);
+      b->reset_slot(1);
+      return rows;
+    };
+    std::vector<int32_t> ids_off, ids_on;
+    int64_t taken_off = 0, taken_on = 0;
+    const std::vector<float> off = run(false, ids_off, taken_off);
+    const std::vector<float> on = run(true, ids_on, taken_on);
+    ASSERT_EQ(on.size(), off.size());
+    const size_t differ = bits_differ(on, off);
+    const std::vector<unsigned> words = cuda_gdn_early_words(*b);
+    std::printf("  gdn early on vs off (gdn decode pdl %s): %zu of %zu logits differ; %zu greedy "
+                "tokens compared; %lld GDN layers enqueued early; late blocks %u\n",
+                pdl, differ, on.size(), ids_on.size(), static_cast<long long>(taken_on),
+                words.back());
+    EXPECT_EQ(differ, 0u);
+    EXPECT_EQ(ids_on, ids_off);
+    EXPECT_EQ(taken_off, 0);
+    // every GDN layer of the batch-1 graph's capture and of the first (eager) batch-1 step
+    EXPECT_GE(taken_on, 2 * c.n_linear_layers());
+    for (size_t i = 0; i + 1 < words.size(); ++i)
+      EXPECT_EQ(words[i], 0u) << "layer " << i << ": counter not reset";
+    EXPECT_EQ(words.back(), 0u) << "gdn_decode blocks gave up waiting for the signal";
+    EXPECT_EQ(cuda_graph_stats(*b).failures, 0);
+    EXPECT_GT(cuda_graph_stats(*b).replays, 0);
+    unsetenv("DS_GDN_DECODE_PDL");
+  }
+}
+
 class GoldenOnOff : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {

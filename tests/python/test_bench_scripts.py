@@ -293,8 +293,8 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     script = REPO / "scripts" / "gpu_pending.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
-    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "wy", "argmax", "tma",
-                 "quick"):
+    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "wy", "early", "argmax",
+                 "tma", "quick"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -305,6 +305,12 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "CudaGdn.PrefillStageTiming" in out["kernels"]
     assert "CudaGdn.WyPhaseTiming" in out["kernels"] and "CudaGdn.WyPhaseTiming" in out["wy"]
     assert "CudaGdn.WyBalancedBitExact" in out["wy"] and "DS_PERF=1" in out["wy"]
+    # Session 32's early gdn_decode start: both tests, the profiles both ways, the A/B arm.
+    assert "CudaGemvBulkNorm.EarlyRows" in out["early"]
+    assert "Specialisations.GdnEarly" in out["early"]
+    assert out["early"].count("DecodeProfile.Synthetic27bInGraph") == 2
+    assert "DS_GDN_EARLY=0" in out["early"] and "DS_GDN_EARLY=1" in out["early"]
+    assert "--cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_GDN_EARLY=1" in out["early"]
     for arm in ("DS_MLP_FUSED=1", "DS_MLP_FUSED=2", "DS_MLP_FUSED=3", "DS_GEMV_NORM_EARLY=0",
                 "DS_ATTN_DECODE=pdl_cluster"):
         assert arm in out["decode"]
