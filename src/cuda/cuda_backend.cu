@@ -1475,11 +1475,11 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       const cuda::GemvL2Next in_next =
           fuse ? l2_next(L.gdn_out, T, dm, c.gdn_z_dim()) : cuda::GemvL2Next{};
       if (!skip_in_proj && gdn_early_ && f.gdn_fused_decode && T == 1 && S_d == 1 && fuse &&
-          in_next.rows == 0 && cuda::gemv_interleave_bulk() &&
+          in_next.rows == 0 &&
           cuda::gdn_decode_early_supported(
               gdn_, cuda::gdn_decode_resolve(gdn_, gdn_pool(L.ll), S_d, f.gdn_decode_kernel)) &&
           gemv_norm_fits(L.gdn_in, T, c.gdn_in_dim(), dm) &&
-          cuda::gemv_bulk_config(T, c.gdn_in_dim(), dm).rows_per_stage == 1) {
+          cuda::gemv_bulk_signal_supported(T, cuda::gemv_bulk_config(T, c.gdn_in_dim(), dm))) {
         const int qkv = gdn_.qkv_dim(), first = qkv + gdn_.z_dim(), n_in = c.gdn_in_dim();
         cuda::GemvSignal sig;
         sig.counter = gdn_ready_ + il;

@@ -116,10 +116,11 @@ struct GemvL2Next {
   int rows = 0;  // leading rows of each of those ranges to prefetch
 };
 // An early-rows signal (session 32, $DS_GDN_EARLY): the interleaved sweep of the bulk GEMV starts
-// at row first_row (stage first_row / R, wrapping past the last row to row 0), and each consumer
-// warp raises *counter by one (after a warp barrier and a GPU-scope fence: a release) once every
-// row it owns among the first `rows` rows of that sweep is stored, or at its end if it owns none
-// past them; gemv_bulk_signal_count raises per launch in all. So *counter reaching that count
+// at row first_row (stage first_row / R, wrapping past the last row to row 0), and each block
+// raises *counter by one (a release: the last of its consumer warps to get there fences at GPU
+// scope, then adds) once every row it owns among the first `rows` rows of that sweep is stored
+// (a warp that owns none past them counts at its end); gemv_bulk_signal_count raises per launch
+// in all (one per block). So *counter reaching that count
 // means rows [first_row, n) and [0, rows - (n - first_row)) of y are final while the GEMV still
 // computes the rest. The decode step points it at gdn_in with first_row = the b / a rows and rows
 // covering them and the qkv rows, so gdn_decode can start before the z rows are done. The values
@@ -130,7 +131,10 @@ struct GemvSignal {
   int first_row = 0;
   int rows = 0;
 };
-// The raises one signalled launch makes (every consumer warp of its grid raises once).
+// Whether launch_gemv_bulk_norm takes a GemvSignal with config c at m rows (the rest of its
+// checks: first_row and rows inside the weight, no L2 prefetch, bf16 out).
+bool gemv_bulk_signal_supported(int m, const GemvBulkConfig& c);
+// The raises one signalled launch makes (every block of its grid raises once).
 int gemv_bulk_signal_count(int m, int n, int k, const GemvBulkConfig& c, int n_sms);
 
 // $DS_GEMV_L2_NEXT: MiB of a later GEMV's weights to prefetch that way (0..256, read once per

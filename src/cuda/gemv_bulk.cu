@@ -241,6 +241,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const size_t stage_elems = size_t(R) * k;
 
   if (threadIdx.x == 0) init_ring_barriers(full, empty, slots);
+  // SIG: the consumer warps past the early rows, counted in the last full[] word (unused: the
+  // launch requires slots < kMaxSlots; no static shared memory, the ring may take the maximum).
+  [[maybe_unused]] unsigned* sig_warps = reinterpret_cast<unsigned*>(&full[kMaxSlots - 1]);
+  if constexpr (SIG)
+    if (threadIdx.x == 0) *sig_warps = 0;
   __syncthreads();
 
   const bool producer = warp == kConsumerWarps;
@@ -301,14 +306,20 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int nv = k / 8;
   // SIG: every row this warp owns among the sweep's first sig.rows is stored once its next stage
-  // lies past them (the sweep positions b + s G grow with s): one warp barrier, then lane 0's
-  // GPU-scope fence (cumulative over the warp's stores) and its raise.
+  // lies past them (the sweep positions b + s G grow with s). The warp counts itself in shared
+  // memory (warp barrier, then lane 0's CTA fence and a shared atomic: a release at CTA scope);
+  // the block's last warp to do so (its shared atomic an acquire with the fence after it) raises
+  // the global counter after a GPU-scope fence, cumulative over every warp's stores. One GPU
+  // fence per block: each stalls its warp (and so the ring behind it) for a store round trip.
   [[maybe_unused]] bool raised = false;
   [[maybe_unused]] auto raise = [&] {
     __syncwarp();
     if (lane == 0) {
-      __threadfence();
-      atomicAdd(sig.counter, 1u);
+      __threadfence_block();
+      if (atomicAdd(sig_warps, 1u) == kConsumerWarps - 1) {
+        __threadfence();
+        atomicAdd(sig.counter, 1u);
+      }
     }
     raised = true;
   };
@@ -502,11 +513,11 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
   DS_CHECK(nx.rows == 0 || m <= kGemvL2NextMaxM, "bulk gemv: the L2 prefetch of a later GEMV is "
            "compiled for m <= ", kGemvL2NextMaxM, ", got m=", m);
   if (sig.counter != nullptr) {
-    DS_CHECK(m == 1 && cfg.rows_per_stage == 1 && cfg.interleave && nin.weight != nullptr &&
-                 out == GemmOut::kBF16 && !accumulate && nx.rows == 0,
-             "bulk gemv: the early-rows signal is compiled for m 1, one-row stages, the "
-             "interleaved sweep, the fused norm, bf16 out, no accumulate and no L2 prefetch (got m=",
-             m, ", config ", cfg.name(), nin.weight ? "" : ", no norm", ")");
+    DS_CHECK(gemv_bulk_signal_supported(m, cfg) && nin.weight != nullptr && out == GemmOut::kBF16 && !accumulate && nx.rows == 0,
+             "bulk gemv: the early-rows signal is compiled for m 1, one-row stages, fewer than ",
+             kMaxSlots, " slots, the interleaved sweep, the fused norm, bf16 out, no accumulate "
+             "and no L2 prefetch (got m=", m, ", config ", cfg.name(), nin.weight ? "" : ", no norm",
+             ")");
     DS_CHECK(sig.first_row >= 0 && sig.first_row < n && sig.rows >= 1 && sig.rows <= n,
              "bulk gemv: the early-rows signal needs 0 <= first_row < n and 1 <= rows <= n (n=", n,
              " first_row=", sig.first_row, " rows=", sig.rows, ")");
@@ -1324,10 +1335,14 @@ void launch_gemv_bulk_norm(const GemvNormIn& norm, const __nv_bfloat16* w, void*
   bulk_impl(nullptr, w, y, m, n, k, out, false, cfg, n_sms, stream, norm, next, sig);
 }
 
+bool gemv_bulk_signal_supported(int m, const GemvBulkConfig& c) {
+  return m == 1 && c.rows_per_stage == 1 && c.slots < kMaxSlots && c.interleave;
+}
+
 int gemv_bulk_signal_count(int m, int n, int k, const GemvBulkConfig& c, int n_sms) {
   (void)m;
   (void)k;
-  return std::max(1, std::min(n_sms * c.blocks_per_sm, n)) * kConsumerWarps;
+  return std::max(1, std::min(n_sms * c.blocks_per_sm, n));  // one raise per block
 }
 
 bool gemv_bulk_argmax_supports(int64_t m, int64_t n, int64_t k, const GemvBulkConfig& c,

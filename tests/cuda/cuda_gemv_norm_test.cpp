@@ -767,6 +767,12 @@ TEST(CudaGemvBulkNorm, EarlyRowsSignalChangesNoBit) {
   cuda::GemvBulkConfig contiguous = cfg;
   contiguous.interleave = false;
   EXPECT_THROW(run(1, contiguous, ok), ds::Error);
+  cuda::GemvBulkConfig full_ring = cfg;  // the counter lives in the last ring barrier word
+  full_ring.slots = 32;
+  ASSERT_TRUE(cuda::gemv_bulk_fits(1, k, full_ring));
+  EXPECT_FALSE(cuda::gemv_bulk_signal_supported(1, full_ring));
+  EXPECT_THROW(run(1, full_ring, ok), ds::Error);
+  EXPECT_TRUE(cuda::gemv_bulk_signal_supported(1, cfg));
   EXPECT_THROW(run(1, cfg, {counter.ptr, n, 1}), ds::Error);      // first_row past n
   EXPECT_THROW(run(1, cfg, {counter.ptr, -1, 1}), ds::Error);
   EXPECT_THROW(run(1, cfg, {counter.ptr, 0, 0}), ds::Error);      // no rows
