@@ -90,9 +90,10 @@ struct CudaEngineOptions {
   bool head_norm_fused = false;
   // Batch-1 decode: gdn_decode starts on the gdn_in GEMV's early-rows signal (its qkv, b and a
   // rows; GemvSignal / GdnDecodeEarly) instead of the GEMV's end; only z waits for the end. The
-  // same logits and tokens (Specialisations.GdnEarlyOnVsOffBitExactAt27bShapes). Session 32.
-  // $DS_GDN_EARLY=0 / 1 overrides.
-  bool gdn_early = false;
+  // same logits and tokens (Specialisations.GdnEarlyOnVsOffBitExactAt27bShapes). Session 32: on
+  // (TPOT at batch 1, 4K / 8K / 32K: -0.08 / -0.07 / -0.07 ms on an H200, -0.03 / -0.02 / -0.06 on
+  // an H100; docs/perf/decode_gemv.md). $DS_GDN_EARLY=0 / 1 overrides.
+  bool gdn_early = true;
 };
 
 // Uploads `w` (bf16 / f16 / f32 tensors; f16 / f32 are converted to bf16 on the host).
