@@ -718,11 +718,7 @@ TEST(CudaGemvBulkNorm, EarlyRowsSignalChangesNoBit) {
         res_out.poison();
         y.poison();
         DS_CUDA_CHECK(cudaMemset(counter.ptr, 0, sizeof(unsigned)));
-        cuda::GemvNormIn nin;
-        nin.residual = P(res);
-        nin.delta = P(delta);
-        nin.weight = P(nw);
-        nin.residual_out = P(res_out);
+        const cuda::GemvNormIn nin = norm_input(res, delta, nw, res_out, true, true);
         cuda::GemvSignal sig;
         if (with) sig = {counter.ptr, c.first_row, c.rows};
         cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, 1, c.n, c.k, cuda::GemmOut::kBF16, cfg, sms,
