@@ -85,16 +85,6 @@ __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
 }
 
-// A load with acquire semantics at GPU scope (a flag or counter another block releases).
-__device__ __forceinline__ int load_acquire(const int* flag) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned load_acquire(const unsigned* flag) {
-  return static_cast<unsigned>(load_acquire(reinterpret_cast<const int*>(flag)));
-}
-
 // A ring's mbarriers, one thread before the block barrier: full[i] completes on the producer's
 // expect_tx arrival and its copies, empty[i] on one consumer arrival.
 __device__ __forceinline__ void init_ring_barriers(uint64_t* full, uint64_t* empty, int slots) {

@@ -1474,31 +1474,31 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       bool in_proj_ran = skip_in_proj;
       const cuda::GemvL2Next in_next =
           fuse ? l2_next(L.gdn_out, T, dm, c.gdn_z_dim()) : cuda::GemvL2Next{};
+      const int n_in = c.gdn_in_dim();
       if (!skip_in_proj && gdn_early_ && f.gdn_fused_decode && T == 1 && S_d == 1 && fuse &&
           in_next.rows == 0 &&
           cuda::gdn_decode_early_supported(
               gdn_, cuda::gdn_decode_resolve(gdn_, gdn_pool(L.ll), S_d, f.gdn_decode_kernel)) &&
-          gemv_norm_fits(L.gdn_in, T, c.gdn_in_dim(), dm) &&
-          cuda::gemv_bulk_signal_supported(T, cuda::gemv_bulk_config(T, c.gdn_in_dim(), dm))) {
-        const int qkv = gdn_.qkv_dim(), first = qkv + gdn_.z_dim(), n_in = c.gdn_in_dim();
+          cuda::gemv_bulk_signal_supported(T, cuda::gemv_bulk_config(T, n_in, dm))) {
+        const int qkv = gdn_.qkv_dim(), first = qkv + gdn_.z_dim();
         cuda::GemvSignal sig;
         sig.counter = gdn_ready_ + il;
         sig.first_row = first;              // b, a
         sig.rows = (n_in - first) + qkv;  // then q, k, v
         const cuda::GemvNormIn nin = norm_in(mlp_delta, L.input_norm);
-        cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(T, n_in, dm);
+        // false (nothing launched) where the bulk GEMV is not the pick: the plain path below
         if (gemv_norm(nin, L.gdn_in, proj_, T, n_in, dm, in_next, cuda::GemmOut::kBF16, sig)) {
           flip(nin);
           in_proj_ran = true;
           early.ready = gdn_ready_ + il;
-          early.target = unsigned(cuda::gemv_bulk_signal_count(T, n_in, dm, cfg, n_sms_));
+          early.target = unsigned(cuda::gemv_bulk_signal_count(
+              T, n_in, dm, cuda::gemv_bulk_config(T, n_in, dm), n_sms_));
           early.late = gdn_ready_ + c.n_layers;
           ++gdn_early_enqueued_;
         }
       }
       if (!in_proj_ran)
-        norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, c.gdn_in_dim(),  // [qkv | z | b | a]
-                  in_next);
+        norm_gemm(mlp_delta, L.input_norm, L.gdn_in, proj_, n_in, in_next);  // [qkv | z | b | a]
       cuda::GdnLayerWeights gw{L.gdn_conv, L.A_log, L.dt_bias, L.gdn_norm};
       if (f.gdn_fused_decode) {  // decode rows [0, S_d), prompt rows after them
         // PDL: the state / conv taps load while the gdn_in GEMV runs ($DS_GDN_DECODE_PDL)
@@ -1626,7 +1626,7 @@ cuda::GemvL2Next CudaBackend::l2_next(const bf16* w, int m, int n, int k) {
   int grid = n_sms_;  // cuBLASLt: any order; the bulk GEMVs: their grid
   if (v == "gemv_bulk" || v == "gemv_bulk_pdl") {
     const cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
-    grid = std::max(1, std::min(n_sms_ * cfg.blocks_per_sm, n));
+    grid = cuda::gemv_bulk_grid(n, cfg, n_sms_);
   }
   grid = std::min(grid, n);
   nx.w = w;

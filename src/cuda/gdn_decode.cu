@@ -698,17 +698,6 @@ struct SplitCfg {
 // The same arithmetic on the same values as without: bit-identical states and outputs.
 constexpr unsigned long long kEarlySpinNs = 2000000ull;  // 2 ms
 
-__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned long long decode_globaltimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 template <int DK, bool VEC, int NSPLIT, bool EARLY = false>
 __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads, kSplitMinBlocks)
     gdn_decode_split_kernel(GdnShape s, GdnLayerWeights w, GdnStatePool pool,
@@ -780,10 +769,10 @@ __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads,
   if constexpr (EARLY) {
     __shared__ int early_ok;
     if (tid == 0) {
-      const unsigned long long t0 = decode_globaltimer();
+      const unsigned long long t0 = globaltimer_ns();
       bool ok = true;
-      while (ld_acquire_u32(early.ready) < early.target) {
-        if (decode_globaltimer() - t0 > kEarlySpinNs) {
+      while (load_acquire(early.ready) < early.target) {
+        if (globaltimer_ns() - t0 > kEarlySpinNs) {
           ok = false;
           break;
         }

@@ -289,11 +289,6 @@ __device__ __forceinline__ void load_a_tf32(uint32_t (&a)[4], const float* p, in
 // once its last W / U store is issued; %globaltimer of thread 0 at entry and end, to convert
 // cycles to time). The stamps add no barrier and change no value: bit-identical outputs.
 __device__ unsigned long long* g_wy_stamps;
-__device__ __forceinline__ unsigned long long globaltimer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 template <bool TF32_OFFDIAG, bool BALANCED = false, bool LATE_V = false, bool TIMED = false>
 __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(

@@ -131,6 +131,9 @@ struct GemvSignal {
   int first_row = 0;
   int rows = 0;
 };
+// The bulk GEMV's grid for n rows with config c on n_sms multiprocessors (one block per SM, or
+// two with blocks_per_sm 2; never more blocks than rows).
+int gemv_bulk_grid(int n, const GemvBulkConfig& c, int n_sms);
 // Whether launch_gemv_bulk_norm takes a GemvSignal with config c at m rows (the rest of its
 // checks: first_row and rows inside the weight, no L2 prefetch, bf16 out).
 bool gemv_bulk_signal_supported(int m, const GemvBulkConfig& c);

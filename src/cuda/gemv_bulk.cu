@@ -400,7 +400,7 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
   // The opt-in shared memory size belongs to the device's context: once per (kernel, device), not
   // per process (a std::call_once left the first launch on a second device failing).
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
-  const int blocks = std::max(1, std::min(n_sms * c.blocks_per_sm, n));
+  const int blocks = gemv_bulk_grid(n, c, n_sms);
   const size_t smem = smem_bytes(M, k, R, c.slots) + (norm.weight ? kRedBytes : 0);
   launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem, stream, c.pdl, x, w,
                    static_cast<OutT*>(y), n, k, c.slots, accumulate, c.interleave, norm, next,
@@ -1339,10 +1339,14 @@ bool gemv_bulk_signal_supported(int m, const GemvBulkConfig& c) {
   return m == 1 && c.rows_per_stage == 1 && c.slots < kMaxSlots && c.interleave;
 }
 
+int gemv_bulk_grid(int n, const GemvBulkConfig& c, int n_sms) {
+  return std::max(1, std::min(n_sms * c.blocks_per_sm, n));
+}
+
 int gemv_bulk_signal_count(int m, int n, int k, const GemvBulkConfig& c, int n_sms) {
   (void)m;
   (void)k;
-  return std::max(1, std::min(n_sms * c.blocks_per_sm, n));  // one raise per block
+  return gemv_bulk_grid(n, c, n_sms);  // one raise per block
 }
 
 bool gemv_bulk_argmax_supports(int64_t m, int64_t n, int64_t k, const GemvBulkConfig& c,

@@ -14,6 +14,23 @@
 
 namespace ds::cuda {
 
+// A load with acquire semantics at GPU scope (a flag or counter another block releases).
+__device__ __forceinline__ int load_acquire(const int* flag) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned load_acquire(const unsigned* flag) {
+  return static_cast<unsigned>(load_acquire(reinterpret_cast<const int*>(flag)));
+}
+
+// The GPU's nanosecond timer (%globaltimer): time stamps and bounded waits.
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 // Shared-window address of a pointer into shared memory.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
