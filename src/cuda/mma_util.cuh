@@ -1,6 +1,7 @@
 // Device-side wrappers shared by the tensor-core kernels (attention_prefill_mma.cu,
 // gdn_prefill_sm90.cu, gdn_prefill.cu, gdn_decode.cu): cp.async global -> shared copies,
-// ldmatrix, mma.sync m16n8k16 (bf16 in, fp32 accumulate), bf16 packing and 4-wide bf16 loads.
+// ldmatrix, mma.sync m16n8k16 (bf16 in, fp32 accumulate), bf16 packing and 4-wide bf16 loads;
+// also the GPU-scope acquire load of a flag and %globaltimer (bulk_copy.cuh and gdn_decode.cu).
 // Everything is __device__ __forceinline__, so every kernel compiles to the same code as with its
 // own copy. Two ldmatrix forms: the shared-address form carries no "memory" clobber (the tiles
 // come from cp.async and are ordered by the caller's barriers), the pointer form does (tiles
