@@ -22,11 +22,6 @@
 #                                         # ($DS_GDN_EARLY=1; decode_gemv.md): the GEMV's and the
 #                                         # engine's tests, in-graph profiles at 4K both ways, the
 #                                         # A/B at batch 1 (4K / 8K / 32K) and 2
-#   BUDGET=560 bash scripts/gpu_pending.sh aearly # ~7 min: session 33's early attention split
-#                                         # start ($DS_ATTN_EARLY=1; decode_gemv.md): the GEMV's
-#                                         # head order, the split kernel's and the engine's tests,
-#                                         # in-graph profiles at 4K both ways, the A/B at batch 1
-#                                         # (4K / 8K / 32K) and 2
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -58,8 +53,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|wy|early|aearly|argmax|tma|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, aearly, argmax, tma or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|wy|early|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -239,30 +234,6 @@ case "$step" in
     else
       [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
         --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 DS_GDN_EARLY=0 - || rc=1
-      rm -f "$OUT/decode_ab.full.log"
-    fi
-    ;;
-  aearly)
-    # Session 33: the attention split kernel on the attn_qkv GEMV's early-rows signal (q, k, v
-    # first, the gate rows last; $DS_ATTN_EARLY=1). The GEMV's head order, the split kernel with a
-    # preset counter and without a signal, the engine's logits both ways; then the profiles at 4K
-    # both ways (attn_split's advance is what should shrink) and the A/B.
-    run aearly_gemv_test timeout 150 "$T/cuda_gemv_norm_test" \
-      --gtest_filter='CudaGemvBulkNorm.EarlyRows*' || rc=1
-    run aearly_attn_test timeout 150 "$T/cuda_attention_decode_test" \
-      --gtest_filter='CudaAttentionDecode.FusedRope27b' || rc=1
-    run aearly_engine_test timeout 200 "$T/cuda_specialisation_test" \
-      --gtest_filter='Specialisations.AttnEarly*:Specialisations.GdnEarly*' || rc=1
-    for on in 0 1; do
-      run "inprof_4096_attn_early$on" env DS_ATTN_EARLY=$on DS_PROFILE=1 DS_PROFILE_BATCHES=1 \
-        DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
-        --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
-    done
-    if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_ATTN_EARLY=1"
-    else
-      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_ATTN_EARLY=1 || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;

@@ -60,7 +60,6 @@
 
 #include "cuda/attention_decode.h"
 #include "cuda/cuda_common.h"
-#include "cuda/device_sync.cuh"
 #include "cuda/kernels.h"
 #include "cuda/rope_kv.cuh"
 
@@ -367,20 +366,23 @@ __device__ __forceinline__ void cluster_merge(const AttnShape& s, const AttnBatc
 // K / V row to the cache (through rope.k_cache / v_cache, the same buffers) before reading it back.
 // kCluster (kAdaptive only; launched in clusters of kAttnDecodeClusterSplits along the splits):
 // no partials in global memory and no merge kernel: cluster_merge above, after the block merge.
-// kEarly (kRope, not kCluster; AttnDecodeEarly, attention_decode.h): thread 0 spins on
-// early.ready (mma_util.cuh early_spin) where the plain kernel waits at griddepcontrol.wait, and
-// the block waits there only before it exits. Everything the block reads after the spin (q, k, v
-// in rope.qkv) is covered by the GEMV's signal; what it writes (partials, the newest K / V row)
-// no earlier kernel still reads: the GEMV raises the signal only after its own wait, so every
-// kernel before the GEMV has ended.
-template <int HD, bool kAdaptive, bool kRope, bool kCluster, bool kEarly>
-__device__ __forceinline__ void mma_split(int split, bool& spun, const AttnShape& s,
-                                          const AttnBatch& b, const bf16* q,
-                                          const bf16* __restrict__ k_cache,
-                                          const bf16* __restrict__ v_cache, int kv_chunk,
-                                          int n_splits, float2* part_ml, float* part_o,
-                                          const AttnDecodeRope& rope, const AttnGate& gate,
-                                          bf16* out, const AttnDecodeEarly& early) {
+template <int HD, bool kAdaptive, bool kRope = false, bool kCluster = false>
+__global__ void __launch_bounds__(kMmaWarps * 32, 2)
+    attention_decode_mma_kernel(AttnShape s, AttnBatch b,
+                                const bf16* q,                     // [n_rows, n_heads, HD]
+                                const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, HD]
+                                const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, HD]
+                                int kv_chunk, int n_splits,
+                                float2* part_ml,  // [n_seqs, n_heads, n_splits]
+                                float* part_o,    // [n_seqs, n_heads, n_splits, HD]
+                                AttnDecodeRope rope, AttnGate gate, bf16* out) {
+  static_assert(kAdaptive || !kRope, "the fused rope needs the adaptive split");
+  static_assert(kAdaptive || !kCluster, "the cluster merge needs the adaptive split");
+  static_assert(HD == 128 || HD == 256, "mma decode: head_dim 128 or 256");
+  // PDL: the merge kernel (a programmatic dependent in kAdaptive; kCluster: the next kernel, the
+  // attn_o GEMV, reads the output) reads the partials only after
+  // its griddepcontrol.wait, which waits for this whole grid; its blocks may become resident now.
+  if constexpr (kAdaptive) pdl_trigger();
   constexpr int kRowBytes = HD * 2;
   constexpr int kTileBytes = kTile * kRowBytes;  // K (or V) of one tile
   constexpr int kStageBytes = 2 * kTileBytes;
@@ -391,7 +393,7 @@ __device__ __forceinline__ void mma_split(int split, bool& spun, const AttnShape
   constexpr int kMt = HD / 16;                   // PV m-tiles
   extern __shared__ __align__(16) unsigned char smem[];
 
-  const int kvh = blockIdx.y, seq = blockIdx.z;
+  const int split = blockIdx.x, kvh = blockIdx.y, seq = blockIdx.z;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int group = s.n_heads / s.n_kv_heads;
@@ -407,9 +409,7 @@ __device__ __forceinline__ void mma_split(int split, bool& spun, const AttnShape
     const SplitPlan p = adaptive_split(kv_len, kv_chunk, n_splits);
     if (split >= p.n_used) {
       // Unused split: nothing to write. Wait anyway, so that this grid's completion (which the
-      // merge and every later kernel wait for) always implies the previous kernel's (kEarly: the
-      // kernel waits at its end).
-      if constexpr (kEarly) return;
+      // merge and every later kernel wait for) always implies the previous kernel's.
       pdl_wait();
       if constexpr (kCluster) {  // an empty partial (m = -inf, l = 0, o = 0), then the merge
         float* cl = reinterpret_cast<float*>(smem) + block_merge_floats<HD>();
@@ -499,18 +499,7 @@ __device__ __forceinline__ void mma_split(int split, bool& spun, const AttnShape
       rope_angle(s, pos, j, &angles[j].x, &angles[j].y);
     __syncthreads();
   }
-  if constexpr (kEarly) {  // q, k and v are stored once the GEMV's signal reaches its target
-    if (!spun) {  // the block's first used split
-      __shared__ int early_ok;
-      if (threadIdx.x == 0) early_ok = early_spin(early.ready, early.target, early.late);
-      __syncthreads();
-      if (!early_ok) pdl_wait();  // gave up: the plain order
-      if (threadIdx.x == 0) early_done(early.ready, early.target);
-      spun = true;
-    }
-  } else if constexpr (kAdaptive) {
-    pdl_wait();
-  }
+  if constexpr (kAdaptive) pdl_wait();
   // kRope: the group's query heads, normalised and rotated, into sq [group][HD] (after the rings);
   // in the block that holds the newest key (the last used split: k_end == kv_len), also that
   // key row (normalised, rotated) and its value row into the cache. Work items (the group's
@@ -698,48 +687,6 @@ __device__ __forceinline__ void mma_split(int split, bool& spun, const AttnShape
   if constexpr (kCluster)
     cluster_merge<HD>(s, b, gate, out, reinterpret_cast<float*>(smem) + block_merge_floats<HD>(),
                       group, kvh, seq, split);
-}
-
-// The split kernel: block (x, kv head, sequence) computes split x (mma_split). kEarly: one block
-// per SM beside the GEMV that raises the signal (launch_mma_hd sizes the grid so), so block x
-// computes splits x, x + gridDim.x, ... one after another, each exactly as its own block would
-// (the same partial, bit for bit); it spins once, before its first used split.
-template <int HD, bool kAdaptive, bool kRope = false, bool kCluster = false, bool kEarly = false>
-__global__ void __launch_bounds__(kMmaWarps * 32, 2)
-    attention_decode_mma_kernel(AttnShape s, AttnBatch b,
-                                const bf16* q,                     // [n_rows, n_heads, HD]
-                                const bf16* __restrict__ k_cache,  // [blocks, n_kv, page, HD]
-                                const bf16* __restrict__ v_cache,  // [blocks, n_kv, page, HD]
-                                int kv_chunk, int n_splits,
-                                float2* part_ml,  // [n_seqs, n_heads, n_splits]
-                                float* part_o,    // [n_seqs, n_heads, n_splits, HD]
-                                AttnDecodeRope rope, AttnGate gate, bf16* out,
-                                AttnDecodeEarly early) {  // kEarly only
-  static_assert(kAdaptive || !kRope, "the fused rope needs the adaptive split");
-  static_assert(!kEarly || (kRope && !kCluster), "the early start is built for the fused rope");
-  static_assert(kAdaptive || !kCluster, "the cluster merge needs the adaptive split");
-  static_assert(HD == 128 || HD == 256, "mma decode: head_dim 128 or 256");
-  // PDL: the merge kernel (a programmatic dependent in kAdaptive; kCluster: the next kernel, the
-  // attn_o GEMV, reads the output) reads the partials only after
-  // its griddepcontrol.wait, which waits for this whole grid; its blocks may become resident now.
-  if constexpr (kAdaptive) pdl_trigger();
-  bool spun = false;
-  if constexpr (!kEarly) {
-    mma_split<HD, kAdaptive, kRope, kCluster, false>(blockIdx.x, spun, s, b, q, k_cache, v_cache,
-                                                     kv_chunk, n_splits, part_ml, part_o, rope,
-                                                     gate, out, early);
-  } else {
-    for (int split = blockIdx.x; split < n_splits; split += gridDim.x) {
-      if (split != blockIdx.x) __syncthreads();  // the split before is done with the rings
-      mma_split<HD, kAdaptive, kRope, kCluster, true>(split, spun, s, b, q, k_cache, v_cache,
-                                                      kv_chunk, n_splits, part_ml, part_o, rope,
-                                                      gate, out, early);
-    }
-    // This grid's completion (which the merge waits for before it reads the gate) implies the
-    // GEMV's; a block without a used split counts itself once the GEMV is done.
-    pdl_wait();
-    if (!spun && threadIdx.x == 0) early_done(early.ready, early.target);
-  }
 }
 
 // Merge: one block of 256 threads per (query head, sequence). The split weights 2^(m_i - max) are
@@ -1013,26 +960,19 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
       const cudaLaunchConfig_t lc =
           cluster_16_config(grid, dim3(kMmaWarps * 32), kSmem, stream, how.pdl, attr);
       DS_CUDA_CHECK(cudaLaunchKernelEx(&lc, cluster_k, s, b, q, k_cache, v_cache, kv_chunk,
-                                       n_splits, ml, o, how.rope, gate, out, AttnDecodeEarly{}));
+                                       n_splits, ml, o, how.rope, gate, out));
       return;
     }
+    auto* split_k = rope ? attention_decode_mma_kernel<HD, true, true>
+                         : attention_decode_mma_kernel<HD, true, false>;
+    ensure_smem_optin(reinterpret_cast<const void*>(split_k), kSmem);
+    launch_maybe_pdl(split_k, grid, dim3(kMmaWarps * 32), kSmem, stream, how.pdl, s, b, q,
+                     k_cache, v_cache, kv_chunk, n_splits, ml, o, how.rope, gate, out);
+    DS_CUDA_LAUNCH_CHECK();
+    // Column slices while the (query head, sequence) blocks alone would leave most SMs idle.
     int dev = 0, n_sms = 0;
     DS_CUDA_CHECK(cudaGetDevice(&dev));
     DS_CUDA_CHECK(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, dev));
-    auto* split_k = rope ? attention_decode_mma_kernel<HD, true, true>
-                         : attention_decode_mma_kernel<HD, true, false>;
-    dim3 split_grid = grid;
-    if (how.early.ready != nullptr) {  // at most one block per SM, each taking `per` splits
-      split_k = attention_decode_mma_kernel<HD, true, true, false, true>;
-      const int64_t blocks = int64_t(n_splits) * s.n_kv_heads * b.n_seqs;
-      const int64_t per = std::max<int64_t>(1, (blocks + n_sms - 1) / n_sms);
-      split_grid.x = static_cast<unsigned>((n_splits + per - 1) / per);
-    }
-    ensure_smem_optin(reinterpret_cast<const void*>(split_k), kSmem);
-    launch_maybe_pdl(split_k, split_grid, dim3(kMmaWarps * 32), kSmem, stream, how.pdl, s, b, q,
-                     k_cache, v_cache, kv_chunk, n_splits, ml, o, how.rope, gate, out, how.early);
-    DS_CUDA_LAUNCH_CHECK();
-    // Column slices while the (query head, sequence) blocks alone would leave most SMs idle.
     constexpr int kSlices = HD / 64;
     if ((int64_t)b.n_seqs * s.n_heads < n_sms)
       launch_maybe_pdl(attention_decode_merge_adaptive_kernel<HD, kSlices>,
@@ -1051,8 +991,7 @@ void launch_mma_hd(const AttnShape& s, const AttnBatch& b, const bf16* q, const 
   }
   ensure_smem_optin(reinterpret_cast<const void*>(attention_decode_mma_kernel<HD, false>), kSmem);
   attention_decode_mma_kernel<HD, false><<<grid, kMmaWarps * 32, kSmem, stream>>>(
-      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o, AttnDecodeRope{}, gate, out,
-      AttnDecodeEarly{});
+      s, b, q, k_cache, v_cache, kv_chunk, n_splits, ml, o, AttnDecodeRope{}, gate, out);
   DS_CUDA_LAUNCH_CHECK();
   attention_decode_merge_kernel<HD>
       <<<dim3(s.n_heads, b.n_seqs), kMergeThreads, merge_smem, stream>>>(s, b, n_splits, ml, o,
@@ -1181,14 +1120,6 @@ void launch_attention_decode(const AttnShape& s, const AttnBatch& b, const bf16*
   DS_CHECK(adaptive || !how.cluster,
            "attention decode: the cluster merge needs the adaptive split (AttnDecodeSplit::kAdaptive)");
   const AttnDecodeRope& rope = how.rope;
-  if (how.early.ready != nullptr) {
-    DS_CHECK(adaptive && how.pdl && rope.qkv && !how.cluster && how.which != AttnDecodeKernel::kSimt,
-             "attention decode: the early start needs the adaptive split under PDL with the fused "
-             "rope on the mma kernel, not the cluster merge");
-    DS_CHECK(how.early.target >= 1 && (reinterpret_cast<uintptr_t>(how.early.ready) & 3) == 0,
-             "attention decode: the early start needs a positive target and a 4-byte aligned "
-             "counter");
-  }
   if (rope.qkv) {
     DS_CHECK(adaptive, "attention decode: the fused rope needs the adaptive split");
     DS_CHECK(qk_norm_rope_kv_warp_supported(s) && s.qkv_dim() % 8 == 0 && aligned16(rope.qkv) &&

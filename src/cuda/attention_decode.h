@@ -45,22 +45,6 @@ struct AttnDecodeRope {
   __nv_bfloat16* v_cache = nullptr;
 };
 
-// The split kernel's early start (session 33, $DS_ATTN_EARLY; kAdaptive with pdl and the fused
-// rope, not the cluster form): its blocks read q, k and v (rope.qkv) once *ready reaches target
-// (the attn_qkv GEMV's early-rows signal, GemvSignal with the head order, gemv.h: q, k and v are
-// stored, the gate rows still stream) instead of after griddepcontrol.wait; they wait for the
-// GEMV's end only before they exit, so the merge (which reads the gate after its own wait for
-// this grid) still sees the whole projection. The last block resets *ready to 0 (one zeroed
-// counter per layer serves every step; each launch with `ready` must follow exactly one
-// signalled GEMV launch of `target` raises). A block that waits past 2 ms (no signal: misuse)
-// runs in the plain order and counts itself in *late. ready null: off. Same outputs and caches,
-// bit for bit.
-struct AttnDecodeEarly {
-  unsigned* ready = nullptr;
-  unsigned target = 0;
-  unsigned* late = nullptr;  // optional
-};
-
 struct AttnDecodeLaunch {
   AttnDecodeKernel which = AttnDecodeKernel::kAuto;
   AttnDecodeSplit split = AttnDecodeSplit::kPlanned;
@@ -87,8 +71,6 @@ struct AttnDecodeLaunch {
   // merge kernel, no partials in the workspace. n_splits must be kAttnDecodeClusterSplits. Not
   // bit-identical to the two-kernel path (other splits); session 22, not yet measured.
   bool cluster = false;
-  // kAdaptive, pdl and rope only, not cluster: the early start (AttnDecodeEarly above).
-  AttnDecodeEarly early;
 };
 // The splits (= blocks per cluster) of AttnDecodeLaunch::cluster: a non-portable cluster size
 // (Hopper allows 16 with cudaFuncAttributeNonPortableClusterSizeAllowed).

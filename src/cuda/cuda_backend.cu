@@ -49,11 +49,6 @@ constexpr size_t kStagingBytes = size_t(64) << 20;  // per pinned staging buffer
 // Forwards of at least this many tokens fold the residual add into the out-projection GEMMs
 // (CudaEngineOptions::prefill_residual_fold); decode batches stay below it.
 constexpr int kFoldMinRows = 64;
-// The attn_qkv GEMV's ring under CudaEngineOptions::attn_early: 8 one-row stages (~92 KB of
-// shared memory at d_model 5120 instead of ~171 KB with 16), so that a split block of the
-// attention (~96 KB) fits beside each GEMV block and starts while the gate rows stream. The
-// H200 sweep of session 2 put attn_qkv at 38.98 us with 8 slots, 38.51 with 16 (gemv_bulk.cu).
-constexpr int kAttnEarlySlots = 8;
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -246,12 +241,6 @@ class CudaBackend final : public Backend {
     gdn_early_ = on;
   }
   int64_t gdn_early_enqueued() const { return gdn_early_enqueued_; }
-  bool attn_early() const { return attn_early_; }
-  void set_attn_early(bool on) {
-    if (on != attn_early_) clear_graphs();  // captured graphs hold the other launches
-    attn_early_ = on;
-  }
-  int64_t attn_early_enqueued() const { return attn_early_enqueued_; }
   std::vector<unsigned> gdn_early_words() {
     std::vector<unsigned> v(size_t(cfg_.n_layers) + 1);
     DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -341,10 +330,9 @@ class CudaBackend final : public Backend {
   void enqueue_layers(const FwdPlan& f);
   void enqueue_head(const FwdPlan& f, int r0, int r);
   bool gemv_norm_fits(const bf16* w, int m, int n, int k) const;
-  // slots > 0: the bulk GEMV's ring slots instead of its config's (gemv_bulk_fits must hold).
   bool gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, void* y, int m, int n, int k,
                  const cuda::GemvL2Next& next = {}, cuda::GemmOut out = cuda::GemmOut::kBF16,
-                 const cuda::GemvSignal& sig = {}, int slots = 0);
+                 const cuda::GemvSignal& sig = {});
   // The L2 prefetch of a later GEMV (m rows, weight [n, k]) for the GEMV before it ($DS_GEMV_L2_NEXT;
   // rows 0 when off): its grid as GemmEngine would launch it.
   cuda::GemvL2Next l2_next(const bf16* w, int m, int n, int k);
@@ -411,11 +399,7 @@ class CudaBackend final : public Backend {
   int64_t head_norm_enqueued_ = 0;
   bool gdn_early_ = false;  // CudaEngineOptions::gdn_early
   int64_t gdn_early_enqueued_ = 0;
-  bool attn_early_ = false;  // CudaEngineOptions::attn_early
-  int64_t attn_early_enqueued_ = 0;
-  // [n_layers + 1]: the early-rows counter of every layer (GdnDecodeEarly, AttnDecodeEarly; zero
-  // between forwards), then the count of blocks that gave up waiting for one.
-  unsigned* gdn_ready_ = nullptr;
+  unsigned* gdn_ready_ = nullptr;  // [n_layers]: the early-rows counters (GdnDecodeEarly), zero
   // The residual buffer (h_ or h2_) enqueue_layers ended on when it left the final norm to
   // lm_head (FwdPlan::head_norm): enqueue_head's norm input.
   bf16* head_res_ = nullptr;
@@ -561,7 +545,6 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   argmax_fused_ = cuda::env_switch("DS_ARGMAX_FUSED", eopt_.argmax_fused);
   head_norm_ = cuda::env_switch("DS_HEAD_NORM", eopt_.head_norm_fused);
   gdn_early_ = cuda::env_switch("DS_GDN_EARLY", eopt_.gdn_early);
-  attn_early_ = cuda::env_switch("DS_ATTN_EARLY", eopt_.attn_early);
   (void)cuda::gemv_tma_kbox_mode();  // a bad $DS_GEMV_TMA_KBOX fails the start, not a later step
   mlp_fused_ = eopt_.mlp_fused;
   if (const char* env = std::getenv("DS_MLP_FUSED"); env && *env) {
@@ -1533,52 +1516,17 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       }
       if (mlp_mode < 2) gemm_out(mix_, L.gdn_out, c.gdn_z_dim(), fold_mixer);
     } else {
-      // The fused rope reads 16-byte rows of the norm weights (the engine's weights are aligned;
-      // checked per layer so that any other layout takes rope_kv).
-      const bool rope_fused = f.rope_fused && reinterpret_cast<uintptr_t>(L.q_norm) % 16 == 0 &&
-                              reinterpret_cast<uintptr_t>(L.k_norm) % 16 == 0;
-      // $DS_ATTN_EARLY (CudaEngineOptions::attn_early): at batch 1 the attn_qkv GEMV sweeps each
-      // head's q rows, then k and v, the gate rows last, and raises gdn_ready_[il] once q, k and
-      // v are stored; the split kernel (with the fused rope) runs on that signal, and only the
-      // merge reads the gate. The GEMV's ring is cut to kAttnEarlySlots so that a split block
-      // fits beside each GEMV block.
-      cuda::AttnDecodeEarly early;
-      bool in_proj_ran = skip_in_proj;
-      const cuda::GemvL2Next in_next =
-          fuse ? l2_next(L.attn_o, T, dm, c.attn_out_dim()) : cuda::GemvL2Next{};
-      const int n_in = attn_.qkv_dim();  // [q_h | gate_h per head | k | v]
-      const cuda::AttnDecodeMode am = f.attn_decode_mode;
-      if (!skip_in_proj && attn_early_ && rope_fused && attn_.gated && f.attn_split_kv &&
-          T == 1 && S_d == 1 && fuse && in_next.rows == 0 &&
-          (am == cuda::AttnDecodeMode::kPdl || am == cuda::AttnDecodeMode::kPdlEarly)) {
-        cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(T, n_in, dm);
-        cfg.slots = kAttnEarlySlots;
-        if (cuda::gemv_bulk_signal_supported(T, cfg) && cuda::gemv_bulk_fits(T, dm, cfg)) {
-          const int hd = c.head_dim;
-          cuda::GemvSignal sig;
-          sig.counter = gdn_ready_ + il;
-          sig.period = 2 * hd;  // [q_h | gate_h]
-          sig.lead = hd;
-          sig.heads = c.n_heads;
-          sig.rows = c.n_heads * hd + (n_in - c.n_heads * 2 * hd);  // q, then k and v
-          const cuda::GemvNormIn nin = norm_in(mlp_delta, L.input_norm);
-          if (gemv_norm(nin, L.attn_qkv, proj_, T, n_in, dm, in_next, cuda::GemmOut::kBF16, sig,
-                        kAttnEarlySlots)) {
-            flip(nin);
-            in_proj_ran = true;
-            early.ready = gdn_ready_ + il;
-            early.target = unsigned(cuda::gemv_bulk_signal_count(T, n_in, dm, cfg, n_sms_));
-            early.late = gdn_ready_ + c.n_layers;
-            ++attn_early_enqueued_;
-          }
-        }
-      }
-      if (!in_proj_ran)
-        norm_gemm(mlp_delta, L.input_norm, L.attn_qkv, proj_, n_in, in_next);
+      if (!skip_in_proj)
+        norm_gemm(mlp_delta, L.input_norm, L.attn_qkv, proj_, attn_.qkv_dim(),  // [q+gate | k | v]
+                  fuse ? l2_next(L.attn_o, T, dm, c.attn_out_dim()) : cuda::GemvL2Next{});
       const int64_t layer_elems =
           layout_.n_kv_blocks * c.n_kv_heads * page_size_ * int64_t(c.head_dim);
       bf16* kc = kv_pool_ + (2 * int64_t(L.fl)) * layer_elems;
       bf16* vc = kc + layer_elems;
+      // The fused rope reads 16-byte rows of the norm weights (the engine's weights are aligned;
+      // checked per layer so that any other layout takes rope_kv).
+      const bool rope_fused = f.rope_fused && reinterpret_cast<uintptr_t>(L.q_norm) % 16 == 0 &&
+                              reinterpret_cast<uintptr_t>(L.k_norm) % 16 == 0;
       if (!rope_fused)
         cuda::launch_qk_norm_rope_kv(attn_, proj_, L.q_norm, L.k_norm, d.positions, d.slot_map, T,
                                      q_, kc, vc, stream_, f.rope_kernel,
@@ -1597,7 +1545,6 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
           how.cluster = f.attn_decode_mode == cuda::AttnDecodeMode::kPdlCluster;
           if (rope_fused)  // q from the projection row, the newest K/V row written by the kernel
             how.rope = {proj_, L.q_norm, L.k_norm, d.positions, d.slot_map, kc, vc};
-          how.early = early;  // ready null unless the GEMV above raises the signal
           cuda::launch_attention_decode(
               attn_, ab_d, q_, kc, vc, gate, attn_min_chunk_,
               how.cluster ? cuda::kAttnDecodeClusterSplits
@@ -1704,10 +1651,9 @@ bool CudaBackend::gemv_norm_fits(const bf16* w, int m, int n, int k) const {
 
 bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, void* y, int m, int n,
                             int k, const cuda::GemvL2Next& next, cuda::GemmOut out,
-                            const cuda::GemvSignal& sig, int slots) {
+                            const cuda::GemvSignal& sig) {
   if (!gemv_norm_fits(w, m, n, k)) return false;
   cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
-  if (slots > 0) cfg.slots = slots;
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
   cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, out, cfg, n_sms_, stream_, next, sig);
   return true;
@@ -2080,21 +2026,6 @@ int64_t cuda_gdn_early_enqueued(const Backend& b) {
 std::vector<unsigned> cuda_gdn_early_words(Backend& b) {
   auto* cb = cuda_engine(b, "cuda_gdn_early_words");
   return cb->gdn_early_words();
-}
-
-void set_cuda_attn_early(Backend& b, bool on) {
-  auto* cb = cuda_engine(b, "set_cuda_attn_early");
-  cb->set_attn_early(on);
-}
-
-bool cuda_attn_early(const Backend& b) {
-  const auto* cb = cuda_engine(b, "cuda_attn_early");
-  return cb->attn_early();
-}
-
-int64_t cuda_attn_early_enqueued(const Backend& b) {
-  const auto* cb = cuda_engine(b, "cuda_attn_early_enqueued");
-  return cb->attn_early_enqueued();
 }
 
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode) {

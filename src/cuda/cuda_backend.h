@@ -94,14 +94,6 @@ struct CudaEngineOptions {
   // (TPOT at batch 1, 4K / 8K / 32K: -0.08 / -0.07 / -0.07 ms on an H200, -0.03 / -0.02 / -0.06 on
   // an H100; docs/perf/decode_gemv.md). $DS_GDN_EARLY=0 / 1 overrides.
   bool gdn_early = true;
-  // Batch-1 decode: the attention split kernel starts on the attn_qkv GEMV's early-rows signal
-  // (the GEMV sweeps q, k and v first, the gate rows last: GemvSignal's head order, gemv.h;
-  // AttnDecodeEarly, attention_decode.h) instead of the GEMV's end; only the merge (the gate)
-  // waits for the end. That GEMV runs with 8 ring slots instead of 16, so that the split blocks
-  // fit beside it on each SM. Needs the fused rope and the pdl / pdl_early attention mode. The
-  // same logits and tokens (Specialisations.AttnEarlyOnVsOffBitExactAt27bShapes). Session 33,
-  // built; off by default until measured. $DS_ATTN_EARLY=0 / 1 overrides.
-  bool attn_early = false;
 };
 
 // Uploads `w` (bf16 / f16 / f32 tensors; f16 / f32 are converted to bf16 on the host).
@@ -198,13 +190,8 @@ void set_cuda_gdn_early(Backend& b, bool on);
 bool cuda_gdn_early(const Backend& b);
 int64_t cuda_gdn_early_enqueued(const Backend& b);
 // After the stream drains: the early-rows counter of every layer (0 between forwards) and, last,
-// how many gdn_decode or attention split blocks gave up waiting for one (0 unless a signal went
-// missing).
+// how many gdn_decode blocks gave up waiting for one (0 unless a signal went missing).
 std::vector<unsigned> cuda_gdn_early_words(Backend& b);
-// The same for CudaEngineOptions::attn_early (the counters: cuda_gdn_early_words).
-void set_cuda_attn_early(Backend& b, bool on);
-bool cuda_attn_early(const Backend& b);
-int64_t cuda_attn_early_enqueued(const Backend& b);
 // Sets the prompt forwards' residual fold (CudaEngineOptions::prefill_residual_fold) at run
 // time, and reads it. Throw ds::Error when `b` is not a CUDA backend.
 void set_cuda_prefill_fold(Backend& b, CudaEngineOptions::PrefillFold mode);

@@ -696,7 +696,7 @@ struct SplitCfg {
 // wait each block adds one to the counter; the block that brings it to target + blocks resets it
 // to zero for the next launch (every block has passed its spin by then, and the GEMV is done).
 // The same arithmetic on the same values as without: bit-identical states and outputs.
-// (mma_util.cuh early_spin / early_done.)
+constexpr unsigned long long kEarlySpinNs = 2000000ull;  // 2 ms
 
 template <int DK, bool VEC, int NSPLIT, bool EARLY = false>
 __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads, kSplitMinBlocks)
@@ -768,7 +768,19 @@ __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads,
   [[maybe_unused]] bool pre = false;  // EARLY: qkv, b and a read before the wait
   if constexpr (EARLY) {
     __shared__ int early_ok;
-    if (tid == 0) early_ok = early_spin(early.ready, early.target, early.late);
+    if (tid == 0) {
+      const unsigned long long t0 = globaltimer_ns();
+      bool ok = true;
+      while (load_acquire(early.ready) < early.target) {
+        if (globaltimer_ns() - t0 > kEarlySpinNs) {
+          ok = false;
+          break;
+        }
+        __nanosleep(500);  // the signal comes ~15 us before the GEMV's end: no hurry
+      }
+      early_ok = ok;
+      if (!ok && early.late != nullptr) atomicAdd(early.late, 1u);
+    }
     __syncthreads();
     pre = early_ok != 0;
   }
@@ -824,7 +836,10 @@ __global__ void __cluster_dims__(NSPLIT, 1, 1) __launch_bounds__(kStreamThreads,
       pdl_wait();  // z: the GEMV's last rows
       if (tid < rows && norm) z_c = __bfloat162float(x[qkv_dim + hv * d_v + v0 + tid]);
     }
-    if (tid == 0) early_done(early.ready, early.target);  // after the wait: the GEMV is done
+    if (tid == 0) {  // after the wait: the GEMV has raised everything; this block has spun
+      const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
+      if (atomicAdd(early.ready, 1u) == early.target + blocks - 1u) atomicExch(early.ready, 0u);
+    }
   }
 
   // 5. The ring (row p % 4, which no block reads in this step) and the block's outputs.

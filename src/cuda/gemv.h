@@ -126,18 +126,10 @@ struct GemvL2Next {
 // covering them and the qkv rows, so gdn_decode can start before the z rows are done. The values
 // are those of the plain sweep (each row's sums do not depend on the order): bit-identical y.
 // counter null: off. Compiled for m = 1 with the fused norm, rows_per_stage 1, interleaved.
-// Head order (period > 0; session 33, $DS_ATTN_EARLY): the sweep's positions (after the turn by
-// first_row) map to rows head by head, for a weight whose first `heads` blocks of `period` rows
-// each hold a lead of `lead` rows and then the rest (the attention in-projection: [q_h | gate_h]
-// per head, then k, v): the first heads * lead positions take each head's lead rows in order,
-// the next n - heads * period the rows after the heads, the last each head's rest. The signal
-// then covers the lead rows and those after the heads (q, k and v: rows = heads * lead +
-// n - heads * period) while the rests (the gate rows) stream last (gemv_bulk.cu signal_row).
 struct GemvSignal {
   unsigned* counter = nullptr;
   int first_row = 0;
   int rows = 0;
-  int period = 0, lead = 0, heads = 0;  // head order: off with period 0
 };
 // The bulk GEMV's grid for n rows with config c on n_sms multiprocessors (one block per SM, or
 // two with blocks_per_sm 2; never more blocks than rows).

@@ -189,20 +189,6 @@ __device__ __forceinline__ void x_to_shared(const bf16* x, const GemvNormIn& nor
   }
 }
 
-// The row at sweep position p (after the turn by first_row) of a signalled sweep: p itself, or
-// with the head order (GemvSignal::period > 0) each head's lead rows, then the rows after the
-// heads, then each head's rest.
-__device__ __forceinline__ int signal_row(int p, const GemvSignal& sig, int n) {
-  if (sig.period <= 0) return p;
-  const int lead_all = sig.heads * sig.lead, after = n - sig.heads * sig.period;
-  if (p < lead_all) return (p / sig.lead) * sig.period + p % sig.lead;
-  p -= lead_all;
-  if (p < after) return sig.heads * sig.period + p;
-  p -= after;
-  const int rest = sig.period - sig.lead;
-  return (p / rest) * sig.period + sig.lead + p % rest;
-}
-
 // Shared memory: [full mbarriers | empty mbarriers] (kBarBytes), x [M, k] bf16, ring
 // [slots, R, k] bf16, and with the fused norm its warp sums (kRedBytes) after the ring.
 // GLU (R == 2): w is the fused [gate | up] matrix [2 n, k]; stage s holds gate row j and up row
@@ -248,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto stage_row = [&](int s) {
     if constexpr (SIG) {
       const int j = b + s * G + sig.first_row;
-      return signal_row(j >= total_stages ? j - total_stages : j, sig, n);
+      return j >= total_stages ? j - total_stages : j;
     }
     return interleave ? (b + s * G) * (GLU ? 1 : R) : row_begin + s * (GLU ? 1 : R);
   };
@@ -537,11 +523,6 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
              " first_row=", sig.first_row, " rows=", sig.rows, ")");
     DS_CHECK((reinterpret_cast<uintptr_t>(sig.counter) & 3) == 0,
              "bulk gemv: the early-rows counter must be 4-byte aligned");
-    DS_CHECK(sig.period == 0 || (sig.period > 0 && sig.lead >= 1 && sig.lead < sig.period &&
-                                 sig.heads >= 1 && int64_t(sig.heads) * sig.period <= n),
-             "bulk gemv: the head order needs 1 <= lead < period and 1 <= heads with heads * "
-             "period <= n (n=", n, " period=", sig.period, " lead=", sig.lead, " heads=",
-             sig.heads, ")");
   }
   const bool a = accumulate;
   switch (m) {

@@ -1,8 +1,7 @@
 // Device-side wrappers shared by the tensor-core kernels (attention_prefill_mma.cu,
 // gdn_prefill_sm90.cu, gdn_prefill.cu, gdn_decode.cu): cp.async global -> shared copies,
 // ldmatrix, mma.sync m16n8k16 (bf16 in, fp32 accumulate), bf16 packing and 4-wide bf16 loads;
-// with device_sync.cuh (included here): the GPU-scope acquire load of a flag, %globaltimer and
-// the early start's spin on a producer's counter.
+// also the GPU-scope acquire load of a flag and %globaltimer (bulk_copy.cuh and gdn_decode.cu).
 // Everything is __device__ __forceinline__, so every kernel compiles to the same code as with its
 // own copy. Two ldmatrix forms: the shared-address form carries no "memory" clobber (the tiles
 // come from cp.async and are ordered by the caller's barriers), the pointer form does (tiles
@@ -14,9 +13,24 @@
 
 #include <cstdint>
 
-#include "cuda/device_sync.cuh"
-
 namespace ds::cuda {
+
+// A load with acquire semantics at GPU scope (a flag or counter another block releases).
+__device__ __forceinline__ int load_acquire(const int* flag) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned load_acquire(const unsigned* flag) {
+  return static_cast<unsigned>(load_acquire(reinterpret_cast<const int*>(flag)));
+}
+
+// The GPU's nanosecond timer (%globaltimer): time stamps and bounded waits.
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 // Shared-window address of a pointer into shared memory.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

@@ -406,32 +406,19 @@ TEST(CudaAttentionDecode, FusedRope27b) {
                                     false, &ref_cache);
     struct Arm {
       const char* name;
-      bool pdl, graph, early, cluster = false, fused = true, start = false;
+      bool pdl, graph, early, cluster = false, fused = true;
     };
-    // start: the split kernel's early start (AttnDecodeEarly) with its counter already at the
-    // target (the GEMV's raises are Specialisations.AttnEarlyOnVsOff*): every block must take the
-    // early path, and the last one must reset the counter.
-    constexpr unsigned kTarget = 7;
     for (const Arm& a : {Arm{"plain", false, false, false}, Arm{"pdl", true, false, false},
                          Arm{"pdl graph", true, true, false},
                          Arm{"pdl early graph", true, true, true},
                          Arm{"cluster pdl", true, false, false, true},
                          Arm{"cluster pdl graph", true, true, false, true},
                          Arm{"cluster graph", false, true, false, true},
-                         Arm{"cluster after rope_kv, pdl", true, false, false, true, false},
-                         Arm{"pdl early start", true, false, false, false, true, true},
-                         Arm{"pdl early start graph", true, true, false, false, true, true}}) {
+                         Arm{"cluster after rope_kv, pdl", true, false, false, true, false}}) {
       auto how = launch_of(AttnDecodeKernel::kMma, adaptive, a.pdl, a.cluster);
       how.early_dependents = a.early;
-      DevBuf<unsigned> words(std::vector<unsigned>{a.start ? kTarget : 0u, 0u});
-      if (a.start) how.early = {words.ptr, kTarget, words.ptr + 1};
       std::vector<bf> cache;
       const auto got = run_after_rope(f, how, a.graph, a.fused, &cache);
-      if (a.start) {
-        const std::vector<unsigned> w = words.download();
-        EXPECT_EQ(w[0], 0u) << c.what << " [" << a.name << "]: the counter was not reset";
-        EXPECT_EQ(w[1], 0u) << c.what << " [" << a.name << "]: blocks gave up waiting";
-      }
       for (size_t j = 0; j < got.size(); ++j)
         ASSERT_TRUE(std::isfinite(got[j])) << c.what << " [" << a.name << "]: element " << j;
       size_t cache_differ = 0;
@@ -447,27 +434,6 @@ TEST(CudaAttentionDecode, FusedRope27b) {
                   c.what.c_str(), a.name, n_differ(got, ref), got.size(), cache_differ,
                   cache.size());
     }
-  }
-  // The early start without a signal (misuse): every used block gives up after 2 ms and runs in
-  // the plain order, bit for bit; each block counts once, so the counter ends at the grid size.
-  {
-    const DecodeFixture f(test::attn_shape_27b(), {4096}, 300);
-    const auto ref = run_after_rope(f, launch_of(AttnDecodeKernel::kMma, adaptive, true), false,
-                                    true);
-    DevBuf<unsigned> words(std::vector<unsigned>{0u, 0u});
-    auto how = launch_of(AttnDecodeKernel::kMma, adaptive, true);
-    how.early = {words.ptr, 1u, words.ptr + 1};
-    const auto got = run_after_rope(f, how, false, true);
-    int kv_chunk = 0, n_splits = 0;
-    f.plan(adaptive, &kv_chunk, &n_splits);
-    const std::vector<unsigned> w = words.download();
-    EXPECT_EQ(n_differ(got, ref), 0u) << "early start that gives up vs the plain order";
-    EXPECT_EQ(w[0], unsigned(n_splits * f.s.n_kv_heads)) << "one count per block";
-    EXPECT_GE(w[1], unsigned(f.s.n_kv_heads)) << "no block gave up";
-    EXPECT_LE(w[1], unsigned(n_splits * f.s.n_kv_heads));
-    std::printf("  early start without a signal: %zu of %zu outputs differ, %u of %d blocks gave "
-                "up, counter %u\n", n_differ(got, ref), got.size(), w[1],
-                n_splits * f.s.n_kv_heads, w[0]);
   }
   // Refused: the fused rope on the planned split, or with other caches than the attention's.
   const DecodeFixture f(test::attn_shape_27b(), {100}, 5);
@@ -490,27 +456,6 @@ TEST(CudaAttentionDecode, FusedRope27b) {
   EXPECT_THROW(launch(), Error);
   how.rope.v_cache = vc.as<__nv_bfloat16>();
   EXPECT_NO_THROW(launch());
-  // The early start: only with PDL, the fused rope, the mma kernel and no cluster merge; a
-  // positive target and an aligned counter.
-  DevBuf<unsigned> words(std::vector<unsigned>{1u, 0u});
-  how.pdl = true;
-  how.early = {words.ptr, 1u, nullptr};
-  EXPECT_NO_THROW(launch());
-  DS_CUDA_CHECK(cudaDeviceSynchronize());
-  how.pdl = false;
-  EXPECT_THROW(launch(), Error);
-  how.pdl = true;
-  const cuda::AttnDecodeRope rope = how.rope;
-  how.rope = {};
-  EXPECT_THROW(launch(), Error);
-  how.rope = rope;
-  how.cluster = true;
-  EXPECT_THROW(launch(), Error);
-  how.cluster = false;
-  how.early.target = 0;
-  EXPECT_THROW(launch(), Error);
-  how.early = {reinterpret_cast<unsigned*>(reinterpret_cast<char*>(words.ptr) + 2), 1u, nullptr};
-  EXPECT_THROW(launch(), Error);
   DS_CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -681,18 +681,15 @@ TEST(CudaGemvBulkNorm, L2PrefetchOfALaterGemvChangesNoBit) {
   cudaStreamDestroy(st);
 }
 
-// The early-rows signal (GemvSignal, session 32; the head order, session 33): the sweep starting
-// at first_row, in the head order or not, changes no bit of y or of the residual; every row is
-// written (the head order maps the sweep onto every row once); the counter ends at
-// gemv_bulk_signal_count (added to what it held: one zeroed word per launch here); bad requests
-// throw. Whether gdn_decode / the attention split kernel may read the covered rows once the count
-// is reached is Specialisations.GdnEarlyOnVsOff* / AttnEarlyOnVsOff*.
+// The early-rows signal (GemvSignal, session 32): the sweep starting at first_row changes no bit
+// of y or of the residual; every row is written; the counter ends at gemv_bulk_signal_count
+// (added to what it held: one zeroed word per launch here); bad requests throw. Whether gdn_decode
+// may read the covered rows once the count is reached is Specialisations.GdnEarlyOnVsOff*.
 TEST(CudaGemvBulkNorm, EarlyRowsSignalChangesNoBit) {
   DS_REQUIRE_GPU();
   struct Sig {
     const char* name;
     int n, k, first_row, rows;
-    int period = 0, lead = 0, heads = 0, slots = 0;  // the head order; slots 0: the config's
   };
   const Sig cases[] = {
       {"27B gdn_in: b / a, then qkv", 16480, 5120, 10240 + 6144, 96 + 10240},
@@ -700,11 +697,6 @@ TEST(CudaGemvBulkNorm, EarlyRowsSignalChangesNoBit) {
       {"27B gdn_in: from row 0, 1 row", 16480, 5120, 0, 1},
       {"odd n 1001, wrap at 997", 1001, 1024, 997, 300},
       {"n below the grid", 40, 5120, 7, 12},
-      // session 33: attn_qkv [q_h | gate_h] x 24, then k, v: q, k, v first (8 slots, the engine's)
-      {"27B attn_qkv: q, k, v, gate last", 14336, 5120, 0, 24 * 256 + 2048, 512, 256, 24, 8},
-      {"27B attn_qkv, 16 slots", 14336, 5120, 0, 24 * 256 + 2048, 512, 256, 24},
-      {"head order, odd: 13 x (30 | 40) + 90", 1000, 1024, 0, 13 * 30 + 90, 70, 30, 13},
-      {"head order turned by 5, no rows after", 910, 1024, 5, 100, 70, 30, 13},
   };
   const int sms = n_sms();
   std::mt19937 rng(71);
@@ -720,7 +712,6 @@ TEST(CudaGemvBulkNorm, EarlyRowsSignalChangesNoBit) {
       cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(1, c.n, c.k);
       cfg.pdl = pdl;
       cfg.interleave = true;
-      if (c.slots > 0) cfg.slots = c.slots;
       std::vector<bf> outs[2], resids[2];
       for (int with = 0; with < 2; ++with) {
         DevBuf<bf> res(h_res), res_out(c.k), y(c.n);
@@ -729,7 +720,7 @@ TEST(CudaGemvBulkNorm, EarlyRowsSignalChangesNoBit) {
         DS_CUDA_CHECK(cudaMemset(counter.ptr, 0, sizeof(unsigned)));
         const cuda::GemvNormIn nin = norm_input(res, delta, nw, res_out, true, true);
         cuda::GemvSignal sig;
-        if (with) sig = {counter.ptr, c.first_row, c.rows, c.period, c.lead, c.heads};
+        if (with) sig = {counter.ptr, c.first_row, c.rows};
         cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, 1, c.n, c.k, cuda::GemmOut::kBF16, cfg, sms,
                                     st, {}, sig);
         DS_CUDA_CHECK(cudaStreamSynchronize(st));
@@ -748,9 +739,8 @@ TEST(CudaGemvBulkNorm, EarlyRowsSignalChangesNoBit) {
       EXPECT_EQ(differ, 0u) << c.name << (pdl ? " pdl" : "") << ": outputs differ";
       EXPECT_EQ(nan, 0u) << c.name << ": outputs not written";
       EXPECT_EQ(resids[0], resids[1]) << c.name << ": residual_out differs";
-      std::printf("  %-38s%s n=%d k=%d first_row %d rows %d period %d lead %d heads %d, %d "
-                  "slots: bit-identical, %d raises\n", c.name, pdl ? " pdl" : "", c.n, c.k,
-                  c.first_row, c.rows, c.period, c.lead, c.heads, cfg.slots,
+      std::printf("  %-32s%s n=%d k=%d first_row %d rows %d: bit-identical, %d raises\n", c.name,
+                  pdl ? " pdl" : "", c.n, c.k, c.first_row, c.rows,
                   cuda::gemv_bulk_signal_count(1, c.n, c.k, cfg, sms));
     }
   }
@@ -784,13 +774,6 @@ TEST(CudaGemvBulkNorm, EarlyRowsSignalChangesNoBit) {
   EXPECT_THROW(run(1, cfg, {counter.ptr, 0, 0}), ds::Error);      // no rows
   EXPECT_THROW(run(1, cfg, {counter.ptr, 0, n + 1}), ds::Error);  // more rows than n
   EXPECT_THROW(run(1, cfg, ok, {P(wnext), n, k, sms, 4}), ds::Error);  // with the L2 prefetch
-  // The head order: 1 <= lead < period, heads >= 1, heads * period <= n.
-  EXPECT_NO_THROW(run(1, cfg, {counter.ptr, 0, 100, 64, 32, 8}));
-  EXPECT_THROW(run(1, cfg, {counter.ptr, 0, 100, 64, 64, 8}), ds::Error);  // lead == period
-  EXPECT_THROW(run(1, cfg, {counter.ptr, 0, 100, 64, 0, 8}), ds::Error);   // no lead
-  EXPECT_THROW(run(1, cfg, {counter.ptr, 0, 100, 64, 32, 0}), ds::Error);  // no heads
-  EXPECT_THROW(run(1, cfg, {counter.ptr, 0, 100, 64, 32, 9}), ds::Error);  // 9 x 64 > 512
-  EXPECT_THROW(run(1, cfg, {counter.ptr, 0, 100, -4, 2, 8}), ds::Error);
   DS_CUDA_CHECK(cudaStreamSynchronize(st));
   cudaStreamDestroy(st);
 }

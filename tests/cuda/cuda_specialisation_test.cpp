@@ -651,53 +651,6 @@ TEST(Specialisations, GdnEarlyOnVsOffBitExactAt27bShapes) {
   }
 }
 
-// The attention split kernel on the attn_qkv GEMV's early-rows signal (CudaEngineOptions::
-// attn_early, session 33: the GEMV sweeps q, k and v first, the gate rows last) on vs off in one
-// engine, as GdnEarlyOnVsOff* above (with gdn_early as the engine has it): logits and tokens
-// bit-identical, the path taken at the attention layer of every batch-1 step (the eager first
-// step and the graph's capture), every counter back at 0 and no block that gave up waiting.
-// Contexts of ~800 and ~4100 keys: most of the 64 splits unused, and all used.
-TEST(Specialisations, AttnEarlyOnVsOffBitExactAt27bShapes) {
-  DS_REQUIRE_GPU();
-  const ModelConfig c = config_27b_4_layers();
-  std::mt19937 rng(43);
-  for (int len : {800, 4100}) {
-    const std::vector<std::vector<int32_t>> prompts =
-        random_prompts({len, 250}, c.vocab_size, rng);
-    auto b = make_engine({true}, &c, nullptr, 64);
-    auto run = [&](bool on, std::vector<int32_t>& ids, int64_t& taken) {
-      set_cuda_attn_early(*b, on);
-      EXPECT_EQ(cuda_attn_early(*b), on);
-      const int64_t e0 = cuda_attn_early_enqueued(*b);
-      std::vector<float> rows = decode_batch1_then_batch2(*b, prompts, 40, 16, ids);
-      taken = cuda_attn_early_enqueued(*b) - e0;
-      b->reset_slot(0);
-      b->reset_slot(1);
-      return rows;
-    };
-    std::vector<int32_t> ids_off, ids_on;
-    int64_t taken_off = 0, taken_on = 0;
-    const std::vector<float> off = run(false, ids_off, taken_off);
-    const std::vector<float> on = run(true, ids_on, taken_on);
-    ASSERT_EQ(on.size(), off.size());
-    const size_t differ = bits_differ(on, off);
-    const std::vector<unsigned> words = cuda_gdn_early_words(*b);
-    std::printf("  attn early on vs off (prompt %d, gdn early %s): %zu of %zu logits differ; %zu "
-                "greedy tokens compared; %lld attention layers enqueued early; late blocks %u\n",
-                len, cuda_gdn_early(*b) ? "on" : "off", differ, on.size(), ids_on.size(),
-                static_cast<long long>(taken_on), words.back());
-    EXPECT_EQ(differ, 0u);
-    EXPECT_EQ(ids_on, ids_off);
-    EXPECT_EQ(taken_off, 0);
-    EXPECT_GE(taken_on, 2 * c.n_full_layers());
-    for (size_t i = 0; i + 1 < words.size(); ++i)
-      EXPECT_EQ(words[i], 0u) << "layer " << i << ": counter not reset";
-    EXPECT_EQ(words.back(), 0u) << "attention split blocks gave up waiting for the signal";
-    EXPECT_EQ(cuda_graph_stats(*b).failures, 0);
-    EXPECT_GT(cuda_graph_stats(*b).replays, 0);
-  }
-}
-
 class GoldenOnOff : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GoldenOnOff, GenericEngineMatchesHfAndSpecialised) {
