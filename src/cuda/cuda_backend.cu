@@ -397,6 +397,7 @@ class CudaBackend final : public Backend {
   int64_t argmax_fused_enqueued_ = 0;
   bool head_norm_ = false;  // CudaEngineOptions::head_norm_fused
   int64_t head_norm_enqueued_ = 0;
+  bool attn_o_pdl_ = true;  // $DS_ATTN_O_PDL (session 33's probe; on: as before)
   bool gdn_early_ = false;  // CudaEngineOptions::gdn_early
   int64_t gdn_early_enqueued_ = 0;
   unsigned* gdn_ready_ = nullptr;  // [n_layers]: the early-rows counters (GdnDecodeEarly), zero
@@ -545,6 +546,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   argmax_fused_ = cuda::env_switch("DS_ARGMAX_FUSED", eopt_.argmax_fused);
   head_norm_ = cuda::env_switch("DS_HEAD_NORM", eopt_.head_norm_fused);
   gdn_early_ = cuda::env_switch("DS_GDN_EARLY", eopt_.gdn_early);
+  attn_o_pdl_ = cuda::env_switch("DS_ATTN_O_PDL", true);
   (void)cuda::gemv_tma_kbox_mode();  // a bad $DS_GEMV_TMA_KBOX fails the start, not a later step
   mlp_fused_ = eopt_.mlp_fused;
   if (const char* env = std::getenv("DS_MLP_FUSED"); env && *env) {
@@ -1423,11 +1425,11 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
   const bool fold_down = fold_ok && fold_ == PrefillFold::kAll;
   bf16* const mixer_out = fold_mixer ? nullptr : delta_;  // the delta the post norm adds
   bf16* const mlp_out = fold_down ? nullptr : delta_;     // the delta the next input norm adds
-  auto gemm_out = [&](const bf16* x, const bf16* wt, int k, bool fold) {
+  auto gemm_out = [&](const bf16* x, const bf16* wt, int k, bool fold, bool pdl = true) {
     if (fold)
       gemm_->run(x, wt, res, T, dm, k, cuda::GemmOut::kBF16, stream_, true);
     else
-      gemm(x, wt, delta_, dm, k);
+      gemm_->run(x, wt, delta_, T, dm, k, cuda::GemmOut::kBF16, stream_, false, pdl);
   };
   auto norm_in = [&](const bf16* delta, const bf16* w) {
     cuda::GemvNormIn nin;
@@ -1561,7 +1563,9 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       } else {
         cuda::launch_attention_prefill(attn_, ab, q_, kc, vc, gate, mix_, stream_, &dispatch_);
       }
-      if (mlp_mode < 2) gemm_out(mix_, L.attn_o, c.attn_out_dim(), fold_mixer);
+      // $DS_ATTN_O_PDL=0: attn_o launched plainly after the merge (session 33's probe: under PDL
+      // its ring fill runs beside the merge, whose advance grew from 3.6 to 7.7 us on an H200).
+      if (mlp_mode < 2) gemm_out(mix_, L.attn_o, c.attn_out_dim(), fold_mixer, attn_o_pdl_);
     }
     // h += mixer output; post_attention_layernorm(h); MLP. gate_up with SiLU-and-mul in its
     // epilogue where the registry picks gemm.gemv_bulk_silu (decode, bit-identical to the two

@@ -114,27 +114,28 @@ void GemmEngine::prepare(int m, int n, int k, GemmOut out, bool accumulate) {
 }
 
 void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, int m, int n, int k,
-                     GemmOut out, cudaStream_t stream, bool accumulate) {
+                     GemmOut out, cudaStream_t stream, bool accumulate, bool pdl) {
   if (m <= 0) return;
+  const bool bulk_pdl = bulk_pdl_ && pdl;
   const bool aligned =
       ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0;
   const std::string& v = variant(m, n, k);
   if (aligned && !accumulate && v == "gemv_tma_narrow" &&
       gemv_tma_narrow_supports(m, n, k, n_sms_)) {
     GemvTmaNarrowConfig c = gemv_tma_narrow_config(m, n, k);
-    c.pdl = bulk_pdl_;
+    c.pdl = bulk_pdl;
     launch_gemv_tma_narrow(x, w, y, m, n, k, out, c, n_sms_, stream);
     return;
   }
   if (aligned && (v == "gemv_bulk" || v == "gemv_bulk_pdl")) {
     GemvBulkConfig c = gemv_bulk_config(m, n, k);
-    c.pdl = bulk_pdl_;
+    c.pdl = bulk_pdl;
     launch_gemv_bulk(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
     return;
   }
   if (aligned && v == "gemv_narrow" && gemv_narrow_supports(m, n, k, n_sms_)) {
     GemvNarrowConfig c = gemv_narrow_config(m, n, k, n_sms_);
-    c.pdl = bulk_pdl_;
+    c.pdl = bulk_pdl;
     launch_gemv_narrow(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
     return;
   }
@@ -143,7 +144,7 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   if (aligned && !accumulate && v == "gemv_tma" && gemv_tma_supports(m, n, k, false, n_sms_)) {
     GemvTmaConfig c = gemv_tma_config(m, n, k, false);
     while (c.kbox > 1 && !gemv_tma_fits(m, n, k, false, c, n_sms_)) c.kbox /= 2;  // this device
-    c.pdl = bulk_pdl_;
+    c.pdl = bulk_pdl;
     launch_gemv_tma(x, w, y, m, n, k, out, c, n_sms_, stream);
     return;
   }
@@ -151,7 +152,7 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   // guard assumed may be larger than this device's (re-checked here).
   if (aligned && !accumulate && v == "gemv_bulk_mma" && gemv_bulk_mma_supports(m, n, k, n_sms_)) {
     GemvBulkMmaConfig c = gemv_bulk_mma_config(m, n, k);
-    c.pdl = bulk_pdl_;
+    c.pdl = bulk_pdl;
     launch_gemv_bulk_mma(x, w, y, m, n, k, out, false, c, n_sms_, stream);
     return;
   }

@@ -108,10 +108,13 @@ class GemmEngine {
   // Throws ds::Error when the shape has no plan.
   bool uses_heuristic_algo(int m, int n, int k, GemmOut out, bool accumulate = false) const;
 
+  // pdl false: the decode GEMV kernels launch without the programmatic attribute even where
+  // $DS_GEMV_PDL has it on (the same kernel and bits; cuBLASLt never takes it).
   void run(const __nv_bfloat16* x,  // [m, k]
            const __nv_bfloat16* w,  // [n, k]
            void* y,                 // [m, n] bf16 or fp32
-           int m, int n, int k, GemmOut out, cudaStream_t stream, bool accumulate = false);
+           int m, int n, int k, GemmOut out, cudaStream_t stream, bool accumulate = false,
+           bool pdl = true);
 
   // act[m, d_ff] = bf16(silu(g) * u) for the fused [gate | up] weight [2 d_ff, k] in one launch
   // (gemv.h launch_gemv_bulk_silu) when the registry picks "gemm.gemv_bulk_silu" for the key
