@@ -22,6 +22,9 @@
 #                                         # ($DS_GDN_EARLY=1; decode_gemv.md): the GEMV's and the
 #                                         # engine's tests, in-graph profiles at 4K both ways, the
 #                                         # A/B at batch 1 (4K / 8K / 32K) and 2
+#   BUDGET=300 bash scripts/gpu_pending.sh attno  # ~2-3 min: session 33's probe, attn_o off PDL
+#                                         # ($DS_ATTN_O_PDL=0; decode_gemv.md): the engine's bits
+#                                         # both ways, in-graph profiles at 4K both ways, the A/B
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -53,8 +56,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|wy|early|argmax|tma|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, argmax, tma or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|wy|early|attno|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, attno, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -234,6 +237,25 @@ case "$step" in
     else
       [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
         --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 DS_GDN_EARLY=0 - || rc=1
+      rm -f "$OUT/decode_ab.full.log"
+    fi
+    ;;
+  attno)
+    # Session 33's probe: attn_o launched plainly after the attention merge ($DS_ATTN_O_PDL=0).
+    # An H200 profile with every decode GEMV off PDL put the merge's advance at 3.6 us against
+    # 7.7 beside attn_o's ring fill. The engine's bits both ways, the profiles both ways, the A/B.
+    run attno_test timeout 150 "$T/cuda_specialisation_test" \
+      --gtest_filter='Specialisations.AttnOPdl*' || rc=1
+    for on in 1 0; do
+      run "inprof_4096_attn_o_pdl$on" env DS_ATTN_O_PDL=$on DS_PROFILE=1 DS_PROFILE_BATCHES=1 \
+        DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
+        --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
+    done
+    if [ "${DRY:-0}" = 1 ]; then
+      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_ATTN_O_PDL=0"
+    else
+      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
+        --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_ATTN_O_PDL=0 || rc=1
       rm -f "$OUT/decode_ab.full.log"
     fi
     ;;

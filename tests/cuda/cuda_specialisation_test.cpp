@@ -602,6 +602,39 @@ TEST(Specialisations, GdnDecodePdlOnVsOffBitExactAt27bShapes) {
   EXPECT_GT(rep_on, 0);
 }
 
+// attn_o launched plainly after the attention merge ($DS_ATTN_O_PDL=0, session 33's probe; read
+// at the engine's start) vs under PDL (the default), one engine each: the same kernels, so logits
+// and tokens bit-identical at batch 1 (the bulk GEMV) and batch 2.
+TEST(Specialisations, AttnOPdlOnVsOffBitExactAt27bShapes) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = config_27b_4_layers();
+  std::mt19937 rng(47);
+  const std::vector<std::vector<int32_t>> prompts = random_prompts({1000, 300}, c.vocab_size, rng);
+  auto run = [&](const char* pdl, std::vector<int32_t>& ids, int64_t& replays) {
+    setenv("DS_ATTN_O_PDL", pdl, 1);
+    auto b = make_engine({true}, &c, nullptr, 64);
+    std::vector<float> rows = decode_batch1_then_batch2(*b, prompts, 40, 16, ids);
+    EXPECT_EQ(cuda_graph_stats(*b).failures, 0) << "DS_ATTN_O_PDL=" << pdl;
+    replays = cuda_graph_stats(*b).replays;
+    unsetenv("DS_ATTN_O_PDL");
+    return rows;
+  };
+  std::vector<int32_t> ids_off, ids_on;
+  int64_t rep_off = 0, rep_on = 0;
+  const std::vector<float> off = run("0", ids_off, rep_off);
+  const std::vector<float> on = run("1", ids_on, rep_on);
+  ASSERT_EQ(on.size(), off.size());
+  const size_t differ = bits_differ(on, off);
+  std::printf("  attn_o pdl on vs off: %zu of %zu logits differ; %zu greedy tokens compared; "
+              "graph replays %lld / %lld\n",
+              differ, on.size(), ids_on.size(), static_cast<long long>(rep_on),
+              static_cast<long long>(rep_off));
+  EXPECT_EQ(differ, 0u);
+  EXPECT_EQ(ids_on, ids_off);
+  EXPECT_GT(rep_on, 0);
+  EXPECT_GT(rep_off, 0);
+}
+
 // GDN decode on the gdn_in GEMV's early-rows signal (CudaEngineOptions::gdn_early, session 32) on
 // vs off in one engine (graphs on: batch 1's first step runs eagerly, the rest replay its graph;
 // batch 2 never takes it): logits and tokens bit-identical, the path taken at every GDN layer of

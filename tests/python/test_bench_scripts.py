@@ -293,8 +293,8 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     script = REPO / "scripts" / "gpu_pending.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
-    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "wy", "early", "argmax",
-                 "tma", "quick"):
+    for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "wy", "early", "attno",
+                 "argmax", "tma", "quick"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -312,6 +312,11 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "DS_GDN_EARLY=0" in out["early"] and "DS_GDN_EARLY=1" in out["early"]
     # (on by default: off against the default)
     assert "--cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 DS_GDN_EARLY=0 -" in out["early"]
+    # Session 33's probe, attn_o off PDL: the engine test, the profiles both ways, the A/B arm.
+    assert "Specialisations.AttnOPdl" in out["attno"]
+    assert out["attno"].count("DecodeProfile.Synthetic27bInGraph") == 2
+    assert "DS_ATTN_O_PDL=1" in out["attno"] and "DS_ATTN_O_PDL=0" in out["attno"]
+    assert "--cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_ATTN_O_PDL=0" in out["attno"]
     for arm in ("DS_MLP_FUSED=1", "DS_MLP_FUSED=2", "DS_MLP_FUSED=3", "DS_GEMV_NORM_EARLY=0",
                 "DS_ATTN_DECODE=pdl_cluster"):
         assert arm in out["decode"]
