@@ -98,6 +98,22 @@ fi
 DS=$B/bin/deltaserve
 T=$B/tests
 rc=0
+# decode_ab CASES ROUNDS ARM...: the decode A/B (scripts/gpu_decode_ab.sh) in what is left of the
+# step's budget, skipped below 70 s; DRY prints it, arms with spaces in double quotes.
+decode_ab() {
+  local cases=$1 rounds=$2 arms="" a
+  shift 2
+  for a in "$@"; do
+    case "$a" in *" "*) arms+=" \"$a\"" ;; *) arms+=" $a" ;; esac
+  done
+  if [ "${DRY:-0}" = 1 ]; then
+    echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases $cases --rounds $rounds$arms"
+    return 0
+  fi
+  [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
+    --cases "$cases" --rounds "$rounds" "$@" || rc=1
+  rm -f "$OUT/decode_ab.full.log"
+}
 # The prompt attention's TMA forms switched off in turn (dispatch order since session 30:
 # ws_lazy, ws_lean, ws3_lean, ws3, ws, ws3_persist, ws3_lean_persist, ws_ulean, m128): LEAN runs
 # wgmma_ws_lean (the session-25 default, the A/B reference of session 30's), PLAIN the plain forms
@@ -232,13 +248,7 @@ case "$step" in
     done
     # (on by default since session 32: the arms are off, then the default; session 33's first run
     # of this step compared the default with DS_GDN_EARLY=1, i.e. on with on)
-    if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 DS_GDN_EARLY=0 -"
-    else
-      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 DS_GDN_EARLY=0 - || rc=1
-      rm -f "$OUT/decode_ab.full.log"
-    fi
+    decode_ab 1@4096,1@8192,1@32768,2@4096 3 DS_GDN_EARLY=0 -
     ;;
   attno)
     # Session 33's probe: attn_o launched plainly after the attention merge ($DS_ATTN_O_PDL=0).
@@ -251,13 +261,7 @@ case "$step" in
         DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
         --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
     done
-    if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_ATTN_O_PDL=0"
-    else
-      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_ATTN_O_PDL=0 || rc=1
-      rm -f "$OUT/decode_ab.full.log"
-    fi
+    decode_ab 1@4096,1@8192,1@32768,2@4096 3 - DS_ATTN_O_PDL=0
     ;;
   argmax)
     # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and
@@ -279,15 +283,7 @@ case "$step" in
     # The last arm adds the cluster argmax (8 blocks per row) where the fused one does not apply:
     # batch 16, whose 16 one-block argmaxes took ~15.6-16.5 us in session 8's profiles. Batch 16
     # must stay within 1.3x of batch 1 as batch 1 gets faster.
-    if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,2@4096,16@4096 --rounds 3 - DS_ARGMAX_FUSED=1 \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1\""
-    else
-      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,2@4096,16@4096 --rounds 3 - DS_ARGMAX_FUSED=1 \
-        "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1" \
-        || rc=1
-      rm -f "$OUT/decode_ab.full.log"
-    fi
+    decode_ab 1@4096,2@4096,16@4096 3 - DS_ARGMAX_FUSED=1 "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1 DS_ARGMAX_CLUSTER=1"
     ;;
   tma)
     # Every config (now with kbox 2 / 4) against fp64 and each other, the 27B shapes bit-identical
@@ -302,13 +298,7 @@ case "$step" in
     run tma_invariance_kb4 env DS_GEMV_TMA_KBOX=4 timeout 120 "$T/cuda_batch_invariance_test" \
       || rc=1
     run tma_gemm "$DS" bench kernels --only gemm || rc=1
-    if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,8@4096,16@4096 --rounds 3 - DS_GEMV_TMA_KBOX=2 DS_GEMV_TMA_KBOX=4"
-    else
-      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,8@4096,16@4096 --rounds 3 - DS_GEMV_TMA_KBOX=2 DS_GEMV_TMA_KBOX=4 || rc=1
-      rm -f "$OUT/decode_ab.full.log"
-    fi
+    decode_ab 1@4096,8@4096,16@4096 3 - DS_GEMV_TMA_KBOX=2 DS_GEMV_TMA_KBOX=4
     ;;
   quick)
     # Correctness of the forms no GPU has run (each binary capped), then their speed: the prompt
@@ -323,14 +313,7 @@ case "$step" in
       --gtest_filter='AttnPrefillForms.*:Specialisations.FusedHead*' || rc=1
     run q_attn_k_default "$DS" bench kernels --only attn_prefill || rc=1
     run q_attn_k_ulean env "$ULEAN" "$DS" bench kernels --only attn_prefill || rc=1
-    if [ "${DRY:-0}" = 1 ]; then
-      echo "decode_ab: BIN=$DS bash scripts/gpu_decode_ab.sh --cases 1@4096,1@8192,16@4096 --rounds 2 - \"DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1\" DS_GEMV_TMA_KBOX=2"
-    else
-      [ "$(left)" -ge 70 ] && BIN="$DS" OUT="$OUT" timeout $(($(left) - 10)) bash scripts/gpu_decode_ab.sh \
-        --cases 1@4096,1@8192,16@4096 --rounds 2 - \
-        "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" DS_GEMV_TMA_KBOX=2 || rc=1
-      rm -f "$OUT/decode_ab.full.log"
-    fi
+    decode_ab 1@4096,1@8192,16@4096 2 - "DS_ARGMAX_FUSED=1 DS_HEAD_NORM=1" DS_GEMV_TMA_KBOX=2
     ;;
 esac
 exit $rc

@@ -569,70 +569,57 @@ TEST(Specialisations, FusedNormOnVsOffBitExactAt27bShapes) {
   EXPECT_GT(cuda_graph_stats(*b).replays, 0);
 }
 
+// A launch switch set through the environment, on ("1") vs off ("0"), one specialised engine each
+// started with it (graphs on: the first step of a batch size runs eagerly, the rest replay its
+// graph; the variable is unset after): the rows and tokens of decode_batch1_then_batch2 must be
+// bit-identical, with no graph failure and graph replays both ways.
+void expect_env_switch_bit_exact(const ModelConfig& c, const char* var, const char* what,
+                                 const std::vector<std::vector<int32_t>>& prompts, int n1, int n2) {
+  auto run = [&](const char* value, std::vector<int32_t>& ids, int64_t& replays) {
+    setenv(var, value, 1);
+    auto b = make_engine({true}, &c, nullptr, 64);
+    std::vector<float> rows = decode_batch1_then_batch2(*b, prompts, n1, n2, ids);
+    EXPECT_EQ(cuda_graph_stats(*b).failures, 0) << var << "=" << value;
+    replays = cuda_graph_stats(*b).replays;
+    unsetenv(var);
+    return rows;
+  };
+  std::vector<int32_t> ids_off, ids_on;
+  int64_t rep_off = 0, rep_on = 0;
+  const std::vector<float> off = run("0", ids_off, rep_off);
+  const std::vector<float> on = run("1", ids_on, rep_on);
+  ASSERT_EQ(on.size(), off.size());
+  const size_t differ = bits_differ(on, off);
+  std::printf("  %s on vs off: %zu of %zu logits differ; %zu greedy tokens compared; graph "
+              "replays %lld / %lld\n",
+              what, differ, on.size(), ids_on.size(), static_cast<long long>(rep_on),
+              static_cast<long long>(rep_off));
+  EXPECT_EQ(differ, 0u) << var;
+  EXPECT_EQ(ids_on, ids_off) << var;
+  EXPECT_GT(rep_on, 0) << var;
+  EXPECT_GT(rep_off, 0) << var;
+}
+
 // GDN decode as a programmatic dependent of the gdn_in GEMV ($DS_GDN_DECODE_PDL, read at each
-// launch, so a fresh engine captures its graphs with the setting) on vs off, one specialised engine
-// each (graphs on: the first step of a batch size runs eagerly, the rest replay its graph): logits
-// bit-identical at batch 1 (cluster8 after the fused-norm bulk GEMV) and batch 2.
+// launch, so a fresh engine captures its graphs with the setting) on vs off: logits bit-identical
+// at batch 1 (the split kernel after the fused-norm bulk GEMV) and batch 2.
 TEST(Specialisations, GdnDecodePdlOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
   const ModelConfig c = config_27b_4_layers();
   std::mt19937 rng(37);
-  const std::vector<std::vector<int32_t>> prompts = random_prompts({900, 200}, c.vocab_size, rng);
-  auto run = [&](const char* pdl, std::vector<int32_t>& ids, int64_t& replays) {
-    setenv("DS_GDN_DECODE_PDL", pdl, 1);
-    auto b = make_engine({true}, &c, nullptr, 64);
-    std::vector<float> rows = decode_batch1_then_batch2(*b, prompts, 48, 24, ids);
-    EXPECT_EQ(cuda_graph_stats(*b).failures, 0) << "DS_GDN_DECODE_PDL=" << pdl;
-    replays = cuda_graph_stats(*b).replays;
-    unsetenv("DS_GDN_DECODE_PDL");
-    return rows;
-  };
-  std::vector<int32_t> ids_off, ids_on;
-  int64_t rep_off = 0, rep_on = 0;
-  const std::vector<float> off = run("0", ids_off, rep_off);
-  const std::vector<float> on = run("1", ids_on, rep_on);
-  ASSERT_EQ(on.size(), off.size());
-  const size_t differ = bits_differ(on, off);
-  std::printf("  gdn decode pdl on vs off: %zu of %zu logits differ; %zu greedy tokens compared; "
-              "graph replays %lld / %lld\n",
-              differ, on.size(), ids_on.size(), static_cast<long long>(rep_on),
-              static_cast<long long>(rep_off));
-  EXPECT_EQ(differ, 0u);
-  EXPECT_EQ(ids_on, ids_off);
-  EXPECT_GT(rep_on, 0);
+  expect_env_switch_bit_exact(c, "DS_GDN_DECODE_PDL", "gdn decode pdl",
+                              random_prompts({900, 200}, c.vocab_size, rng), 48, 24);
 }
 
 // attn_o launched plainly after the attention merge ($DS_ATTN_O_PDL=0, session 33's probe; read
-// at the engine's start) vs under PDL (the default), one engine each: the same kernels, so logits
-// and tokens bit-identical at batch 1 (the bulk GEMV) and batch 2.
+// at the engine's start) vs under PDL (the default): the same kernels, so logits and tokens
+// bit-identical at batch 1 (the bulk GEMV) and batch 2.
 TEST(Specialisations, AttnOPdlOnVsOffBitExactAt27bShapes) {
   DS_REQUIRE_GPU();
   const ModelConfig c = config_27b_4_layers();
   std::mt19937 rng(47);
-  const std::vector<std::vector<int32_t>> prompts = random_prompts({1000, 300}, c.vocab_size, rng);
-  auto run = [&](const char* pdl, std::vector<int32_t>& ids, int64_t& replays) {
-    setenv("DS_ATTN_O_PDL", pdl, 1);
-    auto b = make_engine({true}, &c, nullptr, 64);
-    std::vector<float> rows = decode_batch1_then_batch2(*b, prompts, 40, 16, ids);
-    EXPECT_EQ(cuda_graph_stats(*b).failures, 0) << "DS_ATTN_O_PDL=" << pdl;
-    replays = cuda_graph_stats(*b).replays;
-    unsetenv("DS_ATTN_O_PDL");
-    return rows;
-  };
-  std::vector<int32_t> ids_off, ids_on;
-  int64_t rep_off = 0, rep_on = 0;
-  const std::vector<float> off = run("0", ids_off, rep_off);
-  const std::vector<float> on = run("1", ids_on, rep_on);
-  ASSERT_EQ(on.size(), off.size());
-  const size_t differ = bits_differ(on, off);
-  std::printf("  attn_o pdl on vs off: %zu of %zu logits differ; %zu greedy tokens compared; "
-              "graph replays %lld / %lld\n",
-              differ, on.size(), ids_on.size(), static_cast<long long>(rep_on),
-              static_cast<long long>(rep_off));
-  EXPECT_EQ(differ, 0u);
-  EXPECT_EQ(ids_on, ids_off);
-  EXPECT_GT(rep_on, 0);
-  EXPECT_GT(rep_off, 0);
+  expect_env_switch_bit_exact(c, "DS_ATTN_O_PDL", "attn_o pdl",
+                              random_prompts({1000, 300}, c.vocab_size, rng), 40, 16);
 }
 
 // GDN decode on the gdn_in GEMV's early-rows signal (CudaEngineOptions::gdn_early, session 32) on
