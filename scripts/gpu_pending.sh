@@ -98,6 +98,16 @@ fi
 DS=$B/bin/deltaserve
 T=$B/tests
 rc=0
+# inprof NAME VAR VALUE...: the batch-1 in-graph decode profile at 4K with VAR at each VALUE,
+# into NAME<VALUE>.txt.
+inprof() {
+  local name=$1 var=$2 v
+  shift 2
+  for v in "$@"; do
+    run "$name$v" env "$var=$v" DS_PROFILE=1 DS_PROFILE_BATCHES=1 DS_PROFILE_CONTEXT=4096 \
+      "$T/cuda_decode_profile_test" --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
+  done
+}
 # decode_ab CASES ROUNDS ARM...: the decode A/B (scripts/gpu_decode_ab.sh) in what is left of the
 # step's budget, skipped below 70 s; DRY prints it, arms with spaces in double quotes.
 decode_ab() {
@@ -241,11 +251,7 @@ case "$step" in
     run early_engine_test timeout 200 "$T/cuda_specialisation_test" \
       --gtest_filter='Specialisations.GdnEarly*' || rc=1
     # Where the GDN layer's time goes both ways (gdn_decode's advance is what should shrink).
-    for on in 0 1; do
-      run "inprof_4096_early$on" env DS_GDN_EARLY=$on DS_PROFILE=1 DS_PROFILE_BATCHES=1 \
-        DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
-        --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
-    done
+    inprof inprof_4096_early DS_GDN_EARLY 0 1
     # (on by default since session 32: the arms are off, then the default; session 33's first run
     # of this step compared the default with DS_GDN_EARLY=1, i.e. on with on)
     decode_ab 1@4096,1@8192,1@32768,2@4096 3 DS_GDN_EARLY=0 -
@@ -256,11 +262,7 @@ case "$step" in
     # 7.7 beside attn_o's ring fill. The engine's bits both ways, the profiles both ways, the A/B.
     run attno_test timeout 150 "$T/cuda_specialisation_test" \
       --gtest_filter='Specialisations.AttnOPdl*' || rc=1
-    for on in 1 0; do
-      run "inprof_4096_attn_o_pdl$on" env DS_ATTN_O_PDL=$on DS_PROFILE=1 DS_PROFILE_BATCHES=1 \
-        DS_PROFILE_CONTEXT=4096 "$T/cuda_decode_profile_test" \
-        --gtest_filter=DecodeProfile.Synthetic27bInGraph || rc=1
-    done
+    inprof inprof_4096_attn_o_pdl DS_ATTN_O_PDL 1 0
     decode_ab 1@4096,1@8192,1@32768,2@4096 3 - DS_ATTN_O_PDL=0
     ;;
   argmax)
