@@ -400,7 +400,9 @@ class CudaBackend final : public Backend {
   bool attn_o_pdl_ = true;  // $DS_ATTN_O_PDL (session 33's probe; on: as before)
   bool gdn_early_ = false;  // CudaEngineOptions::gdn_early
   int64_t gdn_early_enqueued_ = 0;
-  unsigned* gdn_ready_ = nullptr;  // [n_layers]: the early-rows counters (GdnDecodeEarly), zero
+  // [n_layers + 1]: each layer's early-rows counter (GdnDecodeEarly; zero between forwards), then
+  // the count of gdn_decode blocks that gave up waiting for one.
+  unsigned* gdn_ready_ = nullptr;
   // The residual buffer (h_ or h2_) enqueue_layers ended on when it left the final norm to
   // lm_head (FwdPlan::head_norm): enqueue_head's norm input.
   bf16* head_res_ = nullptr;
@@ -1563,8 +1565,9 @@ void CudaBackend::enqueue_layers(const FwdPlan& f) {
       } else {
         cuda::launch_attention_prefill(attn_, ab, q_, kc, vc, gate, mix_, stream_, &dispatch_);
       }
-      // $DS_ATTN_O_PDL=0: attn_o launched plainly after the merge (session 33's probe: under PDL
-      // its ring fill runs beside the merge, whose advance grew from 3.6 to 7.7 us on an H200).
+      // $DS_ATTN_O_PDL=0: attn_o launched plainly after the merge (session 33's probe, not yet
+      // measured: with every decode GEMV off PDL the merge's advance was 3.6 us, 7.7 with PDL, on
+      // an H200; under PDL attn_o's ring fill runs beside the merge).
       if (mlp_mode < 2) gemm_out(mix_, L.attn_o, c.attn_out_dim(), fold_mixer, attn_o_pdl_);
     }
     // h += mixer output; post_attention_layernorm(h); MLP. gate_up with SiLU-and-mul in its

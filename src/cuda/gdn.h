@@ -115,7 +115,6 @@ struct GdnDecodeEarly {
   unsigned* late = nullptr;  // optional: +1 per block that gave up waiting (2 ms) and ran plainly
 };
 
-
 // One token for each of n_seqs sequences, one fused kernel: conv ring update + conv + SiLU, q/k
 // l2norm (q scaled by d_k^-0.5), beta and g, state decay + delta update + readout (state read and
 // written once, fp32), gated RMSNorm. seq_pos[i] is the position of the new token (= tokens

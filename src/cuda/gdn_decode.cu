@@ -1163,9 +1163,9 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
            "gdn decode: the split streaming kernel over ",
            which == GdnDecodeKernel::kSplit4 ? 4 : 2, " blocks needs d_v % ",
            which == GdnDecodeKernel::kSplit4 ? 16 : 8, " == 0, got d_v ", s.d_v);
+  which = gdn_decode_resolve(s, pool, n_seqs, which);
   if (early.ready != nullptr) {
-    const GdnDecodeKernel k = gdn_decode_resolve(s, pool, n_seqs, which);
-    DS_CHECK(gdn_decode_early_supported(s, k) && n_seqs >= 1,
+    DS_CHECK(gdn_decode_early_supported(s, which) && n_seqs >= 1,
              "gdn decode: the early start after the in-projection's signal needs the split "
              "kernels at d_k = 128 and at least one sequence (n_seqs ", n_seqs, ", d_k ", s.d_k, ")");
     DS_CHECK(early.target >= 1 && (reinterpret_cast<uintptr_t>(early.ready) & 3) == 0,
@@ -1177,7 +1177,6 @@ void launch_gdn_decode(const GdnShape& s, const GdnLayerWeights& w, const GdnSta
                    reinterpret_cast<uintptr_t>(proj) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(pool.conv_state) % 8 == 0 &&
                    reinterpret_cast<uintptr_t>(w.conv_w) % 16 == 0;
-  which = gdn_decode_resolve(s, pool, n_seqs, which);
   if (which == GdnDecodeKernel::kPersist || which == GdnDecodeKernel::kPersistDeep) {
 #define DS_GDN_PERSIST(DK)                                                                      \
   if (vec)                                                                                      \

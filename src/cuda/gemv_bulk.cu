@@ -513,11 +513,12 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
   DS_CHECK(nx.rows == 0 || m <= kGemvL2NextMaxM, "bulk gemv: the L2 prefetch of a later GEMV is "
            "compiled for m <= ", kGemvL2NextMaxM, ", got m=", m);
   if (sig.counter != nullptr) {
-    DS_CHECK(gemv_bulk_signal_supported(m, cfg) && nin.weight != nullptr && out == GemmOut::kBF16 && !accumulate && nx.rows == 0,
+    DS_CHECK(gemv_bulk_signal_supported(m, cfg) && nin.weight != nullptr &&
+                 out == GemmOut::kBF16 && !accumulate && nx.rows == 0,
              "bulk gemv: the early-rows signal is compiled for m 1, one-row stages, fewer than ",
              kMaxSlots, " slots, the interleaved sweep, the fused norm, bf16 out, no accumulate "
-             "and no L2 prefetch (got m=", m, ", config ", cfg.name(), nin.weight ? "" : ", no norm",
-             ")");
+             "and no L2 prefetch (got m=", m, ", config ", cfg.name(),
+             nin.weight ? "" : ", no norm", ")");
     DS_CHECK(sig.first_row >= 0 && sig.first_row < n && sig.rows >= 1 && sig.rows <= n,
              "bulk gemv: the early-rows signal needs 0 <= first_row < n and 1 <= rows <= n (n=", n,
              " first_row=", sig.first_row, " rows=", sig.rows, ")");
