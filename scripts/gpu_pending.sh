@@ -25,6 +25,11 @@
 #   BUDGET=300 bash scripts/gpu_pending.sh attno  # ~2-3 min: session 33's probe, attn_o off PDL
 #                                         # ($DS_ATTN_O_PDL=0; decode_gemv.md): the engine's bits
 #                                         # both ways, in-graph profiles at 4K both ways, the A/B
+#   BUDGET=560 bash scripts/gpu_pending.sh ahead  # ~6-8 min: session 34's probe, each decode
+#                                         # bulk GEMV queueing its next stages for L2 after its
+#                                         # wait ($DS_GEMV_AHEAD=KiB; decode_gemv.md): the kernel's
+#                                         # and the engine's bits, profiles at 4K (0 / 80), the A/B
+#                                         # at 40 / 80 / 160 KiB
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -56,8 +61,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|wy|early|attno|argmax|tma|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, attno, argmax, tma or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|wy|early|attno|ahead|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, attno, ahead, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -264,6 +269,18 @@ case "$step" in
       --gtest_filter='Specialisations.AttnOPdl*' || rc=1
     inprof inprof_4096_attn_o_pdl DS_ATTN_O_PDL 1 0
     decode_ab 1@4096,1@8192,1@32768,2@4096 3 - DS_ATTN_O_PDL=0
+    ;;
+  ahead)
+    # Session 34's probe: after its griddepcontrol.wait each decode bulk GEMV (gdn_in, attn_qkv,
+    # gate_up + SiLU with their norms, gdn_out / attn_o) queues its next stages for L2, so that HBM
+    # streams while the consumers wait for x with the ring full (the norm prologue's ~2.4 us).
+    # The kernel's bits at every count, the engine's both ways, the profiles, the A/B.
+    run ahead_gemv_test timeout 150 "$T/cuda_gemv_norm_test" \
+      --gtest_filter='CudaGemvBulkNorm.L2Ahead*' || rc=1
+    run ahead_engine_test timeout 150 "$T/cuda_specialisation_test" \
+      --gtest_filter='Specialisations.GemvAhead*' || rc=1
+    inprof inprof_4096_ahead DS_GEMV_AHEAD 0 80
+    decode_ab 1@4096,1@8192,1@32768,2@4096 3 - DS_GEMV_AHEAD=40 DS_GEMV_AHEAD=80 DS_GEMV_AHEAD=160
     ;;
   argmax)
     # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and

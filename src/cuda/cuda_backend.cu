@@ -635,6 +635,10 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   gemm_ = std::make_unique<cuda::GemmEngine>(kGemmWorkspace);
   gemm_->set_dispatch(&dispatch_);
+  // $DS_GEMV_AHEAD (session 34's probe, off by default): the decode bulk GEMVs queue this many KiB
+  // of their next stages for L2 after their wait. Read here, so each engine captures its graphs
+  // with its own setting.
+  gemm_->set_l2_ahead_kib(cuda::gemv_ahead_kib_from_env());
   DS_CUDA_CHECK(cudaMalloc(&weight_mem_, layout_.weight_bytes));
   wb = Bump{static_cast<char*>(weight_mem_)};
   layout_weights(cfg_, wb, w_);
@@ -1662,6 +1666,8 @@ bool CudaBackend::gemv_norm(const cuda::GemvNormIn& nin, const bf16* w, void* y,
   if (!gemv_norm_fits(w, m, n, k)) return false;
   cuda::GemvBulkConfig cfg = cuda::gemv_bulk_config(m, n, k);
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
+  if (m <= cuda::kGemvAheadMaxM && out == cuda::GemmOut::kBF16 && next.rows == 0)
+    cfg.l2_ahead = cuda::gemv_bulk_ahead_stages(gemm_->l2_ahead_kib(), k, cfg, false);
   cuda::launch_gemv_bulk_norm(nin, w, y, m, n, k, out, cfg, n_sms_, stream_, next, sig);
   return true;
 }
@@ -1677,6 +1683,8 @@ bool CudaBackend::gate_up_silu_norm(const cuda::GemvNormIn& nin, const bf16* w, 
   cuda::GemvBulkConfig cfg = cuda::gemv_bulk_silu_config(m, d_ff, k);
   if (!cuda::gemv_bulk_norm_fits(m, k, cfg)) return false;
   cfg.pdl = cuda::gemv_pdl_mode() != cuda::GemvPdl::kOff;
+  if (m <= cuda::kGemvAheadMaxM)
+    cfg.l2_ahead = cuda::gemv_bulk_ahead_stages(gemm_->l2_ahead_kib(), k, cfg, true);
   cuda::launch_gemv_bulk_silu_norm(nin, w, act, m, d_ff, k, cfg, n_sms_, stream_);
   return true;
 }

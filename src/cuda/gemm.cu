@@ -130,6 +130,8 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   if (aligned && (v == "gemv_bulk" || v == "gemv_bulk_pdl")) {
     GemvBulkConfig c = gemv_bulk_config(m, n, k);
     c.pdl = bulk_pdl;
+    if (m <= kGemvAheadMaxM && out == GemmOut::kBF16)
+      c.l2_ahead = gemv_bulk_ahead_stages(l2_ahead_kib_, k, c, false);
     launch_gemv_bulk(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
     return;
   }
@@ -194,6 +196,7 @@ bool GemmEngine::run_gate_up_silu(const __nv_bfloat16* x, const __nv_bfloat16* w
   if (v != "gemv_bulk_silu") return false;
   GemvBulkConfig c = gemv_bulk_silu_config(m, d_ff, k);
   c.pdl = bulk_pdl_;
+  if (m <= kGemvAheadMaxM) c.l2_ahead = gemv_bulk_ahead_stages(l2_ahead_kib_, k, c, true);
   launch_gemv_bulk_silu(x, w_gate_up, act, m, d_ff, k, c, n_sms_, stream);
   return true;
 }

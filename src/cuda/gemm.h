@@ -140,6 +140,12 @@ class GemmEngine {
   // Specialised kernels (e.g. decode GEMVs) are picked through this registry when set; null or
   // unset: cuBLASLt for every shape. The registry must outlive the engine.
   void set_dispatch(const DispatchRegistry* dispatch) { dispatch_ = dispatch; }
+  // KiB of each block's next weight stages the bulk GEMVs (gemv_bulk, gemv_bulk_pdl,
+  // gemv_bulk_silu at m <= kGemvAheadMaxM, bf16 out) queue for L2 after their wait
+  // (GemvBulkConfig::l2_ahead, gemv.h); 0 (the default): none. The engine sets it from
+  // $DS_GEMV_AHEAD. The outputs are the same bits either way.
+  void set_l2_ahead_kib(int kib) { l2_ahead_kib_ = kib; }
+  int l2_ahead_kib() const { return l2_ahead_kib_; }
 
   // The variant run() takes for this shape with 16-byte aligned x and w: "gemv_bulk",
   // "gemv_narrow", "skinny_mma" or "cublaslt" (a name owned by the registry: no copy per call on
@@ -171,6 +177,7 @@ class GemmEngine {
   // add_rmsnorm, 13.572 vs 13.698 ms per token (27B decode graph, batch 1 at 4K; kAll 17.645).
   bool bulk_pdl_ = false;
   bool skinny_pdl_ = false;
+  int l2_ahead_kib_ = 0;
 };
 
 }  // namespace ds::cuda

@@ -97,11 +97,26 @@ struct GemvBulkConfig {
   // owns stages b, b + G, b + 2 G, ... (G blocks), so the whole grid sweeps the weight in memory
   // order. Each output's sums are the same either way (bit-identical; tested).
   bool interleave = false;
+  // Stages past the ring whose weight rows the producer queues for L2
+  // (cp.async.bulk.prefetch.L2) right after griddepcontrol.wait, i.e. while the consumers wait
+  // for x (the fused norm's prologue, or x's copy) with the ring already full (session 34,
+  // $DS_GEMV_AHEAD; not yet measured). Those stages' copies then hit L2. A prefetch moves no value:
+  // the outputs are bit-identical for every count. 0: none (the kernels without it are separate
+  // instantiations, unchanged); compiled for m <= kGemvAheadMaxM, bf16 out, without a GemvL2Next.
+  int l2_ahead = 0;
   // Each lane sums its part of an output row in one fp32 FMA chain. (Session 26's 4 partial sums
   // per lane at m = 1, $DS_GEMV_ACC=4, were removed in session 30: within noise of this order on
   // an H100 in session 29, and off by default; docs/perf/decode_gemv.md.)
-  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl", "r1s16-ilv"
+  std::string name() const;  // "r1s16", "r2s8b2", "r1s16-pdl", "r1s16-ilv", "r1s16-a8"
 };
+constexpr int kGemvAheadMaxM = 2;    // the m compiled with l2_ahead (the decode step's bulk GEMVs)
+constexpr int kGemvAheadMaxKib = 512;  // $DS_GEMV_AHEAD's range
+// $DS_GEMV_AHEAD: KiB of each block's next weight stages to queue for L2 after its wait (0..512;
+// unset or 0: off), read by the engine at start. gemv_bulk_ahead_stages turns a KiB budget into
+// l2_ahead for a config at row length k (GLU: the stage is a gate row and an up row); at least
+// one stage for any budget > 0.
+int gemv_ahead_kib_from_env();
+int gemv_bulk_ahead_stages(int kib, int k, const GemvBulkConfig& c, bool glu);
 
 // The leading rows of a LATER GEMV's blocks, prefetched into L2 by this GEMV's blocks as each
 // issues its last own copy (cp.async.bulk.prefetch.L2), so that HBM keeps streaming weights while

@@ -200,7 +200,11 @@ __device__ __forceinline__ void x_to_shared(const bf16* x, const GemvNormIn& nor
 // instantiation (m <= 2, not GLU), so the kernels without it compile exactly as before.
 // SIG: the early-rows signal (GemvSignal, gemv.h; interleaved only), also its own instantiation
 // (m 1, R 1, NORM, not GLU, not PF).
-template <int M, int R, bool GLU, typename OutT, bool NORM, bool PF = false, bool SIG = false>
+// AH: GemvBulkConfig::l2_ahead (`ahead` stages past the ring queued for L2 by the producer right
+// after griddepcontrol.wait), its own instantiation too (m <= kGemvAheadMaxM, bf16 out, not PF),
+// so that the kernels without it keep their machine code.
+template <int M, int R, bool GLU, typename OutT, bool NORM, bool PF = false, bool SIG = false,
+          bool AH = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_bulk_kernel(const bf16* x,  // [M, k] (unused with NORM); no __restrict__: see the wait
                      const bf16* __restrict__ w,  // [n, k] ([2 n, k] when GLU)
@@ -208,8 +212,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                      int n, int k, int slots, bool accumulate, bool interleave,
                      const GemvNormIn norm,    // NORM only
                      const GemvL2Next next,    // rows of a later GEMV into L2 (rows 0: none)
-                     const GemvSignal sig) {   // SIG only
+                     const GemvSignal sig,     // SIG only
+                     int ahead) {              // AH only
   static_assert(!SIG || (!GLU && !PF && R == 1), "the signal is compiled for plain R 1 stages");
+  static_assert(!AH || !PF, "the own-stage prefetch is compiled without a later GEMV's");
 
   static_assert(!GLU || R == 2, "GLU stages hold one gate row and one up row");
   extern __shared__ __align__(128) unsigned char smem[];
@@ -279,6 +285,24 @@ __global__ void __launch_bounds__(kThreads, 1)
   // plain pointers (a const __restrict__ x compiles to ld.global.nc, which ptxas may schedule above
   // the wait: it did so in the GDN decode kernels, docs/perf/decode_kernels.md).
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  // AH: the ring is full by now (or filling) and the consumers are about to wait for x (the norm
+  // prologue's L2 round trips, or x's copy): queue the next `ahead` stages' rows for L2 so that
+  // HBM streams them meanwhile; their copies below then hit L2. The producer warp takes no part in
+  // the norm, and x's copy does not wait for this lane.
+  if constexpr (AH) {
+    if (producer && lane == 0) {
+      for (int s = slots; s < min(slots + ahead, n_stages); ++s) {
+        if constexpr (GLU) {
+          const int j = stage_row(s);
+          bulk_prefetch_l2(w + size_t(j) * k, uint32_t(k) * 2u);
+          bulk_prefetch_l2(w + size_t(n + j) * k, uint32_t(k) * 2u);
+        } else {
+          const int r0 = stage_row(s);
+          bulk_prefetch_l2(w + size_t(r0) * k, uint32_t(min(R, row_end - r0)) * uint32_t(k) * 2u);
+        }
+      }
+    }
+  }
 
   x_to_shared<M, NORM>(x, norm, k, xs, red, norm_w);
   __syncthreads();
@@ -397,6 +421,15 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
   if constexpr (M == 1 && R == 1 && !GLU && std::is_same_v<OutT, bf16>) {
     if (sig.counter != nullptr) kern = gemv_bulk_kernel<M, R, GLU, OutT, true, false, true>;
   }
+  if constexpr (M <= kGemvAheadMaxM && std::is_same_v<OutT, bf16>) {
+    if (c.l2_ahead > 0) {  // bulk_impl / silu_impl refused it with a GemvL2Next
+      kern = norm.weight ? gemv_bulk_kernel<M, R, GLU, OutT, true, false, false, true>
+                         : gemv_bulk_kernel<M, R, GLU, OutT, false, false, false, true>;
+      if constexpr (M == 1 && R == 1 && !GLU) {
+        if (sig.counter != nullptr) kern = gemv_bulk_kernel<M, R, GLU, OutT, true, false, true, true>;
+      }
+    }
+  }
   // The opt-in shared memory size belongs to the device's context: once per (kernel, device), not
   // per process (a std::call_once left the first launch on a second device failing).
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
@@ -404,7 +437,7 @@ void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumula
   const size_t smem = smem_bytes(M, k, R, c.slots) + (norm.weight ? kRedBytes : 0);
   launch_maybe_pdl(kern, dim3(blocks), dim3(kThreads), smem, stream, c.pdl, x, w,
                    static_cast<OutT*>(y), n, k, c.slots, accumulate, c.interleave, norm, next,
-                   sig);
+                   sig, c.l2_ahead);
 }
 
 template <int M, int R>
@@ -478,6 +511,9 @@ void silu_impl(const bf16* x, const bf16* w, bf16* act, int m, int d_ff, int k,
            "bulk gemv + silu: x and w must be 16-byte aligned");
   DS_CHECK(act != nullptr, "bulk gemv + silu: null output");
   DS_CHECK(n_sms >= 1, "bulk gemv + silu: n_sms must be positive");
+  DS_CHECK(cfg.l2_ahead >= 0 && (cfg.l2_ahead == 0 || m <= kGemvAheadMaxM),
+           "bulk gemv + silu: l2_ahead is compiled for m 1..", kGemvAheadMaxM, " (got m=", m,
+           ", l2_ahead ", cfg.l2_ahead, ")");
   switch (m) {
     case 1:
       launch_t<1, 2, bf16, true>(x, w, act, d_ff, k, false, cfg, n_sms, stream, nin);
@@ -512,6 +548,11 @@ void bulk_impl(const bf16* x, const bf16* w, void* y, int m, int n, int k, GemmO
   const GemvL2Next nx = checked_next(next);
   DS_CHECK(nx.rows == 0 || m <= kGemvL2NextMaxM, "bulk gemv: the L2 prefetch of a later GEMV is "
            "compiled for m <= ", kGemvL2NextMaxM, ", got m=", m);
+  DS_CHECK(cfg.l2_ahead >= 0 && (cfg.l2_ahead == 0 || (m <= kGemvAheadMaxM &&
+                                                        out == GemmOut::kBF16 && nx.rows == 0)),
+           "bulk gemv: l2_ahead is compiled for m 1..", kGemvAheadMaxM,
+           ", bf16 out and no L2 prefetch of a later GEMV (got m=", m, ", l2_ahead ",
+           cfg.l2_ahead, ")");
   if (sig.counter != nullptr) {
     DS_CHECK(gemv_bulk_signal_supported(m, cfg) && nin.weight != nullptr &&
                  out == GemmOut::kBF16 && !accumulate && nx.rows == 0,
@@ -1114,7 +1155,30 @@ std::string GemvBulkConfig::name() const {
   std::ostringstream os;
   os << "r" << rows_per_stage << "s" << slots << (blocks_per_sm == 2 ? "b2" : "")
      << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "");
+  if (l2_ahead > 0) os << "-a" << l2_ahead;
   return os.str();
+}
+
+int gemv_ahead_kib_from_env() {
+  const char* e = std::getenv("DS_GEMV_AHEAD");
+  const std::string v = e ? e : "";
+  if (v.empty()) return 0;
+  size_t used = 0;
+  int x = -1;
+  try {
+    if (v[0] >= '0' && v[0] <= '9') x = std::stoi(v, &used);  // digits only: no sign, no blanks
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  DS_CHECK(used == v.size() && x >= 0 && x <= kGemvAheadMaxKib,
+           "DS_GEMV_AHEAD must be KiB in 0..", kGemvAheadMaxKib, ", got '", v, "'");
+  return x;
+}
+
+int gemv_bulk_ahead_stages(int kib, int k, const GemvBulkConfig& c, bool glu) {
+  if (kib <= 0 || k <= 0) return 0;
+  const int64_t stage = int64_t(glu ? 2 : c.rows_per_stage) * k * 2;
+  return int(std::max<int64_t>(1, (int64_t(kib) * 1024 + stage - 1) / stage));
 }
 
 namespace {
@@ -1374,6 +1438,7 @@ void argmax_impl(const bf16* x, const bf16* w, float* y, int32_t* tokens, void* 
            "bulk gemv + argmax: needs an 8-byte aligned workspace of ",
            kGemvBulkArgmaxWorkspaceBytes, " zeroed bytes");
   DS_CHECK(n_sms >= 1, "bulk gemv + argmax: n_sms must be positive");
+  DS_CHECK(cfg.l2_ahead == 0, "bulk gemv + argmax: l2_ahead is not compiled here");
   const bool r2 = cfg.rows_per_stage == 2;
   if (m == 1) {
     if (r2) launch_argmax_t<1, 2>(x, w, y, n, k, cfg, n_sms, tokens, workspace, stream, norm);

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -776,6 +777,165 @@ TEST(CudaGemvBulkNorm, EarlyRowsSignalChangesNoBit) {
   EXPECT_THROW(run(1, cfg, ok, {P(wnext), n, k, sms, 4}), ds::Error);  // with the L2 prefetch
   DS_CUDA_CHECK(cudaStreamSynchronize(st));
   cudaStreamDestroy(st);
+}
+
+// The own-stage L2 prefetch after the wait (GemvBulkConfig::l2_ahead, session 34): every count
+// (0 = the shipped kernels, 1, 8, more stages than a block has) gives the same bits of y, act and
+// the residual, for the plain GEMV (gdn_out / attn_o's shape, contiguous and interleaved), the
+// fused norm (gdn_in, attn_qkv; with the early-rows signal too), gate_up + SiLU with the norm, at
+// m 1 and 2, plain and PDL, and for odd shapes (n below the grid, k 1024); every output is written.
+// m 3, fp32 out, a GemvL2Next beside it, the argmax kernel and a negative count are refused.
+TEST(CudaGemvBulkNorm, L2AheadChangesNoBit) {
+  DS_REQUIRE_GPU();
+  struct Ah {
+    const char* name;
+    int m, n, k;  // n = d_ff for silu
+    enum Kind { kPlain, kNorm, kSignal, kSilu } kind;
+    bool interleave;
+  };
+  const Ah cases[] = {
+      {"gdn_out plain", 1, 5120, 6144, Ah::kPlain, true},
+      {"gdn_out plain contiguous", 1, 5120, 6144, Ah::kPlain, false},
+      {"attn_o plain m2", 2, 5120, 6144, Ah::kPlain, true},
+      {"gdn_in norm", 1, 16480, 5120, Ah::kNorm, true},
+      {"gdn_in norm + early rows", 1, 16480, 5120, Ah::kSignal, true},
+      {"attn_qkv norm m2", 2, 14336, 5120, Ah::kNorm, true},
+      {"gate_up silu norm", 1, 17408, 5120, Ah::kSilu, true},
+      {"gate_up silu norm m2 contiguous", 2, 17408, 5120, Ah::kSilu, false},
+      {"odd n 1001 k 1024 norm", 1, 1001, 1024, Ah::kNorm, true},
+      {"n 40 below the grid", 1, 40, 5120, Ah::kPlain, true},
+  };
+  const int sms = n_sms();
+  std::mt19937 rng(83);
+  cudaStream_t st = nullptr;
+  DS_CUDA_CHECK(cudaStreamCreate(&st));
+  DevBuf<unsigned> counter(1);
+  for (const Ah& c : cases) {
+    const bool silu = c.kind == Ah::kSilu;
+    const size_t xk = size_t(c.m) * c.k, out_n = size_t(c.m) * c.n;
+    DevBuf<bf> w(test::random_bf16(size_t(silu ? 2 : 1) * c.n * c.k, rng, 0.05f));
+    DevBuf<bf> x(test::random_bf16(xk, rng, 1.f));
+    DevBuf<bf> nw(test::random_bf16(c.k, rng, 0.2f));
+    const std::vector<bf> h_res = test::random_bf16(xk, rng, 2.f);
+    DevBuf<bf> delta(test::random_bf16(xk, rng, 1.f));
+    for (bool pdl : {false, true}) {
+      cuda::GemvBulkConfig cfg = silu ? cuda::gemv_bulk_silu_config(c.m, c.n, c.k)
+                                      : cuda::gemv_bulk_config(c.m, c.n, c.k);
+      cfg.pdl = pdl;
+      cfg.interleave = c.interleave;
+      const int aheads[] = {0, 1, 8, 4096};
+      std::vector<bf> outs[4], resids[4];
+      for (int a = 0; a < 4; ++a) {
+        cfg.l2_ahead = aheads[a];
+        DevBuf<bf> res(h_res), res_out(xk), y(out_n);
+        res_out.poison();
+        y.poison();
+        DS_CUDA_CHECK(cudaMemset(counter.ptr, 0, sizeof(unsigned)));
+        const cuda::GemvNormIn nin = norm_input(res, delta, nw, res_out, true, true);
+        switch (c.kind) {
+          case Ah::kPlain:
+            cuda::launch_gemv_bulk(P(x), P(w), y.ptr, c.m, c.n, c.k, cuda::GemmOut::kBF16, false,
+                                   cfg, sms, st);
+            break;
+          case Ah::kNorm:
+            cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, c.m, c.n, c.k, cuda::GemmOut::kBF16,
+                                        cfg, sms, st);
+            break;
+          case Ah::kSignal:
+            cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, c.m, c.n, c.k, cuda::GemmOut::kBF16,
+                                        cfg, sms, st, {},
+                                        {counter.ptr, 10240 + 6144, 96 + 10240});
+            break;
+          case Ah::kSilu:
+            cuda::launch_gemv_bulk_silu_norm(nin, P(w), P(y), c.m, c.n, c.k, cfg, sms, st);
+            break;
+        }
+        DS_CUDA_CHECK(cudaStreamSynchronize(st));
+        outs[a] = y.download();
+        resids[a] = res_out.download();
+        if (c.kind == Ah::kSignal) {
+          EXPECT_EQ(counter.download()[0],
+                    unsigned(cuda::gemv_bulk_signal_count(1, c.n, c.k, cfg, sms)))
+              << c.name << " ahead " << aheads[a];
+        }
+      }
+      size_t nan = 0;
+      for (bf v : outs[0]) nan += (v & 0x7f80) == 0x7f80 && (v & 0x7f);
+      EXPECT_EQ(nan, 0u) << c.name << ": outputs not written";
+      for (int a = 1; a < 4; ++a) {
+        size_t differ = 0;
+        for (size_t i = 0; i < out_n; ++i) differ += outs[a][i] != outs[0][i];
+        EXPECT_EQ(differ, 0u) << c.name << (pdl ? " pdl" : "") << " ahead " << aheads[a]
+                              << ": outputs differ";
+        if (c.kind != Ah::kPlain) {
+          EXPECT_EQ(resids[a], resids[0]) << c.name << " ahead " << aheads[a];
+        }
+      }
+      std::printf("  %-32s%s m=%d n=%d k=%d (%s): ahead 1 / 8 / 4096 bit-identical to 0\n",
+                  c.name, pdl ? " pdl" : "", c.m, c.n, c.k, cfg.name().c_str());
+    }
+  }
+  // Refused: what the prefetch is not compiled for.
+  const int n = 512, k = 1024;
+  DevBuf<bf> w(size_t(2 * n) * k), wnext(size_t(n) * k), x(3 * k), nw(k), res(3 * k);
+  DevBuf<float> yf(size_t(3) * 2 * n), logits(2 * n);
+  DevBuf<bf> y(size_t(3) * 2 * n);
+  DevBuf<int32_t> tok(2);
+  DevBuf<unsigned char> ws(cuda::kGemvBulkArgmaxWorkspaceBytes);
+  DS_CUDA_CHECK(cudaMemset(ws.ptr, 0, cuda::kGemvBulkArgmaxWorkspaceBytes));
+  cuda::GemvNormIn nin;
+  nin.residual = P(res);
+  nin.weight = P(nw);
+  auto ahead = [](cuda::GemvBulkConfig c, int a) {
+    c.l2_ahead = a;
+    return c;
+  };
+  const cuda::GemvBulkConfig c1 = cuda::gemv_bulk_config(1, n, k);
+  EXPECT_NO_THROW(cuda::launch_gemv_bulk(P(x), P(w), y.ptr, 1, n, k, cuda::GemmOut::kBF16, false,
+                                         ahead(c1, 4), sms, st));
+  EXPECT_THROW(cuda::launch_gemv_bulk(P(x), P(w), y.ptr, 3, n, k, cuda::GemmOut::kBF16, false,
+                                      ahead(cuda::gemv_bulk_config(3, n, k), 4), sms, st),
+               ds::Error);  // m 3
+  EXPECT_THROW(cuda::launch_gemv_bulk(P(x), P(w), yf.ptr, 1, n, k, cuda::GemmOut::kF32, false,
+                                      ahead(c1, 4), sms, st),
+               ds::Error);  // fp32 out
+  EXPECT_THROW(cuda::launch_gemv_bulk(P(x), P(w), y.ptr, 1, n, k, cuda::GemmOut::kBF16, false,
+                                      ahead(c1, -1), sms, st),
+               ds::Error);  // negative
+  EXPECT_THROW(cuda::launch_gemv_bulk_norm(nin, P(w), y.ptr, 1, n, k, cuda::GemmOut::kBF16,
+                                           ahead(c1, 4), sms, st, {P(wnext), n, k, sms, 4}),
+               ds::Error);  // beside a later GEMV's prefetch
+  EXPECT_THROW(cuda::launch_gemv_bulk_silu_norm(nin, P(w), P(y), 3, n, k,
+                                                ahead(cuda::gemv_bulk_silu_config(3, n, k), 4),
+                                                sms, st),
+               ds::Error);  // silu m 3
+  EXPECT_THROW(cuda::launch_gemv_bulk_argmax(P(x), P(w), logits.ptr, tok.ptr, ws.ptr, 1, n, k,
+                                             ahead(c1, 4), sms, st),
+               ds::Error);  // not compiled in the argmax kernel
+  DS_CUDA_CHECK(cudaStreamSynchronize(st));
+  cudaStreamDestroy(st);
+}
+
+// $DS_GEMV_AHEAD's parse and the KiB -> stages conversion (host only).
+TEST(CudaGemvBulkNorm, L2AheadBudget) {
+  unsetenv("DS_GEMV_AHEAD");
+  EXPECT_EQ(cuda::gemv_ahead_kib_from_env(), 0);
+  for (const char* ok : {"0", "80", "512"}) {
+    setenv("DS_GEMV_AHEAD", ok, 1);
+    EXPECT_EQ(cuda::gemv_ahead_kib_from_env(), std::atoi(ok));
+  }
+  for (const char* bad : {"-1", "513", "8k", "x", " 8"}) {
+    setenv("DS_GEMV_AHEAD", bad, 1);
+    EXPECT_THROW(cuda::gemv_ahead_kib_from_env(), ds::Error) << bad;
+  }
+  unsetenv("DS_GEMV_AHEAD");
+  const cuda::GemvBulkConfig r1{1, 16, false}, r2{2, 8, false};
+  EXPECT_EQ(cuda::gemv_bulk_ahead_stages(0, 5120, r1, false), 0);
+  EXPECT_EQ(cuda::gemv_bulk_ahead_stages(80, 5120, r1, false), 8);   // 10 KiB stages
+  EXPECT_EQ(cuda::gemv_bulk_ahead_stages(80, 5120, r1, true), 4);    // gate + up: 20 KiB
+  EXPECT_EQ(cuda::gemv_bulk_ahead_stages(80, 6144, r1, false), 7);   // 12 KiB: rounded up
+  EXPECT_EQ(cuda::gemv_bulk_ahead_stages(80, 5120, r2, false), 4);   // two rows a stage
+  EXPECT_EQ(cuda::gemv_bulk_ahead_stages(1, 5120, r1, false), 1);    // at least one
 }
 
 TEST(CudaGemvBulkNorm, Errors) {

@@ -569,12 +569,14 @@ TEST(Specialisations, FusedNormOnVsOffBitExactAt27bShapes) {
   EXPECT_GT(cuda_graph_stats(*b).replays, 0);
 }
 
-// A launch switch set through the environment, on ("1") vs off ("0"), one specialised engine each
-// started with it (graphs on: the first step of a batch size runs eagerly, the rest replay its
-// graph; the variable is unset after): the rows and tokens of decode_batch1_then_batch2 must be
-// bit-identical, with no graph failure and graph replays both ways.
+// A launch switch set through the environment, on (`on`, "1" unless given) vs off ("0"), one
+// specialised engine each started with it (graphs on: the first step of a batch size runs eagerly,
+// the rest replay its graph; the variable is unset after): the rows and tokens of
+// decode_batch1_then_batch2 must be bit-identical, with no graph failure and graph replays both
+// ways.
 void expect_env_switch_bit_exact(const ModelConfig& c, const char* var, const char* what,
-                                 const std::vector<std::vector<int32_t>>& prompts, int n1, int n2) {
+                                 const std::vector<std::vector<int32_t>>& prompts, int n1, int n2,
+                                 const char* on = "1") {
   auto run = [&](const char* value, std::vector<int32_t>& ids, int64_t& replays) {
     setenv(var, value, 1);
     auto b = make_engine({true}, &c, nullptr, 64);
@@ -587,12 +589,12 @@ void expect_env_switch_bit_exact(const ModelConfig& c, const char* var, const ch
   std::vector<int32_t> ids_off, ids_on;
   int64_t rep_off = 0, rep_on = 0;
   const std::vector<float> off = run("0", ids_off, rep_off);
-  const std::vector<float> on = run("1", ids_on, rep_on);
-  ASSERT_EQ(on.size(), off.size());
-  const size_t differ = bits_differ(on, off);
+  const std::vector<float> rows_on = run(on, ids_on, rep_on);
+  ASSERT_EQ(rows_on.size(), off.size());
+  const size_t differ = bits_differ(rows_on, off);
   std::printf("  %s on vs off: %zu of %zu logits differ; %zu greedy tokens compared; graph "
               "replays %lld / %lld\n",
-              what, differ, on.size(), ids_on.size(), static_cast<long long>(rep_on),
+              what, differ, rows_on.size(), ids_on.size(), static_cast<long long>(rep_on),
               static_cast<long long>(rep_off));
   EXPECT_EQ(differ, 0u) << var;
   EXPECT_EQ(ids_on, ids_off) << var;
@@ -620,6 +622,18 @@ TEST(Specialisations, AttnOPdlOnVsOffBitExactAt27bShapes) {
   std::mt19937 rng(47);
   expect_env_switch_bit_exact(c, "DS_ATTN_O_PDL", "attn_o pdl",
                               random_prompts({1000, 300}, c.vocab_size, rng), 40, 16);
+}
+
+// The decode bulk GEMVs queueing 80 KiB of their next stages for L2 after their wait
+// ($DS_GEMV_AHEAD=80, session 34's probe; read at the engine's start) vs none (the default): a
+// prefetch moves no value, so logits and tokens bit-identical at batch 1 (gdn_in with the early
+// rows, attn_qkv, gate_up + SiLU with their norms, gdn_out / attn_o) and batch 2.
+TEST(Specialisations, GemvAheadOnVsOffBitExactAt27bShapes) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = config_27b_4_layers();
+  std::mt19937 rng(53);
+  expect_env_switch_bit_exact(c, "DS_GEMV_AHEAD", "gemv l2 ahead 80 KiB",
+                              random_prompts({800, 300}, c.vocab_size, rng), 40, 16, "80");
 }
 
 // GDN decode on the gdn_in GEMV's early-rows signal (CudaEngineOptions::gdn_early, session 32) on
