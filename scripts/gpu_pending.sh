@@ -27,9 +27,9 @@
 #                                         # both ways, in-graph profiles at 4K both ways, the A/B
 #   BUDGET=560 bash scripts/gpu_pending.sh ahead  # ~6-8 min: session 34's probe, each decode
 #                                         # bulk GEMV queueing its next stages for L2 after its
-#                                         # wait ($DS_GEMV_AHEAD=KiB; decode_gemv.md): the kernel's
-#                                         # and the engine's bits, profiles at 4K (0 / 80), the A/B
-#                                         # at 40 / 80 / 160 KiB
+#                                         # wait ($DS_GEMV_AHEAD=KiB; decode_gemv.md): the kernels'
+#                                         # and the engine's bits (batch 1, 2, 16), profiles at 4K
+#                                         # (0 / 80), the A/B at 40 / 80 / 160 KiB (1 and 16)
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -275,12 +275,14 @@ case "$step" in
     # gate_up + SiLU with their norms, gdn_out / attn_o) queues its next stages for L2, so that HBM
     # streams while the consumers wait for x with the ring full (the norm prologue's ~2.4 us).
     # The kernel's bits at every count, the engine's both ways, the profiles, the A/B.
+    # Batch 5-16 runs the TMA GEMV (gate_up + SiLU, gdn_in, attn_qkv), which got the same prefetch.
     run ahead_gemv_test timeout 150 "$T/cuda_gemv_norm_test" \
       --gtest_filter='CudaGemvBulkNorm.L2Ahead*' || rc=1
-    run ahead_engine_test timeout 150 "$T/cuda_specialisation_test" \
+    run ahead_tma_test timeout 150 "$T/cuda_gemv_test" --gtest_filter='CudaGemvTma.L2Ahead*' || rc=1
+    run ahead_engine_test timeout 200 "$T/cuda_specialisation_test" \
       --gtest_filter='Specialisations.GemvAhead*' || rc=1
     inprof inprof_4096_ahead DS_GEMV_AHEAD 0 80
-    decode_ab 1@4096,1@8192,1@32768,2@4096 3 - DS_GEMV_AHEAD=40 DS_GEMV_AHEAD=80 DS_GEMV_AHEAD=160
+    decode_ab 1@4096,1@8192,1@32768,16@4096 3 - DS_GEMV_AHEAD=40 DS_GEMV_AHEAD=80 DS_GEMV_AHEAD=160
     ;;
   argmax)
     # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and

@@ -140,10 +140,11 @@ class GemmEngine {
   // Specialised kernels (e.g. decode GEMVs) are picked through this registry when set; null or
   // unset: cuBLASLt for every shape. The registry must outlive the engine.
   void set_dispatch(const DispatchRegistry* dispatch) { dispatch_ = dispatch; }
-  // KiB of each block's next weight stages the bulk GEMVs (gemv_bulk, gemv_bulk_pdl,
-  // gemv_bulk_silu at m <= kGemvAheadMaxM, bf16 out) queue for L2 after their wait
-  // (GemvBulkConfig::l2_ahead, gemv.h); 0 (the default): none. The engine sets it from
-  // $DS_GEMV_AHEAD. The outputs are the same bits either way.
+  // KiB of each block's next weight stages the decode GEMVs queue for L2 after their wait: the
+  // bulk ones (gemv_bulk, gemv_bulk_pdl, gemv_bulk_silu at m <= kGemvAheadMaxM, bf16 out;
+  // GemvBulkConfig::l2_ahead, gemv.h) and the TMA ones (gemv_tma, gemv_tma_silu at kbox 1, bf16
+  // out; GemvTmaConfig::l2_ahead); 0 (the default): none. The engine sets it from $DS_GEMV_AHEAD.
+  // The outputs are the same bits either way.
   void set_l2_ahead_kib(int kib) { l2_ahead_kib_ = kib; }
   int l2_ahead_kib() const { return l2_ahead_kib_; }
 

@@ -362,8 +362,16 @@ struct GemvTmaConfig {
   // narrow kernel's kbox measured faster the wider up to 8 chunks, session 10). The same sums in
   // the same order at every kbox (bit-identical by construction).
   int kbox = 1;
-  std::string name() const;  // "smax", "s4-pdl", "smax-kb2"
+  // Stages past the ring whose weight boxes the producer queues for L2 right after
+  // griddepcontrol.wait (and the first stages' x boxes): GemvBulkConfig::l2_ahead's probe for this
+  // kernel (session 34, $DS_GEMV_AHEAD; not yet measured). Bit-identical outputs for every count;
+  // 0: none. Compiled for kbox 1 and bf16 out.
+  int l2_ahead = 0;
+  std::string name() const;  // "smax", "s4-pdl", "smax-kb2", "smax-a3"
 };
+// l2_ahead for a KiB budget per block (a stage: the block's two weight boxes of 64 k; at least one
+// stage for any budget > 0; 0 with kbox != 1).
+int gemv_tma_ahead_stages(int kib, int64_t n, bool glu, const GemvTmaConfig& c, int n_sms);
 
 // Stages that fit for a box of `box_rows` rows and kbox chunks per stage (0 for box_rows < 1 or
 // a kbox other than 1, 2, 4).

@@ -44,6 +44,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/cuda_common.h"
@@ -105,6 +106,14 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// The box at (c0, c1) of map into L2 (no shared memory, nothing to wait for).
+__device__ __forceinline__ void tma_prefetch_2d(const CUtensorMap* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1)
+               : "memory");
+}
+
 // Block prologue of both kernels (all threads call it): the slots' mbarriers (full: the
 // producer's arrival + the bytes; empty: one arrival per consumer warp), and rows m..15 of each
 // slot's nx x slabs (16 rows x 128 bytes each, from byte x_off of the slot): zeros the x boxes (m
@@ -145,11 +154,18 @@ __device__ __forceinline__ void put(OutT* y, size_t i, float v) {
 // weight boxes at box strides 2 c and 2 c + 1, then the KB x slabs; chunks past k are not loaded
 // (a stage's tx counts the chunks it loads). The consumers take the chunks in order, so every
 // output sums the same k-steps in the same order at every KB (bit-identical).
-template <bool GLU, typename OutT, int KB = 1>
+// AH (GemvTmaConfig::l2_ahead, session 34; KB 1 only): after griddepcontrol.wait and the first
+// stages' x boxes, the producer queues the weight boxes of the next `ahead` stages for L2
+// (cp.async.bulk.prefetch.tensor), so HBM streams while the consumers wait for x; those stages'
+// loads then hit L2. No value changes: bit-identical outputs. Its own instantiation, so the kernels
+// without it keep their machine code.
+template <bool GLU, typename OutT, int KB = 1, bool AH = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_tma_kernel(const __grid_constant__ CUtensorMap wmap,  // w [rows, k], box {64, br}
                     const __grid_constant__ CUtensorMap xmap,  // x [m, k], box {64, m}
-                    OutT* __restrict__ y, int m, int n, int k, int br, int slots) {
+                    OutT* __restrict__ y, int m, int n, int k, int br, int slots,
+                    int ahead) {  // AH only
+  static_assert(!AH || KB == 1, "the L2 prefetch ahead is compiled for one 64-k chunk a stage");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + (kAlignSlack - 1)) & ~uintptr_t(kAlignSlack - 1));
@@ -200,6 +216,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < chunks(s); ++c)
           tma_load_2d(smem_u32(ring + size_t(s) * sbytes + xbase + c * kXBoxBytes), &xmap,
                       s * kStageK + c * kKc, 0, &full[s]);
+      if constexpr (AH) {
+        for (int s = pre; s < min(pre + ahead, n_stages); ++s) {
+          tma_prefetch_2d(&wmap, s * kKc, row0);
+          tma_prefetch_2d(&wmap, s * kKc, row1);
+        }
+      }
       for (int s = pre; s < n_stages; ++s) {
         const int slot = s % slots;
         mbar_wait(&empty[slot], uint32_t((s / slots) - 1) & 1u);
@@ -480,9 +502,12 @@ void launch_t(const bf16* x, const bf16* w, OutT* y, int m, int n, int k, const 
   auto* kern = c.kbox == 4   ? gemv_tma_kernel<GLU, OutT, 4>
                : c.kbox == 2 ? gemv_tma_kernel<GLU, OutT, 2>
                              : gemv_tma_kernel<GLU, OutT, 1>;
+  if constexpr (std::is_same_v<OutT, bf16>) {
+    if (c.l2_ahead > 0) kern = gemv_tma_kernel<GLU, OutT, 1, true>;  // kbox 1 (checked)
+  }
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   launch_maybe_pdl(kern, dim3(grid), dim3(kThreads), smem_bytes(br, slots, c.kbox), stream, c.pdl,
-                   wmap, xmap, y, m, n, k, br, slots);
+                   wmap, xmap, y, m, n, k, br, slots, c.l2_ahead);
 }
 
 template <typename OutT>
@@ -513,7 +538,14 @@ std::string GemvTmaConfig::name() const {
   std::ostringstream os;
   os << "s" << (slots > 0 ? std::to_string(slots) : std::string("max"))
      << (kbox != 1 ? "-kb" + std::to_string(kbox) : std::string()) << (pdl ? "-pdl" : "");
+  if (l2_ahead > 0) os << "-a" << l2_ahead;
   return os.str();
+}
+
+int gemv_tma_ahead_stages(int kib, int64_t n, bool glu, const GemvTmaConfig& c, int n_sms) {
+  if (kib <= 0 || c.kbox != 1 || n < 1 || n_sms < 1) return 0;
+  const int64_t stage = 2 * int64_t(box_bytes(box_rows(n, glu, grid_for(n, n_sms))));
+  return int(std::max<int64_t>(1, (int64_t(kib) * 1024 + stage - 1) / stage));
 }
 
 int gemv_tma_max_slots(int box_rows, int kbox) {
@@ -598,6 +630,8 @@ void launch_gemv_tma(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
            m, " n=", n, " k=", k, " config ", cfg.name(), " on ", n_sms, " SMs (needs m 1..",
            kGemvTmaMaxM, ", k % 8 == 0, 8 <= k <= ", kSkinnyMaxK, ", at most ", kMaxBoxRows,
            " x 2 rows per block and 2+ stages in shared memory)");
+  DS_CHECK(cfg.l2_ahead >= 0 && (cfg.l2_ahead == 0 || (cfg.kbox == 1 && out == GemmOut::kBF16)),
+           "tma gemv: l2_ahead is compiled for kbox 1 and bf16 out (config ", cfg.name(), ")");
   if (out == GemmOut::kBF16)
     launch_t<false>(x, w, static_cast<bf16*>(y), m, n, k, cfg, n_sms, stream);
   else
@@ -614,6 +648,8 @@ void launch_gemv_tma_silu(const __nv_bfloat16* x, const __nv_bfloat16* w_gate_up
            " config ", cfg.name(), " on ", n_sms, " SMs (needs m 1..", kGemvTmaMaxM,
            ", k % 8 == 0, 8 <= k <= ", kSkinnyMaxK, ", at most ", kMaxBoxRows,
            " features per block and 2+ stages in shared memory)");
+  DS_CHECK(cfg.l2_ahead >= 0 && (cfg.l2_ahead == 0 || cfg.kbox == 1),
+           "tma gemv + silu: l2_ahead is compiled for kbox 1 (config ", cfg.name(), ")");
   launch_t<true>(x, w_gate_up, act, m, d_ff, k, cfg, n_sms, stream);
   DS_CUDA_LAUNCH_CHECK();
 }

@@ -2610,6 +2610,97 @@ TEST(CudaGemvTma, WiderStagesBitIdentical27b) {
   }
 }
 
+// The L2 prefetch ahead (GemvTmaConfig::l2_ahead, session 34): after the wait the producer queues
+// the next stages' weight boxes for L2. On the 27B in-projections and gate_up + SiLU at m 5 and
+// 16, plain and PDL, and an odd SiLU shape, every count (1, 3, past the last stage) gives kbox 1's
+// bits with every output written; kbox 2, fp32 out and a negative count are refused; the KiB to
+// stages rounding.
+TEST(CudaGemvTma, L2AheadBitIdentical) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "TMA needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(191);
+  Pool wpool(size_t(34816) * 5120, rng, 0.02f);
+  DevBuf<bf> dx(test::random_bf16(size_t(16) * 5120, rng));
+  auto launch = [&](const __nv_bfloat16* w, int m, int n, int k, bool glu,
+                    const cuda::GemvTmaConfig& c, DevBuf<bf>& y, const DevBuf<bf>& x) {
+    y.poison();
+    if (glu)
+      cuda::launch_gemv_tma_silu(B(x), w, reinterpret_cast<__nv_bfloat16*>(y.ptr), m, n, k, c,
+                                 n_sms, 0);
+    else
+      cuda::launch_gemv_tma(B(x), w, y.ptr, m, n, k, GemmOut::kBF16, c, n_sms, 0);
+    DS_CUDA_CHECK(cudaDeviceSynchronize());
+  };
+  int compared = 0;
+  for (auto [name, n, glu] :
+       {std::tuple{"gdn_in", 16480, false}, std::tuple{"attn_qkv", 14336, false},
+        std::tuple{"gate_up+silu", 17408, true}}) {
+    for (int m : {5, 16}) {
+      const size_t cnt = size_t(m) * n;
+      DevBuf<bf> y1(cnt), y2(cnt);
+      launch(B(wpool.buf), m, n, 5120, glu, {0, true, 1}, y1, dx);
+      const auto ref = y1.download();
+      size_t nan = 0;
+      for (bf v : ref) nan += (v & 0x7f80) == 0x7f80 && (v & 0x7f);
+      EXPECT_EQ(nan, 0u) << name << " m " << m << ": outputs unwritten";
+      for (int ahead : {1, 3, 1000})
+        for (bool pdl : {false, true}) {
+          cuda::GemvTmaConfig c{0, pdl, 1};
+          c.l2_ahead = ahead;
+          launch(B(wpool.buf), m, n, 5120, glu, c, y2, dx);
+          EXPECT_TRUE(y2.download() == ref) << name << " m " << m << " " << c.name();
+          ++compared;
+        }
+    }
+  }
+  EXPECT_EQ(compared, 36);
+  {  // odd: d_ff 1000 (8 features per block), k 4232 (a partial last stage), m 13
+    const int d_ff = 1000, k = 4232, m = 13;
+    DevBuf<bf> w(test::random_bf16(size_t(2) * d_ff * k, rng, 0.05f));
+    DevBuf<bf> x(test::random_bf16(size_t(m) * k, rng));
+    DevBuf<bf> a1(size_t(m) * d_ff), a2(size_t(m) * d_ff);
+    launch(B(w), m, d_ff, k, true, {0, false, 1}, a1, x);
+    cuda::GemvTmaConfig c{0, true, 1};
+    c.l2_ahead = 5;
+    launch(B(w), m, d_ff, k, true, c, a2, x);
+    EXPECT_TRUE(a2.download() == a1.download()) << "silu d_ff 1000 k 4232 " << c.name();
+  }
+  // Refused: what the prefetch is not compiled for.
+  DevBuf<bf> y(size_t(16) * 16480);
+  DevBuf<float> yf(size_t(16) * 16480);
+  cuda::GemvTmaConfig kb2{0, false, 2};
+  kb2.l2_ahead = 2;
+  EXPECT_THROW(cuda::launch_gemv_tma(B(dx), B(wpool.buf), y.ptr, 16, 16480, 5120, GemmOut::kBF16,
+                                     kb2, n_sms, 0),
+               Error);
+  cuda::GemvTmaConfig a2{0, false, 1};
+  a2.l2_ahead = 2;
+  EXPECT_THROW(cuda::launch_gemv_tma(B(dx), B(wpool.buf), yf.ptr, 16, 16480, 5120, GemmOut::kF32,
+                                     a2, n_sms, 0),
+               Error);
+  a2.l2_ahead = -1;
+  EXPECT_THROW(cuda::launch_gemv_tma(B(dx), B(wpool.buf), y.ptr, 16, 16480, 5120, GemmOut::kBF16,
+                                     a2, n_sms, 0),
+               Error);
+  EXPECT_THROW(cuda::launch_gemv_tma_silu(B(dx), B(wpool.buf),
+                                          reinterpret_cast<__nv_bfloat16*>(y.ptr), 16, 8192, 5120,
+                                          kb2, n_sms, 0),
+               Error);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+TEST(CudaGemvTma, L2AheadBudget) {
+  // gate_up + silu on 132 SMs: 132 features a block, two 132 x 128-byte boxes = 33 KiB a stage.
+  const cuda::GemvTmaConfig c{0, true, 1};
+  EXPECT_EQ(cuda::gemv_tma_ahead_stages(0, 17408, true, c, 132), 0);
+  EXPECT_EQ(cuda::gemv_tma_ahead_stages(80, 17408, true, c, 132), 3);  // 80 / 33 rounded up
+  EXPECT_EQ(cuda::gemv_tma_ahead_stages(1, 17408, true, c, 132), 1);
+  // gdn_in: 125 rows a block, boxes of 63 (-> 64) rows: 16 KiB a stage.
+  EXPECT_EQ(cuda::gemv_tma_ahead_stages(80, 16480, false, c, 132), 5);
+  EXPECT_EQ(cuda::gemv_tma_ahead_stages(80, 16480, false, {0, true, 2}, 132), 0);  // kbox 2
+}
+
 // The 27B in-projections at m 5, 8, 13, 16 vs cuBLASLt (1 bf16 ulp) and fp64 on sampled rows;
 // the fused gate_up + SiLU bit-identical to the plain kernel + launch_silu_mul and close to fp64;
 // batch invariance (token t of an m 16 call = the same row in calls of m 1 / 3 / 8); the engine

@@ -636,6 +636,70 @@ TEST(Specialisations, GemvAheadOnVsOffBitExactAt27bShapes) {
                               random_prompts({800, 300}, c.vocab_size, rng), 40, 16, "80");
 }
 
+// The same at batch 16, where the in-projections and gate_up + SiLU run the TMA GEMV
+// (GemvTmaConfig::l2_ahead): 16 slots prefilled in one step, then 12 decode steps of all 16, one
+// engine per setting (cuBLASLt's heuristic algorithms in both: the out-projections run cuBLASLt at
+// batch 16, and start-up tuning could pick another algorithm per engine). Logits and greedy
+// tokens bit-identical, graphs replayed both ways.
+TEST(Specialisations, GemvAheadOnVsOffBitExactAtBatch16) {
+  DS_REQUIRE_GPU();
+  const ModelConfig c = config_27b_4_layers();
+  const int V = c.vocab_size, S = 16;
+  std::mt19937 rng(59);
+  std::vector<std::vector<int32_t>> prompts(S);
+  for (int s = 0; s < S; ++s) {
+    prompts[s].resize(64 + 37 * s);
+    for (auto& t : prompts[s]) t = int32_t(rng() % V);
+  }
+  auto run = [&](const char* ahead, std::vector<int32_t>& ids, int64_t& replays) {
+    setenv("DS_GEMV_AHEAD", ahead, 1);
+    setenv("DS_GEMM_TUNE", "0", 1);
+    BackendOptions o;
+    o.device = "cuda";
+    o.n_slots = S;
+    o.chunk_size = 4096;
+    CudaEngineOptions e;
+    e.verbose = false;
+    e.max_kv_tokens = int64_t(S) * 1024;
+    e.cuda_graphs = true;
+    auto b = make_cuda_backend_synthetic(o, c, 3, e);
+    unsetenv("DS_GEMV_AHEAD");
+    unsetenv("DS_GEMM_TUNE");
+    auto argmax = [&](const float* r) { return int32_t(std::max_element(r, r + V) - r); };
+    std::vector<float> l, rows;
+    std::vector<SeqWork> work;
+    for (int s = 0; s < S; ++s) work.push_back({s, prompts[s], false});
+    b->step(work, l);
+    std::vector<std::vector<int32_t>> next(S, std::vector<int32_t>(1));
+    for (int s = 0; s < S; ++s) ids.push_back(next[s][0] = argmax(l.data() + size_t(s) * V));
+    for (int st = 0; st < 12; ++st) {
+      work.clear();
+      for (int s = 0; s < S; ++s) work.push_back({s, next[s], false});
+      b->step(work, l);
+      EXPECT_EQ(l.size(), size_t(S) * V);
+      rows.insert(rows.end(), l.begin(), l.end());
+      for (int s = 0; s < S; ++s) ids.push_back(next[s][0] = argmax(l.data() + size_t(s) * V));
+    }
+    EXPECT_EQ(cuda_graph_stats(*b).failures, 0) << "DS_GEMV_AHEAD=" << ahead;
+    replays = cuda_graph_stats(*b).replays;
+    return rows;
+  };
+  std::vector<int32_t> ids_off, ids_on;
+  int64_t rep_off = 0, rep_on = 0;
+  const std::vector<float> off = run("0", ids_off, rep_off);
+  const std::vector<float> on = run("80", ids_on, rep_on);
+  ASSERT_EQ(on.size(), off.size());
+  const size_t differ = bits_differ(on, off);
+  std::printf("  gemv l2 ahead 80 KiB at batch 16: %zu of %zu logits differ; %zu greedy tokens "
+              "compared; graph replays %lld / %lld\n",
+              differ, on.size(), ids_on.size(), static_cast<long long>(rep_on),
+              static_cast<long long>(rep_off));
+  EXPECT_EQ(differ, 0u);
+  EXPECT_EQ(ids_on, ids_off);
+  EXPECT_GT(rep_on, 0);
+  EXPECT_GT(rep_off, 0);
+}
+
 // GDN decode on the gdn_in GEMV's early-rows signal (CudaEngineOptions::gdn_early, session 32) on
 // vs off in one engine (graphs on: batch 1's first step runs eagerly, the rest replay its graph;
 // batch 2 never takes it): logits and tokens bit-identical, the path taken at every GDN layer of

@@ -318,11 +318,11 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "DS_ATTN_O_PDL=1" in out["attno"] and "DS_ATTN_O_PDL=0" in out["attno"]
     assert "--cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_ATTN_O_PDL=0" in out["attno"]
     # Session 34's probe, own stages into L2 after the wait: both tests, the profiles, the arms.
-    assert "CudaGemvBulkNorm.L2Ahead" in out["ahead"]
+    assert "CudaGemvBulkNorm.L2Ahead" in out["ahead"] and "CudaGemvTma.L2Ahead" in out["ahead"]
     assert "Specialisations.GemvAhead" in out["ahead"]
     assert out["ahead"].count("DecodeProfile.Synthetic27bInGraph") == 2
     assert "DS_GEMV_AHEAD=0" in out["ahead"] and "DS_GEMV_AHEAD=80" in out["ahead"]
-    assert ("--cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_GEMV_AHEAD=40 DS_GEMV_AHEAD=80"
+    assert ("--cases 1@4096,1@8192,1@32768,16@4096 --rounds 3 - DS_GEMV_AHEAD=40 DS_GEMV_AHEAD=80"
             " DS_GEMV_AHEAD=160") in out["ahead"]
     for arm in ("DS_MLP_FUSED=1", "DS_MLP_FUSED=2", "DS_MLP_FUSED=3", "DS_GEMV_NORM_EARLY=0",
                 "DS_ATTN_DECODE=pdl_cluster"):
