@@ -275,10 +275,12 @@ case "$step" in
     # gate_up + SiLU with their norms, gdn_out / attn_o) queues its next stages for L2, so that HBM
     # streams while the consumers wait for x with the ring full (the norm prologue's ~2.4 us).
     # The kernel's bits at every count, the engine's both ways, the profiles, the A/B.
-    # Batch 5-16 runs the TMA GEMV (gate_up + SiLU, gdn_in, attn_qkv), which got the same prefetch.
+    # Batch 5-16 runs the TMA GEMV (gate_up + SiLU, gdn_in, attn_qkv), and down at batch 1-2 the
+    # narrow one: both got the same prefetch.
     run ahead_gemv_test timeout 150 "$T/cuda_gemv_norm_test" \
       --gtest_filter='CudaGemvBulkNorm.L2Ahead*' || rc=1
-    run ahead_tma_test timeout 150 "$T/cuda_gemv_test" --gtest_filter='CudaGemvTma.L2Ahead*' || rc=1
+    run ahead_tma_test timeout 150 "$T/cuda_gemv_test" \
+      --gtest_filter='CudaGemvTma.L2Ahead*:CudaGemvNarrow.L2Ahead*' || rc=1
     run ahead_engine_test timeout 200 "$T/cuda_specialisation_test" \
       --gtest_filter='Specialisations.GemvAhead*' || rc=1
     inprof inprof_4096_ahead DS_GEMV_AHEAD 0 80

@@ -138,6 +138,8 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
   if (aligned && v == "gemv_narrow" && gemv_narrow_supports(m, n, k, n_sms_)) {
     GemvNarrowConfig c = gemv_narrow_config(m, n, k, n_sms_);
     c.pdl = bulk_pdl;
+    if (m <= kGemvAheadMaxM && out == GemmOut::kBF16)
+      c.l2_ahead = gemv_narrow_ahead_stages(l2_ahead_kib_, k);
     launch_gemv_narrow(x, w, y, m, n, k, out, accumulate, c, n_sms_, stream);
     return;
   }

@@ -142,8 +142,9 @@ class GemmEngine {
   void set_dispatch(const DispatchRegistry* dispatch) { dispatch_ = dispatch; }
   // KiB of each block's next weight stages the decode GEMVs queue for L2 after their wait: the
   // bulk ones (gemv_bulk, gemv_bulk_pdl, gemv_bulk_silu at m <= kGemvAheadMaxM, bf16 out;
-  // GemvBulkConfig::l2_ahead, gemv.h) and the TMA ones (gemv_tma, gemv_tma_silu at kbox 1, bf16
-  // out; GemvTmaConfig::l2_ahead); 0 (the default): none. The engine sets it from $DS_GEMV_AHEAD.
+  // GemvBulkConfig::l2_ahead, gemv.h), the narrow one (gemv_narrow, the same m and out) and the TMA
+  // ones (gemv_tma, gemv_tma_silu at kbox 1, bf16 out; GemvTmaConfig::l2_ahead); 0 (the default):
+  // none. The engine sets it from $DS_GEMV_AHEAD.
   // The outputs are the same bits either way.
   void set_l2_ahead_kib(int kib) { l2_ahead_kib_ = kib; }
   int l2_ahead_kib() const { return l2_ahead_kib_; }

@@ -265,8 +265,16 @@ struct GemvNarrowConfig {
   // Rows over the grid: false = contiguous per block; true = block b owns rows b, b + G, ... (as
   // GemvBulkConfig::interleave; bit-identical either way).
   bool interleave = false;
-  std::string name() const;  // "s16", "s8-pdl", "s16-ilv"
+  // Stages (row slices) past the ring queued for L2 right after griddepcontrol.wait and x's copy:
+  // GemvBulkConfig::l2_ahead's probe for this kernel (session 34, $DS_GEMV_AHEAD; not yet
+  // measured). Bit-identical outputs for every count; 0: none. Compiled for m <= kGemvAheadMaxM
+  // and bf16 out.
+  int l2_ahead = 0;
+  std::string name() const;  // "s16", "s8-pdl", "s16-ilv", "s16-ilv-a10"
 };
+// l2_ahead for a KiB budget per block (a stage: one slice of gemv_narrow_slice_len(k) elements; at
+// least one stage for any budget > 0).
+int gemv_narrow_ahead_stages(int kib, int64_t k);
 
 int gemv_narrow_slices(int64_t k);     // slices per row: 1, 2, 4 or 8 (17408 -> 4)
 int gemv_narrow_slice_len(int64_t k);  // elements per slice, a multiple of 8 (17408 -> 4352)

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "cuda/bulk_copy.cuh"
 #include "cuda/cuda_common.h"
@@ -44,13 +45,18 @@ constexpr int kGuardMinSms = 64;
 
 // Shared memory: [mbarriers (kBarBytes) | x [M, k] bf16 | ring [slots, L] bf16 |
 // partial sums [rows_cap, C, M] fp32].
-template <int M, typename OutT>
+// AH (GemvNarrowConfig::l2_ahead, session 34): after the wait and x's copy, the producer queues
+// the slices of its next `ahead` stages for L2 (cp.async.bulk.prefetch.L2), so that HBM streams
+// while the consumers wait for x; their copies then hit L2. No value changes. Its own
+// instantiation (M <= kGemvAheadMaxM, bf16 out), so the kernels without it keep their machine code.
+template <int M, typename OutT, bool AH = false>
 __global__ void __launch_bounds__(kThreads, 1)
     gemv_narrow_kernel(const bf16* __restrict__ x,  // [M, k]
                        const bf16* __restrict__ w,  // [n, k]
                        OutT* __restrict__ y,        // [M, n]
                        int n, int k, int slice, int n_slices, int slots, bool accumulate,
-                       bool interleave) {
+                       bool interleave,
+                       int ahead) {  // AH only
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxSlots;
@@ -102,6 +108,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       // x (written by the previous kernel) only after the wait; one copy, M * k * 2 bytes.
       mbar_arrive_expect_tx(xbar, uint32_t(M) * uint32_t(k) * 2u);
       bulk_copy(xs, x, uint32_t(M) * uint32_t(k) * 2u, xbar);
+      if constexpr (AH) {
+        for (int s = slots; s < min(slots + ahead, n_stages); ++s) {
+          const int row = row_of(s / n_slices), k0 = (s % n_slices) * slice;
+          bulk_prefetch_l2(w + size_t(row) * k + k0, uint32_t(min(slice, k - k0)) * 2u);
+        }
+      }
       for (int s = slots; s < n_stages; ++s) {
         const int slot = s % slots;
         mbar_wait(&empty[slot], uint32_t((s / slots) - 1) & 1u);
@@ -168,13 +180,16 @@ template <int M, typename OutT>
 void launch_t(const bf16* x, const bf16* w, void* y, int n, int k, bool accumulate,
               const GemvNarrowConfig& c, int n_sms, cudaStream_t stream) {
   auto* kern = gemv_narrow_kernel<M, OutT>;
+  if constexpr (M <= kGemvAheadMaxM && std::is_same_v<OutT, bf16>) {
+    if (c.l2_ahead > 0) kern = gemv_narrow_kernel<M, OutT, true>;
+  }
   // The opt-in shared memory size belongs to the device's context: once per (kernel, device), not
   // per process (a std::call_once left the first launch on a second device failing).
   ensure_smem_optin(reinterpret_cast<const void*>(kern), kMaxSmem);
   launch_maybe_pdl(kern, dim3(grid_blocks(n, n_sms)), dim3(kThreads),
                    smem_bytes(M, n, k, c.slots, n_sms), stream, c.pdl, x, w, static_cast<OutT*>(y),
                    n, k, gemv_narrow_slice_len(k), gemv_narrow_slices(k), c.slots, accumulate,
-                   c.interleave);
+                   c.interleave, c.l2_ahead);
 }
 
 template <int M>
@@ -191,7 +206,14 @@ void launch_m(const bf16* x, const bf16* w, void* y, int n, int k, GemmOut out, 
 std::string GemvNarrowConfig::name() const {
   std::ostringstream os;
   os << "s" << slots << (pdl ? "-pdl" : "") << (interleave ? "-ilv" : "");
+  if (l2_ahead > 0) os << "-a" << l2_ahead;
   return os.str();
+}
+
+int gemv_narrow_ahead_stages(int kib, int64_t k) {
+  if (kib <= 0 || k < 8) return 0;
+  const int64_t stage = int64_t(gemv_narrow_slice_len(k)) * 2;
+  return int(std::max<int64_t>(1, (int64_t(kib) * 1024 + stage - 1) / stage));
 }
 
 int gemv_narrow_slices(int64_t k) {
@@ -266,6 +288,9 @@ void launch_gemv_narrow(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y,
   DS_CHECK(((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) & 15) == 0,
            "narrow gemv: x and w must be 16-byte aligned");
   DS_CHECK(y != nullptr, "narrow gemv: null output");
+  DS_CHECK(cfg.l2_ahead >= 0 && (cfg.l2_ahead == 0 || (m <= kGemvAheadMaxM && out == GemmOut::kBF16)),
+           "narrow gemv: l2_ahead is compiled for m 1..", kGemvAheadMaxM, " and bf16 out (got m=",
+           m, ", config ", cfg.name(), ")");
   switch (m) {
     case 1:
       launch_m<1>(x, w, y, n, k, out, accumulate, cfg, n_sms, stream);

@@ -1381,6 +1381,81 @@ TEST(CudaGemvNarrow, DependentLaunchesChain) {
   cudaStreamDestroy(s);
 }
 
+// The L2 prefetch ahead (GemvNarrowConfig::l2_ahead, session 34): after the wait and x's copy the
+// producer queues its next slices for L2. The down projection (m 1, 2) and gdn_out's shape (m 1),
+// contiguous and interleaved, plain and PDL, and an odd shape: every count (1, 10, past the last
+// stage) gives the bits of 0, every output written, with accumulate too. m 3, fp32 out and a
+// negative count are refused; the KiB to stages rounding.
+TEST(CudaGemvNarrow, L2AheadBitIdentical) {
+  DS_REQUIRE_GPU();
+  if (!is_sm90()) GTEST_SKIP() << "cp.async.bulk needs sm 90";
+  const int n_sms = device_sms();
+  std::mt19937 rng(61);
+  Pool wpool(size_t(5120) * 17408, rng, 0.02f);
+  struct Sh {
+    const char* name;
+    int m, n, k;
+  };
+  int compared = 0;
+  for (const Sh& sh : {Sh{"down", 1, 5120, 17408}, Sh{"down m2", 2, 5120, 17408},
+                       Sh{"gdn_out", 1, 5120, 6144}, Sh{"odd", 2, 1001, 12296}}) {
+    DevBuf<bf> dx(test::random_bf16(size_t(sh.m) * sh.k, rng));
+    const size_t cnt = size_t(sh.m) * sh.n;
+    const std::vector<bf> y0 = test::random_bf16(cnt, rng);  // accumulate's starting values
+    for (bool ilv : {false, true})
+      for (bool acc : {false, true}) {
+        cuda::GemvNarrowConfig c = cuda::gemv_narrow_config(sh.m, sh.n, sh.k, n_sms);
+        c.interleave = ilv;
+        DevBuf<bf> ref(cnt), y(cnt);
+        if (acc) ref.upload(y0); else ref.poison();
+        cuda::launch_gemv_narrow(B(dx), B(wpool.buf), ref.ptr, sh.m, sh.n, sh.k, GemmOut::kBF16,
+                                 acc, c, n_sms, 0);
+        DS_CUDA_CHECK(cudaDeviceSynchronize());
+        const auto bits = ref.download();
+        size_t nan = 0;
+        for (bf v : bits) nan += (v & 0x7f80) == 0x7f80 && (v & 0x7f);
+        EXPECT_EQ(nan, 0u) << sh.name << ": outputs unwritten";
+        for (int ahead : {1, 10, 100000})
+          for (bool pdl : {false, true}) {
+            cuda::GemvNarrowConfig a = c;
+            a.pdl = pdl;
+            a.l2_ahead = ahead;
+            if (acc) y.upload(y0); else y.poison();
+            cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y.ptr, sh.m, sh.n, sh.k, GemmOut::kBF16,
+                                     acc, a, n_sms, 0);
+            DS_CUDA_CHECK(cudaDeviceSynchronize());
+            EXPECT_TRUE(y.download() == bits) << sh.name << (acc ? " acc " : " ") << a.name();
+            ++compared;
+          }
+      }
+  }
+  EXPECT_EQ(compared, 96);
+  DevBuf<bf> dx(test::random_bf16(size_t(3) * 17408, rng)), y(size_t(3) * 5120);
+  DevBuf<float> yf(5120);
+  cuda::GemvNarrowConfig a = cuda::gemv_narrow_config(3, 5120, 17408, n_sms);
+  a.l2_ahead = 4;
+  EXPECT_THROW(cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y.ptr, 3, 5120, 17408, GemmOut::kBF16,
+                                        false, a, n_sms, 0),
+               Error);  // m 3
+  a = cuda::gemv_narrow_config(1, 5120, 17408, n_sms);
+  a.l2_ahead = 4;
+  EXPECT_THROW(cuda::launch_gemv_narrow(B(dx), B(wpool.buf), yf.ptr, 1, 5120, 17408, GemmOut::kF32,
+                                        false, a, n_sms, 0),
+               Error);  // fp32 out
+  a.l2_ahead = -1;
+  EXPECT_THROW(cuda::launch_gemv_narrow(B(dx), B(wpool.buf), y.ptr, 1, 5120, 17408, GemmOut::kBF16,
+                                        false, a, n_sms, 0),
+               Error);
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+TEST(CudaGemvNarrow, L2AheadBudget) {
+  EXPECT_EQ(cuda::gemv_narrow_ahead_stages(0, 17408), 0);
+  EXPECT_EQ(cuda::gemv_narrow_ahead_stages(80, 17408), 10);  // 8.5 KiB slices (4 x 4352)
+  EXPECT_EQ(cuda::gemv_narrow_ahead_stages(80, 6144), 7);    // one 12 KiB slice a row
+  EXPECT_EQ(cuda::gemv_narrow_ahead_stages(1, 6144), 1);
+}
+
 TEST(CudaGemvNarrow, GuardAndErrors) {
   auto reg = cuda::DispatchRegistry::with_defaults(90, "");
   using F = cuda::KernelFamily;

@@ -319,6 +319,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "--cases 1@4096,1@8192,1@32768,2@4096 --rounds 3 - DS_ATTN_O_PDL=0" in out["attno"]
     # Session 34's probe, own stages into L2 after the wait: both tests, the profiles, the arms.
     assert "CudaGemvBulkNorm.L2Ahead" in out["ahead"] and "CudaGemvTma.L2Ahead" in out["ahead"]
+    assert "CudaGemvNarrow.L2Ahead" in out["ahead"]
     assert "Specialisations.GemvAhead" in out["ahead"]
     assert out["ahead"].count("DecodeProfile.Synthetic27bInGraph") == 2
     assert "DS_GEMV_AHEAD=0" in out["ahead"] and "DS_GEMV_AHEAD=80" in out["ahead"]
