@@ -30,6 +30,9 @@
 #                                         # wait ($DS_GEMV_AHEAD=KiB; decode_gemv.md): the kernels'
 #                                         # and the engine's bits (batch 1, 2, 16), profiles at 4K
 #                                         # (0 / 80), the A/B at 40 / 80 / 160 KiB (1 and 16)
+#   bash scripts/gpu_pending.sh tm        # ~2 min: session 34's first stage of the fused GDN
+#                                         # design (gdn_prefill.md): T diag(beta) and M against
+#                                         # the host, and its time beside the WY kernel's
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -61,8 +64,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|wy|early|attno|ahead|argmax|tma|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, attno, ahead, argmax, tma or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|wy|early|attno|ahead|tm|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, attno, ahead, tm, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -285,6 +288,15 @@ case "$step" in
       --gtest_filter='Specialisations.GemvAhead*' || rc=1
     inprof inprof_4096_ahead DS_GEMV_AHEAD 0 80
     decode_ab 1@4096,1@8192,1@32768,16@4096 3 - DS_GEMV_AHEAD=40 DS_GEMV_AHEAD=80 DS_GEMV_AHEAD=160
+    ;;
+  tm)
+    # Session 34: the fused GDN design's operands (T diag(beta), M) from the WY kernel's T, against
+    # a host reference in double; the shipped WY forms still bit-identical; then every stage's time
+    # at 4096 tokens, the new tm_mma row beside wy_mma's.
+    run tm_test timeout 150 "$T/cuda_gdn_test" \
+      --gtest_filter='CudaGdn.TmMatchesHostReference:CudaGdn.WyBalancedBitExact' || rc=1
+    run tm_stage timeout 200 env DS_PERF=1 "$T/cuda_gdn_test" \
+      --gtest_filter=CudaGdn.PrefillStageTiming || rc=1
     ;;
   argmax)
     # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and

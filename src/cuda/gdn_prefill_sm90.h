@@ -101,6 +101,17 @@ constexpr int kGdnWyStamps = 10;
 void launch_gdn_wy_mma_timed(const GdnShape& s, const int4* chunks, int max_chunks,
                              const bf16* qkv, float* g, const float* beta, bf16* w_mat,
                              bf16* u_mat, unsigned long long* stamps, cudaStream_t stream);
+// The chunk step's operands in FlashInfer's order instead of W and U (session 34, built without a
+// device; the first stage of the fused design in docs/perf/gdn_prefill.md, "Session 34"): the
+// shipped WY build's gamma and T, then per (chunk entry e, value head) into tm [e][n_v][2][64][64]
+// bf16: Tb = T diag(beta) and M = causal-inclusive(Q K^T) e^(gamma_i - gamma_j), zeros above the
+// diagonal and past a partial chunk's rows. gamma is written back into g.
+void launch_gdn_tm_mma(const GdnShape& s, const int4* chunks, int max_chunks,
+                       const bf16* qkv,    // [n_tokens, qkv_dim]
+                       float* g,           // [n_tokens, n_v_heads] in: g, out: gamma
+                       const float* beta,  // [n_tokens, n_v_heads]
+                       bf16* tm,           // [max_chunks, n_v_heads, 2, 64, 64] (out)
+                       cudaStream_t stream);
 // The WY kernel's balanced warp split (launch_gdn_wy_mma's balanced < 0): on unless
 // $DS_GDN_WY_BALANCED is 0 (read once per process).
 bool gdn_wy_mma_balanced();

@@ -1390,6 +1390,126 @@ TEST(CudaGdn, ConvTiming) {
 // and in ns (cycles over the same blocks' globaltimer span): the K / gate loads, A with T's
 // diagonal blocks, T's off-diagonal blocks, then W and U (V loaded by warps 2-3) to the last
 // warp's last store issued; the item from entry to that end.
+// The chunk step's operands in FlashInfer's order (launch_gdn_tm_mma, session 34): Tb = T
+// diag(beta) and M = causal-inclusive(Q K^T) e^(gamma_i - gamma_j) per (chunk entry, value head)
+// against a host reference in double (T by forward substitution) from the same bf16 q / k and the
+// kernel's own gamma, on conv-like inputs (l2-normalised q and k rows, q also times 128^-0.5):
+// within 2% of each value plus 0.4% of the tile's largest (bf16 rounding, tf32 off-diagonal T);
+// exact zeros above the diagonal and past a partial chunk's rows; gamma bit for bit the shipped
+// WY kernel's. Chunk map: full and partial chunks of several sequences, and an empty entry.
+TEST(CudaGdn, TmMatchesHostReference) {
+  REQUIRE_GPU();
+  if (device_sm() < 90) GTEST_SKIP() << "the staged kernels are sm 90 only";
+  const GdnShape s = shape_27b();
+  std::mt19937 rng(97);
+  const std::vector<int> lens = {1000, 100, 64, 1, 63};
+  std::vector<int> chunks;  // {seq, t0, n, index} per chunk
+  int T = 0;
+  for (int q = 0; q < int(lens.size()); ++q) {
+    for (int c = 0; 64 * c < lens[q]; ++c)
+      chunks.insert(chunks.end(), {q, T + 64 * c, std::min(64, lens[q] - 64 * c), c});
+    T += lens[q];
+  }
+  chunks.insert(chunks.end(), {-1, 0, 0, 0});  // an empty entry: no block work
+  const int max_chunks = int(chunks.size() / 4), nv = s.n_v_heads, nk = s.n_k_heads;
+  const int qd = s.qkv_dim(), ratio = nv / nk;
+  // Inputs as the conv stage leaves them: q and k rows unit length (q / sqrt(128)), v anything.
+  WyInputs in = random_wy_inputs(s, T, rng);
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < 2 * nk; ++h) {
+      float* x = in.qkv.data() + size_t(t) * qd + h * 128;
+      double ss = 0;
+      for (int d = 0; d < 128; ++d) ss += double(x[d]) * x[d];
+      const float sc = float(1.0 / std::sqrt(ss + 1e-6)) * (h < nk ? 1.f / std::sqrt(128.f) : 1.f);
+      for (int d = 0; d < 128; ++d) x[d] *= sc;
+    }
+  const std::vector<bf16_t> qkv_b = to_bf16(in.qkv);
+  DevBuf<bf16> d_qkv(qkv_b.size());
+  upload(d_qkv, qkv_b);
+  DevBuf<int32_t> d_chunks(chunks.size());
+  upload(d_chunks, chunks);
+  DevBuf<float> d_beta(in.beta.size()), d_g(in.g.size()), d_g2(in.g.size());
+  upload(d_beta, in.beta);
+  upload(d_g, in.g);
+  upload(d_g2, in.g);
+  DevBuf<bf16> tm(size_t(max_chunks) * nv * 2 * 64 * 64);
+  tm.poison();
+  launch_gdn_tm_mma(s, reinterpret_cast<const int4*>(d_chunks.p), max_chunks, d_qkv.p, d_g.p,
+                    d_beta.p, tm.p, nullptr);
+  DevBuf<bf16> w(size_t(T) * nv * 128), u(size_t(T) * nv * 128);
+  launch_gdn_wy_mma(s, reinterpret_cast<const int4*>(d_chunks.p), max_chunks, d_qkv.p, d_g2.p,
+                    d_beta.p, w.p, u.p, nullptr, /*tf32_offdiag=*/true);
+  CK(cudaDeviceSynchronize());
+  const std::vector<float> gam = download_f32(d_g.p, d_g.n);
+  EXPECT_TRUE(std::memcmp(gam.data(), download_f32(d_g2.p, d_g2.n).data(), gam.size() * 4) == 0)
+      << "gamma differs from the shipped WY kernel's";
+  const std::vector<float> got = download_bf16(tm.p, tm.n);
+  auto qk = [&](int t, int head) {  // the bf16 row of q (head < nk) or k (head >= nk)
+    std::vector<double> r(128);
+    for (int d = 0; d < 128; ++d) r[d] = bf16_to_f32(qkv_b[size_t(t) * qd + head * 128 + d]);
+    return r;
+  };
+  auto dot = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double x = 0;
+    for (int d = 0; d < 128; ++d) x += a[d] * b[d];
+    return x;
+  };
+  size_t checked = 0, bad = 0, bad_zero = 0;
+  double worst = 0;
+  for (int e = 0; e + 1 < max_chunks; ++e) {
+    const int t0 = chunks[4 * e + 1], n = chunks[4 * e + 2];
+    for (int hv = 0; hv < nv; ++hv) {
+      const int hk = hv / ratio;
+      std::vector<std::vector<double>> k(n), q(n);
+      for (int i = 0; i < n; ++i) {
+        k[i] = qk(t0 + i, nk + hk);
+        q[i] = qk(t0 + i, hk);
+      }
+      auto gm = [&](int i) { return double(gam[size_t(t0 + i) * nv + hv]); };
+      auto bt = [&](int i) { return double(in.beta[size_t(t0 + i) * nv + hv]); };
+      std::vector<double> A(64 * 64, 0.0), Tm(64 * 64, 0.0), Mr(64 * 64, 0.0), Tb(64 * 64, 0.0);
+      for (int i = 0; i < n; ++i)
+        for (int j = 0; j < i; ++j) A[i * 64 + j] = bt(i) * dot(k[i], k[j]) * std::exp(gm(i) - gm(j));
+      for (int j = 0; j < n; ++j)
+        for (int i = j; i < n; ++i) {
+          double x = i == j ? 1.0 : 0.0;
+          for (int m = j; m < i; ++m) x -= A[i * 64 + m] * Tm[m * 64 + j];
+          Tm[i * 64 + j] = x;
+        }
+      for (int i = 0; i < n; ++i)
+        for (int j = 0; j <= i; ++j) {
+          Tb[i * 64 + j] = Tm[i * 64 + j] * bt(j);
+          Mr[i * 64 + j] = dot(q[i], k[j]) * std::exp(gm(i) - gm(j));
+        }
+      const float* gt = got.data() + (size_t(e) * nv + hv) * 2 * 64 * 64;
+      for (int which = 0; which < 2; ++which) {
+        const std::vector<double>& ref = which == 0 ? Tb : Mr;
+        double mx = 0;
+        for (double x : ref) mx = std::max(mx, std::abs(x));
+        for (int i = 0; i < 64; ++i)
+          for (int j = 0; j < 64; ++j) {
+            const float v = gt[which * 4096 + i * 64 + j];
+            const double r = ref[i * 64 + j];
+            if (i >= n || j >= n || j > i) {
+              bad_zero += v != 0.f;  // structural zeros, exactly (NaN poison counts too)
+              continue;
+            }
+            const double err = std::abs(double(v) - r);
+            worst = std::max(worst, err / (std::abs(r) + mx + 1e-30));
+            bad += !(err <= 0.02 * std::abs(r) + 0.004 * mx);
+            ++checked;
+          }
+      }
+    }
+  }
+  std::printf("  T / M operands: %zu values against the host, %zu outside the bound, %zu "
+              "structural zeros not zero; worst error %.3g of |ref| + the tile's max\n",
+              checked, bad, bad_zero, worst);
+  EXPECT_GT(checked, 0u);
+  EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(bad_zero, 0u);
+}
+
 TEST(CudaGdn, WyPhaseTiming) {
   REQUIRE_GPU();
   DS_REQUIRE_PERF();
@@ -1539,6 +1659,17 @@ TEST(CudaGdn, PrefillStageTiming) {
       launch_gdn_wy_mma(s, ch4, 2, qkv.p, g.p, beta.p, wm.p, um.p, nullptr, true, 2);
     });
     std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = one WY item's latency",
+                (ms - t_restore) * 1e3);
+  }
+  // Session 34: the fused design's operands, T diag(beta) and M, instead of W and U (the same
+  // gamma and T; no W / U products). 16 KiB out per item instead of 32.
+  {
+    DevBuf<bf16> tm(size_t(max_chunks) * n_v * 2 * 64 * 64);
+    const double ms = stage("tm_mma: T diag(beta) and M (+ restore)", [&] {
+      restore_g();
+      launch_gdn_tm_mma(s, ch4, max_chunks, qkv.p, g.p, beta.p, tm.p, nullptr);
+    });
+    std::printf("STAGE gdn prefill 4096 tokens %-40s %8.1f us\n", "  = tm_mma",
                 (ms - t_restore) * 1e3);
   }
   restore_g();

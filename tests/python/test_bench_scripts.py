@@ -294,7 +294,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
     for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "wy", "early", "attno",
-                 "ahead", "argmax", "tma", "quick"):
+                 "ahead", "tm", "argmax", "tma", "quick"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -325,6 +325,8 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "DS_GEMV_AHEAD=0" in out["ahead"] and "DS_GEMV_AHEAD=80" in out["ahead"]
     assert ("--cases 1@4096,1@8192,1@32768,16@4096 --rounds 3 - DS_GEMV_AHEAD=40 DS_GEMV_AHEAD=80"
             " DS_GEMV_AHEAD=160") in out["ahead"]
+    # Session 34's T / M operands of the fused GDN design: their test, then the stage timings.
+    assert "CudaGdn.TmMatchesHostReference" in out["tm"] and "CudaGdn.PrefillStageTiming" in out["tm"]
     for arm in ("DS_MLP_FUSED=1", "DS_MLP_FUSED=2", "DS_MLP_FUSED=3", "DS_GEMV_NORM_EARLY=0",
                 "DS_ATTN_DECODE=pdl_cluster"):
         assert arm in out["decode"]
