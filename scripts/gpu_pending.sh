@@ -30,9 +30,10 @@
 #                                         # wait ($DS_GEMV_AHEAD=KiB; decode_gemv.md): the kernels'
 #                                         # and the engine's bits (batch 1, 2, 16), profiles at 4K
 #                                         # (0 / 80), the A/B at 40 / 80 / 160 KiB (1 and 16)
-#   bash scripts/gpu_pending.sh tm        # ~2 min: session 34's first stage of the fused GDN
-#                                         # design (gdn_prefill.md): T diag(beta) and M against
-#                                         # the host, and its time beside the WY kernel's
+#   bash scripts/gpu_pending.sh tm        # ~3-4 min: session 34's fused GDN design in FlashInfer's
+#                                         # order (gdn_prefill.md): T diag(beta) and M against the
+#                                         # host; $DS_GDN_STATE=flash against the shipped path;
+#                                         # the stage rows; the layer both ways (bench kernels)
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -293,10 +294,18 @@ case "$step" in
     # Session 34: the fused GDN design's operands (T diag(beta), M) from the WY kernel's T, against
     # a host reference in double; the shipped WY forms still bit-identical; then every stage's time
     # at 4096 tokens, the new tm_mma row beside wy_mma's.
+    # Stage 2 ($DS_GDN_STATE=flash): the chain, the output and the gated norm in one kernel on
+    # them, against the shipped path within its bound; the stage rows; the whole layer both ways.
     run tm_test timeout 150 "$T/cuda_gdn_test" \
       --gtest_filter='CudaGdn.TmMatchesHostReference:CudaGdn.WyBalancedBitExact' || rc=1
+    run flash_test timeout 200 "$T/cuda_gdn_test" --gtest_filter=CudaGdn.PrefillFlashCloseToShipped \
+      || rc=1
+    run flash_engine_test timeout 200 "$T/cuda_specialisation_test" \
+      --gtest_filter='GdnStateFormsFlash.*' || rc=1
     run tm_stage timeout 200 env DS_PERF=1 "$T/cuda_gdn_test" \
       --gtest_filter=CudaGdn.PrefillStageTiming || rc=1
+    run flash_layer_default "$DS" bench kernels --only gdn_prefill || rc=1
+    run flash_layer env DS_GDN_STATE=flash "$DS" bench kernels --only gdn_prefill || rc=1
     ;;
   argmax)
     # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and

@@ -1772,6 +1772,365 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
   }
 }
 
+// ---- the chain and the output in FlashInfer's order (GdnStateForm::kFlash; session 34, built
+// without a device, not yet run) ------------------------------------------------------------------
+// Stage 2 of docs/perf/gdn_prefill.md's "Session 34" design. launch_gdn_tm_mma (stage 1) leaves
+// per (chunk entry, value head) Tb = T diag(beta) and M = causal-inclusive(Q K^T) e^(gamma_i -
+// gamma_j) in bf16. One CTA per (sequence, value head, 64-column slice), the head's two slices a
+// cluster of 2 (the gated norm's row sums). Warpgroup 0 runs the chain, its thread 0 also the TMA
+// loads of the next chunk (K, Q, this slice's V, Tb, M as swizzled [64, 64] boxes, gamma); per
+// chunk, with h^T [64 v, 128 k] the fp32 state rows of this slice as the m64n128 accumulator:
+//   KS^T = h^T K^T and QH^T = h^T Q^T: 8 + 8 x wgmma m64n64k16, both from the same bf16 A
+//     fragments of h (the snapshot's bits in the shipped path);
+//   V'^T = V^T - KS^T diag(e^gamma), rows past a partial chunk zero, as bf16 A fragments;
+//   NewV^T = V'^T Tb^T: 4 x m64n64k16, B = Tb [64 t', 64 t] K-major; rounded to bf16 (V_new's
+//     precision in the shipped path);
+//   h^T = e^(gamma_last) h^T + (NewV^T diag(e^(gamma_last - gamma)))^T K (the shipped update, B =
+//     K MN-major), and O^T = QH^T diag(e^gamma) + NewV^T M^T (4 x m64n64k16, B = M [64 t, 64 t']
+//     K-major), both in one commit group.
+// O^T goes to warpgroup 1 through one of two fp32 staging buffers ([64 t][68]: the transposed
+// stores are bank-conflict free), which forms the gated RMSNorm per token: its 64 values' sum of
+// squares, the peer slice's by st.async (two slots, as gdn_state_out_fused_kernel exchanges them),
+// x0 + x1 in slice order, then y = w o rsqrt(ss / 128 + eps) silu(z) in bf16. No snapshot, no
+// V_new, no output kernel. The arithmetic is FlashInfer's association, not the shipped path's:
+// V_new = Tb (V - e^gamma K h) instead of U - W h, so the bits differ; the test bounds y and the
+// final state against the shipped path (CudaGdn.PrefillFlashCloseToShipped).
+// Mbarriers: full / empty per stage (the loads; the chain's 4 warps release), o_full / o_empty per
+// staging buffer (the chain's 4 warps / the norm's 4 warps), xchg per exchange slot; every wait is
+// fused_wait's (a trap after 2^26 tries instead of a hang).
+struct FlashCfg {
+  static constexpr int kThreads = 256;  // warpgroup 0: the chain; 1: the gated norm
+  static constexpr int kStages = 2;
+  static constexpr int kNb = 2;  // O staging buffers
+  static constexpr int kVs = 64;
+  static constexpr uint32_t kBox = kC * 128;  // one swizzled [64 rows, 64 bf16] box
+  // One stage: K and Q as two boxes each, this slice's V, Tb, M, gamma [64 t][4 heads] fp32.
+  static constexpr uint32_t kK = 0, kQ = 2 * kBox, kV = 4 * kBox, kTb = 5 * kBox, kM = 6 * kBox;
+  static constexpr uint32_t kGam = 7 * kBox;
+  static constexpr uint32_t kBuf = kGam + kC * 4 * 4;
+  static constexpr uint32_t kLoadBytes = kBuf;  // transaction bytes of one chunk's loads
+  static constexpr int kOLd = kC + 4;          // fp32 row stride of the O staging [64 t][68]
+  static constexpr uint32_t kO = kStages * kBuf;
+  static constexpr uint32_t kOBuf = kC * kOLd * 4;
+  static constexpr int kXSlots = 2;
+  static constexpr uint32_t kX = kO + kNb * kOBuf;  // [kXSlots][64] fp32: the peer's row sums
+  static constexpr uint32_t kBar = kX + kXSlots * kC * 4;
+  // full[kStages], empty[kStages], o_full[kNb], o_empty[kNb], xchg[kXSlots]
+  static constexpr int kBars = 2 * kStages + 2 * kNb + kXSlots;
+  static constexpr size_t kTotal = 1024 + kBar + kBars * 8;  // + alignment slack
+  static_assert(kBuf % 1024 == 0 && kO % 1024 == 0, "swizzled boxes are 1024-byte aligned");
+  static_assert(kTotal <= 227 * 1024, "shared memory of one block");
+};
+
+// The TMA maps of the flash form (make_gdn_flash_maps).
+struct GdnFlashMaps {
+  CUtensorMap k;    // qkv [n_tokens, qkv_dim] bf16, box [64 t, 64], swizzled (K, Q and V)
+  CUtensorMap tm;   // tm [max_chunks * n_v * 2 * 64 rows, 64] bf16, box [64, 64], swizzled
+  CUtensorMap gam;  // gamma [n_tokens, n_v] fp32, box [64 t, 4]
+};
+
+__global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 1)
+    gdn_chain_flash_kernel(GdnShape s, GdnLayerWeights wts, GdnStatePool pool,
+                           const int32_t* __restrict__ cu_seqlens,  // [n_seqs + 1]
+                           const int32_t* __restrict__ seq_pos,     // [n_seqs]
+                           const int32_t* __restrict__ slot_ids,    // [n_seqs]
+                           const int* __restrict__ seq_chunk0,      // [n_seqs + 1] first chunk
+                           const bf16* __restrict__ proj,           // [n_tokens, in_dim] (z)
+                           bf16* __restrict__ out,                  // [n_tokens, n_v * 128]
+                           const __grid_constant__ GdnFlashMaps maps) {
+  using L = FlashCfg;
+  constexpr int STAGES = L::kStages, NB = L::kNb, XS = L::kXSlots;
+  const int seq = blockIdx.x, hv = blockIdx.y;
+  const int start = cu_seqlens[seq], len = cu_seqlens[seq + 1] - start;
+  if (len <= 0) return;  // both blocks of the cluster (same sequence); the slot is left untouched
+  const uint32_t rank = cluster_rank();  // == blockIdx.z: the 64-column slice
+  const int v_cta = static_cast<int>(rank) * L::kVs;
+  const int n_v = s.n_v_heads, hk = hv / (n_v / s.n_k_heads), hq = hv & 3;
+  const bool norm = wts.norm_w != nullptr;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = align_1024_shared(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int n_chunks = (len + kC - 1) / kC;
+  const int64_t chunk0 = seq_chunk0[seq];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBar);
+  uint64_t* empty = full + STAGES;
+  uint64_t* o_full = empty + STAGES;
+  uint64_t* o_empty = o_full + NB;
+  uint64_t* xchg = o_empty + NB;
+  float* xs = reinterpret_cast<float*>(smem + L::kX);  // [XS][64]: the peer's per-row sums
+  auto stage = [&](int b) { return smem + b * L::kBuf; };
+  auto ostg = [&](int nb) { return reinterpret_cast<float*>(smem + L::kO + nb * L::kOBuf); };
+
+  if (tid == 0) {
+    for (int b = 0; b < STAGES; ++b) {
+      mbar_init(&full[b], 1);
+      mbar_init(&empty[b], 4);  // the chain's 4 warps
+    }
+    for (int nb = 0; nb < NB; ++nb) {
+      mbar_init(&o_full[nb], 4);   // the chain's 4 warps
+      mbar_init(&o_empty[nb], 4);  // the norm's 4 warps
+    }
+    for (int x = 0; x < XS; ++x) {
+      mbar_init(&xchg[x], 1);
+      // Armed before the cluster barrier below, so the peer's first stores never find it
+      // unarmed: 64 row sums of 4 bytes per use.
+      if (norm) mbar_arrive_expect_tx(&xchg[x], kC * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Both blocks' barriers are initialised (and xchg armed) before either sends a row sum.
+  cluster_sync_all();
+
+  if (warp < 4) {
+    // ================= warpgroup 0: the chain (and the loads, thread 0) =======================
+    const int v_loc = 16 * warp, v_base = v_cta + v_loc;
+    auto fetch = [&](int ch) {
+      const int b = ch % STAGES, row0 = start + ch * kC;
+      if (ch >= STAGES) fused_wait(&empty[b], uint32_t(ch / STAGES - 1) & 1u);
+      unsigned char* st = stage(b);
+      mbar_arrive_expect_tx(&full[b], L::kLoadBytes);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        tma_load_2d(st + L::kK + half * L::kBox, &maps.k, (s.n_k_heads + hk) * kD + 64 * half,
+                    row0, &full[b]);
+        tma_load_2d(st + L::kQ + half * L::kBox, &maps.k, hk * kD + 64 * half, row0, &full[b]);
+      }
+      tma_load_2d(st + L::kV, &maps.k, (2 * s.n_k_heads + hv) * kD + v_cta, row0, &full[b]);
+      const int tm_row = static_cast<int>(((chunk0 + ch) * n_v + hv) * 2 * kC);
+      tma_load_2d(st + L::kTb, &maps.tm, 0, tm_row, &full[b]);
+      tma_load_2d(st + L::kM, &maps.tm, 0, tm_row + kC, &full[b]);
+      tma_load_2d(st + L::kGam, &maps.gam, hv & ~3, row0, &full[b]);
+    };
+    if (tid == 0)
+      for (int ch = 0; ch < min(STAGES - 1, n_chunks); ++ch) fetch(ch);
+
+    float* state = pool.rec_state + static_cast<int64_t>(slot_ids[seq]) * pool.rec_slot_stride +
+                   static_cast<int64_t>(hv) * kD * kD;
+    const bool has_state = seq_pos[seq] > 0;
+    float h[64];  // h[4 j + i] = h^T(v_base + g + 8 (i / 2), 8 j + 2 c + (i % 2))
+    gdn_tile::load_state_rows(reinterpret_cast<float(&)[16][4]>(h), state, has_state, v_base, g,
+                              c);
+    __syncwarp();  // thread 0 back from its loads
+
+    for (int ch = 0; ch < n_chunks; ++ch) {
+      const int b = ch % STAGES, nb = ch % NB;
+      const int n = min(kC, len - ch * kC);
+      unsigned char* st = stage(b);
+      fused_wait(&full[b], uint32_t(ch / STAGES) & 1u);
+      __syncwarp();
+      if (n < kC) {  // a partial chunk: K rows past the sequence to zeros (the update reads them)
+        for (int e = tid; e < (kC - n) * 16; e += 128) {
+          const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
+          *reinterpret_cast<uint4*>(st + L::kK + half * L::kBox + r * 128 + q * 16) =
+              make_uint4(0, 0, 0, 0);
+        }
+        fence_proxy_async();
+        named_barrier_sync(1, 128);  // the four chain warps
+      }
+      const uint32_t k_s = smem_u32(st + L::kK), q_s = smem_u32(st + L::kQ);
+      const uint32_t tb_s = smem_u32(st + L::kTb), m_s = smem_u32(st + L::kM);
+      const unsigned char* v_s = st + L::kV;
+      const float* gam = reinterpret_cast<const float*>(st + L::kGam);  // [64 t][4 heads]
+
+      // ---- KS^T = h^T K^T and QH^T = h^T Q^T from the same bf16 fragments of h.
+      uint32_t ha[8][4];
+      gdn_tile::acc_to_a<16>(reinterpret_cast<const float(&)[16][4]>(h), ha);
+      float sacc[32], o[32];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_m64n64k16_rs(sacc, ha[kk],
+                           gmma_desc(k_s + (kk >> 2) * L::kBox + (kk & 3) * 32, 16, 1024),
+                           kk == 0 ? 0 : 1);
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk)
+        wgmma_m64n64k16_rs(o, ha[kk], gmma_desc(q_s + (kk >> 2) * L::kBox + (kk & 3) * 32, 16, 1024),
+                           kk == 0 ? 0 : 1);
+      wgmma_commit();
+      // While they run: the next chunk's loads (its stage was released at the end of chunk
+      // ch - 1), and the decay factors of this thread's columns t = 8 j + 2 c + e (held at the
+      // sequence's last row past it, as the shipped kernels hold gamma).
+      if (tid == 0 && ch + STAGES - 1 < n_chunks) fetch(ch + STAGES - 1);
+      const float g_last = gam[(n - 1) * 4 + hq];
+      const float decay = __expf(g_last);
+      float eg[8][2], gc[8][2];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float gt = gam[min(8 * j + 2 * c + e, n - 1) * 4 + hq];
+          eg[j][e] = __expf(gt);
+          gc[j][e] = __expf(g_last - gt);
+        }
+      }
+      __syncwarp();
+      wgmma_wait<0>();
+      fence_regs(sacc);
+      fence_regs(o);
+
+      // ---- V'^T = V^T - KS^T diag(e^gamma) (V read transposed from its swizzled box, as the
+      // shipped step reads U), zero past the sequence, as bf16 A fragments.
+      uint32_t vpa[4][4];
+      {
+        float vp[8][4];
+        const int m = lane >> 3, r = lane & 7;
+#pragma unroll
+        for (int jp = 0; jp < 4; ++jp) {
+          const int t = 16 * jp + 8 * (m >> 1) + r, q = 2 * warp + (m & 1);
+          uint32_t vr[4];
+          ldsm_x4_t(vr, reinterpret_cast<const bf16*>(v_s + t * 128 + ((q ^ (t & 7)) << 4)));
+#pragma unroll
+          for (int qq = 0; qq < 4; ++qq) {
+            const int j = 2 * jp + (qq >> 1), i0 = 2 * (qq & 1);
+            const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162*>(&vr[qq]);
+            const int t0 = 8 * j + 2 * c;
+            vp[j][i0] = t0 < n ? __low2float(v2) - eg[j][0] * sacc[4 * j + i0] : 0.f;
+            vp[j][i0 + 1] = t0 + 1 < n ? __high2float(v2) - eg[j][1] * sacc[4 * j + i0 + 1] : 0.f;
+          }
+        }
+        gdn_tile::acc_to_a<8>(vp, vpa);
+      }
+
+      // ---- NewV^T = V'^T Tb^T.
+      float nacc[32];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kC / 16; ++kk)
+        wgmma_m64n64k16_rs(nacc, vpa[kk], gmma_desc(tb_s + kk * 32, 16, 1024), kk == 0 ? 0 : 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(nacc);
+
+      // ---- NewV in bf16 (nva: O's intra-chunk A operand) and decayed (vsa: the update's).
+      uint32_t nva[4][4], vsa[4][4];
+      {
+        float nv[8][4], vs[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float x = __bfloat162float(__float2bfloat16(nacc[4 * j + i]));
+            nv[j][i] = x;
+            vs[j][i] = 8 * j + 2 * c + (i & 1) < n ? x * gc[j][i & 1] : 0.f;
+          }
+        }
+        gdn_tile::acc_to_a<8>(nv, nva);
+        gdn_tile::acc_to_a<8>(vs, vsa);
+      }
+      // O^T's inter-chunk part times e^gamma of its column (token).
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[4 * j + i] *= eg[j][i & 1];
+      }
+
+      // ---- h^T <- e^(gamma_last) h^T + Vs^T K, and O^T += NewV^T M^T.
+#pragma unroll
+      for (int i = 0; i < 64; ++i) h[i] *= decay;
+      fence_regs(h);
+      fence_regs(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kC / 16; ++kk)
+        wgmma_m64n128k16_rs_t(h, vsa[kk], gmma_desc(k_s + kk * 16 * 128, L::kBox, 1024));
+#pragma unroll
+      for (int kk = 0; kk < kC / 16; ++kk)
+        wgmma_m64n64k16_rs(o, nva[kk], gmma_desc(m_s + kk * 32, 16, 1024));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(h);
+      fence_regs(o);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[b]);  // this warp is done with stage b
+
+      // ---- O^T into staging buffer nb as [t][v] (fp32), once the norm has released it.
+      if (ch >= NB) fused_wait(&o_empty[nb], uint32_t(ch / NB - 1) & 1u);
+      float* os = ostg(nb);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          os[(8 * j + 2 * c + (i & 1)) * L::kOLd + v_loc + g + 8 * (i >> 1)] = o[4 * j + i];
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&o_full[nb]);
+    }
+    gdn_tile::store_state_rows(reinterpret_cast<const float(&)[16][4]>(h), state, v_base, g, c);
+  } else {
+    // ================= warpgroup 1: the gated RMSNorm of this slice's 64 values =================
+    // Thread u: token t = u / 2, values [32 (u % 2), + 32) of the slice.
+    const int u = tid - 128, t = u >> 1, vh = u & 1;
+    const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim(), out_dim = s.out_dim();
+    const uint32_t peer = rank ^ 1u;
+    for (int ch = 0; ch < n_chunks; ++ch) {
+      const int nb = ch % NB, xb = ch % XS;
+      const int64_t row0 = start + int64_t(ch) * kC;
+      const int n = min(kC, len - ch * kC);
+      // z of this thread's 32 values (row held at the sequence's last past it), before the wait.
+      uint4 z4[4];
+      const bf16* zrow =
+          proj + (row0 + min(t, n - 1)) * in_dim + qkv_dim + hv * kD + v_cta + 32 * vh;
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        z4[q] = norm ? __ldg(reinterpret_cast<const uint4*>(zrow) + q) : make_uint4(0, 0, 0, 0);
+      fused_wait(&o_full[nb], uint32_t(ch / NB) & 1u);
+      float ov[32];
+      const float4* orow = reinterpret_cast<const float4*>(ostg(nb) + t * L::kOLd + 32 * vh);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float4 x = orow[q];
+        ov[4 * q] = x.x;
+        ov[4 * q + 1] = x.y;
+        ov[4 * q + 2] = x.z;
+        ov[4 * q + 3] = x.w;
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&o_empty[nb]);  // this warp has read buffer nb
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < 32; ++i) ss += ov[i] * ov[i];
+      ss += __shfl_xor_sync(0xffffffffu, ss, 1);  // this slice's 64 values of token t
+      float total = ss;
+      if (norm) {
+        if (vh == 0)
+          st_async_f32(cluster_map(smem_u32(xs + xb * kC + t), peer), ss,
+                       cluster_map(smem_u32(&xchg[xb]), peer));
+        fused_wait(&xchg[xb], uint32_t(ch / XS) & 1u);
+        const float other = xs[xb * kC + t];
+        total = rank == 0 ? ss + other : other + ss;  // slice 0's sum first in both blocks
+      }
+      // Every thread has read slot xb and buffer nb before any sends its sums for the next chunk
+      // (the peer may refill slot xb with chunk ch + XS's sums once it has ours for ch + 1); then
+      // one thread re-arms the slot for that use.
+      named_barrier_sync(2, 128);
+      if (norm && u == 0) mbar_arrive_expect_tx(&xchg[xb], kC * 4);
+      const float scale = norm ? rsqrtf(total / kD + s.norm_eps) : 1.f;
+      if (t < n) {
+        uint4* y = reinterpret_cast<uint4*>(out + (row0 + t) * out_dim + hv * kD + v_cta + 32 * vh);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const uint32_t zw[4] = {z4[q].x, z4[q].y, z4[q].z, z4[q].w};
+          uint32_t yw[4];
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            float y0 = ov[8 * q + 2 * p], y1 = ov[8 * q + 2 * p + 1];
+            if (norm) {
+              const int v = v_cta + 32 * vh + 8 * q + 2 * p;
+              const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(&zw[p]);
+              const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(wts.norm_w + v);
+              y0 = __low2float(w2) * y0 * scale * silu(__low2float(z2));
+              y1 = __high2float(w2) * y1 * scale * silu(__high2float(z2));
+            }
+            yw[p] = pack_bf16(y0, y1);
+          }
+          y[q] = make_uint4(yw[0], yw[1], yw[2], yw[3]);
+        }
+      }
+    }
+  }
+}
+
 #undef DS_GDN_OUT_PARAMS
 #undef DS_GDN_OUT_ARGS
 
@@ -1792,6 +2151,22 @@ GdnOutMaps make_gdn_out_maps(const GdnShape& s, int n_tokens, int max_chunks, co
 }
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// The maps of gdn_chain_flash_kernel over this launch's tensors (n_tokens rows).
+GdnFlashMaps make_gdn_flash_maps(const GdnShape& s, int n_tokens, int max_chunks, const bf16* qkv,
+                                 const float* gamma, const bf16* tm) {
+  constexpr CUtensorMapSwizzle kSw = CU_TENSOR_MAP_SWIZZLE_128B, kNone = CU_TENSOR_MAP_SWIZZLE_NONE;
+  GdnFlashMaps m;
+  m.k = matrix_map(qkv, n_tokens, s.qkv_dim(), kC, 64, kSw, "gdn flash chain: qkv");
+  m.tm = matrix_map(tm, uint64_t(max_chunks) * s.n_v_heads * 2 * kC, kC, kC, 64, kSw,
+                    "gdn flash chain: T / M");
+  const uint64_t nv = uint64_t(s.n_v_heads);
+  const uint64_t dims[2] = {nv, uint64_t(n_tokens)}, strides[1] = {nv * 4};
+  const uint32_t box[2] = {4, kC};
+  m.gam = make_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, gamma, dims, strides, box, kNone,
+                          "gdn flash chain: gamma");
+  return m;
+}
 
 template <typename K>
 void launch_state(K kernel, size_t smem, int threads, int n_slices, const GdnShape& s,
@@ -1816,12 +2191,13 @@ std::atomic<int> g_state_form{-1};  // -1: not read yet
 GdnStateForm parse_gdn_state_form(const char* value) {
   const std::string v = value ? value : "";
   DS_CHECK(v.empty() || v == "wg" || v == "tight" || v == "fused" || v == "fused2" ||
-               v == "fused2w",
-           "$DS_GDN_STATE must be wg, tight, fused, fused2 or fused2w (got '", v, "')");
+               v == "fused2w" || v == "flash",
+           "$DS_GDN_STATE must be wg, tight, fused, fused2, fused2w or flash (got '", v, "')");
   return v == "tight"     ? GdnStateForm::kTight
          : v == "fused"   ? GdnStateForm::kFused
          : v == "fused2"  ? GdnStateForm::kFused2
          : v == "fused2w" ? GdnStateForm::kFused2Wg
+         : v == "flash"   ? GdnStateForm::kFlash
                           : GdnStateForm::kWg;
 }
 
@@ -1852,6 +2228,34 @@ bool gdn_slice_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnS
 bool gdn_slice_wg_supported(const GdnShape& s, int n_tokens, int max_chunks, const float* gamma) {
   return s.d_k == kD && s.d_v == kD && s.n_v_heads % 4 == 0 && n_tokens > 0 && aligned(gamma, 16) &&
          int64_t(max_chunks) * s.n_v_heads * kD < (int64_t(1) << 31);
+}
+
+bool gdn_flash_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                         const bf16* proj, const bf16* out, int n_tokens, int max_chunks,
+                         const float* gamma) {
+  return gdn_slice_supported(s, w, pool, proj, out) &&
+         gdn_slice_wg_supported(s, n_tokens, max_chunks, gamma) && aligned(out, 16) &&
+         (w.norm_w == nullptr || aligned(w.norm_w, 4)) &&
+         int64_t(max_chunks) * s.n_v_heads * 2 * kC < (int64_t(1) << 31);
+}
+
+void launch_gdn_flash_chain(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
+                            const bf16* proj, const int32_t* cu_seqlens, const int32_t* seq_pos,
+                            const int32_t* slot_ids, int n_seqs, const int* seq_chunk0,
+                            int max_chunks, const bf16* qkv, const float* gamma, const bf16* tm,
+                            bf16* out, int n_tokens, cudaStream_t stream) {
+  DS_CHECK(gdn_flash_supported(s, w, pool, proj, out, n_tokens, max_chunks, gamma),
+           "gdn flash chain: needs d_k = d_v = 128, n_v_heads % 4 == 0, 16-byte aligned proj, "
+           "out and gamma, and fewer than 2^31 T / M rows (got n_v ", s.n_v_heads, ", n_tokens ",
+           n_tokens, ", ", max_chunks, " chunks)");
+  DS_CHECK(aligned(qkv, 16) && aligned(tm, 16), "gdn flash chain: qkv and tm must be 16-byte aligned");
+  if (n_seqs <= 0 || max_chunks <= 0) return;
+  const GdnFlashMaps maps = make_gdn_flash_maps(s, n_tokens, max_chunks, qkv, gamma, tm);
+  auto* kernel = gdn_chain_flash_kernel;
+  ensure_smem_optin(reinterpret_cast<const void*>(kernel), FlashCfg::kTotal);
+  kernel<<<dim3(n_seqs, s.n_v_heads, kD / FlashCfg::kVs), FlashCfg::kThreads, FlashCfg::kTotal,
+           stream>>>(s, w, pool, cu_seqlens, seq_pos, slot_ids, seq_chunk0, proj, out, maps);
+  DS_CUDA_LAUNCH_CHECK();
 }
 
 void launch_gdn_slice_scan(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,

@@ -971,5 +971,19 @@ TEST_P(GdnStateForms, BitExactVsWgAt27bShapes) {
 INSTANTIATE_TEST_SUITE_P(Forms, GdnStateForms,
                          ::testing::Values("tight", "fused", "fused2", "fused2w"));
 
+// $DS_GDN_STATE=flash (session 34): the GDN prompt layers in FlashInfer's association (T diag(beta)
+// and M, then the chain with the output in one kernel) against the shipped wgmma pair, on one
+// engine: the same prompts and greedy steps as above. Another association of the same maths, so:
+// logits within 1e-2 (relative L2) over the rows both took the same tokens to reach, and tokens
+// part only at a near-tie.
+TEST(GdnStateFormsFlash, CloseToWgAt27bShapes) {
+  DS_REQUIRE_GPU();
+  const FormRuns runs = greedy_under_forms(43, cuda::gdn_state_form, cuda::set_gdn_state_form,
+                                           cuda::GdnStateForm::kWg, cuda::GdnStateForm::kFlash);
+  const auto& [prompts, ref, got] = runs;
+  expect_greedy_close("$DS_GDN_STATE=flash vs wg", "wg form", prompts, ref, got,
+                      size_t(config_27b_4_layers().vocab_size));
+}
+
 }  // namespace
 }  // namespace ds
