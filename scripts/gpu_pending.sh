@@ -298,7 +298,7 @@ case "$step" in
     # them, against the shipped path within its bound; the stage rows; the whole layer both ways.
     run tm_test timeout 150 "$T/cuda_gdn_test" \
       --gtest_filter='CudaGdn.TmMatchesHostReference:CudaGdn.WyBalancedBitExact' || rc=1
-    run flash_test timeout 200 "$T/cuda_gdn_test" --gtest_filter=CudaGdn.PrefillFlashCloseToShipped \
+    run flash_test timeout 200 "$T/cuda_gdn_test" --gtest_filter='CudaGdnFlash.*' \
       || rc=1
     run flash_engine_test timeout 200 "$T/cuda_specialisation_test" \
       --gtest_filter='GdnStateFormsFlash.*' || rc=1

@@ -1794,7 +1794,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
 // x0 + x1 in slice order, then y = w o rsqrt(ss / 128 + eps) silu(z) in bf16. No snapshot, no
 // V_new, no output kernel. The arithmetic is FlashInfer's association, not the shipped path's:
 // V_new = Tb (V - e^gamma K h) instead of U - W h, so the bits differ; the test bounds y and the
-// final state against the shipped path (CudaGdn.PrefillFlashCloseToShipped).
+// final state against the shipped path (CudaGdnFlash.PrefillCloseToShipped).
 // Mbarriers: full / empty per stage (the loads; the chain's 4 warps release), o_full / o_empty per
 // staging buffer (the chain's 4 warps / the norm's 4 warps), xchg per exchange slot; every wait is
 // fused_wait's (a trap after 2^26 tries instead of a hang).
