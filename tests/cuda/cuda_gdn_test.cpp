@@ -788,7 +788,7 @@ TEST(CudaGdn, ConvFormSwitch) {
 }
 
 // $DS_GDN_STATE: unset / empty / wg = the measured chunk step, tight the shorter one, fused /
-// fused2 / fused2w the pass with the output in the same kernel.
+// fused2 / fused2w the pass with the output in the same kernel, flash FlashInfer's order.
 TEST(CudaGdn, StateFormSwitch) {
   expect_form_switch(parse_gdn_state_form, gdn_state_form, set_gdn_state_form, "DS_GDN_STATE",
                      GdnStateForm::kWg,
@@ -796,9 +796,40 @@ TEST(CudaGdn, StateFormSwitch) {
                       {"tight", GdnStateForm::kTight},
                       {"fused", GdnStateForm::kFused},
                       {"fused2", GdnStateForm::kFused2},
-                      {"fused2w", GdnStateForm::kFused2Wg}},
-                     {"1", "Tight", "tight ", "wgmma", "fuse", "Fused", "fused1", "fused3"},
+                      {"fused2w", GdnStateForm::kFused2Wg},
+                      {"flash", GdnStateForm::kFlash}},
+                     {"1", "Tight", "tight ", "wgmma", "fuse", "Fused", "fused1", "fused3", "Flash",
+                      "flash2"},
                      GdnStateForm::kTight);
+}
+
+// The flash form's guard (host only): the shipped shapes pass; another head size, a head count
+// gamma's 4-head box cannot take, misaligned out or gamma, and too many T / M rows do not.
+TEST(CudaGdn, FlashGuard) {
+  const GdnShape s = shape_27b();
+  alignas(16) static unsigned char buf[64];
+  const auto* proj = reinterpret_cast<const bf16*>(buf);
+  auto* out = reinterpret_cast<bf16*>(buf);
+  const auto* gamma = reinterpret_cast<const float*>(buf);
+  GdnLayerWeights w{};
+  w.norm_w = reinterpret_cast<const bf16*>(buf);
+  GdnStatePool pool{};
+  pool.rec_state = reinterpret_cast<float*>(buf);
+  pool.rec_slot_stride = 128 * 128 * 48;
+  EXPECT_TRUE(gdn_flash_supported(s, w, pool, proj, out, 4096, 65, gamma));
+  GdnShape s96 = s;
+  s96.d_k = 96;
+  EXPECT_FALSE(gdn_flash_supported(s96, w, pool, proj, out, 4096, 65, gamma));
+  GdnShape s6 = s;
+  s6.n_v_heads = 6;
+  s6.n_k_heads = 2;
+  EXPECT_FALSE(gdn_flash_supported(s6, w, pool, proj, out, 4096, 65, gamma));  // n_v % 4
+  EXPECT_FALSE(gdn_flash_supported(s, w, pool, proj, reinterpret_cast<bf16*>(buf + 8), 4096, 65,
+                                   gamma));  // out 16-byte aligned
+  EXPECT_FALSE(gdn_flash_supported(s, w, pool, proj, out, 4096, 65,
+                                   reinterpret_cast<const float*>(buf + 4)));  // gamma
+  EXPECT_FALSE(gdn_flash_supported(s, w, pool, proj, out, 4096, 400000, gamma));  // 2^31 rows
+  EXPECT_FALSE(gdn_flash_supported(s, w, pool, proj, out, 0, 1, gamma));  // no tokens
 }
 
 TEST(CudaGdn, PrefillWorkspaceTooSmallIsAnError) {
