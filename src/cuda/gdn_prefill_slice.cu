@@ -2025,7 +2025,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
         for (int i = 0; i < 4; ++i) o[4 * j + i] *= eg[j][i & 1];
       }
 
-      // ---- h^T <- e^(gamma_last) h^T + Vs^T K, and O^T += NewV^T M^T.
+      // ---- O^T += NewV^T M^T (group 1), then h^T <- e^(gamma_last) h^T + Vs^T K (group 2): O is
+      // staged for the norm while the update, the chain's next dependency, is on the tensor cores.
 #pragma unroll
       for (int i = 0; i < 64; ++i) h[i] *= decay;
       fence_regs(h);
@@ -2033,16 +2034,14 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kC / 16; ++kk)
-        wgmma_m64n128k16_rs_t(h, vsa[kk], gmma_desc(k_s + kk * 16 * 128, L::kBox, 1024));
-#pragma unroll
-      for (int kk = 0; kk < kC / 16; ++kk)
         wgmma_m64n64k16_rs(o, nva[kk], gmma_desc(m_s + kk * 32, 16, 1024));
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(h);
+#pragma unroll
+      for (int kk = 0; kk < kC / 16; ++kk)
+        wgmma_m64n128k16_rs_t(h, vsa[kk], gmma_desc(k_s + kk * 16 * 128, L::kBox, 1024));
+      wgmma_commit();
+      wgmma_wait<1>();  // O complete (h still in flight: not touched until the wait below)
       fence_regs(o);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[b]);  // this warp is done with stage b
 
       // ---- O^T into staging buffer nb as [t][v] (fp32), once the norm has released it.
       if (ch >= NB) fused_wait(&o_empty[nb], uint32_t(ch / NB - 1) & 1u);
@@ -2055,6 +2054,10 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(&o_full[nb]);
+      wgmma_wait<0>();
+      fence_regs(h);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[b]);  // this warp is done with stage b
     }
     gdn_tile::store_state_rows(reinterpret_cast<const float(&)[16][4]>(h), state, v_base, g, c);
   } else {
@@ -2108,17 +2111,20 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
       const float scale = norm ? rsqrtf(total / kD + s.norm_eps) : 1.f;
       if (t < n) {
         uint4* y = reinterpret_cast<uint4*>(out + (row0 + t) * out_dim + hv * kD + v_cta + 32 * vh);
+        // The norm weight's 32 values of this thread (16-byte loads; L1 keeps them across chunks).
+        const uint4* w4 = reinterpret_cast<const uint4*>(wts.norm_w + v_cta + 32 * vh);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
+          const uint4 wq = norm ? __ldg(w4 + q) : make_uint4(0, 0, 0, 0);
           const uint32_t zw[4] = {z4[q].x, z4[q].y, z4[q].z, z4[q].w};
+          const uint32_t ww[4] = {wq.x, wq.y, wq.z, wq.w};
           uint32_t yw[4];
 #pragma unroll
           for (int p = 0; p < 4; ++p) {
             float y0 = ov[8 * q + 2 * p], y1 = ov[8 * q + 2 * p + 1];
+            const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(&zw[p]);
+            const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(&ww[p]);
             if (norm) {
-              const int v = v_cta + 32 * vh + 8 * q + 2 * p;
-              const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(&zw[p]);
-              const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(wts.norm_w + v);
               y0 = __low2float(w2) * y0 * scale * silu(__low2float(z2));
               y1 = __high2float(w2) * y1 * scale * silu(__high2float(z2));
             }
