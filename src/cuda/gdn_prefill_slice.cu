@@ -1785,9 +1785,9 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
 //   V'^T = V^T - KS^T diag(e^gamma), rows past a partial chunk zero, as bf16 A fragments;
 //   NewV^T = V'^T Tb^T: 4 x m64n64k16, B = Tb [64 t', 64 t] K-major; rounded to bf16 (V_new's
 //     precision in the shipped path);
-//   h^T = e^(gamma_last) h^T + (NewV^T diag(e^(gamma_last - gamma)))^T K (the shipped update, B =
-//     K MN-major), and O^T = QH^T diag(e^gamma) + NewV^T M^T (4 x m64n64k16, B = M [64 t, 64 t']
-//     K-major), both in one commit group.
+//   O^T = QH^T diag(e^gamma) + NewV^T M^T (4 x m64n64k16, B = M [64 t, 64 t'] K-major), then in a
+//     commit group after it h^T = e^(gamma_last) h^T + (NewV^T diag(e^(gamma_last - gamma)))^T K
+//     (the shipped update, B = K MN-major), so that O is staged while the update runs.
 // O^T goes to warpgroup 1 through one of two fp32 staging buffers ([64 t][68]: the transposed
 // stores are bank-conflict free), which forms the gated RMSNorm per token: its 64 values' sum of
 // squares, the peer slice's by st.async (two slots, as gdn_state_out_fused_kernel exchanges them),
@@ -1943,6 +1943,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
         wgmma_m64n64k16_rs(sacc, ha[kk],
                            gmma_desc(k_s + (kk >> 2) * L::kBox + (kk & 3) * 32, 16, 1024),
                            kk == 0 ? 0 : 1);
+      wgmma_commit();
+      // QH in a group of its own: the chain waits for KS alone (QH is first needed after NewV).
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk)
         wgmma_m64n64k16_rs(o, ha[kk], gmma_desc(q_s + (kk >> 2) * L::kBox + (kk & 3) * 32, 16, 1024),
@@ -1965,12 +1967,13 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
         }
       }
       __syncwarp();
-      wgmma_wait<0>();
+      wgmma_wait<1>();  // KS (QH may still run: o is not touched before NewV's wait)
       fence_regs(sacc);
-      fence_regs(o);
 
       // ---- V'^T = V^T - KS^T diag(e^gamma) (V read transposed from its swizzled box, as the
-      // shipped step reads U), zero past the sequence, as bf16 A fragments.
+      // shipped step reads U), as bf16 A fragments. Columns past a partial chunk's end need no
+      // mask: they are finite (V's rows there are another sequence's or TMA's zeros, K's were
+      // zeroed above) and Tb's columns there are zeros (beta = 0), so they add nothing to NewV.
       uint32_t vpa[4][4];
       {
         float vp[8][4];
@@ -1984,9 +1987,8 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
           for (int qq = 0; qq < 4; ++qq) {
             const int j = 2 * jp + (qq >> 1), i0 = 2 * (qq & 1);
             const __nv_bfloat162 v2 = *reinterpret_cast<const __nv_bfloat162*>(&vr[qq]);
-            const int t0 = 8 * j + 2 * c;
-            vp[j][i0] = t0 < n ? __low2float(v2) - eg[j][0] * sacc[4 * j + i0] : 0.f;
-            vp[j][i0 + 1] = t0 + 1 < n ? __high2float(v2) - eg[j][1] * sacc[4 * j + i0 + 1] : 0.f;
+            vp[j][i0] = __low2float(v2) - eg[j][0] * sacc[4 * j + i0];
+            vp[j][i0 + 1] = __high2float(v2) - eg[j][1] * sacc[4 * j + i0 + 1];
           }
         }
         gdn_tile::acc_to_a<8>(vp, vpa);
@@ -1999,36 +2001,40 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
       for (int kk = 0; kk < kC / 16; ++kk)
         wgmma_m64n64k16_rs(nacc, vpa[kk], gmma_desc(tb_s + kk * 32, 16, 1024), kk == 0 ? 0 : 1);
       wgmma_commit();
-      wgmma_wait<0>();
-      fence_regs(nacc);
-
-      // ---- NewV in bf16 (nva: O's intra-chunk A operand) and decayed (vsa: the update's).
-      uint32_t nva[4][4], vsa[4][4];
-      {
-        float nv[8][4], vs[8][4];
+      // h's decay while NewV runs (h is no operand of it; the update after it accumulates into h).
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float x = __bfloat162float(__float2bfloat16(nacc[4 * j + i]));
-            nv[j][i] = x;
-            vs[j][i] = 8 * j + 2 * c + (i & 1) < n ? x * gc[j][i & 1] : 0.f;
-          }
-        }
-        gdn_tile::acc_to_a<8>(nv, nva);
-        gdn_tile::acc_to_a<8>(vs, vsa);
-      }
-      // O^T's inter-chunk part times e^gamma of its column (token).
+      for (int i = 0; i < 64; ++i) h[i] *= decay;
+      fence_regs(h);    // the multiplies stay before the wait
+      wgmma_wait<1>();  // QH (NewV may still run)
+      fence_regs(o);
+      // O^T's inter-chunk part times e^gamma of its column (token), while NewV runs.
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) o[4 * j + i] *= eg[j][i & 1];
       }
+      fence_regs(o);
+      wgmma_wait<0>();  // NewV
+      fence_regs(nacc);
+
+      // ---- NewV in bf16 (nva: O's intra-chunk A operand; pack_bf16 rounds each value as the
+      // shipped path rounds V_new) and those values decayed (vsa: the update's). Rows past a
+      // partial chunk's end are zeros already (Tb's rows there are), so no mask.
+      uint32_t nva[4][4], vsa[4][4];
+      gdn_tile::acc_to_a<8>(reinterpret_cast<const float(&)[8][4]>(nacc), nva);
+#pragma unroll
+      for (int sk = 0; sk < 4; ++sk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {  // nva[sk][r]: tile 2 sk + r / 2, columns 2 c, 2 c + 1
+          const int j = 2 * sk + (r >> 1);
+          const uint32_t w = nva[sk][r];
+          vsa[sk][r] = pack_bf16(__uint_as_float(w << 16) * gc[j][0],
+                                 __uint_as_float(w & 0xffff0000u) * gc[j][1]);
+        }
+      }
 
       // ---- O^T += NewV^T M^T (group 1), then h^T <- e^(gamma_last) h^T + Vs^T K (group 2): O is
       // staged for the norm while the update, the chain's next dependency, is on the tensor cores.
-#pragma unroll
-      for (int i = 0; i < 64; ++i) h[i] *= decay;
       fence_regs(h);
       fence_regs(o);
       wgmma_fence();
