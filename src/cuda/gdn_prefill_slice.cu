@@ -404,6 +404,30 @@ struct GdnWgMaps {
   CUtensorMap snap;  // h_snap [max_chunks * n_v * 128 rows, 128] bf16, box [16, 64], swizzled
 };
 
+// A partial chunk (n < 64) in a chain warpgroup's stage: the rows past the sequence of the two
+// swizzled [64 t, 64 k] boxes of K at k_box (another sequence's rows, or TMA's zeros past the
+// tensor) to zeros, for the state update's wgmma reads them; then the proxy fence and the four
+// chain warps' named barrier 1. All 128 threads of the warpgroup call it (tid: 0..127).
+__device__ __forceinline__ void zero_k_tail(unsigned char* k_box, uint32_t box_bytes, int n,
+                                            int tid) {
+  for (int e = tid; e < (kC - n) * 16; e += 128) {
+    const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
+    *reinterpret_cast<uint4*>(k_box + half * box_bytes + r * 128 + q * 16) = make_uint4(0, 0, 0, 0);
+  }
+  fence_proxy_async();
+  named_barrier_sync(1, 128);
+}
+
+// The exchange slots of a cluster pair's gated norm (thread 0, with the other mbarriers): one
+// arrival each, armed for 64 row sums of 4 bytes before the cluster barrier that follows, so the
+// peer's first stores never find a slot unarmed.
+__device__ __forceinline__ void init_xchg_slots(uint64_t* xchg, int slots, bool norm) {
+  for (int x = 0; x < slots; ++x) {
+    mbar_init(&xchg[x], 1);
+    if (norm) mbar_arrive_expect_tx(&xchg[x], kC * 4);
+  }
+}
+
 template <bool kSignal, bool kTight>
 __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     gdn_state_wg_kernel(GdnShape s, GdnStatePool pool,
@@ -496,15 +520,7 @@ __global__ void __launch_bounds__(WgCfg::kThreads, 1)
     const int n = min(kC, len - ch * kC);
     unsigned char* st = stage(b);
     if constexpr (!kTight) mbar_wait(&full[b], uint32_t(ch / STAGES) & 1u);
-    if (n < kC) {  // a partial chunk: K rows past the sequence to zeros (wgmma reads them)
-      for (int e = tid; e < (kC - n) * 16; e += 128) {
-        const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
-        *reinterpret_cast<uint4*>(st + L::kK + half * L::kBox + r * 128 + q * 16) =
-            make_uint4(0, 0, 0, 0);
-      }
-      fence_proxy_async();
-      named_barrier_sync(1, 128);  // the four consumer warps
-    }
+    if (n < kC) zero_k_tail(st + L::kK, L::kBox, n, tid);  // wgmma reads K's rows past n
     if (kSignal && !kTight && ch >= 2 && lane == 0) {  // this warp's stores of chunk ch - 2 are
       tma_wait<2>();                                   // complete: publish them
       asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -1375,12 +1391,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
       mbar_init(&vn_full[nb], 4);
       mbar_init(&stg_empty[nb], 4);
     }
-    for (int x = 0; x < XS; ++x) {
-      mbar_init(&xchg[x], 1);
-      // Armed before the cluster barrier below, so the peer's first stores never find it
-      // unarmed: 64 row sums of 4 bytes per use.
-      if (norm) mbar_arrive_expect_tx(&xchg[x], kC * 4);
-    }
+    init_xchg_slots(xchg, XS, norm);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Both blocks' barriers are initialised (and xchg armed) before either sends a row sum.
@@ -1441,15 +1452,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
         fused_wait<kWatchChain>(&full[b], uint32_t(ch / STAGES) & 1u);
         __syncwarp();
       }
-      if (n < kC) {  // a partial chunk: K rows past the sequence to zeros (the update reads them)
-        for (int e = tid; e < (kC - n) * 16; e += 128) {
-          const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
-          *reinterpret_cast<uint4*>(st + L::kK + half * L::kBox + r * 128 + q * 16) =
-              make_uint4(0, 0, 0, 0);
-        }
-        fence_proxy_async();
-        named_barrier_sync(1, 128);  // the four chain warps
-      }
+      if (n < kC) zero_k_tail(st + L::kK, L::kBox, n, tid);  // the update reads K past n
       const uint32_t k_s = smem_u32(st + L::kK), w_s = smem_u32(st + L::kW);
       const bf16* u_s = reinterpret_cast<const bf16*>(st + L::kU);
       const float g_last =
@@ -1871,12 +1874,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
       mbar_init(&o_full[nb], 4);   // the chain's 4 warps
       mbar_init(&o_empty[nb], 4);  // the norm's 4 warps
     }
-    for (int x = 0; x < XS; ++x) {
-      mbar_init(&xchg[x], 1);
-      // Armed before the cluster barrier below, so the peer's first stores never find it
-      // unarmed: 64 row sums of 4 bytes per use.
-      if (norm) mbar_arrive_expect_tx(&xchg[x], kC * 4);
-    }
+    init_xchg_slots(xchg, XS, norm);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Both blocks' barriers are initialised (and xchg armed) before either sends a row sum.
@@ -1919,15 +1917,7 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
       unsigned char* st = stage(b);
       fused_wait(&full[b], uint32_t(ch / STAGES) & 1u);
       __syncwarp();
-      if (n < kC) {  // a partial chunk: K rows past the sequence to zeros (the update reads them)
-        for (int e = tid; e < (kC - n) * 16; e += 128) {
-          const int r = n + (e >> 4), half = (e >> 3) & 1, q = e & 7;
-          *reinterpret_cast<uint4*>(st + L::kK + half * L::kBox + r * 128 + q * 16) =
-              make_uint4(0, 0, 0, 0);
-        }
-        fence_proxy_async();
-        named_barrier_sync(1, 128);  // the four chain warps
-      }
+      if (n < kC) zero_k_tail(st + L::kK, L::kBox, n, tid);  // the update reads K past n
       const uint32_t k_s = smem_u32(st + L::kK), q_s = smem_u32(st + L::kQ);
       const uint32_t tb_s = smem_u32(st + L::kTb), m_s = smem_u32(st + L::kM);
       const unsigned char* v_s = st + L::kV;

@@ -502,6 +502,90 @@ void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, doub
   }
 }
 
+// A registry with one kGdnPrefill variant forced for every d_k = d_v = 128 shape (the generic
+// kernels for the rest).
+std::unique_ptr<DispatchRegistry> forced_gdn_registry(const char* name) {
+  auto* reg = new DispatchRegistry();
+  reg->add({KernelFamily::kGdnPrefill, name, name,
+            [](const ShapeKey& k) { return k.dims[0] == 128 && k.dims[1] == 128; }});
+  reg->add({KernelFamily::kGdnPrefill, "chunked", "generic", {}});
+  return std::unique_ptr<DispatchRegistry>(reg);
+}
+
+// slice_scan_ov's cases: fresh and carried states, ragged batches of 1..4097 tokens.
+const PrefillCase kOverlapCases[] = {{{4097}, {0}},
+                                     {{4096}, {8192}},
+                                     {{65, 1, 4097, 64, 0, 63, 200}, {0, 5, 0, 4096, 3, 0, 70}},
+                                     {{700, 1300, 513}, {64, 0, 1}}};
+
+// One case's layer, batch and slots (each sequence in slot i, its history random), with the initial
+// slots saved: run() restores them, launches once on `st` and returns y and every slot's state.
+struct PrefillRig {
+  PrefillRig(const GdnShape& shape, const PrefillCase& pc, uint32_t seed)
+      : s(shape), rng(seed), hl(make_layer(s, rng)), dl(upload_layer(s, hl)),
+        n_seqs(static_cast<int>(pc.lens.size())), cu(cu_seqlens(pc.lens)),
+        slots(slot_list(n_seqs)), n_tokens(cu[n_seqs]),
+        d(s, random_proj(s, n_tokens, rng), cu, pc.pos, slots), pool(s, n_seqs),
+        rec0(pool.rec.n), conv0(pool.conv.n) {
+    for (int i = 0; i < n_seqs; ++i) pool.put(s, slots[i], make_seq(s, pc.pos[i], rng));
+    CK(cudaMemcpy(rec0.p, pool.rec.p, rec0.n * 4, cudaMemcpyDeviceToDevice));
+    CK(cudaMemcpy(conv0.p, pool.conv.p, conv0.n * 2, cudaMemcpyDeviceToDevice));
+  }
+  static std::vector<int> slot_list(int n) {
+    std::vector<int> v(n);
+    for (int i = 0; i < n; ++i) v[i] = i;
+    return v;
+  }
+  void restore() {
+    CK(cudaMemcpy(pool.rec.p, rec0.p, rec0.n * 4, cudaMemcpyDeviceToDevice));
+    CK(cudaMemcpy(pool.conv.p, conv0.p, conv0.n * 2, cudaMemcpyDeviceToDevice));
+  }
+  // One launch of reg captured in a CUDA graph on a non-blocking stream, replayed `reps` times
+  // from the initial slots (y poisoned first): check(y, states, rep) after each.
+  template <typename F>
+  void graph_replays(const DispatchRegistry* reg, bool norm, int reps, F&& check) {
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    d.launch(s, dl.w(norm), pool.pool(), st, reg);
+    CK(cudaStreamEndCapture(st, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < reps; ++rep) {
+      restore();
+      d.out.poison();
+      CK(cudaGraphLaunch(exec, st));
+      CK(cudaStreamSynchronize(st));
+      check(download_bf16(d.out.p, d.out.n), download_f32(pool.rec.p, pool.rec.n), rep);
+    }
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    CK(cudaStreamDestroy(st));
+  }
+  std::pair<std::vector<float>, std::vector<float>> run(const DispatchRegistry* reg,
+                                                        cudaStream_t st, bool poison_ws,
+                                                        bool norm = true) {
+    restore();
+    if (poison_ws) d.ws.poison();
+    d.out.poison();
+    d.launch(s, dl.w(norm), pool.pool(), st, reg);
+    CK(cudaDeviceSynchronize());
+    return {download_bf16(d.out.p, d.out.n), download_f32(pool.rec.p, pool.rec.n)};
+  }
+  GdnShape s;
+  std::mt19937 rng;
+  HostLayer hl;
+  DevLayer dl;
+  int n_seqs;
+  std::vector<int> cu, slots;
+  int n_tokens;
+  DevPrefillBatch d;
+  DevPool pool;
+  DevBuf<float> rec0;
+  DevBuf<bf16> conv0;
+};
+
 // slice_scan_ov runs slice_scan_cs's kernels with the output beside the state pass (programmatic
 // dependent launch, per-chunk ready flags): its y and final states must be bit-identical to
 // slice_scan_cs's, from a poisoned workspace, on repeated launches over the same workspace (the
@@ -514,53 +598,19 @@ void check_prefill(const GdnShape& s, const PrefillCase& pc, uint32_t seed, doub
 void prefill_overlap_bit_exact(bool fused_only) {
   REQUIRE_GPU();
   if (device_sm() < 90) GTEST_SKIP() << "slice_scan_ov is sm 90 only";
-  auto forced = [](const char* name) {
-    auto* reg = new DispatchRegistry();
-    reg->add({KernelFamily::kGdnPrefill, name, name,
-              [](const ShapeKey& k) { return k.dims[0] == 128 && k.dims[1] == 128; }});
-    reg->add({KernelFamily::kGdnPrefill, "chunked", "generic", {}});
-    return std::unique_ptr<DispatchRegistry>(reg);
-  };
-  const auto reg_cs = forced("slice_scan_cs"), reg_ov = forced("slice_scan_ov"),
-             reg_wg = forced("slice_scan_wg");
+  const auto reg_cs = forced_gdn_registry("slice_scan_cs"),
+             reg_ov = forced_gdn_registry("slice_scan_ov"),
+             reg_wg = forced_gdn_registry("slice_scan_wg");
   const GdnShape s = shape_27b();
-  const PrefillCase cases[] = {{{4097}, {0}},
-                               {{4096}, {8192}},
-                               {{65, 1, 4097, 64, 0, 63, 200}, {0, 5, 0, 4096, 3, 0, 70}},
-                               {{700, 1300, 513}, {64, 0, 1}}};
   uint32_t seed = 40;
-  for (const PrefillCase& pc : cases) {
-    std::mt19937 rng(seed++);
-    const HostLayer hl = make_layer(s, rng);
-    const DevLayer dl = upload_layer(s, hl);
-    const int n_seqs = static_cast<int>(pc.lens.size());
-    const std::vector<int> cu = cu_seqlens(pc.lens);
-    std::vector<int> slots(n_seqs);
-    for (int i = 0; i < n_seqs; ++i) slots[i] = i;
-    const int n_tokens = cu[n_seqs];
+  for (const PrefillCase& pc : kOverlapCases) {
+    PrefillRig rig(s, pc, seed++);
+    const int n_seqs = rig.n_seqs, n_tokens = rig.n_tokens;
+    DevPrefillBatch& d = rig.d;
     std::printf("case: %d sequences, %d tokens\n", n_seqs, n_tokens);
-    const auto proj = random_proj(s, n_tokens, rng);
-    DevPrefillBatch d(s, proj, cu, pc.pos, slots);
-    DevPool pool(s, n_seqs);
-    for (int i = 0; i < n_seqs; ++i) pool.put(s, slots[i], make_seq(s, pc.pos[i], rng));
-    DevBuf<float> rec0(pool.rec.n);  // the initial slots, restored before every launch
-    DevBuf<bf16> conv0(pool.conv.n);
-    CK(cudaMemcpy(rec0.p, pool.rec.p, rec0.n * 4, cudaMemcpyDeviceToDevice));
-    CK(cudaMemcpy(conv0.p, pool.conv.p, conv0.n * 2, cudaMemcpyDeviceToDevice));
-    auto restore = [&] {
-      CK(cudaMemcpy(pool.rec.p, rec0.p, rec0.n * 4, cudaMemcpyDeviceToDevice));
-      CK(cudaMemcpy(pool.conv.p, conv0.p, conv0.n * 2, cudaMemcpyDeviceToDevice));
-    };
     // y and every slot's state after one launch of `reg` from the initial slots.
     auto run = [&](const DispatchRegistry* reg, cudaStream_t st, bool poison_ws,
-                   bool norm = true) {
-      restore();
-      if (poison_ws) d.ws.poison();
-      d.out.poison();
-      d.launch(s, dl.w(norm), pool.pool(), st, reg);
-      CK(cudaDeviceSynchronize());
-      return std::make_pair(download_bf16(d.out.p, d.out.n), download_f32(pool.rec.p, pool.rec.n));
-    };
+                   bool norm = true) { return rig.run(reg, st, poison_ws, norm); };
     // Bit-equal; else prints how many elements differ, the largest difference and the first
     // differing element as (row, column) of a [rows, cols] matrix.
     const int out_cols = s.out_dim();
@@ -642,28 +692,11 @@ void prefill_overlap_bit_exact(bool fused_only) {
         flags_ok(per_chunk, std::string(name) + " launch " + std::to_string(rep));
       }
       // Captured in a graph on a non-blocking stream, replayed twice.
-      cudaStream_t st;
-      CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      d.launch(s, dl.w(), pool.pool(), st, reg);
-      CK(cudaStreamEndCapture(st, &graph));
-      CK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int rep = 0; rep < 2; ++rep) {
-        restore();
-        d.out.poison();
-        CK(cudaGraphLaunch(exec, st));
-        CK(cudaStreamSynchronize(st));
-        EXPECT_TRUE(same(download_bf16(d.out.p, d.out.n), expect->first))
-            << name << " graph " << rep << ": y";
-        EXPECT_TRUE(same(download_f32(pool.rec.p, pool.rec.n), expect->second))
-            << name << " graph " << rep << ": states";
+      rig.graph_replays(reg, /*norm=*/true, 2, [&](const auto& y, const auto& st, int rep) {
+        EXPECT_TRUE(same(y, expect->first)) << name << " graph " << rep << ": y";
+        EXPECT_TRUE(same(st, expect->second)) << name << " graph " << rep << ": states";
         flags_ok(per_chunk, std::string(name) + " graph " + std::to_string(rep));
-      }
-      CK(cudaGraphExecDestroy(exec));
-      CK(cudaGraphDestroy(graph));
-      CK(cudaStreamDestroy(st));
+      });
     }
     if (!fused_only) continue;
     // Without the gated norm the fused kernel's slices exchange no row sums: y (O itself) and
@@ -1083,6 +1116,20 @@ WyInputs random_wy_inputs(const GdnShape& s, int T, std::mt19937& rng) {
   return in;
 }
 
+// The chunk map of sequences of `lens` tokens packed one after another ({seq, t0, n, index} per
+// chunk, then an empty entry {-1, 0, 0, 0}: no block work); T receives the tokens in all.
+std::vector<int> wy_chunk_map(const std::vector<int>& lens, int& T) {
+  std::vector<int> chunks;
+  T = 0;
+  for (int q = 0; q < int(lens.size()); ++q) {
+    for (int c = 0; 64 * c < lens[q]; ++c)
+      chunks.insert(chunks.end(), {q, T + 64 * c, std::min(64, lens[q] - 64 * c), c});
+    T += lens[q];
+  }
+  chunks.insert(chunks.end(), {-1, 0, 0, 0});
+  return chunks;
+}
+
 // The WY kernel with its work spread evenly over the warps (launch_gdn_wy_mma balanced = 1)
 // against the by-row-block split (0): gamma, W and U bit for bit, at the 27B shapes, on a chunk
 // map with full chunks and partial last chunks of several sequences (1..63 rows), outputs
@@ -1093,14 +1140,8 @@ TEST(CudaGdn, WyBalancedBitExact) {
   const GdnShape s = shape_27b();
   std::mt19937 rng(21);
   const std::vector<int> lens = {4097, 100, 64, 1, 300, 63};
-  std::vector<int> chunks;  // {seq, t0, n, index} per chunk
   int T = 0;
-  for (int q = 0; q < int(lens.size()); ++q) {
-    for (int c = 0; 64 * c < lens[q]; ++c)
-      chunks.insert(chunks.end(), {q, T + 64 * c, std::min(64, lens[q] - 64 * c), c});
-    T += lens[q];
-  }
-  chunks.insert(chunks.end(), {-1, 0, 0, 0});  // an empty entry: no block work
+  const std::vector<int> chunks = wy_chunk_map(lens, T);
   const int max_chunks = int(chunks.size() / 4), nv = s.n_v_heads;
   const auto [qkv, g, beta] = random_wy_inputs(s, T, rng);
   DevBuf<bf16> d_qkv(qkv.size());
@@ -1434,14 +1475,8 @@ TEST(CudaGdn, TmMatchesHostReference) {
   const GdnShape s = shape_27b();
   std::mt19937 rng(97);
   const std::vector<int> lens = {1000, 100, 64, 1, 63};
-  std::vector<int> chunks;  // {seq, t0, n, index} per chunk
   int T = 0;
-  for (int q = 0; q < int(lens.size()); ++q) {
-    for (int c = 0; 64 * c < lens[q]; ++c)
-      chunks.insert(chunks.end(), {q, T + 64 * c, std::min(64, lens[q] - 64 * c), c});
-    T += lens[q];
-  }
-  chunks.insert(chunks.end(), {-1, 0, 0, 0});  // an empty entry: no block work
+  const std::vector<int> chunks = wy_chunk_map(lens, T);
   const int max_chunks = int(chunks.size() / 4), nv = s.n_v_heads, nk = s.n_k_heads;
   const int qd = s.qkv_dim(), ratio = nv / nk;
   // Inputs as the conv stage leaves them: q and k rows unit length (q / sqrt(128)), v anything.
@@ -1946,50 +1981,17 @@ TEST(CudaGdn, PrefillFusedBitExact) { prefill_overlap_bit_exact(/*fused_only=*/t
 TEST(CudaGdnFlash, PrefillCloseToShipped) {
   REQUIRE_GPU();
   if (device_sm() < 90) GTEST_SKIP() << "the staged kernels are sm 90 only";
-  auto forced = [](const char* name) {
-    auto* reg = new DispatchRegistry();
-    reg->add({KernelFamily::kGdnPrefill, name, name,
-              [](const ShapeKey& k) { return k.dims[0] == 128 && k.dims[1] == 128; }});
-    reg->add({KernelFamily::kGdnPrefill, "chunked", "generic", {}});
-    return std::unique_ptr<DispatchRegistry>(reg);
-  };
-  const auto reg_cs = forced("slice_scan_cs"), reg_wg = forced("slice_scan_wg");
+  const auto reg_cs = forced_gdn_registry("slice_scan_cs"),
+             reg_wg = forced_gdn_registry("slice_scan_wg");
   const GdnShape s = shape_27b();
-  const PrefillCase cases[] = {{{4097}, {0}},
-                               {{4096}, {8192}},
-                               {{65, 1, 4097, 64, 0, 63, 200}, {0, 5, 0, 4096, 3, 0, 70}},
-                               {{700, 1300, 513}, {64, 0, 1}}};
   const GdnFormsRestore restore_forms;
   uint32_t seed = 40;
-  for (const PrefillCase& pc : cases) {
-    std::mt19937 rng(seed++);
-    const HostLayer hl = make_layer(s, rng);
-    const DevLayer dl = upload_layer(s, hl);
-    const int n_seqs = static_cast<int>(pc.lens.size());
-    const std::vector<int> cu = cu_seqlens(pc.lens);
-    std::vector<int> slots(n_seqs);
-    for (int i = 0; i < n_seqs; ++i) slots[i] = i;
-    const int n_tokens = cu[n_seqs];
-    const auto proj = random_proj(s, n_tokens, rng);
-    DevPrefillBatch d(s, proj, cu, pc.pos, slots);
-    DevPool pool(s, n_seqs);
-    for (int i = 0; i < n_seqs; ++i) pool.put(s, slots[i], make_seq(s, pc.pos[i], rng));
-    DevBuf<float> rec0(pool.rec.n);
-    DevBuf<bf16> conv0(pool.conv.n);
-    CK(cudaMemcpy(rec0.p, pool.rec.p, rec0.n * 4, cudaMemcpyDeviceToDevice));
-    CK(cudaMemcpy(conv0.p, pool.conv.p, conv0.n * 2, cudaMemcpyDeviceToDevice));
-    auto restore = [&] {
-      CK(cudaMemcpy(pool.rec.p, rec0.p, rec0.n * 4, cudaMemcpyDeviceToDevice));
-      CK(cudaMemcpy(pool.conv.p, conv0.p, conv0.n * 2, cudaMemcpyDeviceToDevice));
-    };
+  for (const PrefillCase& pc : kOverlapCases) {
+    PrefillRig rig(s, pc, seed++);
+    const int n_seqs = rig.n_seqs, n_tokens = rig.n_tokens;
     auto run = [&](const DispatchRegistry* reg, GdnStateForm form, bool norm) {
       set_gdn_state_form(form);
-      restore();
-      d.ws.poison();
-      d.out.poison();
-      d.launch(s, dl.w(norm), pool.pool(), nullptr, reg);
-      CK(cudaDeviceSynchronize());
-      return std::make_pair(download_bf16(d.out.p, d.out.n), download_f32(pool.rec.p, pool.rec.n));
+      return rig.run(reg, nullptr, /*poison_ws=*/true, norm);
     };
     // Relative L2 of a against b, and NaNs in a.
     auto rel_l2 = [](const std::vector<float>& a, const std::vector<float>& b, size_t& nan) {
@@ -2019,26 +2021,10 @@ TEST(CudaGdnFlash, PrefillCloseToShipped) {
       const auto again = run(reg_wg.get(), GdnStateForm::kFlash, norm);
       EXPECT_TRUE(again.first == got.first) << "y differs between launches";
       EXPECT_TRUE(again.second == got.second) << "states differ between launches";
-      cudaStream_t st;
-      CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      d.launch(s, dl.w(norm), pool.pool(), st, reg_wg.get());
-      CK(cudaStreamEndCapture(st, &graph));
-      CK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int rep = 0; rep < 2; ++rep) {
-        restore();
-        d.out.poison();
-        CK(cudaGraphLaunch(exec, st));
-        CK(cudaStreamSynchronize(st));
-        EXPECT_TRUE(download_bf16(d.out.p, d.out.n) == got.first) << "graph " << rep << ": y";
-        EXPECT_TRUE(download_f32(pool.rec.p, pool.rec.n) == got.second)
-            << "graph " << rep << ": states";
-      }
-      CK(cudaGraphExecDestroy(exec));
-      CK(cudaGraphDestroy(graph));
-      CK(cudaStreamDestroy(st));
+      rig.graph_replays(reg_wg.get(), norm, 2, [&](const auto& y, const auto& st, int rep) {
+        EXPECT_TRUE(y == got.first) << "graph " << rep << ": y";
+        EXPECT_TRUE(st == got.second) << "graph " << rep << ": states";
+      });
     }
   }
 }
