@@ -356,6 +356,15 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
       cp_async16(vs + r * kLd + col, row + 2 * s.n_k_heads * kD + hv * kD + col, ok);
   }
   cp_async_commit();
+  if constexpr (TM) {
+    // The key head's Q rows, loaded once T is complete (into A's space), into L2 now: two 128-byte
+    // lines per row, one per thread, so that their late load meets L2 instead of HBM.
+    const int r = tid >> 1;
+    if (r < n)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(qkv + (row0 + r) * qkv_dim + hk * kD +
+                                                     (tid & 1) * 64)
+                   : "memory");
+  }
   if (warp == 0) {
     stage_chunk_gates(g, beta, row0, n, n_v, hv, lane, gam, bet, eg);  // gamma, beta, beta e^gamma
   }
