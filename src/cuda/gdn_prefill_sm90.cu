@@ -301,8 +301,8 @@ __device__ unsigned long long* g_wy_stamps;
 //     expression on an mma.sync Q K^T), zeros above the diagonal.
 // Rows and columns past a partial chunk's n are zeros in both (beta and the zero-filled K / Q rows
 // there). gamma is written back to g as in every form. Warps 2 and 3 load the key head's Q rows
-// into A's space once T is complete while warps 0 and 1 store Tb; then every warp forms its row
-// block of M (2 w + 2 tiles: unbalanced, a first form).
+// into A's space once T is complete while warps 0 and 1 store Tb; then the warps form M's tiles,
+// 5 each, split as A's are.
 template <bool TF32_OFFDIAG, bool BALANCED = false, bool LATE_V = false, bool TIMED = false,
           bool TM = false>
 __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
@@ -659,35 +659,60 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
       }
     }
     __syncthreads();  // Q (warps 2 and 3) in shared memory for every warp
-    // M, row block `warp`: S = Q K^T on mma.sync (tiles up to the diagonal), then P's mask and
-    // decay (decay_mask_p's expression), bf16.
+    // M: S = Q K^T on mma.sync, the tiles up to the diagonal spread over the warps as A's are
+    // (5 tiles each: see BALANCED above), then P's mask and decay (decay_mask_p's expression),
+    // bf16. Each tile is the same k-steps in the same order whichever warp forms it. The tiles
+    // above the diagonal are zeros, row block `warp`'s written by warp `warp`.
     const bf16* qs = vs;
-    float mm[8][4];
 #pragma unroll
-    for (int jt = 0; jt < 8; ++jt) mm[jt][0] = mm[jt][1] = mm[jt][2] = mm[jt][3] = 0.f;
+    for (int jt = 2 * warp + 2; jt < 8; ++jt) {
 #pragma unroll
-    for (int kstep = 0; kstep < kD / 16; ++kstep) {
-      uint32_t a[4];
-      ldsm_x4(a, qs + (16 * warp + (lane & 15)) * kLd + 16 * kstep + (lane >> 4) * 8);
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<uint32_t*>(mo + (16 * warp + gq + 8 * half) * kC + 8 * jt + 2 * c) = 0u;
+    }
+    // Tiles [jlo, jhi) of row block r (at most 5).
+    auto m_tiles = [&](int r, int jlo, int jhi) {
+      float mm[5][4];
 #pragma unroll
-      for (int jt = 0; jt < 8; ++jt) {
-        if (jt <= 2 * warp + 1) {
-          uint32_t bb[2];
-          ldsm_x2(bb, ks + (8 * jt + (lane & 7)) * kLd + 16 * kstep + ((lane >> 3) & 1) * 8);
-          mma_bf16(mm[jt], a, bb[0], bb[1]);
+      for (int jt = 0; jt < 5; ++jt) mm[jt][0] = mm[jt][1] = mm[jt][2] = mm[jt][3] = 0.f;
+#pragma unroll
+      for (int kstep = 0; kstep < kD / 16; ++kstep) {
+        uint32_t a[4];
+        ldsm_x4(a, qs + (16 * r + (lane & 15)) * kLd + 16 * kstep + (lane >> 4) * 8);
+#pragma unroll
+        for (int jt = 0; jt < 5; ++jt) {
+          if (jlo + jt < jhi) {
+            uint32_t bb[2];
+            ldsm_x2(bb, ks + (8 * (jlo + jt) + (lane & 7)) * kLd + 16 * kstep +
+                            ((lane >> 3) & 1) * 8);
+            mma_bf16(mm[jt], a, bb[0], bb[1]);
+          }
         }
       }
-    }
 #pragma unroll
-    for (int jt = 0; jt < 8; ++jt) {
+      for (int jt = 0; jt < 5; ++jt) {
+        if (jlo + jt < jhi) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = 16 * warp + gq + 8 * half, j = 8 * jt + 2 * c;
-        const float gi = gam[i];
-        const float x0 = j <= i ? mm[jt][2 * half] * __expf(gi - gam[j]) : 0.f;
-        const float x1 = j + 1 <= i ? mm[jt][2 * half + 1] * __expf(gi - gam[j + 1]) : 0.f;
-        *reinterpret_cast<uint32_t*>(mo + i * kC + j) = pack_bf16(x0, x1);
+          for (int half = 0; half < 2; ++half) {
+            const int i = 16 * r + gq + 8 * half, j = 8 * (jlo + jt) + 2 * c;
+            const float gi = gam[i];
+            const float x0 = j <= i ? mm[jt][2 * half] * __expf(gi - gam[j]) : 0.f;
+            const float x1 = j + 1 <= i ? mm[jt][2 * half + 1] * __expf(gi - gam[j + 1]) : 0.f;
+            *reinterpret_cast<uint32_t*>(mo + i * kC + j) = pack_bf16(x0, x1);
+          }
+        }
       }
+    };
+    if (warp == 0) {
+      m_tiles(0, 0, 2);
+      m_tiles(3, 0, 3);
+    } else if (warp == 1) {
+      m_tiles(1, 0, 4);
+      m_tiles(2, 0, 1);
+    } else if (warp == 2) {
+      m_tiles(2, 1, 6);
+    } else {
+      m_tiles(3, 3, 8);
     }
   } else {
     // Unbalanced: W then U for row block `warp`. BALANCED: matrix warp / 2 (W, U) for row blocks
