@@ -1793,8 +1793,9 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FusedCfg<kOutWgs>::k
 //     (the shipped update, B = K MN-major), so that O is staged while the update runs.
 // O^T goes to warpgroup 1 through one of two fp32 staging buffers ([64 t][68]: the transposed
 // stores are bank-conflict free), which forms the gated RMSNorm per token: its 64 values' sum of
-// squares, the peer slice's by st.async (two slots, as gdn_state_out_fused_kernel exchanges them),
-// x0 + x1 in slice order, then y = w o rsqrt(ss / 128 + eps) silu(z) in bf16. No snapshot, no
+// squares, the peer slice's by st.async (as gdn_state_out_fused_kernel exchanges them, four slots:
+// the norm runs one chunk ahead of its exchange), x0 + x1 in slice order, then
+// y = w o rsqrt(ss / 128 + eps) silu(z) in bf16. No snapshot, no
 // V_new, no output kernel. The arithmetic is FlashInfer's association, not the shipped path's:
 // V_new = Tb (V - e^gamma K h) instead of U - W h, so the bits differ; the test bounds y and the
 // final state against the shipped path (CudaGdnFlash.PrefillCloseToShipped).
@@ -1815,7 +1816,7 @@ struct FlashCfg {
   static constexpr int kOLd = kC + 4;          // fp32 row stride of the O staging [64 t][68]
   static constexpr uint32_t kO = kStages * kBuf;
   static constexpr uint32_t kOBuf = kC * kOLd * 4;
-  static constexpr int kXSlots = 2;
+  static constexpr int kXSlots = 4;  // the norm runs one chunk ahead (see warpgroup 1)
   static constexpr uint32_t kX = kO + kNb * kOBuf;  // [kXSlots][64] fp32: the peer's row sums
   static constexpr uint32_t kBar = kX + kXSlots * kC * 4;
   // full[kStages], empty[kStages], o_full[kNb], o_empty[kNb], xchg[kXSlots]
@@ -2058,76 +2059,98 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
     gdn_tile::store_state_rows(reinterpret_cast<const float(&)[16][4]>(h), state, v_base, g, c);
   } else {
     // ================= warpgroup 1: the gated RMSNorm of this slice's 64 values =================
-    // Thread u: token t = u / 2, values [32 (u % 2), + 32) of the slice.
+    // Thread u: token t = u / 2, values [32 (u % 2), + 32) of the slice. Software-pipelined by one
+    // chunk: iteration i forms chunk i's sums and sends them to the peer (phase A), then finishes
+    // chunk i - 1 (phase B: the peer's sums, the norm, y), so that the exchange's round trip runs
+    // under phase A. Four exchange slots make that safe: the peer sends chunk k's sums only after
+    // its phase B of chunk k - 2 has ours, which we send after our phase B of chunk k - 4 has read
+    // slot k % 4 (every thread: the named barrier) and waited for its phase to complete (a
+    // complete_tx that arrives before the slot's re-arm only leaves the new phase's count below
+    // zero until the arm's arrival, which the phase needs anyway).
     const int u = tid - 128, t = u >> 1, vh = u & 1;
     const int qkv_dim = s.qkv_dim(), in_dim = s.in_dim(), out_dim = s.out_dim();
     const uint32_t peer = rank ^ 1u;
-    for (int ch = 0; ch < n_chunks; ++ch) {
-      const int nb = ch % NB, xb = ch % XS;
-      const int64_t row0 = start + int64_t(ch) * kC;
-      const int n = min(kC, len - ch * kC);
-      // z of this thread's 32 values (row held at the sequence's last past it), before the wait.
+    const uint4* w4 = reinterpret_cast<const uint4*>(wts.norm_w + v_cta + 32 * vh);
+    float ov_prev[32], ss_prev = 0.f;
+    uint4 z_prev[4];
+    for (int i = 0; i <= n_chunks; ++i) {
+      float ov[32], ss = 0.f;
       uint4 z4[4];
-      const bf16* zrow =
-          proj + (row0 + min(t, n - 1)) * in_dim + qkv_dim + hv * kD + v_cta + 32 * vh;
+      if (i < n_chunks) {  // ---- phase A: chunk i
+        const int nb = i % NB, xb = i % XS;
+        const int64_t row0 = start + int64_t(i) * kC;
+        const int n = min(kC, len - i * kC);
+        // z of this thread's 32 values (row held at the sequence's last past it), before the wait.
+        const bf16* zrow =
+            proj + (row0 + min(t, n - 1)) * in_dim + qkv_dim + hv * kD + v_cta + 32 * vh;
 #pragma unroll
-      for (int q = 0; q < 4; ++q)
-        z4[q] = norm ? __ldg(reinterpret_cast<const uint4*>(zrow) + q) : make_uint4(0, 0, 0, 0);
-      fused_wait(&o_full[nb], uint32_t(ch / NB) & 1u);
-      float ov[32];
-      const float4* orow = reinterpret_cast<const float4*>(ostg(nb) + t * L::kOLd + 32 * vh);
+        for (int q = 0; q < 4; ++q)
+          z4[q] = norm ? __ldg(reinterpret_cast<const uint4*>(zrow) + q) : make_uint4(0, 0, 0, 0);
+        fused_wait(&o_full[nb], uint32_t(i / NB) & 1u);
+        const float4* orow = reinterpret_cast<const float4*>(ostg(nb) + t * L::kOLd + 32 * vh);
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const float4 x = orow[q];
-        ov[4 * q] = x.x;
-        ov[4 * q + 1] = x.y;
-        ov[4 * q + 2] = x.z;
-        ov[4 * q + 3] = x.w;
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&o_empty[nb]);  // this warp has read buffer nb
-      float ss = 0.f;
+        for (int q = 0; q < 8; ++q) {
+          const float4 x = orow[q];
+          ov[4 * q] = x.x;
+          ov[4 * q + 1] = x.y;
+          ov[4 * q + 2] = x.z;
+          ov[4 * q + 3] = x.w;
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&o_empty[nb]);  // this warp has read buffer nb
 #pragma unroll
-      for (int i = 0; i < 32; ++i) ss += ov[i] * ov[i];
-      ss += __shfl_xor_sync(0xffffffffu, ss, 1);  // this slice's 64 values of token t
-      float total = ss;
-      if (norm) {
-        if (vh == 0)
+        for (int k = 0; k < 32; ++k) ss += ov[k] * ov[k];
+        ss += __shfl_xor_sync(0xffffffffu, ss, 1);  // this slice's 64 values of token t
+        if (norm && vh == 0)
           st_async_f32(cluster_map(smem_u32(xs + xb * kC + t), peer), ss,
                        cluster_map(smem_u32(&xchg[xb]), peer));
-        fused_wait(&xchg[xb], uint32_t(ch / XS) & 1u);
-        const float other = xs[xb * kC + t];
-        total = rank == 0 ? ss + other : other + ss;  // slice 0's sum first in both blocks
       }
-      // Every thread has read slot xb and buffer nb before any sends its sums for the next chunk
-      // (the peer may refill slot xb with chunk ch + XS's sums once it has ours for ch + 1); then
-      // one thread re-arms the slot for that use.
-      named_barrier_sync(2, 128);
-      if (norm && u == 0) mbar_arrive_expect_tx(&xchg[xb], kC * 4);
-      const float scale = norm ? rsqrtf(total / kD + s.norm_eps) : 1.f;
-      if (t < n) {
-        uint4* y = reinterpret_cast<uint4*>(out + (row0 + t) * out_dim + hv * kD + v_cta + 32 * vh);
-        // The norm weight's 32 values of this thread (16-byte loads; L1 keeps them across chunks).
-        const uint4* w4 = reinterpret_cast<const uint4*>(wts.norm_w + v_cta + 32 * vh);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const uint4 wq = norm ? __ldg(w4 + q) : make_uint4(0, 0, 0, 0);
-          const uint32_t zw[4] = {z4[q].x, z4[q].y, z4[q].z, z4[q].w};
-          const uint32_t ww[4] = {wq.x, wq.y, wq.z, wq.w};
-          uint32_t yw[4];
-#pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            float y0 = ov[8 * q + 2 * p], y1 = ov[8 * q + 2 * p + 1];
-            const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(&zw[p]);
-            const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(&ww[p]);
-            if (norm) {
-              y0 = __low2float(w2) * y0 * scale * silu(__low2float(z2));
-              y1 = __high2float(w2) * y1 * scale * silu(__high2float(z2));
-            }
-            yw[p] = pack_bf16(y0, y1);
-          }
-          y[q] = make_uint4(yw[0], yw[1], yw[2], yw[3]);
+      if (i >= 1) {  // ---- phase B: chunk i - 1
+        const int c = i - 1, xb = c % XS;
+        const int64_t row0 = start + int64_t(c) * kC;
+        const int n = min(kC, len - c * kC);
+        float total = ss_prev;
+        if (norm) {
+          fused_wait(&xchg[xb], uint32_t(c / XS) & 1u);
+          const float other = xs[xb * kC + t];
+          total = rank == 0 ? ss_prev + other : other + ss_prev;  // slice 0's sum first in both
         }
+        // Every thread has read slot xb before any sends chunk i + 1's sums (see above); then one
+        // thread re-arms the slot for chunk c + XS.
+        named_barrier_sync(2, 128);
+        if (norm && u == 0) mbar_arrive_expect_tx(&xchg[xb], kC * 4);
+        const float scale = norm ? rsqrtf(total / kD + s.norm_eps) : 1.f;
+        if (t < n) {
+          uint4* y =
+              reinterpret_cast<uint4*>(out + (row0 + t) * out_dim + hv * kD + v_cta + 32 * vh);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            // the norm weight's 16-byte vectors (L1 keeps them across chunks)
+            const uint4 wq = norm ? __ldg(w4 + q) : make_uint4(0, 0, 0, 0);
+            const uint32_t zw[4] = {z_prev[q].x, z_prev[q].y, z_prev[q].z, z_prev[q].w};
+            const uint32_t ww[4] = {wq.x, wq.y, wq.z, wq.w};
+            uint32_t yw[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+              float y0 = ov_prev[8 * q + 2 * p], y1 = ov_prev[8 * q + 2 * p + 1];
+              const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(&zw[p]);
+              const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(&ww[p]);
+              if (norm) {
+                y0 = __low2float(w2) * y0 * scale * silu(__low2float(z2));
+                y1 = __high2float(w2) * y1 * scale * silu(__high2float(z2));
+              }
+              yw[p] = pack_bf16(y0, y1);
+            }
+            y[q] = make_uint4(yw[0], yw[1], yw[2], yw[3]);
+          }
+        }
+      }
+      if (i < n_chunks) {
+#pragma unroll
+        for (int k = 0; k < 32; ++k) ov_prev[k] = ov[k];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) z_prev[q] = z4[q];
+        ss_prev = ss;
       }
     }
   }
