@@ -2106,17 +2106,17 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
                        cluster_map(smem_u32(&xchg[xb]), peer));
       }
       if (i >= 1) {  // ---- phase B: chunk i - 1
-        const int c = i - 1, xb = c % XS;
-        const int64_t row0 = start + int64_t(c) * kC;
-        const int n = min(kC, len - c * kC);
+        const int cb = i - 1, xb = cb % XS;
+        const int64_t row0 = start + int64_t(cb) * kC;
+        const int n = min(kC, len - cb * kC);
         float total = ss_prev;
         if (norm) {
-          fused_wait(&xchg[xb], uint32_t(c / XS) & 1u);
+          fused_wait(&xchg[xb], uint32_t(cb / XS) & 1u);
           const float other = xs[xb * kC + t];
           total = rank == 0 ? ss_prev + other : other + ss_prev;  // slice 0's sum first in both
         }
         // Every thread has read slot xb before any sends chunk i + 1's sums (see above); then one
-        // thread re-arms the slot for chunk c + XS.
+        // thread re-arms the slot for chunk cb + XS.
         named_barrier_sync(2, 128);
         if (norm && u == 0) mbar_arrive_expect_tx(&xchg[xb], kC * 4);
         const float scale = norm ? rsqrtf(total / kD + s.norm_eps) : 1.f;
@@ -2154,6 +2154,10 @@ __global__ void __cluster_dims__(1, 1, 2) __launch_bounds__(FlashCfg::kThreads, 
       }
     }
   }
+  // Neither block of the pair exits while the other may still write into it (its last row sums
+  // have arrived by then; this makes the rule explicit at the cost of one cluster barrier).
+  __syncwarp();
+  cluster_sync_all();
 }
 
 #undef DS_GDN_OUT_PARAMS
@@ -2260,7 +2264,7 @@ bool gdn_flash_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnS
                          const float* gamma) {
   return gdn_slice_supported(s, w, pool, proj, out) &&
          gdn_slice_wg_supported(s, n_tokens, max_chunks, gamma) && aligned(out, 16) &&
-         (w.norm_w == nullptr || aligned(w.norm_w, 4)) &&
+         (w.norm_w == nullptr || aligned(w.norm_w, 16)) &&  // read as 16-byte vectors
          int64_t(max_chunks) * s.n_v_heads * 2 * kC < (int64_t(1) << 31);
 }
 

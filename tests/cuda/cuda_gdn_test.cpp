@@ -837,7 +837,8 @@ TEST(CudaGdn, StateFormSwitch) {
 }
 
 // The flash form's guard (host only): the shipped shapes pass; another head size, a head count
-// gamma's 4-head box cannot take, misaligned out or gamma, and too many T / M rows do not.
+// gamma's 4-head box cannot take, misaligned out, gamma or norm weight, and too many T / M rows
+// do not.
 TEST(CudaGdn, FlashGuard) {
   const GdnShape s = shape_27b();
   alignas(16) static unsigned char buf[64];
@@ -863,6 +864,11 @@ TEST(CudaGdn, FlashGuard) {
                                    reinterpret_cast<const float*>(buf + 4)));  // gamma
   EXPECT_FALSE(gdn_flash_supported(s, w, pool, proj, out, 4096, 400000, gamma));  // 2^31 rows
   EXPECT_FALSE(gdn_flash_supported(s, w, pool, proj, out, 0, 1, gamma));  // no tokens
+  GdnLayerWeights w4 = w;
+  w4.norm_w = reinterpret_cast<const bf16*>(buf + 4);  // the norm weight is read as 16-byte vectors
+  EXPECT_FALSE(gdn_flash_supported(s, w4, pool, proj, out, 4096, 65, gamma));
+  w4.norm_w = nullptr;  // no gated norm
+  EXPECT_TRUE(gdn_flash_supported(s, w4, pool, proj, out, 4096, 65, gamma));
 }
 
 TEST(CudaGdn, PrefillWorkspaceTooSmallIsAnError) {
