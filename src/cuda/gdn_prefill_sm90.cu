@@ -260,6 +260,27 @@ __device__ __forceinline__ void load_a_tf32(uint32_t (&a)[4], const float* p, in
   a[3] = to_tf32(p[(g + 8) * ld + t + 4]);
 }
 
+// Tiles [jlo, jhi) (at most 5) of row block r of X K^T on mma.sync, fp32: the A operand from the
+// [64][kLd] bf16 rows of x (K for A's products, Q for M's), B from K's rows; k-steps in order.
+__device__ __forceinline__ void row_block_tiles(const bf16* x, const bf16* ks, int r, int jlo,
+                                                int jhi, int lane, float (&acc)[5][4]) {
+#pragma unroll
+  for (int jt = 0; jt < 5; ++jt) acc[jt][0] = acc[jt][1] = acc[jt][2] = acc[jt][3] = 0.f;
+#pragma unroll
+  for (int kstep = 0; kstep < kD / 16; ++kstep) {
+    uint32_t a[4];
+    ldsm_x4(a, x + (16 * r + (lane & 15)) * kLd + 16 * kstep + (lane >> 4) * 8);
+#pragma unroll
+    for (int jt = 0; jt < 5; ++jt) {
+      if (jlo + jt < jhi) {
+        uint32_t bb[2];
+        ldsm_x2(bb, ks + (8 * (jlo + jt) + (lane & 7)) * kLd + 16 * kstep + ((lane >> 3) & 1) * 8);
+        mma_bf16(acc[jt], a, bb[0], bb[1]);
+      }
+    }
+  }
+}
+
 // TF32_OFFDIAG: the off-diagonal blocks of T per column block on tf32 mma.sync, warp j owning
 // column block j (no block barriers between the distances), and the beta e^gamma / beta scales
 // applied to T's columns instead of K's and V's rows (used by the slice_scan variants); else the
@@ -379,22 +400,7 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     // Tiles [jlo, jhi) of row block r (at most 5).
     auto a_tiles = [&](int r, int jlo, int jhi) {
       float kk[5][4];
-#pragma unroll
-      for (int jt = 0; jt < 5; ++jt) kk[jt][0] = kk[jt][1] = kk[jt][2] = kk[jt][3] = 0.f;
-#pragma unroll
-      for (int kstep = 0; kstep < kD / 16; ++kstep) {
-        uint32_t a[4];
-        ldsm_x4(a, ks + (16 * r + (lane & 15)) * kLd + 16 * kstep + (lane >> 4) * 8);
-#pragma unroll
-        for (int jt = 0; jt < 5; ++jt) {
-          if (jlo + jt < jhi) {
-            uint32_t bb[2];
-            ldsm_x2(bb, ks + (8 * (jlo + jt) + (lane & 7)) * kLd + 16 * kstep +
-                            ((lane >> 3) & 1) * 8);
-            mma_bf16(kk[jt], a, bb[0], bb[1]);
-          }
-        }
-      }
+      row_block_tiles(ks, ks, r, jlo, jhi, lane, kk);
 #pragma unroll
       for (int jt = 0; jt < 5; ++jt) {
         if (jlo + jt < jhi) {
@@ -673,22 +679,7 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     // Tiles [jlo, jhi) of row block r (at most 5).
     auto m_tiles = [&](int r, int jlo, int jhi) {
       float mm[5][4];
-#pragma unroll
-      for (int jt = 0; jt < 5; ++jt) mm[jt][0] = mm[jt][1] = mm[jt][2] = mm[jt][3] = 0.f;
-#pragma unroll
-      for (int kstep = 0; kstep < kD / 16; ++kstep) {
-        uint32_t a[4];
-        ldsm_x4(a, qs + (16 * r + (lane & 15)) * kLd + 16 * kstep + (lane >> 4) * 8);
-#pragma unroll
-        for (int jt = 0; jt < 5; ++jt) {
-          if (jlo + jt < jhi) {
-            uint32_t bb[2];
-            ldsm_x2(bb, ks + (8 * (jlo + jt) + (lane & 7)) * kLd + 16 * kstep +
-                            ((lane >> 3) & 1) * 8);
-            mma_bf16(mm[jt], a, bb[0], bb[1]);
-          }
-        }
-      }
+      row_block_tiles(qs, ks, r, jlo, jhi, lane, mm);
 #pragma unroll
       for (int jt = 0; jt < 5; ++jt) {
         if (jlo + jt < jhi) {
