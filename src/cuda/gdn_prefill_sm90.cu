@@ -260,6 +260,25 @@ __device__ __forceinline__ void load_a_tf32(uint32_t (&a)[4], const float* p, in
   a[3] = to_tf32(p[(g + 8) * ld + t + 4]);
 }
 
+// The balanced split of a chunk's lower-triangular 8-row tiles (8 x 8 of them, tiles up to the
+// diagonal of each 16-row block) over the 4 warps, 5 tiles each: f(row block, first tile, end)
+// for this warp's runs (warp 0: block 0 tiles 0-1 and block 3 tiles 0-2; warp 1: block 1 tiles 0-3
+// and block 2 tile 0; warp 2: block 2 tiles 1-5; warp 3: block 3 tiles 3-7).
+template <typename F>
+__device__ __forceinline__ void balanced_tiles(int warp, F&& f) {
+  if (warp == 0) {
+    f(0, 0, 2);
+    f(3, 0, 3);
+  } else if (warp == 1) {
+    f(1, 0, 4);
+    f(2, 0, 1);
+  } else if (warp == 2) {
+    f(2, 1, 6);
+  } else {
+    f(3, 3, 8);
+  }
+}
+
 // Tiles [jlo, jhi) (at most 5) of row block r of X K^T on mma.sync, fp32: the A operand from the
 // [64][kLd] bf16 rows of x (K for A's products, Q for M's), B from K's rows; k-steps in order.
 __device__ __forceinline__ void row_block_tiles(const bf16* x, const bf16* ks, int r, int jlo,
@@ -416,17 +435,7 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
         }
       }
     };
-    if (warp == 0) {
-      a_tiles(0, 0, 2);
-      a_tiles(3, 0, 3);
-    } else if (warp == 1) {
-      a_tiles(1, 0, 4);
-      a_tiles(2, 0, 1);
-    } else if (warp == 2) {
-      a_tiles(2, 1, 6);
-    } else {
-      a_tiles(3, 3, 8);
-    }
+    balanced_tiles(warp, a_tiles);
   } else {
     float kk[8][4];
 #pragma unroll
@@ -694,17 +703,7 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
         }
       }
     };
-    if (warp == 0) {
-      m_tiles(0, 0, 2);
-      m_tiles(3, 0, 3);
-    } else if (warp == 1) {
-      m_tiles(1, 0, 4);
-      m_tiles(2, 0, 1);
-    } else if (warp == 2) {
-      m_tiles(2, 1, 6);
-    } else {
-      m_tiles(3, 3, 8);
-    }
+    balanced_tiles(warp, m_tiles);
   } else {
     // Unbalanced: W then U for row block `warp`. BALANCED: matrix warp / 2 (W, U) for row blocks
     // {0, 3} (even warps) or {1, 2} (odd warps).
