@@ -116,6 +116,13 @@ constexpr int kGemvAheadMaxKib = 512;  // $DS_GEMV_AHEAD's range
 // l2_ahead for a config at row length k (GLU: the stage is a gate row and an up row); at least
 // one stage for any budget > 0.
 int gemv_ahead_kib_from_env();
+// Stages of stage_bytes each that a budget of kib KiB covers, rounded up: at least one for any
+// budget > 0, none for 0 (the rounding every GEMV's *_ahead_stages shares).
+inline int gemv_ahead_stages_for(int kib, int64_t stage_bytes) {
+  if (kib <= 0 || stage_bytes <= 0) return 0;
+  const int64_t st = (int64_t(kib) * 1024 + stage_bytes - 1) / stage_bytes;
+  return int(st > 1 ? st : 1);
+}
 int gemv_bulk_ahead_stages(int kib, int k, const GemvBulkConfig& c, bool glu);
 
 // The leading rows of a LATER GEMV's blocks, prefetched into L2 by this GEMV's blocks as each

@@ -1177,8 +1177,7 @@ int gemv_ahead_kib_from_env() {
 
 int gemv_bulk_ahead_stages(int kib, int k, const GemvBulkConfig& c, bool glu) {
   if (kib <= 0 || k <= 0) return 0;
-  const int64_t stage = int64_t(glu ? 2 : c.rows_per_stage) * k * 2;
-  return int(std::max<int64_t>(1, (int64_t(kib) * 1024 + stage - 1) / stage));
+  return gemv_ahead_stages_for(kib, int64_t(glu ? 2 : c.rows_per_stage) * k * 2);
 }
 
 namespace {

@@ -212,8 +212,7 @@ std::string GemvNarrowConfig::name() const {
 
 int gemv_narrow_ahead_stages(int kib, int64_t k) {
   if (kib <= 0 || k < 8) return 0;
-  const int64_t stage = int64_t(gemv_narrow_slice_len(k)) * 2;
-  return int(std::max<int64_t>(1, (int64_t(kib) * 1024 + stage - 1) / stage));
+  return gemv_ahead_stages_for(kib, int64_t(gemv_narrow_slice_len(k)) * 2);
 }
 
 int gemv_narrow_slices(int64_t k) {

@@ -544,8 +544,7 @@ std::string GemvTmaConfig::name() const {
 
 int gemv_tma_ahead_stages(int kib, int64_t n, bool glu, const GemvTmaConfig& c, int n_sms) {
   if (kib <= 0 || c.kbox != 1 || n < 1 || n_sms < 1) return 0;
-  const int64_t stage = 2 * int64_t(box_bytes(box_rows(n, glu, grid_for(n, n_sms))));
-  return int(std::max<int64_t>(1, (int64_t(kib) * 1024 + stage - 1) / stage));
+  return gemv_ahead_stages_for(kib, 2 * int64_t(box_bytes(box_rows(n, glu, grid_for(n, n_sms)))));
 }
 
 int gemv_tma_max_slots(int box_rows, int kbox) {
