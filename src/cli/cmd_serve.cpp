@@ -41,6 +41,7 @@ struct ServeOpts {
   int max_waiting = 256;
   int max_body_mb = 16;
   int read_timeout = 20;
+  int request_timeout = 60;
   int http_threads = 0;
   int shutdown_timeout = 30;
   int max_logprobs = 20;
@@ -141,7 +142,8 @@ int run_serve(const ServeOpts& o) {
   }
   so.max_body_bytes = static_cast<size_t>(o.max_body_mb) << 20;
   so.read_timeout_s = o.read_timeout;
-  so.http_threads = o.http_threads > 0 ? o.http_threads : std::max(64, 4 * o.max_batch + 16);
+  so.request_read_deadline_s = o.request_timeout;
+  so.http_threads = o.http_threads > 0 ? o.http_threads : std::max(256, 4 * o.max_batch + 16);
   so.shutdown_timeout_s = o.shutdown_timeout;
   so.limits.max_logprobs = o.max_logprobs;
   ChatRenderFn render;
@@ -222,8 +224,13 @@ std::function<int()> setup_serve(CLI::App& app) {
                  "Seconds a socket read may take (slow clients are dropped)")
       ->capture_default_str()
       ->check(CLI::Range(1, 3600));
+  app.add_option("--request-timeout", o->request_timeout,
+                 "Seconds a request's line, headers and body may take to arrive in all (0: no "
+                 "limit; slow clients are dropped)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 3600));
   app.add_option("--http-threads", o->http_threads,
-                 "HTTP worker threads (0: max(64, 4 x max-batch + 16))")
+                 "HTTP worker threads (0: max(256, 4 x max-batch + 16))")
       ->capture_default_str()
       ->check(CLI::Range(0, 4096));
   app.add_option("--shutdown-timeout", o->shutdown_timeout,

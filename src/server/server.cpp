@@ -3,8 +3,10 @@
 
 #include <httplib.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <thread>
 
@@ -336,7 +338,7 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
       http_(std::make_unique<httplib::Server>()) {
   if (opt_.model_names.empty()) opt_.model_names.push_back("deltaserve");
   int threads = opt_.http_threads;
-  if (threads <= 0) threads = std::max(64, 4 * engine_.stats().memory.state_slots_total);
+  if (threads <= 0) threads = std::max(256, 4 * engine_.stats().memory.state_slots_total);
   http_->new_task_queue = [threads] {
     return new httplib::ThreadPool(static_cast<size_t>(threads));
   };
@@ -344,6 +346,26 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
   http_->set_write_timeout(opt_.write_timeout_s, 0);
   http_->set_keep_alive_timeout(opt_.keep_alive_timeout_s);
   http_->set_payload_max_length(opt_.max_body_bytes);
+  // A client that sends its request a byte per read timeout would hold a worker thread without
+  // end (and enough of them every thread, /health included): the whole request must arrive in
+  // this time.
+  http_->set_request_read_deadline(opt_.request_read_deadline_s);
+  // A body announced above the limit is refused before the client sends it (curl asks with
+  // "Expect: 100-continue" for large bodies), not after reading it.
+  http_->set_expect_100_continue_handler(
+      [this](const httplib::Request& req, httplib::Response& res) {
+        const std::string len = req.get_header_value("Content-Length");
+        if (!len.empty()) {
+          errno = 0;
+          char* end = nullptr;
+          const unsigned long long n = std::strtoull(len.c_str(), &end, 10);
+          if (errno == ERANGE || (end && *end == '\0' && n > opt_.max_body_bytes)) {
+            res.status = 413;
+            return 413;
+          }
+        }
+        return 100;
+      });
   // Stream chunks are small writes, one per step: send each at once (no Nagle delay waiting for
   // the client's delayed ACK).
   http_->set_tcp_nodelay(true);

@@ -39,9 +39,10 @@ struct ServerOptions {
   std::vector<std::string> model_names;  // served ids; the first is reported
   size_t max_body_bytes = 16u << 20;     // request bodies above this get 413
   int read_timeout_s = 20;               // per socket read (slow clients)
+  int request_read_deadline_s = 60;      // a request's line, headers and body in all (0: none)
   int write_timeout_s = 60;              // per socket write
   int keep_alive_timeout_s = 5;
-  int http_threads = 0;         // 0: max(64, 4 * max_batch)
+  int http_threads = 0;         // 0: max(256, 4 * max_batch)
   int shutdown_timeout_s = 30;  // how long running requests may finish on shutdown
   ApiLimits limits;
 };

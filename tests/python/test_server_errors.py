@@ -216,6 +216,142 @@ def test_malformed_http(server):
     assert server.healthy()
 
 
+def http_status_and_body(out: bytes):
+    head, _, body = out.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1]) if head.startswith(b"HTTP/1.1 ") else None
+    if b"transfer-encoding: chunked" in head.lower():
+        data = b""
+        while body:
+            size, _, body = body.partition(b"\r\n")
+            n = int(size, 16)
+            if n == 0:
+                break
+            data, body = data + body[:n], body[n + 2:]
+        body = data
+    return status, head, body
+
+
+def test_chunked_body_over_limit_gets_413(server):
+    """--max-body-mb holds for chunked bodies too: the vendored cpp-httplib 0.11.4 checked it only
+    against Content-Length, and took a 300 MB chunked body whole (15 GB of memory). The body here
+    ends one byte past the 8 MiB limit without its closing chunk: a server that still reads waits
+    for the rest and answers 400 after the read timeout instead of 413 at once."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Transfer-Encoding: chunked\r\n\r\n")
+        t0 = time.time()
+        mib = b"a" * (1 << 20)
+        for _ in range(8):
+            s.sendall(b"100000\r\n" + mib + b"\r\n")
+        s.sendall(b"1\r\na")
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except (socket.timeout, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            out += chunk
+    status, head, body = http_status_and_body(out)
+    assert status == 413, out[:300]
+    assert b"connection: close" in head.lower()
+    assert "too large" in json.loads(body)["error"]["message"]
+    assert time.time() - t0 < 1.5  # the read timeout is 2 s
+    s, b = server.request("POST", "/v1/completions", OK_COMPLETION)
+    assert s == 200, b
+
+
+def test_post_without_length_has_an_empty_body(server):
+    """A request with neither Content-Length nor chunked encoding has an empty body (RFC 9112
+    6.3): it gets the empty-body 400 at once, not "malformed" after waiting for the client to close
+    (the read timeout, 2 s here)."""
+    t0 = time.time()
+    out = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", timeout=10)
+    status, _, body = http_status_and_body(out)
+    assert status == 400, out[:300]
+    assert "empty" in json.loads(body)["error"]["message"]
+    assert time.time() - t0 < 1.5
+
+
+def test_expect_100_continue(server):
+    """A body announced above the limit is refused before it is sent (curl asks with "Expect:
+    100-continue" for large bodies): 413 as the first answer, no "100 Continue" first. One within
+    the limit gets 100 Continue and then its answer."""
+    t0 = time.time()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100000000\r\nExpect: 100-continue\r\n\r\n")
+        first = s.recv(65536)
+    assert first.startswith(b"HTTP/1.1 413 "), first[:200]
+    assert time.time() - t0 < 1.5
+    for huge in (b"99999999999999999999999", b"18446744073709551616"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + huge +
+                      b"\r\nExpect: 100-continue\r\n\r\n")
+            first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 413 "), (huge, first[:200])
+    body = json.dumps(OK_COMPLETION).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(body))
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), first[:200]
+        s.sendall(body)
+        out = first[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    status, _, rbody = http_status_and_body(out)
+    assert status == 200 and json.loads(rbody)["object"] == "text_completion", out[:300]
+
+
+def test_request_deadline_and_many_slow_clients(model, tmp_path):
+    """--request-timeout bounds the whole request, not each read: a client that sends a header
+    byte every second (each read well inside the 2 s read timeout) is dropped after 3 s. And 100
+    such clients (more than the 64 HTTP threads of old) leave /health and requests served."""
+    srv = ServerProc(model, "--max-batch", 2, "--max-model-len", 256, "--read-timeout", 2,
+                     "--request-timeout", 3, log_path=tmp_path / "server.log")
+    try:
+        idle = []
+        for _ in range(100):
+            sk = socket.create_connection(("127.0.0.1", srv.port))
+            sk.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            idle.append(sk)
+        time.sleep(0.3)
+        t0 = time.time()
+        assert srv.healthy()
+        s, b = srv.request("POST", "/v1/completions", OK_COMPLETION, timeout=30)
+        assert s == 200, b
+        assert time.time() - t0 < 5
+        drip = socket.create_connection(("127.0.0.1", srv.port), timeout=1)
+        drip.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        t0 = time.time()
+        closed_after = None
+        while time.time() - t0 < 12:
+            try:
+                drip.sendall(b"X-Slow: y\r\n")
+                if drip.recv(65536) == b"":
+                    closed_after = time.time() - t0
+                    break
+            except socket.timeout:
+                continue  # nothing to read yet: another byte
+            except (BrokenPipeError, ConnectionResetError):
+                closed_after = time.time() - t0
+                break
+        drip.close()
+        assert closed_after is not None, "the dripping client was never dropped"
+        assert 2 <= closed_after < 6, closed_after
+        for sk in idle:
+            sk.close()
+        assert srv.healthy()
+    finally:
+        assert srv.alive(), srv.log_text()
+        assert srv.stop() == 0, srv.log_text()
+
+
 def test_range_header_is_ignored(server):
     """A Range header once made httplib answer 206, cut a 400's JSON body to '{"' and label a
     generation multipart/byteranges; the server now ignores Range (RFC 9110 allows it)."""
