@@ -367,11 +367,18 @@ size_t stop_holdback(const std::string& text, const std::vector<std::string>& st
   }
   return best;
 }
-// Earliest position of any stop string in `text`, or npos.
-size_t find_stop(const std::string& text, const std::vector<std::string>& stops) {
-  size_t best = std::string::npos;
-  for (const std::string& stop : stops) best = std::min(best, text.find(stop));
-  return best;
+// Where `text` is cut for the earliest stop string of q (npos: none): at its start, or with
+// include_stop_str at its end (of the first listed one, when several start there).
+size_t find_stop(const std::string& text, const GenerationRequest& q) {
+  size_t best = std::string::npos, len = 0;
+  for (const std::string& stop : q.stop) {
+    const size_t at = text.find(stop);
+    if (at < best) {
+      best = at;
+      len = stop.size();
+    }
+  }
+  return best == std::string::npos || !q.include_stop_str ? best : best + len;
 }
 }  // namespace
 
@@ -400,7 +407,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
   if (is_eos || is_stop_id) {
     // The stop token's own text is never part of the output.
     if (r.decoder) r.held += r.decoder->flush();
-    const size_t at = find_stop(r.held, q.stop);
+    const size_t at = find_stop(r.held, q);
     if (at != std::string::npos) r.held.resize(at);
     r.out_text += r.held;
     r.held.clear();
@@ -412,7 +419,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     // Ids past the tokenizer (checkpoints pad the embedding beyond it) decode to nothing.
     if (token < tok_vocab_) r.held += r.decoder->push(token);
     if (!q.stop.empty()) {
-      const size_t at = find_stop(r.held, q.stop);
+      const size_t at = find_stop(r.held, q);
       if (at != std::string::npos) {
         r.out_text += r.held.substr(0, at);
         r.held.clear();
@@ -427,7 +434,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     if (r.decoder) {
       r.held += r.decoder->flush();
       r.decoder.reset();
-      const size_t at = find_stop(r.held, q.stop);
+      const size_t at = find_stop(r.held, q);
       if (at != std::string::npos) {
         r.held.resize(at);
         finish(r, FinishReason::kStop);

@@ -48,7 +48,8 @@ struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   int max_tokens = 16;                  // generated tokens at most (>= 1)
-  std::vector<std::string> stop;        // stop strings, excluded from the output
+  std::vector<std::string> stop;        // stop strings, excluded from the output (unless:)
+  bool include_stop_str = false;        // vLLM's include_stop_str_in_output: the matched one kept
   std::vector<int32_t> stop_token_ids;  // besides the EOS ids
   bool ignore_eos = false;
   int top_logprobs = -1;            // -1: no logprobs; n >= 0: chosen + n alternatives

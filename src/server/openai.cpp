@@ -240,6 +240,12 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
     }
   }
   if (auto v = get_bool(b, "ignore_eos")) g.ignore_eos = *v;
+  if (auto v = get_bool(b, "include_stop_str_in_output")) g.include_stop_str = *v;
+  // vLLM's min_tokens keeps EOS and the stop ids from being sampled before that many tokens; the
+  // engine has no such mask, so a request that depends on it is refused, not run without it.
+  if (auto m = get_int(b, "min_tokens", 0, std::numeric_limits<int32_t>::max())) {
+    if (*m > 0) bad("min_tokens", "is not supported (only 0)");
+  }
   if (auto v = get_bool(b, "skip_special_tokens")) g.skip_special_tokens = *v;
 
   if (chat) {
@@ -264,6 +270,7 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
       bad("stream_options", std::string("must be an object, got ") + type_name(*so));
     if (!r.stream) bad("stream_options", "is only allowed when 'stream' is true");
     if (auto v = get_bool(*so, "include_usage")) r.include_usage = *v;
+    if (auto v = get_bool(*so, "continuous_usage_stats")) r.continuous_usage = *v && r.include_usage;
   }
   if (const json* lb = field(b, "logit_bias")) {
     if (!lb->is_object())
@@ -414,8 +421,23 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
     for (auto it = kw->begin(); it != kw->end(); ++it) input[it.key()] = it.value();
   }
   input["messages"] = messages;
-  input["add_generation_prompt"] = true;
-  if (auto v = get_bool(b, "add_generation_prompt")) input["add_generation_prompt"] = *v;
+  // vLLM's continue_final_message: the last message is left open for the model to continue (the
+  // template does it as transformers does); it implies no generation prompt unless one is asked
+  // for, which contradicts it.
+  const std::optional<bool> agp = get_bool(b, "add_generation_prompt");
+  const bool cont = get_bool(b, "continue_final_message").value_or(false);
+  if (cont) {
+    if (agp.value_or(false))
+      bad("continue_final_message", "cannot be true together with 'add_generation_prompt'");
+    input["continue_final_message"] = true;
+  }
+  input["add_generation_prompt"] = agp.value_or(!cont);
+  // A template in the request is code the server would run: vLLM refuses it unless trusted by a
+  // flag; this server always uses its own.
+  if (field(b, "chat_template"))
+    bad("chat_template", "is not supported (the server's chat template is used)");
+  if (auto v = get_bool(b, "echo"); v && *v)
+    bad("echo", "is not supported for chat completions");
 
   std::string tool_choice = "auto";
   if (const json* tc = field(b, "tool_choice")) {

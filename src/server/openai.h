@@ -40,6 +40,9 @@ struct SamplingRequest {
   int n = 1;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
+  // stream_options.continuous_usage_stats (vLLM's, with include_usage): every chunk carries its
+  // choice's usage so far, not null.
+  bool continuous_usage = false;
   bool logprobs = false;       // chat: logprobs flag; completions: logprobs field given
   // vLLM's extension "return_token_ids": choices carry "token_ids" (the generated ids; in a
   // stream, each chunk's new ones, so a client counts tokens exactly without logprobs or a

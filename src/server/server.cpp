@@ -100,7 +100,8 @@ struct Server::Job {
     int n_prompt = 0, n_generated = 0;
     double ttft_s = -1, e2e_s = -1;
   };
-  bool chat = false, stream = false, include_usage = false, logprobs = false;
+  bool chat = false, stream = false, include_usage = false, continuous_usage = false;
+  bool logprobs = false;
   bool return_token_ids = false;
   // Bumped by every output of any choice: the response writer sleeps on it (no polling).
   std::shared_ptr<StreamNotifier> notifier = std::make_shared<StreamNotifier>();
@@ -131,6 +132,13 @@ struct Server::Job {
     return json{{"prompt_tokens", prompt},
                 {"completion_tokens", completion},
                 {"total_tokens", prompt + completion}};
+  }
+  // A stream chunk's usage: null, or with continuous_usage_stats its choice's so far (vLLM's).
+  json chunk_usage(const Choice& c) const {
+    if (!continuous_usage) return nullptr;
+    return json{{"prompt_tokens", c.n_prompt},
+                {"completion_tokens", c.n_generated},
+                {"total_tokens", c.n_prompt + c.n_generated}};
   }
   json chunk_base() const {
     return json{{"id", id},
@@ -207,7 +215,7 @@ struct Server::Job {
             ch["prompt_token_ids"] = c.prompt_ids;
             c.prompt_ids.clear();
           }
-          if (include_usage) ch["usage"] = nullptr;
+          if (include_usage) ch["usage"] = chunk_usage(c);
           sse += "data: " + dump(ch) + "\n\n";
           c.role_sent = true;
         }
@@ -233,7 +241,7 @@ struct Server::Job {
                             {"logprobs", logprobs ? chat_logprobs(out.tokens) : json(nullptr)},
                             {"finish_reason", nullptr}}});
           if (return_token_ids) ch["choices"][0]["token_ids"] = ids_json(out.tokens);
-          if (include_usage) ch["usage"] = nullptr;
+          if (include_usage) ch["usage"] = chunk_usage(c);
           sse += "data: " + dump(ch) + "\n\n";
         }
       } else {
@@ -258,7 +266,7 @@ struct Server::Job {
               c.prompt_ids.clear();
             }
           }
-          if (include_usage) ch["usage"] = nullptr;
+          if (include_usage) ch["usage"] = chunk_usage(c);
           sse += "data: " + dump(ch) + "\n\n";
         }
       }
@@ -288,7 +296,7 @@ struct Server::Job {
         else
           choice["text"] = "";
         ch["choices"] = json::array({choice});
-        if (include_usage) ch["usage"] = nullptr;
+        if (include_usage) ch["usage"] = chunk_usage(c);
         sse += "data: " + dump(ch) + "\n\n";
       }
     }
@@ -530,6 +538,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
     job->chat = chat;
     job->stream = sr.stream;
     job->include_usage = sr.include_usage;
+    job->continuous_usage = sr.continuous_usage;
     job->logprobs = sr.logprobs;
     job->return_token_ids = sr.return_token_ids;
     job->id = make_request_id(chat ? "chatcmpl-" : "cmpl-");

@@ -107,6 +107,83 @@ def test_stop_string(client, stream):
     assert reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output(client, stream):
+    """vLLM's include_stop_str_in_output keeps the matched stop string (and still stops there)."""
+    base = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0).choices[0].text
+    at, stop = pick_stop(base)
+    kw = dict(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=["\x00never", stop],
+              extra_body={"include_stop_str_in_output": True})
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        reason = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason][-1]
+    else:
+        r = client.completions.create(**kw)
+        text, reason = r.choices[0].text, r.choices[0].finish_reason
+    assert text == base[:at + len(stop)]
+    assert reason == "stop"
+
+
+def test_continuous_usage_stats(client):
+    """stream_options.continuous_usage_stats (with include_usage): every chunk carries its choice's
+    usage so far, counting up to the final usage chunk's."""
+    chunks = [ch.model_dump() for ch in client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})]
+    final = chunks[-1]
+    assert not final["choices"] and final["usage"]["completion_tokens"] == 8
+    seen = [ch["usage"] for ch in chunks[:-1]]
+    assert seen and all(u is not None for u in seen)
+    assert all(u["prompt_tokens"] == final["usage"]["prompt_tokens"] for u in seen)
+    counts = [u["completion_tokens"] for u in seen]
+    assert counts == sorted(counts) and counts[-1] == 8
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in seen)
+    # Without continuous_usage_stats the chunks' usage stays null.
+    chunks = [ch.model_dump() for ch in client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True})]
+    assert all(ch["usage"] is None for ch in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_continue_final_message(client):
+    """vLLM's continue_final_message: the prompt ends in the last (assistant) message's text, left
+    open, with no generation prompt; together with add_generation_prompt it is a 400."""
+    from tokenizers import Tokenizer
+    import openai
+    tk = Tokenizer.from_file(str(TOKDIR / "tokenizer.json"))
+    messages = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": "The answer is"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=3, temperature=0)
+    r = client.chat.completions.create(extra_body={"continue_final_message": True, "return_token_ids": True},
+                                       **kw).model_dump()
+    prompt = tk.decode(r["prompt_token_ids"], skip_special_tokens=False)
+    assert prompt.endswith("The answer is"), prompt
+    r = client.chat.completions.create(extra_body={"return_token_ids": True}, **kw).model_dump()
+    prompt = tk.decode(r["prompt_token_ids"], skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>assistant\n"), prompt
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(extra_body={"continue_final_message": True, "add_generation_prompt": True},
+                                       **kw)
+    assert e.value.body["param"] == "continue_final_message"
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"min_tokens": 4}, "min_tokens"),
+    ({"chat_template": "{{ raise_exception('boom') }}"}, "chat_template"),
+    ({"echo": True}, "echo"),
+])
+def test_unsupported_options_are_refused(client, extra, param):
+    """Options vLLM honours and this server cannot are refused by name, never silently ignored
+    (min_tokens 0 and echo false are the defaults and pass)."""
+    import openai
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(extra_body=extra, **kw)
+    assert e.value.body["param"] == param
+    ok = {k: (0 if k == "min_tokens" else False) for k in extra if k != "chat_template"}
+    assert client.chat.completions.create(extra_body=ok, **kw).choices[0].finish_reason in ("stop", "length")
+
+
 def test_logprobs_completions(client):
     r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
