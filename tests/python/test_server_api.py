@@ -91,29 +91,15 @@ def pick_stop(text: str):
     pytest.skip("no usable stop string in the generated text")
 
 
+@pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_string(client, stream):
-    base = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0).choices[0].text
-    at, stop = pick_stop(base)
-    kw = dict(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=["\x00never", stop])
-    if stream:
-        chunks = list(client.completions.create(stream=True, **kw))
-        text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
-        reason = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason][-1]
-    else:
-        r = client.completions.create(**kw)
-        text, reason = r.choices[0].text, r.choices[0].finish_reason
-    assert text == base[:at]
-    assert reason == "stop"
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_include_stop_str_in_output(client, stream):
-    """vLLM's include_stop_str_in_output keeps the matched stop string (and still stops there)."""
+def test_stop_string(client, stream, include):
+    """The output ends before the first stop string; with vLLM's include_stop_str_in_output, after
+    it (it still stops there)."""
     base = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0).choices[0].text
     at, stop = pick_stop(base)
     kw = dict(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=["\x00never", stop],
-              extra_body={"include_stop_str_in_output": True})
+              extra_body={"include_stop_str_in_output": True} if include else None)
     if stream:
         chunks = list(client.completions.create(stream=True, **kw))
         text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
@@ -121,7 +107,7 @@ def test_include_stop_str_in_output(client, stream):
     else:
         r = client.completions.create(**kw)
         text, reason = r.choices[0].text, r.choices[0].finish_reason
-    assert text == base[:at + len(stop)]
+    assert text == base[:at + len(stop) if include else at]
     assert reason == "stop"
 
 
