@@ -404,7 +404,24 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
         if (!res.body.empty() || res.content_length_ > 0)
           return httplib::Server::HandlerResponse::Unhandled;
         std::string msg;
+        if (res.status == 404) {
+          // A known path asked with another method: 405 with Allow, as vLLM (FastAPI) answers.
+          static const std::pair<const char*, const char*> kRoutes[] = {
+              {"/health", "GET, HEAD"},         {"/version", "GET, HEAD"},
+              {"/v1/models", "GET, HEAD"},      {"/metrics", "GET, HEAD"},
+              {"/v1/completions", "POST"},      {"/v1/chat/completions", "POST"}};
+          for (const auto& [path, allow] : kRoutes) {
+            if (req.path == path) {
+              res.status = 405;
+              res.set_header("Allow", allow);
+              msg = "method not allowed: " + req.method + " " + req.path + " (allowed: " + allow +
+                    ")";
+            }
+          }
+        }
         switch (res.status) {
+          case 405:
+            break;
           case 404:
             msg = "not found: " + req.method + " " + req.path;
             break;
@@ -727,7 +744,9 @@ void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
   if (stream) {
     res.set_header("Cache-Control", "no-cache");
     res.set_header("X-Accel-Buffering", "no");
-    res.set_chunked_content_provider("text/event-stream", provider, releaser);
+    // With the charset, as vLLM (Starlette) sends it: a client that goes by the header (Python
+    // requests) would otherwise decode the chunks as Latin-1.
+    res.set_chunked_content_provider("text/event-stream; charset=utf-8", provider, releaser);
   } else {
     res.set_chunked_content_provider("application/json", provider, releaser);
   }

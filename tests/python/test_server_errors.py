@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+import urllib.error
 
 import pytest
 
@@ -178,6 +179,36 @@ def test_unknown_model_and_path(server):
     check_error(s, b, 404, type_="not_found_error")
     s, b = server.request("POST", "/v1/completions", {"model": 3, **OK_COMPLETION})
     check_error(s, b, 400, param="model")
+
+
+def test_known_path_wrong_method_gets_405(server):
+    """A known path asked with another method gets 405 and Allow (vLLM / FastAPI's answer), not
+    404; POST /health has no body to wait for, so it is answered at once."""
+    import urllib.request
+    for method, path, allow in [("GET", "/v1/completions", "POST"), ("PUT", "/v1/chat/completions", "POST"),
+                                ("POST", "/health", "GET, HEAD"), ("DELETE", "/v1/models", "GET, HEAD")]:
+        t0 = time.time()
+        req = urllib.request.Request(server.base + path, method=method)
+        try:
+            urllib.request.urlopen(req, timeout=10)
+            raise AssertionError(f"{method} {path} succeeded")
+        except urllib.error.HTTPError as e:
+            assert e.code == 405, (method, path, e.code)
+            assert e.headers["Allow"] == allow
+            assert "method not allowed" in check_error(e.code, e.read(), 405)
+        assert time.time() - t0 < 1.5
+    s, b = server.request("GET", "/v1/nothing")
+    check_error(s, b, 404, type_="not_found_error")
+
+
+def test_stream_content_type_names_utf8(server):
+    import urllib.request
+    req = urllib.request.Request(server.base + "/v1/completions", method="POST",
+                                 data=json.dumps({**OK_COMPLETION, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+        assert r.read().rstrip().endswith(b"data: [DONE]")
 
 
 def test_100mb_body_gets_413(server):
