@@ -219,6 +219,11 @@ TEST(ModelConfig, Errors) {
                {"test/config.json", "object"});
   expect_error([] { load_model_config("/nonexistent/config.json"); },
                {"/nonexistent/config.json", "cannot open"});
+  // Not a file, endless, too deep: clear errors, no hang and no memory blow-up (found by fuzzing).
+  expect_error([] { load_model_config("/dev/zero"); }, {"/dev/zero", "not a regular file"});
+  expect_error([] { load_model_config("/tmp"); }, {"/tmp", "is a directory"});
+  expect_error([] { parse_model_config(std::string(1000, '[') + std::string(1000, ']'), "c.json"); },
+               {"c.json", "nested deeper than 64"});
   expect_bad(json{{"hidden_size", 64}}, {"model_type"});
   expect_bad(json{{"model_type", "llama"}}, {"unsupported model_type 'llama'"});
   expect_bad(json{{"model_type", "qwen3_5_moe"}}, {"qwen3_5_moe", "not supported"});

@@ -3,6 +3,8 @@
 // with gaps, byte length != shape x dtype, unknown dtype) is rejected with the file named.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -11,6 +13,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/file_io.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 
@@ -238,6 +241,49 @@ TEST(ModelSafetensors, ShardedIndex) {
   write_index({{"a", "s1.safetensors"}, {"b", "s2.safetensors"}});
   fs::resize_file(d + "/s2.safetensors", fs::file_size(d + "/s2.safetensors") - 2);
   expect_ck_error({"s2.safetensors", "past the end"});
+  fs::remove_all(d);
+}
+
+// Found by fuzzing checkpoints (session 35): a FIFO named model.safetensors or config.json hung
+// the loader in open(); config.json or the index linked to /dev/zero read until memory ran out;
+// 100 MB of '[' in a header took 7.5 GB in the JSON parser. Each is now a clear error.
+TEST(ModelSafetensors, NonRegularFilesSizesAndNesting) {
+  std::string d = temp_dir();
+  auto expect_error = [](auto&& fn, std::initializer_list<std::string> parts) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected ds::Error";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      for (const std::string& p : parts)
+        EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+    }
+  };
+  ASSERT_EQ(::mkfifo((d + "/model.safetensors").c_str(), 0600), 0);
+  expect_error([&] { SafetensorsFile f(d + "/model.safetensors"); }, {"not a regular file"});
+  expect_error([&] { SafetensorsCheckpoint ck(d); }, {"not a regular file"});
+  fs::remove(d + "/model.safetensors");
+  ASSERT_EQ(::mkfifo((d + "/model.safetensors.index.json").c_str(), 0600), 0);
+  expect_error([&] { SafetensorsCheckpoint ck(d); }, {"index.json", "not a regular file"});
+  fs::remove(d + "/model.safetensors.index.json");
+  fs::create_symlink("/dev/zero", d + "/model.safetensors.index.json");
+  expect_error([&] { SafetensorsCheckpoint ck(d); }, {"index.json", "not a regular file"});
+  fs::remove(d + "/model.safetensors.index.json");
+  fs::create_directory(d + "/model.safetensors.index.json");
+  expect_error([&] { SafetensorsCheckpoint ck(d); }, {"index.json", "is a directory"});
+  fs::remove(d + "/model.safetensors.index.json");
+  // The reader's own checks.
+  std::ofstream(d + "/small.json") << R"({"a": [1, {"b": "[[[["}]})";
+  EXPECT_EQ(read_regular_file(d + "/small.json", 100), R"({"a": [1, {"b": "[[[["}]})");
+  expect_error([&] { read_regular_file(d + "/small.json", 10); }, {"small.json", "10-byte limit"});
+  expect_error([&] { read_regular_file(d + "/missing.json", 100); }, {"missing.json", "cannot open"});
+  EXPECT_FALSE(json_nested_deeper_than(R"({"a": [1, {"b": "[[[["}]})", 3));
+  EXPECT_TRUE(json_nested_deeper_than(R"({"a": [1, {"b": "[[[["}]})", 2));
+  EXPECT_FALSE(json_nested_deeper_than(R"(["\"[[[[", []])", 2));
+  // A deeply nested header (inside the size limit) is refused before it is parsed.
+  expect_bad(image(std::string(100000, '[') + std::string(100000, ']'), 0), {"nested deeper"});
+  expect_bad(image(R"({"a":{"dtype":"F32","shape":[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]],"data_offsets":[0,4]}})", 4),
+             {"nested deeper"});
   fs::remove_all(d);
 }
 

@@ -5,22 +5,22 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/file_io.h"
+
 namespace ds {
 namespace {
 
 using ojson = nlohmann::ordered_json;
 
 std::string read_file(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  DS_CHECK(f, "cannot open ", p.string());
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
+  return read_regular_file(p.string(), 512ull << 20);
 }
 
 ojson read_json(const std::filesystem::path& p) {
+  const std::string text = read_file(p);
+  check_json_depth(text, 128, p.string());
   try {
-    return ojson::parse(read_file(p));
+    return ojson::parse(text);
   } catch (const ojson::exception& e) {
     throw_error(p.string(), ": not valid JSON: ", e.what());
   }

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/file_io.h"
 
 namespace ds {
 namespace {
@@ -172,7 +173,12 @@ std::vector<LayerType> parse_layer_types(const Section& text, int n_layers) {
 
 }  // namespace
 
+// config.json is a few KB; its nesting a handful of levels (text_config, rope_parameters).
+constexpr uint64_t kMaxConfigBytes = 16ull << 20;
+constexpr int kMaxConfigJsonDepth = 64;
+
 ModelConfig parse_model_config(const std::string& json_text, const std::string& where) {
+  check_json_depth(json_text, kMaxConfigJsonDepth, where);
   json root;
   try {
     root = json::parse(json_text);
@@ -258,12 +264,7 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
 }
 
 ModelConfig load_model_config(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw_error(path, ": cannot open config file");
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) throw_error(path, ": read error");
-  return parse_model_config(ss.str(), path);
+  return parse_model_config(read_regular_file(path, kMaxConfigBytes), path);
 }
 
 int ModelConfig::n_full_layers() const {

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/file_io.h"
 
 namespace ds {
 namespace {
@@ -95,6 +96,10 @@ SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, u
   const uint64_t data_size = file_size - h.data_start;
 
   const char* text = reinterpret_cast<const char*>(data + 8);
+  // A header is {name: {dtype, shape: [...], data_offsets: [...]}, "__metadata__": {...}}: three
+  // levels. Deeper text is refused before the parser builds it (100 MB of '[' took 7.5 GB).
+  if (json_nested_deeper_than(std::string_view(text, n), 16))
+    throw_error(where, ": corrupt safetensors header: JSON nested deeper than 16 levels");
   json root;
   try {
     root = json::parse(text, text + n);
@@ -205,7 +210,8 @@ SafetensorsHeader parse_safetensors_header(const std::byte* data, size_t size, u
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO would block the open (waiting for a writer) before the type is checked.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw_error(path, ": cannot open: ", errno_text());
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
@@ -250,13 +256,12 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& model_dir) : dir
 
   if (fs::exists(index_path, ec)) {
     listing_ = index_path.string();
-    std::ifstream f(index_path, std::ios::binary);
-    if (!f) throw_error(listing_, ": cannot open");
-    std::ostringstream ss;
-    ss << f.rdbuf();
+    // An index lists each tensor once: a few MB for the largest checkpoints, three levels deep.
+    const std::string text = read_regular_file(listing_, 256ull << 20);
+    check_json_depth(text, 16, listing_);
     json idx;
     try {
-      idx = json::parse(ss.str());
+      idx = json::parse(text);
     } catch (const json::exception& e) {
       throw_error(listing_, ": invalid JSON: ", e.what());
     }

@@ -1,6 +1,8 @@
 // OpenAI request validation and response shapes: see openai.h.
 #include "server/openai.h"
 
+#include "core/file_io.h"
+
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -32,29 +34,10 @@ namespace {
 
 constexpr int kMaxBodyDepth = 512;  // JSON nesting of a request body (see parse_body)
 
-// JSON text nested deeper than kMaxBodyDepth. nlohmann parses any depth, but copying, comparing
-// and dumping a value recurse: 200000 '[' overflow an HTTP thread's stack later on, so such text
-// is refused before it is parsed (strings skipped; malformed text is left to the parser).
-bool nested_too_deep(const std::string& text) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\')
-        ++i;
-      else if (c == '"')
-        in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxBodyDepth) return true;
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return false;
-}
+// JSON text nested deeper than kMaxBodyDepth is refused before it is parsed: nlohmann parses any
+// depth, but copying, comparing and dumping a value recurse (200000 '[' overflow an HTTP thread's
+// stack later on).
+bool nested_too_deep(const std::string& text) { return json_nested_deeper_than(text, kMaxBodyDepth); }
 
 const char* type_name(const json& v) {
   switch (v.type()) {

@@ -14,6 +14,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/file_io.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/regex_split.h"
 #include "tokenizer/utf8.h"
@@ -66,17 +67,12 @@ const ByteLevelMap& byte_level() {
   return m;
 }
 
-std::string read_file(const fs::path& path) {
-  std::ifstream f(path, std::ios::binary);
-  DS_CHECK(f, "cannot open ", path.string());
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  DS_CHECK(!f.bad(), "cannot read ", path.string());
-  return ss.str();
-}
+// Tokenizer files: tokenizer.json is ~11 MB for Qwen3's 151K vocabulary; 512 MiB is far above any.
+std::string read_file(const fs::path& path) { return read_regular_file(path.string(), 512ull << 20); }
 
 json parse_json_file(const fs::path& path) {
   const std::string text = read_file(path);
+  check_json_depth(text, 128, path.string());
   try {
     return json::parse(text);
   } catch (const json::exception& e) {

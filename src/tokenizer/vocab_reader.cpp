@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/file_io.h"
 
 namespace ds {
 namespace {
@@ -190,12 +191,7 @@ class Handler {
 
 VocabFile read_vocab_file(const std::string& path, const std::vector<std::string>& vocab_path,
                           const std::vector<std::string>& merges_path) {
-  std::ifstream f(path, std::ios::binary);
-  DS_CHECK(f, "cannot open ", path);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  DS_CHECK(!f.bad(), "cannot read ", path);
-  const std::string text = ss.str();
+  const std::string text = read_regular_file(path, 512ull << 20);
   VocabFile out;
   Handler h(path, vocab_path, merges_path, out);
   json::sax_parse(text, &h);
