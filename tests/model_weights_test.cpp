@@ -476,6 +476,21 @@ TEST_F(ModelWeightsErrors, DuplicateUnderBothPrefixes) {
   expect_error([&] { load_host_weights(d); }, {"norm.weight", "appears twice"});
 }
 
+// A layer index written "03" (or too long to be a number) once reached the layer-type message,
+// which then contradicted itself ("belongs to a full-attention layer, but ... makes layer 3 a
+// full_attention layer"; found by fuzzing).
+TEST_F(ModelWeightsErrors, NonCanonicalLayerIndexIsNamed) {
+  for (const std::string idx : {"03", "+3", "99999999999999999999"}) {
+    SetUp();
+    RawTensor copy = *find_raw(ts, "model.language_model.layers.3.mlp.up_proj.weight");
+    copy.name = "model.language_model.layers." + idx + ".mlp.up_proj.weight";
+    ts.push_back(copy);
+    std::string d = write(c);
+    expect_error([&] { load_host_weights(d); },
+                 {"layers." + idx + ".mlp.up_proj.weight", "'" + idx + "'", "not written as a layer number"});
+  }
+}
+
 TEST_F(ModelWeightsErrors, NoCheckpointFiles) {
   TempDir d("empty");
   expect_error([&] { load_host_weights(d.path); }, {d.path, "config.json"});

@@ -296,6 +296,12 @@ ResolvedCheckpoint resolve_checkpoint(const std::string& model_dir) {
       char* endp = nullptr;
       long il = std::strtol(idx.c_str(), &endp, 10);
       bool numeric = !idx.empty() && endp != nullptr && *endp == '\0';
+      // "03", "+3" or 20 digits parse as a number but are not the name of any layer's tensor.
+      if (numeric && std::to_string(il) != idx) {
+        throw_error(file, ": tensor '", full, "' has the layer index '", idx,
+                    "', which is not written as a layer number (layers.0 ... layers.",
+                    c.n_layers - 1, ")");
+      }
       if (numeric && (il < 0 || il >= c.n_layers)) {
         throw_error(file, ": tensor '", full, "' belongs to layer ", il, " but ", c.source,
                     " has num_hidden_layers ", c.n_layers);
