@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <malloc.h>
 #include <ctime>
 #include <thread>
 
@@ -544,6 +545,20 @@ void Server::shutdown() {
   });
 }
 
+std::vector<int32_t> Server::encode_prompt(const Tokenizer& tok, const std::string& text) {
+  if (text.size() <= kBigEncodeBytes) return tok.encode(text, true);
+  big_encodes_.acquire();
+  struct Release {
+    std::counting_semaphore<2>& s;
+    ~Release() { s.release(); }
+  } release{big_encodes_};
+  std::vector<int32_t> ids = tok.encode(text, true);
+  // The encoder's many small blocks stay in this thread's malloc arena once freed (4 such
+  // requests left the server at 1.3 GB resident, measured): give them back.
+  ::malloc_trim(0);
+  return ids;
+}
+
 void Server::handle_completions(const httplib::Request& req, httplib::Response& res, bool chat) {
   auto job = std::make_shared<Job>();
   std::vector<std::shared_ptr<RequestStream>> submitted;
@@ -580,7 +595,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
       // Thinking on: the template opened <think> in the prompt, so generation starts as reasoning.
       job->starts_in_reasoning = OutputParser::prompt_ends_in_reasoning(text);
       if (input.contains("tools")) job->tools = input["tools"];
-      prompts.push_back(tok->encode(text, true));
+      prompts.push_back(encode_prompt(*tok, text));
       echoes.emplace_back();
     } else {
       bool echo = false;
@@ -601,7 +616,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
           if (!tok)
             throw ApiError(400, "this model has no tokenizer: send the prompt as token ids",
                            "prompt");
-          prompts.push_back(tok->encode(*in.text, true));
+          prompts.push_back(encode_prompt(*tok, *in.text));
           if (prompts.back().empty())
             throw ApiError(400, "'prompt' encodes to no tokens", "prompt");
           echoes.push_back(echo ? *in.text : std::string());

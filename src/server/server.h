@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <semaphore>
 #include <string>
 #include <thread>
 #include <vector>
@@ -75,6 +76,8 @@ class Server {
   void respond_error(httplib::Response& res, int status, const std::string& msg,
                      const std::string& param = {});
   void start_job(std::shared_ptr<Job> job, httplib::Response& res);
+  // tok->encode(text, true), with at most kBigEncodes texts over kBigEncodeBytes at a time.
+  std::vector<int32_t> encode_prompt(const Tokenizer& tok, const std::string& text);
 
   Engine& engine_;
   ChatRenderFn render_chat_;
@@ -84,6 +87,11 @@ class Server {
   int port_ = 0;
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};  // generation responses being written
+  // BPE on one long word (16 MB of "a", inside the body limit) takes ~65 bytes of memory per
+  // input byte while it runs, as HF tokenizers' does: with every HTTP thread on one, memory would
+  // run out. Texts above 1 MiB are tokenized two at a time (the others wait their turn).
+  static constexpr size_t kBigEncodeBytes = 1u << 20;
+  std::counting_semaphore<2> big_encodes_{2};
   std::atomic<bool> shutdown_started_{false};
   std::atomic<bool> serve_entered_{false}, serve_returned_{false};  // serve() (see shutdown())
   std::thread drain_thread_;  // runs the graceful shutdown

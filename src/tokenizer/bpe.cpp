@@ -105,6 +105,15 @@ void BpeModel::merge_uncached(std::string_view bytes, std::vector<int32_t>& out)
   thread_local std::vector<Candidate> heap;
   sym.clear();
   heap.clear();
+  // They grow to the longest piece seen and would keep that: one 6 MB word (inside the server's
+  // body limit) left ~200 MB on its HTTP thread, and every thread can meet one. Past 64K bytes a
+  // piece's buffers are freed on the way out.
+  struct FreeLarge {
+    ~FreeLarge() {
+      if (sym.capacity() > (size_t{1} << 16)) std::vector<Symbol>().swap(sym);
+      if (heap.capacity() > (size_t{1} << 16)) std::vector<Candidate>().swap(heap);
+    }
+  } free_large;
   bool pending_unk = false;
   for (size_t i = 0; i < bytes.size(); ++i) {
     const int32_t id = byte_ids_[static_cast<uint8_t>(bytes[i])];

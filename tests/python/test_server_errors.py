@@ -383,6 +383,45 @@ def test_request_deadline_and_many_slow_clients(model, tmp_path):
         assert srv.stop() == 0, srv.log_text()
 
 
+def test_huge_single_word_prompts_do_not_pin_memory(model, tmp_path):
+    """A 6 MB one-word prompt (inside the body limit) makes BPE use ~45 bytes per input byte.
+    That scratch memory stayed with the HTTP thread that tokenized it (thread-local buffers that
+    never shrank): each such request left ~200 MB behind, and every one of the HTTP threads could
+    hold one. Now it is freed after the request, and texts over 1 MiB are tokenized two at a time,
+    so 4 at once peak at about twice one's memory, not 4 times."""
+    srv = ServerProc(model, "--max-batch", 2, "--max-model-len", 256, "--max-body-mb", 8,
+                     log_path=tmp_path / "server.log")
+
+    def mem(key):
+        for line in open(f"/proc/{srv.proc.pid}/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) / 1024.0  # MB
+        raise AssertionError(key)
+
+    try:
+        body = {"prompt": "a" * (6 << 20), "max_tokens": 1}
+        base = mem("VmRSS:")
+        s, b = srv.request("POST", "/v1/completions", body, timeout=300)
+        assert "maximum context length" in check_error(s, b, 400)
+        one = mem("VmHWM:") - base
+        assert one > 100, one  # the working set this test is about is there
+        assert mem("VmRSS:") - base < 64, (base, mem("VmRSS:"))
+        statuses = []
+        threads = [threading.Thread(target=lambda: statuses.append(
+            srv.request("POST", "/v1/completions", body, timeout=300)[0])) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert statuses == [400] * 4
+        assert mem("VmHWM:") - base < 3.0 * one, (base, one, mem("VmHWM:"))
+        assert mem("VmRSS:") - base < 96, (base, mem("VmRSS:"))
+        assert srv.healthy()
+    finally:
+        assert srv.alive(), srv.log_text()
+        assert srv.stop() == 0, srv.log_text()
+
+
 def test_range_header_is_ignored(server):
     """A Range header once made httplib answer 206, cut a 400's JSON body to '{"' and label a
     generation multipart/byteranges; the server now ignores Range (RFC 9110 allows it)."""
