@@ -13,12 +13,12 @@ namespace {
 using ojson = nlohmann::ordered_json;
 
 std::string read_file(const std::filesystem::path& p) {
-  return read_regular_file(p.string(), 512ull << 20);
+  return read_regular_file(p.string(), kMaxTokenizerFileBytes);
 }
 
 ojson read_json(const std::filesystem::path& p) {
   const std::string text = read_file(p);
-  check_json_depth(text, 128, p.string());
+  check_json_depth(text, kMaxTokenizerJsonDepth, p.string());
   try {
     return ojson::parse(text);
   } catch (const ojson::exception& e) {

@@ -15,6 +15,11 @@ namespace ds {
 // be opened, is not a regular file (a directory, FIFO, device) or holds more than max_bytes.
 std::string read_regular_file(const std::string& path, uint64_t max_bytes);
 
+// The limits for a tokenizer folder's files (tokenizer.json, vocab.json, tokenizer_config.json):
+// Qwen3's tokenizer.json is ~11 MB and a few levels deep.
+constexpr uint64_t kMaxTokenizerFileBytes = 512ull << 20;
+constexpr int kMaxTokenizerJsonDepth = 128;
+
 // Whether JSON text nests arrays / objects deeper than max_depth (strings skipped; malformed text
 // is left to the parser). Linear, no allocation.
 bool json_nested_deeper_than(std::string_view text, int max_depth);

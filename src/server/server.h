@@ -76,7 +76,7 @@ class Server {
   void respond_error(httplib::Response& res, int status, const std::string& msg,
                      const std::string& param = {});
   void start_job(std::shared_ptr<Job> job, httplib::Response& res);
-  // tok->encode(text, true), with at most kBigEncodes texts over kBigEncodeBytes at a time.
+  // tok->encode(text, true), with at most two texts over kBigEncodeBytes at a time.
   std::vector<int32_t> encode_prompt(const Tokenizer& tok, const std::string& text);
 
   Engine& engine_;
@@ -87,7 +87,7 @@ class Server {
   int port_ = 0;
   std::atomic<bool> draining_{false};
   std::atomic<int> in_flight_{0};  // generation responses being written
-  // BPE on one long word (16 MB of "a", inside the body limit) takes ~65 bytes of memory per
+  // BPE on one long word (6 MB of "a", inside the body limit) takes ~45 bytes of memory per
   // input byte while it runs, as HF tokenizers' does: with every HTTP thread on one, memory would
   // run out. Texts above 1 MiB are tokenized two at a time (the others wait their turn).
   static constexpr size_t kBigEncodeBytes = 1u << 20;

@@ -67,12 +67,13 @@ const ByteLevelMap& byte_level() {
   return m;
 }
 
-// Tokenizer files: tokenizer.json is ~11 MB for Qwen3's 151K vocabulary; 512 MiB is far above any.
-std::string read_file(const fs::path& path) { return read_regular_file(path.string(), 512ull << 20); }
+std::string read_file(const fs::path& path) {
+  return read_regular_file(path.string(), kMaxTokenizerFileBytes);
+}
 
 json parse_json_file(const fs::path& path) {
   const std::string text = read_file(path);
-  check_json_depth(text, 128, path.string());
+  check_json_depth(text, kMaxTokenizerJsonDepth, path.string());
   try {
     return json::parse(text);
   } catch (const json::exception& e) {

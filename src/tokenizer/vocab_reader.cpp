@@ -191,7 +191,7 @@ class Handler {
 
 VocabFile read_vocab_file(const std::string& path, const std::vector<std::string>& vocab_path,
                           const std::vector<std::string>& merges_path) {
-  const std::string text = read_regular_file(path, 512ull << 20);
+  const std::string text = read_regular_file(path, kMaxTokenizerFileBytes);
   VocabFile out;
   Handler h(path, vocab_path, merges_path, out);
   json::sax_parse(text, &h);
