@@ -26,14 +26,11 @@
 #                                         # ($DS_ATTN_O_PDL=0; decode_gemv.md): the engine's bits
 #                                         # both ways, in-graph profiles at 4K both ways, the A/B
 #   BUDGET=560 bash scripts/gpu_pending.sh ahead  # ~6-8 min: session 34's probe, each decode
-#                                         # bulk GEMV queueing its next stages for L2 after its
-#                                         # wait ($DS_GEMV_AHEAD=KiB; decode_gemv.md): the kernels'
-#                                         # and the engine's bits (batch 1, 2, 16), profiles at 4K
-#                                         # (0 / 80), the A/B at 40 / 80 / 160 KiB (1 and 16)
-#   bash scripts/gpu_pending.sh tm        # ~3-4 min: session 34's fused GDN design in FlashInfer's
-#                                         # order (gdn_prefill.md): T diag(beta) and M against the
-#                                         # host; $DS_GDN_STATE=flash against the shipped path;
-#                                         # the stage rows; the layer both ways (bench kernels)
+#                                         # GEMV queueing its next stages for L2 after its wait
+#                                         # ($DS_GEMV_AHEAD=KiB, 80 by default since session 36;
+#                                         # decode_gemv.md): the kernels' and the engine's bits
+#                                         # (batch 1, 2, 16), profiles at 4K (0 / 80), the A/B
+#                                         # (default / 0 / the TMA GEMV's at 40; batch 1, 2, 16)
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -65,8 +62,8 @@ step=${1:-}
 OUT=${OUT:-/tmp/gpu-pending-out}
 ARCHIVE=${ARCHIVE:-.carry/bins.tar.xz}
 case "$step" in
-  tests|kernels|decode|prompts|ncu|attn|wy|early|attno|ahead|tm|argmax|tma|quick) ;;
-  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, attno, ahead, tm, argmax, tma or quick, got '$step'" >&2
+  tests|kernels|decode|prompts|ncu|attn|wy|early|attno|ahead|argmax|tma|quick) ;;
+  *) echo "gpu_pending: step must be tests, kernels, decode, prompts, ncu, attn, wy, early, attno, ahead, argmax, tma or quick, got '$step'" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -281,6 +278,9 @@ case "$step" in
     # The kernel's bits at every count, the engine's both ways, the profiles, the A/B.
     # Batch 5-16 runs the TMA GEMV (gate_up + SiLU, gdn_in, attn_qkv), and down at batch 1-2 the
     # narrow one: both got the same prefetch.
+    # Session 36 (run on an H100): 80 KiB made the default at batch 1-2 ($DS_GEMV_AHEAD unset:
+    # 80), the TMA GEMV's kept off ($DS_GEMV_TMA_AHEAD, it made 16@4096 slower); so the A/B now
+    # sets the default against 0 at batch 1, 2 and 16, and the TMA prefetch at batch 16 alone.
     run ahead_gemv_test timeout 150 "$T/cuda_gemv_norm_test" \
       --gtest_filter='CudaGemvBulkNorm.L2Ahead*' || rc=1
     run ahead_tma_test timeout 150 "$T/cuda_gemv_test" \
@@ -288,32 +288,7 @@ case "$step" in
     run ahead_engine_test timeout 200 "$T/cuda_specialisation_test" \
       --gtest_filter='Specialisations.GemvAhead*' || rc=1
     inprof inprof_4096_ahead DS_GEMV_AHEAD 0 80
-    decode_ab 1@4096,1@8192,1@32768,16@4096 3 - DS_GEMV_AHEAD=40 DS_GEMV_AHEAD=80 DS_GEMV_AHEAD=160
-    ;;
-  tm)
-    # Session 34: the fused GDN design's operands (T diag(beta), M) from the WY kernel's T, against
-    # a host reference in double; the shipped WY forms still bit-identical; then every stage's time
-    # at 4096 tokens, the new tm_mma row beside wy_mma's.
-    # Stage 2 ($DS_GDN_STATE=flash): the chain, the output and the gated norm in one kernel on
-    # them, against the shipped path within its bound; the stage rows; the whole layer both ways.
-    run tm_test timeout 150 "$T/cuda_gdn_test" \
-      --gtest_filter='CudaGdn.TmMatchesHostReference:CudaGdn.WyBalancedBitExact' || rc=1
-    # The chain kernel has never run: a hang (its exit status 124 from timeout) skips every
-    # later command that launches it, so one hang costs 90 s of the step, not all of it.
-    hung=0
-    run flash_test timeout 90 stdbuf -oL "$T/cuda_gdn_test" --gtest_filter='CudaGdnFlash.*' \
-      || { [ $? = 124 ] && hung=1; rc=1; }
-    if [ "$hung" = 0 ]; then
-      run flash_engine_test timeout 200 "$T/cuda_specialisation_test" \
-        --gtest_filter='GdnStateFormsFlash.*' || rc=1
-    fi
-    # Its flash rows come last: line-buffered, so the rows before a hang are kept.
-    run tm_stage timeout $((hung ? 100 : 200)) env DS_PERF=1 stdbuf -oL "$T/cuda_gdn_test" \
-      --gtest_filter=CudaGdn.PrefillStageTiming || rc=1
-    run flash_layer_default "$DS" bench kernels --only gdn_prefill || rc=1
-    if [ "$hung" = 0 ]; then
-      run flash_layer env DS_GDN_STATE=flash "$DS" bench kernels --only gdn_prefill || rc=1
-    fi
+    decode_ab 1@4096,1@8192,1@16384,1@32768,2@4096,16@4096 3 - DS_GEMV_AHEAD=0 DS_GEMV_TMA_AHEAD=40
     ;;
   argmax)
     # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and

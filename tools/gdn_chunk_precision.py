@@ -114,7 +114,8 @@ def run(n_tokens, n_heads, seed, out=sys.stdout):
                          "o_ref_max": float(np.abs(o_ref).max()),
                          "s_rel": rel(s, s_ref), "s_max": float(np.abs(s - s_ref).max())})
         # The two forms against each other: what a test of the fused kernel against today's
-        # path (CudaGdnFlash.PrefillCloseToShipped, session 34) sees, before the gated norm.
+        # path sees, before the gated norm (session 34's flash form and its test, removed in
+        # session 36: docs/perf/gdn_prefill.md).
         rows[-1]["o_vs_unfused"] = rel(got[True][0], got[False][0])
         rows[-1]["s_vs_unfused"] = rel(got[True][1], got[False][1])
     print(f"{n_tokens} tokens, {n_heads} heads, seed {seed}: error against the fp64 recurrence",

@@ -635,10 +635,10 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   gemm_ = std::make_unique<cuda::GemmEngine>(kGemmWorkspace);
   gemm_->set_dispatch(&dispatch_);
-  // $DS_GEMV_AHEAD (session 34's probe, off by default): the decode bulk GEMVs queue this many KiB
-  // of their next stages for L2 after their wait. Read here, so each engine captures its graphs
-  // with its own setting.
-  gemm_->set_l2_ahead_kib(cuda::gemv_ahead_kib_from_env());
+  // $DS_GEMV_AHEAD (80 KiB unless set; session 36) and $DS_GEMV_TMA_AHEAD (off unless set): the
+  // decode GEMVs at batch 1-2 / 5-16 queue this many KiB of their next stages for L2 after their
+  // wait. Read here, so each engine captures its graphs with its own setting.
+  gemm_->set_l2_ahead_kib(cuda::gemv_ahead_kib_from_env(), cuda::gemv_tma_ahead_kib_from_env());
   DS_CUDA_CHECK(cudaMalloc(&weight_mem_, layout_.weight_bytes));
   wb = Bump{static_cast<char*>(weight_mem_)};
   layout_weights(cfg_, wb, w_);

@@ -1100,17 +1100,6 @@ void launch_gdn_prefill(const GdnShape& s, const GdnLayerWeights& w, const GdnSt
                                                 ws.u, ws.h, out);
     DS_CUDA_LAUNCH_CHECK();
   };
-  // $DS_GDN_STATE=flash (session 34, not yet run on a GPU): T diag(beta) and M into the snapshot
-  // region (16 of its 32 KB per chunk and head), then the chain, the output and the gated norm in
-  // one kernel, where the wgmma pass would run.
-  if (slice && slice_state == GdnSliceState::kWgmma && gdn_state_form() == GdnStateForm::kFlash &&
-      gdn_flash_supported(s, w, pool, proj, out, n_tokens, max_chunks, ws.g)) {
-    launch_gdn_tm_mma(s, reinterpret_cast<const int4*>(ws.chunks), max_chunks, ws.qkv, ws.g,
-                      ws.beta, ws.h, stream);
-    launch_gdn_flash_chain(s, w, pool, proj, cu_seqlens, seq_pos, slot_ids, n_seqs, ws.seq_chunk0,
-                           max_chunks, ws.qkv, ws.g, ws.h, out, n_tokens, stream);
-    return;
-  }
   if (wy_mma)
     launch_gdn_wy_mma(s, reinterpret_cast<const int4*>(ws.chunks), max_chunks, ws.qkv, ws.g,
                       ws.beta, ws.w, ws.u, stream, /*tf32_offdiag=*/slice);

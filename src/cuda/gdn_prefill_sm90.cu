@@ -280,7 +280,7 @@ __device__ __forceinline__ void balanced_tiles(int warp, F&& f) {
 }
 
 // Tiles [jlo, jhi) (at most 5) of row block r of X K^T on mma.sync, fp32: the A operand from the
-// [64][kLd] bf16 rows of x (K for A's products, Q for M's), B from K's rows; k-steps in order.
+// [64][kLd] bf16 rows of x (K: A's products), B from K's rows; k-steps in order.
 __device__ __forceinline__ void row_block_tiles(const bf16* x, const bf16* ks, int r, int jlo,
                                                 int jhi, int lane, float (&acc)[5][4]) {
 #pragma unroll
@@ -330,32 +330,16 @@ __device__ __forceinline__ void row_block_tiles(const bf16* x, const bf16* ks, i
 // cycles to time). The stamps add no barrier and change no value: bit-identical outputs.
 __device__ unsigned long long* g_wy_stamps;
 
-//
-// TM (with LATE_V; launch_gdn_tm_mma, session 34, built without a device): the operands of the
-// chunk step in FlashInfer's order instead of W and U (docs/perf/gdn_prefill.md, "Session 34"):
-// per (chunk entry e, value head), into tm_out [e][n_v][2][64][64] bf16,
-//   Tb = T diag(beta): row i, column j = T_ij beta_j (T's fragments as the U product forms them,
-//     t_fragments with beta as the column scale; zeros above the diagonal blocks), so that
-//     V_new = Tb (V - diag(e^gamma) K h) = U - W h up to association;
-//   M = causal-inclusive(Q K^T) e^(gamma_i - gamma_j) (the output kernel's P: decay_mask_p's
-//     expression on an mma.sync Q K^T), zeros above the diagonal.
-// Rows and columns past a partial chunk's n are zeros in both (beta and the zero-filled K / Q rows
-// there). gamma is written back to g as in every form. Warps 2 and 3 load the key head's Q rows
-// into A's space once T is complete while warps 0 and 1 store Tb; then the warps form M's tiles,
-// 5 each, split as A's are.
-template <bool TF32_OFFDIAG, bool BALANCED = false, bool LATE_V = false, bool TIMED = false,
-          bool TM = false>
+template <bool TF32_OFFDIAG, bool BALANCED = false, bool LATE_V = false, bool TIMED = false>
 __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
     GdnShape s,
     const int4* __restrict__ chunks,  // [max_chunks] {seq (-1: none), t0, n, index}
     const bf16* __restrict__ qkv,     // [n_tokens, qkv_dim]
     float* __restrict__ g,            // [n_tokens, n_v] in: g, out: gamma
     const float* __restrict__ beta,   // [n_tokens, n_v]
-    bf16* __restrict__ w_out,         // [n_tokens, n_v, 128] (not TM)
-    bf16* __restrict__ u_out,         // [n_tokens, n_v, 128] (not TM)
-    bf16* __restrict__ tm_out)        // [max_chunks, n_v, 2, 64, 64] (TM only)
+    bf16* __restrict__ w_out,         // [n_tokens, n_v, 128]
+    bf16* __restrict__ u_out)         // [n_tokens, n_v, 128]
 {
-  static_assert(!TM || (LATE_V && !TIMED), "the T / M form is built on the late-V layout");
   using L = WyCfg;
   const int4 ci = chunks[blockIdx.x];
   if (ci.x < 0) return;
@@ -396,15 +380,6 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
       cp_async16(vs + r * kLd + col, row + 2 * s.n_k_heads * kD + hv * kD + col, ok);
   }
   cp_async_commit();
-  if constexpr (TM) {
-    // The key head's Q rows, loaded once T is complete (into A's space), into L2 now: two 128-byte
-    // lines per row, one per thread, so that their late load meets L2 instead of HBM.
-    const int r = tid >> 1;
-    if (r < n)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(qkv + (row0 + r) * qkv_dim + hk * kD +
-                                                     (tid & 1) * 64)
-                   : "memory");
-  }
   if (warp == 0) {
     stage_chunk_gates(g, beta, row0, n, n_v, hv, lane, gam, bet, eg);  // gamma, beta, beta e^gamma
   }
@@ -542,16 +517,12 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
       if (tid == 0) stamp[3] = clock64();
     if constexpr (LATE_V) {
       // A is dead: warps 2 and 3 (U below) load V into its space while warps 0 and 1 form W.
-      // TM: the key head's Q rows instead, while warps 0 and 1 store Tb.
       if (warp >= 2) {
         for (int e = tid - 64; e < kC * (kD / 8); e += 64) {
           const int r = e / (kD / 8), col = (e % (kD / 8)) * 8;
           const bool ok = r < n;
           const bf16* row = qkv + (row0 + (ok ? r : 0)) * qkv_dim;
-          if constexpr (TM)
-            cp_async16(vs + r * kLd + col, row + hk * kD + col, ok);
-          else
-            cp_async16(vs + r * kLd + col, row + 2 * s.n_k_heads * kD + hv * kD + col, ok);
+          cp_async16(vs + r * kLd + col, row + 2 * s.n_k_heads * kD + hv * kD + col, ok);
         }
         cp_async_commit();
         cp_async_wait_all();
@@ -653,85 +624,32 @@ __global__ void __launch_bounds__(WyCfg::kThreads) gdn_wy_mma_kernel(
       ta[kstep][3] = pack_bf16(x3.x * s8, x3.y * s9);
     }
   };
-  if constexpr (TM) {
-    bf16* tb = tm_out + (size_t(blockIdx.x) * n_v + hv) * 2 * kC * kC;  // [64][64], then M
-    bf16* mo = tb + kC * kC;
-    if (warp < 2) {  // Tb, row blocks {0, 3} (warp 0) and {1, 2} (warp 1)
+  // Unbalanced: W then U for row block `warp`. BALANCED: matrix warp / 2 (W, U) for row blocks
+  // {0, 3} (even warps) or {1, 2} (odd warps).
 #pragma unroll
-      for (int it = 0; it < 2; ++it) {
-        const int rb = (warp & 1) ? 1 + it : 3 * it;
-        uint32_t ta[4][4];
-        t_fragments(bet, ta, rb);
+  for (int it = 0; it < 2; ++it) {
+    const int which = BALANCED ? warp >> 1 : it;
+    const int rb = BALANCED ? ((warp & 1) ? 1 + it : 3 * it) : warp;
+    const bf16* src = which == 0 ? ks : vs;
+    bf16* dst = which == 0 ? w_out : u_out;
+    uint32_t ta[4][4];
+    t_fragments(TF32_OFFDIAG ? (which == 0 ? eg : bet) : nullptr, ta, rb);
+    float acc[16][4];
 #pragma unroll
-        for (int kstep = 0; kstep < 4; ++kstep) {
-          const bool z = kstep > rb;  // above the diagonal blocks: never written, zeros
-          const int r = 16 * rb + gq, j = 16 * kstep + 2 * c;
-          *reinterpret_cast<uint32_t*>(tb + r * kC + j) = z ? 0u : ta[kstep][0];
-          *reinterpret_cast<uint32_t*>(tb + (r + 8) * kC + j) = z ? 0u : ta[kstep][1];
-          *reinterpret_cast<uint32_t*>(tb + r * kC + j + 8) = z ? 0u : ta[kstep][2];
-          *reinterpret_cast<uint32_t*>(tb + (r + 8) * kC + j + 8) = z ? 0u : ta[kstep][3];
-        }
+    for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    acc_a_times_tile(ta, src, lane, rb, acc);  // T is lower triangular: k-steps <= rb
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = 16 * rb + gq + 8 * half;
+      if (i < n) {
+        bf16* d = dst + ((row0 + i) * n_v + hv) * kD + 2 * c;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<uint32_t*>(d + 8 * j) =
+              pack_bf16(acc[j][2 * half], acc[j][2 * half + 1]);
       }
     }
-    __syncthreads();  // Q (warps 2 and 3) in shared memory for every warp
-    // M: S = Q K^T on mma.sync, the tiles up to the diagonal spread over the warps as A's are
-    // (5 tiles each: see BALANCED above), then P's mask and decay (decay_mask_p's expression),
-    // bf16. Each tile is the same k-steps in the same order whichever warp forms it. The tiles
-    // above the diagonal are zeros, row block `warp`'s written by warp `warp`.
-    const bf16* qs = vs;
-#pragma unroll
-    for (int jt = 2 * warp + 2; jt < 8; ++jt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        *reinterpret_cast<uint32_t*>(mo + (16 * warp + gq + 8 * half) * kC + 8 * jt + 2 * c) = 0u;
-    }
-    // Tiles [jlo, jhi) of row block r (at most 5).
-    auto m_tiles = [&](int r, int jlo, int jhi) {
-      float mm[5][4];
-      row_block_tiles(qs, ks, r, jlo, jhi, lane, mm);
-#pragma unroll
-      for (int jt = 0; jt < 5; ++jt) {
-        if (jlo + jt < jhi) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int i = 16 * r + gq + 8 * half, j = 8 * (jlo + jt) + 2 * c;
-            const float gi = gam[i];
-            const float x0 = j <= i ? mm[jt][2 * half] * __expf(gi - gam[j]) : 0.f;
-            const float x1 = j + 1 <= i ? mm[jt][2 * half + 1] * __expf(gi - gam[j + 1]) : 0.f;
-            *reinterpret_cast<uint32_t*>(mo + i * kC + j) = pack_bf16(x0, x1);
-          }
-        }
-      }
-    };
-    balanced_tiles(warp, m_tiles);
-  } else {
-    // Unbalanced: W then U for row block `warp`. BALANCED: matrix warp / 2 (W, U) for row blocks
-    // {0, 3} (even warps) or {1, 2} (odd warps).
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-      const int which = BALANCED ? warp >> 1 : it;
-      const int rb = BALANCED ? ((warp & 1) ? 1 + it : 3 * it) : warp;
-      const bf16* src = which == 0 ? ks : vs;
-      bf16* dst = which == 0 ? w_out : u_out;
-      uint32_t ta[4][4];
-      t_fragments(TF32_OFFDIAG ? (which == 0 ? eg : bet) : nullptr, ta, rb);
-      float acc[16][4];
-#pragma unroll
-      for (int j = 0; j < 16; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-      acc_a_times_tile(ta, src, lane, rb, acc);  // T is lower triangular: k-steps <= rb
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = 16 * rb + gq + 8 * half;
-        if (i < n) {
-          bf16* d = dst + ((row0 + i) * n_v + hv) * kD + 2 * c;
-#pragma unroll
-          for (int j = 0; j < 16; ++j)
-            *reinterpret_cast<uint32_t*>(d + 8 * j) =
-                pack_bf16(acc[j][2 * half], acc[j][2 * half + 1]);
-        }
-      }
-    }
-  }  // not TM
+  }
   if constexpr (TIMED) {
     if (lane == 0) stamp[4 + warp] = clock64();
     if (tid == 0) stamp[9] = globaltimer_ns();
@@ -797,21 +715,7 @@ void launch_gdn_wy_mma_timed(const GdnShape& s, const int4* chunks, int max_chun
   DS_CUDA_CHECK(cudaMemcpyToSymbolAsync(g_wy_stamps, &stamps, sizeof(stamps), 0,
                                         cudaMemcpyHostToDevice, stream));
   kernel<<<dim3(max_chunks, s.n_v_heads), WyCfg::kThreads, WyCfg::kTotalLate, stream>>>(
-      s, chunks, qkv, g, beta, w_mat, u_mat, nullptr);
-  DS_CUDA_LAUNCH_CHECK();
-}
-
-void launch_gdn_tm_mma(const GdnShape& s, const int4* chunks, int max_chunks, const bf16* qkv,
-                       float* g, const float* beta, bf16* tm, cudaStream_t stream) {
-  DS_CHECK(s.d_k == kD && s.d_v == kD, "gdn T / M mma: d_k = d_v = 128 only");
-  DS_CHECK(aligned(qkv, 16) && aligned(tm, 4) && s.qkv_dim() % 8 == 0,
-           "gdn T / M mma: qkv rows must be 16-byte aligned, tm 4-byte aligned");
-  if (max_chunks <= 0) return;
-  auto kernel = gdn_wy_mma_kernel<true, true, true, false, true>;
-  DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(WyCfg::kTotalLate)));
-  kernel<<<dim3(max_chunks, s.n_v_heads), WyCfg::kThreads, WyCfg::kTotalLate, stream>>>(
-      s, chunks, qkv, g, beta, nullptr, nullptr, tm);
+      s, chunks, qkv, g, beta, w_mat, u_mat);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -836,7 +740,7 @@ void launch_gdn_wy_mma(const GdnShape& s, const int4* chunks, int max_chunks, co
     DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
     kernel<<<dim3(max_chunks, s.n_v_heads), WyCfg::kThreads, smem, stream>>>(
-        s, chunks, qkv, g, beta, w_mat, u_mat, nullptr);
+        s, chunks, qkv, g, beta, w_mat, u_mat);
     DS_CUDA_LAUNCH_CHECK();
   };
   DS_CHECK(balanced <= 2, "gdn wy mma: balanced must be -1, 0, 1 or 2 (got ", balanced, ")");

@@ -101,17 +101,6 @@ constexpr int kGdnWyStamps = 10;
 void launch_gdn_wy_mma_timed(const GdnShape& s, const int4* chunks, int max_chunks,
                              const bf16* qkv, float* g, const float* beta, bf16* w_mat,
                              bf16* u_mat, unsigned long long* stamps, cudaStream_t stream);
-// The chunk step's operands in FlashInfer's order instead of W and U (session 34, built without a
-// device; the first stage of the fused design in docs/perf/gdn_prefill.md, "Session 34"): the
-// shipped WY build's gamma and T, then per (chunk entry e, value head) into tm [e][n_v][2][64][64]
-// bf16: Tb = T diag(beta) and M = causal-inclusive(Q K^T) e^(gamma_i - gamma_j), zeros above the
-// diagonal and past a partial chunk's rows. gamma is written back into g.
-void launch_gdn_tm_mma(const GdnShape& s, const int4* chunks, int max_chunks,
-                       const bf16* qkv,    // [n_tokens, qkv_dim]
-                       float* g,           // [n_tokens, n_v_heads] in: g, out: gamma
-                       const float* beta,  // [n_tokens, n_v_heads]
-                       bf16* tm,           // [max_chunks, n_v_heads, 2, 64, 64] (out)
-                       cudaStream_t stream);
 // The WY kernel's balanced warp split (launch_gdn_wy_mma's balanced < 0): on unless
 // $DS_GDN_WY_BALANCED is 0 (read once per process).
 bool gdn_wy_mma_balanced();
@@ -189,36 +178,12 @@ void set_gdn_out_form(GdnOutForm form);
 // the first call (anything else throws); set_gdn_state_form overrides it (tests).
 // kFused2Wg ($DS_GDN_STATE=fused2w): fused2 with the shipped (kWg) chain step instead of the tight
 // one, which session 24 measured slower alone.
-// kFlash ($DS_GDN_STATE=flash; session 34, built without a device, not yet run): the chunk step
-// in FlashInfer's order (docs/perf/gdn_prefill.md, "Session 34"): launch_gdn_tm_mma instead of
-// the WY kernel, then launch_gdn_flash_chain instead of the state pass and the output kernel.
-// Not bit-identical to the other forms (another association of the same maths): its tests bound
-// y and the final state against them.
-enum class GdnStateForm { kWg, kTight, kFused, kFused2, kFused2Wg, kFlash };
+enum class GdnStateForm { kWg, kTight, kFused, kFused2, kFused2Wg };
 GdnStateForm gdn_state_form();
 GdnStateForm parse_gdn_state_form(const char* value);  // null / "" = kWg; throws on a bad value
 void set_gdn_state_form(GdnStateForm form);
 // Whether kWgmma can run: d_k = d_v = 128, n_v_heads % 4 == 0 (gamma's [64, 4] box), gamma 16-byte
 // aligned, n_tokens > 0 and fewer than 2^31 snapshot rows.
 bool gdn_slice_wg_supported(const GdnShape& s, int n_tokens, int max_chunks, const float* gamma);
-// Stage 2 of kFlash: the chain, the output and the gated norm in one kernel (gdn_prefill_slice.cu,
-// gdn_chain_flash_kernel): one CTA per (sequence, value head, 64-column slice), the two slices of
-// a head a cluster of 2; reads launch_gdn_tm_mma's tm and gamma (the in-chunk cumsum), qkv (K, Q,
-// V), z from proj; writes out and the final recurrent states. Throws ds::Error where
-// gdn_flash_supported is false.
-bool gdn_flash_supported(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
-                         const bf16* proj, const bf16* out, int n_tokens, int max_chunks,
-                         const float* gamma);
-void launch_gdn_flash_chain(const GdnShape& s, const GdnLayerWeights& w, const GdnStatePool& pool,
-                            const bf16* proj,  // [n_tokens, in_dim] (z)
-                            const int32_t* cu_seqlens, const int32_t* seq_pos,
-                            const int32_t* slot_ids, int n_seqs,
-                            const int* seq_chunk0,  // [n_seqs + 1] first chunk entry
-                            int max_chunks,
-                            const bf16* qkv,     // [n_tokens, qkv_dim] (the conv's output)
-                            const float* gamma,  // [n_tokens, n_v_heads]
-                            const bf16* tm,      // [max_chunks, n_v_heads, 2, 64, 64]
-                            bf16* out,           // [n_tokens, n_v_heads * 128]
-                            int n_tokens, cudaStream_t stream);
 
 }  // namespace ds::cuda

@@ -149,7 +149,7 @@ void GemmEngine::run(const __nv_bfloat16* x, const __nv_bfloat16* w, void* y, in
     GemvTmaConfig c = gemv_tma_config(m, n, k, false);
     while (c.kbox > 1 && !gemv_tma_fits(m, n, k, false, c, n_sms_)) c.kbox /= 2;  // this device
     c.pdl = bulk_pdl;
-    if (out == GemmOut::kBF16) c.l2_ahead = gemv_tma_ahead_stages(l2_ahead_kib_, n, false, c, n_sms_);
+    if (out == GemmOut::kBF16) c.l2_ahead = gemv_tma_ahead_stages(tma_ahead_kib_, n, false, c, n_sms_);
     launch_gemv_tma(x, w, y, m, n, k, out, c, n_sms_, stream);
     return;
   }
@@ -193,7 +193,7 @@ bool GemmEngine::run_gate_up_silu(const __nv_bfloat16* x, const __nv_bfloat16* w
     GemvTmaConfig c = gemv_tma_config(m, d_ff, k, true);
     while (c.kbox > 1 && !gemv_tma_fits(m, d_ff, k, true, c, n_sms_)) c.kbox /= 2;
     c.pdl = bulk_pdl_;
-    c.l2_ahead = gemv_tma_ahead_stages(l2_ahead_kib_, d_ff, true, c, n_sms_);
+    c.l2_ahead = gemv_tma_ahead_stages(tma_ahead_kib_, d_ff, true, c, n_sms_);
     launch_gemv_tma_silu(x, w_gate_up, act, m, d_ff, k, c, n_sms_, stream);
     return true;
   }

@@ -140,13 +140,16 @@ class GemmEngine {
   // Specialised kernels (e.g. decode GEMVs) are picked through this registry when set; null or
   // unset: cuBLASLt for every shape. The registry must outlive the engine.
   void set_dispatch(const DispatchRegistry* dispatch) { dispatch_ = dispatch; }
-  // KiB of each block's next weight stages the decode GEMVs queue for L2 after their wait: the
-  // bulk ones (gemv_bulk, gemv_bulk_pdl, gemv_bulk_silu at m <= kGemvAheadMaxM, bf16 out;
-  // GemvBulkConfig::l2_ahead, gemv.h), the narrow one (gemv_narrow, the same m and out) and the TMA
-  // ones (gemv_tma, gemv_tma_silu at kbox 1, bf16 out; GemvTmaConfig::l2_ahead); 0 (the default):
-  // none. The engine sets it from $DS_GEMV_AHEAD.
-  // The outputs are the same bits either way.
-  void set_l2_ahead_kib(int kib) { l2_ahead_kib_ = kib; }
+  // KiB of each block's next weight stages the decode GEMVs queue for L2 after their wait:
+  // `kib` for the bulk ones (gemv_bulk, gemv_bulk_pdl, gemv_bulk_silu at m <= kGemvAheadMaxM, bf16
+  // out; GemvBulkConfig::l2_ahead, gemv.h) and the narrow one (gemv_narrow, the same m and out),
+  // `tma_kib` for the TMA ones (gemv_tma, gemv_tma_silu at kbox 1, bf16 out;
+  // GemvTmaConfig::l2_ahead); 0 (the default here): none. The engine sets them from
+  // $DS_GEMV_AHEAD and $DS_GEMV_TMA_AHEAD. The outputs are the same bits either way.
+  void set_l2_ahead_kib(int kib, int tma_kib) {
+    l2_ahead_kib_ = kib;
+    tma_ahead_kib_ = tma_kib;
+  }
   int l2_ahead_kib() const { return l2_ahead_kib_; }
 
   // The variant run() takes for this shape with 16-byte aligned x and w: "gemv_bulk",
@@ -180,6 +183,7 @@ class GemmEngine {
   bool bulk_pdl_ = false;
   bool skinny_pdl_ = false;
   int l2_ahead_kib_ = 0;
+  int tma_ahead_kib_ = 0;
 };
 
 }  // namespace ds::cuda

@@ -1159,21 +1159,28 @@ std::string GemvBulkConfig::name() const {
   return os.str();
 }
 
-int gemv_ahead_kib_from_env() {
-  const char* e = std::getenv("DS_GEMV_AHEAD");
+namespace {
+// A KiB budget from $var: digits only (no sign, no blanks), 0..kGemvAheadMaxKib; unset or empty:
+// dflt.
+int ahead_kib_from_env(const char* var, int dflt) {
+  const char* e = std::getenv(var);
   const std::string v = e ? e : "";
-  if (v.empty()) return 0;
+  if (v.empty()) return dflt;
   size_t used = 0;
   int x = -1;
   try {
-    if (v[0] >= '0' && v[0] <= '9') x = std::stoi(v, &used);  // digits only: no sign, no blanks
+    if (v[0] >= '0' && v[0] <= '9') x = std::stoi(v, &used);
   } catch (const std::exception&) {
     used = 0;
   }
-  DS_CHECK(used == v.size() && x >= 0 && x <= kGemvAheadMaxKib,
-           "DS_GEMV_AHEAD must be KiB in 0..", kGemvAheadMaxKib, ", got '", v, "'");
+  DS_CHECK(used == v.size() && x >= 0 && x <= kGemvAheadMaxKib, var, " must be KiB in 0..",
+           kGemvAheadMaxKib, ", got '", v, "'");
   return x;
 }
+}  // namespace
+
+int gemv_ahead_kib_from_env() { return ahead_kib_from_env("DS_GEMV_AHEAD", kGemvAheadDefaultKib); }
+int gemv_tma_ahead_kib_from_env() { return ahead_kib_from_env("DS_GEMV_TMA_AHEAD", 0); }
 
 int gemv_bulk_ahead_stages(int kib, int k, const GemvBulkConfig& c, bool glu) {
   if (kib <= 0 || k <= 0) return 0;

@@ -916,19 +916,33 @@ TEST(CudaGemvBulkNorm, L2AheadChangesNoBit) {
   cudaStreamDestroy(st);
 }
 
-// $DS_GEMV_AHEAD's parse and the KiB -> stages conversion (host only).
+// $DS_GEMV_AHEAD's and $DS_GEMV_TMA_AHEAD's parse (unset: 80 / 0) and the KiB -> stages
+// conversion (host only).
 TEST(CudaGemvBulkNorm, L2AheadBudget) {
-  unsetenv("DS_GEMV_AHEAD");
-  EXPECT_EQ(cuda::gemv_ahead_kib_from_env(), 0);
-  for (const char* ok : {"0", "80", "512"}) {
-    setenv("DS_GEMV_AHEAD", ok, 1);
-    EXPECT_EQ(cuda::gemv_ahead_kib_from_env(), std::atoi(ok));
+  struct Var {
+    const char* name;
+    int (*read)();
+    int unset;
+  };
+  for (const Var& v : {Var{"DS_GEMV_AHEAD", cuda::gemv_ahead_kib_from_env, 80},
+                       Var{"DS_GEMV_TMA_AHEAD", cuda::gemv_tma_ahead_kib_from_env, 0}}) {
+    unsetenv(v.name);
+    EXPECT_EQ(v.read(), v.unset) << v.name;
+    for (const char* ok : {"0", "80", "512"}) {
+      setenv(v.name, ok, 1);
+      EXPECT_EQ(v.read(), std::atoi(ok)) << v.name;
+    }
+    for (const char* bad : {"-1", "513", "8k", "x", " 8"}) {
+      setenv(v.name, bad, 1);
+      try {
+        v.read();
+        ADD_FAILURE() << v.name << "=" << bad << " was accepted";
+      } catch (const ds::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(v.name), std::string::npos) << e.what();
+      }
+    }
+    unsetenv(v.name);
   }
-  for (const char* bad : {"-1", "513", "8k", "x", " 8"}) {
-    setenv("DS_GEMV_AHEAD", bad, 1);
-    EXPECT_THROW(cuda::gemv_ahead_kib_from_env(), ds::Error) << bad;
-  }
-  unsetenv("DS_GEMV_AHEAD");
   const cuda::GemvBulkConfig r1{1, 16, false}, r2{2, 8, false};
   EXPECT_EQ(cuda::gemv_bulk_ahead_stages(0, 5120, r1, false), 0);
   EXPECT_EQ(cuda::gemv_bulk_ahead_stages(80, 5120, r1, false), 8);   // 10 KiB stages

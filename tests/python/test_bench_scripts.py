@@ -294,7 +294,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "DRY": "1"}
     out = {}
     for step in ("tests", "kernels", "decode", "prompts", "ncu", "attn", "wy", "early", "attno",
-                 "ahead", "tm", "argmax", "tma", "quick"):
+                 "ahead", "argmax", "tma", "quick"):
         r = subprocess.run(["bash", str(script), step], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -323,12 +323,8 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "Specialisations.GemvAhead" in out["ahead"]
     assert out["ahead"].count("DecodeProfile.Synthetic27bInGraph") == 2
     assert "DS_GEMV_AHEAD=0" in out["ahead"] and "DS_GEMV_AHEAD=80" in out["ahead"]
-    assert ("--cases 1@4096,1@8192,1@32768,16@4096 --rounds 3 - DS_GEMV_AHEAD=40 DS_GEMV_AHEAD=80"
-            " DS_GEMV_AHEAD=160") in out["ahead"]
-    # Session 34's T / M operands of the fused GDN design: their test, then the stage timings.
-    assert "CudaGdn.TmMatchesHostReference" in out["tm"] and "CudaGdn.PrefillStageTiming" in out["tm"]
-    assert "CudaGdnFlash." in out["tm"]
-    assert out["tm"].count("bench kernels --only gdn_prefill") == 2 and "DS_GDN_STATE=flash" in out["tm"]
+    assert ("--cases 1@4096,1@8192,1@16384,1@32768,2@4096,16@4096 --rounds 3 - DS_GEMV_AHEAD=0"
+            " DS_GEMV_TMA_AHEAD=40") in out["ahead"]
     for arm in ("DS_MLP_FUSED=1", "DS_MLP_FUSED=2", "DS_MLP_FUSED=3", "DS_GEMV_NORM_EARLY=0",
                 "DS_ATTN_DECODE=pdl_cluster"):
         assert arm in out["decode"]
@@ -354,7 +350,9 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "tools/bench_variants.py attn_kernels.txt --ref wgmma_ws_lean" in out["attn"]
     assert "DS_GEMV_ACC" not in "".join(out.values())  # removed in session 30
     assert "DS_NORM_DECODE" not in "".join(out.values())  # removed in session 31
-    for gone in ("profile", "post"):  # session 30-31's norm-form steps, removed with the forms
+    # Session 30-31's norm-form steps, and session 34's `tm` (the flash GDN form, removed in
+    # session 36), removed with their forms.
+    for gone in ("profile", "post", "tm"):
         r = subprocess.run(["bash", str(script), gone], capture_output=True, text=True, env=env,
                            timeout=60)
         assert r.returncode == 2 and "step must be" in r.stderr
