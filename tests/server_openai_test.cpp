@@ -111,7 +111,16 @@ TEST(ServerOpenAI, SamplingFields) {
       {R"({"stream_options": {"include_usage": true}})", "stream_options"},
       {R"({"logprobs": 21})", "logprobs"},
       {R"({"logprobs": true})", "logprobs"},
-      {R"({"logit_bias": {"1": 2}})", "logit_bias"},
+      {R"({"logit_bias": [1, 2]})", "logit_bias"},
+      {R"({"logit_bias": {"x": 2}})", "logit_bias"},
+      {R"({"logit_bias": {"-1": 2}})", "logit_bias"},
+      {R"({"logit_bias": {"01": 2}})", "logit_bias"},
+      {R"({"logit_bias": {" 1": 2}})", "logit_bias"},
+      {R"({"logit_bias": {"4294967296": 2}})", "logit_bias"},
+      {R"({"logit_bias": {"1": 100.5}})", "logit_bias"},
+      {R"({"logit_bias": {"1": "2"}})", "logit_bias"},
+      {R"({"min_tokens": -1})", "min_tokens"},
+      {R"({"min_tokens": 1.5})", "min_tokens"},
       {R"({"user": 5})", "user"},
   };
   for (const auto& [body, field] : bad) {
@@ -127,6 +136,32 @@ TEST(ServerOpenAI, SamplingFields) {
                 &param),
       400);
   EXPECT_EQ(param, "top_logprobs");
+}
+
+// logit_bias and min_tokens reach the engine's request as given (ids and bounds past the
+// vocabulary or max_tokens are the engine's to refuse).
+TEST(ServerOpenAI, LogitBiasAndMinTokens) {
+  const ApiLimits lim;
+  const SamplingRequest r = parse_sampling_request(
+      json::parse(R"({"logit_bias": {"0": -100, "42": 2.5, "2147483647": 100}, "min_tokens": 7})"),
+      false, lim);
+  using P = std::pair<int32_t, float>;
+  EXPECT_EQ(r.gen.sampling.logit_bias,
+            (std::vector<P>{{0, -100.0f}, {42, 2.5f}, {2147483647, 100.0f}}));
+  EXPECT_EQ(r.gen.min_tokens, 7);
+  EXPECT_TRUE(parse_sampling_request(json::parse(R"({"logit_bias": {}})"), false, lim)
+                  .gen.sampling.logit_bias.empty());
+  ApiLimits few;
+  few.max_logit_bias = 2;
+  std::string param;
+  EXPECT_EQ(status_of(
+                [&] {
+                  parse_sampling_request(json::parse(R"({"logit_bias": {"1": 1, "2": 1, "3": 1}})"),
+                                         false, few);
+                },
+                &param),
+            400);
+  EXPECT_EQ(param, "logit_bias");
 }
 
 TEST(ServerOpenAI, CompletionPrompts) {

@@ -201,6 +201,22 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
                                          std::to_string(pool_tokens_) + " tokens)",
                         "prompt");
   }
+  if (request.min_tokens < 0 || request.min_tokens > request.max_tokens) {
+    throw RejectedError(K::kInvalid,
+                        "min_tokens must be in [0, max_tokens = " +
+                            std::to_string(request.max_tokens) + "], got " +
+                            std::to_string(request.min_tokens),
+                        "min_tokens");
+  }
+  for (const auto& [id, bias] : request.sampling.logit_bias) {
+    if (id < 0 || id >= config_.vocab_size) {
+      throw RejectedError(K::kInvalid,
+                          "logit_bias: token id " + std::to_string(id) +
+                              " is outside the vocabulary (" +
+                              std::to_string(config_.vocab_size) + " ids)",
+                          "logit_bias");
+    }
+  }
   if (request.top_logprobs > config_.vocab_size) {
     throw RejectedError(K::kInvalid, "top_logprobs is larger than the vocabulary", "top_logprobs");
   }
@@ -346,12 +362,14 @@ void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
 }
 
 namespace {
-// True when the request's next token is exactly the argmax of the raw logits and nothing else of
-// the row is needed: greedy, no logprobs, no penalties (they change the logits on the host).
-bool wants_only_argmax(const GenerationRequest& q) {
+// True when the request's next token, picked with n_generated tokens already out, is exactly the
+// argmax of the raw logits and nothing else of the row is needed: greedy, no logprobs, no
+// penalties, no logit bias and past min_tokens (they all change the logits on the host).
+bool wants_only_argmax(const GenerationRequest& q, size_t n_generated) {
   const SamplingParams& p = q.sampling;
   return p.greedy() && q.top_logprobs < 0 && p.repetition_penalty == 1.0f &&
-         p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f;
+         p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f && p.logit_bias.empty() &&
+         n_generated >= static_cast<size_t>(q.min_tokens);
 }
 // Length of the longest suffix of `text` that is a proper prefix of one of `stops`.
 size_t stop_holdback(const std::string& text, const std::vector<std::string>& stops) {
@@ -382,6 +400,14 @@ size_t find_stop(const std::string& text, const GenerationRequest& q) {
 }
 }  // namespace
 
+std::vector<int32_t> Engine::min_tokens_banned(const Request& r) const {
+  const GenerationRequest& q = r.req;
+  if (r.generated.size() >= static_cast<size_t>(q.min_tokens)) return {};
+  std::vector<int32_t> ids = q.stop_token_ids;
+  if (!q.ignore_eos) ids.insert(ids.end(), eos_ids_.begin(), eos_ids_.end());
+  return ids;
+}
+
 void Engine::on_token(Request& r, int32_t token, const float* row) {
   const GenerationRequest& q = r.req;
   GeneratedToken g;
@@ -400,11 +426,13 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     ctl_->stats.generation_tokens++;
   }
 
+  // Within min_tokens nothing stops the output but its length (the stop ids were not sampled).
+  const bool may_stop = r.generated.size() > static_cast<size_t>(q.min_tokens);
   const bool is_eos =
       !q.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end();
   const bool is_stop_id =
       std::find(q.stop_token_ids.begin(), q.stop_token_ids.end(), token) != q.stop_token_ids.end();
-  if (is_eos || is_stop_id) {
+  if (may_stop && (is_eos || is_stop_id)) {
     // The stop token's own text is never part of the output.
     if (r.decoder) r.held += r.decoder->flush();
     const size_t at = find_stop(r.held, q);
@@ -418,7 +446,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
   if (r.decoder) {
     // Ids past the tokenizer (checkpoints pad the embedding beyond it) decode to nothing.
     if (token < tok_vocab_) r.held += r.decoder->push(token);
-    if (!q.stop.empty()) {
+    if (!q.stop.empty() && may_stop) {
       const size_t at = find_stop(r.held, q);
       if (at != std::string::npos) {
         r.out_text += r.held.substr(0, at);
@@ -434,7 +462,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     if (r.decoder) {
       r.held += r.decoder->flush();
       r.decoder.reset();
-      const size_t at = find_stop(r.held, q);
+      const size_t at = may_stop ? find_stop(r.held, q) : std::string::npos;
       if (at != std::string::npos) {
         r.held.resize(at);
         finish(r, FinishReason::kStop);
@@ -488,7 +516,8 @@ void Engine::pipeline_round() {
     const int64_t need =
         paged ? blocks_for(len + 1, mem.page_size) - blocks_for(len, mem.page_size) : 0;
     if (gen >= r.req.max_tokens || total >= max_model_len_ || !device_greedy_ ||
-        !wants_only_argmax(r.req) || !backend_->can_grow(slot, 1) || need > free_blocks) {
+        !wants_only_argmax(r.req, static_cast<size_t>(gen)) || !backend_->can_grow(slot, 1) ||
+        need > free_blocks) {
       next = false;
       break;
     }
@@ -684,7 +713,8 @@ void Engine::loop() {
       bool greedy = device_greedy_;
       if (greedy && it.sample) {
         auto found = active_.find(it.seq_id);
-        greedy = found != active_.end() && wants_only_argmax(found->second->req);
+        greedy = found != active_.end() &&
+                 wants_only_argmax(found->second->req, found->second->generated.size());
       }
       plan.work[i].greedy = greedy;
     }
@@ -751,7 +781,8 @@ void Engine::loop() {
       try {
         int32_t token = 0;
         if (row) {
-          token = r.sampler.sample(std::span<const float>(row, vocab), r.generated);
+          token = r.sampler.sample(std::span<const float>(row, vocab), r.generated,
+                                   min_tokens_banned(r));
         } else {
           token = out.tokens.at(i);
           DS_CHECK(token >= 0, "sampling: the logits contain NaN or +inf");

@@ -52,6 +52,9 @@ struct GenerationRequest {
   bool include_stop_str = false;        // vLLM's include_stop_str_in_output: the matched one kept
   std::vector<int32_t> stop_token_ids;  // besides the EOS ids
   bool ignore_eos = false;
+  // vLLM's min_tokens (0..max_tokens): until this many tokens are out, the EOS ids (unless
+  // ignore_eos) and stop_token_ids are never sampled and stop strings do not end the output.
+  int min_tokens = 0;
   int top_logprobs = -1;            // -1: no logprobs; n >= 0: chosen + n alternatives
   bool skip_special_tokens = true;  // in the returned text
 };
@@ -199,6 +202,9 @@ class Engine {
   // logits_row: the row the token was sampled from; null when the backend gave only the token
   // (then the request asked for no logprobs).
   void on_token(Request& r, int32_t token, const float* logits_row);
+  // The ids r's next token must not be (min_tokens not yet reached: its stop ids and, unless
+  // ignore_eos, the EOS ids); empty otherwise.
+  std::vector<int32_t> min_tokens_banned(const Request& r) const;
   // Pipelined decode, with one step in flight: launches the next step when it is certain to be
   // the scheduler's plan, then collects the one in flight and runs its tokens through the stop
   // checks. drain_pipeline collects what is in flight and drops it (stop / errors).

@@ -22,6 +22,11 @@ void SamplingParams::validate() const {
            "presence_penalty must be in [-2, 2], got ", presence_penalty);
   DS_CHECK(std::isfinite(frequency_penalty) && std::fabs(frequency_penalty) <= 2.0f,
            "frequency_penalty must be in [-2, 2], got ", frequency_penalty);
+  for (const auto& [id, bias] : logit_bias) {
+    DS_CHECK(id >= 0, "logit_bias: token ids must be >= 0, got ", id);
+    DS_CHECK(std::isfinite(bias) && std::fabs(bias) <= 100.0f,
+             "logit_bias: biases must be in [-100, 100], got ", bias, " for token ", id);
+  }
 }
 
 int32_t argmax(std::span<const float> logits) {
@@ -99,13 +104,22 @@ Sampler::Sampler(const SamplingParams& params)
   params_.validate();
 }
 
-int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history) {
+int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> history,
+                        std::span<const int32_t> banned) {
   const int V = static_cast<int>(logits.size());
   DS_CHECK(V > 0, "sampling from an empty logits row");
   work_.assign(logits.begin(), logits.end());
-  apply_penalties(work_, history, params_);
+  for (const auto& [id, bias] : params_.logit_bias) {
+    if (id < V) work_[id] += bias;
+  }
   for (float w : work_)
     DS_CHECK(!std::isnan(w) && w != INFINITY, "sampling: the logits contain NaN or +inf");
+  for (int32_t id : banned) {
+    if (id >= 0 && id < V) work_[id] = -INFINITY;
+  }
+  apply_penalties(work_, history, params_);
+  DS_CHECK(*std::max_element(work_.begin(), work_.end()) > -INFINITY,
+           "sampling: every token is excluded");
   if (params_.greedy()) return argmax(work_);
 
   // Unnormalised probabilities exp((l - max) / T): the best token has weight 1.
@@ -167,7 +181,11 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
     acc += work_[order_[i]];
     if (u < acc) return order_[i];
   }
-  return order_[n - 1];  // u rounding at the very top
+  // u rounding at the very top: the last survivor with any weight (never a banned token).
+  for (int i = n - 1; i > 0; --i) {
+    if (work_[order_[i]] > 0.0f) return order_[i];
+  }
+  return order_[0];
 }
 
 }  // namespace ds

@@ -2,7 +2,8 @@
 // min-p with a per-request seeded RNG (the same seed and logits give the same tokens on every
 // machine: std::mt19937_64 plus our own [0, 1) conversion, no implementation-defined
 // distributions). Penalties (repetition / presence / frequency, as vLLM / OpenAI define them) act
-// on the logits before everything else. Also log-softmax helpers for logprobs / top_logprobs.
+// on the logits after the logit bias and the banned tokens (vLLM's order) and before everything
+// else. Also log-softmax helpers for logprobs / top_logprobs.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include <random>
 #include <span>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace ds {
@@ -23,6 +25,9 @@ struct SamplingParams {
   float presence_penalty = 0.0f;    // [-2, 2]: minus this once for every token already generated
   float frequency_penalty = 0.0f;   // [-2, 2]: minus this times the token's count
   std::optional<uint64_t> seed;     // unset: a fresh random seed per request
+  // OpenAI's logit_bias: (token id >= 0, bias in [-100, 100]) added to the logits first; ids
+  // past the logits row are ignored here (the engine refuses them at submission).
+  std::vector<std::pair<int32_t, float>> logit_bias;
 
   // Throws ds::Error naming the field when a value is out of range.
   void validate() const;
@@ -36,7 +41,10 @@ class Sampler {
   const SamplingParams& params() const { return params_; }
 
   // Picks the next token from logits [vocab]. `history`: the tokens generated so far (penalties).
-  int32_t sample(std::span<const float> logits, std::span<const int32_t> history = {});
+  // `banned`: ids that must not be picked (vLLM's min_tokens: the stop ids until that many tokens
+  // are out); an error when nothing else is left.
+  int32_t sample(std::span<const float> logits, std::span<const int32_t> history = {},
+                 std::span<const int32_t> banned = {});
 
  private:
   SamplingParams params_;

@@ -3,6 +3,7 @@
 
 #include "core/file_io.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -224,11 +225,10 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
   }
   if (auto v = get_bool(b, "ignore_eos")) g.ignore_eos = *v;
   if (auto v = get_bool(b, "include_stop_str_in_output")) g.include_stop_str = *v;
-  // vLLM's min_tokens keeps EOS and the stop ids from being sampled before that many tokens; the
-  // engine has no such mask, so a request that depends on it is refused, not run without it.
-  if (auto m = get_int(b, "min_tokens", 0, std::numeric_limits<int32_t>::max())) {
-    if (*m > 0) bad("min_tokens", "is not supported (only 0)");
-  }
+  // vLLM's min_tokens: EOS and the stop ids are not sampled, and stop strings do not apply,
+  // before that many tokens (the engine checks it against max_tokens once that is known).
+  if (auto m = get_int(b, "min_tokens", 0, std::numeric_limits<int32_t>::max()))
+    g.min_tokens = static_cast<int>(*m);
   if (auto v = get_bool(b, "skip_special_tokens")) g.skip_special_tokens = *v;
 
   if (chat) {
@@ -255,10 +255,26 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
     if (auto v = get_bool(*so, "include_usage")) r.include_usage = *v;
     if (auto v = get_bool(*so, "continuous_usage_stats")) r.continuous_usage = *v && r.include_usage;
   }
+  // OpenAI's logit_bias: {"token id": bias in [-100, 100]}; ids past the vocabulary are refused
+  // by the engine.
   if (const json* lb = field(b, "logit_bias")) {
     if (!lb->is_object())
       bad("logit_bias", std::string("must be an object, got ") + type_name(*lb));
-    if (!lb->empty()) bad("logit_bias", "is not supported");
+    if (static_cast<int>(lb->size()) > lim.max_logit_bias)
+      bad("logit_bias", "has more than " + std::to_string(lim.max_logit_bias) + " entries");
+    for (const auto& [key, v] : lb->items()) {
+      // The key: a token id in canonical decimal ("0", "42"; no sign, blank or leading zero).
+      int64_t id = -1;
+      if (!key.empty() && key.size() <= 10 && (key == "0" || key[0] != '0') &&
+          std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+        id = std::stoll(key);
+      }
+      if (id < 0 || id > std::numeric_limits<int32_t>::max())
+        bad("logit_bias", "keys must be token ids (decimal integers), got \"" + key + "\"");
+      if (!v.is_number() || !std::isfinite(v.get<double>()) || std::fabs(v.get<double>()) > 100.0)
+        bad("logit_bias", "values must be numbers in [-100, 100], got " + v.dump() + " for " + key);
+      s.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(v.get<double>()));
+    }
   }
   if (const json* rf = field(b, "response_format")) {
     if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string()) {

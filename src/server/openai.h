@@ -32,6 +32,7 @@ struct ApiLimits {
   int max_logprobs = 20;  // top_logprobs / logprobs at most
   int max_n = 16;         // choices per request
   int max_stop = 16;      // stop strings
+  int max_logit_bias = 1024;  // logit_bias entries
 };
 
 // Fields common to /v1/completions and /v1/chat/completions, parsed and checked.

@@ -154,20 +154,76 @@ def test_continue_final_message(client):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"min_tokens": 4}, "min_tokens"),
     ({"chat_template": "{{ raise_exception('boom') }}"}, "chat_template"),
     ({"echo": True}, "echo"),
 ])
 def test_unsupported_options_are_refused(client, extra, param):
     """Options vLLM honours and this server cannot are refused by name, never silently ignored
-    (min_tokens 0 and echo false are the defaults and pass)."""
+    (echo false is the default and passes)."""
     import openai
     kw = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(extra_body=extra, **kw)
     assert e.value.body["param"] == param
-    ok = {k: (0 if k == "min_tokens" else False) for k in extra if k != "chat_template"}
+    ok = {k: False for k in extra if k != "chat_template"}
     assert client.chat.completions.create(extra_body=ok, **kw).choices[0].finish_reason in ("stop", "length")
+
+
+def test_logit_bias(client):
+    """OpenAI's logit_bias: +100 on a token makes greedy pick it at every step, -100 on the greedy
+    first token moves the first pick; streamed or not, and in chat too."""
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    ids = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0].model_dump()["token_ids"]
+    assert len(ids) == 6
+    forced = next(t for t in range(1000, 2000) if t not in ids)
+    r = client.completions.create(**kw, logit_bias={str(forced): 100}, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_dump()["token_ids"] == [forced] * 6
+    streamed = [t for ch in client.completions.create(**kw, stream=True, logit_bias={str(forced): 100},
+                                                       extra_body={"return_token_ids": True})
+                for c in ch.choices for t in (c.model_dump().get("token_ids") or [])]
+    assert streamed == [forced] * 6
+    r = client.completions.create(**kw, logit_bias={str(ids[0]): -100}, extra_body={"return_token_ids": True})
+    assert r.choices[0].model_dump()["token_ids"][0] != ids[0]
+    # Seeded sampling with the bias: still only the forced token (it dominates after temperature 1).
+    r = client.completions.create(**{**kw, "temperature": 1.0}, seed=7, logit_bias={str(forced): 100},
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].model_dump()["token_ids"] == [forced] * 6
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                       temperature=0, logit_bias={str(forced): 100},
+                                       extra_body={"return_token_ids": True})
+    assert c.choices[0].model_dump()["token_ids"] == [forced] * 3
+
+
+def test_min_tokens(client):
+    """vLLM's min_tokens: the stop ids are not sampled and stop strings do not end the output until
+    that many tokens are out."""
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    ids = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0].model_dump()["token_ids"]
+    forced = next(t for t in range(1000, 2000) if t not in ids)
+    body = {"return_token_ids": True, "stop_token_ids": [forced]}
+    # The bias makes the stop id the greedy pick: without min_tokens it ends the output at once...
+    r = client.completions.create(**kw, logit_bias={str(forced): 100}, extra_body=body).choices[0]
+    assert r.model_dump()["token_ids"] == [forced] and r.finish_reason == "stop" and r.text == ""
+    # ... with min_tokens 3 the first 3 picks are the unbiased greedy ones, the 4th the stop id.
+    r = client.completions.create(**kw, logit_bias={str(forced): 100}, extra_body={**body, "min_tokens": 3})
+    c = r.choices[0]
+    assert c.model_dump()["token_ids"] == ids[:3] + [forced] and c.finish_reason == "stop"
+    assert r.usage.completion_tokens == 4
+    # min_tokens == max_tokens: no stop at all.
+    c = client.completions.create(**kw, logit_bias={str(forced): 100},
+                                  extra_body={**body, "min_tokens": 8}).choices[0]
+    assert c.model_dump()["token_ids"] == ids and c.finish_reason == "length"
+    # A stop string inside the first min_tokens tokens' text does not stop the output.
+    lp = client.completions.create(**kw, logprobs=1).choices[0].logprobs
+    first = lp.tokens[0]
+    if first:
+        stop = first[0]
+        base_text = "".join(lp.tokens)
+        assert client.completions.create(**kw, stop=[stop]).choices[0].text == ""
+        c = client.completions.create(**kw, stop=[stop], extra_body={"min_tokens": 1}).choices[0]
+        cut = base_text.find(stop, len(first))
+        assert c.text == (base_text if cut < 0 else base_text[:cut])
+        assert c.finish_reason == ("length" if cut < 0 else "stop")
 
 
 def test_logprobs_completions(client):

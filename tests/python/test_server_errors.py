@@ -94,7 +94,10 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
     ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
-    ({"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"five": 1}}, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"100000000": 1}}, 400, "logit_bias"),  # past the vocabulary
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "x", "echo": "yes"}, 400, "echo"),
     ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ({"prompt": "x", "suffix": "end"}, 400, "suffix"),
