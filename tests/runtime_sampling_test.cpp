@@ -201,5 +201,42 @@ TEST(Sampling, BadParamsAndLogitsThrow) {
   EXPECT_THROW(token_logprob(std::vector<float>{1.0f}, 3), Error);
 }
 
+// logit_bias is added first, then the banned ids (min_tokens) go to -inf, then the penalties; a
+// banned token is never drawn at any temperature, and a row with nothing left is an error.
+TEST(Sampling, LogitBiasAndBannedTokens) {
+  const std::vector<float> logits = {2.0f, 1.0f, 0.5f, -1.0f};
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.logit_bias = {{3, 4.0f}};
+  EXPECT_EQ(Sampler(p).sample(logits), 3);  // -1 + 4 beats 2
+  p.logit_bias = {{0, -100.0f}};
+  EXPECT_EQ(Sampler(p).sample(logits), 1);
+  // Bias before penalties: with repetition_penalty 2, token 3 (seen) has (-1 + 4) / 2 = 1.5 < 2.
+  p.logit_bias = {{3, 4.0f}};
+  p.repetition_penalty = 2.0f;
+  const std::vector<int32_t> seen = {3};
+  EXPECT_EQ(Sampler(p).sample(logits, seen), 0);
+  p = {};
+  p.temperature = 0.0f;
+  const std::vector<int32_t> ban0 = {0, 7, -1};  // ids outside the row are ignored
+  EXPECT_EQ(Sampler(p).sample(logits, {}, ban0), 1);
+  p.temperature = 5.0f;
+  p.seed = 11;
+  Sampler hot(p);
+  const std::vector<int32_t> ban01 = {0, 1};
+  std::set<int32_t> drawn;
+  for (int i = 0; i < 2000; ++i) drawn.insert(hot.sample(logits, {}, ban01));
+  EXPECT_EQ(drawn, (std::set<int32_t>{2, 3}));
+  const std::vector<int32_t> all = {0, 1, 2, 3};
+  EXPECT_THROW(hot.sample(logits, {}, all), Error);
+  p = {};
+  p.logit_bias = {{1, 100.5f}};
+  EXPECT_THROW(p.validate(), Error);
+  p.logit_bias = {{-1, 1.0f}};
+  EXPECT_THROW(p.validate(), Error);
+  p.logit_bias = {{1, std::numeric_limits<float>::quiet_NaN()}};
+  EXPECT_THROW(p.validate(), Error);
+}
+
 }  // namespace
 }  // namespace ds
