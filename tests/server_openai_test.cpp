@@ -164,6 +164,39 @@ TEST(ServerOpenAI, LogitBiasAndMinTokens) {
   EXPECT_EQ(param, "logit_bias");
 }
 
+// /tokenize and /detokenize bodies: what is parsed, and each bad form a 400 naming its field.
+TEST(ServerOpenAI, TokenizeAndDetokenizeRequests) {
+  TokenizeRequest t = parse_tokenize_request(json::parse(R"({"prompt": "hi"})"));
+  EXPECT_EQ(t.prompt, std::optional<std::string>("hi"));
+  EXPECT_FALSE(t.return_token_strs);
+  t = parse_tokenize_request(json::parse(
+      R"({"messages": [], "return_token_strs": true, "add_special_tokens": false})"));
+  EXPECT_FALSE(t.prompt);  // chat: the messages are the template's to check
+  EXPECT_TRUE(t.return_token_strs);
+  for (const auto& [body, field] : std::vector<std::pair<const char*, const char*>>{
+           {R"({})", "prompt"},
+           {R"({"prompt": 1})", "prompt"},
+           {R"({"prompt": ["a"]})", "prompt"},
+           {R"({"prompt": "a", "messages": []})", "prompt"},
+           {R"({"prompt": "a", "add_special_tokens": 1})", "add_special_tokens"},
+           {R"({"prompt": "a", "return_token_strs": "yes"})", "return_token_strs"}}) {
+    std::string param;
+    EXPECT_EQ(status_of([&] { parse_tokenize_request(json::parse(body)); }, &param), 400) << body;
+    EXPECT_EQ(param, field) << body;
+  }
+  EXPECT_EQ(parse_detokenize_request(json::parse(R"({"tokens": [0, 5, 9]})"), 10),
+            (std::vector<int32_t>{0, 5, 9}));
+  EXPECT_TRUE(parse_detokenize_request(json::parse(R"({"tokens": []})"), 10).empty());
+  for (const char* body : {R"({})", R"({"tokens": 3})", R"({"tokens": [10]})",
+                           R"({"tokens": [-1]})", R"({"tokens": [1.0]})", R"({"tokens": ["1"]})",
+                           R"({"tokens": [1e30]})"}) {
+    std::string param;
+    EXPECT_EQ(status_of([&] { parse_detokenize_request(json::parse(body), 10); }, &param), 400)
+        << body;
+    EXPECT_EQ(param, "tokens") << body;
+  }
+}
+
 TEST(ServerOpenAI, CompletionPrompts) {
   auto p = parse_completion_prompts(json::parse(R"({"prompt": "hi"})"));
   ASSERT_EQ(p.size(), 1u);

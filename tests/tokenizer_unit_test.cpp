@@ -204,6 +204,20 @@ TEST_F(Tiny, DecodeAndMetadata) {
   EXPECT_EQ(tok_->eos_ids(), (Ids{276}));
 }
 
+// The vocabulary strings (HF convert_ids_to_tokens): byte-level form for BPE tokens (space is
+// U+0120, byte 0x07 is U+0107), an added token's content as is.
+TEST_F(Tiny, TokenStrings) {
+  EXPECT_EQ(tok_->token_string(257), "abc");
+  EXPECT_EQ(tok_->token_string(220), "\xc4\xa0");    // ' ' -> U+0120
+  EXPECT_EQ(tok_->token_string(195), "\xc4\x87");    // byte 0x07 (see decode above) -> U+0107
+  EXPECT_EQ(tok_->token_string(7), "(");               // printable bytes are themselves
+  EXPECT_EQ(tok_->token_string(276), "<|sp|>");
+  EXPECT_EQ(tok_->token_string(281), "an added token");  // not byte-level: raw content
+  EXPECT_EQ(tok_->token_string(275), "caf\xc3\x83\xc2\xa9");  // "café": é is bytes C3 A9
+  EXPECT_THROW(tok_->token_string(282), Error);
+  EXPECT_THROW(tok_->token_string(-1), Error);
+}
+
 TEST_F(Tiny, StreamDecoderHoldsBackIncompleteUtf8) {
   const std::string text = "caf\xc3\xa9 \xf0\x9f\x98\x80 \xe4\xb8\xad!";
   const Ids ids = tok_->encode(text);

@@ -126,7 +126,18 @@ struct DetokenizeOpts {
   bool skip_special = false;
   bool jsonl = false;
   bool stream = false;
+  bool token_strs = false;
 };
+
+// Each id's vocabulary string (HF convert_ids_to_tokens), null for ids that name no token.
+std::string dump_token_strs(const Tokenizer& tok, const std::vector<int32_t>& ids) {
+  json list = json::array();
+  for (int32_t id : ids) {
+    const auto s = tok.token_string(id);
+    list.push_back(s ? json(*s) : json(nullptr));
+  }
+  return list.dump(-1, ' ', false, json::error_handler_t::replace);
+}
 
 std::function<int()> setup_detokenize(CLI::App& app) {
   auto o = std::make_shared<DetokenizeOpts>();
@@ -137,17 +148,23 @@ std::function<int()> setup_detokenize(CLI::App& app) {
                "Batch mode: each stdin line is a JSON id list; prints one JSON string per line");
   app.add_flag("--stream", o->stream,
                "Decode through the streaming detokenizer (one id at a time); same text");
+  app.add_flag("--token-strs", o->token_strs,
+               "Print each id's vocabulary string (JSON list; HF convert_ids_to_tokens) instead "
+               "of the text");
   return [o]() {
     const Tokenizer tok = Tokenizer::load(o->dir);
     const std::string input = read_stdin();
     if (!o->jsonl) {
-      write_out(decode_text(tok, parse_ids(input, "stdin"), o->skip_special, o->stream));
+      const auto ids = parse_ids(input, "stdin");
+      write_out(o->token_strs ? dump_token_strs(tok, ids) + "\n"
+                              : decode_text(tok, ids, o->skip_special, o->stream));
       return 0;
     }
     std::string out;
     for_each_line(input, [&](std::string_view line, size_t line_no) {
       const auto ids = parse_ids(line, "stdin line " + std::to_string(line_no));
-      out += dump_text(decode_text(tok, ids, o->skip_special, o->stream));
+      out += o->token_strs ? dump_token_strs(tok, ids)
+                           : dump_text(decode_text(tok, ids, o->skip_special, o->stream));
       out += '\n';
     });
     write_out(out);

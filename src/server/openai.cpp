@@ -288,6 +288,39 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
   return r;
 }
 
+TokenizeRequest parse_tokenize_request(const nlohmann::ordered_json& b) {
+  TokenizeRequest r;
+  (void)get_bool(b, "add_special_tokens");  // type only (see openai.h)
+  if (auto v = get_bool(b, "return_token_strs")) r.return_token_strs = *v;
+  const json* prompt = field(b, "prompt");
+  if (field(b, "messages")) {
+    if (prompt) bad("prompt", "give either 'prompt' or 'messages', not both");
+    return r;
+  }
+  if (!prompt) throw ApiError(400, "'prompt' or 'messages' is required", "prompt");
+  if (!prompt->is_string())
+    bad("prompt", std::string("must be a string, got ") + type_name(*prompt));
+  r.prompt = prompt->get<std::string>();
+  return r;
+}
+
+std::vector<int32_t> parse_detokenize_request(const nlohmann::ordered_json& b, int vocab_size) {
+  const json* tokens = field(b, "tokens");
+  if (!tokens) throw ApiError(400, "'tokens' is required", "tokens");
+  if (!tokens->is_array())
+    bad("tokens", std::string("must be a list of token ids, got ") + type_name(*tokens));
+  std::vector<int32_t> ids;
+  ids.reserve(tokens->size());
+  for (const json& x : *tokens) {
+    if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() >= vocab_size) {
+      bad("tokens", "must be token ids in [0, " + std::to_string(vocab_size) + "), found " +
+                        x.dump());
+    }
+    ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
+  }
+  return ids;
+}
+
 std::vector<PromptInput> parse_completion_prompts(const nlohmann::ordered_json& b) {
   const json* p = field(b, "prompt");
   if (!p) throw ApiError(400, "'prompt' is required", "prompt");

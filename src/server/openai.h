@@ -70,6 +70,18 @@ std::vector<PromptInput> parse_completion_prompts(const nlohmann::ordered_json& 
 // add_generation_prompt. Returns the object ChatTemplate::render takes.
 nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& body);
 
+// vLLM's POST /tokenize: `prompt` (a string) or `messages` (chat, rendered with the model's
+// template: chat_template_input's fields apply), not both; `add_special_tokens` (a boolean, no
+// effect: the Qwen tokenizers' post-processor adds no tokens) and `return_token_strs`.
+struct TokenizeRequest {
+  std::optional<std::string> prompt;  // nullopt: a chat request (`messages`)
+  bool return_token_strs = false;
+};
+TokenizeRequest parse_tokenize_request(const nlohmann::ordered_json& body);
+
+// vLLM's POST /detokenize: `tokens`, a list of ids in [0, vocab_size).
+std::vector<int32_t> parse_detokenize_request(const nlohmann::ordered_json& body, int vocab_size);
+
 // Reads the body as a JSON object (ApiError 400 with the parser's message otherwise; also for
 // nesting deeper than 512 levels, which later copies and dumps could not recurse through).
 nlohmann::ordered_json parse_body(const std::string& body);

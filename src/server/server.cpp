@@ -40,7 +40,7 @@ const char* finish_reason_api(FinishReason r) {
 
 std::string endpoint_label(const std::string& path) {
   for (const char* p : {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                        "/metrics", "/version"}) {
+                        "/metrics", "/version", "/tokenize", "/detokenize"}) {
     if (path == p) return p;
   }
   return "other";
@@ -383,7 +383,10 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
     // with a Range header 206, cut an error body to the range ('{"') or label a generation
     // multipart/byteranges. The Request is httplib's own non-const object.
     const_cast<httplib::Request&>(req).ranges.clear();
-    const bool api = req.path.rfind("/v1/", 0) == 0;
+    // The API key guards /v1/* and the tokenizer endpoints (vLLM leaves those open; here they
+    // answer only with the key, like the rest of the API).
+    const bool api = req.path.rfind("/v1/", 0) == 0 || req.path == "/tokenize" ||
+                     req.path == "/detokenize";
     if (api && !opt_.api_key.empty()) {
       const std::string auth = req.get_header_value("Authorization");
       if (auth != "Bearer " + opt_.api_key) {
@@ -409,7 +412,8 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
           static const std::pair<const char*, const char*> kRoutes[] = {
               {"/health", "GET, HEAD"},         {"/version", "GET, HEAD"},
               {"/v1/models", "GET, HEAD"},      {"/metrics", "GET, HEAD"},
-              {"/v1/completions", "POST"},      {"/v1/chat/completions", "POST"}};
+              {"/v1/completions", "POST"},      {"/v1/chat/completions", "POST"},
+              {"/tokenize", "POST"},            {"/detokenize", "POST"}};
           for (const auto& [path, allow] : kRoutes) {
             if (req.path == path) {
               res.status = 405;
@@ -489,6 +493,12 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
   });
   http_->Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
     handle_completions(req, res, true);
+  });
+  http_->Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_tokenize(req, res);
+  });
+  http_->Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    handle_detokenize(req, res);
   });
 }
 
@@ -671,6 +681,60 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
     return;
   }
   start_job(std::move(job), res);
+}
+
+void Server::handle_tokenize(const httplib::Request& req, httplib::Response& res) {
+  try {
+    const json body = parse_body(req.body);
+    check_model(body, opt_.model_names);
+    const TokenizeRequest tr = parse_tokenize_request(body);
+    const Tokenizer* tok = engine_.tokenizer();
+    if (!tok) throw ApiError(400, "this model has no tokenizer");
+    std::vector<int32_t> ids;
+    if (tr.prompt) {
+      ids = encode_prompt(*tok, *tr.prompt);
+    } else {
+      if (!render_chat_) throw ApiError(400, "this model has no chat template", "messages");
+      const json input = chat_template_input(body);
+      std::string text;
+      try {
+        text = render_chat_(input);
+      } catch (const Error& e) {
+        throw ApiError(400, std::string("chat template error: ") + e.what(), "messages");
+      }
+      ids = encode_prompt(*tok, text);
+    }
+    json out = {{"count", ids.size()}, {"max_model_len", engine_.max_model_len()}, {"tokens", ids}};
+    out["token_strs"] = nullptr;
+    if (tr.return_token_strs) {
+      json strs = json::array();
+      for (int32_t id : ids) {
+        const auto s = tok->token_string(id);
+        strs.push_back(s ? json(sanitize_utf8(*s)) : json(nullptr));
+      }
+      out["token_strs"] = std::move(strs);
+    }
+    res.set_content(dump(out), "application/json");
+  } catch (const ApiError& e) {
+    respond_error(res, e.status, e.what(), e.param);
+  } catch (const Error& e) {
+    respond_error(res, 400, e.what());
+  }
+}
+
+void Server::handle_detokenize(const httplib::Request& req, httplib::Response& res) {
+  try {
+    const json body = parse_body(req.body);
+    check_model(body, opt_.model_names);
+    const Tokenizer* tok = engine_.tokenizer();
+    if (!tok) throw ApiError(400, "this model has no tokenizer");
+    const std::vector<int32_t> ids = parse_detokenize_request(body, tok->vocab_size());
+    res.set_content(dump(json{{"prompt", tok->decode(ids)}}), "application/json");
+  } catch (const ApiError& e) {
+    respond_error(res, e.status, e.what(), e.param);
+  } catch (const Error& e) {
+    respond_error(res, 400, e.what());
+  }
 }
 
 void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {

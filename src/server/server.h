@@ -73,6 +73,10 @@ class Server {
  private:
   struct Job;
   void handle_completions(const httplib::Request& req, httplib::Response& res, bool chat);
+  // vLLM's POST /tokenize (a prompt, or chat messages rendered with the model's template) and
+  // POST /detokenize (token ids to text).
+  void handle_tokenize(const httplib::Request& req, httplib::Response& res);
+  void handle_detokenize(const httplib::Request& req, httplib::Response& res);
   void respond_error(httplib::Response& res, int status, const std::string& msg,
                      const std::string& param = {});
   void start_job(std::shared_ptr<Job> job, httplib::Response& res);

@@ -291,18 +291,22 @@ struct Tokenizer::Impl {
   TokenMatcher norm_matcher;  // added tokens with normalized=true, on the NFC text
   std::unordered_map<std::string, int32_t> token_to_id;  // vocab (byte-level form) + added
   std::vector<std::string> id_bytes;                     // decoded bytes per id
-  std::vector<uint8_t> id_flags;                         // kPresent | kSpecial
+  std::vector<uint8_t> id_flags;                         // kPresent | kSpecial | kText
   std::vector<int32_t> eos;
   int64_t model_vocab_len = 0;  // entries in the model vocabulary (HF's get_vocab_size)
-  static constexpr uint8_t kPresent = 1, kSpecial = 2;
+  // kText: the token's string has characters outside the byte-level alphabet, so it decodes to
+  // its own UTF-8 text (id_bytes is that text) instead of the bytes its characters name.
+  static constexpr uint8_t kPresent = 1, kSpecial = 2, kText = 4;
 
-  void set_id(int32_t id, std::string bytes, bool special) {
+  // bytes: what the token decodes to; nullopt: its string `text` as is (kText).
+  void set_id(int32_t id, std::optional<std::string> bytes, const std::string& text,
+              bool special) {
     if (static_cast<size_t>(id) >= id_bytes.size()) {
       id_bytes.resize(static_cast<size_t>(id) + 1);
       id_flags.resize(static_cast<size_t>(id) + 1, 0);
     }
-    id_bytes[id] = std::move(bytes);
-    id_flags[id] = static_cast<uint8_t>(kPresent | (special ? kSpecial : 0));
+    id_flags[id] = static_cast<uint8_t>(kPresent | (special ? kSpecial : 0) | (bytes ? 0 : kText));
+    id_bytes[id] = bytes ? std::move(*bytes) : text;
   }
 
   void finish_added_tokens();
@@ -355,8 +359,7 @@ void Tokenizer::Impl::finish_added_tokens() {
     }
     // ByteLevel decoder rule: a token whose characters are all in the byte alphabet decodes to
     // those bytes, otherwise to its UTF-8 text as is.
-    auto bytes = byte_level().to_bytes(t.content);
-    set_id(t.id, bytes ? *bytes : t.content, t.special);
+    set_id(t.id, byte_level().to_bytes(t.content), t.content, t.special);
   }
 }
 
@@ -459,7 +462,7 @@ void load_vocab_and_merges(Tokenizer::Impl& impl, const VocabFile& vf,
     impl.token_to_id[token] = id;
     auto bytes = byte_level().to_bytes(token);
     if (bytes) impl.bpe.add_token(*bytes, id);
-    impl.set_id(id, bytes ? *bytes : token, false);
+    impl.set_id(id, std::move(bytes), token, false);
   }
   impl.model_vocab_len = static_cast<int64_t>(impl.token_to_id.size());
   DS_CHECK(!vf.vocab.empty(), vocab_where, ": the vocabulary is empty");
@@ -800,6 +803,19 @@ const std::string& Tokenizer::token_bytes(int32_t id) const {
   DS_CHECK(id >= 0 && static_cast<size_t>(id) < impl_->id_bytes.size(), "token id ", id,
            " is out of range (vocabulary size ", impl_->id_bytes.size(), ")");
   return impl_->id_bytes[id];
+}
+
+std::optional<std::string> Tokenizer::token_string(int32_t id) const {
+  DS_CHECK(id >= 0 && static_cast<size_t>(id) < impl_->id_bytes.size(), "token id ", id,
+           " is out of range (vocabulary size ", impl_->id_bytes.size(), ")");
+  const uint8_t flags = impl_->id_flags[id];
+  if (!(flags & Impl::kPresent)) return std::nullopt;
+  const std::string& bytes = impl_->id_bytes[id];
+  if (flags & Impl::kText) return bytes;
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (unsigned char b : bytes) utf8::append(out, byte_level().byte_to_cp[b]);
+  return out;
 }
 
 const std::vector<AddedToken>& Tokenizer::added_tokens() const { return impl_->added; }

@@ -56,6 +56,10 @@ class Tokenizer {
 
   // Raw bytes id decodes to (empty for ids that name no token); throws when out of range.
   const std::string& token_bytes(int32_t id) const;
+  // The token's string in the vocabulary (HF `convert_ids_to_tokens`: byte-level form, e.g.
+  // "Ġhello", or an added token's content); nullopt for ids that name no token; throws when out
+  // of range.
+  std::optional<std::string> token_string(int32_t id) const;
   const std::vector<AddedToken>& added_tokens() const;
 
   struct Impl;

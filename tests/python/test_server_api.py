@@ -417,3 +417,63 @@ def test_stream_is_incremental(client):
         pytest.skip(f"generation too fast ({times[-1]:.3f} s for {n} tokens) to see the spread")
     assert times[0] < 0.5 * times[-1], times
     assert len({round(t, 3) for t in times}) >= 20  # spread over time, not one burst
+
+
+def test_tokenize_and_detokenize(server, client):
+    """vLLM's /tokenize (a prompt, or chat messages through the model's template) and /detokenize:
+    the ids and token strings of HF `tokenizers`, the chat ids those of a chat completion's prompt,
+    the API key required, and bad bodies a 400 naming the field."""
+    from tokenizers import Tokenizer
+    tk = Tokenizer.from_file(str(TOKDIR / "tokenizer.json"))
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(path, body, headers=auth):
+        status, raw = server.request("POST", path, body, headers=headers)
+        return status, json.loads(raw)
+
+    for prompt in PROMPTS + ["<|im_start|>user\nhi<|im_end|>", " \t\n  x"]:
+        status, r = post("/tokenize", {"model": "tiny", "prompt": prompt, "return_token_strs": True})
+        assert status == 200, r
+        ref = tk.encode(prompt, add_special_tokens=False)
+        assert r["tokens"] == ref.ids and r["count"] == len(ref.ids)
+        assert r["token_strs"] == [tk.id_to_token(i) for i in ref.ids]
+        assert r["max_model_len"] == 1024
+        status, d = post("/detokenize", {"model": "tiny", "tokens": r["tokens"]})
+        assert status == 200 and d["prompt"] == tk.decode(ref.ids, skip_special_tokens=False) == prompt
+    status, r = post("/tokenize", {"prompt": "abc"})
+    assert status == 200 and r["token_strs"] is None
+    # A split UTF-8 character decodes lossily, as HF does.
+    ids = tk.encode("𓀀", add_special_tokens=False).ids
+    assert len(ids) > 1
+    status, d = post("/detokenize", {"tokens": ids[:1]})
+    assert status == 200 and d["prompt"] == tk.decode(ids[:1], skip_special_tokens=False)
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three."}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, temperature=0,
+                                          extra_body={"return_token_ids": True}).model_dump()
+    status, r = post("/tokenize", {"messages": messages})
+    assert status == 200 and r["tokens"] == chat["prompt_token_ids"]
+    status, r2 = post("/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert status == 200 and r2["tokens"] == r["tokens"][:len(r2["tokens"])] and len(r2["tokens"]) < len(r["tokens"])
+
+    assert post("/tokenize", {"prompt": "x"}, headers={})[0] == 401
+    assert post("/detokenize", {"tokens": [1]}, headers={})[0] == 401
+    for path, body, param in [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "x", "messages": messages}, "prompt"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"prompt": "x", "return_token_strs": 1}, "return_token_strs"),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ("/detokenize", {}, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/detokenize", {"tokens": [1, -1]}, "tokens"),
+        ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens"),
+        ("/detokenize", {"tokens": [1.5]}, "tokens"),
+    ]:
+        status, r = post(path, body)
+        assert status == 400 and r["error"]["param"] == param, (path, body, r)
+    status, r = post("/tokenize", {"model": "nope", "prompt": "x"})
+    assert status == 404
+    status, _ = server.request("GET", "/tokenize", headers=auth)
+    assert status == 405

@@ -273,6 +273,21 @@ def test_decode_matches_hf(tok_dir, decode_inputs, skip_special, stream):
     assert_same(decode_inputs, ours, theirs, f"decode (skip_special={skip_special}, stream={stream})")
 
 
+def test_token_strings_match_hf(tok_dir):
+    """`detokenize --token-strs` (Tokenizer::token_string, the strings of the server's /tokenize
+    return_token_strs) for every id of the vocabulary: HF's id_to_token (None where no token)."""
+    hf = hf_tokenizer(tok_dir)
+    n = hf.get_vocab_size(with_added_tokens=True)
+    ids = list(range(n))
+    ours = json.loads(cli_ok(["detokenize", "--tokenizer", str(tok_dir), "--token-strs"], json.dumps(ids).encode()))
+    theirs = [hf.id_to_token(i) for i in ids]
+    bad = [(i, a, b) for i, a, b in zip(ids, ours, theirs) if a != b]
+    assert not bad, f"{len(bad)} of {n} differ, first {bad[:5]}"
+    assert sum(s is not None for s in ours) > 100_000
+    lines = cli_ok(["detokenize", "--tokenizer", str(tok_dir), "--token-strs", "--jsonl"], b"[0, 1]\n[2]\n")
+    assert [json.loads(x) for x in split_lines(lines)] == [theirs[:2], theirs[2:3]]
+
+
 def test_roundtrip(tok_dir, encoded):
     texts = ENCODE_TEXTS[len(CORPUS) + 5:len(CORPUS) + 5 + 3_000]
     ids = encoded[False][len(CORPUS) + 5:len(CORPUS) + 5 + 3_000]
