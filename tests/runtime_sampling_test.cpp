@@ -229,6 +229,24 @@ TEST(Sampling, LogitBiasAndBannedTokens) {
   EXPECT_EQ(drawn, (std::set<int32_t>{2, 3}));
   const std::vector<int32_t> all = {0, 1, 2, 3};
   EXPECT_THROW(hot.sample(logits, {}, all), Error);
+  // allowed_token_ids: only those, before the bias (a bias on another id cannot bring it back).
+  p = {};
+  p.temperature = 0.0f;
+  p.allowed_token_ids = {2, 3};
+  p.logit_bias = {{0, 100.0f}, {3, 2.0f}};
+  EXPECT_EQ(Sampler(p).sample(logits), 3);  // -1 + 2 = 1 beats 0.5
+  p.temperature = 3.0f;
+  p.seed = 5;
+  p.logit_bias.clear();
+  Sampler only23(p);
+  drawn.clear();
+  for (int i = 0; i < 1000; ++i) drawn.insert(only23.sample(logits));
+  EXPECT_EQ(drawn, (std::set<int32_t>{2, 3}));
+  const std::vector<int32_t> ban23 = {2, 3};
+  EXPECT_THROW(only23.sample(logits, {}, ban23), Error);  // allowed minus banned: nothing left
+  p = {};
+  p.allowed_token_ids = {-2};
+  EXPECT_THROW(p.validate(), Error);
   p = {};
   p.logit_bias = {{1, 100.5f}};
   EXPECT_THROW(p.validate(), Error);

@@ -120,6 +120,26 @@ TEST(ServerOpenAI, SamplingFields) {
       {R"({"logit_bias": {"1": 100.5}})", "logit_bias"},
       {R"({"logit_bias": {"1": "2"}})", "logit_bias"},
       {R"({"min_tokens": -1})", "min_tokens"},
+      {R"({"allowed_token_ids": []})", "allowed_token_ids"},
+      {R"({"allowed_token_ids": [-1]})", "allowed_token_ids"},
+      {R"({"allowed_token_ids": 5})", "allowed_token_ids"},
+      {R"({"truncate_prompt_tokens": 0})", "truncate_prompt_tokens"},
+      {R"({"truncate_prompt_tokens": -2})", "truncate_prompt_tokens"},
+      {R"({"spaces_between_special_tokens": 1})", "spaces_between_special_tokens"},
+      {R"({"guided_json": {"type": "object"}})", "guided_json"},
+      {R"({"guided_regex": "a+"})", "guided_regex"},
+      {R"({"guided_choice": ["a", "b"]})", "guided_choice"},
+      {R"({"guided_grammar": "root ::= x"})", "guided_grammar"},
+      {R"({"structural_tag": "{}"})", "structural_tag"},
+      {R"({"structured_outputs": {"json": {}}})", "structured_outputs"},
+      {R"({"prompt_logprobs": 0})", "prompt_logprobs"},
+      {R"({"bad_words": ["x"]})", "bad_words"},
+      {R"({"logits_processors": ["x"]})", "logits_processors"},
+      {R"({"prompt_embeds": "AAAA"})", "prompt_embeds"},
+      {R"({"use_beam_search": true})", "use_beam_search"},
+      {R"({"detokenize": false})", "detokenize"},
+      {R"({"return_tokens_as_token_ids": true})", "return_tokens_as_token_ids"},
+      {R"({"priority": 1})", "priority"},
       {R"({"min_tokens": 1.5})", "min_tokens"},
       {R"({"user": 5})", "user"},
   };
@@ -149,6 +169,13 @@ TEST(ServerOpenAI, LogitBiasAndMinTokens) {
   EXPECT_EQ(r.gen.sampling.logit_bias,
             (std::vector<P>{{0, -100.0f}, {42, 2.5f}, {2147483647, 100.0f}}));
   EXPECT_EQ(r.gen.min_tokens, 7);
+  const SamplingRequest a = parse_sampling_request(
+      json::parse(R"({"allowed_token_ids": [3, 1], "truncate_prompt_tokens": -1, "priority": 0,
+                     "use_beam_search": false, "detokenize": true, "prompt_logprobs": null,
+                     "spaces_between_special_tokens": false})"),
+      false, lim);
+  EXPECT_EQ(a.gen.sampling.allowed_token_ids, (std::vector<int32_t>{3, 1}));
+  EXPECT_EQ(a.truncate_prompt_tokens, -1);
   EXPECT_TRUE(parse_sampling_request(json::parse(R"({"logit_bias": {}})"), false, lim)
                   .gen.sampling.logit_bias.empty());
   ApiLimits few;

@@ -208,6 +208,15 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
                             std::to_string(request.min_tokens),
                         "min_tokens");
   }
+  for (int32_t id : request.sampling.allowed_token_ids) {
+    if (id < 0 || id >= config_.vocab_size) {
+      throw RejectedError(K::kInvalid,
+                          "allowed_token_ids: token id " + std::to_string(id) +
+                              " is outside the vocabulary (" +
+                              std::to_string(config_.vocab_size) + " ids)",
+                          "allowed_token_ids");
+    }
+  }
   for (const auto& [id, bias] : request.sampling.logit_bias) {
     if (id < 0 || id >= config_.vocab_size) {
       throw RejectedError(K::kInvalid,
@@ -364,12 +373,13 @@ void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
 namespace {
 // True when the request's next token, picked with n_generated tokens already out, is exactly the
 // argmax of the raw logits and nothing else of the row is needed: greedy, no logprobs, no
-// penalties, no logit bias and past min_tokens (they all change the logits on the host).
+// penalties, no logit bias or allowed ids and past min_tokens (they all change the logits on the
+// host).
 bool wants_only_argmax(const GenerationRequest& q, size_t n_generated) {
   const SamplingParams& p = q.sampling;
   return p.greedy() && q.top_logprobs < 0 && p.repetition_penalty == 1.0f &&
          p.presence_penalty == 0.0f && p.frequency_penalty == 0.0f && p.logit_bias.empty() &&
-         n_generated >= static_cast<size_t>(q.min_tokens);
+         p.allowed_token_ids.empty() && n_generated >= static_cast<size_t>(q.min_tokens);
 }
 // Length of the longest suffix of `text` that is a proper prefix of one of `stops`.
 size_t stop_holdback(const std::string& text, const std::vector<std::string>& stops) {

@@ -22,6 +22,8 @@ void SamplingParams::validate() const {
            "presence_penalty must be in [-2, 2], got ", presence_penalty);
   DS_CHECK(std::isfinite(frequency_penalty) && std::fabs(frequency_penalty) <= 2.0f,
            "frequency_penalty must be in [-2, 2], got ", frequency_penalty);
+  for (int32_t id : allowed_token_ids)
+    DS_CHECK(id >= 0, "allowed_token_ids: token ids must be >= 0, got ", id);
   for (const auto& [id, bias] : logit_bias) {
     DS_CHECK(id >= 0, "logit_bias: token ids must be >= 0, got ", id);
     DS_CHECK(std::isfinite(bias) && std::fabs(bias) <= 100.0f,
@@ -108,7 +110,14 @@ int32_t Sampler::sample(std::span<const float> logits, std::span<const int32_t> 
                         std::span<const int32_t> banned) {
   const int V = static_cast<int>(logits.size());
   DS_CHECK(V > 0, "sampling from an empty logits row");
-  work_.assign(logits.begin(), logits.end());
+  if (params_.allowed_token_ids.empty()) {
+    work_.assign(logits.begin(), logits.end());
+  } else {
+    work_.assign(logits.size(), -INFINITY);
+    for (int32_t id : params_.allowed_token_ids) {
+      if (id < V) work_[id] = logits[id];
+    }
+  }
   for (const auto& [id, bias] : params_.logit_bias) {
     if (id < V) work_[id] += bias;
   }

@@ -2,8 +2,8 @@
 // min-p with a per-request seeded RNG (the same seed and logits give the same tokens on every
 // machine: std::mt19937_64 plus our own [0, 1) conversion, no implementation-defined
 // distributions). Penalties (repetition / presence / frequency, as vLLM / OpenAI define them) act
-// on the logits after the logit bias and the banned tokens (vLLM's order) and before everything
-// else. Also log-softmax helpers for logprobs / top_logprobs.
+// on the logits after the allowed ids, the logit bias and the banned tokens (vLLM's order) and
+// before everything else. Also log-softmax helpers for logprobs / top_logprobs.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +28,8 @@ struct SamplingParams {
   // OpenAI's logit_bias: (token id >= 0, bias in [-100, 100]) added to the logits first; ids
   // past the logits row are ignored here (the engine refuses them at submission).
   std::vector<std::pair<int32_t, float>> logit_bias;
+  // vLLM's allowed_token_ids: when not empty, only these ids can be picked (applied first).
+  std::vector<int32_t> allowed_token_ids;
 
   // Throws ds::Error naming the field when a value is out of range.
   void validate() const;

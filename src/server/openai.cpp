@@ -276,6 +276,48 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
       s.logit_bias.emplace_back(static_cast<int32_t>(id), static_cast<float>(v.get<double>()));
     }
   }
+  // vLLM's allowed_token_ids: only these ids may be sampled (non-empty; ids past the vocabulary
+  // are refused by the engine).
+  if (const json* ids = field(b, "allowed_token_ids")) {
+    if (!ids->is_array() || ids->empty())
+      bad("allowed_token_ids", "must be a non-empty list of token ids");
+    for (const json& x : *ids) {
+      if (!x.is_number_integer() || x.get<int64_t>() < 0 ||
+          x.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+        bad("allowed_token_ids", "must be a list of non-negative integers, found " + x.dump());
+      }
+      s.allowed_token_ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
+    }
+  }
+  // vLLM's truncate_prompt_tokens: keep only the last k prompt tokens (-1: the context length).
+  if (auto k = get_int(b, "truncate_prompt_tokens", -1, std::numeric_limits<int32_t>::max())) {
+    if (*k == 0) bad("truncate_prompt_tokens", "must be -1 or at least 1, got 0");
+    r.truncate_prompt_tokens = static_cast<int>(*k);
+  }
+  // Accepted with no effect: the fast (Rust-style) detokenizer of vLLM ignores it too.
+  (void)get_bool(b, "spaces_between_special_tokens");
+  // vLLM options that change the output and that this server cannot honour: refused by name,
+  // never ignored.
+  for (const char* f : {"guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                        "structural_tag", "structured_outputs"}) {
+    if (field(b, f)) bad(f, "is not supported (no constrained decoding)");
+  }
+  if (field(b, "prompt_logprobs"))
+    bad("prompt_logprobs", "is not supported (prompt logprobs are not computed)");
+  if (field(b, "bad_words")) bad("bad_words", "is not supported");
+  if (field(b, "logits_processors")) bad("logits_processors", "is not supported");
+  if (field(b, "prompt_embeds")) bad("prompt_embeds", "is not supported");
+  if (get_bool(b, "use_beam_search").value_or(false))
+    bad("use_beam_search", "is not supported (sampling and greedy only)");
+  if (!get_bool(b, "detokenize").value_or(true))
+    bad("detokenize", "is not supported (only true); use return_token_ids for the ids");
+  if (get_bool(b, "return_tokens_as_token_ids").value_or(false))
+    bad("return_tokens_as_token_ids", "is not supported");
+  if (auto pr = get_int(b, "priority", std::numeric_limits<int32_t>::min(),
+                        std::numeric_limits<int32_t>::max());
+      pr && *pr != 0) {
+    bad("priority", "is not supported (first come, first served; only 0)");
+  }
   if (const json* rf = field(b, "response_format")) {
     if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string()) {
       bad("response_format", "must be an object with a string 'type'");

@@ -636,6 +636,17 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         throw ApiError(400, "too many prompts x n in one request", "prompt");
       }
     }
+    if (sr.truncate_prompt_tokens != 0) {
+      const size_t keep = sr.truncate_prompt_tokens > 0
+                              ? static_cast<size_t>(sr.truncate_prompt_tokens)
+                              : static_cast<size_t>(engine_.max_model_len());
+      for (size_t p = 0; p < prompts.size(); ++p) {
+        if (prompts[p].size() <= keep) continue;
+        prompts[p].erase(prompts[p].begin(), prompts[p].end() - static_cast<ptrdiff_t>(keep));
+        // The echo is the prompt the model saw.
+        if (!echoes[p].empty() && tok) echoes[p] = sanitize_utf8(tok->decode(prompts[p]));
+      }
+    }
     for (size_t p = 0; p < prompts.size(); ++p) {
       const int n_prompt = static_cast<int>(prompts[p].size());
       job->prompt_lens.push_back(n_prompt);

@@ -194,6 +194,30 @@ def test_logit_bias(client):
     assert c.choices[0].model_dump()["token_ids"] == [forced] * 3
 
 
+def test_allowed_token_ids_and_truncate_prompt_tokens(client):
+    """vLLM's allowed_token_ids (only those ids are sampled, at any temperature) and
+    truncate_prompt_tokens (the prompt's last k tokens, as if sent alone)."""
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=8)
+    allowed = [1000, 1001, 1002]
+    for t in (0, 1.5):
+        r = client.completions.create(**kw, temperature=t, seed=3,
+                                      extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+        ids = r.choices[0].model_dump()["token_ids"]
+        assert len(ids) == 8 and set(ids) <= set(allowed), ids
+    full = client.completions.create(**kw, temperature=0, extra_body={"return_token_ids": True}).model_dump()
+    prompt_ids = full["choices"][0]["prompt_token_ids"]
+    assert len(prompt_ids) > 3
+    cut = client.completions.create(**kw, temperature=0, extra_body={"return_token_ids": True,
+                                                                      "truncate_prompt_tokens": 3}).model_dump()
+    alone = client.completions.create(model="tiny", prompt=prompt_ids[-3:], max_tokens=8, temperature=0)
+    assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["prompt_token_ids"] == prompt_ids[-3:]
+    assert cut["choices"][0]["text"] == alone.choices[0].text
+    # Longer than the prompt, or -1 (the context length): the whole prompt.
+    for k in (1000, -1):
+        r = client.completions.create(**kw, temperature=0, extra_body={"truncate_prompt_tokens": k})
+        assert r.usage.prompt_tokens == len(prompt_ids) and r.choices[0].text == full["choices"][0]["text"]
+
+
 def test_min_tokens(client):
     """vLLM's min_tokens: the stop ids are not sampled and stop strings do not end the output until
     that many tokens are out."""

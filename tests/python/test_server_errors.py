@@ -98,6 +98,13 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "logit_bias": {"five": 1}}, 400, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"100000000": 1}}, 400, "logit_bias"),  # past the vocabulary
     ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"prompt": "x", "allowed_token_ids": [100000000]}, 400, "allowed_token_ids"),  # past the vocabulary
+    ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ({"prompt": "x", "guided_choice": ["a"]}, 400, "guided_choice"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a"}}, 400, "structured_outputs"),
+    ({"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ({"prompt": "x", "bad_words": ["x"]}, 400, "bad_words"),
+    ({"prompt": "x", "priority": 3}, 400, "priority"),
     ({"prompt": "x", "echo": "yes"}, 400, "echo"),
     ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ({"prompt": "x", "suffix": "end"}, 400, "suffix"),
