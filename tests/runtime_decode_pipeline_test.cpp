@@ -172,6 +172,11 @@ std::vector<Result> run_mix(EngineOptions::Pipeline mode, int64_t blocks, Engine
       r.top_logprobs = 2;  // needs logits: the same
       r.max_tokens = 6;
     }
+    if (i == 13) {  // stop ids banned for the first 8 tokens (host sampling), then device argmax
+      for (int k = 0; k < 21; ++k) r.stop_token_ids.push_back((i + k * 10) % kVocab);
+      r.min_tokens = 8;
+      r.max_tokens = 40;
+    }
     reqs.push_back(r);
   }
   std::vector<std::shared_ptr<RequestStream>> streams;
@@ -224,6 +229,15 @@ TEST(EnginePipeline, SameTokensAsSynchronousLoop) {
     EXPECT_EQ(s_on.memory.kv_blocks_used, 0);
     EXPECT_EQ(s_on.memory.state_slots_used, 0);
     EXPECT_EQ(s_on.n_running, 0);
+    // Request 13's min_tokens: no stop id among its first 8 tokens, and at least 9 tokens.
+    for (const auto* res : {&off, &on}) {
+      const std::vector<int32_t>& t13 = (*res)[13].tokens;
+      ASSERT_GT(t13.size(), 8u) << blocks << " blocks";
+      for (size_t k = 0; k < 8; ++k) {
+        for (int j = 0; j < 21; ++j)
+          EXPECT_NE(t13[k], (13 + j * 10) % 211) << "token " << k << ", " << blocks << " blocks";
+      }
+    }
     int stopped = 0;
     for (const auto& r : off) stopped += r.finish == FinishReason::kStop;
     EXPECT_GT(stopped, 0) << "the mix must stop some requests on a stop id";

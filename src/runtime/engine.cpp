@@ -105,6 +105,7 @@ struct Engine::Request {
   std::optional<StreamDecoder> decoder;
   std::vector<int32_t> generated;
   std::string held;      // decoded text not yet published (may start a stop string)
+  size_t stop_floor = 0;  // bytes of `held` made within min_tokens: no stop string ends there
   std::string out_text;  // to publish
   std::vector<GeneratedToken> out_tokens;
   Clock::time_point t_submit;
@@ -214,6 +215,26 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
                           "allowed_token_ids: token id " + std::to_string(id) +
                               " is outside the vocabulary (" +
                               std::to_string(config_.vocab_size) + " ids)",
+                          "allowed_token_ids");
+    }
+  }
+  if (request.min_tokens > 0 && !request.sampling.allowed_token_ids.empty()) {
+    // Within min_tokens the stop ids are banned: something else must be allowed.
+    const auto& st = request.stop_token_ids;
+    bool any = false;
+    for (int32_t id : request.sampling.allowed_token_ids) {
+      const bool stops =
+          std::find(st.begin(), st.end(), id) != st.end() ||
+          (!request.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), id) != eos_ids_.end());
+      if (!stops) {
+        any = true;
+        break;
+      }
+    }
+    if (!any) {
+      throw RejectedError(K::kInvalid,
+                          "allowed_token_ids: every allowed id is a stop id, so nothing can be "
+                          "sampled within min_tokens",
                           "allowed_token_ids");
     }
   }
@@ -396,11 +417,13 @@ size_t stop_holdback(const std::string& text, const std::vector<std::string>& st
   return best;
 }
 // Where `text` is cut for the earliest stop string of q (npos: none): at its start, or with
-// include_stop_str at its end (of the first listed one, when several start there).
-size_t find_stop(const std::string& text, const GenerationRequest& q) {
+// include_stop_str at its end (of the first listed one, when several start there). Only matches
+// that end past `floor` bytes count (the text before it came within min_tokens; vLLM likewise
+// checks only what reaches past that point).
+size_t find_stop(const std::string& text, const GenerationRequest& q, size_t floor) {
   size_t best = std::string::npos, len = 0;
   for (const std::string& stop : q.stop) {
-    const size_t at = text.find(stop);
+    const size_t at = text.find(stop, floor >= stop.size() ? floor - stop.size() + 1 : 0);
     if (at < best) {
       best = at;
       len = stop.size();
@@ -445,7 +468,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
   if (may_stop && (is_eos || is_stop_id)) {
     // The stop token's own text is never part of the output.
     if (r.decoder) r.held += r.decoder->flush();
-    const size_t at = find_stop(r.held, q);
+    const size_t at = find_stop(r.held, q, r.stop_floor);
     if (at != std::string::npos) r.held.resize(at);
     r.out_text += r.held;
     r.held.clear();
@@ -457,7 +480,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     // Ids past the tokenizer (checkpoints pad the embedding beyond it) decode to nothing.
     if (token < tok_vocab_) r.held += r.decoder->push(token);
     if (!q.stop.empty() && may_stop) {
-      const size_t at = find_stop(r.held, q);
+      const size_t at = find_stop(r.held, q, r.stop_floor);
       if (at != std::string::npos) {
         r.out_text += r.held.substr(0, at);
         r.held.clear();
@@ -472,7 +495,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     if (r.decoder) {
       r.held += r.decoder->flush();
       r.decoder.reset();
-      const size_t at = may_stop ? find_stop(r.held, q) : std::string::npos;
+      const size_t at = may_stop ? find_stop(r.held, q, r.stop_floor) : std::string::npos;
       if (at != std::string::npos) {
         r.held.resize(at);
         finish(r, FinishReason::kStop);
@@ -483,8 +506,11 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     return;
   }
   const size_t keep = stop_holdback(r.held, q.stop);
-  r.out_text += r.held.substr(0, r.held.size() - keep);
-  r.held.erase(0, r.held.size() - keep);
+  const size_t out = r.held.size() - keep;
+  r.out_text += r.held.substr(0, out);
+  r.held.erase(0, out);
+  // Within min_tokens, all the text held so far is out of reach of the stop strings.
+  r.stop_floor = may_stop ? r.stop_floor - std::min(r.stop_floor, out) : r.held.size();
   publish(r);
   scheduler_.append_token(r.id, token);
 }

@@ -215,6 +215,8 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
   if (const json* ids = field(b, "stop_token_ids")) {
     if (!ids->is_array())
       bad("stop_token_ids", std::string("must be a list of integers, got ") + type_name(*ids));
+    if (static_cast<int64_t>(ids->size()) > lim.max_token_id_list)
+      bad("stop_token_ids", "has more than " + std::to_string(lim.max_token_id_list) + " ids");
     for (const json& x : *ids) {
       if (!x.is_number_integer() || x.get<int64_t>() < 0 ||
           x.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
@@ -281,6 +283,8 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
   if (const json* ids = field(b, "allowed_token_ids")) {
     if (!ids->is_array() || ids->empty())
       bad("allowed_token_ids", "must be a non-empty list of token ids");
+    if (static_cast<int64_t>(ids->size()) > lim.max_token_id_list)
+      bad("allowed_token_ids", "has more than " + std::to_string(lim.max_token_id_list) + " ids");
     for (const json& x : *ids) {
       if (!x.is_number_integer() || x.get<int64_t>() < 0 ||
           x.get<int64_t>() > std::numeric_limits<int32_t>::max()) {

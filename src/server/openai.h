@@ -33,6 +33,9 @@ struct ApiLimits {
   int max_n = 16;         // choices per request
   int max_stop = 16;      // stop strings
   int max_logit_bias = 1024;  // logit_bias entries
+  // allowed_token_ids / stop_token_ids entries (each request's choices copy them, and the sampler
+  // reads the allowed ones at every step): more than any vocabulary this server runs.
+  int max_token_id_list = 262144;
 };
 
 // Fields common to /v1/completions and /v1/chat/completions, parsed and checked.

@@ -636,6 +636,13 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         throw ApiError(400, "too many prompts x n in one request", "prompt");
       }
     }
+    if (sr.truncate_prompt_tokens > engine_.max_model_len()) {
+      throw ApiError(400,
+                     "'truncate_prompt_tokens' (" + std::to_string(sr.truncate_prompt_tokens) +
+                         ") is larger than the context length (" +
+                         std::to_string(engine_.max_model_len()) + ")",
+                     "truncate_prompt_tokens");
+    }
     if (sr.truncate_prompt_tokens != 0) {
       const size_t keep = sr.truncate_prompt_tokens > 0
                               ? static_cast<size_t>(sr.truncate_prompt_tokens)

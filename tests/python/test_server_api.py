@@ -197,6 +197,7 @@ def test_logit_bias(client):
 def test_allowed_token_ids_and_truncate_prompt_tokens(client):
     """vLLM's allowed_token_ids (only those ids are sampled, at any temperature) and
     truncate_prompt_tokens (the prompt's last k tokens, as if sent alone)."""
+    import openai
     kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=8)
     allowed = [1000, 1001, 1002]
     for t in (0, 1.5):
@@ -212,6 +213,14 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(client):
     alone = client.completions.create(model="tiny", prompt=prompt_ids[-3:], max_tokens=8, temperature=0)
     assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["prompt_token_ids"] == prompt_ids[-3:]
     assert cut["choices"][0]["text"] == alone.choices[0].text
+    # Past the context length: a 400 naming it.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, extra_body={"truncate_prompt_tokens": 1025})
+    assert e.value.body["param"] == "truncate_prompt_tokens"
+    # min_tokens with nothing allowed but stop ids: a 400, not a failed generation.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw, extra_body={"allowed_token_ids": [151643], "min_tokens": 2})
+    assert e.value.body["param"] == "allowed_token_ids"
     # Longer than the prompt, or -1 (the context length): the whole prompt.
     for k in (1000, -1):
         r = client.completions.create(**kw, temperature=0, extra_body={"truncate_prompt_tokens": k})
@@ -237,16 +246,31 @@ def test_min_tokens(client):
     c = client.completions.create(**kw, logit_bias={str(forced): 100},
                                   extra_body={**body, "min_tokens": 8}).choices[0]
     assert c.model_dump()["token_ids"] == ids and c.finish_reason == "length"
-    # A stop string inside the first min_tokens tokens' text does not stop the output.
+    # No bias: within min_tokens the stop id is banned, so greedy takes the next best there; the
+    # stop id ends the output only after it (greedy, the unbiased continuation).
+    stop_id = ids[2]
+    c = client.completions.create(**kw, extra_body={"return_token_ids": True, "stop_token_ids": [stop_id]}).choices[0]
+    assert c.model_dump()["token_ids"] == ids[:3] and c.finish_reason == "stop"
+    c = client.completions.create(**kw, extra_body={"return_token_ids": True, "stop_token_ids": [stop_id],
+                                                    "min_tokens": 3}).choices[0]
+    got = c.model_dump()["token_ids"]
+    assert got[:2] == ids[:2] and got[2] != stop_id and stop_id not in got[:3] and len(got) > 3
+    # EOS is banned the same way (here made the greedy pick by a bias), unless ignore_eos.
+    eos = 151643  # <|endoftext|>, an EOS id of the Qwen3 tokenizer
+    c = client.completions.create(**kw, logit_bias={str(eos): 100},
+                                  extra_body={"return_token_ids": True, "min_tokens": 2}).choices[0]
+    assert c.model_dump()["token_ids"] == ids[:2] + [eos] and c.finish_reason == "stop"
+    # A stop string inside the first min_tokens tokens' text does not stop the output, also when
+    # that text was held back as the start of a longer stop string (the match must reach past it).
     lp = client.completions.create(**kw, logprobs=1).choices[0].logprobs
     first = lp.tokens[0]
-    if first:
-        stop = first[0]
-        base_text = "".join(lp.tokens)
-        assert client.completions.create(**kw, stop=[stop]).choices[0].text == ""
-        c = client.completions.create(**kw, stop=[stop], extra_body={"min_tokens": 1}).choices[0]
-        cut = base_text.find(stop, len(first))
-        assert c.text == (base_text if cut < 0 else base_text[:cut])
+    assert first, "the test prompt's first token must have text"
+    base_text = "".join(lp.tokens)
+    for stops in ([first[-1]], [first[-1], first[-1] + "\x00never"]):
+        assert client.completions.create(**kw, stop=stops).choices[0].text == first[:-1]
+        c = client.completions.create(**kw, stop=stops, extra_body={"min_tokens": 1}).choices[0]
+        cut = base_text.find(first[-1], len(first))
+        assert c.text == (base_text if cut < 0 else base_text[:cut]), stops
         assert c.finish_reason == ("length" if cut < 0 else "stop")
 
 
