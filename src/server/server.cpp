@@ -565,6 +565,14 @@ std::vector<int32_t> Server::encode_prompt(const Tokenizer& tok, const std::stri
   return tok.encode(text, true);
 }
 
+std::string Server::render_chat_prompt(const json& input) const {
+  try {
+    return render_chat_(input);
+  } catch (const Error& e) {
+    throw ApiError(400, std::string("chat template error: ") + e.what(), "messages");
+  }
+}
+
 void Server::handle_completions(const httplib::Request& req, httplib::Response& res, bool chat) {
   auto job = std::make_shared<Job>();
   std::vector<std::shared_ptr<RequestStream>> submitted;
@@ -592,12 +600,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         throw ApiError(400, "this model has no chat template; use /v1/completions");
       if (!tok) throw ApiError(400, "this model has no tokenizer; chat needs one");
       const json input = chat_template_input(body);
-      std::string text;
-      try {
-        text = render_chat_(input);
-      } catch (const Error& e) {
-        throw ApiError(400, std::string("chat template error: ") + e.what(), "messages");
-      }
+      const std::string text = render_chat_prompt(input);
       // Thinking on: the template opened <think> in the prompt, so generation starts as reasoning.
       job->starts_in_reasoning = OutputParser::prompt_ends_in_reasoning(text);
       if (input.contains("tools")) job->tools = input["tools"];
@@ -713,14 +716,7 @@ void Server::handle_tokenize(const httplib::Request& req, httplib::Response& res
       ids = encode_prompt(*tok, *tr.prompt);
     } else {
       if (!render_chat_) throw ApiError(400, "this model has no chat template", "messages");
-      const json input = chat_template_input(body);
-      std::string text;
-      try {
-        text = render_chat_(input);
-      } catch (const Error& e) {
-        throw ApiError(400, std::string("chat template error: ") + e.what(), "messages");
-      }
-      ids = encode_prompt(*tok, text);
+      ids = encode_prompt(*tok, render_chat_prompt(chat_template_input(body)));
     }
     json out = {{"count", ids.size()}, {"max_model_len", engine_.max_model_len()}, {"tokens", ids}};
     out["token_strs"] = nullptr;

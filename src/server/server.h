@@ -82,6 +82,8 @@ class Server {
   void start_job(std::shared_ptr<Job> job, httplib::Response& res);
   // tok->encode(text, true), with at most two texts over kBigEncodeBytes at a time.
   std::vector<int32_t> encode_prompt(const Tokenizer& tok, const std::string& text);
+  // The chat template applied to chat_template_input's object (a template error: ApiError 400).
+  std::string render_chat_prompt(const nlohmann::ordered_json& input) const;
 
   Engine& engine_;
   ChatRenderFn render_chat_;
