@@ -718,17 +718,28 @@ void Server::handle_tokenize(const httplib::Request& req, httplib::Response& res
       if (!render_chat_) throw ApiError(400, "this model has no chat template", "messages");
       ids = encode_prompt(*tok, render_chat_prompt(chat_template_input(body)));
     }
-    json out = {{"count", ids.size()}, {"max_model_len", engine_.max_model_len()}, {"tokens", ids}};
-    out["token_strs"] = nullptr;
-    if (tr.return_token_strs) {
-      json strs = json::array();
-      for (int32_t id : ids) {
-        const auto s = tok->token_string(id);
-        strs.push_back(s ? json(sanitize_utf8(*s)) : json(nullptr));
-      }
-      out["token_strs"] = std::move(strs);
+    // Written directly: a JSON tree of millions of ids and strings would take ~10x the text.
+    std::string out = "{\"count\":" + std::to_string(ids.size()) +
+                      ",\"max_model_len\":" + std::to_string(engine_.max_model_len()) +
+                      ",\"tokens\":[";
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (i) out += ',';
+      out += std::to_string(ids[i]);
     }
-    res.set_content(dump(out), "application/json");
+    out += "],\"token_strs\":";
+    if (tr.return_token_strs) {
+      out += '[';
+      for (size_t i = 0; i < ids.size(); ++i) {
+        if (i) out += ',';
+        const auto str = tok->token_string(ids[i]);
+        out += str ? dump(json(*str)) : std::string("null");
+      }
+      out += ']';
+    } else {
+      out += "null";
+    }
+    out += '}';
+    res.set_content(std::move(out), "application/json");
   } catch (const ApiError& e) {
     respond_error(res, e.status, e.what(), e.param);
   } catch (const Error& e) {
