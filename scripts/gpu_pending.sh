@@ -27,10 +27,10 @@
 #                                         # both ways, in-graph profiles at 4K both ways, the A/B
 #   BUDGET=560 bash scripts/gpu_pending.sh ahead  # ~6-8 min: session 34's probe, each decode
 #                                         # GEMV queueing its next stages for L2 after its wait
-#                                         # ($DS_GEMV_AHEAD=KiB, 80 by default since session 36;
+#                                         # ($DS_GEMV_AHEAD=KiB, off: measured in session 36;
 #                                         # decode_gemv.md): the kernels' and the engine's bits
 #                                         # (batch 1, 2, 16), profiles at 4K (0 / 80), the A/B
-#                                         # (default / 0 / the TMA GEMV's at 40; batch 1, 2, 16)
+#                                         # (off / 80 / the TMA GEMV's at 40; batch 1, 2, 16)
 #   BUDGET=560 bash scripts/gpu_pending.sh argmax  # ~8 min: session 27's decode head in one kernel
 #                                         # ($DS_ARGMAX_FUSED=1: the argmax in lm_head's epilogue;
 #                                         # $DS_HEAD_NORM=1: the final norm in its prologue;
@@ -278,9 +278,9 @@ case "$step" in
     # The kernel's bits at every count, the engine's both ways, the profiles, the A/B.
     # Batch 5-16 runs the TMA GEMV (gate_up + SiLU, gdn_in, attn_qkv), and down at batch 1-2 the
     # narrow one: both got the same prefetch.
-    # Session 36 (run on an H100): 80 KiB made the default at batch 1-2 ($DS_GEMV_AHEAD unset:
-    # 80), the TMA GEMV's kept off ($DS_GEMV_TMA_AHEAD, it made 16@4096 slower); so the A/B now
-    # sets the default against 0 at batch 1, 2 and 16, and the TMA prefetch at batch 16 alone.
+    # Session 36 (run on an H100, twice): faster at 1@4096 only, slower at 1@16384 / 1@32768 and
+    # 2@4096, so both stay off; the TMA GEMV's part has its own switch ($DS_GEMV_TMA_AHEAD). The
+    # A/B: off (the default) against 80 KiB at batch 1-2 and the TMA part at 40 KiB.
     run ahead_gemv_test timeout 150 "$T/cuda_gemv_norm_test" \
       --gtest_filter='CudaGemvBulkNorm.L2Ahead*' || rc=1
     run ahead_tma_test timeout 150 "$T/cuda_gemv_test" \
@@ -288,7 +288,7 @@ case "$step" in
     run ahead_engine_test timeout 200 "$T/cuda_specialisation_test" \
       --gtest_filter='Specialisations.GemvAhead*' || rc=1
     inprof inprof_4096_ahead DS_GEMV_AHEAD 0 80
-    decode_ab 1@4096,1@8192,1@16384,1@32768,2@4096,16@4096 3 - DS_GEMV_AHEAD=0 DS_GEMV_TMA_AHEAD=40
+    decode_ab 1@4096,1@8192,1@16384,1@32768,2@4096,16@4096 3 - DS_GEMV_AHEAD=80 DS_GEMV_TMA_AHEAD=40
     ;;
   argmax)
     # The kernels against lm_head (+ the norm before it) and the separate argmax (logits and

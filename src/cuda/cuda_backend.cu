@@ -635,7 +635,7 @@ CudaBackend::CudaBackend(const BackendOptions& opt, const ModelConfig& cfg,
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   gemm_ = std::make_unique<cuda::GemmEngine>(kGemmWorkspace);
   gemm_->set_dispatch(&dispatch_);
-  // $DS_GEMV_AHEAD (80 KiB unless set; session 36) and $DS_GEMV_TMA_AHEAD (off unless set): the
+  // $DS_GEMV_AHEAD and $DS_GEMV_TMA_AHEAD (probes, off unless set; session 36 measured both): the
   // decode GEMVs at batch 1-2 / 5-16 queue this many KiB of their next stages for L2 after their
   // wait. Read here, so each engine captures its graphs with its own setting.
   gemm_->set_l2_ahead_kib(cuda::gemv_ahead_kib_from_env(), cuda::gemv_tma_ahead_kib_from_env());

@@ -111,13 +111,13 @@ struct GemvBulkConfig {
 };
 constexpr int kGemvAheadMaxM = 2;    // the m compiled with l2_ahead (the decode step's bulk GEMVs)
 constexpr int kGemvAheadMaxKib = 512;  // $DS_GEMV_AHEAD's and $DS_GEMV_TMA_AHEAD's range
-// The default for the GEMVs at m <= kGemvAheadMaxM (bulk and narrow): session 36's A/B on an
-// H100 (docs/perf/decode_gemv.md) had 80 KiB 0.14 ms a step faster at 1@4096 and no slower at
-// 1@8192 / 1@32768; the TMA GEMV's (batch 5-16) made 16@4096 slower, so it stays off.
-constexpr int kGemvAheadDefaultKib = 80;
+// The default for the GEMVs at m <= kGemvAheadMaxM (bulk and narrow): off. Session 36's A/Bs on
+// an H100 (docs/perf/decode_gemv.md) had 80 KiB 0.11-0.14 ms a step faster at 1@4096 but
+// 0.04-0.05 ms slower at 1@16384 / 1@32768 and 0.14 ms slower at 2@4096.
+constexpr int kGemvAheadDefaultKib = 0;
 // $DS_GEMV_AHEAD: KiB of each block's next weight stages the decode GEMVs at m <= kGemvAheadMaxM
-// queue for L2 after their wait (0..512; 0: off; unset: kGemvAheadDefaultKib), read by the engine
-// at start. gemv_bulk_ahead_stages turns a KiB budget into l2_ahead for a config at row length k
+// queue for L2 after their wait (0..512; unset: kGemvAheadDefaultKib), read by the engine at
+// start. gemv_bulk_ahead_stages turns a KiB budget into l2_ahead for a config at row length k
 // (GLU: the stage is a gate row and an up row); at least one stage for any budget > 0.
 int gemv_ahead_kib_from_env();
 // $DS_GEMV_TMA_AHEAD: the same for the TMA GEMVs (batch 5-16; GemvTmaConfig::l2_ahead); unset or

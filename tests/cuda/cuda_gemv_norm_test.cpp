@@ -916,7 +916,7 @@ TEST(CudaGemvBulkNorm, L2AheadChangesNoBit) {
   cudaStreamDestroy(st);
 }
 
-// $DS_GEMV_AHEAD's and $DS_GEMV_TMA_AHEAD's parse (unset: 80 / 0) and the KiB -> stages
+// $DS_GEMV_AHEAD's and $DS_GEMV_TMA_AHEAD's parse (unset: off) and the KiB -> stages
 // conversion (host only).
 TEST(CudaGemvBulkNorm, L2AheadBudget) {
   struct Var {
@@ -924,7 +924,7 @@ TEST(CudaGemvBulkNorm, L2AheadBudget) {
     int (*read)();
     int unset;
   };
-  for (const Var& v : {Var{"DS_GEMV_AHEAD", cuda::gemv_ahead_kib_from_env, 80},
+  for (const Var& v : {Var{"DS_GEMV_AHEAD", cuda::gemv_ahead_kib_from_env, 0},
                        Var{"DS_GEMV_TMA_AHEAD", cuda::gemv_tma_ahead_kib_from_env, 0}}) {
     unsetenv(v.name);
     EXPECT_EQ(v.read(), v.unset) << v.name;

@@ -625,7 +625,7 @@ TEST(Specialisations, AttnOPdlOnVsOffBitExactAt27bShapes) {
 }
 
 // The decode bulk GEMVs queueing 80 KiB of their next stages for L2 after their wait
-// ($DS_GEMV_AHEAD=80, the default since session 36; read at the engine's start) vs none (0): a
+// ($DS_GEMV_AHEAD=80, session 34's probe; read at the engine's start) vs none (0, the default): a
 // prefetch moves no value, so logits and tokens bit-identical at batch 1 (gdn_in with the early
 // rows, attn_qkv, gate_up + SiLU with their norms, gdn_out / attn_o) and batch 2.
 TEST(Specialisations, GemvAheadOnVsOffBitExactAt27bShapes) {

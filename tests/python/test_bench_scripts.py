@@ -323,7 +323,7 @@ def test_gpu_pending_script_steps_dry_run(tmp_path):
     assert "Specialisations.GemvAhead" in out["ahead"]
     assert out["ahead"].count("DecodeProfile.Synthetic27bInGraph") == 2
     assert "DS_GEMV_AHEAD=0" in out["ahead"] and "DS_GEMV_AHEAD=80" in out["ahead"]
-    assert ("--cases 1@4096,1@8192,1@16384,1@32768,2@4096,16@4096 --rounds 3 - DS_GEMV_AHEAD=0"
+    assert ("--cases 1@4096,1@8192,1@16384,1@32768,2@4096,16@4096 --rounds 3 - DS_GEMV_AHEAD=80"
             " DS_GEMV_TMA_AHEAD=40") in out["ahead"]
     for arm in ("DS_MLP_FUSED=1", "DS_MLP_FUSED=2", "DS_MLP_FUSED=3", "DS_GEMV_NORM_EARLY=0",
                 "DS_ATTN_DECODE=pdl_cluster"):
