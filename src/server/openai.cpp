@@ -124,6 +124,25 @@ std::optional<bool> get_bool(const json& obj, const char* key) {
   return v->get<bool>();
 }
 
+// A list of at most `max` token ids (non-negative int32).
+std::optional<std::vector<int32_t>> get_id_list(const json& obj, const char* key, int max) {
+  const json* ids = field(obj, key);
+  if (!ids) return std::nullopt;
+  if (!ids->is_array()) bad(key, std::string("must be a list of integers, got ") + type_name(*ids));
+  if (static_cast<int64_t>(ids->size()) > max)
+    bad(key, "has more than " + std::to_string(max) + " ids");
+  std::vector<int32_t> out;
+  out.reserve(ids->size());
+  for (const json& x : *ids) {
+    if (!x.is_number_integer() || x.get<int64_t>() < 0 ||
+        x.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      bad(key, "must be a list of non-negative integers, found " + x.dump());
+    }
+    out.push_back(static_cast<int32_t>(x.get<int64_t>()));
+  }
+  return out;
+}
+
 }  // namespace
 
 nlohmann::ordered_json parse_body(const std::string& body) {
@@ -212,19 +231,8 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
       if (x.empty()) bad("stop", "must not contain empty strings");
     }
   }
-  if (const json* ids = field(b, "stop_token_ids")) {
-    if (!ids->is_array())
-      bad("stop_token_ids", std::string("must be a list of integers, got ") + type_name(*ids));
-    if (static_cast<int64_t>(ids->size()) > lim.max_token_id_list)
-      bad("stop_token_ids", "has more than " + std::to_string(lim.max_token_id_list) + " ids");
-    for (const json& x : *ids) {
-      if (!x.is_number_integer() || x.get<int64_t>() < 0 ||
-          x.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
-        bad("stop_token_ids", "must be a list of non-negative integers, found " + x.dump());
-      }
-      g.stop_token_ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
-    }
-  }
+  if (auto ids = get_id_list(b, "stop_token_ids", lim.max_token_id_list))
+    g.stop_token_ids = std::move(*ids);
   if (auto v = get_bool(b, "ignore_eos")) g.ignore_eos = *v;
   if (auto v = get_bool(b, "include_stop_str_in_output")) g.include_stop_str = *v;
   // vLLM's min_tokens: EOS and the stop ids are not sampled, and stop strings do not apply,
@@ -280,18 +288,9 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
   }
   // vLLM's allowed_token_ids: only these ids may be sampled (non-empty; ids past the vocabulary
   // are refused by the engine).
-  if (const json* ids = field(b, "allowed_token_ids")) {
-    if (!ids->is_array() || ids->empty())
-      bad("allowed_token_ids", "must be a non-empty list of token ids");
-    if (static_cast<int64_t>(ids->size()) > lim.max_token_id_list)
-      bad("allowed_token_ids", "has more than " + std::to_string(lim.max_token_id_list) + " ids");
-    for (const json& x : *ids) {
-      if (!x.is_number_integer() || x.get<int64_t>() < 0 ||
-          x.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
-        bad("allowed_token_ids", "must be a list of non-negative integers, found " + x.dump());
-      }
-      s.allowed_token_ids.push_back(static_cast<int32_t>(x.get<int64_t>()));
-    }
+  if (auto ids = get_id_list(b, "allowed_token_ids", lim.max_token_id_list)) {
+    if (ids->empty()) bad("allowed_token_ids", "must not be empty");
+    s.allowed_token_ids = std::move(*ids);
   }
   // vLLM's truncate_prompt_tokens: keep only the last k prompt tokens (-1: the context length).
   if (auto k = get_int(b, "truncate_prompt_tokens", -1, std::numeric_limits<int32_t>::max())) {
