@@ -209,15 +209,17 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
                             std::to_string(request.min_tokens),
                         "min_tokens");
   }
-  for (int32_t id : request.sampling.allowed_token_ids) {
+  auto check_id = [&](int32_t id, const char* field) {
     if (id < 0 || id >= config_.vocab_size) {
       throw RejectedError(K::kInvalid,
-                          "allowed_token_ids: token id " + std::to_string(id) +
+                          std::string(field) + ": token id " + std::to_string(id) +
                               " is outside the vocabulary (" +
                               std::to_string(config_.vocab_size) + " ids)",
-                          "allowed_token_ids");
+                          field);
     }
-  }
+  };
+  for (int32_t id : request.sampling.allowed_token_ids) check_id(id, "allowed_token_ids");
+  for (const auto& [id, bias] : request.sampling.logit_bias) check_id(id, "logit_bias");
   if (request.min_tokens > 0 && !request.sampling.allowed_token_ids.empty()) {
     // Within min_tokens the stop ids are banned: something else must be allowed.
     const auto& st = request.stop_token_ids;
@@ -236,15 +238,6 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
                           "allowed_token_ids: every allowed id is a stop id, so nothing can be "
                           "sampled within min_tokens",
                           "allowed_token_ids");
-    }
-  }
-  for (const auto& [id, bias] : request.sampling.logit_bias) {
-    if (id < 0 || id >= config_.vocab_size) {
-      throw RejectedError(K::kInvalid,
-                          "logit_bias: token id " + std::to_string(id) +
-                              " is outside the vocabulary (" +
-                              std::to_string(config_.vocab_size) + " ids)",
-                          "logit_bias");
     }
   }
   if (request.top_logprobs > config_.vocab_size) {
