@@ -113,7 +113,7 @@ constexpr int kGemvAheadMaxM = 2;    // the m compiled with l2_ahead (the decode
 constexpr int kGemvAheadMaxKib = 512;  // $DS_GEMV_AHEAD's and $DS_GEMV_TMA_AHEAD's range
 // The default for the GEMVs at m <= kGemvAheadMaxM (bulk and narrow): off. Session 36's A/Bs on
 // an H100 (docs/perf/decode_gemv.md) had 80 KiB 0.11-0.14 ms a step faster at 1@4096 but
-// 0.04-0.05 ms slower at 1@16384 / 1@32768 and 0.14 ms slower at 2@4096.
+// 0.01-0.05 ms slower at 1@16384 / 1@32768 and 0.14 ms slower at 2@4096.
 constexpr int kGemvAheadDefaultKib = 0;
 // $DS_GEMV_AHEAD: KiB of each block's next weight stages the decode GEMVs at m <= kGemvAheadMaxM
 // queue for L2 after their wait (0..512; unset: kGemvAheadDefaultKib), read by the engine at
