@@ -222,18 +222,9 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
   for (const auto& [id, bias] : request.sampling.logit_bias) check_id(id, "logit_bias");
   if (request.min_tokens > 0 && !request.sampling.allowed_token_ids.empty()) {
     // Within min_tokens the stop ids are banned: something else must be allowed.
-    const auto& st = request.stop_token_ids;
-    bool any = false;
-    for (int32_t id : request.sampling.allowed_token_ids) {
-      const bool stops =
-          std::find(st.begin(), st.end(), id) != st.end() ||
-          (!request.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), id) != eos_ids_.end());
-      if (!stops) {
-        any = true;
-        break;
-      }
-    }
-    if (!any) {
+    const auto& allowed = request.sampling.allowed_token_ids;
+    if (std::all_of(allowed.begin(), allowed.end(),
+                    [&](int32_t id) { return stops_on(request, id); })) {
       throw RejectedError(K::kInvalid,
                           "allowed_token_ids: every allowed id is a stop id, so nothing can be "
                           "sampled within min_tokens",
@@ -426,6 +417,12 @@ size_t find_stop(const std::string& text, const GenerationRequest& q, size_t flo
 }
 }  // namespace
 
+bool Engine::stops_on(const GenerationRequest& q, int32_t token) const {
+  const auto& st = q.stop_token_ids;
+  return std::find(st.begin(), st.end(), token) != st.end() ||
+         (!q.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end());
+}
+
 std::vector<int32_t> Engine::min_tokens_banned(const Request& r) const {
   const GenerationRequest& q = r.req;
   if (r.generated.size() >= static_cast<size_t>(q.min_tokens)) return {};
@@ -454,11 +451,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
 
   // Within min_tokens nothing stops the output but its length (the stop ids were not sampled).
   const bool may_stop = r.generated.size() > static_cast<size_t>(q.min_tokens);
-  const bool is_eos =
-      !q.ignore_eos && std::find(eos_ids_.begin(), eos_ids_.end(), token) != eos_ids_.end();
-  const bool is_stop_id =
-      std::find(q.stop_token_ids.begin(), q.stop_token_ids.end(), token) != q.stop_token_ids.end();
-  if (may_stop && (is_eos || is_stop_id)) {
+  if (may_stop && stops_on(q, token)) {
     // The stop token's own text is never part of the output.
     if (r.decoder) r.held += r.decoder->flush();
     const size_t at = find_stop(r.held, q, r.stop_floor);

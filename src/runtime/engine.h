@@ -202,6 +202,8 @@ class Engine {
   // logits_row: the row the token was sampled from; null when the backend gave only the token
   // (then the request asked for no logprobs).
   void on_token(Request& r, int32_t token, const float* logits_row);
+  // Whether `token` ends q's output: one of its stop_token_ids, or an EOS id unless ignore_eos.
+  bool stops_on(const GenerationRequest& q, int32_t token) const;
   // The ids r's next token must not be (min_tokens not yet reached: its stop ids and, unless
   // ignore_eos, the EOS ids); empty otherwise.
   std::vector<int32_t> min_tokens_banned(const Request& r) const;

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <thread>
+#include <utility>
 
 #include "chat/output_parser.h"
 #include "server/chat_output.h"
@@ -38,9 +39,14 @@ const char* finish_reason_api(FinishReason r) {
   return nullptr;
 }
 
+// The server's routes and their methods (405 with Allow for another method; metrics labels).
+constexpr std::pair<const char*, const char*> kRoutes[] = {
+    {"/health", "GET, HEAD"},    {"/version", "GET, HEAD"},        {"/v1/models", "GET, HEAD"},
+    {"/metrics", "GET, HEAD"},   {"/v1/completions", "POST"},      {"/v1/chat/completions", "POST"},
+    {"/tokenize", "POST"},       {"/detokenize", "POST"}};
+
 std::string endpoint_label(const std::string& path) {
-  for (const char* p : {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                        "/metrics", "/version", "/tokenize", "/detokenize"}) {
+  for (const auto& [p, allow] : kRoutes) {
     if (path == p) return p;
   }
   return "other";
@@ -409,11 +415,6 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
         std::string msg;
         if (res.status == 404) {
           // A known path asked with another method: 405 with Allow, as vLLM (FastAPI) answers.
-          static const std::pair<const char*, const char*> kRoutes[] = {
-              {"/health", "GET, HEAD"},         {"/version", "GET, HEAD"},
-              {"/v1/models", "GET, HEAD"},      {"/metrics", "GET, HEAD"},
-              {"/v1/completions", "POST"},      {"/v1/chat/completions", "POST"},
-              {"/tokenize", "POST"},            {"/detokenize", "POST"}};
           for (const auto& [path, allow] : kRoutes) {
             if (req.path == path) {
               res.status = 405;
