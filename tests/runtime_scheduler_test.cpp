@@ -90,9 +90,14 @@ struct Driver {
   std::set<uint64_t> capacity_stopped;
   int64_t max_running = 0;
   std::vector<StepPlan> history;  // plans without spans (checked right after planning)
+  struct Span {
+    uint64_t id;
+    int begin, end;
+  };
+  std::vector<std::vector<Span>> logit_items;  // per step: the items run with all_logits
 
-  void add(uint64_t id, std::vector<int32_t> prompt, int n_new) {
-    ASSERT_TRUE(sched.add(id, std::move(prompt)));
+  void add(uint64_t id, std::vector<int32_t> prompt, int n_new, bool prompt_rows = false) {
+    ASSERT_TRUE(sched.add(id, std::move(prompt), prompt_rows));
     max_new[id] = n_new;
   }
   // Runs one step; returns false when idle.
@@ -118,6 +123,11 @@ struct Driver {
       } else {
         sched.append_token(it.seq_id, tok);
       }
+    }
+    logit_items.emplace_back();
+    for (size_t i = 0; i < plan.items.size(); ++i) {
+      if (plan.work[i].all_logits)
+        logit_items.back().push_back({plan.items[i].seq_id, plan.items[i].begin, plan.items[i].end});
     }
     plan.work.clear();
     history.push_back(std::move(plan));
@@ -249,6 +259,77 @@ TEST(Scheduler, PreemptionByRecomputeKeepsOutputs) {
   EXPECT_TRUE(d.capacity_stopped.empty());
   for (int i = 0; i < 8; ++i) EXPECT_EQ(d.out[i], reference(b, make_prompt(20, 10 + i), 50)) << i;
   EXPECT_EQ(b.memory().kv_blocks_used, 0);
+}
+
+TEST(Scheduler, PromptRowsAreCutToTheRowBudget) {
+  FakeBackend b(4, 16, 1000);
+  SchedulerOptions o;
+  o.chunk_size = 8;
+  o.max_num_batched_tokens = 64;
+  o.max_logit_rows = 6;
+  Scheduler s(b, o);
+  Driver d(b, s);
+  d.add(1, make_prompt(20, 1), 3, true);
+  d.add(2, make_prompt(20, 2), 3);
+  d.add(3, make_prompt(9, 3), 3, true);
+  d.run();
+  // Sequence 1 in chunks of 6 ([0, 6) ... [18, 20): rows before the last prompt token are
+  // wanted, so its last chunk still has them), sequence 2 in chunks of 8 and never with rows;
+  // sequence 3 gets what the 6 rows per step leave once 1 is through.
+  std::map<uint64_t, int> covered;  // prompt positions given rows, in order
+  for (const auto& step : d.logit_items) {
+    int rows = 0;
+    for (const auto& it : step) {
+      rows += it.end - it.begin;
+      EXPECT_NE(it.id, 2u);
+      EXPECT_EQ(it.begin, covered[it.id]) << "seq " << it.id;
+      covered[it.id] = it.end;
+    }
+    EXPECT_LE(rows, 6);
+  }
+  EXPECT_EQ(covered[1], 20);
+  EXPECT_EQ(covered[3], 9);
+  EXPECT_EQ(d.history[0].items[0].end - d.history[0].items[0].begin, 6);
+  EXPECT_EQ(d.history[0].items[1].end - d.history[0].items[1].begin, 8);
+  for (uint64_t id = 1; id <= 3; ++id)
+    EXPECT_EQ(d.out[id], reference(b, make_prompt(id == 3 ? 9 : 20, static_cast<int>(id)), 3));
+  // A one-token prompt has no prompt rows to give.
+  FakeBackend b1(1, 16, 100);
+  Scheduler s1(b1, o);
+  ASSERT_TRUE(s1.add(9, {5}, true));
+  EXPECT_FALSE(s1.schedule().work.at(0).all_logits);
+}
+
+TEST(Scheduler, PromptRowsAfterPreemptionOnlyWhereNotYetRun) {
+  // As PreemptionByRecomputeKeepsOutputs, every sequence asking for its prompt rows: a
+  // recompute after the prompt ran asks for none, one before it resumes where the rows stopped
+  // at most (the engine drops rows it already took).
+  FakeBackend b(8, 4, 40);
+  SchedulerOptions o;
+  o.max_batch = 8;
+  o.chunk_size = 8;
+  o.max_num_batched_tokens = 32;
+  o.max_logit_rows = 12;
+  Scheduler s(b, o);
+  Driver d(b, s);
+  for (int i = 0; i < 8; ++i) d.add(i, make_prompt(20, 10 + i), 50, true);
+  d.run();
+  EXPECT_GT(s.n_preemptions(), 0);
+  std::map<uint64_t, int> reached;  // highest prompt position given rows
+  for (const auto& step : d.logit_items) {
+    int rows = 0;
+    for (const auto& it : step) {
+      rows += it.end - it.begin;
+      EXPECT_LE(it.begin, reached[it.id]) << "rows skipped for seq " << it.id;
+      EXPECT_LT(it.begin, 19) << "rows after the prompt for seq " << it.id;
+      reached[it.id] = std::max(reached[it.id], it.end);
+    }
+    EXPECT_LE(rows, 12);
+  }
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(reached[i], 20) << i;
+    EXPECT_EQ(d.out[i], reference(b, make_prompt(20, 10 + i), 50)) << i;
+  }
 }
 
 TEST(Scheduler, RemoveFreesSlotAtOnce) {

@@ -47,16 +47,27 @@ class HistoryBackend : public Backend {
     return m;
   }
   void step(std::span<const SeqWork> work, std::vector<float>& logits) override {
-    logits.assign(work.size() * static_cast<size_t>(cfg_.vocab_size), -10.0f);
+    size_t n_rows = 0;
+    for (const SeqWork& w : work) n_rows += w.all_logits ? w.tokens.size() : 1;
+    logits.assign(n_rows * static_cast<size_t>(cfg_.vocab_size), -10.0f);
+    size_t r = 0;
+    auto put_row = [&](const std::vector<int32_t>& h) {
+      const int32_t next = next_token(h);
+      float* row = logits.data() + r++ * cfg_.vocab_size;
+      row[next] = 5.0f;
+      row[(next + 1) % cfg_.vocab_size] = 1.0f;
+    };
     for (size_t i = 0; i < work.size(); ++i) {
       auto& h = hist_.at(work[i].slot);
       if (!can_grow(work[i].slot, static_cast<int>(work[i].tokens.size())))
         throw Error(name_ + ": pool overflow");
-      h.insert(h.end(), work[i].tokens.begin(), work[i].tokens.end());
-      const int32_t next = next_token(h);
-      float* row = logits.data() + i * cfg_.vocab_size;
-      row[next] = 5.0f;
-      row[(next + 1) % cfg_.vocab_size] = 1.0f;
+      // all_logits: a row after every token (the history up to it), else after the last.
+      for (int32_t t : work[i].tokens) {
+        h.push_back(t);
+        if (work[i].all_logits) put_row(h);
+      }
+      if (!work[i].all_logits) put_row(h);
+      if (work[i].all_logits) ++n_all_logits_items_;
     }
   }
 
@@ -65,6 +76,9 @@ class HistoryBackend : public Backend {
   virtual int32_t next_token(const std::vector<int32_t>& history) const = 0;
   int vocab() const { return cfg_.vocab_size; }
   std::vector<int32_t>& history(int slot) { return hist_.at(slot); }
+
+ public:
+  int64_t n_all_logits_items_ = 0;  // items that ran with all_logits (tests of the scheduler)
 
  private:
   ModelConfig cfg_;

@@ -83,6 +83,16 @@ TEST(ServerOpenAI, SamplingFields) {
   EXPECT_EQ(r.gen.max_tokens, -1);
   EXPECT_EQ(r.gen.top_logprobs, -1);
   EXPECT_EQ(r.gen.max_tokens, -1);
+  EXPECT_FALSE(r.prompt_logprobs);
+  EXPECT_EQ(r.gen.prompt_logprobs, -1);
+  // vLLM's prompt_logprobs (null: not asked for).
+  r = parse_sampling_request(json::parse(R"({"prompt_logprobs": 4})"), true, lim);
+  EXPECT_TRUE(r.prompt_logprobs);
+  EXPECT_EQ(r.gen.prompt_logprobs, 4);
+  r = parse_sampling_request(json::parse(R"({"prompt_logprobs": null, "stream": true})"), false,
+                             lim);
+  EXPECT_FALSE(r.prompt_logprobs);
+  EXPECT_EQ(r.gen.prompt_logprobs, -1);
   r = parse_sampling_request(json::parse(R"({"max_tokens": 16.0, "temperature": null})"), false,
                              lim);
   EXPECT_EQ(r.gen.max_tokens, 16);
@@ -132,7 +142,10 @@ TEST(ServerOpenAI, SamplingFields) {
       {R"({"guided_grammar": "root ::= x"})", "guided_grammar"},
       {R"({"structural_tag": "{}"})", "structural_tag"},
       {R"({"structured_outputs": {"json": {}}})", "structured_outputs"},
-      {R"({"prompt_logprobs": 0})", "prompt_logprobs"},
+      {R"({"prompt_logprobs": -1})", "prompt_logprobs"},
+      {R"({"prompt_logprobs": 21})", "prompt_logprobs"},
+      {R"({"prompt_logprobs": true})", "prompt_logprobs"},
+      {R"({"prompt_logprobs": 1, "stream": true})", "prompt_logprobs"},
       {R"({"bad_words": ["x"]})", "bad_words"},
       {R"({"logits_processors": ["x"]})", "logits_processors"},
       {R"({"prompt_embeds": "AAAA"})", "prompt_embeds"},

@@ -38,6 +38,7 @@ struct ServeOpts {
   int max_model_len = 0;
   int chunk_size = 512;
   int max_num_batched_tokens = 0;
+  int max_logit_rows = 256;
   int max_waiting = 256;
   int max_body_mb = 16;
   int read_timeout = 20;
@@ -119,6 +120,7 @@ int run_serve(const ServeOpts& o) {
                                             ? o.max_num_batched_tokens
                                             : std::max(2048, o.chunk_size + o.max_batch);
   eo.scheduler.max_waiting = o.max_waiting;
+  eo.scheduler.max_logit_rows = o.max_logit_rows;
   Engine engine(std::move(backend), tok, eo);
 
   ServerOptions so;
@@ -211,6 +213,11 @@ std::function<int()> setup_serve(CLI::App& app) {
                  "Tokens per engine step, decode + prompt chunks (0: max(2048, chunk + batch))")
       ->capture_default_str()
       ->check(CLI::Range(0, 1 << 24));
+  app.add_option("--max-logit-rows", o->max_logit_rows,
+                 "Prompt tokens per step whose logits rows are kept (prompt logprobs, echo with "
+                 "logprobs): each row is vocab floats on the host")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 16));
   app.add_option("--max-waiting", o->max_waiting,
                  "Requests waiting for a slot at most (more get 429)")
       ->capture_default_str()

@@ -57,8 +57,10 @@ bool RequestStream::next(StreamOutput& out, std::chrono::milliseconds timeout) {
   if (!cv_.wait_for(lk, timeout, [&] { return has_news_ || done_; })) return false;
   out.text = std::move(pending_.text);
   out.tokens = std::move(pending_.tokens);
+  out.prompt_logprobs = std::move(pending_.prompt_logprobs);
   pending_.text.clear();
   pending_.tokens.clear();
+  pending_.prompt_logprobs.clear();
   out.finish = pending_.finish;
   out.error = pending_.error;
   out.n_prompt_tokens = pending_.n_prompt_tokens;
@@ -108,6 +110,11 @@ struct Engine::Request {
   size_t stop_floor = 0;  // bytes of `held` made within min_tokens: no stop string ends there
   std::string out_text;  // to publish
   std::vector<GeneratedToken> out_tokens;
+  // Prompt logprobs (req.prompt_logprobs >= 0): computed chunk by chunk, published with the first
+  // token. next_prompt_lp: the prompt position whose logprob comes next (a recompute after a
+  // preemption brings rows already taken).
+  std::vector<GeneratedToken> prompt_lp;
+  int next_prompt_lp = 1;
   Clock::time_point t_submit;
   double ttft_s = -1;
   int n_preemptions = 0;
@@ -234,6 +241,12 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
   if (request.top_logprobs > config_.vocab_size) {
     throw RejectedError(K::kInvalid, "top_logprobs is larger than the vocabulary", "top_logprobs");
   }
+  if (request.prompt_logprobs < -1 || request.prompt_logprobs > config_.vocab_size) {
+    throw RejectedError(K::kInvalid,
+                        "prompt_logprobs must be in [-1, " + std::to_string(config_.vocab_size) +
+                            "], got " + std::to_string(request.prompt_logprobs),
+                        "prompt_logprobs");
+  }
   try {
     request.sampling.validate();
   } catch (const Error& e) {
@@ -323,6 +336,12 @@ void Engine::publish(Request& r) {
     std::lock_guard<std::mutex> lk(s.mu_);
     s.pending_.text += r.out_text;
     for (GeneratedToken& g : r.out_tokens) s.pending_.tokens.push_back(std::move(g));
+    // The prompt's logprobs go out whole, with the first token (they are complete once it is
+    // sampled: the step that samples it ran the prompt's last rows).
+    if (!r.generated.empty() && !r.prompt_lp.empty()) {
+      s.pending_.prompt_logprobs = std::move(r.prompt_lp);
+      r.prompt_lp.clear();
+    }
     s.pending_.n_generated = static_cast<int>(r.generated.size());
     s.pending_.n_preemptions = r.n_preemptions;
     s.pending_.ttft_s = r.ttft_s;
@@ -429,6 +448,28 @@ std::vector<int32_t> Engine::min_tokens_banned(const Request& r) const {
   std::vector<int32_t> ids = q.stop_token_ids;
   if (!q.ignore_eos) ids.insert(ids.end(), eos_ids_.begin(), eos_ids_.end());
   return ids;
+}
+
+void Engine::take_prompt_logprobs(Request& r, int begin, size_t n_rows, const float* rows) {
+  const GenerationRequest& q = r.req;
+  if (q.prompt_logprobs < 0) return;
+  const size_t vocab = static_cast<size_t>(config_.vocab_size);
+  const int n_prompt = static_cast<int>(q.prompt.size());
+  // The row at position p scores prompt token p + 1.
+  for (size_t k = 0; k < n_rows; ++k) {
+    const int p = begin + static_cast<int>(k);
+    if (p + 1 >= n_prompt) break;
+    if (p + 1 != r.next_prompt_lp) continue;  // taken before a preemption
+    const PositionLogprobs lp = position_logprobs(
+        std::span<const float>(rows + k * vocab, vocab), q.prompt[p + 1], q.prompt_logprobs);
+    GeneratedToken g;
+    g.id = q.prompt[p + 1];
+    g.logprob = lp.logprob;
+    g.rank = lp.rank;
+    g.top = lp.top;
+    r.prompt_lp.push_back(std::move(g));
+    ++r.next_prompt_lp;
+  }
 }
 
 void Engine::on_token(Request& r, int32_t token, const float* row) {
@@ -674,7 +715,8 @@ void Engine::loop() {
       std::vector<int32_t> prompt = r->req.prompt;
       Request& ref = *r;
       active_.emplace(id, std::move(r));
-      if (!scheduler_.add(id, std::move(prompt))) finish(ref, FinishReason::kError, "queue full");
+      if (!scheduler_.add(id, std::move(prompt), ref.req.prompt_logprobs >= 0))
+        finish(ref, FinishReason::kError, "queue full");
     }
     for (uint64_t id : cancels) {
       auto it = active_.find(id);
@@ -791,15 +833,18 @@ void Engine::loop() {
       const ScheduledItem& it = plan.items[i];
       const SeqWork& w = plan.work[i];
       const float* row = nullptr;
+      const float* rows = nullptr;  // with all_logits: the first token's row
       if (!w.greedy || w.all_logits) {
         const size_t n_rows = w.all_logits ? w.tokens.size() : 1;
-        row = out.logits.data() + (next_row + n_rows - 1) * vocab;  // the last token's row
+        rows = out.logits.data() + next_row * vocab;
+        row = rows + (n_rows - 1) * vocab;  // the last token's row
         next_row += n_rows;
       }
-      if (!it.sample) continue;
       auto found = active_.find(it.seq_id);
       if (found == active_.end()) continue;
       Request& r = *found->second;
+      if (w.all_logits) take_prompt_logprobs(r, it.begin, w.tokens.size(), rows);
+      if (!it.sample) continue;
       try {
         int32_t token = 0;
         if (row) {

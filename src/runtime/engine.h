@@ -56,6 +56,9 @@ struct GenerationRequest {
   // ignore_eos) and stop_token_ids are never sampled and stop strings do not end the output.
   int min_tokens = 0;
   int top_logprobs = -1;            // -1: no logprobs; n >= 0: chosen + n alternatives
+  // vLLM's prompt_logprobs: -1 none; n >= 0: every prompt token after the first gets its logprob
+  // (from the raw logits of the position before it), its rank and the n most probable ids.
+  int prompt_logprobs = -1;
   bool skip_special_tokens = true;  // in the returned text
 };
 
@@ -66,12 +69,16 @@ struct GeneratedToken {
   int32_t id = 0;
   float logprob = 0;              // when logprobs were asked for
   std::vector<TokenLogprob> top;  // top_logprobs alternatives, best first (sampling.h)
+  int32_t rank = 0;               // prompt tokens: 1 + ids more probable (PositionLogprobs)
 };
 
 // What a consumer takes from a stream: everything produced since its last take.
 struct StreamOutput {
   std::string text;                    // newly complete text
   std::vector<GeneratedToken> tokens;  // newly generated tokens (incl. a final EOS / stop token)
+  // With prompt_logprobs: prompt tokens 1.. (the first has no logprob), all of them in the output
+  // that brings the first generated token (or the final one, when the request ends before it).
+  std::vector<GeneratedToken> prompt_logprobs;
   FinishReason finish = FinishReason::kNone;
   std::string error;  // when finish == kError
   // Totals, valid in every output.
@@ -202,6 +209,9 @@ class Engine {
   // logits_row: the row the token was sampled from; null when the backend gave only the token
   // (then the request asked for no logprobs).
   void on_token(Request& r, int32_t token, const float* logits_row);
+  // With prompt_logprobs: takes the prompt positions of the n_rows logits rows (positions begin..)
+  // that are due into r.prompt_lp.
+  void take_prompt_logprobs(Request& r, int begin, size_t n_rows, const float* rows);
   // Whether `token` ends q's output: one of its stop_token_ids, or an EOS id unless ignore_eos.
   bool stops_on(const GenerationRequest& q, int32_t token) const;
   // The ids r's next token must not be (min_tokens not yet reached: its stop ids and, unless

@@ -73,6 +73,46 @@ std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, int k) {
   return out;
 }
 
+PositionLogprobs position_logprobs(std::span<const float> logits, int32_t token, int k) {
+  DS_CHECK(token >= 0 && static_cast<size_t>(token) < logits.size(), "token ", token,
+           " outside the logits row of ", logits.size());
+  const float m = *std::max_element(logits.begin(), logits.end());
+  k = std::clamp(k, 0, static_cast<int>(logits.size()));
+  // Min-heap of the k best (logit, id) so far: the root is the worst kept one, replaced when an
+  // id ranks before it (higher logit, or the same logit and a lower id).
+  auto before = [&](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  };
+  std::vector<int32_t> heap;
+  heap.reserve(static_cast<size_t>(k));
+  const float mine = logits[token];
+  double z = 0.0;
+  int64_t at_least = 0;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const float l = logits[i];
+    z += std::exp(static_cast<double>(l - m));
+    at_least += l >= mine;
+    if (k == 0) continue;
+    const int32_t id = static_cast<int32_t>(i);
+    if (static_cast<int>(heap.size()) < k) {
+      heap.push_back(id);
+      std::push_heap(heap.begin(), heap.end(), before);
+    } else if (before(id, heap.front())) {
+      std::pop_heap(heap.begin(), heap.end(), before);
+      heap.back() = id;
+      std::push_heap(heap.begin(), heap.end(), before);
+    }
+  }
+  const double log_z = std::log(z);
+  PositionLogprobs out;
+  out.logprob = static_cast<float>((mine - m) - log_z);
+  out.rank = static_cast<int32_t>(at_least);
+  std::sort_heap(heap.begin(), heap.end(), before);  // best first
+  out.top.reserve(heap.size());
+  for (int32_t id : heap) out.top.push_back({id, static_cast<float>((logits[id] - m) - log_z)});
+  return out;
+}
+
 void apply_penalties(std::span<float> logits, std::span<const int32_t> history,
                      const SamplingParams& p) {
   if (history.empty() ||

@@ -69,6 +69,17 @@ struct TokenLogprob {
 // The k most probable tokens, most probable first (ties: lower id first).
 std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, int k);
 
+// One position of a prompt (vLLM's prompt_logprobs, OpenAI's echo with logprobs): the logprob of
+// the token that follows, its rank (vLLM's: how many ids have a logit >= its own, so 1 is the
+// most probable) and the k most probable ids as top_logprobs gives them. Two passes over the row
+// (max, then the sum with the rank and a k-entry heap): prompt rows come by the thousand.
+struct PositionLogprobs {
+  float logprob = 0.0f;
+  int32_t rank = 0;
+  std::vector<TokenLogprob> top;
+};
+PositionLogprobs position_logprobs(std::span<const float> logits, int32_t token, int k);
+
 // Applies repetition / presence / frequency penalties for `history` to logits in place.
 void apply_penalties(std::span<float> logits, std::span<const int32_t> history,
                      const SamplingParams& params);

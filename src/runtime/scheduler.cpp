@@ -13,6 +13,7 @@ Scheduler::Scheduler(Backend& backend, const SchedulerOptions& options)
   DS_CHECK(opt_.max_num_batched_tokens >= 1, "scheduler: max_num_batched_tokens must be >= 1");
   DS_CHECK(opt_.chunk_size >= 1, "scheduler: chunk_size must be >= 1");
   DS_CHECK(opt_.max_waiting >= 0, "scheduler: max_waiting must be >= 0");
+  DS_CHECK(opt_.max_logit_rows >= 1, "scheduler: max_logit_rows must be >= 1");
   opt_.max_batch = std::min(opt_.max_batch, backend_.n_slots());
   // Highest slot last so that pop_back hands out slot 0 first.
   for (int s = backend_.n_slots() - 1; s >= 0; --s) {
@@ -21,7 +22,7 @@ Scheduler::Scheduler(Backend& backend, const SchedulerOptions& options)
   }
 }
 
-bool Scheduler::add(uint64_t id, std::vector<int32_t> prompt) {
+bool Scheduler::add(uint64_t id, std::vector<int32_t> prompt, bool prompt_rows) {
   DS_CHECK(!prompt.empty(), "scheduler: sequence ", id, " has an empty prompt");
   DS_CHECK(!seqs_.count(id), "scheduler: duplicate sequence id ", id);
   if (static_cast<int>(waiting_.size()) >= opt_.max_waiting) return false;
@@ -29,6 +30,8 @@ bool Scheduler::add(uint64_t id, std::vector<int32_t> prompt) {
   s.id = id;
   s.arrival = next_arrival_++;
   s.n_prompt = static_cast<int>(prompt.size());
+  // The last prompt position's row samples the first token: only those before it score.
+  s.logits_until = prompt_rows ? s.n_prompt - 1 : 0;
   s.tokens = std::move(prompt);
   seqs_.emplace(id, std::move(s));
   waiting_.push_back(id);
@@ -75,6 +78,11 @@ void Scheduler::remove(uint64_t id) {
 StepPlan Scheduler::schedule() {
   StepPlan plan;
   int budget = opt_.max_num_batched_tokens;
+  int logit_rows = opt_.max_logit_rows;  // every-token rows left in this step
+  // Tokens of s's next chunk, at most `want`, that the logits-row budget lets run.
+  auto rows_cap = [&](const SchedSeq& s, int want) {
+    return s.n_cached < s.logits_until ? std::min(want, logit_rows) : want;
+  };
 
   // Paged KV accounting across the step (can_grow alone checks each item against the pool as it
   // is now, not against what the items planned before it take).
@@ -94,6 +102,7 @@ StepPlan Scheduler::schedule() {
   auto emit = [&](SchedSeq& s, int n) {
     free_blocks -= need_blocks(s, n);
     budget -= n;
+    if (s.n_cached < s.logits_until) logit_rows -= n;
     ScheduledItem item;
     item.seq_id = s.id;
     item.slot = s.slot;
@@ -156,7 +165,7 @@ StepPlan Scheduler::schedule() {
   for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
     SchedSeq& s = seqs_.at(running_[i]);
     if (s.pending() <= 1) continue;
-    const int n = largest_fit(s, std::min({s.pending(), opt_.chunk_size, budget}));
+    const int n = largest_fit(s, rows_cap(s, std::min({s.pending(), opt_.chunk_size, budget})));
     if (n > 0) emit(s, n);
   }
 
@@ -168,8 +177,8 @@ StepPlan Scheduler::schedule() {
     s.n_cached = 0;
     // The whole remaining prompt must fit the pool now, so that admission does not thrash.
     const int64_t whole = need_blocks(s, s.pending());
-    const int n = std::min({s.pending(), opt_.chunk_size, budget});
-    if (whole > free_blocks || !backend_.can_grow(s.slot, s.pending()) || !fits(s, n)) {
+    const int n = rows_cap(s, std::min({s.pending(), opt_.chunk_size, budget}));
+    if (n == 0 || whole > free_blocks || !backend_.can_grow(s.slot, s.pending()) || !fits(s, n)) {
       s.slot = -1;
       break;
     }
@@ -209,6 +218,7 @@ StepPlan Scheduler::schedule() {
     SeqWork w;
     w.slot = it.slot;
     w.tokens = std::span<const int32_t>(s.tokens.data() + it.begin, it.end - it.begin);
+    w.all_logits = it.begin < s.logits_until;
     plan.work.push_back(w);
   }
   return plan;
@@ -220,6 +230,7 @@ void Scheduler::complete(const StepPlan& plan) {
     DS_ASSERT(found != seqs_.end());
     DS_ASSERT(found->second.n_cached == it.begin);
     found->second.n_cached = it.end;
+    if (it.end >= found->second.logits_until) found->second.logits_until = 0;
   }
 }
 

@@ -33,6 +33,9 @@ struct SchedulerOptions {
   int max_num_batched_tokens = 2048;  // tokens per step: decode tokens + prompt chunks
   int chunk_size = 512;               // prompt tokens per sequence per step
   int max_waiting = 256;              // waiting-queue bound (add() refuses beyond it)
+  // Rows of every-token logits per step (sequences added with prompt_rows: their prompt chunks
+  // come back with one logits row per token, vocab floats each, so they are cut to this).
+  int max_logit_rows = 256;
 };
 
 enum class SeqStatus : uint8_t { kWaiting, kRunning };
@@ -44,13 +47,17 @@ struct SchedSeq {
   int n_prompt = 0;             // tokens of the original prompt
   int n_cached = 0;             // tokens[0, n_cached) are held by the backend slot
   int slot = -1;                // backend slot while running, -1 while waiting
+  // Prompt positions [0, logits_until) still need their logits row (prompt logprobs: the row at
+  // p scores token p + 1); 0 once they have run (a recompute after preemption needs none).
+  int logits_until = 0;
   int n_preemptions = 0;
   SeqStatus status = SeqStatus::kWaiting;
   int pending() const { return static_cast<int>(tokens.size()) - n_cached; }
 };
 
 // One work item of a step: tokens[begin, end) of a sequence. When `sample` (end reaches the last
-// token) the item's logits row gives the sequence's next token.
+// token) the item's logits row gives the sequence's next token. Items of a sequence whose prompt
+// rows are due (SchedSeq::logits_until) run with SeqWork::all_logits: a row per token.
 struct ScheduledItem {
   uint64_t seq_id = 0;
   int slot = 0;
@@ -73,8 +80,9 @@ class Scheduler {
   Scheduler(Backend& backend, const SchedulerOptions& options);
 
   // Queues a new sequence. Returns false (and does nothing) when the waiting queue is full.
-  // Throws ds::Error for an empty prompt or a duplicate id.
-  bool add(uint64_t id, std::vector<int32_t> prompt);
+  // Throws ds::Error for an empty prompt or a duplicate id. `prompt_rows`: the logits row of
+  // every prompt position is wanted (prompt logprobs), max_logit_rows per step at most.
+  bool add(uint64_t id, std::vector<int32_t> prompt, bool prompt_rows = false);
 
   // Plans the next step (may preempt or stop sequences, see the header comment). The plan's
   // spans point into the sequences' token vectors: valid until the next call that changes them.

@@ -305,8 +305,13 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
                         "structural_tag", "structured_outputs"}) {
     if (field(b, f)) bad(f, "is not supported (no constrained decoding)");
   }
-  if (field(b, "prompt_logprobs"))
-    bad("prompt_logprobs", "is not supported (prompt logprobs are not computed)");
+  // vLLM's prompt_logprobs: each prompt token's logprob, rank and the n most probable ids
+  // (non-streaming only, as vLLM).
+  if (auto n = get_int(b, "prompt_logprobs", 0, lim.max_logprobs)) {
+    if (r.stream) bad("prompt_logprobs", "is not available when 'stream' is true");
+    r.prompt_logprobs = true;
+    g.prompt_logprobs = static_cast<int>(*n);
+  }
   if (field(b, "bad_words")) bad("bad_words", "is not supported");
   if (field(b, "logits_processors")) bad("logits_processors", "is not supported");
   if (field(b, "prompt_embeds")) bad("prompt_embeds", "is not supported");

@@ -52,6 +52,9 @@ struct SamplingRequest {
   // stream, each chunk's new ones, so a client counts tokens exactly without logprobs or a
   // tokenizer) and "prompt_token_ids" (non-streaming, or the choice's first chunk).
   bool return_token_ids = false;
+  // vLLM's prompt_logprobs given (gen.prompt_logprobs holds its n): completions choices carry
+  // "prompt_logprobs", chat responses have it at the top level.
+  bool prompt_logprobs = false;
   // vLLM's truncate_prompt_tokens: 0 none; k > 0 keep the prompt's last k tokens; -1 keep the
   // last max_model_len.
   int truncate_prompt_tokens = 0;

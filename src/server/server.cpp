@@ -94,6 +94,9 @@ struct Server::Job {
     int index = 0;
     int prompt_index = 0;
     std::string echo;                    // completions with echo: the prompt text
+    bool echo_lp = false;                // echo with logprobs: the prompt's entries not yet sent
+    int32_t first_prompt_id = 0;         // the echo's first token (it has no logprob)
+    std::vector<GeneratedToken> prompt_lp;  // prompt tokens 1.. (echo logprobs, prompt_logprobs)
     std::vector<int32_t> prompt_ids;     // with return_token_ids: sent once, then cleared
     std::string text;                    // completions: all text (non-streaming)
     std::vector<GeneratedToken> tokens;  // all tokens (non-streaming logprobs)
@@ -108,6 +111,8 @@ struct Server::Job {
   };
   bool chat = false, stream = false, include_usage = false, continuous_usage = false;
   bool logprobs = false;
+  int top_logprobs = 0;          // completions: the logprobs count (the echo's entries too)
+  bool prompt_logprobs = false;  // vLLM's prompt_logprobs field is rendered
   bool return_token_ids = false;
   // Bumped by every output of any choice: the response writer sleeps on it (no polling).
   std::shared_ptr<StreamNotifier> notifier = std::make_shared<StreamNotifier>();
@@ -153,23 +158,57 @@ struct Server::Job {
                 {"model", model}};
   }
 
-  // Completions logprobs for `tokens` (text offsets continue from c.text_offset).
+  // Completions logprobs for `tokens` (text offsets continue from c.text_offset), after the
+  // echoed prompt's when they are due (OpenAI's echo: the first prompt token's logprob and top
+  // entries are null; offsets from 0 within the echo).
   json completion_logprobs(Choice& c, const std::vector<GeneratedToken>& tokens) {
     json lp = {{"tokens", json::array()},
                {"token_logprobs", json::array()},
                {"top_logprobs", json::array()},
                {"text_offset", json::array()}};
-    for (const GeneratedToken& g : tokens) {
+    auto add = [&](const GeneratedToken& g, size_t& offset) {
       const std::string t = token_text(tok, g.id);
       lp["tokens"].push_back(t);
       lp["token_logprobs"].push_back(g.logprob);
       json top = json::object();
-      for (const TokenLogprob& a : g.top) top[token_text(tok, a.token)] = a.logprob;
+      const size_t n_top = std::min(g.top.size(), static_cast<size_t>(top_logprobs));
+      for (size_t i = 0; i < n_top; ++i) top[token_text(tok, g.top[i].token)] = g.top[i].logprob;
       lp["top_logprobs"].push_back(top);
-      lp["text_offset"].push_back(c.text_offset);
-      c.text_offset += utf8_length(t);
+      lp["text_offset"].push_back(offset);
+      offset += utf8_length(t);
+    };
+    if (c.echo_lp) {
+      const std::string first = token_text(tok, c.first_prompt_id);
+      lp["tokens"].push_back(first);
+      lp["token_logprobs"].push_back(nullptr);
+      lp["top_logprobs"].push_back(nullptr);
+      lp["text_offset"].push_back(0);
+      size_t offset = utf8_length(first);
+      for (const GeneratedToken& g : c.prompt_lp) add(g, offset);
+      c.echo_lp = false;
     }
+    for (const GeneratedToken& g : tokens) add(g, c.text_offset);
     return lp;
+  }
+  // vLLM's prompt_logprobs: null for the first prompt token, then per token {"<id>": {"logprob",
+  // "rank", "decoded_token"}} for the token itself (its rank in the vocabulary) and the top ones
+  // (ranks 1..n).
+  json vllm_prompt_logprobs(const Choice& c) const {
+    json all = json::array({nullptr});
+    for (const GeneratedToken& g : c.prompt_lp) {
+      json d = json::object();
+      d[std::to_string(g.id)] = {
+          {"logprob", g.logprob}, {"rank", g.rank}, {"decoded_token", token_text(tok, g.id)}};
+      for (size_t i = 0; i < g.top.size(); ++i) {
+        const TokenLogprob& a = g.top[i];
+        if (a.token == g.id) continue;
+        d[std::to_string(a.token)] = {{"logprob", a.logprob},
+                                      {"rank", static_cast<int>(i) + 1},
+                                      {"decoded_token", token_text(tok, a.token)}};
+      }
+      all.push_back(std::move(d));
+    }
+    return all;
   }
   json chat_logprobs(const std::vector<GeneratedToken>& tokens) const {
     json content = json::array();
@@ -208,6 +247,7 @@ struct Server::Job {
     c.n_generated = out.n_generated;
     c.ttft_s = out.ttft_s;
     c.e2e_s = out.e2e_s;
+    for (GeneratedToken& g : out.prompt_logprobs) c.prompt_lp.push_back(std::move(g));
     if (stream) {
       json base = chunk_base();
       if (chat) {
@@ -257,7 +297,8 @@ struct Server::Job {
           c.text_offset += utf8_length(c.echo);
           c.echo.clear();
         }
-        if (!text.empty() || ((logprobs || return_token_ids) && !out.tokens.empty())) {
+        if (!text.empty() || (logprobs && c.echo_lp) ||
+            ((logprobs || return_token_ids) && !out.tokens.empty())) {
           json ch = base;
           ch["choices"] = json::array(
               {{{"index", c.index},
@@ -333,10 +374,13 @@ struct Server::Job {
           choice["prompt_token_ids"] = c.prompt_ids;
           choice["token_ids"] = ids_json(c.tokens);
         }
+        if (prompt_logprobs) choice["prompt_logprobs"] = vllm_prompt_logprobs(c);
       }
       arr.push_back(choice);
     }
     r["choices"] = arr;
+    if (chat && prompt_logprobs && !choices.empty())
+      r["prompt_logprobs"] = vllm_prompt_logprobs(choices.front());
     r["usage"] = usage();
     for (const Choice& c : choices) {
       if (c.finish == FinishReason::kError) return error_body(500, "generation failed: " + c.error);
@@ -587,6 +631,8 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
     job->include_usage = sr.include_usage;
     job->continuous_usage = sr.continuous_usage;
     job->logprobs = sr.logprobs;
+    job->top_logprobs = std::max(sr.gen.top_logprobs, 0);
+    job->prompt_logprobs = sr.prompt_logprobs;
     job->return_token_ids = sr.return_token_ids;
     job->id = make_request_id(chat ? "chatcmpl-" : "cmpl-");
     job->created = static_cast<int64_t>(std::time(nullptr));
@@ -596,6 +642,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
 
     std::vector<std::vector<int32_t>> prompts;
     std::vector<std::string> echoes;
+    bool echo = false;
     if (chat) {
       if (!render_chat_)
         throw ApiError(400, "this model has no chat template; use /v1/completions");
@@ -608,15 +655,9 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
       prompts.push_back(encode_prompt(*tok, text));
       echoes.emplace_back();
     } else {
-      bool echo = false;
       if (body.contains("echo") && !body["echo"].is_null()) {
         if (!body["echo"].is_boolean()) throw ApiError(400, "'echo' must be a boolean", "echo");
         echo = body["echo"].get<bool>();
-        if (echo && sr.logprobs) {
-          throw ApiError(
-              400, "'echo' with 'logprobs' is not supported (prompt logprobs are not computed)",
-              "echo");
-        }
       }
       if (body.contains("suffix") && !body["suffix"].is_null()) {
         throw ApiError(400, "'suffix' is not supported", "suffix");
@@ -676,10 +717,15 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
           }
         }
         if (g.sampling.seed && i > 0) g.sampling.seed = *g.sampling.seed + static_cast<uint64_t>(i);
+        // The echo's logprobs are the prompt's (as many top entries as for the output).
+        const bool echo_lp = echo && sr.logprobs;
+        if (echo_lp) g.prompt_logprobs = std::max(g.prompt_logprobs, g.top_logprobs);
         Job::Choice c;
         c.index = static_cast<int>(job->choices.size());
         c.prompt_index = static_cast<int>(p);
         c.echo = echoes[p];
+        c.echo_lp = echo_lp;
+        c.first_prompt_id = prompts[p][0];
         c.n_prompt = n_prompt;
         if (sr.return_token_ids) c.prompt_ids = prompts[p];
         if (chat) c.chat = std::make_unique<ChatOutput>(job->starts_in_reasoning, job->tools);
