@@ -67,7 +67,7 @@ class HistoryBackend : public Backend {
         if (work[i].all_logits) put_row(h);
       }
       if (!work[i].all_logits) put_row(h);
-      if (work[i].all_logits) ++n_all_logits_items_;
+      if (work[i].all_logits) n_all_logits_rows_ += static_cast<int64_t>(work[i].tokens.size());
     }
   }
 
@@ -78,7 +78,7 @@ class HistoryBackend : public Backend {
   std::vector<int32_t>& history(int slot) { return hist_.at(slot); }
 
  public:
-  int64_t n_all_logits_items_ = 0;  // items that ran with all_logits (tests of the scheduler)
+  int64_t n_all_logits_rows_ = 0;  // rows of items run with all_logits (tests of the scheduler)
 
  private:
   ModelConfig cfg_;
