@@ -556,6 +556,64 @@ TEST(CudaEngine, PreemptionRecomputesAndMatchesAlone) {
   expect_drained(*eng);
 }
 
+// Prompt logprobs (GenerationRequest::prompt_logprobs) through the engine on the device: the
+// prompt's rows come 24 per step (max_logit_rows), each within one backend chunk, so they must equal
+// bit for bit the rows a second backend gives for the same items with all_logits, turned into
+// logprob / rank / top by position_logprobs; a request beside it without them is unaffected.
+TEST(CudaEngine, PromptLogprobsEqualTheBackendRows) {
+  REQUIRE_DEVICE();
+  std::mt19937 rng(9);
+  GenerationRequest r = make_request(rng, 100, 4);
+  r.prompt_logprobs = 2;
+  const GenerationRequest plain = make_request(rng, 50, 4);
+  std::unique_ptr<Backend> b = make_backend(2, kBigPool, 32);
+  EngineOptions eo;
+  eo.scheduler.max_batch = 2;
+  eo.scheduler.chunk_size = 32;
+  eo.scheduler.max_num_batched_tokens = 128;
+  eo.scheduler.max_logit_rows = 24;
+  Engine eng(std::move(b), nullptr, eo);
+  auto s1 = eng.submit(r);
+  auto s2 = eng.submit(plain);
+  std::vector<GeneratedToken> prompt_lp;
+  StreamOutput out;
+  for (int i = 0; i < 1000 && out.finish == FinishReason::kNone; ++i) {
+    if (!s1->next(out, kWait)) break;
+    for (auto& g : out.prompt_logprobs) prompt_lp.push_back(g);
+  }
+  const Collected c2 = collect(*s2);
+  EXPECT_EQ(out.finish, FinishReason::kLength) << out.error;
+  EXPECT_EQ(c2.last.finish, FinishReason::kLength) << c2.last.error;
+  ASSERT_EQ(prompt_lp.size(), 99u);
+
+  std::unique_ptr<Backend> ref = make_backend(1, kBigPool, 32);
+  const size_t V = static_cast<size_t>(weights().config.vocab_size);
+  std::vector<float> rows, part;
+  for (int b0 = 0; b0 < 100; b0 += 24) {
+    SeqWork w;
+    w.slot = 0;
+    w.tokens = std::span<const int32_t>(r.prompt).subspan(b0, std::min(24, 100 - b0));
+    w.all_logits = true;
+    ref->step(std::span<const SeqWork>(&w, 1), part);
+    rows.insert(rows.end(), part.begin(), part.end());
+  }
+  ASSERT_EQ(rows.size(), 100 * V);
+  int differ = 0;
+  for (int j = 1; j < 100; ++j) {
+    const PositionLogprobs want = position_logprobs(
+        std::span<const float>(rows.data() + (j - 1) * V, V), r.prompt[j], 2);
+    const GeneratedToken& g = prompt_lp[j - 1];
+    EXPECT_EQ(g.id, r.prompt[j]);
+    differ += g.logprob != want.logprob || g.rank != want.rank || g.top.size() != 2 ||
+              g.top[0].token != want.top[0].token || g.top[1].token != want.top[1].token ||
+              g.top[0].logprob != want.top[0].logprob;
+  }
+  std::printf("  %s: 99 prompt positions, %d differ from the backend's own rows\n",
+              on_cpu() ? "cpu+pool" : "cuda", differ);
+  EXPECT_EQ(differ, 0);
+  expect_drained(eng);
+}
+
 TEST(CudaEngine, ConcurrentWithRandomCancellations) {
   REQUIRE_DEVICE();
   std::mt19937 rng(17);
