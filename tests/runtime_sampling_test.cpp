@@ -2,6 +2,12 @@
 // frequencies, penalties, log-softmax helpers, parameter validation.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
+#include <random>
+
+#include <numeric>
+
 #include <cmath>
 #include <limits>
 #include <map>
@@ -176,6 +182,57 @@ TEST(Sampling, LogSoftmaxAndTopLogprobs) {
   std::vector<float> big = {1000.0f, 999.0f};
   log_softmax(big, lp);
   EXPECT_NEAR(lp[0], -std::log1p(std::exp(-1.0)), 1e-5);
+}
+
+// The vectorized log-sum-exp at a real vocabulary (248320: not a multiple of its 1024 blocks),
+// against double-precision sums: logits of a wide spread, ties, values far below the maximum
+// and -inf; the rank (vLLM's: ids with a logit >= the token's) and top ids against a full sort.
+TEST(Sampling, LogprobsOfAWholeVocabularyRow) {
+  const size_t V = 248320;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  std::vector<float> l(V);
+  for (float& x : l) x = normal(rng);
+  l[7] = l[8] = 30.0f;  // the largest, tied
+  l[100] = -INFINITY;
+  l[101] = -500.0f;
+  l[V - 1] = 29.5f;  // in the tail past the last whole block
+  double m = 30.0, z = 0.0;
+  for (float x : l) z += std::exp(static_cast<double>(x) - m);
+  const double lse = m + std::log(z);
+  std::vector<float> lp;
+  log_softmax(l, lp);
+  double worst = 0.0;
+  for (size_t i = 0; i < V; ++i) {
+    if (i == 100) {
+      EXPECT_EQ(lp[i], -INFINITY);
+      continue;
+    }
+    // 4e-6 from the sum, plus the float result's own rounding (-531 for id 101).
+    const double ref = l[i] - lse;
+    worst = std::max(worst, std::fabs(lp[i] - ref) / (4e-6 + std::fabs(ref) * 0x1p-23));
+  }
+  EXPECT_LT(worst, 1.0);
+  for (int32_t t : {7, 8, 101, 5000, static_cast<int32_t>(V - 1)}) {
+    const double ref = l[t] - lse;
+    EXPECT_NEAR(token_logprob(l, t), ref, 4e-6 + std::fabs(ref) * 0x1p-23) << t;
+    const PositionLogprobs p = position_logprobs(l, t, 4);
+    EXPECT_EQ(p.logprob, token_logprob(l, t)) << t;
+    EXPECT_EQ(p.rank, std::count_if(l.begin(), l.end(), [&](float x) { return x >= l[t]; })) << t;
+    std::vector<int32_t> order(V);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return l[a] > l[b]; });
+    ASSERT_EQ(p.top.size(), 4u);
+    const auto top = top_logprobs(l, 4);
+    for (int k = 0; k < 4; ++k) {
+      EXPECT_EQ(p.top[k].token, order[k]) << k;
+      EXPECT_EQ(top[k].token, order[k]) << k;
+      EXPECT_EQ(p.top[k].logprob, lp[order[k]]) << k;
+    }
+  }
+  EXPECT_EQ(position_logprobs(l, 7, 0).rank, 2);  // tied with 8
+  EXPECT_EQ(position_logprobs(l, 100, 0).rank, static_cast<int32_t>(V));
+  EXPECT_THROW(position_logprobs(l, static_cast<int32_t>(V), 1), Error);
 }
 
 TEST(Sampling, BadParamsAndLogitsThrow) {
