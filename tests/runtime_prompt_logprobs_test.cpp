@@ -121,8 +121,8 @@ TEST(PromptLogprobs, EqualTheCpuForwardRowsAtTheSameChunks) {
 // 1 for the one after, -10 elsewhere), so every prompt logprob and rank is known exactly.
 class NextBackend : public test::HistoryBackend {
  public:
-  NextBackend(int n_slots, int page, int64_t blocks, int vocab)
-      : HistoryBackend("next", n_slots, page, blocks, vocab) {}
+  NextBackend(int n_slots, int page, int64_t blocks, int vocab, bool score_rows = false)
+      : HistoryBackend("next", n_slots, page, blocks, vocab, score_rows) {}
 
  protected:
   int32_t next_token(const std::vector<int32_t>& h) const override {
@@ -130,12 +130,20 @@ class NextBackend : public test::HistoryBackend {
   }
 };
 
-TEST(PromptLogprobs, OncePerPositionThroughPreemptions) {
+// Both ways a backend can serve prompt rows: as logits rows scored on the host (all_logits), or
+// scored by the backend itself (Backend::scores_rows: score_top / score_next, the CUDA engine's
+// way), through the same preemptions.
+class PromptLogprobsBothWays : public ::testing::TestWithParam<bool> {};
+INSTANTIATE_TEST_SUITE_P(, PromptLogprobsBothWays, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Scored" : "HostRows"; });
+
+TEST_P(PromptLogprobsBothWays, OncePerPositionThroughPreemptions) {
+  const bool scored = GetParam();
   const int V = 101;
   // 12 sequences of 60 prompt + 40 output tokens in 4-token pages: 25 blocks each, 50 in the
   // pool, prompts at 6 rows a step: decodes preempt the latest arrivals, some within their
   // prompt's rows.
-  auto backend = std::make_unique<NextBackend>(12, 4, 50, V);
+  auto backend = std::make_unique<NextBackend>(12, 4, 50, V, scored);
   NextBackend* be = backend.get();
   EngineOptions eo;
   eo.scheduler.max_batch = 12;
@@ -160,9 +168,11 @@ TEST(PromptLogprobs, OncePerPositionThroughPreemptions) {
   for (auto& t : threads) t.join();
   EXPECT_GT(eng.stats().n_preemptions, 0);
   // Some prompt rows ran twice (a sequence preempted within its prompt), and were reported once.
+  // A backend that scores rows itself gets whole chunks (8 tokens), not 6 rows a step.
   std::printf("all-logits rows: %lld for 12 x 60 prompt tokens\n",
               static_cast<long long>(be->n_all_logits_rows_));
   EXPECT_GT(be->n_all_logits_rows_, 12 * 60);
+  EXPECT_EQ(be->max_item_rows_, scored ? 8 : 6);
   const double lse = std::log(std::exp(5.0) + std::exp(1.0) + (V - 2) * std::exp(-10.0));
   for (int i = 0; i < 12; ++i) {
     const auto& p = prompts[i];

@@ -5,6 +5,7 @@
 // (plus a smaller second entry, so logprobs are finite and ordered); subclasses choose next_token.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -13,14 +14,65 @@
 
 #include "core/error.h"
 #include "runtime/backend.h"
+#include "runtime/sampling.h"
 
 namespace ds::test {
 
 class HistoryBackend : public Backend {
  public:
-  HistoryBackend(std::string name, int n_slots, int page, int64_t blocks, int vocab)
-      : name_(std::move(name)), page_(page), blocks_(blocks), hist_(n_slots) {
+  // score_rows: the backend scores prompt rows itself (SeqWork::score_top), as the CUDA engine
+  // does on the device (here with position_logprobs on its rows).
+  HistoryBackend(std::string name, int n_slots, int page, int64_t blocks, int vocab,
+                 bool score_rows = false)
+      : name_(std::move(name)), page_(page), blocks_(blocks), score_rows_(score_rows),
+        hist_(n_slots) {
     cfg_.vocab_size = vocab;
+  }
+  bool scores_rows() const override { return score_rows_; }
+  void step_greedy(std::span<const SeqWork> work, StepOutput& out) override {
+    if (!score_rows_) return Backend::step_greedy(work, out);
+    std::vector<SeqWork> all_rows(work.begin(), work.end());
+    for (SeqWork& w : all_rows) {
+      if (w.score_top < 0) continue;
+      if (w.all_logits) throw Error(name_ + ": an item both scores and returns its rows");
+      w.all_logits = true;
+    }
+    std::vector<float> all;
+    step(all_rows, all);
+    const size_t V = static_cast<size_t>(cfg_.vocab_size);
+    out.tokens.assign(work.size(), -1);
+    out.logits.clear();
+    out.scores.clear();
+    size_t row = 0;
+    for (size_t i = 0; i < work.size(); ++i) {
+      const SeqWork& w = work[i];
+      const size_t n = w.tokens.size();
+      const size_t n_rows = all_rows[i].all_logits ? n : 1;
+      const float* rows = all.data() + row * V;
+      row += n_rows;
+      size_t normal = n_rows;  // the rows returned as usual: all, or the last one
+      if (w.score_top >= 0) {
+        for (size_t k = 0; k < n; ++k) {
+          const int32_t target = k + 1 < n ? w.tokens[k + 1] : w.score_next;
+          if (target < 0) break;
+          const PositionLogprobs p =
+              position_logprobs(std::span<const float>(rows + k * V, V), target, w.score_top);
+          RowScore rs;
+          rs.logprob = p.logprob;
+          rs.rank = p.rank;
+          for (const TokenLogprob& t : p.top) rs.top.emplace_back(t.token, t.logprob);
+          out.scores.push_back(std::move(rs));
+        }
+        if (w.score_next >= 0) continue;  // no row, no token
+        rows += (n - 1) * V;
+        normal = 1;
+      }
+      if (w.greedy && !w.all_logits) {
+        out.tokens[i] = greedy_token(std::span<const float>(rows, V));
+      } else {
+        out.logits.insert(out.logits.end(), rows, rows + normal * V);
+      }
+    }
   }
   const ModelConfig& config() const override { return cfg_; }
   std::string name() const override { return name_; }
@@ -67,7 +119,10 @@ class HistoryBackend : public Backend {
         if (work[i].all_logits) put_row(h);
       }
       if (!work[i].all_logits) put_row(h);
-      if (work[i].all_logits) n_all_logits_rows_ += static_cast<int64_t>(work[i].tokens.size());
+      if (work[i].all_logits) {
+        n_all_logits_rows_ += static_cast<int64_t>(work[i].tokens.size());
+        max_item_rows_ = std::max<int64_t>(max_item_rows_, work[i].tokens.size());
+      }
     }
   }
 
@@ -79,12 +134,14 @@ class HistoryBackend : public Backend {
 
  public:
   int64_t n_all_logits_rows_ = 0;  // rows of items run with all_logits (tests of the scheduler)
+  int64_t max_item_rows_ = 0;      // the longest of those items
 
  private:
   ModelConfig cfg_;
   std::string name_;
   int page_;
   int64_t blocks_;
+  bool score_rows_;
   std::vector<std::vector<int32_t>> hist_;
 };
 

@@ -2,6 +2,8 @@
 // synthetic generation, the host-side KV block manager, and the GPU forward, which reads top to
 // bottom: per layer one branch on its type (GDN or gated attention), one line per op.
 #include <algorithm>
+#include <bit>
+#include <climits>
 #include <type_traits>
 #include <chrono>
 #include <compare>
@@ -25,11 +27,15 @@
 #include "cuda/gemv_bulk_norm.h"
 #include "cuda/kernels.h"
 #include "cuda/model_shapes.h"
+#include "cuda/score_rows.h"
 #include "model/memory_plan.h"
 #include "model/weight_table.h"
 
 namespace ds {
 namespace {
+
+// out_row of a gathered row that is scored on the device (SeqWork::score_top), not returned.
+constexpr int64_t kScoredRow = INT64_MIN;
 
 using cuda::bf16;
 using cuda::KernelFamily;
@@ -195,6 +201,7 @@ class CudaBackend final : public Backend {
   MemoryUsage memory() const override;
   void step(std::span<const SeqWork> work, std::vector<float>& logits) override;
   void step_greedy(std::span<const SeqWork> work, StepOutput& out) override;
+  bool scores_rows() const override { return true; }
   void launch_greedy_decode(std::span<const DecodeItem> items) override;
   void collect_greedy_decode(std::vector<int32_t>& tokens) override;
   bool pipelines_decode() const override { return true; }
@@ -411,6 +418,16 @@ class CudaBackend final : public Backend {
   size_t meta_ints_ = 0;
   int32_t* dtok_ = nullptr;  // [logits_rows] argmax of the lm_head rows
   int32_t* htok_ = nullptr;  // [logits_rows] pinned mirror
+  // Scored rows (SeqWork::score_top; allocated at the first use): per group of lm_head rows, the
+  // rows' indices and targets [2, logits_rows] and the results [logits_rows, stride(max top)],
+  // device and pinned; score_base_: each work item's first RowScore, scores_out_: where they go
+  // (set by step_greedy for its run_step).
+  int32_t* dscore_rows_ = nullptr;
+  int32_t* hscore_rows_ = nullptr;
+  uint32_t* dscore_out_ = nullptr;
+  uint32_t* hscore_out_ = nullptr;
+  std::vector<int64_t> score_base_;
+  std::vector<RowScore>* scores_out_ = nullptr;
   // Pipelined decode: two pinned metadata / token mirrors used in turn (at most 2 steps in flight,
   // so a buffer is rewritten only after the step that used it was collected), an event per
   // buffer recorded after its step's token copy, and the launched steps (oldest first).
@@ -716,6 +733,10 @@ CudaBackend::~CudaBackend() {
   cudaFree(dmeta_);
   cudaFreeHost(hmeta_);
   cudaFreeHost(htok_);
+  cudaFree(dscore_rows_);
+  cudaFree(dscore_out_);
+  cudaFreeHost(hscore_rows_);
+  cudaFreeHost(hscore_out_);
   for (int i = 0; i < 2; ++i) {
     cudaFreeHost(pipe_hmeta_[i]);
     cudaFreeHost(pipe_htok_[i]);
@@ -1018,7 +1039,14 @@ void CudaBackend::step(std::span<const SeqWork> work, std::vector<float>& logits
 }
 
 void CudaBackend::step_greedy(std::span<const SeqWork> work, StepOutput& out) {
-  run_step(work, out.logits, &out.tokens);
+  scores_out_ = &out.scores;
+  try {
+    run_step(work, out.logits, &out.tokens);
+  } catch (...) {
+    scores_out_ = nullptr;
+    throw;
+  }
+  scores_out_ = nullptr;
 }
 
 // One greedy decode step enqueued without waiting (see Backend::launch_greedy_decode): the same
@@ -1097,8 +1125,9 @@ void CudaBackend::run_step(std::span<const SeqWork> work, std::vector<float>& lo
   }
   // Validate everything before touching any state.
   std::vector<char> seen(n_slots_, 0);
-  int64_t need_blocks = 0, total_rows = 0;
+  int64_t need_blocks = 0, total_rows = 0, total_scores = 0;
   std::vector<int64_t> row_base(work.size());
+  score_base_.assign(work.size(), -1);
   for (size_t i = 0; i < work.size(); ++i) {
     const SeqWork& w = work[i];
     check_slot(w.slot);
@@ -1114,8 +1143,20 @@ void CudaBackend::run_step(std::span<const SeqWork> work, std::vector<float>& lo
     if (layout_.kv_block_bytes > 0)
       need_blocks += std::max<int64_t>(
           0, blocks_for(static_cast<int>(len)) - int64_t(slot_blocks_[w.slot].size()));
+    if (w.score_top >= 0) {
+      DS_CHECK(tokens && scores_out_, "step: scored rows (score_top) need step_greedy");
+      DS_CHECK(!w.all_logits, "step: an item cannot both score its rows and return them");
+      DS_CHECK(w.score_top <= cuda::kMaxScoreTop, "step: score_top ", w.score_top,
+               " is more than ", cuda::kMaxScoreTop);
+      DS_CHECK(w.score_next < cfg_.vocab_size, "step: score_next ", w.score_next,
+               " out of range [0, ", cfg_.vocab_size, ")");
+      score_base_[i] = total_scores;
+      total_scores += int64_t(w.tokens.size()) - 1 + (w.score_next >= 0);
+    }
     if (tokens && w.greedy && !w.all_logits) {
       row_base[i] = -1;  // the token only
+    } else if (w.score_top >= 0 && w.score_next >= 0) {
+      row_base[i] = -1;  // every row scored: no logits row (and no token)
     } else {
       row_base[i] = total_rows;
       total_rows += w.all_logits ? int64_t(w.tokens.size()) : 1;
@@ -1127,6 +1168,19 @@ void CudaBackend::run_step(std::span<const SeqWork> work, std::vector<float>& lo
   // Every row is written below: no clearing (1 MB per row at a 248K vocabulary).
   logits.resize(static_cast<size_t>(total_rows) * cfg_.vocab_size);
   if (tokens) tokens->assign(work.size(), -1);
+  if (scores_out_) {
+    scores_out_->assign(static_cast<size_t>(total_scores), RowScore{});
+    if (total_scores > 0 && !dscore_rows_) {  // first use: the scoring buffers
+      const int R = eopt_.logits_rows;
+      DS_CUDA_CHECK(cudaMalloc(&dscore_rows_, size_t(2 * R) * sizeof(int32_t)));
+      DS_CUDA_CHECK(cudaMalloc(&dscore_out_, size_t(R) * cuda::score_stride(cuda::kMaxScoreTop) *
+                                                 sizeof(uint32_t)));
+      DS_CUDA_CHECK(cudaMallocHost(&hscore_rows_, size_t(2 * R) * sizeof(int32_t)));
+      DS_CUDA_CHECK(cudaMallocHost(&hscore_out_, size_t(R) *
+                                                     cuda::score_stride(cuda::kMaxScoreTop) *
+                                                     sizeof(uint32_t)));
+    }
+  }
 
   // Chunked execution: each forward takes at most chunk_size tokens in all.
   std::vector<int> done(work.size(), 0);
@@ -1225,6 +1279,13 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
   const StepMeta h = meta_layout(pipe ? pipe_hmeta_[pipe->buf] : hmeta_, T, S);
   f.d = meta_layout(dmeta_, T, S);
   std::vector<int64_t> out_row;  // per gathered hidden row: its logits row, or -1 - item (token)
+  // Scored rows: out_row kScoredRow, and their RowScore index, target and top count here.
+  struct ScoreRef {
+    int64_t out;
+    int32_t target;
+    int top;
+  };
+  std::vector<ScoreRef> score_ref;
   int t = 0;
   for (int i = 0; i < S; ++i) {
     const Piece& p = pieces[i];
@@ -1246,9 +1307,16 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
                           ? blocks[pos / page_size_] * page_size_ + pos % page_size_
                           : -1;
       const bool last_of_item = p.offset + j == static_cast<int>(w.tokens.size()) - 1;
+      const bool scored = w.score_top >= 0 && (!last_of_item || w.score_next >= 0);
       if (w.all_logits) {
         h.gather[f.n_gather++] = t;
         out_row.push_back(row_base[p.item] + p.offset + j);
+      } else if (scored) {
+        h.gather[f.n_gather++] = t;
+        out_row.push_back(kScoredRow);
+        score_ref.resize(out_row.size(), ScoreRef{-1, 0, 0});
+        score_ref.back() = {score_base_[p.item] + p.offset + j,
+                            last_of_item ? w.score_next : w.tokens[p.offset + j + 1], w.score_top};
       } else if (last_of_item) {
         h.gather[f.n_gather++] = t;
         out_row.push_back(row_base[p.item] >= 0 ? row_base[p.item] : -1 - int64_t(p.item));
@@ -1365,12 +1433,44 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
     if (f.argmax)
       DS_CUDA_CHECK(cudaMemcpyAsync(htok_, dtok_, size_t(r) * sizeof(int32_t),
                                     cudaMemcpyDeviceToHost, stream_));
+    // Scored rows: their logprob, rank and top ids on the device, a few words each to the host.
+    int n_scored = 0, top = 0;
+    for (int i = 0; i < r; ++i) {
+      if (out_row[r0 + i] != kScoredRow) continue;
+      hscore_rows_[n_scored] = i;
+      hscore_rows_[eopt_.logits_rows + n_scored] = score_ref[r0 + i].target;
+      top = std::max(top, score_ref[r0 + i].top);
+      ++n_scored;
+    }
+    const int stride = cuda::score_stride(top);
+    if (n_scored > 0) {
+      DS_CUDA_CHECK(cudaMemcpyAsync(dscore_rows_, hscore_rows_,
+                                    size_t(2 * eopt_.logits_rows) * sizeof(int32_t),
+                                    cudaMemcpyHostToDevice, stream_));
+      cuda::launch_score_rows(dlogits_, V, dscore_rows_, dscore_rows_ + eopt_.logits_rows,
+                              n_scored, top, dscore_out_, stream_);
+      DS_CUDA_CHECK(cudaMemcpyAsync(hscore_out_, dscore_out_,
+                                    size_t(n_scored) * stride * sizeof(uint32_t),
+                                    cudaMemcpyDeviceToHost, stream_));
+    }
     const auto t_sync = std::chrono::steady_clock::now();
     DS_CUDA_CHECK(cudaStreamSynchronize(stream_));  // also surfaces asynchronous kernel errors
     timing_.sync_us += us_between(t_sync, std::chrono::steady_clock::now());
     if (f.argmax)
       for (int i = 0; i < r; ++i)
-        if (out_row[r0 + i] < 0) (*tokens)[-1 - out_row[r0 + i]] = htok_[i];
+        if (out_row[r0 + i] < 0 && out_row[r0 + i] != kScoredRow)
+          (*tokens)[-1 - out_row[r0 + i]] = htok_[i];
+    for (int i = 0, k = 0; i < r; ++i) {
+      if (out_row[r0 + i] != kScoredRow) continue;
+      const ScoreRef& ref = score_ref[r0 + i];
+      const uint32_t* o = hscore_out_ + size_t(k++) * stride;
+      RowScore& rs = (*scores_out_)[static_cast<size_t>(ref.out)];
+      rs.logprob = std::bit_cast<float>(o[0]);
+      rs.rank = static_cast<int32_t>(o[1]);
+      rs.top.resize(static_cast<size_t>(ref.top));
+      for (int k2 = 0; k2 < ref.top; ++k2)
+        rs.top[k2] = {static_cast<int32_t>(o[2 + 2 * k2]), std::bit_cast<float>(o[3 + 2 * k2])};
+    }
   }
   DS_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (const Piece& p : pieces) slot_len_[p.slot] = p.pos0 + p.n;

@@ -10,10 +10,12 @@
 // Cost: ~70 passes over the row from L2 (a few tens of microseconds at vocab 248320), once per
 // decode step; greedy is one pass. Tests: tests/cuda/cuda_sampling_test.cpp (greedy vs CPU argmax,
 // empirical frequencies vs the filtered softmax, determinism).
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "cuda/cuda_common.h"
 #include "cuda/kernels.h"
+#include "cuda/score_rows.h"
 
 namespace ds::cuda {
 namespace {
@@ -172,7 +174,100 @@ __global__ void __launch_bounds__(kThreads)
   if (tid == 0) out[row] = chosen;
 }
 
+
+// ---- prompt logprobs (launch_score_rows) ----
+
+constexpr int kScoreThreads = 512;
+
+// (logit, id) ordered best first: a larger logit, or the same logit and a lower id. NaN never wins.
+struct Cand {
+  float v;
+  int32_t id;
+};
+__device__ __forceinline__ bool better(const Cand& a, const Cand& b) {
+  if (a.id < 0) return false;
+  if (b.id < 0) return true;
+  return a.v > b.v || (a.v == b.v && a.id < b.id);
+}
+struct BetterOp {
+  __device__ __forceinline__ Cand operator()(const Cand& a, const Cand& b) const {
+    return better(a, b) ? a : b;
+  }
+};
+
+__global__ void __launch_bounds__(kScoreThreads)
+    score_rows_kernel(const float* __restrict__ logits, int vocab,
+                      const int32_t* __restrict__ rows, const int32_t* __restrict__ targets,
+                      int top_k, uint32_t* __restrict__ out) {
+  using ReduceF = cub::BlockReduce<float, kScoreThreads>;
+  using ReduceI = cub::BlockReduce<int, kScoreThreads>;
+  using ReduceC = cub::BlockReduce<Cand, kScoreThreads>;
+  __shared__ union {
+    typename ReduceF::TempStorage f;
+    typename ReduceI::TempStorage i;
+    typename ReduceC::TempStorage c;
+  } tmp;
+  __shared__ float s_max, s_logz;
+  __shared__ Cand s_best;
+  const float* l = logits + size_t(rows[blockIdx.x]) * vocab;
+  const int target = targets[blockIdx.x];
+  const float mine = l[target];
+
+  float m = -INFINITY;
+  for (int i = threadIdx.x; i < vocab; i += kScoreThreads) m = fmaxf(m, l[i]);
+  m = ReduceF(tmp.f).Reduce(m, [](float a, float b) { return fmaxf(a, b); });
+  if (threadIdx.x == 0) s_max = m;
+  __syncthreads();
+  m = s_max;
+  float z = 0.f;
+  int count = 0;
+  for (int i = threadIdx.x; i < vocab; i += kScoreThreads) {
+    const float x = l[i];
+    z += expf(x - m);
+    count += x >= mine;
+  }
+  z = ReduceF(tmp.f).Sum(z);
+  __syncthreads();
+  count = ReduceI(tmp.i).Sum(count);
+  uint32_t* o = out + size_t(blockIdx.x) * score_stride(top_k);
+  if (threadIdx.x == 0) {
+    s_logz = logf(z);
+    o[0] = __float_as_uint((mine - m) - s_logz);
+    o[1] = static_cast<uint32_t>(count);
+  }
+  __syncthreads();
+  // The top ids, one per round: each round's best is the best candidate after the previous one.
+  Cand prev{INFINITY, -1};
+  for (int r = 0; r < top_k; ++r) {
+    Cand best{0.f, -1};
+    for (int i = threadIdx.x; i < vocab; i += kScoreThreads) {
+      const Cand c{l[i], i};
+      const bool after = prev.id < 0 || c.v < prev.v || (c.v == prev.v && c.id > prev.id);
+      if (after && better(c, best)) best = c;
+    }
+    best = ReduceC(tmp.c).Reduce(best, BetterOp());
+    if (threadIdx.x == 0) s_best = best;
+    __syncthreads();
+    prev = s_best;
+    if (threadIdx.x == 0) {
+      o[2 + 2 * r] = static_cast<uint32_t>(prev.id);
+      o[3 + 2 * r] = __float_as_uint(prev.id < 0 ? -INFINITY : (prev.v - m) - s_logz);
+    }
+    __syncthreads();
+  }
+}
+
 }  // namespace
+
+void launch_score_rows(const float* logits, int vocab, const int32_t* rows,
+                       const int32_t* targets, int n, int top_k, uint32_t* out,
+                       cudaStream_t stream) {
+  DS_CHECK(top_k >= 0 && top_k <= kMaxScoreTop, "score_rows: top_k ", top_k, " not in [0, ",
+           kMaxScoreTop, "]");
+  if (n <= 0) return;
+  score_rows_kernel<<<n, kScoreThreads, 0, stream>>>(logits, vocab, rows, targets, top_k, out);
+  DS_CUDA_CHECK(cudaGetLastError());
+}
 
 void launch_sample(const float* logits, const SamplingParams* params, int n_rows, int vocab,
                    int32_t* out_tokens, cudaStream_t stream) {

@@ -132,6 +132,8 @@ Engine::Engine(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer
                  [&] {
                    SchedulerOptions o = options.scheduler;
                    o.max_waiting = INT_MAX;  // the bound is enforced at submit()
+                   // Rows scored on the device cost the host nothing: prompts keep their chunks.
+                   if (backend_->scores_rows()) o.max_logit_rows = INT_MAX;
                    return o;
                  }()),
       ctl_(std::make_shared<Control>()) {
@@ -450,7 +452,8 @@ std::vector<int32_t> Engine::min_tokens_banned(const Request& r) const {
   return ids;
 }
 
-void Engine::take_prompt_logprobs(Request& r, int begin, size_t n_rows, const float* rows) {
+void Engine::take_prompt_logprobs(Request& r, int begin, size_t n_rows, const float* rows,
+                                  const RowScore* scores) {
   const GenerationRequest& q = r.req;
   if (q.prompt_logprobs < 0) return;
   const size_t vocab = static_cast<size_t>(config_.vocab_size);
@@ -464,16 +467,27 @@ void Engine::take_prompt_logprobs(Request& r, int begin, size_t n_rows, const fl
   DS_CHECK(first == r.next_prompt_lp - 1, "engine: prompt logprobs rows skipped (position ",
            r.next_prompt_lp, " due, rows start at ", begin, ")");
   std::vector<GeneratedToken> got(static_cast<size_t>(last - first));
+  if (scores) {  // scored by the backend
+    for (int p = first; p < last; ++p) {
+      const RowScore& sc = scores[p - begin];
+      GeneratedToken& g = got[static_cast<size_t>(p - first)];
+      g.id = q.prompt[p + 1];
+      g.logprob = sc.logprob;
+      g.rank = sc.rank;
+      for (const auto& [id, lp] : sc.top) g.top.push_back({id, lp});
+    }
+  } else {
 #pragma omp parallel for schedule(static) if (last - first >= 8)
-  for (int p = first; p < last; ++p) {
-    const PositionLogprobs lp =
-        position_logprobs(std::span<const float>(rows + static_cast<size_t>(p - begin) * vocab, vocab),
-                          q.prompt[p + 1], q.prompt_logprobs);
-    GeneratedToken& g = got[static_cast<size_t>(p - first)];
-    g.id = q.prompt[p + 1];
-    g.logprob = lp.logprob;
-    g.rank = lp.rank;
-    g.top = std::move(lp.top);
+    for (int p = first; p < last; ++p) {
+      const PositionLogprobs lp = position_logprobs(
+          std::span<const float>(rows + static_cast<size_t>(p - begin) * vocab, vocab),
+          q.prompt[p + 1], q.prompt_logprobs);
+      GeneratedToken& g = got[static_cast<size_t>(p - first)];
+      g.id = q.prompt[p + 1];
+      g.logprob = lp.logprob;
+      g.rank = lp.rank;
+      g.top = std::move(lp.top);
+    }
   }
   for (GeneratedToken& g : got) r.prompt_lp.push_back(std::move(g));
   r.next_prompt_lp = last + 1;
@@ -788,6 +802,17 @@ void Engine::loop() {
                  wants_only_argmax(found->second->req, found->second->generated.size());
       }
       plan.work[i].greedy = greedy;
+      // Prompt rows wanted: a backend that scores rows itself gets the targets instead.
+      if (plan.work[i].all_logits && backend_->scores_rows()) {
+        auto found = active_.find(it.seq_id);
+        if (found == active_.end()) continue;
+        const GenerationRequest& q = found->second->req;
+        SeqWork& w = plan.work[i];
+        w.all_logits = false;
+        w.score_top = std::max(q.prompt_logprobs, 0);
+        w.score_next = it.end < static_cast<int>(q.prompt.size()) ? q.prompt[it.end] : -1;
+        if (w.score_next >= 0) w.greedy = true;  // every row scored: no row, no token
+      }
     }
     // A pure greedy decode of running sequences: launched, collected by pipeline_round (which
     // launches the step after it first when it can).
@@ -836,11 +861,17 @@ void Engine::loop() {
     }
     const size_t vocab = static_cast<size_t>(config_.vocab_size);
     size_t next_row = 0;  // rows of out.logits belong to the items without `greedy`, in order
+    size_t next_score = 0;  // out.scores: the scored items' rows, in order
     for (size_t i = 0; i < plan.items.size(); ++i) {
       const ScheduledItem& it = plan.items[i];
       const SeqWork& w = plan.work[i];
       const float* row = nullptr;
       const float* rows = nullptr;  // with all_logits: the first token's row
+      const RowScore* scores = nullptr;  // with score_top: the first token's score
+      if (w.score_top >= 0) {
+        scores = out.scores.data() + next_score;
+        next_score += w.tokens.size() - 1 + (w.score_next >= 0 ? 1 : 0);
+      }
       if (!w.greedy || w.all_logits) {
         const size_t n_rows = w.all_logits ? w.tokens.size() : 1;
         rows = out.logits.data() + next_row * vocab;
@@ -851,7 +882,9 @@ void Engine::loop() {
       if (found == active_.end()) continue;
       Request& r = *found->second;
       try {
-        if (w.all_logits) take_prompt_logprobs(r, it.begin, w.tokens.size(), rows);
+        if (w.all_logits || scores)
+          take_prompt_logprobs(r, it.begin, w.tokens.size() - (scores && w.score_next < 0),
+                               rows, scores);
         if (!it.sample) continue;
         int32_t token = 0;
         if (row) {

@@ -209,9 +209,10 @@ class Engine {
   // logits_row: the row the token was sampled from; null when the backend gave only the token
   // (then the request asked for no logprobs).
   void on_token(Request& r, int32_t token, const float* logits_row);
-  // With prompt_logprobs: takes the prompt positions of the n_rows logits rows (positions begin..)
-  // that are due into r.prompt_lp.
-  void take_prompt_logprobs(Request& r, int begin, size_t n_rows, const float* rows);
+  // With prompt_logprobs: takes the prompt positions of n_rows rows (positions begin..) that are
+  // due into r.prompt_lp, from the backend's scores of those rows or else from their logits.
+  void take_prompt_logprobs(Request& r, int begin, size_t n_rows, const float* rows,
+                            const RowScore* scores);
   // Whether `token` ends q's output: one of its stop_token_ids, or an EOS id unless ignore_eos.
   bool stops_on(const GenerationRequest& q, int32_t token) const;
   // The ids r's next token must not be (min_tokens not yet reached: its stop ids and, unless

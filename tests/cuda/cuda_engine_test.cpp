@@ -556,22 +556,26 @@ TEST(CudaEngine, PreemptionRecomputesAndMatchesAlone) {
   expect_drained(*eng);
 }
 
-// Prompt logprobs (GenerationRequest::prompt_logprobs) through the engine on the device: the
-// prompt's rows come 24 per step (max_logit_rows), each within one backend chunk, so they must equal
-// bit for bit the rows a second backend gives for the same items with all_logits, turned into
-// logprob / rank / top by position_logprobs; a request beside it without them is unaffected.
-TEST(CudaEngine, PromptLogprobsEqualTheBackendRows) {
+// Prompt logprobs (GenerationRequest::prompt_logprobs) through the engine: on the device the
+// backend scores the prompt rows itself (Backend::scores_rows; the CPU pool backend of
+// DS_ENGINE_TEST_DEVICE=cpu gives the rows to the host instead). Either way each position must
+// match position_logprobs over the logits rows a second backend gives for the same 32-token
+// items with all_logits: the logprob within 2e-6 (float exps summed in another order), the rank
+// and the top ids exactly unless two logits are within 1e-5 of each other; a request beside it
+// without them is unaffected.
+TEST(CudaEngine, PromptLogprobsMatchTheBackendRows) {
   REQUIRE_DEVICE();
   std::mt19937 rng(9);
   GenerationRequest r = make_request(rng, 100, 4);
-  r.prompt_logprobs = 2;
+  r.prompt_logprobs = 3;
   const GenerationRequest plain = make_request(rng, 50, 4);
   std::unique_ptr<Backend> b = make_backend(2, kBigPool, 32);
+  const bool on_device = b->scores_rows();
   EngineOptions eo;
   eo.scheduler.max_batch = 2;
   eo.scheduler.chunk_size = 32;
   eo.scheduler.max_num_batched_tokens = 128;
-  eo.scheduler.max_logit_rows = 24;
+  eo.scheduler.max_logit_rows = 32;  // (the host path's cap; the device path has none)
   Engine eng(std::move(b), nullptr, eo);
   auto s1 = eng.submit(r);
   auto s2 = eng.submit(plain);
@@ -589,28 +593,45 @@ TEST(CudaEngine, PromptLogprobsEqualTheBackendRows) {
   std::unique_ptr<Backend> ref = make_backend(1, kBigPool, 32);
   const size_t V = static_cast<size_t>(weights().config.vocab_size);
   std::vector<float> rows, part;
-  for (int b0 = 0; b0 < 100; b0 += 24) {
+  for (int b0 = 0; b0 < 100; b0 += 32) {
     SeqWork w;
     w.slot = 0;
-    w.tokens = std::span<const int32_t>(r.prompt).subspan(b0, std::min(24, 100 - b0));
+    w.tokens = std::span<const int32_t>(r.prompt).subspan(b0, std::min(32, 100 - b0));
     w.all_logits = true;
     ref->step(std::span<const SeqWork>(&w, 1), part);
     rows.insert(rows.end(), part.begin(), part.end());
   }
   ASSERT_EQ(rows.size(), 100 * V);
-  int differ = 0;
+  int bad = 0, near_ties = 0;
+  float worst = 0;
   for (int j = 1; j < 100; ++j) {
-    const PositionLogprobs want = position_logprobs(
-        std::span<const float>(rows.data() + (j - 1) * V, V), r.prompt[j], 2);
+    const std::span<const float> row(rows.data() + (j - 1) * V, V);
+    const PositionLogprobs want = position_logprobs(row, r.prompt[j], 3);
     const GeneratedToken& g = prompt_lp[j - 1];
     EXPECT_EQ(g.id, r.prompt[j]);
-    differ += g.logprob != want.logprob || g.rank != want.rank || g.top.size() != 2 ||
-              g.top[0].token != want.top[0].token || g.top[1].token != want.top[1].token ||
-              g.top[0].logprob != want.top[0].logprob;
+    worst = std::max(worst, std::fabs(g.logprob - want.logprob));
+    bad += std::fabs(g.logprob - want.logprob) > 2e-6f || g.top.size() != 3;
+    // Ranks and top ids are exact where no other logit is within 1e-5 of the ones compared.
+    std::vector<float> sorted(row.begin(), row.end());
+    std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+    bool tie = false;
+    for (size_t k = 0; k + 1 < sorted.size() && k < 4; ++k) tie |= sorted[k] - sorted[k + 1] < 1e-5f;
+    for (float x : row) tie |= x != row[r.prompt[j]] && std::fabs(x - row[r.prompt[j]]) < 1e-5f;
+    if (tie) {
+      ++near_ties;
+      continue;
+    }
+    bad += g.rank != want.rank;
+    for (size_t k = 0; k < std::min<size_t>(3, g.top.size()); ++k)
+      bad += g.top[k].token != want.top[k].token ||
+             std::fabs(g.top[k].logprob - want.top[k].logprob) > 2e-6f;
   }
-  std::printf("  %s: 99 prompt positions, %d differ from the backend's own rows\n",
-              on_cpu() ? "cpu+pool" : "cuda", differ);
-  EXPECT_EQ(differ, 0);
+  std::printf("  %s (%s): 99 prompt positions, %d differ, largest logprob difference %.3g, %d "
+              "near ties\n",
+              on_cpu() ? "cpu+pool" : "cuda", on_device ? "scored by the backend" : "host rows",
+              bad, worst, near_ties);
+  EXPECT_EQ(bad, 0);
+  EXPECT_EQ(on_device, !on_cpu());
   expect_drained(eng);
 }
 
