@@ -561,8 +561,8 @@ TEST(CudaEngine, PreemptionRecomputesAndMatchesAlone) {
 // DS_ENGINE_TEST_DEVICE=cpu gives the rows to the host instead). Either way each position must
 // match position_logprobs over the logits rows a second backend gives for the same 32-token
 // items with all_logits: the logprob within 2e-6 (float exps summed in another order), the rank
-// and the top ids exactly unless two logits are within 1e-5 of each other; a request beside it
-// without them is unaffected.
+// and the top ids exactly unless two logits are within 1e-5 of each other; a request after it
+// without them runs as usual.
 TEST(CudaEngine, PromptLogprobsMatchTheBackendRows) {
   REQUIRE_DEVICE();
   std::mt19937 rng(9);
@@ -577,15 +577,17 @@ TEST(CudaEngine, PromptLogprobsMatchTheBackendRows) {
   eo.scheduler.max_num_batched_tokens = 128;
   eo.scheduler.max_logit_rows = 32;  // (the host path's cap; the device path has none)
   Engine eng(std::move(b), nullptr, eo);
+  // Alone, so that every step's shapes (and so its logits) are the reference's below: a request
+  // beside it changes the GEMMs' M and with it the bf16 rounding of this tiny model's activations
+  // (logprobs moved by up to 0.014 when the plain request below ran in the same steps).
   auto s1 = eng.submit(r);
-  auto s2 = eng.submit(plain);
   std::vector<GeneratedToken> prompt_lp;
   StreamOutput out;
   for (int i = 0; i < 1000 && out.finish == FinishReason::kNone; ++i) {
     if (!s1->next(out, kWait)) break;
     for (auto& g : out.prompt_logprobs) prompt_lp.push_back(g);
   }
-  const Collected c2 = collect(*s2);
+  const Collected c2 = collect(*eng.submit(plain));
   EXPECT_EQ(out.finish, FinishReason::kLength) << out.error;
   EXPECT_EQ(c2.last.finish, FinishReason::kLength) << c2.last.error;
   ASSERT_EQ(prompt_lp.size(), 99u);
