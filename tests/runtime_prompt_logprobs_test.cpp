@@ -131,8 +131,8 @@ class NextBackend : public test::HistoryBackend {
 };
 
 // Both ways a backend can serve prompt rows: as logits rows scored on the host (all_logits), or
-// scored by the backend itself (Backend::scores_rows: score_top / score_next, the CUDA engine's
-// way), through the same preemptions.
+// scored by the backend itself (Backend::max_score_top: score_top / score_next, the CUDA
+// engine's way), through the same preemptions.
 class PromptLogprobsBothWays : public ::testing::TestWithParam<bool> {};
 INSTANTIATE_TEST_SUITE_P(, PromptLogprobsBothWays, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Scored" : "HostRows"; });

@@ -97,7 +97,8 @@ struct Driver {
   std::vector<std::vector<Span>> logit_items;  // per step: the items run with all_logits
 
   void add(uint64_t id, std::vector<int32_t> prompt, int n_new, bool prompt_rows = false) {
-    ASSERT_TRUE(sched.add(id, std::move(prompt), prompt_rows));
+    ASSERT_TRUE(sched.add(id, std::move(prompt),
+                          prompt_rows ? Scheduler::PromptRows::kHost : Scheduler::PromptRows::kNone));
     max_new[id] = n_new;
   }
   // Runs one step; returns false when idle.
@@ -296,7 +297,7 @@ TEST(Scheduler, PromptRowsAreCutToTheRowBudget) {
   // A one-token prompt has no prompt rows to give.
   FakeBackend b1(1, 16, 100);
   Scheduler s1(b1, o);
-  ASSERT_TRUE(s1.add(9, {5}, true));
+  ASSERT_TRUE(s1.add(9, {5}, Scheduler::PromptRows::kHost));
   EXPECT_FALSE(s1.schedule().work.at(0).all_logits);
 }
 

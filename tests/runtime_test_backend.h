@@ -28,7 +28,7 @@ class HistoryBackend : public Backend {
         hist_(n_slots) {
     cfg_.vocab_size = vocab;
   }
-  bool scores_rows() const override { return score_rows_; }
+  int max_score_top() const override { return score_rows_ ? 20 : -1; }
   void step_greedy(std::span<const SeqWork> work, StepOutput& out) override {
     if (!score_rows_) return Backend::step_greedy(work, out);
     std::vector<SeqWork> all_rows(work.begin(), work.end());
@@ -55,13 +55,8 @@ class HistoryBackend : public Backend {
         for (size_t k = 0; k < n; ++k) {
           const int32_t target = k + 1 < n ? w.tokens[k + 1] : w.score_next;
           if (target < 0) break;
-          const PositionLogprobs p =
-              position_logprobs(std::span<const float>(rows + k * V, V), target, w.score_top);
-          RowScore rs;
-          rs.logprob = p.logprob;
-          rs.rank = p.rank;
-          for (const TokenLogprob& t : p.top) rs.top.emplace_back(t.token, t.logprob);
-          out.scores.push_back(std::move(rs));
+          out.scores.push_back(
+              position_logprobs(std::span<const float>(rows + k * V, V), target, w.score_top));
         }
         if (w.score_next >= 0) continue;  // no row, no token
         rows += (n - 1) * V;

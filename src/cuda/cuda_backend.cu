@@ -201,7 +201,7 @@ class CudaBackend final : public Backend {
   MemoryUsage memory() const override;
   void step(std::span<const SeqWork> work, std::vector<float>& logits) override;
   void step_greedy(std::span<const SeqWork> work, StepOutput& out) override;
-  bool scores_rows() const override { return true; }
+  int max_score_top() const override { return cuda::kMaxScoreTop; }
   void launch_greedy_decode(std::span<const DecodeItem> items) override;
   void collect_greedy_decode(std::vector<int32_t>& tokens) override;
   bool pipelines_decode() const override { return true; }
@@ -1170,15 +1170,16 @@ void CudaBackend::run_step(std::span<const SeqWork> work, std::vector<float>& lo
   if (tokens) tokens->assign(work.size(), -1);
   if (scores_out_) {
     scores_out_->assign(static_cast<size_t>(total_scores), RowScore{});
-    if (total_scores > 0 && !dscore_rows_) {  // first use: the scoring buffers
-      const int R = eopt_.logits_rows;
-      DS_CUDA_CHECK(cudaMalloc(&dscore_rows_, size_t(2 * R) * sizeof(int32_t)));
-      DS_CUDA_CHECK(cudaMalloc(&dscore_out_, size_t(R) * cuda::score_stride(cuda::kMaxScoreTop) *
-                                                 sizeof(uint32_t)));
-      DS_CUDA_CHECK(cudaMallocHost(&hscore_rows_, size_t(2 * R) * sizeof(int32_t)));
-      DS_CUDA_CHECK(cudaMallocHost(&hscore_out_, size_t(R) *
-                                                     cuda::score_stride(cuda::kMaxScoreTop) *
-                                                     sizeof(uint32_t)));
+    if (total_scores > 0 && !hscore_out_) {  // first use: the scoring buffers
+      // (one at a time, each kept once made: a failed allocation throws, and the next step
+      // makes only what is still missing)
+      const size_t rows_bytes = size_t(2 * eopt_.logits_rows) * sizeof(int32_t);
+      const size_t out_bytes = size_t(eopt_.logits_rows) *
+                               cuda::score_stride(cuda::kMaxScoreTop) * sizeof(uint32_t);
+      if (!dscore_rows_) DS_CUDA_CHECK(cudaMalloc(&dscore_rows_, rows_bytes));
+      if (!dscore_out_) DS_CUDA_CHECK(cudaMalloc(&dscore_out_, out_bytes));
+      if (!hscore_rows_) DS_CUDA_CHECK(cudaMallocHost(&hscore_rows_, rows_bytes));
+      DS_CUDA_CHECK(cudaMallocHost(&hscore_out_, out_bytes));
     }
   }
 
@@ -1435,20 +1436,20 @@ void CudaBackend::forward(std::span<const SeqWork> work, const std::vector<Piece
                                     cudaMemcpyDeviceToHost, stream_));
     // Scored rows: their logprob, rank and top ids on the device, a few words each to the host.
     int n_scored = 0, top = 0;
-    for (int i = 0; i < r; ++i) {
+    for (int i = 0; i < r; ++i) n_scored += out_row[r0 + i] == kScoredRow;
+    for (int i = 0, k = 0; i < r; ++i) {  // [rows | targets], n_scored each
       if (out_row[r0 + i] != kScoredRow) continue;
-      hscore_rows_[n_scored] = i;
-      hscore_rows_[eopt_.logits_rows + n_scored] = score_ref[r0 + i].target;
+      hscore_rows_[k] = i;
+      hscore_rows_[n_scored + k++] = score_ref[r0 + i].target;
       top = std::max(top, score_ref[r0 + i].top);
-      ++n_scored;
     }
     const int stride = cuda::score_stride(top);
     if (n_scored > 0) {
       DS_CUDA_CHECK(cudaMemcpyAsync(dscore_rows_, hscore_rows_,
-                                    size_t(2 * eopt_.logits_rows) * sizeof(int32_t),
+                                    size_t(2 * n_scored) * sizeof(int32_t),
                                     cudaMemcpyHostToDevice, stream_));
-      cuda::launch_score_rows(dlogits_, V, dscore_rows_, dscore_rows_ + eopt_.logits_rows,
-                              n_scored, top, dscore_out_, stream_);
+      cuda::launch_score_rows(dlogits_, V, dscore_rows_, dscore_rows_ + n_scored, n_scored, top,
+                              dscore_out_, stream_);
       DS_CUDA_CHECK(cudaMemcpyAsync(hscore_out_, dscore_out_,
                                     size_t(n_scored) * stride * sizeof(uint32_t),
                                     cudaMemcpyDeviceToHost, stream_));

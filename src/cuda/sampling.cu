@@ -179,7 +179,9 @@ __global__ void __launch_bounds__(kThreads)
 
 constexpr int kScoreThreads = 512;
 
-// (logit, id) ordered best first: a larger logit, or the same logit and a lower id. NaN never wins.
+// (logit, id) ordered best first: a larger logit, or the same logit and a lower id; id < 0: none.
+// NaN logits enter as -inf (not_nan), so every id is a candidate and the order is total.
+__device__ __forceinline__ float not_nan(float x) { return x != x ? -INFINITY : x; }
 struct Cand {
   float v;
   int32_t id;
@@ -211,10 +213,10 @@ __global__ void __launch_bounds__(kScoreThreads)
   __shared__ Cand s_best;
   const float* l = logits + size_t(rows[blockIdx.x]) * vocab;
   const int target = targets[blockIdx.x];
-  const float mine = l[target];
+  const float mine = not_nan(l[target]);
 
   float m = -INFINITY;
-  for (int i = threadIdx.x; i < vocab; i += kScoreThreads) m = fmaxf(m, l[i]);
+  for (int i = threadIdx.x; i < vocab; i += kScoreThreads) m = fmaxf(m, l[i]);  // (drops NaN)
   m = ReduceF(tmp.f).Reduce(m, [](float a, float b) { return fmaxf(a, b); });
   if (threadIdx.x == 0) s_max = m;
   __syncthreads();
@@ -222,7 +224,7 @@ __global__ void __launch_bounds__(kScoreThreads)
   float z = 0.f;
   int count = 0;
   for (int i = threadIdx.x; i < vocab; i += kScoreThreads) {
-    const float x = l[i];
+    const float x = not_nan(l[i]);
     z += expf(x - m);
     count += x >= mine;
   }
@@ -236,13 +238,14 @@ __global__ void __launch_bounds__(kScoreThreads)
     o[1] = static_cast<uint32_t>(count);
   }
   __syncthreads();
-  // The top ids, one per round: each round's best is the best candidate after the previous one.
+  // The top ids, one per round: each round's best is the best candidate after the previous one
+  // (top_k <= vocab, so every round finds one).
   Cand prev{INFINITY, -1};
   for (int r = 0; r < top_k; ++r) {
     Cand best{0.f, -1};
     for (int i = threadIdx.x; i < vocab; i += kScoreThreads) {
-      const Cand c{l[i], i};
-      const bool after = prev.id < 0 || c.v < prev.v || (c.v == prev.v && c.id > prev.id);
+      const Cand c{not_nan(l[i]), i};
+      const bool after = r == 0 || c.v < prev.v || (c.v == prev.v && c.id > prev.id);
       if (after && better(c, best)) best = c;
     }
     best = ReduceC(tmp.c).Reduce(best, BetterOp());

@@ -13,7 +13,6 @@
 #include <memory>
 #include <span>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -28,8 +27,8 @@ struct SeqWork {
   // Only the greedy token of the last row is wanted (step_greedy): argmax, lowest id on ties.
   // step() ignores it; step_greedy() ignores it on items with all_logits.
   bool greedy = false;
-  // Backends with scores_rows(), step_greedy() only (prompt logprobs): >= 0 scores the item's
-  // rows on the device instead of returning them. Row k's target is tokens[k + 1], the last
+  // step_greedy() of backends whose max_score_top() reaches it (prompt logprobs): >= 0 scores
+  // the item's rows on the device instead of returning them. Row k's target is tokens[k + 1], the last
   // row's `score_next`; with score_next < 0 the last row is not scored but treated as usual
   // (greedy token or logits row), else it gives no token and no logits row. Each scored row adds
   // a RowScore with score_top ids to StepOutput::scores, in work order.
@@ -37,13 +36,17 @@ struct SeqWork {
   int32_t score_next = -1;
 };
 
-// One scored row (SeqWork::score_top): the logprob of its target token, the target's rank (how
-// many ids have a logit >= its own, so 1 is the most probable) and the most probable ids with
-// their logprobs, best first (ties: the lower id first).
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+};
+// One scored row (SeqWork::score_top; the host's position_logprobs too): the logprob of its target
+// token, the target's rank (how many ids have a logit >= its own, so 1 is the most probable) and
+// the most probable ids with their logprobs, best first (ties: the lower id first).
 struct RowScore {
   float logprob = 0.0f;
   int32_t rank = 0;
-  std::vector<std::pair<int32_t, float>> top;
+  std::vector<TokenLogprob> top;
 };
 
 // What step_greedy() returns.
@@ -116,9 +119,9 @@ class Backend {
   virtual void launch_greedy_decode(std::span<const DecodeItem> items);
   virtual void collect_greedy_decode(std::vector<int32_t>& tokens);
   virtual bool pipelines_decode() const { return false; }
-  // Whether step_greedy() scores rows itself (SeqWork::score_top); else a caller that wants
-  // prompt logprobs asks for all_logits rows and scores them on the host.
-  virtual bool scores_rows() const { return false; }
+  // The most top ids step_greedy() scores rows with itself (SeqWork::score_top); -1: it does not
+  // score rows, and a caller that wants prompt logprobs asks for all_logits rows instead.
+  virtual int max_score_top() const { return -1; }
   virtual int max_decode_in_flight() const { return 2; }
   virtual int decode_in_flight() const { return static_cast<int>(launched_.size()); }
 

@@ -132,8 +132,6 @@ Engine::Engine(std::unique_ptr<Backend> backend, std::shared_ptr<const Tokenizer
                  [&] {
                    SchedulerOptions o = options.scheduler;
                    o.max_waiting = INT_MAX;  // the bound is enforced at submit()
-                   // Rows scored on the device cost the host nothing: prompts keep their chunks.
-                   if (backend_->scores_rows()) o.max_logit_rows = INT_MAX;
                    return o;
                  }()),
       ctl_(std::make_shared<Control>()) {
@@ -474,12 +472,12 @@ void Engine::take_prompt_logprobs(Request& r, int begin, size_t n_rows, const fl
       g.id = q.prompt[p + 1];
       g.logprob = sc.logprob;
       g.rank = sc.rank;
-      for (const auto& [id, lp] : sc.top) g.top.push_back({id, lp});
+      g.top = sc.top;
     }
   } else {
 #pragma omp parallel for schedule(static) if (last - first >= 8)
     for (int p = first; p < last; ++p) {
-      const PositionLogprobs lp = position_logprobs(
+      PositionLogprobs lp = position_logprobs(
           std::span<const float>(rows + static_cast<size_t>(p - begin) * vocab, vocab),
           q.prompt[p + 1], q.prompt_logprobs);
       GeneratedToken& g = got[static_cast<size_t>(p - first)];
@@ -736,7 +734,10 @@ void Engine::loop() {
       std::vector<int32_t> prompt = r->req.prompt;
       Request& ref = *r;
       active_.emplace(id, std::move(r));
-      if (!scheduler_.add(id, std::move(prompt), ref.req.prompt_logprobs >= 0))
+      using PR = Scheduler::PromptRows;
+      const int k = ref.req.prompt_logprobs;
+      const PR rows = k < 0 ? PR::kNone : scores_rows(k) ? PR::kScored : PR::kHost;
+      if (!scheduler_.add(id, std::move(prompt), rows))
         finish(ref, FinishReason::kError, "queue full");
     }
     for (uint64_t id : cancels) {
@@ -803,13 +804,14 @@ void Engine::loop() {
       }
       plan.work[i].greedy = greedy;
       // Prompt rows wanted: a backend that scores rows itself gets the targets instead.
-      if (plan.work[i].all_logits && backend_->scores_rows()) {
+      if (plan.work[i].all_logits) {
         auto found = active_.find(it.seq_id);
         if (found == active_.end()) continue;
         const GenerationRequest& q = found->second->req;
+        if (!scores_rows(q.prompt_logprobs)) continue;
         SeqWork& w = plan.work[i];
         w.all_logits = false;
-        w.score_top = std::max(q.prompt_logprobs, 0);
+        w.score_top = q.prompt_logprobs;
         w.score_next = it.end < static_cast<int>(q.prompt.size()) ? q.prompt[it.end] : -1;
         if (w.score_next >= 0) w.greedy = true;  // every row scored: no row, no token
       }

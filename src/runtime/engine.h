@@ -77,7 +77,8 @@ struct StreamOutput {
   std::string text;                    // newly complete text
   std::vector<GeneratedToken> tokens;  // newly generated tokens (incl. a final EOS / stop token)
   // With prompt_logprobs: prompt tokens 1.. (the first has no logprob), all of them in the output
-  // that brings the first generated token (or the final one, when the request ends before it).
+  // that brings the first generated token (none when the request ends before one: an error, a
+  // cancellation, or the KV pool unable to hold it).
   std::vector<GeneratedToken> prompt_logprobs;
   FinishReason finish = FinishReason::kNone;
   std::string error;  // when finish == kError
@@ -213,6 +214,8 @@ class Engine {
   // due into r.prompt_lp, from the backend's scores of those rows or else from their logits.
   void take_prompt_logprobs(Request& r, int begin, size_t n_rows, const float* rows,
                             const RowScore* scores);
+  // Whether the backend scores prompt rows with k top ids itself (else they come to the host).
+  bool scores_rows(int k) const { return k >= 0 && k <= backend_->max_score_top(); }
   // Whether `token` ends q's output: one of its stop_token_ids, or an EOS id unless ignore_eos.
   bool stops_on(const GenerationRequest& q, int32_t token) const;
   // The ids r's next token must not be (min_tokens not yet reached: its stop ids and, unless

@@ -22,7 +22,7 @@ Scheduler::Scheduler(Backend& backend, const SchedulerOptions& options)
   }
 }
 
-bool Scheduler::add(uint64_t id, std::vector<int32_t> prompt, bool prompt_rows) {
+bool Scheduler::add(uint64_t id, std::vector<int32_t> prompt, PromptRows rows) {
   DS_CHECK(!prompt.empty(), "scheduler: sequence ", id, " has an empty prompt");
   DS_CHECK(!seqs_.count(id), "scheduler: duplicate sequence id ", id);
   if (static_cast<int>(waiting_.size()) >= opt_.max_waiting) return false;
@@ -31,7 +31,8 @@ bool Scheduler::add(uint64_t id, std::vector<int32_t> prompt, bool prompt_rows) 
   s.arrival = next_arrival_++;
   s.n_prompt = static_cast<int>(prompt.size());
   // The last prompt position's row samples the first token: only those before it score.
-  s.logits_until = prompt_rows ? s.n_prompt - 1 : 0;
+  s.logits_until = rows != PromptRows::kNone ? s.n_prompt - 1 : 0;
+  s.rows_on_host = rows == PromptRows::kHost;
   s.tokens = std::move(prompt);
   seqs_.emplace(id, std::move(s));
   waiting_.push_back(id);
@@ -81,7 +82,7 @@ StepPlan Scheduler::schedule() {
   int logit_rows = opt_.max_logit_rows;  // every-token rows left in this step
   // Tokens of s's next chunk, at most `want`, that the logits-row budget lets run.
   auto rows_cap = [&](const SchedSeq& s, int want) {
-    return s.n_cached < s.logits_until ? std::min(want, logit_rows) : want;
+    return s.rows_on_host && s.n_cached < s.logits_until ? std::min(want, logit_rows) : want;
   };
 
   // Paged KV accounting across the step (can_grow alone checks each item against the pool as it
@@ -102,7 +103,7 @@ StepPlan Scheduler::schedule() {
   auto emit = [&](SchedSeq& s, int n) {
     free_blocks -= need_blocks(s, n);
     budget -= n;
-    if (s.n_cached < s.logits_until) logit_rows -= n;
+    if (s.rows_on_host && s.n_cached < s.logits_until) logit_rows -= n;
     ScheduledItem item;
     item.seq_id = s.id;
     item.slot = s.slot;

@@ -33,8 +33,8 @@ struct SchedulerOptions {
   int max_num_batched_tokens = 2048;  // tokens per step: decode tokens + prompt chunks
   int chunk_size = 512;               // prompt tokens per sequence per step
   int max_waiting = 256;              // waiting-queue bound (add() refuses beyond it)
-  // Rows of every-token logits per step (sequences added with prompt_rows: their prompt chunks
-  // come back with one logits row per token, vocab floats each, so they are cut to this).
+  // Rows of every-token logits per step (sequences added with PromptRows::kHost: their prompt
+  // chunks come back with one logits row per token, vocab floats each, so they are cut to this).
   int max_logit_rows = 256;
 };
 
@@ -50,6 +50,7 @@ struct SchedSeq {
   // Prompt positions [0, logits_until) still need their logits row (prompt logprobs: the row at
   // p scores token p + 1); 0 once they have run (a recompute after preemption needs none).
   int logits_until = 0;
+  bool rows_on_host = false;  // those rows count against max_logit_rows
   int n_preemptions = 0;
   SeqStatus status = SeqStatus::kWaiting;
   int pending() const { return static_cast<int>(tokens.size()) - n_cached; }
@@ -80,9 +81,11 @@ class Scheduler {
   Scheduler(Backend& backend, const SchedulerOptions& options);
 
   // Queues a new sequence. Returns false (and does nothing) when the waiting queue is full.
-  // Throws ds::Error for an empty prompt or a duplicate id. `prompt_rows`: the logits row of
-  // every prompt position is wanted (prompt logprobs), max_logit_rows per step at most.
-  bool add(uint64_t id, std::vector<int32_t> prompt, bool prompt_rows = false);
+  // Throws ds::Error for an empty prompt or a duplicate id. `rows`: the logits row of every prompt
+  // position is wanted (prompt logprobs; its items get all_logits): kHost, max_logit_rows per
+  // step at most; kScored, the backend scores them itself (no cap).
+  enum class PromptRows : uint8_t { kNone, kHost, kScored };
+  bool add(uint64_t id, std::vector<int32_t> prompt, PromptRows rows = PromptRows::kNone);
 
   // Plans the next step (may preempt or stop sequences, see the header comment). The plan's
   // spans point into the sequences' token vectors: valid until the next call that changes them.

@@ -111,8 +111,8 @@ struct Server::Job {
   };
   bool chat = false, stream = false, include_usage = false, continuous_usage = false;
   bool logprobs = false;
-  int top_logprobs = 0;          // completions: the logprobs count (the echo's entries too)
-  bool prompt_logprobs = false;  // vLLM's prompt_logprobs field is rendered
+  int top_logprobs = 0;     // completions: the logprobs count (the echo's entries too)
+  int prompt_logprobs = -1;  // vLLM's prompt_logprobs field (rendered when >= 0): its count
   bool return_token_ids = false;
   // Bumped by every output of any choice: the response writer sleeps on it (no polling).
   std::shared_ptr<StreamNotifier> notifier = std::make_shared<StreamNotifier>();
@@ -199,7 +199,9 @@ struct Server::Job {
       json d = json::object();
       d[std::to_string(g.id)] = {
           {"logprob", g.logprob}, {"rank", g.rank}, {"decoded_token", token_text(tok, g.id)}};
-      for (size_t i = 0; i < g.top.size(); ++i) {
+      // (the engine may have computed more: an echo with more logprobs than this field)
+      const size_t n_top = std::min(g.top.size(), static_cast<size_t>(prompt_logprobs));
+      for (size_t i = 0; i < n_top; ++i) {
         const TokenLogprob& a = g.top[i];
         if (a.token == g.id) continue;
         d[std::to_string(a.token)] = {{"logprob", a.logprob},
@@ -297,7 +299,7 @@ struct Server::Job {
           c.text_offset += utf8_length(c.echo);
           c.echo.clear();
         }
-        if (!text.empty() || (logprobs && c.echo_lp) ||
+        if (!text.empty() || c.echo_lp ||
             ((logprobs || return_token_ids) && !out.tokens.empty())) {
           json ch = base;
           ch["choices"] = json::array(
@@ -374,12 +376,12 @@ struct Server::Job {
           choice["prompt_token_ids"] = c.prompt_ids;
           choice["token_ids"] = ids_json(c.tokens);
         }
-        if (prompt_logprobs) choice["prompt_logprobs"] = vllm_prompt_logprobs(c);
+        if (prompt_logprobs >= 0) choice["prompt_logprobs"] = vllm_prompt_logprobs(c);
       }
       arr.push_back(choice);
     }
     r["choices"] = arr;
-    if (chat && prompt_logprobs && !choices.empty())
+    if (chat && prompt_logprobs >= 0 && !choices.empty())
       r["prompt_logprobs"] = vllm_prompt_logprobs(choices.front());
     r["usage"] = usage();
     for (const Choice& c : choices) {
@@ -632,7 +634,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
     job->continuous_usage = sr.continuous_usage;
     job->logprobs = sr.logprobs;
     job->top_logprobs = std::max(sr.gen.top_logprobs, 0);
-    job->prompt_logprobs = sr.prompt_logprobs;
+    job->prompt_logprobs = sr.prompt_logprobs ? sr.gen.prompt_logprobs : -1;
     job->return_token_ids = sr.return_token_ids;
     job->id = make_request_id(chat ? "chatcmpl-" : "cmpl-");
     job->created = static_cast<int64_t>(std::time(nullptr));
@@ -725,7 +727,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         c.prompt_index = static_cast<int>(p);
         c.echo = echoes[p];
         c.echo_lp = echo_lp;
-        c.first_prompt_id = prompts[p][0];
+        if (echo_lp && !prompts[p].empty()) c.first_prompt_id = prompts[p][0];
         c.n_prompt = n_prompt;
         if (sr.return_token_ids) c.prompt_ids = prompts[p];
         if (chat) c.chat = std::make_unique<ChatOutput>(job->starts_in_reasoning, job->tools);

@@ -130,7 +130,9 @@ const HostWeights& weights() {
   return w;
 }
 
-std::unique_ptr<Backend> make_backend(int n_slots, int64_t kv_tokens, int chunk) {
+// logits_rows > 0: lm_head rows per group on the device (CudaEngineOptions::logits_rows).
+std::unique_ptr<Backend> make_backend(int n_slots, int64_t kv_tokens, int chunk,
+                                      int logits_rows = 0) {
   BackendOptions o;
   o.n_slots = n_slots;
   o.chunk_size = chunk;
@@ -145,6 +147,7 @@ std::unique_ptr<Backend> make_backend(int n_slots, int64_t kv_tokens, int chunk)
     e.verbose = false;
     e.page_size = kPage;
     e.max_kv_tokens = kv_tokens;
+    if (logits_rows > 0) e.logits_rows = logits_rows;
     b = make_cuda_backend(o, weights(), e);
   }
   const MemoryUsage m = b->memory();
@@ -557,10 +560,11 @@ TEST(CudaEngine, PreemptionRecomputesAndMatchesAlone) {
 }
 
 // Prompt logprobs (GenerationRequest::prompt_logprobs) through the engine: on the device the
-// backend scores the prompt rows itself (Backend::scores_rows; the CPU pool backend of
+// backend scores the prompt rows itself (Backend::max_score_top; the CPU pool backend of
 // DS_ENGINE_TEST_DEVICE=cpu gives the rows to the host instead). Either way each position must
-// match position_logprobs over the logits rows a second backend gives for the same 32-token
-// items with all_logits: the logprob within 2e-6 (float exps summed in another order), the rank
+// match position_logprobs over the logits rows a second backend gives for the same 64-token
+// items with all_logits (each split by the backends into 32-token forwards, whose rows go through
+// lm_head 16 at a time): the logprob within 2e-6 (float exps summed in another order), the rank
 // and the top ids exactly unless two logits are within 1e-5 of each other; a request after it
 // without them runs as usual.
 TEST(CudaEngine, PromptLogprobsMatchTheBackendRows) {
@@ -569,13 +573,13 @@ TEST(CudaEngine, PromptLogprobsMatchTheBackendRows) {
   GenerationRequest r = make_request(rng, 100, 4);
   r.prompt_logprobs = 3;
   const GenerationRequest plain = make_request(rng, 50, 4);
-  std::unique_ptr<Backend> b = make_backend(2, kBigPool, 32);
-  const bool on_device = b->scores_rows();
+  std::unique_ptr<Backend> b = make_backend(2, kBigPool, 32, 16);
+  const bool on_device = b->max_score_top() >= 3;
   EngineOptions eo;
   eo.scheduler.max_batch = 2;
-  eo.scheduler.chunk_size = 32;
+  eo.scheduler.chunk_size = 64;
   eo.scheduler.max_num_batched_tokens = 128;
-  eo.scheduler.max_logit_rows = 32;  // (the host path's cap; the device path has none)
+  eo.scheduler.max_logit_rows = 64;  // (the host path's cap; the device path has none)
   Engine eng(std::move(b), nullptr, eo);
   // Alone, so that every step's shapes (and so its logits) are the reference's below: a request
   // beside it changes the GEMMs' M and with it the bf16 rounding of this tiny model's activations
@@ -592,13 +596,13 @@ TEST(CudaEngine, PromptLogprobsMatchTheBackendRows) {
   EXPECT_EQ(c2.last.finish, FinishReason::kLength) << c2.last.error;
   ASSERT_EQ(prompt_lp.size(), 99u);
 
-  std::unique_ptr<Backend> ref = make_backend(1, kBigPool, 32);
+  std::unique_ptr<Backend> ref = make_backend(1, kBigPool, 32, 16);
   const size_t V = static_cast<size_t>(weights().config.vocab_size);
   std::vector<float> rows, part;
-  for (int b0 = 0; b0 < 100; b0 += 32) {
+  for (int b0 = 0; b0 < 100; b0 += 64) {
     SeqWork w;
     w.slot = 0;
-    w.tokens = std::span<const int32_t>(r.prompt).subspan(b0, std::min(32, 100 - b0));
+    w.tokens = std::span<const int32_t>(r.prompt).subspan(b0, std::min(64, 100 - b0));
     w.all_logits = true;
     ref->step(std::span<const SeqWork>(&w, 1), part);
     rows.insert(rows.end(), part.begin(), part.end());
