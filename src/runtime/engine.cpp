@@ -497,9 +497,13 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
   g.id = token;
   if (q.top_logprobs >= 0) {
     DS_CHECK(row != nullptr, "engine: logprobs asked for but no logits row");
-    const std::span<const float> logits(row, static_cast<size_t>(config_.vocab_size));
-    g.logprob = token_logprob(logits, token);
-    if (q.top_logprobs > 0) g.top = top_logprobs(logits, q.top_logprobs);
+    // One log-sum-exp for the token and its alternatives (a pass over the row each costs ~0.5 ms
+    // at a 248K vocabulary, per generated token).
+    RowScore lp = position_logprobs(
+        std::span<const float>(row, static_cast<size_t>(config_.vocab_size)), token,
+        q.top_logprobs);
+    g.logprob = lp.logprob;
+    g.top = std::move(lp.top);
   }
   r.out_tokens.push_back(std::move(g));
   r.generated.push_back(token);
