@@ -144,16 +144,21 @@ std::vector<int32_t> top_ids(std::span<const float> logits, int k) {
   std::sort_heap(heap.begin(), heap.end(), before);  // best first
   return heap;
 }
+
+// top_ids with their logprobs, for the row's max m and log-sum-exp log_z.
+std::vector<TokenLogprob> top_entries(std::span<const float> logits, int k, float m,
+                                      double log_z) {
+  std::vector<TokenLogprob> out;
+  for (int32_t id : top_ids(logits, k))
+    out.push_back({id, static_cast<float>((logits[id] - m) - log_z)});
+  return out;
+}
 }  // namespace
 
 std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, int k) {
   DS_CHECK(!logits.empty(), "top_logprobs of an empty logits row");
   const float m = row_max(logits);
-  const double log_z = log_sum_exp(logits, m);
-  std::vector<TokenLogprob> out;
-  for (int32_t id : top_ids(logits, k))
-    out.push_back({id, static_cast<float>((logits[id] - m) - log_z)});
-  return out;
+  return top_entries(logits, k, m, log_sum_exp(logits, m));
 }
 
 PositionLogprobs position_logprobs(std::span<const float> logits, int32_t token, int k) {
@@ -161,12 +166,10 @@ PositionLogprobs position_logprobs(std::span<const float> logits, int32_t token,
            " outside the logits row of ", logits.size());
   const float m = row_max(logits);
   const double log_z = log_sum_exp(logits, m);
-  const int64_t at_least = count_at_least(logits, logits[token]);
   PositionLogprobs out;
   out.logprob = static_cast<float>((logits[token] - m) - log_z);
-  out.rank = static_cast<int32_t>(at_least);
-  for (int32_t id : top_ids(logits, k))
-    out.top.push_back({id, static_cast<float>((logits[id] - m) - log_z)});
+  out.rank = static_cast<int32_t>(count_at_least(logits, logits[token]));
+  out.top = top_entries(logits, k, m, log_z);
   return out;
 }
 

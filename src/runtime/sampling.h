@@ -71,8 +71,8 @@ std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, int k);
 
 // One position of a prompt (vLLM's prompt_logprobs, OpenAI's echo with logprobs): the logprob of
 // the token that follows, its rank (vLLM's: how many ids have a logit >= its own, so 1 is the
-// most probable) and the k most probable ids as top_logprobs gives them, with the same log z.
-// The rank is counted in the sum's pass, the top ids in one more (a k-entry heap).
+// most probable) and the k most probable ids as top_logprobs gives them, with the same log z:
+// passes for the max, the sum, the rank and (k > 0) the top ids (a k-entry heap).
 using PositionLogprobs = RowScore;  // runtime/backend.h
 PositionLogprobs position_logprobs(std::span<const float> logits, int32_t token, int k);
 

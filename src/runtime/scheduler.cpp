@@ -80,9 +80,11 @@ StepPlan Scheduler::schedule() {
   StepPlan plan;
   int budget = opt_.max_num_batched_tokens;
   int logit_rows = opt_.max_logit_rows;  // every-token rows left in this step
+  // s's next chunk brings prompt rows to the host: it counts against logit_rows.
+  auto host_rows = [](const SchedSeq& s) { return s.rows_on_host && s.n_cached < s.logits_until; };
   // Tokens of s's next chunk, at most `want`, that the logits-row budget lets run.
   auto rows_cap = [&](const SchedSeq& s, int want) {
-    return s.rows_on_host && s.n_cached < s.logits_until ? std::min(want, logit_rows) : want;
+    return host_rows(s) ? std::min(want, logit_rows) : want;
   };
 
   // Paged KV accounting across the step (can_grow alone checks each item against the pool as it
@@ -103,7 +105,7 @@ StepPlan Scheduler::schedule() {
   auto emit = [&](SchedSeq& s, int n) {
     free_blocks -= need_blocks(s, n);
     budget -= n;
-    if (s.rows_on_host && s.n_cached < s.logits_until) logit_rows -= n;
+    if (host_rows(s)) logit_rows -= n;
     ScheduledItem item;
     item.seq_id = s.id;
     item.slot = s.slot;
