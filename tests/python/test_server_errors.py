@@ -102,11 +102,13 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "guided_json": {"type": "object"}}, 400, "guided_json"),
     ({"prompt": "x", "guided_choice": ["a"]}, 400, "guided_choice"),
     ({"prompt": "x", "structured_outputs": {"regex": "a"}}, 400, "structured_outputs"),
-    ({"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),  # as vLLM
+    ({"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 50}, 400, "prompt_logprobs"),  # above max_logprobs
+    ({"prompt": "x", "prompt_logprobs": "all"}, 400, "prompt_logprobs"),
     ({"prompt": "x", "bad_words": ["x"]}, 400, "bad_words"),
     ({"prompt": "x", "priority": 3}, 400, "priority"),
     ({"prompt": "x", "echo": "yes"}, 400, "echo"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ({"prompt": "x", "suffix": "end"}, 400, "suffix"),
     ({"prompt": "x", "stop_token_ids": [-3]}, 400, "stop_token_ids"),
     ({"prompt": "x" * 5000}, 400, None),                    # prompt longer than the context
