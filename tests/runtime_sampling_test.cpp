@@ -235,6 +235,56 @@ TEST(Sampling, LogprobsOfAWholeVocabularyRow) {
   EXPECT_THROW(position_logprobs(l, static_cast<int32_t>(V), 1), Error);
 }
 
+// A NaN logit reads as -inf everywhere (as the device scorer reads it): every logprob, rank and
+// top id of a row with NaNs equals those of the same row with -inf in their place, and the
+// sum does not turn NaN. Each NaN in a different place: a vector block, the tail, the first id.
+TEST(Sampling, NanLogitsReadAsMinusInfinity) {
+  const size_t V = 5000;  // 4 whole blocks and a tail
+  std::mt19937 rng(9);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> with_inf(V);
+  for (float& x : with_inf) x = normal(rng);
+  with_inf[11] = 40.0f;  // the largest
+  const size_t nans[] = {0, 17, 2049, V - 2};
+  for (size_t i : nans) with_inf[i] = -INFINITY;
+  std::vector<float> with_nan = with_inf;
+  for (size_t i : nans) with_nan[i] = std::numeric_limits<float>::quiet_NaN();
+
+  std::vector<float> a, b;
+  log_softmax(with_inf, a);
+  log_softmax(with_nan, b);
+  EXPECT_TRUE(std::isfinite(a[11]));
+  for (size_t i = 0; i < V; ++i) ASSERT_EQ(a[i], b[i]) << i;
+  // Targets: the best id, an ordinary one, and a NaN one (logprob -inf, rank: the whole row).
+  for (int32_t t : {11, 300, 17}) {
+    EXPECT_EQ(token_logprob(with_nan, t), token_logprob(with_inf, t)) << t;
+    const PositionLogprobs p = position_logprobs(with_nan, t, 6);
+    const PositionLogprobs q = position_logprobs(with_inf, t, 6);
+    EXPECT_EQ(p.logprob, q.logprob) << t;
+    EXPECT_EQ(p.rank, q.rank) << t;
+    ASSERT_EQ(p.top.size(), q.top.size());
+    for (size_t k = 0; k < p.top.size(); ++k) {
+      EXPECT_EQ(p.top[k].token, q.top[k].token) << k;
+      EXPECT_EQ(p.top[k].logprob, q.top[k].logprob) << k;
+    }
+  }
+  EXPECT_EQ(position_logprobs(with_nan, 17, 0).logprob, -INFINITY);
+  EXPECT_EQ(position_logprobs(with_nan, 17, 0).rank, static_cast<int32_t>(V));
+  EXPECT_EQ(position_logprobs(with_nan, 11, 0).rank, 1);
+  // The top ids of a row that is mostly NaN: the finite ones first, then NaN ids by id (as -inf).
+  std::vector<float> mostly(8, std::numeric_limits<float>::quiet_NaN());
+  mostly[5] = 1.0f;
+  mostly[2] = 2.0f;
+  const auto top = top_logprobs(mostly, 4);
+  ASSERT_EQ(top.size(), 4u);
+  EXPECT_EQ(top[0].token, 2);
+  EXPECT_EQ(top[1].token, 5);
+  EXPECT_EQ(top[2].token, 0);
+  EXPECT_EQ(top[3].token, 1);
+  EXPECT_NEAR(top[0].logprob, 2.0 - std::log(std::exp(2.0) + std::exp(1.0)), 1e-6);
+  EXPECT_EQ(top[2].logprob, -INFINITY);
+}
+
 TEST(Sampling, BadParamsAndLogitsThrow) {
   SamplingParams p;
   p.top_p = 0.0f;

@@ -49,8 +49,8 @@ namespace {
 // row's largest term, which is 1.
 inline float exp_nonpositive(float x) {
   {  // x = max(x, -87) as a select on the bits (x <= 0: larger bits, more negative), which GCC
-     // vectorizes where it does not a float max; -inf clamps too. (A NaN logit leaves the row's
-     // sum meaningless; catching it here as well stops the loop vectorizing: 3x slower.)
+     // vectorizes where it does not a float max; -inf clamps too. (A NaN stays NaN: catching it
+     // here stops the loop vectorizing, 3x slower, so log_sum_exp redoes such a row.)
     const uint32_t b = std::bit_cast<uint32_t>(x), lim = std::bit_cast<uint32_t>(-87.0f);
     x = std::bit_cast<float>(b > lim ? lim : b);
   }
@@ -66,27 +66,41 @@ inline float exp_nonpositive(float x) {
   return std::bit_cast<float>(std::bit_cast<int32_t>(p) + (static_cast<int32_t>(n) << 23));
 }
 
-// log(sum_i e^(l_i - m)) for the row's maximum m: 8 float lanes over blocks of 1024 logits (128
-// terms each, so float rounding stays ~1e-7 relative), blocks summed in double; the lanes make
-// the loop vectorize.
-double log_sum_exp(std::span<const float> l, float m) {
+// A logit with NaN read as -inf: the order every logprob of a row uses (the device's too).
+inline float not_nan(float x) { return std::isnan(x) ? -INFINITY : x; }
+
+// sum_i e^(l_i - m): 8 float lanes over blocks of 1024 logits (128 terms each, so float rounding
+// stays ~1e-7 relative), blocks summed in double; the lanes make the loop vectorize. kNanAsInf
+// reads a NaN as -inf, which stops the loop vectorizing (3x slower).
+template <bool kNanAsInf>
+double sum_exp(std::span<const float> l, float m) {
   constexpr size_t kL = 8, kBlock = 1024;
+  auto at = [&](size_t i) { return kNanAsInf ? not_nan(l[i]) : l[i]; };
   double z = 0.0;
   const size_t n = l.size() / kL * kL;
   for (size_t b = 0; b < n; b += kBlock) {
     float acc[kL] = {};
     const size_t e = std::min(n, b + kBlock);
     for (size_t i = b; i < e; i += kL) {
-      for (size_t j = 0; j < kL; ++j) acc[j] += exp_nonpositive(l[i + j] - m);
+      for (size_t j = 0; j < kL; ++j) acc[j] += exp_nonpositive(at(i + j) - m);
     }
     for (size_t j = 0; j < kL; ++j) z += acc[j];
   }
-  for (size_t i = n; i < l.size(); ++i) z += exp_nonpositive(l[i] - m);
+  for (size_t i = n; i < l.size(); ++i) z += exp_nonpositive(at(i) - m);
+  return z;
+}
+
+// log(sum_i e^(l_i - m)) for the row's maximum m, NaN logits read as -inf. A NaN turns the fast
+// sum NaN; only such rows pay for the second pass, which sums in the same order (so a NaN gives
+// exactly what -inf in its place gives).
+double log_sum_exp(std::span<const float> l, float m) {
+  double z = sum_exp<false>(l, m);
+  if (std::isnan(z)) z = sum_exp<true>(l, m);
   return std::log(z);
 }
 
-// The row's largest logit (an OpenMP max reduction vectorizes; std::max_element's loop kept its
-// running maximum in memory, ~0.7 ms for a 248K row).
+// The row's largest logit, NaN dropped (an OpenMP max reduction vectorizes; std::max_element's
+// loop kept its running maximum in memory, ~0.7 ms for a 248K row).
 float row_max(std::span<const float> l) {
   float m = -INFINITY;
 #pragma omp simd reduction(max : m)
@@ -94,9 +108,10 @@ float row_max(std::span<const float> l) {
   return m;
 }
 
-// How many logits are >= x (vLLM's rank of a token whose logit is x).
+// How many logits are >= x (vLLM's rank of a token whose logit is x), NaN read as -inf.
 int64_t count_at_least(std::span<const float> l, float x) {
-  int32_t n = 0;  // (int32 lanes vectorize; rows are far below 2^31)
+  if (x == -INFINITY) return static_cast<int64_t>(l.size());  // every logit, NaN too
+  int32_t n = 0;  // (int32 lanes vectorize; rows are far below 2^31; NaN >= x is false)
 #pragma omp simd reduction(+ : n)
   for (size_t i = 0; i < l.size(); ++i) n += l[i] >= x ? 1 : 0;
   return n;
@@ -109,14 +124,15 @@ void log_softmax(std::span<const float> logits, std::vector<float>& out) {
   const float m = row_max(logits);
   const double log_z = log_sum_exp(logits, m);  // max and log z apart: exact for big logits
   out.resize(logits.size());
-  for (size_t i = 0; i < logits.size(); ++i) out[i] = static_cast<float>((logits[i] - m) - log_z);
+  for (size_t i = 0; i < logits.size(); ++i)
+    out[i] = static_cast<float>((not_nan(logits[i]) - m) - log_z);
 }
 
 float token_logprob(std::span<const float> logits, int32_t token) {
   DS_CHECK(token >= 0 && static_cast<size_t>(token) < logits.size(), "token ", token,
            " outside the logits row of ", logits.size());
   const float m = row_max(logits);
-  return static_cast<float>((logits[token] - m) - log_sum_exp(logits, m));
+  return static_cast<float>((not_nan(logits[token]) - m) - log_sum_exp(logits, m));
 }
 
 namespace {
@@ -124,21 +140,25 @@ namespace {
 std::vector<int32_t> top_ids(std::span<const float> logits, int k) {
   k = std::clamp(k, 0, static_cast<int>(logits.size()));
   // The heap's root is the worst id kept; an id replaces it when it ranks before it.
-  auto before = [&](int32_t a, int32_t b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  auto before = [&](int32_t a, int32_t b) {  // (NaN as -inf keeps the order total)
+    const float x = not_nan(logits[a]), y = not_nan(logits[b]);
+    return x > y || (x == y && a < b);
   };
   std::vector<int32_t> heap;
   if (k == 0) return heap;
   heap.reserve(static_cast<size_t>(k));
-  for (size_t i = 0; i < logits.size(); ++i) {
-    const int32_t id = static_cast<int32_t>(i);
-    if (static_cast<int>(heap.size()) < k) {
-      heap.push_back(id);
-      std::push_heap(heap.begin(), heap.end(), before);
-    } else if (logits[i] > logits[heap.front()]) {  // (an equal logit has a higher id: after)
+  for (int32_t id = 0; id < k; ++id) {
+    heap.push_back(id);
+    std::push_heap(heap.begin(), heap.end(), before);
+  }
+  float worst = not_nan(logits[heap.front()]);  // the kept ids' worst logit
+  for (size_t i = static_cast<size_t>(k); i < logits.size(); ++i) {
+    // Equal: a higher id, after the kept one; NaN compares false and never enters.
+    if (logits[i] > worst) {
       std::pop_heap(heap.begin(), heap.end(), before);
-      heap.back() = id;
+      heap.back() = static_cast<int32_t>(i);
       std::push_heap(heap.begin(), heap.end(), before);
+      worst = not_nan(logits[heap.front()]);
     }
   }
   std::sort_heap(heap.begin(), heap.end(), before);  // best first
@@ -150,7 +170,7 @@ std::vector<TokenLogprob> top_entries(std::span<const float> logits, int k, floa
                                       double log_z) {
   std::vector<TokenLogprob> out;
   for (int32_t id : top_ids(logits, k))
-    out.push_back({id, static_cast<float>((logits[id] - m) - log_z)});
+    out.push_back({id, static_cast<float>((not_nan(logits[id]) - m) - log_z)});
   return out;
 }
 }  // namespace
@@ -167,8 +187,9 @@ PositionLogprobs position_logprobs(std::span<const float> logits, int32_t token,
   const float m = row_max(logits);
   const double log_z = log_sum_exp(logits, m);
   PositionLogprobs out;
-  out.logprob = static_cast<float>((logits[token] - m) - log_z);
-  out.rank = static_cast<int32_t>(count_at_least(logits, logits[token]));
+  const float x = not_nan(logits[token]);
+  out.logprob = static_cast<float>((x - m) - log_z);
+  out.rank = static_cast<int32_t>(count_at_least(logits, x));
   out.top = top_entries(logits, k, m, log_z);
   return out;
 }
