@@ -25,7 +25,8 @@ class HistoryBackend : public Backend {
   HistoryBackend(std::string name, int n_slots, int page, int64_t blocks, int vocab,
                  bool score_rows = false)
       : name_(std::move(name)), page_(page), blocks_(blocks), score_rows_(score_rows),
-        hist_(n_slots) {
+        hist_(n_slots),
+        rowless_(n_slots, false) {
     cfg_.vocab_size = vocab;
   }
   int max_score_top() const override { return score_rows_ ? 20 : -1; }
@@ -83,7 +84,10 @@ class HistoryBackend : public Backend {
   bool can_grow(int s, int n) const override {
     return used() - blocks(slot_len(s)) + blocks(slot_len(s) + n) <= blocks_;
   }
-  void reset_slot(int s) override { hist_.at(s).clear(); }
+  void reset_slot(int s) override {
+    hist_.at(s).clear();
+    rowless_.at(s) = false;
+  }
   MemoryUsage memory() const override {
     MemoryUsage m;
     m.kv_blocks_total = blocks_;
@@ -117,7 +121,9 @@ class HistoryBackend : public Backend {
       if (work[i].all_logits) {
         n_all_logits_rows_ += static_cast<int64_t>(work[i].tokens.size());
         max_item_rows_ = std::max<int64_t>(max_item_rows_, work[i].tokens.size());
+        if (rowless_.at(work[i].slot)) ++n_rows_resumed_;
       }
+      rowless_.at(work[i].slot) = !work[i].all_logits;
     }
   }
 
@@ -130,6 +136,9 @@ class HistoryBackend : public Backend {
  public:
   int64_t n_all_logits_rows_ = 0;  // rows of items run with all_logits (tests of the scheduler)
   int64_t max_item_rows_ = 0;      // the longest of those items
+  // Items with all_logits after one without in the same slot: a recompute of a prompt whose
+  // rows were partly taken, resuming its rows.
+  int64_t n_rows_resumed_ = 0;
 
  private:
   ModelConfig cfg_;
@@ -138,6 +147,7 @@ class HistoryBackend : public Backend {
   int64_t blocks_;
   bool score_rows_;
   std::vector<std::vector<int32_t>> hist_;
+  std::vector<bool> rowless_;  // the slot's last item ran without all_logits
 };
 
 }  // namespace ds::test

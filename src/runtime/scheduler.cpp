@@ -81,9 +81,14 @@ StepPlan Scheduler::schedule() {
   int budget = opt_.max_num_batched_tokens;
   int logit_rows = opt_.max_logit_rows;  // every-token rows left in this step
   // s's next chunk brings prompt rows to the host: it counts against logit_rows.
-  auto host_rows = [](const SchedSeq& s) { return s.rows_on_host && s.n_cached < s.logits_until; };
-  // Tokens of s's next chunk, at most `want`, that the logits-row budget lets run.
+  auto host_rows = [](const SchedSeq& s) {
+    return s.rows_on_host && s.n_cached >= s.logits_from && s.n_cached < s.logits_until;
+  };
+  // Tokens of s's next chunk, at most `want`, that the logits-row budget lets run. A recompute
+  // of positions whose rows were taken stops where they end, so that it needs none.
   auto rows_cap = [&](const SchedSeq& s, int want) {
+    if (s.rows_on_host && s.n_cached < s.logits_from)
+      return std::min(want, s.logits_from - s.n_cached);
     return host_rows(s) ? std::min(want, logit_rows) : want;
   };
 
@@ -221,7 +226,7 @@ StepPlan Scheduler::schedule() {
     SeqWork w;
     w.slot = it.slot;
     w.tokens = std::span<const int32_t>(s.tokens.data() + it.begin, it.end - it.begin);
-    w.all_logits = it.begin < s.logits_until;
+    w.all_logits = it.begin < s.logits_until && it.end > s.logits_from;
     plan.work.push_back(w);
   }
   return plan;
@@ -232,8 +237,10 @@ void Scheduler::complete(const StepPlan& plan) {
     auto found = seqs_.find(it.seq_id);
     DS_ASSERT(found != seqs_.end());
     DS_ASSERT(found->second.n_cached == it.begin);
-    found->second.n_cached = it.end;
-    if (it.end >= found->second.logits_until) found->second.logits_until = 0;
+    SchedSeq& s = found->second;
+    s.n_cached = it.end;
+    if (it.begin < s.logits_until && it.end > s.logits_from) s.logits_from = it.end;  // rows taken
+    if (s.logits_from >= s.logits_until) s.logits_from = s.logits_until = 0;
   }
 }
 

@@ -47,8 +47,10 @@ struct SchedSeq {
   int n_prompt = 0;             // tokens of the original prompt
   int n_cached = 0;             // tokens[0, n_cached) are held by the backend slot
   int slot = -1;                // backend slot while running, -1 while waiting
-  // Prompt positions [0, logits_until) still need their logits row (prompt logprobs: the row at
-  // p scores token p + 1); 0 once they have run (a recompute after preemption needs none).
+  // Prompt positions [logits_from, logits_until) still need their logits row (prompt logprobs:
+  // the row at p scores token p + 1); both 0 once all have run. A recompute after preemption
+  // asks again only from logits_from on.
+  int logits_from = 0;
   int logits_until = 0;
   bool rows_on_host = false;  // those rows count against max_logit_rows
   int n_preemptions = 0;
