@@ -73,16 +73,22 @@ Collected collect(RequestStream& s) {
 }
 
 std::unique_ptr<Engine> make_engine(std::shared_ptr<const Tokenizer> tok,
-                                    const std::string& script_text, int n_slots = 4,
-                                    int64_t blocks = 10000, int max_waiting = 64) {
-  std::vector<int32_t> script = tok->encode(script_text);
-  auto backend = std::make_unique<ScriptBackend>(script, n_slots, 16, blocks, tok->vocab_size());
+                                    std::unique_ptr<Backend> backend, int n_slots,
+                                    int max_waiting = 64) {
   EngineOptions o;
   o.scheduler.max_batch = n_slots;
   o.scheduler.chunk_size = 8;
   o.scheduler.max_num_batched_tokens = 64;
   o.scheduler.max_waiting = max_waiting;
   return std::make_unique<Engine>(std::move(backend), tok, o);
+}
+std::unique_ptr<Engine> make_engine(std::shared_ptr<const Tokenizer> tok,
+                                    const std::string& script_text, int n_slots = 4,
+                                    int64_t blocks = 10000, int max_waiting = 64) {
+  std::vector<int32_t> script = tok->encode(script_text);
+  return make_engine(
+      tok, std::make_unique<ScriptBackend>(script, n_slots, 16, blocks, tok->vocab_size()),
+      n_slots, max_waiting);
 }
 
 GenerationRequest greedy(const Tokenizer& tok, int max_tokens) {
@@ -367,9 +373,14 @@ TEST(Engine, BatchInvariance32ConcurrentWithPreemption) {
     auto eng = make_engine(tok, script, 1);
     for (const auto& r : reqs) alone.push_back(collect(*eng->submit(r)));
   }
-  auto eng = make_engine(tok, script, 16, 24);  // 24 blocks of 16 for 16 x ~3 blocks: preemptions
+  // 24 blocks of 16 for 16 x ~3 blocks: preemptions. The steps wait until every request is in,
+  // so that they meet in the pool however the threads happen to run.
+  auto owned = std::make_unique<GatedBackend>(tok->encode(script), 16, 16, 24, tok->vocab_size());
+  GatedBackend* backend = owned.get();
+  auto eng = make_engine(tok, std::move(owned), 16);
   std::vector<std::shared_ptr<RequestStream>> streams;
   for (const auto& r : reqs) streams.push_back(eng->submit(r));
+  backend->open();
   std::vector<Collected> together(32);
   std::vector<std::thread> threads;
   for (int i = 0; i < 32; ++i) threads.emplace_back([&, i] { together[i] = collect(*streams[i]); });

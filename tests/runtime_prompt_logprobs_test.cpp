@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cmath>
+#include <future>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -123,6 +124,18 @@ class NextBackend : public test::HistoryBackend {
  public:
   NextBackend(int n_slots, int page, int64_t blocks, int vocab, bool score_rows = false)
       : HistoryBackend("next", n_slots, page, blocks, vocab, score_rows) {}
+  // Steps wait until open() (the requests a test submits then all meet in the pool, however the
+  // threads happen to run), unless gated is false.
+  void step(std::span<const SeqWork> work, std::vector<float>& logits) override {
+    if (gated) opened_.wait();
+    HistoryBackend::step(work, logits);
+  }
+  void open() { open_.set_value(); }
+  bool gated = false;
+
+ private:
+  std::promise<void> open_;
+  std::shared_future<void> opened_ = open_.get_future().share();
 
  protected:
   int32_t next_token(const std::vector<int32_t>& h) const override {
@@ -145,6 +158,7 @@ TEST_P(PromptLogprobsBothWays, OncePerPositionThroughPreemptions) {
   // prompt's rows.
   auto backend = std::make_unique<NextBackend>(12, 4, 50, V, scored);
   NextBackend* be = backend.get();
+  be->gated = true;
   EngineOptions eo;
   eo.scheduler.max_batch = 12;
   eo.scheduler.chunk_size = 8;
@@ -162,6 +176,7 @@ TEST_P(PromptLogprobsBothWays, OncePerPositionThroughPreemptions) {
     prompts.push_back(r.prompt);
     streams.push_back(eng.submit(r));
   }
+  be->open();
   std::vector<Collected> got(12);
   std::vector<std::thread> threads;
   for (int i = 0; i < 12; ++i) threads.emplace_back([&, i] { got[i] = collect(*streams[i]); });
