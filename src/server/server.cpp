@@ -158,6 +158,10 @@ struct Server::Job {
                 {"model", model}};
   }
 
+  // A logprob as JSON: -inf (and NaN) as -9999.0, vLLM's floor, so that clients always parse a
+  // number (JSON has no -inf: it would be written null).
+  static double lp_number(float x) { return x >= -9999.0f ? static_cast<double>(x) : -9999.0; }
+
   // Completions logprobs for `tokens` (text offsets continue from c.text_offset), after the
   // echoed prompt's when they are due (OpenAI's echo: the first prompt token's logprob and top
   // entries are null; offsets from 0 within the echo).
@@ -169,10 +173,11 @@ struct Server::Job {
     auto add = [&](const GeneratedToken& g, size_t& offset) {
       const std::string t = token_text(tok, g.id);
       lp["tokens"].push_back(t);
-      lp["token_logprobs"].push_back(g.logprob);
+      lp["token_logprobs"].push_back(lp_number(g.logprob));
       json top = json::object();
       const size_t n_top = std::min(g.top.size(), static_cast<size_t>(top_logprobs));
-      for (size_t i = 0; i < n_top; ++i) top[token_text(tok, g.top[i].token)] = g.top[i].logprob;
+      for (size_t i = 0; i < n_top; ++i)
+        top[token_text(tok, g.top[i].token)] = lp_number(g.top[i].logprob);
       lp["top_logprobs"].push_back(top);
       lp["text_offset"].push_back(offset);
       offset += utf8_length(t);
@@ -198,13 +203,15 @@ struct Server::Job {
     for (const GeneratedToken& g : c.prompt_lp) {
       json d = json::object();
       d[std::to_string(g.id)] = {
-          {"logprob", g.logprob}, {"rank", g.rank}, {"decoded_token", token_text(tok, g.id)}};
+          {"logprob", lp_number(g.logprob)},
+          {"rank", g.rank},
+          {"decoded_token", token_text(tok, g.id)}};
       // (the engine may have computed more: an echo with more logprobs than this field)
       const size_t n_top = std::min(g.top.size(), static_cast<size_t>(prompt_logprobs));
       for (size_t i = 0; i < n_top; ++i) {
         const TokenLogprob& a = g.top[i];
         if (a.token == g.id) continue;
-        d[std::to_string(a.token)] = {{"logprob", a.logprob},
+        d[std::to_string(a.token)] = {{"logprob", lp_number(a.logprob)},
                                       {"rank", static_cast<int>(i) + 1},
                                       {"decoded_token", token_text(tok, a.token)}};
       }
@@ -218,11 +225,11 @@ struct Server::Job {
       json top = json::array();
       for (const TokenLogprob& a : g.top) {
         top.push_back({{"token", token_text(tok, a.token)},
-                       {"logprob", a.logprob},
+                       {"logprob", lp_number(a.logprob)},
                        {"bytes", token_bytes_json(tok, a.token)}});
       }
       content.push_back({{"token", token_text(tok, g.id)},
-                         {"logprob", g.logprob},
+                         {"logprob", lp_number(g.logprob)},
                          {"bytes", token_bytes_json(tok, g.id)},
                          {"top_logprobs", top}});
     }
@@ -352,8 +359,16 @@ struct Server::Job {
     return sse;
   }
 
-  // The non-streaming response body.
-  json response() {
+  // The non-streaming response: its status and body (a choice that failed in the engine fails
+  // the whole response, 500).
+  std::pair<int, json> response() {
+    for (const Choice& c : choices) {
+      if (c.finish == FinishReason::kError)
+        return {500, error_body(500, "generation failed: " + c.error)};
+    }
+    return {200, body()};
+  }
+  json body() {
     json r = {{"id", id},
               {"object", chat ? "chat.completion" : "text_completion"},
               {"created", created},
@@ -384,9 +399,6 @@ struct Server::Job {
     if (chat && prompt_logprobs >= 0 && !choices.empty())
       r["prompt_logprobs"] = vllm_prompt_logprobs(choices.front());
     r["usage"] = usage();
-    for (const Choice& c : choices) {
-      if (c.finish == FinishReason::kError) return error_body(500, "generation failed: " + c.error);
-    }
     return r;
   }
 };
@@ -750,7 +762,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
     respond_error(res, 400, e.what());
     return;
   }
-  start_job(std::move(job), res);
+  start_job(std::move(job), req, res);
 }
 
 void Server::handle_tokenize(const httplib::Request& req, httplib::Response& res) {
@@ -811,22 +823,79 @@ void Server::handle_detokenize(const httplib::Request& req, httplib::Response& r
   }
 }
 
-void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
+void Server::start_job(std::shared_ptr<Job> job, const httplib::Request& req,
+                       httplib::Response& res) {
   ++in_flight_;
-  const bool stream = job->stream;
-  auto write_all = [job](httplib::DataSink& sink) -> bool {
-    // The engine thread never waits on this one: it publishes into the streams and bumps the
-    // job's notifier; here we take everything new from every choice, write it in one chunk,
-    // and sleep on the notifier until the next output (no polling interval).
-    std::string out_buf;
-    auto last_alive_check = std::chrono::steady_clock::now();
+  // When the response is over (written, failed, or the client gone): what still runs is
+  // cancelled and counted as such.
+  auto release = [this, job]() {
+    for (Job::Choice& c : job->choices) {
+      if (c.finished) continue;
+      c.stream->cancel();
+      StreamOutput o;
+      o.finish = FinishReason::kCancelled;
+      o.n_prompt_tokens = c.n_prompt;
+      o.n_generated = c.n_generated;
+      o.ttft_s = c.ttft_s;
+      metrics_.record_request(o);
+      c.finished = true;
+    }
+    --in_flight_;
+  };
+  // Takes everything new from every choice (the SSE events to send, when streaming). The engine
+  // thread never waits on this one: it publishes into the streams and bumps the job's notifier.
+  auto take = [job]() {
+    std::string out;
+    for (Job::Choice& c : job->choices) {
+      if (c.finished) continue;
+      StreamOutput o;
+      if (c.stream->next(o, Ms(0))) out += job->absorb(c, o);
+    }
+    return out;
+  };
+  // Sleeps on the notifier until the next output, at most 50 ms; false when, checked at least
+  // every 50 ms, the client has left (`gone`).
+  auto wait = [job](uint64_t seen, auto& last_check, auto gone) {
+    const bool woke = job->notifier->wait_past(seen, Ms(50));
+    const auto now = std::chrono::steady_clock::now();
+    if (woke && now - last_check < Ms(50)) return true;
+    last_check = now;
+    return !gone();
+  };
+
+  if (!job->stream) {
+    // The answer waits for the whole generation, so that its status says how it ended (500
+    // when it failed; a chunked answer would have sent 200 first). A client that leaves
+    // meanwhile cancels it. The wait runs inside httplib's handler try/catch.
+    struct Guard {
+      decltype(release)& f;
+      ~Guard() { f(); }
+    } guard{release};
+    auto last_check = std::chrono::steady_clock::now();
+    auto gone = [&req] { return req.is_connection_closed && req.is_connection_closed(); };
     for (;;) {
       const uint64_t seen = job->notifier->epoch();
-      for (Job::Choice& c : job->choices) {
-        if (c.finished) continue;
-        StreamOutput out;
-        if (c.stream->next(out, Ms(0))) out_buf += job->absorb(c, out);
+      take();
+      if (job->all_finished()) break;
+      if (!wait(seen, last_check, gone)) {
+        job->cancel_all();
+        res.status = 499;  // (nobody reads it: the client has gone)
+        return;
       }
+    }
+    auto [status, body] = job->response();
+    res.status = status;
+    res.set_content(dump(body), "application/json");
+    return;
+  }
+
+  auto write_all = [job, take, wait](httplib::DataSink& sink) -> bool {
+    std::string out_buf;
+    auto last_check = std::chrono::steady_clock::now();
+    auto gone = [&sink] { return !sink.is_writable(); };
+    for (;;) {
+      const uint64_t seen = job->notifier->epoch();
+      out_buf += take();
       if (job->all_finished()) break;  // the last tokens go out with the end of the stream
       if (!out_buf.empty()) {
         if (!sink.write(out_buf.data(), out_buf.size())) {  // also fails once the client left
@@ -836,29 +905,19 @@ void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
         out_buf.clear();
         continue;
       }
-      // Nothing to write for 50 ms (a long prefill, or a non-streamed answer whose tokens keep
-      // coming but are only written at the end): check that the client is still there.
-      const bool woke = job->notifier->wait_past(seen, Ms(50));
-      const auto now = std::chrono::steady_clock::now();
-      if (!woke || now - last_alive_check >= Ms(50)) {
-        last_alive_check = now;
-        if (!sink.is_writable()) {
-          job->cancel_all();
-          return false;
-        }
+      // Nothing to write for 50 ms (a long prefill): check that the client is still there.
+      if (!wait(seen, last_check, gone)) {
+        job->cancel_all();
+        return false;
       }
     }
-    if (job->stream) {
-      if (job->include_usage) {
-        json ch = job->chunk_base();
-        ch["choices"] = json::array();
-        ch["usage"] = job->usage();
-        out_buf += "data: " + dump(ch) + "\n\n";
-      }
-      out_buf += "data: [DONE]\n\n";
-    } else {
-      out_buf = dump(job->response());
+    if (job->include_usage) {
+      json ch = job->chunk_base();
+      ch["choices"] = json::array();
+      ch["usage"] = job->usage();
+      out_buf += "data: " + dump(ch) + "\n\n";
     }
+    out_buf += "data: [DONE]\n\n";
     if (!sink.write(out_buf.data(), out_buf.size())) return false;
     sink.done();
     return true;
@@ -876,29 +935,12 @@ void Server::start_job(std::shared_ptr<Job> job, httplib::Response& res) {
       return false;
     }
   };
-  auto releaser = [this, job](bool /*success*/) {
-    for (Job::Choice& c : job->choices) {
-      if (c.finished) continue;
-      c.stream->cancel();
-      StreamOutput o;
-      o.finish = FinishReason::kCancelled;
-      o.n_prompt_tokens = c.n_prompt;
-      o.n_generated = c.n_generated;
-      o.ttft_s = c.ttft_s;
-      metrics_.record_request(o);
-      c.finished = true;
-    }
-    --in_flight_;
-  };
-  if (stream) {
-    res.set_header("Cache-Control", "no-cache");
-    res.set_header("X-Accel-Buffering", "no");
-    // With the charset, as vLLM (Starlette) sends it: a client that goes by the header (Python
-    // requests) would otherwise decode the chunks as Latin-1.
-    res.set_chunked_content_provider("text/event-stream; charset=utf-8", provider, releaser);
-  } else {
-    res.set_chunked_content_provider("application/json", provider, releaser);
-  }
+  res.set_header("Cache-Control", "no-cache");
+  res.set_header("X-Accel-Buffering", "no");
+  // With the charset, as vLLM (Starlette) sends it: a client that goes by the header (Python
+  // requests) would otherwise decode the chunks as Latin-1.
+  res.set_chunked_content_provider("text/event-stream; charset=utf-8", provider,
+                                   [release](bool /*success*/) { release(); });
 }
 
 }  // namespace ds

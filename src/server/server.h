@@ -79,7 +79,9 @@ class Server {
   void handle_detokenize(const httplib::Request& req, httplib::Response& res);
   void respond_error(httplib::Response& res, int status, const std::string& msg,
                      const std::string& param = {});
-  void start_job(std::shared_ptr<Job> job, httplib::Response& res);
+  // Runs a submitted job to its answer: streamed (SSE, as the tokens come), or whole once the
+  // generation has ended.
+  void start_job(std::shared_ptr<Job> job, const httplib::Request& req, httplib::Response& res);
   // tok->encode(text, true), with at most two texts over kBigEncodeBytes at a time.
   std::vector<int32_t> encode_prompt(const Tokenizer& tok, const std::string& text);
   // The chat template applied to chat_template_input's object (a template error: ApiError 400).

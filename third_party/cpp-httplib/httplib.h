@@ -441,6 +441,11 @@ struct Request {
   const SSL *ssl = nullptr;
 #endif
 
+  // deltaserve: for a handler that waits long before it answers (a non-streamed
+  // generation), whether the client has closed the connection (as newer
+  // cpp-httplib's Request::is_connection_closed). Set by the server.
+  std::function<bool()> is_connection_closed;
+
   bool has_header(const std::string &key) const;
   std::string get_header_value(const std::string &key, size_t id = 0) const;
   template <typename T>
@@ -5886,6 +5891,10 @@ Server::process_request(Stream &strm, bool close_connection,
   Response res;
 
   res.version = "HTTP/1.1";
+  // deltaserve: see Request::is_connection_closed.
+  req.is_connection_closed = [&strm]() {
+    return !detail::is_socket_alive(strm.socket());
+  };
 
   for (const auto &header : default_headers_) {
     if (res.headers.find(header.first) == res.headers.end()) {
