@@ -164,7 +164,8 @@ struct Server::Job {
 
   // Completions logprobs for `tokens` (text offsets continue from c.text_offset), after the
   // echoed prompt's when they are due (OpenAI's echo: the first prompt token's logprob and top
-  // entries are null; offsets from 0 within the echo).
+  // entries are null; offsets from 0 within the echo). Each token's top entries: the `logprobs`
+  // most probable and the token itself.
   json completion_logprobs(Choice& c, const std::vector<GeneratedToken>& tokens) {
     json lp = {{"tokens", json::array()},
                {"token_logprobs", json::array()},
@@ -178,6 +179,8 @@ struct Server::Job {
       const size_t n_top = std::min(g.top.size(), static_cast<size_t>(top_logprobs));
       for (size_t i = 0; i < n_top; ++i)
         top[token_text(tok, g.top[i].token)] = lp_number(g.top[i].logprob);
+      // The token itself too, as vLLM and OpenAI's legacy API do (up to logprobs + 1 entries).
+      if (!top.contains(t)) top[t] = lp_number(g.logprob);
       lp["top_logprobs"].push_back(top);
       lp["text_offset"].push_back(offset);
       offset += utf8_length(t);
@@ -190,6 +193,9 @@ struct Server::Job {
       lp["text_offset"].push_back(0);
       size_t offset = utf8_length(first);
       for (const GeneratedToken& g : c.prompt_lp) add(g, offset);
+      // The output's offsets go on from the echo's tokens (as vLLM counts them: token by token,
+      // which differs from the echoed text where a character spans tokens).
+      c.text_offset = offset;
       c.echo_lp = false;
     }
     for (const GeneratedToken& g : tokens) add(g, c.text_offset);

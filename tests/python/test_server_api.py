@@ -285,6 +285,29 @@ def test_logprobs_completions(client):
         assert max(top.values()) == pytest.approx(val, abs=1e-6)  # greedy: the chosen token is the best
     assert lp.text_offset[0] == 0
     assert all(b >= a for a, b in zip(lp.text_offset, lp.text_offset[1:]))
+    # Sampled: each position's top entries hold the token itself besides the `logprobs` best
+    # (OpenAI's legacy format, as vLLM): logprobs=0 gives just the token.
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.5,
+                                  seed=1, logprobs=0)
+    lp = r.choices[0].logprobs
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert list(top.keys()) == [tok]
+        assert top[tok] == val
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=1.5,
+                                  seed=1, logprobs=2)
+    lp2 = r.choices[0].logprobs
+    assert lp2.tokens == lp.tokens  # same seed, same tokens
+    for tok, val, top in zip(lp2.tokens, lp2.token_logprobs, lp2.top_logprobs):
+        assert 2 <= len(top) <= 3 and top[tok] == val
+    # An echo whose text has a character split over tokens (each shown as U+FFFD): text_offset
+    # counts token by token through the echo and the output alike, as vLLM (the output's offsets
+    # used to start at the echo text's length, overlapping the echo's last token).
+    r = client.completions.create(model="tiny", prompt="a\U0001d11e b", max_tokens=3,
+                                  temperature=0, echo=True, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert "\ufffd" in lp.tokens
+    assert lp.text_offset[0] == 0
+    assert all(b == a + len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
 
 
 def test_logprobs_chat(client):

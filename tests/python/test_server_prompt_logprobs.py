@@ -74,14 +74,21 @@ def test_echo_logprobs_match_hf(server):
     # (each token the top entry where HF's margin makes that certain).
     ctx = 60
     assert abs(sum(got["token_logprobs"][ctx:n]) - want[ctx - 1:].sum()) < TOL * (n - ctx)
-    for j in range(1, n):
+    # Each position's top entries: the best one and the token itself (OpenAI's legacy format and
+    # vLLM's: up to logprobs + 1), keyed by their text.
+    for j in range(1, n + 1):
         top = got["top_logprobs"][j]
-        assert len(top) == 1
+        assert 1 <= len(top) <= 2, top
+        assert abs(top[got["tokens"][j]] - got["token_logprobs"][j]) < 1e-6 or len(top) == 1
+        if j == n:
+            continue
         row = logits[j - 1]
         best = int(row.argmax())
         if np.sort(row)[-1] - np.sort(row)[-2] > 1e-3:
-            assert abs(next(iter(top.values())) - lp[j - 1, best]) < TOL
-            assert (best == tokens[j]) == (abs(next(iter(top.values())) - got["token_logprobs"][j]) < 1e-6)
+            assert abs(max(top.values()) - lp[j - 1, best]) < TOL
+            assert (best == tokens[j]) == (abs(max(top.values()) - got["token_logprobs"][j]) < 1e-6)
+            if best != tokens[j] and len(top) == 2:
+                assert abs(top[got["tokens"][j]] - lp[j - 1, tokens[j]]) < TOL
 
 
 def test_vllm_prompt_logprobs_completions(server):
@@ -154,6 +161,10 @@ def test_stream_echo_logprobs_equal_the_whole_response(server):
     assert text == w["text"]
     assert lps == w["logprobs"]
     assert len(lps["tokens"]) == 45 and lps["token_logprobs"][0] is None
+    # text_offset counts characters token by token through the echo and the output (as vLLM).
+    offs, toks = lps["text_offset"], lps["tokens"]
+    assert offs[0] == 0
+    assert all(b == a + len(t) for a, b, t in zip(offs, offs[1:], toks)), (offs, toks)
 
 
 @pytest.mark.parametrize("body,param", [
