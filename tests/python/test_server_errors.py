@@ -317,6 +317,66 @@ def test_post_without_length_has_an_empty_body(server):
     assert time.time() - t0 < 1.5
 
 
+def framed(headers: bytes, body: bytes) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + headers + b"\r\n" + body)
+
+
+@pytest.mark.parametrize("headers", [
+    b"Content-Length: %(n)d\r\nContent-Length: %(m)d\r\n",  # two that disagree
+    b"Content-Length: %(m)d\r\nContent-Length: %(n)d\r\n",
+    b"Content-Length: abc\r\n",
+    b"Content-Length: -5\r\n",
+    b"Content-Length: +%(n)d\r\n",
+    b"Content-Length: %(n)d, %(n)d\r\n",
+    b"Content-Length: %(n)d\r\nTransfer-Encoding: chunked\r\n",  # both framings
+    b"Transfer-Encoding: gzip\r\n",  # no length the server can know
+])
+def test_unknown_body_length_gets_400_and_no_second_request(server, headers):
+    """A request whose body length is unknown (RFC 9112 6.3) gets 400 at once and the connection
+    closes: the vendored cpp-httplib 0.11.4 read the first Content-Length with strtoull, so a
+    request hidden after a short first length was answered as a second one ("request smuggling"),
+    and "-5" was waited for as 2^64 - 5 bytes until the read timeout."""
+    body = json.dumps(OK_COMPLETION).encode() if isinstance(OK_COMPLETION, dict) else OK_COMPLETION
+    hidden = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    h = headers % {b"n": len(body), b"m": len(body) + len(hidden)}
+    t0 = time.time()
+    out = raw(server, framed(h, body + hidden), timeout=10)
+    status, head, rest = http_status_and_body(out)
+    assert status == 400, out[:300]
+    assert out.count(b"HTTP/1.1 ") == 1, out  # nothing answered for the hidden request
+    assert b"connection: close" in head.lower()
+    assert time.time() - t0 < 1.5  # the read timeout is 2 s
+    assert server.healthy()
+
+
+def test_get_body_is_not_a_second_request(server):
+    """A GET whose framing has a body has that body read, never parsed as the next request."""
+    hidden = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    out = raw(server, b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(hidden)
+              + hidden, timeout=1.5)  # (kept alive: read until the client's timeout)
+    assert out.count(b"HTTP/1.1 ") == 1, out
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    assert b'"object"' not in out  # no model list
+
+
+def test_pipelined_requests_are_all_answered_in_order(server):
+    """Requests sent together on one connection (HTTP/1.1 pipelining, RFC 9112 9.3.2) get one
+    answer each, in order: the vendored cpp-httplib 0.11.4 read them into a buffer it made anew
+    for each request, so it answered the first and dropped the rest."""
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}).encode()
+    post = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    last = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    out = raw(server, get + post + get + last, timeout=10)
+    heads = [h for h in out.split(b"HTTP/1.1 ")[1:]]
+    assert len(heads) == 4, out
+    assert all(h.startswith(b"200") for h in heads), out
+    assert b'"text_completion"' in heads[1] and b'"status":"ok"' in heads[2]
+    assert b'"object":"list"' in heads[3]
+
+
 def test_expect_100_continue(server):
     """A body announced above the limit is refused before it is sent (curl asks with "Expect:
     100-continue" for large bodies): 413 as the first answer, no "100 Continue" first. One within

@@ -2492,6 +2492,17 @@ public:
   void get_remote_ip_and_port(std::string &ip, int &port) const override;
   void get_local_ip_and_port(std::string &ip, int &port) const override;
   socket_t socket() const override;
+  // deltaserve: bytes read from the socket and not yet taken.
+  bool has_buffered_data() const {
+    return read_buff_off_ < read_buff_content_size_;
+  }
+  // deltaserve: reads stop read_deadline_sec from now (0: no deadline).
+  void start_read_deadline(time_t read_deadline_sec) {
+    read_deadline_ = read_deadline_sec > 0
+                         ? std::chrono::steady_clock::now() +
+                               std::chrono::seconds(read_deadline_sec)
+                         : std::chrono::steady_clock::time_point{};
+  }
 
 private:
   socket_t sock_;
@@ -2582,14 +2593,27 @@ process_server_socket(const std::atomic<socket_t> &svr_sock, socket_t sock,
                       time_t read_timeout_usec, time_t write_timeout_sec,
                       time_t write_timeout_usec, T callback,
                       time_t read_deadline_sec = 0) {
-  return process_server_socket_core(
-      svr_sock, sock, keep_alive_max_count, keep_alive_timeout_sec,
-      [&](bool close_connection, bool &connection_closed) {
-        SocketStream strm(sock, read_timeout_sec, read_timeout_usec,
-                          write_timeout_sec, write_timeout_usec,
-                          read_deadline_sec);
-        return callback(strm, close_connection, connection_closed);
-      });
+  // deltaserve: one stream for the whole connection, so that what was read
+  // past a request (the next one, pipelined) stays for the next one; 0.11.4
+  // made a stream per request and dropped those bytes, answering only the
+  // first of several requests sent together. Each request gets its own read
+  // deadline.
+  SocketStream strm(sock, read_timeout_sec, read_timeout_usec,
+                    write_timeout_sec, write_timeout_usec);
+  assert(keep_alive_max_count > 0);
+  auto ret = false;
+  auto count = keep_alive_max_count;
+  while (svr_sock != INVALID_SOCKET && count > 0 &&
+         (strm.has_buffered_data() ||
+          keep_alive(sock, keep_alive_timeout_sec))) {
+    strm.start_read_deadline(read_deadline_sec);
+    auto close_connection = count == 1;
+    auto connection_closed = false;
+    ret = callback(strm, close_connection, connection_closed);
+    if (!ret || connection_closed) { break; }
+    count--;
+  }
+  return ret;
 }
 
 inline bool process_client_socket(socket_t sock, time_t read_timeout_sec,
@@ -3584,6 +3608,15 @@ bool prepare_content_receiver(T &x, int &status,
   return callback(std::move(out));
 }
 
+// deltaserve: a request whose Transfer-Encoding does not end in chunked has no
+// length a server can know (RFC 9112 section 6.3); a response is read to the
+// end of the stream then.
+inline bool unknown_request_length(const Request &req) {
+  return req.has_header("Transfer-Encoding") &&
+         !is_chunked_transfer_encoding(req.headers);
+}
+inline bool unknown_request_length(const Response &) { return false; }
+
 template <typename T>
 bool read_content(Stream &strm, T &x, size_t payload_max_length, int &status,
                   Progress progress, ContentReceiverWithProgress receiver,
@@ -3607,12 +3640,39 @@ bool read_content(Stream &strm, T &x, size_t payload_max_length, int &status,
               return out(buf, n, off, len);
             };
 
-        if (is_chunked_transfer_encoding(x.headers)) {
+        // deltaserve: a Content-Length that is not a number, or several that
+        // disagree, leave the message's length unknown: 400 (RFC 9112 section
+        // 6.3; 0.11.4 read the first with strtoull, so a second request could
+        // hide in a body, and "-5" meant 2^64 - 5).
+        uint64_t len = 0;
+        bool length_ok = true;
+        {
+          auto rng = x.headers.equal_range("Content-Length");
+          bool first = true;
+          for (auto it = rng.first; it != rng.second; ++it) {
+            const std::string &v = it->second;
+            uint64_t n = 0;
+            bool ok = !v.empty() && v.size() <= 19;
+            for (char c : v) {
+              if (c < '0' || c > '9') { ok = false; break; }
+              n = n * 10 + static_cast<uint64_t>(c - '0');
+            }
+            if (!ok || (!first && n != len)) { length_ok = false; break; }
+            len = n;
+            first = false;
+          }
+        }
+
+        // (Both framings in one message: 400 as well, RFC 9112 section 6.1.)
+        if (!length_ok || unknown_request_length(x) ||
+            (is_chunked_transfer_encoding(x.headers) &&
+             has_header(x.headers, "Content-Length"))) {
+          ret = false;
+        } else if (is_chunked_transfer_encoding(x.headers)) {
           ret = read_content_chunked(strm, limited);
         } else if (!has_header(x.headers, "Content-Length")) {
           ret = read_content_without_length(strm, limited);
         } else {
-          auto len = get_header_value<uint64_t>(x.headers, "Content-Length");
           if (len > payload_max_length) {
             exceed_payload_max_length = true;
             skip_content_with_length(strm, len);
@@ -4361,8 +4421,10 @@ inline bool expect_content(const Request &req) {
       req.method == "PRI" || req.method == "DELETE") {
     return true;
   }
-  // TODO: check if Content-Length is set
-  return false;
+  // deltaserve: any request with a body in its framing (a GET too) has it
+  // read; 0.11.4 took such a body for the next request on the connection.
+  return req.has_header("Content-Length") ||
+         req.has_header("Transfer-Encoding");
 }
 
 inline bool has_crlf(const std::string &s) {
@@ -5487,7 +5549,7 @@ inline bool Server::read_content_core(Stream &strm, Request &req, Response &res,
   // an empty body (RFC 9112 section 6.3; upstream waited for the client to
   // close, for DELETE only not).
   if (!req.has_header("Content-Length") &&
-      !detail::is_chunked_transfer_encoding(req.headers)) {
+      !req.has_header("Transfer-Encoding")) {
     return true;
   }
 
