@@ -23,6 +23,19 @@ int status_of(const std::function<void()>& f, std::string* param = nullptr) {
   return 0;
 }
 
+TEST(ServerOpenAI, ParseBodyChecksTheContentType) {
+  for (const char* ok : {"", "application/json", "application/json; charset=utf-8",
+                         "Application/JSON", " application/json ;charset=UTF-8",
+                         "application/merge-patch+json"}) {
+    EXPECT_EQ(parse_body("{\"a\": 1}", ok)["a"], 1) << ok;
+  }
+  for (const char* bad : {"text/plain", "application/x-www-form-urlencoded",
+                          "multipart/form-data; boundary=x", "text/json", "application/+json",
+                          "application/jsonx", "json"}) {
+    EXPECT_EQ(status_of([&] { parse_body("{\"a\": 1}", bad); }), 400) << bad;
+  }
+}
+
 TEST(ServerOpenAI, ParseBody) {
   EXPECT_EQ(status_of([] { parse_body("{\"a\": 1"); }), 400);
   EXPECT_EQ(status_of([] { parse_body(""); }), 400);

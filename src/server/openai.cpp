@@ -4,6 +4,7 @@
 #include "core/file_io.h"
 
 #include <algorithm>
+#include <cctype>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -144,6 +145,23 @@ std::optional<std::vector<int32_t>> get_id_list(const json& obj, const char* key
 }
 
 }  // namespace
+
+nlohmann::ordered_json parse_body(const std::string& body, const std::string& content_type) {
+  std::string media = content_type.substr(0, content_type.find(';'));
+  while (!media.empty() && (media.back() == ' ' || media.back() == '\t')) media.pop_back();
+  media.erase(0, std::min(media.size(), media.find_first_not_of(" \t")));
+  for (char& c : media) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const std::string app = "application/", suffix = "+json";
+  const bool json_type =
+      media == "application/json" ||
+      (media.starts_with(app) && media.size() > app.size() + suffix.size() &&
+       media.ends_with(suffix));
+  if (!content_type.empty() && !json_type) {
+    throw ApiError(400, "the request body must be JSON: Content-Type '" + content_type +
+                            "' is not application/json");
+  }
+  return parse_body(body);
+}
 
 nlohmann::ordered_json parse_body(const std::string& body) {
   if (body.empty()) throw ApiError(400, "the request body is empty (a JSON object is expected)");

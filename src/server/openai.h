@@ -94,6 +94,10 @@ std::vector<int32_t> parse_detokenize_request(const nlohmann::ordered_json& body
 // Reads the body as a JSON object (ApiError 400 with the parser's message otherwise; also for
 // nesting deeper than 512 levels, which later copies and dumps could not recurse through).
 nlohmann::ordered_json parse_body(const std::string& body);
+// parse_body for a request whose Content-Type header is `content_type` ("" when it has none): a
+// type other than application/json or application/*+json is a 400, as FastAPI (vLLM) answers,
+// so that a web page's form or text/plain POST (sent cross-site without a preflight) is refused.
+nlohmann::ordered_json parse_body(const std::string& body, const std::string& content_type);
 
 // Checks "model" when present: it must be one of `served` (404 otherwise).
 void check_model(const nlohmann::ordered_json& body, const std::vector<std::string>& served);

@@ -642,7 +642,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
   auto job = std::make_shared<Job>();
   std::vector<std::shared_ptr<RequestStream>> submitted;
   try {
-    const json body = parse_body(req.body);
+    const json body = parse_body(req.body, req.get_header_value("Content-Type"));
     check_model(body, opt_.model_names);
     SamplingRequest sr = parse_sampling_request(body, chat, opt_.limits);
     const Tokenizer* tok = engine_.tokenizer();
@@ -773,7 +773,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
 
 void Server::handle_tokenize(const httplib::Request& req, httplib::Response& res) {
   try {
-    const json body = parse_body(req.body);
+    const json body = parse_body(req.body, req.get_header_value("Content-Type"));
     check_model(body, opt_.model_names);
     const TokenizeRequest tr = parse_tokenize_request(body);
     const Tokenizer* tok = engine_.tokenizer();
@@ -816,7 +816,7 @@ void Server::handle_tokenize(const httplib::Request& req, httplib::Response& res
 
 void Server::handle_detokenize(const httplib::Request& req, httplib::Response& res) {
   try {
-    const json body = parse_body(req.body);
+    const json body = parse_body(req.body, req.get_header_value("Content-Type"));
     check_model(body, opt_.model_names);
     const Tokenizer* tok = engine_.tokenizer();
     if (!tok) throw ApiError(400, "this model has no tokenizer");

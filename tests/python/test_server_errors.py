@@ -377,6 +377,24 @@ def test_pipelined_requests_are_all_answered_in_order(server):
     assert b'"object":"list"' in heads[3]
 
 
+@pytest.mark.parametrize("ctype", [b"text/plain", b"application/x-www-form-urlencoded",
+                                   b"text/plain;charset=UTF-8"])
+def test_a_body_that_is_not_declared_json_gets_400(server, ctype):
+    """As FastAPI (vLLM): a JSON body under another Content-Type is refused. A web page can POST
+    text/plain or a form to a local server without a CORS preflight; such a request must not run."""
+    body = json.dumps(OK_COMPLETION).encode()
+    for path in (b"/v1/completions", b"/v1/chat/completions", b"/tokenize"):
+        out = raw(server, b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: %s\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (path, ctype, len(body)) + body, timeout=10)
+        status, _, rest = http_status_and_body(out)
+        assert status == 400, out[:300]
+        assert "Content-Type" in json.loads(rest)["error"]["message"]
+    # No Content-Type at all: read as JSON, as FastAPI does.
+    out = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body, timeout=10)
+    assert http_status_and_body(out)[0] == 200, out[:300]
+
+
 def test_expect_100_continue(server):
     """A body announced above the limit is refused before it is sent (curl asks with "Expect:
     100-continue" for large bodies): 413 as the first answer, no "100 Continue" first. One within
