@@ -353,6 +353,50 @@ TEST(Engine, QueueBoundHoldsWhileTheEngineAdmitsAndSteps) {
   EXPECT_TRUE(b->finished());
 }
 
+// submit_all queues one API request's sequences together or not at all: more than the queue can
+// ever hold is invalid (400, never a 429 that retrying cannot help), more than it has room for now
+// is kQueueFull with nothing queued, and one invalid sequence refuses them all.
+TEST(Engine, SubmitAllQueuesAllOrNone) {
+  NEED_TOKENIZER();
+  std::vector<int32_t> script = tok->encode("x y z");
+  auto owned = std::make_unique<GatedBackend>(script, 1, 16, 10000, tok->vocab_size());
+  GatedBackend* backend = owned.get();
+  EngineOptions o;
+  o.scheduler.max_batch = 1;
+  o.scheduler.chunk_size = 64;
+  o.scheduler.max_num_batched_tokens = 64;
+  o.scheduler.max_waiting = 3;
+  Engine eng(std::move(owned), tok, o);
+  const GenerationRequest slow = greedy(*tok, 3000);
+  auto kind_of = [&](std::vector<GenerationRequest> rs) -> std::string {
+    try {
+      for (auto& s : eng.submit_all(std::move(rs))) s->cancel();
+      return "queued";
+    } catch (const RejectedError& e) {
+      return e.kind == RejectedError::Kind::kInvalid ? "invalid:" + e.param : "full";
+    }
+  };
+  EXPECT_EQ(kind_of({slow, slow, slow, slow}), "invalid:n");
+  GenerationRequest bad = slow;
+  bad.max_tokens = 0;
+  EXPECT_EQ(kind_of({slow, bad}), "invalid:max_tokens");
+  EXPECT_EQ(eng.stats().n_waiting, 0);  // nothing of the refused ones queued
+
+  auto a = eng.submit(slow);  // A: takes the one slot
+  ASSERT_TRUE(backend->wait_entered(1));
+  auto two = eng.submit_all({slow, slow});  // B, C: two of the three waiting places
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(eng.stats().n_waiting, 2);
+  EXPECT_EQ(kind_of({slow, slow}), "full");  // room for one only: neither is queued
+  EXPECT_EQ(eng.stats().n_waiting, 2);
+  auto d = eng.submit_all({slow});  // the last place
+  EXPECT_EQ(eng.stats().n_waiting, 3);
+  backend->open();
+  eng.cancel_all();
+  EXPECT_TRUE(eng.wait_idle(std::chrono::milliseconds(5000)));
+  EXPECT_TRUE(a->finished() && two[0]->finished() && two[1]->finished() && d[0]->finished());
+}
+
 TEST(Engine, BatchInvariance32ConcurrentWithPreemption) {
   NEED_TOKENIZER();
   std::string script;

@@ -219,9 +219,10 @@ std::function<int()> setup_serve(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 16));
   app.add_option("--max-waiting", o->max_waiting,
-                 "Requests waiting for a slot at most (more get 429)")
+                 "Sequences waiting for a slot at most (each prompt x n of a request is one; more "
+                 "get 429, and a request with more than this many gets 400)")
       ->capture_default_str()
-      ->check(CLI::Range(0, 1 << 20));
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--api-key", o->api_key,
                  "Require 'Authorization: Bearer KEY' on /v1 (or env DELTASERVE_API_KEY)");
   app.add_option("--max-body-mb", o->max_body_mb, "Largest request body in MiB (larger: 413)")

@@ -177,6 +177,60 @@ Engine::~Engine() {
 }
 
 std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
+  std::vector<GenerationRequest> one;
+  one.push_back(std::move(request));
+  return submit_all(std::move(one)).front();
+}
+
+std::vector<std::shared_ptr<RequestStream>> Engine::submit_all(
+    std::vector<GenerationRequest> requests) {
+  using K = RejectedError::Kind;
+  DS_CHECK(!requests.empty(), "engine: submit_all of no requests");
+  std::vector<std::unique_ptr<Request>> rs;
+  rs.reserve(requests.size());
+  for (GenerationRequest& q : requests) rs.push_back(prepare(std::move(q)));
+  const int64_t n = static_cast<int64_t>(rs.size());
+  if (n > max_waiting_) {
+    throw RejectedError(K::kInvalid,
+                        std::to_string(n) + " sequences in one request (prompts x n) are more than "
+                                            "the waiting queue holds (" +
+                            std::to_string(max_waiting_) + ")",
+                        "n");
+  }
+  std::vector<std::shared_ptr<RequestStream>> streams;
+  {
+    std::lock_guard<std::mutex> lk(ctl_->mu);
+    if (!ctl_->accepting) throw RejectedError(K::kShuttingDown, "the server is shutting down");
+    const int64_t queued = static_cast<int64_t>(ctl_->incoming.size()) + ctl_->stats.n_waiting;
+    if (queued + n > max_waiting_) {
+      throw RejectedError(K::kQueueFull, "too many requests are waiting (" +
+                                             std::to_string(queued) + "); retry later");
+    }
+    for (std::unique_ptr<Request>& r : rs) {
+      r->id = ctl_->next_id++;
+      std::shared_ptr<RequestStream> stream(new RequestStream(r->id));
+      stream->pending_.n_prompt_tokens = static_cast<int>(r->req.prompt.size());
+      std::weak_ptr<Control> weak = ctl_;
+      stream->on_cancel_ = [weak](uint64_t id) {
+        if (auto c = weak.lock()) {
+          {
+            std::lock_guard<std::mutex> lk2(c->mu);
+            c->cancels.push_back(id);
+          }
+          c->cv.notify_all();
+        }
+      };
+      r->stream = stream;
+      ++ctl_->n_active;
+      ctl_->incoming.push_back(std::move(r));
+      streams.push_back(std::move(stream));
+    }
+  }
+  ctl_->cv.notify_all();
+  return streams;
+}
+
+std::unique_ptr<Engine::Request> Engine::prepare(GenerationRequest request) const {
   using K = RejectedError::Kind;
   const int n_prompt = static_cast<int>(request.prompt.size());
   if (n_prompt == 0) throw RejectedError(K::kInvalid, "the prompt is empty", "prompt");
@@ -265,34 +319,7 @@ std::shared_ptr<RequestStream> Engine::submit(GenerationRequest request) {
   r->t_submit = Clock::now();
   if (tokenizer_) r->decoder.emplace(*tokenizer_, request.skip_special_tokens);
   r->req = std::move(request);
-  std::shared_ptr<RequestStream> stream;
-  {
-    std::lock_guard<std::mutex> lk(ctl_->mu);
-    if (!ctl_->accepting) throw RejectedError(K::kShuttingDown, "the server is shutting down");
-    const int64_t queued = static_cast<int64_t>(ctl_->incoming.size()) + ctl_->stats.n_waiting;
-    if (queued >= max_waiting_) {
-      throw RejectedError(K::kQueueFull, "too many requests are waiting (" +
-                                             std::to_string(queued) + "); retry later");
-    }
-    r->id = ctl_->next_id++;
-    stream.reset(new RequestStream(r->id));
-    stream->pending_.n_prompt_tokens = n_prompt;
-    std::weak_ptr<Control> weak = ctl_;
-    stream->on_cancel_ = [weak](uint64_t id) {
-      if (auto c = weak.lock()) {
-        {
-          std::lock_guard<std::mutex> lk2(c->mu);
-          c->cancels.push_back(id);
-        }
-        c->cv.notify_all();
-      }
-    };
-    r->stream = stream;
-    ++ctl_->n_active;
-    ctl_->incoming.push_back(std::move(r));
-  }
-  ctl_->cv.notify_all();
-  return stream;
+  return r;
 }
 
 EngineStats Engine::stats() const {

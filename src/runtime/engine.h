@@ -186,6 +186,10 @@ class Engine {
 
   // Queues a request; throws RejectedError (invalid request, queue full, shutting down).
   std::shared_ptr<RequestStream> submit(GenerationRequest request);
+  // Queues all of `requests` (one API request's prompts x n) or none: each is checked first, and
+  // they take the waiting queue together (more than it can ever hold: kInvalid; more than it has
+  // room for now: kQueueFull). The streams are in the order of `requests`.
+  std::vector<std::shared_ptr<RequestStream>> submit_all(std::vector<GenerationRequest> requests);
 
   EngineStats stats() const;
   const ModelConfig& config() const { return config_; }
@@ -203,6 +207,8 @@ class Engine {
 
  private:
   struct Request;
+  // A checked request, ready to queue (RejectedError kInvalid otherwise).
+  std::unique_ptr<Request> prepare(GenerationRequest request) const;
   void loop();
   void finish(Request& r, FinishReason reason, const std::string& error = {});
   // Ends every request of `ids` that is still active with FinishReason::kError and `error`.

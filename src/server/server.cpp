@@ -640,7 +640,6 @@ std::string Server::render_chat_prompt(const json& input) const {
 
 void Server::handle_completions(const httplib::Request& req, httplib::Response& res, bool chat) {
   auto job = std::make_shared<Job>();
-  std::vector<std::shared_ptr<RequestStream>> submitted;
   try {
     const json body = parse_body(req.body, req.get_header_value("Content-Type"));
     check_model(body, opt_.model_names);
@@ -719,6 +718,7 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         if (!echoes[p].empty() && tok) echoes[p] = sanitize_utf8(tok->decode(prompts[p]));
       }
     }
+    std::vector<GenerationRequest> gens;  // one per choice, submitted together
     for (size_t p = 0; p < prompts.size(); ++p) {
       const int n_prompt = static_cast<int>(prompts[p].size());
       job->prompt_lens.push_back(n_prompt);
@@ -749,22 +749,25 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
         c.n_prompt = n_prompt;
         if (sr.return_token_ids) c.prompt_ids = prompts[p];
         if (chat) c.chat = std::make_unique<ChatOutput>(job->starts_in_reasoning, job->tools);
-        try {
-          c.stream = engine_.submit(std::move(g));
-        } catch (const RejectedError& e) {
-          throw ApiError(status_of(e.kind), e.what(), e.param);
-        }
-        c.stream->set_notifier(job->notifier);
-        submitted.push_back(c.stream);
+        gens.push_back(std::move(g));
         job->choices.push_back(std::move(c));
       }
     }
+    // All the choices or none: a request is never half queued.
+    std::vector<std::shared_ptr<RequestStream>> streams;
+    try {
+      streams = engine_.submit_all(std::move(gens));
+    } catch (const RejectedError& e) {
+      throw ApiError(status_of(e.kind), e.what(), e.param);
+    }
+    for (size_t i = 0; i < streams.size(); ++i) {
+      job->choices[i].stream = std::move(streams[i]);
+      job->choices[i].stream->set_notifier(job->notifier);
+    }
   } catch (const ApiError& e) {
-    for (auto& s : submitted) s->cancel();
     respond_error(res, e.status, e.what(), e.param);
     return;
   } catch (const Error& e) {
-    for (auto& s : submitted) s->cancel();
     respond_error(res, 400, e.what());
     return;
   }

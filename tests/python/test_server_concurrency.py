@@ -200,6 +200,28 @@ def test_queue_bound_answers_429_and_running_requests_finish(model, tmp_path):
         assert srv.stop() == 0, srv.log_text()
 
 
+def test_a_request_takes_the_queue_whole_or_not_at_all(model, tmp_path):
+    """A request's prompts x n sequences enter the waiting queue together: on an idle server with
+    room for 2, n=2 is always served (its choices used to be queued one by one, so the engine
+    could still count the first as waiting when the second came: 429 on an idle server), and
+    n=3 can never fit: 400 naming n, not a 429 that retrying cannot help."""
+    srv = ServerProc(model, "--max-batch", 4, "--max-waiting", 2, log_path=tmp_path / "server.log")
+    try:
+        for _ in range(20):
+            status, body = srv.request("POST", "/v1/completions",
+                                       {"prompt": "hi", "max_tokens": 2, "n": 2}, timeout=60)
+            assert status == 200, body
+            assert len(json.loads(body)["choices"]) == 2
+        for body in ({"prompt": "hi", "max_tokens": 2, "n": 3},
+                     {"prompt": ["a", "b", "c"], "max_tokens": 2}):
+            status, out = srv.request("POST", "/v1/completions", body, timeout=60)
+            assert status == 400, out
+            assert json.loads(out)["error"]["param"] == "n"
+        wait_drained(srv)
+    finally:
+        assert srv.stop() == 0, srv.log_text()
+
+
 def test_sigterm_drains_running_streams(model, tmp_path):
     """SIGTERM while streams run: new work gets 503, the running streams go on (the server still
     runs a request after it began draining), a short one finishes with "length", a LONG_RUN_TOKENS one
