@@ -106,6 +106,19 @@ TEST(ServerOpenAI, SamplingFields) {
                              lim);
   EXPECT_FALSE(r.prompt_logprobs);
   EXPECT_EQ(r.gen.prompt_logprobs, -1);
+  // seed: int64's range; a float at 2^63 (what 9223372036854775807.0 is as a double) is past it
+  // (it was cast to int64, undefined behaviour), -2^63 is its least value.
+  auto seed_status = [&](const char* body) {
+    return status_of([&] { parse_sampling_request(json::parse(body), false, lim); });
+  };
+  EXPECT_EQ(seed_status(R"({"seed": 9223372036854775807.0})"), 400);
+  EXPECT_EQ(seed_status(R"({"seed": 9223372036854775808})"), 400);
+  EXPECT_EQ(seed_status(R"({"seed": 1e19})"), 400);
+  EXPECT_EQ(seed_status(R"({"seed": -1e19})"), 400);
+  EXPECT_EQ(seed_status(R"({"seed": 9223372036854775807})"), 0);
+  EXPECT_EQ(seed_status(R"({"seed": -9223372036854775808})"), 0);
+  EXPECT_EQ(seed_status(R"({"seed": -9223372036854775808.0})"), 0);
+  EXPECT_EQ(seed_status(R"({"seed": 4611686018427387904.0})"), 0);  // 2^62
   r = parse_sampling_request(json::parse(R"({"max_tokens": 16.0, "temperature": null})"), false,
                              lim);
   EXPECT_EQ(r.gen.max_tokens, 16);

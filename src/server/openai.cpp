@@ -90,7 +90,10 @@ std::optional<int64_t> get_int(const json& obj, const char* key, int64_t lo, int
     const double d = v->get<double>();
     if (!std::isfinite(d) || d != std::floor(d))
       bad(key, std::string("must be an integer, got ") + v->dump());
-    if (d < static_cast<double>(lo) || d > static_cast<double>(hi)) {
+    // (int64's range in doubles is [-2^63, 2^63): 2^63 itself does not convert, and a bound
+    // near it does not convert to a double exactly, so the bounds are checked on x below.)
+    if (d < -0x1p63 || d >= 0x1p63 || d < static_cast<double>(lo) ||
+        d > static_cast<double>(hi)) {
       bad(key, "must be between " + std::to_string(lo) + " and " + std::to_string(hi) + ", got " +
                    v->dump());
     }
