@@ -161,6 +161,22 @@ TEST(Engine, StopTokenIdAndEos) {
   EXPECT_EQ(c.tokens.size(), 3u);  // the stop token is counted, its text is not output
   const std::vector<int32_t> first2(ids.begin(), ids.begin() + 2);
   EXPECT_EQ(c.text, tok->decode(first2));
+  EXPECT_EQ(c.last.stop_token, ids[2]);  // vLLM's stop_reason
+  EXPECT_EQ(c.last.stop_string, "");
+  // include_stop_str_in_output keeps the stop token's text too (vLLM's detokenizer).
+  r.include_stop_str = true;
+  c = collect(*eng->submit(r));
+  EXPECT_EQ(c.text, tok->decode(std::vector<int32_t>(ids.begin(), ids.begin() + 3)));
+  EXPECT_EQ(c.last.stop_token, ids[2]);
+  // A stop string wins over the stop token as the reason; it is the one matched.
+  r.include_stop_str = false;
+  r.stop_token_ids = {ids[3]};
+  r.stop = {"nothing", "beta"};
+  c = collect(*eng->submit(r));
+  EXPECT_EQ(c.last.finish, FinishReason::kStop);
+  EXPECT_EQ(c.text, "alpha ");
+  EXPECT_EQ(c.last.stop_string, "beta");
+  r.stop = {};
 
   // Script exhausted -> token 0 ("!"); with EOS honoured the marker (EOS) is never generated
   // here, so use a request whose script continues into an EOS id.
@@ -171,6 +187,7 @@ TEST(Engine, StopTokenIdAndEos) {
   Collected c2 = collect(*eng->submit(e));
   EXPECT_EQ(c2.last.finish, FinishReason::kLength);
   EXPECT_EQ(c2.last.n_generated, 40);
+  EXPECT_EQ(c2.last.stop_token, -1);
 }
 
 TEST(Engine, IdsBeyondTheTokenizerHaveNoText) {

@@ -63,6 +63,8 @@ bool RequestStream::next(StreamOutput& out, std::chrono::milliseconds timeout) {
   pending_.prompt_logprobs.clear();
   out.finish = pending_.finish;
   out.error = pending_.error;
+  out.stop_string = pending_.stop_string;
+  out.stop_token = pending_.stop_token;
   out.n_prompt_tokens = pending_.n_prompt_tokens;
   out.n_generated = pending_.n_generated;
   out.n_preemptions = pending_.n_preemptions;
@@ -115,6 +117,8 @@ struct Engine::Request {
   // preemption brings rows already taken).
   std::vector<GeneratedToken> prompt_lp;
   int next_prompt_lp = 1;
+  std::string stop_string;  // what stopped it (StreamOutput::stop_string / stop_token)
+  int32_t stop_token = -1;
   Clock::time_point t_submit;
   double ttft_s = -1;
   int n_preemptions = 0;
@@ -406,6 +410,10 @@ void Engine::finish(Request& r, FinishReason reason, const std::string& error) {
     std::lock_guard<std::mutex> lk(s.mu_);
     s.pending_.finish = reason;
     s.pending_.error = error;
+    if (reason == FinishReason::kStop) {
+      s.pending_.stop_string = r.stop_string;
+      s.pending_.stop_token = r.stop_token;
+    }
     s.pending_.e2e_s = std::chrono::duration<double>(Clock::now() - r.t_submit).count();
     s.done_ = true;
     notifier = s.notifier_;
@@ -450,16 +458,20 @@ size_t stop_holdback(const std::string& text, const std::vector<std::string>& st
 // include_stop_str at its end (of the first listed one, when several start there). Only matches
 // that end past `floor` bytes count (the text before it came within min_tokens; vLLM likewise
 // checks only what reaches past that point).
-size_t find_stop(const std::string& text, const GenerationRequest& q, size_t floor) {
-  size_t best = std::string::npos, len = 0;
+// `which`, when given, gets the stop string found.
+size_t find_stop(const std::string& text, const GenerationRequest& q, size_t floor,
+                 std::string* which = nullptr) {
+  size_t best = std::string::npos;
+  const std::string* found = nullptr;
   for (const std::string& stop : q.stop) {
     const size_t at = text.find(stop, floor >= stop.size() ? floor - stop.size() + 1 : 0);
     if (at < best) {
       best = at;
-      len = stop.size();
+      found = &stop;
     }
   }
-  return best == std::string::npos || !q.include_stop_str ? best : best + len;
+  if (found && which) *which = *found;
+  return best == std::string::npos || !q.include_stop_str ? best : best + found->size();
 }
 }  // namespace
 
@@ -543,9 +555,14 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
   // Within min_tokens nothing stops the output but its length (the stop ids were not sampled).
   const bool may_stop = r.generated.size() > static_cast<size_t>(q.min_tokens);
   if (may_stop && stops_on(q, token)) {
-    // The stop token's own text is never part of the output.
+    // The stop token's own text is part of the output only with include_stop_str_in_output (as
+    // vLLM's detokenizer has it; an EOS is a special token, so "" unless special tokens are
+    // shown). A stop string in the text wins, as in vLLM.
+    const auto& ids = q.stop_token_ids;
+    if (std::find(ids.begin(), ids.end(), token) != ids.end()) r.stop_token = token;
+    if (r.decoder && q.include_stop_str && token < tok_vocab_) r.held += r.decoder->push(token);
     if (r.decoder) r.held += r.decoder->flush();
-    const size_t at = find_stop(r.held, q, r.stop_floor);
+    const size_t at = find_stop(r.held, q, r.stop_floor, &r.stop_string);
     if (at != std::string::npos) r.held.resize(at);
     r.out_text += r.held;
     r.held.clear();
@@ -557,7 +574,7 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     // Ids past the tokenizer (checkpoints pad the embedding beyond it) decode to nothing.
     if (token < tok_vocab_) r.held += r.decoder->push(token);
     if (!q.stop.empty() && may_stop) {
-      const size_t at = find_stop(r.held, q, r.stop_floor);
+      const size_t at = find_stop(r.held, q, r.stop_floor, &r.stop_string);
       if (at != std::string::npos) {
         r.out_text += r.held.substr(0, at);
         r.held.clear();
@@ -572,7 +589,8 @@ void Engine::on_token(Request& r, int32_t token, const float* row) {
     if (r.decoder) {
       r.held += r.decoder->flush();
       r.decoder.reset();
-      const size_t at = may_stop ? find_stop(r.held, q, r.stop_floor) : std::string::npos;
+      const size_t at =
+          may_stop ? find_stop(r.held, q, r.stop_floor, &r.stop_string) : std::string::npos;
       if (at != std::string::npos) {
         r.held.resize(at);
         finish(r, FinishReason::kStop);

@@ -49,7 +49,8 @@ struct GenerationRequest {
   SamplingParams sampling;
   int max_tokens = 16;                  // generated tokens at most (>= 1)
   std::vector<std::string> stop;        // stop strings, excluded from the output (unless:)
-  bool include_stop_str = false;        // vLLM's include_stop_str_in_output: the matched one kept
+  // vLLM's include_stop_str_in_output: the matched stop string kept, and a stop token's text
+  bool include_stop_str = false;
   std::vector<int32_t> stop_token_ids;  // besides the EOS ids
   bool ignore_eos = false;
   // vLLM's min_tokens (0..max_tokens): until this many tokens are out, the EOS ids (unless
@@ -82,6 +83,10 @@ struct StreamOutput {
   std::vector<GeneratedToken> prompt_logprobs;
   FinishReason finish = FinishReason::kNone;
   std::string error;  // when finish == kError
+  // When finish == kStop, what stopped it (vLLM's stop_reason): the stop string, or else the id
+  // of stop_token_ids that was generated (-1 and "": an EOS id).
+  std::string stop_string;
+  int32_t stop_token = -1;
   // Totals, valid in every output.
   int n_prompt_tokens = 0;
   int n_generated = 0;

@@ -106,6 +106,7 @@ struct Server::Job {
     bool finished = false;
     FinishReason finish = FinishReason::kNone;
     std::string error;
+    json stop_reason;  // vLLM's: the stop string or stop_token_ids id that ended it, else null
     int n_prompt = 0, n_generated = 0;
     double ttft_s = -1, e2e_s = -1;
   };
@@ -345,14 +346,20 @@ struct Server::Job {
       c.finished = true;
       c.finish = out.finish;
       c.error = out.error;
+      if (!out.stop_string.empty())
+        c.stop_reason = out.stop_string;
+      else if (out.stop_token >= 0)
+        c.stop_reason = out.stop_token;
       if (metrics) metrics->record_request(out);
       if (stream) {
         if (c.finish == FinishReason::kError) {
           sse += "data: " + dump(error_body(500, "generation failed: " + c.error)) + "\n\n";
         }
         json ch = chunk_base();
-        json choice = {
-            {"index", c.index}, {"logprobs", nullptr}, {"finish_reason", final_finish_reason(c)}};
+        json choice = {{"index", c.index},
+                       {"logprobs", nullptr},
+                       {"finish_reason", final_finish_reason(c)},
+                       {"stop_reason", c.stop_reason}};
         if (chat)
           choice["delta"] = json::object();
         else
@@ -381,7 +388,9 @@ struct Server::Job {
               {"model", model}};
     json arr = json::array();
     for (Choice& c : choices) {
-      json choice = {{"index", c.index}, {"finish_reason", final_finish_reason(c)}};
+      json choice = {{"index", c.index},
+                     {"finish_reason", final_finish_reason(c)},
+                     {"stop_reason", c.stop_reason}};
       if (chat) {
         choice["message"] = c.chat->message();
         choice["logprobs"] = logprobs ? chat_logprobs(c.tokens) : json(nullptr);

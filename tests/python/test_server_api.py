@@ -109,6 +109,44 @@ def test_stop_string(client, stream, include):
         text, reason = r.choices[0].text, r.choices[0].finish_reason
     assert text == base[:at + len(stop) if include else at]
     assert reason == "stop"
+    # vLLM's stop_reason: the stop string matched (in the last chunk when streamed).
+    if stream:
+        assert chunks[-1].model_dump()["choices"][0]["stop_reason"] == stop
+    else:
+        assert r.model_dump()["choices"][0]["stop_reason"] == stop
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_token_ids_reason_and_text(client, server, stream):
+    """A stop_token_ids stop: stop_reason is the id (vLLM's), its text is left out unless
+    include_stop_str_in_output (as vLLM's detokenizer), and a length finish has stop_reason null."""
+    base = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True})
+    ids = base.model_dump()["choices"][0]["token_ids"]
+    assert base.model_dump()["choices"][0]["stop_reason"] is None  # length
+    k = next((i for i in range(2, len(ids)) if ids[i] not in ids[:i]), None)
+    if k is None:
+        pytest.skip("no fresh token to stop on")
+    for include in (False, True):
+        kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                  extra_body={"stop_token_ids": [ids[k]], "include_stop_str_in_output": include,
+                              "return_token_ids": True, "ignore_eos": True})
+        if stream:
+            chunks = [ch.model_dump() for ch in client.completions.create(stream=True, **kw)]
+            text = "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
+            got_ids = sum((ch["choices"][0].get("token_ids") or [] for ch in chunks if ch["choices"]), [])
+            last = chunks[-1]["choices"][0]
+        else:
+            last = client.completions.create(**kw).model_dump()["choices"][0]
+            text, got_ids = last["text"], last["token_ids"]
+        assert last["finish_reason"] == "stop" and last["stop_reason"] == ids[k]
+        assert got_ids == ids[:k + 1]
+        status, out = server.request("POST", "/detokenize",
+                                     {"tokens": ids[:k + 1] if include else ids[:k]},
+                                     headers={"Authorization": "Bearer " + API_KEY})
+        assert status == 200, out
+        want = json.loads(out)["prompt"]
+        assert text == want, (include, text, want)
 
 
 def test_continuous_usage_stats(client):
