@@ -957,8 +957,12 @@ void Server::start_job(std::shared_ptr<Job> job, const httplib::Request& req,
   res.set_header("X-Accel-Buffering", "no");
   // With the charset, as vLLM (Starlette) sends it: a client that goes by the header (Python
   // requests) would otherwise decode the chunks as Latin-1.
-  res.set_chunked_content_provider("text/event-stream; charset=utf-8", provider,
-                                   [release](bool /*success*/) { release(); });
+  // HTTP/1.0 has no chunked encoding (RFC 9112 section 6.1): the stream ends with the connection.
+  auto releaser = [release](bool /*success*/) { release(); };
+  if (req.version == "HTTP/1.0")
+    res.set_content_provider("text/event-stream; charset=utf-8", provider, releaser);
+  else
+    res.set_chunked_content_provider("text/event-stream; charset=utf-8", provider, releaser);
 }
 
 }  // namespace ds

@@ -395,6 +395,24 @@ def test_a_body_that_is_not_declared_json_gets_400(server, ctype):
     assert http_status_and_body(out)[0] == 200, out[:300]
 
 
+def test_http10_gets_no_chunked_encoding(server):
+    """HTTP/1.0 has no chunked encoding (RFC 9112 6.1): a stream is sent unframed and ends with the
+    connection, which the answer says closes; a plain answer has its Content-Length."""
+    body = json.dumps({"prompt": "hello", "max_tokens": 3, "stream": True}).encode()
+    t0 = time.time()
+    out = raw(server, b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body, timeout=10)
+    head, _, rest = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), out[:300]
+    assert b"transfer-encoding" not in head.lower() and b"keep-alive" not in head.lower(), head
+    assert b"connection: close" in head.lower(), head
+    assert rest.startswith(b"data: {") and rest.endswith(b"data: [DONE]\n\n"), rest
+    assert time.time() - t0 < 5  # closed by the server, not the client's timeout
+    out = raw(server, b"GET /health HTTP/1.0\r\n\r\n", timeout=10)
+    head = out.partition(b"\r\n\r\n")[0].lower()
+    assert b"content-length:" in head and b"connection: close" in head, head
+
+
 def test_expect_100_continue(server):
     """A body announced above the limit is refused before it is sent (curl asks with "Expect:
     100-continue" for large bodies): 413 as the first answer, no "100 Continue" first. One within

@@ -6079,6 +6079,17 @@ Server::process_request(Stream &strm, bool close_connection,
 
   if (routed) {
     if (res.status == -1) { res.status = req.ranges.empty() ? 200 : 206; }
+    // deltaserve: a body of unknown length (a content provider that is not
+    // chunked, what an HTTP/1.0 client gets for a stream) ends where the
+    // connection does; an HTTP/1.0 request without Keep-Alive is told it
+    // closes.
+    if ((res.content_provider_ && !res.is_chunked_content_provider_ &&
+         res.content_length_ == 0) ||
+        (req.version == "HTTP/1.0" &&
+         req.get_header_value("Connection") != "Keep-Alive")) {
+      connection_closed = true;
+      return write_response_with_content(strm, true, req, res);
+    }
     return write_response_with_content(strm, close_connection, req, res);
   } else {
     if (res.status == -1) { res.status = 404; }
