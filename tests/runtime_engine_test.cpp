@@ -333,21 +333,29 @@ class GatedBackend : public ScriptBackend {
   bool open_ = false;
 };
 
+// An engine of one slot over a GatedBackend (`backend`), with a waiting queue of max_waiting.
+std::unique_ptr<Engine> one_slot_gated_engine(std::shared_ptr<const Tokenizer> tok,
+                                              int max_waiting, GatedBackend*& backend) {
+  auto owned = std::make_unique<GatedBackend>(tok->encode("x y z"), 1, 16, 10000,
+                                              tok->vocab_size());
+  backend = owned.get();
+  EngineOptions o;
+  o.scheduler.max_batch = 1;
+  o.scheduler.chunk_size = 64;
+  o.scheduler.max_num_batched_tokens = 64;
+  o.scheduler.max_waiting = max_waiting;
+  return std::make_unique<Engine>(std::move(owned), tok, o);
+}
+
 // The queue bound holds in the window where the engine thread has taken a request from the
 // submit queue into its scheduler but has not yet refreshed its stats (it ran the next step
 // first): a request submitted then was counted as neither and admitted past the bound (seen in
 // CI as a server test's 429 request accepted and stuck behind a 30000-token stream).
 TEST(Engine, QueueBoundHoldsWhileTheEngineAdmitsAndSteps) {
   NEED_TOKENIZER();
-  std::vector<int32_t> script = tok->encode("x y z");
-  auto owned = std::make_unique<GatedBackend>(script, 1, 16, 10000, tok->vocab_size());
-  GatedBackend* backend = owned.get();
-  EngineOptions o;
-  o.scheduler.max_batch = 1;
-  o.scheduler.chunk_size = 64;
-  o.scheduler.max_num_batched_tokens = 64;
-  o.scheduler.max_waiting = 1;
-  Engine eng(std::move(owned), tok, o);
+  GatedBackend* backend = nullptr;
+  auto engine = one_slot_gated_engine(tok, 1, backend);
+  Engine& eng = *engine;
   GenerationRequest slow = greedy(*tok, 3000);
   auto a = eng.submit(slow);        // A: takes the one slot
   ASSERT_TRUE(backend->wait_entered(1));  // the engine is inside A's first step
@@ -375,15 +383,9 @@ TEST(Engine, QueueBoundHoldsWhileTheEngineAdmitsAndSteps) {
 // is kQueueFull with nothing queued, and one invalid sequence refuses them all.
 TEST(Engine, SubmitAllQueuesAllOrNone) {
   NEED_TOKENIZER();
-  std::vector<int32_t> script = tok->encode("x y z");
-  auto owned = std::make_unique<GatedBackend>(script, 1, 16, 10000, tok->vocab_size());
-  GatedBackend* backend = owned.get();
-  EngineOptions o;
-  o.scheduler.max_batch = 1;
-  o.scheduler.chunk_size = 64;
-  o.scheduler.max_num_batched_tokens = 64;
-  o.scheduler.max_waiting = 3;
-  Engine eng(std::move(owned), tok, o);
+  GatedBackend* backend = nullptr;
+  auto engine = one_slot_gated_engine(tok, 3, backend);
+  Engine& eng = *engine;
   const GenerationRequest slow = greedy(*tok, 3000);
   auto kind_of = [&](std::vector<GenerationRequest> rs) -> std::string {
     try {
