@@ -168,7 +168,7 @@ TEST(Engine, StopTokenIdAndEos) {
   c = collect(*eng->submit(r));
   EXPECT_EQ(c.text, tok->decode(std::vector<int32_t>(ids.begin(), ids.begin() + 3)));
   EXPECT_EQ(c.last.stop_token, ids[2]);
-  // A stop string wins over the stop token as the reason; it is the one matched.
+  // A stop string is the reason it names (the one matched).
   r.include_stop_str = false;
   r.stop_token_ids = {ids[3]};
   r.stop = {"nothing", "beta"};
@@ -176,6 +176,21 @@ TEST(Engine, StopTokenIdAndEos) {
   EXPECT_EQ(c.last.finish, FinishReason::kStop);
   EXPECT_EQ(c.text, "alpha ");
   EXPECT_EQ(c.last.stop_string, "beta");
+  // A stop token whose own text holds a stop string: without include_stop_str its text is not
+  // output, so the token is the reason; with it, the stop string in that text wins in the same
+  // step (as vLLM's detokenizer runs after the stop-token check).
+  ASSERT_EQ(tok->decode(std::vector<int32_t>{ids[1]}), " beta");
+  r.stop_token_ids = {ids[1]};
+  r.stop = {"beta"};
+  c = collect(*eng->submit(r));
+  EXPECT_EQ(c.text, "alpha");
+  EXPECT_EQ(c.last.stop_token, ids[1]);
+  EXPECT_EQ(c.last.stop_string, "");
+  r.include_stop_str = true;
+  c = collect(*eng->submit(r));
+  EXPECT_EQ(c.text, "alpha beta");
+  EXPECT_EQ(c.last.stop_string, "beta");
+  r.include_stop_str = false;
   r.stop = {};
 
   // Script exhausted -> token 0 ("!"); with EOS honoured the marker (EOS) is never generated

@@ -226,7 +226,7 @@ StepPlan Scheduler::schedule() {
     SeqWork w;
     w.slot = it.slot;
     w.tokens = std::span<const int32_t>(s.tokens.data() + it.begin, it.end - it.begin);
-    w.all_logits = it.begin < s.logits_until && it.end > s.logits_from;
+    w.all_logits = s.rows_due(it.begin, it.end);
     plan.work.push_back(w);
   }
   return plan;
@@ -239,7 +239,7 @@ void Scheduler::complete(const StepPlan& plan) {
     DS_ASSERT(found->second.n_cached == it.begin);
     SchedSeq& s = found->second;
     s.n_cached = it.end;
-    if (it.begin < s.logits_until && it.end > s.logits_from) s.logits_from = it.end;  // rows taken
+    if (s.rows_due(it.begin, it.end)) s.logits_from = it.end;  // the rows were taken
     if (s.logits_from >= s.logits_until) s.logits_from = s.logits_until = 0;
   }
 }

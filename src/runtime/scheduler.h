@@ -56,6 +56,8 @@ struct SchedSeq {
   int n_preemptions = 0;
   SeqStatus status = SeqStatus::kWaiting;
   int pending() const { return static_cast<int>(tokens.size()) - n_cached; }
+  // Whether tokens[begin, end) run with their logits rows (they reach the positions still due).
+  bool rows_due(int begin, int end) const { return begin < logits_until && end > logits_from; }
 };
 
 // One work item of a step: tokens[begin, end) of a sequence. When `sample` (end reaches the last

@@ -3,7 +3,6 @@
 
 #include <httplib.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -310,7 +309,6 @@ struct Server::Job {
         std::string text = out.text;
         if (!c.echo.empty()) {
           text = c.echo + text;
-          c.text_offset += utf8_length(c.echo);
           c.echo.clear();
         }
         if (!text.empty() || c.echo_lp ||
@@ -400,7 +398,6 @@ struct Server::Job {
         }
       } else {
         choice["text"] = c.echo + c.text;
-        c.text_offset = utf8_length(c.echo);
         choice["logprobs"] = logprobs ? completion_logprobs(c, c.tokens) : json(nullptr);
         if (return_token_ids) {
           choice["prompt_token_ids"] = c.prompt_ids;
@@ -441,15 +438,11 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
   // "Expect: 100-continue" for large bodies), not after reading it.
   http_->set_expect_100_continue_handler(
       [this](const httplib::Request& req, httplib::Response& res) {
-        const std::string len = req.get_header_value("Content-Length");
-        if (!len.empty()) {
-          errno = 0;
-          char* end = nullptr;
-          const unsigned long long n = std::strtoull(len.c_str(), &end, 10);
-          if (errno == ERANGE || (end && *end == '\0' && n > opt_.max_body_bytes)) {
-            res.status = 413;
-            return 413;
-          }
+        // (A length that is no number is left to the body's read: 400.)
+        uint64_t n = 0;
+        if (httplib::detail::parse_content_length(req.headers, n) && n > opt_.max_body_bytes) {
+          res.status = 413;
+          return 413;
         }
         return 100;
       });

@@ -331,6 +331,8 @@ def framed(headers: bytes, body: bytes) -> bytes:
     b"Content-Length: %(n)d, %(n)d\r\n",
     b"Content-Length: %(n)d\r\nTransfer-Encoding: chunked\r\n",  # both framings
     b"Transfer-Encoding: gzip\r\n",  # no length the server can know
+    b"Transfer-Encoding: chunked, gzip\r\n",
+    b"Transfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n",  # two: the last is not chunked
 ])
 def test_unknown_body_length_gets_400_and_no_second_request(server, headers):
     """A request whose body length is unknown (RFC 9112 6.3) gets 400 at once and the connection
@@ -348,6 +350,50 @@ def test_unknown_body_length_gets_400_and_no_second_request(server, headers):
     assert b"connection: close" in head.lower()
     assert time.time() - t0 < 1.5  # the read timeout is 2 s
     assert server.healthy()
+
+
+HIDDEN = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize("head,status", [
+    (b"POST /v1/completions HTTP/1.1\r\nRange: bytes=zz\r\n", 416),  # refused before routing
+    (b"POST /v1/" + b"a" * 9000 + b" HTTP/1.1\r\n", 414),  # URI too long
+])
+def test_a_body_left_unread_closes_the_connection(server, head, status):
+    """An answer given without reading the body (before routing, or by the pre-routing handler: see
+    test_unauthorised_body_is_not_a_second_request) closes the connection: the body is never
+    parsed as the next request."""
+    out = raw(server, head + b"Host: x\r\nContent-Length: %d\r\n\r\n" % len(HIDDEN) + HIDDEN,
+              timeout=10)
+    assert out.count(b"HTTP/1.1 ") == 1, out
+    assert out.startswith(b"HTTP/1.1 %d" % status), out[:200]
+    assert b"connection: close" in out.partition(b"\r\n\r\n")[0].lower()
+
+
+def test_unauthorised_body_is_not_a_second_request(model, tmp_path):
+    """The API key's 401 comes from the pre-routing handler, before the body is read: the
+    connection closes after it, so a request hidden in the body (with the key) is never run."""
+    srv = ServerProc(model, "--max-batch", 2, "--max-model-len", 256, "--api-key", "sekret",
+                     log_path=tmp_path / "server.log")
+    try:
+        hidden = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n\r\n"
+        out = raw(srv, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(hidden) + hidden, timeout=10)
+        assert out.startswith(b"HTTP/1.1 401"), out[:200]
+        assert out.count(b"HTTP/1.1 ") == 1, out
+    finally:
+        assert srv.stop() == 0, srv.log_text()
+
+
+def test_empty_line_before_a_request_is_skipped(server):
+    """RFC 9112 2.2: a CRLF before a request line (a client ending a body with an extra one) is
+    skipped, not answered 400 (which would then look like the answer to the next request)."""
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 1}).encode()
+    out = raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body + b"\r\n"
+              + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", timeout=10)
+    heads = out.split(b"HTTP/1.1 ")[1:]
+    assert len(heads) == 2 and all(h.startswith(b"200") for h in heads), out
 
 
 def test_get_body_is_not_a_second_request(server):
@@ -408,9 +454,12 @@ def test_http10_gets_no_chunked_encoding(server):
     assert b"connection: close" in head.lower(), head
     assert rest.startswith(b"data: {") and rest.endswith(b"data: [DONE]\n\n"), rest
     assert time.time() - t0 < 5  # closed by the server, not the client's timeout
-    out = raw(server, b"GET /health HTTP/1.0\r\n\r\n", timeout=10)
-    head = out.partition(b"\r\n\r\n")[0].lower()
-    assert b"content-length:" in head and b"connection: close" in head, head
+    for path, status in ((b"/health", b"200"), (b"/nowhere", b"404")):
+        out = raw(server, b"GET %s HTTP/1.0\r\n\r\n" % path, timeout=10)
+        head = out.partition(b"\r\n\r\n")[0].lower()
+        assert head.startswith(b"http/1.1 " + status), head
+        assert b"content-length:" in head and b"connection: close" in head, head
+        assert b"keep-alive" not in head, head
 
 
 def test_expect_100_continue(server):

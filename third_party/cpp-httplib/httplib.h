@@ -445,6 +445,9 @@ struct Request {
   // generation), whether the client has closed the connection (as newer
   // cpp-httplib's Request::is_connection_closed). Set by the server.
   std::function<bool()> is_connection_closed;
+  // deltaserve: the body has been read (or there is none): else the stream is
+  // at an unknown place after the answer, and the connection closes.
+  bool content_read_ = false;
 
   bool has_header(const std::string &key) const;
   std::string get_header_value(const std::string &key, size_t id = 0) const;
@@ -3608,12 +3611,35 @@ bool prepare_content_receiver(T &x, int &status,
   return callback(std::move(out));
 }
 
-// deltaserve: a request whose Transfer-Encoding does not end in chunked has no
-// length a server can know (RFC 9112 section 6.3); a response is read to the
-// end of the stream then.
+// deltaserve: a request whose Transfer-Encoding is not just chunked (another
+// coding, a list, several headers) has no length a server can know (RFC 9112
+// section 6.3); a response is read to the end of the stream then.
 inline bool unknown_request_length(const Request &req) {
-  return req.has_header("Transfer-Encoding") &&
-         !is_chunked_transfer_encoding(req.headers);
+  const auto n = req.get_header_value_count("Transfer-Encoding");
+  return n > 1 || (n == 1 && !is_chunked_transfer_encoding(req.headers));
+}
+
+// deltaserve: the message's Content-Length (0 when it has none; one past 2^64
+// reads as 2^64 - 1, too large for any limit); false when one is not a plain
+// number, or several disagree.
+inline bool parse_content_length(const Headers &headers, uint64_t &len) {
+  len = 0;
+  auto rng = headers.equal_range("Content-Length");
+  bool first = true;
+  for (auto it = rng.first; it != rng.second; ++it) {
+    const std::string &v = it->second;
+    uint64_t n = 0;
+    if (v.empty()) { return false; }
+    for (char c : v) {
+      if (c < '0' || c > '9') { return false; }
+      const auto d = static_cast<uint64_t>(c - '0');
+      n = n > (UINT64_MAX - d) / 10 ? UINT64_MAX : n * 10 + d;
+    }
+    if (!first && n != len) { return false; }
+    len = n;
+    first = false;
+  }
+  return true;
 }
 inline bool unknown_request_length(const Response &) { return false; }
 
@@ -3645,23 +3671,7 @@ bool read_content(Stream &strm, T &x, size_t payload_max_length, int &status,
         // 6.3; 0.11.4 read the first with strtoull, so a second request could
         // hide in a body, and "-5" meant 2^64 - 5).
         uint64_t len = 0;
-        bool length_ok = true;
-        {
-          auto rng = x.headers.equal_range("Content-Length");
-          bool first = true;
-          for (auto it = rng.first; it != rng.second; ++it) {
-            const std::string &v = it->second;
-            uint64_t n = 0;
-            bool ok = !v.empty() && v.size() <= 19;
-            for (char c : v) {
-              if (c < '0' || c > '9') { ok = false; break; }
-              n = n * 10 + static_cast<uint64_t>(c - '0');
-            }
-            if (!ok || (!first && n != len)) { length_ok = false; break; }
-            len = n;
-            first = false;
-          }
-        }
+        const bool length_ok = parse_content_length(x.headers, len);
 
         // (Both framings in one message: 400 as well, RFC 9112 section 6.1.)
         if (!length_ok || unknown_request_length(x) ||
@@ -5550,6 +5560,7 @@ inline bool Server::read_content_core(Stream &strm, Request &req, Response &res,
   // close, for DELETE only not).
   if (!req.has_header("Content-Length") &&
       !req.has_header("Transfer-Encoding")) {
+    req.content_read_ = true;
     return true;
   }
 
@@ -5557,6 +5568,7 @@ inline bool Server::read_content_core(Stream &strm, Request &req, Response &res,
                             out, true)) {
     return false;
   }
+  req.content_read_ = true;
 
   if (req.is_multipart_form_data()) {
     if (!multipart_form_data_parser.is_valid()) {
@@ -5948,6 +5960,13 @@ Server::process_request(Stream &strm, bool close_connection,
 
   // Connection has been closed on client
   if (!line_reader.getline()) { return false; }
+  // deltaserve: empty lines before a request line are skipped (RFC 9112
+  // section 2.2; a client may end a body with an extra CRLF).
+  for (int i = 0; i < 2 && (!strcmp(line_reader.ptr(), "\r\n") ||
+                            !strcmp(line_reader.ptr(), "\n"));
+       ++i) {
+    if (!line_reader.getline()) { return false; }
+  }
 
   Request req;
   Response res;
@@ -5973,7 +5992,8 @@ Server::process_request(Stream &strm, bool close_connection,
     Headers dummy;
     detail::read_headers(strm, dummy);
     res.status = 500;
-    return write_response(strm, close_connection, req, res);
+    connection_closed = true;  // deltaserve: a body may follow, unread
+    return write_response(strm, true, req, res);
   }
 #endif
 #endif
@@ -5983,7 +6003,8 @@ Server::process_request(Stream &strm, bool close_connection,
     Headers dummy;
     detail::read_headers(strm, dummy);
     res.status = 414;
-    return write_response(strm, close_connection, req, res);
+    connection_closed = true;  // deltaserve: a body may follow, unread
+    return write_response(strm, true, req, res);
   }
 
   // Request line and headers
@@ -6016,7 +6037,8 @@ Server::process_request(Stream &strm, bool close_connection,
     const auto &range_header_value = req.get_header_value("Range");
     if (!detail::parse_range_header(range_header_value, req.ranges)) {
       res.status = 416;
-      return write_response(strm, close_connection, req, res);
+      connection_closed = true;  // deltaserve: the body is unread
+      return write_response(strm, true, req, res);
     }
   }
 
@@ -6083,23 +6105,25 @@ Server::process_request(Stream &strm, bool close_connection,
     // chunked, what an HTTP/1.0 client gets for a stream) ends where the
     // connection does; an HTTP/1.0 request without Keep-Alive is told it
     // closes.
+    // Likewise a body left unread (a pre-routing handler answered: 401, 503).
     if ((res.content_provider_ && !res.is_chunked_content_provider_ &&
          res.content_length_ == 0) ||
-        (req.version == "HTTP/1.0" &&
-         req.get_header_value("Connection") != "Keep-Alive")) {
+        (detail::expect_content(req) && !req.content_read_)) {
       connection_closed = true;
-      return write_response_with_content(strm, true, req, res);
     }
-    return write_response_with_content(strm, close_connection, req, res);
+    return write_response_with_content(
+        strm, close_connection || connection_closed, req, res);
   } else {
     if (res.status == -1) { res.status = 404; }
     // deltaserve: a body that failed to read (413, 400) leaves the stream at an
     // unknown place, so the connection closes after the answer.
-    if (res.status != 404) {
+    if (res.status != 404 ||
+        (detail::expect_content(req) && !req.content_read_)) {
       connection_closed = true;
       return write_response(strm, true, req, res);
     }
-    return write_response(strm, close_connection, req, res);
+    return write_response(strm, close_connection || connection_closed, req,
+                          res);
   }
 }
 
