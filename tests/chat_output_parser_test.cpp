@@ -277,6 +277,18 @@ TEST(OutputParser, PromptEndsInReasoning) {
       OutputParser::prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
   EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning("<|im_start|>assistant\n"));
   EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning(""));
+  // A <think> in the user's (or a system, or a tool) message is text, not the output's state.
+  EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning(
+      "<|im_start|>user\nWhat does the <think> tag do?<|im_end|>\n<|im_start|>assistant\n"));
+  EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning(
+      "<|im_start|>system\nWrap notes in <think> tags.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+      "<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+  EXPECT_TRUE(OutputParser::prompt_ends_in_reasoning(
+      "<|im_start|>user\nthe <think> tag<|im_end|>\n<|im_start|>assistant\n<think>\n"));
+  // A continued assistant message that opened its reasoning (continue_final_message).
+  EXPECT_TRUE(OutputParser::prompt_ends_in_reasoning(
+      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nLet me see"));
+  EXPECT_FALSE(OutputParser::prompt_ends_in_reasoning("no turns here <think>"));
 }
 
 // Render an assistant turn with the real Qwen3.5 template, parse the generated part back.

@@ -290,16 +290,42 @@ TEST(ServerOpenAI, ChatInput) {
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
       "chat_template_kwargs": {"enable_thinking": true}})"));
   EXPECT_EQ(in["messages"][0]["role"], "system");
-  EXPECT_EQ(in["messages"][1]["content"], "ab");
+  EXPECT_EQ(in["messages"][1]["content"], "a\nb");  // parts line by line, as vLLM
   EXPECT_EQ(in["messages"][2]["content"], "");
   EXPECT_EQ(in["messages"][2]["tool_calls"][0]["function"]["arguments"]["x"],
             1);  // parsed for the template
   EXPECT_EQ(in["tools"].size(), 1u);
   EXPECT_EQ(in["enable_thinking"], true);
   EXPECT_EQ(in["add_generation_prompt"], true);
+  // tool_choice none: the tools are still rendered (vLLM's default), only not parsed for.
   json none = chat_template_input(json::parse(R"({"messages": [{"role": "user", "content": "x"}],
       "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})"));
-  EXPECT_FALSE(none.contains("tools"));
+  EXPECT_EQ(none["tools"].size(), 1u);
+  EXPECT_EQ(none["tool_choice_none"], true);
+  EXPECT_FALSE(in.contains("tool_choice_none"));
+  // A call of a function without parameters: arguments missing, null or "" are {} (as vLLM).
+  for (const char* args : {"", R"(, "arguments": null)", R"(, "arguments": "")"}) {
+    json e = chat_template_input(json::parse(
+        std::string(R"({"messages": [{"role": "assistant", "content": null, "tool_calls":
+            [{"id": "c", "type": "function", "function": {"name": "f")") +
+        args + "}}]}]}"));
+    EXPECT_EQ(e["messages"][0]["tool_calls"][0]["function"]["arguments"], json::object()) << args;
+  }
+  // chat_template_kwargs win over the defaults (add_generation_prompt), not over the messages.
+  json kw = chat_template_input(json::parse(R"({"messages": [{"role": "user", "content": "x"}],
+      "chat_template_kwargs": {"add_generation_prompt": false, "messages": [], "tools": [1]}})"));
+  EXPECT_EQ(kw["add_generation_prompt"], false);
+  EXPECT_EQ(kw["messages"].size(), 1u);
+  EXPECT_FALSE(kw.contains("tools"));
+  // top_logprobs 0 without logprobs is accepted (some clients send it by default); above 0 not.
+  EXPECT_EQ(status_of([] {
+              parse_sampling_request(json::parse(R"({"top_logprobs": 0})"), true, ApiLimits{});
+            }),
+            0);
+  EXPECT_EQ(status_of([] {
+              parse_sampling_request(json::parse(R"({"top_logprobs": 1})"), true, ApiLimits{});
+            }),
+            400);
 
   const std::vector<std::pair<const char*, const char*>> bad = {
       {R"({})", "messages"},

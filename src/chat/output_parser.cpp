@@ -407,9 +407,15 @@ bool OutputParser::step(OutputDelta& d, bool final) {
 }
 
 bool OutputParser::prompt_ends_in_reasoning(std::string_view prompt) {
-  size_t open = prompt.rfind(kThinkOpen);
+  // Only the turn being generated counts: a <think> in a user, system or tool message (or an
+  // earlier assistant turn) says nothing about how the output starts.
+  constexpr std::string_view kAssistantTurn = "<|im_start|>assistant";
+  const size_t turn = prompt.rfind(kAssistantTurn);
+  if (turn == std::string_view::npos) return false;
+  const std::string_view tail = prompt.substr(turn + kAssistantTurn.size());
+  const size_t open = tail.rfind(kThinkOpen);
   if (open == std::string_view::npos) return false;
-  return prompt.find(kThinkClose, open) == std::string_view::npos;
+  return tail.find(kThinkClose, open) == std::string_view::npos;
 }
 
 OutputDelta OutputParser::push(std::string_view text) {

@@ -52,8 +52,10 @@ class OutputParser {
                         const nlohmann::ordered_json& tools = nlohmann::ordered_json(),
                         bool parse_tool_calls = true);
 
-  // Whether generation after `prompt` starts inside reasoning: the prompt's last <think> is not
-  // closed (Qwen3.5's template with enable_thinking=true ends the prompt with "<think>\n").
+  // Whether generation after `prompt` starts inside reasoning: the last assistant turn's header
+  // ("<|im_start|>assistant") is followed by a <think> that is not closed (Qwen3.5's template
+  // with enable_thinking=true ends the prompt with "<think>\n"). A <think> elsewhere in the prompt
+  // (a user's text, a tool's result) does not count.
   static bool prompt_ends_in_reasoning(std::string_view prompt);
 
   OutputDelta push(std::string_view text);

@@ -265,7 +265,8 @@ SamplingRequest parse_sampling_request(const nlohmann::ordered_json& b, bool cha
   if (chat) {
     if (auto v = get_bool(b, "logprobs")) r.logprobs = *v;
     auto top = get_int(b, "top_logprobs", 0, lim.max_logprobs);
-    if (top && !r.logprobs) bad("top_logprobs", "requires 'logprobs' to be true");
+    // (0 without logprobs is what some clients send by default: vLLM takes it too.)
+    if (top && *top > 0 && !r.logprobs) bad("top_logprobs", "requires 'logprobs' to be true");
     if (r.logprobs) g.top_logprobs = top ? static_cast<int>(*top) : 0;
   } else {
     const json* lp = field(b, "logprobs");
@@ -471,6 +472,8 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
           bad(pw + ".type", "'" + type->get<std::string>() + "' is not supported (text only)");
         const json* t = field(part, "text");
         if (!t || !t->is_string()) bad(pw + ".text", "is required and must be a string");
+        // Parts are joined line by line, as vLLM renders them for a text-only template.
+        if (k > 0) text += '\n';
         text += t->get<std::string>();
       }
       out["content"] = text;
@@ -491,7 +494,13 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
         const json& fn = c["function"];
         if (!fn.contains("name") || !fn["name"].is_string())
           bad(cw + ".function.name", "is required and must be a string");
-        if (fn.contains("arguments") && fn["arguments"].is_string()) {
+        const bool no_arguments =
+            !fn.contains("arguments") || fn["arguments"].is_null() ||
+            (fn["arguments"].is_string() && fn["arguments"].get_ref<const std::string&>().empty());
+        if (no_arguments) {
+          // A call of a function without parameters: {} (as vLLM), which templates can iterate.
+          call["function"]["arguments"] = json::object();
+        } else if (fn["arguments"].is_string()) {
           // Templates iterate the arguments as a mapping (vLLM / transformers do the same).
           const std::string& text = fn["arguments"].get_ref<const std::string&>();
           if (nested_too_deep(text)) {
@@ -518,11 +527,6 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
   }
 
   json input = json::object();
-  if (const json* kw = field(b, "chat_template_kwargs")) {
-    if (!kw->is_object())
-      bad("chat_template_kwargs", std::string("must be an object, got ") + type_name(*kw));
-    for (auto it = kw->begin(); it != kw->end(); ++it) input[it.key()] = it.value();
-  }
   input["messages"] = messages;
   // vLLM's continue_final_message: the last message is left open for the model to continue (the
   // template does it as transformers does); it implies no generation prompt unless one is asked
@@ -539,6 +543,15 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
   // flag; this server always uses its own.
   if (field(b, "chat_template"))
     bad("chat_template", "is not supported (the server's chat template is used)");
+  // The request's template variables win over the defaults above (add_generation_prompt too), as
+  // in vLLM; the messages and tools are the ones checked here.
+  if (const json* kw = field(b, "chat_template_kwargs")) {
+    if (!kw->is_object())
+      bad("chat_template_kwargs", std::string("must be an object, got ") + type_name(*kw));
+    for (auto it = kw->begin(); it != kw->end(); ++it) {
+      if (it.key() != "messages" && it.key() != "tools") input[it.key()] = it.value();
+    }
+  }
   if (auto v = get_bool(b, "echo"); v && *v)
     bad("echo", "is not supported for chat completions");
 
@@ -576,8 +589,11 @@ nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& b) {
         bad(tw + ".function.parameters", "must be an object (a JSON schema)");
       }
     }
-    if (tool_choice != "none" && !tools->empty()) input["tools"] = *tools;
+    // With tool_choice "none" the tools are still rendered (vLLM's default): only the output is
+    // not parsed for calls (tool_choice_none, for the server).
+    if (!tools->empty()) input["tools"] = *tools;
   }
+  if (tool_choice == "none") input["tool_choice_none"] = true;
   return input;
 }
 

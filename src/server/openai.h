@@ -74,9 +74,11 @@ struct PromptInput {
 std::vector<PromptInput> parse_completion_prompts(const nlohmann::ordered_json& body);
 
 // Checks and normalises the chat request for the template: messages (roles system / developer /
-// user / assistant / tool; content a string, null, or a list of text parts, joined), tools,
-// tool_choice ("none" drops the tools; "auto"), chat_template_kwargs merged at top level,
-// add_generation_prompt. Returns the object ChatTemplate::render takes.
+// user / assistant / tool; content a string, null, or a list of text parts, joined by "\n";
+// a tool call's empty or null arguments as {}), tools, tool_choice ("auto", or "none": the tools
+// are still rendered and `tool_choice_none` tells the server not to parse calls),
+// add_generation_prompt, and chat_template_kwargs merged at top level over those (not over
+// messages or tools). Returns the object ChatTemplate::render takes.
 nlohmann::ordered_json chat_template_input(const nlohmann::ordered_json& body);
 
 // vLLM's POST /tokenize: `prompt` (a string) or `messages` (chat, rendered with the model's

@@ -672,7 +672,8 @@ void Server::handle_completions(const httplib::Request& req, httplib::Response& 
       const std::string text = render_chat_prompt(input);
       // Thinking on: the template opened <think> in the prompt, so generation starts as reasoning.
       job->starts_in_reasoning = OutputParser::prompt_ends_in_reasoning(text);
-      if (input.contains("tools")) job->tools = input["tools"];
+      if (input.contains("tools") && !input.contains("tool_choice_none"))
+        job->tools = input["tools"];
       prompts.push_back(encode_prompt(*tok, text));
       echoes.emplace_back();
     } else {

@@ -387,6 +387,25 @@ def test_chat_equals_generate_on_rendered_prompt(client, model):
         str(TOKDIR / "tokenizer.json")).encode(prompt, add_special_tokens=False).ids)
 
 
+def test_think_tag_in_a_message_is_text(client):
+    """A literal <think> in a user (or system) message does not put the answer in reasoning: only
+    the turn being generated decides (it made every token reasoning_content, and lost tool calls)."""
+    kw = dict(model="tiny", max_tokens=8, temperature=0,
+              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    for text in ("What does the <think> tag do?", "What does the tag do?"):
+        r = client.chat.completions.create(
+            messages=[{"role": "system", "content": "Wrap notes in <think> tags."},
+                      {"role": "user", "content": text}], **kw)
+        msg = r.choices[0].message
+        assert (msg.content or "") != "" and not getattr(msg, "reasoning_content", None), (text, msg)
+    # No generation prompt at all: nothing of the output's turn is in the prompt.
+    r = client.chat.completions.create(
+        messages=[{"role": "user", "content": "What does the <think> tag do?"}],
+        model="tiny", max_tokens=8, temperature=0, extra_body={"add_generation_prompt": False})
+    msg = r.choices[0].message
+    assert (msg.content or "") != "" and not getattr(msg, "reasoning_content", None), msg
+
+
 def test_chat_stream_equals_nonstream(client):
     messages = [{"role": "user", "content": "Count to three."}]
     full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
@@ -456,10 +475,11 @@ def test_chat_with_tools(client):
     ]
     r2 = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=4, temperature=0)
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens
-    # tool_choice none: the tools are not rendered.
+    # tool_choice none: the tools are still rendered (vLLM's default), only calls are not parsed.
     r3 = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none",
                                         max_tokens=4, temperature=0)
-    assert r3.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert r3.usage.prompt_tokens == r.usage.prompt_tokens
+    assert r3.choices[0].finish_reason in ("stop", "length")
 
 
 def test_n_and_several_prompts(client):
