@@ -219,8 +219,39 @@ TEST(OutputParser, MalformedToolCallsBecomeContent) {
   EXPECT_TRUE(r.calls.empty());
   r = parse_all_ways("<tool_call>\n{\"not\": \"a call\"}\n</tool_call>");
   EXPECT_EQ(r.content, "<tool_call>\n{\"not\": \"a call\"}\n</tool_call>");
+  // Text that is no call comes back as written, the whitespace before the marker too (it was
+  // dropped: "x<tool_call>"), as vLLM returns such output verbatim.
   r = parse_all_ways("x <tool_call>\n<func");  // cut off before the function name
-  EXPECT_EQ(r.content, "x<tool_call>\n<func");
+  EXPECT_EQ(r.content, "x <tool_call>\n<func");
+  r = parse_all_ways("Hello\n\n<tool_call>hello world");
+  EXPECT_EQ(r.content, "Hello\n\n<tool_call>hello world");
+  r = parse_all_ways("Hello\n\n<tool_call>\n{\"broken\": </tool_call>");
+  EXPECT_EQ(r.content, "Hello\n\n<tool_call>\n{\"broken\": </tool_call>");
+  EXPECT_TRUE(r.calls.empty());
+}
+
+// A Qwen3 JSON call the output ends in before its </tool_call> (a stop string there, or the
+// length) is still a call when it parses, as vLLM's hermes parser reads it; one that does not
+// parse stays content.
+TEST(OutputParser, UnclosedJsonToolCallAtTheEnd) {
+  Result r = parse_all_ways("Sure.\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n");
+  EXPECT_EQ(r.content, "Sure.");
+  ASSERT_EQ(r.calls.size(), 1u);
+  EXPECT_EQ(r.calls[0], (std::pair<std::string, std::string>{"f", "{\"a\": 1}"}));
+  r = parse_all_ways("Sure.\n<tool_call>\n{\"name\": \"f\", \"argu");
+  EXPECT_TRUE(r.calls.empty());
+  EXPECT_EQ(r.content, "Sure.\n<tool_call>\n{\"name\": \"f\", \"argu");
+}
+
+// A parameter name or value with bytes that are not UTF-8 (the server's detokenizer never gives
+// such text; the parser must not throw on it anyway): U+FFFD in the arguments.
+TEST(OutputParser, ParameterWithInvalidUtf8DoesNotThrow) {
+  const std::string text =
+      "<tool_call>\n<function=f>\n<parameter=k\xff>\nv\xfe\n</parameter>\n</function>\n</tool_call>";
+  Result r;
+  EXPECT_NO_THROW(r = run_chunks({text}, false, ojson()));
+  ASSERT_EQ(r.calls.size(), 1u);
+  EXPECT_EQ(ojson::parse(r.calls[0].second).size(), 1u);
 }
 
 // Model output is not bounded like request JSON: arguments nested deeper than a template value

@@ -68,9 +68,16 @@ std::string dumps(const ojson& v) {
 std::optional<std::string> try_dumps(const ojson& v) {
   try {
     return dumps(v);
-  } catch (const Error&) {
+  } catch (const std::exception&) {  // ds::Error, or nlohmann's (invalid UTF-8, say)
     return std::nullopt;
   }
+}
+
+// s with every byte that is not UTF-8 as U+FFFD (arguments must be JSON a client can parse, and
+// a template value's dump does not check).
+std::string valid_utf8(const std::string& s) {
+  return ojson::parse(ojson(s).dump(-1, ' ', false, ojson::error_handler_t::replace))
+      .get<std::string>();
 }
 
 void append_args(OutputDelta& d, int index, const std::string& piece) {
@@ -186,9 +193,10 @@ void OutputParser::add_argument(OutputDelta& d, const std::string& key,
   std::string_view v(raw_value);
   if (starts_with(v, "\n")) v.remove_prefix(1);  // the template writes ">\n" VALUE "\n</parameter>"
   if (!v.empty() && v.back() == '\n') v.remove_suffix(1);
-  std::optional<std::string> value = try_dumps(convert_value(key, std::string(v)));
-  if (!value) value = dumps(ojson(std::string(v)));  // the raw text, as a string
-  std::string piece = (n_args_ == 0 ? "{" : ", ") + dumps(ojson(key)) + ": " + *value;
+  const std::string name = valid_utf8(key), text = valid_utf8(std::string(v));
+  std::optional<std::string> value = try_dumps(convert_value(name, text));
+  if (!value) value = dumps(ojson(text));  // the raw text, as a string
+  std::string piece = (n_args_ == 0 ? "{" : ", ") + dumps(ojson(name)) + ": " + *value;
   ++n_args_;
   calls_.back().arguments += piece;
   append_args(d, static_cast<int>(calls_.size()) - 1, piece);
@@ -236,6 +244,7 @@ bool OutputParser::step(OutputDelta& d, bool final) {
           while (end > 0 && is_ws(buf_[end - 1]))
             --end;  // the template's "\n\n" before <tool_call>
           emit_content(d, std::string_view(buf_).substr(0, end));
+          ws_before_tool_ = buf_.substr(end, pos - end);  // output again if not a call
           buf_.erase(0, pos + kToolOpen.size());
           state_ = State::kToolCall;
           return true;
@@ -296,8 +305,8 @@ bool OutputParser::step(OutputDelta& d, bool final) {
       } else if (is_prefix_of(rest, kFunctionOpen)) {
         return false;
       }
-      // Not a tool call after all: the marker and the text are content.
-      emit_content(d, kToolOpen);
+      // Not a tool call after all: the marker and the text are content, as written.
+      emit_content(d, ws_before_tool_ + std::string(kToolOpen));
       state_ = State::kContent;
       content_started_ = true;
       return true;
@@ -372,31 +381,8 @@ bool OutputParser::step(OutputDelta& d, bool final) {
       if (pos == std::string::npos) return false;
       std::string text = buf_.substr(0, pos);
       buf_.erase(0, pos + kToolClose.size());
-      ojson j = ojson::parse(text, nullptr, false);
-      bool ok = j.is_object() && j.contains("name") && j["name"].is_string();
-      std::string args = "{}";
-      if (ok && j.contains("arguments")) {
-        const ojson& a = j["arguments"];
-        std::optional<std::string> dumped;
-        if (a.is_object()) {
-          dumped = try_dumps(a);
-        } else if (a.is_string()) {
-          ojson inner = ojson::parse(a.get<std::string>(), nullptr, false);
-          if (inner.is_object()) dumped = try_dumps(inner);
-        }
-        if (dumped)
-          args = std::move(*dumped);
-        else
-          ok = false;
-      }
-      if (ok) {
-        open_call(d, j["name"].get<std::string>());
-        calls_.back().arguments = args;
-        append_args(d, static_cast<int>(calls_.size()) - 1, args);
-        call_open_ = false;
-      } else {
-        emit_content(d, std::string(kToolOpen) + text + std::string(kToolClose));
-      }
+      if (!json_call(d, text))
+        emit_content(d, ws_before_tool_ + std::string(kToolOpen) + text + std::string(kToolClose));
       state_ = State::kContent;
       content_started_ = true;
       drop_whitespace_ = true;
@@ -404,6 +390,29 @@ bool OutputParser::step(OutputDelta& d, bool final) {
     }
   }
   return false;
+}
+
+bool OutputParser::json_call(OutputDelta& d, const std::string& text) {
+  ojson j = ojson::parse(text, nullptr, false);
+  if (!j.is_object() || !j.contains("name") || !j["name"].is_string()) return false;
+  std::string args = "{}";
+  if (j.contains("arguments")) {
+    const ojson& a = j["arguments"];
+    std::optional<std::string> dumped;
+    if (a.is_object()) {
+      dumped = try_dumps(a);
+    } else if (a.is_string()) {
+      ojson inner = ojson::parse(a.get<std::string>(), nullptr, false);
+      if (inner.is_object()) dumped = try_dumps(inner);
+    }
+    if (!dumped) return false;
+    args = std::move(*dumped);
+  }
+  open_call(d, j["name"].get<std::string>());
+  calls_.back().arguments = args;
+  append_args(d, static_cast<int>(calls_.size()) - 1, args);
+  call_open_ = false;
+  return true;
 }
 
 bool OutputParser::prompt_ends_in_reasoning(std::string_view prompt) {
@@ -431,9 +440,13 @@ OutputDelta OutputParser::finish() {
   while (step(d, true)) {
   }
   switch (state_) {
-    case State::kToolCall:
     case State::kJsonCall:
-      emit_content(d, kToolOpen);
+      // A JSON call the output ended in before its </tool_call> (a stop string at it, say) is
+      // still a call when it parses, as vLLM's hermes parser reads it.
+      if (json_call(d, buf_)) break;
+      [[fallthrough]];
+    case State::kToolCall:
+      emit_content(d, ws_before_tool_ + std::string(kToolOpen));
       emit_content(d, buf_);
       break;
     case State::kFunction:

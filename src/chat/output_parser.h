@@ -85,6 +85,9 @@ class OutputParser {
   void open_call(OutputDelta& d, const std::string& name);
   void add_argument(OutputDelta& d, const std::string& key, const std::string& raw_value);
   void close_call(OutputDelta& d);
+  // A Qwen3 JSON call {"name", "arguments"} (the text inside <tool_call>): emitted as a call and
+  // true, or false (not one) with nothing emitted.
+  bool json_call(OutputDelta& d, const std::string& text);
   nlohmann::ordered_json convert_value(const std::string& param, const std::string& raw) const;
 
   State state_;
@@ -94,6 +97,7 @@ class OutputParser {
   bool strip_newlines_ = false;     // drop leading newlines of content (after </think>)
   bool reasoning_started_ = false;  // a non-newline reasoning char was emitted
   bool drop_whitespace_ = false;    // between / after tool calls
+  std::string ws_before_tool_;      // whitespace before the last <tool_call>, if it is no call
   std::string param_name_;
   int n_args_ = 0;  // parameters emitted for the open call
   bool call_open_ = false;
