@@ -491,6 +491,15 @@ TEST(ServerChatOutput, NoToolsMeansToolMarkupStaysContent) {
   out.finish();
   EXPECT_EQ(out.message()["content"], "hello");
   EXPECT_FALSE(out.message().contains("tool_calls"));
+  // Reasoning and no answer (cut off while thinking): content null, as vLLM; nothing at all: "".
+  ChatOutput thinking(true, json());
+  thinking.push("still thinking");
+  thinking.finish();
+  EXPECT_TRUE(thinking.message()["content"].is_null());
+  EXPECT_EQ(thinking.message()["reasoning_content"], "still thinking");
+  ChatOutput empty(false, json());
+  empty.finish();
+  EXPECT_EQ(empty.message()["content"], "");
 }
 
 }  // namespace

@@ -60,7 +60,9 @@ json ChatOutput::message() const {
   const OutputParser& p = impl_->parser;
   json m = {{"role", "assistant"}};
   const auto& calls = p.tool_calls();
-  m["content"] = calls.empty() || !p.content().empty() ? json(p.content()) : json(nullptr);
+  // No content beside tool calls or reasoning: null (OpenAI's, and vLLM's `content or None`).
+  const bool none = p.content().empty() && (!calls.empty() || !p.reasoning().empty());
+  m["content"] = none ? json(nullptr) : json(p.content());
   if (!p.reasoning().empty()) m["reasoning_content"] = p.reasoning();
   if (!calls.empty()) {
     json arr = json::array();
