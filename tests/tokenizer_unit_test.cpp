@@ -331,6 +331,9 @@ TEST(TokenizerLoad, ClearErrors) {
                    "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})",
                "does not compile");
   expect_error(R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": ["a"]}})", "two tokens");
+  // An id far past the entries: a clear error, not a ~32 GB table (std::bad_alloc).
+  expect_error(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 1000000000}, "merges": []}})",
+               "far beyond the vocabulary's 2 entries");
   fs::remove_all(dir);
 }
 

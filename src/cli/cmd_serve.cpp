@@ -106,6 +106,13 @@ int run_serve(const ServeOpts& o) {
     bo.chunk_size = o.chunk_size;
     backend = make_backend(bo, weights);
   }
+  // (As vLLM: a context past the positions the model was made for is refused, as generate and
+  // score refuse such prompts.)
+  const int max_pos = backend->config().max_position_embeddings;
+  if (max_pos > 0 && o.max_model_len > max_pos) {
+    throw_error("--max-model-len ", o.max_model_len, " exceeds the model's max_position_embeddings ",
+                max_pos);
+  }
   if (tok && tok->vocab_size() > backend->config().vocab_size) {
     throw_error("the tokenizer of ", tok_dir, " has ", tok->vocab_size(),
                 " tokens but the model's vocab_size is ", backend->config().vocab_size);

@@ -449,6 +449,12 @@ Server::Server(Engine& engine, ChatRenderFn render_chat, ServerOptions options)
   // Stream chunks are small writes, one per step: send each at once (no Nagle delay waiting for
   // the client's delayed ACK).
   http_->set_tcp_nodelay(true);
+  // SO_REUSEADDR only: httplib's default also sets SO_REUSEPORT, with which a second server on a
+  // port in use starts too and the kernel splits the connections between the two.
+  http_->set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, reinterpret_cast<const void*>(&yes), sizeof(yes));
+  });
 
   http_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     // Range has no meaning here (RFC 9110 lets a server ignore it): httplib would answer a POST

@@ -457,6 +457,13 @@ int32_t parse_id(const json& v, const std::string& where) {
 void load_vocab_and_merges(Tokenizer::Impl& impl, const VocabFile& vf,
                            const std::string& vocab_where, const std::string& merges_where) {
   impl.token_to_id.reserve(vf.vocab.size() + 64);
+  // Ids index a table (a string per id): one far past the number of entries would make it huge
+  // (id 10^9: ~32 GB, a bad_alloc or the OOM killer). Real vocabularies are dense.
+  const int64_t max_id = static_cast<int64_t>(vf.vocab.size()) + (int64_t{1} << 20);
+  for (const auto& [token, id64] : vf.vocab) {
+    DS_CHECK(id64 < max_id, vocab_where, ": `", token, "` has id ", id64,
+             ", far beyond the vocabulary's ", vf.vocab.size(), " entries");
+  }
   for (const auto& [token, id64] : vf.vocab) {
     const auto id = static_cast<int32_t>(id64);
     impl.token_to_id[token] = id;

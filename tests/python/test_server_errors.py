@@ -462,6 +462,29 @@ def test_http10_gets_no_chunked_encoding(server):
         assert b"keep-alive" not in head, head
 
 
+def test_a_port_in_use_is_refused(server):
+    """A second server on a port in use fails at start: with SO_REUSEPORT (httplib's default) it
+    listened too, and the kernel split the connections between the two servers."""
+    import subprocess
+    from server_util import BIN
+    p = subprocess.run([str(BIN), "serve", "--model", str(server.args[3]), "--port", str(server.port),
+                        "--max-model-len", "256"], capture_output=True, timeout=120)
+    assert p.returncode != 0, p.stderr.decode(errors="replace")[-500:]
+    assert b"cannot listen" in p.stderr, p.stderr[-500:]
+    assert server.healthy()
+
+
+def test_max_model_len_past_the_positions_is_refused(server):
+    """--max-model-len above the model's max_position_embeddings is refused at start (vLLM does;
+    generate and score refuse such prompts), not served past the positions the model has."""
+    import subprocess
+    from server_util import BIN
+    p = subprocess.run([str(BIN), "serve", "--model", str(server.args[3]), "--port", "0",
+                        "--max-model-len", "10000000"], capture_output=True, timeout=120)
+    assert p.returncode != 0
+    assert b"max_position_embeddings" in p.stderr, p.stderr[-500:]
+
+
 def test_expect_100_continue(server):
     """A body announced above the limit is refused before it is sent (curl asks with "Expect:
     100-continue" for large bodies): 413 as the first answer, no "100 Continue" first. One within
