@@ -3,6 +3,8 @@
 // itself); here the unit-level contracts: values, whitespace rules, scoping, errors with location.
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include "chat/chat_template.h"
 #include "chat/jinja.h"
 
@@ -177,6 +179,22 @@ namespace {
 
 // Robustness: mutated real templates and random token soups must either render or throw
 // TemplateError / Error, never crash or hang.
+// Nested loops whose ranges are each within the sandbox's cap still end: a render runs at most
+// 2,000,000 loop iterations (this one ran for minutes on a request thread), then fails cleanly.
+TEST(Jinja, NestedLoopsHaveABudget) {
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    render("{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}{% endfor %}");
+    ADD_FAILURE() << "100M iterations rendered";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("loop iterations"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  // Within the budget: fine.
+  EXPECT_EQ(render("{% for a in range(1000) %}{% for b in range(1000) %}{% endfor %}{% endfor %}ok"),
+            "ok");
+}
+
 TEST(Jinja, MutatedTemplatesFailCleanly) {
   std::string base =
       "{%- set ns = namespace(a=1) %}{% macro m(x, y=2) %}{{ x ~ y }}{% endmacro %}"

@@ -30,6 +30,10 @@ namespace {
 
 constexpr int kMaxCallDepth = 256;
 constexpr int64_t kMaxRange = 100000;  // jinja2.sandbox.MAX_RANGE
+// Loop iterations of one render at most: ranges are capped one by one, but nested loops are not
+// (range(10000) inside range(10000) ran for minutes on a request thread). Real chat templates
+// take thousands (messages x tools x parameters).
+constexpr int64_t kMaxLoopSteps = 2000000;
 
 struct Scope;
 using ScopePtr = std::shared_ptr<Scope>;
@@ -1009,6 +1013,7 @@ class Renderer {
     if (s.exprs.size() > 1) {  // loop filter: `for x in xs if cond`
       ValueList kept;
       for (const Value& item : items) {
+        count_loop_step();
         auto fs = std::make_shared<Scope>(scope);
         bind_targets(s.targets, fs, item);
         if (eval(*s.exprs[1], fs).truthy()) kept.push_back(item);
@@ -1017,6 +1022,7 @@ class Renderer {
     }
     size_t n = items.size();
     for (size_t i = 0; i < n; ++i) {
+      count_loop_step();
       auto it = std::make_shared<Scope>(scope);
       bind_targets(s.targets, it, items[i]);
       Dict loop;
@@ -1044,6 +1050,11 @@ class Renderer {
       if (f == Flow::kBreak) break;
     }
     if (n == 0 && s.bodies.size() > 1) exec_body(s.bodies[1], std::make_shared<Scope>(scope), out);
+  }
+
+  void count_loop_step() {
+    if (++loop_steps_ > kMaxLoopSteps)
+      fail("the template ran more than " + std::to_string(kMaxLoopSteps) + " loop iterations");
   }
 
   Value call_macro(const Stmt& m, const ScopePtr& def_scope, CallArgs& a) {
@@ -1350,6 +1361,7 @@ class Renderer {
   Value block_input_;
   int line_ = 0, col_ = 0;
   int depth_ = 0;
+  int64_t loop_steps_ = 0;  // loop iterations of this render (kMaxLoopSteps)
 };
 
 // ---------------------------------------------------------------------------------------------
