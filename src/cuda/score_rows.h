@@ -10,9 +10,9 @@ namespace ds::cuda {
 // target token targets[i]) the target's logprob = (l_t - max) - log(sum e^(l - max)) (float exps
 // summed in float per thread, then across the block), its rank (how many logits are >= l_t,
 // vLLM's) and the top_k (<= kMaxScoreTop, <= vocab) largest logits' ids and logprobs, best
-// first, ties to the lower id; a NaN logit counts as -inf (the host's scoring gives such a row no
-// meaningful logprob either). out: [n, score_stride(top_k)] 32-bit words: logprob (float), rank (int), then
-// top_k x (id (int), logprob (float)). One block per row; top_k + 2 passes over the row.
+// first, ties to the lower id; a NaN logit counts as -inf (as in the host's position_logprobs).
+// out: [n, score_stride(top_k)] 32-bit words: logprob (float), rank (int), then top_k x (id
+// (int), logprob (float)). One block per row; top_k + 2 passes over the row.
 constexpr int kMaxScoreTop = 32;
 __host__ __device__ inline int score_stride(int top_k) { return 2 + 2 * top_k; }
 void launch_score_rows(const float* logits, int vocab, const int32_t* rows,

@@ -503,30 +503,24 @@ void Engine::take_prompt_logprobs(Request& r, int begin, size_t n_rows, const fl
   if (first >= last) return;
   DS_CHECK(first == r.next_prompt_lp - 1, "engine: prompt logprobs rows skipped (position ",
            r.next_prompt_lp, " due, rows start at ", begin, ")");
-  std::vector<GeneratedToken> got(static_cast<size_t>(last - first));
-  if (scores) {  // scored by the backend
-    for (int p = first; p < last; ++p) {
-      const RowScore& sc = scores[p - begin];
-      GeneratedToken& g = got[static_cast<size_t>(p - first)];
-      g.id = q.prompt[p + 1];
-      g.logprob = sc.logprob;
-      g.rank = sc.rank;
-      g.top = sc.top;
+  const size_t at = r.prompt_lp.size();
+  r.prompt_lp.resize(at + static_cast<size_t>(last - first));
+#pragma omp parallel for schedule(static) if (!scores && last - first >= 8)
+  for (int p = first; p < last; ++p) {
+    RowScore sc;
+    if (scores) {  // scored by the backend
+      sc = scores[p - begin];
+    } else {
+      const float* row = rows + static_cast<size_t>(p - begin) * vocab;
+      sc = position_logprobs(std::span<const float>(row, vocab), q.prompt[p + 1],
+                             q.prompt_logprobs);
     }
-  } else {
-#pragma omp parallel for schedule(static) if (last - first >= 8)
-    for (int p = first; p < last; ++p) {
-      PositionLogprobs lp = position_logprobs(
-          std::span<const float>(rows + static_cast<size_t>(p - begin) * vocab, vocab),
-          q.prompt[p + 1], q.prompt_logprobs);
-      GeneratedToken& g = got[static_cast<size_t>(p - first)];
-      g.id = q.prompt[p + 1];
-      g.logprob = lp.logprob;
-      g.rank = lp.rank;
-      g.top = std::move(lp.top);
-    }
+    GeneratedToken& g = r.prompt_lp[at + static_cast<size_t>(p - first)];
+    g.id = q.prompt[p + 1];
+    g.logprob = sc.logprob;
+    g.rank = sc.rank;
+    g.top = std::move(sc.top);
   }
-  for (GeneratedToken& g : got) r.prompt_lp.push_back(std::move(g));
   r.next_prompt_lp = last + 1;
 }
 

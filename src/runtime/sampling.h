@@ -66,7 +66,8 @@ int32_t argmax(std::span<const float> logits);
 void log_softmax(std::span<const float> logits, std::vector<float>& out);
 float token_logprob(std::span<const float> logits, int32_t token);
 
-// (TokenLogprob: runtime/backend.h.) The k most probable tokens, most probable first (ties: lower id first).
+// (TokenLogprob: runtime/backend.h.) The k most probable tokens, most probable first (ties: lower
+// id first).
 std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, int k);
 
 // One position of a prompt (vLLM's prompt_logprobs, OpenAI's echo with logprobs): the logprob of
